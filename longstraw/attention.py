@@ -1,0 +1,342 @@
+"""Exact attention of live queries over resident prefix K/V pages plus their own causal K/V.
+
+Algorithm (ring-attention style, one ``torch.autograd.Function`` with its own backward):
+
+* forward: the causal live block, then the prefix ``block_size`` keys at a time, each yield a
+  partial ``(out_b, lse_b)``; these are merged into a running float32 ``(out, lse)`` with
+  ``lse' = logaddexp(lse, lse_b)``, ``out' = out * exp(lse - lse') + out_b * exp(lse_b - lse')``.
+  Only q, k_live, v_live, out, lse and *references* to the prefix tensors are kept; no [R, P]
+  score matrix and no copy of the prefix is ever made.
+* backward: every block is recomputed against the GLOBAL out and lse:
+  ``P = exp(S - lse)``, ``delta = rowsum(dO * O)``, ``dS = P * (dP - delta)``; dq sums over all
+  blocks, dk/dv come out per block (live: when needed; prefix: only when the prefix tensors
+  require grad, otherwise the prefix costs only its dq share).
+
+GQA follows HF's ``repeat_kv``: query head h reads kv head ``h // G`` with ``G = H // Hk``.
+Prefix blocks fold the query group into the query length (q viewed as [B, Hk, G*R, D]), so
+K/V are never repeated; the small causal live block is folded (math) or repeated (cuda).
+
+Backends: ``"math"`` is plain torch (any device, any float dtype, float64 computed in float64);
+``"cuda"`` runs each block through ``aten._scaled_dot_product_flash_attention`` and its
+backward fed the global out/lse (fp16/bf16, head dim % 8 == 0 and <= 256, same D for k and v;
+otherwise it falls back to math); ``"auto"`` picks cuda when it applies.
+
+The prefix tensors are held by plain reference, without autograd's version check, because
+they are usually views of a page buffer that keeps being written past ``P``; the caller must
+not overwrite the first ``P`` positions between forward and backward.
+
+Shape letters: B batch, H query heads, K kv heads, G = H // K, R live length, P prefix length,
+N keys in one block, M = G * R folded query rows, D head dim.
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import torch
+
+__all__ = ["paged_attention", "reference_attention", "MATH_BLOCK_SIZE", "CUDA_BLOCK_SIZE"]
+
+MATH_BLOCK_SIZE = 4096
+CUDA_BLOCK_SIZE = 65536
+_BACKENDS = ("auto", "math", "cuda")
+
+
+def paged_attention(
+    q_BHRD: torch.Tensor,
+    k_prefix_BKPD: torch.Tensor,
+    v_prefix_BKPD: torch.Tensor,
+    k_live_BKRD: torch.Tensor,
+    v_live_BKRD: torch.Tensor,
+    *,
+    scale: float,
+    block_size: int | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Attention of ``q`` over all prefix keys and the causal live keys; returns [B, H, R, Dv]."""
+    _validate(q_BHRD, k_prefix_BKPD, v_prefix_BKPD, k_live_BKRD, v_live_BKRD, scale, block_size, backend)
+    use_cuda = _use_cuda(backend, q_BHRD, v_live_BKRD.shape[-1])
+    if block_size is None:
+        block_size = CUDA_BLOCK_SIZE if use_cuda else MATH_BLOCK_SIZE
+    return _PagedAttention.apply(
+        q_BHRD, k_prefix_BKPD, v_prefix_BKPD, k_live_BKRD, v_live_BKRD, float(scale), int(block_size), use_cuda
+    )
+
+
+def reference_attention(q, k_prefix, v_prefix, k_live, v_live, scale):
+    """Dense reference: concatenate K/V, repeat kv heads, full prefix + causal live mask, softmax."""
+    G = q.shape[1] // k_live.shape[1]
+    R, P = q.shape[2], k_prefix.shape[2]
+    k = torch.cat([k_prefix, k_live], dim=2).repeat_interleave(G, dim=1)
+    v = torch.cat([v_prefix, v_live], dim=2).repeat_interleave(G, dim=1)
+    allowed_RT = torch.ones(R, P + R, dtype=torch.bool, device=q.device)
+    allowed_RT[:, P:] = torch.ones(R, R, dtype=torch.bool, device=q.device).tril()
+    scores = (q @ k.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~allowed_RT, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
+# ----------------------------------------------------------------------------------------------
+# validation and backend choice
+
+
+def _validate(q, k_prefix, v_prefix, k_live, v_live, scale, block_size, backend):
+    named = {"q": q, "k_prefix": k_prefix, "v_prefix": v_prefix, "k_live": k_live, "v_live": v_live}
+    for name, t in named.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"paged_attention: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"paged_attention: {name} must be 4-D [B, heads, seq, dim], got shape {tuple(t.shape)}")
+        if not t.is_floating_point():
+            raise TypeError(f"paged_attention: {name} must be a floating-point tensor, got {t.dtype}")
+    if len({t.dtype for t in named.values()}) > 1:
+        got = ", ".join(f"{n}={t.dtype}" for n, t in named.items())
+        raise TypeError(f"paged_attention: all inputs must share one dtype, got {got}")
+    if len({t.device for t in named.values()}) > 1:
+        got = ", ".join(f"{n}={t.device}" for n, t in named.items())
+        raise ValueError(f"paged_attention: all inputs must be on one device, got {got}")
+
+    B, H, R, D = q.shape
+    Hk = k_live.shape[1]
+    for name, t in named.items():
+        if t.shape[0] != B:
+            raise ValueError(f"paged_attention: batch size mismatch: q has {B}, {name} has {t.shape[0]}")
+    for name in ("k_prefix", "v_prefix", "v_live"):
+        if named[name].shape[1] != Hk:
+            raise ValueError(
+                f"paged_attention: kv head count mismatch: k_live has {Hk}, {name} has {named[name].shape[1]}"
+            )
+    if Hk == 0 or H % Hk != 0:
+        raise ValueError(f"paged_attention: query heads ({H}) must be a multiple of kv heads ({Hk})")
+    if R == 0:
+        raise ValueError("paged_attention: q has no live queries (R == 0)")
+    for name in ("k_live", "v_live"):
+        if named[name].shape[2] != R:
+            raise ValueError(
+                f"paged_attention: live length mismatch: q has R={R}, {name} has {named[name].shape[2]}"
+            )
+    if k_prefix.shape[2] != v_prefix.shape[2]:
+        raise ValueError(
+            f"paged_attention: prefix length mismatch: k_prefix has {k_prefix.shape[2]}, "
+            f"v_prefix has {v_prefix.shape[2]}"
+        )
+    for name in ("k_prefix", "k_live"):
+        if named[name].shape[3] != D:
+            raise ValueError(f"paged_attention: head dim mismatch: q has D={D}, {name} has {named[name].shape[3]}")
+    if v_prefix.shape[3] != v_live.shape[3]:
+        raise ValueError(
+            f"paged_attention: value head dim mismatch: v_prefix has {v_prefix.shape[3]}, "
+            f"v_live has {v_live.shape[3]}"
+        )
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"paged_attention: scale must be a real number, got {type(scale).__name__}")
+    if block_size is not None and (
+        isinstance(block_size, bool) or not isinstance(block_size, numbers.Integral) or block_size < 1
+    ):
+        raise ValueError(f"paged_attention: block_size must be a positive int or None, got {block_size!r}")
+    if backend not in _BACKENDS:
+        raise ValueError(f"paged_attention: backend must be one of {_BACKENDS}, got {backend!r}")
+    if backend == "cuda" and q.device.type != "cuda":
+        raise ValueError(f"paged_attention: backend='cuda' needs CUDA tensors, got device {q.device}")
+
+
+def _use_cuda(backend: str, q_BHRD: torch.Tensor, Dv: int) -> bool:
+    """Flash applies: CUDA fp16/bf16, D == Dv, D % 8 == 0, D <= 256. Otherwise use math."""
+    if backend == "math" or q_BHRD.device.type != "cuda":
+        return False
+    D = q_BHRD.shape[-1]
+    return (
+        q_BHRD.dtype in (torch.float16, torch.bfloat16)
+        and D == Dv
+        and D % 8 == 0
+        and D <= 256
+        and torch.backends.cuda.is_flash_attention_available()
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# per-block kernels: forward gives (out_b, lse_b), backward gives (dq_b, dk_b, dv_b)
+
+
+def _math_block_fwd(q_BKMD, k_BKND, v_BKND, scale, allowed_MN=None):
+    """q_BKMD already in the accumulation dtype; returns (out acc dtype, lse acc dtype)."""
+    s_BKMN = (q_BKMD @ k_BKND.to(q_BKMD.dtype).transpose(-1, -2)) * scale
+    if allowed_MN is not None:
+        s_BKMN.masked_fill_(~allowed_MN, float("-inf"))
+    lse_BKM = torch.logsumexp(s_BKMN, dim=-1)
+    p_BKMN = torch.exp(s_BKMN - lse_BKM.unsqueeze(-1))
+    return p_BKMN @ v_BKND.to(q_BKMD.dtype), lse_BKM
+
+
+def _math_block_bwd(do_BKMD, q_BKMD, k_BKND, v_BKND, lse_BKM, delta_BKM, scale, need_kv, allowed_MN=None):
+    """Recompute one block against the global lse/delta. q, dO, lse, delta in the acc dtype."""
+    k_BKND, v_BKND = k_BKND.to(q_BKMD.dtype), v_BKND.to(q_BKMD.dtype)
+    s_BKMN = (q_BKMD @ k_BKND.transpose(-1, -2)) * scale
+    if allowed_MN is not None:
+        s_BKMN.masked_fill_(~allowed_MN, float("-inf"))
+    p_BKMN = torch.exp(s_BKMN - lse_BKM.unsqueeze(-1))
+    ds_BKMN = p_BKMN * (do_BKMD @ v_BKND.transpose(-1, -2) - delta_BKM.unsqueeze(-1))
+    dq_BKMD = (ds_BKMN @ k_BKND) * scale
+    if not need_kv:
+        return dq_BKMD, None, None
+    dk_BKND = (ds_BKMN.transpose(-1, -2) @ q_BKMD) * scale
+    dv_BKND = p_BKMN.transpose(-1, -2) @ do_BKMD
+    return dq_BKMD, dk_BKND, dv_BKND
+
+
+def _flash_block_fwd(q_BKMD, k_BKND, v_BKND, scale, causal=False):
+    out_BKMD, lse_BKM = torch.ops.aten._scaled_dot_product_flash_attention(
+        q_BKMD, _last_dim_contiguous(k_BKND), _last_dim_contiguous(v_BKND), 0.0, causal, False, scale=scale
+    )[:2]
+    return out_BKMD, lse_BKM[..., : q_BKMD.shape[2]]  # some builds pad the lse's query length
+
+
+def _flash_block_bwd(do_BKMD, q_BKMD, k_BKND, v_BKND, out_BKMD, lse_BKM, scale, causal=False):
+    """Flash backward of one block fed the GLOBAL out (for delta) and lse (contiguous fp32)."""
+    # dropout is 0, so the rng tensors are never read; shapes mirror what the forward returns
+    seed = torch.empty(2, dtype=torch.uint64, device=q_BKMD.device)
+    offset = torch.empty((), dtype=torch.uint64, device=q_BKMD.device)
+    return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        do_BKMD, q_BKMD, _last_dim_contiguous(k_BKND), _last_dim_contiguous(v_BKND), out_BKMD, lse_BKM,
+        None, None, q_BKMD.shape[2], k_BKND.shape[2], 0.0, causal, seed, offset, scale=scale,
+    )  # fmt: skip
+
+
+def _last_dim_contiguous(x):
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _rows_major(x_BKMD):
+    """Same values, stored [B, M, K, D]-contiguous: what flash reads after its transpose(1, 2)."""
+    return x_BKMD.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def _merge_(out_BKMD, lse_BKM, out_b_BKMD, lse_b_BKM):
+    """In-place numerically stable LSE merge of a block's partial result into the running one."""
+    lse_new_BKM = torch.logaddexp(lse_BKM, lse_b_BKM)
+    out_BKMD.mul_(torch.exp(lse_BKM - lse_new_BKM).unsqueeze(-1))
+    out_BKMD.addcmul_(out_b_BKMD, torch.exp(lse_b_BKM - lse_new_BKM).unsqueeze(-1))
+    lse_BKM.copy_(lse_new_BKM)
+
+
+def _causal_allowed_MR(G, R, device):
+    """Folded row m is live query m % R; it may see live keys j <= m % R."""
+    r_M = torch.arange(G * R, device=device) % R
+    return torch.arange(R, device=device).unsqueeze(0) <= r_M.unsqueeze(1)
+
+
+def _acc_dtype(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+class _PagedAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q_BHRD, k_BKPD, v_BKPD, k_BKRD, v_BKRD, scale, block_size, use_cuda):
+        B, H, R, D = q_BHRD.shape
+        K, P, Dv = k_BKPD.shape[1], k_BKPD.shape[2], v_BKRD.shape[3]
+        G, M = H // K, H // K * R
+        acc = _acc_dtype(q_BHRD.dtype)
+
+        if use_cuda:
+            q_BHRD = _last_dim_contiguous(q_BHRD)
+            q_BKMD = q_BHRD.reshape(B, K, M, D)
+            o_BHRD, l_BHR = _flash_block_fwd(q_BHRD, _repeat_kv(k_BKRD, G), _repeat_kv(v_BKRD, G), scale, causal=True)
+            out_BHRD = o_BHRD.to(acc, memory_format=torch.contiguous_format)
+            lse_BHR = l_BHR.contiguous()
+            block_fwd = _flash_block_fwd
+        else:
+            q_BKMD = q_BHRD.reshape(B, K, M, D).to(acc)
+            allowed_MR = _causal_allowed_MR(G, R, q_BHRD.device)
+            o_BKMD, l_BKM = _math_block_fwd(q_BKMD, k_BKRD, v_BKRD, scale, allowed_MR)
+            out_BHRD, lse_BHR = o_BKMD.view(B, H, R, Dv), l_BKM.view(B, H, R)
+            block_fwd = _math_block_fwd
+
+        out_BKMD, lse_BKM = out_BHRD.view(B, K, M, Dv), lse_BHR.view(B, K, M)
+        for start in range(0, P, block_size):
+            blk = slice(start, start + block_size)
+            _merge_(out_BKMD, lse_BKM, *block_fwd(q_BKMD, k_BKPD[:, :, blk], v_BKPD[:, :, blk], scale))
+
+        out_BHRD = out_BHRD.to(q_BHRD.dtype)
+        ctx.save_for_backward(q_BHRD, k_BKRD, v_BKRD, out_BHRD, lse_BHR)
+        ctx.prefix = (k_BKPD, v_BKPD)  # references only: no copy, no version check (see module doc)
+        ctx.scale, ctx.block_size, ctx.use_cuda = scale, block_size, use_cuda
+        return out_BHRD
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout_BHRD):
+        q_BHRD, k_BKRD, v_BKRD, out_BHRD, lse_BHR = ctx.saved_tensors
+        k_BKPD, v_BKPD = ctx.prefix
+        scale, block_size, use_cuda = ctx.scale, ctx.block_size, ctx.use_cuda
+        need_q, need_kp, need_vp, need_kl, need_vl = ctx.needs_input_grad[:5]
+        need_prefix, need_live = need_kp or need_vp, need_kl or need_vl
+
+        B, H, R, D = q_BHRD.shape
+        K, P, Dv = k_BKPD.shape[1], k_BKPD.shape[2], v_BKRD.shape[3]
+        G, M = H // K, H // K * R
+        acc = lse_BHR.dtype
+        lse_BKM = lse_BHR.view(B, K, M)
+        dq_BHRD = torch.zeros(B, H, R, D, dtype=acc, device=q_BHRD.device)
+        dq_BKMD = dq_BHRD.view(B, K, M, D)
+        dk_live_BKRD = dv_live_BKRD = dk_BKPD = dv_BKPD = None
+
+        if use_cuda:
+            do_BKMD = _rows_major(dout_BHRD.reshape(B, K, M, Dv))
+            out_BKMD = _rows_major(out_BHRD.view(B, K, M, Dv))
+            q_BKMD = q_BHRD.reshape(B, K, M, D)
+
+            def block_bwd(k_BKND, v_BKND):
+                return _flash_block_bwd(do_BKMD, q_BKMD, k_BKND, v_BKND, out_BKMD, lse_BKM, scale)
+
+            if need_q or need_live:
+                dq_b, dk_b, dv_b = _flash_block_bwd(
+                    dout_BHRD, q_BHRD, _repeat_kv(k_BKRD, G), _repeat_kv(v_BKRD, G), out_BHRD, lse_BHR, scale,
+                    causal=True,
+                )  # fmt: skip
+                dq_BHRD += dq_b
+                dk_live_BKRD = dk_b.unflatten(1, (K, G)).sum(2)
+                dv_live_BKRD = dv_b.unflatten(1, (K, G)).sum(2)
+        else:
+            do_BKMD = dout_BHRD.reshape(B, K, M, Dv).to(acc)
+            q_BKMD = q_BHRD.reshape(B, K, M, D).to(acc)
+            delta_BKM = (do_BKMD * out_BHRD.view(B, K, M, Dv).to(acc)).sum(-1)
+
+            def block_bwd(k_BKND, v_BKND):
+                return _math_block_bwd(do_BKMD, q_BKMD, k_BKND, v_BKND, lse_BKM, delta_BKM, scale, need_prefix)
+
+            if need_q or need_live:
+                allowed_MR = _causal_allowed_MR(G, R, q_BHRD.device)
+                dq_b, dk_live_BKRD, dv_live_BKRD = _math_block_bwd(
+                    do_BKMD, q_BKMD, k_BKRD, v_BKRD, lse_BKM, delta_BKM, scale, need_live, allowed_MR
+                )
+                dq_BKMD += dq_b
+
+        if need_prefix:
+            dk_BKPD = torch.empty(k_BKPD.shape, dtype=k_BKPD.dtype, device=k_BKPD.device)
+            dv_BKPD = torch.empty(v_BKPD.shape, dtype=v_BKPD.dtype, device=v_BKPD.device)
+        if need_q or need_prefix:
+            for start in range(0, P, block_size):
+                blk = slice(start, start + block_size)
+                dq_b, dk_b, dv_b = block_bwd(k_BKPD[:, :, blk], v_BKPD[:, :, blk])
+                dq_BKMD += dq_b
+                if need_prefix:
+                    dk_BKPD[:, :, blk] = dk_b
+                    dv_BKPD[:, :, blk] = dv_b
+
+        return (
+            dq_BHRD.to(q_BHRD.dtype) if need_q else None,
+            dk_BKPD if need_kp else None,
+            dv_BKPD if need_vp else None,
+            dk_live_BKRD.to(k_BKRD.dtype) if need_kl else None,
+            dv_live_BKRD.to(v_BKRD.dtype) if need_vl else None,
+            None,
+            None,
+            None,
+        )
+
+
+def _repeat_kv(x_BKRD, G):
+    return x_BKRD if G == 1 else x_BKRD.repeat_interleave(G, dim=1)

@@ -1,0 +1,427 @@
+"""Differentiable Gated DeltaNet (GDN) kernels that start from a captured state.
+
+The GDN layers of HF ``qwen3_next`` / ``qwen3_5`` models run a depthwise causal
+conv over the fused q/k/v projection, then the gated delta rule.  LongStraw
+captures a long prompt's per-layer state (conv state + recurrent state) without
+autograd and replays a response *under* autograd starting from that state.
+HF's cached path writes into the saved state in place (``copy_``), which breaks
+autograd, so this module provides pure-functional replacements.
+
+Gated delta rule, per value head, with state ``S`` of shape ``[Dk, Dv]``::
+
+    q_t, k_t <- l2norm(q_t), l2norm(k_t)        (float32, eps 1e-6, like HF/fla)
+    q_t      <- q_t * Dk**-0.5
+    S        <- exp(g_t) * S                    (g_t <= 0 is the log decay)
+    u_t       = beta_t * (v_t - S^T k_t)        (delta rule: write only the error)
+    S        <- S + k_t u_t^T
+    o_t       = S^T q_t
+
+``recurrent_gated_delta_rule`` is exactly that loop (the reference).
+``chunk_gated_delta_rule`` is the chunked WY / UT-transform form: within a chunk
+of C tokens starting from state S0, with cumulative log decay
+``G_i = g_1 + ... + g_i`` and ``D_ij = exp(G_i - G_j)`` for ``j <= i``::
+
+    (I + tril(diag(beta) K K^T * D, -1)) [U0 | W] = [diag(beta) V | diag(beta exp(G)) K]
+    U      = U0 - W S0                                  (the chunk's delta writes u_t)
+    O      = diag(exp(G)) Q S0 + ((Q K^T) * D) U        (D masked to j <= i)
+    S_end  = exp(G_C) S0 + (diag(exp(G_C - G)) K)^T U
+
+The unit-lower-triangular system is solved with ``torch.linalg.solve_triangular``
+(differentiable), and the scan over chunks is a plain Python loop whose
+per-chunk outputs are gathered in a list and concatenated: nothing autograd
+saved is ever written in place, and no input tensor is modified.
+
+Simplifications / conventions (kept identical to HF's ``torch_chunk_gated_delta_rule``
+with ``use_qk_l2norm_in_kernel=True, output_final_state=True``):
+
+* q/k may have fewer heads than v; value head ``h`` reads q/k head
+  ``h // (Hv // Hk)`` (``repeat_interleave`` over the head dim, as HF and fla).
+* All maths runs in float32; if any input is float64 it runs in float64 instead
+  (used by the tests for tight gradient checks).  The output is cast to q's
+  dtype; the final state stays in the compute dtype (float32 in practice).
+* The tail of a sequence that is not a multiple of ``chunk_size`` is zero-padded
+  (k = 0, beta = 0, g = 0 leave the state untouched); padded outputs are dropped.
+* No variable-length packing (``cu_seqlens``) and no padding masks.
+
+``causal_conv1d`` is the depthwise causal conv of the layer, continuing from the
+last ``K-1`` inputs of the previous call (HF's cache keeps ``K`` columns; take
+``[..., 1:]`` of such a cache to get ours).
+
+``chunk_gated_delta_rule_forward`` is the no-grad fast path for the capture: it
+calls fla's Triton ``chunk_gated_delta_rule`` on CUDA when fla is importable and
+the pure-torch chunk kernel otherwise.  fla's backward is never used: its
+outputs are produced under ``torch.no_grad()``.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "causal_conv1d",
+    "chunk_gated_delta_rule",
+    "recurrent_gated_delta_rule",
+    "chunk_gated_delta_rule_forward",
+    "fla_available",
+]
+
+L2NORM_EPS = 1e-6
+
+# --------------------------------------------------------------------------------------
+# Depthwise causal conv
+# --------------------------------------------------------------------------------------
+
+_ACTIVATIONS: dict[str | None, Callable[[torch.Tensor], torch.Tensor]] = {
+    None: lambda y: y,
+    "silu": F.silu,
+    "swish": F.silu,
+}
+
+
+def causal_conv1d(
+    x_BCT: torch.Tensor,
+    conv_state_BCK1: torch.Tensor | None,
+    weight_CK: torch.Tensor,
+    bias_C: torch.Tensor | None = None,
+    activation: str | None = "silu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv that continues from the previous ``K-1`` inputs.
+
+    Args:
+        x_BCT: new inputs ``[B, C, T]``.
+        conv_state_BCK1: the last ``K-1`` inputs seen before ``x`` (``[B, C, K-1]``);
+            zeros (or ``None``) means the start of the sequence.
+        weight_CK: per-channel filters ``[C, K]`` (``conv1d.weight.squeeze(1)``).
+        bias_C: optional per-channel bias.
+        activation: ``"silu"`` / ``"swish"`` / ``None``.
+
+    Returns:
+        ``(y_BCT, new_state_BCK1)``: ``y`` in ``x``'s dtype (conv in the weight's
+        dtype, as HF), and the last ``K-1`` inputs of ``cat(state, x)`` in ``x``'s
+        dtype (valid also for ``T < K-1``).  Differentiable w.r.t. ``x``, the
+        weight, the bias and the state; no input is modified.
+    """
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"unsupported activation {activation!r}")
+    B, C, T = x_BCT.shape
+    C_w, K = weight_CK.shape
+    if C_w != C:
+        raise ValueError(f"weight has {C_w} channels, x has {C}")
+    if conv_state_BCK1 is None:
+        conv_state_BCK1 = x_BCT.new_zeros(B, C, K - 1)
+    if tuple(conv_state_BCK1.shape) != (B, C, K - 1):
+        raise ValueError(f"conv_state must be {(B, C, K - 1)}, got {tuple(conv_state_BCK1.shape)}")
+    xs_BCL = torch.cat([conv_state_BCK1.to(x_BCT.dtype), x_BCT], dim=-1)  # L = K-1+T
+    if T == 0:
+        y_BCT = x_BCT.new_zeros(B, C, 0)
+    else:
+        y_BCT = F.conv1d(xs_BCL.to(weight_CK.dtype), weight_CK.unsqueeze(1), bias_C, groups=C)
+        y_BCT = _ACTIVATIONS[activation](y_BCT).to(x_BCT.dtype)
+    new_state_BCK1 = xs_BCL[..., xs_BCL.shape[-1] - (K - 1):]
+    return y_BCT, new_state_BCK1
+
+
+# --------------------------------------------------------------------------------------
+# Shared input preparation
+# --------------------------------------------------------------------------------------
+
+
+def _compute_dtype(*tensors: torch.Tensor | None) -> torch.dtype:
+    """float32, or float64 when any given tensor is float64."""
+    if any(t is not None and t.dtype == torch.float64 for t in tensors):
+        return torch.float64
+    return torch.float32
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + L2NORM_EPS)
+
+
+def _check_shapes(q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_BHDV) -> None:
+    if q_BTHD.shape != k_BTHD.shape:
+        raise ValueError(f"q {tuple(q_BTHD.shape)} and k {tuple(k_BTHD.shape)} must match")
+    B, T, Hk, Dk = q_BTHD.shape
+    if v_BTHV.dim() != 4 or v_BTHV.shape[:2] != (B, T):
+        raise ValueError(f"v must be [B={B}, T={T}, Hv, Dv], got {tuple(v_BTHV.shape)}")
+    Hv, Dv = v_BTHV.shape[2:]
+    if Hv % Hk != 0:
+        raise ValueError(f"value heads ({Hv}) must be a multiple of q/k heads ({Hk})")
+    for name, t in (("g", g_BTH), ("beta", beta_BTH)):
+        if tuple(t.shape) != (B, T, Hv):
+            raise ValueError(f"{name} must be {(B, T, Hv)}, got {tuple(t.shape)}")
+    if initial_state_BHDV is not None and tuple(initial_state_BHDV.shape) != (B, Hv, Dk, Dv):
+        raise ValueError(f"initial_state must be {(B, Hv, Dk, Dv)}, got {tuple(initial_state_BHDV.shape)}")
+
+
+def _prepare_inputs(q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, l2norm_qk: bool, dtype: torch.dtype):
+    """Expand q/k heads to the value heads, move heads before time, cast, normalise, scale.
+
+    Returns ``q_BHTD`` (already scaled by ``Dk**-0.5``), ``k_BHTD``, ``v_BHTV``,
+    ``g_BHT``, ``beta_BHT`` in ``dtype``.
+    """
+    group = v_BTHV.shape[2] // k_BTHD.shape[2]
+    if group > 1:
+        q_BTHD = q_BTHD.repeat_interleave(group, dim=2)
+        k_BTHD = k_BTHD.repeat_interleave(group, dim=2)
+    q_BHTD, k_BHTD, v_BHTV, g_BHT, beta_BHT = (
+        t.transpose(1, 2).to(dtype) for t in (q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH)
+    )
+    if l2norm_qk:
+        q_BHTD, k_BHTD = _l2norm(q_BHTD), _l2norm(k_BHTD)
+    q_BHTD = q_BHTD * (q_BHTD.shape[-1] ** -0.5)
+    return q_BHTD, k_BHTD, v_BHTV, g_BHT, beta_BHT
+
+
+def _initial_state(initial_state_BHDV, v_BHTV: torch.Tensor, Dk: int) -> torch.Tensor:
+    if initial_state_BHDV is not None:
+        return initial_state_BHDV.to(v_BHTV.dtype)
+    B, H, _, Dv = v_BHTV.shape
+    return v_BHTV.new_zeros(B, H, Dk, Dv)
+
+
+# --------------------------------------------------------------------------------------
+# Reference: token-by-token recurrence
+# --------------------------------------------------------------------------------------
+
+
+def recurrent_gated_delta_rule(
+    q_BTHD: torch.Tensor,
+    k_BTHD: torch.Tensor,
+    v_BTHV: torch.Tensor,
+    g_BTH: torch.Tensor,
+    beta_BTH: torch.Tensor,
+    initial_state_BHDV: torch.Tensor | None = None,
+    *,
+    l2norm_qk: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Naive per-token gated delta rule (the reference for ``chunk_gated_delta_rule``).
+
+    Same arguments and results as ``chunk_gated_delta_rule`` minus ``chunk_size``;
+    differentiable, O(T) Python steps.
+    """
+    _check_shapes(q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_BHDV)
+    dtype = _compute_dtype(q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_BHDV)
+    q_BHTD, k_BHTD, v_BHTV, g_BHT, beta_BHT = _prepare_inputs(
+        q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, l2norm_qk, dtype
+    )
+    state_BHDV = _initial_state(initial_state_BHDV, v_BHTV, q_BHTD.shape[-1])
+    outs_BHV = []
+    for t in range(q_BHTD.shape[2]):
+        q_BHD, k_BHD, v_BHV = q_BHTD[:, :, t], k_BHTD[:, :, t], v_BHTV[:, :, t]
+        state_BHDV = state_BHDV * g_BHT[:, :, t].exp()[..., None, None]
+        predicted_BHV = torch.einsum("bhd,bhdv->bhv", k_BHD, state_BHDV)
+        delta_BHV = (v_BHV - predicted_BHV) * beta_BHT[:, :, t, None]
+        state_BHDV = state_BHDV + k_BHD[..., :, None] * delta_BHV[..., None, :]
+        outs_BHV.append(torch.einsum("bhd,bhdv->bhv", q_BHD, state_BHDV))
+    out_BTHV = _stack_time(outs_BHV, v_BHTV)
+    return out_BTHV.to(q_BTHD.dtype), state_BHDV
+
+
+def _stack_time(outs_BHV: list[torch.Tensor], v_BHTV: torch.Tensor) -> torch.Tensor:
+    if not outs_BHV:
+        return v_BHTV.transpose(1, 2).clone()
+    return torch.stack(outs_BHV, dim=1)
+
+
+# --------------------------------------------------------------------------------------
+# Chunked (WY / UT-transform) form
+# --------------------------------------------------------------------------------------
+
+
+def _pad_time(x_BHT_: torch.Tensor, pad: int) -> torch.Tensor:
+    """Zero-pad dim 2 (time) of a [B, H, T, ...] tensor at the end."""
+    if pad == 0:
+        return x_BHT_
+    trailing = x_BHT_.dim() - 3
+    return F.pad(x_BHT_, (0, 0) * trailing + (0, pad))
+
+
+def _to_chunks(x_BHT_: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """[B, H, N*C, ...] -> [B, H, N, C, ...]."""
+    B, H, T = x_BHT_.shape[:3]
+    return x_BHT_.reshape(B, H, T // chunk_size, chunk_size, *x_BHT_.shape[3:])
+
+
+def _intra_chunk(q_BHNCD, k_BHNCD, v_BHNCV, g_BHNC, beta_BHNC):
+    """Everything that depends on one chunk only (all chunks at once).
+
+    Returns ``u0`` and ``w`` (UT-transformed values and decayed keys), the masked
+    intra-chunk attention, q decayed from the chunk start, k decayed to the chunk
+    end, and the whole-chunk decay.
+    """
+    C = g_BHNC.shape[-1]
+    Dv = v_BHNCV.shape[-1]
+    cum_BHNC = g_BHNC.cumsum(dim=-1)
+    causal_CC = torch.ones(C, C, dtype=torch.bool, device=g_BHNC.device).tril()
+    log_decay_BHNCC = cum_BHNC[..., :, None] - cum_BHNC[..., None, :]
+    decay_BHNCC = log_decay_BHNCC.masked_fill(~causal_CC, float("-inf")).exp()
+
+    kbeta_BHNCD = k_BHNCD * beta_BHNC[..., None]
+    system_BHNCC = (kbeta_BHNCD @ k_BHNCD.transpose(-1, -2)) * decay_BHNCC
+    rhs_BHNCX = torch.cat([v_BHNCV * beta_BHNC[..., None], kbeta_BHNCD * cum_BHNC.exp()[..., None]], dim=-1)
+    # Unit lower-triangular solve: the diagonal of `system` is ignored (implicit 1).
+    solved_BHNCX = torch.linalg.solve_triangular(system_BHNCC, rhs_BHNCX, upper=False, unitriangular=True)
+    u0_BHNCV, w_BHNCD = solved_BHNCX.split([Dv, solved_BHNCX.shape[-1] - Dv], dim=-1)
+
+    attn_BHNCC = (q_BHNCD @ k_BHNCD.transpose(-1, -2)) * decay_BHNCC
+    q_from_start_BHNCD = q_BHNCD * cum_BHNC.exp()[..., None]
+    k_to_end_BHNCD = k_BHNCD * (cum_BHNC[..., -1:] - cum_BHNC).exp()[..., None]
+    chunk_decay_BHN = cum_BHNC[..., -1].exp()
+    return u0_BHNCV, w_BHNCD, attn_BHNCC, q_from_start_BHNCD, k_to_end_BHNCD, chunk_decay_BHN
+
+
+def _scan_chunks(state_BHDV, u0_BHNCV, w_BHNCD, attn_BHNCC, q_from_start_BHNCD, k_to_end_BHNCD, chunk_decay_BHN):
+    """Sequential pass over chunks; returns per-chunk outputs (a list) and the final state."""
+    outs_BHCV = []
+    for n in range(u0_BHNCV.shape[2]):
+        u_BHCV = u0_BHNCV[:, :, n] - w_BHNCD[:, :, n] @ state_BHDV
+        outs_BHCV.append(q_from_start_BHNCD[:, :, n] @ state_BHDV + attn_BHNCC[:, :, n] @ u_BHCV)
+        state_BHDV = (
+            state_BHDV * chunk_decay_BHN[:, :, n, None, None]
+            + k_to_end_BHNCD[:, :, n].transpose(-1, -2) @ u_BHCV
+        )
+    return outs_BHCV, state_BHDV
+
+
+def chunk_gated_delta_rule(
+    q_BTHD: torch.Tensor,
+    k_BTHD: torch.Tensor,
+    v_BTHV: torch.Tensor,
+    g_BTH: torch.Tensor,
+    beta_BTH: torch.Tensor,
+    initial_state_BHDV: torch.Tensor | None = None,
+    *,
+    chunk_size: int = 64,
+    l2norm_qk: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunked, fully differentiable gated delta rule.
+
+    Args:
+        q_BTHD, k_BTHD: queries / keys ``[B, T, Hk, Dk]`` (not yet normalised).
+        v_BTHV: values ``[B, T, Hv, Dv]`` with ``Hv % Hk == 0``.
+        g_BTH: log decay ``[B, T, Hv]`` (``<= 0``).
+        beta_BTH: write strength ``[B, T, Hv]`` (post-sigmoid).
+        initial_state_BHDV: ``[B, Hv, Dk, Dv]`` state to continue from, or ``None`` (zeros).
+        chunk_size: tokens per chunk (any positive int; T need not be a multiple).
+        l2norm_qk: L2-normalise q and k (HF's ``use_qk_l2norm_in_kernel``).
+
+    Returns:
+        ``(out_BTHV, final_state_BHDV)``: output in q's dtype, final state in
+        float32 (float64 if any input is float64).  Gradients flow to every input,
+        ``initial_state`` included.
+    """
+    if chunk_size < 1:
+        raise ValueError("chunk_size must be positive")
+    _check_shapes(q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_BHDV)
+    dtype = _compute_dtype(q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_BHDV)
+    q_BHTD, k_BHTD, v_BHTV, g_BHT, beta_BHT = _prepare_inputs(
+        q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, l2norm_qk, dtype
+    )
+    B, H, T, Dk = q_BHTD.shape
+    Dv = v_BHTV.shape[-1]
+    state_BHDV = _initial_state(initial_state_BHDV, v_BHTV, Dk)
+    if T == 0:
+        return v_BTHV.new_zeros(B, 0, H, Dv).to(q_BTHD.dtype), state_BHDV
+
+    pad = (-T) % chunk_size
+    chunks = [_to_chunks(_pad_time(t, pad), chunk_size) for t in (q_BHTD, k_BHTD, v_BHTV, g_BHT, beta_BHT)]
+    outs_BHCV, state_BHDV = _scan_chunks(state_BHDV, *_intra_chunk(*chunks))
+    out_BHTV = torch.cat(outs_BHCV, dim=2)[:, :, :T]
+    return out_BHTV.transpose(1, 2).to(q_BTHD.dtype), state_BHDV
+
+
+# --------------------------------------------------------------------------------------
+# No-grad fast forward (capture)
+# --------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=1)
+def _load_fla() -> tuple[Callable | None, tuple[int, ...]]:
+    """fla's chunk_gated_delta_rule and fla's version, or (None, ()) when not importable."""
+    try:
+        import fla  # noqa: F401
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
+    except Exception:  # ImportError, or triton / driver trouble at import time
+        return None, ()
+    return fla_chunk, _parse_version(getattr(fla, "__version__", "0"))
+
+
+def _parse_version(version: str) -> tuple[int, ...]:
+    """'0.6.0' -> (0, 6, 0); leading numeric components only ('0.6.0rc1' -> (0, 6, 0))."""
+    match = re.match(r"\d+(?:\.\d+)*", version)
+    return tuple(int(p) for p in match.group(0).split(".")) if match else (0,)
+
+
+# fla 0.6.0 maps value head h to q/k head h // (Hv // Hk) natively (checked in its
+# kernels); older versions are fed q/k already repeated to the value heads.
+_FLA_NATIVE_GVA_VERSION = (0, 6, 0)
+
+
+def fla_available() -> bool:
+    """True when fla's chunk_gated_delta_rule can be imported."""
+    return _load_fla()[0] is not None
+
+
+def _fla_forward(fla_chunk, fla_version, q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_BHDV):
+    group = v_BTHV.shape[2] // k_BTHD.shape[2]
+    if group > 1 and fla_version < _FLA_NATIVE_GVA_VERSION:
+        q_BTHD = q_BTHD.repeat_interleave(group, dim=2)
+        k_BTHD = k_BTHD.repeat_interleave(group, dim=2)
+    if initial_state_BHDV is not None:
+        initial_state_BHDV = initial_state_BHDV.float()
+    out_BTHV, final_state_BHDV = fla_chunk(
+        q_BTHD,
+        k_BTHD,
+        v_BTHV,
+        g=g_BTH.float(),
+        beta=beta_BTH,
+        scale=q_BTHD.shape[-1] ** -0.5,
+        initial_state=initial_state_BHDV,
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+    )
+    return out_BTHV.to(q_BTHD.dtype), final_state_BHDV.float()
+
+
+@torch.no_grad()
+def chunk_gated_delta_rule_forward(
+    q_BTHD: torch.Tensor,
+    k_BTHD: torch.Tensor,
+    v_BTHV: torch.Tensor,
+    g_BTH: torch.Tensor,
+    beta_BTH: torch.Tensor,
+    initial_state_BHDV: torch.Tensor | None = None,
+    *,
+    chunk_size: int = 64,
+    l2norm_qk: bool = True,
+    use_fla: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """No-grad forward for capturing a prompt's state; same results as ``chunk_gated_delta_rule``.
+
+    Uses fla's Triton kernel when ``use_fla`` is not False, fla imports, the
+    tensors are on CUDA, ``l2norm_qk`` is set and inputs are not float64;
+    otherwise runs ``chunk_gated_delta_rule`` under ``torch.no_grad()``.
+    ``use_fla=True`` raises if fla cannot be used.  The returned tensors carry no
+    autograd history (fla's backward is never used).
+    """
+    _check_shapes(q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_BHDV)
+    fla_chunk, fla_version = _load_fla() if use_fla is not False else (None, ())
+    usable = (
+        fla_chunk is not None
+        and q_BTHD.is_cuda
+        and l2norm_qk
+        and _compute_dtype(q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_BHDV) == torch.float32
+        and q_BTHD.shape[1] > 0
+    )
+    if use_fla and not usable:
+        raise RuntimeError("fla path requested but unavailable (fla import, CUDA tensors, l2norm_qk, non-float64)")
+    if usable:
+        return _fla_forward(fla_chunk, fla_version, q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_BHDV)
+    return chunk_gated_delta_rule(
+        q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_BHDV, chunk_size=chunk_size, l2norm_qk=l2norm_qk
+    )

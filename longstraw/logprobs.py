@@ -1,0 +1,36 @@
+"""Per-token log-probs from final hidden states without holding float32 [R, vocab] logits.
+
+Rows go through lm_head in chunks; under autograd each chunk is checkpointed, so only its
+hidden rows are saved and its logits are recomputed in backward. Peak extra memory is one
+chunk's logits, whatever the response length.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+DEFAULT_ROWS_PER_CHUNK = 1024
+
+
+def _chunk_logprobs(lm_head, hidden_TH, targets_T):
+    logits_TV = lm_head(hidden_TH).float()
+    return logits_TV.gather(-1, targets_T[:, None]).squeeze(-1) - torch.logsumexp(logits_TV, dim=-1)
+
+
+def token_logprobs(hidden_TH, lm_head, targets_T, rows_per_chunk: int = DEFAULT_ROWS_PER_CHUNK):
+    """float32 [T]: log softmax(lm_head(hidden))[t, targets[t]]."""
+    pieces = []
+    for start in range(0, hidden_TH.shape[0], rows_per_chunk):
+        rows = slice(start, start + rows_per_chunk)
+        if torch.is_grad_enabled():
+            pieces.append(checkpoint(_chunk_logprobs, lm_head, hidden_TH[rows], targets_T[rows], use_reentrant=False))
+        else:
+            pieces.append(_chunk_logprobs(lm_head, hidden_TH[rows], targets_T[rows]))
+    return torch.cat(pieces)
+
+
+def reference_token_logprobs(hidden_TH, lm_head, targets_T):
+    """Plain reference: full float32 logits, then log_softmax."""
+    logp_TV = torch.log_softmax(lm_head(hidden_TH).float(), dim=-1)
+    return logp_TV.gather(-1, targets_T[:, None]).squeeze(-1)

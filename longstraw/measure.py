@@ -1,0 +1,160 @@
+"""Measurements as DESIGN.md §5 defines them: per-phase CUDA peaks, process peak RSS, autograd
+saved-tensor bytes, timings (synchronised), and provenance for every result."""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import platform
+import resource
+import subprocess
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+
+def _sync(device):
+    if device is not None and torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory so far (Linux reports kilobytes)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _storage_key(t: torch.Tensor):
+    return (t.device, t.untyped_storage().data_ptr())
+
+
+class GraphBytesMeter:
+    """Peak bytes held by autograd saved tensors, counted per storage while their graph is alive.
+
+    Parameters and any `exclude` tensors (the resident pages) are not graph memory: they exist
+    anyway, so their storages are skipped. Use as a context manager around forward AND backward.
+    """
+
+    def __init__(self, exclude=()):
+        self.excluded = {_storage_key(t) for t in exclude}
+        self.live: dict = {}  # storage key -> [refcount, bytes]
+        self.current = 0
+        self.peak = 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, t: torch.Tensor):
+        key = _storage_key(t)
+        if key in self.excluded or t.untyped_storage().nbytes() == 0:
+            return t
+        entry = self.live.get(key)
+        if entry is None:
+            entry = self.live[key] = [0, t.untyped_storage().nbytes()]
+            self.current += entry[1]
+            self.peak = max(self.peak, self.current)
+        entry[0] += 1
+        return _Saved(t, self, key)
+
+    @staticmethod
+    def _unpack(saved):
+        return saved.tensor if isinstance(saved, _Saved) else saved
+
+    def _release(self, key):
+        entry = self.live[key]
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.current -= entry[1]
+            del self.live[key]
+
+    def __enter__(self):
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+
+
+class _Saved:
+    __slots__ = ("tensor", "meter", "key")
+
+    def __init__(self, tensor, meter, key):
+        self.tensor, self.meter, self.key = tensor, meter, key
+
+    def __del__(self):
+        self.meter._release(self.key)
+
+
+class PhaseRecorder:
+    """Records, per named phase: seconds, CUDA peak allocated (reset at phase start), and RSS."""
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+        self.phases: dict[str, dict] = {}
+
+    @contextmanager
+    def phase(self, name: str):
+        cuda = self.device.type == "cuda"
+        _sync(self.device)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        start = time.perf_counter()
+        record = {}
+        try:
+            yield record
+        finally:
+            _sync(self.device)
+            record["seconds"] = time.perf_counter() - start
+            if cuda:
+                stats = torch.cuda.memory_stats(self.device)
+                record["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(self.device)
+                record["allocated_bytes_end"] = torch.cuda.memory_allocated(self.device)
+                record["alloc_retries"] = stats.get("num_alloc_retries", 0)
+                record["ooms"] = stats.get("num_ooms", 0)
+            record["peak_rss_bytes"] = peak_rss_bytes()
+            previous = self.phases.get(name)
+            self.phases[name] = record if previous is None else _merge(previous, record)
+
+
+def _merge(a: dict, b: dict) -> dict:
+    """Repeated phases (one per replayed member) keep the max of peaks and the sum of seconds."""
+    merged = {k: max(a.get(k, 0), b.get(k, 0)) for k in set(a) | set(b)}
+    merged["seconds"] = a["seconds"] + b["seconds"]
+    merged["count"] = a.get("count", 1) + 1
+    return merged
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
+                             cwd=Path(__file__).resolve().parent)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, timeout=10, cwd=Path(__file__).resolve().parent).stdout.strip()
+        return out.stdout.strip() + ("-dirty" if dirty else "") if out.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def device_name(device) -> str:
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.processor() or platform.machine()})"
+
+
+def provenance(device) -> dict:
+    return {
+        "commit": git_commit(),
+        "device": device_name(device),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "versions": {p: _version(p) for p in ("torch", "transformers", "peft", "bitsandbytes", "fla-core")},
+        "cuda_total_memory_bytes": torch.cuda.get_device_properties(device).total_memory
+        if torch.device(device).type == "cuda" else None,
+    }

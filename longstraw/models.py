@@ -1,0 +1,114 @@
+"""Named model presets: real `transformers` classes built from configs with random weights.
+
+No hub access at run time: presets build from a config; real checkpoints load from a local
+directory through `load_pretrained` and then go through exactly the same code.
+
+    from longstraw.models import build_model
+    model = build_model("tiny-qwen3_5", seed=0)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import transformers
+
+# model_type -> (config class name, causal LM class name) in `transformers`
+MODEL_CLASSES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "glm4_moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM"),
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM"),
+    "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
+    "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM"),
+}
+
+_TINY_COMMON = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=65536,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
+_TINY_GDN = dict(
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=16,
+    linear_conv_kernel_dim=4,
+    layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 1,
+    num_hidden_layers=4,
+)
+_TINY_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
+
+
+@dataclass(frozen=True)
+class Preset:
+    model_type: str
+    config: dict = field(default_factory=dict)
+    description: str = ""
+
+
+PRESETS = {
+    "tiny-llama": Preset("llama", dict(_TINY_COMMON, num_hidden_layers=2), "2-layer GQA llama"),
+    "tiny-qwen3": Preset("qwen3", dict(_TINY_COMMON, num_hidden_layers=2), "2-layer GQA qwen3 (q/k norm)"),
+    "tiny-glm4_moe": Preset(
+        "glm4_moe",
+        dict(
+            _TINY_COMMON,
+            num_hidden_layers=3,
+            first_k_dense_replace=1,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            n_shared_experts=1,
+            n_group=1,
+            topk_group=1,
+            use_qk_norm=True,
+            partial_rotary_factor=0.5,
+        ),
+        "1 dense + 2 routed-MoE layers, partial rotary, q/k norm",
+    ),
+    "tiny-qwen3_next": Preset(
+        "qwen3_next", dict(_TINY_COMMON, **_TINY_GDN, **_TINY_MOE, decoder_sparse_step=1), "3 GDN : 1 attention, MoE"
+    ),
+    "tiny-qwen3_5": Preset("qwen3_5", dict(_TINY_COMMON, **_TINY_GDN), "3 GDN : 1 attention, dense FFN"),
+    "tiny-qwen3_5_moe": Preset(
+        "qwen3_5_moe",
+        dict(_TINY_COMMON, **_TINY_GDN, **{k: v for k, v in _TINY_MOE.items() if k != "shared_expert_intermediate_size"},
+             shared_expert_intermediate_size=32),
+        "3 GDN : 1 attention, MoE",
+    ),
+}
+TINY_PRESETS = [name for name in PRESETS if name.startswith("tiny-")]
+
+
+def make_config(name: str, **overrides):
+    """The `transformers` config of a preset, with optional field overrides."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; known: {sorted(PRESETS)}")
+    preset = PRESETS[name]
+    config_cls = getattr(transformers, MODEL_CLASSES[preset.model_type][0])
+    return config_cls(**{**preset.config, **overrides})
+
+
+def build_model(name: str, *, seed: int = 0, dtype=torch.float32, device="cpu", **overrides):
+    """Build a preset's causal LM with random weights (seeded), in eval mode."""
+    config = make_config(name, **overrides)
+    model_cls = getattr(transformers, MODEL_CLASSES[PRESETS[name].model_type][1])
+    torch.manual_seed(seed)
+    model = model_cls(config).to(dtype=dtype, device=device)
+    return model.eval()
+
+
+def load_pretrained(path: str, *, dtype=torch.bfloat16, device="cpu", **kwargs):
+    """Load a real checkpoint from a local directory (never the hub)."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, local_files_only=True, **kwargs
+    )
+    return model.to(device).eval()

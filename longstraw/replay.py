@@ -1,0 +1,148 @@
+"""capture() and replay(): the transaction's two halves (DESIGN.md §1, API in §4).
+
+    from longstraw import capture, replay
+    state = capture(model, prompt_ids)          # no autograd; ResidentState over prompt[:-1]
+    logp = replay(model, state, response_ids)   # float32 [R] under autograd; state unchanged
+
+Capture walks the prompt (minus its last token) in chunks, writing each attention layer's K/V
+into preallocated pages and carrying GDN states forward. Two loop orders give the same state:
+chunk-major (each chunk through all layers; transient memory independent of the prompt length)
+and layer-major (the whole prompt through one layer at a time; holds [P, hidden] activations,
+used when they fit the memory budget). Replay feeds the last prompt token and the response
+(minus its last token) on top of the pages, so every response token has a full autograd path.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import torch
+
+from longstraw.adapters import adapter_for
+from longstraw.logprobs import token_logprobs
+from longstraw.state import ResidentState
+
+DEFAULT_CHUNK = {"cpu": 2048, "cuda": 16384}
+PROGRESS_MIN_POSITIONS = 65536
+
+
+def _as_ids(ids, name: str, adapter) -> torch.Tensor:
+    if not isinstance(ids, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.LongTensor, got {type(ids).__name__}")
+    if ids.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"{name} must hold integer token ids (int64), got dtype {ids.dtype}")
+    if ids.dim() == 2 and ids.shape[0] == 1:
+        ids = ids[0]
+    if ids.dim() != 1:
+        raise ValueError(f"{name} must be 1-D or [1, n], got shape {tuple(ids.shape)}")
+    if ids.numel() == 0:
+        raise ValueError(f"{name} is empty")
+    if ids.device != adapter.device:
+        raise ValueError(f"{name} is on {ids.device} but the model is on {adapter.device}")
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= adapter.vocab_size:
+        raise ValueError(f"{name} has ids outside the vocabulary [0, {adapter.vocab_size}): min {low}, max {high}")
+    return ids.long()
+
+
+class _Progress:
+    """Prints positions and positions/second to stderr for long captures."""
+
+    def __init__(self, total: int, enabled: bool | None, every_s: float = 10.0):
+        self.total, self.every_s = total, every_s
+        self.enabled = total >= PROGRESS_MIN_POSITIONS if enabled is None else enabled
+        self.start = self.last = time.perf_counter()
+
+    def update(self, done: int, label: str = ""):
+        now = time.perf_counter()
+        if self.enabled and (now - self.last >= self.every_s or done >= self.total):
+            rate = done / max(now - self.start, 1e-9)
+            print(f"capture {label}{done:,}/{self.total:,} positions, {rate:,.0f} pos/s", file=sys.stderr, flush=True)
+            self.last = now
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def capture(model, prompt_ids, prefix_grad: bool = False, *, chunk_size: int | None = None, order: str = "auto",
+            memory_budget_bytes: int | None = None, progress: bool | None = None) -> ResidentState:
+    """Evaluate the prompt once without autograd and keep only its resident state."""
+    if prefix_grad:
+        raise NotImplementedError("prefix_grad=True (the exact full-sequence mode) is not implemented yet")
+    adapter = adapter_for(model)
+    ids = _as_ids(prompt_ids, "prompt_ids", adapter)
+    device, dtype = adapter.device, adapter.compute_dtype
+    positions = ids.numel() - 1
+    chunk = chunk_size or DEFAULT_CHUNK.get(device.type, 2048)
+    if chunk < 1:
+        raise ValueError(f"chunk_size must be positive, got {chunk}")
+    per_position, constant = adapter.predicted_bytes(dtype)
+    state = ResidentState(
+        layers=[adapter.allocate_entry(i, positions, dtype, device) for i in range(adapter.num_layers)],
+        positions=positions, last_token=int(ids[-1]), model_type=adapter.config.model_type,
+        predicted_bytes_per_position=per_position, predicted_constant_bytes=constant, device=device,
+    )
+    if order == "auto":
+        budget = memory_budget_bytes if memory_budget_bytes is not None else _default_budget(device)
+        hidden_bytes = positions * adapter.config.hidden_size * torch.empty((), dtype=dtype).element_size()
+        order = "layer" if 2 * hidden_bytes <= budget else "chunk"
+    if order not in ("chunk", "layer"):
+        raise ValueError(f"order must be 'auto', 'chunk' or 'layer', got {order!r}")
+    starts = range(0, positions, chunk)
+    progress_bar = _Progress(positions if order == "chunk" else positions * adapter.num_layers, progress)
+    with torch.no_grad(), adapter.selected():
+        if order == "chunk":
+            for start in starts:
+                h = adapter.embed(ids[None, start:min(start + chunk, positions)])
+                pe = adapter.position_embeddings(h, start)
+                for i, entry in enumerate(state.layers):
+                    h = adapter.layer_forward(i, h, pe, entry, capturing=True)
+                progress_bar.update(min(start + chunk, positions))
+        else:
+            h_all = adapter.embed(ids[None, :positions])
+            for i, entry in enumerate(state.layers):
+                for start in starts:
+                    h = h_all[:, start:start + chunk]
+                    pe = adapter.position_embeddings(h, start)
+                    h_all[:, start:start + chunk] = adapter.layer_forward(i, h, pe, entry, capturing=True)
+                progress_bar.update((i + 1) * positions, label=f"layer {i + 1}/{adapter.num_layers} ")
+            del h_all
+    _sync(device)
+    return state
+
+
+def _default_budget(device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free // 8
+    return 512 << 20
+
+
+def replay(model, state: ResidentState, response_ids, *, rows_per_chunk: int | None = None) -> torch.Tensor:
+    """float32 [R] log p(y_t | prompt, y_<t) under autograd, computed on top of `state`."""
+    adapter = adapter_for(model)
+    if not isinstance(state, ResidentState):
+        raise TypeError(f"state must be a ResidentState from capture(), got {type(state).__name__}")
+    if state.model_type != adapter.config.model_type:
+        raise ValueError(f"state was captured from a {state.model_type!r} model, not {adapter.config.model_type!r}")
+    if state.device != adapter.device:
+        raise ValueError(f"state is on {state.device} but the model is on {adapter.device}")
+    targets = _as_ids(response_ids, "response_ids", adapter)
+    inputs = torch.cat([targets.new_tensor([state.last_token]), targets[:-1]])
+    with adapter.selected():
+        h = adapter.embed(inputs[None])
+        pe = adapter.position_embeddings(h, state.positions)
+        for i, entry in enumerate(state.layers):
+            h = adapter.layer_forward(i, h, pe, entry, capturing=False)
+        h = adapter.final_hidden(h)[0]
+    kwargs = {"rows_per_chunk": rows_per_chunk} if rows_per_chunk else {}
+    return token_logprobs(h, adapter.lm_head, targets, **kwargs)
+
+
+def score(model, state: ResidentState, response_ids, **kwargs) -> torch.Tensor:
+    """Graph-free log-probs (old-policy or reference scoring) from the same state."""
+    with torch.no_grad():
+        return replay(model, state, response_ids, **kwargs)

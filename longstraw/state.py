@@ -1,0 +1,129 @@
+"""Resident state: the model-native pages a captured prompt leaves behind.
+
+A `ResidentState` holds one entry per decoder layer. Each entry is a small class that owns
+its tensors and knows its byte count; the family adapters decide which entry a layer gets:
+
+- `AttentionPages`: K/V pages preallocated to the prompt length, written in place by capture.
+- `RecurrentState`: Gated DeltaNet conv state (last K-1 conv inputs) and recurrent state.
+
+Later families (MLA latent pages) add their own entry class; the core only relies on
+`tensors()` (for bytes and fingerprint) and `snapshot()/restore()`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+_FINGERPRINT_CHUNK = 1 << 24
+
+
+@dataclass
+class AttentionPages:
+    """K/V pages of one full-attention layer: `k_BKPD`, `v_BKPD` with `length` positions filled."""
+
+    k_BKPD: torch.Tensor
+    v_BKPD: torch.Tensor
+    length: int = 0
+
+    @classmethod
+    def allocate(cls, num_kv_heads, positions, head_dim, dtype, device, v_head_dim=None):
+        shape = (1, num_kv_heads, positions, head_dim)
+        v_shape = (1, num_kv_heads, positions, v_head_dim or head_dim)
+        return cls(torch.empty(shape, dtype=dtype, device=device), torch.empty(v_shape, dtype=dtype, device=device))
+
+    def filled(self):
+        """Views of the pages written so far (no copy)."""
+        return self.k_BKPD[:, :, : self.length], self.v_BKPD[:, :, : self.length]
+
+    def append(self, k_BKTD, v_BKTD):
+        """Write a chunk's K/V in place after the filled part."""
+        end = self.length + k_BKTD.shape[2]
+        if end > self.k_BKPD.shape[2]:
+            raise ValueError(f"attention pages hold {self.k_BKPD.shape[2]} positions; cannot append up to {end}")
+        self.k_BKPD[:, :, self.length : end].copy_(k_BKTD)
+        self.v_BKPD[:, :, self.length : end].copy_(v_BKTD)
+        self.length = end
+
+    def tensors(self):
+        return [self.k_BKPD, self.v_BKPD]
+
+
+@dataclass
+class RecurrentState:
+    """Gated DeltaNet state of one layer: conv inputs `conv_BCK1` and recurrent `recurrent_BHDV` (float32)."""
+
+    conv_BCK1: torch.Tensor
+    recurrent_BHDV: torch.Tensor
+
+    def tensors(self):
+        return [self.conv_BCK1, self.recurrent_BHDV]
+
+
+@dataclass
+class ResidentState:
+    """What `capture` keeps of a prompt: per-layer pages covering `positions` prompt positions.
+
+    `positions` is the prompt length minus one: replay recomputes the last prompt token together
+    with the response (DESIGN.md §4). `last_token` is that token, `model_type` names the family.
+    """
+
+    layers: list
+    positions: int
+    last_token: int
+    model_type: str
+    predicted_bytes_per_position: int
+    predicted_constant_bytes: int
+    prefix_grad: bool = False
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for layer in self.layers for t in layer.tensors())
+
+    @property
+    def predicted_nbytes(self) -> int:
+        return self.predicted_bytes_per_position * self.positions + self.predicted_constant_bytes
+
+    def fingerprint(self) -> int:
+        """A position-sensitive checksum of every state byte: changes if any bit of any page changes."""
+        total = 0
+        for index, layer in enumerate(self.layers):
+            for t in layer.tensors():
+                total = (total * 1_000_003 + index + _checksum(t)) % (1 << 61)
+        return total
+
+    def snapshot(self) -> list:
+        """Copies of every tensor (for tests and for callers that must survive a failed replay)."""
+        return [[t.clone() for t in layer.tensors()] for layer in self.layers]
+
+    def restore(self, snapshot) -> None:
+        for layer, saved in zip(self.layers, snapshot, strict=True):
+            for t, s in zip(layer.tensors(), saved, strict=True):
+                t.copy_(s)
+
+    def backward_prefix(self):
+        raise NotImplementedError(
+            "the exact full-sequence mode (capture(..., prefix_grad=True) and backward_prefix) "
+            "is not implemented yet: replay gives the conditional-response gradient only"
+        )
+
+
+def _checksum(t: torch.Tensor) -> int:
+    """Sum of the tensor's raw 32/16-bit words weighted by position (mod a prime), in chunks."""
+    if t.numel() == 0:
+        return 0
+    words = t.detach().contiguous().view(-1).view(torch.uint8)
+    pad = (-words.numel()) % 4
+    if pad:
+        words = torch.cat([words, words.new_zeros(pad)])
+    words = words.view(torch.int32)
+    total = 0
+    weights = None
+    for start in range(0, words.numel(), _FINGERPRINT_CHUNK):
+        chunk = words[start : start + _FINGERPRINT_CHUNK].to(torch.int64)
+        if weights is None or weights.numel() != chunk.numel():
+            weights = torch.arange(chunk.numel(), device=chunk.device, dtype=torch.int64) % 65521 + 1
+        total = (total + int((chunk * weights).sum().item()) * (start // _FINGERPRINT_CHUNK + 1)) % (1 << 61)
+    return total

@@ -1,0 +1,142 @@
+"""One GRPO transaction for one prompt and G given responses (DESIGN.md §1), in three modes:
+
+- `replay` (ours): capture once (or reuse `state`), score old/ref graph-free from the state,
+  replay responses one at a time with one backward each; the live graph is one response.
+- `hold_all`: same capture and scoring, but all G response graphs stay alive for one backward.
+- `naive`: what standard trainers do: each response's full prompt+response forward under
+  autograd with gradient checkpointing (HF's own forward), scoring by full forwards too.
+
+All modes share the objective (`longstraw.grpo`) and the token normalisation fixed before the
+replays, so their accumulated gradients agree; they differ only in memory and time.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager, nullcontext
+
+import torch
+
+from longstraw import grpo
+from longstraw.adapters import adapter_for
+from longstraw.logprobs import token_logprobs
+from longstraw.measure import GraphBytesMeter, PhaseRecorder
+from longstraw.replay import capture, replay, score
+
+MODES = ("replay", "hold_all", "naive")
+
+
+@contextmanager
+def reference_policy(model):
+    """The reference model = the base model with the peft adapter disabled (or the model itself)."""
+    disable = getattr(model, "disable_adapter", None)
+    with (disable() if callable(disable) else nullcontext()):
+        yield
+
+
+def naive_logprobs(model, prompt_ids, response_ids):
+    """HF one-pass forward over prompt+response (checkpointed when grad is on), response log-probs."""
+    adapter = adapter_for(model)
+    ids = torch.cat([prompt_ids, response_ids[:-1]])[None]
+    hidden = adapter.decoder(input_ids=ids, use_cache=False).last_hidden_state[0]
+    return token_logprobs(hidden[prompt_ids.numel() - 1:], adapter.lm_head, response_ids)
+
+
+@contextmanager
+def _checkpointed(model):
+    lm = adapter_for(model).lm
+    was_training = lm.training
+    lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    lm.train()
+    try:
+        yield
+    finally:
+        lm.gradient_checkpointing_disable()
+        lm.train(was_training)
+
+
+def grpo_step(model, prompt_ids, responses, rewards, optimizer, config: grpo.GRPOConfig, *, mode: str = "replay",
+              state=None, old_logps=None, capture_kwargs=None, device=None) -> dict:
+    """Run one transaction and the optimizer step; returns metrics with per-phase measurements."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if len(responses) != config.num_generations:
+        raise ValueError(f"got {len(responses)} responses but num_generations={config.num_generations}")
+    if state is not None and mode == "naive":
+        raise ValueError("mode 'naive' recomputes the prompt per response and takes no captured state")
+    adapter = adapter_for(model)
+    recorder = PhaseRecorder(device or adapter.device)
+    rewards = torch.as_tensor(rewards, dtype=torch.float32)
+    advantages = grpo.group_advantages(rewards, config.scale_rewards, num_generations=config.num_generations)
+    weights = grpo.token_weights([int(r.numel()) for r in responses], config)
+
+    if mode == "naive":
+        def scorer(y):
+            with torch.no_grad():
+                return naive_logprobs(model, prompt_ids, y)
+    else:
+        if state is None:
+            with recorder.phase("capture"):
+                state = capture(model, prompt_ids, **(capture_kwargs or {}))
+        fingerprint = state.fingerprint()
+
+        def scorer(y):
+            return score(model, state, y)
+
+    with recorder.phase("old_scoring"):
+        old = old_logps if old_logps is not None else [scorer(y) for y in responses]
+    ref = None
+    if config.beta > 0:
+        with recorder.phase("ref_scoring"), reference_policy(model):
+            ref = [scorer(y) for y in responses]
+
+    exclude = list(p for p in model.parameters()) + ([t for e in state.layers for t in e.tensors()] if state else [])
+    meter = GraphBytesMeter(exclude=exclude)
+    losses, logps = [], []
+    with meter:
+        if mode == "hold_all":
+            with recorder.phase("replay"):
+                for i, y in enumerate(responses):
+                    logps.append(replay(model, state, y))
+                    losses.append(grpo.response_loss(logps[-1], old[i], ref and ref[i], advantages[i], weights[i], config))
+                torch.stack(losses).sum().backward()
+        else:
+            with (_checkpointed(model) if mode == "naive" else nullcontext()):
+                for i, y in enumerate(responses):
+                    with recorder.phase("replay"):
+                        logp = replay(model, state, y) if mode == "replay" else naive_logprobs(model, prompt_ids, y)
+                        loss = grpo.response_loss(logp, old[i], ref and ref[i], advantages[i], weights[i], config)
+                        loss.backward()
+                    losses.append(loss.detach())
+                    logps.append(logp.detach())
+                    del logp, loss
+    grad_norm = _grad_norm(model)
+    with recorder.phase("optimizer_step"):
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    metrics = {
+        "mode": mode,
+        "loss": float(sum(float(l) for l in losses)),
+        "grad_norm": grad_norm,
+        "reward_mean": float(rewards.mean()),
+        "advantages": [float(a) for a in advantages],
+        "response_tokens": [int(r.numel()) for r in responses],
+        "graph_bytes_peak": meter.peak,
+        "phases": recorder.phases,
+        "stats": grpo.summarize_stats([
+            grpo.response_stats(lp.detach(), old[i], ref and ref[i], advantages[i], config)
+            for i, lp in enumerate(logps)
+        ]),
+    }
+    if state is not None:
+        metrics["resident_bytes"] = state.nbytes
+        metrics["predicted_resident_bytes"] = state.predicted_nbytes
+        metrics["prompt_positions"] = state.positions + 1
+        metrics["state_unchanged"] = state.fingerprint() == fingerprint
+    metrics["state"] = state
+    return metrics
+
+
+def _grad_norm(model) -> float:
+    norms = [p.grad.detach().float().norm() for p in model.parameters() if p.grad is not None]
+    return float(torch.stack(norms).norm()) if norms else 0.0

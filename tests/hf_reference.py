@@ -1,0 +1,70 @@
+"""Independent references built only from HF's own forward, cache and autograd (no longstraw code)."""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from transformers import DynamicCache
+
+
+def _response_logprobs(logits_TV, response_R):
+    logp = torch.log_softmax(logits_TV.float(), dim=-1)
+    return logp.gather(-1, response_R[:, None]).squeeze(-1)
+
+
+def hf_full_logprobs(model, prompt_P, response_R):
+    """HF one-pass forward over prompt + response: log p(y_t | p, y_<t), under autograd."""
+    ids = torch.cat([prompt_P, response_R])[None]
+    logits = model(input_ids=ids).logits[0]
+    P, R = prompt_P.numel(), response_R.numel()
+    return _response_logprobs(logits[P - 1 : P + R - 1], response_R)
+
+
+def _assigning_recurrent_update(layer):
+    """HF's GDN cache copy_s the new recurrent state into the tensor autograd saved; assign instead."""
+
+    def update_recurrent_state(self, recurrent_states, state_idx=0, **kwargs):
+        self.recurrent_states[state_idx] = recurrent_states
+        return recurrent_states
+
+    layer.update_recurrent_state = types.MethodType(update_recurrent_state, layer)
+
+
+def hf_conditional_logprobs(model, prompt_P, response_R):
+    """The conditional-response reference (DESIGN.md §4): prompt minus its last token through HF
+    without grad into a DynamicCache, then the last prompt token + response on that cache with grad."""
+    config = model.config if not hasattr(model, "get_base_model") else model.get_base_model().config
+    cache = DynamicCache(config=config)
+    with torch.no_grad():
+        if prompt_P.numel() > 1:
+            model(input_ids=prompt_P[None, :-1], past_key_values=cache, use_cache=True)
+    for layer in cache.layers:
+        if hasattr(layer, "recurrent_states"):
+            _assigning_recurrent_update(layer)
+    inputs = torch.cat([prompt_P[-1:], response_R[:-1]])[None]
+    logits = model(input_ids=inputs, past_key_values=cache, use_cache=True).logits[0]
+    return _response_logprobs(logits, response_R)
+
+
+def grads_of(model, loss):
+    """Backward `loss` and return {name: grad clone} of trainable parameters, zeroing them after."""
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad and p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def max_relative_error(actual: dict, expected: dict) -> float:
+    """max over parameters of ||a - e|| / ||e|| (a missing grad counts as zero; the denominator is
+    floored at 1e-6 of the whole gradient's norm so unused experts do not divide by zero)."""
+    names = set(actual) | set(expected)
+    zero = next(iter(expected.values()))
+    total = sum(float(g.double().norm() ** 2) for g in expected.values()) ** 0.5
+    worst = 0.0
+    for name in names:
+        e = expected.get(name, torch.zeros_like(actual.get(name, zero)))
+        a = actual.get(name, torch.zeros_like(e))
+        worst = max(worst, float((a - e).double().norm()) / max(float(e.double().norm()), 1e-6 * total))
+    return worst

@@ -1,0 +1,224 @@
+"""Tests for longstraw.attention.paged_attention (blockwise LSE-merged attention with own backward)."""
+
+import math
+
+import pytest
+import torch
+
+import longstraw.attention as attention
+from longstraw.attention import paged_attention, reference_attention
+
+
+def dense_reference(q, k_prefix, v_prefix, k_live, v_live, scale):
+    """Independent float64 reference: per query head, explicit loops over the mask, plain autograd."""
+    B, H, R, _ = q.shape
+    G = H // k_live.shape[1]
+    P = k_prefix.shape[2]
+    heads = []
+    for h in range(H):
+        k = torch.cat([k_prefix[:, h // G], k_live[:, h // G]], dim=1)  # [B, P+R, D]
+        v = torch.cat([v_prefix[:, h // G], v_live[:, h // G]], dim=1)
+        scores = torch.einsum("brd,btd->brt", q[:, h], k) * scale
+        mask = torch.zeros(R, P + R, dtype=torch.bool)
+        for i in range(R):
+            mask[i, : P + i + 1] = True
+        scores = torch.where(mask, scores, torch.full_like(scores, -math.inf))
+        heads.append(torch.einsum("brt,btd->brd", torch.softmax(scores, dim=-1), v))
+    return torch.stack(heads, dim=1)
+
+
+def make_inputs(B, H, Hk, R, P, D, dtype=torch.float64, prefix_grad=False, seed=0, capacity_extra=5):
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype)
+
+    q = rnd(B, H, R, D).requires_grad_()
+    # prefix as strided views of a larger preallocated page buffer
+    k_pages, v_pages = rnd(B, Hk, P + capacity_extra, D), rnd(B, Hk, P + capacity_extra, D)
+    if prefix_grad:
+        k_pages.requires_grad_()
+        v_pages.requires_grad_()
+    k_prefix, v_prefix = k_pages[:, :, :P], v_pages[:, :, :P]
+    k_live, v_live = rnd(B, Hk, R, D).requires_grad_(), rnd(B, Hk, R, D).requires_grad_()
+    return q, k_prefix, v_prefix, k_live, v_live, (k_pages, v_pages)
+
+
+def grads_of(out, tensors, dout):
+    tensors = [t for t in tensors if t.requires_grad]
+    return torch.autograd.grad(out, tensors, dout)
+
+
+SHAPES = [
+    # B, H, Hk, R, P, D, block_size
+    (1, 2, 2, 5, 0, 8, 4),  # empty prefix
+    (2, 4, 2, 3, 13, 8, 4),  # GQA 2, P not a multiple of block, several blocks
+    (1, 6, 2, 1, 9, 16, 4),  # R == 1, GQA 3
+    (2, 4, 1, 7, 16, 8, 8),  # MQA, P a multiple of block
+    (1, 3, 3, 6, 37, 8, None),  # default block size (one block)
+    (1, 8, 2, 4, 11, 4, 1),  # block size 1
+    (2, 2, 1, 1, 0, 8, 3),  # R == 1 and P == 0
+]
+
+
+@pytest.mark.parametrize("B,H,Hk,R,P,D,block_size", SHAPES)
+@pytest.mark.parametrize("prefix_grad", [False, True])
+def test_forward_backward_matches_float64_reference(B, H, Hk, R, P, D, block_size, prefix_grad):
+    q, kp, vp, kl, vl, (k_pages, v_pages) = make_inputs(B, H, Hk, R, P, D, prefix_grad=prefix_grad)
+    scale = D**-0.5
+    out = paged_attention(q, kp, vp, kl, vl, scale=scale, block_size=block_size, backend="math")
+    ref = dense_reference(q, kp, vp, kl, vl, scale)
+    assert out.dtype == torch.float64 and out.shape == (B, H, R, D)
+    torch.testing.assert_close(out, ref, rtol=1e-10, atol=1e-10)
+
+    dout = torch.randn_like(ref)
+    leaves = [q, kl, vl] + ([k_pages, v_pages] if prefix_grad else [])
+    got = grads_of(out, leaves, dout)
+    want = grads_of(ref, leaves, dout)
+    for name, a, b in zip(["q", "k_live", "v_live", "k_pages", "v_pages"], got, want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10, msg=lambda m, n=name: f"grad {n}: {m}")
+    if prefix_grad and P:
+        assert got[3][:, :, P:].abs().max() == 0  # positions past the prefix view get nothing
+
+
+def test_reference_attention_matches_independent_reference():
+    q, kp, vp, kl, vl, _ = make_inputs(2, 4, 2, 5, 7, 8)
+    torch.testing.assert_close(
+        reference_attention(q, kp, vp, kl, vl, 0.3), dense_reference(q, kp, vp, kl, vl, 0.3), rtol=1e-12, atol=1e-12
+    )
+
+
+def test_backward_with_only_some_inputs_requiring_grad():
+    q, kp, vp, kl, vl, _ = make_inputs(1, 4, 2, 4, 10, 8)
+    kl.requires_grad_(False)
+    scale = 0.4
+    out = paged_attention(q, kp, vp, kl, vl, scale=scale, block_size=3, backend="math")
+    ref = dense_reference(q, kp, vp, kl, vl, scale)
+    dout = torch.randn_like(ref)
+    for a, b in zip(grads_of(out, [q, vl], dout), grads_of(ref, [q, vl], dout)):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_prefix_grads_not_computed_when_prefix_does_not_require_grad(monkeypatch):
+    calls = []
+    real = attention._math_block_bwd
+
+    def spy(*args, **kwargs):
+        calls.append(args[7] if len(args) > 7 else kwargs["need_kv"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "_math_block_bwd", spy)
+    q, kp, vp, kl, vl, (k_pages, v_pages) = make_inputs(1, 4, 2, 3, 10, 8)
+    out = paged_attention(q, kp, vp, kl, vl, scale=0.3, block_size=4, backend="math")
+    out.sum().backward()
+    assert k_pages.grad is None and v_pages.grad is None
+    assert calls == [True, False, False, False]  # live block with dk/dv, then 3 prefix blocks dq only
+
+    # nothing but the live K/V wants grad: the prefix is not touched at all in backward
+    calls.clear()
+    q2 = q.detach()
+    paged_attention(q2, kp, vp, kl, vl, scale=0.3, block_size=4, backend="math").sum().backward()
+    assert calls == [True]
+
+
+def test_low_precision_math_and_auto_on_cpu():
+    q, kp, vp, kl, vl, _ = make_inputs(2, 4, 2, 6, 21, 16, dtype=torch.bfloat16)
+    out = paged_attention(q, kp, vp, kl, vl, scale=0.25, block_size=8)  # auto -> math on CPU
+    assert out.dtype == torch.bfloat16
+    ref = dense_reference(*(t.double() for t in (q, kp, vp, kl, vl)), 0.25)
+    torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2)
+    out.float().square().sum().backward()
+    assert q.grad.dtype == torch.bfloat16 and kl.grad.dtype == torch.bfloat16
+
+
+def test_value_head_dim_may_differ_on_math_backend():
+    g = torch.Generator().manual_seed(1)
+    q, kp, kl = (torch.randn(1, 4, n, 8, generator=g, dtype=torch.float64) for n in (3, 5, 3))
+    vp, vl = torch.randn(1, 2, 5, 6, generator=g, dtype=torch.float64), torch.randn(1, 2, 3, 6, generator=g, dtype=torch.float64)
+    kp, vp, kl = kp[:, :2], vp, kl[:, :2]
+    out = paged_attention(q, kp, vp, kl, vl, scale=0.3, block_size=2, backend="math")
+    assert out.shape == (1, 4, 3, 6)
+    torch.testing.assert_close(out, dense_reference(q, kp, vp, kl, vl, 0.3), rtol=1e-10, atol=1e-10)
+
+
+def test_no_grad_forward():
+    q, kp, vp, kl, vl, _ = make_inputs(1, 2, 1, 4, 9, 8)
+    with torch.no_grad():
+        out = paged_attention(q, kp, vp, kl, vl, scale=0.3, block_size=4, backend="math")
+    assert out.grad_fn is None
+    torch.testing.assert_close(out, dense_reference(q, kp, vp, kl, vl, 0.3).detach(), rtol=1e-10, atol=1e-10)
+
+
+def _good():
+    q, kp, vp, kl, vl, _ = make_inputs(1, 4, 2, 3, 5, 8)
+    return dict(q=q, kp=kp, vp=vp, kl=kl, vl=vl)
+
+
+def _call(d, **kw):
+    kw.setdefault("scale", 0.5)
+    return paged_attention(d["q"], d["kp"], d["vp"], d["kl"], d["vl"], **kw)
+
+
+@pytest.mark.parametrize(
+    "mutate,kwargs,exc,match",
+    [
+        (lambda d: d.update(q=d["q"][0]), {}, ValueError, "q must be 4-D"),
+        (lambda d: d.update(kp=d["kp"].tolist()), {}, TypeError, "k_prefix must be a torch.Tensor"),
+        (lambda d: d.update(vl=d["vl"].float()), {}, TypeError, "share one dtype"),
+        (lambda d: d.update(kl=d["kl"].long()), {}, TypeError, "k_live must be a floating-point"),
+        (lambda d: d.update(q=torch.zeros(1, 3, 3, 8, dtype=torch.float64)), {}, ValueError, "multiple of kv heads"),
+        (lambda d: d.update(kl=d["kl"][:, :, :2]), {}, ValueError, "live length mismatch"),
+        (lambda d: d.update(vp=d["vp"][:, :, :4]), {}, ValueError, "prefix length mismatch"),
+        (lambda d: d.update(kp=d["kp"][:, :1]), {}, ValueError, "kv head count mismatch"),
+        (lambda d: d.update(kl=d["kl"][..., :4]), {}, ValueError, "head dim mismatch"),
+        (lambda d: d.update(vl=d["vl"][..., :4]), {}, ValueError, "value head dim mismatch"),
+        (lambda d: d.update(vp=torch.zeros(2, 2, 5, 8, dtype=torch.float64)), {}, ValueError, "batch size mismatch"),
+        (lambda d: d.update(q=d["q"][:, :, :0], kl=d["kl"][:, :, :0], vl=d["vl"][:, :, :0]), {}, ValueError, "R == 0"),
+        (lambda d: d.update(kp=d["kp"].to("meta")), {}, ValueError, "one device"),
+        (lambda d: None, {"backend": "flash"}, ValueError, "backend must be one of"),
+        (lambda d: None, {"backend": "cuda"}, ValueError, "needs CUDA tensors"),
+        (lambda d: None, {"block_size": 0}, ValueError, "block_size"),
+        (lambda d: None, {"scale": None}, TypeError, "scale must be a real number"),
+    ],
+)
+def test_bad_input_raises(mutate, kwargs, exc, match):
+    d = _good()
+    mutate(d)
+    with pytest.raises(exc, match=match):
+        _call(d, **kwargs)
+
+
+# ---------------------------------------------------------------------------------------------- CUDA
+
+
+CUDA_SHAPES = [
+    # B, H, Hk, R, P, D, block_size
+    (1, 8, 2, 64, 0, 64, None),
+    (2, 4, 4, 32, 300, 128, 128),
+    (1, 16, 2, 1, 1000, 128, 256),
+    (1, 8, 1, 100, 517, 64, 200),
+]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("B,H,Hk,R,P,D,block_size", CUDA_SHAPES)
+@pytest.mark.parametrize("prefix_grad", [False, True])
+def test_cuda_backend_matches_math_in_bf16(B, H, Hk, R, P, D, block_size, prefix_grad):
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def rnd(*shape, grad=True):
+        return torch.randn(*shape, generator=g, device="cuda", dtype=torch.bfloat16).requires_grad_(grad)
+
+    q, kl, vl = rnd(B, H, R, D), rnd(B, Hk, R, D), rnd(B, Hk, R, D)
+    k_pages, v_pages = rnd(B, Hk, P + 7, D, grad=prefix_grad), rnd(B, Hk, P + 7, D, grad=prefix_grad)
+    kp, vp = k_pages[:, :, :P], v_pages[:, :, :P]
+    leaves = [q, kl, vl] + ([k_pages, v_pages] if prefix_grad else [])
+    results = {}
+    for backend in ("cuda", "math"):
+        out = paged_attention(q, kp, vp, kl, vl, scale=D**-0.5, block_size=block_size, backend=backend)
+        dout = torch.randn(out.shape, generator=torch.Generator(device="cuda").manual_seed(1), device="cuda")
+        results[backend] = [out] + list(torch.autograd.grad(out, leaves, dout.to(out.dtype)))
+    for a, b in zip(results["cuda"], results["math"]):
+        assert a.dtype == b.dtype == torch.bfloat16
+        err = (a.float() - b.float()).abs().max().item()
+        assert err <= 2e-2 * max(1.0, b.float().abs().max().item()), err

@@ -1,0 +1,316 @@
+"""Tests for longstraw.gdn: chunked gated delta rule vs references, causal conv, purity."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
+
+from longstraw.gdn import (
+    causal_conv1d,
+    chunk_gated_delta_rule,
+    chunk_gated_delta_rule_forward,
+    recurrent_gated_delta_rule,
+)
+
+# HF's hub-kernel wrappers are thin; call the pure-torch references underneath when exposed.
+HF_RECURRENT = getattr(hf.torch_recurrent_gated_delta_rule, "__wrapped__", hf.torch_recurrent_gated_delta_rule)
+HF_CONV_FN = getattr(hf.causal_conv1d_fn, "__wrapped__", hf.causal_conv1d_fn)
+HF_CONV_UPDATE = getattr(hf.causal_conv1d_update, "__wrapped__", hf.causal_conv1d_update)
+
+
+def hf_recurrent(q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, state_BHDV):
+    """HF's reference; q/k heads repeated here (transformers 5.17 repeats them in the layer, not the kernel)."""
+    group = v_BTHV.shape[2] // q_BTHD.shape[2]
+    q_BTHD, k_BTHD = (t.repeat_interleave(group, dim=2) for t in (q_BTHD, k_BTHD))
+    return HF_RECURRENT(
+        q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH,
+        initial_state=state_BHDV, output_final_state=True, use_qk_l2norm_in_kernel=True,
+    )
+
+
+def make_gdn_inputs(B=2, T=5, Hk=2, Hv=4, Dk=8, Dv=6, dtype=torch.float64, with_state=True, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype)
+
+    q_BTHD = rnd(B, T, Hk, Dk)
+    k_BTHD = rnd(B, T, Hk, Dk)
+    v_BTHV = rnd(B, T, Hv, Dv)
+    # Realistic gates: log decay in (-1, 0), beta in (0, 1).
+    g_BTH = -torch.rand(B, T, Hv, generator=gen, dtype=torch.float64).to(dtype)
+    beta_BTH = torch.rand(B, T, Hv, generator=gen, dtype=torch.float64).to(dtype)
+    state_BHDV = rnd(B, Hv, Dk, Dv) * 0.5 if with_state else None
+    return q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, state_BHDV
+
+
+def leaves(inputs):
+    return [None if t is None else t.clone().requires_grad_(True) for t in inputs]
+
+
+def grads_of(fn, inputs, seed=1, **kwargs):
+    """Run fn on fresh leaf copies; return outputs and grads of a random projection of (out, state)."""
+    xs = leaves(inputs)
+    out_BTHV, state_BHDV = fn(*xs, **kwargs)
+    gen = torch.Generator().manual_seed(seed)
+    w_out = torch.randn(out_BTHV.shape, generator=gen, dtype=torch.float64).to(out_BTHV.dtype)
+    w_state = torch.randn(state_BHDV.shape, generator=gen, dtype=torch.float64).to(state_BHDV.dtype)
+    loss = (out_BTHV * w_out).sum() + (state_BHDV * w_state).sum()
+    wrt = [x for x in xs if x is not None]
+    return out_BTHV.detach(), state_BHDV.detach(), torch.autograd.grad(loss, wrt)
+
+
+# ------------------------------------------------------------------------------------
+# chunk == recurrent reference (float64): outputs, final state, gradients
+# ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("T", [1, 5, 64, 130])
+@pytest.mark.parametrize("chunk_size", [16, 64])
+@pytest.mark.parametrize("with_state", [False, True])
+def test_chunk_matches_recurrent_with_grads(T, chunk_size, with_state, heads=(2, 4)):
+    Hk, Hv = heads
+    inputs = make_gdn_inputs(T=T, Hk=Hk, Hv=Hv, with_state=with_state)
+    o_c, s_c, g_c = grads_of(chunk_gated_delta_rule, inputs, chunk_size=chunk_size)
+    o_r, s_r, g_r = grads_of(recurrent_gated_delta_rule, inputs)
+    assert o_c.shape == (2, T, Hv, 6) and s_c.shape == (2, Hv, 8, 6)
+    torch.testing.assert_close(o_c, o_r, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(s_c, s_r, rtol=1e-10, atol=1e-10)
+    assert len(g_c) == (6 if with_state else 5)
+    for a, b in zip(g_c, g_r):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+
+
+def test_chunk_matches_recurrent_equal_heads():
+    test_chunk_matches_recurrent_with_grads(T=37, chunk_size=16, with_state=True, heads=(3, 3))
+
+
+@pytest.mark.parametrize("chunk_size", [1, 3, 7])
+def test_odd_chunk_sizes(chunk_size):
+    inputs = make_gdn_inputs(T=11)
+    o_c, s_c = chunk_gated_delta_rule(*inputs, chunk_size=chunk_size)
+    o_r, s_r = recurrent_gated_delta_rule(*inputs)
+    torch.testing.assert_close(o_c, o_r, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(s_c, s_r, rtol=1e-10, atol=1e-10)
+
+
+def test_without_l2norm_matches_recurrent():
+    inputs = make_gdn_inputs(T=20)
+    q, k = inputs[0] * 0.3, inputs[1] * 0.3  # keep the unnormalised recurrence tame
+    inputs = (q, k) + inputs[2:]
+    o_c, s_c = chunk_gated_delta_rule(*inputs, chunk_size=8, l2norm_qk=False)
+    o_r, s_r = recurrent_gated_delta_rule(*inputs, l2norm_qk=False)
+    torch.testing.assert_close(o_c, o_r, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(s_c, s_r, rtol=1e-10, atol=1e-10)
+
+
+def test_gradcheck_chunk_small():
+    inputs = leaves(make_gdn_inputs(B=1, T=3, Hk=1, Hv=2, Dk=2, Dv=2))
+
+    def fn(*xs):
+        return chunk_gated_delta_rule(*xs, chunk_size=2)
+
+    assert torch.autograd.gradcheck(fn, inputs, fast_mode=True)
+
+
+# ------------------------------------------------------------------------------------
+# Splitting a sequence: state carried across calls
+# ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("split", [1, 37, 64, 100])
+@pytest.mark.parametrize("fn", [chunk_gated_delta_rule, recurrent_gated_delta_rule], ids=["chunk", "recurrent"])
+def test_split_equals_whole(split, fn):
+    q, k, v, g, beta, s0 = make_gdn_inputs(T=130)
+    kw = {"chunk_size": 32} if fn is chunk_gated_delta_rule else {}
+    o_whole, s_whole = fn(q, k, v, g, beta, s0, **kw)
+    a, b = slice(0, split), slice(split, None)
+    o_1, s_1 = fn(q[:, a], k[:, a], v[:, a], g[:, a], beta[:, a], s0, **kw)
+    o_2, s_2 = fn(q[:, b], k[:, b], v[:, b], g[:, b], beta[:, b], s_1, **kw)
+    torch.testing.assert_close(torch.cat([o_1, o_2], dim=1), o_whole, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(s_2, s_whole, rtol=1e-10, atol=1e-10)
+
+
+def test_split_gradient_reaches_first_part_through_state():
+    q, k, v, g, beta, s0 = leaves(make_gdn_inputs(T=40))
+    _, s_1 = chunk_gated_delta_rule(q[:, :25], k[:, :25], v[:, :25], g[:, :25], beta[:, :25], s0, chunk_size=16)
+    o_2, _ = chunk_gated_delta_rule(q[:, 25:], k[:, 25:], v[:, 25:], g[:, 25:], beta[:, 25:], s_1, chunk_size=16)
+    (gv,) = torch.autograd.grad(o_2.sum(), [v])
+    assert gv[:, :25].abs().sum() > 0  # the second call's loss reaches the first call's values
+
+
+# ------------------------------------------------------------------------------------
+# Against HF's own implementation (independent reference)
+# ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("with_state", [False, True])
+def test_matches_hf_recurrent(dtype, with_state):
+    q, k, v, g, beta, s0 = make_gdn_inputs(T=70, Hk=2, Hv=4, dtype=dtype, with_state=with_state)
+    o_hf, s_hf = hf_recurrent(q, k, v, g, beta, s0)
+    o_c, s_c = chunk_gated_delta_rule(q, k, v, g, beta, s0, chunk_size=32)
+    o_r, s_r = recurrent_gated_delta_rule(q, k, v, g, beta, s0)
+    # HF computes in float32 whatever the input dtype; we compute in float64 for float64 inputs.
+    for o, s in ((o_c, s_c), (o_r, s_r)):
+        assert o.dtype == dtype
+        torch.testing.assert_close(o.to(o_hf.dtype), o_hf, rtol=2e-5, atol=2e-5)
+        torch.testing.assert_close(s.to(s_hf.dtype), s_hf, rtol=2e-5, atol=2e-5)
+
+
+def test_bf16_inputs_dtypes_and_values():
+    q, k, v, g, beta, s0 = make_gdn_inputs(T=33, dtype=torch.bfloat16)
+    o, s = chunk_gated_delta_rule(q, k, v, g, beta, s0.float(), chunk_size=16)
+    assert o.dtype == torch.bfloat16 and s.dtype == torch.float32
+    o_hf, s_hf = hf_recurrent(q, k, v, g, beta, s0.float())
+    torch.testing.assert_close(o.float(), o_hf.float(), rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(s, s_hf, rtol=1e-4, atol=1e-4)
+
+
+# ------------------------------------------------------------------------------------
+# No-grad capture forward (CPU: falls back to the chunk kernel)
+# ------------------------------------------------------------------------------------
+
+
+def test_forward_fallback_matches_and_has_no_graph():
+    inputs = leaves(make_gdn_inputs(T=45, dtype=torch.float32))
+    o_f, s_f = chunk_gated_delta_rule_forward(*inputs, chunk_size=16)
+    assert not o_f.requires_grad and not s_f.requires_grad
+    o_c, s_c = chunk_gated_delta_rule(*inputs, chunk_size=16)
+    torch.testing.assert_close(o_f, o_c.detach())
+    torch.testing.assert_close(s_f, s_c.detach())
+    assert s_f.dtype == torch.float32
+
+
+def test_forward_use_fla_true_raises_on_cpu():
+    with pytest.raises(RuntimeError):
+        chunk_gated_delta_rule_forward(*make_gdn_inputs(T=3, dtype=torch.float32), use_fla=True)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_forward_cuda_matches_reference():
+    q, k, v, g, beta, s0 = (t.cuda() for t in make_gdn_inputs(T=200, Hk=2, Hv=4, Dk=64, Dv=32, dtype=torch.float32))
+    o_f, s_f = chunk_gated_delta_rule_forward(q, k, v, g, beta, s0)
+    o_r, s_r = recurrent_gated_delta_rule(q.double(), k.double(), v.double(), g.double(), beta.double(), s0.double())
+    torch.testing.assert_close(o_f.double(), o_r, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(s_f.double(), s_r, rtol=2e-2, atol=2e-2)
+
+
+# ------------------------------------------------------------------------------------
+# Causal conv
+# ------------------------------------------------------------------------------------
+
+
+def make_conv_inputs(B=2, C=5, T=9, K=4, dtype=torch.float64, seed=0, bias=True):
+    gen = torch.Generator().manual_seed(seed)
+    x_BCT = torch.randn(B, C, T, generator=gen, dtype=torch.float64).to(dtype)
+    w_CK = torch.randn(C, K, generator=gen, dtype=torch.float64).to(dtype)
+    b_C = torch.randn(C, generator=gen, dtype=torch.float64).to(dtype) if bias else None
+    return x_BCT, w_CK, b_C
+
+
+@pytest.mark.parametrize("activation", ["silu", None])
+@pytest.mark.parametrize("bias", [True, False])
+def test_conv_matches_hf_from_zero_state(activation, bias):
+    x, w, b = make_conv_inputs(bias=bias)
+    y, state = causal_conv1d(x, torch.zeros(2, 5, 3, dtype=x.dtype), w, b, activation)
+    y_hf = HF_CONV_FN(x, w, b, activation=activation)
+    torch.testing.assert_close(y, y_hf)
+    torch.testing.assert_close(state, x[..., -3:])
+    y_none, _ = causal_conv1d(x, None, w, b, activation)
+    torch.testing.assert_close(y_none, y_hf)
+
+
+def test_conv_matches_hf_update_single_token():
+    """HF's cache keeps K columns; ours keeps the last K-1 of them."""
+    x, w, b = make_conv_inputs(T=1)
+    hf_state = torch.randn(2, 5, 4, dtype=x.dtype)
+    ours_state = hf_state[..., 1:].clone()
+    y_hf = HF_CONV_UPDATE(x, hf_state, w, b, "silu")  # updates hf_state in place
+    y, new_state = causal_conv1d(x, ours_state, w, b, "silu")
+    torch.testing.assert_close(y, y_hf)
+    torch.testing.assert_close(new_state, hf_state[..., 1:])
+
+
+@pytest.mark.parametrize("split", [0, 1, 2, 3, 5, 9])
+def test_conv_split_equals_whole(split):
+    x, w, b = make_conv_inputs(T=9)
+    s0 = torch.randn(2, 5, 3, dtype=x.dtype)
+    y_whole, s_whole = causal_conv1d(x, s0, w, b)
+    y1, s1 = causal_conv1d(x[..., :split], s0, w, b)
+    y2, s2 = causal_conv1d(x[..., split:], s1, w, b)
+    assert s1.shape == (2, 5, 3)
+    torch.testing.assert_close(torch.cat([y1, y2], dim=-1), y_whole)
+    torch.testing.assert_close(s2, s_whole)
+
+
+def test_conv_short_input_state():
+    x, w, b = make_conv_inputs(T=1, K=4)
+    s0 = torch.randn(2, 5, 3, dtype=x.dtype)
+    _, s1 = causal_conv1d(x, s0, w, b)
+    torch.testing.assert_close(s1, torch.cat([s0[..., 1:], x], dim=-1))
+
+
+def test_conv_kernel_size_one():
+    x, w, b = make_conv_inputs(K=1)
+    y, state = causal_conv1d(x, torch.zeros(2, 5, 0, dtype=x.dtype), w, b)
+    torch.testing.assert_close(y, HF_CONV_FN(x, w, b, activation="silu"))
+    assert state.shape == (2, 5, 0)
+
+
+def test_conv_gradcheck_state_x_weight_bias():
+    x, w, b = (t.requires_grad_(True) for t in make_conv_inputs(B=1, C=2, T=3, K=4))
+    s0 = torch.randn(1, 2, 3, dtype=torch.float64, requires_grad=True)
+
+    def fn(x_, s_, w_, b_):
+        return causal_conv1d(x_, s_, w_, b_, "silu")
+
+    assert torch.autograd.gradcheck(fn, (x, s0, w, b), fast_mode=True)
+
+
+def test_conv_bf16_dtypes():
+    x, w, b = make_conv_inputs(dtype=torch.bfloat16)
+    y, s = causal_conv1d(x, torch.zeros(2, 5, 3, dtype=torch.float32), w.float(), b.float())
+    assert y.dtype == torch.bfloat16 and s.dtype == torch.bfloat16
+    torch.testing.assert_close(y, HF_CONV_FN(x, w.float(), b.float(), activation="silu"))
+
+
+# ------------------------------------------------------------------------------------
+# Nothing modifies its inputs
+# ------------------------------------------------------------------------------------
+
+
+def _snapshot(ts):
+    return [None if t is None else t.detach().clone() for t in ts]
+
+
+def _assert_unchanged(ts, snaps):
+    for t, s in zip(ts, snaps):
+        if t is not None:
+            assert torch.equal(t, s)
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [chunk_gated_delta_rule, recurrent_gated_delta_rule, chunk_gated_delta_rule_forward],
+    ids=["chunk", "recurrent", "forward"],
+)
+def test_gdn_does_not_modify_inputs(fn):
+    inputs = leaves(make_gdn_inputs(T=21, dtype=torch.float32))
+    snaps = _snapshot(inputs)
+    out, state = fn(*inputs)
+    if out.requires_grad:
+        (out.sum() + state.sum()).backward()
+    _assert_unchanged(inputs, snaps)
+    # The returned state is a new tensor, not the initial state itself.
+    assert state.data_ptr() != inputs[5].data_ptr()
+
+
+def test_conv_does_not_modify_inputs():
+    x, w, b = (t.requires_grad_(True) for t in make_conv_inputs())
+    s0 = torch.randn(2, 5, 3, dtype=torch.float64, requires_grad=True)
+    snaps = _snapshot([x, s0, w, b])
+    y, s1 = causal_conv1d(x, s0, w, b)
+    (y.sum() + s1.sum()).backward()
+    _assert_unchanged([x, s0, w, b], snaps)
