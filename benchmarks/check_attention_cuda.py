@@ -1,6 +1,7 @@
-"""Check paged_attention(backend="cuda") against backend="math" in bf16, then time the cuda path.
+"""Check paged_attention's CUDA kernels (flash, cudnn) against backend="math" in bf16, then time them.
 
-Run on a CUDA machine from the repo root:  python benchmarks/check_attention_cuda.py [--no-bench]
+Run on a CUDA machine from the repo root:  python benchmarks/check_attention_cuda.py [--no-bench] [--cudnn]
+(--cudnn adds the experimental cudnn kernel; it has crashed the process on some shapes.)
 Prints one line per check, the timings, and as the LAST stdout line one JSON object.
 Exits 1 when an error exceeds its tolerance (or the run fails), 0 otherwise.
 """
@@ -16,7 +17,7 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from longstraw.attention import paged_attention  # noqa: E402
+from longstraw.attention import _pick_kernel, paged_attention  # noqa: E402
 
 OUT_TOL = 2e-2  # max |cuda - math| / max |math|, bf16 inputs, math computed in float32
 GRAD_TOL = 5e-2
@@ -31,6 +32,7 @@ CHECKS = [
     ("gqa8_p65536_r2048_prefix_grad", 1, 16, 2, 2048, 65536, 128, None, True),
 ]
 BENCH = dict(B=1, H=16, Hk=2, R=4096, P=1_048_576, D=128)
+KERNELS = ["flash"]
 
 
 def make_inputs(B, H, Hk, R, P, D, prefix_grad, seed=0):
@@ -53,19 +55,28 @@ def run(inputs, leaves, dout, backend, block_size):
 
 
 def check(name, B, H, Hk, R, P, D, block_size, prefix_grad):
+    """Returns {kernel: {grad name: max error relative to max |math|}} and whether all pass."""
     inputs, leaves = make_inputs(B, H, Hk, R, P, D, prefix_grad)
     dout = torch.randn(B, H, R, D, device="cuda", dtype=torch.bfloat16)
-    got = run(inputs, leaves, dout, "cuda", block_size)
     want = run(inputs, leaves, dout, "math", None)
-    names = ["out", "dq", "dk_live", "dv_live", "dk_prefix", "dv_prefix"][: len(got)]
-    errs = {}
-    for n, a, b in zip(names, got, want):
-        errs[n] = (a.float() - b.float()).abs().max().item() / max(b.float().abs().max().item(), 1e-6)
-    ok = all(e <= (OUT_TOL if n == "out" else GRAD_TOL) for n, e in errs.items())
-    print(f"{'ok  ' if ok else 'FAIL'} {name}: " + " ".join(f"{n}={e:.2e}" for n, e in errs.items()), flush=True)
-    del got, want, inputs, leaves
+    names = ["out", "dq", "dk_live", "dv_live", "dk_prefix", "dv_prefix"][: len(want)]
+    ok, result = True, {}
+    for kernel in KERNELS:
+        if _pick_kernel(kernel, inputs[0], D) != kernel:
+            print(f"skip {name} [{kernel}]: kernel does not apply", flush=True)
+            continue
+        got = run(inputs, leaves, dout, kernel, block_size)
+        errs = {}
+        for n, a, b in zip(names, got, want):
+            errs[n] = (a.float() - b.float()).abs().max().item() / max(b.float().abs().max().item(), 1e-6)
+        passed = all(e <= (OUT_TOL if n == "out" else GRAD_TOL) for n, e in errs.items())
+        ok &= passed
+        result[kernel] = errs
+        print(f"{'ok  ' if passed else 'FAIL'} {name} [{kernel}]: " + " ".join(f"{n}={e:.2e}" for n, e in errs.items()), flush=True)
+        del got
+    del want, inputs, leaves
     torch.cuda.empty_cache()
-    return ok, errs
+    return ok, result
 
 
 def timed(fn, reps=3):
@@ -80,10 +91,11 @@ def timed(fn, reps=3):
     return start.elapsed_time(end) / reps / 1e3  # seconds
 
 
-def bench(B, H, Hk, R, P, D):
+def bench(kernel, B, H, Hk, R, P, D):
     fwd_flop = 4 * B * H * R * D * (P + R / 2)  # QK^T and PV; the live block is causal (half)
     bwd_flop = 2.5 * fwd_flop  # flash convention: 5 matmuls against the forward's 2
-    result = dict(shape=dict(B=B, H=H, Hk=Hk, R=R, P=P, D=D))
+    result = dict(kernel=kernel, shape=dict(B=B, H=H, Hk=Hk, R=R, P=P, D=D))
+    torch.cuda.reset_peak_memory_stats()
     for prefix_grad in (False, True):
         inputs, leaves = make_inputs(B, H, Hk, R, P, D, prefix_grad)
         dout = torch.randn(B, H, R, D, device="cuda", dtype=torch.bfloat16)
@@ -91,9 +103,9 @@ def bench(B, H, Hk, R, P, D):
 
         def fwd():
             with torch.no_grad():
-                return paged_attention(*inputs, scale=scale, backend="cuda")
+                return paged_attention(*inputs, scale=scale, backend=kernel)
 
-        out = paged_attention(*inputs, scale=scale, backend="cuda")
+        out = paged_attention(*inputs, scale=scale, backend=kernel)
         t_bwd = timed(lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True))
         tag = "bwd_prefix_grad" if prefix_grad else "bwd"
         result[f"{tag}_ms"] = t_bwd * 1e3
@@ -106,7 +118,7 @@ def bench(B, H, Hk, R, P, D):
         del out, inputs, leaves
         torch.cuda.empty_cache()
     print(
-        f"bench P={P} R={R} H={H} Hk={Hk} D={D}: fwd {result['fwd_ms']:.1f} ms = {result['fwd_tflops']:.0f} TFLOP/s, "
+        f"bench [{kernel}] P={P} R={R} H={H} Hk={Hk} D={D}: fwd {result['fwd_ms']:.1f} ms = {result['fwd_tflops']:.0f} TFLOP/s, "
         f"bwd {result['bwd_ms']:.1f} ms = {result['bwd_tflops']:.0f} TFLOP/s, "
         f"bwd with prefix grads {result['bwd_prefix_grad_ms']:.1f} ms = {result['bwd_prefix_grad_tflops']:.0f} TFLOP/s",
         flush=True,
@@ -117,7 +129,10 @@ def bench(B, H, Hk, R, P, D):
 def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--no-bench", action="store_true", help="only run the correctness checks")
+    parser.add_argument("--cudnn", action="store_true", help="also check and time the experimental cudnn kernel")
     args = parser.parse_args()
+    if args.cudnn:
+        KERNELS.append("cudnn")
     summary = dict(ok=False, torch=torch.__version__)
     try:
         if not torch.cuda.is_available():
@@ -131,11 +146,14 @@ def main():
             ok &= passed
             summary["checks"][name] = errs
         summary["max_err"] = {
-            k: max(errs.get(k, 0.0) for errs in summary["checks"].values())
-            for k in ("out", "dq", "dk_live", "dv_live", "dk_prefix", "dv_prefix")
+            kernel: {
+                k: max(errs.get(kernel, {}).get(k, 0.0) for errs in summary["checks"].values())
+                for k in ("out", "dq", "dk_live", "dv_live", "dk_prefix", "dv_prefix")
+            }
+            for kernel in KERNELS
         }
         if not args.no_bench:
-            summary["bench"] = bench(**BENCH)
+            summary["bench"] = {kernel: bench(kernel, **BENCH) for kernel in KERNELS}
         summary["ok"] = ok
     except Exception as exc:  # report, then fail
         traceback.print_exc()

@@ -16,10 +16,13 @@ GQA follows HF's ``repeat_kv``: query head h reads kv head ``h // G`` with ``G =
 Prefix blocks fold the query group into the query length (q viewed as [B, Hk, G*R, D]), so
 K/V are never repeated; the small causal live block is folded (math) or repeated (cuda).
 
-Backends: ``"math"`` is plain torch (any device, any float dtype, float64 computed in float64);
-``"cuda"`` runs each block through ``aten._scaled_dot_product_flash_attention`` and its
-backward fed the global out/lse (fp16/bf16, head dim % 8 == 0 and <= 256, same D for k and v;
-otherwise it falls back to math); ``"auto"`` picks cuda when it applies.
+Backends: ``"math"`` is plain torch (any device, any float dtype, float64 computed in float64).
+``"cuda"`` (alias ``"flash"``) runs each block through ``aten._scaled_dot_product_flash_attention``
+and its ``_backward`` op fed the global out/lse (CUDA, fp16/bf16, D == Dv, D % 8 == 0, D <= 256;
+otherwise math).  ``"auto"`` is cuda where it applies, else math.  ``"cudnn"`` is an EXPERIMENTAL
+opt-in doing the same through ``aten._scaled_dot_product_cudnn_attention``: about twice flash's
+speed on H200 (torch 2.11), but its backward rejects s_q = s_kv = 1 and it crashed the process on
+some small shapes, so it is never picked by default; it falls back to flash where it does not apply.
 
 The prefix tensors are held by plain reference, without autograd's version check, because
 they are usually views of a page buffer that keeps being written past ``P``; the caller must
@@ -39,7 +42,7 @@ __all__ = ["paged_attention", "reference_attention", "MATH_BLOCK_SIZE", "CUDA_BL
 
 MATH_BLOCK_SIZE = 4096
 CUDA_BLOCK_SIZE = 65536
-_BACKENDS = ("auto", "math", "cuda")
+_BACKENDS = ("auto", "math", "cuda", "flash", "cudnn")
 
 
 def paged_attention(
@@ -55,11 +58,11 @@ def paged_attention(
 ) -> torch.Tensor:
     """Attention of ``q`` over all prefix keys and the causal live keys; returns [B, H, R, Dv]."""
     _validate(q_BHRD, k_prefix_BKPD, v_prefix_BKPD, k_live_BKRD, v_live_BKRD, scale, block_size, backend)
-    use_cuda = _use_cuda(backend, q_BHRD, v_live_BKRD.shape[-1])
+    kernel = _pick_kernel(backend, q_BHRD, v_live_BKRD.shape[-1])
     if block_size is None:
-        block_size = CUDA_BLOCK_SIZE if use_cuda else MATH_BLOCK_SIZE
+        block_size = MATH_BLOCK_SIZE if kernel == "math" else CUDA_BLOCK_SIZE
     return _PagedAttention.apply(
-        q_BHRD, k_prefix_BKPD, v_prefix_BKPD, k_live_BKRD, v_live_BKRD, float(scale), int(block_size), use_cuda
+        q_BHRD, k_prefix_BKPD, v_prefix_BKPD, k_live_BKRD, v_live_BKRD, float(scale), int(block_size), kernel
     )
 
 
@@ -136,22 +139,24 @@ def _validate(q, k_prefix, v_prefix, k_live, v_live, scale, block_size, backend)
         raise ValueError(f"paged_attention: block_size must be a positive int or None, got {block_size!r}")
     if backend not in _BACKENDS:
         raise ValueError(f"paged_attention: backend must be one of {_BACKENDS}, got {backend!r}")
-    if backend == "cuda" and q.device.type != "cuda":
-        raise ValueError(f"paged_attention: backend='cuda' needs CUDA tensors, got device {q.device}")
+    if backend in ("cuda", "flash", "cudnn") and q.device.type != "cuda":
+        raise ValueError(f"paged_attention: backend={backend!r} needs CUDA tensors, got device {q.device}")
 
 
-def _use_cuda(backend: str, q_BHRD: torch.Tensor, Dv: int) -> bool:
-    """Flash applies: CUDA fp16/bf16, D == Dv, D % 8 == 0, D <= 256. Otherwise use math."""
-    if backend == "math" or q_BHRD.device.type != "cuda":
-        return False
+def _pick_kernel(backend: str, q_BHRD: torch.Tensor, Dv: int) -> str:
+    """'math', 'flash' or 'cudnn'; a CUDA kernel only where its constraints hold."""
     D = q_BHRD.shape[-1]
-    return (
-        q_BHRD.dtype in (torch.float16, torch.bfloat16)
-        and D == Dv
-        and D % 8 == 0
-        and D <= 256
-        and torch.backends.cuda.is_flash_attention_available()
-    )
+    if (
+        backend == "math"
+        or q_BHRD.device.type != "cuda"
+        or q_BHRD.dtype not in (torch.float16, torch.bfloat16)
+        or D != Dv
+        or D % 8 != 0
+    ):
+        return "math"
+    if backend == "cudnn" and D <= 128 and q_BHRD.shape[2] > 1 and (torch.backends.cudnn.version() or 0) >= 90000:
+        return "cudnn"
+    return "flash" if D <= 256 and torch.backends.cuda.is_flash_attention_available() else "math"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -193,22 +198,45 @@ def _flash_block_fwd(q_BKMD, k_BKND, v_BKND, scale, causal=False):
 
 def _flash_block_bwd(do_BKMD, q_BKMD, k_BKND, v_BKND, out_BKMD, lse_BKM, scale, causal=False):
     """Flash backward of one block fed the GLOBAL out (for delta) and lse (contiguous fp32)."""
+    M, N = q_BKMD.shape[2], k_BKND.shape[2]
     # dropout is 0, so the rng tensors are never read; shapes mirror what the forward returns
     seed = torch.empty(2, dtype=torch.uint64, device=q_BKMD.device)
     offset = torch.empty((), dtype=torch.uint64, device=q_BKMD.device)
     return torch.ops.aten._scaled_dot_product_flash_attention_backward(
         do_BKMD, q_BKMD, _last_dim_contiguous(k_BKND), _last_dim_contiguous(v_BKND), out_BKMD, lse_BKM,
-        None, None, q_BKMD.shape[2], k_BKND.shape[2], 0.0, causal, seed, offset, scale=scale,
+        None, None, M, N, 0.0, causal, seed, offset, scale=scale,
     )  # fmt: skip
+
+
+_cudnn_lse_4d = True  # the cudnn forward's lse layout ([B, H, M, 1] in torch 2.11), fed back alike
+
+
+def _cudnn_block_fwd(q_BKMD, k_BKND, v_BKND, scale, causal=False):
+    global _cudnn_lse_4d
+    out_BKMD, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        q_BKMD, _last_dim_contiguous(k_BKND), _last_dim_contiguous(v_BKND), None, True, 0.0, causal, False, scale=scale
+    )[:2]
+    _cudnn_lse_4d = lse.dim() == 4
+    return out_BKMD, lse.reshape(q_BKMD.shape[:3])
+
+
+def _cudnn_block_bwd(do_BKMD, q_BKMD, k_BKND, v_BKND, out_BKMD, lse_BKM, scale, causal=False):
+    """cuDNN backward of one block fed the GLOBAL out and lse. q, dO and out must share one
+    (contiguous) layout: cuDNN has crashed on mismatched dO/out strides."""
+    M, N = q_BKMD.shape[2], k_BKND.shape[2]
+    seed = offset = torch.zeros((), dtype=torch.int64, device=q_BKMD.device)  # unread: dropout is 0
+    return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+        do_BKMD, q_BKMD, _last_dim_contiguous(k_BKND), _last_dim_contiguous(v_BKND), out_BKMD,
+        lse_BKM.unsqueeze(-1) if _cudnn_lse_4d else lse_BKM, seed, offset, None, None, None, M, N, 0.0, causal,
+        scale=scale,
+    )  # fmt: skip
+
+
+_CUDA_KERNELS = {"flash": (_flash_block_fwd, _flash_block_bwd), "cudnn": (_cudnn_block_fwd, _cudnn_block_bwd)}
 
 
 def _last_dim_contiguous(x):
     return x if x.stride(-1) == 1 else x.contiguous()
-
-
-def _rows_major(x_BKMD):
-    """Same values, stored [B, M, K, D]-contiguous: what flash reads after its transpose(1, 2)."""
-    return x_BKMD.transpose(1, 2).contiguous().transpose(1, 2)
 
 
 def _merge_(out_BKMD, lse_BKM, out_b_BKMD, lse_b_BKM):
@@ -234,19 +262,19 @@ def _acc_dtype(dtype):
 
 class _PagedAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q_BHRD, k_BKPD, v_BKPD, k_BKRD, v_BKRD, scale, block_size, use_cuda):
+    def forward(ctx, q_BHRD, k_BKPD, v_BKPD, k_BKRD, v_BKRD, scale, block_size, kernel):
         B, H, R, D = q_BHRD.shape
         K, P, Dv = k_BKPD.shape[1], k_BKPD.shape[2], v_BKRD.shape[3]
         G, M = H // K, H // K * R
         acc = _acc_dtype(q_BHRD.dtype)
 
-        if use_cuda:
-            q_BHRD = _last_dim_contiguous(q_BHRD)
-            q_BKMD = q_BHRD.reshape(B, K, M, D)
-            o_BHRD, l_BHR = _flash_block_fwd(q_BHRD, _repeat_kv(k_BKRD, G), _repeat_kv(v_BKRD, G), scale, causal=True)
+        if kernel != "math":
+            block_fwd = _CUDA_KERNELS[kernel][0]
+            q_BHRD = q_BHRD.contiguous()  # one layout for q, out and dO (cudnn needs it; small)
+            q_BKMD = q_BHRD.view(B, K, M, D)
+            o_BHRD, l_BHR = block_fwd(q_BHRD, _repeat_kv(k_BKRD, G), _repeat_kv(v_BKRD, G), scale, causal=True)
             out_BHRD = o_BHRD.to(acc, memory_format=torch.contiguous_format)
             lse_BHR = l_BHR.contiguous()
-            block_fwd = _flash_block_fwd
         else:
             q_BKMD = q_BHRD.reshape(B, K, M, D).to(acc)
             allowed_MR = _causal_allowed_MR(G, R, q_BHRD.device)
@@ -262,7 +290,7 @@ class _PagedAttention(torch.autograd.Function):
         out_BHRD = out_BHRD.to(q_BHRD.dtype)
         ctx.save_for_backward(q_BHRD, k_BKRD, v_BKRD, out_BHRD, lse_BHR)
         ctx.prefix = (k_BKPD, v_BKPD)  # references only: no copy, no version check (see module doc)
-        ctx.scale, ctx.block_size, ctx.use_cuda = scale, block_size, use_cuda
+        ctx.scale, ctx.block_size, ctx.kernel = scale, block_size, kernel
         return out_BHRD
 
     @staticmethod
@@ -270,7 +298,7 @@ class _PagedAttention(torch.autograd.Function):
     def backward(ctx, dout_BHRD):
         q_BHRD, k_BKRD, v_BKRD, out_BHRD, lse_BHR = ctx.saved_tensors
         k_BKPD, v_BKPD = ctx.prefix
-        scale, block_size, use_cuda = ctx.scale, ctx.block_size, ctx.use_cuda
+        scale, block_size, kernel = ctx.scale, ctx.block_size, ctx.kernel
         need_q, need_kp, need_vp, need_kl, need_vl = ctx.needs_input_grad[:5]
         need_prefix, need_live = need_kp or need_vp, need_kl or need_vl
 
@@ -283,16 +311,16 @@ class _PagedAttention(torch.autograd.Function):
         dq_BKMD = dq_BHRD.view(B, K, M, D)
         dk_live_BKRD = dv_live_BKRD = dk_BKPD = dv_BKPD = None
 
-        if use_cuda:
-            do_BKMD = _rows_major(dout_BHRD.reshape(B, K, M, Dv))
-            out_BKMD = _rows_major(out_BHRD.view(B, K, M, Dv))
-            q_BKMD = q_BHRD.reshape(B, K, M, D)
+        if kernel != "math":
+            kernel_bwd = _CUDA_KERNELS[kernel][1]
+            dout_BHRD = dout_BHRD.contiguous()  # q and out are contiguous already
+            do_BKMD, q_BKMD, out_BKMD = (x.view(B, K, M, D) for x in (dout_BHRD, q_BHRD, out_BHRD))
 
             def block_bwd(k_BKND, v_BKND):
-                return _flash_block_bwd(do_BKMD, q_BKMD, k_BKND, v_BKND, out_BKMD, lse_BKM, scale)
+                return kernel_bwd(do_BKMD, q_BKMD, k_BKND, v_BKND, out_BKMD, lse_BKM, scale)
 
             if need_q or need_live:
-                dq_b, dk_b, dv_b = _flash_block_bwd(
+                dq_b, dk_b, dv_b = kernel_bwd(
                     dout_BHRD, q_BHRD, _repeat_kv(k_BKRD, G), _repeat_kv(v_BKRD, G), out_BHRD, lse_BHR, scale,
                     causal=True,
                 )  # fmt: skip

@@ -344,7 +344,7 @@ def chunk_gated_delta_rule(
 def _load_fla() -> tuple[Callable | None, tuple[int, ...]]:
     """fla's chunk_gated_delta_rule and fla's version, or (None, ()) when not importable."""
     try:
-        import fla  # noqa: F401
+        import fla
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
     except Exception:  # ImportError, or triton / driver trouble at import time
         return None, ()

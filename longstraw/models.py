@@ -84,6 +84,17 @@ PRESETS = {
              shared_expert_intermediate_size=32),
         "3 GDN : 1 attention, MoE",
     ),
+    "small-qwen3_5": Preset(
+        "qwen3_5",
+        dict(_TINY_COMMON, **{**_TINY_GDN, "linear_key_head_dim": 64, "linear_value_head_dim": 64},
+             vocab_size=4096, hidden_size=256, intermediate_size=768, head_dim=64),
+        "CPU benchmark size: 3 GDN : 1 attention, hidden 256",
+    ),
+    "small-llama": Preset(
+        "llama", dict(_TINY_COMMON, vocab_size=4096, hidden_size=256, intermediate_size=768, head_dim=64,
+                      num_hidden_layers=4),
+        "CPU benchmark size: 4-layer GQA llama, hidden 256",
+    ),
 }
 TINY_PRESETS = [name for name in PRESETS if name.startswith("tiny-")]
 

@@ -83,7 +83,7 @@ def capture(model, prompt_ids, prefix_grad: bool = False, *, chunk_size: int | N
     state = ResidentState(
         layers=[adapter.allocate_entry(i, positions, dtype, device) for i in range(adapter.num_layers)],
         positions=positions, last_token=int(ids[-1]), model_type=adapter.config.model_type,
-        predicted_bytes_per_position=per_position, predicted_constant_bytes=constant, device=device,
+        predicted_bytes_per_position=per_position, predicted_constant_bytes=constant, dtype=dtype, device=device,
     )
     if order == "auto":
         budget = memory_budget_bytes if memory_budget_bytes is not None else _default_budget(device)
@@ -130,6 +130,8 @@ def replay(model, state: ResidentState, response_ids, *, rows_per_chunk: int | N
         raise ValueError(f"state was captured from a {state.model_type!r} model, not {adapter.config.model_type!r}")
     if state.device != adapter.device:
         raise ValueError(f"state is on {state.device} but the model is on {adapter.device}")
+    if state.dtype != adapter.compute_dtype:
+        raise TypeError(f"state pages are {state.dtype} but the model computes in {adapter.compute_dtype}")
     targets = _as_ids(response_ids, "response_ids", adapter)
     inputs = torch.cat([targets.new_tensor([state.last_token]), targets[:-1]])
     with adapter.selected():

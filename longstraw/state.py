@@ -75,8 +75,9 @@ class ResidentState:
     model_type: str
     predicted_bytes_per_position: int
     predicted_constant_bytes: int
-    prefix_grad: bool = False
+    dtype: torch.dtype = torch.float32
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    prefix_grad: bool = False
 
     @property
     def nbytes(self) -> int:

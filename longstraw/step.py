@@ -45,12 +45,19 @@ def naive_logprobs(model, prompt_ids, response_ids):
 def _checkpointed(model):
     lm = adapter_for(model).lm
     was_training = lm.training
-    lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    # transformers renamed gradient -> activation checkpointing; support both spellings
+    kwargs = {"use_reentrant": False}
+    if hasattr(lm, "activation_checkpointing_enable"):
+        lm.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        disable = lm.activation_checkpointing_disable
+    else:
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        disable = lm.gradient_checkpointing_disable
     lm.train()
     try:
         yield
     finally:
-        lm.gradient_checkpointing_disable()
+        disable()
         lm.train(was_training)
 
 
@@ -116,7 +123,7 @@ def grpo_step(model, prompt_ids, responses, rewards, optimizer, config: grpo.GRP
 
     metrics = {
         "mode": mode,
-        "loss": float(sum(float(l) for l in losses)),
+        "loss": float(sum(float(l.detach()) for l in losses)),
         "grad_norm": grad_norm,
         "reward_mean": float(rewards.mean()),
         "advantages": [float(a) for a in advantages],

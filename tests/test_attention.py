@@ -175,8 +175,9 @@ def _call(d, **kw):
         (lambda d: d.update(vp=torch.zeros(2, 2, 5, 8, dtype=torch.float64)), {}, ValueError, "batch size mismatch"),
         (lambda d: d.update(q=d["q"][:, :, :0], kl=d["kl"][:, :, :0], vl=d["vl"][:, :, :0]), {}, ValueError, "R == 0"),
         (lambda d: d.update(kp=d["kp"].to("meta")), {}, ValueError, "one device"),
-        (lambda d: None, {"backend": "flash"}, ValueError, "backend must be one of"),
+        (lambda d: None, {"backend": "triton"}, ValueError, "backend must be one of"),
         (lambda d: None, {"backend": "cuda"}, ValueError, "needs CUDA tensors"),
+        (lambda d: None, {"backend": "cudnn"}, ValueError, "needs CUDA tensors"),
         (lambda d: None, {"block_size": 0}, ValueError, "block_size"),
         (lambda d: None, {"scale": None}, TypeError, "scale must be a real number"),
     ],
@@ -195,6 +196,7 @@ CUDA_SHAPES = [
     # B, H, Hk, R, P, D, block_size
     (1, 8, 2, 64, 0, 64, None),
     (2, 4, 4, 32, 300, 128, 128),
+    (1, 4, 2, 24, 100, 96, 64),
     (1, 16, 2, 1, 1000, 128, 256),
     (1, 8, 1, 100, 517, 64, 200),
 ]
@@ -203,7 +205,8 @@ CUDA_SHAPES = [
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("B,H,Hk,R,P,D,block_size", CUDA_SHAPES)
 @pytest.mark.parametrize("prefix_grad", [False, True])
-def test_cuda_backend_matches_math_in_bf16(B, H, Hk, R, P, D, block_size, prefix_grad):
+@pytest.mark.parametrize("backend", ["cuda", "flash"])  # "cudnn" is experimental: see module doc
+def test_cuda_backend_matches_math_in_bf16(B, H, Hk, R, P, D, block_size, prefix_grad, backend):
     g = torch.Generator(device="cuda").manual_seed(0)
 
     def rnd(*shape, grad=True):
@@ -213,12 +216,48 @@ def test_cuda_backend_matches_math_in_bf16(B, H, Hk, R, P, D, block_size, prefix
     k_pages, v_pages = rnd(B, Hk, P + 7, D, grad=prefix_grad), rnd(B, Hk, P + 7, D, grad=prefix_grad)
     kp, vp = k_pages[:, :, :P], v_pages[:, :, :P]
     leaves = [q, kl, vl] + ([k_pages, v_pages] if prefix_grad else [])
+    assert attention._pick_kernel(backend, q, D) != "math"
     results = {}
-    for backend in ("cuda", "math"):
-        out = paged_attention(q, kp, vp, kl, vl, scale=D**-0.5, block_size=block_size, backend=backend)
+    for name in (backend, "math"):
+        out = paged_attention(q, kp, vp, kl, vl, scale=D**-0.5, block_size=block_size, backend=name)
         dout = torch.randn(out.shape, generator=torch.Generator(device="cuda").manual_seed(1), device="cuda")
-        results[backend] = [out] + list(torch.autograd.grad(out, leaves, dout.to(out.dtype)))
-    for a, b in zip(results["cuda"], results["math"]):
+        results[name] = [out] + list(torch.autograd.grad(out, leaves, dout.to(out.dtype)))
+    for a, b in zip(results[backend], results["math"]):
         assert a.dtype == b.dtype == torch.bfloat16
         err = (a.float() - b.float()).abs().max().item()
         assert err <= 2e-2 * max(1.0, b.float().abs().max().item()), err
+
+
+def test_cuda_path_plumbing_with_emulated_kernel_on_cpu(monkeypatch):
+    """Fold/repeat/merge/accumulate logic of the CUDA path, with a float32 stand-in for the kernel."""
+
+    def fwd(q, k, v, scale, causal=False):
+        s = (q.float() @ k.float().transpose(-1, -2)) * scale
+        if causal:
+            s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool).tril(), -math.inf)
+        lse = torch.logsumexp(s, -1)
+        return (torch.softmax(s, -1) @ v.float()).to(q.dtype), lse
+
+    def bwd(do, q, k, v, out, lse, scale, causal=False):
+        s = (q.float() @ k.float().transpose(-1, -2)) * scale
+        if causal:
+            s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool).tril(), -math.inf)
+        p = torch.exp(s - lse.unsqueeze(-1))
+        ds = p * (do.float() @ v.float().transpose(-1, -2) - (do.float() * out.float()).sum(-1, keepdim=True))
+        return tuple(
+            g.to(q.dtype) for g in (ds @ k.float() * scale, ds.transpose(-1, -2) @ q.float() * scale, p.transpose(-1, -2) @ do.float())
+        )
+
+    monkeypatch.setitem(attention._CUDA_KERNELS, "flash", (fwd, bwd))
+    for B, H, Hk, R, P, D, bs in [(1, 8, 2, 6, 0, 8, 4), (2, 6, 2, 5, 23, 8, 7), (1, 4, 1, 1, 9, 8, 4)]:
+        q, kp, vp, kl, vl, (k_pages, v_pages) = make_inputs(B, H, Hk, R, P, D, dtype=torch.bfloat16, prefix_grad=True)
+        out = attention._PagedAttention.apply(q, kp, vp, kl, vl, 0.3, bs, "flash")
+        leaves = [q, kl, vl, k_pages, v_pages]
+        dout = torch.randn(out.shape, dtype=torch.float64)
+        got = grads_of(out, leaves, dout.to(out.dtype))
+        leaves64 = [t.detach().double().requires_grad_() for t in leaves]
+        q64, kl64, vl64, kpg64, vpg64 = leaves64
+        ref = dense_reference(q64, kpg64[:, :, :P], vpg64[:, :, :P], kl64, vl64, 0.3)
+        torch.testing.assert_close(out.double(), ref, rtol=3e-2, atol=3e-2)
+        for a, b in zip(got, grads_of(ref, leaves64, dout)):
+            torch.testing.assert_close(a.double(), b, rtol=5e-2, atol=5e-2)

@@ -1,0 +1,5 @@
+import sys
+
+from longstraw.cli import main
+
+sys.exit(main())

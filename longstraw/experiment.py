@@ -1,0 +1,187 @@
+"""Experiment points: a YAML/dict config -> one measured result dict (status ok / oom / error).
+
+    python -m longstraw run experiments/examples/step_cpu.yaml --out results/step.json
+
+Two kinds of point:
+- `step`: build the policy, make a prompt and G responses (seeded random tokens with seeded
+  rewards: a memory/time measurement needs shapes, not meaning), run `cycles` GRPO steps in
+  the chosen mode; with `replay`/`hold_all` one capture serves every cycle.
+- `capture`: capture only; reports time, positions/s, resident bytes against the prediction
+  and the transient memory (peak minus what was there before minus the resident state).
+
+Every result carries provenance and the resolved config. Out-of-memory is a result, not a crash.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import time
+import traceback
+
+import torch
+
+from longstraw import grpo
+from longstraw.measure import PhaseRecorder, peak_rss_bytes, provenance
+from longstraw.replay import capture
+
+DEFAULTS = {
+    "name": "unnamed",
+    "kind": "step",
+    "model": {"preset": "tiny-qwen3_5", "path": None, "dtype": "float32", "device": "cpu", "seed": 0,
+              "lora": None, "nf4": False, "overrides": {}},
+    "prompt": {"length": 1024, "seed": 0},
+    "responses": {"count": 4, "length": 32, "seed": 1},
+    "mode": "replay",
+    "cycles": 1,
+    "grpo": {"beta": 0.04, "epsilon": 0.2, "loss_type": "dapo", "scale_rewards": "group"},
+    "optimizer": {"lr": 1.0e-4},
+    "capture": {"chunk_size": None, "order": "auto", "memory_budget_bytes": None},
+}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+def resolve_config(raw: dict, source: str = "config") -> dict:
+    """Defaults filled in; unknown keys rejected with the key path named."""
+    if not isinstance(raw, dict):
+        raise ValueError(f"{source}: the experiment config must be a mapping, got {type(raw).__name__}")
+    return _merge(DEFAULTS, raw, source)
+
+
+def _merge(defaults: dict, raw: dict, path: str) -> dict:
+    out = copy.deepcopy(defaults)
+    for key, value in raw.items():
+        if key not in defaults:
+            raise ValueError(f"{path}: unknown key {key!r} (known: {sorted(defaults)})")
+        if isinstance(defaults[key], dict) and defaults[key] and key != "overrides":
+            if not isinstance(value, dict):
+                raise ValueError(f"{path}.{key}: expected a mapping, got {value!r}")
+            out[key] = _merge(defaults[key], value, f"{path}.{key}")
+        else:
+            out[key] = value
+    return out
+
+
+def build_policy(model_cfg: dict):
+    """The policy model a point trains: preset or local checkpoint, optional NF4, optional LoRA."""
+    from longstraw.lora import apply_lora
+    from longstraw.models import build_model, load_pretrained
+
+    if model_cfg["dtype"] not in _DTYPES:
+        raise ValueError(f"model.dtype must be one of {sorted(_DTYPES)}, got {model_cfg['dtype']!r}")
+    dtype = _DTYPES[model_cfg["dtype"]]
+    if model_cfg["path"]:
+        model = load_pretrained(model_cfg["path"], dtype=dtype, device=model_cfg["device"])
+    else:
+        model = build_model(model_cfg["preset"], seed=model_cfg["seed"], dtype=dtype, device=model_cfg["device"],
+                            **model_cfg["overrides"])
+    if model_cfg["nf4"]:
+        from longstraw.quant import quantize_nf4
+
+        model = quantize_nf4(model, compute_dtype=dtype)
+    if model_cfg["lora"]:
+        model = apply_lora(model, **model_cfg["lora"])
+    return model
+
+
+def _tokens(n: int, seed: int, vocab: int, device) -> torch.Tensor:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).to(device)
+
+
+def run_point(raw: dict, source: str = "config") -> dict:
+    """Run one experiment point; never raises for OOM or runtime failure (recorded as status)."""
+    cfg = resolve_config(raw, source)
+    device = torch.device(cfg["model"]["device"])
+    result = {"name": cfg["name"], "kind": cfg["kind"], "config": cfg, "provenance": provenance(device)}
+    start = time.perf_counter()
+    try:
+        if cfg["kind"] == "step":
+            result["metrics"] = _run_step(cfg, device)
+        elif cfg["kind"] == "capture":
+            result["metrics"] = _run_capture(cfg, device)
+        else:
+            raise ValueError(f"{source}: kind must be 'step' or 'capture', got {cfg['kind']!r}")
+        result["status"] = "ok"
+    except torch.OutOfMemoryError as exc:
+        result["status"] = "oom"
+        result["error"] = str(exc).splitlines()[0]
+        if device.type == "cuda":
+            result["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
+    except Exception as exc:  # recorded, not swallowed: the CLI exits non-zero on status error
+        result["status"] = "error"
+        result["error"] = f"{type(exc).__name__}: {exc}"
+        result["traceback"] = traceback.format_exc()
+    result["wall_seconds"] = time.perf_counter() - start
+    result["peak_rss_bytes"] = peak_rss_bytes()
+    return result
+
+
+def _run_step(cfg: dict, device) -> dict:
+    from longstraw.lora import trainable_parameters
+    from longstraw.step import grpo_step
+
+    recorder = PhaseRecorder(device)
+    with recorder.phase("weights"):
+        model = build_policy(cfg["model"])
+    vocab = model.get_input_embeddings().weight.shape[0]
+    prompt = _tokens(cfg["prompt"]["length"], cfg["prompt"]["seed"], vocab, device)
+    rcfg = cfg["responses"]
+    responses = [_tokens(rcfg["length"], rcfg["seed"] + i, vocab, device) for i in range(rcfg["count"])]
+    rewards = torch.rand(rcfg["count"], generator=torch.Generator().manual_seed(rcfg["seed"]))
+    config = grpo.GRPOConfig(num_generations=rcfg["count"], **cfg["grpo"])
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg["optimizer"]["lr"])
+    state, cycles = None, []
+    for _ in range(cfg["cycles"]):
+        metrics = grpo_step(model, prompt, responses, rewards, optimizer, config, mode=cfg["mode"], state=state,
+                            capture_kwargs={k: v for k, v in cfg["capture"].items() if v is not None}, device=device)
+        state = metrics.pop("state")
+        cycles.append(metrics)
+    return {"weights": recorder.phases["weights"], "trainable_parameters": trainable_parameters(model),
+            "cycles": cycles, **_summary(cycles)}
+
+
+def _summary(cycles: list) -> dict:
+    """Peaks over all cycles per phase, and the step's overall peak."""
+    phases: dict = {}
+    for c in cycles:
+        for name, rec in c["phases"].items():
+            agg = phases.setdefault(name, {"seconds": 0.0, "count": 0})
+            agg["seconds"] += rec["seconds"]
+            agg["count"] += rec.get("count", 1)
+            for key in ("peak_allocated_bytes", "peak_rss_bytes"):
+                if key in rec:
+                    agg[key] = max(agg.get(key, 0), rec[key])
+    peaks = [p["peak_allocated_bytes"] for p in phases.values() if "peak_allocated_bytes" in p]
+    return {"phase_summary": phases, "peak_allocated_bytes": max(peaks) if peaks else None,
+            "graph_bytes_peak": max(c["graph_bytes_peak"] for c in cycles)}
+
+
+def _run_capture(cfg: dict, device) -> dict:
+    recorder = PhaseRecorder(device)
+    with recorder.phase("weights"):
+        model = build_policy(cfg["model"])
+    vocab = model.get_input_embeddings().weight.shape[0]
+    prompt = _tokens(cfg["prompt"]["length"], cfg["prompt"]["seed"], vocab, device)
+    before = _current_memory(device)
+    with recorder.phase("capture"):
+        state = capture(model, prompt, **{k: v for k, v in cfg["capture"].items() if v is not None})
+    rec = recorder.phases["capture"]
+    peak = rec.get("peak_allocated_bytes", rec["peak_rss_bytes"])
+    return {
+        "phases": recorder.phases,
+        "positions": state.positions,
+        "positions_per_second": state.positions / max(rec["seconds"], 1e-9),
+        "resident_bytes": state.nbytes,
+        "predicted_resident_bytes": state.predicted_nbytes,
+        "memory_before_capture_bytes": before,
+        "transient_bytes": peak - before - state.nbytes,
+    }
+
+
+def _current_memory(device) -> int:
+    """Allocated CUDA bytes, or this process's current RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device)
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")

@@ -1,0 +1,107 @@
+"""NF4 weight quantisation (QLoRA base) by swapping modules for `bitsandbytes.nn.Linear4bit`.
+
+    model = quantize_nf4(build_model("tiny-qwen3_5"))      # or a bf16 checkpoint on CUDA
+    model = apply_lora(model, r=16)                          # LoRA wraps the 4-bit layers
+
+We quantise modules directly because HF's `from_config` ignores `quantization_config`; no
+save/reload is needed. The rule:
+
+* every `nn.Linear` of the model becomes an NF4 `Linear4bit` (blockwise absmax, `blocksize`
+  values per block, double-quantised absmax by default), holding the same weights quantised;
+* except names in `skip` (`lm_head` by default), and MoE routing: a Linear whose parent also
+  holds an `experts` module and whose output width is the number of experts (router logits) or 1
+  (shared-expert gate) stays in full precision, so top-k routing is not perturbed by 4-bit noise.
+  (In transformers 5 the routers are `*TopKRouter` modules and the routed experts are fused 3-D
+  parameters, not `nn.Linear`: both are left untouched, so MoE expert weights stay unquantised.)
+
+Compute dtype defaults to the dtype the weight had (bf16 on GPU, float32 in CPU tests), fixed
+at construction, instead of bnb's "dtype of the first input seen".
+
+bitsandbytes 0.50.2 quirks handled here:
+* `Params4bit.to(device)` quantises on the first move (CPU and CUDA alike; on CPU the default
+  backend's pure-torch `quantize_4bit` runs), so we wrap the weight and move it to its own device.
+* on CPUs with AVX512-BF16, `Linear4bit.forward` in eval mode without grad repacks the weight
+  into a CPU-only layout and crashes; `support_avx512bf16_for_cpu = False` is set on each module.
+* peft wraps a `Linear4bit` with its 4-bit LoRA layer (`peft.tuners.lora.bnb.Linear4bit`) only
+  if `model.is_loaded_in_4bit` is true (otherwise it falls back to its plain `lora.Linear`); we set it.
+
+No `prepare_model_for_kbit_training` is needed (or wanted): it casts every non-4-bit parameter to
+float32 and enables HF gradient checkpointing, whereas we keep bf16 compute and replay manages
+its own memory. LoRA parameters get gradients through the frozen 4-bit base as they are.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def _expert_count(model) -> int | None:
+    config = getattr(model, "config", None)
+    if config is None:
+        return None
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    for key in ("num_experts", "n_routed_experts", "num_local_experts"):
+        if getattr(config, key, None):
+            return int(getattr(config, key))
+    return None
+
+
+def is_routing_linear(parent: nn.Module, linear: nn.Linear, num_experts: int | None) -> bool:
+    """MoE router logits or shared-expert gate: kept in full precision."""
+    return hasattr(parent, "experts") and linear.out_features in {1, num_experts}
+
+
+def quantize_nf4(model: nn.Module, *, compute_dtype: torch.dtype | None = None, skip=("lm_head",),
+                 blocksize: int = 64, double_quant: bool = True) -> nn.Module:
+    """Replace the model's `nn.Linear`s (see the module docstring for which) by NF4 `Linear4bit`, in place."""
+    import bitsandbytes as bnb
+
+    if any("lora_A" in name for name, _ in model.named_modules()):
+        raise ValueError("quantize_nf4 must run before apply_lora (LoRA layers wrap the 4-bit modules)")
+    num_experts = _expert_count(model)
+    targets = []
+    for parent_name, parent in model.named_modules():
+        for child_name, child in parent.named_children():
+            name = f"{parent_name}.{child_name}" if parent_name else child_name
+            if (type(child) is not nn.Linear or any(name == s or name.endswith("." + s) for s in skip)
+                    or is_routing_linear(parent, child, num_experts)):
+                continue
+            targets.append((parent, child_name))
+    for parent, child_name in targets:  # one module at a time: the old weight is freed as we go
+        old = getattr(parent, child_name)
+        weight = old.weight.detach()
+        new = bnb.nn.Linear4bit(old.in_features, old.out_features, bias=old.bias is not None,
+                                compute_dtype=compute_dtype or weight.dtype, compress_statistics=double_quant,
+                                quant_type="nf4", quant_storage=torch.uint8, device="meta")
+        new.weight = bnb.nn.Params4bit(weight, requires_grad=False, blocksize=blocksize,
+                                       compress_statistics=double_quant, quant_type="nf4",
+                                       quant_storage=torch.uint8, module=new).to(weight.device)  # quantises
+        if old.bias is not None:
+            new.bias = old.bias
+        new.support_avx512bf16_for_cpu = False
+        new.train(old.training)
+        setattr(parent, child_name, new)
+        del old, weight
+    model.is_loaded_in_4bit = True
+    return model
+
+
+def _quant_state_tensors(qs):
+    yield from (qs.absmax, qs.code, qs.offset)
+    if qs.state2 is not None:
+        yield from _quant_state_tensors(qs.state2)
+
+
+def quantized_bytes(model: nn.Module) -> int:
+    """Bytes of weight storage: every parameter once, 4-bit ones as packed data plus quant state."""
+    import bitsandbytes as bnb
+
+    total = 0
+    for param in model.parameters():  # parameters() already yields tied weights once
+        total += param.numel() * param.element_size()
+        if isinstance(param, bnb.nn.Params4bit) and param.quant_state is not None:
+            total += sum(t.numel() * t.element_size() for t in _quant_state_tensors(param.quant_state)
+                         if isinstance(t, torch.Tensor))
+    return total

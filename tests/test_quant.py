@@ -1,0 +1,139 @@
+"""NF4 quantisation (bitsandbytes Linear4bit) and QLoRA: replay against HF on the same 4-bit model."""
+
+import math
+
+import pytest
+import torch
+
+try:
+    import bitsandbytes as bnb
+    from peft.tuners.lora.bnb import Linear4bit as LoraLinear4bit
+except Exception as exc:  # not installed, or a broken build (missing native library)
+    pytest.skip(f"bitsandbytes is not importable ({exc!r}): NF4/QLoRA tests skipped", allow_module_level=True)
+
+from hf_reference import grads_of, hf_conditional_logprobs, hf_full_logprobs, max_relative_error  # noqa: E402
+from longstraw import capture, replay  # noqa: E402
+from longstraw.lora import apply_lora  # noqa: E402
+from longstraw.models import TINY_PRESETS, build_model  # noqa: E402
+from longstraw.quant import quantize_nf4, quantized_bytes  # noqa: E402
+
+PROMPT_LEN = 37
+ROUTER_GATES = ("shared_expert_gate",)
+
+
+def _ids(n, seed, vocab=256):
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def _linears(model):
+    return {n: m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+
+
+@pytest.mark.parametrize("preset", TINY_PRESETS)
+def test_linears_become_nf4_with_close_weights_and_routing_kept(preset):
+    model = build_model(preset, seed=1)
+    originals = {n: m.weight.detach().clone() for n, m in _linears(model).items()}
+    routers = {n: m.weight.detach().clone() for n, m in model.named_modules() if type(m).__name__.endswith("Router")}
+    float_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert quantize_nf4(model, compute_dtype=torch.float32) is model
+
+    nf4 = bnb.functional.get_4bit_type("nf4", device="cpu")
+    half_gap = float(nf4.sort().values.diff().max()) / 2  # worst rounding error of NF4, in units of block absmax
+    quantised, packed, overhead = 0, 0, 0
+    for name, module in _linears(model).items():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf == "lm_head" or leaf in ROUTER_GATES:  # skipped / routing (output width 1): full precision
+            assert type(module) is torch.nn.Linear and torch.equal(module.weight, originals[name])
+            assert leaf == "lm_head" or module.out_features == 1
+            continue
+        assert isinstance(module, bnb.nn.Linear4bit), name
+        w = module.weight
+        assert isinstance(w, bnb.nn.Params4bit) and w.quant_type == "nf4" and w.blocksize == 64
+        assert w.dtype == torch.uint8 and w.bnb_quantized and not w.requires_grad
+        assert module.support_avx512bf16_for_cpu is False and module.compute_dtype == torch.float32
+        deq = bnb.functional.dequantize_4bit(w.data, w.quant_state)
+        orig = originals[name]
+        assert deq.shape == orig.shape and deq.dtype == orig.dtype
+        block_absmax = orig.reshape(-1, 64).abs().amax(1, keepdim=True)
+        err = (deq - orig).reshape(-1, 64).abs()
+        assert (err <= (half_gap + 0.02) * block_absmax + 1e-7).all(), name  # + 8-bit double-quantised absmax
+        assert float((deq - orig).norm() / orig.norm()) < 0.15, name
+        quantised += 1
+        packed += orig.numel()
+        overhead += 16 * 4 + 4 + math.ceil(orig.numel() / 64 / 256) * 4 + 256 * 4  # code, offset, state2
+    assert quantised > 0
+    for name, module in model.named_modules():  # MoE routers (transformers 5: *TopKRouter modules) untouched
+        if name in routers:
+            assert torch.equal(module.weight, routers[name])
+    # storage: 4 bits per weight + one 8-bit absmax per 64-weight block + small per-module constants
+    fp_rest = float_bytes - 4 * packed
+    assert quantized_bytes(model) == fp_rest + packed // 2 + packed // 64 + overhead
+    assert quantized_bytes(model) < float_bytes
+
+
+def test_routing_rule_is_structural_not_width_alone():
+    """tiny-qwen3_5_moe: GDN in_proj_b/in_proj_a have width 4 == num_experts but are not routing."""
+    model = quantize_nf4(build_model("tiny-qwen3_5_moe", seed=1))
+    assert model.config.num_experts == 4
+    layer = model.model.layers[0]
+    assert layer.linear_attn.in_proj_b.out_features == 4 and isinstance(layer.linear_attn.in_proj_b, bnb.nn.Linear4bit)
+    assert type(layer.mlp.shared_expert_gate) is torch.nn.Linear
+    assert isinstance(layer.mlp.shared_expert.up_proj, bnb.nn.Linear4bit)
+
+
+def test_quantise_after_lora_is_refused():
+    with pytest.raises(ValueError, match="before apply_lora"):
+        quantize_nf4(apply_lora(build_model("tiny-llama", seed=1), r=4))
+
+
+@pytest.mark.parametrize("preset", TINY_PRESETS)
+@pytest.mark.parametrize("response_len", [1, 9])
+def test_replay_logprobs_equal_hf_one_pass_of_same_nf4_model(preset, response_len):
+    model = quantize_nf4(build_model(preset, seed=1), compute_dtype=torch.float32)
+    prompt, response = _ids(PROMPT_LEN, 0), _ids(response_len, 1)
+    with torch.no_grad():  # eval + no grad: bnb's inference path (and its AVX512-BF16 repack, disabled)
+        ours = replay(model, capture(model, prompt, chunk_size=8), response)
+        expected = hf_full_logprobs(model, prompt, response)
+    assert ours.dtype == torch.float32 and ours.shape == (response_len,)
+    assert (ours - expected).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("preset", TINY_PRESETS)
+def test_qlora_replay_gradients_equal_conditional_reference(preset):
+    net = apply_lora(quantize_nf4(build_model(preset, seed=1), compute_dtype=torch.float32), r=4, init_random=True)
+    net.train()
+    wrapped = [m for m in net.modules() if isinstance(m, LoraLinear4bit)]
+    assert wrapped and all(isinstance(m.base_layer, bnb.nn.Linear4bit) for m in wrapped)
+    trainable = {n for n, p in net.named_parameters() if p.requires_grad}
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+
+    prompt, response = _ids(PROMPT_LEN, 4), _ids(6, 5)
+    weights = torch.linspace(-1.0, 2.0, 6)
+    state = capture(net, prompt, chunk_size=8)
+    ours = grads_of(net, (replay(net, state, response) * weights).sum())
+    expected = grads_of(net, (hf_conditional_logprobs(net, prompt, response) * weights).sum())
+    assert set(ours) == set(expected) == trainable
+    assert all(g.abs().sum() > 0 for g in ours.values())
+    assert max_relative_error(ours, expected) < 1e-4
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-qwen3_5"])
+def test_cuda_bf16_qlora_smoke(preset):
+    """CUDA path: Params4bit quantises on the device, bf16 compute, LoRA grads through the 4-bit base."""
+    model = build_model(preset, seed=1, dtype=torch.bfloat16, device="cuda")
+    q_proj = model.model.layers[-1].self_attn.q_proj.weight.detach().clone()
+    net = apply_lora(quantize_nf4(model), r=4, init_random=True)
+    base = net.get_base_model().model.layers[-1].self_attn.q_proj.base_layer
+    assert isinstance(base, bnb.nn.Linear4bit) and base.compute_dtype == torch.bfloat16
+    assert base.weight.device.type == "cuda" and base.weight.quant_state.absmax.device.type == "cuda"
+    deq = bnb.functional.dequantize_4bit(base.weight.data, base.weight.quant_state)
+    assert float((deq.float() - q_proj.float()).norm() / q_proj.float().norm()) < 0.15
+    prompt, response = _ids(PROMPT_LEN, 4).cuda(), _ids(6, 5).cuda()
+    with torch.no_grad():
+        ours = replay(net, capture(net, prompt, chunk_size=8), response)
+        expected = hf_full_logprobs(net, prompt, response)
+    assert (ours - expected).abs().max() < 0.1  # bf16: different kernels/shapes on each side
+    net.train()
+    grads = grads_of(net, replay(net, capture(net, prompt, chunk_size=8), response).sum())
+    assert grads and all(torch.isfinite(g).all() and g.abs().sum() > 0 for g in grads.values())

@@ -1,0 +1,76 @@
+"""grpo_step: serial replay accumulates exactly hold_all's gradient; naive gives HF's full-sequence one."""
+
+import pytest
+import torch
+
+from hf_reference import hf_full_logprobs, max_relative_error
+from longstraw import grpo
+from longstraw.models import build_model
+from longstraw.step import grpo_step
+
+
+class GradientRecorder:
+    """An optimizer stand-in: records the accumulated gradients at step() instead of updating."""
+
+    def __init__(self, model):
+        self.model, self.grads = model, None
+
+    def step(self):
+        self.grads = {n: p.grad.clone() for n, p in self.model.named_parameters() if p.grad is not None}
+
+    def zero_grad(self, set_to_none=True):
+        self.model.zero_grad(set_to_none=set_to_none)
+
+
+def _group(seed=0, lengths=(3, 7, 1, 5)):
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, 256, (29,), generator=g)
+    responses = [torch.randint(0, 256, (n,), generator=g) for n in lengths]
+    return prompt, responses, torch.tensor([1.0, 0.0, 0.5, 0.25])
+
+
+@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-qwen3_next"])
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_serial_replay_gradient_equals_hold_all(preset, loss_type):
+    model = build_model(preset, seed=3)
+    prompt, responses, rewards = _group()
+    config = grpo.GRPOConfig(num_generations=4, beta=0.1, loss_type=loss_type)
+    runs = {}
+    for mode in ("replay", "hold_all"):
+        recorder = GradientRecorder(model)
+        metrics = grpo_step(model, prompt, responses, rewards, recorder, config, mode=mode,
+                            capture_kwargs={"chunk_size": 8})
+        assert metrics["state_unchanged"]
+        runs[mode] = (recorder.grads, metrics)
+    assert max_relative_error(runs["replay"][0], runs["hold_all"][0]) < 1e-5
+    assert runs["replay"][1]["loss"] == pytest.approx(runs["hold_all"][1]["loss"], rel=1e-6)
+    assert runs["hold_all"][1]["graph_bytes_peak"] > runs["replay"][1]["graph_bytes_peak"]
+
+
+def test_naive_gradient_is_hf_full_sequence_gradient():
+    model = build_model("tiny-llama", seed=3)
+    prompt, responses, rewards = _group(seed=1)
+    config = grpo.GRPOConfig(num_generations=4, beta=0.0, loss_type="grpo")
+    recorder = GradientRecorder(model)
+    grpo_step(model, prompt, responses, rewards, recorder, config, mode="naive")
+    # on-policy first step: old log-probs equal the current ones (detached), as in the step
+    logps = [hf_full_logprobs(model, prompt, y) for y in responses]
+    advantages = grpo.group_advantages(rewards)
+    loss = grpo.batch_loss(logps, [lp.detach() for lp in logps], None, advantages, config)
+    model.zero_grad()
+    loss.backward()
+    expected = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert max_relative_error(recorder.grads, expected) < 1e-4
+
+
+def test_step_applies_the_optimizer_and_reports_phases():
+    model = build_model("tiny-qwen3_5", seed=0)
+    prompt, responses, rewards = _group(seed=2)
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    metrics = grpo_step(model, prompt, responses, rewards, optimizer, grpo.GRPOConfig(num_generations=4, beta=0.0),
+                        capture_kwargs={"chunk_size": 8})
+    assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
+    assert {"capture", "old_scoring", "replay", "optimizer_step"} <= set(metrics["phases"])
+    assert metrics["phases"]["replay"]["count"] == 4
+    assert metrics["resident_bytes"] == metrics["predicted_resident_bytes"]
