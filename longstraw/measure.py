@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import importlib.metadata
+import os
 import platform
 import resource
 import subprocess
@@ -131,6 +132,10 @@ def _version(package: str) -> str | None:
 
 
 def git_commit() -> str | None:
+    """HEAD (with -dirty for uncommitted tracked changes); LONGSTRAW_COMMIT where there is no
+    .git (the GPU box receives a copy of the tree without it)."""
+    if os.environ.get("LONGSTRAW_COMMIT"):
+        return os.environ["LONGSTRAW_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
                              cwd=Path(__file__).resolve().parent)
