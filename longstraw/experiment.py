@@ -88,6 +88,18 @@ def _tokens(n: int, seed: int, vocab: int, device) -> torch.Tensor:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).to(device)
 
 
+def _policy_and_prompt(cfg: dict, recorder: PhaseRecorder):
+    """Build the policy (timed as the `weights` phase) and the point's seeded prompt tokens."""
+    with recorder.phase("weights"):
+        model = build_policy(cfg["model"])
+    vocab = model.get_input_embeddings().weight.shape[0]
+    return model, vocab, _tokens(cfg["prompt"]["length"], cfg["prompt"]["seed"], vocab, recorder.device)
+
+
+def _capture_kwargs(cfg: dict) -> dict:
+    return {k: v for k, v in cfg["capture"].items() if v is not None}
+
+
 def run_point(raw: dict, source: str = "config") -> dict:
     """Run one experiment point; never raises for OOM or runtime failure (recorded as status)."""
     cfg = resolve_config(raw, source)
@@ -121,10 +133,7 @@ def _run_step(cfg: dict, device) -> dict:
     from longstraw.step import grpo_step
 
     recorder = PhaseRecorder(device)
-    with recorder.phase("weights"):
-        model = build_policy(cfg["model"])
-    vocab = model.get_input_embeddings().weight.shape[0]
-    prompt = _tokens(cfg["prompt"]["length"], cfg["prompt"]["seed"], vocab, device)
+    model, vocab, prompt = _policy_and_prompt(cfg, recorder)
     rcfg = cfg["responses"]
     responses = [_tokens(rcfg["length"], rcfg["seed"] + i, vocab, device) for i in range(rcfg["count"])]
     rewards = torch.rand(rcfg["count"], generator=torch.Generator().manual_seed(rcfg["seed"]))
@@ -134,7 +143,7 @@ def _run_step(cfg: dict, device) -> dict:
     state, cycles = None, []
     for _ in range(cfg["cycles"]):
         metrics = grpo_step(model, prompt, responses, rewards, optimizer, config, mode=cfg["mode"], state=state,
-                            capture_kwargs={k: v for k, v in cfg["capture"].items() if v is not None}, device=device)
+                            capture_kwargs=_capture_kwargs(cfg), device=device)
         state = metrics.pop("state")
         cycles.append(metrics)
     return {"weights": recorder.phases["weights"], "trainable_parameters": trainable_parameters(model),
@@ -159,13 +168,10 @@ def _summary(cycles: list) -> dict:
 
 def _run_capture(cfg: dict, device) -> dict:
     recorder = PhaseRecorder(device)
-    with recorder.phase("weights"):
-        model = build_policy(cfg["model"])
-    vocab = model.get_input_embeddings().weight.shape[0]
-    prompt = _tokens(cfg["prompt"]["length"], cfg["prompt"]["seed"], vocab, device)
+    model, _, prompt = _policy_and_prompt(cfg, recorder)
     before = _current_memory(device)
     with recorder.phase("capture"):
-        state = capture(model, prompt, **{k: v for k, v in cfg["capture"].items() if v is not None})
+        state = capture(model, prompt, **_capture_kwargs(cfg))
     rec = recorder.phases["capture"]
     peak = rec.get("peak_allocated_bytes", rec["peak_rss_bytes"])
     return {
