@@ -1,10 +1,15 @@
-"""Command line: `longstraw run EXPERIMENT.yaml --out RESULT.json` (also `python -m longstraw`).
+"""Command line (also `python -m longstraw`).
 
     longstraw run experiments/examples/step_cpu.yaml --out results/step.json
     longstraw run experiments/examples/step_cpu.yaml --out r.json --set mode=hold_all --set responses.count=8
+    longstraw plan --profile cpu
+    longstraw point experiments/g_sweep.yaml --profile cpu --point mode-replay_count-8 --out r.json
 
-The result JSON is written atomically; the last stdout line is a one-line JSON summary.
-Exit status: 0 for ok and oom (an out-of-memory point is a measurement), 1 for error.
+`run` executes one point config; `point` executes one point of a pipeline experiment file and
+adds the pipeline's keys (experiment, point, profile, grid, command). Result JSONs are written
+atomically; the last stdout line is a one-line JSON summary. Exit status of `run`: 0 for ok and
+oom (an out-of-memory point is a measurement), 1 for error; `point` exits 0 whenever a result
+was recorded (error included: the report shows it), 2 for a bad experiment file.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import sys
 
 import yaml
 
+from longstraw import plan
 from longstraw.experiment import run_point
 from longstraw.results import write_json_atomic
 
@@ -49,7 +55,19 @@ def main(argv=None) -> int:
     run.add_argument("experiment", help="experiment YAML file")
     run.add_argument("--out", required=True, help="result JSON path (written atomically)")
     run.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE", help="override a config key")
+    listing = sub.add_parser("plan", help="list the experiment points of a profile")
+    listing.add_argument("--profile", default="cpu")
+    listing.add_argument("--experiments", default="experiments")
+    point = sub.add_parser("point", help="run one point of a pipeline experiment file")
+    point.add_argument("experiment", help="experiment file (experiments/NAME.yaml)")
+    point.add_argument("--profile", required=True)
+    point.add_argument("--point", required=True)
+    point.add_argument("--out", required=True)
     args = parser.parse_args(argv)
+    if args.command == "plan":
+        return _plan(args)
+    if args.command == "point":
+        return _point(args)
 
     try:
         with open(args.experiment) as f:
@@ -69,6 +87,39 @@ def main(argv=None) -> int:
         print(result.get("traceback", result["error"]), file=sys.stderr)
     print(json.dumps(_summary(result)))
     return 1 if result["status"] == "error" else 0
+
+
+def _plan(args) -> int:
+    try:
+        experiments = plan.plan(args.experiments, args.profile)
+    except ValueError as exc:
+        print(f"longstraw: {exc}", file=sys.stderr)
+        return 2
+    for name, experiment in experiments.items():
+        for point in experiment["points"]:
+            print(f"{name}/{point}")
+    return 0
+
+
+def _point(args) -> int:
+    try:
+        experiment = plan.load_experiment(args.experiment)
+        points = plan.expand(experiment, args.profile, source=args.experiment)
+        if args.point not in points:
+            raise ValueError(f"{args.experiment}: no point {args.point!r} in profile {args.profile!r}; "
+                             f"points: {sorted(points)}")
+    except ValueError as exc:
+        print(f"longstraw: {exc}", file=sys.stderr)
+        return 2
+    result = run_point(points[args.point]["config"], source=args.experiment)
+    result.update(experiment=experiment["name"], experiment_title=experiment["title"], point=args.point,
+                  profile=args.profile, grid=points[args.point]["grid"],
+                  command=plan.point_command(args.experiment, args.profile, args.point, args.out))
+    write_json_atomic(args.out, result)
+    if result["status"] == "error":
+        print(result.get("traceback", result["error"]), file=sys.stderr)
+    print(json.dumps(_summary(result)))
+    return 0
 
 
 if __name__ == "__main__":

@@ -2,12 +2,14 @@
 
     python -m longstraw run experiments/examples/step_cpu.yaml --out results/step.json
 
-Two kinds of point:
+Three kinds of point:
 - `step`: build the policy, make a prompt and G responses (seeded random tokens with seeded
   rewards: a memory/time measurement needs shapes, not meaning), run `cycles` GRPO steps in
   the chosen mode; with `replay`/`hold_all` one capture serves every cycle.
 - `capture`: capture only; reports time, positions/s, resident bytes against the prediction
-  and the transient memory (peak minus what was there before minus the resident state).
+  and the transient memory (peak minus what was there before minus the resident state),
+  then times one replay (forward + backward).
+- `capacity`: the largest prompt length whose step fits (`longstraw.capacity`).
 
 Every result carries provenance and the resolved config. Out-of-memory is a result, not a crash.
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import os
+import sys
 import time
 import traceback
 
@@ -23,7 +26,7 @@ import torch
 
 from longstraw import grpo
 from longstraw.measure import PhaseRecorder, peak_rss_bytes, provenance
-from longstraw.replay import capture
+from longstraw.replay import capture, replay
 
 DEFAULTS = {
     "name": "unnamed",
@@ -37,6 +40,7 @@ DEFAULTS = {
     "grpo": {"beta": 0.04, "epsilon": 0.2, "loss_type": "dapo", "scale_rewards": "group"},
     "optimizer": {"lr": 1.0e-4},
     "capture": {"chunk_size": None, "order": "auto", "memory_budget_bytes": None},
+    "capacity": {"min_length": 1024, "max_length": 1 << 20, "granularity": 1024, "ceiling_bytes": None},
 }
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
@@ -111,8 +115,12 @@ def run_point(raw: dict, source: str = "config") -> dict:
             result["metrics"] = _run_step(cfg, device)
         elif cfg["kind"] == "capture":
             result["metrics"] = _run_capture(cfg, device)
+        elif cfg["kind"] == "capacity":
+            from longstraw.capacity import find_capacity
+
+            result["metrics"] = find_capacity(cfg, progress=lambda line: print(line, file=sys.stderr, flush=True))
         else:
-            raise ValueError(f"{source}: kind must be 'step' or 'capture', got {cfg['kind']!r}")
+            raise ValueError(f"{source}: kind must be 'step', 'capture' or 'capacity', got {cfg['kind']!r}")
         result["status"] = "ok"
     except torch.OutOfMemoryError as exc:
         result["status"] = "oom"
@@ -167,21 +175,35 @@ def _summary(cycles: list) -> dict:
 
 
 def _run_capture(cfg: dict, device) -> dict:
+    """Capture, then one timed replay (forward + backward) of a response of `responses.length`."""
     recorder = PhaseRecorder(device)
-    model, _, prompt = _policy_and_prompt(cfg, recorder)
+    model, vocab, prompt = _policy_and_prompt(cfg, recorder)
     before = _current_memory(device)
     with recorder.phase("capture"):
         state = capture(model, prompt, **_capture_kwargs(cfg))
     rec = recorder.phases["capture"]
     peak = rec.get("peak_allocated_bytes", rec["peak_rss_bytes"])
+    response = _tokens(cfg["responses"]["length"], cfg["responses"]["seed"], vocab, device)
+    with recorder.phase("replay"):
+        replay(model, state, response).sum().backward()
+    by_entry = state.nbytes_by_entry()
     return {
         "phases": recorder.phases,
+        "model_type": state.model_type,
         "positions": state.positions,
         "positions_per_second": state.positions / max(rec["seconds"], 1e-9),
         "resident_bytes": state.nbytes,
         "predicted_resident_bytes": state.predicted_nbytes,
+        "resident_bytes_by_entry": by_entry,
+        "bytes_per_position_measured": by_entry.get("AttentionPages", 0) / max(state.positions, 1),
+        "bytes_per_position_predicted": state.predicted_bytes_per_position,
+        "constant_bytes_measured": state.nbytes - by_entry.get("AttentionPages", 0),
+        "constant_bytes_predicted": state.predicted_constant_bytes,
         "memory_before_capture_bytes": before,
         "transient_bytes": peak - before - state.nbytes,
+        "capture_seconds": rec["seconds"],
+        "replay_seconds": recorder.phases["replay"]["seconds"],
+        "response_length": int(response.numel()),
     }
 
 

@@ -95,6 +95,17 @@ PRESETS = {
                       num_hidden_layers=4),
         "CPU benchmark size: 4-layer GQA llama, hidden 256",
     ),
+    # GPU scale: the Qwen3.6 pattern (3 Gated DeltaNet : 1 full attention, dense FFN), ~1.1B parameters
+    "hybrid-1b": Preset(
+        "qwen3_5",
+        dict(vocab_size=32768, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
+             layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 4,
+             num_attention_heads=16, num_key_value_heads=2, head_dim=128,
+             linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+             linear_value_head_dim=128, linear_conv_kernel_dim=4, max_position_embeddings=8_388_608,
+             rms_norm_eps=1e-6, tie_word_embeddings=False),
+        "GPU: Qwen3.6 pattern, 16 layers (12 GDN + 4 attention), hidden 2048",
+    ),
 }
 TINY_PRESETS = [name for name in PRESETS if name.startswith("tiny-")]
 

@@ -15,9 +15,9 @@ used when they fit the memory budget). Replay feeds the last prompt token and th
 from __future__ import annotations
 
 import sys
-import time
 
 import torch
+from tqdm import tqdm
 
 from longstraw.adapters import adapter_for
 from longstraw.logprobs import token_logprobs
@@ -47,19 +47,20 @@ def _as_ids(ids, name: str, adapter) -> torch.Tensor:
 
 
 class _Progress:
-    """Prints positions and positions/second to stderr for long captures."""
+    """A tqdm bar (positions, positions/second) on stderr for long captures."""
 
-    def __init__(self, total: int, enabled: bool | None, every_s: float = 10.0):
-        self.total, self.every_s = total, every_s
-        self.enabled = total >= PROGRESS_MIN_POSITIONS if enabled is None else enabled
-        self.start = self.last = time.perf_counter()
+    def __init__(self, total: int, enabled: bool | None, label: str):
+        enabled = total >= PROGRESS_MIN_POSITIONS if enabled is None else enabled
+        self.bar = tqdm(total=total, unit="pos", unit_scale=True, desc=label, disable=not enabled,
+                        file=sys.stderr, mininterval=5.0)
 
-    def update(self, done: int, label: str = ""):
-        now = time.perf_counter()
-        if self.enabled and (now - self.last >= self.every_s or done >= self.total):
-            rate = done / max(now - self.start, 1e-9)
-            print(f"capture {label}{done:,}/{self.total:,} positions, {rate:,.0f} pos/s", file=sys.stderr, flush=True)
-            self.last = now
+    def advance_to(self, done: int, label: str | None = None):
+        if label:
+            self.bar.set_description(label, refresh=False)
+        self.bar.update(done - self.bar.n)
+
+    def close(self):
+        self.bar.close()
 
 
 def _sync(device):
@@ -92,7 +93,8 @@ def capture(model, prompt_ids, prefix_grad: bool = False, *, chunk_size: int | N
     if order not in ("chunk", "layer"):
         raise ValueError(f"order must be 'auto', 'chunk' or 'layer', got {order!r}")
     starts = range(0, positions, chunk)
-    progress_bar = _Progress(positions if order == "chunk" else positions * adapter.num_layers, progress)
+    progress_bar = _Progress(positions if order == "chunk" else positions * adapter.num_layers, progress,
+                             label=f"capture ({order}-major)")
     with torch.no_grad(), adapter.selected():
         if order == "chunk":
             for start in starts:
@@ -100,7 +102,7 @@ def capture(model, prompt_ids, prefix_grad: bool = False, *, chunk_size: int | N
                 pe = adapter.position_embeddings(h, start)
                 for i, entry in enumerate(state.layers):
                     h = adapter.layer_forward(i, h, pe, entry, capturing=True)
-                progress_bar.update(min(start + chunk, positions))
+                progress_bar.advance_to(min(start + chunk, positions))
         else:
             h_all = adapter.embed(ids[None, :positions])
             for i, entry in enumerate(state.layers):
@@ -108,8 +110,9 @@ def capture(model, prompt_ids, prefix_grad: bool = False, *, chunk_size: int | N
                     h = h_all[:, start:start + chunk]
                     pe = adapter.position_embeddings(h, start)
                     h_all[:, start:start + chunk] = adapter.layer_forward(i, h, pe, entry, capturing=True)
-                progress_bar.update((i + 1) * positions, label=f"layer {i + 1}/{adapter.num_layers} ")
+                progress_bar.advance_to((i + 1) * positions, label=f"capture layer {i + 1}/{adapter.num_layers}")
             del h_all
+    progress_bar.close()
     _sync(device)
     return state
 

@@ -83,6 +83,14 @@ class ResidentState:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for layer in self.layers for t in layer.tensors())
 
+    def nbytes_by_entry(self) -> dict[str, int]:
+        """Resident bytes per entry class (position-proportional pages vs constant-size states)."""
+        out: dict[str, int] = {}
+        for layer in self.layers:
+            name = type(layer).__name__
+            out[name] = out.get(name, 0) + sum(t.numel() * t.element_size() for t in layer.tensors())
+        return out
+
     @property
     def predicted_nbytes(self) -> int:
         return self.predicted_bytes_per_position * self.positions + self.predicted_constant_bytes

@@ -1,0 +1,98 @@
+"""Largest prompt that fits: a search over prompt lengths, each probe one GRPO step in a fresh process.
+
+A fresh process per probe gives a clean allocator after an OOM and a process peak RSS that
+belongs to that probe alone. A probe fits when it completes and its measured step memory is
+under the ceiling:
+- CUDA: `peak_allocated_bytes` over all phases; the ceiling is the device itself (a real OOM)
+  unless `capacity.ceiling_bytes` sets a lower one.
+- CPU: process peak RSS minus RSS after building the weights, against `capacity.ceiling_bytes`
+  (an emulated ceiling, stated in the result: a 24 GiB machine would not run out at CPU sizes).
+
+Search: double from `min_length` until a probe does not fit (or `max_length`), then bisect
+between the last fitting and the first failing length down to `granularity` positions.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import yaml
+
+
+def _probe(point: dict, length: int, workdir: Path) -> dict:
+    config = copy.deepcopy(point)
+    config["kind"] = "step"
+    config["name"] = f"{point['name']}_probe_{length}"
+    config["prompt"]["length"] = length
+    config.pop("capacity", None)
+    spec, out = workdir / f"probe_{length}.yaml", workdir / f"probe_{length}.json"
+    spec.write_text(yaml.safe_dump(config))
+    proc = subprocess.run([sys.executable, "-m", "longstraw", "run", str(spec), "--out", str(out)],
+                          capture_output=True, text=True)
+    if not out.exists():
+        return {"status": "error", "error": proc.stderr[-2000:]}
+    return json.loads(out.read_text())
+
+
+def _measured_bytes(result: dict, device_type: str) -> int | None:
+    metrics = result.get("metrics") or {}
+    if device_type == "cuda":
+        return metrics.get("peak_allocated_bytes") or result.get("peak_allocated_bytes")
+    weights = (metrics.get("weights") or {}).get("peak_rss_bytes")
+    return result["peak_rss_bytes"] - weights if weights is not None and "peak_rss_bytes" in result else None
+
+
+def find_capacity(point: dict, progress=print) -> dict:
+    """Run the search for a resolved point config; returns the capacity metrics with every probe."""
+    settings = point["capacity"]
+    device_type = point["model"]["device"].split(":")[0]
+    ceiling = settings["ceiling_bytes"]
+    if device_type != "cuda" and ceiling is None:
+        raise ValueError("capacity on CPU needs capacity.ceiling_bytes (an emulated memory ceiling)")
+    probes: dict[int, dict] = {}
+
+    def fits(length: int) -> bool:
+        result = _probe(point, length, workdir)
+        peak = _measured_bytes(result, device_type)
+        status = result["status"]
+        if status == "ok" and ceiling is not None and peak is not None and peak > ceiling:
+            status = "oom"
+        if status == "error":
+            raise RuntimeError(f"probe at {length} positions failed: {result.get('error')}")
+        probes[length] = {"prompt_length": length, "status": status, "peak_bytes": peak,
+                          "seconds": result.get("wall_seconds"), "step_phases": (result.get("metrics") or {})
+                          .get("phase_summary")}
+        progress(f"capacity {point['mode']}: {length:,} positions -> {status}"
+                 + (f" ({peak / 2**20:,.1f} MiB)" if peak else ""))
+        return status == "ok"
+
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(tmp)
+        low, high, length = None, None, settings["min_length"]
+        while length <= settings["max_length"]:
+            if fits(length):
+                low, length = length, length * 2
+            else:
+                high = length
+                break
+        if low is not None and high is not None:
+            while high - low > settings["granularity"]:
+                middle = (low + high) // 2 // settings["granularity"] * settings["granularity"]
+                if middle in (low, high):
+                    break
+                low, high = (middle, high) if fits(middle) else (low, middle)
+    return {
+        "mode": point["mode"],
+        "ceiling_bytes": ceiling,
+        "memory_measure": "peak_allocated_bytes" if device_type == "cuda" else
+        "process peak RSS minus RSS after weights (emulated CPU ceiling)",
+        "probes": [probes[k] for k in sorted(probes)],
+        "largest_fitting": low,
+        "first_failing": high,
+        "search_capped_at_max_length": high is None,
+    }

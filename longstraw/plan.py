@@ -1,0 +1,112 @@
+"""Experiment files -> the points a profile runs (what the Snakemake workflow expands).
+
+    python -m longstraw plan --profile cpu                 # list every point
+    python -m longstraw point experiments/g_sweep.yaml --profile cpu --point mode-replay_count-8 \
+        --out results/cpu/points/g_sweep/mode-replay_count-8.json
+
+An experiment file (schema: workflow/schemas/experiment.schema.yaml) holds shared settings
+(`base`) and, per profile, more settings plus a `grid` (cartesian product of dotted-key value
+lists) and/or explicit `points`. A point's config = base, then the profile's base, then the
+point's values; it is validated by `longstraw.experiment.resolve_config`, so an unknown key fails
+when the plan is made, naming the file and the key.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import re
+from pathlib import Path
+
+import jsonschema
+import yaml
+
+from longstraw.experiment import resolve_config
+
+REPO = Path(__file__).resolve().parents[1]
+SCHEMA = REPO / "workflow" / "schemas" / "experiment.schema.yaml"
+PROFILES = ("cpu", "h200")
+
+
+def load_experiment(path, schema_path=SCHEMA) -> dict:
+    """Read and schema-validate one experiment file; errors name the file and the key."""
+    path = Path(path)
+    try:
+        experiment = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{path}: not valid YAML: {exc}") from None
+    schema = yaml.safe_load(Path(schema_path).read_text())
+    errors = sorted(jsonschema.Draft202012Validator(schema).iter_errors(experiment), key=lambda e: list(e.path))
+    if errors:
+        first = errors[0]
+        where = ".".join(str(p) for p in first.path) or "<top level>"
+        raise ValueError(f"{path}: {where}: {first.message}")
+    if experiment["name"] != path.stem:
+        raise ValueError(f"{path}: name: {experiment['name']!r} must equal the file name {path.stem!r}")
+    return experiment
+
+
+def _set_dotted(config: dict, dotted: str, value) -> None:
+    *parents, leaf = dotted.split(".")
+    node = config
+    for key in parents:
+        node = node.setdefault(key, {})
+    node[leaf] = value
+
+
+def _deep_merge(a: dict, b: dict) -> dict:
+    out = copy.deepcopy(a)
+    for key, value in (b or {}).items():
+        out[key] = _deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) \
+            else copy.deepcopy(value)
+    return out
+
+
+def _grid_name(assignment: dict) -> str:
+    parts = [f"{key.rsplit('.', 1)[-1]}-{value}" for key, value in assignment.items()]
+    return re.sub(r"[^A-Za-z0-9_.-]", "-", "_".join(parts)) or "default"
+
+
+def expand(experiment: dict, profile: str, source: str = "experiment") -> dict[str, dict]:
+    """{point name: {"config": resolved config, "grid": varied values}} for one profile."""
+    settings = experiment["profiles"].get(profile)
+    if settings is None:
+        return {}
+    base = _deep_merge(_deep_merge(experiment.get("base", {}), settings.get("base", {})),
+                       {"kind": experiment["kind"]})
+    assignments = []
+    grid = settings.get("grid", {})
+    if grid or not settings.get("points"):
+        keys = list(grid)
+        for values in itertools.product(*(grid[k] for k in keys)):
+            assignment = dict(zip(keys, values))
+            assignments.append((_grid_name(assignment), assignment))
+    assignments += [(p["name"], dict(p.get("set", {}))) for p in settings.get("points", [])]
+    points = {}
+    for name, assignment in assignments:
+        if name in points:
+            raise ValueError(f"{source}: profiles.{profile}: point name {name!r} appears twice")
+        config = copy.deepcopy(base)
+        for dotted, value in assignment.items():
+            _set_dotted(config, dotted, value)
+        config["name"] = f"{experiment['name']}/{name}"
+        points[name] = {"config": resolve_config(config, source=f"{source} [profile {profile}, point {name}]"),
+                        "grid": assignment}
+    return points
+
+
+def plan(experiments_dir, profile: str) -> dict[str, dict]:
+    """{experiment name: {"path", "title", "points"}} for every experiment file defining `profile`."""
+    if profile not in PROFILES:
+        raise ValueError(f"unknown profile {profile!r}; known: {PROFILES}")
+    out = {}
+    for path in sorted(Path(experiments_dir).glob("*.yaml")):
+        experiment = load_experiment(path)
+        points = expand(experiment, profile, source=str(path))
+        if points:
+            out[experiment["name"]] = {"path": str(path), "title": experiment["title"], "points": points}
+    return out
+
+
+def point_command(path, profile: str, point: str, out) -> str:
+    return f"longstraw point {path} --profile {profile} --point {point} --out {out}"

@@ -1,0 +1,65 @@
+"""Experiment files -> points: grid expansion, per-profile settings, errors naming file and key."""
+
+import pytest
+
+from longstraw import plan
+
+EXPERIMENT = """
+name: demo
+title: Demo
+kind: step
+base: {grpo: {beta: 0.0}}
+profiles:
+  cpu:
+    base: {model: {preset: tiny-llama}, prompt: {length: 64}}
+    grid: {mode: [replay, naive], responses.count: [1, 2]}
+    points:
+      - {name: long, set: {prompt.length: 128, kind: capture}}
+"""
+
+
+def _write(tmp_path, text, name="demo"):
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_grid_and_points_expand_with_profile_settings(tmp_path):
+    points = plan.plan(_write(tmp_path, EXPERIMENT).parent, "cpu")["demo"]["points"]
+    assert sorted(points) == ["long", "mode-naive_count-1", "mode-naive_count-2", "mode-replay_count-1",
+                              "mode-replay_count-2"]
+    point = points["mode-naive_count-2"]
+    assert point["grid"] == {"mode": "naive", "responses.count": 2}
+    config = point["config"]
+    assert (config["mode"], config["responses"]["count"], config["prompt"]["length"]) == ("naive", 2, 64)
+    assert config["grpo"]["beta"] == 0.0 and config["grpo"]["epsilon"] == 0.2  # defaults fill the rest
+    assert points["long"]["config"]["kind"] == "capture" and points["long"]["config"]["prompt"]["length"] == 128
+
+
+def test_profile_without_settings_has_no_points(tmp_path):
+    assert plan.plan(_write(tmp_path, EXPERIMENT).parent, "h200") == {}
+
+
+@pytest.mark.parametrize("text, message", [
+    (EXPERIMENT.replace("title: Demo", "title: Demo\ncolour: red"), r"<top level>: Additional properties .*'colour'"),
+    (EXPERIMENT.replace("grid:", "gird:"), r"profiles.cpu: Additional properties .*'gird'"),
+    (EXPERIMENT.replace("prompt: {length: 64}", "prompt: {lenght: 64}"), r"point .*: unknown key 'lenght'"),
+    (EXPERIMENT.replace("kind: step", "kind: stepp"), r"kind: 'stepp' is not one of"),
+    (EXPERIMENT.replace("responses.count: [1, 2]", "responsez.count: [1]"), r"unknown key 'responsez'"),
+])
+def test_malformed_experiment_names_file_and_key(tmp_path, text, message):
+    path = _write(tmp_path, text)
+    with pytest.raises(ValueError, match=message) as info:
+        plan.plan(path.parent, "cpu")
+    assert str(path) in str(info.value)
+
+
+def test_file_name_must_match_experiment_name(tmp_path):
+    with pytest.raises(ValueError, match="must equal the file name"):
+        plan.plan(_write(tmp_path, EXPERIMENT, name="other").parent, "cpu")
+
+
+def test_repository_experiments_plan_for_both_profiles():
+    for profile in plan.PROFILES:
+        experiments = plan.plan(plan.REPO / "experiments", profile)
+        assert {"g_sweep", "operating_points", "baselines", "architectures"} <= set(experiments)

@@ -1,0 +1,36 @@
+# Helpers shared by the rules. The plan (experiment files -> points) comes from the package,
+# which validates every experiment file against workflow/schemas/experiment.schema.yaml now,
+# at parse time, so a malformed file fails before anything runs.
+import sys
+from pathlib import Path
+
+from longstraw.plan import plan
+
+PROFILE = config.get("profile", "cpu")
+PYTHON = sys.executable
+PLAN = plan("experiments", PROFILE)
+SCHEMA = "workflow/schemas/experiment.schema.yaml"
+RECORDED = sorted(str(p) for p in Path("experiments/recorded").rglob("*.json"))
+
+
+wildcard_constraints:
+    profile=PROFILE,
+    experiment="|".join(PLAN) or "none",
+
+
+def point_results(experiment):
+    return [f"results/{PROFILE}/points/{experiment}/{point}.json" for point in PLAN[experiment]["points"]]
+
+
+def all_point_results():
+    return [path for experiment in PLAN for path in point_results(experiment)]
+
+
+def experiment_file(wildcards):
+    return PLAN[wildcards.experiment]["path"]
+CONDA_ENV = "../../environment.yml"
+
+
+def points_dir(point_files):
+    """results/<profile>/points, derived from the point files themselves."""
+    return str(Path(point_files[0]).parents[1])
