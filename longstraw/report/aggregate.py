@@ -1,0 +1,404 @@
+"""Result files -> one table per experiment: one row per point (oom and error rows kept, with
+their message), the key metrics flattened into columns, written as CSV atomically.
+
+    python -m longstraw.report.aggregate --results results/cpu --out reports/cpu/tables
+
+Input layout: `<results>/points/<experiment>/<point>.json` (or `<results>/<experiment>/<point>.json`),
+each the dict `longstraw.experiment.run_point` returns plus the pipeline's keys (`experiment`,
+`point`, `profile`, `grid`, `experiment_title`, `command`). Every key is read defensively: an error
+point has no metrics, a CPU point has no CUDA peaks, a newer kind has metrics we do not know yet
+(its scalar metrics still become columns).
+
+Column names carry their unit in the name (`*_bytes`, `*_seconds`, `prompt_length` in positions);
+`formatting.py` turns them into GiB / MiB / s on the page. `peak_memory_bytes` is the peak the
+device's ceiling is compared with: `peak_allocated_bytes` on CUDA, the process peak RSS on CPU
+(`peak_memory_measure` says which).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import numbers
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from longstraw.report.files import atomic_path
+from longstraw.results import STATUSES
+
+EXPERIMENT_ORDER = ("g_sweep", "operating_points", "baselines", "architectures")
+STEP_PHASES = ("capture", "old_scoring", "ref_scoring", "replay", "optimizer_step")
+FAMILIES = {
+    "llama": "dense GQA", "qwen3": "dense GQA", "glm4_moe": "dense GQA + routed MoE",
+    "qwen3_next": "hybrid GDN + attention", "qwen3_5": "hybrid GDN + attention",
+    "qwen3_5_moe": "hybrid GDN + attention",
+    "glm_moe_dsa": "MLA + DSA + MoE", "deepseek_v32": "MLA + DSA + MoE", "deepseek_v3": "MLA + MoE",
+}
+LEADING_COLUMNS = ("point", "kind")
+STATUS_COLUMNS = ("status", "error")
+
+
+# ---------------------------------------------------------------------------------------- loading
+
+def load_points(results_dir) -> list[dict]:
+    """Every result JSON under `results_dir` (its `points/` folder when there is one), sorted by path.
+
+    A file that cannot be parsed becomes an `error` point naming the file, so it shows in the report."""
+    root = Path(results_dir)
+    base = root / "points" if (root / "points").is_dir() else root
+    if not base.is_dir():
+        return []
+    return [load_point(path, base) for path in sorted(base.rglob("*.json")) if not path.name.startswith(".")]
+
+
+def load_point(path, base=None) -> dict:
+    path = Path(path)
+    try:
+        with open(path) as f:
+            point = json.load(f)
+    except (OSError, ValueError) as exc:
+        point = {"status": "error", "error": f"unreadable result file {path.name}: {exc}"}
+    if not isinstance(point, dict):
+        point = {"status": "error", "error": f"result file {path.name} does not hold a JSON object"}
+    parts = path.relative_to(base).parts if base is not None else (path.name,)
+    point.setdefault("experiment", parts[0] if len(parts) > 1 else point.get("name") or "unnamed")
+    point.setdefault("point", path.stem)
+    if point.get("status") not in STATUSES:
+        point["error"] = point.get("error") or f"result has no valid status (got {point.get('status')!r})"
+        point["status"] = "error"
+    point["result_file"] = str(path)
+    return point
+
+
+def experiment_order(names) -> list[str]:
+    """The paper's experiments first, in the paper's order; any later ones alphabetically."""
+    names = set(names)
+    return [n for n in EXPERIMENT_ORDER if n in names] + sorted(names - set(EXPERIMENT_ORDER))
+
+
+# ------------------------------------------------------------------------------------ row per point
+
+def _dict(value) -> dict:
+    return value if isinstance(value, dict) else {}
+
+
+def _number(value):
+    return value if isinstance(value, numbers.Number) and not isinstance(value, bool) else None
+
+
+def _scalar(value):
+    """Grid values and generic metrics become cells: lists and dicts as compact JSON text."""
+    if value is None or isinstance(value, (str, bool, numbers.Number)):
+        return value
+    return json.dumps(value, sort_keys=True, default=str)
+
+
+def model_type_of(point: dict) -> str | None:
+    """The model type: from the capture metrics when recorded, else from the preset name
+    (`tiny-qwen3_5` -> `qwen3_5`), else the checkpoint folder's name."""
+    metrics, model = _dict(point.get("metrics")), _dict(_dict(point.get("config")).get("model"))
+    if metrics.get("model_type"):  # qwen3_5_text (a text config) is listed under qwen3_5, as presets name it
+        return str(metrics["model_type"]).removesuffix("_text")
+    preset = model.get("preset")
+    if model.get("path"):
+        return Path(str(model["path"])).name
+    if isinstance(preset, str):
+        suffix = preset.split("-", 1)[-1]
+        return suffix if suffix in FAMILIES else preset
+    return None
+
+
+def family_of(model_type) -> str | None:
+    return FAMILIES.get(str(model_type).removesuffix("_text")) if model_type else None
+
+
+def is_cuda_point(point: dict) -> bool:
+    device = str(_dict(_dict(point.get("config")).get("model")).get("device") or "")
+    return device.startswith("cuda") or _dict(point.get("provenance")).get("cuda_total_memory_bytes") is not None
+
+
+def point_row(point: dict) -> dict:
+    """One table row: identity, grid values, status, common columns, then the kind's metrics."""
+    cfg, prov, metrics = _dict(point.get("config")), _dict(point.get("provenance")), _dict(point.get("metrics"))
+    kind = point.get("kind") or cfg.get("kind") or "unknown"
+    row = {"experiment": point.get("experiment"), "point": point.get("point") or point.get("name"), "kind": kind}
+    for key, value in _dict(point.get("grid")).items():
+        row[key] = _scalar(value)
+    row["status"] = point.get("status")
+    row["error"] = point.get("error")
+    if point.get("status") == "oom" and _number(point.get("peak_allocated_bytes")) is not None:
+        row["peak_memory_bytes"] = point["peak_allocated_bytes"]  # the peak reached when it ran out
+        row["peak_memory_measure"] = "peak_allocated_bytes at OOM"
+    _add(row, _common_columns(point, cfg, prov))
+    by_kind = {"step": _step_columns, "capture": _capture_columns, "capacity": _capacity_columns}.get(kind)
+    if by_kind is not None:
+        try:
+            _add(row, by_kind(point, cfg, metrics, is_cuda_point(point)))
+        except Exception as exc:  # a malformed result must still render: say so in its row
+            row["report_error"] = f"metrics not readable: {type(exc).__name__}: {exc}"
+    _add(row, _generic_metrics(metrics))
+    return row
+
+
+def _add(row: dict, columns: dict) -> None:
+    """Earlier columns win: a grid value is never overwritten by a derived one of the same name."""
+    for key, value in columns.items():
+        row.setdefault(key, value)
+
+
+def _common_columns(point, cfg, prov) -> dict:
+    model = _dict(cfg.get("model"))
+    model_type = model_type_of(point)
+    lora = model.get("lora")
+    return {
+        "model": model.get("path") or model.get("preset"),
+        "model_type": model_type,
+        "family": family_of(model_type),
+        "dtype": model.get("dtype"),
+        "nf4": model.get("nf4"),
+        "lora_r": lora.get("r") if isinstance(lora, dict) else None,
+        "prompt_length": _dict(cfg.get("prompt")).get("length"),
+        "device": prov.get("device"),
+        "peak_rss_bytes": _number(point.get("peak_rss_bytes")),
+        "wall_seconds": _number(point.get("wall_seconds")),
+        "device_memory_bytes": _number(prov.get("cuda_total_memory_bytes")),
+        "commit": prov.get("commit"),
+        "date": prov.get("date"),
+        "torch_version": _dict(prov.get("versions")).get("torch"),
+        "transformers_version": _dict(prov.get("versions")).get("transformers"),
+    }
+
+
+def _phase_columns(name: str, record: dict) -> dict:
+    return {f"{name}_{key}": _number(record.get(key))
+            for key in ("seconds", "peak_allocated_bytes", "peak_rss_bytes") if key in record}
+
+
+def _finite(values) -> bool | None:
+    values = [v for v in values if isinstance(v, numbers.Number)]
+    return all(math.isfinite(v) for v in values) if values else None
+
+
+def _step_columns(point, cfg, metrics, cuda) -> dict:
+    responses = _dict(cfg.get("responses"))
+    summary = _dict(metrics.get("phase_summary"))
+    cycles = [c for c in metrics.get("cycles") or [] if isinstance(c, dict)]
+    replay = _dict(summary.get("replay"))
+    # Responses replayed over all cycles: hold_all times its G replays as one phase, so count
+    # responses (not replay-phase entries) for the time per member.
+    replays = sum(len(c.get("response_tokens") or []) for c in cycles) or None
+    cols = {
+        "mode": cfg.get("mode"),
+        "G": responses.get("count"),
+        "response_length": responses.get("length"),
+        "cycles": cfg.get("cycles"),
+        "replays": replays,
+    }
+    if cuda:
+        peak = metrics.get("peak_allocated_bytes", point.get("peak_allocated_bytes"))
+        cols.update(peak_memory_bytes=_number(peak), peak_memory_measure="peak_allocated_bytes")
+    else:
+        cols.update(peak_memory_bytes=_number(point.get("peak_rss_bytes")), peak_memory_measure="process peak RSS")
+    cols["graph_bytes_peak"] = _number(metrics.get("graph_bytes_peak"))
+    for key in ("resident_bytes", "predicted_resident_bytes", "prompt_positions"):
+        values = [c[key] for c in cycles if _number(c.get(key)) is not None]
+        cols[key] = max(values) if values else None
+    flags = [c["state_unchanged"] for c in cycles if "state_unchanged" in c]
+    cols["state_unchanged"] = all(flags) if flags else None
+    losses = [c.get("loss") for c in cycles]
+    cols["loss_first"] = _number(losses[0]) if losses else None
+    cols["loss_last"] = _number(losses[-1]) if losses else None
+    cols["loss_finite"] = _finite(losses)
+    cols["grad_norm_finite"] = _finite(c.get("grad_norm") for c in cycles)
+    if replays and _number(replay.get("seconds")) is not None:
+        cols["seconds_per_member"] = replay["seconds"] / replays
+    if cycles:
+        per_cycle = [sum(_number(_dict(r).get("seconds")) or 0.0 for r in _dict(c.get("phases")).values())
+                     for c in cycles]
+        cols["cycle_seconds_mean"] = sum(per_cycle) / len(per_cycle)
+    cols["trainable_parameters"] = metrics.get("trainable_parameters")
+    for name in list(STEP_PHASES) + sorted(set(summary) - set(STEP_PHASES)):
+        cols.update(_phase_columns(name, _dict(summary.get(name))))
+    cols.update(_phase_columns("weights", _dict(metrics.get("weights"))))
+    return cols
+
+
+def _ratio(a, b):
+    return a / b if _number(a) is not None and _number(b) else None
+
+
+def _capture_columns(point, cfg, metrics, cuda) -> dict:
+    capture_phase = _dict(_dict(metrics.get("phases")).get("capture"))
+    positions = _number(metrics.get("positions"))
+    resident, predicted = _number(metrics.get("resident_bytes")), _number(metrics.get("predicted_resident_bytes"))
+    measured_pp = metrics.get("bytes_per_position_measured", _ratio(resident, positions))
+    predicted_pp = metrics.get("bytes_per_position_predicted", _ratio(predicted, positions))
+    peak = capture_phase.get("peak_allocated_bytes") if cuda else point.get("peak_rss_bytes")
+    cols = {
+        "positions": positions,
+        "positions_per_second": _number(metrics.get("positions_per_second")),
+        "capture_seconds": _number(capture_phase.get("seconds")),
+        "resident_bytes": resident,
+        "predicted_resident_bytes": predicted,
+        "bytes_per_position_measured": _number(measured_pp),
+        "bytes_per_position_predicted": _number(predicted_pp),
+        "resident_to_predicted_ratio": _ratio(resident, predicted),
+        "transient_bytes": _number(metrics.get("transient_bytes")),
+        "peak_memory_bytes": _number(peak if point.get("status") != "oom" else point.get("peak_allocated_bytes", peak)),
+        "peak_memory_measure": "peak_allocated_bytes" if cuda else "process peak RSS",
+        "replay_seconds": _number(metrics.get("replay_seconds")),
+        "response_length": metrics.get("response_length"),
+    }
+    cols.update(_phase_columns("capture", capture_phase))
+    return cols
+
+
+def _probes(metrics) -> list[dict]:
+    return [p for p in metrics.get("probes") or [] if isinstance(p, dict)]
+
+
+def _capacity_columns(point, cfg, metrics, cuda) -> dict:
+    probes = _probes(metrics)
+    fitting, oom = ([p for p in probes if p.get("status") == s] for s in ("ok", "oom"))
+    largest = metrics.get("largest_fitting")
+    at_largest = next((p for p in fitting if p.get("prompt_length") == largest), {})
+    oom_lengths = [p["prompt_length"] for p in oom if _number(p.get("prompt_length")) is not None]
+    return {
+        "mode": metrics.get("mode", cfg.get("mode")),
+        "ceiling_bytes": _number(metrics.get("ceiling_bytes")),
+        "memory_measure": metrics.get("memory_measure"),
+        "largest_fitting": largest,
+        "largest_fitting_peak_bytes": _number(at_largest.get("peak_bytes")),
+        "largest_fitting_seconds": _number(at_largest.get("seconds")),
+        "smallest_oom": min(oom_lengths) if oom_lengths else None,
+        "probes": len(probes),
+        "probes_ok": len(fitting),
+        "probes_oom": len(oom),
+        "peak_memory_bytes": _number(at_largest.get("peak_bytes")),
+        "peak_memory_measure": metrics.get("memory_measure"),
+    }
+
+
+def _generic_metrics(metrics: dict) -> dict:
+    """Scalar metrics, and scalars one level down (`weights_seconds`), for kinds added later."""
+    cols = {}
+    for key, value in metrics.items():
+        if isinstance(value, dict):
+            for sub, inner in value.items():
+                if inner is None or isinstance(inner, (str, bool, numbers.Number)):
+                    cols[f"{key}_{sub}"] = inner
+        elif value is None or isinstance(value, (str, bool, numbers.Number)):
+            cols[key] = value
+    return cols
+
+
+# ----------------------------------------------------------------------------------------- tables
+
+def _sort_key(value):
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return (2, 0, "")
+    if isinstance(value, numbers.Number) and not isinstance(value, bool):
+        return (0, float(value), "")
+    return (1, 0, str(value))
+
+
+def grid_keys(points: list[dict]) -> list[str]:
+    keys: list[str] = []
+    for point in points:
+        keys += [k for k in _dict(point.get("grid")) if k not in keys]
+    return keys
+
+
+def frame(rows: list[dict], grid: list[str]) -> pd.DataFrame:
+    """Rows sorted by grid values (numbers numerically), columns: identity, grid, status, the rest."""
+    rows = sorted(rows, key=lambda r: [_sort_key(r.get(k)) for k in grid] + [_sort_key(r.get("point"))])
+    df = pd.DataFrame(rows)
+    first = [c for c in dict.fromkeys((*LEADING_COLUMNS, *grid, *STATUS_COLUMNS)) if c in df.columns]
+    df = df[first + [c for c in df.columns if c not in first and c != "experiment"]]
+    return df.convert_dtypes(convert_string=False).reset_index(drop=True)
+
+
+def tables(points: list[dict]) -> dict[str, pd.DataFrame]:
+    """{experiment: DataFrame}, one row per point, experiments in the paper's order."""
+    by_experiment: dict[str, list[dict]] = defaultdict(list)
+    for point in points:
+        by_experiment[str(point.get("experiment"))].append(point)
+    return {name: frame([point_row(p) for p in by_experiment[name]], grid_keys(by_experiment[name]))
+            for name in experiment_order(by_experiment)}
+
+
+def probe_tables(points: list[dict]) -> dict[str, pd.DataFrame]:
+    """{experiment: DataFrame} of capacity probes (one row per prompt length tried), where any."""
+    rows: dict[str, list[dict]] = defaultdict(list)
+    for point in points:
+        metrics = _dict(point.get("metrics"))
+        for probe in _probes(metrics):
+            rows[str(point.get("experiment"))].append({
+                "point": point.get("point"), "mode": metrics.get("mode", _dict(point.get("config")).get("mode")),
+                "prompt_length": probe.get("prompt_length"), "status": probe.get("status"),
+                "peak_bytes": _number(probe.get("peak_bytes")), "seconds": _number(probe.get("seconds")),
+                "memory_measure": metrics.get("memory_measure"), "ceiling_bytes": _number(metrics.get("ceiling_bytes")),
+            })
+    return {name: pd.DataFrame(r).convert_dtypes(convert_string=False) for name, r in rows.items()}
+
+
+def records(df: pd.DataFrame) -> list[dict]:
+    """Plain Python rows: None for missing (never pd.NA / NaN), Python numbers (never numpy)."""
+    def plain(value):
+        if value is None or (np.ndim(value) == 0 and pd.isna(value)):
+            return None
+        return value.item() if isinstance(value, np.generic) else value
+    return [{k: plain(v) for k, v in row.items()} for row in df.astype(object).to_dict("records")]
+
+
+def write_csv_atomic(df: pd.DataFrame, path) -> Path:
+    with atomic_path(path) as tmp:
+        df.to_csv(tmp, index=False)
+    return Path(path)
+
+
+def write_tables(tables: dict[str, pd.DataFrame], out_dir, probes: dict[str, pd.DataFrame] | None = None) -> dict:
+    """`<experiment>.csv` per experiment (+ `<experiment>.probes.csv` for capacity probes) and
+    `points.csv` with every point of every experiment; each written atomically. Returns {name: path}."""
+    out_dir = Path(out_dir)
+    written = {name: write_csv_atomic(df, out_dir / f"{name}.csv") for name, df in tables.items()}
+    for name, df in (probes or {}).items():
+        written[f"{name}.probes"] = write_csv_atomic(df, out_dir / f"{name}.probes.csv")
+    everything = [df.assign(experiment=name) for name, df in tables.items()]
+    combined = pd.concat(everything, ignore_index=True) if everything else pd.DataFrame(columns=["experiment"])
+    combined = combined[["experiment"] + [c for c in combined.columns if c != "experiment"]]
+    written["points"] = write_csv_atomic(combined, out_dir / "points.csv")
+    return written
+
+
+def status_counts(points: list[dict]) -> dict[str, int]:
+    counts = {s: 0 for s in STATUSES}
+    for point in points:
+        counts[point.get("status", "error")] = counts.get(point.get("status", "error"), 0) + 1
+    return counts
+
+
+def main(results_dir, out_dir) -> dict:
+    """What the Snakemake script calls: load, tabulate, write the CSVs; returns {name: path}."""
+    points = load_points(results_dir)
+    return write_tables(tables(points), out_dir, probes=probe_tables(points))
+
+
+def cli(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--results", required=True, help="results folder, e.g. results/cpu")
+    parser.add_argument("--out", required=True, help="folder for the CSV tables, e.g. reports/cpu/tables")
+    args = parser.parse_args(argv)
+    written = main(args.results, args.out)
+    counts = status_counts(load_points(args.results))
+    print(json.dumps({"tables": {k: str(v) for k, v in written.items()}, "statuses": counts}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli())

@@ -1,0 +1,118 @@
+"""How a table value reads: every number with its unit (GiB/MiB, s, positions), the unit chosen
+from the column's name, so the aggregated data and the page can never disagree about units."""
+
+from __future__ import annotations
+
+import numbers
+
+import numpy as np
+import pandas as pd
+
+_BINARY = ((2**40, "TiB", 3), (2**30, "GiB", 3), (2**20, "MiB", 2), (2**10, "KiB", 1))
+_POSITION_COLUMNS = {"prompt_length", "positions", "prompt_positions", "largest_fitting", "smallest_oom",
+                     "first_failing", "response_length", "prompt.length", "responses.length", "replayed_tokens"}
+_COUNT_COLUMNS = {"G", "responses.count", "cycles", "replays", "trainable_parameters", "probes", "probes_ok",
+                  "probes_oom", "count"}
+MISSING = "—"
+
+
+def is_missing(value) -> bool:
+    """None, NaN, pd.NA / NaT: a value the point does not have (an error point, a CPU-only key)."""
+    if value is None:
+        return True
+    if np.ndim(value) != 0:
+        return False
+    try:
+        return bool(pd.isna(value))
+    except (TypeError, ValueError):
+        return False
+
+
+def column_unit(column: str) -> str:
+    """bytes | bytes_per_position | seconds | positions_per_second | positions | count | ratio | plain."""
+    name = column.rsplit(".", 1)[-1] if column not in _POSITION_COLUMNS | _COUNT_COLUMNS else column
+    if "bytes_per_position" in name:
+        return "bytes_per_position"
+    if name.endswith("bytes") or "bytes" in name.split("_"):
+        return "bytes"
+    if name == "positions_per_second":
+        return "positions_per_second"
+    if column in _POSITION_COLUMNS or name.endswith("_length"):
+        return "positions"
+    if "seconds" in name:
+        return "seconds"
+    if column in _COUNT_COLUMNS or name.endswith("_count"):
+        return "count"
+    if "ratio" in name:
+        return "ratio"
+    return "plain"
+
+
+_HEADER_UNITS = {"positions": " (positions)", "positions_per_second": " (positions/s)", "count": "",
+                 "bytes_per_position": " (per position)"}
+
+
+def column_label(column: str) -> str:
+    return column + _HEADER_UNITS.get(column_unit(column), "")
+
+
+def format_bytes(value) -> str:
+    if is_missing(value):
+        return MISSING
+    value = float(value)
+    for scale, unit, digits in _BINARY:
+        if abs(value) >= scale:
+            return f"{value / scale:,.{digits}f} {unit}"
+    return f"{value:,.0f} B"
+
+
+def format_seconds(value) -> str:
+    if is_missing(value):
+        return MISSING
+    value = float(value)
+    if abs(value) >= 100:
+        return f"{value:,.1f} s"
+    if abs(value) >= 0.01 or value == 0:
+        return f"{value:.3f} s"
+    return f"{value * 1e3:.3f} ms"
+
+
+def format_number(value) -> str:
+    """Integers with thousands separators; floats to 4 significant digits."""
+    if is_missing(value):
+        return MISSING
+    if isinstance(value, (bool, np.bool_)):
+        return "yes" if value else "no"
+    if isinstance(value, numbers.Integral) or (isinstance(value, float) and value.is_integer() and abs(value) < 1e15):
+        return f"{int(value):,}"
+    return f"{float(value):.4g}"
+
+
+def format_value(column: str, value) -> str:
+    if is_missing(value):
+        return MISSING
+    if isinstance(value, (bool, np.bool_)):
+        return "yes" if value else "no"
+    if not isinstance(value, numbers.Number):
+        return str(value)
+    unit = column_unit(column)
+    if unit == "bytes":
+        return format_bytes(value)
+    if unit == "bytes_per_position":
+        return format_bytes(value) + "/position"
+    if unit == "seconds":
+        return format_seconds(value)
+    if unit == "positions_per_second":
+        return f"{float(value):,.0f} positions/s"
+    if unit == "ratio":
+        return f"{float(value):.4f}"
+    return format_number(value)
+
+
+def exact_value(value) -> str | None:
+    """The exact number behind a cell (for data-value): integral floats as ints, others by repr."""
+    if is_missing(value) or isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Number):
+        return None
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
+        return str(int(value))
+    return repr(value) if isinstance(value, float) else str(int(value))

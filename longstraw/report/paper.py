@@ -1,0 +1,167 @@
+"""The paper's figures (experiments/reference/paper.yaml) set beside ours, with the scale difference stated.
+
+Each figure names the aggregated column that answers it (`ours:`); the value shown is read from the
+same tables the experiment sections show, so the comparison and the tables cannot disagree. A figure
+without `ours`, or whose experiment has no points, reads "not yet measured".
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import yaml
+
+from longstraw.report.formatting import exact_value, format_number, format_value
+
+NOT_MEASURED = "not yet measured"
+EMPTY_PAPER = {"setup": {}, "experiments": [], "figures": [], "standing": {}}
+
+
+def load_paper(path) -> dict:
+    """The paper's figures as data; an absent file gives empty sections (the report says so)."""
+    path = Path(path)
+    if not path.is_file():
+        return {**EMPTY_PAPER, "missing": str(path)}
+    with open(path) as f:
+        data = yaml.safe_load(f) or {}
+    return {**EMPTY_PAPER, **{k: v for k, v in data.items() if v is not None}}
+
+
+def _matches(row: dict, key: str, wanted) -> bool:
+    value = row.get(key)
+    return value == wanted or (value is not None and str(value) == str(wanted))
+
+
+def select(rows: list[dict], where: dict) -> list[dict]:
+    """Rows matching `where`; a `max` / `min` value keeps the rows at that column's extreme."""
+    extremes = {k: v for k, v in where.items() if v in ("max", "min")}
+    rows = [r for r in rows if all(_matches(r, k, v) for k, v in where.items() if k not in extremes)]
+    for key, which in extremes.items():
+        values = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
+        if not values:
+            return []
+        target = max(values) if which == "max" else min(values)
+        rows = [r for r in rows if r.get(key) == target]
+    return rows
+
+
+def _with_gb(column: str, value) -> str:
+    """Ours in GiB, and in GB (10^9 bytes) beside it where the paper's GB figures are comparable."""
+    text = format_value(column, value)
+    if column.endswith("bytes") and isinstance(value, (int, float)) and abs(value) >= 1e8:
+        text += f" ({value / 1e9:.3f} GB)"
+    return text
+
+
+def _signed(column: str, value) -> str:
+    return ("+" if value >= 0 else "-") + _with_gb(column, abs(value))
+
+
+def _points(rows) -> str:
+    return ", ".join(str(r.get("point")) for r in rows)
+
+
+def ours_value(spec: dict | None, rows: list[dict], ceiling: dict) -> dict:
+    """{"text", "value" (exact number or None), "points"} for one figure."""
+    if not spec:
+        return {"text": NOT_MEASURED, "value": None, "points": ""}
+    if spec.get("source") == "ceiling":
+        return {"text": ceiling.get("label", "not known"), "value": exact_value(ceiling.get("bytes")), "points": ""}
+    column, op = spec.get("column"), spec.get("op", "value")
+    ok = [r for r in rows if r.get("status") == "ok" and r.get(column) is not None]
+    if not rows:
+        return {"text": NOT_MEASURED, "value": None, "points": ""}
+    if op == "list":
+        values = sorted({r[column] for r in ok})
+        return {"text": ", ".join(format_value(column, v) for v in values) or "no ok point", "value": None,
+                "points": _points(ok)}
+    if op == "difference":
+        start, end = select(ok, spec.get("from", {})), select(ok, spec.get("to", {}))
+        if not start or not end:
+            return {"text": _missing_text(rows, spec.get("from", {}) if not start else spec.get("to", {})),
+                    "value": None, "points": ""}
+        a, b = max(r[column] for r in start), max(r[column] for r in end)
+        return {"text": _signed(column, b - a), "value": exact_value(b - a),
+                "points": f"{_points(start)} -> {_points(end)}"}
+    chosen = select(ok, spec.get("where", {}))
+    if not chosen:
+        return {"text": _missing_text(rows, spec.get("where", {})), "value": None, "points": ""}
+    values = [r[column] for r in chosen]
+    value = min(values) if spec.get("reduce") == "min" else max(values)
+    text = _with_gb(column, value)
+    measures = sorted({str(r["peak_memory_measure"]) for r in chosen if r.get("peak_memory_measure")})
+    if column == "peak_memory_bytes" and measures:  # say what was measured: CUDA allocated or CPU RSS
+        text += f", {' / '.join(measures)}"
+    return {"text": text, "value": exact_value(value), "points": _points(chosen)}
+
+
+def _missing_text(rows, where) -> str:
+    """Why there is no value: no such point, or only failed points (their statuses named)."""
+    plain = {k: v for k, v in where.items() if v not in ("max", "min")}
+    tried = [r for r in rows if all(_matches(r, k, v) for k, v in plain.items())]
+    failed = sorted({str(r.get("status")) for r in tried if r.get("status") != "ok"})
+    if failed:
+        return f"no ok point ({', '.join(failed)})"
+    return f"no point with {', '.join(f'{k}={v}' for k, v in where.items())}" if where else "no ok point"
+
+
+def compare_figures(paper: dict, rows_by_experiment: dict[str, list[dict]], ceiling: dict) -> list[dict]:
+    out = []
+    for figure in paper.get("figures") or []:
+        experiment = figure.get("experiment")
+        rows = rows_by_experiment.get(experiment, [])
+        ours = ours_value(figure.get("ours"), rows, ceiling)
+        if not figure.get("ours") and rows:
+            ours = {"text": f"see the {experiment} section", "value": None, "points": ""}
+        out.append({"experiment": experiment, "quantity": figure.get("quantity", ""), "paper": figure.get("paper", ""),
+                    "ours": ours["text"], "value": ours["value"], "points": ours["points"],
+                    "has_section": experiment in rows_by_experiment})
+    return out
+
+
+def _distinct(rows, key) -> list:
+    return sorted({r[key] for r in rows if r.get(key) is not None}, key=str)
+
+
+def _span(values, fmt) -> str:
+    if not values:
+        return "not recorded"
+    return fmt(values[0]) if len(values) == 1 else f"{fmt(min(values))} to {fmt(max(values))}"
+
+
+def scale_rows(paper: dict, rows: list[dict], ceiling: dict) -> list[dict]:
+    """Paper setup against ours, row by row: model, parameters, devices, quantization, positions."""
+    setup = paper.get("setup") or {}
+    ran = [r for r in rows if r.get("kind") in ("step", "capture", "capacity")]
+    ok = [r for r in ran if r.get("status") == "ok"]
+    models = sorted({f"{r.get('model')} ({r.get('model_type')})" for r in ran if r.get("model")})
+    trainable = [v for v in _distinct(ran, "trainable_parameters") if isinstance(v, int)]
+    lengths = [v for v in _distinct(ok, "prompt_length") if isinstance(v, int)]
+    paper_positions = setup.get("positions") or []
+    ratio = (f"; the paper's {max(paper_positions):,} is {max(paper_positions) / max(lengths):,.0f}x ours"
+             if lengths and paper_positions else "")
+    nf4 = {bool(r.get("nf4")) for r in ran if r.get("nf4") is not None}
+    lora = _distinct(ran, "lora_r")
+    quant = "; ".join([
+        {frozenset({True}): "NF4", frozenset({True, False}): "NF4 on some points"}.get(frozenset(nf4), "no NF4"),
+        f"LoRA r={', '.join(str(v) for v in lora)}" if lora else "no LoRA (all parameters trainable)",
+        "dtype " + ", ".join(_distinct(ran, "dtype")),
+    ])
+    return [
+        {"quantity": "model", "paper": setup.get("model", "not stated"), "ours": "; ".join(models) or "no points"},
+        {"quantity": "parameters", "paper": setup.get("parameters", "not stated"),
+         "ours": "tiny / small presets (total parameter count not recorded per point)"},
+        {"quantity": "trainable parameters", "paper": setup.get("trainable_parameters_text", "not stated"),
+         "ours": _span(trainable, format_number)},
+        {"quantity": "devices", "paper": setup.get("devices", "not stated"),
+         "ours": "; ".join(_distinct(ran, "device")) + " (one process, one device)" if ran else "no points"},
+        {"quantity": "parallelism", "paper": setup.get("parallelism", "not stated"), "ours": "none (single device)"},
+        {"quantity": "quantization", "paper": setup.get("quantization", "not stated"),
+         "ours": quant if ran else "no points"},
+        {"quantity": "prompt positions",
+         "paper": " and ".join(f"{p:,}" for p in paper_positions) or "not stated",
+         "ours": (_span(lengths, lambda v: f"{v:,}") + ratio) if lengths else "no ok point"},
+        {"quantity": "memory ceiling", "paper": setup.get("ceiling", "not stated"), "ours": ceiling.get("label", "")},
+        {"quantity": "gradient", "paper": setup.get("gradient", "not stated"),
+         "ours": "conditional-response (replay mode); hold_all and naive are baselines"},
+    ]

@@ -1,0 +1,308 @@
+"""The HTML report of one profile's results: `<out>/index.html`, figures in `<out>/figures/`, CSV
+tables in `<out>/tables/`, all referenced by relative paths (open the file, no server needed).
+
+    python -m longstraw.report.render --profile cpu --results results/cpu --out reports/cpu
+
+Sections: summary (what ran, statuses, device, versions, commit, date); the paper's figures beside
+ours with the scale difference; the four validation levels; one section per experiment (figures,
+table straight from the aggregated data with every status, failures with their messages, the
+commands that reproduce it, provenance); recorded GPU results (every JSON under `--recorded`),
+shown as recorded and never mixed into the local tables. Every file is written atomically.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+from collections import Counter
+from pathlib import Path
+
+import jinja2
+import yaml
+
+from longstraw.report.aggregate import (experiment_order, load_points, point_row, probe_tables, records, status_counts,
+                                        tables, write_tables)
+from longstraw.report.ceiling import memory_ceiling
+from longstraw.report.files import write_text_atomic
+from longstraw.report.formatting import column_label, exact_value, format_value, is_missing
+from longstraw.report.paper import compare_figures, load_paper, scale_rows
+from longstraw.report.plots import figure_caption, make_plots
+from longstraw.report.validation import levels_table, v1_paths
+from longstraw.results import STATUSES
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+VERSION_KEYS = ("torch", "transformers", "peft", "bitsandbytes", "fla-core")
+
+# Columns each kind's table shows, in order (present, non-empty ones only); the CSV has them all.
+STEP_COLUMNS = ["model", "prompt_length", "mode", "G", "response_length", "cycles", "replays", "peak_memory_bytes",
+                "peak_memory_measure", "capture_peak_allocated_bytes", "old_scoring_peak_allocated_bytes",
+                "ref_scoring_peak_allocated_bytes", "replay_peak_allocated_bytes",
+                "optimizer_step_peak_allocated_bytes", "graph_bytes_peak", "resident_bytes",
+                "predicted_resident_bytes", "seconds_per_member", "capture_seconds", "cycle_seconds_mean",
+                "loss_last", "state_unchanged", "peak_rss_bytes", "wall_seconds"]
+CAPTURE_COLUMNS = ["model", "model_type", "prompt_length", "positions", "capture_seconds", "positions_per_second",
+                   "resident_bytes", "predicted_resident_bytes", "bytes_per_position_measured",
+                   "bytes_per_position_predicted", "transient_bytes", "replay_seconds", "peak_memory_bytes",
+                   "peak_memory_measure", "peak_rss_bytes", "wall_seconds"]
+CAPACITY_COLUMNS = ["model", "mode", "ceiling_bytes", "device_memory_bytes", "memory_measure", "largest_fitting",
+                    "largest_fitting_peak_bytes", "first_failing", "smallest_oom", "probes", "probes_ok",
+                    "probes_oom", "step_seconds_at", "step_seconds_at_prompt_length", "step_seconds_at_seconds",
+                    "wall_seconds"]
+PROBE_COLUMNS = ["point", "mode", "prompt_length", "status", "peak_bytes", "seconds"]
+RECORDED_COLUMNS = ["file", "point", "kind", "status", "device", "date", "commit", "torch_version",
+                    "transformers_version", "model", "prompt_length", "mode", "G", "cycles", "peak_memory_bytes",
+                    "graph_bytes_peak", "resident_bytes", "seconds_per_member", "wall_seconds", "error"]
+GENERIC_SKIP = {"experiment", "point", "kind", "status", "error", "commit", "date", "device", "family", "dtype",
+                "torch_version", "transformers_version", "device_memory_bytes", "report_error", "model",
+                "model_type", "prompt_length", "lora_r", "nf4", "peak_rss_bytes", "wall_seconds"}
+KIND_COLUMNS = {"step": STEP_COLUMNS, "capture": CAPTURE_COLUMNS, "capacity": CAPACITY_COLUMNS}
+
+
+def resolve(path) -> Path:
+    """A path as given, else relative to the repository (so the defaults work from any folder)."""
+    path = Path(path)
+    if path.exists() or path.is_absolute():
+        return path
+    return REPO_ROOT / path if (REPO_ROOT / path).exists() else path
+
+
+# ------------------------------------------------------------------------------------- table views
+
+def _present(rows: list[dict], column: str) -> bool:
+    return any(not is_missing(r.get(column)) for r in rows)
+
+
+def table_view(rows: list[dict], columns: list[str]) -> dict:
+    """What a template needs to draw a table: labels, and per cell the text, the exact number
+    (`data-value`, so a reader or a test can check it against the result JSON) and a CSS class."""
+    columns = [c for i, c in enumerate(columns) if c not in columns[:i] and (c in ("point", "status")
+                                                                             or _present(rows, c))]
+    view_rows = []
+    for row in rows:
+        cells = []
+        for column in columns:
+            value = row.get(column)
+            numeric = exact_value(value)
+            css = "num" if numeric is not None else ("status status-" + str(value) if column == "status"
+                                                     else "message" if column in ("error", "report_error") else "")
+            cells.append({"key": column, "text": format_value(column, value), "value": numeric, "css": css})
+        view_rows.append({"point": str(row.get("point")), "status": str(row.get("status")), "cells": cells})
+    return {"columns": [{"key": c, "label": column_label(c)} for c in columns], "rows": view_rows}
+
+
+def _grid_columns(frame_columns: list[str]) -> list[str]:
+    """The grid keys: `aggregate.frame` puts them between the identity columns and `status`."""
+    end = frame_columns.index("status") if "status" in frame_columns else 0
+    return [c for c in frame_columns[:end] if c not in ("point", "kind")]
+
+
+# A grid key and the derived column that repeats it: show the grid key only.
+GRID_ALIASES = {"prompt.length": "prompt_length", "responses.count": "G", "responses.length": "response_length",
+                "model.preset": "model"}
+
+
+def _kind_columns(kind: str, rows: list[dict], grid: list[str]) -> list[str]:
+    chosen = KIND_COLUMNS.get(kind)
+    if chosen is None:  # a kind added later: its numeric metrics, a dozen at most
+        keys = dict.fromkeys(k for r in rows for k in r)
+        numeric = [c for c in keys if c not in GENERIC_SKIP and c not in grid
+                   and any(exact_value(r.get(c)) is not None for r in rows)]
+        chosen = ["model", "prompt_length"] + numeric[:12] + ["peak_rss_bytes", "wall_seconds"]
+    repeated = {GRID_ALIASES[k] for k in grid if k in GRID_ALIASES}
+    return ["point", *grid, "status", *(c for c in chosen if c not in repeated), "error", "report_error"]
+
+
+# ---------------------------------------------------------------------------------- section pieces
+
+def _distinct(values) -> list:
+    return sorted({v for v in values if not is_missing(v)}, key=str)
+
+
+def provenance_facts(points: list[dict]) -> list[dict]:
+    provs = [p.get("provenance") if isinstance(p.get("provenance"), dict) else {} for p in points]
+    versions = [pv.get("versions") if isinstance(pv.get("versions"), dict) else {} for pv in provs]
+    dates = _distinct(pv.get("date") for pv in provs)
+    facts = [
+        {"key": "device", "value": ", ".join(_distinct(pv.get("device") for pv in provs)) or "not recorded"},
+        {"key": "commit", "value": ", ".join(_distinct(pv.get("commit") for pv in provs)) or "not recorded"},
+        {"key": "date", "value": (dates[0] if len(dates) == 1 else f"{dates[0]} to {dates[-1]}") if dates
+         else "not recorded"},
+        {"key": "python", "value": ", ".join(_distinct(pv.get("python") for pv in provs)) or "not recorded"},
+    ]
+    for key in VERSION_KEYS:
+        facts.append({"key": key, "value": ", ".join(_distinct(v.get(key) for v in versions)) or "not installed"})
+    totals = _distinct(pv.get("cuda_total_memory_bytes") for pv in provs)
+    if totals:
+        facts.append({"key": "CUDA total memory", "value": ", ".join(format_value("x_bytes", t) for t in totals)})
+    return facts
+
+
+def _counts_text(counts: dict) -> str:
+    return ", ".join(f"{counts.get(s, 0)} {s}" for s in STATUSES)
+
+
+def commands(profile: str, experiment: str, points: list[dict]) -> dict:
+    targets = [f"results/{profile}/points/{experiment}/{p.get('point')}.json" for p in points]
+    return {
+        "pipeline": f"snakemake --cores all --config profile={profile}",
+        "experiment": (f"snakemake --cores all --config profile={profile} --force " + " ".join(targets))
+        if targets else "",
+        "points": [{"point": str(p.get("point")), "command": p.get("command") or "not recorded"} for p in points],
+    }
+
+
+def kind_table(kind: str, rows: list[dict], grid: list[str]) -> dict:
+    return {"kind": kind, "view": table_view(rows, _kind_columns(kind, rows, grid))}
+
+
+def experiment_file_text(experiments_dir, name: str) -> dict:
+    """Title and description from `experiments/<name>.yaml` when there is one (else empty)."""
+    path = resolve(Path(experiments_dir) / f"{name}.yaml")
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+    except (OSError, yaml.YAMLError):
+        return {}
+    if not isinstance(data, dict):
+        return {}
+    return {"title": data.get("title") or "", "what": " ".join(str(data.get("description") or "").split())}
+
+
+def experiment_section(name: str, df, probes, points: list[dict], figures: dict, profile: str,
+                       paper_entry: dict) -> dict:
+    rows = records(df) if df is not None else []
+    grid = _grid_columns(list(df.columns)) if df is not None else []
+    kinds = list(dict.fromkeys(str(r.get("kind")) for r in rows))
+    titles = _distinct(p.get("experiment_title") for p in points)
+    return {
+        "name": name,
+        "anchor": f"experiment-{name}",
+        "title": titles[0] if titles else paper_entry.get("title", name),
+        "what": paper_entry.get("what", ""),
+        "counts": status_counts(points),
+        "counts_text": _counts_text(status_counts(points)),
+        "figures": [{"src": f"figures/{path.name}", "caption": figure_caption(key), "alt": key}
+                    for key, path in figures.items() if key.split("/", 1)[0] == name],
+        "tables": [kind_table(kind, [r for r in rows if str(r.get("kind")) == kind], grid) for kind in kinds],
+        "probes": table_view(records(probes), PROBE_COLUMNS) if probes is not None and len(probes) else None,
+        "csv": f"tables/{name}.csv" if rows else "",
+        "failures": [{"point": str(p.get("point")), "status": p.get("status"),
+                      "error": p.get("error") or "no message recorded",
+                      "peak": format_value("peak_allocated_bytes", p.get("peak_allocated_bytes"))
+                      if p.get("peak_allocated_bytes") is not None else ""}
+                     for p in points if p.get("status") != "ok"],
+        "commands": commands(profile, name, points),
+        "provenance": provenance_facts(points) if points else [],
+        "empty": not points,
+    }
+
+
+def recorded_section(recorded_dir) -> dict:
+    """Recorded GPU results, as recorded: their own table, never merged into the local ones."""
+    folder = resolve(recorded_dir)
+    if not folder.is_dir():
+        return {"dir": str(recorded_dir), "view": None, "count": 0, "notes": [],
+                "missing": f"no recorded results folder at {recorded_dir}"}
+    points = load_points(folder)
+    rows = []
+    for point in points:
+        row = point_row(point)
+        row["file"] = str(Path(point["result_file"]).relative_to(folder))
+        rows.append(row)
+    notes = sorted({p["provenance"]["commit_source"] for p in points
+                    if isinstance(p.get("provenance"), dict) and p["provenance"].get("commit_source")})
+    return {"dir": str(recorded_dir), "view": table_view(rows, RECORDED_COLUMNS) if rows else None,
+            "count": len(rows), "counts_text": _counts_text(status_counts(points)), "notes": notes, "missing": ""}
+
+
+# -------------------------------------------------------------------------------------------- page
+
+def environment(templates_dir=None) -> jinja2.Environment:
+    """Templates from `reports/templates` of the working folder when it has them (the Snakemake
+    rule's inputs), else the package checkout's."""
+    templates_dir = templates_dir or resolve("reports/templates")
+    return jinja2.Environment(loader=jinja2.FileSystemLoader(str(templates_dir)),
+                              autoescape=jinja2.select_autoescape(["html"]), undefined=jinja2.StrictUndefined,
+                              trim_blocks=True, lstrip_blocks=True)
+
+
+def remove_stale_figures(folder: Path, current) -> None:
+    """Figures of an earlier render that this one did not draw (a removed experiment) would sit
+    beside the page unreferenced; remove them so the folder shows exactly what the page shows."""
+    keep = {Path(p).resolve() for p in current}
+    for png in folder.glob("*.png") if folder.is_dir() else []:
+        if png.resolve() not in keep:
+            png.unlink()
+
+
+def build_context(profile: str, results_dir, out_dir, recorded_dir, paper_path, experiments_dir="experiments") -> dict:
+    out_dir = Path(out_dir)
+    points = load_points(results_dir)
+    frames, probes = tables(points), probe_tables(points)
+    ceiling = memory_ceiling(points)
+    figures = make_plots(frames, out_dir / "figures", probes=probes, ceiling=ceiling)
+    remove_stale_figures(out_dir / "figures", figures.values())
+    write_tables(frames, out_dir / "tables", probes=probes)
+    paper = load_paper(resolve(paper_path))
+    paper_entries = {e.get("name"): e for e in paper.get("experiments") or [] if isinstance(e, dict)}
+
+    by_experiment: dict[str, list[dict]] = {}
+    for point in points:
+        by_experiment.setdefault(str(point.get("experiment")), []).append(point)
+    names = experiment_order(set(frames) | set(paper_entries))
+    described = {name: {**paper_entries.get(name, {}),
+                        **{k: v for k, v in experiment_file_text(experiments_dir, name).items() if v}}
+                 for name in names}
+    sections = [experiment_section(name, frames.get(name), probes.get(name), by_experiment.get(name, []), figures,
+                                   profile, described[name]) for name in names]
+    rows_by_experiment = {name: records(df) for name, df in frames.items()}
+    all_rows = [r for rows in rows_by_experiment.values() for r in rows]
+    paths = v1_paths(frames)
+    counts = status_counts(points)
+    return {
+        "profile": profile,
+        "results_dir": str(results_dir),
+        "generated": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "summary": {
+            "total": len(points), "counts": counts, "counts_text": _counts_text(counts),
+            "kinds": ", ".join(f"{n} {k}" for k, n in sorted(Counter(str(p.get("kind")) for p in points).items())),
+            "experiments": [{"name": s["name"], "anchor": s["anchor"], "title": s["title"],
+                             "total": sum(s["counts"].values()), **s["counts"]} for s in sections],
+            "provenance": provenance_facts(points),
+            "ceiling": ceiling["label"],
+        },
+        "paper": {"missing": paper.get("missing", ""), "scale": scale_rows(paper, all_rows, ceiling),
+                  "figures": compare_figures(paper, rows_by_experiment, ceiling)},
+        "validation": {"levels": levels_table(paths, paper.get("standing") or {}), "paths": paths},
+        "experiments": sections,
+        "recorded": recorded_section(recorded_dir),
+    }
+
+
+def render_report(profile: str, results_dir, out_dir, recorded_dir="experiments/recorded/h200",
+                  paper="experiments/reference/paper.yaml", templates_dir=None, experiments_dir="experiments") -> Path:
+    """Write `out_dir/index.html` (+ figures/ and tables/ beside it); returns the page's path."""
+    context = build_context(profile, results_dir, out_dir, recorded_dir, paper, experiments_dir)
+    html = environment(templates_dir).get_template("report.html").render(**context)
+    return write_text_atomic(Path(out_dir) / "index.html", html)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--profile", required=True, help="cpu or h200 (names the commands the report shows)")
+    parser.add_argument("--results", required=True, help="results folder, e.g. results/cpu")
+    parser.add_argument("--out", required=True, help="report folder, e.g. reports/cpu")
+    parser.add_argument("--recorded", default="experiments/recorded/h200", help="recorded GPU results folder")
+    parser.add_argument("--paper", default="experiments/reference/paper.yaml", help="the paper's figures as data")
+    args = parser.parse_args(argv)
+    page = render_report(args.profile, args.results, args.out, recorded_dir=args.recorded, paper=args.paper)
+    counts = status_counts(load_points(args.results))
+    print(json.dumps({"report": os.fspath(page), "statuses": counts}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

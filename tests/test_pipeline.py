@@ -1,0 +1,156 @@
+"""The Snakemake workflow end to end on a tiny experiment set in a temporary directory.
+
+Runs the real Snakefile (copied with workflow/ and the templates) on two tiny experiments, one
+point of which fails on purpose; then checks the report, the tables against the result JSONs,
+resumption after an interruption, parse-time rejection of a malformed experiment, and renders
+the report in headless Chromium.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+STEP = """
+name: tiny_steps
+title: Tiny steps
+kind: step
+base: {grpo: {beta: 0.04}}
+profiles:
+  cpu:
+    base:
+      model: {preset: tiny-llama}
+      prompt: {length: 48}
+      responses: {count: 2, length: 6}
+      capture: {chunk_size: 16}
+    grid: {mode: [replay, hold_all]}
+    points:
+      - {name: broken, set: {model.overrides: {num_attention_heads: 3}}}
+"""
+CAPTURE = """
+name: tiny_capture
+title: Tiny capture
+kind: capture
+profiles:
+  cpu:
+    base: {prompt: {length: 48}, responses: {length: 6}, capture: {chunk_size: 16}}
+    grid: {model.preset: [tiny-qwen3, tiny-qwen3_5]}
+"""
+
+
+def _snakemake(workdir, *args, **kwargs):
+    return subprocess.run([sys.executable, "-m", "snakemake", "--cores", "2", *args], cwd=workdir,
+                          capture_output=True, text=True, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pipeline")
+    shutil.copy(REPO / "Snakefile", root)
+    shutil.copytree(REPO / "workflow", root / "workflow")
+    shutil.copytree(REPO / "reports" / "templates", root / "reports" / "templates")
+    shutil.copy(REPO / "environment.yml", root)
+    experiments = root / "experiments"
+    (experiments / "recorded" / "h200").mkdir(parents=True)
+    (experiments / "tiny_steps.yaml").write_text(STEP)
+    (experiments / "tiny_capture.yaml").write_text(CAPTURE)
+    for recorded in (REPO / "experiments" / "recorded" / "h200").glob("*.json"):
+        shutil.copy(recorded, experiments / "recorded" / "h200")
+    if (REPO / "experiments" / "reference").exists():
+        shutil.copytree(REPO / "experiments" / "reference", experiments / "reference")
+    return root
+
+
+@pytest.fixture(scope="module")
+def completed(workdir):
+    """Interrupt a first run while its second point runs (the first one done), then rerun."""
+    points, logs = workdir / "results" / "cpu" / "points", workdir / "logs" / "cpu" / "points"
+    first = subprocess.Popen([sys.executable, "-m", "snakemake", "--cores", "1"], cwd=workdir,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and len(list(logs.rglob("*.log"))) < 2:
+        time.sleep(0.2)
+    os.killpg(first.pid, signal.SIGINT)
+    first.wait(timeout=60)
+    done_before = {p: p.stat().st_mtime_ns for p in points.rglob("*.json")}
+    assert 0 < len(done_before) < 5, "the interruption should leave some points done and some missing"
+    planned = _snakemake(workdir, "-n")
+    assert planned.returncode == 0, planned.stderr
+    rerun = _snakemake(workdir)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    return {"done_before": done_before, "planned": planned.stdout + planned.stderr}
+
+
+def test_rerun_redoes_only_missing_points(workdir, completed):
+    planned_points = int(next(line.split()[1] for line in completed["planned"].splitlines()
+                              if line.startswith("point ")))
+    assert planned_points == 5 - len(completed["done_before"])
+    for path, mtime in completed["done_before"].items():
+        assert path.stat().st_mtime_ns == mtime
+
+
+def test_failing_point_is_recorded_and_reported(workdir, completed):
+    broken = json.loads((workdir / "results/cpu/points/tiny_steps/broken.json").read_text())
+    assert broken["status"] == "error" and broken["error"]
+    html = (workdir / "reports/cpu/index.html").read_text()
+    assert "broken" in html and "error" in html
+
+
+def test_report_has_every_section_and_valid_images(workdir, completed):
+    html = (workdir / "reports/cpu/index.html").read_text()
+    for heading in ("Tiny steps", "Tiny capture", "Validation", "paper", "Recorded"):
+        assert heading.lower() in html.lower(), heading
+    images = [p for p in (workdir / "reports/cpu").rglob("*.png")]
+    assert images
+    for image in images:
+        assert image.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert image.relative_to(workdir / "reports/cpu").as_posix() in html
+
+
+def test_tables_equal_result_files(workdir, completed):
+    for experiment in ("tiny_steps", "tiny_capture"):
+        table = pd.read_csv(workdir / f"results/cpu/tables/{experiment}.csv")
+        results = {p.stem: json.loads(p.read_text())
+                   for p in (workdir / f"results/cpu/points/{experiment}").glob("*.json")}
+        assert sorted(table["point"]) == sorted(results)
+        for _, row in table.iterrows():
+            assert row["status"] == results[row["point"]]["status"]
+    capture = pd.read_csv(workdir / "results/cpu/tables/tiny_capture.csv").set_index("point")
+    for name in capture.index:
+        metrics = json.loads((workdir / f"results/cpu/points/tiny_capture/{name}.json").read_text())["metrics"]
+        assert capture.loc[name, "resident_bytes"] == metrics["resident_bytes"]
+
+
+def test_malformed_experiment_fails_at_parse_time(workdir, completed):
+    bad = workdir / "experiments" / "tiny_bad.yaml"
+    bad.write_text(CAPTURE.replace("tiny_capture", "tiny_bad").replace("grid:", "gird:"))
+    try:
+        result = _snakemake(workdir, "-n")
+    finally:
+        bad.unlink()
+    assert result.returncode != 0
+    output = result.stdout + result.stderr
+    assert "tiny_bad.yaml: profiles.cpu: Additional properties are not allowed ('gird' was unexpected)" in output
+
+
+@pytest.mark.skipif(shutil.which("chromium") is None, reason="Debian's chromium is not installed")
+def test_report_renders_in_headless_chromium(workdir, completed, tmp_path):
+    shot = tmp_path / "report.png"
+    result = subprocess.run(
+        ["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync",
+         f"--user-data-dir={tmp_path / 'profile'}", "--enable-logging=stderr", "--v=0",
+         "--window-size=1280,2400", f"--screenshot={shot}", (workdir / "reports/cpu/index.html").as_uri()],
+        capture_output=True, text=True, timeout=120)
+    assert shot.exists() and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", result.stderr[-2000:]
+    console_errors = [line for line in result.stderr.splitlines() if "CONSOLE" in line and "ERROR" in line]
+    assert not console_errors, console_errors

@@ -1,0 +1,340 @@
+"""The report end to end on real tiny points: aggregate -> plots -> HTML, checked against the JSON.
+
+A results folder is built once per module from `run_point` on tiny configs (plus fabricated error,
+oom, capacity, unknown-kind and unreadable points, and a recorded GPU result); every number a
+table shows is then compared with the result file it came from.
+"""
+
+import copy
+import json
+import math
+import re
+from html.parser import HTMLParser
+from pathlib import Path
+
+import matplotlib.image
+import pytest
+
+from longstraw.experiment import run_point
+from longstraw.report import aggregate, render
+from longstraw.report.plots import make_plots
+from longstraw.results import write_json_atomic
+
+REPO = Path(__file__).resolve().parents[1]
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+TINY = {"model": {"preset": "tiny-llama"}, "prompt": {"length": 40}, "responses": {"count": 2, "length": 5},
+        "capture": {"chunk_size": 16}}
+
+
+def _put(root: Path, experiment: str, point: str, result: dict, grid: dict) -> None:
+    result = copy.deepcopy(result)
+    sets = " ".join(f"--set {k}={v}" for k, v in grid.items())
+    out = f"results/cpu/points/{experiment}/{point}.json"
+    result.update(experiment=experiment, point=point, profile="cpu", grid=grid, experiment_title=f"{experiment} title",
+                  command=f"longstraw run experiments/{experiment}.yaml --out {out} {sets}")
+    write_json_atomic(root / "points" / experiment / f"{point}.json", result)
+
+
+def _capacity(base: dict, mode: str, largest) -> dict:
+    """A capacity point shaped as `longstraw.capacity.find_capacity` returns it (probes run in
+    subprocesses, too slow for this test), with one oom probe or only oom probes."""
+    lengths = (64, 128, 256, 512)
+    probes = [{"prompt_length": n, "status": "ok" if largest and n <= largest else "oom", "peak_bytes": n * 4096,
+               "seconds": n / 1000, "step_phases": {}} for n in lengths]
+    first_failing = min(p["prompt_length"] for p in probes if p["status"] == "oom")
+    return {**{k: base[k] for k in ("provenance", "peak_rss_bytes")}, "name": f"capacity-{mode}", "kind": "capacity",
+            "status": "ok", "wall_seconds": 1.5, "config": {**base["config"], "mode": mode},
+            "metrics": {"mode": mode, "ceiling_bytes": 600 * 2**10, "probes": probes, "largest_fitting": largest,
+                        "memory_measure": "process peak RSS minus RSS after weights (emulated CPU ceiling)",
+                        "first_failing": first_failing, "search_capped_at_max_length": False}}
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("report")
+    results = tmp / "results" / "cpu"
+    points = {}
+    for mode in ("replay", "hold_all"):
+        for g in (1, 2):
+            cfg = {**TINY, "kind": "step", "mode": mode, "responses": {"count": g, "length": 5}}
+            points[("g_sweep", f"{mode}-G{g}")] = (run_point(cfg), {"mode": mode, "responses.count": g})
+    cycles = run_point({**TINY, "kind": "step", "cycles": 2})
+    points[("baselines", "step-replay")] = (cycles, {"mode": "replay"})
+    for preset in ("tiny-llama", "tiny-qwen3_5"):
+        result = run_point({**TINY, "kind": "capture", "model": {"preset": preset}})
+        points[("architectures", preset)] = (result, {"model.preset": preset})
+    error = run_point({**TINY, "kind": "step", "mode": "no_such_mode"})
+    assert error["status"] == "error"
+    points[("g_sweep", "no_such_mode-G2")] = (error, {"mode": "no_such_mode", "responses.count": 2})
+    base = points[("g_sweep", "replay-G2")][0]
+    oom = {k: v for k, v in base.items() if k != "metrics"}
+    oom.update(status="oom", error="CUDA out of memory. Tried to allocate 2.00 GiB", peak_allocated_bytes=987654321)
+    points[("g_sweep", "hold_all-G8")] = (oom, {"mode": "hold_all", "responses.count": 8})
+    for mode, largest in (("replay", 256), ("naive", None)):
+        points[("baselines", f"capacity-{mode}")] = (_capacity(base, mode, largest), {"mode": mode})
+    later = {**{k: base[k] for k in ("provenance", "config", "peak_rss_bytes")}, "kind": "oracle", "status": "ok",
+             "wall_seconds": 2.25, "metrics": {"loss_drift": 0.0012, "steps": 4, "fresh_loss_seconds": 0.5}}
+    points[("staleness_later", "step4")] = (later, {"reuse_steps": 4})
+    for (experiment, point), (result, grid) in points.items():
+        _put(results, experiment, point, result, grid)
+    (results / "points" / "broken").mkdir(parents=True)
+    (results / "points" / "broken" / "truncated.json").write_text('{"status": "ok", "metr')
+
+    recorded_dir = tmp / "recorded" / "h200"
+    recorded = copy.deepcopy(base)
+    recorded["name"] = "recorded_smoke"
+    recorded["provenance"].update(device="NVIDIA H200", date="2026-01-02T03:04:05+00:00", commit="abc1234def",
+                                  cuda_total_memory_bytes=150109880320)
+    write_json_atomic(recorded_dir / "nested" / "recorded_smoke.json", recorded)
+
+    out = tmp / "report"
+    page = render.render_report("cpu", results, out, recorded_dir=recorded_dir,
+                                paper=REPO / "experiments" / "reference" / "paper.yaml")
+    files = {(p.parent.name, p.stem): json.loads(p.read_text()) for p in (results / "points").rglob("*.json")
+             if p.parent.name != "broken"}
+    return {"results": results, "out": out, "page": page, "html": page.read_text(), "files": files,
+            "recorded": recorded}
+
+
+class _Tables(HTMLParser):
+    """Tables by id: rows of {"attrs": tr attributes, "cells": [{column, value, text}]}, plus every img src and id."""
+
+    def __init__(self):
+        super().__init__()
+        self.tables, self.images, self.ids = {}, [], set()
+        self._table, self._row, self._cell = None, None, None
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if "id" in attrs:
+            self.ids.add(attrs["id"])
+        if tag == "img":
+            self.images.append(attrs["src"])
+        elif tag == "table":
+            self._table = self.tables.setdefault(attrs.get("id", f"anonymous-{len(self.tables)}"), [])
+        elif tag == "tr" and self._table is not None and "data-point" in attrs:
+            self._row = {"attrs": attrs, "cells": []}
+            self._table.append(self._row)
+        elif tag == "td" and self._row is not None:
+            self._cell = {"column": attrs.get("data-column"), "value": attrs.get("data-value"), "text": ""}
+            self._row["cells"].append(self._cell)
+
+    def handle_endtag(self, tag):
+        if tag == "td":
+            self._cell = None
+        elif tag == "tr":
+            self._row = None
+        elif tag == "table":
+            self._table = None
+
+    def handle_data(self, data):
+        if self._cell is not None:
+            self._cell["text"] += data
+
+
+def _parse(html: str) -> _Tables:
+    parser = _Tables()
+    parser.feed(html)
+    return parser
+
+
+# --------------------------------------------------------------- what each number should be, from the JSON
+
+def _cycles(r):
+    return r["metrics"]["cycles"]
+
+
+def _replays(r):
+    return sum(len(c["response_tokens"]) for c in _cycles(r))
+
+
+STEP_EXPECTED = {
+    "responses.count": lambda r: r["grid"]["responses.count"],
+    "prompt_length": lambda r: r["config"]["prompt"]["length"],
+    "G": lambda r: r["config"]["responses"]["count"],
+    "response_length": lambda r: r["config"]["responses"]["length"],
+    "cycles": lambda r: r["config"]["cycles"],
+    "replays": _replays,
+    "peak_memory_bytes": lambda r: r["peak_allocated_bytes"] if r["status"] == "oom" else r["peak_rss_bytes"],
+    "graph_bytes_peak": lambda r: r["metrics"]["graph_bytes_peak"],
+    "resident_bytes": lambda r: max(c["resident_bytes"] for c in _cycles(r)),
+    "predicted_resident_bytes": lambda r: max(c["predicted_resident_bytes"] for c in _cycles(r)),
+    "seconds_per_member": lambda r: r["metrics"]["phase_summary"]["replay"]["seconds"] / _replays(r),
+    "capture_seconds": lambda r: r["metrics"]["phase_summary"]["capture"]["seconds"],
+    "cycle_seconds_mean": lambda r: sum(sum(p["seconds"] for p in c["phases"].values()) for c in _cycles(r))
+    / len(_cycles(r)),
+    "loss_last": lambda r: _cycles(r)[-1]["loss"],
+    "peak_rss_bytes": lambda r: r["peak_rss_bytes"],
+    "wall_seconds": lambda r: r["wall_seconds"],
+}
+CAPTURE_EXPECTED = {
+    "prompt_length": lambda r: r["config"]["prompt"]["length"],
+    "positions": lambda r: r["metrics"]["positions"],
+    "capture_seconds": lambda r: r["metrics"]["phases"]["capture"]["seconds"],
+    "positions_per_second": lambda r: r["metrics"]["positions_per_second"],
+    "resident_bytes": lambda r: r["metrics"]["resident_bytes"],
+    "predicted_resident_bytes": lambda r: r["metrics"]["predicted_resident_bytes"],
+    "bytes_per_position_measured": lambda r: r["metrics"].get(
+        "bytes_per_position_measured", r["metrics"]["resident_bytes"] / r["metrics"]["positions"]),
+    "bytes_per_position_predicted": lambda r: r["metrics"].get(
+        "bytes_per_position_predicted", r["metrics"]["predicted_resident_bytes"] / r["metrics"]["positions"]),
+    "transient_bytes": lambda r: r["metrics"]["transient_bytes"],
+    "replay_seconds": lambda r: r["metrics"]["replay_seconds"],
+    "peak_memory_bytes": lambda r: r["peak_rss_bytes"],
+    "peak_rss_bytes": lambda r: r["peak_rss_bytes"],
+    "wall_seconds": lambda r: r["wall_seconds"],
+}
+CAPACITY_EXPECTED = {
+    "ceiling_bytes": lambda r: r["metrics"]["ceiling_bytes"],
+    "largest_fitting": lambda r: r["metrics"]["largest_fitting"],
+    "largest_fitting_peak_bytes": lambda r: next(p["peak_bytes"] for p in r["metrics"]["probes"]
+                                                 if p["prompt_length"] == r["metrics"]["largest_fitting"]),
+    "smallest_oom": lambda r: min(p["prompt_length"] for p in r["metrics"]["probes"] if p["status"] == "oom"),
+    "first_failing": lambda r: r["metrics"]["first_failing"],
+    "device_memory_bytes": lambda r: r["provenance"]["cuda_total_memory_bytes"],
+    "probes": lambda r: len(r["metrics"]["probes"]),
+    "probes_ok": lambda r: sum(p["status"] == "ok" for p in r["metrics"]["probes"]),
+    "probes_oom": lambda r: sum(p["status"] == "oom" for p in r["metrics"]["probes"]),
+    "wall_seconds": lambda r: r["wall_seconds"],
+}
+EXPECTED = {"step": STEP_EXPECTED, "capture": CAPTURE_EXPECTED, "capacity": CAPACITY_EXPECTED}
+
+_UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40, "s": 1, "ms": 1e-3}
+
+
+def _shown_number(text: str) -> float:
+    """The number a cell displays, in base units: '1.63 MiB' -> bytes, '8.5 ms' -> seconds, '1,024' -> 1024."""
+    match = re.fullmatch(r"(-?[\d,]*\.?\d+(?:e[+-]?\d+)?)\s*(B|KiB|MiB|GiB|TiB|ms|s)?(?:/position| positions/s)?",
+                         text.strip())
+    assert match, f"cell text {text!r} is not a number with a unit"
+    return float(match.group(1).replace(",", "")) * _UNITS.get(match.group(2) or "", 1)
+
+
+def _close(shown: float, exact: float) -> bool:
+    """Display rounding: 4 significant digits or 3 decimals of the unit, whichever is looser."""
+    return math.isclose(shown, exact, rel_tol=5e-3, abs_tol=1e-3)
+
+
+# -------------------------------------------------------------------------------------------- tests
+
+def test_every_section_is_present(built):
+    ids = _parse(built["html"]).ids
+    for section in ("summary", "paper", "paper-scale", "paper-figures", "validation", "validation-levels",
+                    "validation-paths", "recorded", "table-recorded"):
+        assert section in ids, section
+    for experiment in ("g_sweep", "operating_points", "baselines", "architectures", "staleness_later", "broken"):
+        assert f"experiment-{experiment}" in ids, experiment
+    # the paper's experiment without points still gets its section, saying so
+    section = built["html"].split('id="experiment-operating_points"')[1].split("</section>")[0]
+    assert "No points yet" in section
+
+
+def test_every_table_number_equals_the_result_json(built):
+    tables = _parse(built["html"]).tables
+    checked = 0
+    for table_id, rows in tables.items():
+        match = re.fullmatch(r"table-(\w+?)-(step|capture|capacity)", table_id)
+        if not match:
+            continue
+        experiment, kind = match.groups()
+        for row in rows:
+            result = built["files"][(experiment, row["attrs"]["data-point"])]
+            assert row["attrs"]["data-status"] == result["status"]
+            for cell in row["cells"]:
+                if cell["value"] is None:
+                    continue
+                expected = EXPECTED[kind]
+                assert cell["column"] in expected, f"{table_id}: column {cell['column']} shows a number nobody checks"
+                exact = expected[cell["column"]](result)
+                assert float(cell["value"]) == pytest.approx(exact, rel=1e-12, abs=0), (table_id, cell)
+                assert _close(_shown_number(cell["text"]), exact), (table_id, cell)
+                checked += 1
+    assert checked > 100
+
+
+def test_failed_points_are_rows_with_their_messages(built):
+    html, tables = built["html"], _parse(built["html"]).tables
+    statuses = {row["attrs"]["data-point"]: row["attrs"]["data-status"] for row in tables["table-g_sweep-step"]}
+    assert statuses["no_such_mode-G2"] == "error" and statuses["hold_all-G8"] == "oom"
+    assert statuses["replay-G2"] == "ok"
+    assert "mode must be one of" in html and "CUDA out of memory. Tried to allocate 2.00 GiB" in html
+    broken = html.split('id="experiment-broken"')[1].split("</section>")[0]
+    assert "unreadable result file truncated.json" in broken and "1 error" in broken
+
+
+def test_unknown_experiment_gets_a_generic_table(built):
+    rows = _parse(built["html"]).tables["table-staleness_later-oracle"]
+    cells = {c["column"]: c for c in rows[0]["cells"]}
+    assert rows[0]["attrs"]["data-status"] == "ok"
+    assert float(cells["loss_drift"]["value"]) == 0.0012 and float(cells["wall_seconds"]["value"]) == 2.25
+
+
+def test_figures_exist_and_are_valid_png(built):
+    out, images = built["out"], _parse(built["html"]).images
+    names = {Path(src).name for src in images}
+    for figure in ("g_sweep.memory_vs_ceiling", "g_sweep.g_sweep_memory", "g_sweep.time_per_member",
+                   "g_sweep.phase_seconds", "baselines.capacity", "architectures.resident_per_position"):
+        assert f"{figure}.png" in names, figure
+    for src in images:
+        path = out / src
+        assert not Path(src).is_absolute() and path.is_file(), src
+        assert path.read_bytes()[:8] == PNG_SIGNATURE
+        pixels = matplotlib.image.imread(path)
+        assert pixels.ndim == 3 and pixels.shape[0] > 100 and pixels.shape[1] > 100
+
+
+def test_make_plots_takes_points_or_tables(built, tmp_path):
+    points = aggregate.load_points(built["results"])
+    from_points = make_plots(points, tmp_path / "a")
+    from_tables = make_plots(aggregate.tables(points), tmp_path / "b", probes=aggregate.probe_tables(points))
+    assert set(from_points) == set(from_tables) and all(p.is_file() for p in from_points.values())
+
+
+def test_recorded_results_are_listed_separately(built):
+    rows = _parse(built["html"]).tables["table-recorded"]
+    assert [r["attrs"]["data-point"] for r in rows] == ["recorded_smoke"]
+    text = {c["column"]: c["text"] for c in rows[0]["cells"]}
+    assert text["device"] == "NVIDIA H200" and text["commit"] == "abc1234def" and text["file"].startswith("nested")
+    assert text["date"] == "2026-01-02T03:04:05+00:00"
+    local = [r["attrs"]["data-point"] for t, rows in _parse(built["html"]).tables.items() if t != "table-recorded"
+             for r in rows]
+    assert "recorded_smoke" not in local
+
+
+def test_paper_figures_sit_beside_ours(built):
+    html = built["html"]
+    for figure in ("97.503 GB", "97.711 GB", "+0.208 GB", "271 s per member", "83.894 GB", "150.755 GB",
+                   "4,456,448", "116.7M", "Qwen3.6-27B"):
+        assert figure in html, figure
+    g2 = built["files"][("g_sweep", "replay-G2")]
+    assert f'data-value="{g2["peak_rss_bytes"]}"' in html.split('id="paper-figures"')[1].split("</table>")[0]
+    assert "not yet measured" in html
+
+
+def test_validation_levels(built):
+    html = built["html"]
+    levels = html.split('id="validation-levels"')[1].split("</table>")[0]
+    assert "reached on 1 of 1 paths" in levels
+    assert "tests/test_replay.py" in levels and "not yet a pipeline measurement" in levels
+    assert levels.count("not yet measured") == 2
+    assert "full-sequence gradient parity is not claimed" in html
+
+
+def test_tables_keep_every_point_and_csvs_are_written(built, tmp_path):
+    points = aggregate.load_points(built["results"])
+    frames = aggregate.tables(points)
+    assert list(frames)[:2] == ["g_sweep", "baselines"]  # the paper's order first
+    assert sorted(frames["g_sweep"]["status"]) == ["error", "ok", "ok", "ok", "ok", "oom"]
+    written = aggregate.main(built["results"], tmp_path / "tables")
+    assert {"g_sweep", "baselines", "architectures", "baselines.probes", "points"} <= set(written)
+    assert len((tmp_path / "tables" / "points.csv").read_text().strip().splitlines()) == len(points) + 1
+    leftovers = [p for p in (tmp_path / "tables").iterdir() if p.name.startswith(".")]
+    assert not leftovers and not [p for p in built["out"].rglob(".*.tmp")]
+
+
+def test_render_cli(built, tmp_path, capsys):
+    assert render.main(["--profile", "cpu", "--results", str(built["results"]), "--out", str(tmp_path),
+                        "--recorded", str(tmp_path / "none")]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["statuses"]["oom"] == 1 and Path(summary["report"]).is_file()
+    assert "no recorded results folder" in Path(summary["report"]).read_text()
