@@ -5,7 +5,14 @@
     logp = replay(model, state, response_ids)   # float32 [R], under autograd
 """
 
-from longstraw.replay import capture, replay, score
-from longstraw.state import ResidentState
+_EXPORTS = {"capture": "replay", "replay": "replay", "score": "replay", "ResidentState": "state"}
+__all__ = list(_EXPORTS)
 
-__all__ = ["capture", "replay", "score", "ResidentState"]
+
+def __getattr__(name):
+    # Lazy: the pipeline's planning and reporting modules need neither torch nor transformers.
+    if name in _EXPORTS:
+        import importlib
+
+        return getattr(importlib.import_module(f"longstraw.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module 'longstraw' has no attribute {name!r}")

@@ -16,7 +16,6 @@ Every result carries provenance and the resolved config. Out-of-memory is a resu
 
 from __future__ import annotations
 
-import copy
 import os
 import sys
 import time
@@ -25,45 +24,11 @@ import traceback
 import torch
 
 from longstraw import grpo
+from longstraw.config import resolve_config
 from longstraw.measure import PhaseRecorder, peak_rss_bytes, provenance
 from longstraw.replay import capture, replay
 
-DEFAULTS = {
-    "name": "unnamed",
-    "kind": "step",
-    "model": {"preset": "tiny-qwen3_5", "path": None, "dtype": "float32", "device": "cpu", "seed": 0,
-              "lora": None, "nf4": False, "overrides": {}},
-    "prompt": {"length": 1024, "seed": 0},
-    "responses": {"count": 4, "length": 32, "seed": 1},
-    "mode": "replay",
-    "cycles": 1,
-    "grpo": {"beta": 0.04, "epsilon": 0.2, "loss_type": "dapo", "scale_rewards": "group"},
-    "optimizer": {"lr": 1.0e-4},
-    "capture": {"chunk_size": None, "order": "auto", "memory_budget_bytes": None},
-    "capacity": {"min_length": 1024, "max_length": 1 << 20, "granularity": 1024, "ceiling_bytes": None},
-}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
-
-
-def resolve_config(raw: dict, source: str = "config") -> dict:
-    """Defaults filled in; unknown keys rejected with the key path named."""
-    if not isinstance(raw, dict):
-        raise ValueError(f"{source}: the experiment config must be a mapping, got {type(raw).__name__}")
-    return _merge(DEFAULTS, raw, source)
-
-
-def _merge(defaults: dict, raw: dict, path: str) -> dict:
-    out = copy.deepcopy(defaults)
-    for key, value in raw.items():
-        if key not in defaults:
-            raise ValueError(f"{path}: unknown key {key!r} (known: {sorted(defaults)})")
-        if isinstance(defaults[key], dict) and defaults[key] and key != "overrides":
-            if not isinstance(value, dict):
-                raise ValueError(f"{path}.{key}: expected a mapping, got {value!r}")
-            out[key] = _merge(defaults[key], value, f"{path}.{key}")
-        else:
-            out[key] = value
-    return out
 
 
 def build_policy(model_cfg: dict):

@@ -21,7 +21,7 @@ from pathlib import Path
 import jsonschema
 import yaml
 
-from longstraw.experiment import resolve_config
+from longstraw.config import resolve_config
 
 REPO = Path(__file__).resolve().parents[1]
 SCHEMA = REPO / "workflow" / "schemas" / "experiment.schema.yaml"

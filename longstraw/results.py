@@ -1,31 +1,46 @@
-"""Result JSON files: written atomically (temp file + rename), so an interrupted run leaves either
-the previous file or none, never a half-written one."""
+"""Atomic file writes (temp file in the same folder + rename): an interrupted run leaves either
+the previous file or none, never a half-written result, table, figure or page."""
 
 from __future__ import annotations
 
 import json
 import os
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 STATUSES = ("ok", "oom", "error")
 
 
-def write_json_atomic(path, obj) -> Path:
+@contextmanager
+def atomic_path(path):
+    """Yield a temp path beside `path`; on success rename it over `path`, on failure remove it."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
     try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=2, sort_keys=True, default=_jsonable)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
+        yield Path(tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give the file the usual mode
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-    return path
+
+
+def write_text_atomic(path, text: str) -> Path:
+    with atomic_path(path) as tmp:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+    return Path(path)
+
+
+def write_json_atomic(path, obj) -> Path:
+    return write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=True, default=_jsonable) + "\n")
 
 
 def _jsonable(value):

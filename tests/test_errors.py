@@ -5,7 +5,7 @@ import torch
 import transformers
 
 from longstraw import capture, replay
-from longstraw.experiment import resolve_config
+from longstraw.config import resolve_config
 from longstraw.models import build_model
 
 

@@ -5,7 +5,7 @@
 
 Modules, one job each: `aggregate` (load points, one table per experiment), `plots` (figures),
 `paper` (the paper's figures beside ours), `validation` (the four levels), `render` (the page),
-`formatting` (units), `ceiling` (which memory ceiling a plot draws), `files` (atomic writes).
+`formatting` (units), `ceiling` (which memory ceiling a plot draws), atomic writes come from `longstraw.results`.
 """
 
 _EXPORTS = {"load_points": "aggregate", "tables": "aggregate", "write_tables": "aggregate",

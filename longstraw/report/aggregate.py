@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from longstraw.report.files import atomic_path
+from longstraw.results import atomic_path
 from longstraw.results import STATUSES
 
 EXPERIMENT_ORDER = ("g_sweep", "operating_points", "baselines", "architectures")

@@ -26,7 +26,7 @@ from matplotlib.transforms import blended_transform_factory  # noqa: E402
 
 from longstraw.report.aggregate import STEP_PHASES, probe_tables, records, tables  # noqa: E402
 from longstraw.report.ceiling import memory_ceiling  # noqa: E402
-from longstraw.report.files import atomic_path  # noqa: E402
+from longstraw.results import atomic_path  # noqa: E402
 from longstraw.report.formatting import format_bytes  # noqa: E402
 
 PHASE_COLORS = {"capture": "#4c72b0", "old_scoring": "#8c8c8c", "ref_scoring": "#bcbcbc", "replay": "#dd8452",

@@ -26,7 +26,7 @@ import yaml
 from longstraw.report.aggregate import (experiment_order, load_points, point_row, probe_tables, records, status_counts,
                                         tables, write_tables)
 from longstraw.report.ceiling import memory_ceiling
-from longstraw.report.files import write_text_atomic
+from longstraw.results import write_text_atomic
 from longstraw.report.formatting import column_label, exact_value, format_value, is_missing
 from longstraw.report.paper import compare_figures, load_paper, scale_rows
 from longstraw.report.plots import figure_caption, make_plots
