@@ -5,7 +5,7 @@
     logp = replay(model, state, response_ids)   # float32 [R], under autograd
 """
 
-_EXPORTS = {"capture": "replay", "replay": "replay", "score": "replay", "ResidentState": "state"}
+_EXPORTS = {"capture": "transaction", "replay": "transaction", "score": "transaction", "ResidentState": "state"}
 __all__ = list(_EXPORTS)
 
 

@@ -26,7 +26,7 @@ import torch
 from longstraw import grpo
 from longstraw.config import resolve_config
 from longstraw.measure import PhaseRecorder, peak_rss_bytes, provenance
-from longstraw.replay import capture, replay
+from longstraw.transaction import capture, replay
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 

@@ -20,7 +20,7 @@ from longstraw import grpo
 from longstraw.adapters import adapter_for
 from longstraw.logprobs import token_logprobs
 from longstraw.measure import GraphBytesMeter, PhaseRecorder
-from longstraw.replay import capture, replay, score
+from longstraw.transaction import capture, replay, score
 
 MODES = ("replay", "hold_all", "naive")
 

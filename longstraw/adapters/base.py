@@ -1,6 +1,6 @@
 """The family-adapter interface and the pre-norm decoder layer every supported family shares.
 
-An adapter wraps one HF causal LM (peft-wrapped or not). The core (`longstraw.replay`) only
+An adapter wraps one HF causal LM (peft-wrapped or not). The core (`longstraw.transaction`) only
 calls: `embed`, `position_embeddings`, `layer_forward`, `final_hidden`, `lm_head`,
 `allocate_state`, `predicted_bytes`. A family implements `allocate_entry(i, ...)` (which
 resident entry layer i keeps) and `mix(i, x, pe, entry, capturing)` (its token mixing);
