@@ -11,25 +11,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-import yaml
+from longstraw.experiment import run_point_in_fresh_process
 
 GROUP_SIZES = (1, 2, 4, 8)
 MODES = ("replay", "hold_all", "naive")
 
 
 def run_point(config: dict, workdir: Path) -> dict:
-    spec, out = workdir / f"{config['name']}.yaml", workdir / f"{config['name']}.json"
-    spec.write_text(yaml.safe_dump(config))
-    proc = subprocess.run([sys.executable, "-m", "longstraw", "run", str(spec), "--out", str(out)],
-                          capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"{config['name']} failed:\n{proc.stderr[-2000:]}")
-    return json.loads(out.read_text())
+    result = run_point_in_fresh_process(config, workdir)
+    if result["status"] != "ok":
+        raise SystemExit(f"{config['name']}: {result['status']}: {result.get('error')}")
+    return result
 
 
 def main() -> int:

@@ -15,13 +15,10 @@ between the last fitting and the first failing length down to `granularity` posi
 from __future__ import annotations
 
 import copy
-import json
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-import yaml
+from longstraw.experiment import run_point_in_fresh_process
 
 
 def _probe(point: dict, length: int, workdir: Path) -> dict:
@@ -30,13 +27,7 @@ def _probe(point: dict, length: int, workdir: Path) -> dict:
     config["name"] = f"{point['name']}_probe_{length}"
     config["prompt"]["length"] = length
     config.pop("capacity", None)
-    spec, out = workdir / f"probe_{length}.yaml", workdir / f"probe_{length}.json"
-    spec.write_text(yaml.safe_dump(config))
-    proc = subprocess.run([sys.executable, "-m", "longstraw", "run", str(spec), "--out", str(out)],
-                          capture_output=True, text=True)
-    if not out.exists():
-        return {"status": "error", "error": proc.stderr[-2000:]}
-    return json.loads(out.read_text())
+    return run_point_in_fresh_process(config, workdir)
 
 
 def _measured_bytes(result: dict, device_type: str) -> int | None:

@@ -48,6 +48,14 @@ def _summary(result: dict) -> dict:
     return out
 
 
+def _record(result: dict, out) -> None:
+    """Write the result atomically; show a failure's traceback; end stdout with the summary line."""
+    write_json_atomic(out, result)
+    if result["status"] == "error":
+        print(result.get("traceback", result["error"]), file=sys.stderr)
+    print(json.dumps(_summary(result)))
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="longstraw", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -82,10 +90,7 @@ def main(argv=None) -> int:
     except ValueError as exc:  # bad config: nothing ran
         print(f"longstraw: {exc}", file=sys.stderr)
         return 2
-    write_json_atomic(args.out, result)
-    if result["status"] == "error":
-        print(result.get("traceback", result["error"]), file=sys.stderr)
-    print(json.dumps(_summary(result)))
+    _record(result, args.out)
     return 1 if result["status"] == "error" else 0
 
 
@@ -115,10 +120,7 @@ def _point(args) -> int:
     result.update(experiment=experiment["name"], experiment_title=experiment["title"], point=args.point,
                   profile=args.profile, grid=points[args.point]["grid"],
                   command=plan.point_command(args.experiment, args.profile, args.point, args.out))
-    write_json_atomic(args.out, result)
-    if result["status"] == "error":
-        print(result.get("traceback", result["error"]), file=sys.stderr)
-    print(json.dumps(_summary(result)))
+    _record(result, args.out)
     return 0
 
 

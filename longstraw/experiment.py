@@ -16,10 +16,13 @@ Every result carries provenance and the resolved config. Out-of-memory is a resu
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import sys
 import time
 import traceback
+from pathlib import Path
 
 import torch
 
@@ -99,6 +102,21 @@ def run_point(raw: dict, source: str = "config") -> dict:
     result["wall_seconds"] = time.perf_counter() - start
     result["peak_rss_bytes"] = peak_rss_bytes()
     return result
+
+
+def run_point_in_fresh_process(config: dict, workdir) -> dict:
+    """`longstraw run` on `config` in a new process (clean allocator, a peak RSS of its own).
+
+    Returns the result file's dict; if the process wrote none, an `error` result with its stderr.
+    """
+    name = config["name"].replace("/", "_")
+    spec, out = Path(workdir) / f"{name}.yaml", Path(workdir) / f"{name}.json"
+    spec.write_text(json.dumps(config))  # JSON is valid YAML
+    proc = subprocess.run([sys.executable, "-m", "longstraw", "run", str(spec), "--out", str(out)],
+                          capture_output=True, text=True)
+    if not out.exists():
+        return {"name": config["name"], "status": "error", "error": proc.stderr[-2000:]}
+    return json.loads(out.read_text())
 
 
 def _run_step(cfg: dict, device) -> dict:

@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 
 
-def _sync(device):
+def synchronize(device) -> None:
+    """Wait for the device's queued work (timers and peaks must see it finished)."""
     if device is not None and torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -95,7 +96,7 @@ class PhaseRecorder:
     @contextmanager
     def phase(self, name: str):
         cuda = self.device.type == "cuda"
-        _sync(self.device)
+        synchronize(self.device)
         if cuda:
             torch.cuda.reset_peak_memory_stats(self.device)
         start = time.perf_counter()
@@ -103,7 +104,7 @@ class PhaseRecorder:
         try:
             yield record
         finally:
-            _sync(self.device)
+            synchronize(self.device)
             record["seconds"] = time.perf_counter() - start
             if cuda:
                 stats = torch.cuda.memory_stats(self.device)

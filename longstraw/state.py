@@ -77,11 +77,10 @@ class ResidentState:
     predicted_constant_bytes: int
     dtype: torch.dtype = torch.float32
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    prefix_grad: bool = False
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for layer in self.layers for t in layer.tensors())
+        return sum(self.nbytes_by_entry().values())
 
     def nbytes_by_entry(self) -> dict[str, int]:
         """Resident bytes per entry class (position-proportional pages vs constant-size states)."""

@@ -21,6 +21,7 @@ from tqdm import tqdm
 
 from longstraw.adapters import adapter_for
 from longstraw.logprobs import token_logprobs
+from longstraw.measure import synchronize
 from longstraw.state import ResidentState
 
 DEFAULT_CHUNK = {"cpu": 2048, "cuda": 16384}
@@ -61,11 +62,6 @@ class _Progress:
 
     def close(self):
         self.bar.close()
-
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def capture(model, prompt_ids, prefix_grad: bool = False, *, chunk_size: int | None = None, order: str = "auto",
@@ -113,7 +109,7 @@ def capture(model, prompt_ids, prefix_grad: bool = False, *, chunk_size: int | N
                 progress_bar.advance_to((i + 1) * positions, label=f"capture layer {i + 1}/{adapter.num_layers}")
             del h_all
     progress_bar.close()
-    _sync(device)
+    synchronize(device)
     return state
 
 
