@@ -19,10 +19,12 @@ K/V are never repeated; the small causal live block is folded (math) or repeated
 Backends: ``"math"`` is plain torch (any device, any float dtype, float64 computed in float64).
 ``"cuda"`` (alias ``"flash"``) runs each block through ``aten._scaled_dot_product_flash_attention``
 and its ``_backward`` op fed the global out/lse (CUDA, fp16/bf16, D == Dv, D % 8 == 0, D <= 256;
-otherwise math).  ``"auto"`` is cuda where it applies, else math.  ``"cudnn"`` is an EXPERIMENTAL
-opt-in doing the same through ``aten._scaled_dot_product_cudnn_attention``: about twice flash's
-speed on H200 (torch 2.11), but its backward rejects s_q = s_kv = 1 and it crashed the process on
-some small shapes, so it is never picked by default; it falls back to flash where it does not apply.
+otherwise math).  ``"cudnn"`` does the same through ``aten._scaled_dot_product_cudnn_attention``:
+about twice flash's forward speed on H200 (torch 2.11), but its backward rejects s_q = s_kv = 1 and
+crashed the process on some small shapes, so for training it is an opt-in only.  ``"auto"`` takes
+cuDNN's forward for calls that need no backward (capture and graph-free scoring) when every block
+is large (at least ``CUDNN_MIN_ROWS`` query rows and keys), flash otherwise, math off CUDA;
+``LONGSTRAW_FORWARD_KERNEL=flash`` in the environment keeps forward-only calls on flash.
 
 The prefix tensors are held by plain reference, without autograd's version check, because
 they are usually views of a page buffer that keeps being written past ``P``; the caller must
@@ -35,6 +37,7 @@ N keys in one block, M = G * R folded query rows, D head dim.
 from __future__ import annotations
 
 import numbers
+import os
 
 import torch
 
@@ -42,6 +45,8 @@ __all__ = ["paged_attention", "reference_attention", "MATH_BLOCK_SIZE", "CUDA_BL
 
 MATH_BLOCK_SIZE = 4096
 CUDA_BLOCK_SIZE = 65536
+CUDNN_MIN_ROWS = 128
+FORWARD_ONLY_KERNEL = os.environ.get("LONGSTRAW_FORWARD_KERNEL", "cudnn")
 _BACKENDS = ("auto", "math", "cuda", "flash", "cudnn")
 
 
@@ -58,7 +63,9 @@ def paged_attention(
 ) -> torch.Tensor:
     """Attention of ``q`` over all prefix keys and the causal live keys; returns [B, H, R, Dv]."""
     _validate(q_BHRD, k_prefix_BKPD, v_prefix_BKPD, k_live_BKRD, v_live_BKRD, scale, block_size, backend)
-    kernel = _pick_kernel(backend, q_BHRD, v_live_BKRD.shape[-1])
+    inputs = (q_BHRD, k_prefix_BKPD, v_prefix_BKPD, k_live_BKRD, v_live_BKRD)
+    forward_only = not (torch.is_grad_enabled() and any(t.requires_grad for t in inputs))
+    kernel = _pick_kernel(backend, q_BHRD, v_live_BKRD.shape[-1], forward_only)
     if block_size is None:
         block_size = MATH_BLOCK_SIZE if kernel == "math" else CUDA_BLOCK_SIZE
     return _PagedAttention.apply(
@@ -143,9 +150,9 @@ def _validate(q, k_prefix, v_prefix, k_live, v_live, scale, block_size, backend)
         raise ValueError(f"paged_attention: backend={backend!r} needs CUDA tensors, got device {q.device}")
 
 
-def _pick_kernel(backend: str, q_BHRD: torch.Tensor, Dv: int) -> str:
+def _pick_kernel(backend: str, q_BHRD: torch.Tensor, Dv: int, forward_only: bool = False) -> str:
     """'math', 'flash' or 'cudnn'; a CUDA kernel only where its constraints hold."""
-    D = q_BHRD.shape[-1]
+    D, R = q_BHRD.shape[-1], q_BHRD.shape[2]
     if (
         backend == "math"
         or q_BHRD.device.type != "cuda"
@@ -154,7 +161,10 @@ def _pick_kernel(backend: str, q_BHRD: torch.Tensor, Dv: int) -> str:
         or D % 8 != 0
     ):
         return "math"
-    if backend == "cudnn" and D <= 128 and q_BHRD.shape[2] > 1 and (torch.backends.cudnn.version() or 0) >= 90000:
+    cudnn_ok = D <= 128 and R > 1 and (torch.backends.cudnn.version() or 0) >= 90000
+    if backend == "cudnn" and cudnn_ok:
+        return "cudnn"
+    if backend == "auto" and forward_only and FORWARD_ONLY_KERNEL == "cudnn" and cudnn_ok and R >= CUDNN_MIN_ROWS:
         return "cudnn"
     return "flash" if D <= 256 and torch.backends.cuda.is_flash_attention_available() else "math"
 
@@ -285,7 +295,9 @@ class _PagedAttention(torch.autograd.Function):
         out_BKMD, lse_BKM = out_BHRD.view(B, K, M, Dv), lse_BHR.view(B, K, M)
         for start in range(0, P, block_size):
             blk = slice(start, start + block_size)
-            _merge_(out_BKMD, lse_BKM, *block_fwd(q_BKMD, k_BKPD[:, :, blk], v_BKPD[:, :, blk], scale))
+            # cuDNN only on large blocks (it crashed on small ones): a short tail block goes to flash
+            fwd = _flash_block_fwd if kernel == "cudnn" and P - start < CUDNN_MIN_ROWS else block_fwd
+            _merge_(out_BKMD, lse_BKM, *fwd(q_BKMD, k_BKPD[:, :, blk], v_BKPD[:, :, blk], scale))
 
         out_BHRD = out_BHRD.to(q_BHRD.dtype)
         ctx.save_for_backward(q_BHRD, k_BKRD, v_BKRD, out_BHRD, lse_BHR)

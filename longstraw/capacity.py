@@ -9,13 +9,16 @@ under the ceiling:
   (an emulated ceiling, stated in the result: a 24 GiB machine would not run out at CPU sizes).
 
 Search: double from `min_length` until a probe does not fit (or `max_length`), then bisect
-between the last fitting and the first failing length down to `granularity` positions.
+between the last fitting and the first failing length down to `granularity` positions. With
+`time_limit_seconds`, no probe starts once that much time has passed: the result then says the
+search stopped on time, and the bracket it reached is what was measured.
 """
 
 from __future__ import annotations
 
 import copy
 import tempfile
+import time
 from pathlib import Path
 
 from longstraw.experiment import run_point_in_fresh_process
@@ -62,17 +65,25 @@ def find_capacity(point: dict, progress=print) -> dict:
                  + (f" ({peak / 2**20:,.1f} MiB)" if peak else ""))
         return status == "ok"
 
+    started, limit = time.perf_counter(), settings["time_limit_seconds"]
+    stopped_on_time = False
+
+    def out_of_time() -> bool:
+        nonlocal stopped_on_time
+        stopped_on_time = limit is not None and time.perf_counter() - started > limit
+        return stopped_on_time
+
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         low, high, length = None, None, settings["min_length"]
-        while length <= settings["max_length"]:
+        while length <= settings["max_length"] and not out_of_time():
             if fits(length):
                 low, length = length, length * 2
             else:
                 high = length
                 break
         if low is not None and high is not None:
-            while high - low > settings["granularity"]:
+            while high - low > settings["granularity"] and not out_of_time():
                 middle = (low + high) // 2 // settings["granularity"] * settings["granularity"]
                 if middle in (low, high):
                     break
@@ -85,5 +96,6 @@ def find_capacity(point: dict, progress=print) -> dict:
         "probes": [probes[k] for k in sorted(probes)],
         "largest_fitting": low,
         "first_failing": high,
-        "search_capped_at_max_length": high is None,
+        "search_capped_at_max_length": high is None and not stopped_on_time,
+        "search_stopped_on_time_limit": stopped_on_time,
     }

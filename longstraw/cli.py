@@ -7,7 +7,8 @@
 
 `run` executes one point config; `point` executes one point of a pipeline experiment file and
 adds the pipeline's keys (experiment, point, profile, grid, command). Result JSONs are written
-atomically; the last stdout line is a one-line JSON summary. Exit status of `run`: 0 for ok and
+atomically (a `sweep` also keeps OUT.partial, rewritten after each finished step and removed
+when the result is written); the last stdout line is a one-line JSON summary. Exit status of `run`: 0 for ok and
 oom (an out-of-memory point is a measurement), 1 for error; `point` exits 0 whenever a result
 was recorded (error included: the report shows it), 2 for a bad experiment file.
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import yaml
 
@@ -48,9 +50,14 @@ def _summary(result: dict) -> dict:
     return out
 
 
+def _partial_path(out) -> Path:
+    return Path(f"{out}.partial")
+
+
 def _record(result: dict, out) -> None:
     """Write the result atomically; show a failure's traceback; end stdout with the summary line."""
     write_json_atomic(out, result)
+    _partial_path(out).unlink(missing_ok=True)
     if result["status"] == "error":
         print(result.get("traceback", result["error"]), file=sys.stderr)
     print(json.dumps(_summary(result)))
@@ -86,7 +93,8 @@ def main(argv=None) -> int:
     for assignment in args.set:
         _apply_override(cfg, assignment)
     try:
-        result = run_point(cfg, source=args.experiment)
+        result = run_point(cfg, source=args.experiment,
+                           on_progress=lambda partial: write_json_atomic(_partial_path(args.out), partial))
     except ValueError as exc:  # bad config: nothing ran
         print(f"longstraw: {exc}", file=sys.stderr)
         return 2
@@ -116,7 +124,8 @@ def _point(args) -> int:
     except ValueError as exc:
         print(f"longstraw: {exc}", file=sys.stderr)
         return 2
-    result = run_point(points[args.point]["config"], source=args.experiment)
+    result = run_point(points[args.point]["config"], source=args.experiment,
+                       on_progress=lambda partial: write_json_atomic(_partial_path(args.out), partial))
     result.update(experiment=experiment["name"], experiment_title=experiment["title"], point=args.point,
                   profile=args.profile, grid=points[args.point]["grid"],
                   command=plan.point_command(args.experiment, args.profile, args.point, args.out))

@@ -10,6 +10,11 @@ Three kinds of point:
   and the transient memory (peak minus what was there before minus the resident state),
   then times one replay (forward + backward).
 - `capacity`: the largest prompt length whose step fits (`longstraw.capacity`).
+- `sweep`: one capture serving a series of steps, `sweep.replay` then `sweep.hold_all` group
+  sizes in order, each mode stopping at its first out-of-memory step (recorded with the peak
+  it reached). Capture is measured as in `capture` (attention time and rate included), and
+  with `measure.kernel_rates` the run also times torch's causal SDPA and the attention and GEMM
+  kernels on this device, so ratios against them come from one run.
 
 Every result carries provenance and the resolved config. Out-of-memory is a result, not a crash.
 """
@@ -72,10 +77,21 @@ def _capture_kwargs(cfg: dict) -> dict:
     return {k: v for k, v in cfg["capture"].items() if v is not None}
 
 
-def run_point(raw: dict, source: str = "config") -> dict:
-    """Run one experiment point; never raises for OOM or runtime failure (recorded as status)."""
+KINDS = ("step", "capture", "capacity", "sweep")
+
+
+def run_point(raw: dict, source: str = "config", on_progress=None) -> dict:
+    """Run one experiment point; never raises for OOM or runtime failure (recorded as status).
+
+    `on_progress(partial_result)` is called after each finished step of a `sweep`, so a run cut
+    off later still leaves what it measured.
+    """
     cfg = resolve_config(raw, source)
+    if cfg["kind"] not in KINDS:
+        raise ValueError(f"{source}: kind must be one of {KINDS}, got {cfg['kind']!r}")
     device = torch.device(cfg["model"]["device"])
+    if cfg["mode"] == "naive" and cfg["kind"] == "step" and device.type == "cuda":
+        use_hf_torch_gdn()
     result = {"name": cfg["name"], "kind": cfg["kind"], "config": cfg, "provenance": provenance(device)}
     start = time.perf_counter()
     try:
@@ -83,12 +99,17 @@ def run_point(raw: dict, source: str = "config") -> dict:
             result["metrics"] = _run_step(cfg, device)
         elif cfg["kind"] == "capture":
             result["metrics"] = _run_capture(cfg, device)
-        elif cfg["kind"] == "capacity":
+        elif cfg["kind"] == "sweep":
+            def partial(metrics):
+                if on_progress:
+                    on_progress({**result, "status": "partial", "metrics": metrics,
+                                 "wall_seconds": time.perf_counter() - start})
+
+            result["metrics"] = _run_sweep(cfg, device, partial)
+        else:
             from longstraw.capacity import find_capacity
 
             result["metrics"] = find_capacity(cfg, progress=lambda line: print(line, file=sys.stderr, flush=True))
-        else:
-            raise ValueError(f"{source}: kind must be 'step', 'capture' or 'capacity', got {cfg['kind']!r}")
         result["status"] = "ok"
     except torch.OutOfMemoryError as exc:
         result["status"] = "oom"
@@ -157,21 +178,31 @@ def _summary(cycles: list) -> dict:
             "graph_bytes_peak": max(c["graph_bytes_peak"] for c in cycles)}
 
 
-def _run_capture(cfg: dict, device) -> dict:
-    """Capture, then one timed replay (forward + backward) of a response of `responses.length`."""
-    recorder = PhaseRecorder(device)
-    model, vocab, prompt = _policy_and_prompt(cfg, recorder)
+def use_hf_torch_gdn() -> None:
+    """Make HF's GDN layers take their own torch chunk kernel instead of fla's (naive on CUDA).
+
+    fla's chunk backward raises on Hopper with Triton 3.4-3.7 (DESIGN.md §2), and HF binds its
+    GDN kernel when the modeling module is imported, so `fla` is hidden before that happens. A
+    naive step needs no capture (the only place we use fla), so nothing else is lost.
+    """
+    if "fla" in sys.modules and sys.modules["fla"] is not None:
+        raise RuntimeError("naive on CUDA must start in a fresh process: fla is already imported, so HF's "
+                           "GDN layers would run fla's backward, which fails on Hopper with this Triton")
+    sys.modules["fla"] = None  # `import fla` now raises ImportError; HF falls back to its torch kernel
+
+
+def _measure_capture(model, prompt, cfg: dict, recorder: PhaseRecorder):
+    """Capture with its attention timed; (metrics, state)."""
+    from longstraw.measure import AttentionTimer
+
+    device = recorder.device
     before = _current_memory(device)
-    with recorder.phase("capture"):
+    with recorder.phase("capture"), AttentionTimer(device) as attention:
         state = capture(model, prompt, **_capture_kwargs(cfg))
     rec = recorder.phases["capture"]
     peak = rec.get("peak_allocated_bytes", rec["peak_rss_bytes"])
-    response = _tokens(cfg["responses"]["length"], cfg["responses"]["seed"], vocab, device)
-    with recorder.phase("replay"):
-        replay(model, state, response).sum().backward()
     by_entry = state.nbytes_by_entry()
     return {
-        "phases": recorder.phases,
         "model_type": state.model_type,
         "positions": state.positions,
         "positions_per_second": state.positions / max(rec["seconds"], 1e-9),
@@ -185,9 +216,75 @@ def _run_capture(cfg: dict, device) -> dict:
         "memory_before_capture_bytes": before,
         "transient_bytes": peak - before - state.nbytes,
         "capture_seconds": rec["seconds"],
-        "replay_seconds": recorder.phases["replay"]["seconds"],
-        "response_length": int(response.numel()),
-    }
+        "capture_attention": attention.summary(),
+    }, state
+
+
+def _run_capture(cfg: dict, device) -> dict:
+    """Capture, then one timed replay (forward + backward) of a response of `responses.length`."""
+    recorder = PhaseRecorder(device)
+    model, vocab, prompt = _policy_and_prompt(cfg, recorder)
+    metrics, state = _measure_capture(model, prompt, cfg, recorder)
+    response = _tokens(cfg["responses"]["length"], cfg["responses"]["seed"], vocab, device)
+    with recorder.phase("replay"):
+        replay(model, state, response).sum().backward()
+    return {"phases": recorder.phases, **metrics, "replay_seconds": recorder.phases["replay"]["seconds"],
+            "response_length": int(response.numel())}
+
+
+def _run_sweep(cfg: dict, device, on_progress) -> dict:
+    """One capture, then steps at each (mode, G) of `sweep`; a mode stops at its first OOM."""
+    from longstraw.lora import trainable_parameters
+    from longstraw.step import grpo_step
+
+    recorder = PhaseRecorder(device)
+    model, vocab, prompt = _policy_and_prompt(cfg, recorder)
+    out = {"weights": recorder.phases["weights"], "trainable_parameters": trainable_parameters(model)}
+    if cfg["measure"]["kernel_rates"]:
+        from longstraw.kernel_rates import measure_kernel_rates
+
+        out["kernel_rates"] = measure_kernel_rates(_unwrapped_config(model), device=device,
+                                                   response_length=cfg["responses"]["length"],
+                                                   dtype=_DTYPES[cfg["model"]["dtype"]])
+    out["capture"], state = _measure_capture(model, prompt, cfg, recorder)
+    out["capture"]["phase"] = recorder.phases["capture"]
+    out["steps"] = []
+    on_progress(out)
+    rcfg = cfg["responses"]
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg["optimizer"]["lr"])
+    for mode in ("replay", "hold_all"):
+        for count in cfg["sweep"][mode]:
+            responses = [_tokens(rcfg["length"], rcfg["seed"] + i, vocab, device) for i in range(count)]
+            rewards = torch.rand(count, generator=torch.Generator().manual_seed(rcfg["seed"]))
+            config = grpo.GRPOConfig(num_generations=count, **cfg["grpo"])
+            step = {"mode": mode, "count": count}
+            try:
+                metrics = grpo_step(model, prompt, responses, rewards, optimizer, config, mode=mode, state=state,
+                                    device=device)
+                metrics.pop("state")
+                peaks = [p["peak_allocated_bytes"] for p in metrics["phases"].values() if "peak_allocated_bytes" in p]
+                step.update(status="ok", **metrics, peak_allocated_bytes=max(peaks) if peaks else None)
+            except torch.OutOfMemoryError as exc:
+                step.update(status="oom", error=str(exc).splitlines()[0],
+                            peak_allocated_bytes=torch.cuda.max_memory_allocated(device))
+            optimizer.zero_grad(set_to_none=True)
+            del responses
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            out["steps"].append(step)
+            print(f"sweep {mode} G={count}: {step['status']}, peak "
+                  f"{(step.get('peak_allocated_bytes') or 0) / 2**30:.2f} GiB", file=sys.stderr, flush=True)
+            on_progress(out)
+            if step["status"] == "oom":
+                break
+    return out
+
+
+def _unwrapped_config(model):
+    from longstraw.adapters.base import unwrap_causal_lm
+
+    return unwrap_causal_lm(model).config
 
 
 def _current_memory(device) -> int:

@@ -164,3 +164,40 @@ def provenance(device) -> dict:
         "cuda_total_memory_bytes": torch.cuda.get_device_properties(device).total_memory
         if torch.device(device).type == "cuda" else None,
     }
+
+
+class AttentionTimer:
+    """Seconds and FLOPs spent inside paged attention while active (the capture attention rate).
+
+    The attention mixer reports each call through `AttentionTimer.active`; every call is
+    bracketed by device syncs, so use it only where calls are large (capture chunks).
+    """
+
+    active: "AttentionTimer | None" = None
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+        self.seconds = 0.0
+        self.flops = 0
+        self.calls = 0
+
+    def __enter__(self):
+        AttentionTimer.active = self
+        return self
+
+    def __exit__(self, *exc):
+        AttentionTimer.active = None
+
+    @contextmanager
+    def call(self, flops: int):
+        synchronize(self.device)
+        start = time.perf_counter()
+        yield
+        synchronize(self.device)
+        self.seconds += time.perf_counter() - start
+        self.flops += flops
+        self.calls += 1
+
+    def summary(self) -> dict:
+        return {"seconds": self.seconds, "flops": self.flops, "calls": self.calls,
+                "tflops_per_second": self.flops / self.seconds / 1e12 if self.seconds else None}

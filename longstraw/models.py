@@ -95,16 +95,29 @@ PRESETS = {
                       num_hidden_layers=4),
         "CPU benchmark size: 4-layer GQA llama, hidden 256",
     ),
-    # GPU scale: the Qwen3.6 pattern (3 Gated DeltaNet : 1 full attention, dense FFN), ~1.1B parameters
+    # GPU scale: the Qwen3.6 pattern (3 Gated DeltaNet : 1 full attention, dense FFN), ~1.1B parameters.
+    # Attention is 8 query heads x 128 (2 K/V heads): its causal capture cost (2 N^2 x heads x dim per
+    # layer) keeps one capture of 4,456,448 positions plus 64 replays inside one 10-minute command.
     "hybrid-1b": Preset(
         "qwen3_5",
         dict(vocab_size=32768, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
              layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 4,
-             num_attention_heads=16, num_key_value_heads=2, head_dim=128,
+             num_attention_heads=8, num_key_value_heads=2, head_dim=128,
              linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
              linear_value_head_dim=128, linear_conv_kernel_dim=4, max_position_embeddings=8_388_608,
              rms_norm_eps=1e-6, tie_word_embeddings=False),
         "GPU: Qwen3.6 pattern, 16 layers (12 GDN + 4 attention), hidden 2048",
+    ),
+    # The real Qwen3.6-27B text shape (26.9B parameters), random weights; run it NF4-quantised.
+    "qwen3.6-27b-shape": Preset(
+        "qwen3_5",
+        dict(vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
+             layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 16,
+             num_attention_heads=24, num_key_value_heads=4, head_dim=256, partial_rotary_factor=0.25,
+             linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
+             linear_value_head_dim=128, linear_conv_kernel_dim=4, max_position_embeddings=8_388_608,
+             rms_norm_eps=1e-6, tie_word_embeddings=False),
+        "GPU: Qwen3.6-27B text shape, 64 layers (48 GDN + 16 attention), hidden 5120",
     ),
 }
 TINY_PRESETS = [name for name in PRESETS if name.startswith("tiny-")]
@@ -124,7 +137,9 @@ def build_model(name: str, *, seed: int = 0, dtype=torch.float32, device="cpu", 
     config = make_config(name, **overrides)
     model_cls = getattr(transformers, MODEL_CLASSES[PRESETS[name].model_type][1])
     torch.manual_seed(seed)
-    model = model_cls(config).to(dtype=dtype, device=device)
+    # built in place on the target device and dtype: a 27B shape never exists in float32 on the host
+    with torch.device(device):
+        model = model_cls._from_config(config, dtype=dtype)
     return model.eval()
 
 

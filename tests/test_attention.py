@@ -261,3 +261,21 @@ def test_cuda_path_plumbing_with_emulated_kernel_on_cpu(monkeypatch):
         torch.testing.assert_close(out.double(), ref, rtol=3e-2, atol=3e-2)
         for a, b in zip(got, grads_of(ref, leaves64, dout)):
             torch.testing.assert_close(a.double(), b, rtol=5e-2, atol=5e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("P", [0, 300, 4096 + 7])  # 4096 + 7: a 7-key tail block goes to flash
+def test_forward_only_auto_takes_cudnn_and_matches_math(P):
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def t(*shape):
+        return torch.randn(*shape, generator=g, device="cuda", dtype=torch.bfloat16)
+
+    q, kp, vp, kl, vl = t(1, 8, 512, 64), t(1, 2, P, 64), t(1, 2, P, 64), t(1, 2, 512, 64), t(1, 2, 512, 64)
+    if (torch.backends.cudnn.version() or 0) >= 90000:
+        assert attention._pick_kernel("auto", q, 64, forward_only=True) == "cudnn"
+    assert attention._pick_kernel("auto", q, 64, forward_only=False) == "flash"
+    with torch.no_grad():
+        out = paged_attention(q, kp, vp, kl, vl, scale=0.125, block_size=4096)
+    expected = reference_attention(*(x.double() for x in (q, kp, vp, kl, vl)), 0.125)
+    assert (out.double() - expected).abs().max() < 2e-2

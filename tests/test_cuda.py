@@ -31,3 +31,13 @@ def test_bf16_replay_matches_hf_on_cuda(preset):
     assert state.fingerprint() == before
     g_ref = grads_of(model, (hf_conditional_logprobs(model, prompt, response) * weights).sum())
     assert max_relative_error(g_ours, g_ref) < 0.1
+
+
+def test_kernel_rates_measure_positive_rates():
+    from longstraw.kernel_rates import measure_kernel_rates
+    from longstraw.models import make_config
+
+    rates = measure_kernel_rates(make_config("tiny-qwen3_5", head_dim=64), response_length=256,
+                                 dtype=torch.bfloat16, device="cuda", sdpa_positions=4096)
+    for name in ("causal_sdpa", "flash_forward", "flash_backward", "gemm"):
+        assert rates[name]["seconds"] > 0 and rates[name]["tflops_per_second"] > 0

@@ -9,11 +9,13 @@ The pages reach it as a keyword argument that HF forwards untouched; no HF cache
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 from transformers import AttentionInterface
 
 from longstraw.attention import paged_attention
+from longstraw.flops import attention_forward_flops
+from longstraw.measure import AttentionTimer
 from longstraw.state import AttentionPages
 
 IMPLEMENTATION = "longstraw"
@@ -26,10 +28,13 @@ def _longstraw_attention(module, query_BHTD, key_BKTD, value_BKTD, attention_mas
     if kwargs.get("sliding_window") is not None or getattr(module, "sliding_window", None):
         raise ValueError("sliding-window attention layers are not supported by the longstraw adapters")
     k_prefix_BKPD, v_prefix_BKPD = longstraw_pages.filled()
-    out_BHTD = paged_attention(
-        query_BHTD, k_prefix_BKPD, v_prefix_BKPD, key_BKTD, value_BKTD,
-        scale=scaling if scaling is not None else query_BHTD.shape[-1] ** -0.5,
-    )
+    timer = AttentionTimer.active
+    _, H, T, D = query_BHTD.shape
+    with timer.call(attention_forward_flops(H, D, T, k_prefix_BKPD.shape[2])) if timer else nullcontext():
+        out_BHTD = paged_attention(
+            query_BHTD, k_prefix_BKPD, v_prefix_BKPD, key_BKTD, value_BKTD,
+            scale=scaling if scaling is not None else query_BHTD.shape[-1] ** -0.5,
+        )
     if longstraw_append:
         longstraw_pages.append(key_BKTD.detach(), value_BKTD.detach())
     return out_BHTD.transpose(1, 2).contiguous(), None

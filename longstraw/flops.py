@@ -1,0 +1,57 @@
+"""FLOP counts of the transaction's work, from a model config (2 FLOPs per multiply-add).
+
+Attention counts what the kernels execute: a forward block does two matmuls (QK^T, PV), a
+flash backward block five (QK^T recomputed, dP, dV, dQ, dK), i.e. 2.5 times the forward.
+Linear work counts the decoder's projections and MLPs plus the LM head; the replay backward
+counts the input gradients through the frozen base (2 x forward) and the LoRA weight
+gradients. Gated DeltaNet's recurrence, norms and elementwise work are left out: the floor
+is a lower bound, and the measured time over it shows what they cost.
+"""
+
+from __future__ import annotations
+
+BACKWARD_OVER_FORWARD = 2.5
+
+
+def attention_layers(config) -> int:
+    types = getattr(config, "layer_types", None)
+    return sum(t == "full_attention" for t in types) if types else config.num_hidden_layers
+
+
+def _head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def attention_forward_flops(heads: int, head_dim: int, queries: int, prefix: int) -> int:
+    """One attention layer: `queries` live queries over `prefix` resident keys plus their own causal keys."""
+    pairs = queries * prefix + queries * (queries + 1) // 2
+    return 4 * heads * head_dim * pairs
+
+
+def capture_attention_flops(config, positions: int) -> int:
+    """All attention layers of a causal pass over `positions` tokens (what capture computes)."""
+    return attention_layers(config) * attention_forward_flops(config.num_attention_heads, _head_dim(config),
+                                                              positions, 0)
+
+
+def replay_attention_flops(config, response_length: int, prefix: int) -> tuple[int, int]:
+    """(forward, backward) attention FLOPs of one replayed member over `prefix` resident positions."""
+    forward = attention_layers(config) * attention_forward_flops(config.num_attention_heads, _head_dim(config),
+                                                                 response_length, prefix)
+    return forward, int(BACKWARD_OVER_FORWARD * forward)
+
+
+def linear_parameters(model) -> int:
+    """Weights that multiply every token: every nn.Linear (NF4 ones included) except LoRA's own."""
+    import torch
+
+    return sum(m.in_features * m.out_features for name, m in model.named_modules()
+               if isinstance(m, torch.nn.Linear) and "lora_" not in name)
+
+
+def replay_linear_flops(model, response_length: int, lora_parameters: int) -> tuple[int, int]:
+    """(forward, backward) projection + MLP + LM-head FLOPs of one replayed member."""
+    n = linear_parameters(model)
+    forward = 2 * n * response_length + 2 * lora_parameters * response_length
+    backward = 2 * n * response_length + 4 * lora_parameters * response_length
+    return forward, backward
