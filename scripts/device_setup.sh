@@ -5,7 +5,7 @@
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     .whl/*.whl $(ls .whl_bnb/*.whl 2>/dev/null) || return 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TRITON_CACHE_AUTOTUNING=1 TRITON_CACHE_DIR=$PWD/.triton_cache
-mkdir -p "$TRITON_CACHE_DIR"
+mkdir -p "$TRITON_CACHE_DIR"; [ -f .cache_device/triton_cache.tgz ] && tar xzf .cache_device/triton_cache.tgz
 # run one pipeline point: device_point EXPERIMENT POINT SECONDS -> $OUT/EXPERIMENT__POINT.json
 device_point() {
     timeout "$3" python3 -m longstraw point "experiments/$1.yaml" --profile h200 --point "$2" \
