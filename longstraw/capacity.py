@@ -11,7 +11,8 @@ under the ceiling:
 Search: double from `min_length` until a probe does not fit (or `max_length`), then bisect
 between the last fitting and the first failing length down to `granularity` positions. With
 `time_limit_seconds`, no probe starts once that much time has passed: the result then says the
-search stopped on time, and the bracket it reached is what was measured.
+search stopped on time, and the bracket it reached is what was measured. `compare_modes` then
+runs those modes' steps at the largest fitting length (the step times the baselines compare).
 """
 
 from __future__ import annotations
@@ -88,8 +89,18 @@ def find_capacity(point: dict, progress=print) -> dict:
                 if middle in (low, high):
                     break
                 low, high = (middle, high) if fits(middle) else (low, middle)
+        # the other modes' G=8 steps at the largest length this mode fitted (step time beside it)
+        comparison = {}
+        for mode in settings["compare_modes"] if low is not None else []:
+            result = _probe({**point, "mode": mode, "name": f"{point['name']}_{mode}"}, low, workdir)
+            comparison[mode] = {"prompt_length": low, "status": result["status"],
+                                "peak_bytes": _measured_bytes(result, device_type),
+                                "seconds": result.get("wall_seconds"), "error": result.get("error"),
+                                "step_phases": (result.get("metrics") or {}).get("phase_summary")}
+            progress(f"comparison {mode} at {low:,} positions -> {result['status']}")
     return {
         "mode": point["mode"],
+        "comparison_at_largest_fitting": comparison,
         "ceiling_bytes": ceiling,
         "memory_measure": "peak_allocated_bytes" if device_type == "cuda" else
         "process peak RSS minus RSS after weights (emulated CPU ceiling)",

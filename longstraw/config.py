@@ -17,7 +17,7 @@ DEFAULTS = {
     "optimizer": {"lr": 1.0e-4},
     "capture": {"chunk_size": None, "order": "auto", "memory_budget_bytes": None},
     "capacity": {"min_length": 1024, "max_length": 1 << 20, "granularity": 1024, "ceiling_bytes": None,
-                 "time_limit_seconds": None},
+                 "time_limit_seconds": None, "compare_modes": []},
     "sweep": {"replay": [2, 8], "hold_all": [2, 4, 8]},
     "measure": {"kernel_rates": False},
 }
