@@ -266,15 +266,16 @@ def _run_sweep(cfg: dict, device, on_progress) -> dict:
                 peaks = [p["peak_allocated_bytes"] for p in metrics["phases"].values() if "peak_allocated_bytes" in p]
                 step.update(status="ok", **metrics, peak_allocated_bytes=max(peaks) if peaks else None)
             except torch.OutOfMemoryError as exc:
-                step.update(status="oom", error=str(exc).splitlines()[0],
-                            peak_allocated_bytes=torch.cuda.max_memory_allocated(device))
+                step.update(status="oom", error=str(exc).splitlines()[0], peak_allocated_bytes=(
+                    torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None))
             optimizer.zero_grad(set_to_none=True)
             del responses
             if device.type == "cuda":
                 torch.cuda.empty_cache()
             out["steps"].append(step)
-            print(f"sweep {mode} G={count}: {step['status']}, peak "
-                  f"{(step.get('peak_allocated_bytes') or 0) / 2**30:.2f} GiB", file=sys.stderr, flush=True)
+            peak = step.get("peak_allocated_bytes")
+            print(f"sweep {mode} G={count}: {step['status']}" + (f", peak {peak / 2**30:.2f} GiB" if peak else ""),
+                  file=sys.stderr, flush=True)
             on_progress(out)
             if step["status"] == "oom":
                 break

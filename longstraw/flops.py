@@ -18,7 +18,7 @@ def attention_layers(config) -> int:
     return sum(t == "full_attention" for t in types) if types else config.num_hidden_layers
 
 
-def _head_dim(config) -> int:
+def head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
@@ -30,13 +30,13 @@ def attention_forward_flops(heads: int, head_dim: int, queries: int, prefix: int
 
 def capture_attention_flops(config, positions: int) -> int:
     """All attention layers of a causal pass over `positions` tokens (what capture computes)."""
-    return attention_layers(config) * attention_forward_flops(config.num_attention_heads, _head_dim(config),
+    return attention_layers(config) * attention_forward_flops(config.num_attention_heads, head_dim(config),
                                                               positions, 0)
 
 
 def replay_attention_flops(config, response_length: int, prefix: int) -> tuple[int, int]:
     """(forward, backward) attention FLOPs of one replayed member over `prefix` resident positions."""
-    forward = attention_layers(config) * attention_forward_flops(config.num_attention_heads, _head_dim(config),
+    forward = attention_layers(config) * attention_forward_flops(config.num_attention_heads, head_dim(config),
                                                                  response_length, prefix)
     return forward, int(BACKWARD_OVER_FORWARD * forward)
 
@@ -49,9 +49,26 @@ def linear_parameters(model) -> int:
                if isinstance(m, torch.nn.Linear) and "lora_" not in name)
 
 
-def replay_linear_flops(model, response_length: int, lora_parameters: int) -> tuple[int, int]:
+def replay_linear_flops(linear_params: int, response_length: int, lora_parameters: int) -> tuple[int, int]:
     """(forward, backward) projection + MLP + LM-head FLOPs of one replayed member."""
-    n = linear_parameters(model)
-    forward = 2 * n * response_length + 2 * lora_parameters * response_length
-    backward = 2 * n * response_length + 4 * lora_parameters * response_length
+    forward = 2 * linear_params * response_length + 2 * lora_parameters * response_length
+    backward = 2 * linear_params * response_length + 4 * lora_parameters * response_length
     return forward, backward
+
+
+def replay_floor_seconds(config, linear_params: int, lora_params: int, response_length: int, prefix: int,
+                         rates: dict) -> dict:
+    """One replayed member's FLOP floor at measured rates (TFLOP/s dicts as kernel_rates records them):
+    attention forward at the flash forward rate, its backward at the flash backward rate, the
+    linear work at the GEMM rate."""
+    attn_fwd, attn_bwd = replay_attention_flops(config, response_length, prefix)
+    lin = sum(replay_linear_flops(linear_params, response_length, lora_params))
+
+    def tflops(name):
+        return rates[name]["tflops_per_second"] * 1e12
+
+    parts = {"attention_forward": attn_fwd / tflops("flash_forward"),
+             "attention_backward": attn_bwd / tflops("flash_backward"),
+             "linear": lin / tflops("gemm")}
+    return {"seconds": sum(parts.values()), "parts_seconds": parts,
+            "flops": {"attention_forward": attn_fwd, "attention_backward": attn_bwd, "linear": lin}}

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from longstraw.attention import CUDA_BLOCK_SIZE, _cudnn_block_fwd, _flash_block_bwd, _flash_block_fwd
-from longstraw.flops import BACKWARD_OVER_FORWARD, _head_dim, attention_forward_flops
+from longstraw.flops import BACKWARD_OVER_FORWARD, attention_forward_flops, head_dim
 
 
 def _timed(fn, device, repeats: int) -> float:
@@ -71,10 +71,10 @@ def gemm_rate(dtype, device, n: int = 8192, repeats: int = 8) -> dict:
 
 
 def measure_kernel_rates(config, *, response_length: int, dtype, device, sdpa_positions: int = 1 << 20) -> dict:
-    heads, head_dim = config.num_attention_heads, _head_dim(config)
-    rates = {"causal_sdpa": causal_sdpa_rate(heads, head_dim, sdpa_positions, dtype, device)}
+    heads, dim = config.num_attention_heads, head_dim(config)
+    rates = {"causal_sdpa": causal_sdpa_rate(heads, dim, sdpa_positions, dtype, device)}
     torch.cuda.empty_cache()
-    rates.update(block_rates(heads, config.num_key_value_heads, head_dim, response_length, dtype, device))
+    rates.update(block_rates(heads, config.num_key_value_heads, dim, response_length, dtype, device))
     rates["gemm"] = gemm_rate(dtype, device)
     torch.cuda.empty_cache()
     return rates

@@ -52,6 +52,10 @@ class Preset:
     model_type: str
     config: dict = field(default_factory=dict)
     description: str = ""
+    # GPU-scale presets initialise directly on the target device in the target dtype (a 27B shape
+    # never exists in float32 on the host); small ones initialise in float32 on the CPU, so one
+    # seed gives the same weights on every device
+    init_on_device: bool = False
 
 
 PRESETS = {
@@ -107,6 +111,7 @@ PRESETS = {
              linear_value_head_dim=128, linear_conv_kernel_dim=4, max_position_embeddings=8_388_608,
              rms_norm_eps=1e-6, tie_word_embeddings=False),
         "GPU: Qwen3.6 pattern, 16 layers (12 GDN + 4 attention), hidden 2048",
+        init_on_device=True,
     ),
     # The real Qwen3.6-27B text shape (26.9B parameters), random weights; run it NF4-quantised.
     "qwen3.6-27b-shape": Preset(
@@ -118,6 +123,7 @@ PRESETS = {
              linear_value_head_dim=128, linear_conv_kernel_dim=4, max_position_embeddings=8_388_608,
              rms_norm_eps=1e-6, tie_word_embeddings=False),
         "GPU: Qwen3.6-27B text shape, 64 layers (48 GDN + 16 attention), hidden 5120",
+        init_on_device=True,
     ),
 }
 TINY_PRESETS = [name for name in PRESETS if name.startswith("tiny-")]
@@ -137,9 +143,11 @@ def build_model(name: str, *, seed: int = 0, dtype=torch.float32, device="cpu", 
     config = make_config(name, **overrides)
     model_cls = getattr(transformers, MODEL_CLASSES[PRESETS[name].model_type][1])
     torch.manual_seed(seed)
-    # built in place on the target device and dtype: a 27B shape never exists in float32 on the host
-    with torch.device(device):
-        model = model_cls._from_config(config, dtype=dtype)
+    if PRESETS[name].init_on_device:
+        with torch.device(device):
+            model = model_cls._from_config(config, dtype=dtype)
+    else:
+        model = model_cls(config).to(dtype=dtype, device=device)
     return model.eval()
 
 

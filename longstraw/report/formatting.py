@@ -12,7 +12,7 @@ _BINARY = ((2**40, "TiB", 3), (2**30, "GiB", 3), (2**20, "MiB", 2), (2**10, "KiB
 _POSITION_COLUMNS = {"prompt_length", "positions", "prompt_positions", "largest_fitting", "smallest_oom",
                      "first_failing", "response_length", "prompt.length", "responses.length", "replayed_tokens"}
 _COUNT_COLUMNS = {"G", "responses.count", "cycles", "replays", "trainable_parameters", "probes", "probes_ok",
-                  "probes_oom", "count"}
+                  "probes_oom", "count", "step", "steps", "steps_ok", "steps_oom"}
 MISSING = "—"
 
 
@@ -29,8 +29,11 @@ def is_missing(value) -> bool:
 
 
 def column_unit(column: str) -> str:
-    """bytes | bytes_per_position | seconds | positions_per_second | positions | count | ratio | plain."""
+    """bytes | bytes_per_position | seconds | positions_per_second | tflops_per_second | positions | count |
+    ratio | plain."""
     name = column.rsplit(".", 1)[-1] if column not in _POSITION_COLUMNS | _COUNT_COLUMNS else column
+    if name.endswith("tflops_per_second"):
+        return "tflops_per_second"
     if "bytes_per_position" in name:
         return "bytes_per_position"
     if name.endswith("bytes") or "bytes" in name.split("_"):
@@ -48,7 +51,8 @@ def column_unit(column: str) -> str:
     return "plain"
 
 
-_HEADER_UNITS = {"positions": " (positions)", "positions_per_second": " (positions/s)", "count": "",
+_HEADER_UNITS = {"positions": " (positions)", "positions_per_second": " (positions/s)",
+                 "tflops_per_second": " (TFLOP/s)", "count": "",
                  "bytes_per_position": " (per position)"}
 
 
@@ -104,6 +108,8 @@ def format_value(column: str, value) -> str:
         return format_seconds(value)
     if unit == "positions_per_second":
         return f"{float(value):,.0f} positions/s"
+    if unit == "tflops_per_second":
+        return f"{float(value):,.1f} TFLOP/s"
     if unit == "ratio":
         return f"{float(value):.4f}"
     return format_number(value)

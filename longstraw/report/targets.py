@@ -1,0 +1,192 @@
+"""Issue 4's H200 targets, evaluated from result JSONs (recorded or freshly run).
+
+    python benchmarks/h200_targets.py                       # experiments/recorded/h200
+    python benchmarks/h200_targets.py --results results/h200
+
+Each target reads the results it needs; a ratio that needs two figures takes both from one run
+(one result file). A target whose results are missing, or whose figure was not measured, says
+so (`met` is None) instead of guessing. Inputs (layout `<results>/<experiment>/<point>.json`):
+- g_sweep/sweep.json (kind sweep at 2,097,152 positions, with kernel rates): peak growth from
+  G=2 to G=8, capture attention rate against causal SDPA, replay time per member against its
+  FLOP floor, capture transient;
+- operating_points/*.json (sweeps): capture transient at their lengths, replay's longest prompt;
+- baselines/mode-naive.json (capacity with comparison steps): naive's largest fitting prompt
+  and the step times of the three modes at that length.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+SWEEP = "g_sweep/sweep.json"
+NAIVE = "baselines/mode-naive.json"
+MIN_LONG_POSITIONS = 1 << 20
+
+PEAK_GROWTH_LIMIT = 0.0025
+CAPTURE_RATE_FLOOR = 0.70
+TRANSIENT_LIMIT = 0.10
+CAPACITY_RATIO = 8
+STEP_SPEEDUP = 5
+FLOOR_RATIO_LIMIT = 1.5
+
+
+def _load(root: Path, relative: str) -> dict | None:
+    path = root / relative
+    if not path.is_file():
+        return None
+    result = json.loads(path.read_text())
+    return result if result.get("status") == "ok" else None
+
+
+def _steps(result: dict, mode: str) -> list[dict]:
+    return [s for s in result["metrics"]["steps"] if s["mode"] == mode]
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.3f} GB"
+
+
+def _row(target: str, goal: str, measured: str, met, evidence: str) -> dict:
+    return {"target": target, "goal": goal, "measured": measured, "met": met, "evidence": evidence}
+
+
+def _missing(target: str, goal: str, what: str) -> dict:
+    return _row(target, goal, f"not measured: {what}", None, "")
+
+
+def peak_growth(root: Path) -> dict:
+    target, goal = "peak(G=8) - peak(G=2), replay, 2,097,152 positions", "<= 0.25% of peak (paper: 0.21%)"
+    sweep = _load(root, SWEEP)
+    if sweep is None:
+        return _missing(target, goal, f"no ok {SWEEP}")
+    by_g = {s["count"]: s for s in _steps(sweep, "replay") if s["status"] == "ok"}
+    if 2 not in by_g or 8 not in by_g:
+        return _missing(target, goal, "the sweep has no ok replay step at G=2 and G=8")
+    p2, p8 = by_g[2]["peak_allocated_bytes"], by_g[8]["peak_allocated_bytes"]
+    share = (p8 - p2) / p8
+    return _row(target, goal, f"{_gb(p8 - p2)} of {_gb(p8)} ({share:.3%})", share <= PEAK_GROWTH_LIMIT, SWEEP)
+
+
+def capture_attention_rate(root: Path) -> dict:
+    target, goal = "capture attention rate at >= 1,048,576 positions", ">= 70% of causal SDPA in the same run"
+    sweep = _load(root, SWEEP)
+    if sweep is None or "kernel_rates" not in sweep["metrics"]:
+        return _missing(target, goal, f"no ok {SWEEP} with kernel rates")
+    capture, rates = sweep["metrics"]["capture"], sweep["metrics"]["kernel_rates"]
+    ours, sdpa = capture["capture_attention"]["tflops_per_second"], rates["causal_sdpa"]["tflops_per_second"]
+    return _row(target, goal, f"{ours:.0f} vs {sdpa:.0f} TFLOP/s ({ours / sdpa:.0%}) over {capture['positions']:,} "
+                f"positions", ours / sdpa >= CAPTURE_RATE_FLOOR, SWEEP)
+
+
+def capture_transients(root: Path) -> list[dict]:
+    """One row per capture of >= 1,048,576 positions among the sweeps (the target holds at each)."""
+    goal = "transient <= 10% of resident bytes"
+    rows = []
+    for relative in [SWEEP] + sorted(str(p.relative_to(root)) for p in root.glob("operating_points/*.json")):
+        result = _load(root, relative)
+        if result is None or "capture" not in result.get("metrics", {}):
+            continue
+        capture = result["metrics"]["capture"]
+        if capture["positions"] < MIN_LONG_POSITIONS:
+            continue
+        share = capture["transient_bytes"] / capture["resident_bytes"]
+        chunk = result["config"]["capture"].get("chunk_size")
+        rows.append(_row(f"capture transient at {capture['positions']:,} positions (chunk {chunk})", goal,
+                         f"{_gb(capture['transient_bytes'])} of {_gb(capture['resident_bytes'])} ({share:.1%})",
+                         share <= TRANSIENT_LIMIT, relative))
+    return rows or [_missing("capture transient at >= 1,048,576 positions", goal, "no capture that long")]
+
+
+def _longest_replay(root: Path) -> tuple[int, str] | None:
+    best = None
+    for path in sorted(root.glob("*/*.json")):
+        result = json.loads(path.read_text())
+        if result.get("status") != "ok" or result.get("kind") != "sweep" or result["config"]["model"]["nf4"]:
+            continue
+        if any(s["mode"] == "replay" and s["status"] == "ok" for s in result["metrics"]["steps"]):
+            length = result["config"]["prompt"]["length"]
+            if best is None or length > best[0]:
+                best = (length, str(path.relative_to(root)))
+    return best
+
+
+def _step_seconds(phases: dict) -> float:
+    return sum(p["seconds"] for p in phases.values())
+
+
+def baselines(root: Path) -> list[dict]:
+    capacity_target = "largest fitting prompt, replay over naive (hybrid-1b, G=8)"
+    capacity_goal = f">= {CAPACITY_RATIO}x"
+    speed_target = "G=8 step time at naive's largest fitting length, naive over replay"
+    speed_goal = f">= {STEP_SPEEDUP}x"
+    naive = _load(root, NAIVE)
+    if naive is None:
+        return [_missing(capacity_target, capacity_goal, f"no ok {NAIVE}"),
+                _missing(speed_target, speed_goal, f"no ok {NAIVE}")]
+    metrics = naive["metrics"]
+    largest = metrics["largest_fitting"]
+    longest = _longest_replay(root)
+    if largest is None or longest is None:
+        capacity = _missing(capacity_target, capacity_goal, "naive or replay has no fitting length")
+    elif metrics["first_failing"] is None:
+        why = "its search stopped on the time limit" if metrics["search_stopped_on_time_limit"] else \
+            "its search reached max_length"
+        capacity = _row(capacity_target, capacity_goal,
+                        f"not established: naive fitted every probe up to {largest:,} positions and {why}, so its "
+                        f"memory limit was not reached; replay completed {longest[0]:,} positions", None,
+                        f"{NAIVE}, {longest[1]}")
+    else:
+        ratio = longest[0] / metrics["first_failing"]
+        capacity = _row(capacity_target, capacity_goal,
+                        f"replay {longest[0]:,} (completed) vs naive < {metrics['first_failing']:,} "
+                        f"(largest fitting {largest:,}): > {ratio:.1f}x", ratio >= CAPACITY_RATIO,
+                        f"{NAIVE}, {longest[1]}")
+    at_largest = next((p for p in metrics["probes"] if p["prompt_length"] == largest and p["status"] == "ok"), None)
+    replay = metrics.get("comparison_at_largest_fitting", {}).get("replay")
+    if at_largest is None or replay is None or replay["status"] != "ok":
+        speed = _missing(speed_target, speed_goal, "no naive probe and replay comparison step at one length")
+    else:
+        t_naive, t_replay = _step_seconds(at_largest["step_phases"]), _step_seconds(replay["step_phases"])
+        speed = _row(speed_target, speed_goal, f"naive {t_naive:.1f} s vs replay {t_replay:.1f} s (capture included) "
+                     f"at {largest:,} positions: {t_naive / t_replay:.1f}x", t_naive / t_replay >= STEP_SPEEDUP, NAIVE)
+    return [capacity, speed]
+
+
+def replay_floor(root: Path) -> dict:
+    target, goal = "replay time per member at 2,097,152 positions", "<= 1.5x its FLOP floor at measured rates"
+    sweep = _load(root, SWEEP)
+    if sweep is None or "kernel_rates" not in sweep["metrics"]:
+        return _missing(target, goal, f"no ok {SWEEP} with kernel rates")
+    step = max((s for s in _steps(sweep, "replay") if s["status"] == "ok"), key=lambda s: s["count"], default=None)
+    if step is None:
+        return _missing(target, goal, "no ok replay step")
+    floor = floor_for(sweep)
+    per_member = step["phases"]["replay"]["seconds"] / step["count"]
+    parts = ", ".join(f"{k} {v:.3f} s" for k, v in floor["parts_seconds"].items())
+    return _row(target, goal, f"{per_member:.3f} s vs floor {floor['seconds']:.3f} s ({parts}): "
+                f"{per_member / floor['seconds']:.2f}x", per_member / floor["seconds"] <= FLOOR_RATIO_LIMIT, SWEEP)
+
+
+def floor_for(sweep: dict) -> dict:
+    """The FLOP floor of one member of a recorded sweep, from its config and its own kernel rates."""
+    import torch
+    import transformers
+
+    from longstraw.flops import linear_parameters, replay_floor_seconds
+    from longstraw.models import MODEL_CLASSES, PRESETS, make_config
+
+    cfg = sweep["config"]
+    config = make_config(cfg["model"]["preset"], **cfg["model"]["overrides"])
+    with torch.device("meta"):  # shapes only
+        model = getattr(transformers, MODEL_CLASSES[PRESETS[cfg["model"]["preset"]].model_type][1])(config)
+    return replay_floor_seconds(config, linear_parameters(model), sweep["metrics"]["trainable_parameters"],
+                                cfg["responses"]["length"], sweep["metrics"]["capture"]["positions"],
+                                sweep["metrics"]["kernel_rates"])
+
+
+def evaluate_targets(results_dir) -> list[dict]:
+    root = Path(results_dir)
+    root = root / "points" if (root / "points").is_dir() else root
+    return [peak_growth(root), capture_attention_rate(root), *capture_transients(root), *baselines(root),
+            replay_floor(root)]

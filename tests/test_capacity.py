@@ -1,0 +1,70 @@
+"""The capacity search (doubling, bisection, time limit, comparison steps) on a fake probe: the
+search logic is what is tested here; real probes run in the pipeline test and on the GPU."""
+
+import copy
+
+import pytest
+
+from longstraw import capacity
+from longstraw.config import resolve_config
+
+FITS_UP_TO = 5000  # the fake device holds prompts up to this length
+
+
+def _point(**capacity_settings):
+    return resolve_config({"name": "cap", "kind": "capacity", "mode": "naive",
+                           "model": {"preset": "tiny-llama", "device": "cuda"},
+                           "capacity": {"min_length": 1024, "max_length": 65536, "granularity": 256,
+                                        **capacity_settings}})
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    """A probe that fits below FITS_UP_TO, and a clock that advances 10 s per probe."""
+    calls, clock = [], {"now": 0.0}
+
+    def probe(point, length, workdir):
+        calls.append((point["mode"], length))
+        clock["now"] += 10.0
+        ok = length <= FITS_UP_TO
+        return {"status": "ok" if ok else "oom", "wall_seconds": 10.0,
+                "metrics": {"peak_allocated_bytes": length * 1000, "phase_summary": {"replay": {"seconds": 9.0}}}
+                if ok else None, "peak_allocated_bytes": None if ok else 123}
+
+    monkeypatch.setattr(capacity, "_probe", probe)
+    monkeypatch.setattr(capacity.time, "perf_counter", lambda: clock["now"])
+    return calls
+
+
+def test_search_doubles_then_bisects_to_the_granularity(fake):
+    m = capacity.find_capacity(_point())
+    lengths = [length for _, length in fake]
+    assert lengths[:4] == [1024, 2048, 4096, 8192]  # doubling until the first oom
+    assert m["largest_fitting"] <= FITS_UP_TO < m["first_failing"]
+    assert m["first_failing"] - m["largest_fitting"] <= 256
+    assert not m["search_stopped_on_time_limit"] and not m["search_capped_at_max_length"]
+    assert [p["status"] for p in m["probes"]] == ["ok" if p["prompt_length"] <= FITS_UP_TO else "oom"
+                                                 for p in m["probes"]]
+
+
+def test_time_limit_stops_the_search_and_says_so(fake):
+    m = capacity.find_capacity(_point(time_limit_seconds=25))
+    # probes start at t = 0, 10, 20 (< 25); none starts after
+    assert [length for _, length in fake] == [1024, 2048, 4096]
+    assert m["largest_fitting"] == 4096 and m["first_failing"] is None
+    assert m["search_stopped_on_time_limit"] and not m["search_capped_at_max_length"]
+
+
+def test_comparison_modes_run_at_the_largest_fitting_length(fake):
+    m = capacity.find_capacity(_point(time_limit_seconds=15, compare_modes=["replay", "hold_all"]))
+    assert m["largest_fitting"] == 2048
+    assert fake[-2:] == [("replay", 2048), ("hold_all", 2048)]
+    assert {mode: c["status"] for mode, c in m["comparison_at_largest_fitting"].items()} == \
+        {"replay": "ok", "hold_all": "ok"}
+
+
+def test_cpu_search_needs_an_emulated_ceiling(fake):
+    point = copy.deepcopy(_point())
+    point["model"]["device"] = "cpu"
+    with pytest.raises(ValueError, match="ceiling_bytes"):
+        capacity.find_capacity(point)
