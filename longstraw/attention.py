@@ -41,7 +41,7 @@ import os
 
 import torch
 
-__all__ = ["paged_attention", "reference_attention", "MATH_BLOCK_SIZE", "CUDA_BLOCK_SIZE"]
+__all__ = ["paged_attention", "decode_attention", "reference_attention", "MATH_BLOCK_SIZE", "CUDA_BLOCK_SIZE"]
 
 MATH_BLOCK_SIZE = 4096
 CUDA_BLOCK_SIZE = 65536
@@ -71,6 +71,43 @@ def paged_attention(
     return _PagedAttention.apply(
         q_BHRD, k_prefix_BKPD, v_prefix_BKPD, k_live_BKRD, v_live_BKRD, float(scale), int(block_size), kernel
     )
+
+
+@torch.no_grad()
+def decode_attention(q_BHTD, k_shared_1KPD, v_shared_1KPD, k_own_BKND, v_own_BKND, *, scale: float,
+                     block_size: int | None = None) -> torch.Tensor:
+    """One decoding step of B sequences that share one prefix: each query (T == 1) attends the
+    shared prefix pages (batch 1, never copied per sequence) and its own sequence's keys so far,
+    the current token's included. Graph-free; returns [B, H, 1, Dv] in q's dtype.
+
+    The shared part folds the B sequences and the query group into one row axis
+    ([1, K, B * G, D]), as replay folds the group, so the prefix is read once for all sequences.
+    """
+    B, H, T, D = q_BHTD.shape
+    K, Dv = k_own_BKND.shape[1], v_own_BKND.shape[3]
+    if T != 1:
+        raise ValueError(f"decode_attention takes one query per sequence, got T={T}")
+    G = H // K
+    kernel = "flash" if _pick_kernel("auto", q_BHTD, Dv) != "math" else "math"
+    block_fwd = _flash_block_fwd if kernel == "flash" else _math_block_fwd
+    acc = _acc_dtype(q_BHTD.dtype)
+    q_in = q_BHTD if kernel == "flash" else q_BHTD.to(acc)
+    out_BHTD, lse_BHT = (x.float() if kernel == "flash" else x for x in
+                         block_fwd(q_in, _repeat_kv(k_own_BKND, G), _repeat_kv(v_own_BKND, G), scale))
+    out_BHTD, lse_BHT = out_BHTD.to(acc).contiguous(), lse_BHT.to(acc).contiguous()
+    P = k_shared_1KPD.shape[2]
+    if P:
+        q_1KMD = q_in.reshape(B, K, G, D).transpose(0, 1).reshape(1, K, B * G, D).contiguous()
+        out_1KMD = torch.zeros(1, K, B * G, Dv, dtype=acc, device=q_BHTD.device)
+        lse_1KM = torch.full((1, K, B * G), float("-inf"), dtype=acc, device=q_BHTD.device)
+        size = block_size or (MATH_BLOCK_SIZE if kernel == "math" else CUDA_BLOCK_SIZE)
+        for start in range(0, P, size):
+            blk = slice(start, start + size)
+            o_b, l_b = block_fwd(q_1KMD, k_shared_1KPD[:, :, blk], v_shared_1KPD[:, :, blk], scale)
+            _merge_(out_1KMD, lse_1KM, o_b.to(acc), l_b.to(acc))
+        shared_BHTD = out_1KMD.reshape(K, B, G, Dv).transpose(0, 1).reshape(B, H, 1, Dv)
+        _merge_(out_BHTD, lse_BHT, shared_BHTD, lse_1KM.reshape(K, B, G).transpose(0, 1).reshape(B, H, 1))
+    return out_BHTD.to(q_BHTD.dtype)
 
 
 def reference_attention(q, k_prefix, v_prefix, k_live, v_live, scale):

@@ -5,6 +5,7 @@ its tensors and knows its byte count; the family adapters decide which entry a l
 
 - `AttentionPages`: K/V pages preallocated to the prompt length, written in place by capture.
 - `RecurrentState`: Gated DeltaNet conv state (last K-1 conv inputs) and recurrent state.
+- `DecodePages`: while sampling, an attention layer's shared prompt pages plus per-sequence pages.
 
 Later families (MLA latent pages) add their own entry class; the core only relies on
 `tensors()` (for bytes and fingerprint) and `snapshot()/restore()`.
@@ -51,6 +52,26 @@ class AttentionPages:
 
 
 @dataclass
+class DecodePages:
+    """One attention layer while B sequences decode on top of one captured prompt: the prompt's
+    `shared` pages (batch 1, read by every sequence, never copied) and each sequence's `own`
+    pages (batch B) holding the tokens generated so far."""
+
+    shared: AttentionPages
+    own: AttentionPages
+
+    @classmethod
+    def allocate(cls, shared: AttentionPages, batch: int, capacity: int):
+        _, K, _, D = shared.k_BKPD.shape
+        k = shared.k_BKPD.new_empty(batch, K, capacity, D)
+        v = shared.v_BKPD.new_empty(batch, K, capacity, shared.v_BKPD.shape[3])
+        return cls(shared, AttentionPages(k, v))
+
+    def tensors(self):
+        return self.shared.tensors() + self.own.tensors()
+
+
+@dataclass
 class RecurrentState:
     """Gated DeltaNet state of one layer: conv inputs `conv_BCK1` and recurrent `recurrent_BHDV` (float32)."""
 
@@ -59,6 +80,10 @@ class RecurrentState:
 
     def tensors(self):
         return [self.conv_BCK1, self.recurrent_BHDV]
+
+    def repeated(self, batch: int) -> "RecurrentState":
+        """Copies for `batch` sequences continuing from this state (decoding G responses)."""
+        return RecurrentState(self.conv_BCK1.repeat(batch, 1, 1), self.recurrent_BHDV.repeat(batch, 1, 1, 1))
 
 
 @dataclass

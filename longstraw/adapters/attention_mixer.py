@@ -13,10 +13,10 @@ from contextlib import contextmanager, nullcontext
 
 from transformers import AttentionInterface
 
-from longstraw.attention import paged_attention
+from longstraw.attention import decode_attention, paged_attention
 from longstraw.flops import attention_forward_flops
 from longstraw.measure import AttentionTimer
-from longstraw.state import AttentionPages
+from longstraw.state import AttentionPages, DecodePages
 
 IMPLEMENTATION = "longstraw"
 
@@ -27,14 +27,17 @@ def _longstraw_attention(module, query_BHTD, key_BKTD, value_BKTD, attention_mas
         raise RuntimeError("longstraw attention called without resident pages (use longstraw.capture/replay)")
     if kwargs.get("sliding_window") is not None or getattr(module, "sliding_window", None):
         raise ValueError("sliding-window attention layers are not supported by the longstraw adapters")
+    scale = scaling if scaling is not None else query_BHTD.shape[-1] ** -0.5
+    if isinstance(longstraw_pages, DecodePages):  # sampling: shared prompt pages + each sequence's own
+        longstraw_pages.own.append(key_BKTD, value_BKTD)
+        out_BHTD = decode_attention(query_BHTD, *longstraw_pages.shared.filled(), *longstraw_pages.own.filled(),
+                                    scale=scale)
+        return out_BHTD.transpose(1, 2).contiguous(), None
     k_prefix_BKPD, v_prefix_BKPD = longstraw_pages.filled()
     timer = AttentionTimer.active
     _, H, T, D = query_BHTD.shape
     with timer.call(attention_forward_flops(H, D, T, k_prefix_BKPD.shape[2])) if timer else nullcontext():
-        out_BHTD = paged_attention(
-            query_BHTD, k_prefix_BKPD, v_prefix_BKPD, key_BKTD, value_BKTD,
-            scale=scaling if scaling is not None else query_BHTD.shape[-1] ** -0.5,
-        )
+        out_BHTD = paged_attention(query_BHTD, k_prefix_BKPD, v_prefix_BKPD, key_BKTD, value_BKTD, scale=scale)
     if longstraw_append:
         longstraw_pages.append(key_BKTD.detach(), value_BKTD.detach())
     return out_BHTD.transpose(1, 2).contiguous(), None
