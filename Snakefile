@@ -11,3 +11,4 @@ include: "workflow/rules/report.smk"
 rule all:
     input:
         f"reports/{PROFILE}/index.html",
+        "reports/recorded-h200/index.html",

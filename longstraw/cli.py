@@ -4,13 +4,15 @@
     longstraw run experiments/examples/step_cpu.yaml --out r.json --set mode=hold_all --set responses.count=8
     longstraw plan --profile cpu
     longstraw point experiments/g_sweep.yaml --profile cpu --point mode-replay_count-8 --out r.json
+    longstraw train experiments/examples/train_cpu.yaml [--no-resume] [--set steps=20]
 
 `run` executes one point config; `point` executes one point of a pipeline experiment file and
 adds the pipeline's keys (experiment, point, profile, grid, command). Result JSONs are written
 atomically (a `sweep` also keeps OUT.partial, rewritten after each finished step and removed
 when the result is written); the last stdout line is a one-line JSON summary. Exit status of `run`: 0 for ok and
 oom (an out-of-memory point is a measurement), 1 for error; `point` exits 0 whenever a result
-was recorded (error included: the report shows it), 2 for a bad experiment file.
+was recorded (error included: the report shows it), 2 for a bad experiment file. `train` runs the
+GRPO trainer (`longstraw.trainer`), resuming from the output folder's newest checkpoint.
 """
 
 from __future__ import annotations
@@ -78,7 +80,13 @@ def main(argv=None) -> int:
     point.add_argument("--profile", required=True)
     point.add_argument("--point", required=True)
     point.add_argument("--out", required=True)
+    train = sub.add_parser("train", help="GRPO training over long prompts (longstraw.trainer)")
+    train.add_argument("config", help="train config YAML")
+    train.add_argument("--no-resume", action="store_true", help="start over instead of resuming")
+    train.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE", help="override a config key")
     args = parser.parse_args(argv)
+    if args.command == "train":
+        return _train(args)
     if args.command == "plan":
         return _plan(args)
     if args.command == "point":
@@ -100,6 +108,25 @@ def main(argv=None) -> int:
         return 2
     _record(result, args.out)
     return 1 if result["status"] == "error" else 0
+
+
+def _train(args) -> int:
+    from longstraw.trainer import Trainer
+
+    try:
+        with open(args.config) as f:
+            cfg = yaml.safe_load(f) or {}
+        for assignment in args.set:
+            _apply_override(cfg, assignment)
+        trainer = Trainer(cfg, source=args.config)
+    except (OSError, yaml.YAMLError, ValueError) as exc:
+        print(f"longstraw: {exc}", file=sys.stderr)
+        return 2
+    metrics = trainer.run(resume=not args.no_resume)
+    last = metrics[-1] if metrics else {}
+    print(json.dumps({"steps": len(metrics), "out": str(trainer.out), "reward_mean_last": last.get("reward_mean"),
+                      "loss_last": last.get("loss")}))
+    return 0
 
 
 def _plan(args) -> int:

@@ -23,6 +23,40 @@ DEFAULTS = {
 }
 
 
+FREE_FORM = {"overrides", "task"}  # passed through as given (HF config fields, a task's own settings)
+
+TRAIN_DEFAULTS = {
+    "model": DEFAULTS["model"],
+    "task": {"name": "kv_retrieval", "length": 1024},
+    "steps": 8,
+    "steps_per_prompt": 4,
+    "seed": 0,
+    "sampling": {"num_samples": 4, "max_new_tokens": 8, "temperature": 1.0, "top_p": 1.0},
+    "grpo": DEFAULTS["grpo"],
+    "optimizer": {"lr": 1.0e-4, "weight_decay": 0.0},
+    "schedule": {"name": "constant", "warmup_steps": 0},
+    "max_grad_norm": 1.0,
+    "refresh": {"policy": "every", "every": 1, "threshold": None},
+    "capture": DEFAULTS["capture"],
+    "output": {"dir": "runs/train", "checkpoint_every": 0},
+}
+
+
+def resolve_train_config(raw: dict, source: str = "train config") -> dict:
+    """A `longstraw train` config with defaults filled in; unknown keys rejected by path."""
+    if not isinstance(raw, dict):
+        raise ValueError(f"{source}: the train config must be a mapping, got {type(raw).__name__}")
+    cfg = _merge(TRAIN_DEFAULTS, raw, source)
+    refresh = cfg["refresh"]
+    if refresh["policy"] not in ("every", "adaptive", "never"):
+        raise ValueError(f"{source}.refresh.policy must be 'every', 'adaptive' or 'never', got {refresh['policy']!r}")
+    if refresh["policy"] == "adaptive" and not isinstance(refresh["threshold"], (int, float)):
+        raise ValueError(f"{source}.refresh.threshold: the adaptive policy needs a number")
+    if cfg["schedule"]["name"] not in ("constant", "cosine"):
+        raise ValueError(f"{source}.schedule.name must be 'constant' or 'cosine', got {cfg['schedule']['name']!r}")
+    return cfg
+
+
 def resolve_config(raw: dict, source: str = "config") -> dict:
     """Defaults filled in; unknown keys rejected with the key path named."""
     if not isinstance(raw, dict):
@@ -35,7 +69,7 @@ def _merge(defaults: dict, raw: dict, path: str) -> dict:
     for key, value in raw.items():
         if key not in defaults:
             raise ValueError(f"{path}: unknown key {key!r} (known: {sorted(defaults)})")
-        if isinstance(defaults[key], dict) and defaults[key] and key != "overrides":
+        if isinstance(defaults[key], dict) and defaults[key] and key not in FREE_FORM:
             if not isinstance(value, dict):
                 raise ValueError(f"{path}.{key}: expected a mapping, got {value!r}")
             out[key] = _merge(defaults[key], value, f"{path}.{key}")

@@ -62,13 +62,22 @@ def _checkpointed(model):
 
 
 def grpo_step(model, prompt_ids, responses, rewards, optimizer, config: grpo.GRPOConfig, *, mode: str = "replay",
-              state=None, old_logps=None, capture_kwargs=None, device=None) -> dict:
-    """Run one transaction and the optimizer step; returns metrics with per-phase measurements."""
+              state=None, old_logps=None, capture_kwargs=None, device=None, max_grad_norm: float | None = None,
+              ref_state=None) -> dict:
+    """Run one transaction and the optimizer step; returns metrics with per-phase measurements.
+
+    Reference log-probs (`config.beta > 0`) are scored with the adapter disabled on `ref_state`,
+    the prompt captured by the reference policy, when given (the trainer keeps one per prompt: the
+    frozen base never makes it stale). Without it they are scored on the policy's own `state`: the
+    reference's response distribution given the policy's prompt state, which saves a second
+    resident state and is what the memory experiments measure.
+
+    `max_grad_norm` clips the accumulated gradient before the step (`grad_norm` reports it unclipped)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if len(responses) != config.num_generations:
         raise ValueError(f"got {len(responses)} responses but num_generations={config.num_generations}")
-    if state is not None and mode == "naive":
+    if (state is not None or ref_state is not None) and mode == "naive":
         raise ValueError("mode 'naive' recomputes the prompt per response and takes no captured state")
     adapter = adapter_for(model)
     recorder = PhaseRecorder(device or adapter.device)
@@ -86,15 +95,15 @@ def grpo_step(model, prompt_ids, responses, rewards, optimizer, config: grpo.GRP
                 state = capture(model, prompt_ids, **(capture_kwargs or {}))
         fingerprint = state.fingerprint()
 
-        def scorer(y):
-            return score(model, state, y)
+        def scorer(y, scored_state=state):
+            return score(model, scored_state, y)
 
     with recorder.phase("old_scoring"):
         old = old_logps if old_logps is not None else [scorer(y) for y in responses]
     ref = None
     if config.beta > 0:
         with recorder.phase("ref_scoring"), reference_policy(model):
-            ref = [scorer(y) for y in responses]
+            ref = [scorer(y, ref_state) if ref_state is not None else scorer(y) for y in responses]
 
     exclude = list(p for p in model.parameters()) + ([t for e in state.layers for t in e.tensors()] if state else [])
     meter = GraphBytesMeter(exclude=exclude)
@@ -117,6 +126,8 @@ def grpo_step(model, prompt_ids, responses, rewards, optimizer, config: grpo.GRP
                     logps.append(logp.detach())
                     del logp, loss
     grad_norm = _grad_norm(model)
+    if max_grad_norm is not None:
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], max_grad_norm)
     with recorder.phase("optimizer_step"):
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -9,6 +9,7 @@ import copy
 import json
 import math
 import re
+import sys
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -338,3 +339,251 @@ def test_render_cli(built, tmp_path, capsys):
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["statuses"]["oom"] == 1 and Path(summary["report"]).is_file()
     assert "no recorded results folder" in Path(summary["report"]).read_text()
+
+
+# ------------------------------------------------- sweep and capacity-comparison results (GPU shapes)
+
+GIB = 2**30
+PHASES = ("old_scoring", "ref_scoring", "replay", "optimizer_step")
+
+
+def _sweep_step(mode: str, g: int, status: str, peak: int) -> dict:
+    """One step of a sweep as `_run_sweep` records it (an oom step: the peak it reached, no phases)."""
+    if status == "oom":
+        return {"mode": mode, "count": g, "status": "oom", "error": "CUDA out of memory. Tried to allocate 1.00 GiB",
+                "peak_allocated_bytes": peak}
+    phases = {name: {"seconds": 0.25 * (i + 1), "peak_allocated_bytes": 10 * GIB + i} for i, name in enumerate(PHASES)}
+    phases["replay"] = {"seconds": 1.5 * g, "peak_allocated_bytes": peak, **({"count": g} if mode == "replay" else {})}
+    return {"mode": mode, "count": g, "status": "ok", "phases": phases, "peak_allocated_bytes": peak,
+            "graph_bytes_peak": g * GIB // 4, "response_tokens": [64] * g, "loss": 0.01 * g, "grad_norm": 0.5,
+            "resident_bytes": 4 * GIB, "predicted_resident_bytes": 4 * GIB, "prompt_positions": 1 << 20,
+            "state_unchanged": True}
+
+
+def _provenance() -> dict:
+    return {"device": "NVIDIA H200", "cuda_total_memory_bytes": 140 * GIB, "commit": "abc1234def",
+            "date": "2026-01-02T03:04:05+00:00", "python": "3.12.3", "versions": {"torch": "2.11.0"}}
+
+
+def _sweep_point(steps: list, preset: str = "hybrid-1b", trainable: int = 5_000_000) -> dict:
+    return {"kind": "sweep", "status": "ok", "wall_seconds": 100.0, "peak_rss_bytes": 2 * GIB,
+            "provenance": _provenance(),
+            "config": {"kind": "sweep", "mode": "replay", "prompt": {"length": 1 << 20},
+                       "responses": {"count": 4, "length": 64},
+                       "model": {"preset": preset, "device": "cuda", "dtype": "bfloat16", "lora": {"r": 16},
+                                 "nf4": False}},
+            "metrics": {"weights": {"seconds": 3.0, "peak_allocated_bytes": 2 * GIB}, "trainable_parameters": trainable,
+                        "capture": {"model_type": "qwen3_5_text", "positions": (1 << 20) - 1,
+                                    "resident_bytes": 4 * GIB + 5, "predicted_resident_bytes": 4 * GIB,
+                                    "bytes_per_position_measured": 4096.0, "bytes_per_position_predicted": 4096,
+                                    "transient_bytes": GIB // 2, "capture_seconds": 60.0,
+                                    "capture_attention": {"seconds": 30.0, "flops": 1.5e16, "calls": 128,
+                                                          "tflops_per_second": 500.0},
+                                    "memory_before_capture_bytes": 2 * GIB,
+                                    "phase": {"seconds": 60.0, "peak_allocated_bytes": 7 * GIB}},
+                        "steps": steps}}
+
+
+def _capacity_with_comparison() -> dict:
+    """A GPU capacity point whose search stopped on its time limit, with replay / hold_all steps at
+    its largest fitting length (`comparison_at_largest_fitting`)."""
+    def phases(seconds):
+        return {name: {"seconds": s, "count": 1, "peak_allocated_bytes": GIB} for name, s in seconds.items()}
+    compared = {mode: {"prompt_length": 4096, "status": "ok", "peak_bytes": peak, "seconds": wall, "error": None,
+                       "step_phases": phases({"capture": 0.5, "old_scoring": 0.25, "replay": replay})}
+                for mode, peak, wall, replay in (("hold_all", 30 * GIB, 9.0, 2.0), ("replay", 12 * GIB, 11.0, 3.0))}
+    probe = {"prompt_length": 4096, "status": "ok", "peak_bytes": 20 * GIB, "seconds": 60.0,
+             "step_phases": phases({"old_scoring": 4.0, "replay": 40.0, "optimizer_step": 0.5})}
+    return {"kind": "capacity", "status": "ok", "wall_seconds": 90.0, "peak_rss_bytes": GIB,
+            "provenance": _provenance(),
+            "config": {"kind": "capacity", "mode": "naive", "prompt": {"length": 1024},
+                       "model": {"preset": "hybrid-1b", "device": "cuda"},
+                       "capacity": {"time_limit_seconds": 50, "compare_modes": ["replay", "hold_all"]}},
+            "metrics": {"mode": "naive", "ceiling_bytes": None, "memory_measure": "peak_allocated_bytes",
+                        "probes": [probe], "largest_fitting": 4096, "first_failing": None,
+                        "search_capped_at_max_length": False, "search_stopped_on_time_limit": True,
+                        "comparison_at_largest_fitting": compared}}
+
+
+FAKE_TARGETS = [{"target": "peak growth", "goal": "<= 0.25%", "measured": "0.19%", "met": True, "evidence": "a.json"},
+                {"target": "transient", "goal": "<= 10%", "measured": "16.8%", "met": False, "evidence": "b.json"},
+                {"target": "capacity", "goal": ">= 8x", "measured": "not measured: no run", "met": None,
+                 "evidence": ""}]
+
+
+@pytest.fixture(scope="module")
+def gpu_built(tmp_path_factory):
+    """An h200-profile report of synthetic sweep and capacity-comparison results (layout
+    `<results>/<experiment>/<point>.json`, as recorded), with a stand-in targets module."""
+    tmp = tmp_path_factory.mktemp("gpu_report")
+    results = tmp / "results"
+    steps = [_sweep_step("replay", 2, "ok", 20 * GIB), _sweep_step("replay", 8, "ok", 20 * GIB + 2**20),
+             _sweep_step("hold_all", 2, "ok", 30 * GIB), _sweep_step("hold_all", 4, "oom", 139 * GIB)]
+    files = {
+        ("g_sweep", "sweep"): _sweep_point(steps),
+        ("operating_points", "cycles"): _sweep_point([_sweep_step("replay", 8, "ok", 25 * GIB + i) for i in range(3)]),
+        ("baselines", "mode-naive"): _capacity_with_comparison(),
+        ("architectures", "big-shape"): _sweep_point([_sweep_step("replay", 2, "ok", 90 * GIB)],
+                                                     preset="qwen3.6-27b-shape", trainable=47_000_000),
+        # malformed: response_tokens is not a list, so the step rows cannot be read
+        ("architectures", "malformed"): _sweep_point([{**_sweep_step("replay", 2, "ok", GIB), "response_tokens": 3}]),
+    }
+    for (experiment, point), result in files.items():
+        write_json_atomic(results / experiment / f"{point}.json", {**result, "name": f"{experiment}/{point}"})
+    fake = type(sys)("longstraw.report.targets")
+    fake.evaluate_targets = lambda results_dir: copy.deepcopy(FAKE_TARGETS)
+    out = tmp / "report"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(sys.modules, "longstraw.report.targets", fake)
+        page = render.render_report("h200", results, out, recorded_dir=tmp / "none",
+                                    paper=REPO / "experiments" / "reference" / "paper.yaml")
+    html = page.read_text()
+    return {"results": results, "out": out, "html": html, "tables": _parse(html).tables, "files": files}
+
+
+def _cells(row) -> dict:
+    return {c["column"]: c for c in row["cells"]}
+
+
+def _section(html: str, experiment: str) -> str:
+    return html.split(f'id="experiment-{experiment}"')[1].split("</section>")[0]
+
+
+def test_sweep_steps_are_rows_of_their_own(gpu_built):
+    rows = gpu_built["tables"]["table-g_sweep-sweep_steps"]
+    steps = gpu_built["files"][("g_sweep", "sweep")]["metrics"]["steps"]
+    assert [r["attrs"]["data-status"] for r in rows] == [s["status"] for s in steps]
+    for row, step in zip(rows, steps):
+        cells = _cells(row)
+        assert {"step", "mode", "G", "status", "peak_memory_bytes", "graph_bytes_peak", "seconds_per_member",
+                "headroom_bytes"} <= set(cells)
+        assert cells["mode"]["text"] == step["mode"] and int(cells["G"]["value"]) == step["count"]
+        assert int(cells["peak_memory_bytes"]["value"]) == step["peak_allocated_bytes"]  # oom: the peak reached
+        if step["status"] == "ok":
+            per_member = step["phases"]["replay"]["seconds"] / len(step["response_tokens"])
+            assert float(cells["seconds_per_member"]["value"]) == pytest.approx(per_member)
+            assert int(cells["graph_bytes_peak"]["value"]) == step["graph_bytes_peak"]
+        else:
+            assert cells["seconds_per_member"]["value"] is None and "out of memory" in cells["error"]["text"]
+    assert len(gpu_built["tables"]["table-operating_points-sweep_steps"]) == 3
+
+
+def test_sweep_point_states_its_capture(gpu_built):
+    [row] = gpu_built["tables"]["table-g_sweep-sweep"]
+    cells, capture = _cells(row), gpu_built["files"][("g_sweep", "sweep")]["metrics"]["capture"]
+    for column in ("positions", "resident_bytes", "predicted_resident_bytes", "transient_bytes", "capture_seconds"):
+        assert float(cells[column]["value"]) == capture[column], column
+    rate = capture["capture_attention"]["tflops_per_second"]
+    assert float(cells["capture_attention_tflops_per_second"]["value"]) == rate
+    assert cells["capture_attention_tflops_per_second"]["text"] == f"{rate:,.1f} TFLOP/s"
+    assert [cells[k]["value"] for k in ("steps", "steps_ok", "steps_oom")] == ["4", "3", "1"]
+    assert "one capture of 1,048,575 positions" in _section(gpu_built["html"], "g_sweep")
+
+
+def test_sweep_figures_and_the_papers_figures(gpu_built):
+    html, out = gpu_built["html"], gpu_built["out"]
+    names = {Path(src).name for src in _parse(html).images}
+    for figure in ("g_sweep.sweep_memory", "g_sweep.step_phase_peaks.sweep",
+                   "operating_points.step_phase_peaks.cycles", "architectures.step_phase_peaks.big-shape",
+                   "baselines.capacity", "baselines.capacity_step_time"):
+        assert f"{figure}.png" in names, figure
+        assert (out / "figures" / f"{figure}.png").read_bytes()[:8] == PNG_SIGNATURE
+    assert "operating_points.sweep_memory.png" not in names  # G does not vary there
+    g_sweep = _section(html, "g_sweep")
+    paper = g_sweep.split('id="paper-g_sweep"')[1].split("</table>")[0]
+    g2 = next(s for s in gpu_built["files"][("g_sweep", "sweep")]["metrics"]["steps"]
+              if s["mode"] == "replay" and s["count"] == 2)
+    assert "97.503 GB" in paper and "97.711 GB" in paper and f'data-value="{g2["peak_allocated_bytes"]}"' in paper
+    assert "83.894 GB" in _section(html, "operating_points")
+
+
+def test_sweep_replay_steps_are_v1_paths(gpu_built):
+    paths = gpu_built["html"].split('id="validation-paths"')[1].split("</table>")[0]
+    # g_sweep's and operating_points' sweeps share a path (model, positions, device): its first point is the evidence
+    assert "g_sweep/sweep: loss and gradients finite" in paths and "architectures/big-shape: loss" in paths
+
+
+def test_capacity_comparison_beside_the_searched_mode(gpu_built):
+    rows = gpu_built["tables"]["table-baselines-comparison"]
+    metrics = gpu_built["files"][("baselines", "mode-naive")]["metrics"]
+    records = [metrics["probes"][0]] + list(metrics["comparison_at_largest_fitting"].values())
+    modes = ["naive"] + list(metrics["comparison_at_largest_fitting"])
+    assert [_cells(r)["mode"]["text"] for r in rows] == modes
+    step_seconds = [sum(p["seconds"] for p in r["step_phases"].values()) for r in records]
+    for row, seconds in zip(rows, step_seconds):
+        cells = _cells(row)
+        assert float(cells["step_seconds"]["value"]) == pytest.approx(seconds)
+        assert float(cells["speedup_vs_searched_mode"]["value"]) == pytest.approx(step_seconds[0] / seconds)
+        assert int(cells["prompt_length"]["value"]) == metrics["largest_fitting"]
+    section = _section(gpu_built["html"], "baselines")
+    assert "the search stopped on its time limit" in section and "not where memory runs out" in section
+    [capacity] = gpu_built["tables"]["table-baselines-capacity"]
+    assert _cells(capacity)["search_stopped_on_time_limit"]["text"] == "yes"
+
+
+def test_trainable_parameters_beside_the_papers(gpu_built):
+    paper = _section(gpu_built["html"], "architectures").split('id="paper-architectures"')[1].split("</table>")[0]
+    assert "116.7M" in paper and "MLP" in paper and 'data-value="47000000"' in paper
+    assert "big-shape" in paper and "malformed" not in paper  # only the model of the paper's shape
+
+
+def test_malformed_sweep_still_renders(gpu_built):
+    steps = gpu_built["tables"]["table-architectures-sweep_steps"]
+    broken = [r for r in steps if r["attrs"]["data-point"] == "malformed"]
+    assert broken and broken[0]["attrs"]["data-status"] == "error"
+    assert "metrics not readable: TypeError" in _cells(broken[0])["report_error"]["text"]
+    [point] = [r for r in gpu_built["tables"]["table-architectures-sweep"] if r["attrs"]["data-point"] == "malformed"]
+    assert "metrics not readable" in _cells(point)["report_error"]["text"]
+
+
+def test_targets_table(gpu_built):
+    table = gpu_built["html"].split('id="targets-table"')[1].split("</table>")[0]
+    assert [m for m in re.findall(r'data-met="([^"]+)"', table)] == ["yes", "missed", "not measured"]
+    assert "not measured: no run" in table and '<a href="#targets">' in gpu_built["html"]
+
+
+def test_targets_section_skips_or_reports(monkeypatch, tmp_path):
+    assert render.targets_section(tmp_path, "cpu") is None  # CPU: emulated sizes, no targets
+    monkeypatch.setitem(sys.modules, "longstraw.report.targets", None)  # the module not there: no section
+    assert render.targets_section(tmp_path, "h200") is None
+
+    def broken(results_dir):
+        raise KeyError("metrics")
+    fake = type(sys)("longstraw.report.targets")
+    fake.evaluate_targets = broken
+    monkeypatch.setitem(sys.modules, "longstraw.report.targets", fake)
+    assert render.targets_section(tmp_path, "h200") == {"rows": [], "error": "KeyError: 'metrics'"}
+
+
+def test_sweep_and_comparison_csvs(gpu_built, tmp_path):
+    written = aggregate.main(gpu_built["results"], tmp_path)
+    assert {"g_sweep.steps", "operating_points.steps", "architectures.steps", "baselines.comparison"} <= set(written)
+    assert len((tmp_path / "g_sweep.steps.csv").read_text().strip().splitlines()) == 1 + 4
+
+
+def test_cpu_report_links_the_recorded_report(built, tmp_path):
+    sibling = tmp_path / "recorded-h200" / "index.html"
+    sibling.parent.mkdir()
+    sibling.write_text("<html></html>")
+    page = render.render_report("cpu", built["results"], tmp_path / "cpu", recorded_dir=REPO / "experiments"
+                                / "recorded" / "h200", paper=REPO / "experiments" / "reference" / "paper.yaml")
+    assert 'id="recorded-report" href="../recorded-h200/index.html"' in page.read_text()
+    assert 'id="targets"' not in page.read_text()
+
+
+def test_recorded_h200_results_render(tmp_path):
+    recorded = REPO / "experiments" / "recorded" / "h200"
+    page = render.render_report("h200", recorded, tmp_path, recorded_dir=recorded,
+                                paper=REPO / "experiments" / "reference" / "paper.yaml")
+    parsed = _parse(page.read_text())
+    experiments = {p.parent.name for p in recorded.glob("*/*.json")}
+    for experiment in experiments:
+        assert f"experiment-{experiment}" in parsed.ids
+    points = aggregate.load_points(recorded)
+    sweeps = {p["experiment"] for p in points if p.get("kind") == "sweep" and p["metrics"].get("steps")}
+    for experiment in sweeps:
+        assert len(parsed.tables[f"table-{experiment}-sweep_steps"]) == sum(
+            len(p["metrics"]["steps"]) for p in points if p["experiment"] == experiment and p.get("kind") == "sweep")
+    for src in parsed.images:
+        assert (tmp_path / src).read_bytes()[:8] == PNG_SIGNATURE
+    assert "Every result file in" in page.read_text()  # the recorded folder is this report's own

@@ -13,6 +13,11 @@ Column names carry their unit in the name (`*_bytes`, `*_seconds`, `prompt_lengt
 `formatting.py` turns them into GiB / MiB / s on the page. `peak_memory_bytes` is the peak the
 device's ceiling is compared with: `peak_allocated_bytes` on CUDA, the process peak RSS on CPU
 (`peak_memory_measure` says which).
+
+Besides the row per point, two kinds hold several measurements in one result and get a table of
+their own: a `sweep` point (one capture serving GRPO steps at several (mode, G)) gets one row per
+step (`sweep_step_tables`), and a capacity point with `comparison_at_largest_fitting` gets the
+searched mode's step beside the compared modes' steps at that length (`comparison_tables`).
 """
 
 from __future__ import annotations
@@ -99,11 +104,12 @@ def _scalar(value):
 
 
 def model_type_of(point: dict) -> str | None:
-    """The model type: from the capture metrics when recorded, else from the preset name
+    """The model type: from the (sweep's) capture metrics when recorded, else from the preset name
     (`tiny-qwen3_5` -> `qwen3_5`), else the checkpoint folder's name."""
     metrics, model = _dict(point.get("metrics")), _dict(_dict(point.get("config")).get("model"))
-    if metrics.get("model_type"):  # qwen3_5_text (a text config) is listed under qwen3_5, as presets name it
-        return str(metrics["model_type"]).removesuffix("_text")
+    recorded = metrics.get("model_type") or _dict(metrics.get("capture")).get("model_type")  # a sweep: its capture's
+    if recorded:  # qwen3_5_text (a text config) is listed under qwen3_5, as presets name it
+        return str(recorded).removesuffix("_text")
     preset = model.get("preset")
     if model.get("path"):
         return Path(str(model["path"])).name
@@ -135,7 +141,8 @@ def point_row(point: dict) -> dict:
         row["peak_memory_bytes"] = point["peak_allocated_bytes"]  # the peak reached when it ran out
         row["peak_memory_measure"] = "peak_allocated_bytes at OOM"
     _add(row, _common_columns(point, cfg, prov))
-    by_kind = {"step": _step_columns, "capture": _capture_columns, "capacity": _capacity_columns}.get(kind)
+    by_kind = {"step": _step_columns, "capture": _capture_columns, "capacity": _capacity_columns,
+               "sweep": _sweep_columns}.get(kind)
     if by_kind is not None:
         try:
             _add(row, by_kind(point, cfg, metrics, is_cuda_point(point)))
@@ -258,8 +265,87 @@ def _capture_columns(point, cfg, metrics, cuda) -> dict:
     return cols
 
 
+def _sweep_capture(metrics) -> dict:
+    """A sweep's capture metrics shaped as a capture point's (its phase record under `phases`)."""
+    capture = _dict(metrics.get("capture"))
+    return {**capture, "phases": {"capture": _dict(capture.get("phase"))}}
+
+
+def _sweep_columns(point, cfg, metrics, cuda) -> dict:
+    """The sweep point as a whole: its one capture, and a summary of the steps it served (each
+    step is a row of `sweep_step_tables`). The peak is the largest that fitted: capture's or an ok
+    step's (an oom step's peak is the allocator at the device's limit, shown on its step row)."""
+    capture = _sweep_capture(metrics)
+    cols = _capture_columns(point, cfg, capture, cuda)
+    steps = sweep_steps(point)
+    ok = [s for s in steps if s["status"] == "ok"]
+    attention = _dict(capture.get("capture_attention"))
+    fitted = [cols.get("capture_peak_allocated_bytes")] + [s.get("peak_memory_bytes") for s in ok]
+    fitted = [v for v in fitted if v is not None]
+    cols.update(
+        capture_attention_seconds=_number(attention.get("seconds")),
+        capture_attention_tflops_per_second=_number(attention.get("tflops_per_second")),
+        response_length=_dict(cfg.get("responses")).get("length"),
+        trainable_parameters=metrics.get("trainable_parameters"),
+        steps=len(steps),
+        steps_ok=len(ok),
+        steps_oom=sum(s["status"] == "oom" for s in steps),
+        replays=sum(s.get("replays") or 0 for s in ok) or None,
+        peak_memory_bytes=max(fitted) if cuda and fitted else _number(point.get("peak_rss_bytes")),
+        peak_memory_measure="peak_allocated_bytes" if cuda else "process peak RSS",
+    )
+    cols.update(_phase_columns("weights", _dict(metrics.get("weights"))))
+    return cols
+
+
+def sweep_steps(point: dict) -> list[dict]:
+    """One row per step of a sweep point, in the order they ran (`step`, from 1). Each row carries
+    the point's model and prompt, so it reads (and is checked for V1) like a step point's row."""
+    cfg, prov, metrics = _dict(point.get("config")), _dict(point.get("provenance")), _dict(point.get("metrics"))
+    common = _common_columns(point, cfg, prov)
+    identity = {k: common[k] for k in ("model", "model_type", "family", "device", "prompt_length",
+                                       "device_memory_bytes")}
+    steps = [s for s in metrics.get("steps") or [] if isinstance(s, dict)]
+    return [_sweep_step_row(point, index, step, identity) for index, step in enumerate(steps, 1)]
+
+
+def _sweep_step_row(point, index: int, step: dict, identity: dict) -> dict:
+    phases = _dict(step.get("phases"))
+    status = step.get("status") if step.get("status") in STATUSES else "error"
+    peak = _number(step.get("peak_allocated_bytes"))
+    # hold_all times its G replays as one phase: count responses, not replay-phase entries
+    members = len(step.get("response_tokens") or []) or None
+    row = {"point": point.get("point"), "step": index, "kind": "step", "mode": step.get("mode"),
+           "G": step.get("count"), "status": status, "error": step.get("error"), **identity,
+           "peak_memory_bytes": peak,
+           "peak_memory_measure": "peak_allocated_bytes" + (" at OOM" if status == "oom" else ""),
+           "headroom_bytes": identity["device_memory_bytes"] - peak
+           if peak is not None and identity["device_memory_bytes"] else None,
+           "graph_bytes_peak": _number(step.get("graph_bytes_peak")),
+           "step_seconds": _phase_seconds(phases),
+           "replays": members,
+           "seconds_per_member": _ratio(_dict(phases.get("replay")).get("seconds"), members),
+           "resident_bytes": _number(step.get("resident_bytes")),
+           "predicted_resident_bytes": _number(step.get("predicted_resident_bytes")),
+           "prompt_positions": _number(step.get("prompt_positions")),
+           "loss": _number(step.get("loss")), "grad_norm": _number(step.get("grad_norm")),
+           "loss_finite": _finite([step.get("loss")]) if "loss" in step else None,
+           "grad_norm_finite": _finite([step.get("grad_norm")]) if "grad_norm" in step else None,
+           "state_unchanged": step.get("state_unchanged")}
+    for name in list(STEP_PHASES) + sorted(set(phases) - set(STEP_PHASES)):
+        row.update(_phase_columns(name, _dict(phases.get(name))))
+    return row
+
+
 def _probes(metrics) -> list[dict]:
     return [p for p in metrics.get("probes") or [] if isinstance(p, dict)]
+
+
+def _phase_seconds(phases) -> float | None:
+    """A step's time: the sum of its phases' seconds (process start and model load left out)."""
+    seconds = [_number(_dict(r).get("seconds")) for r in _dict(phases).values()]
+    seconds = [v for v in seconds if v is not None]
+    return sum(seconds) if seconds else None
 
 
 def _capacity_columns(point, cfg, metrics, cuda) -> dict:
@@ -281,7 +367,38 @@ def _capacity_columns(point, cfg, metrics, cuda) -> dict:
         "probes_oom": len(oom),
         "peak_memory_bytes": _number(at_largest.get("peak_bytes")),
         "peak_memory_measure": metrics.get("memory_measure"),
+        "search_stopped_on_time_limit": metrics.get("search_stopped_on_time_limit"),
+        "time_limit_seconds": _number(_dict(cfg.get("capacity")).get("time_limit_seconds")),
     }
+
+
+def comparison_rows(point: dict) -> list[dict]:
+    """The searched mode's step at its largest fitting length (its search probe there) and each
+    compared mode's step at that same length, with step seconds side by side; empty without a
+    comparison. `speedup_vs_searched_mode`: the searched mode's step seconds over this row's."""
+    cfg, metrics = _dict(point.get("config")), _dict(point.get("metrics"))
+    compared = _dict(metrics.get("comparison_at_largest_fitting"))
+    if not compared:
+        return []
+    largest = metrics.get("largest_fitting")
+    probe = next((p for p in _probes(metrics) if p.get("prompt_length") == largest and p.get("status") == "ok"), {})
+    entries = [(metrics.get("mode", cfg.get("mode")), "search probe", probe)]
+    entries += [(mode, "comparison step", _dict(record)) for mode, record in compared.items()]
+    rows = []
+    for mode, measured_as, record in entries:
+        phases = _dict(record.get("step_phases"))
+        row = {"point": point.get("point"), "mode": mode, "measured_as": measured_as,
+               "prompt_length": record.get("prompt_length", largest),
+               "status": record.get("status") if record.get("status") in STATUSES else "error",
+               "error": record.get("error") or (None if record else "no ok probe at the largest fitting length"),
+               "peak_bytes": _number(record.get("peak_bytes")), "step_seconds": _phase_seconds(phases),
+               "wall_seconds": _number(record.get("seconds"))}
+        for name in list(STEP_PHASES) + sorted(set(phases) - set(STEP_PHASES)):
+            row[f"{name}_seconds"] = _number(_dict(phases.get(name)).get("seconds"))
+        rows.append(row)
+    for row in rows:
+        row["speedup_vs_searched_mode"] = _ratio(rows[0]["step_seconds"], row["step_seconds"])
+    return rows
 
 
 def _generic_metrics(metrics: dict) -> dict:
@@ -347,6 +464,30 @@ def probe_tables(points: list[dict]) -> dict[str, pd.DataFrame]:
     return {name: pd.DataFrame(r).convert_dtypes(convert_string=False) for name, r in rows.items()}
 
 
+def _rows_by_experiment(points: list[dict], rows_of) -> dict[str, pd.DataFrame]:
+    """{experiment: DataFrame} of the rows `rows_of(point)` gives, where any. A point whose rows
+    cannot be read gives one error row saying so (a malformed result must still render)."""
+    rows: dict[str, list[dict]] = defaultdict(list)
+    for point in points:
+        try:
+            rows[str(point.get("experiment"))] += rows_of(point)
+        except Exception as exc:
+            rows[str(point.get("experiment"))].append({
+                "point": point.get("point"), "status": "error",
+                "report_error": f"metrics not readable: {type(exc).__name__}: {exc}"})
+    return {name: pd.DataFrame(r).convert_dtypes(convert_string=False) for name, r in rows.items() if r}
+
+
+def sweep_step_tables(points: list[dict]) -> dict[str, pd.DataFrame]:
+    """{experiment: DataFrame} with one row per step of its sweep points, where any."""
+    return _rows_by_experiment([p for p in points if p.get("kind") == "sweep"], sweep_steps)
+
+
+def comparison_tables(points: list[dict]) -> dict[str, pd.DataFrame]:
+    """{experiment: DataFrame} of capacity comparisons (`comparison_rows`), where any."""
+    return _rows_by_experiment([p for p in points if p.get("kind") == "capacity"], comparison_rows)
+
+
 def records(df: pd.DataFrame) -> list[dict]:
     """Plain Python rows: None for missing (never pd.NA / NaN), Python numbers (never numpy)."""
     def plain(value):
@@ -362,13 +503,17 @@ def write_csv_atomic(df: pd.DataFrame, path) -> Path:
     return Path(path)
 
 
-def write_tables(tables: dict[str, pd.DataFrame], out_dir, probes: dict[str, pd.DataFrame] | None = None) -> dict:
-    """`<experiment>.csv` per experiment (+ `<experiment>.probes.csv` for capacity probes) and
-    `points.csv` with every point of every experiment; each written atomically. Returns {name: path}."""
+def write_tables(tables: dict[str, pd.DataFrame], out_dir, probes: dict[str, pd.DataFrame] | None = None,
+                 steps: dict[str, pd.DataFrame] | None = None,
+                 comparisons: dict[str, pd.DataFrame] | None = None) -> dict:
+    """`<experiment>.csv` per experiment (+ `<experiment>.probes.csv` for capacity probes,
+    `.steps.csv` for sweep steps, `.comparison.csv` for capacity comparisons) and `points.csv` with
+    every point of every experiment; each written atomically. Returns {name: path}."""
     out_dir = Path(out_dir)
     written = {name: write_csv_atomic(df, out_dir / f"{name}.csv") for name, df in tables.items()}
-    for name, df in (probes or {}).items():
-        written[f"{name}.probes"] = write_csv_atomic(df, out_dir / f"{name}.probes.csv")
+    for suffix, extra in (("probes", probes), ("steps", steps), ("comparison", comparisons)):
+        for name, df in (extra or {}).items():
+            written[f"{name}.{suffix}"] = write_csv_atomic(df, out_dir / f"{name}.{suffix}.csv")
     everything = [df.assign(experiment=name) for name, df in tables.items()]
     combined = pd.concat(everything, ignore_index=True) if everything else pd.DataFrame(columns=["experiment"])
     combined = combined[["experiment"] + [c for c in combined.columns if c != "experiment"]]
@@ -386,7 +531,8 @@ def status_counts(points: list[dict]) -> dict[str, int]:
 def main(results_dir, out_dir) -> dict:
     """What the Snakemake script calls: load, tabulate, write the CSVs; returns {name: path}."""
     points = load_points(results_dir)
-    return write_tables(tables(points), out_dir, probes=probe_tables(points))
+    return write_tables(tables(points), out_dir, probes=probe_tables(points), steps=sweep_step_tables(points),
+                        comparisons=comparison_tables(points))
 
 
 def cli(argv=None) -> int:

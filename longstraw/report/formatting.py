@@ -106,8 +106,8 @@ def format_value(column: str, value) -> str:
         return format_bytes(value) + "/position"
     if unit == "seconds":
         return format_seconds(value)
-    if unit == "positions_per_second":
-        return f"{float(value):,.0f} positions/s"
+    if unit == "positions_per_second":  # 4 significant digits at least: a tiny CPU capture runs at tens per second
+        return f"{float(value):,.0f} positions/s" if abs(value) >= 1000 else f"{float(value):.4g} positions/s"
     if unit == "tflops_per_second":
         return f"{float(value):,.1f} TFLOP/s"
     if unit == "ratio":

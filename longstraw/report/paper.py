@@ -2,11 +2,13 @@
 
 Each figure names the aggregated column that answers it (`ours:`); the value shown is read from the
 same tables the experiment sections show, so the comparison and the tables cannot disagree. A figure
-without `ours`, or whose experiment has no points, reads "not yet measured".
+without `ours`, or whose experiment has no points, reads "not yet measured". The paper's GB figures
+are also read as numbers (`reference_marks`) so the plots can draw them beside ours.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import yaml
@@ -15,6 +17,12 @@ from longstraw.report.formatting import exact_value, format_number, format_value
 
 NOT_MEASURED = "not yet measured"
 EMPTY_PAPER = {"setup": {}, "experiments": [], "figures": [], "standing": {}}
+# What the two trainable-parameter counts cover, so they are not read as the same adapter: the
+# paper's 116.7M is LoRA r=16 on the attention, GDN and MLP projections; ours (longstraw/lora.py
+# LORA_TARGETS) puts LoRA on the attention and GDN projections only.
+PAPER_LORA_TARGETS = "LoRA r=16 on the attention, GDN and MLP projections"
+OUR_LORA_TARGETS = "attention and GDN projections only, no MLP; longstraw/lora.py LORA_TARGETS"
+_GB = re.compile(r"(\d[\d,]*(?:\.\d+)?)\s*GB\b")
 
 
 def load_paper(path) -> dict:
@@ -58,7 +66,8 @@ def _signed(column: str, value) -> str:
 
 
 def _points(rows) -> str:
-    return ", ".join(str(r.get("point")) for r in rows)
+    """The points behind a value, each once (a sweep point's steps are rows of the same point)."""
+    return ", ".join(dict.fromkeys(str(r.get("point")) for r in rows))
 
 
 def ours_value(spec: dict | None, rows: list[dict], ceiling: dict) -> dict:
@@ -66,7 +75,10 @@ def ours_value(spec: dict | None, rows: list[dict], ceiling: dict) -> dict:
     if not spec:
         return {"text": NOT_MEASURED, "value": None, "points": ""}
     if spec.get("source") == "ceiling":
-        return {"text": ceiling.get("label", "not known"), "value": exact_value(ceiling.get("bytes")), "points": ""}
+        text = ceiling.get("label", "not known")
+        if ceiling.get("bytes"):
+            text += f" ({ceiling['bytes'] / 1e9:.3f} GB)"
+        return {"text": text, "value": exact_value(ceiling.get("bytes")), "points": ""}
     column, op = spec.get("column"), spec.get("op", "value")
     ok = [r for r in rows if r.get("status") == "ok" and r.get(column) is not None]
     if not rows:
@@ -116,7 +128,49 @@ def compare_figures(paper: dict, rows_by_experiment: dict[str, list[dict]], ceil
         out.append({"experiment": experiment, "quantity": figure.get("quantity", ""), "paper": figure.get("paper", ""),
                     "ours": ours["text"], "value": ours["value"], "points": ours["points"],
                     "has_section": experiment in rows_by_experiment})
+    for experiment, rows in rows_by_experiment.items():
+        out += trainable_parameter_rows(paper, experiment, rows)
     return out
+
+
+def trainable_parameter_rows(paper: dict, experiment: str, rows: list[dict]) -> list[dict]:
+    """Our trainable-parameter count on a model of the paper's shape (a preset named after the
+    paper's model, e.g. qwen3.6-27b-shape) beside the paper's, with what each adapter covers."""
+    setup = paper.get("setup") or {}
+    paper_model = str(setup.get("model") or "").split(" ", 1)[0].lower()
+    count = setup.get("trainable_parameters")
+    shaped = [r for r in rows if r.get("status") == "ok" and isinstance(r.get("trainable_parameters"), int)
+              and paper_model and str(r.get("model") or "").lower().startswith(paper_model)]
+    out = []
+    for row in shaped:
+        ours = row["trainable_parameters"]
+        ratio = f", {ours / count:.2f}x the paper's" if isinstance(count, (int, float)) and count else ""
+        lora = f"LoRA r={row['lora_r']} on the " if row.get("lora_r") is not None else ""
+        out.append({"experiment": experiment, "quantity": f"trainable parameters, {row.get('model')}",
+                    "paper": f"{setup.get('trainable_parameters_text', 'not stated')} ({PAPER_LORA_TARGETS})",
+                    "ours": f"{format_number(ours)}{ratio} ({lora}{OUR_LORA_TARGETS})",
+                    "value": exact_value(ours), "points": str(row.get("point")), "has_section": True})
+    return out
+
+
+def reference_marks(paper: dict) -> dict[str, list[dict]]:
+    """The paper's peak-memory figures as numbers, per experiment, for the plots: {"bytes" (the
+    paper's GB as 10^9 bytes), "where" (the filter naming which of our rows it stands beside),
+    "text" (the paper's number as written), "source" (whose: model size, parallelism)}. Only figures
+    answered by `peak_memory_bytes` of one row (not differences or lists)."""
+    setup = paper.get("setup") or {}
+    source = ", ".join(str(v).split(" (")[0] for v in (setup.get("parameters"), setup.get("parallelism")) if v)
+    source = f"paper ({source}, per rank)" if source else "paper"
+    marks: dict[str, list[dict]] = {}
+    for figure in paper.get("figures") or []:
+        spec = figure.get("ours") or {}
+        match = _GB.search(str(figure.get("paper") or ""))
+        if not match or spec.get("column") != "peak_memory_bytes" or spec.get("op", "value") != "value":
+            continue
+        marks.setdefault(str(figure.get("experiment")), []).append(
+            {"bytes": float(match.group(1).replace(",", "")) * 1e9, "where": spec.get("where") or {},
+             "text": match.group(0), "source": source})
+    return marks
 
 
 def _distinct(rows, key) -> list:
@@ -132,7 +186,7 @@ def _span(values, fmt) -> str:
 def scale_rows(paper: dict, rows: list[dict], ceiling: dict) -> list[dict]:
     """Paper setup against ours, row by row: model, parameters, devices, quantization, positions."""
     setup = paper.get("setup") or {}
-    ran = [r for r in rows if r.get("kind") in ("step", "capture", "capacity")]
+    ran = [r for r in rows if r.get("kind") in ("step", "capture", "capacity", "sweep")]
     ok = [r for r in ran if r.get("status") == "ok"]
     models = sorted({f"{r.get('model')} ({r.get('model_type')})" for r in ran if r.get("model")})
     trainable = [v for v in _distinct(ran, "trainable_parameters") if isinstance(v, int)]
@@ -150,7 +204,7 @@ def scale_rows(paper: dict, rows: list[dict], ceiling: dict) -> list[dict]:
     return [
         {"quantity": "model", "paper": setup.get("model", "not stated"), "ours": "; ".join(models) or "no points"},
         {"quantity": "parameters", "paper": setup.get("parameters", "not stated"),
-         "ours": "tiny / small presets (total parameter count not recorded per point)"},
+         "ours": "the presets in the model row (total parameter count not recorded per point)"},
         {"quantity": "trainable parameters", "paper": setup.get("trainable_parameters_text", "not stated"),
          "ours": _span(trainable, format_number)},
         {"quantity": "devices", "paper": setup.get("devices", "not stated"),

@@ -6,7 +6,12 @@ experiment with step / capture / capacity points gets the same figures:
   G varies); time per replayed member; seconds per phase.
 - capture points: resident bytes per position, measured against predicted, per model type; capture
   throughput.
-- capacity points: the largest prompt that fits per mode, every probe drawn (oom probes as x).
+- capacity points: the largest prompt that fits per mode, every probe drawn (oom probes as x); with
+  comparison steps, the step time of each mode at the searched mode's largest fitting length.
+- sweep points (one capture serving steps at several (mode, G)): per-phase peaks of every step
+  against the ceiling, with the capture; peak against G per mode when G varies within a mode;
+  the paper's peak-memory figures drawn beside ours (`paper.reference_marks`). A sweep's capture
+  joins the capture figures where there is more than one capture to compare.
 
 oom and error points are drawn as red / orange markers with a label, never dropped silently.
 Memory is `peak_allocated_bytes` on CUDA and the process peak RSS plus autograd graph bytes on
@@ -24,14 +29,16 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
 from matplotlib.transforms import blended_transform_factory  # noqa: E402
 
-from longstraw.report.aggregate import STEP_PHASES, probe_tables, records, tables  # noqa: E402
+from longstraw.report.aggregate import (STEP_PHASES, comparison_tables, probe_tables, records,  # noqa: E402
+                                        sweep_step_tables, tables)
 from longstraw.report.ceiling import memory_ceiling  # noqa: E402
 from longstraw.results import atomic_path  # noqa: E402
 from longstraw.report.formatting import format_bytes  # noqa: E402
 
-PHASE_COLORS = {"capture": "#4c72b0", "old_scoring": "#8c8c8c", "ref_scoring": "#bcbcbc", "replay": "#dd8452",
-                "optimizer_step": "#55a868"}
+PHASE_COLORS = {"weights": "#937860", "capture": "#4c72b0", "old_scoring": "#8c8c8c", "ref_scoring": "#bcbcbc",
+                "replay": "#dd8452", "optimizer_step": "#55a868"}
 MODE_COLORS = {"replay": "#dd8452", "hold_all": "#4c72b0", "naive": "#c44e52"}
+PAPER_COLOR = "#8172b3"
 FAILED_COLORS = {"oom": "#d62728", "error": "#ff7f0e"}
 SHORT_KEYS = {"responses.count": "G", "prompt.length": "L", "model.preset": "", "responses.length": "R"}
 
@@ -47,6 +54,13 @@ CAPTIONS = {
     "capture_throughput": "Capture throughput (positions per second) per model type.",
     "capacity": "Largest prompt that fits under the ceiling per mode (bar); every probed prompt length drawn "
                 "(o fits, x out of memory).",
+    "capacity_step_time": "One step of each mode at the searched mode's largest fitting prompt: seconds per phase "
+                          "(the searched mode's from its search probe, the others from their comparison steps; "
+                          "process start and model load left out).",
+    "sweep_memory": "Peak allocated memory of each sweep step against G, one line per mode (the OOM step drawn at "
+                    "the peak it reached), with the device ceiling and the paper's per-rank figures beside ours.",
+    "step_phase_peaks": "Per-phase peak memory of one sweep point: its weights and its one capture, then each step "
+                        "it served, against the device ceiling (top); seconds per replayed member per step (bottom).",
 }
 
 
@@ -185,12 +199,24 @@ def _by_mode(rows):
     return modes
 
 
-def plot_g_sweep_memory(rows, ceiling, cuda: bool, title: str):
+def _draw_paper_points(ax, marks, scale: float) -> None:
+    """The paper's per-G figures as hollow diamonds at their G, labelled with the paper's text."""
+    for i, mark in enumerate(marks):
+        g = mark["where"]["G"]
+        ax.plot([g], [mark["bytes"] / scale], marker="D", markersize=9, markerfacecolor="none", linestyle="none",
+                markeredgecolor=PAPER_COLOR, markeredgewidth=1.8, label=mark["source"] if i == 0 else None)
+        ax.annotate(f"paper: {mark['text']}", (g, mark["bytes"] / scale), textcoords="offset points",
+                    xytext=(8, -10 if i else 4), color=PAPER_COLOR, fontsize=7)
+
+
+def plot_g_sweep_memory(rows, ceiling, cuda: bool, title: str, marks=()):
+    """`marks`: the paper's figures at a G (`paper.reference_marks`), drawn on the peak panel."""
     panels = [("peak_memory_bytes", "peak allocated (CUDA)" if cuda else "process peak RSS (CPU)"),
               ("graph_bytes_peak", "autograd graph peak (saved tensors)")]
+    marks = [m for m in marks if isinstance(m["where"].get("G"), (int, float))]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
     for ax, (key, name) in zip(axes, panels):
-        values = [r.get(key) for r in rows]
+        values = [r.get(key) for r in rows] + ([m["bytes"] for m in marks] if key == "peak_memory_bytes" else [])
         scale, unit = _unit(values)
         for mode, members in _by_mode(rows).items():
             ok = sorted((r for r in _ok(members) if r.get(key) is not None), key=lambda r: r["G"])
@@ -202,8 +228,10 @@ def plot_g_sweep_memory(rows, ceiling, cuda: bool, title: str):
                 _mark_failed(ax, row["G"], row, scale, value_key=key)
         if key == "peak_memory_bytes" and cuda:
             name += f"\n{_ceiling_line(ax, ceiling, scale, [r.get(key) for r in _ok(rows)])}"
+        if key == "peak_memory_bytes":
+            _draw_paper_points(ax, marks, scale)
         ax.set_xscale("log", base=2)
-        gs = sorted({r["G"] for r in rows if r.get("G") is not None})
+        gs = sorted({r["G"] for r in rows if r.get("G") is not None} | {m["where"]["G"] for m in marks})
         ax.set_xticks(gs, [str(g) for g in gs])
         ax.set_xlabel("G (responses per prompt)")
         ax.set_ylabel(unit)
@@ -261,9 +289,18 @@ def plot_phase_seconds(rows, grid, title: str):
 
 # --------------------------------------------------------------------------------- capture figures
 
-def _capture_label(row, grid):
-    label = row.get("model_type") or point_label(row, grid)
-    return f"{label}\n{row.get('prompt_length')} pos" if row.get("prompt_length") is not None else str(label)
+def _capture_labels(rows, grid) -> list[str]:
+    """Model type and prompt length per bar; the model's name instead where two bars share a type
+    (a preset and a real model's shape of one family)."""
+    types = [r.get("model_type") for r in rows]
+    labels = []
+    for row in rows:
+        label = row.get("model_type") or point_label(row, grid)
+        if types.count(row.get("model_type")) > 1 and row.get("model"):
+            label = row["model"]
+        labels.append(f"{label}\n{row.get('prompt_length')} pos" if row.get("prompt_length") is not None
+                      else str(label))
+    return labels
 
 
 def plot_resident_per_position(rows, grid, title: str):
@@ -282,7 +319,7 @@ def plot_resident_per_position(rows, grid, title: str):
     for i, row in enumerate(rows):
         if row.get("status") != "ok":
             _mark_failed(ax, i, row, value_key="__none__")
-    ax.set_xticks(range(len(rows)), [_capture_label(r, grid) for r in rows], fontsize=8)
+    ax.set_xticks(range(len(rows)), _capture_labels(rows, grid), fontsize=8)
     ax.set_ylabel(f"{unit} per prompt position")
     ax.set_title(f"{title}: resident bytes per position, measured against predicted", fontsize=10)
     ax.legend(fontsize=7)
@@ -296,7 +333,7 @@ def plot_capture_throughput(rows, grid, title: str):
     for i, row in enumerate(rows):
         if row.get("status") != "ok":
             _mark_failed(ax, i, row, value_key="__none__")
-    ax.set_xticks(range(len(rows)), [_capture_label(r, grid) for r in rows], fontsize=8)
+    ax.set_xticks(range(len(rows)), _capture_labels(rows, grid), fontsize=8)
     ax.set_ylabel("positions per second")
     ax.set_title(f"{title}: capture throughput", fontsize=10)
     return fig
@@ -315,8 +352,10 @@ def plot_capacity(rows, probes: list[dict], title: str):
             _mark_failed(ax, i, row, value_key="__none__")
         elif largest:
             ax.bar([i], [largest], color=MODE_COLORS.get(str(row.get("mode")), "#4c72b0"), alpha=0.6, width=0.6)
-            ax.annotate(f"{int(largest):,}", (i, largest), textcoords="offset points", xytext=(0, 3), ha="center",
-                        fontsize=8)
+            # a search cut off by its time limit reached this length; the memory limit lies beyond it
+            stopped = "\nsearch stopped on its time limit" if row.get("search_stopped_on_time_limit") else ""
+            ax.annotate(f"{int(largest):,}{stopped}", (i, largest), textcoords="offset points", xytext=(0, 3),
+                        ha="center", fontsize=8)
         else:
             transform = blended_transform_factory(ax.transData, ax.transAxes)
             ax.text(i, 0.05, "no probed length fits", transform=transform, ha="center", fontsize=8, rotation=90,
@@ -340,6 +379,88 @@ def plot_capacity(rows, probes: list[dict], title: str):
     return fig
 
 
+def plot_capacity_step_time(rows, title: str):
+    """Stacked phase seconds per mode at one prompt length (the capacity comparison rows)."""
+    phases = [p for p in STEP_PHASES if any(r.get(f"{p}_seconds") is not None for r in rows)]
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(rows) + 3), 4.8))
+    base = [0.0] * len(rows)
+    for phase in phases:
+        heights = [(r.get(f"{phase}_seconds") or 0.0) if r.get("status") == "ok" else 0.0 for r in rows]
+        ax.bar(range(len(rows)), heights, bottom=base, label=phase, color=PHASE_COLORS.get(phase), width=0.6)
+        base = [b + h for b, h in zip(base, heights)]
+    for i, row in enumerate(rows):
+        if row.get("status") != "ok":
+            _mark_failed(ax, i, row, value_key="__none__")
+        elif row.get("step_seconds") is not None:
+            ax.annotate(f"{row['step_seconds']:,.1f} s", (i, base[i]), textcoords="offset points", xytext=(0, 3),
+                        ha="center", fontsize=8)
+    ax.set_xticks(range(len(rows)), [f"{r.get('mode')}\n({r.get('measured_as')})" for r in rows], fontsize=8)
+    lengths = sorted({r["prompt_length"] for r in rows if r.get("prompt_length") is not None})
+    ax.set_ylabel("seconds (s), sum of phases")
+    ax.set_title(f"{title}: one step per mode at {', '.join(f'{n:,}' for n in lengths)} positions", fontsize=10)
+    ax.legend(fontsize=7, ncols=3)
+    return fig
+
+
+# ---------------------------------------------------------------------------------- sweep figures
+
+def _step_label(step: dict) -> str:
+    label = f"#{step.get('step')} {step.get('mode')}\nG={step.get('G')}"
+    return label if step.get("status") == "ok" else f"{label} ({str(step.get('status')).upper()})"
+
+
+def plot_step_phase_peaks(row: dict, steps: list[dict], ceiling: dict, title: str, marks=()):
+    """One sweep point: weights and capture (once), then each step's phase peaks, against the
+    ceiling; the paper's figures that name no G (e.g. its operating point's peak) as dotted lines."""
+    groups = [("weights +\ncapture", {p: row.get(f"{p}_peak_allocated_bytes") for p in ("weights", "capture")},
+               None)]
+    groups += [(_step_label(s), {p: s.get(f"{p}_peak_allocated_bytes") for p in STEP_PHASES[1:]}, s) for s in steps]
+    marks = [m for m in marks if "G" not in m["where"]]
+    values = [v for _, peaks, _ in groups for v in peaks.values()] + [s.get("peak_memory_bytes") for s in steps]
+    scale, unit = _unit(values + [ceiling.get("bytes")] + [m["bytes"] for m in marks])
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(min(18, max(10, 4 + 1.1 * len(groups))), 8.5),
+                                      gridspec_kw={"height_ratios": [2, 1]})
+    labelled = set()
+    for i, (_, peaks, step) in enumerate(groups):
+        present = [(p, v) for p, v in peaks.items() if v is not None]
+        if step is not None and step.get("status") != "ok":
+            _mark_failed(top, i, step, scale)  # the peak the allocator reached when it ran out
+            continue
+        width = 0.8 / max(len(present), 1)
+        for j, (phase, value) in enumerate(present):
+            top.bar(i - 0.4 + width * (j + 0.5), value / scale, width, color=PHASE_COLORS.get(phase),
+                    label=phase if phase not in labelled else None)
+            labelled.add(phase)
+    stated = _ceiling_line(top, ceiling, scale, values)
+    for mark in marks:
+        top.axhline(mark["bytes"] / scale, color=PAPER_COLOR, linestyle=":", linewidth=1.5,
+                    label=f"{mark['source']}: {mark['text']}")
+    top.set_ylim(0, top.get_ylim()[1] * 1.25)  # room for the legend above the ceiling line
+    top.set_xticks(range(len(groups)), [g[0] for g in groups], fontsize=8)
+    top.set_ylabel(unit)
+    top.set_title(f"{title} / {row.get('point')}: peak allocated per phase "
+                  f"(torch.cuda.max_memory_allocated)\nceiling: {stated}", fontsize=9)
+    top.legend(fontsize=7, loc="upper left", ncols=3)
+
+    per_member = [s.get("seconds_per_member") if s.get("status") == "ok" else None for s in steps]
+    bottom.bar(range(1, len(groups)), [v or 0 for v in per_member],
+               color=[MODE_COLORS.get(str(s.get("mode")), "#4c72b0") for s in steps], width=0.6)
+    for i, (step, value) in enumerate(zip(steps, per_member), 1):
+        if value is not None:
+            bottom.annotate(f"{value:.2f} s", (i, value), textcoords="offset points", xytext=(0, 2), ha="center",
+                            fontsize=7)
+        elif step.get("status") != "ok":
+            _mark_failed(bottom, i, step, value_key="__none__")
+    bottom.set_xlim(top.get_xlim())
+    bottom.set_xticks(range(len(groups)), [g[0] for g in groups], fontsize=8)
+    bottom.set_ylabel("s per member")
+    capture = row.get("capture_seconds")
+    bottom.set_title("seconds per replayed member (replay phase / responses)"
+                     + (f"; the one capture took {capture:,.1f} s for {row.get('positions') or 0:,} positions"
+                        if capture is not None else ""), fontsize=9)
+    return fig
+
+
 # ---------------------------------------------------------------------------------------- dispatch
 
 def _grid(df: pd.DataFrame) -> list[str]:
@@ -350,10 +471,13 @@ def _grid(df: pd.DataFrame) -> list[str]:
 
 
 def plots_for_experiment(name: str, df: pd.DataFrame, probes: pd.DataFrame | None, ceiling: dict,
-                         out_dir) -> dict[str, Path]:
-    """Every figure this experiment's data supports: {"<experiment>/<figure>": png path}."""
+                         out_dir, steps: pd.DataFrame | None = None, comparison: pd.DataFrame | None = None,
+                         marks=()) -> dict[str, Path]:
+    """Every figure this experiment's data supports: {"<experiment>/<figure>": png path}. `steps`
+    and `comparison`: its sweep steps and capacity comparisons; `marks`: the paper's figures."""
     out_dir, grid, figures = Path(out_dir), _grid(df), {}
     rows = records(df) if len(df) else []
+    step_rows = records(steps) if steps is not None and len(steps) else []
     title = name
 
     def save(figure, fig):
@@ -367,30 +491,52 @@ def plots_for_experiment(name: str, df: pd.DataFrame, probes: pd.DataFrame | Non
             save("g_sweep_memory", plot_g_sweep_memory(step, ceiling, cuda, title))
         save("time_per_member", plot_time_per_member(step, grid, title))
         save("phase_seconds", plot_phase_seconds(step, grid, title))
-    captured = [r for r in rows if r.get("kind") == "capture"]
-    if captured:
+    captured = [r for r in rows if r.get("kind") == "capture"
+                or (r.get("kind") == "sweep" and r.get("positions") is not None)]
+    # a lone sweep's capture is stated in its table; a figure is worth it beside other captures
+    if captured and (len(captured) > 1 or captured[0].get("kind") == "capture"):
         save("resident_per_position", plot_resident_per_position(captured, grid, title))
         save("capture_throughput", plot_capture_throughput(captured, grid, title))
     capacity = [r for r in rows if r.get("kind") == "capacity"]
     if capacity:
         save("capacity", plot_capacity(capacity, records(probes) if probes is not None else [], title))
+    if comparison is not None and len(comparison):
+        save("capacity_step_time", plot_capacity_step_time(records(comparison), title))
+    gs_per_mode = {}
+    for step in step_rows:
+        gs_per_mode.setdefault(step.get("mode"), set()).add(step.get("G"))
+    if any(len(gs) > 1 for gs in gs_per_mode.values()):
+        cuda = any(str(s.get("peak_memory_measure")).startswith("peak_allocated_bytes") for s in step_rows)
+        save("sweep_memory", plot_g_sweep_memory([s for s in step_rows if s.get("kind") == "step"], ceiling, cuda,
+                                                 title, marks))
+    for row in (r for r in rows if r.get("kind") == "sweep"):
+        mine = [s for s in step_rows if s.get("point") == row.get("point") and s.get("kind") == "step"]
+        save(f"step_phase_peaks.{row.get('point')}", plot_step_phase_peaks(row, mine, ceiling, title, marks))
     return figures
 
 
-def make_plots(tables_or_points, out_dir, probes: dict | None = None, ceiling: dict | None = None) -> dict[str, Path]:
+def make_plots(tables_or_points, out_dir, probes: dict | None = None, ceiling: dict | None = None,
+               steps: dict | None = None, comparisons: dict | None = None,
+               marks: dict | None = None) -> dict[str, Path]:
     """Figures for every experiment. Takes the points (list of result dicts) or the tables from
-    `aggregate.tables` (then pass `probes` for capacity probes). Returns {"<experiment>/<figure>": path}."""
+    `aggregate.tables` (then pass `probes`, `steps` and `comparisons`, the tables of capacity probes,
+    sweep steps and capacity comparisons). `marks`: {experiment: the paper's figures to draw}
+    (`paper.reference_marks`). Returns {"<experiment>/<figure>": path}."""
     if isinstance(tables_or_points, dict):
         frames, points = tables_or_points, []
     else:
         points = list(tables_or_points)
         frames, probes = tables(points), probe_tables(points)
+        steps, comparisons = sweep_step_tables(points), comparison_tables(points)
     ceiling = ceiling or memory_ceiling(points)
     figures: dict[str, Path] = {}
     for name, df in frames.items():
-        figures.update(plots_for_experiment(name, df, (probes or {}).get(name), ceiling, out_dir))
+        figures.update(plots_for_experiment(name, df, (probes or {}).get(name), ceiling, out_dir,
+                                            steps=(steps or {}).get(name), comparison=(comparisons or {}).get(name),
+                                            marks=(marks or {}).get(name, ())))
     return figures
 
 
 def figure_caption(figure_name: str) -> str:
-    return CAPTIONS.get(figure_name.rsplit("/", 1)[-1], "")
+    """A figure's caption by its name (`step_phase_peaks.<point>` has one per sweep point)."""
+    return CAPTIONS.get(figure_name.rsplit("/", 1)[-1].split(".", 1)[0], "")

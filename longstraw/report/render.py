@@ -3,11 +3,14 @@ tables in `<out>/tables/`, all referenced by relative paths (open the file, no s
 
     python -m longstraw.report.render --profile cpu --results results/cpu --out reports/cpu
 
-Sections: summary (what ran, statuses, device, versions, commit, date); the paper's figures beside
-ours with the scale difference; the four validation levels; one section per experiment (figures,
-table straight from the aggregated data with every status, failures with their messages, the
-commands that reproduce it, provenance); recorded GPU results (every JSON under `--recorded`),
-shown as recorded and never mixed into the local tables. Every file is written atomically.
+Sections: summary (what ran, statuses, device, versions, commit, date); on a GPU profile, the
+targets (`longstraw.report.targets`); the paper's figures beside ours with the scale difference;
+the four validation levels; one section per experiment (the paper's figures for it beside ours,
+figures, table straight from the aggregated data with every status, a sweep's steps and a capacity
+search's comparison steps as tables of their own, failures with their messages, the commands that
+reproduce it, provenance); recorded GPU results (every JSON under `--recorded`), shown as recorded
+and never mixed into the local tables, with a link to their own report where it was rendered
+(`reports/recorded-<device>/`, beside this one). Every file is written atomically.
 """
 
 from __future__ import annotations
@@ -21,14 +24,15 @@ from collections import Counter
 from pathlib import Path
 
 import jinja2
+import pandas as pd
 import yaml
 
-from longstraw.report.aggregate import (experiment_order, load_points, point_row, probe_tables, records, status_counts,
-                                        tables, write_tables)
+from longstraw.report.aggregate import (comparison_tables, experiment_order, load_points, point_row, probe_tables,
+                                        records, status_counts, sweep_step_tables, tables, write_tables)
 from longstraw.report.ceiling import memory_ceiling
 from longstraw.results import write_text_atomic
 from longstraw.report.formatting import column_label, exact_value, format_value, is_missing
-from longstraw.report.paper import compare_figures, load_paper, scale_rows
+from longstraw.report.paper import compare_figures, load_paper, reference_marks, scale_rows
 from longstraw.report.plots import figure_caption, make_plots
 from longstraw.report.validation import levels_table, v1_paths
 from longstraw.results import STATUSES
@@ -49,8 +53,23 @@ CAPTURE_COLUMNS = ["model", "model_type", "prompt_length", "positions", "capture
                    "peak_memory_measure", "peak_rss_bytes", "wall_seconds"]
 CAPACITY_COLUMNS = ["model", "mode", "ceiling_bytes", "device_memory_bytes", "memory_measure", "largest_fitting",
                     "largest_fitting_peak_bytes", "first_failing", "smallest_oom", "probes", "probes_ok",
-                    "probes_oom", "step_seconds_at", "step_seconds_at_prompt_length", "step_seconds_at_seconds",
-                    "wall_seconds"]
+                        "probes_oom", "search_stopped_on_time_limit", "time_limit_seconds", "step_seconds_at",
+                    "step_seconds_at_prompt_length", "step_seconds_at_seconds", "wall_seconds"]
+# A sweep point: its one capture and a summary of the steps it served (each step: SWEEP_STEP_COLUMNS).
+SWEEP_COLUMNS = ["model", "lora_r", "prompt_length", "response_length", "positions", "resident_bytes",
+                 "predicted_resident_bytes", "bytes_per_position_measured", "bytes_per_position_predicted",
+                 "transient_bytes", "capture_seconds", "capture_attention_tflops_per_second",
+                 "capture_peak_allocated_bytes", "weights_peak_allocated_bytes", "trainable_parameters", "steps",
+                 "steps_ok", "steps_oom", "replays", "peak_memory_bytes", "peak_memory_measure",
+                 "device_memory_bytes", "peak_rss_bytes", "wall_seconds"]
+SWEEP_STEP_COLUMNS = ["point", "step", "mode", "G", "status", "peak_memory_bytes", "headroom_bytes", "graph_bytes_peak",
+                      "old_scoring_peak_allocated_bytes", "ref_scoring_peak_allocated_bytes",
+                      "replay_peak_allocated_bytes", "optimizer_step_peak_allocated_bytes", "step_seconds",
+                      "replay_seconds", "seconds_per_member", "loss", "grad_norm", "state_unchanged", "error",
+                      "report_error"]
+COMPARISON_COLUMNS = ["point", "mode", "measured_as", "prompt_length", "status", "peak_bytes", "step_seconds",
+                      "speedup_vs_searched_mode", "capture_seconds", "old_scoring_seconds", "ref_scoring_seconds",
+                      "replay_seconds", "optimizer_step_seconds", "wall_seconds", "error", "report_error"]
 PROBE_COLUMNS = ["point", "mode", "prompt_length", "status", "peak_bytes", "seconds"]
 RECORDED_COLUMNS = ["file", "point", "kind", "status", "device", "date", "commit", "torch_version",
                     "transformers_version", "model", "prompt_length", "mode", "G", "cycles", "peak_memory_bytes",
@@ -58,7 +77,21 @@ RECORDED_COLUMNS = ["file", "point", "kind", "status", "device", "date", "commit
 GENERIC_SKIP = {"experiment", "point", "kind", "status", "error", "commit", "date", "device", "family", "dtype",
                 "torch_version", "transformers_version", "device_memory_bytes", "report_error", "model",
                 "model_type", "prompt_length", "lora_r", "nf4", "peak_rss_bytes", "wall_seconds"}
-KIND_COLUMNS = {"step": STEP_COLUMNS, "capture": CAPTURE_COLUMNS, "capacity": CAPACITY_COLUMNS}
+KIND_COLUMNS = {"step": STEP_COLUMNS, "capture": CAPTURE_COLUMNS, "capacity": CAPACITY_COLUMNS, "sweep": SWEEP_COLUMNS}
+EXTRA_TABLES = {
+    "sweep_steps": ("Sweep steps", SWEEP_STEP_COLUMNS,
+                    "One row per GRPO step, in the order they ran, every one served by its point's single capture "
+                    "(the table above). Peak: torch.cuda.max_memory_allocated over the step (an OOM step: the peak "
+                    "it reached when it ran out; its mode stopped there). Headroom: the device's total memory "
+                    "minus that peak. Step seconds: the sum of the step's phases."),
+    "comparison": ("Step time at the largest fitting length", COMPARISON_COLUMNS,
+                   "The searched mode's step at its largest fitting prompt (its search probe there) beside the "
+                   "compared modes' steps at the same length. Step seconds: the sum of the step's phase seconds "
+                   "(replay and hold_all include their capture; naive has none); wall seconds: the probe's whole "
+                   "process, model load included. speedup_vs_searched_mode: the searched mode's step seconds "
+                   "over this row's."),
+}
+MET_TEXT = {True: "yes", False: "missed", None: "not measured"}
 
 
 def resolve(path) -> Path:
@@ -171,8 +204,48 @@ def experiment_file_text(experiments_dir, name: str) -> dict:
     return {"title": data.get("title") or "", "what": " ".join(str(data.get("description") or "").split())}
 
 
+def _extra_table(name: str, key: str, df) -> dict | None:
+    if df is None or not len(df):
+        return None
+    title, columns, note = EXTRA_TABLES[key]
+    return {"title": title, "id": f"table-{name}-{key}", "note": note, "view": table_view(records(df), columns)}
+
+
+def _capture_note(row: dict) -> str:
+    """A sweep's one capture, in a sentence: what it held, what it cost, what it served."""
+    def show(column):
+        return format_value(column, row.get(column))
+    return (f"{row.get('point')}: one capture of {show('positions')} positions in {show('capture_seconds')} "
+            f"(attention {show('capture_attention_tflops_per_second')}); resident state {show('resident_bytes')} "
+            f"measured against {show('predicted_resident_bytes')} predicted "
+            f"({show('bytes_per_position_measured')} against {show('bytes_per_position_predicted')}), "
+            f"capture transient {show('transient_bytes')}; steps it served: {show('steps')} "
+            f"({show('steps_ok')} ok, {show('steps_oom')} oom).")
+
+
+def _time_limit_note(row: dict) -> str:
+    limit = f" ({format_value('time_limit_seconds', row['time_limit_seconds'])})" \
+        if row.get("time_limit_seconds") is not None else ""
+    ran_out = "none ran out of memory" if not row.get("probes_oom") else f"{row['probes_oom']} ran out of memory"
+    return (f"{row.get('point')} ({row.get('mode')}): the search stopped on its time limit{limit}; of the "
+            f"probes it ran ({row.get('probes')}), {ran_out}, so its largest fitting length, "
+            f"{format_value('largest_fitting', row.get('largest_fitting'))} positions, is how far it got, "
+            "not where memory runs out.")
+
+
+def section_notes(rows: list[dict]) -> list[str]:
+    """What a row cannot say in one cell: a sweep's capture, a capacity search cut off by time."""
+    notes = []
+    for row in rows:
+        if row.get("kind") == "sweep" and row.get("positions") is not None:
+            notes.append(_capture_note(row))
+        if row.get("kind") == "capacity" and row.get("search_stopped_on_time_limit"):
+            notes.append(_time_limit_note(row))
+    return notes
+
+
 def experiment_section(name: str, df, probes, points: list[dict], figures: dict, profile: str,
-                       paper_entry: dict) -> dict:
+                       paper_entry: dict, paper_rows: list[dict], steps=None, comparison=None) -> dict:
     rows = records(df) if df is not None else []
     grid = _grid_columns(list(df.columns)) if df is not None else []
     kinds = list(dict.fromkeys(str(r.get("kind")) for r in rows))
@@ -188,6 +261,10 @@ def experiment_section(name: str, df, probes, points: list[dict], figures: dict,
                     for key, path in figures.items() if key.split("/", 1)[0] == name],
         "tables": [kind_table(kind, [r for r in rows if str(r.get("kind")) == kind], grid) for kind in kinds],
         "probes": table_view(records(probes), PROBE_COLUMNS) if probes is not None and len(probes) else None,
+        "extra_tables": [t for t in (_extra_table(name, "sweep_steps", steps), _extra_table(name, "comparison",
+                                                                                          comparison)) if t],
+        "notes": section_notes(rows),
+        "paper": [r for r in paper_rows if r["experiment"] == name],
         "csv": f"tables/{name}.csv" if rows else "",
         "failures": [{"point": str(p.get("point")), "status": p.get("status"),
                       "error": p.get("error") or "no message recorded",
@@ -200,11 +277,18 @@ def experiment_section(name: str, df, probes, points: list[dict], figures: dict,
     }
 
 
-def recorded_section(recorded_dir) -> dict:
+def recorded_report_link(folder: Path, out_dir: Path) -> str:
+    """The recorded results' own report (the pipeline renders it as `reports/recorded-<folder>/`,
+    beside this report's folder), relative to this page; empty where it was not rendered."""
+    page = out_dir.parent / f"recorded-{folder.name}" / "index.html"
+    return os.path.relpath(page, out_dir) if page.is_file() and page.parent != out_dir else ""
+
+
+def recorded_section(recorded_dir, out_dir, results_dir) -> dict:
     """Recorded GPU results, as recorded: their own table, never merged into the local ones."""
     folder = resolve(recorded_dir)
     if not folder.is_dir():
-        return {"dir": str(recorded_dir), "view": None, "count": 0, "notes": [],
+        return {"dir": str(recorded_dir), "view": None, "count": 0, "notes": [], "link": "", "same": False,
                 "missing": f"no recorded results folder at {recorded_dir}"}
     points = load_points(folder)
     rows = []
@@ -214,8 +298,31 @@ def recorded_section(recorded_dir) -> dict:
         rows.append(row)
     notes = sorted({p["provenance"]["commit_source"] for p in points
                     if isinstance(p.get("provenance"), dict) and p["provenance"].get("commit_source")})
+    same = resolve(results_dir).resolve() == folder.resolve()  # the recorded results' own report
     return {"dir": str(recorded_dir), "view": table_view(rows, RECORDED_COLUMNS) if rows else None,
-            "count": len(rows), "counts_text": _counts_text(status_counts(points)), "notes": notes, "missing": ""}
+            "count": len(rows), "counts_text": _counts_text(status_counts(points)), "notes": notes, "missing": "",
+            "link": recorded_report_link(folder, Path(out_dir)), "same": same,
+            "command": f"python -m longstraw.report.render --profile {folder.name} --results {recorded_dir} "
+                       f"--out reports/recorded-{folder.name} --recorded {recorded_dir}"}
+
+
+def targets_section(results_dir, profile: str) -> dict | None:
+    """The GPU targets (`longstraw.report.targets.evaluate_targets`) as a table; None on CPU, whose
+    sizes and ceilings are emulated (every target would read "not measured"), or where the module
+    is not there. An exception while evaluating is shown, not raised: the rest still renders."""
+    if profile == "cpu":
+        return None
+    try:
+        from longstraw.report.targets import evaluate_targets
+    except ImportError:
+        return None
+    try:
+        rows = evaluate_targets(resolve(results_dir))
+    except Exception as exc:
+        return {"rows": [], "error": f"{type(exc).__name__}: {exc}"}
+    return {"error": "", "rows": [{"target": r.get("target", ""), "goal": r.get("goal", ""),
+                                   "measured": r.get("measured", ""), "evidence": r.get("evidence", ""),
+                                   "met": MET_TEXT.get(r.get("met"), str(r.get("met")))} for r in rows]}
 
 
 # -------------------------------------------------------------------------------------------- page
@@ -242,11 +349,13 @@ def build_context(profile: str, results_dir, out_dir, recorded_dir, paper_path, 
     out_dir = Path(out_dir)
     points = load_points(results_dir)
     frames, probes = tables(points), probe_tables(points)
+    steps, comparisons = sweep_step_tables(points), comparison_tables(points)
     ceiling = memory_ceiling(points)
-    figures = make_plots(frames, out_dir / "figures", probes=probes, ceiling=ceiling)
-    remove_stale_figures(out_dir / "figures", figures.values())
-    write_tables(frames, out_dir / "tables", probes=probes)
     paper = load_paper(resolve(paper_path))
+    figures = make_plots(frames, out_dir / "figures", probes=probes, ceiling=ceiling, steps=steps,
+                         comparisons=comparisons, marks=reference_marks(paper))
+    remove_stale_figures(out_dir / "figures", figures.values())
+    write_tables(frames, out_dir / "tables", probes=probes, steps=steps, comparisons=comparisons)
     paper_entries = {e.get("name"): e for e in paper.get("experiments") or [] if isinstance(e, dict)}
 
     by_experiment: dict[str, list[dict]] = {}
@@ -256,11 +365,17 @@ def build_context(profile: str, results_dir, out_dir, recorded_dir, paper_path, 
     described = {name: {**paper_entries.get(name, {}),
                         **{k: v for k, v in experiment_file_text(experiments_dir, name).items() if v}}
                  for name in names}
+    # A sweep's steps are rows like step points' (mode, G, peak, V1 evidence): the paper's figures
+    # and the validation levels read them beside the point rows.
+    with_steps = {name: pd.concat([df, steps[name]], ignore_index=True) if name in steps else df
+                  for name, df in frames.items()}
+    rows_by_experiment = {name: records(df) for name, df in with_steps.items()}
+    figures_beside = compare_figures(paper, rows_by_experiment, ceiling)
     sections = [experiment_section(name, frames.get(name), probes.get(name), by_experiment.get(name, []), figures,
-                                   profile, described[name]) for name in names]
-    rows_by_experiment = {name: records(df) for name, df in frames.items()}
-    all_rows = [r for rows in rows_by_experiment.values() for r in rows]
-    paths = v1_paths(frames)
+                                   profile, described[name], figures_beside, steps.get(name), comparisons.get(name))
+                for name in names]
+    all_rows = [r for df in frames.values() for r in records(df)]
+    paths = v1_paths(with_steps)
     counts = status_counts(points)
     return {
         "profile": profile,
@@ -274,11 +389,12 @@ def build_context(profile: str, results_dir, out_dir, recorded_dir, paper_path, 
             "provenance": provenance_facts(points),
             "ceiling": ceiling["label"],
         },
+        "targets": targets_section(results_dir, profile),
         "paper": {"missing": paper.get("missing", ""), "scale": scale_rows(paper, all_rows, ceiling),
-                  "figures": compare_figures(paper, rows_by_experiment, ceiling)},
+                  "figures": figures_beside},
         "validation": {"levels": levels_table(paths, paper.get("standing") or {}), "paths": paths},
         "experiments": sections,
-        "recorded": recorded_section(recorded_dir),
+        "recorded": recorded_section(recorded_dir, out_dir, results_dir),
     }
 
 

@@ -1,0 +1,213 @@
+"""GRPO training over long prompts: `longstraw train CONFIG.yaml`.
+
+    longstraw train experiments/examples/train_cpu.yaml          # resumes from OUT/checkpoints
+    longstraw train experiments/examples/train_cpu.yaml --no-resume
+
+One optimizer step per prompt visit, `steps_per_prompt` consecutive steps per task example:
+1. capture the prompt (or reuse the resident state captured at an earlier step of this prompt);
+2. sample G responses from the state (`longstraw.rollout`, seeded by step), reward them;
+3. old-policy log-probs come from sampling; reference log-probs (when `grpo.beta > 0`) are scored
+   graph-free with the adapter disabled, on the prompt as the reference captured it (one extra
+   capture and resident state per prompt; the frozen base never makes it stale);
+4. serial replay with one backward per response (`grpo_step`, mode `replay`), gradient clipping,
+   the optimizer step and the learning-rate schedule (constant or cosine, linear warm-up).
+
+Prefix reuse and its refresh policy (`refresh`): the state is captured with the parameters of
+its capture step and goes stale as they move. `every: K` recaptures when the state is K steps
+old; `never` only on a new prompt; `adaptive` recaptures when the drift signal reaches
+`threshold`. The signal is the L2 norm of the trainable parameters' change since the capture:
+it costs one copy of the trainable parameters (LoRA: megabytes) and one norm per step, and the
+staleness oracle (`longstraw.oracle`) measures how it relates to the real drift of loss,
+log-probs and gradient against a fresh capture.
+
+Outputs under `output.dir`: `metrics.jsonl` (one JSON object per step), and every
+`checkpoint_every` steps `checkpoints/step-N/` with the peft adapter (`adapter/`) and
+`trainer.pt` (trainable parameters at the step and at the state's capture, optimizer and
+schedule state). Resuming loads the newest checkpoint, recaptures the stale state with the
+parameters it was captured with, truncates the metrics to that step, and continues: on CPU the
+resumed run's metrics equal the uninterrupted run's.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from longstraw import grpo
+from longstraw.config import resolve_train_config
+from longstraw.experiment import build_policy
+from longstraw.rollout import SamplingConfig, sample
+from longstraw.step import grpo_step, reference_policy
+from longstraw.tasks import build_task
+from longstraw.transaction import capture
+
+TIMING_KEYS = ("seconds",)  # the only metrics that differ between identical runs
+
+
+def _schedule(cfg: dict, steps: int):
+    warmup, name = cfg["warmup_steps"], cfg["name"]
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        if name == "cosine":
+            progress = (step - warmup) / max(1, steps - warmup)
+            return 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+        return 1.0
+
+    return factor
+
+
+class Trainer:
+    def __init__(self, raw_config: dict, source: str = "train config"):
+        self.cfg = cfg = resolve_train_config(raw_config, source)
+        self.model = build_policy(cfg["model"])
+        self.device = torch.device(cfg["model"]["device"])
+        self.task = build_task(cfg["task"], self.model.get_input_embeddings().weight.shape[0])
+        self.params = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+        self.optimizer = torch.optim.AdamW(self.params.values(), lr=cfg["optimizer"]["lr"],
+                                           weight_decay=cfg["optimizer"]["weight_decay"])
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _schedule(cfg["schedule"], cfg["steps"]))
+        self.grpo = grpo.GRPOConfig(num_generations=cfg["sampling"]["num_samples"], **cfg["grpo"])
+        self.out = Path(cfg["output"]["dir"])
+        self.state = self.capture_step = self.capture_params = None
+        self.ref_state = self.ref_prompt = None
+
+    # ---- prefix reuse
+    def _example(self, step: int):
+        return self.task.make(self.cfg["seed"] * 1_000_003 + step // self.cfg["steps_per_prompt"])
+
+    def drift(self) -> float:
+        """The adaptive policy's signal: L2 norm of the trainable parameters' change since capture."""
+        if self.capture_params is None:
+            return 0.0
+        return float(torch.stack([(p.detach() - self.capture_params[n]).float().norm()
+                                  for n, p in self.params.items()]).norm())
+
+    def _needs_capture(self, step: int) -> bool:
+        if self.state is None or step // self.cfg["steps_per_prompt"] != self.capture_step // self.cfg["steps_per_prompt"]:
+            return True
+        refresh = self.cfg["refresh"]
+        if refresh["policy"] == "every":
+            return step - self.capture_step >= refresh["every"]
+        if refresh["policy"] == "adaptive":
+            return self.drift() >= refresh["threshold"]
+        return False
+
+    def _capture(self, step: int, params: dict | None = None):
+        """Capture this step's prompt, with `params` loaded for the capture when given (resume)."""
+        current = None
+        if params is not None:
+            current = {n: p.detach().clone() for n, p in self.params.items()}
+            self._load_params(params)
+        kwargs = {k: v for k, v in self.cfg["capture"].items() if v is not None}
+        self.state = capture(self.model, self._example(step).prompt_ids.to(self.device), **kwargs)
+        self.capture_step = step
+        self.capture_params = {n: p.detach().clone() for n, p in self.params.items()}
+        if current is not None:
+            self._load_params(current)
+
+    def _reference_state(self, step: int):
+        """The reference policy's capture of this step's prompt (None when there is no KL term)."""
+        prompt = step // self.cfg["steps_per_prompt"]
+        if self.grpo.beta > 0 and self.ref_prompt != prompt:
+            kwargs = {k: v for k, v in self.cfg["capture"].items() if v is not None}
+            self.ref_state = None  # free the previous prompt's first
+            with reference_policy(self.model):
+                self.ref_state = capture(self.model, self._example(step).prompt_ids.to(self.device), **kwargs)
+            self.ref_prompt = prompt
+        return self.ref_state
+
+    def _load_params(self, values: dict):
+        with torch.no_grad():
+            for n, p in self.params.items():
+                p.copy_(values[n])
+
+    # ---- one step
+    def train_step(self, step: int) -> dict:
+        start = time.perf_counter()
+        example = self._example(step)
+        refreshed = self._needs_capture(step)
+        drift = self.drift()
+        if refreshed:
+            self._capture(step)
+        s = self.cfg["sampling"]
+        rollouts = sample(self.model, self.state, SamplingConfig(
+            num_samples=s["num_samples"], max_new_tokens=s["max_new_tokens"], temperature=s["temperature"],
+            top_p=s["top_p"], seed=self.cfg["seed"] * 1_000_003 + step))
+        rewards = [self.task.reward(example, r) for r in rollouts.responses]
+        metrics = grpo_step(self.model, example.prompt_ids.to(self.device), rollouts.responses, rewards,
+                            self.optimizer, self.grpo, state=self.state, old_logps=rollouts.logprobs,
+                            ref_state=self._reference_state(step), max_grad_norm=self.cfg["max_grad_norm"])
+        lr = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        return {"step": step, "prompt": step // self.cfg["steps_per_prompt"], "refreshed": refreshed,
+                "state_age": step - self.capture_step, "drift_before": drift, "lr": lr,
+                "reward_mean": metrics["reward_mean"], "reward_std": float(torch.tensor(rewards).std()),
+                "loss": metrics["loss"], "grad_norm": metrics["grad_norm"], **metrics["stats"],
+                "response_tokens": metrics["response_tokens"], "seconds": time.perf_counter() - start}
+
+    # ---- checkpoints
+    def _checkpoint_dir(self, step: int) -> Path:
+        return self.out / "checkpoints" / f"step-{step}"
+
+    def save_checkpoint(self, steps_done: int):
+        final = self._checkpoint_dir(steps_done)
+        tmp = final.with_name(final.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        if hasattr(self.model, "save_pretrained"):
+            self.model.save_pretrained(tmp / "adapter")
+        torch.save({"steps_done": steps_done, "params": {n: p.detach().cpu() for n, p in self.params.items()},
+                    "capture_step": self.capture_step,
+                    "capture_params": {n: t.cpu() for n, t in (self.capture_params or {}).items()},
+                    "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
+                   tmp / "trainer.pt")
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)  # a checkpoint exists complete or not at all
+
+    def load_latest_checkpoint(self) -> int:
+        folder = self.out / "checkpoints"
+        done = sorted((int(p.name.split("-")[1]) for p in folder.glob("step-*") if p.name.split("-")[1].isdigit()),
+                      reverse=True) if folder.is_dir() else []
+        if not done:
+            return 0
+        saved = torch.load(self._checkpoint_dir(done[0]) / "trainer.pt", map_location=self.device, weights_only=True)
+        self.optimizer.load_state_dict(saved["optimizer"])
+        self.scheduler.load_state_dict(saved["scheduler"])
+        self._load_params(saved["params"])
+        if saved["capture_step"] is not None:
+            self._capture(saved["capture_step"], params=saved["capture_params"])
+        return saved["steps_done"]
+
+    # ---- the loop
+    def run(self, resume: bool = True, stop_after: int | None = None) -> list[dict]:
+        """Train to `steps`; `stop_after` ends early after that many steps of this call (tests)."""
+        self.out.mkdir(parents=True, exist_ok=True)
+        metrics_path = self.out / "metrics.jsonl"
+        first = self.load_latest_checkpoint() if resume else 0
+        if not resume:
+            shutil.rmtree(self.out / "checkpoints", ignore_errors=True)
+        lines = metrics_path.read_text().splitlines()[:first] if first and metrics_path.exists() else []
+        metrics_path.write_text("".join(line + "\n" for line in lines))
+        every, steps = self.cfg["output"]["checkpoint_every"], self.cfg["steps"]
+        bar = tqdm(range(first, steps), desc="train", unit="step", file=sys.stderr, initial=first, total=steps)
+        for count, step in enumerate(bar):
+            if stop_after is not None and count >= stop_after:
+                break
+            record = self.train_step(step)
+            with open(metrics_path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+            bar.set_postfix(reward=f"{record['reward_mean']:.3f}", loss=f"{record['loss']:.4f}",
+                            refreshed=record["refreshed"])
+            if every and ((step + 1) % every == 0 or step + 1 == steps):
+                self.save_checkpoint(step + 1)
+        bar.close()
+        return [json.loads(line) for line in metrics_path.read_text().splitlines()]
