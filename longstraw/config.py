@@ -20,6 +20,7 @@ DEFAULTS = {
                  "time_limit_seconds": None, "compare_modes": []},
     "sweep": {"replay": [2, 8], "hold_all": [2, 4, 8]},
     "measure": {"kernel_rates": False},
+    "staleness": {"steps": 8, "threshold": 1.0e-3},
 }
 
 

@@ -15,6 +15,10 @@ Three kinds of point:
   it reached). Capture is measured as in `capture` (attention time and rate included), and
   with `measure.kernel_rates` the run also times torch's causal SDPA and the attention and GEMM
   kernels on this device, so ratios against them come from one run.
+- `staleness`: the fresh-prefix oracle (`longstraw.oracle`): capture once, train `staleness.steps`
+  steps on the stale state, and at each step measure its drift against a fresh capture; the
+  derived refresh interval is the largest step count whose loss drift stays under
+  `staleness.threshold`.
 
 Every result carries provenance and the resolved config. Out-of-memory is a result, not a crash.
 """
@@ -77,7 +81,7 @@ def _capture_kwargs(cfg: dict) -> dict:
     return {k: v for k, v in cfg["capture"].items() if v is not None}
 
 
-KINDS = ("step", "capture", "capacity", "sweep")
+KINDS = ("step", "capture", "capacity", "sweep", "staleness")
 
 
 def run_point(raw: dict, source: str = "config", on_progress=None) -> dict:
@@ -99,6 +103,8 @@ def run_point(raw: dict, source: str = "config", on_progress=None) -> dict:
             result["metrics"] = _run_step(cfg, device)
         elif cfg["kind"] == "capture":
             result["metrics"] = _run_capture(cfg, device)
+        elif cfg["kind"] == "staleness":
+            result["metrics"] = _run_staleness(cfg, device)
         elif cfg["kind"] == "sweep":
             def partial(metrics):
                 if on_progress:
@@ -280,6 +286,26 @@ def _run_sweep(cfg: dict, device, on_progress) -> dict:
             if step["status"] == "oom":
                 break
     return out
+
+
+def _run_staleness(cfg: dict, device) -> dict:
+    from longstraw.oracle import refresh_interval, staleness_oracle
+
+    recorder = PhaseRecorder(device)
+    model, _, prompt = _policy_and_prompt(cfg, recorder)
+    rcfg, settings = cfg["responses"], cfg["staleness"]
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg["optimizer"]["lr"])
+    config = grpo.GRPOConfig(num_generations=rcfg["count"], **cfg["grpo"])
+    with recorder.phase("oracle"):
+        rows = staleness_oracle(model, prompt, optimizer, config, steps=settings["steps"], num_samples=rcfg["count"],
+                                max_new_tokens=rcfg["length"], seed=rcfg["seed"], capture_kwargs=_capture_kwargs(cfg),
+                                progress=lambda row: print(f"staleness step {row['step']}: loss drift "
+                                                           f"{row['relative_loss_drift']:.3e}", file=sys.stderr,
+                                                           flush=True))
+    return {"rows": rows, "threshold": settings["threshold"],
+            "refresh_interval": refresh_interval(rows, settings["threshold"]),
+            "prompt_positions": int(prompt.numel()), "phases": recorder.phases}
 
 
 def _unwrapped_config(model):
