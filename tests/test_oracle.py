@@ -1,0 +1,51 @@
+"""The staleness oracle: zero drift where the stale and fresh states must agree, growing drift
+once training moves the parameters, and the refresh interval read off by hand-made rows."""
+
+import pytest
+import torch
+
+from longstraw import grpo
+from longstraw.experiment import run_point
+from longstraw.lora import apply_lora
+from longstraw.models import build_model
+from longstraw.oracle import refresh_interval, staleness_oracle
+
+
+def _run(lr, steps=3):
+    model = apply_lora(build_model("tiny-qwen3_5", seed=2), r=4, init_random=True)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    prompt = torch.randint(0, 256, (200,), generator=torch.Generator().manual_seed(0))
+    return staleness_oracle(model, prompt, optimizer, grpo.GRPOConfig(num_generations=3, beta=0.04), steps=steps,
+                            num_samples=3, max_new_tokens=6, capture_kwargs={"chunk_size": 64})
+
+
+def test_without_updates_the_stale_state_is_the_fresh_one():
+    for row in _run(lr=0.0):
+        assert row["param_drift"] == 0.0 and row["relative_loss_drift"] == 0.0
+        assert row["mean_abs_logprob_diff"] == 0.0 and row["kl_k3"] == 0.0
+        assert row["grad_cosine"] == pytest.approx(1.0, abs=1e-5)  # float32 cosine of equal vectors
+
+
+def test_training_on_the_stale_state_makes_it_drift():
+    rows = _run(lr=5e-2)
+    assert rows[0]["relative_loss_drift"] == 0.0  # step 0: fresh == stale
+    drift = [r["param_drift"] for r in rows]
+    assert drift == sorted(drift) and drift[-1] > 0
+    assert all(r["mean_abs_logprob_diff"] > 0 and r["kl_k3"] >= 0 for r in rows[1:])
+    assert all(r["grad_cosine"] < 1 for r in rows[1:])
+
+
+def test_refresh_interval_is_the_last_step_under_the_threshold():
+    rows = [{"step": s, "relative_loss_drift": d} for s, d in enumerate([0.0, 1e-4, 5e-4, 2e-3, 1e-4])]
+    assert refresh_interval(rows, 1e-3) == 2  # step 3 crosses; a later dip does not count
+    assert refresh_interval(rows, 1e-5) == 0
+    assert refresh_interval(rows, 1.0) == 4
+
+
+def test_staleness_point_records_rows_and_interval():
+    result = run_point({"name": "stale", "kind": "staleness", "model": {"preset": "tiny-llama", "lora": {"r": 4}},
+                        "prompt": {"length": 100}, "responses": {"count": 2, "length": 4},
+                        "capture": {"chunk_size": 32}, "staleness": {"steps": 2, "threshold": 0.5}})
+    assert result["status"] == "ok", result.get("error")
+    m = result["metrics"]
+    assert [r["step"] for r in m["rows"]] == [0, 1, 2] and m["refresh_interval"] == 2
