@@ -17,6 +17,7 @@ import matplotlib.image
 import pytest
 
 from longstraw.experiment import run_point
+from longstraw.oracle import refresh_interval
 from longstraw.report import aggregate, render
 from longstraw.report.plots import make_plots
 from longstraw.results import write_json_atomic
@@ -587,3 +588,211 @@ def test_recorded_h200_results_render(tmp_path):
     for src in parsed.images:
         assert (tmp_path / src).read_bytes()[:8] == PNG_SIGNATURE
     assert "Every result file in" in page.read_text()  # the recorded folder is this report's own
+
+
+# ------------------------------------------------------------- staleness: the fresh-prefix oracle's report
+
+def _oracle_rows(drifts: list[float], lr: float) -> list[dict]:
+    """Rows shaped as `longstraw.oracle.staleness_oracle` returns them: step 0 (fresh == stale, drift
+    exactly zero) then one per step with the given relative loss drifts."""
+    rows = []
+    for step, drift in enumerate([0.0] + drifts):
+        loss_fresh = 8.0 + 0.01 * step
+        rows.append({"step": step, "param_drift": lr * 100 * step, "loss_stale": loss_fresh * (1 + drift),
+                     "loss_fresh": loss_fresh, "relative_loss_drift": drift, "grpo_loss_stale": 1e-6 * step,
+                     "grpo_loss_fresh": -2e-6 * step, "mean_abs_logprob_diff": 3 * drift,
+                     "kl_k3": drift * drift, "grad_cosine": 1.0 - 10 * drift, "grad_norm_stale": 0.25 + 0.01 * step,
+                     "response_tokens": [16, 16, 15], "reward_mean": 0.5})
+    return rows
+
+
+def _staleness_point(lr: float, drifts=None, status: str = "ok", record_interval: bool = True, **extra) -> dict:
+    config = {"kind": "staleness", "model": {"preset": "small-qwen3_5", "device": "cpu", "dtype": "float32",
+                                             "lora": {"r": 8}},
+              "prompt": {"length": 2048}, "responses": {"count": 3, "length": 16}, "optimizer": {"lr": lr},
+              "staleness": {"steps": 8, "threshold": 1e-3}}
+    point = {"kind": "staleness", "status": status, "wall_seconds": 20.0, "peak_rss_bytes": 600 * 2**20,
+             "provenance": {"device": "cpu (x86_64)", "cuda_total_memory_bytes": None, "commit": "abc1234",
+                            "date": "2026-01-02T03:04:05+00:00", "python": "3.11.7", "versions": {"torch": "2.13"}},
+             "config": config, "grid": {"optimizer.lr": lr}, "experiment_title": "Staleness",
+             "command": f"longstraw point experiments/staleness.yaml --profile cpu --point lr-{lr}", **extra}
+    if drifts is not None:
+        rows = _oracle_rows(drifts, lr)
+        metrics = {"rows": rows, "threshold": 1e-3, "prompt_positions": 2048,
+                   "phases": {"weights": {"seconds": 2.0, "peak_rss_bytes": 400 * 2**20},
+                              "oracle": {"seconds": 17.5, "peak_rss_bytes": 600 * 2**20}}}
+        if record_interval:
+            metrics["refresh_interval"] = refresh_interval(rows, 1e-3)
+        point["metrics"] = metrics
+    return point
+
+
+@pytest.fixture(scope="module")
+def staleness_built(tmp_path_factory):
+    """A CPU report of synthetic staleness results: one point crossing the 0.1% threshold at step 3,
+    one never crossing it (its interval not recorded, so the report derives it), an error point, an
+    oom point and an ok point whose result lost its rows."""
+    tmp = tmp_path_factory.mktemp("staleness_report")
+    results = tmp / "results"
+    files = {
+        "lr-0.01": _staleness_point(0.01, [4e-4, 8e-4, 1.5e-3, 3e-3, 2e-3, 5e-3, 6e-3, 7e-3]),
+        "lr-0.001": _staleness_point(0.001, [2e-5, 3e-5, 1e-5, 4e-5, 6e-5, 5e-5, 9e-5, 8e-5], record_interval=False),
+        "lr-0.1": _staleness_point(0.1, status="error", error="RuntimeError: the oracle broke"),
+        "lr-1.0": _staleness_point(1.0, status="oom", error="CUDA out of memory. Tried to allocate 9.00 GiB"),
+        "lr-0.05": _staleness_point(0.05, [1e-4] * 8),
+    }
+    for key in ("rows", "refresh_interval"):
+        files["lr-0.05"]["metrics"].pop(key)
+    for point, result in files.items():
+        write_json_atomic(results / "staleness" / f"{point}.json", {**result, "name": f"staleness/{point}"})
+    out = tmp / "report"
+    page = render.render_report("cpu", results, out, recorded_dir=tmp / "none",
+                                paper=REPO / "experiments" / "reference" / "paper.yaml")
+    html = page.read_text()
+    return {"results": results, "out": out, "html": html, "tables": _parse(html).tables, "files": files}
+
+
+def _after_capture(result) -> list[dict]:
+    return [r for r in result["metrics"]["rows"] if r["step"] >= 1]
+
+
+STALENESS_EXPECTED = {
+    "optimizer.lr": lambda r: r["config"]["optimizer"]["lr"],
+    "prompt_positions": lambda r: r["metrics"]["prompt_positions"],
+    "G": lambda r: r["config"]["responses"]["count"],
+    "response_length": lambda r: r["config"]["responses"]["length"],
+    "steps": lambda r: r["config"]["staleness"]["steps"],
+    "drift_threshold": lambda r: r["metrics"]["threshold"],
+    "refresh_interval": lambda r: refresh_interval(r["metrics"]["rows"], r["metrics"]["threshold"]),
+    "threshold_crossed_at_step": lambda r: next((x["step"] for x in _after_capture(r)
+                                                 if x["relative_loss_drift"] >= r["metrics"]["threshold"]), None),
+    "relative_loss_drift_step1": lambda r: r["metrics"]["rows"][1]["relative_loss_drift"],
+    "relative_loss_drift_step2": lambda r: r["metrics"]["rows"][2]["relative_loss_drift"],
+    "max_relative_loss_drift": lambda r: max(x["relative_loss_drift"] for x in _after_capture(r)),
+    "max_drift_step": lambda r: max(_after_capture(r), key=lambda x: x["relative_loss_drift"])["step"],
+    "final_param_drift": lambda r: r["metrics"]["rows"][-1]["param_drift"],
+    "final_mean_abs_logprob_diff": lambda r: r["metrics"]["rows"][-1]["mean_abs_logprob_diff"],
+    "final_kl_k3": lambda r: r["metrics"]["rows"][-1]["kl_k3"],
+    "final_grad_cosine": lambda r: r["metrics"]["rows"][-1]["grad_cosine"],
+    "oracle_seconds": lambda r: r["metrics"]["phases"]["oracle"]["seconds"],
+    "peak_memory_bytes": lambda r: r["peak_rss_bytes"],
+    "wall_seconds": lambda r: r["wall_seconds"],
+}
+
+
+def test_staleness_point_table(staleness_built):
+    rows = staleness_built["tables"]["table-staleness-staleness"]
+    assert [r["attrs"]["data-point"] for r in rows] == ["lr-0.001", "lr-0.01", "lr-0.05", "lr-0.1", "lr-1.0"]
+    assert [r["attrs"]["data-status"] for r in rows] == ["ok", "ok", "ok", "error", "oom"]
+    columns = [c["column"] for c in rows[0]["cells"]]
+    for column in ("optimizer.lr", "prompt_positions", "steps", "drift_threshold", "refresh_interval",
+                   "max_relative_loss_drift", "final_grad_cosine", "relative_loss_drift_step1"):
+        assert column in columns, column
+    assert "lr" not in columns  # the grid value is shown once
+    for row in rows[:2]:
+        result, cells = staleness_built["files"][row["attrs"]["data-point"]], _cells(row)
+        for column, expected in STALENESS_EXPECTED.items():
+            exact = expected(result)
+            if exact is None:
+                assert cells[column]["value"] is None, column
+            else:
+                assert float(cells[column]["value"]) == pytest.approx(exact, rel=1e-12), column
+    cells = _cells(rows[1])  # lr-0.01: drift in percent, the cosine not rounded to 1
+    assert cells["drift_threshold"]["text"] == "0.1%" and cells["max_relative_loss_drift"]["text"] == "0.7%"
+    assert cells["final_grad_cosine"]["text"] == "0.930000" and cells["step0_drift_zero"]["text"] == "yes"
+    no_rows = _cells(rows[2])
+    assert no_rows["refresh_interval"]["value"] is None and "no per-step rows" in no_rows["report_error"]["text"]
+    assert "the oracle broke" in _cells(rows[3])["error"]["text"]
+
+
+def test_staleness_interval_derived_when_not_recorded(staleness_built):
+    result = staleness_built["files"]["lr-0.001"]
+    assert "refresh_interval" not in result["metrics"]
+    [row] = [r for r in staleness_built["tables"]["table-staleness-staleness"]
+             if r["attrs"]["data-point"] == "lr-0.001"]
+    assert int(_cells(row)["refresh_interval"]["value"]) == refresh_interval(result["metrics"]["rows"], 1e-3)
+
+
+def test_staleness_drift_per_step_table(staleness_built):
+    rows = staleness_built["tables"]["table-staleness-drift"]
+    by_point: dict = {}
+    for row in rows:
+        by_point.setdefault(row["attrs"]["data-point"], []).append(row)
+    assert set(by_point) == set(staleness_built["files"])  # every point, with or without steps
+    for point, result in staleness_built["files"].items():
+        mine = by_point[point]
+        steps = (result.get("metrics") or {}).get("rows")
+        if not steps:  # one row saying why
+            assert len(mine) == 1 and _cells(mine[0])["step"]["value"] is None
+            assert mine[0]["attrs"]["data-status"] == (result["status"] if result["status"] != "ok" else "ok")
+            continue
+        assert [int(_cells(r)["step"]["value"]) for r in mine] == [s["step"] for s in steps]
+        for row, step in zip(mine, steps):
+            cells = _cells(row)
+            for column in ("param_drift", "loss_stale", "loss_fresh", "relative_loss_drift",
+                           "mean_abs_logprob_diff", "kl_k3", "grad_cosine", "grad_norm_stale", "grpo_loss_stale",
+                           "grpo_loss_fresh", "reward_mean"):
+                assert float(cells[column]["value"]) == pytest.approx(step[column], rel=1e-12, abs=0), column
+            assert float(cells["one_minus_grad_cosine"]["value"]) == pytest.approx(1 - step["grad_cosine"])
+            assert int(cells["response_tokens"]["value"]) == sum(step["response_tokens"])
+            assert cells["under_threshold"]["text"] == ("yes" if step["relative_loss_drift"] < 1e-3 else "no")
+    error = _cells(by_point["lr-0.1"][0])
+    assert "the oracle broke" in error["error"]["text"]
+    assert "no per-step rows" in _cells(by_point["lr-0.05"][0])["report_error"]["text"]
+
+
+def test_staleness_refresh_interval_stated(staleness_built):
+    section = _section(staleness_built["html"], "staleness")
+    notes = section.split('class="notes"')[1].split("</ul>")[0]
+    assert ("lr-0.01 (optimizer.lr=0.01): refresh interval 2 steps: the largest step count whose loss drift "
+            "stays under 0.1% (crossed at step 3)") in notes
+    assert "refresh interval 8 steps" in notes and "never crossed in the 8 steps measured, so at least 8" in notes
+    assert "lr-0.1 (optimizer.lr=0.1): no refresh interval (status error" in notes
+    assert "lr-1.0 (optimizer.lr=1.0): no refresh interval (status oom" in notes
+    assert "lr-0.05 (optimizer.lr=0.05): no refresh interval (status ok: no per-step rows" in notes
+    paper = section.split('id="paper-staleness"')[1].split("</table>")[0]
+    assert "~0.04-0.12% at steps 1-2" in paper and "not stated as an interval" in paper
+    interval_rows = re.findall(r"<tr><td>refresh interval[^<]*: (lr-[\d.]+)[^<]*</td>.*?</tr>", paper, re.S)
+    assert interval_rows == ["lr-0.001", "lr-0.01", "lr-0.05", "lr-0.1", "lr-1.0"]
+    assert 'data-value="2">2 steps: the largest step count' in paper
+    assert 'data-value="8">8 steps: the largest step count' in paper
+    assert "step 1: 0.04%, step 2: 0.08%" in paper  # lr-0.01's drift at steps 1-2, beside the paper's
+    assert "no result: status oom" in paper and "no result: status error" in paper
+    # the page's paper table has the same rows
+    assert 'data-value="2">2 steps' in staleness_built["html"].split('id="paper-figures"')[1].split("</table>")[0]
+
+
+def test_staleness_figure(staleness_built, tmp_path):
+    names = {Path(src).name for src in _parse(staleness_built["html"]).images}
+    assert "staleness.drift_per_step.png" in names
+    path = staleness_built["out"] / "figures" / "staleness.drift_per_step.png"
+    assert path.read_bytes()[:8] == PNG_SIGNATURE
+    pixels = matplotlib.image.imread(path)
+    assert pixels.shape[0] > 500 and pixels.shape[1] > 1000
+    assert "paper&#39;s stated band" in _section(staleness_built["html"], "staleness")
+    # from the points too; and no figure when no point has steps to draw
+    points = aggregate.load_points(staleness_built["results"])
+    assert "staleness/drift_per_step" in make_plots(points, tmp_path / "a")
+    failed = [p for p in points if p["status"] != "ok"]
+    assert not any(k.startswith("staleness/") for k in make_plots(failed, tmp_path / "b"))
+
+
+def test_staleness_band_from_the_paper_file():
+    from longstraw.report.paper import load_paper, reference_marks
+    [mark] = reference_marks(load_paper(REPO / "experiments" / "reference" / "paper.yaml"))["staleness"]
+    assert mark["band"]["steps"] == [1, 2] and (mark["band"]["low"], mark["band"]["high"]) == (0.0004, 0.0012)
+
+
+def test_staleness_csvs(staleness_built, tmp_path):
+    written = aggregate.main(staleness_built["results"], tmp_path)
+    assert {"staleness", "staleness.drift", "points"} <= set(written)
+    expected = sum(len((r.get("metrics") or {}).get("rows") or [None]) for r in staleness_built["files"].values())
+    assert len((tmp_path / "staleness.drift.csv").read_text().strip().splitlines()) == 1 + expected
+
+
+def test_staleness_formatting():
+    from longstraw.report.formatting import format_value
+    assert format_value("relative_loss_drift", 0.0012) == "0.12%"
+    assert format_value("max_relative_loss_drift", 7.03e-06) == "0.000703%"
+    assert format_value("grad_cosine", 0.9999924898147583) == "0.999992"
+    assert format_value("one_minus_grad_cosine", 7.51e-06) == "7.51e-06"

@@ -17,7 +17,10 @@ device's ceiling is compared with: `peak_allocated_bytes` on CUDA, the process p
 Besides the row per point, two kinds hold several measurements in one result and get a table of
 their own: a `sweep` point (one capture serving GRPO steps at several (mode, G)) gets one row per
 step (`sweep_step_tables`), and a capacity point with `comparison_at_largest_fitting` gets the
-searched mode's step beside the compared modes' steps at that length (`comparison_tables`).
+searched mode's step beside the compared modes' steps at that length (`comparison_tables`), and a
+`staleness` point (the fresh-prefix oracle, `longstraw.oracle`) gets one row per oracle step, its
+drift measures against a fresh capture (`staleness_step_tables`); its point row summarizes them
+(drift at steps 1 and 2, the largest drift, the derived refresh interval, the final gradient cosine).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ import pandas as pd
 from longstraw.results import atomic_path
 from longstraw.results import STATUSES
 
-EXPERIMENT_ORDER = ("g_sweep", "operating_points", "baselines", "architectures")
+EXPERIMENT_ORDER = ("g_sweep", "operating_points", "baselines", "architectures", "staleness")
 STEP_PHASES = ("capture", "old_scoring", "ref_scoring", "replay", "optimizer_step")
 FAMILIES = {
     "llama": "dense GQA", "qwen3": "dense GQA", "glm4_moe": "dense GQA + routed MoE",
@@ -142,7 +145,7 @@ def point_row(point: dict) -> dict:
         row["peak_memory_measure"] = "peak_allocated_bytes at OOM"
     _add(row, _common_columns(point, cfg, prov))
     by_kind = {"step": _step_columns, "capture": _capture_columns, "capacity": _capacity_columns,
-               "sweep": _sweep_columns}.get(kind)
+               "sweep": _sweep_columns, "staleness": _staleness_columns}.get(kind)
     if by_kind is not None:
         try:
             _add(row, by_kind(point, cfg, metrics, is_cuda_point(point)))
@@ -401,6 +404,114 @@ def comparison_rows(point: dict) -> list[dict]:
     return rows
 
 
+# The oracle's per-step measures (longstraw/oracle.py), in the order a step row shows them.
+STALENESS_MEASURES = ("param_drift", "loss_stale", "loss_fresh", "relative_loss_drift", "mean_abs_logprob_diff",
+                      "kl_k3", "grad_cosine", "grad_norm_stale", "grpo_loss_stale", "grpo_loss_fresh", "reward_mean")
+
+
+def _staleness_rows(metrics) -> list[dict]:
+    """The oracle's rows that carry a step number, in step order (a malformed row is left out)."""
+    rows = [r for r in metrics.get("rows") or [] if isinstance(r, dict) and _number(r.get("step")) is not None]
+    return sorted(rows, key=lambda r: r["step"])
+
+
+def _derived_refresh_interval(rows: list[dict], threshold) -> int | None:
+    """`longstraw.oracle.refresh_interval`'s rule, for a result that did not record it: the largest
+    step k with the relative loss drift under `threshold` at every step 1..k."""
+    if _number(threshold) is None or not rows:
+        return None
+    interval = 0
+    for row in rows:
+        if row["step"] == 0:
+            continue
+        drift = _number(row.get("relative_loss_drift"))
+        if drift is None or drift >= threshold:
+            break
+        interval = int(row["step"])
+    return interval
+
+
+def _staleness_columns(point, cfg, metrics, cuda) -> dict:
+    """One staleness point: its setting, the drift at steps 1 and 2 (where the paper states its
+    figure), the largest drift and the step it occurred at, the derived refresh interval (where the
+    drift first reached the threshold, if it did) and the last step's measures."""
+    settings, responses = _dict(cfg.get("staleness")), _dict(cfg.get("responses"))
+    rows = _staleness_rows(metrics)
+    threshold = _number(metrics.get("threshold", settings.get("threshold")))
+    after = [r for r in rows if r["step"] >= 1 and _number(r.get("relative_loss_drift")) is not None]
+    largest = max(after, key=lambda r: r["relative_loss_drift"]) if after else {}
+    crossed = next((r["step"] for r in after if threshold is not None and r["relative_loss_drift"] >= threshold),
+                   None)
+    recorded = _number(metrics.get("refresh_interval"))
+    by_step = {r["step"]: r for r in rows}
+    peaks = [_number(_dict(p).get("peak_allocated_bytes")) for p in _dict(metrics.get("phases")).values()]
+    peaks = [v for v in peaks if v is not None]
+    first, last = by_step.get(0, {}), rows[-1] if rows else {}
+    cols = {
+        "lr": _number(_dict(cfg.get("optimizer")).get("lr")),
+        "prompt_positions": _number(metrics.get("prompt_positions")),
+        "G": responses.get("count"),
+        "response_length": responses.get("length"),
+        "steps": settings.get("steps"),
+        "steps_measured": max((r["step"] for r in rows), default=None) if rows else None,
+        "drift_threshold": threshold,
+        "refresh_interval": recorded if recorded is not None else _derived_refresh_interval(rows, threshold),
+        "threshold_crossed_at_step": crossed,
+        "relative_loss_drift_step1": _number(by_step.get(1, {}).get("relative_loss_drift")),
+        "relative_loss_drift_step2": _number(by_step.get(2, {}).get("relative_loss_drift")),
+        "max_relative_loss_drift": _number(largest.get("relative_loss_drift")),
+        "max_drift_step": largest.get("step"),
+        # step 0: fresh == stale by construction, so its drift must be exactly zero (a check)
+        "step0_drift_zero": (first.get("relative_loss_drift") == 0 and first.get("mean_abs_logprob_diff") == 0)
+        if first else None,
+        "final_param_drift": _number(last.get("param_drift")),
+        "final_mean_abs_logprob_diff": _number(last.get("mean_abs_logprob_diff")),
+        "final_kl_k3": _number(last.get("kl_k3")),
+        "final_grad_cosine": _number(last.get("grad_cosine")),
+        "min_grad_cosine": min((r["grad_cosine"] for r in rows if _number(r.get("grad_cosine")) is not None),
+                               default=None),
+        "loss_finite": _finite([r.get(k) for r in rows for k in ("loss_stale", "loss_fresh")]),
+        "peak_memory_bytes": _number(point.get("peak_rss_bytes")) if not cuda else max(
+            peaks + [point["peak_allocated_bytes"]] if _number(point.get("peak_allocated_bytes")) is not None
+            else peaks, default=None),
+        "peak_memory_measure": "peak_allocated_bytes" if cuda else "process peak RSS",
+    }
+    cols.update(_phase_columns("oracle", _dict(_dict(metrics.get("phases")).get("oracle"))))
+    cols.update(_phase_columns("weights", _dict(_dict(metrics.get("phases")).get("weights"))))
+    if point.get("status") == "ok" and not rows:
+        cols["report_error"] = "no per-step rows in the result (metrics.rows missing or empty)"
+    return cols
+
+
+def staleness_steps(point: dict) -> list[dict]:
+    """One row per oracle step of a staleness point (step 0: the capture itself, drift zero by
+    construction). A point without rows (error, oom, or rows missing) gives one row saying so, so
+    the per-step table shows every point."""
+    cfg, metrics = _dict(point.get("config")), _dict(point.get("metrics"))
+    rows = _staleness_rows(metrics)
+    threshold = _number(metrics.get("threshold", _dict(cfg.get("staleness")).get("threshold")))
+    lr = _number(_dict(cfg.get("optimizer")).get("lr"))
+    if not rows:
+        status = point.get("status") if point.get("status") in STATUSES else "error"
+        return [{"point": point.get("point"), "kind": "staleness_step", "lr": lr, "step": None, "status": status,
+                 "error": point.get("error"),
+                 "report_error": "no per-step rows in the result" if status == "ok" or not point.get("error")
+                 else None}]
+    out = []
+    for row in rows:
+        record = {"point": point.get("point"), "kind": "staleness_step", "lr": lr, "step": int(row["step"]),
+                  "status": "ok", "error": None}
+        record.update({key: _number(row.get(key)) for key in STALENESS_MEASURES})
+        cosine, drift = record["grad_cosine"], record["relative_loss_drift"]
+        record["one_minus_grad_cosine"] = 1.0 - cosine if cosine is not None else None
+        record["under_threshold"] = drift < threshold if drift is not None and threshold is not None else None
+        tokens = row.get("response_tokens")
+        record["response_tokens"] = sum(tokens) if isinstance(tokens, list) and all(
+            _number(t) is not None for t in tokens) else _number(tokens)
+        out.append(record)
+    return out
+
+
 def _generic_metrics(metrics: dict) -> dict:
     """Scalar metrics, and scalars one level down (`weights_seconds`), for kinds added later."""
     cols = {}
@@ -483,6 +594,11 @@ def sweep_step_tables(points: list[dict]) -> dict[str, pd.DataFrame]:
     return _rows_by_experiment([p for p in points if p.get("kind") == "sweep"], sweep_steps)
 
 
+def staleness_step_tables(points: list[dict]) -> dict[str, pd.DataFrame]:
+    """{experiment: DataFrame} with one row per oracle step of its staleness points, where any."""
+    return _rows_by_experiment([p for p in points if p.get("kind") == "staleness"], staleness_steps)
+
+
 def comparison_tables(points: list[dict]) -> dict[str, pd.DataFrame]:
     """{experiment: DataFrame} of capacity comparisons (`comparison_rows`), where any."""
     return _rows_by_experiment([p for p in points if p.get("kind") == "capacity"], comparison_rows)
@@ -505,13 +621,15 @@ def write_csv_atomic(df: pd.DataFrame, path) -> Path:
 
 def write_tables(tables: dict[str, pd.DataFrame], out_dir, probes: dict[str, pd.DataFrame] | None = None,
                  steps: dict[str, pd.DataFrame] | None = None,
-                 comparisons: dict[str, pd.DataFrame] | None = None) -> dict:
+                 comparisons: dict[str, pd.DataFrame] | None = None,
+                 drift: dict[str, pd.DataFrame] | None = None) -> dict:
     """`<experiment>.csv` per experiment (+ `<experiment>.probes.csv` for capacity probes,
-    `.steps.csv` for sweep steps, `.comparison.csv` for capacity comparisons) and `points.csv` with
-    every point of every experiment; each written atomically. Returns {name: path}."""
+    `.steps.csv` for sweep steps, `.comparison.csv` for capacity comparisons, `.drift.csv` for the
+    staleness oracle's steps) and `points.csv` with every point of every experiment; each written
+    atomically. Returns {name: path}."""
     out_dir = Path(out_dir)
     written = {name: write_csv_atomic(df, out_dir / f"{name}.csv") for name, df in tables.items()}
-    for suffix, extra in (("probes", probes), ("steps", steps), ("comparison", comparisons)):
+    for suffix, extra in (("probes", probes), ("steps", steps), ("comparison", comparisons), ("drift", drift)):
         for name, df in (extra or {}).items():
             written[f"{name}.{suffix}"] = write_csv_atomic(df, out_dir / f"{name}.{suffix}.csv")
     everything = [df.assign(experiment=name) for name, df in tables.items()]
@@ -532,7 +650,7 @@ def main(results_dir, out_dir) -> dict:
     """What the Snakemake script calls: load, tabulate, write the CSVs; returns {name: path}."""
     points = load_points(results_dir)
     return write_tables(tables(points), out_dir, probes=probe_tables(points), steps=sweep_step_tables(points),
-                        comparisons=comparison_tables(points))
+                        comparisons=comparison_tables(points), drift=staleness_step_tables(points))
 
 
 def cli(argv=None) -> int:

@@ -13,6 +13,9 @@ _POSITION_COLUMNS = {"prompt_length", "positions", "prompt_positions", "largest_
                      "first_failing", "response_length", "prompt.length", "responses.length", "replayed_tokens"}
 _COUNT_COLUMNS = {"G", "responses.count", "cycles", "replays", "trainable_parameters", "probes", "probes_ok",
                   "probes_oom", "count", "step", "steps", "steps_ok", "steps_oom"}
+# Relative drifts (a fraction in the data) read as percent on the page: the paper states its
+# staleness drift in percent.
+_PERCENT_COLUMNS = {"drift_threshold"}
 MISSING = "—"
 
 
@@ -30,8 +33,12 @@ def is_missing(value) -> bool:
 
 def column_unit(column: str) -> str:
     """bytes | bytes_per_position | seconds | positions_per_second | tflops_per_second | positions | count |
-    ratio | plain."""
+    percent | cosine | ratio | plain."""
     name = column.rsplit(".", 1)[-1] if column not in _POSITION_COLUMNS | _COUNT_COLUMNS else column
+    if name in _PERCENT_COLUMNS or "relative_loss_drift" in name:
+        return "percent"
+    if name.endswith("grad_cosine") and not name.startswith("one_minus"):
+        return "cosine"
     if name.endswith("tflops_per_second"):
         return "tflops_per_second"
     if "bytes_per_position" in name:
@@ -92,6 +99,31 @@ def format_number(value) -> str:
     return f"{float(value):.4g}"
 
 
+def format_percent(value) -> str:
+    """A fraction as percent, 3 significant digits (never rounded to 0 when it is not 0)."""
+    if is_missing(value):
+        return MISSING
+    return f"{float(value) * 100:.3g}%"
+
+
+def refresh_interval_sentence(row: dict) -> str:
+    """A staleness point's derived refresh interval in words, from its aggregated row
+    (`refresh_interval`, `drift_threshold`, `steps_measured`, `threshold_crossed_at_step`)."""
+    interval, threshold = row.get("refresh_interval"), row.get("drift_threshold")
+    under = f"under {format_percent(threshold)}" if not is_missing(threshold) else "under the threshold"
+    if is_missing(interval):
+        return f"no refresh interval: no loss drift measured (status {row.get('status')})"
+    interval = int(interval)
+    text = f"{interval} step{'s' if interval != 1 else ''}: the largest step count whose loss drift stays {under}"
+    crossed, measured = row.get("threshold_crossed_at_step"), row.get("steps_measured")
+    if not is_missing(crossed):
+        text += f" (crossed at step {int(crossed)})"
+    elif not is_missing(measured):
+        text += (f" (never crossed in the {int(measured)} steps measured, so at least {interval}; "
+                 "the run does not show where it ends)")
+    return text
+
+
 def format_value(column: str, value) -> str:
     if is_missing(value):
         return MISSING
@@ -112,6 +144,10 @@ def format_value(column: str, value) -> str:
         return f"{float(value):,.1f} TFLOP/s"
     if unit == "ratio":
         return f"{float(value):.4f}"
+    if unit == "percent":
+        return format_percent(value)
+    if unit == "cosine":  # near 1: six decimals, so 0.99999 is not shown as 1
+        return f"{float(value):.6f}"
     return format_number(value)
 
 

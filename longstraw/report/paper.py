@@ -3,7 +3,13 @@
 Each figure names the aggregated column that answers it (`ours:`); the value shown is read from the
 same tables the experiment sections show, so the comparison and the tables cannot disagree. A figure
 without `ours`, or whose experiment has no points, reads "not yet measured". The paper's GB figures
-are also read as numbers (`reference_marks`) so the plots can draw them beside ours.
+are also read as numbers (`reference_marks`) so the plots can draw them beside ours, as are its
+stated ranges (`band:`, e.g. the staleness drift at steps 1-2).
+
+`op: per_point` gives one row per point of the experiment (e.g. each staleness point's drift at
+steps 1-2, or its refresh interval): its values where `where` matches (a list value matches any of
+its items), each named by the `label` column, or with `format: refresh_interval` the derived refresh
+interval in a sentence; a point that did not complete gets its row with its status.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ from pathlib import Path
 
 import yaml
 
-from longstraw.report.formatting import exact_value, format_number, format_value
+from longstraw.report.formatting import exact_value, format_number, format_value, is_missing, refresh_interval_sentence
 
 NOT_MEASURED = "not yet measured"
 EMPTY_PAPER = {"setup": {}, "experiments": [], "figures": [], "standing": {}}
@@ -36,6 +42,8 @@ def load_paper(path) -> dict:
 
 
 def _matches(row: dict, key: str, wanted) -> bool:
+    if isinstance(wanted, list):  # any of the listed values
+        return any(_matches(row, key, w) for w in wanted)
     value = row.get(key)
     return value == wanted or (value is not None and str(value) == str(wanted))
 
@@ -117,11 +125,60 @@ def _missing_text(rows, where) -> str:
     return f"no point with {', '.join(f'{k}={v}' for k, v in where.items())}" if where else "no ok point"
 
 
+def _point_rows(rows: list[dict]) -> list[dict]:
+    """The row per point (not a sweep step or an oracle step), in table order, each point once."""
+    seen, out = set(), []
+    for row in rows:
+        if str(row.get("kind")).endswith("_step") or row.get("kind") == "step" and row.get("step") is not None:
+            continue
+        if row.get("point") not in seen:
+            seen.add(row.get("point"))
+            out.append(row)
+    return out
+
+
+def _describe(row: dict, columns) -> str:
+    parts = [f"{c} {format_value(c, row[c])}" for c in columns or () if not is_missing(row.get(c))]
+    return f" ({', '.join(parts)})" if parts else ""
+
+
+def per_point_rows(figure: dict, rows: list[dict]) -> list[dict]:
+    """`op: per_point`: one row per point of the experiment, its values beside the paper's figure."""
+    spec, experiment = figure.get("ours") or {}, figure.get("experiment")
+    column, label, where = spec.get("column"), spec.get("label"), spec.get("where") or {}
+    out = []
+    for point in _point_rows(rows):
+        name = point.get("point")
+        value = None
+        if point.get("status") != "ok":
+            text = f"no result: status {point.get('status')}" + (f" ({point['error']})" if point.get("error") else "")
+        elif spec.get("format") == "refresh_interval":
+            text, value = refresh_interval_sentence(point), exact_value(point.get(column))
+        else:
+            mine = [r for r in select([r for r in rows if r.get("point") == name], where)
+                    if r.get("status") == "ok" and not is_missing(r.get(column))]
+            if not mine:
+                wanted = ", ".join(f"{k}={v}" for k, v in where.items())
+                text = f"not measured: no {column}" + (f" at {wanted}" if wanted else "") + " in the result"
+            else:
+                text = ", ".join((f"{label} {format_value(label, r.get(label))}: " if label else "")
+                                 + format_value(column, r[column]) for r in mine)
+                value = exact_value(mine[0][column]) if len(mine) == 1 else None
+        out.append({"experiment": experiment,
+                    "quantity": f"{figure.get('quantity', '')}: {name}{_describe(point, spec.get('describe'))}",
+                    "paper": figure.get("paper", ""), "ours": text, "value": value, "points": str(name),
+                    "has_section": True})
+    return out
+
+
 def compare_figures(paper: dict, rows_by_experiment: dict[str, list[dict]], ceiling: dict) -> list[dict]:
     out = []
     for figure in paper.get("figures") or []:
         experiment = figure.get("experiment")
         rows = rows_by_experiment.get(experiment, [])
+        if (figure.get("ours") or {}).get("op") == "per_point" and _point_rows(rows):
+            out += per_point_rows(figure, rows)
+            continue
         ours = ours_value(figure.get("ours"), rows, ceiling)
         if not figure.get("ours") and rows:
             ours = {"text": f"see the {experiment} section", "value": None, "points": ""}
@@ -157,12 +214,18 @@ def reference_marks(paper: dict) -> dict[str, list[dict]]:
     """The paper's peak-memory figures as numbers, per experiment, for the plots: {"bytes" (the
     paper's GB as 10^9 bytes), "where" (the filter naming which of our rows it stands beside),
     "text" (the paper's number as written), "source" (whose: model size, parallelism)}. Only figures
-    answered by `peak_memory_bytes` of one row (not differences or lists)."""
+    answered by `peak_memory_bytes` of one row (not differences or lists). A figure's stated range
+    (`band: {steps, low, high, text}`, fractions) becomes {"band": ...} for the drift plot."""
     setup = paper.get("setup") or {}
     source = ", ".join(str(v).split(" (")[0] for v in (setup.get("parameters"), setup.get("parallelism")) if v)
     source = f"paper ({source}, per rank)" if source else "paper"
     marks: dict[str, list[dict]] = {}
     for figure in paper.get("figures") or []:
+        band = figure.get("band")
+        if isinstance(band, dict) and all(isinstance(band.get(k), (int, float)) for k in ("low", "high")) \
+                and band.get("steps"):
+            marks.setdefault(str(figure.get("experiment")), []).append(
+                {"band": {**band, "text": band.get("text") or figure.get("paper", "")}})
         spec = figure.get("ours") or {}
         match = _GB.search(str(figure.get("paper") or ""))
         if not match or spec.get("column") != "peak_memory_bytes" or spec.get("op", "value") != "value":

@@ -12,6 +12,10 @@ experiment with step / capture / capacity points gets the same figures:
   against the ceiling, with the capture; peak against G per mode when G varies within a mode;
   the paper's peak-memory figures drawn beside ours (`paper.reference_marks`). A sweep's capture
   joins the capture figures where there is more than one capture to compare.
+- staleness points (the fresh-prefix oracle): drift per step (relative loss drift in % on a log
+  scale with the threshold and the paper's stated band, mean |delta log p|, KL k3, 1 - gradient
+  cosine), the parameter drift per step (the trainer's adaptive refresh signal) and the loss drift
+  against it, one line per point.
 
 oom and error points are drawn as red / orange markers with a label, never dropped silently.
 Memory is `peak_allocated_bytes` on CUDA and the process peak RSS plus autograd graph bytes on
@@ -20,6 +24,7 @@ CPU; each plot says which, and where its ceiling comes from.
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 
 import matplotlib
@@ -27,13 +32,14 @@ import matplotlib
 matplotlib.use("Agg")  # files only: no display, no GUI toolkit
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter  # noqa: E402
 from matplotlib.transforms import blended_transform_factory  # noqa: E402
 
 from longstraw.report.aggregate import (STEP_PHASES, comparison_tables, probe_tables, records,  # noqa: E402
-                                        sweep_step_tables, tables)
+                                        staleness_step_tables, sweep_step_tables, tables)
 from longstraw.report.ceiling import memory_ceiling  # noqa: E402
 from longstraw.results import atomic_path  # noqa: E402
-from longstraw.report.formatting import format_bytes  # noqa: E402
+from longstraw.report.formatting import format_bytes, format_percent  # noqa: E402
 
 PHASE_COLORS = {"weights": "#937860", "capture": "#4c72b0", "old_scoring": "#8c8c8c", "ref_scoring": "#bcbcbc",
                 "replay": "#dd8452", "optimizer_step": "#55a868"}
@@ -41,6 +47,7 @@ MODE_COLORS = {"replay": "#dd8452", "hold_all": "#4c72b0", "naive": "#c44e52"}
 PAPER_COLOR = "#8172b3"
 FAILED_COLORS = {"oom": "#d62728", "error": "#ff7f0e"}
 SHORT_KEYS = {"responses.count": "G", "prompt.length": "L", "model.preset": "", "responses.length": "R"}
+POINT_COLORS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#937860", "#da8bc3", "#8c8c8c", "#ccb974", "#64b5cd")
 
 CAPTIONS = {
     "memory_vs_ceiling": "Per-phase peak memory of each point against the memory ceiling (top), and the autograd "
@@ -61,6 +68,15 @@ CAPTIONS = {
                     "the peak it reached), with the device ceiling and the paper's per-rank figures beside ours.",
     "step_phase_peaks": "Per-phase peak memory of one sweep point: its weights and its one capture, then each step "
                         "it served, against the device ceiling (top); seconds per replayed member per step (bottom).",
+    "drift_per_step": "The fresh-prefix oracle, one line per point: at every step the reused (stale) prompt state is "
+                      "compared with a fresh capture under the current parameters on the same responses. Top: "
+                      "relative loss drift |L_stale - L_fresh| / L_fresh in % (log scale) with the refresh threshold "
+                      "and the paper's stated band (its 1M-position oracle: ~0.04-0.12% at steps 1-2; for later "
+                      "steps the paper gives no figure, so none is drawn); mean |delta log p| per response token; "
+                      "KL k3 (stale || fresh). Bottom: 1 - cosine of the stale and fresh gradients; the parameter "
+                      "drift since the capture (the trainer's adaptive refresh signal); and the loss drift against "
+                      "that signal, each marker labelled with its step. Step 0 is the capture itself (drift exactly "
+                      "zero by construction) and is not drawn on the log scales.",
 }
 
 
@@ -461,6 +477,106 @@ def plot_step_phase_peaks(row: dict, steps: list[dict], ceiling: dict, title: st
     return fig
 
 
+# ------------------------------------------------------------------------------ staleness figure
+
+def _positive(rows, key, scale=1.0):
+    """(steps, values) of the rows with a positive value (what a log scale can draw), step >= 1."""
+    pairs = [(r["step"], r[key] * scale) for r in rows
+             if r.get("step") is not None and r["step"] >= 1 and r.get(key) is not None and r[key] * scale > 0]
+    return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
+def _draw_band(ax, band: dict) -> None:
+    """The paper's stated drift range over its stated steps, hatched, labelled as the paper's."""
+    steps = band["steps"]
+    ax.fill_between([min(steps), max(steps)], band["low"] * 100, band["high"] * 100, color=PAPER_COLOR, alpha=0.2,
+                    hatch="//", edgecolor=PAPER_COLOR, linewidth=1.2,
+                    label=textwrap.fill(f"paper: {band['text']}", 70, subsequent_indent="  "), zorder=1)
+
+
+def plot_staleness_drift(points: list[dict], drift: list[dict], grid, title: str, bands=()):
+    """`points`: the staleness point rows (`aggregate.point_row`); `drift`: their oracle steps
+    (`aggregate.staleness_steps`); `bands`: the paper's stated drift ranges (`paper.reference_marks`)."""
+    fig, axes = plt.subplots(2, 3, figsize=(16, 10))
+    (loss_ax, logp_ax, kl_ax), (cos_ax, param_ax, vs_ax) = axes
+    labels = {str(r.get("point")): point_label(r, grid) for r in points}
+    drawn = [p for p in points if any(d.get("point") == p.get("point") and d.get("step") is not None for d in drift)]
+    for i, point in enumerate(drawn):
+        name, color = str(point.get("point")), POINT_COLORS[i % len(POINT_COLORS)]
+        rows = sorted((d for d in drift if str(d.get("point")) == name and d.get("step") is not None),
+                      key=lambda d: d["step"])
+        label = labels.get(name, name)
+        if point.get("status") != "ok":
+            label += f" ({str(point.get('status')).upper()}: partial)"
+        for ax, key, scale in ((loss_ax, "relative_loss_drift", 100.0), (logp_ax, "mean_abs_logprob_diff", 1.0),
+                               (kl_ax, "kl_k3", 1.0), (cos_ax, "one_minus_grad_cosine", 1.0)):
+            xs, ys = _positive(rows, key, scale)
+            if xs:
+                ax.plot(xs, ys, marker="o", markersize=4, color=color, label=label)
+        xs = [r["step"] for r in rows if r.get("param_drift") is not None]
+        param_ax.plot(xs, [r["param_drift"] for r in rows if r.get("param_drift") is not None], marker="o",
+                      markersize=4, color=color, label=label)
+        pairs = [(r["param_drift"], r["relative_loss_drift"] * 100, r["step"]) for r in rows
+                 if r["step"] >= 1 and r.get("param_drift") and r.get("relative_loss_drift")]
+        if pairs:
+            vs_ax.plot([p[0] for p in pairs], [p[1] for p in pairs], marker="o", markersize=4, color=color,
+                       label=label)
+            for x, y, step in pairs:
+                vs_ax.annotate(str(step), (x, y), textcoords="offset points", xytext=(3, 3), fontsize=6, color=color)
+    for point in points:  # no rows to draw: say so in the legend, never drop it silently
+        if point not in drawn:
+            status = str(point.get("status") or "error")
+            loss_ax.plot([], [], marker="X", linestyle="none", markersize=9,
+                         color=FAILED_COLORS.get(status, FAILED_COLORS["error"]),
+                         label=f"{labels.get(str(point.get('point')))}: "
+                               + ("no per-step rows in the result" if status == "ok"
+                                  else f"{status.upper()}, no steps measured"))
+    thresholds = sorted({p["drift_threshold"] for p in points if p.get("drift_threshold")})
+    for threshold in thresholds:
+        for ax in (loss_ax, vs_ax):
+            ax.axhline(threshold * 100, color="black", linestyle="--", linewidth=1.1,
+                       label=f"threshold {format_percent(threshold)} (refresh interval)" if ax is loss_ax else None)
+    for band in bands:
+        _draw_band(loss_ax, band)
+    panels = ((loss_ax, "relative loss drift (%)", "loss drift per step, log scale"),
+              (logp_ax, "mean |Δ log p| (nats per token)", "mean |Δ log p|, stale against fresh"),
+              (kl_ax, "KL k3 (nats per token)", "KL(stale || fresh), k3 estimate"),
+              (cos_ax, "1 − cos(g_stale, g_fresh)", "1 − gradient cosine"))
+    for ax, ylabel, name in panels:
+        ax.set_yscale("log")
+        ax.set_xlabel("step since the capture")
+        ax.set_ylabel(ylabel)
+        ax.set_title(name, fontsize=9)
+    positions = sorted({p["prompt_positions"] for p in points if p.get("prompt_positions")})
+    paper_where = "; ".join(f"paper at {b['positions']:,} positions" for b in bands if b.get("positions"))
+    loss_ax.set_title("relative loss drift per step (log scale)\nours at "
+                      + (", ".join(f"{n:,}" for n in positions) or "?") + " positions"
+                      + (f"; {paper_where}" if paper_where else ""), fontsize=9)
+    param_ax.set_xlabel("step since the capture")
+    param_ax.set_ylabel("‖θ − θ_capture‖₂ (trainable parameters)")
+    param_ax.set_title("parameter drift (the trainer's adaptive refresh signal)", fontsize=9)
+    vs_ax.set_xscale("log")
+    vs_ax.set_yscale("log")
+    vs_ax.set_xlabel("parameter drift ‖θ − θ_capture‖₂ (log)")
+    vs_ax.set_ylabel("relative loss drift (%)")
+    vs_ax.set_title("measured loss drift against the refresh signal (labels: step)", fontsize=9)
+    steps = sorted({d["step"] for d in drift if d.get("step") is not None})
+    for ax in (loss_ax, logp_ax, kl_ax, cos_ax, param_ax):
+        if steps:
+            ax.set_xticks(steps)
+    # ticks at 1, 2, 5 x 10^k, plainly labelled (log minor labels overlap on a narrow range)
+    vs_ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+    vs_ax.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+    vs_ax.xaxis.set_minor_formatter(NullFormatter())
+    for ax in axes.flat:
+        if ax is not loss_ax and ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7, loc="best")
+    # the loss panel's legend (points, threshold, the paper's band) below it, clear of the lines
+    loss_ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncols=1)
+    fig.suptitle(f"{title}: drift of a reused prompt state against a fresh capture, per step", fontsize=10)
+    return fig
+
+
 # ---------------------------------------------------------------------------------------- dispatch
 
 def _grid(df: pd.DataFrame) -> list[str]:
@@ -472,12 +588,16 @@ def _grid(df: pd.DataFrame) -> list[str]:
 
 def plots_for_experiment(name: str, df: pd.DataFrame, probes: pd.DataFrame | None, ceiling: dict,
                          out_dir, steps: pd.DataFrame | None = None, comparison: pd.DataFrame | None = None,
-                         marks=()) -> dict[str, Path]:
-    """Every figure this experiment's data supports: {"<experiment>/<figure>": png path}. `steps`
-    and `comparison`: its sweep steps and capacity comparisons; `marks`: the paper's figures."""
+                         marks=(), drift: pd.DataFrame | None = None) -> dict[str, Path]:
+    """Every figure this experiment's data supports: {"<experiment>/<figure>": png path}. `steps`,
+    `comparison` and `drift`: its sweep steps, capacity comparisons and staleness oracle steps;
+    `marks`: the paper's figures (peak-memory marks with `bytes`, drift bands with `band`)."""
     out_dir, grid, figures = Path(out_dir), _grid(df), {}
     rows = records(df) if len(df) else []
     step_rows = records(steps) if steps is not None and len(steps) else []
+    drift_rows = records(drift) if drift is not None and len(drift) else []
+    bands = [m["band"] for m in marks if "band" in m]
+    marks = [m for m in marks if "bytes" in m]
     title = name
 
     def save(figure, fig):
@@ -512,28 +632,32 @@ def plots_for_experiment(name: str, df: pd.DataFrame, probes: pd.DataFrame | Non
     for row in (r for r in rows if r.get("kind") == "sweep"):
         mine = [s for s in step_rows if s.get("point") == row.get("point") and s.get("kind") == "step"]
         save(f"step_phase_peaks.{row.get('point')}", plot_step_phase_peaks(row, mine, ceiling, title, marks))
+    staleness = [r for r in rows if r.get("kind") == "staleness"]
+    if staleness and any(d.get("step") is not None for d in drift_rows):
+        save("drift_per_step", plot_staleness_drift(staleness, drift_rows, grid, title, bands))
     return figures
 
 
 def make_plots(tables_or_points, out_dir, probes: dict | None = None, ceiling: dict | None = None,
                steps: dict | None = None, comparisons: dict | None = None,
-               marks: dict | None = None) -> dict[str, Path]:
+               marks: dict | None = None, drift: dict | None = None) -> dict[str, Path]:
     """Figures for every experiment. Takes the points (list of result dicts) or the tables from
-    `aggregate.tables` (then pass `probes`, `steps` and `comparisons`, the tables of capacity probes,
-    sweep steps and capacity comparisons). `marks`: {experiment: the paper's figures to draw}
-    (`paper.reference_marks`). Returns {"<experiment>/<figure>": path}."""
+    `aggregate.tables` (then pass `probes`, `steps`, `comparisons` and `drift`, the tables of capacity
+    probes, sweep steps, capacity comparisons and staleness oracle steps). `marks`: {experiment: the
+    paper's figures to draw} (`paper.reference_marks`). Returns {"<experiment>/<figure>": path}."""
     if isinstance(tables_or_points, dict):
         frames, points = tables_or_points, []
     else:
         points = list(tables_or_points)
         frames, probes = tables(points), probe_tables(points)
         steps, comparisons = sweep_step_tables(points), comparison_tables(points)
+        drift = staleness_step_tables(points)
     ceiling = ceiling or memory_ceiling(points)
     figures: dict[str, Path] = {}
     for name, df in frames.items():
         figures.update(plots_for_experiment(name, df, (probes or {}).get(name), ceiling, out_dir,
                                             steps=(steps or {}).get(name), comparison=(comparisons or {}).get(name),
-                                            marks=(marks or {}).get(name, ())))
+                                            marks=(marks or {}).get(name, ()), drift=(drift or {}).get(name)))
     return figures
 
 

@@ -7,7 +7,8 @@ Sections: summary (what ran, statuses, device, versions, commit, date); on a GPU
 targets (`longstraw.report.targets`); the paper's figures beside ours with the scale difference;
 the four validation levels; one section per experiment (the paper's figures for it beside ours,
 figures, table straight from the aggregated data with every status, a sweep's steps and a capacity
-search's comparison steps as tables of their own, failures with their messages, the commands that
+search's comparison steps and a staleness oracle's steps as tables of their own, a staleness point's
+derived refresh interval in a sentence, failures with their messages, the commands that
 reproduce it, provenance); recorded GPU results (every JSON under `--recorded`), shown as recorded
 and never mixed into the local tables, with a link to their own report where it was rendered
 (`reports/recorded-<device>/`, beside this one). Every file is written atomically.
@@ -28,10 +29,12 @@ import pandas as pd
 import yaml
 
 from longstraw.report.aggregate import (comparison_tables, experiment_order, load_points, point_row, probe_tables,
-                                        records, status_counts, sweep_step_tables, tables, write_tables)
+                                        records, staleness_step_tables, status_counts, sweep_step_tables, tables,
+                                        write_tables)
 from longstraw.report.ceiling import memory_ceiling
 from longstraw.results import write_text_atomic
-from longstraw.report.formatting import column_label, exact_value, format_value, is_missing
+from longstraw.report.formatting import (column_label, exact_value, format_percent, format_value, is_missing,
+                                         refresh_interval_sentence)
 from longstraw.report.paper import compare_figures, load_paper, reference_marks, scale_rows
 from longstraw.report.plots import figure_caption, make_plots
 from longstraw.report.validation import levels_table, v1_paths
@@ -67,6 +70,17 @@ SWEEP_STEP_COLUMNS = ["point", "step", "mode", "G", "status", "peak_memory_bytes
                       "replay_peak_allocated_bytes", "optimizer_step_peak_allocated_bytes", "step_seconds",
                       "replay_seconds", "seconds_per_member", "loss", "grad_norm", "state_unchanged", "error",
                       "report_error"]
+# A staleness point (the fresh-prefix oracle): its setting, the drift summary, the derived refresh
+# interval; each oracle step: STALENESS_STEP_COLUMNS.
+STALENESS_COLUMNS = ["model", "lr", "prompt_positions", "G", "response_length", "steps", "drift_threshold",
+                     "refresh_interval", "threshold_crossed_at_step", "relative_loss_drift_step1",
+                     "relative_loss_drift_step2", "max_relative_loss_drift", "max_drift_step", "final_param_drift",
+                     "final_mean_abs_logprob_diff", "final_kl_k3", "final_grad_cosine", "step0_drift_zero",
+                     "oracle_seconds", "peak_memory_bytes", "peak_memory_measure", "wall_seconds"]
+STALENESS_STEP_COLUMNS = ["point", "lr", "step", "status", "param_drift", "loss_stale", "loss_fresh",
+                          "relative_loss_drift", "under_threshold", "mean_abs_logprob_diff", "kl_k3", "grad_cosine",
+                          "one_minus_grad_cosine", "grad_norm_stale", "grpo_loss_stale", "grpo_loss_fresh",
+                          "response_tokens", "reward_mean", "error", "report_error"]
 COMPARISON_COLUMNS = ["point", "mode", "measured_as", "prompt_length", "status", "peak_bytes", "step_seconds",
                       "speedup_vs_searched_mode", "capture_seconds", "old_scoring_seconds", "ref_scoring_seconds",
                       "replay_seconds", "optimizer_step_seconds", "wall_seconds", "error", "report_error"]
@@ -77,7 +91,8 @@ RECORDED_COLUMNS = ["file", "point", "kind", "status", "device", "date", "commit
 GENERIC_SKIP = {"experiment", "point", "kind", "status", "error", "commit", "date", "device", "family", "dtype",
                 "torch_version", "transformers_version", "device_memory_bytes", "report_error", "model",
                 "model_type", "prompt_length", "lora_r", "nf4", "peak_rss_bytes", "wall_seconds"}
-KIND_COLUMNS = {"step": STEP_COLUMNS, "capture": CAPTURE_COLUMNS, "capacity": CAPACITY_COLUMNS, "sweep": SWEEP_COLUMNS}
+KIND_COLUMNS = {"step": STEP_COLUMNS, "capture": CAPTURE_COLUMNS, "capacity": CAPACITY_COLUMNS, "sweep": SWEEP_COLUMNS,
+                "staleness": STALENESS_COLUMNS}
 EXTRA_TABLES = {
     "sweep_steps": ("Sweep steps", SWEEP_STEP_COLUMNS,
                     "One row per GRPO step, in the order they ran, every one served by its point's single capture "
@@ -90,6 +105,17 @@ EXTRA_TABLES = {
                    "(replay and hold_all include their capture; naive has none); wall seconds: the probe's whole "
                    "process, model load included. speedup_vs_searched_mode: the searched mode's step seconds "
                    "over this row's."),
+    "drift": ("Drift per step", STALENESS_STEP_COLUMNS,
+              "One row per oracle step. At every step the policy samples responses from the reused (stale) prompt "
+              "state, and on those same responses the stale state is compared with a fresh capture under the "
+              "current parameters. Step 0 is the capture itself: fresh equals stale, so its drift is exactly zero "
+              "(a check, not a data point). relative_loss_drift: |L_stale - L_fresh| / L_fresh for the mean "
+              "response NLL; under_threshold: below the point's refresh threshold; mean_abs_logprob_diff and "
+              "kl_k3 (exp(d) - d - 1, d = log p_fresh - log p_stale) per response token; grad_cosine: cosine of "
+              "the stale and fresh gradients; param_drift: L2 norm of the trainable parameters' change since the "
+              "capture (the trainer's adaptive refresh signal); grpo_loss_*: the GRPO surrogate (about 0 on "
+              "policy, so not used for the drift); response_tokens: summed over the group. A point without steps "
+              "(error, out of memory, rows missing) has one row saying so."),
 }
 MET_TEXT = {True: "yes", False: "missed", None: "not measured"}
 
@@ -134,7 +160,7 @@ def _grid_columns(frame_columns: list[str]) -> list[str]:
 
 # A grid key and the derived column that repeats it: show the grid key only.
 GRID_ALIASES = {"prompt.length": "prompt_length", "responses.count": "G", "responses.length": "response_length",
-                "model.preset": "model"}
+                "model.preset": "model", "optimizer.lr": "lr"}
 
 
 def _kind_columns(kind: str, rows: list[dict], grid: list[str]) -> list[str]:
@@ -233,19 +259,42 @@ def _time_limit_note(row: dict) -> str:
             "not where memory runs out.")
 
 
-def section_notes(rows: list[dict]) -> list[str]:
-    """What a row cannot say in one cell: a sweep's capture, a capacity search cut off by time."""
+def _refresh_note(row: dict, grid: list[str]) -> str:
+    """A staleness point's derived refresh interval in a sentence, with what it rests on."""
+    setting = ", ".join(f"{k}={row[k]}" for k in grid if not is_missing(row.get(k)))
+    head = f"{row.get('point')}" + (f" ({setting})" if setting else "")
+    if row.get("status") != "ok" or is_missing(row.get("refresh_interval")):
+        why = row.get("error") or row.get("report_error") or "no drift measured"
+        return f"{head}: no refresh interval (status {row.get('status')}: {why})."
+    text = f"{head}: refresh interval {refresh_interval_sentence(row)}."
+    if not is_missing(row.get("max_relative_loss_drift")):
+        text += (f" Largest loss drift {format_percent(row['max_relative_loss_drift'])} at step "
+                 f"{row.get('max_drift_step')}; drift at steps 1-2: "
+                 f"{format_percent(row.get('relative_loss_drift_step1'))}, "
+                 f"{format_percent(row.get('relative_loss_drift_step2'))}, at "
+                 f"{format_value('prompt_positions', row.get('prompt_positions'))} prompt positions "
+                 "(the paper's reading beside ours: the table below).")
+    if row.get("step0_drift_zero") is False:
+        text += " Step 0's drift is not zero: the oracle's fresh capture does not reproduce the stale one."
+    return text
+
+
+def section_notes(rows: list[dict], grid: list[str] = ()) -> list[str]:
+    """What a row cannot say in one cell: a sweep's capture, a capacity search cut off by time, a
+    staleness point's refresh interval."""
     notes = []
     for row in rows:
         if row.get("kind") == "sweep" and row.get("positions") is not None:
             notes.append(_capture_note(row))
         if row.get("kind") == "capacity" and row.get("search_stopped_on_time_limit"):
             notes.append(_time_limit_note(row))
+        if row.get("kind") == "staleness":
+            notes.append(_refresh_note(row, list(grid)))
     return notes
 
 
 def experiment_section(name: str, df, probes, points: list[dict], figures: dict, profile: str,
-                       paper_entry: dict, paper_rows: list[dict], steps=None, comparison=None) -> dict:
+                       paper_entry: dict, paper_rows: list[dict], steps=None, comparison=None, drift=None) -> dict:
     rows = records(df) if df is not None else []
     grid = _grid_columns(list(df.columns)) if df is not None else []
     kinds = list(dict.fromkeys(str(r.get("kind")) for r in rows))
@@ -261,9 +310,10 @@ def experiment_section(name: str, df, probes, points: list[dict], figures: dict,
                     for key, path in figures.items() if key.split("/", 1)[0] == name],
         "tables": [kind_table(kind, [r for r in rows if str(r.get("kind")) == kind], grid) for kind in kinds],
         "probes": table_view(records(probes), PROBE_COLUMNS) if probes is not None and len(probes) else None,
-        "extra_tables": [t for t in (_extra_table(name, "sweep_steps", steps), _extra_table(name, "comparison",
-                                                                                          comparison)) if t],
-        "notes": section_notes(rows),
+        "extra_tables": [t for t in (_extra_table(name, "sweep_steps", steps),
+                                     _extra_table(name, "comparison", comparison),
+                                     _extra_table(name, "drift", drift)) if t],
+        "notes": section_notes(rows, grid),
         "paper": [r for r in paper_rows if r["experiment"] == name],
         "csv": f"tables/{name}.csv" if rows else "",
         "failures": [{"point": str(p.get("point")), "status": p.get("status"),
@@ -350,12 +400,13 @@ def build_context(profile: str, results_dir, out_dir, recorded_dir, paper_path, 
     points = load_points(results_dir)
     frames, probes = tables(points), probe_tables(points)
     steps, comparisons = sweep_step_tables(points), comparison_tables(points)
+    drift = staleness_step_tables(points)
     ceiling = memory_ceiling(points)
     paper = load_paper(resolve(paper_path))
     figures = make_plots(frames, out_dir / "figures", probes=probes, ceiling=ceiling, steps=steps,
-                         comparisons=comparisons, marks=reference_marks(paper))
+                         comparisons=comparisons, marks=reference_marks(paper), drift=drift)
     remove_stale_figures(out_dir / "figures", figures.values())
-    write_tables(frames, out_dir / "tables", probes=probes, steps=steps, comparisons=comparisons)
+    write_tables(frames, out_dir / "tables", probes=probes, steps=steps, comparisons=comparisons, drift=drift)
     paper_entries = {e.get("name"): e for e in paper.get("experiments") or [] if isinstance(e, dict)}
 
     by_experiment: dict[str, list[dict]] = {}
@@ -369,10 +420,13 @@ def build_context(profile: str, results_dir, out_dir, recorded_dir, paper_path, 
     # and the validation levels read them beside the point rows.
     with_steps = {name: pd.concat([df, steps[name]], ignore_index=True) if name in steps else df
                   for name, df in frames.items()}
-    rows_by_experiment = {name: records(df) for name, df in with_steps.items()}
+    # The staleness oracle's steps too (the paper's drift at steps 1-2 stands beside them).
+    rows_by_experiment = {name: records(pd.concat([df, drift[name]], ignore_index=True) if name in drift else df)
+                          for name, df in with_steps.items()}
     figures_beside = compare_figures(paper, rows_by_experiment, ceiling)
     sections = [experiment_section(name, frames.get(name), probes.get(name), by_experiment.get(name, []), figures,
-                                   profile, described[name], figures_beside, steps.get(name), comparisons.get(name))
+                                   profile, described[name], figures_beside, steps.get(name), comparisons.get(name),
+                                   drift.get(name))
                 for name in names]
     all_rows = [r for df in frames.values() for r in records(df)]
     paths = v1_paths(with_steps)
