@@ -405,11 +405,15 @@ def chunk_gated_delta_rule_forward(
 
     Uses fla's Triton kernel when ``use_fla`` is not False, fla imports, the
     tensors are on CUDA, ``l2norm_qk`` is set and inputs are not float64;
-    otherwise runs ``chunk_gated_delta_rule`` under ``torch.no_grad()``.
+    otherwise runs ``chunk_gated_delta_rule``; a single token (a decoding step)
+    takes ``recurrent_gated_delta_rule`` unless ``use_fla`` is set.
     ``use_fla=True`` raises if fla cannot be used.  The returned tensors carry no
     autograd history (fla's backward is never used).
     """
     _check_shapes(q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_BHDV)
+    if q_BTHD.shape[1] == 1 and not use_fla:  # one decoding step: the recurrence itself, as HF decodes
+        return recurrent_gated_delta_rule(q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_BHDV,
+                                          l2norm_qk=l2norm_qk)
     fla_chunk, fla_version = _load_fla() if use_fla is not False else (None, ())
     usable = (
         fla_chunk is not None

@@ -279,3 +279,24 @@ def test_forward_only_auto_takes_cudnn_and_matches_math(P):
         out = paged_attention(q, kp, vp, kl, vl, scale=0.125, block_size=4096)
     expected = reference_attention(*(x.double() for x in (q, kp, vp, kl, vl)), 0.125)
     assert (out.double() - expected).abs().max() < 2e-2
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def test_decode_attention_matches_dense_reference(device):
+    """B sequences sharing one prefix: each query sees the shared prefix and its own keys so far."""
+    dtype = torch.float64 if device == "cpu" else torch.bfloat16
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def t(*shape):
+        return torch.randn(*shape, generator=g, device=device, dtype=dtype)
+
+    B, H, K, P, N, D = 3, 4, 2, 70, 5, 64
+    q, kp, vp, ko, vo = t(B, H, 1, D), t(1, K, P, D), t(1, K, P, D), t(B, K, N, D), t(B, K, N, D)
+    out = attention.decode_attention(q, kp, vp, ko, vo, scale=0.125, block_size=32)
+    for b in range(B):  # per sequence: prefix + own keys, all visible to the one query
+        k = torch.cat([kp[0], ko[b]], dim=1).repeat_interleave(H // K, dim=0).double()
+        v = torch.cat([vp[0], vo[b]], dim=1).repeat_interleave(H // K, dim=0).double()
+        expected = torch.softmax(q[b].double() @ k.transpose(-1, -2) * 0.125, dim=-1) @ v
+        assert (out[b].double() - expected).abs().max() < (1e-10 if device == "cpu" else 2e-2)
+    with pytest.raises(ValueError, match="one query"):
+        attention.decode_attention(t(B, H, 2, D), kp, vp, ko, vo, scale=0.125)
