@@ -27,6 +27,9 @@ class AttentionPages:
     k_BKPD: torch.Tensor
     v_BKPD: torch.Tensor
     length: int = 0
+    # exact mode: grad-tracking leaves over the filled pages; replays' backwards accumulate the
+    # prompt-side gradient in their .grad (allocated on first touch)
+    leaves: tuple | None = None
 
     @classmethod
     def allocate(cls, num_kv_heads, positions, head_dim, dtype, device, v_head_dim=None):
@@ -35,7 +38,9 @@ class AttentionPages:
         return cls(torch.empty(shape, dtype=dtype, device=device), torch.empty(v_shape, dtype=dtype, device=device))
 
     def filled(self):
-        """Views of the pages written so far (no copy)."""
+        """Views of the pages written so far (no copy); the grad-tracking leaves in exact mode."""
+        if self.leaves is not None:
+            return self.leaves
         return self.k_BKPD[:, :, : self.length], self.v_BKPD[:, :, : self.length]
 
     def append(self, k_BKTD, v_BKTD):
@@ -43,8 +48,8 @@ class AttentionPages:
         end = self.length + k_BKTD.shape[2]
         if end > self.k_BKPD.shape[2]:
             raise ValueError(f"attention pages hold {self.k_BKPD.shape[2]} positions; cannot append up to {end}")
-        self.k_BKPD[:, :, self.length : end].copy_(k_BKTD)
-        self.v_BKPD[:, :, self.length : end].copy_(v_BKTD)
+        self.k_BKPD[:, :, self.length : end].copy_(k_BKTD.detach())
+        self.v_BKPD[:, :, self.length : end].copy_(v_BKTD.detach())
         self.length = end
 
     def tensors(self):
@@ -102,6 +107,7 @@ class ResidentState:
     predicted_constant_bytes: int
     dtype: torch.dtype = torch.float32
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    prefix_trace: object | None = None  # exact mode (longstraw.prefix_grad.PrefixTrace)
 
     @property
     def nbytes(self) -> int:
@@ -136,11 +142,14 @@ class ResidentState:
             for t, s in zip(layer.tensors(), saved, strict=True):
                 t.copy_(s)
 
-    def backward_prefix(self):
-        raise NotImplementedError(
-            "the exact full-sequence mode (capture(..., prefix_grad=True) and backward_prefix) "
-            "is not implemented yet: replay gives the conditional-response gradient only"
-        )
+    def backward_prefix(self) -> None:
+        """Exact mode: add the prompt-side gradient to the parameters' .grad (after all replays)."""
+        if self.prefix_trace is None:
+            raise RuntimeError("backward_prefix needs a state captured with capture(..., prefix_grad=True); "
+                               "this one gives the conditional-response gradient only")
+        from longstraw.prefix_grad import backward_prefix
+
+        backward_prefix(self)
 
 
 def _checksum(t: torch.Tensor) -> int:

@@ -66,9 +66,10 @@ class _Progress:
 
 def capture(model, prompt_ids, prefix_grad: bool = False, *, chunk_size: int | None = None, order: str = "auto",
             memory_budget_bytes: int | None = None, progress: bool | None = None) -> ResidentState:
-    """Evaluate the prompt once without autograd and keep only its resident state."""
-    if prefix_grad:
-        raise NotImplementedError("prefix_grad=True (the exact full-sequence mode) is not implemented yet")
+    """Evaluate the prompt once without autograd and keep only its resident state.
+
+    `prefix_grad=True` is the exact mode (`longstraw.prefix_grad`): replays also accumulate the
+    pages' gradients and `state.backward_prefix()` adds the prompt-side term."""
     adapter = adapter_for(model)
     ids = _as_ids(prompt_ids, "prompt_ids", adapter)
     device, dtype = adapter.device, adapter.compute_dtype
@@ -110,6 +111,10 @@ def capture(model, prompt_ids, prefix_grad: bool = False, *, chunk_size: int | N
             del h_all
     progress_bar.close()
     synchronize(device)
+    if prefix_grad:
+        from longstraw.prefix_grad import enable
+
+        enable(state, model, ids, chunk_size)
     return state
 
 

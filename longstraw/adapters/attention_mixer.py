@@ -38,8 +38,8 @@ def _longstraw_attention(module, query_BHTD, key_BKTD, value_BKTD, attention_mas
     _, H, T, D = query_BHTD.shape
     with timer.call(attention_forward_flops(H, D, T, k_prefix_BKPD.shape[2])) if timer else nullcontext():
         out_BHTD = paged_attention(query_BHTD, k_prefix_BKPD, v_prefix_BKPD, key_BKTD, value_BKTD, scale=scale)
-    if longstraw_append:
-        longstraw_pages.append(key_BKTD.detach(), value_BKTD.detach())
+    if longstraw_append:  # pages copy detached values; the exact mode's recompute keeps the graph
+        longstraw_pages.append(key_BKTD, value_BKTD)
     return out_BHTD.transpose(1, 2).contiguous(), None
 
 
