@@ -5,21 +5,21 @@
         loss(replay(model, state, y)).backward()   # conditional part; page gradients accumulate
     state.backward_prefix()                        # + the prompt-side part: .grad = full-sequence gradient
 
-Replay treats the resident K/V pages as leaves (`AttentionPages.leaves`), so every replay's
-backward also accumulates dL/dK and dL/dV of the prompt positions in gradient pages, allocated by
-autograd on first touch. `backward_prefix` then pushes them into the parameters by one reverse,
+Replay treats the resident state as leaves (`AttentionPages.leaves`, `RecurrentState.leaves`), so
+every replay's backward also accumulates dL/dK and dL/dV of the prompt positions in gradient pages
+(allocated by autograd on first touch) and the gradient of each Gated DeltaNet layer's final conv
+and recurrent state. `backward_prefix` then pushes them into the parameters by one reverse,
 chunked recompute of the prompt: for chunks c = last..first, the chunk is recomputed through all
-layers under autograd, reading the (final) pages before it as grad-tracking leaves and keeping its
-own K/V with their graph; one backward seeded with the chunk's accumulated page gradients adds
-the parameter gradients and the gradients of the earlier pages (consumed when their own chunk
-comes up). Chunk boundaries are free: the pages are final, so no capture-time checkpoint is needed.
+layers under autograd, reading the (final) pages before it as grad-tracking leaves, keeping its
+own K/V with their graph, and running each GDN layer differentiably from the state it had at the
+chunk's start (checkpointed during capture) to the state at its end. One backward, seeded with
+the chunk's accumulated page gradients and the gradient of each GDN layer's end state, adds the
+parameter gradients, the gradients of the earlier pages (consumed when their chunk comes up) and
+of the GDN start states (the end-state seeds of the chunk before).
 
-Cost: gradient pages as large as the K/V pages, one chunk's full graph at a time, and about a
-capture's forward plus its attention backward in time.
-
-Simplification: attention-only families (llama, qwen3, glm4_moe). Gated DeltaNet layers would need
-their conv and recurrent states checkpointed at chunk boundaries during capture and their state
-gradients carried backward from chunk to chunk; capture(prefix_grad=True) refuses them for now.
+Cost: gradient pages as large as the K/V pages; the GDN checkpoints (one conv + recurrent state
+per GDN layer per capture chunk); one chunk's full graph at a time; in time about a capture's
+forward plus its attention backward. Chunks are the capture's own (`chunk_size`).
 """
 
 from __future__ import annotations
@@ -29,9 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from longstraw.adapters import adapter_for
-from longstraw.state import AttentionPages, ResidentState
-
-DEFAULT_CHUNK = 2048
+from longstraw.state import AttentionPages, RecurrentState, ResidentState
 
 
 @dataclass
@@ -39,6 +37,7 @@ class PrefixTrace:
     model: object
     ids: torch.Tensor  # the prompt positions the state covers
     chunk: int
+    checkpoints: dict  # (layer, chunk start) -> a GDN layer's (conv, recurrent) state there
 
 
 @dataclass
@@ -56,16 +55,38 @@ class RecomputePages:
         self.live = [k_BKTD, v_BKTD]
 
 
-def enable(state: ResidentState, model, ids: torch.Tensor, chunk: int | None) -> None:
-    """Turn a fresh capture into an exact-mode state (leaves over the pages, the prompt kept)."""
-    if not all(isinstance(entry, AttentionPages) for entry in state.layers):
-        kinds = sorted({type(e).__name__ for e in state.layers} - {"AttentionPages"})
-        raise NotImplementedError(f"prefix_grad=True supports attention-only families so far; this model's "
-                                  f"{', '.join(kinds)} layers have no prompt-side gradient yet")
+class RecomputeRecurrent(RecurrentState):
+    """A GDN layer while one prompt chunk is recomputed: starts from grad-tracking leaves, keeps its
+    end state (with its graph) in `final` instead of writing it back."""
+
+    keep_final = True
+    final: tuple = ()
+
+
+def _leaves(*tensors):
+    return tuple(t.detach().requires_grad_() for t in tensors)
+
+
+def enable(state: ResidentState, model, ids: torch.Tensor, chunk: int, checkpoints: dict) -> None:
+    """Turn a fresh capture into an exact-mode state (leaves over the state, the prompt kept)."""
     for entry in state.layers:
-        entry.leaves = tuple(t.detach().requires_grad_() for t in (entry.k_BKPD[:, :, :entry.length],
-                                                                   entry.v_BKPD[:, :, :entry.length]))
-    state.prefix_trace = PrefixTrace(model, ids[:state.positions], chunk or DEFAULT_CHUNK)
+        if isinstance(entry, AttentionPages):
+            entry.leaves = _leaves(entry.k_BKPD[:, :, :entry.length], entry.v_BKPD[:, :, :entry.length])
+        elif isinstance(entry, RecurrentState):
+            entry.leaves = _leaves(entry.conv_BCK1, entry.recurrent_BHDV)
+        else:
+            raise NotImplementedError(f"prefix_grad=True: no prompt-side gradient for {type(entry).__name__} layers")
+    state.prefix_trace = PrefixTrace(model, ids[:state.positions], chunk, checkpoints)
+
+
+def _recompute_entry(entry, layer: int, start: int, checkpoints: dict):
+    if isinstance(entry, AttentionPages):
+        return RecomputePages(*(t[:, :, :start].detach().requires_grad_(start > 0)
+                                for t in (entry.k_BKPD, entry.v_BKPD)))
+    conv, recurrent = checkpoints[(layer, start)]
+    recompute = RecomputeRecurrent(conv, recurrent)
+    recompute.leaves = _leaves(conv, recurrent)
+    return recompute
 
 
 def backward_prefix(state: ResidentState) -> None:
@@ -78,17 +99,26 @@ def backward_prefix(state: ResidentState) -> None:
             end = min(start + trace.chunk, state.positions)
             h = adapter.embed(trace.ids[None, start:end])
             pe = adapter.position_embeddings(h, start)
-            pages = [RecomputePages(*(t[:, :, :start].detach().requires_grad_(start > 0)
-                                      for t in (entry.k_BKPD, entry.v_BKPD))) for entry in state.layers]
-            for i, recompute in enumerate(pages):
+            entries = [_recompute_entry(entry, i, start, trace.checkpoints) for i, entry in enumerate(state.layers)]
+            for i, recompute in enumerate(entries):
                 h = adapter.layer_forward(i, h, pe, recompute, capturing=True)
-            outputs = [t for recompute in pages for t in recompute.live]
-            seeds = [g[:, :, start:end] for pair in grads for g in pair]
+            outputs, seeds = [], []
+            for recompute, pair in zip(entries, grads):
+                if isinstance(recompute, RecomputePages):  # this chunk's K/V <- their page gradients
+                    outputs += recompute.live
+                    seeds += [g[:, :, start:end] for g in pair]
+                else:  # the GDN state at this chunk's end <- the gradient of the next chunk's start
+                    outputs += recompute.final
+                    seeds += pair
             torch.autograd.backward(outputs, seeds)
-            for (dk, dv), recompute in zip(grads, pages):
-                if recompute.prefix_k.grad is not None:  # None where nothing read them (the last layer)
-                    dk[:, :, :start] += recompute.prefix_k.grad
-                    dv[:, :, :start] += recompute.prefix_v.grad
+            for i, recompute in enumerate(entries):
+                if isinstance(recompute, RecomputePages):
+                    if recompute.prefix_k.grad is not None:  # None where nothing read them (the last layer)
+                        grads[i][0][:, :, :start] += recompute.prefix_k.grad
+                        grads[i][1][:, :, :start] += recompute.prefix_v.grad
+                else:
+                    grads[i] = [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+                                for leaf in recompute.leaves]
     for entry in state.layers:  # the page gradients are spent: a second pass starts from zero
         for leaf in entry.leaves:
             leaf.grad = None

@@ -82,9 +82,15 @@ class RecurrentState:
 
     conv_BCK1: torch.Tensor
     recurrent_BHDV: torch.Tensor
+    leaves: tuple | None = None  # exact mode: grad-tracking leaves replays read (see AttentionPages)
+    keep_final = False  # capture writes the final state back in place (not a dataclass field)
 
     def tensors(self):
         return [self.conv_BCK1, self.recurrent_BHDV]
+
+    def inputs(self):
+        """(conv, recurrent) a chunk starts from: the leaves in exact mode, else the state itself."""
+        return self.leaves if self.leaves is not None else (self.conv_BCK1, self.recurrent_BHDV)
 
     def repeated(self, batch: int) -> "RecurrentState":
         """Copies for `batch` sequences continuing from this state (decoding G responses)."""

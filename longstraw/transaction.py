@@ -22,7 +22,7 @@ from tqdm import tqdm
 from longstraw.adapters import adapter_for
 from longstraw.logprobs import token_logprobs
 from longstraw.measure import synchronize
-from longstraw.state import ResidentState
+from longstraw.state import RecurrentState, ResidentState
 
 DEFAULT_CHUNK = {"cpu": 2048, "cuda": 16384}
 PROGRESS_MIN_POSITIONS = 65536
@@ -90,6 +90,14 @@ def capture(model, prompt_ids, prefix_grad: bool = False, *, chunk_size: int | N
     if order not in ("chunk", "layer"):
         raise ValueError(f"order must be 'auto', 'chunk' or 'layer', got {order!r}")
     starts = range(0, positions, chunk)
+    # exact mode: each GDN layer's state at every chunk boundary, for the reverse recompute
+    checkpoints = {} if prefix_grad else None
+
+    def forward_layer(i, h, pe, entry, start):
+        if checkpoints is not None and isinstance(entry, RecurrentState):
+            checkpoints[(i, start)] = (entry.conv_BCK1.clone(), entry.recurrent_BHDV.clone())
+        return adapter.layer_forward(i, h, pe, entry, capturing=True)
+
     progress_bar = _Progress(positions if order == "chunk" else positions * adapter.num_layers, progress,
                              label=f"capture ({order}-major)")
     with torch.no_grad(), adapter.selected():
@@ -98,7 +106,7 @@ def capture(model, prompt_ids, prefix_grad: bool = False, *, chunk_size: int | N
                 h = adapter.embed(ids[None, start:min(start + chunk, positions)])
                 pe = adapter.position_embeddings(h, start)
                 for i, entry in enumerate(state.layers):
-                    h = adapter.layer_forward(i, h, pe, entry, capturing=True)
+                    h = forward_layer(i, h, pe, entry, start)
                 progress_bar.advance_to(min(start + chunk, positions))
         else:
             h_all = adapter.embed(ids[None, :positions])
@@ -106,7 +114,7 @@ def capture(model, prompt_ids, prefix_grad: bool = False, *, chunk_size: int | N
                 for start in starts:
                     h = h_all[:, start:start + chunk]
                     pe = adapter.position_embeddings(h, start)
-                    h_all[:, start:start + chunk] = adapter.layer_forward(i, h, pe, entry, capturing=True)
+                    h_all[:, start:start + chunk] = forward_layer(i, h, pe, entry, start)
                 progress_bar.advance_to((i + 1) * positions, label=f"capture layer {i + 1}/{adapter.num_layers}")
             del h_all
     progress_bar.close()
@@ -114,7 +122,7 @@ def capture(model, prompt_ids, prefix_grad: bool = False, *, chunk_size: int | N
     if prefix_grad:
         from longstraw.prefix_grad import enable
 
-        enable(state, model, ids, chunk_size)
+        enable(state, model, ids, chunk, checkpoints)
     return state
 
 

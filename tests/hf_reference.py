@@ -68,3 +68,13 @@ def max_relative_error(actual: dict, expected: dict) -> float:
         a = actual.get(name, torch.zeros_like(e))
         worst = max(worst, float((a - e).double().norm()) / max(float(e.double().norm()), 1e-6 * total))
     return worst
+
+
+def global_relative_error(actual: dict, expected: dict) -> float:
+    """||a - e|| / ||e|| over the whole gradient vector (all parameters together).
+
+    For Gated DeltaNet models, HF's own full-sequence and cache paths disagree by up to ~1% on the
+    tiny decay-parameter gradients (A_log, dt_bias) in float32, so per-parameter comparisons against
+    HF's one-pass gradient are limited by HF, not by the code under test."""
+    diff = sum(float((actual.get(k, torch.zeros_like(v)) - v).double().norm() ** 2) for k, v in expected.items())
+    return diff ** 0.5 / sum(float(v.double().norm() ** 2) for v in expected.values()) ** 0.5

@@ -59,11 +59,6 @@ def test_state_from_another_family(state):
         replay(build_model("tiny-llama"), state, torch.tensor([1, 2]))
 
 
-def test_prefix_grad_not_yet_available_for_gdn_layers():
-    with pytest.raises(NotImplementedError, match="RecurrentState layers have no prompt-side gradient"):
-        capture(build_model("tiny-qwen3_5"), torch.arange(4), prefix_grad=True)
-
-
 def test_backward_prefix_needs_an_exact_mode_capture(state):
     with pytest.raises(RuntimeError, match="prefix_grad=True"):
         state.backward_prefix()

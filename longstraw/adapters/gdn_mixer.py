@@ -48,11 +48,15 @@ def recurrent_state_bytes(config, dtype) -> int:
 
 
 def gdn_mix(module, project, x_BTH, state: RecurrentState, write_state: bool):
-    """The GDN token mixer from `state`; differentiable unless capturing (`write_state`)."""
+    """The GDN token mixer from `state`; differentiable unless capturing (`write_state`).
+
+    A state with `keep_final` (the exact mode's recompute) is read and not written: the mixer runs
+    differentiably and leaves the final (conv, recurrent) state, with its graph, in `state.final`."""
     B, T, _ = x_BTH.shape
+    conv_in, recurrent_in = state.inputs()
     mixed_BTC, z, b, a = project(module, x_BTH)
     conv_BCT, conv_state = causal_conv1d(
-        mixed_BTC.transpose(1, 2), state.conv_BCK1, module.conv1d.weight.squeeze(1), module.conv1d.bias,
+        mixed_BTC.transpose(1, 2), conv_in, module.conv1d.weight.squeeze(1), module.conv1d.bias,
         activation=module.activation,
     )
     q, k, v = torch.split(conv_BCT.transpose(1, 2), [module.key_dim, module.key_dim, module.value_dim], dim=-1)
@@ -61,9 +65,11 @@ def gdn_mix(module, project, x_BTH, state: RecurrentState, write_state: bool):
     v = v.reshape(B, T, -1, module.head_v_dim)
     beta = b.sigmoid()
     g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)
-    rule = chunk_gated_delta_rule_forward if write_state else chunk_gated_delta_rule
-    core_BTHV, recurrent = rule(q, k, v, g, beta, state.recurrent_BHDV)
-    if write_state:
+    rule = chunk_gated_delta_rule_forward if write_state and not state.keep_final else chunk_gated_delta_rule
+    core_BTHV, recurrent = rule(q, k, v, g, beta, recurrent_in)
+    if state.keep_final:
+        state.final = (conv_state, recurrent)
+    elif write_state:
         state.conv_BCK1.copy_(conv_state)
         state.recurrent_BHDV.copy_(recurrent)
     core = module.norm(core_BTHV.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
