@@ -48,9 +48,6 @@ from longstraw.step import grpo_step, reference_policy
 from longstraw.tasks import build_task
 from longstraw.transaction import capture
 
-TIMING_KEYS = ("seconds",)  # the only metrics that differ between identical runs
-
-
 def _schedule(cfg: dict, steps: int):
     warmup, name = cfg["warmup_steps"], cfg["name"]
 
