@@ -92,8 +92,7 @@ def decode_attention(q_BHTD, k_shared_1KPD, v_shared_1KPD, k_own_BKND, v_own_BKN
     block_fwd = _flash_block_fwd if kernel == "flash" else _math_block_fwd
     acc = _acc_dtype(q_BHTD.dtype)
     q_in = q_BHTD if kernel == "flash" else q_BHTD.to(acc)
-    out_BHTD, lse_BHT = (x.float() if kernel == "flash" else x for x in
-                         block_fwd(q_in, _repeat_kv(k_own_BKND, G), _repeat_kv(v_own_BKND, G), scale))
+    out_BHTD, lse_BHT = block_fwd(q_in, _repeat_kv(k_own_BKND, G), _repeat_kv(v_own_BKND, G), scale)
     out_BHTD, lse_BHT = out_BHTD.to(acc).contiguous(), lse_BHT.to(acc).contiguous()
     P = k_shared_1KPD.shape[2]
     if P:

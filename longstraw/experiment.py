@@ -77,8 +77,16 @@ def _policy_and_prompt(cfg: dict, recorder: PhaseRecorder):
     return model, vocab, _tokens(cfg["prompt"]["length"], cfg["prompt"]["seed"], vocab, recorder.device)
 
 
-def _capture_kwargs(cfg: dict) -> dict:
+def capture_kwargs(cfg: dict) -> dict:
+    """The `capture` settings a config sets (unset ones keep capture()'s defaults)."""
     return {k: v for k, v in cfg["capture"].items() if v is not None}
+
+
+def _group(cfg: dict, count: int, vocab: int, device):
+    """`count` seeded random responses and seeded rewards (shapes for memory and time, not meaning)."""
+    rcfg = cfg["responses"]
+    responses = [_tokens(rcfg["length"], rcfg["seed"] + i, vocab, device) for i in range(count)]
+    return responses, torch.rand(count, generator=torch.Generator().manual_seed(rcfg["seed"]))
 
 
 KINDS = ("step", "capture", "capacity", "sweep", "staleness")
@@ -152,16 +160,15 @@ def _run_step(cfg: dict, device) -> dict:
 
     recorder = PhaseRecorder(device)
     model, vocab, prompt = _policy_and_prompt(cfg, recorder)
-    rcfg = cfg["responses"]
-    responses = [_tokens(rcfg["length"], rcfg["seed"] + i, vocab, device) for i in range(rcfg["count"])]
-    rewards = torch.rand(rcfg["count"], generator=torch.Generator().manual_seed(rcfg["seed"]))
-    config = grpo.GRPOConfig(num_generations=rcfg["count"], **cfg["grpo"])
+    count = cfg["responses"]["count"]
+    responses, rewards = _group(cfg, count, vocab, device)
+    config = grpo.GRPOConfig(num_generations=count, **cfg["grpo"])
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg["optimizer"]["lr"])
     state, cycles = None, []
     for _ in range(cfg["cycles"]):
         metrics = grpo_step(model, prompt, responses, rewards, optimizer, config, mode=cfg["mode"], state=state,
-                            capture_kwargs=_capture_kwargs(cfg), device=device)
+                            capture_kwargs=capture_kwargs(cfg), device=device)
         state = metrics.pop("state")
         cycles.append(metrics)
     return {"weights": recorder.phases["weights"], "trainable_parameters": trainable_parameters(model),
@@ -204,7 +211,7 @@ def _measure_capture(model, prompt, cfg: dict, recorder: PhaseRecorder):
     device = recorder.device
     before = _current_memory(device)
     with recorder.phase("capture"), AttentionTimer(device) as attention:
-        state = capture(model, prompt, **_capture_kwargs(cfg))
+        state = capture(model, prompt, **capture_kwargs(cfg))
     rec = recorder.phases["capture"]
     peak = rec.get("peak_allocated_bytes", rec["peak_rss_bytes"])
     by_entry = state.nbytes_by_entry()
@@ -256,13 +263,11 @@ def _run_sweep(cfg: dict, device, on_progress) -> dict:
     out["capture"]["phase"] = recorder.phases["capture"]
     out["steps"] = []
     on_progress(out)
-    rcfg = cfg["responses"]
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg["optimizer"]["lr"])
     for mode in ("replay", "hold_all"):
         for count in cfg["sweep"][mode]:
-            responses = [_tokens(rcfg["length"], rcfg["seed"] + i, vocab, device) for i in range(count)]
-            rewards = torch.rand(count, generator=torch.Generator().manual_seed(rcfg["seed"]))
+            responses, rewards = _group(cfg, count, vocab, device)
             config = grpo.GRPOConfig(num_generations=count, **cfg["grpo"])
             step = {"mode": mode, "count": count}
             try:
@@ -299,7 +304,7 @@ def _run_staleness(cfg: dict, device) -> dict:
     config = grpo.GRPOConfig(num_generations=rcfg["count"], **cfg["grpo"])
     with recorder.phase("oracle"):
         rows = staleness_oracle(model, prompt, optimizer, config, steps=settings["steps"], num_samples=rcfg["count"],
-                                max_new_tokens=rcfg["length"], seed=rcfg["seed"], capture_kwargs=_capture_kwargs(cfg),
+                                max_new_tokens=rcfg["length"], seed=rcfg["seed"], capture_kwargs=capture_kwargs(cfg),
                                 progress=lambda row: print(f"staleness step {row['step']}: loss drift "
                                                            f"{row['relative_loss_drift']:.3e}", file=sys.stderr,
                                                            flush=True))

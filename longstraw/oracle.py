@@ -36,15 +36,23 @@ from longstraw.step import reference_policy
 from longstraw.transaction import capture, replay, score
 
 
+def parameter_drift(params, at_capture) -> float:
+    """L2 norm of the parameters' change since `at_capture` (the adaptive refresh signal)."""
+    return float(torch.stack([(p.detach() - p0).float().norm() for p, p0 in zip(params, at_capture)]).norm())
+
+
 def _loss_and_grads(model, state, responses, old, ref, advantages, weights, config, params):
-    total = 0.0
+    """GRPO loss over the group replayed on `state`: (loss, flat gradient, response log-probs)."""
+    total, logps = 0.0, []
     for i, y in enumerate(responses):
-        loss = grpo.response_loss(replay(model, state, y), old[i], ref and ref[i], advantages[i], weights[i], config)
+        logp = replay(model, state, y)
+        loss = grpo.response_loss(logp, old[i], ref and ref[i], advantages[i], weights[i], config)
         loss.backward()
         total += float(loss.detach())
+        logps.append(logp.detach())
     grads = torch.cat([p.grad.detach().flatten().float() if p.grad is not None else torch.zeros(p.numel())
                        for p in params])
-    return total, grads
+    return total, grads, torch.cat(logps)
 
 
 def staleness_oracle(model, prompt_ids, optimizer, config: grpo.GRPOConfig, *, steps: int = 8,
@@ -71,18 +79,16 @@ def staleness_oracle(model, prompt_ids, optimizer, config: grpo.GRPOConfig, *, s
             with reference_policy(model):
                 ref = [score(model, ref_state, y) for y in responses]
         fresh = capture(model, prompt_ids, **capture_kwargs)
-        logp_stale = torch.cat([score(model, stale, y) for y in responses])
-        logp_fresh = torch.cat([score(model, fresh, y) for y in responses])
-        loss_fresh, grad_fresh = _loss_and_grads(model, fresh, responses, old, ref, advantages, weights, config, params)
+        group = (responses, old, ref, advantages, weights, config, params)
+        loss_fresh, grad_fresh, logp_fresh = _loss_and_grads(model, fresh, *group)
         optimizer.zero_grad(set_to_none=True)
         del fresh
-        loss_stale, grad_stale = _loss_and_grads(model, stale, responses, old, ref, advantages, weights, config, params)
+        loss_stale, grad_stale, logp_stale = _loss_and_grads(model, stale, *group)
         d = logp_fresh - logp_stale
         nll_stale, nll_fresh = float(-logp_stale.mean()), float(-logp_fresh.mean())
         rows.append({
             "step": step,
-            "param_drift": float(torch.stack([(p.detach() - p0).float().norm() for p, p0 in zip(params, at_capture)])
-                                 .norm()),
+            "param_drift": parameter_drift(params, at_capture),
             "loss_stale": nll_stale,
             "loss_fresh": nll_fresh,
             "relative_loss_drift": abs(nll_stale - nll_fresh) / abs(nll_fresh),

@@ -86,7 +86,7 @@ def grpo_step(model, prompt_ids, responses, rewards, optimizer, config: grpo.GRP
     weights = grpo.token_weights([int(r.numel()) for r in responses], config)
 
     if mode == "naive":
-        def scorer(y):
+        def scorer(y, scored_state=None):  # naive takes no state: it recomputes the prompt
             with torch.no_grad():
                 return naive_logprobs(model, prompt_ids, y)
     else:
@@ -95,15 +95,15 @@ def grpo_step(model, prompt_ids, responses, rewards, optimizer, config: grpo.GRP
                 state = capture(model, prompt_ids, **(capture_kwargs or {}))
         fingerprint = state.fingerprint()
 
-        def scorer(y, scored_state=state):
-            return score(model, scored_state, y)
+        def scorer(y, scored_state=None):
+            return score(model, state if scored_state is None else scored_state, y)
 
     with recorder.phase("old_scoring"):
         old = old_logps if old_logps is not None else [scorer(y) for y in responses]
     ref = None
     if config.beta > 0:
         with recorder.phase("ref_scoring"), reference_policy(model):
-            ref = [scorer(y, ref_state) if ref_state is not None else scorer(y) for y in responses]
+            ref = [scorer(y, ref_state) for y in responses]
 
     exclude = list(p for p in model.parameters()) + ([t for e in state.layers for t in e.tensors()] if state else [])
     meter = GraphBytesMeter(exclude=exclude)

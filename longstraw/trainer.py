@@ -42,7 +42,8 @@ from tqdm import tqdm
 
 from longstraw import grpo
 from longstraw.config import resolve_train_config
-from longstraw.experiment import build_policy
+from longstraw.experiment import build_policy, capture_kwargs
+from longstraw.oracle import parameter_drift
 from longstraw.rollout import SamplingConfig, sample
 from longstraw.step import grpo_step, reference_policy
 from longstraw.tasks import build_task
@@ -76,26 +77,30 @@ class Trainer:
         self.out = Path(cfg["output"]["dir"])
         self.state = self.capture_step = self.capture_params = None
         self.ref_state = self.ref_prompt = None
+        self._made = (None, None)  # (prompt index, example)
 
     # ---- prefix reuse
     def _example(self, step: int):
-        return self.task.make(self.cfg["seed"] * 1_000_003 + step // self.cfg["steps_per_prompt"])
+        """This step's task example, made once per prompt (a long prompt is costly to build)."""
+        prompt = step // self.cfg["steps_per_prompt"]
+        if self._made[0] != prompt:
+            self._made = (prompt, self.task.make(self.cfg["seed"] * 1_000_003 + prompt))
+        return self._made[1]
 
     def drift(self) -> float:
         """The adaptive policy's signal: L2 norm of the trainable parameters' change since capture."""
         if self.capture_params is None:
             return 0.0
-        return float(torch.stack([(p.detach() - self.capture_params[n]).float().norm()
-                                  for n, p in self.params.items()]).norm())
+        return parameter_drift(self.params.values(), [self.capture_params[n] for n in self.params])
 
-    def _needs_capture(self, step: int) -> bool:
+    def _needs_capture(self, step: int, drift: float) -> bool:
         if self.state is None or step // self.cfg["steps_per_prompt"] != self.capture_step // self.cfg["steps_per_prompt"]:
             return True
         refresh = self.cfg["refresh"]
         if refresh["policy"] == "every":
             return step - self.capture_step >= refresh["every"]
         if refresh["policy"] == "adaptive":
-            return self.drift() >= refresh["threshold"]
+            return drift >= refresh["threshold"]
         return False
 
     def _capture(self, step: int, params: dict | None = None):
@@ -104,8 +109,7 @@ class Trainer:
         if params is not None:
             current = {n: p.detach().clone() for n, p in self.params.items()}
             self._load_params(params)
-        kwargs = {k: v for k, v in self.cfg["capture"].items() if v is not None}
-        self.state = capture(self.model, self._example(step).prompt_ids.to(self.device), **kwargs)
+        self.state = capture(self.model, self._example(step).prompt_ids.to(self.device), **capture_kwargs(self.cfg))
         self.capture_step = step
         self.capture_params = {n: p.detach().clone() for n, p in self.params.items()}
         if current is not None:
@@ -115,10 +119,10 @@ class Trainer:
         """The reference policy's capture of this step's prompt (None when there is no KL term)."""
         prompt = step // self.cfg["steps_per_prompt"]
         if self.grpo.beta > 0 and self.ref_prompt != prompt:
-            kwargs = {k: v for k, v in self.cfg["capture"].items() if v is not None}
             self.ref_state = None  # free the previous prompt's first
             with reference_policy(self.model):
-                self.ref_state = capture(self.model, self._example(step).prompt_ids.to(self.device), **kwargs)
+                self.ref_state = capture(self.model, self._example(step).prompt_ids.to(self.device),
+                                         **capture_kwargs(self.cfg))
             self.ref_prompt = prompt
         return self.ref_state
 
@@ -131,8 +135,8 @@ class Trainer:
     def train_step(self, step: int) -> dict:
         start = time.perf_counter()
         example = self._example(step)
-        refreshed = self._needs_capture(step)
         drift = self.drift()
+        refreshed = self._needs_capture(step, drift)
         if refreshed:
             self._capture(step)
         s = self.cfg["sampling"]

@@ -124,6 +124,13 @@ def _mark_failed(ax, x, row, scale=1.0, value_key="peak_memory_bytes"):
         ax.text(x, 0.1, status.upper(), transform=transform, color=color, fontsize=8, fontweight="bold",
                 ha="center", rotation=90, va="bottom")
 
+def _mark_failed_bars(ax, rows):
+    """Bar charts: every point that did not complete gets its status marker on the axis."""
+    for i, row in enumerate(rows):
+        if row.get("status") != "ok":
+            _mark_failed(ax, i, row, value_key="__none__")
+
+
 
 def _ceiling_line(ax, ceiling: dict, scale: float, values) -> str:
     """Draw the ceiling where it is in the plot's range; otherwise say it in words."""
@@ -276,9 +283,7 @@ def plot_time_per_member(rows, grid, title: str):
     else:
         ax.bar(range(len(rows)), [r.get("seconds_per_member") or 0 if r.get("status") == "ok" else 0 for r in rows],
                color=[MODE_COLORS.get(str(r.get("mode")), "#4c72b0") for r in rows])
-        for i, row in enumerate(rows):
-            if row.get("status") != "ok":
-                _mark_failed(ax, i, row, value_key="__none__")
+        _mark_failed_bars(ax, rows)
         ax.set_xticks(range(len(rows)), [point_label(r, grid) for r in rows], rotation=30, ha="right", fontsize=8)
     ax.set_ylabel("seconds per replayed member (s)")
     ax.set_title(f"{title}: time per member", fontsize=10)
@@ -293,9 +298,7 @@ def plot_phase_seconds(rows, grid, title: str):
         heights = [(r.get(f"{phase}_seconds") or 0.0) if r.get("status") == "ok" else 0.0 for r in rows]
         ax.bar(range(len(rows)), heights, bottom=base, label=phase, color=PHASE_COLORS.get(phase))
         base = [b + h for b, h in zip(base, heights)]
-    for i, row in enumerate(rows):
-        if row.get("status") != "ok":
-            _mark_failed(ax, i, row, value_key="__none__")
+    _mark_failed_bars(ax, rows)
     ax.set_xticks(range(len(rows)), [point_label(r, grid) for r in rows], rotation=30, ha="right", fontsize=8)
     ax.set_ylabel("seconds (s), summed over cycles")
     ax.set_title(f"{title}: seconds per phase", fontsize=10)
@@ -332,9 +335,7 @@ def plot_resident_per_position(rows, grid, title: str):
             if row.get("status") == "ok" and row.get(key) is not None:
                 ax.annotate(format_bytes(row[key]), (bar.get_x() + bar.get_width() / 2, bar.get_height()),
                             textcoords="offset points", xytext=(0, 2), ha="center", fontsize=7)
-    for i, row in enumerate(rows):
-        if row.get("status") != "ok":
-            _mark_failed(ax, i, row, value_key="__none__")
+    _mark_failed_bars(ax, rows)
     ax.set_xticks(range(len(rows)), _capture_labels(rows, grid), fontsize=8)
     ax.set_ylabel(f"{unit} per prompt position")
     ax.set_title(f"{title}: resident bytes per position, measured against predicted", fontsize=10)
@@ -346,9 +347,7 @@ def plot_capture_throughput(rows, grid, title: str):
     fig, ax = plt.subplots(figsize=(max(7, 1.1 * len(rows) + 3), 4.5))
     ax.bar(range(len(rows)), [(r.get("positions_per_second") or 0) if r.get("status") == "ok" else 0 for r in rows],
            color="#4c72b0")
-    for i, row in enumerate(rows):
-        if row.get("status") != "ok":
-            _mark_failed(ax, i, row, value_key="__none__")
+    _mark_failed_bars(ax, rows)
     ax.set_xticks(range(len(rows)), _capture_labels(rows, grid), fontsize=8)
     ax.set_ylabel("positions per second")
     ax.set_title(f"{title}: capture throughput", fontsize=10)
