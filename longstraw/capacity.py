@@ -13,6 +13,11 @@ between the last fitting and the first failing length down to `granularity` posi
 `time_limit_seconds`, no probe starts once that much time has passed: the result then says the
 search stopped on time, and the bracket it reached is what was measured. `compare_modes` then
 runs those modes' steps at the largest fitting length (the step times the baselines compare).
+
+`responses.probe_members: k` makes each probe of a serial mode (replay, naive) score and replay
+only k of its G members (`grpo_step(members=k)`): one member at a time is live, so equal-length
+members reach the same peak, and a probe costs k members' time instead of G. The result states
+it; `tests/test_step.py` checks that one member's live graph peak equals the full step's.
 """
 
 from __future__ import annotations
@@ -92,7 +97,9 @@ def find_capacity(point: dict, progress=print) -> dict:
         # the other modes' G=8 steps at the largest length this mode fitted (step time beside it)
         comparison = {}
         for mode in settings["compare_modes"] if low is not None else []:
-            result = _probe({**point, "mode": mode, "name": f"{point['name']}_{mode}"}, low, workdir)
+            full_step = {**point, "mode": mode, "name": f"{point['name']}_{mode}",
+                         "responses": {**point["responses"], "probe_members": None}}
+            result = _probe(full_step, low, workdir)
             comparison[mode] = {"prompt_length": low, "status": result["status"],
                                 "peak_bytes": _measured_bytes(result, device_type),
                                 "seconds": result.get("wall_seconds"), "error": result.get("error"),
@@ -104,6 +111,7 @@ def find_capacity(point: dict, progress=print) -> dict:
         "ceiling_bytes": ceiling,
         "memory_measure": "peak_allocated_bytes" if device_type == "cuda" else
         "process peak RSS minus RSS after weights (emulated CPU ceiling)",
+        "probe_members": point["responses"]["probe_members"],
         "probes": [probes[k] for k in sorted(probes)],
         "largest_fitting": low,
         "first_failing": high,

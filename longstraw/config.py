@@ -10,7 +10,7 @@ DEFAULTS = {
     "model": {"preset": "tiny-qwen3_5", "path": None, "dtype": "float32", "device": "cpu", "seed": 0,
               "lora": None, "nf4": False, "overrides": {}},
     "prompt": {"length": 1024, "seed": 0},
-    "responses": {"count": 4, "length": 32, "seed": 1},
+    "responses": {"count": 4, "length": 32, "seed": 1, "probe_members": None},
     "mode": "replay",
     "cycles": 1,
     "grpo": {"beta": 0.04, "epsilon": 0.2, "loss_type": "dapo", "scale_rewards": "group"},

@@ -168,7 +168,8 @@ def _run_step(cfg: dict, device) -> dict:
     state, cycles = None, []
     for _ in range(cfg["cycles"]):
         metrics = grpo_step(model, prompt, responses, rewards, optimizer, config, mode=cfg["mode"], state=state,
-                            capture_kwargs=capture_kwargs(cfg), device=device)
+                            capture_kwargs=capture_kwargs(cfg), device=device,
+                            members=cfg["responses"]["probe_members"])
         state = metrics.pop("state")
         cycles.append(metrics)
     return {"weights": recorder.phases["weights"], "trainable_parameters": trainable_parameters(model),

@@ -55,7 +55,9 @@ class GraphBytesMeter:
             self.current += entry[1]
             self.peak = max(self.peak, self.current)
         entry[0] += 1
-        return _Saved(t, self, key)
+        # detached: holding `t` itself would tie a saved output to its own grad_fn, a cycle that
+        # outlives a branch backward never visits (autograd re-attaches grad_fn at unpack)
+        return _Saved(t.detach(), self, key)
 
     @staticmethod
     def _unpack(saved):

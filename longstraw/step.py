@@ -63,7 +63,7 @@ def _checkpointed(model):
 
 def grpo_step(model, prompt_ids, responses, rewards, optimizer, config: grpo.GRPOConfig, *, mode: str = "replay",
               state=None, old_logps=None, capture_kwargs=None, device=None, max_grad_norm: float | None = None,
-              ref_state=None) -> dict:
+              ref_state=None, members: int | None = None) -> dict:
     """Run one transaction and the optimizer step; returns metrics with per-phase measurements.
 
     Reference log-probs (`config.beta > 0`) are scored with the adapter disabled on `ref_state`,
@@ -72,11 +72,18 @@ def grpo_step(model, prompt_ids, responses, rewards, optimizer, config: grpo.GRP
     reference's response distribution given the policy's prompt state, which saves a second
     resident state and is what the memory experiments measure.
 
-    `max_grad_norm` clips the accumulated gradient before the step (`grad_norm` reports it unclipped)."""
+    `max_grad_norm` clips the accumulated gradient before the step (`grad_norm` reports it unclipped).
+
+    `members=k` scores and replays only the first k responses (advantages and token weights still
+    come from all G): a memory probe for the serial modes, whose live graph is one member at a
+    time, so every member of equal length reaches the same peak. The metrics say so."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if len(responses) != config.num_generations:
         raise ValueError(f"got {len(responses)} responses but num_generations={config.num_generations}")
+    if members is not None and not (mode != "hold_all" and 1 <= members <= len(responses)):
+        raise ValueError(f"members={members!r}: a partial step is a memory probe of the serial modes (replay, naive) "
+                         f"and needs 1 <= members <= G={len(responses)}; hold_all's peak depends on all G graphs")
     if (state is not None or ref_state is not None) and mode == "naive":
         raise ValueError("mode 'naive' recomputes the prompt per response and takes no captured state")
     adapter = adapter_for(model)
@@ -84,6 +91,7 @@ def grpo_step(model, prompt_ids, responses, rewards, optimizer, config: grpo.GRP
     rewards = torch.as_tensor(rewards, dtype=torch.float32)
     advantages = grpo.group_advantages(rewards, config.scale_rewards, num_generations=config.num_generations)
     weights = grpo.token_weights([int(r.numel()) for r in responses], config)
+    responses = responses[:members]
 
     if mode == "naive":
         def scorer(y, scored_state=None):  # naive takes no state: it recomputes the prompt
@@ -138,6 +146,7 @@ def grpo_step(model, prompt_ids, responses, rewards, optimizer, config: grpo.GRP
         "grad_norm": grad_norm,
         "reward_mean": float(rewards.mean()),
         "advantages": [float(a) for a in advantages],
+        "members_replayed": len(responses),
         "response_tokens": [int(r.numel()) for r in responses],
         "graph_bytes_peak": meter.peak,
         "phases": recorder.phases,

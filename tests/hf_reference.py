@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import sys
 import types
+from contextlib import contextmanager
 
 import torch
 from transformers import DynamicCache
@@ -45,6 +47,34 @@ def hf_conditional_logprobs(model, prompt_P, response_R):
     inputs = torch.cat([prompt_P[-1:], response_R[:-1]])[None]
     logits = model(input_ids=inputs, past_key_values=cache, use_cache=True).logits[0]
     return _response_logprobs(logits, response_R)
+
+
+@contextmanager
+def hf_torch_gdn_kernels(model):
+    """Make HF's GDN layers run HF's own torch chunk kernel, not fla's, inside the block.
+
+    fla's chunk backward raises on Hopper with Triton 3.4-3.7 (DESIGN.md §2), so a gradient
+    reference on CUDA must take HF's torch path. transformers 5.17 binds the kernel per layer
+    (`layer.chunk_gated_delta_rule`); 5.23 wraps the module-level torch function, keeping the
+    original as `__wrapped__`. Both are undone on exit."""
+    undo = []
+    for layer in model.modules():
+        modeling = sys.modules[type(layer).__module__]
+        torch_kernel = getattr(modeling, "torch_chunk_gated_delta_rule", None)
+        if torch_kernel is None or not hasattr(layer, "A_log"):
+            continue
+        plain = getattr(torch_kernel, "__wrapped__", torch_kernel)
+        if "chunk_gated_delta_rule" in vars(layer):
+            undo.append((vars(layer), "chunk_gated_delta_rule", layer.chunk_gated_delta_rule))
+            layer.chunk_gated_delta_rule = plain
+        elif plain is not torch_kernel:
+            undo.append((vars(modeling), "torch_chunk_gated_delta_rule", torch_kernel))
+            modeling.torch_chunk_gated_delta_rule = plain
+    try:
+        yield
+    finally:
+        for namespace, name, value in reversed(undo):
+            namespace[name] = value
 
 
 def grads_of(model, loss):

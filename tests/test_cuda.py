@@ -4,7 +4,7 @@ the full replay, in bf16, against HF's own forward and cache reference on the sa
 import pytest
 import torch
 
-from hf_reference import grads_of, hf_conditional_logprobs, hf_full_logprobs, max_relative_error
+from hf_reference import grads_of, hf_conditional_logprobs, hf_full_logprobs, hf_torch_gdn_kernels, max_relative_error
 from longstraw import capture, replay
 from longstraw.models import TINY_PRESETS, build_model
 
@@ -29,7 +29,8 @@ def test_bf16_replay_matches_hf_on_cuda(preset):
     before = state.fingerprint()
     g_ours = grads_of(model, (replay(model, state, response) * weights).sum())
     assert state.fingerprint() == before
-    g_ref = grads_of(model, (hf_conditional_logprobs(model, prompt, response) * weights).sum())
+    with hf_torch_gdn_kernels(model):
+        g_ref = grads_of(model, (hf_conditional_logprobs(model, prompt, response) * weights).sum())
     assert max_relative_error(g_ours, g_ref) < 0.1
 
 

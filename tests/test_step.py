@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hf_reference import hf_full_logprobs, max_relative_error
+from hf_reference import hf_conditional_logprobs, hf_full_logprobs, max_relative_error
 from longstraw import grpo
 from longstraw.models import build_model
 from longstraw.step import grpo_step
@@ -74,3 +74,34 @@ def test_step_applies_the_optimizer_and_reports_phases():
     assert {"capture", "old_scoring", "replay", "optimizer_step"} <= set(metrics["phases"])
     assert metrics["phases"]["replay"]["count"] == 4
     assert metrics["resident_bytes"] == metrics["predicted_resident_bytes"]
+
+
+@pytest.mark.parametrize("mode", ["replay", "naive"])
+def test_one_member_probe_reaches_the_full_steps_graph_peak_and_gradient_share(mode):
+    # the capacity probe's premise: serial members of equal length have equal live graphs
+    model = build_model("tiny-qwen3_5", seed=4)
+    prompt, responses, rewards = _group(seed=3, lengths=(6, 6, 6, 6))
+    config = grpo.GRPOConfig(num_generations=4, beta=0.0, loss_type="grpo")
+    full, probe = GradientRecorder(model), GradientRecorder(model)
+    kwargs = {} if mode == "naive" else {"capture_kwargs": {"chunk_size": 8}}
+    whole = grpo_step(model, prompt, responses, rewards, full, config, mode=mode, **kwargs)
+    one = grpo_step(model, prompt, responses, rewards, probe, config, mode=mode, members=1, **kwargs)
+    assert one["members_replayed"] == 1 and whole["members_replayed"] == 4
+    assert one["graph_bytes_peak"] == whole["graph_bytes_peak"] > 0
+    # the probe's gradient is member 0's term of the full loss (advantage from all four rewards)
+    reference = hf_full_logprobs if mode == "naive" else hf_conditional_logprobs  # naive: full-sequence gradient
+    logps = [reference(model, prompt, y) for y in responses]
+    logps = logps[:1] + [lp.detach() for lp in logps[1:]]
+    loss = grpo.batch_loss(logps, [lp.detach() for lp in logps], None, grpo.group_advantages(rewards), config)
+    model.zero_grad()
+    loss.backward()
+    expected = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert max_relative_error(probe.grads, expected) < 1e-4
+
+
+def test_partial_step_is_refused_for_hold_all():
+    model = build_model("tiny-llama", seed=0)
+    prompt, responses, rewards = _group()
+    with pytest.raises(ValueError, match="hold_all"):
+        grpo_step(model, prompt, responses, rewards, GradientRecorder(model), grpo.GRPOConfig(num_generations=4),
+                  mode="hold_all", members=1)
