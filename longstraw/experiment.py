@@ -95,8 +95,8 @@ KINDS = ("step", "capture", "capacity", "sweep", "staleness")
 def run_point(raw: dict, source: str = "config", on_progress=None) -> dict:
     """Run one experiment point; never raises for OOM or runtime failure (recorded as status).
 
-    `on_progress(partial_result)` is called after each finished step of a `sweep`, so a run cut
-    off later still leaves what it measured.
+    `on_progress(partial_result)` is called after each finished step of a `sweep` or `staleness`
+    point, so a run cut off later still leaves what it measured.
     """
     cfg = resolve_config(raw, source)
     if cfg["kind"] not in KINDS:
@@ -106,19 +106,19 @@ def run_point(raw: dict, source: str = "config", on_progress=None) -> dict:
         use_hf_torch_gdn()
     result = {"name": cfg["name"], "kind": cfg["kind"], "config": cfg, "provenance": provenance(device)}
     start = time.perf_counter()
+
+    def partial(metrics):
+        if on_progress:
+            on_progress({**result, "status": "partial", "metrics": metrics, "wall_seconds": time.perf_counter() - start})
+
     try:
         if cfg["kind"] == "step":
             result["metrics"] = _run_step(cfg, device)
         elif cfg["kind"] == "capture":
             result["metrics"] = _run_capture(cfg, device)
         elif cfg["kind"] == "staleness":
-            result["metrics"] = _run_staleness(cfg, device)
+            result["metrics"] = _run_staleness(cfg, device, partial)
         elif cfg["kind"] == "sweep":
-            def partial(metrics):
-                if on_progress:
-                    on_progress({**result, "status": "partial", "metrics": metrics,
-                                 "wall_seconds": time.perf_counter() - start})
-
             result["metrics"] = _run_sweep(cfg, device, partial)
         else:
             from longstraw.capacity import find_capacity
@@ -294,7 +294,7 @@ def _run_sweep(cfg: dict, device, on_progress) -> dict:
     return out
 
 
-def _run_staleness(cfg: dict, device) -> dict:
+def _run_staleness(cfg: dict, device, on_progress) -> dict:
     from longstraw.oracle import refresh_interval, staleness_oracle
 
     recorder = PhaseRecorder(device)
@@ -303,15 +303,23 @@ def _run_staleness(cfg: dict, device) -> dict:
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg["optimizer"]["lr"])
     config = grpo.GRPOConfig(num_generations=rcfg["count"], **cfg["grpo"])
+    rows = []
+
+    def metrics():
+        return {"rows": rows, "threshold": settings["threshold"],
+                "refresh_interval": refresh_interval(rows, settings["threshold"]),
+                "prompt_positions": int(prompt.numel()), "phases": recorder.phases}
+
+    def progress(row):
+        rows.append(row)
+        print(f"staleness step {row['step']}: loss drift {row['relative_loss_drift']:.3e}", file=sys.stderr, flush=True)
+        on_progress(metrics())
+
     with recorder.phase("oracle"):
-        rows = staleness_oracle(model, prompt, optimizer, config, steps=settings["steps"], num_samples=rcfg["count"],
-                                max_new_tokens=rcfg["length"], seed=rcfg["seed"], capture_kwargs=capture_kwargs(cfg),
-                                progress=lambda row: print(f"staleness step {row['step']}: loss drift "
-                                                           f"{row['relative_loss_drift']:.3e}", file=sys.stderr,
-                                                           flush=True))
-    return {"rows": rows, "threshold": settings["threshold"],
-            "refresh_interval": refresh_interval(rows, settings["threshold"]),
-            "prompt_positions": int(prompt.numel()), "phases": recorder.phases}
+        staleness_oracle(model, prompt, optimizer, config, steps=settings["steps"], num_samples=rcfg["count"],
+                         max_new_tokens=rcfg["length"], seed=rcfg["seed"], capture_kwargs=capture_kwargs(cfg),
+                         progress=progress)
+    return metrics()
 
 
 def _unwrapped_config(model):
