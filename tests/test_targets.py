@@ -10,6 +10,9 @@ RATES = {"causal_sdpa": {"tflops_per_second": 500.0}, "flash_forward": {"tflops_
          "flash_backward": {"tflops_per_second": 300.0}, "gemm": {"tflops_per_second": 800.0}}
 
 
+NAIVE_CAPACITY = {"kind": "capacity", "config": {"mode": "naive"}}
+
+
 def _step(mode, count, peak, replay_seconds=1.0, status="ok"):
     return {"mode": mode, "count": count, "status": status, "peak_allocated_bytes": peak,
             "phases": {"replay": {"seconds": replay_seconds}}}
@@ -41,7 +44,7 @@ def test_verdicts_follow_the_goals(tmp_path):
         steps=[_step("replay", 2, 10**11), _step("replay", 8, 10**11 + 2 * 10**8, replay_seconds=8e3)]))
     _write(tmp_path, "operating_points/long.json", _sweep(4_456_447, transient=5 * 10**8,
                                                           steps=[_step("replay", 8, 10**11)]))
-    _write(tmp_path, "baselines/mode-naive.json", {"status": "ok", "metrics": {
+    _write(tmp_path, "baselines/mode-naive.json", {"status": "ok", **NAIVE_CAPACITY, "metrics": {
         "largest_fitting": 65536, "first_failing": 131072, "search_stopped_on_time_limit": False,
         "probes": [{"prompt_length": 65536, "status": "ok", "step_phases": {"replay": {"seconds": 60.0}}},
                    {"prompt_length": 131072, "status": "oom", "step_phases": None}],
@@ -53,12 +56,12 @@ def test_verdicts_follow_the_goals(tmp_path):
     assert verdicts["capture transient at 2,097,151 positions (chunk 8192)"] is False
     assert verdicts["capture transient at 4,456,447 positions (chunk 8192)"] is True
     assert verdicts["largest fitting prompt, replay over naive (hybrid-1b, G=8)"] is True  # 4,456,448 / 131,072 = 34x
-    assert verdicts["G=8 step time at naive's largest fitting length, naive over replay"] is False  # 3x
+    assert verdicts["G=8 step time, naive over replay, at the longest length naive's full step was timed"] is False  # 3x
     assert verdicts["replay time per member at 2,097,152 positions"] is False  # 1000 s per member
 
 
 def test_unmeasured_figures_are_not_guessed(tmp_path):
-    _write(tmp_path, "baselines/mode-naive.json", {"status": "ok", "metrics": {
+    _write(tmp_path, "baselines/mode-naive.json", {"status": "ok", **NAIVE_CAPACITY, "metrics": {
         "largest_fitting": 32768, "first_failing": None, "search_stopped_on_time_limit": True,
         "probes": [{"prompt_length": 32768, "status": "ok", "step_phases": {"replay": {"seconds": 60.0}}}],
         "comparison_at_largest_fitting": {}}})
@@ -73,3 +76,18 @@ def test_unmeasured_figures_are_not_guessed(tmp_path):
 def test_recorded_h200_results_evaluate():
     rows = evaluate_targets(Path(__file__).resolve().parents[1] / "experiments" / "recorded" / "h200")
     assert len(rows) >= 6 and all(row["goal"] for row in rows)
+
+
+def test_naive_bracket_takes_one_member_probes_and_oom_step_points(tmp_path):
+    # a time-limited search fitted 131,072; a single step point ran out of memory at 327,680
+    _write(tmp_path, "baselines/mode-naive.json", {"status": "ok", **NAIVE_CAPACITY, "metrics": {
+        "largest_fitting": 131072, "first_failing": None, "search_stopped_on_time_limit": True, "probes": [],
+        "comparison_at_largest_fitting": {}}})
+    _write(tmp_path, "baselines/oom.json", {"status": "oom", "kind": "step",
+                                            "config": {"mode": "naive", "prompt": {"length": 327680}}})
+    _write(tmp_path, "baselines/hold.json", {"status": "oom", "kind": "step",  # another mode: ignored
+                                             "config": {"mode": "hold_all", "prompt": {"length": 200000}}})
+    _write(tmp_path, "operating_points/long.json", _sweep(2_097_151, 10**8, [_step("replay", 8, 10**11)]))
+    capacity = next(r for r in evaluate_targets(tmp_path) if r["target"].startswith("largest fitting"))
+    assert capacity["met"] is False  # 2,097,152 / 327,680 = 6.4x
+    assert "< 327,680" in capacity["measured"] and "131,072" in capacity["measured"]

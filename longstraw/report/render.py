@@ -256,7 +256,15 @@ def _time_limit_note(row: dict) -> str:
     return (f"{row.get('point')} ({row.get('mode')}): the search stopped on its time limit{limit}; of the "
             f"probes it ran ({row.get('probes')}), {ran_out}, so its largest fitting length, "
             f"{format_value('largest_fitting', row.get('largest_fitting'))} positions, is how far it got, "
-            "not where memory runs out.")
+            "not where memory runs out." + _probe_members_note(row))
+
+
+def _probe_members_note(row: dict) -> str:
+    members = row.get("responses.probe_members")
+    if is_missing(members):
+        return ""
+    return (f" Each probe replayed {int(members)} of the G members (a serial mode's peak is one member's; the "
+            "targets below take out-of-memory step points of the same mode as the upper end of its bracket).")
 
 
 def _refresh_note(row: dict, grid: list[str]) -> str:
