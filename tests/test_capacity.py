@@ -68,3 +68,23 @@ def test_cpu_search_needs_an_emulated_ceiling(fake):
     point["model"]["device"] = "cpu"
     with pytest.raises(ValueError, match="ceiling_bytes"):
         capacity.find_capacity(point)
+
+
+def test_one_member_probes_are_refused_on_cpu(fake):
+    point = copy.deepcopy(_point(ceiling_bytes=1 << 28))
+    point["model"]["device"] = "cpu"
+    point["responses"]["probe_members"] = 1
+    with pytest.raises(ValueError, match="probe_members"):
+        capacity.find_capacity(point)
+    assert fake == []  # refused before any probe ran
+
+
+def test_comparison_steps_run_all_members(fake, monkeypatch):
+    seen = []
+    monkeypatch.setattr(capacity, "_probe", lambda point, length, workdir: seen.append(
+        (point["mode"], point["responses"]["probe_members"])) or {"status": "ok", "metrics": {
+            "peak_allocated_bytes": 1, "phase_summary": {}}})
+    point = _point(max_length=2048, compare_modes=["replay"])
+    point["responses"]["probe_members"] = 1
+    capacity.find_capacity(point)
+    assert ("naive", 1) in seen and ("replay", None) in seen
