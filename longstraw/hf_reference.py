@@ -1,4 +1,8 @@
-"""Independent references built only from HF's own forward, cache and autograd (no longstraw code)."""
+"""Independent references built only from HF's own forward, cache and autograd (no other longstraw code):
+what the tests and the validation levels (`longstraw.validation`) compare our gradients with.
+
+    from longstraw.hf_reference import hf_conditional_logprobs, hf_full_logprobs, global_relative_error
+"""
 
 from __future__ import annotations
 
