@@ -82,3 +82,11 @@ def global_relative_error(actual: dict, expected: dict) -> float:
     HF's one-pass gradient are limited by HF, not by the code under test."""
     diff = sum(float((actual.get(k, torch.zeros_like(v)) - v).double().norm() ** 2) for k, v in expected.items())
     return diff ** 0.5 / sum(float(v.double().norm() ** 2) for v in expected.values()) ** 0.5
+
+
+def global_cosine(actual: dict, expected: dict) -> float:
+    """cos(a, e) over the whole gradient vector (all parameters together; a missing grad is zero)."""
+    dot = sum(float((actual[k].double() * v.double()).sum()) for k, v in expected.items() if k in actual)
+    norm_a = sum(float(v.double().norm() ** 2) for v in actual.values()) ** 0.5
+    norm_e = sum(float(v.double().norm() ** 2) for v in expected.values()) ** 0.5
+    return dot / (norm_a * norm_e)
