@@ -327,3 +327,40 @@ def _compare_exact_cost(by_mode: dict) -> None:
     for key in ("step_seconds", "peak_allocated_bytes", "capture_seconds"):
         if key in exact and key in plain:
             exact[f"response_only_{key}"] = plain[key]
+
+
+# ------------------------------------------------------------------------------------ the summary
+
+def cell(entry: dict) -> str:
+    """A level in a few characters: yes / no / - and its deciding number."""
+    state = {True: "yes", False: "no", None: "-"}[entry["reached"]]
+    e = entry["evidence"]
+    if "dropped_term_relative_norm" in e:
+        return f"{state} (gap {e['dropped_term_relative_norm']:.3g}, cos {e['cosine']:.3f})"
+    if "relative_error" in e:
+        return f"{state} (err {e['relative_error']:.2g})"
+    if "last_mean" in e:
+        return f"{state} ({e['first_mean']:.2f}->{e['last_mean']:.2f}, lr0 {e['lr0_last_mean']:.2f})"
+    return state
+
+
+def summary_table(results: list[dict]) -> str:
+    """One line per path of every point result (a failed point: its error)."""
+    header = ["point", "model", "mode", "positions", *LEVELS, "highest"]
+    rows = []
+    for result in results:
+        if result["status"] != "ok":
+            rows.append([result["name"], result.get("error", "")[:60], "", "", "", "", "", "", result["status"]])
+            continue
+        for path in result["metrics"]["paths"]:
+            rows.append([result["name"], path["model"], path["gradient_mode"], f"{path['scale']['prompt_positions']:,}",
+                         *(cell(entry) for entry in path["levels"]), path["highest_level"]])
+    widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
+    return "\n".join("  ".join(str(v).ljust(w) for v, w in zip(r, widths)).rstrip() for r in [header] + rows)
+
+
+def reached_counts(results: list[dict]) -> dict:
+    """{level: "reached/run"} over every path of the ok results."""
+    entries = [e for r in results if r["status"] == "ok" for p in r["metrics"]["paths"] for e in p["levels"]]
+    return {name: f"{sum(e['reached'] is True for e in entries if e['level'] == name)}/"
+                  f"{sum(e['reached'] is not None for e in entries if e['level'] == name)}" for name in LEVELS}
