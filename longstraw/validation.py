@@ -316,7 +316,8 @@ def run_validation(cfg: dict, device, progress=None) -> dict:
         by_mode = {mode: validate_path(point, mode, device, progress) for mode in cfg["validation"]["modes"]}
         _compare_exact_cost(by_mode)
         paths += by_mode.values()
-    return {"paths": paths, "tolerance": tolerance(cfg)}
+    return {"paths": paths, "models": ", ".join(dict.fromkeys(p["model"] for p in paths)),
+            "tolerance": tolerance(cfg), "reached": reached_counts(paths)}
 
 
 def _compare_exact_cost(by_mode: dict) -> None:
@@ -359,8 +360,8 @@ def summary_table(results: list[dict]) -> str:
     return "\n".join("  ".join(str(v).ljust(w) for v, w in zip(r, widths)).rstrip() for r in [header] + rows)
 
 
-def reached_counts(results: list[dict]) -> dict:
-    """{level: "reached/run"} over every path of the ok results."""
-    entries = [e for r in results if r["status"] == "ok" for p in r["metrics"]["paths"] for e in p["levels"]]
+def reached_counts(paths: list[dict]) -> dict:
+    """{level: "reached/run"} over `paths`."""
+    entries = [e for p in paths for e in p["levels"]]
     return {name: f"{sum(e['reached'] is True for e in entries if e['level'] == name)}/"
                   f"{sum(e['reached'] is not None for e in entries if e['level'] == name)}" for name in LEVELS}

@@ -356,6 +356,13 @@ def test_validation_paths_show_each_levels_numbers(built):
     assert "the reference did not fit" in failed and 'data-highest="none"' in failed
 
 
+def test_validation_points_count_their_paths_levels(built):
+    rows = _parse(built["html"]).tables["table-validation-validation"]
+    cells = _cells(next(r for r in rows if r["attrs"]["data-point"] == "families"))
+    assert cells["reached_V1"]["text"] == "2/2" and cells["reached_V3"]["text"] == "1/2"
+    assert cells["reached_V4"]["text"] == "0/0" and cells["models"]["text"] == "tiny-llama"
+
+
 def test_paper_paths_stand_beside_ours_as_stated(built):
     table = built["html"].split('id="validation-paper-paths"')[1].split("</table>")[0]
     assert "GLM-5.2" in table and "Qwen3.6-27B" in table

@@ -91,8 +91,11 @@ RECORDED_COLUMNS = ["file", "point", "kind", "status", "device", "date", "commit
 GENERIC_SKIP = {"experiment", "point", "kind", "status", "error", "commit", "date", "device", "family", "dtype",
                 "torch_version", "transformers_version", "device_memory_bytes", "report_error", "model",
                 "model_type", "prompt_length", "lora_r", "nf4", "peak_rss_bytes", "wall_seconds"}
+# A validation point: how many of its paths reached each level (the paths themselves: the validation section).
+VALIDATION_COLUMNS = ["models", "prompt_length", "reached_V1", "reached_V2", "reached_V3", "reached_V4", "tolerance",
+                      "peak_rss_bytes", "wall_seconds"]
 KIND_COLUMNS = {"step": STEP_COLUMNS, "capture": CAPTURE_COLUMNS, "capacity": CAPACITY_COLUMNS, "sweep": SWEEP_COLUMNS,
-                "staleness": STALENESS_COLUMNS}
+                "staleness": STALENESS_COLUMNS, "validation": VALIDATION_COLUMNS}
 EXTRA_TABLES = {
     "sweep_steps": ("Sweep steps", SWEEP_STEP_COLUMNS,
                     "One row per GRPO step, in the order they ran, every one served by its point's single capture "
