@@ -5,6 +5,7 @@
     longstraw plan --profile cpu
     longstraw point experiments/g_sweep.yaml --profile cpu --point mode-replay_count-8 --out r.json
     longstraw train experiments/examples/train_cpu.yaml [--no-resume] [--set steps=20]
+    longstraw validate experiments/validation.yaml [--profile cpu] [--out results/validation-cpu.json]
 
 `run` executes one point config; `point` executes one point of a pipeline experiment file and
 adds the pipeline's keys (experiment, point, profile, grid, command). Result JSONs are written
@@ -13,6 +14,11 @@ when the result is written); the last stdout line is a one-line JSON summary. Ex
 oom (an out-of-memory point is a measurement), 1 for error; `point` exits 0 whenever a result
 was recorded (error included: the report shows it), 2 for a bad experiment file. `train` runs the
 GRPO trainer (`longstraw.trainer`), resuming from the output folder's newest checkpoint.
+`validate` runs the validation levels (`longstraw.validation`) of every point of a validation
+experiment's profile (or of one validation point config) in this process: a progress line per
+level on stderr, then a table per path and, last, the JSON summary on stdout; all results go to
+OUT atomically. Exit status: 0 when every point ran (levels not reached included), 1 when a point
+failed, 2 for a bad config.
 """
 
 from __future__ import annotations
@@ -84,7 +90,13 @@ def main(argv=None) -> int:
     train.add_argument("config", help="train config YAML")
     train.add_argument("--no-resume", action="store_true", help="start over instead of resuming")
     train.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE", help="override a config key")
+    validate = sub.add_parser("validate", help="run the validation levels and write their results JSON")
+    validate.add_argument("config", help="a validation experiment file (experiments/validation.yaml) or one point config")
+    validate.add_argument("--profile", default="cpu", help="the experiment file's profile (default cpu)")
+    validate.add_argument("--out", help="results JSON (default results/validation-<profile>.json)")
     args = parser.parse_args(argv)
+    if args.command == "validate":
+        return _validate(args)
     if args.command == "train":
         return _train(args)
     if args.command == "plan":
@@ -127,6 +139,52 @@ def _train(args) -> int:
     print(json.dumps({"steps": len(metrics), "out": str(trainer.out), "reward_mean_last": last.get("reward_mean"),
                       "loss_last": last.get("loss")}))
     return 0
+
+
+def _validation_points(path: str, profile: str) -> dict:
+    """{point name: config} of a validation experiment's profile, or of one point config (named
+    after its file); configs are resolved here, so a bad one fails before anything runs."""
+    from longstraw.config import resolve_config
+
+    with open(path) as f:
+        raw = yaml.safe_load(f) or {}
+    if isinstance(raw, dict) and "profiles" in raw:
+        experiment = plan.load_experiment(path)
+        if experiment["kind"] != "validation":
+            raise ValueError(f"{path}: kind is {experiment['kind']!r}; validate runs kind 'validation'")
+        points = {name: p["config"] for name, p in plan.expand(experiment, profile, source=path).items()}
+        if not points:
+            raise ValueError(f"{path}: no points in profile {profile!r}")
+        return points
+    if not isinstance(raw, dict) or raw.get("kind", "validation") != "validation":
+        raise ValueError(f"{path}: not a validation point config (kind must be 'validation')")
+    return {Path(path).stem: resolve_config({"name": Path(path).stem, **raw, "kind": "validation"}, path)}
+
+
+def _validate(args) -> int:
+    from longstraw import validation
+
+    out = args.out or f"results/validation-{args.profile}.json"
+    try:
+        points = _validation_points(args.config, args.profile)
+    except (OSError, yaml.YAMLError, ValueError) as exc:
+        print(f"longstraw: {exc}", file=sys.stderr)
+        return 2
+    results = []
+    for name, config in points.items():
+        print(f"validate {name}: {', '.join(config['validation']['levels'])} for "
+              f"{', '.join(config['validation']['modes'])}", file=sys.stderr, flush=True)
+        results.append(run_point(config, source=args.config))
+    write_json_atomic(out, {"config": args.config, "profile": args.profile, "points": results})
+    for result in results:
+        if result["status"] == "error":
+            print(result.get("traceback", result["error"]), file=sys.stderr)
+    print(validation.summary_table(results))
+    statuses = {s: sum(r["status"] == s for r in results) for s in ("ok", "oom", "error")}
+    print(json.dumps({"out": out, "points": len(results), "statuses": statuses,
+                      "reached": validation.reached_counts(
+                          [path for r in results if r["status"] == "ok" for path in r["metrics"]["paths"]])}))
+    return 1 if statuses["error"] else 0
 
 
 def _plan(args) -> int:

@@ -21,10 +21,17 @@ DEFAULTS = {
     "sweep": {"replay": [2, 8], "hold_all": [2, 4, 8]},
     "measure": {"kernel_rates": False},
     "staleness": {"steps": 8, "threshold": 1.0e-3},
+    # kind validation (longstraw.validation): gradient modes and levels per path; presets: the models
+    # (empty: `model` alone); tolerance: V2/V3's (None: by dtype); window: V4's k steps; train: V4's
+    # trainer settings (a `longstraw train` config without model, grpo and capture, which are the point's)
+    "validation": {"modes": ["response-only", "exact"], "levels": ["V1", "V2", "V3"], "presets": [],
+                   "tolerance": None, "weights_seed": 0, "window": 8, "train": {}},
 }
 
 
-FREE_FORM = {"overrides", "task"}  # passed through as given (HF config fields, a task's own settings)
+VALIDATION_MODES = ("response-only", "exact")
+VALIDATION_LEVELS = ("V1", "V2", "V3", "V4")
+FREE_FORM = {"overrides", "task", "train"}  # passed through as given (HF config fields, a task's own settings)
 
 TRAIN_DEFAULTS = {
     "model": DEFAULTS["model"],
@@ -62,7 +69,21 @@ def resolve_config(raw: dict, source: str = "config") -> dict:
     """Defaults filled in; unknown keys rejected with the key path named."""
     if not isinstance(raw, dict):
         raise ValueError(f"{source}: the experiment config must be a mapping, got {type(raw).__name__}")
-    return _merge(DEFAULTS, raw, source)
+    cfg = _merge(DEFAULTS, raw, source)
+    if cfg["kind"] == "validation":
+        _check_validation(cfg["validation"], f"{source}.validation")
+    return cfg
+
+
+def _check_validation(settings: dict, path: str) -> None:
+    for key, known in (("modes", VALIDATION_MODES), ("levels", VALIDATION_LEVELS)):
+        values = settings[key]
+        if not isinstance(values, list) or not values or any(v not in known for v in values):
+            raise ValueError(f"{path}.{key} must be a non-empty list of {known}, got {values!r}")
+    if "V4" in settings["levels"]:
+        if not settings["train"]:
+            raise ValueError(f"{path}.train: level V4 needs the trainer's settings (task, steps, sampling, ...)")
+        resolve_train_config(settings["train"], f"{path}.train")  # unknown keys fail now, not mid-run
 
 
 def _merge(defaults: dict, raw: dict, path: str) -> dict:

@@ -15,6 +15,8 @@ Three kinds of point:
   it reached). Capture is measured as in `capture` (attention time and rate included), and
   with `measure.kernel_rates` the run also times torch's causal SDPA and the attention and GEMM
   kernels on this device, so ratios against them come from one run.
+- `validation`: the four validation levels (`longstraw.validation`) on each path the point names
+  (models x gradient modes); HF's own backward is the reference, so on CUDA fla is hidden as for naive.
 - `staleness`: the fresh-prefix oracle (`longstraw.oracle`): capture once, train `staleness.steps`
   steps on the stale state, and at each step measure its drift against a fresh capture; the
   derived refresh interval is the largest step count whose loss drift stays under
@@ -65,16 +67,16 @@ def build_policy(model_cfg: dict):
     return model
 
 
-def _tokens(n: int, seed: int, vocab: int, device) -> torch.Tensor:
+def seeded_tokens(n: int, seed: int, vocab: int, device) -> torch.Tensor:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).to(device)
 
 
-def _policy_and_prompt(cfg: dict, recorder: PhaseRecorder):
+def policy_and_prompt(cfg: dict, recorder: PhaseRecorder):
     """Build the policy (timed as the `weights` phase) and the point's seeded prompt tokens."""
     with recorder.phase("weights"):
         model = build_policy(cfg["model"])
     vocab = model.get_input_embeddings().weight.shape[0]
-    return model, vocab, _tokens(cfg["prompt"]["length"], cfg["prompt"]["seed"], vocab, recorder.device)
+    return model, vocab, seeded_tokens(cfg["prompt"]["length"], cfg["prompt"]["seed"], vocab, recorder.device)
 
 
 def capture_kwargs(cfg: dict) -> dict:
@@ -82,14 +84,14 @@ def capture_kwargs(cfg: dict) -> dict:
     return {k: v for k, v in cfg["capture"].items() if v is not None}
 
 
-def _group(cfg: dict, count: int, vocab: int, device):
+def seeded_group(cfg: dict, count: int, vocab: int, device):
     """`count` seeded random responses and seeded rewards (shapes for memory and time, not meaning)."""
     rcfg = cfg["responses"]
-    responses = [_tokens(rcfg["length"], rcfg["seed"] + i, vocab, device) for i in range(count)]
+    responses = [seeded_tokens(rcfg["length"], rcfg["seed"] + i, vocab, device) for i in range(count)]
     return responses, torch.rand(count, generator=torch.Generator().manual_seed(rcfg["seed"]))
 
 
-KINDS = ("step", "capture", "capacity", "sweep", "staleness")
+KINDS = ("step", "capture", "capacity", "sweep", "staleness", "validation")
 
 
 def run_point(raw: dict, source: str = "config", on_progress=None) -> dict:
@@ -102,7 +104,9 @@ def run_point(raw: dict, source: str = "config", on_progress=None) -> dict:
     if cfg["kind"] not in KINDS:
         raise ValueError(f"{source}: kind must be one of {KINDS}, got {cfg['kind']!r}")
     device = torch.device(cfg["model"]["device"])
-    if cfg["mode"] == "naive" and cfg["kind"] == "step" and device.type == "cuda":
+    hf_backward = (cfg["mode"] == "naive" and cfg["kind"] == "step") or (
+        cfg["kind"] == "validation" and {"V2", "V3"} & set(cfg["validation"]["levels"]))
+    if hf_backward and device.type == "cuda":
         use_hf_torch_gdn()
     result = {"name": cfg["name"], "kind": cfg["kind"], "config": cfg, "provenance": provenance(device)}
     start = time.perf_counter()
@@ -118,6 +122,11 @@ def run_point(raw: dict, source: str = "config", on_progress=None) -> dict:
             result["metrics"] = _run_capture(cfg, device)
         elif cfg["kind"] == "staleness":
             result["metrics"] = _run_staleness(cfg, device, partial)
+        elif cfg["kind"] == "validation":
+            from longstraw.validation import run_validation
+
+            result["metrics"] = run_validation(cfg, device, progress=lambda line: print(line, file=sys.stderr,
+                                                                                         flush=True))
         elif cfg["kind"] == "sweep":
             result["metrics"] = _run_sweep(cfg, device, partial)
         else:
@@ -159,9 +168,9 @@ def _run_step(cfg: dict, device) -> dict:
     from longstraw.step import grpo_step
 
     recorder = PhaseRecorder(device)
-    model, vocab, prompt = _policy_and_prompt(cfg, recorder)
+    model, vocab, prompt = policy_and_prompt(cfg, recorder)
     count = cfg["responses"]["count"]
-    responses, rewards = _group(cfg, count, vocab, device)
+    responses, rewards = seeded_group(cfg, count, vocab, device)
     config = grpo.GRPOConfig(num_generations=count, **cfg["grpo"])
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg["optimizer"]["lr"])
@@ -193,7 +202,7 @@ def _summary(cycles: list) -> dict:
 
 
 def use_hf_torch_gdn() -> None:
-    """Make HF's GDN layers take their own torch chunk kernel instead of fla's (naive on CUDA).
+    """Make HF's GDN layers take their own torch chunk kernel instead of fla's (naive and HF references on CUDA).
 
     fla's chunk backward raises on Hopper with Triton 3.4-3.7 (DESIGN.md §2), and HF binds its
     GDN kernel when the modeling module is imported, so `fla` is hidden before that happens. A
@@ -237,9 +246,9 @@ def _measure_capture(model, prompt, cfg: dict, recorder: PhaseRecorder):
 def _run_capture(cfg: dict, device) -> dict:
     """Capture, then one timed replay (forward + backward) of a response of `responses.length`."""
     recorder = PhaseRecorder(device)
-    model, vocab, prompt = _policy_and_prompt(cfg, recorder)
+    model, vocab, prompt = policy_and_prompt(cfg, recorder)
     metrics, state = _measure_capture(model, prompt, cfg, recorder)
-    response = _tokens(cfg["responses"]["length"], cfg["responses"]["seed"], vocab, device)
+    response = seeded_tokens(cfg["responses"]["length"], cfg["responses"]["seed"], vocab, device)
     with recorder.phase("replay"):
         replay(model, state, response).sum().backward()
     return {"phases": recorder.phases, **metrics, "replay_seconds": recorder.phases["replay"]["seconds"],
@@ -252,7 +261,7 @@ def _run_sweep(cfg: dict, device, on_progress) -> dict:
     from longstraw.step import grpo_step
 
     recorder = PhaseRecorder(device)
-    model, vocab, prompt = _policy_and_prompt(cfg, recorder)
+    model, vocab, prompt = policy_and_prompt(cfg, recorder)
     out = {"weights": recorder.phases["weights"], "trainable_parameters": trainable_parameters(model)}
     if cfg["measure"]["kernel_rates"]:
         from longstraw.kernel_rates import measure_kernel_rates
@@ -268,7 +277,7 @@ def _run_sweep(cfg: dict, device, on_progress) -> dict:
     optimizer = torch.optim.AdamW(params, lr=cfg["optimizer"]["lr"])
     for mode in ("replay", "hold_all"):
         for count in cfg["sweep"][mode]:
-            responses, rewards = _group(cfg, count, vocab, device)
+            responses, rewards = seeded_group(cfg, count, vocab, device)
             config = grpo.GRPOConfig(num_generations=count, **cfg["grpo"])
             step = {"mode": mode, "count": count}
             try:
@@ -298,7 +307,7 @@ def _run_staleness(cfg: dict, device, on_progress) -> dict:
     from longstraw.oracle import refresh_interval, staleness_oracle
 
     recorder = PhaseRecorder(device)
-    model, _, prompt = _policy_and_prompt(cfg, recorder)
+    model, _, prompt = policy_and_prompt(cfg, recorder)
     rcfg, settings = cfg["responses"], cfg["staleness"]
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg["optimizer"]["lr"])

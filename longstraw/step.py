@@ -6,6 +6,10 @@
 - `naive`: what standard trainers do: each response's full prompt+response forward under
   autograd with gradient checkpointing (HF's own forward), scoring by full forwards too.
 
+`prefix_grad=True` (replay and hold_all) is the exact mode (`longstraw.prefix_grad`): the capture
+keeps what the prompt-side term needs, and `state.backward_prefix()` runs after the replays (phase
+`prefix_backward`), so the step applies the full-sequence gradient instead of the conditional one.
+
 All modes share the objective (`longstraw.grpo`) and the token normalisation fixed before the
 replays, so their accumulated gradients agree; they differ only in memory and time.
 """
@@ -63,7 +67,7 @@ def _checkpointed(model):
 
 def grpo_step(model, prompt_ids, responses, rewards, optimizer, config: grpo.GRPOConfig, *, mode: str = "replay",
               state=None, old_logps=None, capture_kwargs=None, device=None, max_grad_norm: float | None = None,
-              ref_state=None, members: int | None = None) -> dict:
+              ref_state=None, members: int | None = None, prefix_grad: bool = False) -> dict:
     """Run one transaction and the optimizer step; returns metrics with per-phase measurements.
 
     Reference log-probs (`config.beta > 0`) are scored with the adapter disabled on `ref_state`,
@@ -86,6 +90,10 @@ def grpo_step(model, prompt_ids, responses, rewards, optimizer, config: grpo.GRP
                          f"and needs 1 <= members <= G={len(responses)}; hold_all's peak depends on all G graphs")
     if (state is not None or ref_state is not None) and mode == "naive":
         raise ValueError("mode 'naive' recomputes the prompt per response and takes no captured state")
+    if prefix_grad and mode == "naive":
+        raise ValueError("prefix_grad needs a captured state; mode 'naive' already back-propagates through the prompt")
+    if prefix_grad and state is not None and state.prefix_trace is None:
+        raise ValueError("prefix_grad=True needs a state captured with capture(..., prefix_grad=True)")
     adapter = adapter_for(model)
     recorder = PhaseRecorder(device or adapter.device)
     rewards = torch.as_tensor(rewards, dtype=torch.float32)
@@ -100,7 +108,7 @@ def grpo_step(model, prompt_ids, responses, rewards, optimizer, config: grpo.GRP
     else:
         if state is None:
             with recorder.phase("capture"):
-                state = capture(model, prompt_ids, **(capture_kwargs or {}))
+                state = capture(model, prompt_ids, prefix_grad=prefix_grad, **(capture_kwargs or {}))
         fingerprint = state.fingerprint()
 
         def scorer(y, scored_state=None):
@@ -133,6 +141,9 @@ def grpo_step(model, prompt_ids, responses, rewards, optimizer, config: grpo.GRP
                     losses.append(loss.detach())
                     logps.append(logp.detach())
                     del logp, loss
+    if prefix_grad:
+        with recorder.phase("prefix_backward"):
+            state.backward_prefix()
     grad_norm = _grad_norm(model)
     if max_grad_norm is not None:
         torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], max_grad_norm)

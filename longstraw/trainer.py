@@ -152,6 +152,7 @@ class Trainer:
         return {"step": step, "prompt": step // self.cfg["steps_per_prompt"], "refreshed": refreshed,
                 "state_age": step - self.capture_step, "drift_before": drift, "lr": lr,
                 "reward_mean": metrics["reward_mean"], "reward_std": float(torch.tensor(rewards).std()),
+                "rewards": [float(r) for r in rewards],
                 "loss": metrics["loss"], "grad_norm": metrics["grad_norm"], **metrics["stats"],
                 "response_tokens": metrics["response_tokens"], "seconds": time.perf_counter() - start}
 

@@ -4,7 +4,8 @@ the full replay, in bf16, against HF's own forward and cache reference on the sa
 import pytest
 import torch
 
-from hf_reference import grads_of, hf_conditional_logprobs, hf_full_logprobs, hf_torch_gdn_kernels, max_relative_error
+from longstraw.hf_reference import (grads_of, hf_conditional_logprobs, hf_full_logprobs, hf_torch_gdn_kernels,
+                                     max_relative_error)
 from longstraw import capture, replay
 from longstraw.models import TINY_PRESETS, build_model
 

@@ -11,7 +11,7 @@ try:
 except Exception as exc:  # not installed, or a broken build (missing native library)
     pytest.skip(f"bitsandbytes is not importable ({exc!r}): NF4/QLoRA tests skipped", allow_module_level=True)
 
-from hf_reference import grads_of, hf_conditional_logprobs, hf_full_logprobs, max_relative_error  # noqa: E402
+from longstraw.hf_reference import grads_of, hf_conditional_logprobs, hf_full_logprobs, max_relative_error  # noqa: E402
 from longstraw import capture, replay  # noqa: E402
 from longstraw.lora import apply_lora  # noqa: E402
 from longstraw.models import TINY_PRESETS, build_model  # noqa: E402

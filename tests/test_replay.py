@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from hf_reference import grads_of, hf_conditional_logprobs, hf_full_logprobs, max_relative_error
+from longstraw.hf_reference import grads_of, hf_conditional_logprobs, hf_full_logprobs, max_relative_error
 from longstraw import capture, replay
 from longstraw.lora import apply_lora
 from longstraw.models import TINY_PRESETS, build_model

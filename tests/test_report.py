@@ -65,6 +65,12 @@ def built(tmp_path_factory):
     for preset in ("tiny-llama", "tiny-qwen3_5"):
         result = run_point({**TINY, "kind": "capture", "model": {"preset": preset}})
         points[("architectures", preset)] = (result, {"model.preset": preset})
+    validation = run_point({**TINY, "kind": "validation", "prompt": {"length": 24}, "capture": {"chunk_size": 8}})
+    assert validation["status"] == "ok"
+    points[("validation", "families")] = (validation, {})
+    broken = {**{k: validation[k] for k in ("provenance", "config", "peak_rss_bytes", "wall_seconds")},
+              "kind": "validation", "status": "error", "error": "RuntimeError: the reference did not fit"}
+    points[("validation", "broken")] = (broken, {})
     error = run_point({**TINY, "kind": "step", "mode": "no_such_mode"})
     assert error["status"] == "error"
     points[("g_sweep", "no_such_mode-G2")] = (error, {"mode": "no_such_mode", "responses.count": 2})
@@ -316,10 +322,51 @@ def test_paper_figures_sit_beside_ours(built):
 def test_validation_levels(built):
     html = built["html"]
     levels = html.split('id="validation-levels"')[1].split("</table>")[0]
-    assert "reached on 1 of 1 paths" in levels
-    assert "tests/test_replay.py" in levels and "not yet a pipeline measurement" in levels
-    assert levels.count("not yet measured") == 2
+    # V1: the step points' one path and the validation point's two (plus its failed point's row)
+    assert "reached on 3 of 4 paths where run" in levels
+    assert "reached on 2 of 2 paths where run" in levels  # V2: both gradient modes
+    assert "reached on 1 of 2 paths where run" in levels and "not reached by design" in levels  # V3: exact only
+    assert levels.count("not run in these results") == 1  # V4
     assert "full-sequence gradient parity is not claimed" in html
+
+
+def _path_rows(html):
+    table = html.split('id="validation-paths"')[1].split("</table>")[0]
+    return [row for row in table.split("<tr")[2:]]
+
+
+def test_validation_paths_show_each_levels_numbers(built):
+    result = built["files"][("validation", "families")]
+    rows = _path_rows(built["html"])
+    for path in result["metrics"]["paths"]:
+        mode = path["gradient_mode"]
+        row = next(r for r in rows if f'data-gradient-mode="{mode}"' in r and "24 positions" in r)
+        levels = {e["level"]: e for e in path["levels"]}
+        assert f'data-highest="{path["highest_level"]}"' in row
+        v2 = row.split('data-level="V2"')[1].split("</td>")[0]
+        assert f"relative error {levels['V2']['evidence']['relative_error']:.2e}" in v2 and "1e-04" in v2
+        v3 = row.split('data-level="V3"')[1].split("</td>")[0]
+        if mode == "exact":
+            assert 'data-state="reached"' in v3 and f"{levels['V3']['evidence']['relative_error']:.2e}" in v3
+        else:  # the gap of the dropped prompt-side term, not a pass
+            gap = levels["V3"]["evidence"]["dropped_term_relative_norm"]
+            assert 'data-state="not reached"' in v3 and f"= {gap:.3g}" in v3 and gap > 0.01
+        assert 'data-state="not run"' in row.split('data-level="V4"')[1]
+    failed = next(r for r in rows if "validation/broken" in r)
+    assert "the reference did not fit" in failed and 'data-highest="none"' in failed
+
+
+def test_validation_points_count_their_paths_levels(built):
+    rows = _parse(built["html"]).tables["table-validation-validation"]
+    cells = _cells(next(r for r in rows if r["attrs"]["data-point"] == "families"))
+    assert cells["reached_V1"]["text"] == "2/2" and cells["reached_V3"]["text"] == "1/2"
+    assert cells["reached_V4"]["text"] == "0/0" and cells["models"]["text"] == "tiny-llama"
+
+
+def test_paper_paths_stand_beside_ours_as_stated(built):
+    table = built["html"].split('id="validation-paper-paths"')[1].split("</table>")[0]
+    assert "GLM-5.2" in table and "Qwen3.6-27B" in table
+    assert table.count("left to future work") == 2 and table.count("not stated") == 2
 
 
 def test_tables_keep_every_point_and_csvs_are_written(built, tmp_path):

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from hf_reference import hf_conditional_logprobs, hf_full_logprobs, max_relative_error
-from longstraw import grpo
+from longstraw.hf_reference import global_relative_error, hf_conditional_logprobs, hf_full_logprobs, max_relative_error
+from longstraw import capture, grpo
 from longstraw.models import build_model
 from longstraw.step import grpo_step
 
@@ -61,6 +61,32 @@ def test_naive_gradient_is_hf_full_sequence_gradient():
     loss.backward()
     expected = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     assert max_relative_error(recorder.grads, expected) < 1e-4
+
+
+@pytest.mark.parametrize("mode", ["replay", "hold_all"])
+def test_exact_mode_step_gradient_equals_naive(mode):
+    """prefix_grad=True: the step applies HF's one-pass full-sequence gradient (naive's), not the conditional one."""
+    model = build_model("tiny-qwen3_5", seed=3)
+    prompt, responses, rewards = _group(seed=4)
+    config = grpo.GRPOConfig(num_generations=4, beta=0.1, loss_type="dapo")
+    grads, phases = {}, {}
+    for run, kwargs in (("exact", {"mode": mode, "prefix_grad": True, "capture_kwargs": {"chunk_size": 8}}),
+                        ("conditional", {"mode": mode, "capture_kwargs": {"chunk_size": 8}}),
+                        ("naive", {"mode": "naive"})):
+        recorder = GradientRecorder(model)
+        phases[run] = grpo_step(model, prompt, responses, rewards, recorder, config, **kwargs)["phases"]
+        grads[run] = recorder.grads
+    assert "prefix_backward" in phases["exact"] and "prefix_backward" not in phases["conditional"]
+    assert global_relative_error(grads["exact"], grads["naive"]) < 1e-4
+    assert global_relative_error(grads["conditional"], grads["naive"]) > 1e-2  # the prompt-side term is real
+
+
+def test_prefix_grad_refuses_a_response_only_state():
+    model = build_model("tiny-llama", seed=0)
+    prompt, responses, rewards = _group()
+    with pytest.raises(ValueError, match="prefix_grad=True"):
+        grpo_step(model, prompt, responses, rewards, GradientRecorder(model), grpo.GRPOConfig(num_generations=4),
+                  state=capture(model, prompt), prefix_grad=True)
 
 
 def test_step_applies_the_optimizer_and_reports_phases():

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from hf_reference import hf_conditional_logprobs, hf_full_logprobs
+from longstraw.hf_reference import hf_conditional_logprobs, hf_full_logprobs
 from longstraw import grpo, tasks
 from longstraw.trainer import Trainer
 

@@ -22,7 +22,7 @@ import yaml
 from longstraw.report.formatting import exact_value, format_number, format_value, is_missing, refresh_interval_sentence
 
 NOT_MEASURED = "not yet measured"
-EMPTY_PAPER = {"setup": {}, "experiments": [], "figures": [], "standing": {}}
+EMPTY_PAPER = {"setup": {}, "experiments": [], "figures": [], "standing": {}, "paths": []}
 # What the two trainable-parameter counts cover, so they are not read as the same adapter: the
 # paper's 116.7M is LoRA r=16 on the attention, GDN and MLP projections; ours (longstraw/lora.py
 # LORA_TARGETS) puts LoRA on the attention and GDN projections only.

@@ -37,7 +37,7 @@ from longstraw.report.formatting import (column_label, exact_value, format_perce
                                          refresh_interval_sentence)
 from longstraw.report.paper import compare_figures, load_paper, reference_marks, scale_rows
 from longstraw.report.plots import figure_caption, make_plots
-from longstraw.report.validation import levels_table, v1_paths
+from longstraw.report.validation import all_paths, levels_table, paper_paths
 from longstraw.results import STATUSES
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -91,8 +91,11 @@ RECORDED_COLUMNS = ["file", "point", "kind", "status", "device", "date", "commit
 GENERIC_SKIP = {"experiment", "point", "kind", "status", "error", "commit", "date", "device", "family", "dtype",
                 "torch_version", "transformers_version", "device_memory_bytes", "report_error", "model",
                 "model_type", "prompt_length", "lora_r", "nf4", "peak_rss_bytes", "wall_seconds"}
+# A validation point: how many of its paths reached each level (the paths themselves: the validation section).
+VALIDATION_COLUMNS = ["models", "prompt_length", "reached_V1", "reached_V2", "reached_V3", "reached_V4", "tolerance",
+                      "peak_rss_bytes", "wall_seconds"]
 KIND_COLUMNS = {"step": STEP_COLUMNS, "capture": CAPTURE_COLUMNS, "capacity": CAPACITY_COLUMNS, "sweep": SWEEP_COLUMNS,
-                "staleness": STALENESS_COLUMNS}
+                "staleness": STALENESS_COLUMNS, "validation": VALIDATION_COLUMNS}
 EXTRA_TABLES = {
     "sweep_steps": ("Sweep steps", SWEEP_STEP_COLUMNS,
                     "One row per GRPO step, in the order they ran, every one served by its point's single capture "
@@ -437,7 +440,7 @@ def build_context(profile: str, results_dir, out_dir, recorded_dir, paper_path, 
                                    drift.get(name))
                 for name in names]
     all_rows = [r for df in frames.values() for r in records(df)]
-    paths = v1_paths(with_steps)
+    paths = all_paths(with_steps, points)
     counts = status_counts(points)
     return {
         "profile": profile,
@@ -454,7 +457,8 @@ def build_context(profile: str, results_dir, out_dir, recorded_dir, paper_path, 
         "targets": targets_section(results_dir, profile),
         "paper": {"missing": paper.get("missing", ""), "scale": scale_rows(paper, all_rows, ceiling),
                   "figures": figures_beside},
-        "validation": {"levels": levels_table(paths, paper.get("standing") or {}), "paths": paths},
+        "validation": {"levels": levels_table(paths, paper.get("standing") or {}), "paths": paths,
+                       "paper_paths": paper_paths(paper)},
         "experiments": sections,
         "recorded": recorded_section(recorded_dir, out_dir, results_dir),
     }

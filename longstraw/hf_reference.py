@@ -1,4 +1,8 @@
-"""Independent references built only from HF's own forward, cache and autograd (no longstraw code)."""
+"""Independent references built only from HF's own forward, cache and autograd (no other longstraw code):
+what the tests and the validation levels (`longstraw.validation`) compare our gradients with.
+
+    from longstraw.hf_reference import hf_conditional_logprobs, hf_full_logprobs, global_relative_error
+"""
 
 from __future__ import annotations
 
@@ -108,3 +112,11 @@ def global_relative_error(actual: dict, expected: dict) -> float:
     HF's one-pass gradient are limited by HF, not by the code under test."""
     diff = sum(float((actual.get(k, torch.zeros_like(v)) - v).double().norm() ** 2) for k, v in expected.items())
     return diff ** 0.5 / sum(float(v.double().norm() ** 2) for v in expected.values()) ** 0.5
+
+
+def global_cosine(actual: dict, expected: dict) -> float:
+    """cos(a, e) over the whole gradient vector (all parameters together; a missing grad is zero)."""
+    dot = sum(float((actual[k].double() * v.double()).sum()) for k, v in expected.items() if k in actual)
+    norm_a = sum(float(v.double().norm() ** 2) for v in actual.values()) ** 0.5
+    norm_e = sum(float(v.double().norm() ** 2) for v in expected.values()) ** 0.5
+    return dot / (norm_a * norm_e)

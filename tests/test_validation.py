@@ -1,0 +1,172 @@
+"""The validation levels (longstraw.validation): each can pass and each can fail, against HF's own
+gradients and hand-computed numbers; and `longstraw validate` end to end."""
+
+import json
+import math
+
+import pytest
+import torch
+import yaml
+
+from longstraw import cli, validation
+from longstraw.config import resolve_config
+from longstraw.hf_reference import global_relative_error, hf_conditional_logprobs, hf_full_logprobs
+from longstraw.models import build_model
+
+
+def _config(preset="tiny-llama", **validation_settings):
+    return resolve_config({"kind": "validation", "model": {"preset": preset}, "prompt": {"length": 40},
+                           "responses": {"count": 2, "length": 6}, "capture": {"chunk_size": 16},
+                           "validation": validation_settings})
+
+
+def _levels(path):
+    return {entry["level"]: entry for entry in path["levels"]}
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3_5"])
+def test_exact_mode_reaches_full_sequence_parity(preset):
+    cfg = _config(preset, modes=["exact"], levels=["V2", "V3"])
+    (path,) = validation.run_validation(cfg, torch.device("cpu"))["paths"]
+    levels = _levels(path)
+    assert levels["V3"]["reached"] and levels["V3"]["evidence"]["relative_error"] < 1e-5
+    assert levels["V2"]["reached"] and levels["V1"]["reached"] is None and path["highest_level"] == "V3"
+
+
+def _hf_gradient(model, logprobs, prompt, responses, weights):
+    model.zero_grad(set_to_none=True)
+    sum((logprobs(model, prompt, y) * w).sum() for y, w in zip(responses, weights)).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def test_response_only_reports_its_gap_and_does_not_reach_v3():
+    cfg = _config("tiny-qwen3_5", modes=["response-only"], levels=["V3"])
+    (path,) = validation.run_validation(cfg, torch.device("cpu"))["paths"]
+    v3 = _levels(path)["V3"]
+    assert v3["reached"] is False
+    # the gap, recomputed from HF alone: the conditional reference against the one-pass one
+    model = build_model("tiny-qwen3_5")
+    prompt = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(0))
+    responses = [torch.randint(0, 256, (6,), generator=torch.Generator().manual_seed(1 + i)) for i in range(2)]
+    weights = validation.objective_weights(responses, seed=0)
+    conditional = _hf_gradient(model, hf_conditional_logprobs, prompt, responses, weights)
+    full = _hf_gradient(model, hf_full_logprobs, prompt, responses, weights)
+    expected_gap = global_relative_error(conditional, full)
+    assert expected_gap > 0.05
+    assert v3["evidence"]["dropped_term_relative_norm"] == pytest.approx(expected_gap, rel=1e-3)
+    assert 0 < v3["evidence"]["cosine"] < 0.999
+
+
+def test_a_corrupted_gradient_fails_v2(monkeypatch):
+    real = validation.replay
+    monkeypatch.setattr(validation, "replay", lambda *args, **kwargs: real(*args, **kwargs) * 1.001)
+    cfg = _config(modes=["response-only"], levels=["V2"])
+    (path,) = validation.run_validation(cfg, torch.device("cpu"))["paths"]
+    v2 = _levels(path)["V2"]
+    assert v2["reached"] is False and path["highest_level"] == "none"
+    assert v2["evidence"]["relative_error"] == pytest.approx(1e-3, rel=1e-2)  # every gradient 0.1% too large
+
+
+def test_a_non_finite_step_fails_v1(monkeypatch):
+    from longstraw import step
+
+    real = step.replay
+    monkeypatch.setattr(step, "replay", lambda *args, **kwargs: real(*args, **kwargs) * float("nan"))
+    (path,) = validation.run_validation(_config(modes=["response-only"], levels=["V1"]), torch.device("cpu"))["paths"]
+    v1 = _levels(path)["V1"]
+    assert v1["reached"] is False and math.isnan(v1["evidence"]["loss"]) and v1["evidence"]["state_unchanged"]
+
+
+def test_parity_tolerance_on_hand_computed_vectors():
+    reference = {"w": torch.tensor([3.0, 4.0])}  # norm 5
+    assert validation.parity({"w": torch.tensor([3.0, 4.0004])}, reference, 1e-4)[0]  # error 8e-5
+    reached, evidence = validation.parity({"w": torch.tensor([3.0, 4.001])}, reference, 1e-4)  # error 2e-4
+    assert not reached and evidence["relative_error"] == pytest.approx(2e-4, rel=1e-4)
+    assert validation.parity({"w": torch.tensor([4.0, -3.0])}, reference, 1e-4)[1]["cosine"] == pytest.approx(0.0)
+
+
+# V4's rule on hand-computed series: 2 windows of 2 steps of 4 responses
+LOW = [[0, 0, 0, 0], [0, 0, 0, 1]]  # mean 1/8, sample variance 1/8
+HIGH = [[1, 1, 1, 1], [1, 1, 1, 1]]  # mean 1, variance 0
+
+
+def test_v4_passes_when_the_gain_exceeds_three_standard_errors():
+    reached, e = validation.improvement_decision(LOW + HIGH, LOW + LOW, window=2)
+    # SE = sqrt((1/8) / 8 + 0 / 8) = 1/8; gain 7/8 = 7 SE, against both the first window and lr 0
+    assert reached
+    assert e["gain_over_first"] == pytest.approx(7 / 8) and e["gain_over_first_se"] == pytest.approx(1 / 8)
+    assert e["gain_over_lr0"] == pytest.approx(7 / 8) and e["lr0_last_mean"] == pytest.approx(1 / 8)
+
+
+def test_v4_fails_when_the_lr0_run_rises_as_much():
+    reached, e = validation.improvement_decision(LOW + HIGH, LOW + HIGH, window=2)
+    assert not reached and e["gain_over_lr0"] == 0 and e["gain_over_first"] > 3 * e["gain_over_first_se"]
+
+
+def test_v4_fails_at_exactly_three_standard_errors():
+    first = [[0, 0], [0, 1]]  # mean 1/4, sample variance 1/4
+    last = [[1, 1], [1, 1]]
+    reached, e = validation.improvement_decision(first + last, first + first, window=2)
+    # SE = sqrt((1/4) / 4) = 1/4; the gain 3/4 is exactly 3 SE: not more than 3 SE
+    assert e["gain_over_first_se"] == pytest.approx(0.25) and e["gain_over_first"] == pytest.approx(0.75)
+    assert not reached
+
+
+def test_v4_window_must_fit_the_run():
+    with pytest.raises(ValueError, match="window 3"):
+        validation.improvement_decision(LOW + HIGH, LOW + HIGH, window=3)
+
+
+def test_v4_wiring_runs_the_trainer_twice():
+    cfg = resolve_config({"kind": "validation", "model": {"preset": "tiny-llama", "overrides": {"vocab_size": 80}},
+                          "grpo": {"beta": 0.0}, "optimizer": {"lr": 3e-2}, "validation": {
+                              "modes": ["response-only"], "levels": ["V4"], "window": 1,
+                              "train": {"task": {"name": "kv_retrieval", "length": 16}, "steps": 2,
+                                        "sampling": {"num_samples": 2, "max_new_tokens": 1}}}})
+    lines = []
+    (path,) = validation.run_validation(cfg, torch.device("cpu"), progress=lines.append)["paths"]
+    v4 = _levels(path)["V4"]
+    assert v4["reached"] in (True, False) and v4["evidence"]["responses_per_window"] == 2
+    assert v4["scale"]["prompt_positions"] == 16 and v4["evidence"]["lr"] == 3e-2
+    assert any(line.startswith("V4 untrained run (lr 0)") for line in lines)
+
+
+def test_bad_validation_configs_are_named():
+    with pytest.raises(ValueError, match="validation.levels"):
+        _config(levels=["V5"])
+    with pytest.raises(ValueError, match="validation.modes"):
+        _config(modes=["full"])
+    with pytest.raises(ValueError, match="validation.train: level V4 needs"):
+        _config(levels=["V4"])
+    with pytest.raises(ValueError, match="validation.train: unknown key 'stpes'"):
+        _config(levels=["V4"], train={"stpes": 3})
+
+
+def test_validate_cli_writes_json_and_a_summary_line(tmp_path, capsys):
+    config = tmp_path / "one.yaml"
+    config.write_text(yaml.safe_dump({"model": {"preset": "tiny-llama"}, "prompt": {"length": 20},
+                                      "responses": {"count": 2, "length": 4}, "capture": {"chunk_size": 8},
+                                      "validation": {"levels": ["V1", "V2"]}}))
+    out = tmp_path / "out" / "validation.json"
+    assert cli.main(["validate", str(config), "--out", str(out)]) == 0
+    stdout = capsys.readouterr().out.strip().splitlines()
+    summary = json.loads(stdout[-1])
+    assert summary == {"out": str(out), "points": 1, "statuses": {"ok": 1, "oom": 0, "error": 0},
+                       "reached": {"V1": "2/2", "V2": "2/2", "V3": "0/0", "V4": "0/0"}}
+    written = json.loads(out.read_text())
+    modes = [p["gradient_mode"] for p in written["points"][0]["metrics"]["paths"]]
+    assert modes == ["response-only", "exact"] and any("exact" in line and "yes (err" in line for line in stdout)
+    assert not [p for p in out.parent.iterdir() if p.name.startswith(".")]  # atomic: no temp file left
+
+
+def test_validate_cli_rejects_bad_configs(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({"validation": {"levels": ["V9"]}}))
+    assert cli.main(["validate", str(bad), "--out", str(tmp_path / "x.json")]) == 2
+    assert "validation.levels" in capsys.readouterr().err
+    assert cli.main(["validate", "experiments/g_sweep.yaml", "--out", str(tmp_path / "x.json")]) == 2
+    assert "validate runs kind 'validation'" in capsys.readouterr().err
+    assert cli.main(["validate", "experiments/validation.yaml", "--profile", "h100"]) == 2
+    assert not (tmp_path / "x.json").exists()
