@@ -57,7 +57,10 @@ def _partial_path(out) -> Path:
 
 
 def _record(result: dict, out) -> None:
-    """Write the result atomically; show a failure's traceback; end stdout with the summary line."""
+    """Write the result atomically; show a failure's traceback; end stdout with the summary line.
+    Under context parallelism only rank 0 writes (its result holds every rank's record)."""
+    if result.get("cp", {}).get("rank", 0) != 0:
+        return
     write_json_atomic(out, result)
     _partial_path(out).unlink(missing_ok=True)
     if result["status"] == "error":
