@@ -158,7 +158,8 @@ def _point(args) -> int:
                        on_progress=lambda partial: write_json_atomic(_partial_path(args.out), partial))
     result.update(experiment=experiment["name"], experiment_title=experiment["title"], point=args.point,
                   profile=args.profile, grid=points[args.point]["grid"],
-                  command=plan.point_command(args.experiment, args.profile, args.point, args.out))
+                  command=plan.point_command(args.experiment, args.profile, args.point, args.out,
+                                             points[args.point]["config"]["cp_size"]))
     _record(result, args.out)
     return 0
 

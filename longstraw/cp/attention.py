@@ -45,12 +45,11 @@ def capture_attention(q_BHTD, k_BKTD, v_BKTD, pages: ShardPages, scale: float) -
     kernel, block = kernel_and_block("auto", q_BHTD, v_BKTD.shape[-1], (), None)
     pages.append(k_BKTD, v_BKTD)
     k_BKTD, v_BKTD = pages.filled()
-    q_BHTD = q_BHTD.contiguous() if kernel != "math" else q_BHTD
-    parts = []
-    for c0 in range(0, T, pages.query_chunk):  # own shard: each chunk over the pages before it + itself
-        c = slice(c0, min(c0 + pages.query_chunk, T))
-        parts.append(attention_partial(q_BHTD[:, :, c].contiguous(), k_BKTD[:, :, :c0], v_BKTD[:, :, :c0],
-                                       k_BKTD[:, :, c], v_BKTD[:, :, c], scale, block, kernel))
+    # queries go `query_chunk` at a time, so a block's scores stay [chunk, block] however long the shard
+    chunks = [slice(c0, min(c0 + pages.query_chunk, T)) for c0 in range(0, T, pages.query_chunk)]
+    q_chunks = [q_BHTD[:, :, c].contiguous() for c in chunks]
+    parts = [attention_partial(q_c, k_BKTD[:, :, :c.start], v_BKTD[:, :, :c.start], k_BKTD[:, :, c], v_BKTD[:, :, c],
+                               scale, block, kernel) for c, q_c in zip(chunks, q_chunks)]  # own shard, causal
     out_BHTD, lse_BHT = (torch.cat(x, dim=2) for x in zip(*parts))
     for source in range(cp.rank):  # earlier shards, in rank order, from the previous rank
         start, end = pages.bounds[source]
@@ -59,7 +58,9 @@ def capture_attention(q_BHTD, k_BKTD, v_BKTD, pages: ShardPages, scale: float) -
         cp.recv_((k_b, v_b), cp.rank - 1)
         if not cp.is_last:
             cp.send((k_b, v_b), cp.rank + 1)
-        _merge_(out_BHTD, lse_BHT, *attention_partial(q_BHTD, k_b, v_b, None, None, scale, block, kernel))
+        for c, q_c in zip(chunks, q_chunks):
+            _merge_(out_BHTD[:, :, c], lse_BHT[:, :, c], *attention_partial(q_c, k_b, v_b, None, None, scale, block,
+                                                                              kernel))
     if not cp.is_last:
         cp.send((k_BKTD, v_BKTD), cp.rank + 1)
     return out_BHTD.to(q_BHTD.dtype)
