@@ -80,8 +80,17 @@ def decode_attention(q_BHTD, k_shared_1KPD, v_shared_1KPD, k_own_BKND, v_own_BKN
     The shared part folds the B sequences and the query group into one row axis
     ([1, K, B * G, D]), as replay folds the group, so the prefix is read once for all sequences.
     """
+    return decode_partial(q_BHTD, k_shared_1KPD, v_shared_1KPD, k_own_BKND, v_own_BKND, scale=scale,
+                          block_size=block_size)[0].to(q_BHTD.dtype)
+
+
+@torch.no_grad()
+def decode_partial(q_BHTD, k_shared_1KPD, v_shared_1KPD, k_own_BKND=None, v_own_BKND=None, *, scale: float,
+                   block_size: int | None = None):
+    """`decode_attention`'s (out, lse) in the accumulation dtype, before the cast; without own keys
+    (None) the rows start from (0, -inf): a partial over the shared pages only."""
     B, H, T, D = q_BHTD.shape
-    K, Dv = k_own_BKND.shape[1], v_own_BKND.shape[3]
+    K, Dv = k_shared_1KPD.shape[1], v_shared_1KPD.shape[3]
     if T != 1:
         raise ValueError(f"decode_attention takes one query per sequence, got T={T}")
     G = H // K
@@ -89,8 +98,12 @@ def decode_attention(q_BHTD, k_shared_1KPD, v_shared_1KPD, k_own_BKND, v_own_BKN
     block_fwd = _flash_block_fwd if kernel == "flash" else _math_block_fwd
     acc = _acc_dtype(q_BHTD.dtype)
     q_in = q_BHTD if kernel == "flash" else q_BHTD.to(acc)
-    out_BHTD, lse_BHT = block_fwd(q_in, _repeat_kv(k_own_BKND, G), _repeat_kv(v_own_BKND, G), scale)
-    out_BHTD, lse_BHT = out_BHTD.to(acc).contiguous(), lse_BHT.to(acc).contiguous()
+    if k_own_BKND is None:
+        out_BHTD = torch.zeros(B, H, T, Dv, dtype=acc, device=q_BHTD.device)
+        lse_BHT = torch.full((B, H, T), float("-inf"), dtype=acc, device=q_BHTD.device)
+    else:
+        out_BHTD, lse_BHT = block_fwd(q_in, _repeat_kv(k_own_BKND, G), _repeat_kv(v_own_BKND, G), scale)
+        out_BHTD, lse_BHT = out_BHTD.to(acc).contiguous(), lse_BHT.to(acc).contiguous()
     P = k_shared_1KPD.shape[2]
     if P:
         q_1KMD = q_in.reshape(B, K, G, D).transpose(0, 1).reshape(1, K, B * G, D).contiguous()
@@ -103,7 +116,7 @@ def decode_attention(q_BHTD, k_shared_1KPD, v_shared_1KPD, k_own_BKND, v_own_BKN
             _merge_(out_1KMD, lse_1KM, o_b.to(acc), l_b.to(acc))
         shared_BHTD = out_1KMD.reshape(K, B, G, Dv).transpose(0, 1).reshape(B, H, 1, Dv)
         _merge_(out_BHTD, lse_BHT, shared_BHTD, lse_1KM.reshape(K, B, G).transpose(0, 1).reshape(B, H, 1))
-    return out_BHTD.to(q_BHTD.dtype)
+    return out_BHTD, lse_BHT
 
 
 def reference_attention(q, k_prefix, v_prefix, k_live, v_live, scale):

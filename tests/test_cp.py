@@ -207,3 +207,32 @@ def _rank_short_prompt():
 def test_prompt_shorter_than_the_ranks_is_refused():
     with pytest.raises(RuntimeError, match="fewer than the 3 context-parallel ranks"):
         run_ranks(_rank_short_prompt, 3, start_method="fork")
+
+
+def _train_config(out_dir, cp_size):
+    return {"cp_size": cp_size, "model": {"preset": "tiny-qwen3_5", "lora": {"r": 4, "init_random": True}},
+            "task": {"name": "kv_retrieval", "length": 48}, "steps": 3, "steps_per_prompt": 2, "seed": 3,
+            "sampling": {"num_samples": 3, "max_new_tokens": 4}, "optimizer": {"lr": 1e-2},
+            "refresh": {"policy": "every", "every": 2}, "capture": {"chunk_size": 8},
+            "output": {"dir": str(out_dir), "checkpoint_every": 0}}
+
+
+def _rank_train(out_dir):
+    from longstraw.trainer import Trainer
+
+    return Trainer(_train_config(out_dir, int(os.environ["WORLD_SIZE"]))).run(resume=False)
+
+
+def test_trainer_under_cp_samples_and_steps_as_a_single_process(tmp_path):
+    from longstraw.trainer import Trainer
+
+    ranks = run_ranks(_rank_train, 2, tmp_path / "cp", start_method="fork")
+    single = Trainer(_train_config(tmp_path / "single", 1)).run(resume=False)
+    written = [json.loads(line) for line in (tmp_path / "cp" / "metrics.jsonl").read_text().splitlines()]
+    assert len(written) == len(single) == 3
+    for records in [written] + ranks:  # rank 0 wrote what every rank computed
+        for mine, ref in zip(records, single):
+            assert mine["response_tokens"] == ref["response_tokens"] and mine["reward_mean"] == ref["reward_mean"]
+            assert mine["refreshed"] == ref["refreshed"]
+            assert mine["loss"] == pytest.approx(ref["loss"], rel=1e-4, abs=1e-6)
+            assert mine["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4)

@@ -17,14 +17,18 @@ merge in rank order on every rank, so every rank holds the identical global outp
 dO is the same on every rank (the layers after run replicated); each rank recomputes its blocks
 against the global out/lse, and one all-reduce sums the dq shares (and brings the live K/V
 gradients from the last rank), so every rank continues the backward with the full gradient.
+
+Sampling (`sharded_decode_attention`): a decoding step merges every rank's shared shard the same
+way; the tokens generated so far are replicated and count once, on the last rank.
 """
 
 from __future__ import annotations
 
 import torch
 
-from longstraw.attention import _merge_, attention_partial, attention_partial_backward, kernel_and_block
+from longstraw.attention import _merge_, attention_partial, attention_partial_backward, decode_partial, kernel_and_block
 from longstraw.cp.state import ShardPages
+from longstraw.state import DecodePages
 
 
 def sharded_attention(q_BHRD, k_BKRD, v_BKRD, pages: ShardPages, scale: float, append: bool) -> torch.Tensor:
@@ -66,18 +70,34 @@ def capture_attention(q_BHTD, k_BKTD, v_BKTD, pages: ShardPages, scale: float) -
     return out_BHTD.to(q_BHTD.dtype)
 
 
+def merge_ranks(cp, out_BHRD, lse_BHR):
+    """Every rank's partial (out, lse), gathered by one all-gather and merged in rank order: the
+    same order on every rank, so every rank holds the identical global result."""
+    Dv = out_BHRD.shape[-1]
+    gathered = cp.all_gather(torch.cat([out_BHRD, lse_BHR.unsqueeze(-1)], dim=-1))
+    out_BHRD, lse_BHR = gathered[0][..., :Dv].contiguous(), gathered[0][..., Dv].contiguous()
+    for part in gathered[1:]:
+        _merge_(out_BHRD, lse_BHR, part[..., :Dv], part[..., Dv])
+    return out_BHRD, lse_BHR
+
+
+@torch.no_grad()
+def sharded_decode_attention(q_BHTD, pages: DecodePages, scale: float) -> torch.Tensor:
+    """One decoding step over a sharded prompt: each rank's shared shard (the last rank also takes
+    the sequences' own keys), merged across ranks as replay merges."""
+    shared, cp = pages.shared, pages.shared.cp
+    own = pages.own.filled() if cp.is_last else (None, None)
+    out_BHTD, _ = merge_ranks(cp, *decode_partial(q_BHTD, *shared.filled(), *own, scale=scale))
+    return out_BHTD.to(q_BHTD.dtype)
+
+
 class _ShardedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_BHRD, k_BKRD, v_BKRD, k_BKPD, v_BKPD, scale, block, kernel, cp):
         if kernel != "math":
             q_BHRD = q_BHRD.contiguous()  # one layout for q, out and dO (the CUDA kernels need it)
         live = (k_BKRD, v_BKRD) if cp.is_last else (None, None)
-        out_BHRD, lse_BHR = attention_partial(q_BHRD, k_BKPD, v_BKPD, *live, scale, block, kernel)
-        Dv = out_BHRD.shape[-1]
-        gathered = cp.all_gather(torch.cat([out_BHRD, lse_BHR.unsqueeze(-1)], dim=-1))
-        out_BHRD, lse_BHR = gathered[0][..., :Dv].contiguous(), gathered[0][..., Dv].contiguous()
-        for part in gathered[1:]:  # the same order on every rank: identical results everywhere
-            _merge_(out_BHRD, lse_BHR, part[..., :Dv], part[..., Dv])
+        out_BHRD, lse_BHR = merge_ranks(cp, *attention_partial(q_BHRD, k_BKPD, v_BKPD, *live, scale, block, kernel))
         out_BHRD = out_BHRD.to(q_BHRD.dtype)
         ctx.save_for_backward(q_BHRD, k_BKRD, v_BKRD, out_BHRD, lse_BHR)
         ctx.pages = (k_BKPD, v_BKPD)  # references only, as in longstraw.attention
