@@ -34,11 +34,10 @@ def _rank(preset: str, length: int, device_type: str, chunk: int) -> dict:
     cp = context_parallel(int(os.environ["WORLD_SIZE"]), device_type)
     model = build_model(preset, seed=0, device=cp.device)
     state = capture(model, _prompt(length, model.config.vocab_size, cp.device), chunk_size=chunk, cp=cp)
-    by_entry = state.nbytes_by_entry()
     peak = process_peak_allocated_bytes(cp.device) if device_type == "cuda" else peak_rss_bytes()
     return {"rank": cp.rank, "shard": list(state.shard), "resident_bytes": state.nbytes,
-            "predicted_resident_bytes": state.predicted_nbytes, "page_bytes": by_entry.get("ShardPages", 0),
-            "state_bytes": by_entry.get("RecurrentState", 0), "peak_bytes": peak,
+            "predicted_resident_bytes": state.predicted_nbytes, "page_bytes": state.page_bytes,
+            "state_bytes": state.nbytes - state.page_bytes, "peak_bytes": peak,
             "peak_measure": "max_memory_allocated" if device_type == "cuda" else "process peak RSS"}
 
 

@@ -29,5 +29,5 @@ class ShardedResidentState(ResidentState):
     shard: tuple[int, int] = (0, 0)
 
     @property
-    def predicted_nbytes(self) -> int:
-        return self.predicted_bytes_per_position * (self.shard[1] - self.shard[0]) + self.predicted_constant_bytes
+    def local_positions(self) -> int:
+        return self.shard[1] - self.shard[0]
