@@ -113,9 +113,9 @@ def decode_partial(q_BHTD, k_shared_1KPD, v_shared_1KPD, k_own_BKND=None, v_own_
         for start in range(0, P, size):
             blk = slice(start, start + size)
             o_b, l_b = block_fwd(q_1KMD, k_shared_1KPD[:, :, blk], v_shared_1KPD[:, :, blk], scale)
-            _merge_(out_1KMD, lse_1KM, o_b.to(acc), l_b.to(acc))
+            lse_merge_(out_1KMD, lse_1KM, o_b.to(acc), l_b.to(acc))
         shared_BHTD = out_1KMD.reshape(K, B, G, Dv).transpose(0, 1).reshape(B, H, 1, Dv)
-        _merge_(out_BHTD, lse_BHT, shared_BHTD, lse_1KM.reshape(K, B, G).transpose(0, 1).reshape(B, H, 1))
+        lse_merge_(out_BHTD, lse_BHT, shared_BHTD, lse_1KM.reshape(K, B, G).transpose(0, 1).reshape(B, H, 1))
     return out_BHTD, lse_BHT
 
 
@@ -303,7 +303,7 @@ def _last_dim_contiguous(x):
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _merge_(out_BKMD, lse_BKM, out_b_BKMD, lse_b_BKM):
+def lse_merge_(out_BKMD, lse_BKM, out_b_BKMD, lse_b_BKM):
     """In-place numerically stable LSE merge of a block's partial result into the running one."""
     lse_new_BKM = torch.logaddexp(lse_BKM, lse_b_BKM)
     out_BKMD.mul_(torch.exp(lse_BKM - lse_new_BKM).unsqueeze(-1))
@@ -357,7 +357,7 @@ def attention_partial(q_BHRD, k_BKPD, v_BKPD, k_live_BKRD, v_live_BKRD, scale, b
         blk = slice(start, start + block_size)
         # cuDNN only on large blocks (it crashed on small ones): a short tail block goes to flash
         fwd = _flash_block_fwd if kernel == "cudnn" and P - start < CUDNN_MIN_ROWS else block_fwd
-        _merge_(out_BKMD, lse_BKM, *fwd(q_BKMD, k_BKPD[:, :, blk], v_BKPD[:, :, blk], scale))
+        lse_merge_(out_BKMD, lse_BKM, *fwd(q_BKMD, k_BKPD[:, :, blk], v_BKPD[:, :, blk], scale))
     return out_BHRD, lse_BHR
 
 

@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import torch
 
-from longstraw.attention import _merge_, attention_partial, attention_partial_backward, decode_partial, kernel_and_block
+from longstraw.attention import (attention_partial, attention_partial_backward, decode_partial, kernel_and_block,
+                                 lse_merge_)
 from longstraw.cp.state import ShardPages
 from longstraw.state import DecodePages
 
@@ -63,8 +64,8 @@ def capture_attention(q_BHTD, k_BKTD, v_BKTD, pages: ShardPages, scale: float) -
         if not cp.is_last:
             cp.send((k_b, v_b), cp.rank + 1)
         for c, q_c in zip(chunks, q_chunks):
-            _merge_(out_BHTD[:, :, c], lse_BHT[:, :, c], *attention_partial(q_c, k_b, v_b, None, None, scale, block,
-                                                                              kernel))
+            partial = attention_partial(q_c, k_b, v_b, None, None, scale, block, kernel)
+            lse_merge_(out_BHTD[:, :, c], lse_BHT[:, :, c], *partial)
     if not cp.is_last:
         cp.send((k_BKTD, v_BKTD), cp.rank + 1)
     return out_BHTD.to(q_BHTD.dtype)
@@ -77,7 +78,7 @@ def merge_ranks(cp, out_BHRD, lse_BHR):
     gathered = cp.all_gather(torch.cat([out_BHRD, lse_BHR.unsqueeze(-1)], dim=-1))
     out_BHRD, lse_BHR = gathered[0][..., :Dv].contiguous(), gathered[0][..., Dv].contiguous()
     for part in gathered[1:]:
-        _merge_(out_BHRD, lse_BHR, part[..., :Dv], part[..., Dv])
+        lse_merge_(out_BHRD, lse_BHR, part[..., :Dv], part[..., Dv])
     return out_BHRD, lse_BHR
 
 

@@ -161,7 +161,7 @@ def _grid_columns(frame_columns: list[str]) -> list[str]:
 
 # A grid key and the derived column that repeats it: show the grid key only.
 GRID_ALIASES = {"prompt.length": "prompt_length", "responses.count": "G", "responses.length": "response_length",
-                "model.preset": "model", "optimizer.lr": "lr"}
+                "model.preset": "model", "optimizer.lr": "lr", "cp_size": "cp_size"}
 
 
 def _kind_columns(kind: str, rows: list[dict], grid: list[str]) -> list[str]:
