@@ -13,8 +13,11 @@ what crosses ranks flows one way, from rank r to rank r+1, layer by layer, as a 
 - at the end the last rank broadcasts every GDN layer's final state: replay runs the response's
   layers on every rank, and each needs the state at the prompt boundary.
 
-The MLP runs `chunk_size` positions at a time; the mixers take the whole shard (the GDN chunk
-kernel and the attention partials bound their own transients). No exact mode (prefix_grad) yet.
+The MLP runs `chunk_size` positions at a time and the attention queries go `chunk_size` at a time
+against each block, but a layer takes the whole shard at once: the transient is the shard's hidden
+states, its q/k/v and a float32 (out, lse) per query for one layer (the price of receiving each
+earlier shard once per layer). `order` and `memory_budget_bytes` do not apply. No exact mode
+(prefix_grad) yet.
 """
 
 from __future__ import annotations
