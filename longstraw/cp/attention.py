@@ -47,14 +47,16 @@ def capture_attention(q_BHTD, k_BKTD, v_BKTD, pages: ShardPages, scale: float) -
     if pages.length != 0 or T != pages.k_BKPD.shape[2]:
         raise RuntimeError(f"a context-parallel capture attends the whole shard ({pages.k_BKPD.shape[2]} positions) "
                            f"in one call; got {T} queries with {pages.length} already captured")
-    kernel, block = kernel_and_block("auto", q_BHTD, v_BKTD.shape[-1], (), None)
     pages.append(k_BKTD, v_BKTD)
     k_BKTD, v_BKTD = pages.filled()
-    # queries go `query_chunk` at a time, so a block's scores stay [chunk, block] however long the shard
+    # queries go `query_chunk` at a time, so a block's scores stay [chunk, block] however long the
+    # shard; each chunk gets the kernel a single-process capture would give it
     chunks = [slice(c0, min(c0 + pages.query_chunk, T)) for c0 in range(0, T, pages.query_chunk)]
     q_chunks = [q_BHTD[:, :, c].contiguous() for c in chunks]
+    kernels = [kernel_and_block("auto", q_c, v_BKTD.shape[-1], (), None) for q_c in q_chunks]
     parts = [attention_partial(q_c, k_BKTD[:, :, :c.start], v_BKTD[:, :, :c.start], k_BKTD[:, :, c], v_BKTD[:, :, c],
-                               scale, block, kernel) for c, q_c in zip(chunks, q_chunks)]  # own shard, causal
+                               scale, block, kernel)
+             for c, q_c, (kernel, block) in zip(chunks, q_chunks, kernels)]  # own shard, causal
     out_BHTD, lse_BHT = (torch.cat(x, dim=2) for x in zip(*parts))
     for source in range(cp.rank):  # earlier shards, in rank order, from the previous rank
         start, end = pages.bounds[source]
@@ -63,7 +65,7 @@ def capture_attention(q_BHTD, k_BKTD, v_BKTD, pages: ShardPages, scale: float) -
         cp.recv_((k_b, v_b), cp.rank - 1)
         if not cp.is_last:
             cp.send((k_b, v_b), cp.rank + 1)
-        for c, q_c in zip(chunks, q_chunks):
+        for c, q_c, (kernel, block) in zip(chunks, q_chunks, kernels):
             partial = attention_partial(q_c, k_b, v_b, None, None, scale, block, kernel)
             lse_merge_(out_BHTD[:, :, c], lse_BHT[:, :, c], *partial)
     if not cp.is_last:
