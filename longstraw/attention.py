@@ -64,10 +64,7 @@ def paged_attention(
     """Attention of ``q`` over all prefix keys and the causal live keys; returns [B, H, R, Dv]."""
     _validate(q_BHRD, k_prefix_BKPD, v_prefix_BKPD, k_live_BKRD, v_live_BKRD, scale, block_size, backend)
     inputs = (q_BHRD, k_prefix_BKPD, v_prefix_BKPD, k_live_BKRD, v_live_BKRD)
-    forward_only = not (torch.is_grad_enabled() and any(t.requires_grad for t in inputs))
-    kernel = _pick_kernel(backend, q_BHRD, v_live_BKRD.shape[-1], forward_only)
-    if block_size is None:
-        block_size = MATH_BLOCK_SIZE if kernel == "math" else CUDA_BLOCK_SIZE
+    kernel, block_size = kernel_and_block(backend, q_BHRD, v_live_BKRD.shape[-1], inputs, block_size)
     return _PagedAttention.apply(
         q_BHRD, k_prefix_BKPD, v_prefix_BKPD, k_live_BKRD, v_live_BKRD, float(scale), int(block_size), kernel
     )
@@ -83,8 +80,17 @@ def decode_attention(q_BHTD, k_shared_1KPD, v_shared_1KPD, k_own_BKND, v_own_BKN
     The shared part folds the B sequences and the query group into one row axis
     ([1, K, B * G, D]), as replay folds the group, so the prefix is read once for all sequences.
     """
+    return decode_partial(q_BHTD, k_shared_1KPD, v_shared_1KPD, k_own_BKND, v_own_BKND, scale=scale,
+                          block_size=block_size)[0].to(q_BHTD.dtype)
+
+
+@torch.no_grad()
+def decode_partial(q_BHTD, k_shared_1KPD, v_shared_1KPD, k_own_BKND=None, v_own_BKND=None, *, scale: float,
+                   block_size: int | None = None):
+    """`decode_attention`'s (out, lse) in the accumulation dtype, before the cast; without own keys
+    (None) the rows start from (0, -inf): a partial over the shared pages only."""
     B, H, T, D = q_BHTD.shape
-    K, Dv = k_own_BKND.shape[1], v_own_BKND.shape[3]
+    K, Dv = k_shared_1KPD.shape[1], v_shared_1KPD.shape[3]
     if T != 1:
         raise ValueError(f"decode_attention takes one query per sequence, got T={T}")
     G = H // K
@@ -92,8 +98,12 @@ def decode_attention(q_BHTD, k_shared_1KPD, v_shared_1KPD, k_own_BKND, v_own_BKN
     block_fwd = _flash_block_fwd if kernel == "flash" else _math_block_fwd
     acc = _acc_dtype(q_BHTD.dtype)
     q_in = q_BHTD if kernel == "flash" else q_BHTD.to(acc)
-    out_BHTD, lse_BHT = block_fwd(q_in, _repeat_kv(k_own_BKND, G), _repeat_kv(v_own_BKND, G), scale)
-    out_BHTD, lse_BHT = out_BHTD.to(acc).contiguous(), lse_BHT.to(acc).contiguous()
+    if k_own_BKND is None:
+        out_BHTD = torch.zeros(B, H, T, Dv, dtype=acc, device=q_BHTD.device)
+        lse_BHT = torch.full((B, H, T), float("-inf"), dtype=acc, device=q_BHTD.device)
+    else:
+        out_BHTD, lse_BHT = block_fwd(q_in, _repeat_kv(k_own_BKND, G), _repeat_kv(v_own_BKND, G), scale)
+        out_BHTD, lse_BHT = out_BHTD.to(acc).contiguous(), lse_BHT.to(acc).contiguous()
     P = k_shared_1KPD.shape[2]
     if P:
         q_1KMD = q_in.reshape(B, K, G, D).transpose(0, 1).reshape(1, K, B * G, D).contiguous()
@@ -103,10 +113,10 @@ def decode_attention(q_BHTD, k_shared_1KPD, v_shared_1KPD, k_own_BKND, v_own_BKN
         for start in range(0, P, size):
             blk = slice(start, start + size)
             o_b, l_b = block_fwd(q_1KMD, k_shared_1KPD[:, :, blk], v_shared_1KPD[:, :, blk], scale)
-            _merge_(out_1KMD, lse_1KM, o_b.to(acc), l_b.to(acc))
+            lse_merge_(out_1KMD, lse_1KM, o_b.to(acc), l_b.to(acc))
         shared_BHTD = out_1KMD.reshape(K, B, G, Dv).transpose(0, 1).reshape(B, H, 1, Dv)
-        _merge_(out_BHTD, lse_BHT, shared_BHTD, lse_1KM.reshape(K, B, G).transpose(0, 1).reshape(B, H, 1))
-    return out_BHTD.to(q_BHTD.dtype)
+        lse_merge_(out_BHTD, lse_BHT, shared_BHTD, lse_1KM.reshape(K, B, G).transpose(0, 1).reshape(B, H, 1))
+    return out_BHTD, lse_BHT
 
 
 def reference_attention(q, k_prefix, v_prefix, k_live, v_live, scale):
@@ -184,6 +194,14 @@ def _validate(q, k_prefix, v_prefix, k_live, v_live, scale, block_size, backend)
         raise ValueError(f"paged_attention: backend must be one of {_BACKENDS}, got {backend!r}")
     if backend in ("cuda", "flash", "cudnn") and q.device.type != "cuda":
         raise ValueError(f"paged_attention: backend={backend!r} needs CUDA tensors, got device {q.device}")
+
+
+def kernel_and_block(backend: str, q_BHRD, Dv: int, inputs, block_size: int | None) -> tuple[str, int]:
+    """The block kernel for these inputs (forward-only when none of `inputs` needs a gradient) and
+    the block size (the kernel's default unless given)."""
+    forward_only = not (torch.is_grad_enabled() and any(t.requires_grad for t in inputs))
+    kernel = _pick_kernel(backend, q_BHRD, Dv, forward_only)
+    return kernel, block_size or (MATH_BLOCK_SIZE if kernel == "math" else CUDA_BLOCK_SIZE)
 
 
 def _pick_kernel(backend: str, q_BHRD: torch.Tensor, Dv: int, forward_only: bool = False) -> str:
@@ -285,7 +303,7 @@ def _last_dim_contiguous(x):
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _merge_(out_BKMD, lse_BKM, out_b_BKMD, lse_b_BKM):
+def lse_merge_(out_BKMD, lse_BKM, out_b_BKMD, lse_b_BKM):
     """In-place numerically stable LSE merge of a block's partial result into the running one."""
     lse_new_BKM = torch.logaddexp(lse_BKM, lse_b_BKM)
     out_BKMD.mul_(torch.exp(lse_BKM - lse_new_BKM).unsqueeze(-1))
@@ -306,35 +324,119 @@ def _acc_dtype(dtype):
 # ----------------------------------------------------------------------------------------------
 
 
+def attention_partial(q_BHRD, k_BKPD, v_BKPD, k_live_BKRD, v_live_BKRD, scale, block_size, kernel):
+    """One partial result ``(out_BHRD, lse_BHR)`` in the accumulation dtype: ``q`` over the prefix
+    blocks and, when ``k_live_BKRD`` is given, the causal live block, merged block by block.
+    Rows with no keys at all come out as (0, -inf), which a later merge ignores. For the
+    CUDA kernels ``q_BHRD`` must be contiguous (q, out and dO share one layout)."""
+    B, H, R, D = q_BHRD.shape
+    K, P, Dv = k_BKPD.shape[1], k_BKPD.shape[2], v_BKPD.shape[3]
+    G, M = H // K, H // K * R
+    acc = _acc_dtype(q_BHRD.dtype)
+    if kernel != "math":
+        block_fwd = _CUDA_KERNELS[kernel][0]
+        q_BKMD = q_BHRD.view(B, K, M, D)
+    else:
+        block_fwd = _math_block_fwd
+        q_BKMD = q_BHRD.reshape(B, K, M, D).to(acc)
+
+    if k_live_BKRD is None:
+        out_BHRD = torch.zeros(B, H, R, Dv, dtype=acc, device=q_BHRD.device)
+        lse_BHR = torch.full((B, H, R), float("-inf"), dtype=acc, device=q_BHRD.device)
+    elif kernel != "math":
+        o_BHRD, l_BHR = block_fwd(q_BHRD, _repeat_kv(k_live_BKRD, G), _repeat_kv(v_live_BKRD, G), scale, causal=True)
+        out_BHRD = o_BHRD.to(acc, memory_format=torch.contiguous_format)
+        lse_BHR = l_BHR.contiguous()
+    else:
+        allowed_MR = _causal_allowed_MR(G, R, q_BHRD.device)
+        o_BKMD, l_BKM = _math_block_fwd(q_BKMD, k_live_BKRD, v_live_BKRD, scale, allowed_MR)
+        out_BHRD, lse_BHR = o_BKMD.view(B, H, R, Dv), l_BKM.view(B, H, R)
+
+    out_BKMD, lse_BKM = out_BHRD.view(B, K, M, Dv), lse_BHR.view(B, K, M)
+    for start in range(0, P, block_size):
+        blk = slice(start, start + block_size)
+        # cuDNN only on large blocks (it crashed on small ones): a short tail block goes to flash
+        fwd = _flash_block_fwd if kernel == "cudnn" and P - start < CUDNN_MIN_ROWS else block_fwd
+        lse_merge_(out_BKMD, lse_BKM, *fwd(q_BKMD, k_BKPD[:, :, blk], v_BKPD[:, :, blk], scale))
+    return out_BHRD, lse_BHR
+
+
+def attention_partial_backward(dout_BHRD, q_BHRD, k_BKPD, v_BKPD, k_live_BKRD, v_live_BKRD, out_BHRD, lse_BHR,
+                               scale, block_size, kernel, needs):
+    """Gradients of one partial (as `attention_partial` computed it) fed the GLOBAL ``out`` (in q's
+    dtype) and ``lse``: every block is recomputed against them, so partials computed apart (blocks,
+    or ranks) give the exact gradient of their merged result. ``needs`` = (q, k_prefix, v_prefix,
+    k_live, v_live) flags; returns (dq in the accumulation dtype, dk_prefix, dv_prefix, dk_live,
+    dv_live), None where not needed or (live) not given."""
+    need_q, need_kp, need_vp, need_kl, need_vl = needs
+    need_prefix = need_kp or need_vp
+    need_live = k_live_BKRD is not None and (need_q or need_kl or need_vl)
+    B, H, R, D = q_BHRD.shape
+    K, P, Dv = k_BKPD.shape[1], k_BKPD.shape[2], v_BKPD.shape[3]
+    G, M = H // K, H // K * R
+    acc = lse_BHR.dtype
+    lse_BKM = lse_BHR.view(B, K, M)
+    dq_BHRD = torch.zeros(B, H, R, D, dtype=acc, device=q_BHRD.device)
+    dq_BKMD = dq_BHRD.view(B, K, M, D)
+    dk_live_BKRD = dv_live_BKRD = dk_BKPD = dv_BKPD = None
+
+    if kernel != "math":
+        kernel_bwd = _CUDA_KERNELS[kernel][1]
+        dout_BHRD = dout_BHRD.contiguous()  # q and out are contiguous already
+        do_BKMD, q_BKMD, out_BKMD = (x.view(B, K, M, D) for x in (dout_BHRD, q_BHRD, out_BHRD))
+
+        def block_bwd(k_BKND, v_BKND):
+            return kernel_bwd(do_BKMD, q_BKMD, k_BKND, v_BKND, out_BKMD, lse_BKM, scale)
+
+        if need_live:
+            dq_b, dk_b, dv_b = kernel_bwd(
+                dout_BHRD, q_BHRD, _repeat_kv(k_live_BKRD, G), _repeat_kv(v_live_BKRD, G), out_BHRD, lse_BHR, scale,
+                causal=True,
+            )  # fmt: skip
+            dq_BHRD += dq_b
+            dk_live_BKRD = dk_b.unflatten(1, (K, G)).sum(2)
+            dv_live_BKRD = dv_b.unflatten(1, (K, G)).sum(2)
+    else:
+        do_BKMD = dout_BHRD.reshape(B, K, M, Dv).to(acc)
+        q_BKMD = q_BHRD.reshape(B, K, M, D).to(acc)
+        delta_BKM = (do_BKMD * out_BHRD.view(B, K, M, Dv).to(acc)).sum(-1)
+
+        def block_bwd(k_BKND, v_BKND):
+            return _math_block_bwd(do_BKMD, q_BKMD, k_BKND, v_BKND, lse_BKM, delta_BKM, scale, need_prefix)
+
+        if need_live:
+            allowed_MR = _causal_allowed_MR(G, R, q_BHRD.device)
+            dq_b, dk_live_BKRD, dv_live_BKRD = _math_block_bwd(
+                do_BKMD, q_BKMD, k_live_BKRD, v_live_BKRD, lse_BKM, delta_BKM, scale, need_kl or need_vl, allowed_MR
+            )
+            dq_BKMD += dq_b
+
+    if need_prefix:
+        dk_BKPD = torch.empty(k_BKPD.shape, dtype=k_BKPD.dtype, device=k_BKPD.device)
+        dv_BKPD = torch.empty(v_BKPD.shape, dtype=v_BKPD.dtype, device=v_BKPD.device)
+    if need_q or need_prefix:
+        for start in range(0, P, block_size):
+            blk = slice(start, start + block_size)
+            dq_b, dk_b, dv_b = block_bwd(k_BKPD[:, :, blk], v_BKPD[:, :, blk])
+            dq_BKMD += dq_b
+            if need_prefix:
+                dk_BKPD[:, :, blk] = dk_b
+                dv_BKPD[:, :, blk] = dv_b
+    return (
+        dq_BHRD if need_q else None,
+        dk_BKPD if need_kp else None,
+        dv_BKPD if need_vp else None,
+        dk_live_BKRD if need_kl and dk_live_BKRD is not None else None,
+        dv_live_BKRD if need_vl and dv_live_BKRD is not None else None,
+    )
+
+
 class _PagedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_BHRD, k_BKPD, v_BKPD, k_BKRD, v_BKRD, scale, block_size, kernel):
-        B, H, R, D = q_BHRD.shape
-        K, P, Dv = k_BKPD.shape[1], k_BKPD.shape[2], v_BKRD.shape[3]
-        G, M = H // K, H // K * R
-        acc = _acc_dtype(q_BHRD.dtype)
-
         if kernel != "math":
-            block_fwd = _CUDA_KERNELS[kernel][0]
             q_BHRD = q_BHRD.contiguous()  # one layout for q, out and dO (cudnn needs it; small)
-            q_BKMD = q_BHRD.view(B, K, M, D)
-            o_BHRD, l_BHR = block_fwd(q_BHRD, _repeat_kv(k_BKRD, G), _repeat_kv(v_BKRD, G), scale, causal=True)
-            out_BHRD = o_BHRD.to(acc, memory_format=torch.contiguous_format)
-            lse_BHR = l_BHR.contiguous()
-        else:
-            q_BKMD = q_BHRD.reshape(B, K, M, D).to(acc)
-            allowed_MR = _causal_allowed_MR(G, R, q_BHRD.device)
-            o_BKMD, l_BKM = _math_block_fwd(q_BKMD, k_BKRD, v_BKRD, scale, allowed_MR)
-            out_BHRD, lse_BHR = o_BKMD.view(B, H, R, Dv), l_BKM.view(B, H, R)
-            block_fwd = _math_block_fwd
-
-        out_BKMD, lse_BKM = out_BHRD.view(B, K, M, Dv), lse_BHR.view(B, K, M)
-        for start in range(0, P, block_size):
-            blk = slice(start, start + block_size)
-            # cuDNN only on large blocks (it crashed on small ones): a short tail block goes to flash
-            fwd = _flash_block_fwd if kernel == "cudnn" and P - start < CUDNN_MIN_ROWS else block_fwd
-            _merge_(out_BKMD, lse_BKM, *fwd(q_BKMD, k_BKPD[:, :, blk], v_BKPD[:, :, blk], scale))
-
+        out_BHRD, lse_BHR = attention_partial(q_BHRD, k_BKPD, v_BKPD, k_BKRD, v_BKRD, scale, block_size, kernel)
         out_BHRD = out_BHRD.to(q_BHRD.dtype)
         ctx.save_for_backward(q_BHRD, k_BKRD, v_BKRD, out_BHRD, lse_BHR)
         ctx.prefix = (k_BKPD, v_BKPD)  # references only: no copy, no version check (see module doc)
@@ -345,69 +447,16 @@ class _PagedAttention(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout_BHRD):
         q_BHRD, k_BKRD, v_BKRD, out_BHRD, lse_BHR = ctx.saved_tensors
-        k_BKPD, v_BKPD = ctx.prefix
-        scale, block_size, kernel = ctx.scale, ctx.block_size, ctx.kernel
-        need_q, need_kp, need_vp, need_kl, need_vl = ctx.needs_input_grad[:5]
-        need_prefix, need_live = need_kp or need_vp, need_kl or need_vl
-
-        B, H, R, D = q_BHRD.shape
-        K, P, Dv = k_BKPD.shape[1], k_BKPD.shape[2], v_BKRD.shape[3]
-        G, M = H // K, H // K * R
-        acc = lse_BHR.dtype
-        lse_BKM = lse_BHR.view(B, K, M)
-        dq_BHRD = torch.zeros(B, H, R, D, dtype=acc, device=q_BHRD.device)
-        dq_BKMD = dq_BHRD.view(B, K, M, D)
-        dk_live_BKRD = dv_live_BKRD = dk_BKPD = dv_BKPD = None
-
-        if kernel != "math":
-            kernel_bwd = _CUDA_KERNELS[kernel][1]
-            dout_BHRD = dout_BHRD.contiguous()  # q and out are contiguous already
-            do_BKMD, q_BKMD, out_BKMD = (x.view(B, K, M, D) for x in (dout_BHRD, q_BHRD, out_BHRD))
-
-            def block_bwd(k_BKND, v_BKND):
-                return kernel_bwd(do_BKMD, q_BKMD, k_BKND, v_BKND, out_BKMD, lse_BKM, scale)
-
-            if need_q or need_live:
-                dq_b, dk_b, dv_b = kernel_bwd(
-                    dout_BHRD, q_BHRD, _repeat_kv(k_BKRD, G), _repeat_kv(v_BKRD, G), out_BHRD, lse_BHR, scale,
-                    causal=True,
-                )  # fmt: skip
-                dq_BHRD += dq_b
-                dk_live_BKRD = dk_b.unflatten(1, (K, G)).sum(2)
-                dv_live_BKRD = dv_b.unflatten(1, (K, G)).sum(2)
-        else:
-            do_BKMD = dout_BHRD.reshape(B, K, M, Dv).to(acc)
-            q_BKMD = q_BHRD.reshape(B, K, M, D).to(acc)
-            delta_BKM = (do_BKMD * out_BHRD.view(B, K, M, Dv).to(acc)).sum(-1)
-
-            def block_bwd(k_BKND, v_BKND):
-                return _math_block_bwd(do_BKMD, q_BKMD, k_BKND, v_BKND, lse_BKM, delta_BKM, scale, need_prefix)
-
-            if need_q or need_live:
-                allowed_MR = _causal_allowed_MR(G, R, q_BHRD.device)
-                dq_b, dk_live_BKRD, dv_live_BKRD = _math_block_bwd(
-                    do_BKMD, q_BKMD, k_BKRD, v_BKRD, lse_BKM, delta_BKM, scale, need_live, allowed_MR
-                )
-                dq_BKMD += dq_b
-
-        if need_prefix:
-            dk_BKPD = torch.empty(k_BKPD.shape, dtype=k_BKPD.dtype, device=k_BKPD.device)
-            dv_BKPD = torch.empty(v_BKPD.shape, dtype=v_BKPD.dtype, device=v_BKPD.device)
-        if need_q or need_prefix:
-            for start in range(0, P, block_size):
-                blk = slice(start, start + block_size)
-                dq_b, dk_b, dv_b = block_bwd(k_BKPD[:, :, blk], v_BKPD[:, :, blk])
-                dq_BKMD += dq_b
-                if need_prefix:
-                    dk_BKPD[:, :, blk] = dk_b
-                    dv_BKPD[:, :, blk] = dv_b
-
+        dq, dk_p, dv_p, dk_l, dv_l = attention_partial_backward(
+            dout_BHRD, q_BHRD, *ctx.prefix, k_BKRD, v_BKRD, out_BHRD, lse_BHR, ctx.scale, ctx.block_size, ctx.kernel,
+            ctx.needs_input_grad[:5],
+        )  # fmt: skip
         return (
-            dq_BHRD.to(q_BHRD.dtype) if need_q else None,
-            dk_BKPD if need_kp else None,
-            dv_BKPD if need_vp else None,
-            dk_live_BKRD.to(k_BKRD.dtype) if need_kl else None,
-            dv_live_BKRD.to(v_BKRD.dtype) if need_vl else None,
+            dq.to(q_BHRD.dtype) if dq is not None else None,
+            dk_p,
+            dv_p,
+            dk_l.to(k_BKRD.dtype) if dk_l is not None else None,
+            dv_l.to(v_BKRD.dtype) if dv_l is not None else None,
             None,
             None,
             None,

@@ -63,7 +63,10 @@ def _partial_path(out) -> Path:
 
 
 def _record(result: dict, out) -> None:
-    """Write the result atomically; show a failure's traceback; end stdout with the summary line."""
+    """Write the result atomically; show a failure's traceback; end stdout with the summary line.
+    Under context parallelism only rank 0 writes (its result holds every rank's record)."""
+    if result.get("cp", {}).get("rank", 0) != 0:
+        return
     write_json_atomic(out, result)
     _partial_path(out).unlink(missing_ok=True)
     if result["status"] == "error":
@@ -213,7 +216,8 @@ def _point(args) -> int:
                        on_progress=lambda partial: write_json_atomic(_partial_path(args.out), partial))
     result.update(experiment=experiment["name"], experiment_title=experiment["title"], point=args.point,
                   profile=args.profile, grid=points[args.point]["grid"],
-                  command=plan.point_command(args.experiment, args.profile, args.point, args.out))
+                  command=plan.point_command(args.experiment, args.profile, args.point, args.out,
+                                             points[args.point]["config"]["cp_size"]))
     _record(result, args.out)
     return 0
 

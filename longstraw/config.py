@@ -7,6 +7,7 @@ import copy
 DEFAULTS = {
     "name": "unnamed",
     "kind": "step",
+    "cp_size": 1,  # context-parallel ranks (longstraw.cp); > 1 runs under `torchrun --nproc-per-node cp_size`
     "model": {"preset": "tiny-qwen3_5", "path": None, "dtype": "float32", "device": "cpu", "seed": 0,
               "lora": None, "nf4": False, "overrides": {}},
     "prompt": {"length": 1024, "seed": 0},
@@ -39,6 +40,7 @@ TRAIN_DEFAULTS = {
     "steps": 8,
     "steps_per_prompt": 4,
     "seed": 0,
+    "cp_size": 1,
     "sampling": {"num_samples": 4, "max_new_tokens": 8, "temperature": 1.0, "top_p": 1.0},
     "grpo": DEFAULTS["grpo"],
     "optimizer": {"lr": 1.0e-4, "weight_decay": 0.0},

@@ -80,8 +80,13 @@ def policy_and_prompt(cfg: dict, recorder: PhaseRecorder):
 
 
 def capture_kwargs(cfg: dict) -> dict:
-    """The `capture` settings a config sets (unset ones keep capture()'s defaults)."""
-    return {k: v for k, v in cfg["capture"].items() if v is not None}
+    """The `capture` settings a config sets (unset ones keep capture()'s defaults), and the
+    context-parallel group when the run has one (`cp_size`, or launched by torchrun)."""
+    from longstraw.cp import context_parallel
+
+    kwargs = {k: v for k, v in cfg["capture"].items() if v is not None}
+    cp = context_parallel(cfg["cp_size"], torch.device(cfg["model"]["device"]).type)
+    return {**kwargs, "cp": cp} if cp is not None else kwargs
 
 
 def seeded_group(cfg: dict, count: int, vocab: int, device):
@@ -104,6 +109,9 @@ def run_point(raw: dict, source: str = "config", on_progress=None) -> dict:
     if cfg["kind"] not in KINDS:
         raise ValueError(f"{source}: kind must be one of {KINDS}, got {cfg['kind']!r}")
     device = torch.device(cfg["model"]["device"])
+    cp = _context_parallel(cfg, source)
+    if cp is not None and cp.rank != 0:
+        on_progress = None  # rank 0 writes the result
     hf_backward = (cfg["mode"] == "naive" and cfg["kind"] == "step") or (
         cfg["kind"] == "validation" and {"V2", "V3"} & set(cfg["validation"]["levels"]))
     if hf_backward and device.type == "cuda":
@@ -145,7 +153,33 @@ def run_point(raw: dict, source: str = "config", on_progress=None) -> dict:
         result["traceback"] = traceback.format_exc()
     result["wall_seconds"] = time.perf_counter() - start
     result["peak_rss_bytes"] = peak_rss_bytes()
+    if cp is not None:
+        result["cp"] = _rank_records(cp, result)
     return result
+
+
+def _context_parallel(cfg: dict, source: str):
+    """The run's CP group (None for a single process); kinds without a resident state refuse it."""
+    from longstraw.cp import context_parallel
+
+    cp = context_parallel(cfg["cp_size"], torch.device(cfg["model"]["device"]).type)
+    if cp is not None and cp.world > 1 and (cfg["kind"] == "capacity" or cfg["mode"] == "naive"):
+        raise ValueError(f"{source}: cp_size={cp.world} shards a captured prompt; kind {cfg['kind']!r} with mode "
+                         f"{cfg['mode']!r} has none to shard (capacity probes run as single processes)")
+    return cp
+
+
+def _rank_records(cp, result: dict) -> dict:
+    """Per-rank memory, gathered to rank 0: {"size", "rank", "ranks": [per rank] (rank 0 only)}.
+    A rank's peak is its process's CUDA max_memory_allocated (across phases) or its peak RSS."""
+    from longstraw.measure import process_peak_allocated_bytes
+
+    record = {"rank": cp.rank, "device": str(cp.device), "status": result["status"],
+              "resident_bytes": cp.resident_bytes, "peak_rss_bytes": peak_rss_bytes()}
+    if cp.device.type == "cuda":
+        record["peak_allocated_bytes"] = process_peak_allocated_bytes(cp.device)
+    ranks = cp.gather_objects(record)
+    return {"size": cp.world, "rank": cp.rank, **({"ranks": ranks} if ranks is not None else {})}
 
 
 def run_point_in_fresh_process(config: dict, workdir) -> dict:
@@ -232,9 +266,9 @@ def _measure_capture(model, prompt, cfg: dict, recorder: PhaseRecorder):
         "resident_bytes": state.nbytes,
         "predicted_resident_bytes": state.predicted_nbytes,
         "resident_bytes_by_entry": by_entry,
-        "bytes_per_position_measured": by_entry.get("AttentionPages", 0) / max(state.positions, 1),
+        "bytes_per_position_measured": state.page_bytes / max(state.local_positions, 1),
         "bytes_per_position_predicted": state.predicted_bytes_per_position,
-        "constant_bytes_measured": state.nbytes - by_entry.get("AttentionPages", 0),
+        "constant_bytes_measured": state.nbytes - state.page_bytes,
         "constant_bytes_predicted": state.predicted_constant_bytes,
         "memory_before_capture_bytes": before,
         "transient_bytes": peak - before - state.nbytes,

@@ -88,6 +88,19 @@ class _Saved:
         self.meter._release(self.key)
 
 
+_PEAK_BEFORE_RESETS: dict = {}  # CUDA device index -> the largest max_memory_allocated before a phase reset it
+
+
+def _cuda_index(device) -> int:
+    index = torch.device(device).index
+    return torch.cuda.current_device() if index is None else index
+
+
+def process_peak_allocated_bytes(device) -> int:
+    """The largest `max_memory_allocated` this process reached on `device` (across phase resets)."""
+    return max(_PEAK_BEFORE_RESETS.get(_cuda_index(device), 0), torch.cuda.max_memory_allocated(_cuda_index(device)))
+
+
 class PhaseRecorder:
     """Records, per named phase: seconds, CUDA peak allocated (reset at phase start), and RSS."""
 
@@ -100,6 +113,7 @@ class PhaseRecorder:
         cuda = self.device.type == "cuda"
         synchronize(self.device)
         if cuda:
+            _PEAK_BEFORE_RESETS[_cuda_index(self.device)] = process_peak_allocated_bytes(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
         start = time.perf_counter()
         record = {}

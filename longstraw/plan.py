@@ -108,5 +108,13 @@ def plan(experiments_dir, profile: str) -> dict[str, dict]:
     return out
 
 
-def point_command(path, profile: str, point: str, out) -> str:
-    return f"longstraw point {path} --profile {profile} --point {point} --out {out}"
+def launcher(cp_size: int, python: str | None = None) -> str:
+    """The command that starts a point: one process, or torchrun with one process per
+    context-parallel rank on this node (`python -m torch.distributed.run` is torchrun)."""
+    start = f"{python} -m torch.distributed.run" if python else "torchrun"
+    prefix = f"{python} -m longstraw" if python else "longstraw"
+    return prefix if cp_size == 1 else f"{start} --standalone --nproc-per-node {cp_size} -m longstraw"
+
+
+def point_command(path, profile: str, point: str, out, cp_size: int = 1) -> str:
+    return f"{launcher(cp_size)} point {path} --profile {profile} --point {point} --out {out}"

@@ -128,8 +128,18 @@ class ResidentState:
         return out
 
     @property
+    def local_positions(self) -> int:
+        """Prompt positions whose pages this process holds (a context-parallel rank: its shard)."""
+        return self.positions
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of the position-proportional entries (attention pages)."""
+        return sum(v for name, v in self.nbytes_by_entry().items() if name.endswith("Pages"))
+
+    @property
     def predicted_nbytes(self) -> int:
-        return self.predicted_bytes_per_position * self.positions + self.predicted_constant_bytes
+        return self.predicted_bytes_per_position * self.local_positions + self.predicted_constant_bytes
 
     def fingerprint(self) -> int:
         """A position-sensitive checksum of every state byte: changes if any bit of any page changes."""

@@ -144,6 +144,9 @@ def grpo_step(model, prompt_ids, responses, rewards, optimizer, config: grpo.GRP
     if prefix_grad:
         with recorder.phase("prefix_backward"):
             state.backward_prefix()
+    cp = getattr(state, "cp", None)
+    if cp is not None:  # every rank holds the same gradient already; one all-reduce keeps the steps identical
+        cp.average_gradients_([p for p in model.parameters() if p.requires_grad])
     grad_norm = _grad_norm(model)
     if max_grad_norm is not None:
         torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], max_grad_norm)

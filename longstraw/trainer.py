@@ -42,6 +42,7 @@ from tqdm import tqdm
 
 from longstraw import grpo
 from longstraw.config import resolve_train_config
+from longstraw.cp import context_parallel
 from longstraw.experiment import build_policy, capture_kwargs
 from longstraw.oracle import parameter_drift
 from longstraw.rollout import SamplingConfig, sample
@@ -66,8 +67,11 @@ def _schedule(cfg: dict, steps: int):
 class Trainer:
     def __init__(self, raw_config: dict, source: str = "train config"):
         self.cfg = cfg = resolve_train_config(raw_config, source)
-        self.model = build_policy(cfg["model"])
         self.device = torch.device(cfg["model"]["device"])
+        # context parallel (`cp_size`): every rank runs this same loop on its shard; rank 0 writes
+        self.cp = context_parallel(cfg["cp_size"], self.device.type)
+        self.writes = self.cp is None or self.cp.rank == 0
+        self.model = build_policy(cfg["model"])
         self.task = build_task(cfg["task"], self.model.get_input_embeddings().weight.shape[0])
         self.params = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
         self.optimizer = torch.optim.AdamW(self.params.values(), lr=cfg["optimizer"]["lr"],
@@ -191,25 +195,30 @@ class Trainer:
 
     # ---- the loop
     def run(self, resume: bool = True, stop_after: int | None = None) -> list[dict]:
-        """Train to `steps`; `stop_after` ends early after that many steps of this call (tests)."""
-        self.out.mkdir(parents=True, exist_ok=True)
+        """Train to `steps`; `stop_after` ends early after that many steps of this call (tests).
+        Returns every step's metrics, the resumed ones included."""
         metrics_path = self.out / "metrics.jsonl"
         first = self.load_latest_checkpoint() if resume else 0
-        if not resume:
-            shutil.rmtree(self.out / "checkpoints", ignore_errors=True)
         lines = metrics_path.read_text().splitlines()[:first] if first and metrics_path.exists() else []
-        metrics_path.write_text("".join(line + "\n" for line in lines))
+        records = [json.loads(line) for line in lines]
+        if self.writes:
+            self.out.mkdir(parents=True, exist_ok=True)
+            if not resume:
+                shutil.rmtree(self.out / "checkpoints", ignore_errors=True)
+            metrics_path.write_text("".join(line + "\n" for line in lines))
         every, steps = self.cfg["output"]["checkpoint_every"], self.cfg["steps"]
-        bar = tqdm(range(first, steps), desc="train", unit="step", file=sys.stderr, initial=first, total=steps)
+        bar = tqdm(range(first, steps), desc="train", unit="step", file=sys.stderr, initial=first, total=steps,
+                   disable=not self.writes)
         for count, step in enumerate(bar):
             if stop_after is not None and count >= stop_after:
                 break
-            record = self.train_step(step)
-            with open(metrics_path, "a") as f:
-                f.write(json.dumps(record) + "\n")
-            bar.set_postfix(reward=f"{record['reward_mean']:.3f}", loss=f"{record['loss']:.4f}",
-                            refreshed=record["refreshed"])
-            if every and ((step + 1) % every == 0 or step + 1 == steps):
+            records.append(self.train_step(step))
+            if self.writes:
+                with open(metrics_path, "a") as f:
+                    f.write(json.dumps(records[-1]) + "\n")
+            bar.set_postfix(reward=f"{records[-1]['reward_mean']:.3f}", loss=f"{records[-1]['loss']:.4f}",
+                            refreshed=records[-1]["refreshed"])
+            if self.writes and every and ((step + 1) % every == 0 or step + 1 == steps):
                 self.save_checkpoint(step + 1)
         bar.close()
-        return [json.loads(line) for line in metrics_path.read_text().splitlines()]
+        return records

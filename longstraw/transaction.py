@@ -65,11 +65,13 @@ class _Progress:
 
 
 def capture(model, prompt_ids, prefix_grad: bool = False, *, chunk_size: int | None = None, order: str = "auto",
-            memory_budget_bytes: int | None = None, progress: bool | None = None) -> ResidentState:
+            memory_budget_bytes: int | None = None, progress: bool | None = None, cp=None) -> ResidentState:
     """Evaluate the prompt once without autograd and keep only its resident state.
 
     `prefix_grad=True` is the exact mode (`longstraw.prefix_grad`): replays also accumulate the
-    pages' gradients and `state.backward_prefix()` adds the prompt-side term."""
+    pages' gradients and `state.backward_prefix()` adds the prompt-side term. `cp` (a
+    `longstraw.cp.CPGroup`) shards the capture over the context-parallel ranks
+    (`longstraw.cp.capture`); `replay` and `score` then take the sharded state unchanged."""
     adapter = adapter_for(model)
     ids = _as_ids(prompt_ids, "prompt_ids", adapter)
     device, dtype = adapter.device, adapter.compute_dtype
@@ -77,6 +79,12 @@ def capture(model, prompt_ids, prefix_grad: bool = False, *, chunk_size: int | N
     chunk = chunk_size or DEFAULT_CHUNK.get(device.type, 2048)
     if chunk < 1:
         raise ValueError(f"chunk_size must be positive, got {chunk}")
+    if cp is not None:
+        if prefix_grad:
+            raise ValueError("prefix_grad=True (exact mode) is not implemented for a context-parallel capture")
+        from longstraw.cp.capture import capture_sharded
+
+        return capture_sharded(model, ids, cp, chunk)
     per_position, constant = adapter.predicted_bytes(dtype)
     state = ResidentState(
         layers=[adapter.allocate_entry(i, positions, dtype, device) for i in range(adapter.num_layers)],

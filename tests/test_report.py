@@ -1,13 +1,15 @@
 """The report end to end on real tiny points: aggregate -> plots -> HTML, checked against the JSON.
 
-A results folder is built once per module from `run_point` on tiny configs (plus fabricated error,
-oom, capacity, unknown-kind and unreadable points, and a recorded GPU result); every number a
-table shows is then compared with the result file it came from.
+A results folder is built once per module from `run_point` on tiny configs (one of them on two
+context-parallel ranks), plus fabricated error, oom, capacity, unknown-kind and unreadable points,
+and a recorded GPU result; every number a table shows is then compared with the result file it
+came from.
 """
 
 import copy
 import json
 import math
+import os
 import re
 import sys
 from html.parser import HTMLParser
@@ -16,6 +18,7 @@ from pathlib import Path
 import matplotlib.image
 import pytest
 
+from longstraw.cp.launch import run_ranks
 from longstraw.experiment import run_point
 from longstraw.oracle import refresh_interval
 from longstraw.report import aggregate, render
@@ -51,6 +54,10 @@ def _capacity(base: dict, mode: str, largest) -> dict:
                         "first_failing": first_failing, "search_capped_at_max_length": False}}
 
 
+def _cp_step():
+    return run_point({**TINY, "kind": "step", "cp_size": int(os.environ["WORLD_SIZE"])})
+
+
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("report")
@@ -60,6 +67,8 @@ def built(tmp_path_factory):
         for g in (1, 2):
             cfg = {**TINY, "kind": "step", "mode": mode, "responses": {"count": g, "length": 5}}
             points[("g_sweep", f"{mode}-G{g}")] = (run_point(cfg), {"mode": mode, "responses.count": g})
+    # a real context-parallel point: rank 0's result of 2 forked ranks (gloo)
+    points[("context_parallel", "cp_size-2")] = (run_ranks(_cp_step, 2, start_method="fork")[0], {"cp_size": 2})
     cycles = run_point({**TINY, "kind": "step", "cycles": 2})
     points[("baselines", "step-replay")] = (cycles, {"mode": "replay"})
     for preset in ("tiny-llama", "tiny-qwen3_5"):
@@ -172,6 +181,10 @@ STEP_EXPECTED = {
     "cycle_seconds_mean": lambda r: sum(sum(p["seconds"] for p in c["phases"].values()) for c in _cycles(r))
     / len(_cycles(r)),
     "loss_last": lambda r: _cycles(r)[-1]["loss"],
+    "cp_size": lambda r: r["config"]["cp_size"],
+    "rank_resident_bytes_max": lambda r: max(rank["resident_bytes"] for rank in r["cp"]["ranks"]),
+    "rank_peak_bytes_max": lambda r: max(rank.get("peak_allocated_bytes", rank["peak_rss_bytes"])
+                                         for rank in r["cp"]["ranks"]),
     "peak_rss_bytes": lambda r: r["peak_rss_bytes"],
     "wall_seconds": lambda r: r["wall_seconds"],
 }

@@ -14,6 +14,8 @@ from contextlib import contextmanager, nullcontext
 from transformers import AttentionInterface
 
 from longstraw.attention import decode_attention, paged_attention
+from longstraw.cp.attention import sharded_attention, sharded_decode_attention
+from longstraw.cp.state import ShardPages
 from longstraw.flops import attention_forward_flops
 from longstraw.measure import AttentionTimer
 from longstraw.state import AttentionPages, DecodePages
@@ -30,8 +32,14 @@ def _longstraw_attention(module, query_BHTD, key_BKTD, value_BKTD, attention_mas
     scale = scaling if scaling is not None else query_BHTD.shape[-1] ** -0.5
     if isinstance(longstraw_pages, DecodePages):  # sampling: shared prompt pages + each sequence's own
         longstraw_pages.own.append(key_BKTD, value_BKTD)
-        out_BHTD = decode_attention(query_BHTD, *longstraw_pages.shared.filled(), *longstraw_pages.own.filled(),
-                                    scale=scale)
+        if isinstance(longstraw_pages.shared, ShardPages):  # context parallel: the prompt's pages are sharded
+            out_BHTD = sharded_decode_attention(query_BHTD, longstraw_pages, scale)
+        else:
+            out_BHTD = decode_attention(query_BHTD, *longstraw_pages.shared.filled(), *longstraw_pages.own.filled(),
+                                        scale=scale)
+        return out_BHTD.transpose(1, 2).contiguous(), None
+    if isinstance(longstraw_pages, ShardPages):  # context parallel: this rank holds one shard of the prompt
+        out_BHTD = sharded_attention(query_BHTD, key_BKTD, value_BKTD, longstraw_pages, scale, longstraw_append)
         return out_BHTD.transpose(1, 2).contiguous(), None
     k_prefix_BKPD, v_prefix_BKPD = longstraw_pages.filled()
     timer = AttentionTimer.active

@@ -181,7 +181,20 @@ def _common_columns(point, cfg, prov) -> dict:
         "date": prov.get("date"),
         "torch_version": _dict(prov.get("versions")).get("torch"),
         "transformers_version": _dict(prov.get("versions")).get("transformers"),
+        "cp_size": cfg.get("cp_size"),
+        **_cp_columns(point),
     }
+
+
+def _cp_columns(point) -> dict:
+    """A context-parallel point: its largest rank's resident bytes and peak (rank 0 gathered every
+    rank's record: CUDA max_memory_allocated over the run, else the rank's peak RSS)."""
+    ranks = [r for r in _dict(point.get("cp")).get("ranks") or [] if isinstance(r, dict)]
+    resident = [r["resident_bytes"] for r in ranks if _number(r.get("resident_bytes")) is not None]
+    peaks = [r.get("peak_allocated_bytes", r.get("peak_rss_bytes")) for r in ranks]
+    peaks = [p for p in peaks if _number(p) is not None]
+    return {"rank_resident_bytes_max": max(resident) if resident else None,
+            "rank_peak_bytes_max": max(peaks) if peaks else None} if ranks else {}
 
 
 def _phase_columns(name: str, record: dict) -> dict:

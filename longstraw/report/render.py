@@ -48,8 +48,9 @@ STEP_COLUMNS = ["model", "prompt_length", "mode", "G", "response_length", "cycle
                 "peak_memory_measure", "capture_peak_allocated_bytes", "old_scoring_peak_allocated_bytes",
                 "ref_scoring_peak_allocated_bytes", "replay_peak_allocated_bytes",
                 "optimizer_step_peak_allocated_bytes", "graph_bytes_peak", "resident_bytes",
-                "predicted_resident_bytes", "seconds_per_member", "capture_seconds", "cycle_seconds_mean",
-                "loss_last", "state_unchanged", "peak_rss_bytes", "wall_seconds"]
+                "predicted_resident_bytes", "cp_size", "rank_resident_bytes_max", "rank_peak_bytes_max",
+                "seconds_per_member", "capture_seconds", "cycle_seconds_mean", "loss_last", "state_unchanged",
+                "peak_rss_bytes", "wall_seconds"]
 CAPTURE_COLUMNS = ["model", "model_type", "prompt_length", "positions", "capture_seconds", "positions_per_second",
                    "resident_bytes", "predicted_resident_bytes", "bytes_per_position_measured",
                    "bytes_per_position_predicted", "transient_bytes", "replay_seconds", "peak_memory_bytes",
@@ -163,7 +164,7 @@ def _grid_columns(frame_columns: list[str]) -> list[str]:
 
 # A grid key and the derived column that repeats it: show the grid key only.
 GRID_ALIASES = {"prompt.length": "prompt_length", "responses.count": "G", "responses.length": "response_length",
-                "model.preset": "model", "optimizer.lr": "lr"}
+                "model.preset": "model", "optimizer.lr": "lr", "cp_size": "cp_size"}
 
 
 def _kind_columns(kind: str, rows: list[dict], grid: list[str]) -> list[str]:

@@ -4,7 +4,7 @@
 import sys
 from pathlib import Path
 
-from longstraw.plan import plan
+from longstraw.plan import launcher, plan
 
 PROFILE = config.get("profile", "cpu")
 PYTHON = sys.executable
@@ -28,6 +28,19 @@ def all_point_results():
 
 def experiment_file(wildcards):
     return PLAN[wildcards.experiment]["path"]
+
+
+def point_cp_size(wildcards):
+    return PLAN[wildcards.experiment]["points"][wildcards.point]["config"]["cp_size"]
+
+
+def point_gpus(wildcards):
+    """GPUs a point's job holds: one per context-parallel rank (none on the cpu profile)."""
+    return 0 if PROFILE == "cpu" else point_cp_size(wildcards)
+
+
+def point_launcher(wildcards):
+    return launcher(point_cp_size(wildcards), PYTHON)
 CONDA_ENV = "../../environment.yml"
 
 

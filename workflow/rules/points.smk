@@ -1,6 +1,9 @@
 # One job per experiment point. A point that fails is still recorded (status error) and the
 # job succeeds, so the report shows it; an interrupted run reruns only missing result files.
 # Points run one at a time (threads = all cores) so timings are not shared between jobs.
+# A point with cp_size N > 1 starts N ranks through torchrun and holds N GPUs (`gpu`, which
+# Snakemake's SLURM executor plugin turns into --gpus=N; tasks_per_gpu=0 keeps one SLURM task,
+# so torchrun, not srun, starts the ranks: docs/cluster.md).
 rule point:
     input:
         experiment=experiment_file,
@@ -10,12 +13,13 @@ rule point:
     log:
         "logs/{profile}/points/{experiment}/{point}.log",
     params:
-        python=PYTHON,
+        launch=point_launcher,
     threads: 1024
     resources:
-        gpu=1 if PROFILE != "cpu" else 0,
+        gpu=point_gpus,
+        tasks_per_gpu=0,
     conda:
         CONDA_ENV
     shell:
-        "OMP_NUM_THREADS={threads} {params.python} -m longstraw point {input.experiment}"
+        "OMP_NUM_THREADS={threads} {params.launch} point {input.experiment}"
         " --profile {wildcards.profile} --point {wildcards.point} --out {output} > {log} 2>&1"

@@ -1,0 +1,243 @@
+"""Context parallelism (longstraw.cp) on gloo, world sizes 2 and 3, against single-process results.
+
+Ranks are forked from the test process (`run_ranks(..., start_method="fork")`) with torchrun's
+environment; the single-process references are computed here, with no process group.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hf_reference import global_relative_error, max_relative_error
+from longstraw import capture, grpo, replay
+from longstraw.config import DEFAULTS
+from longstraw.cp import context_parallel, shard_bounds
+from longstraw.cp.launch import run_ranks
+from longstraw.experiment import run_point
+from longstraw.models import build_model
+from longstraw.state import AttentionPages, RecurrentState
+from longstraw.step import grpo_step
+
+PRESETS = ["tiny-llama", "tiny-qwen3_5"]  # dense GQA; hybrid Gated DeltaNet + attention
+PROMPT_LEN = 24  # 23 resident positions: divisible by neither 2 nor 3
+CHUNK = 4  # several capture chunks per shard
+TOL = 1e-5
+
+
+def _ids(n, seed, vocab=256):
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+PROMPT, RESPONSE = _ids(PROMPT_LEN, 0), _ids(7, 1)
+WEIGHTS = torch.linspace(-1.0, 2.0, 7)  # a non-uniform loss so every token's gradient matters
+
+
+def _grads(model):
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _capture_replay(preset, cp=None):
+    """Capture, replay and backward; everything the tests compare (one rank's share under CP)."""
+    model = build_model(preset, seed=1)
+    state = capture(model, PROMPT, chunk_size=CHUNK, cp=cp)
+    before = state.fingerprint()
+    logp = replay(model, state, RESPONSE)
+    (logp * WEIGHTS).sum().backward()
+    return {"layers": [[t.clone() for t in e.tensors()] for e in state.layers], "logp": logp.detach(),
+            "grads": _grads(model), "unchanged": state.fingerprint() == before, "nbytes": state.nbytes,
+            "predicted": state.predicted_nbytes, "shard": getattr(state, "shard", None),
+            "kinds": [type(e).__name__ for e in state.layers]}
+
+
+def _rank_capture_replay(preset):
+    return _capture_replay(preset, context_parallel(int(os.environ["WORLD_SIZE"])))
+
+
+@pytest.fixture(scope="module", params=[(p, w) for p in PRESETS for w in (2, 3)], ids=lambda pw: f"{pw[0]}-w{pw[1]}")
+def sharded(request):
+    preset, world = request.param
+    return world, run_ranks(_rank_capture_replay, world, preset, start_method="fork"), _capture_replay(preset)
+
+
+def test_shard_layout_is_contiguous_and_covers_the_prompt():
+    for positions, world in [(23, 2), (23, 3), (3, 3), (1000, 7)]:
+        bounds = shard_bounds(positions, world)
+        assert bounds[0][0] == 0 and bounds[-1][1] == positions
+        assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+        sizes = [e - s for s, e in bounds]
+        assert max(sizes) - min(sizes) <= 1 and min(sizes) >= 1
+
+
+def test_sharded_capture_equals_single_process(sharded):
+    world, ranks, single = sharded
+    assert [r["shard"] for r in ranks] == shard_bounds(PROMPT_LEN - 1, world)
+    worst = 0.0
+    for r in ranks:
+        start, end = r["shard"]
+        for kind, mine, full in zip(r["kinds"], r["layers"], single["layers"]):
+            # attention: this rank's pages are the single-process pages of its positions;
+            # GDN: every rank holds the single-process state at the prompt's end
+            expected = [t[:, :, start:end] for t in full] if kind == "ShardPages" else full
+            for a, e in zip(mine, expected):
+                torch.testing.assert_close(a, e, rtol=TOL, atol=1e-6)
+                worst = max(worst, float((a - e).abs().max()))
+    print(f"max capture error {worst:.2e}")
+
+
+def test_sharded_replay_logprobs_and_gradients_equal_single_process(sharded):
+    world, ranks, single = sharded
+    for r in ranks:
+        assert r["unchanged"]
+        torch.testing.assert_close(r["logp"], single["logp"], rtol=TOL, atol=TOL)
+        assert set(r["grads"]) == set(single["grads"])
+        error = max_relative_error(r["grads"], single["grads"])
+        assert error < TOL, error
+        for name, g in r["grads"].items():  # the replicated backward gives every rank the same gradient
+            assert torch.equal(g, ranks[0]["grads"][name]), name
+    print(f"max log-prob error {max(float((r['logp'] - single['logp']).abs().max()) for r in ranks):.2e}, "
+          f"max gradient relative error {max(max_relative_error(r['grads'], single['grads']) for r in ranks):.2e}")
+
+
+def test_resident_bytes_are_sharded(sharded):
+    world, ranks, single = sharded
+    pages = lambda res: sum(sum(t.numel() * t.element_size() for t in layer)  # noqa: E731
+                            for kind, layer in zip(res["kinds"], res["layers"]) if kind.endswith("Pages"))
+    assert sum(pages(r) for r in ranks) == pages(single) > 0
+    for r in ranks:
+        assert r["nbytes"] == r["predicted"]
+        assert r["nbytes"] - pages(r) == single["nbytes"] - pages(single)  # GDN states are whole on every rank
+
+
+def _grpo_step(preset, cp=None):
+    model = build_model(preset, seed=1)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)  # the update is the gradient (Adam's first ~ sign)
+    responses = [_ids(5, 10 + i) for i in range(3)]
+    config = grpo.GRPOConfig(num_generations=3, beta=0.04)
+    metrics = grpo_step(model, PROMPT, responses, [0.0, 1.0, 0.5], optimizer, config,
+                        capture_kwargs={"chunk_size": CHUNK, **({"cp": cp} if cp else {})})
+    return {"loss": metrics["loss"], "state_unchanged": metrics["state_unchanged"],
+            "updates": {n: p.detach() - before[n] for n, p in model.named_parameters()}}
+
+
+def _rank_grpo_step(preset):
+    return _grpo_step(preset, context_parallel(int(os.environ["WORLD_SIZE"])))
+
+
+@pytest.mark.parametrize("preset,world", [("tiny-llama", 3), ("tiny-qwen3_5", 2)])
+def test_grpo_step_under_cp_equals_single_process_and_keeps_ranks_identical(preset, world):
+    ranks = run_ranks(_rank_grpo_step, world, preset, start_method="fork")
+    single = _grpo_step(preset)
+    for r in ranks:
+        assert r["state_unchanged"]
+        assert r["loss"] == pytest.approx(single["loss"], rel=TOL, abs=1e-7)
+        for name, u in r["updates"].items():
+            assert torch.equal(u, ranks[0]["updates"][name]), name  # one consistent optimizer step
+        # the advantage-weighted loss nearly cancels in some small gradients (k_proj: 3e-5 of the whole
+        # update's norm), so per parameter the float32 noise reaches ~5e-5; the whole update is at 1e-5
+        assert global_relative_error(r["updates"], single["updates"]) < TOL
+        assert max_relative_error(r["updates"], single["updates"]) < 10 * TOL
+
+
+def _point_config(cp_size):
+    return {"name": "cp", "cp_size": cp_size, "model": {"preset": "tiny-qwen3_5"}, "prompt": {"length": PROMPT_LEN},
+            "responses": {"count": 2, "length": 5}, "capture": {"chunk_size": CHUNK}}
+
+
+def _rank_point():
+    return run_point(_point_config(int(os.environ["WORLD_SIZE"])))
+
+
+@pytest.fixture(scope="module")
+def single_point():
+    return run_point(_point_config(1))
+
+
+def test_run_point_gathers_per_rank_memory_to_rank_zero(single_point):
+    ranks = run_ranks(_rank_point, 2, start_method="fork")
+    single = single_point
+    assert [r["status"] for r in ranks] == ["ok", "ok"], [r.get("traceback") for r in ranks]
+    records = ranks[0]["cp"]["ranks"]
+    assert "ranks" not in ranks[1]["cp"] and ranks[1]["cp"]["rank"] == 1
+    assert [rec["rank"] for rec in records] == [0, 1]
+    cycle = single["metrics"]["cycles"][0]
+    for rec, rank in zip(records, ranks):  # each rank's record is its own state's bytes (= its prediction)
+        own = rank["metrics"]["cycles"][0]
+        assert rec["resident_bytes"] == own["resident_bytes"] == own["predicted_resident_bytes"]
+        assert rec["peak_rss_bytes"] > 0 and rec["status"] == "ok"
+    assert records[0]["resident_bytes"] > records[1]["resident_bytes"]  # 12 positions against 11
+    assert max(rec["resident_bytes"] for rec in records) < cycle["resident_bytes"]
+    assert ranks[0]["metrics"]["cycles"][0]["loss"] == pytest.approx(cycle["loss"], rel=TOL, abs=1e-7)
+
+
+def test_torchrun_with_one_rank_gives_the_single_process_result(tmp_path, single_point):
+    spec, out = tmp_path / "point.yaml", tmp_path / "point.json"
+    spec.write_text(json.dumps(_point_config(1)))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
+                           "-m", "longstraw", "run", str(spec), "--out", str(out)],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    launched = json.loads(out.read_text())
+    single = single_point
+    assert launched["cp"]["size"] == 1 and "cp" not in single  # the launched run took the sharded path
+    a, b = launched["metrics"]["cycles"][0], single["metrics"]["cycles"][0]
+    assert a["resident_bytes"] == b["resident_bytes"]
+    assert a["loss"] == pytest.approx(b["loss"], rel=TOL, abs=1e-7)
+    assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=TOL)
+
+
+def test_cp_size_needs_a_matching_launch(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert context_parallel(1) is None
+    with pytest.raises(ValueError, match="torchrun --nproc-per-node 2"):
+        context_parallel(2)
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(ValueError, match="WORLD_SIZE=3"):
+        context_parallel(2)
+    with pytest.raises(ValueError, match="positive integer"):
+        context_parallel(0)
+    assert DEFAULTS["cp_size"] == 1
+
+
+def _rank_short_prompt():
+    model = build_model("tiny-llama", seed=1)
+    capture(model, _ids(3, 0), cp=context_parallel(int(os.environ["WORLD_SIZE"])))
+
+
+def test_prompt_shorter_than_the_ranks_is_refused():
+    with pytest.raises(RuntimeError, match="fewer than the 3 context-parallel ranks"):
+        run_ranks(_rank_short_prompt, 3, start_method="fork")
+
+
+def _train_config(out_dir, cp_size):
+    return {"cp_size": cp_size, "model": {"preset": "tiny-qwen3_5", "lora": {"r": 4, "init_random": True}},
+            "task": {"name": "kv_retrieval", "length": 48}, "steps": 2, "steps_per_prompt": 2, "seed": 3,
+            "sampling": {"num_samples": 3, "max_new_tokens": 4}, "optimizer": {"lr": 1e-2},
+            "refresh": {"policy": "every", "every": 2}, "capture": {"chunk_size": 8},
+            "output": {"dir": str(out_dir), "checkpoint_every": 0}}
+
+
+def _rank_train(out_dir):
+    from longstraw.trainer import Trainer
+
+    return Trainer(_train_config(out_dir, int(os.environ["WORLD_SIZE"]))).run(resume=False)
+
+
+def test_trainer_under_cp_samples_and_steps_as_a_single_process(tmp_path):
+    from longstraw.trainer import Trainer
+
+    ranks = run_ranks(_rank_train, 2, tmp_path / "cp", start_method="fork")
+    single = Trainer(_train_config(tmp_path / "single", 1)).run(resume=False)
+    written = [json.loads(line) for line in (tmp_path / "cp" / "metrics.jsonl").read_text().splitlines()]
+    assert len(written) == len(single) == 2
+    for records in [written] + ranks:  # rank 0 wrote what every rank computed
+        for mine, ref in zip(records, single):
+            assert mine["response_tokens"] == ref["response_tokens"] and mine["reward_mean"] == ref["reward_mean"]
+            assert mine["refreshed"] == ref["refreshed"]
+            assert mine["loss"] == pytest.approx(ref["loss"], rel=1e-4, abs=1e-6)
+            assert mine["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4)
