@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from hf_reference import global_relative_error, max_relative_error
+from longstraw.hf_reference import global_relative_error, max_relative_error
 from longstraw import capture, grpo, replay
 from longstraw.config import DEFAULTS
 from longstraw.cp import context_parallel, shard_bounds
