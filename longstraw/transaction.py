@@ -86,7 +86,7 @@ def capture(model, prompt_ids, prefix_grad: bool = False, *, chunk_size: int | N
     if order == "auto":
         budget = memory_budget_bytes if memory_budget_bytes is not None else _default_budget(device)
         hidden_bytes = positions * adapter.config.hidden_size * torch.empty((), dtype=dtype).element_size()
-        order = "layer" if 2 * hidden_bytes <= budget else "chunk"
+        order = "layer" if adapter.layer_major_capture and 2 * hidden_bytes <= budget else "chunk"
     if order not in ("chunk", "layer"):
         raise ValueError(f"order must be 'auto', 'chunk' or 'layer', got {order!r}")
     starts = range(0, positions, chunk)

@@ -180,3 +180,23 @@ def test_absorbed_attention_equals_expanded_reference(sparse):
     weights = torch.randn(ours.shape, generator=g, dtype=torch.float64)
     for a, b in zip(torch.autograd.grad((ours * weights).sum(), inputs), torch.autograd.grad((expected * weights).sum(), inputs)):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("preset,topk,lora", [("tiny-glm_moe_dsa", DROP_TOPK, True), ("tiny-deepseek_v32", None, False),
+                                              ("tiny-deepseek_v3", None, True)])
+def test_exact_mode_equals_hf_full_sequence_gradient(preset, topk, lora):
+    """capture(prefix_grad=True) + backward_prefix: HF's one-pass autograd over prompt + response."""
+    model = _model(preset, topk, lora)
+    prompt, response = _ids(PROMPT_LEN, 7), _ids(RESPONSE_LEN, 8)
+    weights = torch.linspace(-1.0, 2.0, RESPONSE_LEN)
+    state = capture(model, prompt, prefix_grad=True, chunk_size=8)
+    before = state.fingerprint()
+    model.zero_grad(set_to_none=True)
+    (replay(model, state, response) * weights).sum().backward()
+    conditional = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    state.backward_prefix()
+    ours = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    expected = grads_of(model, (hf_full_logprobs(model, prompt, response) * weights).sum())
+    assert state.fingerprint() == before
+    assert max_relative_error(ours, expected) < 1e-4
+    assert max_relative_error(conditional, expected) > 0.05  # the prompt-side term is real

@@ -24,6 +24,7 @@ def unwrap_causal_lm(model):
 
 class FamilyAdapter:
     model_types: tuple[str, ...] = ()
+    layer_major_capture = True  # capture(order="auto") may pick layer-major when activations fit
 
     def __init__(self, model):
         self.model = model

@@ -27,6 +27,8 @@ class MlaAdapter(FamilyAdapter):
         if self.shares and self.shares[0]:
             raise ValueError(f"{self.config.model_type}: layer 0 shares a top-k selection but no index layer precedes it")
         self._selections: dict[int, object] = {}  # chunk start -> selection awaited by IndexShare layers
+        # layer-major capture would hold every chunk's top-k between an index layer and its sharers
+        self.layer_major_capture = not any(self.shares)
 
     def allocate_entry(self, layer_idx, positions, dtype, device):
         return allocate_latent_pages(self.attns[layer_idx], positions, dtype, device)
