@@ -205,6 +205,9 @@ def use_hf_torch_gdn() -> None:
     sys.modules["fla"] = None  # `import fla` now raises ImportError; HF falls back to its torch kernel
 
 
+PAGE_ENTRIES = ("AttentionPages", "LatentPages")  # the position-proportional resident entries
+
+
 def _measure_capture(model, prompt, cfg: dict, recorder: PhaseRecorder):
     """Capture with its attention timed; (metrics, state)."""
     from longstraw.measure import AttentionTimer
@@ -216,6 +219,7 @@ def _measure_capture(model, prompt, cfg: dict, recorder: PhaseRecorder):
     rec = recorder.phases["capture"]
     peak = rec.get("peak_allocated_bytes", rec["peak_rss_bytes"])
     by_entry = state.nbytes_by_entry()
+    paged = sum(by_entry.get(name, 0) for name in PAGE_ENTRIES)
     return {
         "model_type": state.model_type,
         "positions": state.positions,
@@ -223,9 +227,9 @@ def _measure_capture(model, prompt, cfg: dict, recorder: PhaseRecorder):
         "resident_bytes": state.nbytes,
         "predicted_resident_bytes": state.predicted_nbytes,
         "resident_bytes_by_entry": by_entry,
-        "bytes_per_position_measured": by_entry.get("AttentionPages", 0) / max(state.positions, 1),
+        "bytes_per_position_measured": paged / max(state.positions, 1),
         "bytes_per_position_predicted": state.predicted_bytes_per_position,
-        "constant_bytes_measured": state.nbytes - by_entry.get("AttentionPages", 0),
+        "constant_bytes_measured": state.nbytes - paged,
         "constant_bytes_predicted": state.predicted_constant_bytes,
         "memory_before_capture_bytes": before,
         "transient_bytes": peak - before - state.nbytes,

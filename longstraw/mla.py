@@ -67,12 +67,15 @@ def latent_attention(q_1HTE, pages_11PE, live_11TE, *, rank: int, scale: float, 
 
 
 def _gather(pages_PE, live_TE, idx_TK):
-    """Rows `idx` of [pages ‖ live] without concatenating the pages: [T, K, E]."""
+    """Rows `idx` of [pages ‖ live] without concatenating the pages: [T, K, E]. One gather from the
+    pages, then the (few) live rows written over it in place (the gather's backward needs no values)."""
     P = pages_PE.shape[0]
-    live_TKE = live_TE[(idx_TK - P).clamp(min=0, max=live_TE.shape[0] - 1)]
     if P == 0:
-        return live_TKE
-    return torch.where((idx_TK < P)[..., None], pages_PE[idx_TK.clamp(max=P - 1)], live_TKE)
+        return live_TE[idx_TK]
+    kv_TKE = pages_PE.index_select(0, idx_TK.clamp(max=P - 1).flatten()).view(*idx_TK.shape, -1)
+    from_live = idx_TK >= P
+    kv_TKE[from_live] = live_TE[idx_TK[from_live] - P].to(kv_TKE.dtype)
+    return kv_TKE
 
 
 def reference_mla_attention(q_nope_1HTN, q_rot_1HTR, pages_11PE, live_11TE, w_uk_HNC, w_uv_HVC, *, rank, scale,
