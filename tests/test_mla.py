@@ -162,21 +162,21 @@ def test_absorbed_attention_equals_expanded_reference(sparse):
     H, T, P, N, R, C, V = 3, 4, 9, 5, 4, 6, 7
     q_nope = torch.randn(1, H, T, N, generator=g, dtype=torch.float64, requires_grad=True)
     q_rot = torch.randn(1, H, T, R, generator=g, dtype=torch.float64, requires_grad=True)
-    pages = torch.randn(1, 1, P, C + R, generator=g, dtype=torch.float64)
+    pages = torch.randn(1, 1, P, C + R, generator=g, dtype=torch.float64, requires_grad=True)
     live = torch.randn(1, 1, T, C + R, generator=g, dtype=torch.float64, requires_grad=True)
     w_uk = torch.randn(H, N, C, generator=g, dtype=torch.float64, requires_grad=True)
     w_uv = torch.randn(H, V, C, generator=g, dtype=torch.float64, requires_grad=True)
-    selection = torch.stack([torch.randperm(P + T, generator=g)[:5] for _ in range(T)]) if sparse else None
+    selection = None
+    if sparse:  # 5 distinct entries per query, its own position among them (top-k keeps a visible one)
+        others = [torch.randperm(P + T, generator=g) for _ in range(T)]
+        selection = torch.stack([torch.cat([torch.tensor([P + t]), o[o != P + t][:4]]) for t, o in enumerate(others)])
     q = torch.cat([torch.einsum("bhtn,hnc->bhtc", q_nope, w_uk), q_rot], dim=-1)
     ours = torch.einsum("bhtc,hvc->bhtv", latent_attention(q, pages, live, rank=C, scale=0.4, selection_TK=selection,
                                                            rows_per_block=3), w_uv)
     expected = reference_mla_attention(q_nope, q_rot, pages, live, w_uk, w_uv, rank=C, scale=0.4,
                                        selection_TK=selection)
-    if sparse:  # rows whose selection has no visible key are undefined in both; keep the defined ones
-        defined = (selection <= P + torch.arange(T)[:, None]).any(1)
-        ours, expected = ours[:, :, defined], expected[:, :, defined]
     torch.testing.assert_close(ours, expected)
-    inputs = (q_nope, q_rot, live, w_uk, w_uv)
+    inputs = (q_nope, q_rot, pages, live, w_uk, w_uv)
     weights = torch.randn(ours.shape, generator=g, dtype=torch.float64)
     for a, b in zip(torch.autograd.grad((ours * weights).sum(), inputs), torch.autograd.grad((expected * weights).sum(), inputs)):
         torch.testing.assert_close(a, b)
