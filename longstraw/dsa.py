@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-BLOCK_SIZE = 4096
+SCORE_ELEMENTS = 1 << 26  # float32 [T, H, N] per-head scores of one prefix block: 256 MiB
 
 
 def index_scores(q_THI, w_TH, k_NI, scale):
@@ -29,9 +29,10 @@ def index_scores(q_THI, w_TH, k_NI, scale):
 
 
 @torch.no_grad()
-def select_topk(q_THI, w_TH, k_prefix_PI, k_live_TI, *, topk: int, scale: float, block_size: int = BLOCK_SIZE):
+def select_topk(q_THI, w_TH, k_prefix_PI, k_live_TI, *, topk: int, scale: float, block_size: int | None = None):
     """int64 [T, min(topk, P + T)] indices of the selected keys per query (see module doc)."""
     T, P = q_THI.shape[0], k_prefix_PI.shape[0]
+    block_size = block_size or max(1, SCORE_ELEMENTS // (T * q_THI.shape[1]))
     k = min(topk, P + T)
     live_TT = index_scores(q_THI, w_TH, k_live_TI, scale)
     future_TT = torch.ones(T, T, dtype=torch.bool, device=q_THI.device).triu(1)

@@ -200,3 +200,9 @@ def test_exact_mode_equals_hf_full_sequence_gradient(preset, topk, lora):
     assert state.fingerprint() == before
     assert max_relative_error(ours, expected) < 1e-4
     assert max_relative_error(conditional, expected) > 0.05  # the prompt-side term is real
+
+
+def test_index_share_without_a_preceding_index_layer_is_refused():
+    model = build_model("tiny-glm_moe_dsa", seed=1, indexer_types=["shared", "full", "full", "full"])
+    with pytest.raises(ValueError, match="layer 0 shares a top-k selection"):
+        capture(model, _ids(PROMPT_LEN, 0))
