@@ -146,8 +146,9 @@ def reference_mla_attention(q_nope_1HTN, q_rot_1HTR, pages_11PE, live_11TE, w_uk
     v_HSV = torch.einsum("sc,hvc->hsv", c_SC, w_uv_HVC)
     q_HTD = torch.cat([q_nope_1HTN, q_rot_1HTR], dim=-1)[0]
     T, S = q_HTD.shape[1], kv_SE.shape[0]
-    allowed_TS = torch.arange(S)[None] <= S - T + torch.arange(T)[:, None]
+    dev = q_HTD.device
+    allowed_TS = torch.arange(S, device=dev)[None] <= S - T + torch.arange(T, device=dev)[:, None]
     if selection_TK is not None:
-        allowed_TS &= torch.zeros(T, S, dtype=torch.bool).scatter(1, selection_TK, True)
+        allowed_TS &= torch.zeros(T, S, dtype=torch.bool, device=dev).scatter(1, selection_TK, True)
     s_HTS = (q_HTD @ k_HSD.transpose(1, 2)) * scale
     return (torch.softmax(s_HTS.masked_fill(~allowed_TS, float("-inf")), dim=-1) @ v_HSV)[None]
