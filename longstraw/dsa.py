@@ -40,7 +40,8 @@ def select_topk(q_THI, w_TH, k_prefix_PI, k_live_TI, *, topk: int, scale: float,
     positions_N = torch.arange(P, P + T, device=q_THI.device)
     vals_TK, idx_TK = _merge_top(None, None, live_TT, positions_N, k)
     for start in range(0, P, block_size):
-        block_TN = index_scores(q_THI, w_TH, k_prefix_PI[start:start + block_size], scale)
+        k_NI = k_prefix_PI[start:start + block_size].to(q_THI.device, non_blocking=True)  # host pages: one block
+        block_TN = index_scores(q_THI, w_TH, k_NI, scale)
         positions_N = torch.arange(start, start + block_TN.shape[1], device=q_THI.device)
         vals_TK, idx_TK = _merge_top(vals_TK, idx_TK, block_TN, positions_N, k)
     return idx_TK

@@ -51,7 +51,8 @@ def latent_attention(q_1HTE, pages_11PE, live_11TE, *, rank: int, scale: float, 
                      rows_per_block: int = ROWS_PER_BLOCK):
     """Attention-weighted latents [1, H, T, C] of T live queries over P page entries and the causal
     live entries; only the selected ones (indices into [pages ‖ live]) when `selection_TK` is given."""
-    if selection_TK is None:
+    if selection_TK is None:  # host-resident pages come to the device whole (dense layers only)
+        pages_11PE = pages_11PE.to(q_1HTE.device, non_blocking=True)
         return paged_attention(q_1HTE, pages_11PE, pages_11PE[..., :rank], live_11TE, live_11TE[..., :rank],
                                scale=scale)
     out_HTC = _SparseLatentAttention.apply(q_1HTE[0], pages_11PE[0, 0], live_11TE[0, 0], selection_TK, rank,
@@ -60,11 +61,13 @@ def latent_attention(q_1HTE, pages_11PE, live_11TE, *, rank: int, scale: float, 
 
 
 def _gather(pages_PE, live_TE, idx_TK):
-    """Rows `idx` of [pages ‖ live] without concatenating the pages: [T, K, E]."""
+    """Rows `idx` of [pages ‖ live] without concatenating the pages: [T, K, E]. Host-resident pages
+    are gathered on the host: only the selected rows travel to the device."""
     P = pages_PE.shape[0]
     if P == 0:
         return live_TE[idx_TK]
-    kv_TKE = pages_PE.index_select(0, idx_TK.clamp(max=P - 1).flatten()).view(*idx_TK.shape, -1)
+    rows = pages_PE.index_select(0, idx_TK.clamp(max=P - 1).flatten().to(pages_PE.device))
+    kv_TKE = rows.to(live_TE.device, non_blocking=True).view(*idx_TK.shape, -1)
     from_live = idx_TK >= P
     kv_TKE[from_live] = live_TE[idx_TK[from_live] - P]
     return kv_TKE

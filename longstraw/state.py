@@ -110,12 +110,18 @@ class LatentPages:
     kv_lora_rank: int
     length: int = 0
     leaves: tuple | None = None  # exact mode: a grad-tracking leaf over the filled latent pages
+    # host-resident pages: the device the layer computes on (the pages stay in pinned host memory;
+    # readers move only what they use: selected rows, index-key blocks, or the pages of a dense layer)
+    compute_device: torch.device | None = None
 
     @classmethod
-    def allocate(cls, positions, kv_lora_rank, rope_dim, index_dim, dtype, device):
-        kv = torch.empty(1, 1, positions, kv_lora_rank + rope_dim, dtype=dtype, device=device)
-        index = torch.empty(1, positions, index_dim, dtype=dtype, device=device) if index_dim else None
-        return cls(kv, index, kv_lora_rank)
+    def allocate(cls, positions, kv_lora_rank, rope_dim, index_dim, dtype, device, host=False):
+        device = torch.device(device)
+        where = dict(dtype=dtype, device="cpu", pin_memory=device.type == "cuda") if host else dict(dtype=dtype,
+                                                                                                     device=device)
+        kv = torch.empty(1, 1, positions, kv_lora_rank + rope_dim, **where)
+        index = torch.empty(1, positions, index_dim, **where) if index_dim else None
+        return cls(kv, index, kv_lora_rank, compute_device=device if host else None)
 
     def filled(self):
         """(kv pages, index-key pages or None) written so far, as views; the leaf in exact mode."""

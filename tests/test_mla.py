@@ -206,3 +206,20 @@ def test_index_share_without_a_preceding_index_layer_is_refused():
     model = build_model("tiny-glm_moe_dsa", seed=1, indexer_types=["shared", "full", "full", "full"])
     with pytest.raises(ValueError, match="layer 0 shares a top-k selection"):
         capture(model, _ids(PROMPT_LEN, 0))
+
+
+def test_host_resident_pages_give_identical_results():
+    """On CPU the host is the device: the option must change nothing (on CUDA the pages sit in pinned memory)."""
+    model = _model("tiny-glm_moe_dsa", DROP_TOPK)
+    prompt, response = _ids(PROMPT_LEN, 9), _ids(RESPONSE_LEN, 10)
+    runs = []
+    for host in (False, True):
+        state = capture(model, prompt, chunk_size=8, host_pages=host)
+        logp = replay(model, state, response)
+        runs.append((logp.detach(), grads_of(model, logp.sum()), state.nbytes))
+    assert torch.equal(runs[0][0], runs[1][0]) and runs[0][2] == runs[1][2]
+    assert all(torch.equal(runs[0][1][n], runs[1][1][n]) for n in runs[0][1])
+    with pytest.raises(ValueError, match="prefix_grad"):
+        capture(model, prompt, prefix_grad=True, host_pages=True)
+    with pytest.raises(ValueError, match="host-resident"):
+        capture(build_model("tiny-llama", seed=1), prompt, host_pages=True)

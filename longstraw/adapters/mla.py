@@ -30,8 +30,10 @@ class MlaAdapter(FamilyAdapter):
         # layer-major capture would hold every chunk's top-k between an index layer and its sharers
         self.layer_major_capture = not any(self.shares)
 
-    def allocate_entry(self, layer_idx, positions, dtype, device):
-        return allocate_latent_pages(self.attns[layer_idx], positions, dtype, device)
+    supports_host_pages = True
+
+    def allocate_entry(self, layer_idx, positions, dtype, device, host=False):
+        return allocate_latent_pages(self.attns[layer_idx], positions, dtype, device, host)
 
     def mix(self, layer_idx, x_BTH, position_embeddings, entry, capturing):
         start = entry.length  # the chunk's first position: pages hold everything before it

@@ -46,10 +46,10 @@ def latent_page_bytes(config, index_layer: bool, dtype) -> int:
     return width * torch.empty((), dtype=dtype).element_size()
 
 
-def allocate_latent_pages(attn, positions, dtype, device) -> LatentPages:
+def allocate_latent_pages(attn, positions, dtype, device, host=False) -> LatentPages:
     indexer = indexer_of(attn)
     return LatentPages.allocate(positions, attn.kv_lora_rank, attn.qk_rope_head_dim,
-                                indexer.head_dim if indexer is not None else 0, dtype, device)
+                                indexer.head_dim if indexer is not None else 0, dtype, device, host)
 
 
 def _index_query_key(attn, indexer, x_BTH, q_resid_BTQ, cos, sin):
