@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from peft import LoraConfig, get_peft_model
 
-# Projection names across the supported families: attention (q/k/v/o) and GDN input/output.
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj",
+# Projection names across the supported families: attention (q/k/v/o), MLA (q_a/q_b, kv_a/kv_b) and
+# GDN input/output. The DSA indexer's projections are left out: HF runs the indexer without grad.
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj",
                 "in_proj_qkvz", "in_proj_ba", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 
 

@@ -22,6 +22,9 @@ MODEL_CLASSES = {
     "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM"),
     "qwen3_5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM"),
     "qwen3_5_moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM"),
+    "glm_moe_dsa": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM"),
+    "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM"),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
 }
 
 _TINY_COMMON = dict(
@@ -44,6 +47,16 @@ _TINY_GDN = dict(
     layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"] * 1,
     num_hidden_layers=4,
 )
+# MLA + routed MoE in miniature: first_k_dense_replace dense FFN layers, then MoE with one shared expert
+_TINY_MLA = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+    first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+    n_group=1, topk_group=1, max_position_embeddings=65536, rms_norm_eps=1e-6, tie_word_embeddings=False,
+)
+# DSA indexer: 16 heads keep exact-zero (all heads ReLU'd away) score ties rare; top-k 2048 selects every position
+# of a test sequence unless a test lowers it
+_TINY_DSA = dict(index_n_heads=16, index_head_dim=16, index_topk=2048)
 _TINY_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)
 
 
@@ -78,6 +91,12 @@ PRESETS = {
         ),
         "1 dense + 2 routed-MoE layers, partial rotary, q/k norm",
     ),
+    "tiny-glm_moe_dsa": Preset(
+        "glm_moe_dsa", dict(_TINY_MLA, **_TINY_DSA, indexer_types=["full", "shared", "full", "shared"]),
+        "GLM-5.2 pattern in miniature: MLA + DSA, index / IndexShare layers alternating, 1 dense + 3 MoE",
+    ),
+    "tiny-deepseek_v32": Preset("deepseek_v32", dict(_TINY_MLA, **_TINY_DSA), "MLA + DSA indexer on every layer, MoE"),
+    "tiny-deepseek_v3": Preset("deepseek_v3", dict(_TINY_MLA), "MLA without indexer (dense attention), MoE"),
     "tiny-qwen3_next": Preset(
         "qwen3_next", dict(_TINY_COMMON, **_TINY_GDN, **_TINY_MOE, decoder_sparse_step=1), "3 GDN : 1 attention, MoE"
     ),
@@ -113,6 +132,23 @@ PRESETS = {
         "GPU: Qwen3.6 pattern, 16 layers (12 GDN + 4 attention), hidden 2048",
         init_on_device=True,
     ),
+    # GPU scale: the GLM-5.2 pattern (MLA + DSA, 1 index layer then 3 IndexShare layers, 1 dense FFN layer then
+    # routed MoE 2 of 8 + 1 shared expert), ~1.2B parameters. Resident bytes per position (bf16):
+    # 16 layers x (kv_lora_rank 512 + rope 64) x 2 + 4 index layers x index_head_dim 128 x 2 = 19,456;
+    # 1,048,576 positions hold 19.0 GiB of pages, next to ~2.3 GiB of weights on a 139 GiB H200.
+    "glm-pattern-1b": Preset(
+        "glm_moe_dsa",
+        dict(vocab_size=32768, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
+             num_attention_heads=16, num_key_value_heads=16, q_lora_rank=768, kv_lora_rank=512,
+             qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+             index_n_heads=32, index_head_dim=128, index_topk=2048,
+             indexer_types=["full", "shared", "shared", "shared"] * 4,
+             first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=1024,
+             n_shared_experts=1, n_group=1, topk_group=1, max_position_embeddings=8_388_608,
+             rms_norm_eps=1e-5, tie_word_embeddings=False),
+        "GPU: GLM-5.2 pattern, 16 MLA layers (4 index + 12 IndexShare), 1 dense + 15 MoE, hidden 2048",
+        init_on_device=True,
+    ),
     # The real Qwen3.6-27B text shape (26.9B parameters), random weights; run it NF4-quantised.
     "qwen3.6-27b-shape": Preset(
         "qwen3_5",
@@ -126,7 +162,10 @@ PRESETS = {
         init_on_device=True,
     ),
 }
-TINY_PRESETS = [name for name in PRESETS if name.startswith("tiny-")]
+MLA_MODEL_TYPES = ("glm_moe_dsa", "deepseek_v32", "deepseek_v3")
+# the MLA family has capture, replay, scoring and exact mode (tests/test_mla.py), not yet rollout or NF4
+TINY_MLA_PRESETS = [n for n, p in PRESETS.items() if n.startswith("tiny-") and p.model_type in MLA_MODEL_TYPES]
+TINY_PRESETS = [n for n in PRESETS if n.startswith("tiny-") and n not in TINY_MLA_PRESETS]
 
 
 def make_config(name: str, **overrides):

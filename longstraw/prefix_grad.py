@@ -5,7 +5,8 @@
         loss(replay(model, state, y)).backward()   # conditional part; page gradients accumulate
     state.backward_prefix()                        # + the prompt-side part: .grad = full-sequence gradient
 
-Replay treats the resident state as leaves (`AttentionPages.leaves`, `RecurrentState.leaves`), so
+Replay treats the resident state as leaves (`AttentionPages.leaves`, `RecurrentState.leaves`,
+`LatentPages.leaves`: MLA latent + rope pages; the DSA index keys get none, HF's indexer runs without grad), so
 every replay's backward also accumulates dL/dK and dL/dV of the prompt positions in gradient pages
 (allocated by autograd on first touch) and the gradient of each Gated DeltaNet layer's final conv
 and recurrent state. `backward_prefix` then pushes them into the parameters by one reverse,
@@ -29,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from longstraw.adapters import adapter_for
-from longstraw.state import AttentionPages, RecurrentState, ResidentState
+from longstraw.state import AttentionPages, LatentPages, RecurrentState, ResidentState
 
 
 @dataclass
@@ -54,6 +55,31 @@ class RecomputePages:
     def append(self, k_BKTD, v_BKTD):
         self.live = [k_BKTD, v_BKTD]
 
+    @property
+    def prefix_leaves(self):
+        return self.prefix_k, self.prefix_v
+
+
+@dataclass
+class RecomputeLatent:
+    """An MLA layer while one prompt chunk is recomputed: a grad-tracking leaf over the latent pages
+    before the chunk, the index pages before it (read only), the chunk's own entries with their graph."""
+
+    prefix_kv: torch.Tensor
+    prefix_index: torch.Tensor | None
+    length: int  # the chunk's first position (the MLA adapter keys IndexShare selections by it)
+    live: list = field(default_factory=list)
+
+    def filled(self):
+        return self.prefix_kv, self.prefix_index
+
+    def append(self, kv_11TE, index_1TI):
+        self.live = [kv_11TE]
+
+    @property
+    def prefix_leaves(self):
+        return (self.prefix_kv,)
+
 
 class RecomputeRecurrent(RecurrentState):
     """A GDN layer while one prompt chunk is recomputed: starts from grad-tracking leaves, keeps its
@@ -72,6 +98,8 @@ def enable(state: ResidentState, model, ids: torch.Tensor, chunk: int, checkpoin
     for entry in state.layers:
         if isinstance(entry, AttentionPages):
             entry.leaves = _leaves(entry.k_BKPD[:, :, :entry.length], entry.v_BKPD[:, :, :entry.length])
+        elif isinstance(entry, LatentPages):
+            entry.leaves = _leaves(entry.kv_11PE[:, :, :entry.length])
         elif isinstance(entry, RecurrentState):
             entry.leaves = _leaves(entry.conv_BCK1, entry.recurrent_BHDV)
         else:
@@ -83,6 +111,9 @@ def _recompute_entry(entry, layer: int, start: int, checkpoints: dict):
     if isinstance(entry, AttentionPages):
         return RecomputePages(*(t[:, :, :start].detach().requires_grad_(start > 0)
                                 for t in (entry.k_BKPD, entry.v_BKPD)))
+    if isinstance(entry, LatentPages):
+        index = None if entry.index_1PI is None else entry.index_1PI[:, :start]
+        return RecomputeLatent(entry.kv_11PE[:, :, :start].detach().requires_grad_(start > 0), index, start)
     conv, recurrent = checkpoints[(layer, start)]
     recompute = RecomputeRecurrent(conv, recurrent)
     recompute.leaves = _leaves(conv, recurrent)
@@ -104,7 +135,7 @@ def backward_prefix(state: ResidentState) -> None:
                 h = adapter.layer_forward(i, h, pe, recompute, capturing=True)
             outputs, seeds = [], []
             for recompute, pair in zip(entries, grads):
-                if isinstance(recompute, RecomputePages):  # this chunk's K/V <- their page gradients
+                if isinstance(recompute, (RecomputePages, RecomputeLatent)):  # chunk's pages <- their gradients
                     outputs += recompute.live
                     seeds += [g[:, :, start:end] for g in pair]
                 else:  # the GDN state at this chunk's end <- the gradient of the next chunk's start
@@ -112,10 +143,10 @@ def backward_prefix(state: ResidentState) -> None:
                     seeds += pair
             torch.autograd.backward(outputs, seeds)
             for i, recompute in enumerate(entries):
-                if isinstance(recompute, RecomputePages):
-                    if recompute.prefix_k.grad is not None:  # None where nothing read them (the last layer)
-                        grads[i][0][:, :, :start] += recompute.prefix_k.grad
-                        grads[i][1][:, :, :start] += recompute.prefix_v.grad
+                if isinstance(recompute, (RecomputePages, RecomputeLatent)):
+                    for grad, leaf in zip(grads[i], recompute.prefix_leaves):
+                        if leaf.grad is not None:  # None where nothing read them (the last layer)
+                            grad[:, :, :start] += leaf.grad
                 else:
                     grads[i] = [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
                                 for leaf in recompute.leaves]

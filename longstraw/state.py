@@ -6,9 +6,10 @@ its tensors and knows its byte count; the family adapters decide which entry a l
 - `AttentionPages`: K/V pages preallocated to the prompt length, written in place by capture.
 - `RecurrentState`: Gated DeltaNet conv state (last K-1 conv inputs) and recurrent state.
 - `DecodePages`: while sampling, an attention layer's shared prompt pages plus per-sequence pages.
+- `LatentPages`: an MLA layer's compressed latent + rotary key per position (never per-head K/V),
+  and on DSA index layers the indexer's key per position.
 
-Later families (MLA latent pages) add their own entry class; the core only relies on
-`tensors()` (for bytes and fingerprint) and `snapshot()/restore()`.
+The core only relies on `tensors()` (for bytes and fingerprint) and `snapshot()/restore()`.
 """
 
 from __future__ import annotations
@@ -95,6 +96,49 @@ class RecurrentState:
     def repeated(self, batch: int) -> "RecurrentState":
         """Copies for `batch` sequences continuing from this state (decoding G responses)."""
         return RecurrentState(self.conv_BCK1.repeat(batch, 1, 1), self.recurrent_BHDV.repeat(batch, 1, 1, 1))
+
+
+@dataclass
+class LatentPages:
+    """One MLA layer's pages: `kv_11PE` holds, per position, the latent after `kv_a_layernorm`
+    (the first `kv_lora_rank` of E) followed by the rotated rope key (E = kv_lora_rank +
+    qk_rope_head_dim), laid out as one shared kv head so it feeds `paged_attention` unchanged;
+    `index_1PI` holds the DSA indexer's key (after its norm and rotary) on index layers, else None."""
+
+    kv_11PE: torch.Tensor
+    index_1PI: torch.Tensor | None
+    kv_lora_rank: int
+    length: int = 0
+    leaves: tuple | None = None  # exact mode: a grad-tracking leaf over the filled latent pages
+    # host-resident pages: the device the layer computes on (the pages stay in pinned host memory;
+    # readers move only what they use: selected rows, index-key blocks, or the pages of a dense layer)
+    compute_device: torch.device | None = None
+
+    @classmethod
+    def allocate(cls, positions, kv_lora_rank, rope_dim, index_dim, dtype, device, host=False):
+        device = torch.device(device)
+        where = dict(dtype=dtype, device="cpu", pin_memory=device.type == "cuda") if host else dict(dtype=dtype,
+                                                                                                     device=device)
+        kv = torch.empty(1, 1, positions, kv_lora_rank + rope_dim, **where)
+        index = torch.empty(1, positions, index_dim, **where) if index_dim else None
+        return cls(kv, index, kv_lora_rank, compute_device=device if host else None)
+
+    def filled(self):
+        """(kv pages, index-key pages or None) written so far, as views; the leaf in exact mode."""
+        kv = self.leaves[0] if self.leaves is not None else self.kv_11PE[:, :, : self.length]
+        return kv, None if self.index_1PI is None else self.index_1PI[:, : self.length]
+
+    def append(self, kv_11TE, index_1TI):
+        end = self.length + kv_11TE.shape[2]
+        if end > self.kv_11PE.shape[2]:
+            raise ValueError(f"latent pages hold {self.kv_11PE.shape[2]} positions; cannot append up to {end}")
+        self.kv_11PE[:, :, self.length : end].copy_(kv_11TE.detach())
+        if self.index_1PI is not None:
+            self.index_1PI[:, self.length : end].copy_(index_1TI.detach())
+        self.length = end
+
+    def tensors(self):
+        return [self.kv_11PE] + ([] if self.index_1PI is None else [self.index_1PI])
 
 
 @dataclass

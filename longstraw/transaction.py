@@ -65,8 +65,12 @@ class _Progress:
 
 
 def capture(model, prompt_ids, prefix_grad: bool = False, *, chunk_size: int | None = None, order: str = "auto",
-            memory_budget_bytes: int | None = None, progress: bool | None = None, cp=None) -> ResidentState:
+            memory_budget_bytes: int | None = None, progress: bool | None = None, cp=None,
+            host_pages: bool = False) -> ResidentState:
     """Evaluate the prompt once without autograd and keep only its resident state.
+
+    `host_pages=True` (MLA family) keeps the latent and index-key pages in (pinned) host memory;
+    each layer reads them from there when it runs (`LatentPages`).
 
     `prefix_grad=True` is the exact mode (`longstraw.prefix_grad`): replays also accumulate the
     pages' gradients and `state.backward_prefix()` adds the prompt-side term. `cp` (a
@@ -80,21 +84,30 @@ def capture(model, prompt_ids, prefix_grad: bool = False, *, chunk_size: int | N
     if chunk < 1:
         raise ValueError(f"chunk_size must be positive, got {chunk}")
     if cp is not None:
-        if prefix_grad:
-            raise ValueError("prefix_grad=True (exact mode) is not implemented for a context-parallel capture")
+        if prefix_grad or host_pages:
+            raise ValueError("prefix_grad=True (exact mode) and host_pages=True are not implemented for a "
+                             "context-parallel capture")
         from longstraw.cp.capture import capture_sharded
 
         return capture_sharded(model, ids, cp, chunk)
     per_position, constant = adapter.predicted_bytes(dtype)
+    host = {}
+    if host_pages:
+        if not adapter.supports_host_pages:
+            raise ValueError(f"host_pages=True: {adapter.config.model_type!r} models keep no host-resident pages "
+                             "(supported: the MLA family)")
+        if prefix_grad:
+            raise ValueError("host_pages=True cannot be combined with prefix_grad=True (exact mode)")
+        host = {"host": True}
     state = ResidentState(
-        layers=[adapter.allocate_entry(i, positions, dtype, device) for i in range(adapter.num_layers)],
+        layers=[adapter.allocate_entry(i, positions, dtype, device, **host) for i in range(adapter.num_layers)],
         positions=positions, last_token=int(ids[-1]), model_type=adapter.config.model_type,
         predicted_bytes_per_position=per_position, predicted_constant_bytes=constant, dtype=dtype, device=device,
     )
     if order == "auto":
         budget = memory_budget_bytes if memory_budget_bytes is not None else _default_budget(device)
         hidden_bytes = positions * adapter.config.hidden_size * torch.empty((), dtype=dtype).element_size()
-        order = "layer" if 2 * hidden_bytes <= budget else "chunk"
+        order = "layer" if adapter.layer_major_capture and 2 * hidden_bytes <= budget else "chunk"
     if order not in ("chunk", "layer"):
         raise ValueError(f"order must be 'auto', 'chunk' or 'layer', got {order!r}")
     starts = range(0, positions, chunk)

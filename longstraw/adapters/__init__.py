@@ -5,6 +5,7 @@ from __future__ import annotations
 from longstraw.adapters.base import FamilyAdapter, unwrap_causal_lm
 from longstraw.adapters.dense import DenseAdapter
 from longstraw.adapters.hybrid import HybridAdapter
+from longstraw.adapters.mla import MlaAdapter
 
 _ADAPTERS: dict[str, type[FamilyAdapter]] = {}
 
@@ -15,7 +16,7 @@ def register_adapter(cls: type[FamilyAdapter]) -> type[FamilyAdapter]:
     return cls
 
 
-for _cls in (DenseAdapter, HybridAdapter):
+for _cls in (DenseAdapter, HybridAdapter, MlaAdapter):
     register_adapter(_cls)
 
 

@@ -24,6 +24,8 @@ def unwrap_causal_lm(model):
 
 class FamilyAdapter:
     model_types: tuple[str, ...] = ()
+    layer_major_capture = True  # capture(order="auto") may pick layer-major when activations fit
+    supports_host_pages = False  # capture(host_pages=True): allocate_entry(..., host=True)
 
     def __init__(self, model):
         self.model = model

@@ -48,6 +48,9 @@ def capture_sharded(model, ids: torch.Tensor, cp: CPGroup, chunk: int) -> Sharde
         entry = adapter.allocate_entry(i, end - start, dtype, device)
         if isinstance(entry, AttentionPages):
             entry = ShardPages(entry.k_BKPD, entry.v_BKPD, cp=cp, bounds=bounds, query_chunk=chunk)
+        elif not isinstance(entry, RecurrentState):
+            raise ValueError(f"context parallelism covers the dense and hybrid families; {adapter.config.model_type!r} "
+                             f"keeps {type(entry).__name__} entries, which have no sharded form yet")
         layers.append(entry)
     per_position, constant = adapter.predicted_bytes(dtype)
     state = ShardedResidentState(

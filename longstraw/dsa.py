@@ -1,0 +1,64 @@
+"""DeepSeek sparse attention (DSA): the indexer's top-k selection over resident index-key pages.
+
+HF's indexer (`GlmMoeDsaIndexer`, `DeepseekV32Indexer`; `@torch.no_grad`) scores key t for query s as
+
+    score[s, t] = sum_h w[s, h] * relu(scale * q[s, h] . k[t]),    w = weights_proj(x) * H^-0.5
+
+in float32, masks keys after s and keeps the `index_topk` highest. `select_topk` computes the same
+over the prompt's index pages (P keys) followed by the live keys (T, causal), scoring the prefix
+`block_size` keys at a time and merging each block into a running top-k, so no [T, P] score matrix
+is ever held. The selection is the same set as HF's whenever scores have no ties at the k-th place.
+
+    idx_TK = select_topk(q_THI, w_TH, k_prefix_PI, k_live_TI, topk=2048, scale=I ** -0.5)
+    visible_TK = idx_TK <= P + torch.arange(T)[:, None]    # a row with fewer than k visible keys
+                                                            # also gets masked ones, as in HF
+Indices point into the concatenation [prefix ‖ live]; k = min(topk, P + T).
+"""
+
+from __future__ import annotations
+
+import torch
+
+SCORE_ELEMENTS = 1 << 26  # float32 [T, H, N] per-head scores of one prefix block: 256 MiB
+
+
+def index_scores(q_THI, w_TH, k_NI, scale):
+    """float32 [T, N] indexer scores of T queries against N keys (HF's formula and op order)."""
+    s_THN = torch.relu(torch.matmul(q_THI.float(), k_NI.float().transpose(0, 1)) * scale)
+    return torch.matmul(w_TH.float().unsqueeze(1), s_THN).squeeze(1)
+
+
+@torch.no_grad()
+def select_topk(q_THI, w_TH, k_prefix_PI, k_live_TI, *, topk: int, scale: float, block_size: int | None = None):
+    """int64 [T, min(topk, P + T)] indices of the selected keys per query (see module doc)."""
+    T, P = q_THI.shape[0], k_prefix_PI.shape[0]
+    block_size = block_size or max(1, SCORE_ELEMENTS // (T * q_THI.shape[1]))
+    k = min(topk, P + T)
+    live_TT = index_scores(q_THI, w_TH, k_live_TI, scale)
+    future_TT = torch.ones(T, T, dtype=torch.bool, device=q_THI.device).triu(1)
+    live_TT = live_TT.masked_fill(future_TT, float("-inf"))
+    positions_N = torch.arange(P, P + T, device=q_THI.device)
+    vals_TK, idx_TK = _merge_top(None, None, live_TT, positions_N, k)
+    for start in range(0, P, block_size):
+        k_NI = k_prefix_PI[start:start + block_size].to(q_THI.device, non_blocking=True)  # host pages: one block
+        block_TN = index_scores(q_THI, w_TH, k_NI, scale)
+        positions_N = torch.arange(start, start + block_TN.shape[1], device=q_THI.device)
+        vals_TK, idx_TK = _merge_top(vals_TK, idx_TK, block_TN, positions_N, k)
+    return idx_TK
+
+
+def _merge_top(vals_TK, idx_TK, scores_TN, positions_N, k):
+    """The top min(k, candidates) of the running selection and one block of scored keys."""
+    cand_idx = positions_N.expand(scores_TN.shape[0], -1)
+    if vals_TK is not None:
+        scores_TN, cand_idx = torch.cat([vals_TK, scores_TN], dim=1), torch.cat([idx_TK, cand_idx], dim=1)
+    vals_TK, sel_TK = scores_TN.topk(min(k, scores_TN.shape[1]), dim=1)
+    return vals_TK, cand_idx.gather(1, sel_TK)
+
+
+def reference_select_topk(q_THI, w_TH, k_prefix_PI, k_live_TI, *, topk: int, scale: float):
+    """Plain reference: one [T, P + T] score matrix, causal mask, one top-k (HF's own order)."""
+    T, P = q_THI.shape[0], k_prefix_PI.shape[0]
+    scores_TS = index_scores(q_THI, w_TH, torch.cat([k_prefix_PI, k_live_TI]), scale)
+    allowed_TS = torch.arange(P + T, device=q_THI.device)[None] <= P + torch.arange(T, device=q_THI.device)[:, None]
+    return scores_TS.masked_fill(~allowed_TS, float("-inf")).topk(min(topk, P + T), dim=1).indices

@@ -1,0 +1,225 @@
+"""MLA + DeepSeek sparse attention (glm_moe_dsa, deepseek_v32, deepseek_v3): capture + replay
+against HF's own forward, cache and autograd (tests/hf_reference.py).
+
+Top-k ties: at random init (std 0.02) the indexer's scores differ by ~1e-4 and are exactly zero where
+ReLU removes every head, so HF's one-pass top-k and ours (same set, different float op order) can
+pick different keys at the k-th place. Tests therefore either keep `index_topk` (2048) above the
+sequence length, so every visible key is selected whatever the scores, or give the indexer
+`tie_free` weights (std 0.5: scores spread far apart) when top-k must drop positions.
+"""
+
+import pytest
+import torch
+
+from longstraw.hf_reference import grads_of, hf_conditional_logprobs, hf_full_logprobs, max_relative_error
+from longstraw import capture, replay
+from longstraw.dsa import reference_select_topk, select_topk
+from longstraw.lora import apply_lora
+from longstraw.mla import latent_attention, reference_mla_attention
+from longstraw.models import TINY_MLA_PRESETS, build_model
+from transformers import DynamicCache
+
+PROMPT_LEN, RESPONSE_LEN = 23, 7  # prompt spans three 8-position capture chunks
+DROP_TOPK = 6  # far below the 29 positions a response token sees: top-k drops most of them
+DSA_PRESETS = ["tiny-glm_moe_dsa", "tiny-deepseek_v32"]
+
+
+def _ids(n, seed, vocab=256):
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def tie_free(model, seed=3):
+    """Indexer weights with well-separated scores (see the module doc)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for module in model.modules():
+            if type(module).__name__.endswith("Indexer"):
+                for linear in (module.wq_b, module.wk, module.weights_proj):
+                    linear.weight.copy_(torch.randn(linear.weight.shape, generator=g) * 0.5)
+    return model
+
+
+def hf_caches_latents(model, prompt) -> bool:
+    """transformers >= 5.23 caches MLA latents; 5.17 caches expanded per-head K/V (DESIGN.md §2)."""
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=prompt[None, :2], past_key_values=cache, use_cache=True)
+    return cache.layers[0].keys.shape[1] == 1
+
+
+def _model(preset, topk=None, lora=False):
+    model = build_model(preset, seed=1, **({"index_topk": topk} if topk else {}))
+    model = tie_free(model) if topk else model
+    return apply_lora(model, r=4, init_random=True) if lora else model
+
+
+CASES = [(p, None) for p in TINY_MLA_PRESETS] + [(p, DROP_TOPK) for p in DSA_PRESETS]
+
+
+@pytest.mark.parametrize("preset,topk", CASES)
+def test_replay_logprobs_equal_hf_one_pass(preset, topk):
+    model = _model(preset, topk)
+    prompt, response = _ids(PROMPT_LEN, 0), _ids(RESPONSE_LEN, 1)
+    state = capture(model, prompt, chunk_size=8)
+    with torch.no_grad():
+        ours = replay(model, state, response)
+        expected = hf_full_logprobs(model, prompt, response)
+    assert ours.dtype == torch.float32 and ours.shape == (RESPONSE_LEN,)
+    assert (ours - expected).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("preset", DSA_PRESETS)
+def test_topk_drops_positions_and_replay_follows(preset):
+    """The drop cases above are not vacuous: HF's output with top-k 6 differs from keeping every key."""
+    prompt, response = _ids(PROMPT_LEN, 0), _ids(RESPONSE_LEN, 1)
+    with torch.no_grad():
+        sparse = hf_full_logprobs(_model(preset, DROP_TOPK), prompt, response)
+        dense = hf_full_logprobs(_model(preset, 10_000), prompt, response)
+    assert (sparse - dense).abs().max() > 1e-3
+
+
+# every model type with and without LoRA while top-k keeps everything; the drop cases once each
+GRADIENT_CASES = [(p, None, lora) for p in TINY_MLA_PRESETS for lora in (False, True)] + [
+    ("tiny-glm_moe_dsa", DROP_TOPK, True), ("tiny-deepseek_v32", DROP_TOPK, False)]
+
+
+@pytest.mark.parametrize("preset,topk,lora", GRADIENT_CASES)
+def test_replay_gradient_equals_conditional_response_reference(preset, topk, lora):
+    model = _model(preset, topk, lora)
+    prompt, response = _ids(PROMPT_LEN, 4), _ids(RESPONSE_LEN, 5)
+    weights = torch.linspace(-1.0, 2.0, RESPONSE_LEN)  # a non-uniform loss so every token's gradient matters
+    state = capture(model, prompt, chunk_size=8)
+    before = state.fingerprint()
+    ours = grads_of(model, (replay(model, state, response) * weights).sum())
+    assert state.fingerprint() == before
+    expected = grads_of(model, (hf_conditional_logprobs(model, prompt, response) * weights).sum())
+    assert len(expected) > 0 and set(ours) == set(expected)
+    if not hf_caches_latents(model, prompt):
+        # HF's state is then the expanded K/V, computed without grad: kv_b_proj gets no gradient through
+        # the prompt positions there, while ours (state = latents) expands them under autograd, as 5.23 does
+        ours, expected = ({n: g for n, g in d.items() if "kv_b_proj" not in n} for d in (ours, expected))
+    assert max_relative_error(ours, expected) < 1e-4
+
+
+@pytest.mark.parametrize("preset", TINY_MLA_PRESETS)
+def test_resident_bytes_are_latents_not_expanded_kv(preset):
+    model = _model(preset)
+    state = capture(model, _ids(PROMPT_LEN, 3), chunk_size=8)
+    config = model.config
+    index_layers = sum(getattr(layer.self_attn, "indexer", None) is not None for layer in model.model.layers)
+    per_position = 4 * (config.num_hidden_layers * (config.kv_lora_rank + config.qk_rope_head_dim)
+                        + index_layers * getattr(config, "index_head_dim", 0))
+    assert state.nbytes == state.predicted_nbytes == per_position * (PROMPT_LEN - 1)
+    assert {"glm_moe_dsa": 2, "deepseek_v32": 4, "deepseek_v3": 0}[config.model_type] == index_layers
+
+
+@pytest.mark.parametrize("preset", DSA_PRESETS)
+def test_pages_hold_what_hf_caches(preset):
+    """transformers >= 5.23 caches the normed latent, the rotated rope key and the index key: our pages
+    must hold exactly those, position by position."""
+    model = _model(preset)
+    prompt = _ids(PROMPT_LEN, 6)
+    if not hf_caches_latents(model, prompt):
+        pytest.skip("this transformers caches expanded per-head K/V (5.17), not latents")
+    state = capture(model, prompt, chunk_size=8)
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=prompt[None, :-1], past_key_values=cache, use_cache=True)
+    for pages, layer in zip(state.layers, cache.layers):
+        C = model.config.kv_lora_rank
+        torch.testing.assert_close(pages.kv_11PE[..., :C], layer.keys, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(pages.kv_11PE[..., C:], layer.values, rtol=1e-5, atol=1e-6)
+        if pages.index_1PI is not None:
+            torch.testing.assert_close(pages.index_1PI, layer.indexer_keys, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("preset", ["tiny-glm_moe_dsa"])
+def test_capture_orders_give_identical_state_with_index_sharing(preset):
+    model = _model(preset, DROP_TOPK)
+    prompt = _ids(PROMPT_LEN, 2)
+    a = capture(model, prompt, chunk_size=8, order="chunk")
+    b = capture(model, prompt, chunk_size=5, order="layer")
+    for ea, eb in zip(a.layers, b.layers):
+        for ta, tb in zip(ea.tensors(), eb.tensors()):
+            torch.testing.assert_close(ta, tb, rtol=1e-5, atol=1e-6)
+
+
+def test_blocked_topk_equals_one_pass_topk():
+    g = torch.Generator().manual_seed(0)
+    T, P, H, I = 5, 37, 4, 8
+    q, w = torch.randn(T, H, I, generator=g), torch.randn(T, H, generator=g)
+    k_prefix, k_live = torch.randn(P, I, generator=g), torch.randn(T, I, generator=g)
+    for topk in (3, 20, 100):
+        ours = select_topk(q, w, k_prefix, k_live, topk=topk, scale=0.3, block_size=7)
+        expected = reference_select_topk(q, w, k_prefix, k_live, topk=topk, scale=0.3)
+        assert torch.equal(ours.sort(dim=1).values, expected.sort(dim=1).values)
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_absorbed_attention_equals_expanded_reference(sparse):
+    """Forward and gradients of the absorbed kernel against per-head expansion (HF's formulation)."""
+    g = torch.Generator().manual_seed(1)
+    H, T, P, N, R, C, V = 3, 4, 9, 5, 4, 6, 7
+    q_nope = torch.randn(1, H, T, N, generator=g, dtype=torch.float64, requires_grad=True)
+    q_rot = torch.randn(1, H, T, R, generator=g, dtype=torch.float64, requires_grad=True)
+    pages = torch.randn(1, 1, P, C + R, generator=g, dtype=torch.float64, requires_grad=True)
+    live = torch.randn(1, 1, T, C + R, generator=g, dtype=torch.float64, requires_grad=True)
+    w_uk = torch.randn(H, N, C, generator=g, dtype=torch.float64, requires_grad=True)
+    w_uv = torch.randn(H, V, C, generator=g, dtype=torch.float64, requires_grad=True)
+    selection = None
+    if sparse:  # 5 distinct entries per query, its own position among them (top-k keeps a visible one)
+        others = [torch.randperm(P + T, generator=g) for _ in range(T)]
+        selection = torch.stack([torch.cat([torch.tensor([P + t]), o[o != P + t][:4]]) for t, o in enumerate(others)])
+    q = torch.cat([torch.einsum("bhtn,hnc->bhtc", q_nope, w_uk), q_rot], dim=-1)
+    ours = torch.einsum("bhtc,hvc->bhtv", latent_attention(q, pages, live, rank=C, scale=0.4, selection_TK=selection,
+                                                           rows_per_block=3), w_uv)
+    expected = reference_mla_attention(q_nope, q_rot, pages, live, w_uk, w_uv, rank=C, scale=0.4,
+                                       selection_TK=selection)
+    torch.testing.assert_close(ours, expected)
+    inputs = (q_nope, q_rot, pages, live, w_uk, w_uv)
+    weights = torch.randn(ours.shape, generator=g, dtype=torch.float64)
+    for a, b in zip(torch.autograd.grad((ours * weights).sum(), inputs), torch.autograd.grad((expected * weights).sum(), inputs)):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("preset,topk,lora", [("tiny-glm_moe_dsa", DROP_TOPK, True), ("tiny-deepseek_v32", None, False),
+                                              ("tiny-deepseek_v3", None, True)])
+def test_exact_mode_equals_hf_full_sequence_gradient(preset, topk, lora):
+    """capture(prefix_grad=True) + backward_prefix: HF's one-pass autograd over prompt + response."""
+    model = _model(preset, topk, lora)
+    prompt, response = _ids(PROMPT_LEN, 7), _ids(RESPONSE_LEN, 8)
+    weights = torch.linspace(-1.0, 2.0, RESPONSE_LEN)
+    state = capture(model, prompt, prefix_grad=True, chunk_size=8)
+    before = state.fingerprint()
+    model.zero_grad(set_to_none=True)
+    (replay(model, state, response) * weights).sum().backward()
+    conditional = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    state.backward_prefix()
+    ours = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    expected = grads_of(model, (hf_full_logprobs(model, prompt, response) * weights).sum())
+    assert state.fingerprint() == before
+    assert max_relative_error(ours, expected) < 1e-4
+    assert max_relative_error(conditional, expected) > 0.05  # the prompt-side term is real
+
+
+def test_index_share_without_a_preceding_index_layer_is_refused():
+    model = build_model("tiny-glm_moe_dsa", seed=1, indexer_types=["shared", "full", "full", "full"])
+    with pytest.raises(ValueError, match="layer 0 shares a top-k selection"):
+        capture(model, _ids(PROMPT_LEN, 0))
+
+
+def test_host_resident_pages_give_identical_results():
+    """On CPU the host is the device: the option must change nothing (on CUDA the pages sit in pinned memory)."""
+    model = _model("tiny-glm_moe_dsa", DROP_TOPK)
+    prompt, response = _ids(PROMPT_LEN, 9), _ids(RESPONSE_LEN, 10)
+    runs = []
+    for host in (False, True):
+        state = capture(model, prompt, chunk_size=8, host_pages=host)
+        logp = replay(model, state, response)
+        runs.append((logp.detach(), grads_of(model, logp.sum()), state.nbytes))
+    assert torch.equal(runs[0][0], runs[1][0]) and runs[0][2] == runs[1][2]
+    assert all(torch.equal(runs[0][1][n], runs[1][1][n]) for n in runs[0][1])
+    with pytest.raises(ValueError, match="prefix_grad"):
+        capture(model, prompt, prefix_grad=True, host_pages=True)
+    with pytest.raises(ValueError, match="host-resident"):
+        capture(build_model("tiny-llama", seed=1), prompt, host_pages=True)
