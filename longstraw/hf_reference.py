@@ -95,13 +95,18 @@ def max_relative_error(actual: dict, expected: dict) -> float:
     floored at 1e-6 of the whole gradient's norm so unused experts do not divide by zero)."""
     names = set(actual) | set(expected)
     zero = next(iter(expected.values()))
-    total = sum(float(g.double().norm() ** 2) for g in expected.values()) ** 0.5
+    total = global_norm(expected)
     worst = 0.0
     for name in names:
         e = expected.get(name, torch.zeros_like(actual.get(name, zero)))
         a = actual.get(name, torch.zeros_like(e))
         worst = max(worst, float((a - e).double().norm()) / max(float(e.double().norm()), 1e-6 * total))
     return worst
+
+
+def global_norm(grads: dict) -> float:
+    """The norm of the whole gradient vector {name: grad} (all parameters together)."""
+    return sum(float(g.double().norm() ** 2) for g in grads.values()) ** 0.5
 
 
 def global_relative_error(actual: dict, expected: dict) -> float:
@@ -111,12 +116,10 @@ def global_relative_error(actual: dict, expected: dict) -> float:
     tiny decay-parameter gradients (A_log, dt_bias) in float32, so per-parameter comparisons against
     HF's one-pass gradient are limited by HF, not by the code under test."""
     diff = sum(float((actual.get(k, torch.zeros_like(v)) - v).double().norm() ** 2) for k, v in expected.items())
-    return diff ** 0.5 / sum(float(v.double().norm() ** 2) for v in expected.values()) ** 0.5
+    return diff ** 0.5 / global_norm(expected)
 
 
 def global_cosine(actual: dict, expected: dict) -> float:
     """cos(a, e) over the whole gradient vector (all parameters together; a missing grad is zero)."""
     dot = sum(float((actual[k].double() * v.double()).sum()) for k, v in expected.items() if k in actual)
-    norm_a = sum(float(v.double().norm() ** 2) for v in actual.values()) ** 0.5
-    norm_e = sum(float(v.double().norm() ** 2) for v in expected.values()) ** 0.5
-    return dot / (norm_a * norm_e)
+    return dot / (global_norm(actual) * global_norm(expected))

@@ -47,7 +47,8 @@ import torch
 from longstraw import grpo
 from longstraw.config import VALIDATION_LEVELS, VALIDATION_MODES
 from longstraw.experiment import build_policy, capture_kwargs, seeded_group, seeded_tokens
-from longstraw.hf_reference import global_cosine, global_relative_error, hf_conditional_logprobs, hf_full_logprobs
+from longstraw.hf_reference import (global_cosine, global_norm, global_relative_error, hf_conditional_logprobs,
+                                     hf_full_logprobs)
 from longstraw.measure import device_name
 from longstraw.step import grpo_step
 from longstraw.transaction import capture, replay
@@ -114,12 +115,8 @@ def our_gradients(model, prompt, responses, weights, mode: str, capture_settings
 def parity(ours: dict, reference: dict, tolerance: float) -> tuple[bool, dict]:
     error = global_relative_error(ours, reference)
     evidence = {"relative_error": error, "cosine": global_cosine(ours, reference),
-                "reference_norm": _norm(reference), "parameters_compared": len(reference)}
+                "reference_norm": global_norm(reference), "parameters_compared": len(reference)}
     return error <= tolerance, evidence
-
-
-def _norm(grads: dict) -> float:
-    return sum(float(g.double().norm() ** 2) for g in grads.values()) ** 0.5
 
 
 def gradient_levels(model, prompt, responses, cfg: dict, mode: str, scale: dict) -> dict:
