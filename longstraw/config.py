@@ -16,7 +16,7 @@ DEFAULTS = {
     "cycles": 1,
     "grpo": {"beta": 0.04, "epsilon": 0.2, "loss_type": "dapo", "scale_rewards": "group"},
     "optimizer": {"lr": 1.0e-4},
-    "capture": {"chunk_size": None, "order": "auto", "memory_budget_bytes": None},
+    "capture": {"chunk_size": None, "order": "auto", "memory_budget_bytes": None, "host_pages": False},
     "capacity": {"min_length": 1024, "max_length": 1 << 20, "granularity": 1024, "ceiling_bytes": None,
                  "time_limit_seconds": None, "compare_modes": []},
     "sweep": {"replay": [2, 8], "hold_all": [2, 4, 8]},

@@ -5,9 +5,11 @@ HF's indexer (`GlmMoeDsaIndexer`, `DeepseekV32Indexer`; `@torch.no_grad`) scores
     score[s, t] = sum_h w[s, h] * relu(scale * q[s, h] . k[t]),    w = weights_proj(x) * H^-0.5
 
 in float32, masks keys after s and keeps the `index_topk` highest. `select_topk` computes the same
-over the prompt's index pages (P keys) followed by the live keys (T, causal), scoring the prefix
-`block_size` keys at a time and merging each block into a running top-k, so no [T, P] score matrix
-is ever held. The selection is the same set as HF's whenever scores have no ties at the k-th place.
+over the prompt's index pages (P keys) followed by the live keys (T, causal), `QUERY_BLOCK` queries
+at a time, scoring the prefix `block_size` keys at a time and merging each block into a running
+top-k, so no [T, P] score matrix is ever held. Scores accumulate head by head (on CUDA in one fused
+kernel), so they equal HF's up to float32 rounding order: the selection is the same set as HF's
+whenever the scores have no (near-)ties at the k-th place.
 
     idx_TK = select_topk(q_THI, w_TH, k_prefix_PI, k_live_TI, topk=2048, scale=I ** -0.5)
     visible_TK = idx_TK <= P + torch.arange(T)[:, None]    # a row with fewer than k visible keys
@@ -19,7 +21,8 @@ from __future__ import annotations
 
 import torch
 
-SCORE_ELEMENTS = 1 << 26  # float32 [T, H, N] per-head scores of one prefix block: 256 MiB
+SCORE_ELEMENTS = 1 << 26  # float32 [query block, key block] scores: 256 MiB (+ one per-head temporary)
+QUERY_BLOCK = 1024  # queries scored together: a long prefix goes in key blocks of SCORE_ELEMENTS / 1024
 
 
 def index_scores(q_THI, w_TH, k_NI, scale):
@@ -28,20 +31,49 @@ def index_scores(q_THI, w_TH, k_NI, scale):
     return torch.matmul(w_TH.float().unsqueeze(1), s_THN).squeeze(1)
 
 
+def block_scores(q_THI, w_TH, k_NI, scale):
+    """`index_scores` one head at a time (never a [T, H, N] tensor), with the positive `scale`
+    folded into the head weights: the same values up to float32 rounding order. On CUDA with
+    bfloat16 queries and keys, one fused Triton kernel (`longstraw.dsa_triton`)."""
+    if q_THI.is_cuda and q_THI.dtype == k_NI.dtype == torch.bfloat16:
+        from longstraw.dsa_triton import fused_index_scores
+
+        return fused_index_scores(q_THI, w_TH.float() * scale, k_NI)
+    w_TH, k_IN = w_TH.float() * scale, k_NI.float().transpose(0, 1)
+    scores_TN = torch.zeros(q_THI.shape[0], k_NI.shape[0], dtype=torch.float32, device=q_THI.device)
+    for h in range(q_THI.shape[1]):
+        scores_TN.addcmul_(torch.matmul(q_THI[:, h].float(), k_IN).relu_(), w_TH[:, h, None])
+    return scores_TN
+
+
 @torch.no_grad()
-def select_topk(q_THI, w_TH, k_prefix_PI, k_live_TI, *, topk: int, scale: float, block_size: int | None = None):
-    """int64 [T, min(topk, P + T)] indices of the selected keys per query (see module doc)."""
+def select_topk(q_THI, w_TH, k_prefix_PI, k_live_TI, *, topk: int, scale: float, block_size: int | None = None,
+                query_block: int = QUERY_BLOCK):
+    """int64 [T, min(topk, P + T)] indices of the selected keys per query (see module doc).
+    Queries go `query_block` at a time; each keeps a running top-k over the prefix's key blocks
+    and the live keys."""
     T, P = q_THI.shape[0], k_prefix_PI.shape[0]
-    block_size = block_size or max(1, SCORE_ELEMENTS // (T * q_THI.shape[1]))
     k = min(topk, P + T)
-    live_TT = index_scores(q_THI, w_TH, k_live_TI, scale)
-    future_TT = torch.ones(T, T, dtype=torch.bool, device=q_THI.device).triu(1)
-    live_TT = live_TT.masked_fill(future_TT, float("-inf"))
-    positions_N = torch.arange(P, P + T, device=q_THI.device)
-    vals_TK, idx_TK = _merge_top(None, None, live_TT, positions_N, k)
+    out_TK = torch.empty(T, k, dtype=torch.long, device=q_THI.device)
+    for qs in range(0, T, query_block):
+        qe = min(T, qs + query_block)
+        out_TK[qs:qe] = _select_block(q_THI[qs:qe], w_TH[qs:qe], k_prefix_PI, k_live_TI, qs, k, scale,
+                                      block_size or max(1, SCORE_ELEMENTS // (qe - qs)))
+    return out_TK
+
+
+def _select_block(q_THI, w_TH, k_prefix_PI, k_live_LI, first: int, k: int, scale: float, block_size: int):
+    """Top-k of the live queries `first`..first+T-1 over the prefix and the live keys (later live keys
+    masked: a row with fewer than k visible keys also gets masked ones, as in HF)."""
+    T, P = q_THI.shape[0], k_prefix_PI.shape[0]
+    live_TL = block_scores(q_THI, w_TH, k_live_LI, scale)
+    future_TL = torch.arange(k_live_LI.shape[0], device=q_THI.device)[None] > first + torch.arange(
+        T, device=q_THI.device)[:, None]
+    live_TL.masked_fill_(future_TL, float("-inf"))
+    vals_TK, idx_TK = _merge_top(None, None, live_TL, torch.arange(P, P + k_live_LI.shape[0], device=q_THI.device), k)
     for start in range(0, P, block_size):
         k_NI = k_prefix_PI[start:start + block_size].to(q_THI.device, non_blocking=True)  # host pages: one block
-        block_TN = index_scores(q_THI, w_TH, k_NI, scale)
+        block_TN = block_scores(q_THI, w_TH, k_NI, scale)
         positions_N = torch.arange(start, start + block_TN.shape[1], device=q_THI.device)
         vals_TK, idx_TK = _merge_top(vals_TK, idx_TK, block_TN, positions_N, k)
     return idx_TK

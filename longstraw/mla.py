@@ -16,7 +16,8 @@ Dense attention goes through `longstraw.attention.paged_attention` (exact LSE bl
 its own backward); values are the first C dims of the same pages (a view, no copy). Sparse
 attention gathers each query's selected entries (T x k rows, never a [T, P] mask) and runs one
 softmax per query, `rows_per_block` queries at a time, in an autograd op that keeps only the
-indices for its backward (the gathered rows are gathered again there).
+indices for its backward (the gathered rows are gathered again there). Host-resident pages come
+to the device whole for each call and each backward (layer by layer), never held by the graph.
 """
 
 from __future__ import annotations
@@ -61,13 +62,12 @@ def latent_attention(q_1HTE, pages_11PE, live_11TE, *, rank: int, scale: float, 
 
 
 def _gather(pages_PE, live_TE, idx_TK):
-    """Rows `idx` of [pages ‖ live] without concatenating the pages: [T, K, E]. Host-resident pages
-    are gathered on the host: only the selected rows travel to the device."""
+    """Rows `idx` of [pages ‖ live] without concatenating the pages: [T, K, E] (pages on the
+    queries' device)."""
     P = pages_PE.shape[0]
     if P == 0:
         return live_TE[idx_TK]
-    rows = pages_PE.index_select(0, idx_TK.clamp(max=P - 1).flatten().to(pages_PE.device))
-    kv_TKE = rows.to(live_TE.device, non_blocking=True).view(*idx_TK.shape, -1)
+    kv_TKE = pages_PE.index_select(0, idx_TK.clamp(max=P - 1).flatten()).view(*idx_TK.shape, -1)
     from_live = idx_TK >= P
     kv_TKE[from_live] = live_TE[idx_TK[from_live] - P]
     return kv_TKE
@@ -83,6 +83,13 @@ def _scatter_(grad_pages_PE, grad_live_TE, P, idx_TK, grad_TKE):
         grad_pages_PE.index_add_(0, flat_idx[~is_live], flat_grad[~is_live])
 
 
+def _on_device(pages_PE, device):
+    """Host-resident pages stream to the device whole for the call (one layer at a time) and are
+    dropped after it; the autograd graph keeps only the host reference, so a replay's graph never
+    holds every layer's pages on the device."""
+    return pages_PE.to(device, non_blocking=True)
+
+
 class _SparseLatentAttention(torch.autograd.Function):
     """Per-query softmax over gathered entries, `rows` queries at a time. Saves q, out, lse and the
     indices (never the gathered [T, K, E] rows): backward gathers each row block again, recomputes
@@ -90,6 +97,8 @@ class _SparseLatentAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q_HTE, pages_PE, live_TE, idx_TK, rank, scale, rows):
+        ctx.pages = pages_PE  # a reference, like paged_attention's prefix (no copy, no version check)
+        pages_PE = _on_device(pages_PE, q_HTE.device)
         H, T, _ = q_HTE.shape
         acc = torch.float64 if q_HTE.dtype == torch.float64 else torch.float32
         visible_TK = idx_TK <= pages_PE.shape[0] + torch.arange(T, device=q_HTE.device)[:, None]
@@ -105,7 +114,6 @@ class _SparseLatentAttention(torch.autograd.Function):
             out_HTC[:, blk] = torch.einsum("htk,tkc->htc", p_HTK, kv_TKE[..., :rank])
         out_HTC = out_HTC.to(q_HTE.dtype)
         ctx.save_for_backward(q_HTE, live_TE, idx_TK, visible_TK, out_HTC, lse_HT)
-        ctx.pages = pages_PE  # a reference, like paged_attention's prefix (no copy, no version check)
         ctx.rank, ctx.scale, ctx.rows = rank, scale, rows
         return out_HTC
 
@@ -113,7 +121,7 @@ class _SparseLatentAttention(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout_HTC):
         q_HTE, live_TE, idx_TK, visible_TK, out_HTC, lse_HT = ctx.saved_tensors
-        pages_PE, rank, scale, rows = ctx.pages, ctx.rank, ctx.scale, ctx.rows
+        pages_PE, rank, scale, rows = _on_device(ctx.pages, q_HTE.device), ctx.rank, ctx.scale, ctx.rows
         acc = lse_HT.dtype
         need_q, need_pages, need_live = ctx.needs_input_grad[:3]
         dq_HTE = torch.zeros(q_HTE.shape, dtype=acc, device=q_HTE.device)

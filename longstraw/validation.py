@@ -18,10 +18,13 @@ level gives {level, reached (True / False; None: not run), tolerance, evidence (
   vector-Jacobian product) from our replays (exact mode: before backward_prefix) against the same L
   through `hf_conditional_logprobs` (HF forward of p[:-1] without grad into a cache, then p[-1] + y
   on it with grad). Reached when ||g - g_ref|| / ||g_ref|| over the whole trainable gradient vector
-  is within the tolerance: 1e-4 in float32, 2e-2 in bfloat16 / float16 (8 or 11 mantissa bits: two
-  independent computations differ by a few roundings of ~4e-3 per layer). Whole vector, not per
-  parameter: HF's own one-pass and cache paths differ by ~1% on Gated DeltaNet's tiny decay-parameter
-  gradients (`hf_reference.global_relative_error`).
+  is within the tolerance: 1e-4 in float32. In bfloat16 / float16 both sides carry rounding noise
+  that grows with the prompt, so a fixed tolerance says little at long context: there both gradients
+  are also compared with the reference computed on a float32 copy of the model (g32), and the level is
+  reached when ||g - g32|| / ||g32|| <= max(2e-2, 2 x ||g_ref - g32|| / ||g32||), i.e. our path is
+  no further from float32 than twice HF's own low-precision path (NF4 models, which have no float32
+  copy, keep the fixed 2e-2). Whole vector, not per parameter: HF's own one-pass and cache paths
+  differ by ~1% on Gated DeltaNet's tiny decay-parameter gradients (`hf_reference.global_relative_error`).
 - V3 full-sequence parity: the same gradient against HF one-pass autograd over p + y
   (`hf_full_logprobs`). Exact mode: reached within the same tolerance. Response-only mode drops the
   prompt-side term by design, so it is not reached; its evidence is the gap: the cosine between our
@@ -55,6 +58,7 @@ from longstraw.transaction import capture, replay
 
 MODES, LEVELS = VALIDATION_MODES, VALIDATION_LEVELS
 TOLERANCES = {"float32": 1e-4, "float64": 1e-4, "bfloat16": 2e-2, "float16": 2e-2}
+NOISE_FACTOR = 2.0  # low precision: our error to float32 may be this multiple of HF's own
 SIGMAS = 3.0  # V4: the gain must exceed this many standard errors
 V1_TOLERANCE = ("finite loss and gradient norm, resident fingerprint unchanged after all replays; CUDA: every "
                 "phase's peak allocated bytes below the device's total memory (CPU: completed, no ceiling)")
@@ -112,11 +116,26 @@ def our_gradients(model, prompt, responses, weights, mode: str, capture_settings
     return grads
 
 
-def parity(ours: dict, reference: dict, tolerance: float) -> tuple[bool, dict]:
+def parity(ours: dict, reference: dict, tolerance: float, reference32: dict | None = None) -> tuple[bool, dict]:
+    """Whether `ours` matches `reference` (see the module doc); with `reference32`, the float32
+    gradient of the same reference, the low-precision criterion anchored to it."""
     error = global_relative_error(ours, reference)
     evidence = {"relative_error": error, "cosine": global_cosine(ours, reference),
                 "reference_norm": global_norm(reference), "parameters_compared": len(reference)}
-    return error <= tolerance, evidence
+    if reference32 is None:
+        return error <= tolerance, evidence
+    evidence["relative_error_to_float32"] = global_relative_error(ours, reference32)
+    evidence["reference_error_to_float32"] = global_relative_error(reference, reference32)
+    allowed = max(tolerance, NOISE_FACTOR * evidence["reference_error_to_float32"])
+    evidence["allowed_error_to_float32"] = allowed
+    return evidence["relative_error_to_float32"] <= allowed, evidence
+
+
+def float32_copy(model, cfg: dict):
+    """A float32 copy of the policy for the low-precision anchor, or None (float32 already, or NF4)."""
+    if cfg["model"]["dtype"] in ("float32", "float64") or cfg["model"].get("nf4"):
+        return None
+    return copy.deepcopy(model).float()
 
 
 def gradient_levels(model, prompt, responses, cfg: dict, mode: str, scale: dict) -> dict:
@@ -125,17 +144,27 @@ def gradient_levels(model, prompt, responses, cfg: dict, mode: str, scale: dict)
     tol = tolerance(cfg)
     weights = objective_weights(responses, cfg["validation"]["weights_seed"])
     ours = our_gradients(model, prompt, responses, weights, mode, capture_kwargs(cfg))
+    model32 = float32_copy(model, cfg)
     stated = f"||g - g_ref|| / ||g_ref|| <= {tol:.0e} over the whole gradient vector ({cfg['model']['dtype']})"
+    if model32 is not None:
+        stated = (f"||g - g32|| / ||g32|| <= max({tol:.0e}, {NOISE_FACTOR:g} x ||g_ref - g32|| / ||g32||) over the "
+                  f"whole gradient vector; g_ref: HF in {cfg['model']['dtype']}, g32: HF on a float32 copy")
+
+    def reference_pair(logprobs):
+        reference = _reference_gradient(model, logprobs, prompt, responses, weights)
+        reference32 = None if model32 is None else _reference_gradient(model32, logprobs, prompt, responses, weights)
+        return reference, reference32
+
     out = {}
     if "V2" in wanted:
-        reference = _reference_gradient(model, hf_conditional_logprobs, prompt, responses, weights)
-        reached, evidence = parity(ours["conditional"], reference, tol)
+        reference, reference32 = reference_pair(hf_conditional_logprobs)
+        reached, evidence = parity(ours["conditional"], reference, tol, reference32)
         out["V2"] = level("V2", reached, stated, evidence, scale, "against HF's cache path (p[:-1] no grad, then "
                           "p[-1] + y with grad)" + (", before backward_prefix" if mode == "exact" else ""))
     if "V3" in wanted:
-        full = _reference_gradient(model, hf_full_logprobs, prompt, responses, weights)
+        full, full32 = reference_pair(hf_full_logprobs)
         if mode == "exact":
-            reached, evidence = parity(ours["exact"], full, tol)
+            reached, evidence = parity(ours["exact"], full, tol, full32)
             out["V3"] = level("V3", reached, stated, evidence, scale, "against HF one-pass autograd over p + y")
         else:
             _, evidence = parity(ours["conditional"], full, tol)

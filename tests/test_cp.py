@@ -55,8 +55,19 @@ def _capture_replay(preset, cp=None, device="cpu"):
 
 
 def _rank_capture_replay(preset, device_type="cpu"):
+    if device_type == "cuda":
+        _hide_fla()
     result = _capture_replay(preset, context_parallel(int(os.environ["WORLD_SIZE"]), device_type))
     return {k: _to_cpu(v) for k, v in result.items()}
+
+
+def _hide_fla():
+    """Gated DeltaNet in the plain float32 torch kernel: fla's Triton kernel computes in TF32-like
+    precision (~3e-3 relative) and its result depends on how the positions are split into calls,
+    which sharding changes; the NCCL check is about the transport and the merge, not that kernel."""
+    import longstraw.gdn
+
+    longstraw.gdn._load_fla = lambda: (None, ())
 
 
 def _to_cpu(value):
@@ -96,7 +107,9 @@ def sharded_nccl(request):
     of the machine; ranks are spawned (CUDA cannot fork), one GPU each; the reference runs on cuda:0."""
     preset, world = request.param
     ranks = run_ranks(_rank_capture_replay, world, preset, "cuda")
-    return world, ranks, _to_cpu(_capture_replay(preset, device="cuda"))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("longstraw.gdn._load_fla", lambda: (None, ()))
+        return world, ranks, _to_cpu(_capture_replay(preset, device="cuda"))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

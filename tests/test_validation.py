@@ -87,6 +87,32 @@ def test_parity_tolerance_on_hand_computed_vectors():
     assert validation.parity({"w": torch.tensor([4.0, -3.0])}, reference, 1e-4)[1]["cosine"] == pytest.approx(0.0)
 
 
+def test_low_precision_parity_is_anchored_to_float32_on_hand_computed_vectors():
+    g32 = {"w": torch.tensor([3.0, 4.0])}  # norm 5
+    hf_low = {"w": torch.tensor([3.0, 4.15])}  # HF's own low-precision error: 0.03
+    ours = {"w": torch.tensor([3.0, 4.28])}  # ours: 0.056 to float32, 0.13 / 5.09 = 0.0255 to HF's gradient
+    reached, evidence = validation.parity(ours, hf_low, 2e-2, g32)
+    assert reached  # 0.056 <= max(0.02, 2 x 0.03)
+    assert evidence["relative_error_to_float32"] == pytest.approx(0.056, rel=1e-5)
+    assert evidence["reference_error_to_float32"] == pytest.approx(0.03, rel=1e-5)
+    assert evidence["allowed_error_to_float32"] == pytest.approx(0.06, rel=1e-5)
+    assert evidence["relative_error"] > 2e-2  # the fixed tolerance alone would fail it
+    assert not validation.parity({"w": torch.tensor([3.0, 4.35])}, hf_low, 2e-2, g32)[0]  # 0.07 > 0.06
+    assert not validation.parity(ours, g32, 2e-2, g32)[0]  # an exact reference leaves only the fixed 2e-2
+
+
+def test_bfloat16_paths_record_their_float32_anchor():
+    cfg = resolve_config({"kind": "validation", "model": {"preset": "tiny-llama", "dtype": "bfloat16"},
+                          "prompt": {"length": 40}, "responses": {"count": 2, "length": 6},
+                          "capture": {"chunk_size": 16}, "validation": {"modes": ["exact"], "levels": ["V2", "V3"]}})
+    (path,) = validation.run_validation(cfg, torch.device("cpu"))["paths"]
+    for name in ("V2", "V3"):
+        evidence = _levels(path)[name]["evidence"]
+        assert 0 < evidence["reference_error_to_float32"] < 0.1  # HF's bfloat16 gradient is not float32's
+        assert evidence["relative_error_to_float32"] <= evidence["allowed_error_to_float32"]
+        assert _levels(path)[name]["reached"]
+
+
 # V4's rule on hand-computed series: 2 windows of 2 steps of 4 responses
 LOW = [[0, 0, 0, 0], [0, 0, 0, 1]]  # mean 1/8, sample variance 1/8
 HIGH = [[1, 1, 1, 1], [1, 1, 1, 1]]  # mean 1, variance 0
