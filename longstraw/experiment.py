@@ -271,7 +271,8 @@ def _measure_capture(model, prompt, cfg: dict, recorder: PhaseRecorder):
         "constant_bytes_measured": state.nbytes - state.page_bytes,
         "constant_bytes_predicted": state.predicted_constant_bytes,
         "memory_before_capture_bytes": before,
-        "transient_bytes": peak - before - state.nbytes,
+        "device_resident_bytes": state.device_nbytes,
+        "transient_bytes": peak - before - state.device_nbytes,
         "capture_seconds": rec["seconds"],
         "capture_attention": attention.summary(),
     }, state

@@ -172,6 +172,12 @@ class ResidentState:
         return out
 
     @property
+    def device_nbytes(self) -> int:
+        """Resident bytes on the compute device (host-resident pages excluded)."""
+        return sum(t.numel() * t.element_size() for layer in self.layers for t in layer.tensors()
+                   if t.device == self.device or (t.is_cuda and self.device.type == "cuda"))
+
+    @property
     def local_positions(self) -> int:
         """Prompt positions whose pages this process holds (a context-parallel rank: its shard)."""
         return self.positions

@@ -23,7 +23,7 @@ level gives {level, reached (True / False; None: not run), tolerance, evidence (
   are also compared with the reference computed on a float32 copy of the model (g32), and the level is
   reached when ||g - g32|| / ||g32|| <= max(2e-2, 2 x ||g_ref - g32|| / ||g32||), i.e. our path is
   no further from float32 than twice HF's own low-precision path (NF4 models, which have no float32
-  copy, keep the fixed 2e-2). Whole vector, not per parameter: HF's own one-pass and cache paths
+  copy, and points where HF's float32 pass runs out of memory keep the fixed 2e-2, and say so). Whole vector, not per parameter: HF's own one-pass and cache paths
   differ by ~1% on Gated DeltaNet's tiny decay-parameter gradients (`hf_reference.global_relative_error`).
 - V3 full-sequence parity: the same gradient against HF one-pass autograd over p + y
   (`hf_full_logprobs`). Exact mode: reached within the same tolerance. Response-only mode drops the
@@ -151,9 +151,19 @@ def gradient_levels(model, prompt, responses, cfg: dict, mode: str, scale: dict)
                   f"whole gradient vector; g_ref: HF in {cfg['model']['dtype']}, g32: HF on a float32 copy")
 
     def reference_pair(logprobs):
+        nonlocal model32
         reference = _reference_gradient(model, logprobs, prompt, responses, weights)
-        reference32 = None if model32 is None else _reference_gradient(model32, logprobs, prompt, responses, weights)
-        return reference, reference32
+        if model32 is None:
+            return reference, None
+        try:
+            return reference, _reference_gradient(model32, logprobs, prompt, responses, weights)
+        except torch.OutOfMemoryError:  # HF's float32 pass keeps twice the activations: fixed tolerance then
+            model32 = None
+            anchor_lost.append(logprobs.__name__)
+            torch.cuda.empty_cache()
+            return reference, None
+
+    anchor_lost = []
 
     out = {}
     if "V2" in wanted:
@@ -172,6 +182,11 @@ def gradient_levels(model, prompt, responses, cfg: dict, mode: str, scale: dict)
             out["V3"] = level("V3", False, "not reachable: response-only drops the prompt-side term by design; "
                               "the gap is measured", evidence, scale,
                               "gap to HF one-pass autograd over p + y: cosine and ||g_full - g|| / ||g_full||")
+    for entry in out.values():
+        if anchor_lost and entry["tolerance"] == stated and "relative_error_to_float32" not in entry["evidence"]:
+            entry["evidence"]["float32_anchor"] = "out of memory"
+            entry["tolerance"] = (f"||g - g_ref|| / ||g_ref|| <= {tol:.0e} over the whole gradient vector "
+                                  f"({cfg['model']['dtype']}; the float32 anchor did not fit in memory)")
     return out
 
 

@@ -113,6 +113,25 @@ def test_bfloat16_paths_record_their_float32_anchor():
         assert _levels(path)[name]["reached"]
 
 
+def test_a_float32_anchor_that_runs_out_of_memory_falls_back_to_the_fixed_tolerance(monkeypatch):
+    real = validation._reference_gradient
+
+    def float32_oom(model, *args):
+        if next(model.parameters()).dtype == torch.float32:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(model, *args)
+
+    monkeypatch.setattr(validation, "_reference_gradient", float32_oom)
+    cfg = resolve_config({"kind": "validation", "model": {"preset": "tiny-llama", "dtype": "bfloat16"},
+                          "prompt": {"length": 40}, "responses": {"count": 2, "length": 6},
+                          "capture": {"chunk_size": 16}, "validation": {"modes": ["exact"], "levels": ["V2", "V3"]}})
+    (path,) = validation.run_validation(cfg, torch.device("cpu"))["paths"]
+    for name in ("V2", "V3"):
+        entry = _levels(path)[name]
+        assert entry["evidence"]["float32_anchor"] == "out of memory" and "did not fit" in entry["tolerance"]
+        assert entry["reached"] == (entry["evidence"]["relative_error"] <= 2e-2)
+
+
 # V4's rule on hand-computed series: 2 windows of 2 steps of 4 responses
 LOW = [[0, 0, 0, 0], [0, 0, 0, 1]]  # mean 1/8, sample variance 1/8
 HIGH = [[1, 1, 1, 1], [1, 1, 1, 1]]  # mean 1, variance 0
