@@ -12,7 +12,9 @@ is ever held. The selection is the same set as HF's whenever scores have no ties
     idx_TK = select_topk(q_THI, w_TH, k_prefix_PI, k_live_TI, topk=2048, scale=I ** -0.5)
     visible_TK = idx_TK <= P + torch.arange(T)[:, None]    # a row with fewer than k visible keys
                                                             # also gets masked ones, as in HF
-Indices point into the concatenation [prefix ‖ live]; k = min(topk, P + T).
+Indices point into the concatenation [prefix ‖ live]; k = min(topk, P + T). While sampling,
+`select_topk_decode` does the same for one query per sequence over the shared prefix and that
+sequence's own generated keys.
 """
 
 from __future__ import annotations
@@ -23,22 +25,40 @@ SCORE_ELEMENTS = 1 << 26  # float32 [T, H, N] per-head scores of one prefix bloc
 
 
 def index_scores(q_THI, w_TH, k_NI, scale):
-    """float32 [T, N] indexer scores of T queries against N keys (HF's formula and op order)."""
-    s_THN = torch.relu(torch.matmul(q_THI.float(), k_NI.float().transpose(0, 1)) * scale)
+    """float32 [T, N] indexer scores of T queries against N keys (HF's formula and op order); keys
+    [T, N, I] give each query its own N keys."""
+    s_THN = torch.relu(torch.matmul(q_THI.float(), k_NI.float().transpose(-1, -2)) * scale)
     return torch.matmul(w_TH.float().unsqueeze(1), s_THN).squeeze(1)
 
 
 @torch.no_grad()
 def select_topk(q_THI, w_TH, k_prefix_PI, k_live_TI, *, topk: int, scale: float, block_size: int | None = None):
     """int64 [T, min(topk, P + T)] indices of the selected keys per query (see module doc)."""
-    T, P = q_THI.shape[0], k_prefix_PI.shape[0]
-    block_size = block_size or max(1, SCORE_ELEMENTS // (T * q_THI.shape[1]))
-    k = min(topk, P + T)
+    T = q_THI.shape[0]
     live_TT = index_scores(q_THI, w_TH, k_live_TI, scale)
     future_TT = torch.ones(T, T, dtype=torch.bool, device=q_THI.device).triu(1)
     live_TT = live_TT.masked_fill(future_TT, float("-inf"))
-    positions_N = torch.arange(P, P + T, device=q_THI.device)
-    vals_TK, idx_TK = _merge_top(None, None, live_TT, positions_N, k)
+    return _topk_with_prefix(q_THI, w_TH, k_prefix_PI, live_TT, topk, scale, block_size)
+
+
+@torch.no_grad()
+def select_topk_decode(q_BHI, w_BH, k_prefix_PI, k_own_BNI, *, topk: int, scale: float,
+                       block_size: int | None = None):
+    """One decoding step of B sequences sharing one prefix: int64 [B, min(topk, P + N)] indices into
+    [prefix ‖ the sequence's own N keys] for each sequence's single query. Every key is visible (the
+    own keys precede the query or are its own), so no mask; the prefix is scored once for all B."""
+    own_BN = index_scores(q_BHI, w_BH, k_own_BNI, scale)
+    return _topk_with_prefix(q_BHI, w_BH, k_prefix_PI, own_BN, topk, scale, block_size)
+
+
+def _topk_with_prefix(q_THI, w_TH, k_prefix_PI, live_TN, topk, scale, block_size):
+    """The top min(topk, P + N) of the scored live keys (indices P..P+N-1) and the prefix keys,
+    scored `block_size` at a time and merged into the running selection."""
+    T, P = q_THI.shape[0], k_prefix_PI.shape[0]
+    block_size = block_size or max(1, SCORE_ELEMENTS // (T * q_THI.shape[1]))
+    k = min(topk, P + live_TN.shape[1])
+    positions_N = torch.arange(P, P + live_TN.shape[1], device=q_THI.device)
+    vals_TK, idx_TK = _merge_top(None, None, live_TN, positions_N, k)
     for start in range(0, P, block_size):
         k_NI = k_prefix_PI[start:start + block_size].to(q_THI.device, non_blocking=True)  # host pages: one block
         block_TN = index_scores(q_THI, w_TH, k_NI, scale)
