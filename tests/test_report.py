@@ -63,9 +63,10 @@ def built(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("report")
     results = tmp / "results" / "cpu"
     points = {}
-    for mode in ("replay", "hold_all"):
+    for mode in ("replay", "hold_all"):  # a hybrid model, as the paper's G sweep (its figures compare these)
         for g in (1, 2):
-            cfg = {**TINY, "kind": "step", "mode": mode, "responses": {"count": g, "length": 5}}
+            cfg = {**TINY, "kind": "step", "mode": mode, "responses": {"count": g, "length": 5},
+                   "model": {"preset": "tiny-qwen3_5"}}
             points[("g_sweep", f"{mode}-G{g}")] = (run_point(cfg), {"mode": mode, "responses.count": g})
     # a real context-parallel point: rank 0's result of 2 forked ranks (gloo)
     points[("context_parallel", "cp_size-2")] = (run_ranks(_cp_step, 2, start_method="fork")[0], {"cp_size": 2})
@@ -335,8 +336,9 @@ def test_paper_figures_sit_beside_ours(built):
 def test_validation_levels(built):
     html = built["html"]
     levels = html.split('id="validation-levels"')[1].split("</table>")[0]
-    # V1: the step points' one path and the validation point's two (plus its failed point's row)
-    assert "reached on 3 of 4 paths where run" in levels
+    # V1: the step points' two paths (g_sweep's tiny-qwen3_5, the others' tiny-llama) and the validation point's
+    # two (plus its failed point's row)
+    assert "reached on 4 of 5 paths where run" in levels
     assert "reached on 2 of 2 paths where run" in levels  # V2: both gradient modes
     assert "reached on 1 of 2 paths where run" in levels and "not reached by design" in levels  # V3: exact only
     assert levels.count("not run in these results") == 1  # V4
