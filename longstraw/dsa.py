@@ -14,7 +14,9 @@ whenever the scores have no (near-)ties at the k-th place.
     idx_TK = select_topk(q_THI, w_TH, k_prefix_PI, k_live_TI, topk=2048, scale=I ** -0.5)
     visible_TK = idx_TK <= P + torch.arange(T)[:, None]    # a row with fewer than k visible keys
                                                             # also gets masked ones, as in HF
-Indices point into the concatenation [prefix ‖ live]; k = min(topk, P + T).
+Indices point into the concatenation [prefix ‖ live]; k = min(topk, P + T). While sampling,
+`select_topk_decode` does the same for one query per sequence over the shared prefix and that
+sequence's own generated keys.
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ QUERY_BLOCK = 1024  # queries scored together: a long prefix goes in key blocks 
 
 
 def index_scores(q_THI, w_TH, k_NI, scale):
-    """float32 [T, N] indexer scores of T queries against N keys (HF's formula and op order)."""
-    s_THN = torch.relu(torch.matmul(q_THI.float(), k_NI.float().transpose(0, 1)) * scale)
+    """float32 [T, N] indexer scores of T queries against N keys (HF's formula and op order); keys
+    [T, N, I] give each query its own N keys."""
+    s_THN = torch.relu(torch.matmul(q_THI.float(), k_NI.float().transpose(-1, -2)) * scale)
     return torch.matmul(w_TH.float().unsqueeze(1), s_THN).squeeze(1)
 
 
@@ -50,27 +53,39 @@ def block_scores(q_THI, w_TH, k_NI, scale):
 def select_topk(q_THI, w_TH, k_prefix_PI, k_live_TI, *, topk: int, scale: float, block_size: int | None = None,
                 query_block: int = QUERY_BLOCK):
     """int64 [T, min(topk, P + T)] indices of the selected keys per query (see module doc).
-    Queries go `query_block` at a time; each keeps a running top-k over the prefix's key blocks
-    and the live keys."""
+    Queries go `query_block` at a time; each keeps a running top-k over the live keys (later ones
+    masked: a row with fewer than k visible keys also gets masked ones, as in HF) and the prefix."""
     T, P = q_THI.shape[0], k_prefix_PI.shape[0]
     k = min(topk, P + T)
     out_TK = torch.empty(T, k, dtype=torch.long, device=q_THI.device)
     for qs in range(0, T, query_block):
         qe = min(T, qs + query_block)
-        out_TK[qs:qe] = _select_block(q_THI[qs:qe], w_TH[qs:qe], k_prefix_PI, k_live_TI, qs, k, scale,
-                                      block_size or max(1, SCORE_ELEMENTS // (qe - qs)))
+        live_TL = block_scores(q_THI[qs:qe], w_TH[qs:qe], k_live_TI, scale)
+        future_TL = torch.arange(T, device=q_THI.device)[None] > torch.arange(qs, qe, device=q_THI.device)[:, None]
+        live_TL.masked_fill_(future_TL, float("-inf"))
+        out_TK[qs:qe] = _topk_with_prefix(q_THI[qs:qe], w_TH[qs:qe], k_prefix_PI, live_TL, k, scale,
+                                          block_size or max(1, SCORE_ELEMENTS // (qe - qs)))
     return out_TK
 
 
-def _select_block(q_THI, w_TH, k_prefix_PI, k_live_LI, first: int, k: int, scale: float, block_size: int):
-    """Top-k of the live queries `first`..first+T-1 over the prefix and the live keys (later live keys
-    masked: a row with fewer than k visible keys also gets masked ones, as in HF)."""
-    T, P = q_THI.shape[0], k_prefix_PI.shape[0]
-    live_TL = block_scores(q_THI, w_TH, k_live_LI, scale)
-    future_TL = torch.arange(k_live_LI.shape[0], device=q_THI.device)[None] > first + torch.arange(
-        T, device=q_THI.device)[:, None]
-    live_TL.masked_fill_(future_TL, float("-inf"))
-    vals_TK, idx_TK = _merge_top(None, None, live_TL, torch.arange(P, P + k_live_LI.shape[0], device=q_THI.device), k)
+@torch.no_grad()
+def select_topk_decode(q_BHI, w_BH, k_prefix_PI, k_own_BNI, *, topk: int, scale: float,
+                       block_size: int | None = None):
+    """One decoding step of B sequences sharing one prefix: int64 [B, min(topk, P + N)] indices into
+    [prefix ‖ the sequence's own N keys] for each sequence's single query. Every key is visible (the
+    own keys precede the query or are its own), so no mask; the prefix is scored once for all B."""
+    own_BN = index_scores(q_BHI, w_BH, k_own_BNI, scale)
+    k = min(topk, k_prefix_PI.shape[0] + own_BN.shape[1])
+    return _topk_with_prefix(q_BHI, w_BH, k_prefix_PI, own_BN, k, scale,
+                             block_size or max(1, SCORE_ELEMENTS // q_BHI.shape[0]))
+
+
+def _topk_with_prefix(q_THI, w_TH, k_prefix_PI, live_TN, k, scale, block_size):
+    """The top k of the scored live keys (indices P..P+N-1) and the prefix keys, scored
+    `block_size` at a time and merged into the running selection."""
+    P = k_prefix_PI.shape[0]
+    positions_N = torch.arange(P, P + live_TN.shape[1], device=q_THI.device)
+    vals_TK, idx_TK = _merge_top(None, None, live_TN, positions_N, k)
     for start in range(0, P, block_size):
         k_NI = k_prefix_PI[start:start + block_size].to(q_THI.device, non_blocking=True)  # host pages: one block
         block_TN = block_scores(q_THI, w_TH, k_NI, scale)

@@ -11,6 +11,7 @@ W_UV_h applied to the attention-weighted latent. The prompt's latents are never 
     out_1HTC = latent_attention(q_1HTE, pages_11PE, live_11TE, rank=C, scale=attn.scaling)          # dense
     out_1HTC = latent_attention(q_1HTE, pages_11PE, live_11TE, rank=C, scale=s, selection_TK=idx)   # DSA
     out_1HTV = expand_output(out_1HTC, w_uv_HVC)
+    out_BH1C = latent_decode_attention(q_BH1E, shared_11PE, own_B1NE, rank=C, scale=s, selection_BK=idx)  # sampling
 
 Dense attention goes through `longstraw.attention.paged_attention` (exact LSE blocks + merge, with
 its own backward); values are the first C dims of the same pages (a view, no copy). Sparse
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from longstraw.attention import paged_attention
+from longstraw.attention import decode_attention, paged_attention
 
 ROWS_PER_BLOCK = 256
 
@@ -73,6 +74,35 @@ def _gather(pages_PE, live_TE, idx_TK):
     return kv_TKE
 
 
+def _gathered_softmax(q_HTE, kv_TKE, visible_TK, rank, scale):
+    """(attention-weighted latents [H, T, C], lse [H, T]) of each query over its own gathered rows."""
+    s_HTK = torch.einsum("hte,tke->htk", q_HTE, kv_TKE) * scale
+    if visible_TK is not None:
+        s_HTK.masked_fill_(~visible_TK, float("-inf"))
+    lse_HT = torch.logsumexp(s_HTK, dim=-1)
+    return torch.einsum("htk,tkc->htc", torch.exp(s_HTK - lse_HT[..., None]), kv_TKE[..., :rank]), lse_HT
+
+
+@torch.no_grad()
+def latent_decode_attention(q_BH1E, shared_11PE, own_B1NE, *, rank: int, scale: float, selection_BK=None):
+    """One decoding step of B sequences on one shared prompt: attention-weighted latents [B, H, 1, C]
+    of each sequence's query over the shared prompt pages (read in place, never copied per sequence)
+    and its own N generated entries (the current one included); over the selected entries only
+    (indices into [prompt pages ‖ own entries], `select_topk_decode`) when `selection_BK` is given."""
+    if selection_BK is None:
+        shared_11PE = shared_11PE.to(q_BH1E.device, non_blocking=True)
+        return decode_attention(q_BH1E, shared_11PE, shared_11PE[..., :rank], own_B1NE, own_B1NE[..., :rank],
+                                scale=scale)
+    B, N, P = own_B1NE.shape[0], own_B1NE.shape[2], shared_11PE.shape[2]
+    # own entries laid out sequence after sequence behind the pages: sequence b's entry j is row P + b N + j
+    offset_B1 = torch.arange(B, device=selection_BK.device)[:, None] * N
+    idx_BK = torch.where(selection_BK >= P, selection_BK + offset_B1, selection_BK)
+    acc = torch.float64 if q_BH1E.dtype == torch.float64 else torch.float32
+    kv_BKE = _gather(shared_11PE[0, 0], own_B1NE.reshape(B * N, -1), idx_BK).to(acc)
+    out_HBC, _ = _gathered_softmax(q_BH1E[:, :, 0].transpose(0, 1).to(acc), kv_BKE, None, rank, scale)
+    return out_HBC.transpose(0, 1)[:, :, None].to(q_BH1E.dtype)
+
+
 def _scatter_(grad_pages_PE, grad_live_TE, P, idx_TK, grad_TKE):
     """Add each gathered row's gradient to its source row: a page (index < P) or a live entry."""
     flat_idx, flat_grad = idx_TK.flatten(), grad_TKE.flatten(0, 1)
@@ -107,11 +137,8 @@ class _SparseLatentAttention(torch.autograd.Function):
         for r in range(0, T, rows):
             blk = slice(r, r + rows)
             kv_TKE = _gather(pages_PE, live_TE, idx_TK[blk]).to(acc)
-            s_HTK = torch.einsum("hte,tke->htk", q_HTE[:, blk].to(acc), kv_TKE) * scale
-            s_HTK.masked_fill_(~visible_TK[blk], float("-inf"))
-            lse_HT[:, blk] = torch.logsumexp(s_HTK, dim=-1)
-            p_HTK = torch.exp(s_HTK - lse_HT[:, blk, None])
-            out_HTC[:, blk] = torch.einsum("htk,tkc->htc", p_HTK, kv_TKE[..., :rank])
+            out_HTC[:, blk], lse_HT[:, blk] = _gathered_softmax(q_HTE[:, blk].to(acc), kv_TKE, visible_TK[blk], rank,
+                                                                scale)
         out_HTC = out_HTC.to(q_HTE.dtype)
         ctx.save_for_backward(q_HTE, live_TE, idx_TK, visible_TK, out_HTC, lse_HT)
         ctx.rank, ctx.scale, ctx.rows = rank, scale, rows

@@ -6,8 +6,10 @@
     rollouts.responses[i], rollouts.logprobs[i]      # token ids (stop token included), log p per token
 
 Decoding starts from the last prompt token (the state covers the prompt minus it, DESIGN.md §4).
-The G sequences share the prompt's attention pages (read in place, never copied) and keep their
-own pages for the generated tokens; Gated DeltaNet states (constant size) are copied per sequence.
+The G sequences share the prompt's attention pages and MLA latent pages (read in place, never copied)
+and keep their own pages for the generated tokens (MLA: latents, and index keys on DSA index layers,
+so each sequence's top-k runs over the prompt's keys and its own); Gated DeltaNet states (constant
+size) are copied per sequence.
 The captured state itself is never written.
 
 Sampling follows HF `generate` step for step, so the same seed gives the same tokens: float32
@@ -27,7 +29,14 @@ import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
 from longstraw.adapters import adapter_for
-from longstraw.state import AttentionPages, DecodePages, RecurrentState, ResidentState
+from longstraw.state import (
+    AttentionPages,
+    DecodePages,
+    LatentDecodePages,
+    LatentPages,
+    RecurrentState,
+    ResidentState,
+)
 
 
 @dataclass(frozen=True)
@@ -60,6 +69,8 @@ def _decode_entries(state: ResidentState, batch: int, capacity: int) -> list:
     for entry in state.layers:
         if isinstance(entry, AttentionPages):
             entries.append(DecodePages.allocate(entry, batch, capacity))
+        elif isinstance(entry, LatentPages):
+            entries.append(LatentDecodePages.allocate(entry, batch, capacity))
         elif isinstance(entry, RecurrentState):
             entries.append(entry.repeated(batch))
         else:

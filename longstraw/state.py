@@ -8,6 +8,7 @@ its tensors and knows its byte count; the family adapters decide which entry a l
 - `DecodePages`: while sampling, an attention layer's shared prompt pages plus per-sequence pages.
 - `LatentPages`: an MLA layer's compressed latent + rotary key per position (never per-head K/V),
   and on DSA index layers the indexer's key per position.
+- `LatentDecodePages`: while sampling, an MLA layer's shared prompt latent pages plus per-sequence entries.
 
 The core only relies on `tensors()` (for bytes and fingerprint) and `snapshot()/restore()`.
 """
@@ -139,6 +140,33 @@ class LatentPages:
 
     def tensors(self):
         return [self.kv_11PE] + ([] if self.index_1PI is None else [self.index_1PI])
+
+
+@dataclass
+class LatentDecodePages:
+    """One MLA layer while B sequences decode on top of one captured prompt: the prompt's `shared`
+    latent pages (read by every sequence, never copied) and each sequence's `own` entries (latents,
+    and index keys on index layers) for the tokens generated so far: `kv_11PE` is then [B, 1, N, E]
+    and `index_1PI` [B, N, I]."""
+
+    shared: LatentPages
+    own: LatentPages
+
+    @classmethod
+    def allocate(cls, shared: LatentPages, batch: int, capacity: int):
+        device = shared.compute_device or shared.kv_11PE.device  # host-resident prompt: own entries on the device
+        kv = torch.empty(batch, 1, capacity, shared.kv_11PE.shape[3], dtype=shared.kv_11PE.dtype, device=device)
+        index = None if shared.index_1PI is None else torch.empty(
+            batch, capacity, shared.index_1PI.shape[2], dtype=shared.index_1PI.dtype, device=device)
+        return cls(shared, LatentPages(kv, index, shared.kv_lora_rank))
+
+    @property
+    def length(self) -> int:
+        """Positions before the next token: the prompt's and the generated ones."""
+        return self.shared.length + self.own.length
+
+    def tensors(self):
+        return self.shared.tensors() + self.own.tensors()
 
 
 @dataclass

@@ -12,12 +12,13 @@ import pytest
 import torch
 
 from longstraw.hf_reference import grads_of, hf_conditional_logprobs, hf_full_logprobs, max_relative_error
-from longstraw import capture, replay
+from longstraw import capture, replay, score
 from longstraw.dsa import block_scores, index_scores, reference_select_topk, select_topk
 from longstraw.lora import apply_lora
 from longstraw.mla import latent_attention, reference_mla_attention
 from longstraw.models import TINY_MLA_PRESETS, build_model
-from transformers import DynamicCache
+from longstraw.rollout import SamplingConfig, _decode_entries, sample
+from transformers import DynamicCache, GenerationConfig
 
 PROMPT_LEN, RESPONSE_LEN = 23, 7  # prompt spans three 8-position capture chunks
 DROP_TOPK = 6  # far below the 29 positions a response token sees: top-k drops most of them
@@ -246,3 +247,61 @@ def test_host_resident_pages_give_identical_results():
         capture(model, prompt, prefix_grad=True, host_pages=True)
     with pytest.raises(ValueError, match="host-resident"):
         capture(build_model("tiny-llama", seed=1), prompt, host_pages=True)
+
+
+# Sampling from latent pages. Top-k 6 (tie_free indexer weights, see the module doc) keeps 6 of the 22 prompt
+# positions + the generated ones at every decoding step, so each sequence's selection over [prompt keys ‖ its
+# own keys] decides the tokens; with the scores spread far apart no two keys tie at the k-th place, so HF's
+# one top-k over its cache and ours (prefix blocks merged into the sequence's own keys, another float op order)
+# select the same set. deepseek_v3 has no indexer (dense latent attention).
+SAMPLE_CASES = [("tiny-glm_moe_dsa", DROP_TOPK), ("tiny-deepseek_v32", DROP_TOPK), ("tiny-deepseek_v3", None)]
+SAMPLE_STOP = tuple(range(3, 256, 9))  # ~11% of the vocabulary: sampled rows stop at different steps
+
+
+def _hf_generate_with_logprobs(model, prompt, config: SamplingConfig):
+    """HF `generate` on the full prompt with HF's own cache: tokens [G, T] and the policy log-prob of each
+    (log-softmax of HF's raw float32 logits per step)."""
+    kwargs = dict(do_sample=False) if config.temperature == 0 else dict(
+        do_sample=True, temperature=config.temperature, top_k=0, num_return_sequences=config.num_samples)
+    generation = GenerationConfig(max_new_tokens=config.max_new_tokens, eos_token_id=list(config.stop_ids),
+                                  pad_token_id=config.pad_id, output_logits=True, return_dict_in_generate=True,
+                                  **kwargs)
+    torch.manual_seed(config.seed)  # HF samples from the global generator
+    out = model.generate(prompt[None], generation_config=generation)
+    tokens_GT = out.sequences[:, prompt.numel():]
+    logits_GTV = torch.stack(out.logits, 1).float()
+    logps_GT = torch.log_softmax(logits_GTV, -1).gather(2, tokens_GT[..., None]).squeeze(2)
+    return tokens_GT.expand(config.num_samples, -1), logps_GT.expand(config.num_samples, -1)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("preset,topk", SAMPLE_CASES)
+def test_sampling_from_latent_pages_matches_hf_generate(preset, topk, temperature):
+    model = _model(preset, topk)
+    prompt = _ids(PROMPT_LEN, 11)
+    state = capture(model, prompt, chunk_size=8)
+    before = state.fingerprint()
+    config = SamplingConfig(num_samples=4, max_new_tokens=8, temperature=temperature, stop_ids=SAMPLE_STOP, seed=5)
+    rollouts = sample(model, state, config)
+    tokens, logps = _hf_generate_with_logprobs(model, prompt, config)
+    for g, response in enumerate(rollouts.responses):
+        n = response.numel()
+        assert torch.equal(response, tokens[g, :n])
+        assert rollouts.finished[g] == (int(response[-1]) in SAMPLE_STOP)
+        assert rollouts.finished[g] or n == config.max_new_tokens
+        assert (rollouts.logprobs[g] - logps[g, :n]).abs().max() < 1e-5
+        assert (rollouts.logprobs[g] - score(model, state, response)).abs().max() < 1e-5
+    assert state.fingerprint() == before
+    if temperature > 0:  # distinct sequences: each one's own latents and index keys drive its steps
+        assert len({tuple(r.tolist()) for r in rollouts.responses}) > 1
+
+
+def test_sequences_share_the_prompt_latent_pages():
+    model = _model("tiny-glm_moe_dsa")
+    state = capture(model, _ids(PROMPT_LEN, 12), chunk_size=8)
+    for entry, decode in zip(state.layers, _decode_entries(state, batch=8, capacity=4)):
+        assert decode.shared is entry  # read in place: no per-sequence copy of the prompt
+        assert decode.own.kv_11PE.shape[:3] == (8, 1, 4)
+        assert (decode.own.index_1PI is None) == (entry.index_1PI is None)
+        if entry.index_1PI is not None:
+            assert decode.own.index_1PI.shape[:2] == (8, 4)

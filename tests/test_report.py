@@ -63,9 +63,10 @@ def built(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("report")
     results = tmp / "results" / "cpu"
     points = {}
-    for mode in ("replay", "hold_all"):
+    for mode in ("replay", "hold_all"):  # a hybrid model, as the paper's G sweep (its figures compare these)
         for g in (1, 2):
-            cfg = {**TINY, "kind": "step", "mode": mode, "responses": {"count": g, "length": 5}}
+            cfg = {**TINY, "kind": "step", "mode": mode, "responses": {"count": g, "length": 5},
+                   "model": {"preset": "tiny-qwen3_5"}}
             points[("g_sweep", f"{mode}-G{g}")] = (run_point(cfg), {"mode": mode, "responses.count": g})
     # a real context-parallel point: rank 0's result of 2 forked ranks (gloo)
     points[("context_parallel", "cp_size-2")] = (run_ranks(_cp_step, 2, start_method="fork")[0], {"cp_size": 2})
@@ -335,8 +336,9 @@ def test_paper_figures_sit_beside_ours(built):
 def test_validation_levels(built):
     html = built["html"]
     levels = html.split('id="validation-levels"')[1].split("</table>")[0]
-    # V1: the step points' one path and the validation point's two (plus its failed point's row)
-    assert "reached on 3 of 4 paths where run" in levels
+    # V1: the step points' two paths (g_sweep's tiny-qwen3_5, the others' tiny-llama) and the validation point's
+    # two (plus its failed point's row)
+    assert "reached on 4 of 5 paths where run" in levels
     assert "reached on 2 of 2 paths where run" in levels  # V2: both gradient modes
     assert "reached on 1 of 2 paths where run" in levels and "not reached by design" in levels  # V3: exact only
     assert levels.count("not run in these results") == 1  # V4
@@ -648,6 +650,63 @@ def test_recorded_h200_results_render(tmp_path):
     for src in parsed.images:
         assert (tmp_path / src).read_bytes()[:8] == PNG_SIGNATURE
     assert "Every result file in" in page.read_text()  # the recorded folder is this report's own
+
+
+
+def _mla_sweep(hybrid: dict) -> dict:
+    """g_sweep's glm-pattern-sweep point (h200 profile) shaped as it will be recorded, from the recorded hybrid
+    sweep: glm-pattern-1b on 1,048,576 positions, replay G = 2 and 8 only, no kernel rates, and a capture whose
+    attention never passes the paged-attention timer (MLA's latent kernels: zero calls, no rate)."""
+    result = copy.deepcopy(hybrid)
+    positions = (1 << 20) - 1
+    result.update(name="g_sweep/glm-pattern-sweep", point="glm-pattern-sweep", grid={})
+    result["config"]["model"].update(preset="glm-pattern-1b")
+    result["config"]["prompt"]["length"] = positions + 1
+    result["config"]["measure"] = {"kernel_rates": False}
+    result["config"]["sweep"] = {"replay": [2, 8], "hold_all": []}
+    metrics = result["metrics"]
+    metrics.pop("kernel_rates", None)
+    metrics["steps"] = [copy.deepcopy(s) for s in metrics["steps"] if s["mode"] == "replay"]
+    for step in metrics["steps"]:
+        step["peak_allocated_bytes"] += 7 * GIB  # distinct from the hybrid's, so a mix-up shows
+    resident = 19_456 * positions
+    metrics["capture"].update(model_type="glm_moe_dsa", positions=positions, resident_bytes=resident,
+                              predicted_resident_bytes=resident, bytes_per_position_measured=19_456.0,
+                              bytes_per_position_predicted=19_456, constant_bytes_measured=0,
+                              constant_bytes_predicted=0, resident_bytes_by_entry={"LatentPages": resident},
+                              capture_attention={"seconds": 0.0, "flops": 0, "calls": 0, "tflops_per_second": None})
+    return result
+
+
+def test_an_mla_sweep_beside_the_hybrid_sweep_renders(tmp_path):
+    """The recorded H200 results plus an MLA sweep in g_sweep: both render, each with its own model and family,
+    and the paper's G-sweep figures stay with the hybrid sweep (the paper's model)."""
+    recorded = REPO / "experiments" / "recorded" / "h200"
+    results = tmp_path / "results"
+    for path in recorded.rglob("*.json"):
+        (results / path.relative_to(recorded)).parent.mkdir(parents=True, exist_ok=True)
+        (results / path.relative_to(recorded)).write_bytes(path.read_bytes())
+    hybrid = json.loads((recorded / "g_sweep" / "sweep.json").read_text())
+    mla = _mla_sweep(hybrid)
+    write_json_atomic(results / "g_sweep" / "glm-pattern-sweep.json", mla)
+    page = render.render_report("h200", results, tmp_path / "report", recorded_dir=results,
+                                paper=REPO / "experiments" / "reference" / "paper.yaml")
+    html = page.read_text()
+    parsed = _parse(html)
+    rows = {r["attrs"]["data-point"]: _cells(r) for r in parsed.tables["table-g_sweep-sweep"]}
+    assert set(rows) == {"sweep", "glm-pattern-sweep"}
+    assert rows["glm-pattern-sweep"]["model_type"]["text"] == "glm_moe_dsa"
+    assert float(rows["glm-pattern-sweep"]["resident_bytes"]["value"]) == mla["metrics"]["capture"]["resident_bytes"]
+    steps = parsed.tables["table-g_sweep-sweep_steps"]
+    assert len(steps) == len(hybrid["metrics"]["steps"]) + len(mla["metrics"]["steps"])
+    paper = _section(html, "g_sweep").split('id="paper-g_sweep"')[1].split("</table>")[0]
+    g2 = next(s for s in hybrid["metrics"]["steps"] if s["mode"] == "replay" and s["count"] == 2)
+    assert f'data-value="{g2["peak_allocated_bytes"]}"' in paper and "glm-pattern-sweep" not in paper
+    assert "glm_moe_dsa" in html.split('id="validation-paths"')[1].split("</table>")[0]  # its replay steps: V1
+    names = {Path(src).name for src in parsed.images}
+    assert {"g_sweep.sweep_memory.png", "g_sweep.step_phase_peaks.glm-pattern-sweep.png"} <= names
+    for src in parsed.images:
+        assert (tmp_path / "report" / src).read_bytes()[:8] == PNG_SIGNATURE
 
 
 # ------------------------------------------------------------- staleness: the fresh-prefix oracle's report

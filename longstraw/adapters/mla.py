@@ -4,9 +4,10 @@ Every layer keeps `LatentPages` (latent + rope key per position; the index key t
 their own indexer). IndexShare layers (glm_moe_dsa `indexer_types[i] == "shared"`) reuse the top-k
 selection of the index layer before them, as HF passes `prev_topk_indices` up the stack: the
 selection is kept per chunk (keyed by its first position) from the index layer until the last
-layer that shares it, so both capture orders and replay see the right one. The FFN (dense for the
-first `first_k_dense_replace` layers, then routed experts + shared expert) runs through HF's modules
-in `FamilyAdapter.layer_forward`.
+layer that shares it, so both capture orders, replay and sampling (keyed by the decoding step; one
+selection [G, k] for all G sequences) see the right one. The FFN (dense for the first
+`first_k_dense_replace` layers, then routed experts + shared expert) runs through HF's modules in
+`FamilyAdapter.layer_forward`.
 """
 
 from __future__ import annotations

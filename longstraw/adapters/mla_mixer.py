@@ -11,6 +11,7 @@ unless `config.rope_interleave` is False); the indexer's rope part is interleave
 and half-split in deepseek_v32. The functions are taken from the model's own modeling module.
 
     out_BTH, selection = mla_mix(attn, x_BTH, (cos, sin), pages, capturing=True, selection=None)
+    out_B1H, selection_BK = mla_mix(attn, x_B1H, (cos, sin), decode_pages, capturing=True)  # sampling G rows
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ import sys
 
 import torch
 
-from longstraw.dsa import select_topk
-from longstraw.mla import absorb_query, expand_output, latent_attention, split_kv_b
-from longstraw.state import LatentPages
+from longstraw.dsa import select_topk, select_topk_decode
+from longstraw.mla import absorb_query, expand_output, latent_attention, latent_decode_attention, split_kv_b
+from longstraw.state import LatentDecodePages, LatentPages
 
 _INDEXER_ROTARY = {"glm_moe_dsa": "apply_rotary_pos_emb_interleave", "deepseek_v32": "apply_rotary_pos_emb"}
 
@@ -53,7 +54,7 @@ def allocate_latent_pages(attn, positions, dtype, device, host=False) -> LatentP
 
 
 def _index_query_key(attn, indexer, x_BTH, q_resid_BTQ, cos, sin):
-    """The indexer's rotated queries [T, Hi, I], head weights [T, Hi] and keys [T, I] (HF's math)."""
+    """The indexer's rotated queries [B, T, Hi, I], head weights [B, T, Hi] and keys [B, T, I] (HF's math)."""
     B, T, _ = x_BTH.shape
     rope = indexer.qk_rope_head_dim
     q_BTHI = indexer.wq_b(q_resid_BTQ).view(B, T, indexer.n_heads, indexer.head_dim)
@@ -64,17 +65,15 @@ def _index_query_key(attn, indexer, x_BTH, q_resid_BTQ, cos, sin):
     q_BTHI = torch.cat([q_rot, q_pass], dim=-1)
     k_BTI = torch.cat([k_rot, k_pass], dim=-1).squeeze(2)
     w_BTH = indexer.weights_proj(x_BTH.to(indexer.weights_proj.weight.dtype)).float() * indexer.n_heads ** -0.5
-    return q_BTHI[0], w_BTH[0], k_BTI
+    return q_BTHI, w_BTH, k_BTI
 
 
-def mla_mix(attn, x_BTH, position_embeddings, pages: LatentPages, capturing: bool, selection=None):
-    """(attention output [B, T, hidden], the top-k selection this layer used or None when dense).
-
-    `selection` is the previous index layer's selection (IndexShare layers reuse it). Capturing
-    appends the live latents and index keys to `pages`."""
+def _project(attn, x_BTH, cos, sin):
+    """Per-token MLA projections: (q_nope [B, H, T, N], rotated q_rot [B, H, T, R], q_resid [B, T, Q] or
+    None without q-LoRA, the normed latent [B, T, C], the live page entries [latent ‖ rotated rope key]
+    [B, 1, T, E])."""
     B, T, _ = x_BTH.shape
     H, N, R, C = attn.num_heads, attn.qk_nope_head_dim, attn.qk_rope_head_dim, attn.kv_lora_rank
-    cos, sin = position_embeddings
     if getattr(attn, "q_proj", None) is not None:
         q_resid_BTQ, q_BTX = None, attn.q_proj(x_BTH)
     else:
@@ -84,22 +83,73 @@ def mla_mix(attn, x_BTH, position_embeddings, pages: LatentPages, capturing: boo
     kv_pass_BTC, k_rot_BTR = attn.kv_a_proj_with_mqa(x_BTH).split([C, R], dim=-1)
     latent_BTC = attn.kv_a_layernorm(kv_pass_BTC)
     q_rot_BHTR, k_rot_B1TR = _rotary(attn)(q_rot_BHTR, k_rot_BTR.view(B, 1, T, R), cos, sin)
-    live_11TE = torch.cat([latent_BTC.view(B, 1, T, C), k_rot_B1TR], dim=-1)
+    live_B1TE = torch.cat([latent_BTC.view(B, 1, T, C), k_rot_B1TR], dim=-1)
+    return q_nope_BHTN, q_rot_BHTR, q_resid_BTQ, latent_BTC, live_B1TE
+
+
+def _absorbed(attn, q_nope_BHTN, q_rot_BHTR, latent_BTC):
+    """(absorbed queries [B, H, T, E], W_UV [H, V, C]) for attention over latent pages."""
+    w_uk_HNC, w_uv_HVC = split_kv_b(attn.kv_b_proj, attn.num_heads, attn.qk_nope_head_dim, attn.v_head_dim,
+                                    latent_BTC)
+    return torch.cat([absorb_query(q_nope_BHTN, w_uk_HNC), q_rot_BHTR], dim=-1), w_uv_HVC
+
+
+def _output(attn, out_BHTC, w_uv_HVC):
+    B, H, T, _ = out_BHTC.shape
+    return attn.o_proj(expand_output(out_BHTC, w_uv_HVC).transpose(1, 2).reshape(B, T, H * attn.v_head_dim))
+
+
+def mla_mix(attn, x_BTH, position_embeddings, pages: LatentPages | LatentDecodePages, capturing: bool,
+            selection=None):
+    """(attention output [B, T, hidden], the top-k selection this layer used or None when dense).
+
+    `selection` is the previous index layer's selection (IndexShare layers reuse it). Capturing
+    appends the live latents and index keys to `pages`. Sampling pages (`LatentDecodePages`) take
+    `mla_decode_mix`."""
+    if isinstance(pages, LatentDecodePages):
+        return mla_decode_mix(attn, x_BTH, position_embeddings, pages, selection)
+    T = x_BTH.shape[1]
+    cos, sin = position_embeddings
+    q_nope_BHTN, q_rot_BHTR, q_resid_BTQ, latent_BTC, live_11TE = _project(attn, x_BTH, cos, sin)
     pages_11PE, index_pages_1PI = pages.filled()
 
     indexer, index_key_1TI = indexer_of(attn), None
     if indexer is not None:
         with torch.no_grad():  # HF's indexer is @torch.no_grad(): the selection carries no gradient
-            q_THI, w_TH, index_key_1TI = _index_query_key(attn, indexer, x_BTH, q_resid_BTQ, cos, sin)
+            q_1THI, w_1TH, index_key_1TI = _index_query_key(attn, indexer, x_BTH, q_resid_BTQ, cos, sin)
             selection = None
             if indexer.index_topk < pages_11PE.shape[2] + T:  # else every visible position is kept
-                selection = select_topk(q_THI, w_TH, index_pages_1PI[0], index_key_1TI[0],
+                selection = select_topk(q_1THI[0], w_1TH[0], index_pages_1PI[0], index_key_1TI[0],
                                         topk=indexer.index_topk, scale=indexer.softmax_scale)
 
-    w_uk_HNC, w_uv_HVC = split_kv_b(attn.kv_b_proj, H, N, attn.v_head_dim, latent_BTC)
-    q_1HTE = torch.cat([absorb_query(q_nope_BHTN, w_uk_HNC), q_rot_BHTR], dim=-1)
-    out_1HTC = latent_attention(q_1HTE, pages_11PE, live_11TE, rank=C, scale=attn.scaling, selection_TK=selection)
-    out_BTX = expand_output(out_1HTC, w_uv_HVC).transpose(1, 2).reshape(B, T, H * attn.v_head_dim)
+    q_1HTE, w_uv_HVC = _absorbed(attn, q_nope_BHTN, q_rot_BHTR, latent_BTC)
+    out_1HTC = latent_attention(q_1HTE, pages_11PE, live_11TE, rank=attn.kv_lora_rank, scale=attn.scaling,
+                                selection_TK=selection)
     if capturing:
         pages.append(live_11TE, index_key_1TI)
-    return attn.o_proj(out_BTX), selection
+    return _output(attn, out_1HTC, w_uv_HVC), selection
+
+
+@torch.no_grad()
+def mla_decode_mix(attn, x_B1H, position_embeddings, pages: LatentDecodePages, selection=None):
+    """One decoding step of B sequences (one token each) on the shared prompt pages: appends each
+    sequence's latent (and index key) to its own entries, selects top-k over [prompt ‖ own keys] on
+    index layers as HF's indexer does over its cache (IndexShare layers reuse `selection`), attends.
+    Returns (output [B, 1, hidden], the selection [B, k] or None when dense)."""
+    cos, sin = position_embeddings
+    q_nope_BH1N, q_rot_BH1R, q_resid_B1Q, latent_B1C, live_B11E = _project(attn, x_B1H, cos, sin)
+    indexer, index_key_B1I = indexer_of(attn), None
+    if indexer is not None:
+        q_B1HI, w_B1H, index_key_B1I = _index_query_key(attn, indexer, x_B1H, q_resid_B1Q, cos, sin)
+    pages.own.append(live_B11E, index_key_B1I)
+    shared_11PE, shared_index_1PI = pages.shared.filled()
+    own_B1NE, own_index_BNI = pages.own.filled()
+    if indexer is not None:
+        selection = None
+        if indexer.index_topk < pages.length:  # else every position is kept
+            selection = select_topk_decode(q_B1HI[:, 0], w_B1H[:, 0], shared_index_1PI[0], own_index_BNI,
+                                           topk=indexer.index_topk, scale=indexer.softmax_scale)
+    q_BH1E, w_uv_HVC = _absorbed(attn, q_nope_BH1N, q_rot_BH1R, latent_B1C)
+    out_BH1C = latent_decode_attention(q_BH1E, shared_11PE, own_B1NE, rank=attn.kv_lora_rank, scale=attn.scaling,
+                                       selection_BK=selection)
+    return _output(attn, out_BH1C, w_uv_HVC), selection

@@ -44,6 +44,7 @@ from longstraw.report.formatting import format_bytes, format_percent  # noqa: E4
 PHASE_COLORS = {"weights": "#937860", "capture": "#4c72b0", "old_scoring": "#8c8c8c", "ref_scoring": "#bcbcbc",
                 "replay": "#dd8452", "optimizer_step": "#55a868"}
 MODE_COLORS = {"replay": "#dd8452", "hold_all": "#4c72b0", "naive": "#c44e52"}
+LINE_STYLES = ("-", "--", ":", "-.")  # one per model where a figure's lines span several
 PAPER_COLOR = "#8172b3"
 FAILED_COLORS = {"oom": "#d62728", "error": "#ff7f0e"}
 SHORT_KEYS = {"responses.count": "G", "prompt.length": "L", "model.preset": "", "responses.length": "R"}
@@ -216,10 +217,16 @@ def plot_memory_vs_ceiling(rows, grid, ceiling, cuda: bool, title: str):
 
 
 def _by_mode(rows):
-    modes: dict[str, list[dict]] = {}
+    """{line label: (mode, line style, rows)}: one line per mode, and per model where the rows hold
+    several (e.g. two sweeps of one experiment on different models), each model its own line style."""
+    models = list(dict.fromkeys(str(row.get("model")) for row in rows))
+    lines: dict[str, tuple[str, str, list[dict]]] = {}
     for row in rows:
-        modes.setdefault(str(row.get("mode")), []).append(row)
-    return modes
+        mode, model = str(row.get("mode")), str(row.get("model"))
+        label = mode if len(models) == 1 else f"{mode}, {model}"
+        style = LINE_STYLES[models.index(model) % len(LINE_STYLES)]
+        lines.setdefault(label, (mode, style, []))[2].append(row)
+    return lines
 
 
 def _draw_paper_points(ax, marks, scale: float) -> None:
@@ -241,11 +248,11 @@ def plot_g_sweep_memory(rows, ceiling, cuda: bool, title: str, marks=()):
     for ax, (key, name) in zip(axes, panels):
         values = [r.get(key) for r in rows] + ([m["bytes"] for m in marks] if key == "peak_memory_bytes" else [])
         scale, unit = _unit(values)
-        for mode, members in _by_mode(rows).items():
+        for label, (mode, style, members) in _by_mode(rows).items():
             ok = sorted((r for r in _ok(members) if r.get(key) is not None), key=lambda r: r["G"])
             if ok:
-                ax.plot([r["G"] for r in ok], [r[key] / scale for r in ok], marker="o", label=mode,
-                        color=MODE_COLORS.get(mode))
+                ax.plot([r["G"] for r in ok], [r[key] / scale for r in ok], marker="o", label=label,
+                        color=MODE_COLORS.get(mode), linestyle=style)
         for row in _failed(rows):
             if row.get("G") is not None:
                 _mark_failed(ax, row["G"], row, scale, value_key=key)
@@ -268,11 +275,11 @@ def plot_time_per_member(rows, grid, title: str):
     fig, ax = plt.subplots(figsize=(8, 4.5))
     gs = {r.get("G") for r in rows if r.get("G") is not None}
     if len(gs) > 1:
-        for mode, members in _by_mode(rows).items():
+        for label, (mode, style, members) in _by_mode(rows).items():
             ok = sorted((r for r in _ok(members) if r.get("seconds_per_member") is not None), key=lambda r: r["G"])
             if ok:
-                ax.plot([r["G"] for r in ok], [r["seconds_per_member"] for r in ok], marker="o", label=mode,
-                        color=MODE_COLORS.get(mode))
+                ax.plot([r["G"] for r in ok], [r["seconds_per_member"] for r in ok], marker="o", label=label,
+                        color=MODE_COLORS.get(mode), linestyle=style)
         for row in _failed(rows):
             if row.get("G") is not None:
                 _mark_failed(ax, row["G"], row, value_key="__none__")

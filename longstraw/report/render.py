@@ -60,7 +60,7 @@ CAPACITY_COLUMNS = ["model", "mode", "ceiling_bytes", "device_memory_bytes", "me
                         "probes_oom", "search_stopped_on_time_limit", "time_limit_seconds", "step_seconds_at",
                     "step_seconds_at_prompt_length", "step_seconds_at_seconds", "wall_seconds"]
 # A sweep point: its one capture and a summary of the steps it served (each step: SWEEP_STEP_COLUMNS).
-SWEEP_COLUMNS = ["model", "lora_r", "prompt_length", "response_length", "positions", "resident_bytes",
+SWEEP_COLUMNS = ["model", "model_type", "lora_r", "prompt_length", "response_length", "positions", "resident_bytes",
                  "predicted_resident_bytes", "bytes_per_position_measured", "bytes_per_position_predicted",
                  "transient_bytes", "capture_seconds", "capture_attention_tflops_per_second",
                  "capture_peak_allocated_bytes", "weights_peak_allocated_bytes", "trainable_parameters", "steps",
