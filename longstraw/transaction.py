@@ -47,7 +47,7 @@ def _as_ids(ids, name: str, adapter) -> torch.Tensor:
     return ids.long()
 
 
-class _Progress:
+class CaptureProgress:
     """A tqdm bar (positions, positions/second) on stderr for long captures."""
 
     def __init__(self, total: int, enabled: bool | None, label: str):
@@ -89,7 +89,7 @@ def capture(model, prompt_ids, prefix_grad: bool = False, *, chunk_size: int | N
                              "context-parallel capture")
         from longstraw.cp.capture import capture_sharded
 
-        return capture_sharded(model, ids, cp, chunk)
+        return capture_sharded(model, ids, cp, chunk, progress)
     per_position, constant = adapter.predicted_bytes(dtype)
     host = {}
     if host_pages:
@@ -119,7 +119,7 @@ def capture(model, prompt_ids, prefix_grad: bool = False, *, chunk_size: int | N
             checkpoints[(i, start)] = (entry.conv_BCK1.clone(), entry.recurrent_BHDV.clone())
         return adapter.layer_forward(i, h, pe, entry, capturing=True)
 
-    progress_bar = _Progress(positions if order == "chunk" else positions * adapter.num_layers, progress,
+    progress_bar = CaptureProgress(positions if order == "chunk" else positions * adapter.num_layers, progress,
                              label=f"capture ({order}-major)")
     with torch.no_grad(), adapter.selected():
         if order == "chunk":

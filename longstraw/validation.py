@@ -158,10 +158,12 @@ def gradient_levels(model, prompt, responses, cfg: dict, mode: str, scale: dict)
         try:
             return reference, _reference_gradient(model32, logprobs, prompt, responses, weights)
         except torch.OutOfMemoryError:  # HF's float32 pass keeps twice the activations: fixed tolerance then
-            model32 = None
-            anchor_lost.append(logprobs.__name__)
+            pass
+        model32 = None  # (outside the handler: its traceback held the failed graph)
+        anchor_lost.append(logprobs.__name__)
+        if torch.cuda.is_available():
             torch.cuda.empty_cache()
-            return reference, None
+        return reference, None
 
     anchor_lost = []
 

@@ -29,10 +29,13 @@ from longstraw.cp.group import CPGroup, shard_bounds
 from longstraw.cp.state import ShardedResidentState, ShardPages
 from longstraw.measure import synchronize
 from longstraw.state import AttentionPages, RecurrentState
+from longstraw.transaction import CaptureProgress
 
 
-def capture_sharded(model, ids: torch.Tensor, cp: CPGroup, chunk: int) -> ShardedResidentState:
-    """This rank's share of the resident state of `ids` (validated 1-D prompt ids)."""
+def capture_sharded(model, ids: torch.Tensor, cp: CPGroup, chunk: int, progress: bool | None = None
+                    ) -> ShardedResidentState:
+    """This rank's share of the resident state of `ids` (validated 1-D prompt ids). The last rank,
+    which finishes last, shows the progress bar."""
     adapter = adapter_for(model)
     device, dtype = adapter.device, adapter.compute_dtype
     positions = ids.numel() - 1
@@ -58,6 +61,8 @@ def capture_sharded(model, ids: torch.Tensor, cp: CPGroup, chunk: int) -> Sharde
         predicted_bytes_per_position=per_position, predicted_constant_bytes=constant, dtype=dtype, device=device,
         cp=cp, shard=(start, end),
     )
+    progress_bar = CaptureProgress((end - start) * len(layers), progress if cp.is_last else False,
+                                   label=f"capture (rank {cp.rank + 1}/{cp.world}, layer-major)")
     with torch.no_grad(), adapter.selected():
         h = adapter.embed(ids[None, start:end])
         pe = adapter.position_embeddings(h, start)
@@ -68,6 +73,8 @@ def capture_sharded(model, ids: torch.Tensor, cp: CPGroup, chunk: int) -> Sharde
             h = adapter.layer_forward(i, h, pe, entry, capturing=True, mlp_chunk=chunk)
             if gdn and not cp.is_last:
                 cp.send(entry.tensors(), cp.rank + 1)
+            progress_bar.advance_to((i + 1) * (end - start))
+        progress_bar.close()
         del h
         for entry in (e for e in layers if isinstance(e, RecurrentState)):
             cp.broadcast_(entry.tensors(), cp.world - 1)

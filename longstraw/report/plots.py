@@ -309,7 +309,8 @@ def plot_phase_seconds(rows, grid, title: str):
     ax.set_xticks(range(len(rows)), [point_label(r, grid) for r in rows], rotation=30, ha="right", fontsize=8)
     ax.set_ylabel("seconds (s), summed over cycles")
     ax.set_title(f"{title}: seconds per phase", fontsize=10)
-    ax.legend(fontsize=7, ncols=3)
+    if phases:  # points that all failed have no phase to label
+        ax.legend(fontsize=7, ncols=3)
     return fig
 
 
