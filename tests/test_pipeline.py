@@ -81,10 +81,10 @@ def completed(workdir):
         time.sleep(0.2)
     # Ctrl-C, repeated as a user would: a SIGINT that lands while snakemake starts a job can go
     # unheeded (seen once in a fresh clone: that run went on to finish every point)
-    for _ in range(6):
+    for _ in range(10):
         os.killpg(first.pid, signal.SIGINT)
         try:
-            first.wait(timeout=10)  # time to stop its job and unlock before another Ctrl-C
+            first.wait(timeout=3)  # time to stop its job and unlock before another Ctrl-C
             break
         except subprocess.TimeoutExpired:
             continue
