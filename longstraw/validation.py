@@ -52,7 +52,7 @@ from longstraw.config import VALIDATION_LEVELS, VALIDATION_MODES
 from longstraw.experiment import build_policy, capture_kwargs, seeded_group, seeded_tokens
 from longstraw.hf_reference import (global_cosine, global_norm, global_relative_error, hf_conditional_logprobs,
                                      hf_full_logprobs)
-from longstraw.measure import device_name
+from longstraw.measure import PhaseRecorder, device_name
 from longstraw.step import grpo_step
 from longstraw.transaction import capture, replay
 
@@ -150,13 +150,17 @@ def gradient_levels(model, prompt, responses, cfg: dict, mode: str, scale: dict)
         stated = (f"||g - g32|| / ||g32|| <= max({tol:.0e}, {NOISE_FACTOR:g} x ||g_ref - g32|| / ||g32||) over the "
                   f"whole gradient vector; g_ref: HF in {cfg['model']['dtype']}, g32: HF on a float32 copy")
 
+    recorder = PhaseRecorder(prompt.device)  # the references' time and peak: what bounds V2/V3's scale
+
     def reference_pair(logprobs):
         nonlocal model32
-        reference = _reference_gradient(model, logprobs, prompt, responses, weights)
+        with recorder.phase(f"{logprobs.__name__}"):
+            reference = _reference_gradient(model, logprobs, prompt, responses, weights)
         if model32 is None:
             return reference, None
         try:
-            return reference, _reference_gradient(model32, logprobs, prompt, responses, weights)
+            with recorder.phase(f"{logprobs.__name__}_float32"):
+                return reference, _reference_gradient(model32, logprobs, prompt, responses, weights)
         except torch.OutOfMemoryError:  # HF's float32 pass keeps twice the activations: fixed tolerance then
             pass
         model32 = None  # (outside the handler: its traceback held the failed graph)
@@ -185,6 +189,11 @@ def gradient_levels(model, prompt, responses, cfg: dict, mode: str, scale: dict)
                               "the gap is measured", evidence, scale,
                               "gap to HF one-pass autograd over p + y: cosine and ||g_full - g|| / ||g_full||")
     for entry in out.values():
+        for name, record in recorder.phases.items():
+            if name.startswith("hf_full" if entry["level"] == "V3" else "hf_conditional"):
+                entry["evidence"][f"{name}_seconds"] = record["seconds"]
+                if "peak_allocated_bytes" in record:
+                    entry["evidence"][f"{name}_peak_allocated_bytes"] = record["peak_allocated_bytes"]
         if anchor_lost and entry["tolerance"] == stated and "relative_error_to_float32" not in entry["evidence"]:
             entry["evidence"]["float32_anchor"] = "out of memory"
             entry["tolerance"] = (f"||g - g_ref|| / ||g_ref|| <= {tol:.0e} over the whole gradient vector "
