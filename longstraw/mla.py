@@ -98,7 +98,7 @@ def latent_decode_attention(q_BH1E, shared_11PE, own_B1NE, *, rank: int, scale: 
     offset_B1 = torch.arange(B, device=selection_BK.device)[:, None] * N
     idx_BK = torch.where(selection_BK >= P, selection_BK + offset_B1, selection_BK)
     acc = torch.float64 if q_BH1E.dtype == torch.float64 else torch.float32
-    kv_BKE = _gather(shared_11PE[0, 0], own_B1NE.reshape(B * N, -1), idx_BK).to(acc)
+    kv_BKE = _gather(_on_device(shared_11PE[0, 0], q_BH1E.device), own_B1NE.reshape(B * N, -1), idx_BK).to(acc)
     out_HBC, _ = _gathered_softmax(q_BH1E[:, :, 0].transpose(0, 1).to(acc), kv_BKE, None, rank, scale)
     return out_HBC.transpose(0, 1)[:, :, None].to(q_BH1E.dtype)
 
