@@ -13,10 +13,11 @@ what crosses ranks flows one way, from rank r to rank r+1, layer by layer, as a 
 - at the end the last rank broadcasts every GDN layer's final state: replay runs the response's
   layers on every rank, and each needs the state at the prompt boundary.
 
-The MLP runs `chunk_size` positions at a time and the attention queries go `chunk_size` at a time
-against each block, but a layer takes the whole shard at once: the transient is the shard's hidden
-states, its q/k/v and a float32 (out, lse) per query for one layer (the price of receiving each
-earlier shard once per layer). `order` and `memory_budget_bytes` do not apply. No exact mode
+Gated DeltaNet layers run `chunk_size` positions at a time (their state carries over, as in a
+single-process capture). An attention layer takes the whole shard at once, its MLP `chunk_size`
+positions at a time and its queries `chunk_size` at a time against each block: the transient is the
+shard's hidden states, its q/k/v and a float32 (out, lse) per query for one layer (the price of
+receiving each earlier shard once per layer). `order` and `memory_budget_bytes` do not apply. No exact mode
 (prefix_grad) yet.
 """
 
@@ -70,7 +71,13 @@ def capture_sharded(model, ids: torch.Tensor, cp: CPGroup, chunk: int, progress:
             gdn = isinstance(entry, RecurrentState)
             if gdn and cp.rank > 0:
                 cp.recv_(entry.tensors(), cp.rank - 1)
-            h = adapter.layer_forward(i, h, pe, entry, capturing=True, mlp_chunk=chunk)
+            if gdn:  # chunk by chunk, as a single-process capture calls it: small transients, known kernel shapes
+                for c0 in range(0, end - start, chunk):
+                    h_c = h[:, c0:c0 + chunk]
+                    h[:, c0:c0 + chunk] = adapter.layer_forward(i, h_c, adapter.position_embeddings(h_c, start + c0),
+                                                                entry, capturing=True)
+            else:
+                h = adapter.layer_forward(i, h, pe, entry, capturing=True, mlp_chunk=chunk)
             if gdn and not cp.is_last:
                 cp.send(entry.tensors(), cp.rank + 1)
             progress_bar.advance_to((i + 1) * (end - start))
