@@ -17,8 +17,9 @@ Dense attention goes through `longstraw.attention.paged_attention` (exact LSE bl
 its own backward); values are the first C dims of the same pages (a view, no copy). Sparse
 attention gathers each query's selected entries (T x k rows, never a [T, P] mask) and runs one
 softmax per query, `rows_per_block` queries at a time, in an autograd op that keeps only the
-indices for its backward (the gathered rows are gathered again there). Host-resident pages come
-to the device whole for each call and each backward (layer by layer), never held by the graph.
+indices for its backward (the gathered rows are gathered again there). Host-resident pages reach
+it on the device (`LatentPages.on_device`, one layer at a time); its graph keeps only the host pages,
+which its backward brings to the device again.
 """
 
 from __future__ import annotations
@@ -50,15 +51,18 @@ def expand_output(out_1HTC, w_uv_HVC):
 
 
 def latent_attention(q_1HTE, pages_11PE, live_11TE, *, rank: int, scale: float, selection_TK=None,
-                     rows_per_block: int = ROWS_PER_BLOCK):
+                     rows_per_block: int = ROWS_PER_BLOCK, resident_11PE=None):
     """Attention-weighted latents [1, H, T, C] of T live queries over P page entries and the causal
-    live entries; only the selected ones (indices into [pages ‖ live]) when `selection_TK` is given."""
-    if selection_TK is None:  # host-resident pages come to the device whole (dense layers only)
+    live entries; only the selected ones (indices into [pages ‖ live]) when `selection_TK` is given.
+    `pages_11PE` are on the queries' device; `resident_11PE`, where they differ, the host-resident
+    pages they were copied from, which the sparse backward reads again (the dense one keeps the copy)."""
+    if selection_TK is None:
         pages_11PE = pages_11PE.to(q_1HTE.device, non_blocking=True)
         return paged_attention(q_1HTE, pages_11PE, pages_11PE[..., :rank], live_11TE, live_11TE[..., :rank],
                                scale=scale)
+    resident_PE = (pages_11PE if resident_11PE is None else resident_11PE)[0, 0]
     out_HTC = _SparseLatentAttention.apply(q_1HTE[0], pages_11PE[0, 0], live_11TE[0, 0], selection_TK, rank,
-                                           float(scale), int(rows_per_block))
+                                           float(scale), int(rows_per_block), resident_PE)
     return out_HTC[None]
 
 
@@ -114,9 +118,7 @@ def _scatter_(grad_pages_PE, grad_live_TE, P, idx_TK, grad_TKE):
 
 
 def _on_device(pages_PE, device):
-    """Host-resident pages stream to the device whole for the call (one layer at a time) and are
-    dropped after it; the autograd graph keeps only the host reference, so a replay's graph never
-    holds every layer's pages on the device."""
+    """Pages on `device` for one call (a host-resident layer's pages, whole), dropped after it."""
     return pages_PE.to(device, non_blocking=True)
 
 
@@ -126,8 +128,10 @@ class _SparseLatentAttention(torch.autograd.Function):
     P = exp(S - lse) and scatters the entries' gradients back to pages and live rows."""
 
     @staticmethod
-    def forward(ctx, q_HTE, pages_PE, live_TE, idx_TK, rank, scale, rows):
-        ctx.pages = pages_PE  # a reference, like paged_attention's prefix (no copy, no version check)
+    def forward(ctx, q_HTE, pages_PE, live_TE, idx_TK, rank, scale, rows, resident_PE):
+        # the resident pages, a reference like paged_attention's prefix (no copy, no version check):
+        # host-resident ones come back to the device in backward, so the graph holds no device copy
+        ctx.pages = resident_PE if resident_PE.device != pages_PE.device else pages_PE
         pages_PE = _on_device(pages_PE, q_HTE.device)
         H, T, _ = q_HTE.shape
         acc = torch.float64 if q_HTE.dtype == torch.float64 else torch.float32
@@ -170,7 +174,7 @@ class _SparseLatentAttention(torch.autograd.Function):
                 _scatter_(d_pages, d_live, pages_PE.shape[0], idx_TK[blk], dkv_TKE)
         return (dq_HTE.to(q_HTE.dtype) if need_q else None,
                 d_pages.to(pages_PE.dtype) if need_pages else None,
-                d_live.to(live_TE.dtype) if need_live else None, None, None, None, None)
+                d_live.to(live_TE.dtype) if need_live else None, None, None, None, None, None)
 
 
 def reference_mla_attention(q_nope_1HTN, q_rot_1HTR, pages_11PE, live_11TE, w_uk_HNC, w_uv_HVC, *, rank, scale,

@@ -73,6 +73,8 @@ class RecomputeLatent:
     def filled(self):
         return self.prefix_kv, self.prefix_index
 
+    on_device = filled  # exact mode keeps its pages on the device
+
     def append(self, kv_11TE, index_1TI):
         self.live = [kv_11TE]
 

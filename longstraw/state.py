@@ -111,9 +111,11 @@ class LatentPages:
     kv_lora_rank: int
     length: int = 0
     leaves: tuple | None = None  # exact mode: a grad-tracking leaf over the filled latent pages
-    # host-resident pages: the device the layer computes on (the pages stay in pinned host memory;
-    # readers move only what they use: selected rows, index-key blocks, or the pages of a dense layer)
+    # host-resident pages: the device the layer computes on (the pages stay in pinned host memory
+    # and come to it whole, one layer at a time: `on_device`)
     compute_device: torch.device | None = None
+    next_host: LatentPages | None = field(default=None, repr=False)  # the host pages read after these
+    _staged: tuple | None = field(default=None, repr=False)  # (length, copy done event, device copies)
 
     @classmethod
     def allocate(cls, positions, kv_lora_rank, rope_dim, index_dim, dtype, device, host=False):
@@ -129,6 +131,36 @@ class LatentPages:
         kv = self.leaves[0] if self.leaves is not None else self.kv_11PE[:, :, : self.length]
         return kv, None if self.index_1PI is None else self.index_1PI[:, : self.length]
 
+    def on_device(self):
+        """`filled()` on the compute device. Host pages: the copy prefetched while the layer before
+        ran, when its length still matches, else a copy now; then the next layer's copy starts on a
+        side stream, so that transfer overlaps this layer's compute. Device pages: `filled()`."""
+        kv, index = self.filled()
+        if self.compute_device is None:
+            return kv, index
+        staged, self._staged = self._staged, None
+        if staged is not None and staged[0] == self.length:
+            stream = torch.cuda.current_stream(self.compute_device)
+            stream.wait_event(staged[1])
+            for t in staged[2]:
+                if t is not None:
+                    t.record_stream(stream)  # allocated on the copy stream, read on this one
+            kv, index = staged[2]
+        else:
+            kv, index = (None if t is None else t.to(self.compute_device, non_blocking=True) for t in (kv, index))
+        if self.next_host is not None:
+            self.next_host.prefetch()
+        return kv, index
+
+    def prefetch(self):
+        """Host pages on CUDA: start copying the filled pages to the device on the copy stream."""
+        if self.compute_device is None or self.compute_device.type != "cuda":
+            return
+        stream = _copy_stream(self.compute_device)
+        with torch.cuda.stream(stream):
+            copies = tuple(None if t is None else t.to(self.compute_device, non_blocking=True) for t in self.filled())
+            self._staged = (self.length, stream.record_event(), copies)
+
     def append(self, kv_11TE, index_1TI):
         end = self.length + kv_11TE.shape[2]
         if end > self.kv_11PE.shape[2]:
@@ -140,6 +172,23 @@ class LatentPages:
 
     def tensors(self):
         return [self.kv_11PE] + ([] if self.index_1PI is None else [self.index_1PI])
+
+
+_COPY_STREAMS: dict = {}  # one host-to-device copy stream per CUDA device
+
+
+def _copy_stream(device):
+    if device not in _COPY_STREAMS:
+        _COPY_STREAMS[device] = torch.cuda.Stream(device)
+    return _COPY_STREAMS[device]
+
+
+def chain_host_pages(layers) -> None:
+    """Each host-resident `LatentPages` learns the next one in layer order (what `on_device`
+    prefetches)."""
+    host = [e for e in layers if isinstance(e, LatentPages) and e.compute_device is not None]
+    for a, b in zip(host, host[1:]):
+        a.next_host = b
 
 
 @dataclass

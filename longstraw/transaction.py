@@ -22,7 +22,7 @@ from tqdm import tqdm
 from longstraw.adapters import adapter_for
 from longstraw.logprobs import token_logprobs
 from longstraw.measure import synchronize
-from longstraw.state import RecurrentState, ResidentState
+from longstraw.state import RecurrentState, ResidentState, chain_host_pages
 
 DEFAULT_CHUNK = {"cpu": 2048, "cuda": 16384}
 PROGRESS_MIN_POSITIONS = 65536
@@ -104,6 +104,7 @@ def capture(model, prompt_ids, prefix_grad: bool = False, *, chunk_size: int | N
         positions=positions, last_token=int(ids[-1]), model_type=adapter.config.model_type,
         predicted_bytes_per_position=per_position, predicted_constant_bytes=constant, dtype=dtype, device=device,
     )
+    chain_host_pages(state.layers)
     if order == "auto":
         budget = memory_budget_bytes if memory_budget_bytes is not None else _default_budget(device)
         hidden_bytes = positions * adapter.config.hidden_size * torch.empty((), dtype=dtype).element_size()

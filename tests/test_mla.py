@@ -232,17 +232,23 @@ def test_index_share_without_a_preceding_index_layer_is_refused():
         capture(model, _ids(PROMPT_LEN, 0))
 
 
-def test_host_resident_pages_give_identical_results():
-    """On CPU the host is the device: the option must change nothing (on CUDA the pages sit in pinned memory)."""
-    model = _model("tiny-glm_moe_dsa", DROP_TOPK)
-    prompt, response = _ids(PROMPT_LEN, 9), _ids(RESPONSE_LEN, 10)
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))])
+def test_host_resident_pages_give_identical_results(device):
+    """On CPU the host is the device: the option must change nothing. On CUDA the pages sit in pinned
+    memory and each layer's copy is prefetched on a side stream while the layer before computes."""
+    model = _model("tiny-glm_moe_dsa", DROP_TOPK).to(device)
+    prompt, response = _ids(PROMPT_LEN, 9).to(device), _ids(RESPONSE_LEN, 10).to(device)
     runs = []
     for host in (False, True):
         state = capture(model, prompt, chunk_size=8, host_pages=host)
         logp = replay(model, state, response)
-        runs.append((logp.detach(), grads_of(model, logp.sum()), state.nbytes))
+        runs.append((logp.detach(), grads_of(model, logp.sum()), state.nbytes, state))
     assert torch.equal(runs[0][0], runs[1][0]) and runs[0][2] == runs[1][2]
     assert all(torch.equal(runs[0][1][n], runs[1][1][n]) for n in runs[0][1])
+    host_layers = runs[1][3].layers
+    assert all(t.device.type == "cpu" for layer in host_layers for t in layer.tensors())
+    assert all(a.next_host is b for a, b in zip(host_layers, host_layers[1:] + [None]))  # prefetch: layer order
     with pytest.raises(ValueError, match="prefix_grad"):
         capture(model, prompt, prefix_grad=True, host_pages=True)
     with pytest.raises(ValueError, match="host-resident"):

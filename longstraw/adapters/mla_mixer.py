@@ -111,7 +111,7 @@ def mla_mix(attn, x_BTH, position_embeddings, pages: LatentPages | LatentDecodeP
     T = x_BTH.shape[1]
     cos, sin = position_embeddings
     q_nope_BHTN, q_rot_BHTR, q_resid_BTQ, latent_BTC, live_11TE = _project(attn, x_BTH, cos, sin)
-    pages_11PE, index_pages_1PI = pages.filled()
+    pages_11PE, index_pages_1PI = pages.on_device()  # host pages: this layer's, streamed (the next one's starts)
 
     indexer, index_key_1TI = indexer_of(attn), None
     if indexer is not None:
@@ -124,7 +124,8 @@ def mla_mix(attn, x_BTH, position_embeddings, pages: LatentPages | LatentDecodeP
 
     q_1HTE, w_uv_HVC = _absorbed(attn, q_nope_BHTN, q_rot_BHTR, latent_BTC)
     out_1HTC = latent_attention(q_1HTE, pages_11PE, live_11TE, rank=attn.kv_lora_rank, scale=attn.scaling,
-                                selection_TK=selection)
+                                selection_TK=selection, resident_11PE=pages.filled()[0])
+    del pages_11PE, index_pages_1PI  # a streamed copy lives for this layer only
     if capturing:
         pages.append(live_11TE, index_key_1TI)
     return _output(attn, out_1HTC, w_uv_HVC), selection
@@ -142,7 +143,7 @@ def mla_decode_mix(attn, x_B1H, position_embeddings, pages: LatentDecodePages, s
     if indexer is not None:
         q_B1HI, w_B1H, index_key_B1I = _index_query_key(attn, indexer, x_B1H, q_resid_B1Q, cos, sin)
     pages.own.append(live_B11E, index_key_B1I)
-    shared_11PE, shared_index_1PI = pages.shared.filled()
+    shared_11PE, shared_index_1PI = pages.shared.on_device()
     own_B1NE, own_index_BNI = pages.own.filled()
     if indexer is not None:
         selection = None
