@@ -122,15 +122,9 @@ class _ShardedAttention(torch.autograd.Function):
         )  # fmt: skip
         acc = lse_BHR.dtype
         # one all-reduce: dq sums every rank's pages' share; the live grads exist on the last rank only
-        grads = [(dq, q_BHRD, need_q), (dk_l, k_BKRD, need_kl), (dv_l, v_BKRD, need_vl)]
-        flat = torch.cat([(g if g is not None else torch.zeros(like.shape, dtype=acc, device=like.device))
-                          .to(acc).reshape(-1) for g, like, need in grads if need])
-        cp.all_reduce_(flat)
-        out, offset = [], 0
-        for _, like, need in grads:
-            if need:
-                out.append(flat[offset:offset + like.numel()].view(like.shape).to(like.dtype))
-                offset += like.numel()
-            else:
-                out.append(None)
+        inputs, needs = (q_BHRD, k_BKRD, v_BKRD), (need_q, need_kl, need_vl)
+        shares = [(g if g is not None else torch.zeros(x.shape, device=x.device)).to(acc)
+                  for g, x, need in zip((dq, dk_l, dv_l), inputs, needs) if need]
+        totals = iter(cp.all_reduce_together(shares))
+        out = [next(totals).to(x.dtype) if need else None for x, need in zip(inputs, needs)]
         return (*out, None, None, None, None, None, None)

@@ -76,19 +76,20 @@ class CPGroup:
         dist.gather_object(obj, out, dst=0)
         return out
 
+    def all_reduce_together(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The sums over ranks of `tensors` (one dtype), by one all-reduce of them flattened
+        together; views of one buffer, shaped as the inputs."""
+        flat = self.all_reduce_(torch.cat([t.reshape(-1) for t in tensors]))
+        return [part.view(t.shape) for part, t in zip(flat.split([t.numel() for t in tensors]), tensors)]
+
     def average_gradients_(self, params) -> None:
-        """One all-reduce of every gradient (flattened together), divided by the world size: the
-        replicated backward already gives every rank the same gradient; this keeps the ranks'
-        optimizer steps identical where a kernel's backward is not bitwise deterministic."""
+        """One all-reduce of every gradient, divided by the world size: the replicated backward
+        already gives every rank the same gradient; this keeps the ranks' optimizer steps identical
+        where a kernel's backward is not bitwise deterministic."""
         grads = [p.grad for p in params if p.grad is not None]
-        if not grads:
-            return
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        self.all_reduce_(flat).div_(self.world)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
+        if grads:
+            for g, total in zip(grads, self.all_reduce_together(grads)):
+                g.copy_(total.div_(self.world))
 
 
 def context_parallel(cp_size, device_type: str = "cpu") -> CPGroup | None:
