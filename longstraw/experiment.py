@@ -16,7 +16,8 @@ Three kinds of point:
   with `measure.kernel_rates` the run also times torch's causal SDPA and the attention and GEMM
   kernels on this device, so ratios against them come from one run.
 - `validation`: the four validation levels (`longstraw.validation`) on each path the point names
-  (models x gradient modes); HF's own backward is the reference, so on CUDA fla is hidden as for naive.
+  (models x gradient modes); HF's own backward is the reference (its torch GDN kernel, scoped to
+  the reference: `hf_reference.hf_torch_gdn_kernels`).
 - `staleness`: the fresh-prefix oracle (`longstraw.oracle`): capture once, train `staleness.steps`
   steps on the stale state, and at each step measure its drift against a fresh capture; the
   derived refresh interval is the largest step count whose loss drift stays under
@@ -112,9 +113,7 @@ def run_point(raw: dict, source: str = "config", on_progress=None) -> dict:
     cp = _context_parallel(cfg, source)
     if cp is not None and cp.rank != 0:
         on_progress = None  # rank 0 writes the result
-    hf_backward = (cfg["mode"] == "naive" and cfg["kind"] == "step") or (
-        cfg["kind"] == "validation" and {"V2", "V3"} & set(cfg["validation"]["levels"]))
-    if hf_backward and device.type == "cuda":
+    if cfg["mode"] == "naive" and cfg["kind"] == "step" and device.type == "cuda":
         use_hf_torch_gdn()
     result = {"name": cfg["name"], "kind": cfg["kind"], "config": cfg, "provenance": provenance(device)}
     start = time.perf_counter()
@@ -236,7 +235,7 @@ def _summary(cycles: list) -> dict:
 
 
 def use_hf_torch_gdn() -> None:
-    """Make HF's GDN layers take their own torch chunk kernel instead of fla's (naive and HF references on CUDA).
+    """Make HF's GDN layers take their own torch chunk kernel instead of fla's (naive on CUDA).
 
     fla's chunk backward raises on Hopper with Triton 3.4-3.7 (DESIGN.md §2), and HF binds its
     GDN kernel when the modeling module is imported, so `fla` is hidden before that happens. A

@@ -51,7 +51,7 @@ from longstraw import grpo
 from longstraw.config import VALIDATION_LEVELS, VALIDATION_MODES
 from longstraw.experiment import build_policy, capture_kwargs, seeded_group, seeded_tokens
 from longstraw.hf_reference import (global_cosine, global_norm, global_relative_error, hf_conditional_logprobs,
-                                     hf_full_logprobs)
+                                     hf_full_logprobs, hf_torch_gdn_kernels)
 from longstraw.measure import PhaseRecorder, device_name
 from longstraw.step import grpo_step
 from longstraw.transaction import capture, replay
@@ -93,10 +93,12 @@ def _trainable_grads(model) -> dict:
 
 
 def _reference_gradient(model, logprobs, prompt, responses, weights) -> dict:
-    """Gradient of L through an HF reference, one response's graph at a time."""
+    """Gradient of L through an HF reference, one response's graph at a time (HF's torch GDN
+    kernel: fla's backward fails on Hopper; our own capture keeps fla's forward)."""
     model.zero_grad(set_to_none=True)
-    for y, w in zip(responses, weights):
-        (logprobs(model, prompt, y) * w).sum().backward()
+    with hf_torch_gdn_kernels(model):
+        for y, w in zip(responses, weights):
+            (logprobs(model, prompt, y) * w).sum().backward()
     grads = _trainable_grads(model)
     model.zero_grad(set_to_none=True)
     return grads
@@ -189,15 +191,22 @@ def gradient_levels(model, prompt, responses, cfg: dict, mode: str, scale: dict)
                               "the gap is measured", evidence, scale,
                               "gap to HF one-pass autograd over p + y: cosine and ||g_full - g|| / ||g_full||")
     for entry in out.values():
-        for name, record in recorder.phases.items():
-            if name.startswith("hf_full" if entry["level"] == "V3" else "hf_conditional"):
-                entry["evidence"][f"{name}_seconds"] = record["seconds"]
-                if "peak_allocated_bytes" in record:
-                    entry["evidence"][f"{name}_peak_allocated_bytes"] = record["peak_allocated_bytes"]
+        reference = "hf_full" if entry["level"] == "V3" else "hf_conditional"
+        entry["evidence"].update(phase_evidence({n: r for n, r in recorder.phases.items() if n.startswith(reference)}))
         if anchor_lost and entry["tolerance"] == stated and "relative_error_to_float32" not in entry["evidence"]:
             entry["evidence"]["float32_anchor"] = "out of memory"
             entry["tolerance"] = (f"||g - g_ref|| / ||g_ref|| <= {tol:.0e} over the whole gradient vector "
                                   f"({cfg['model']['dtype']}; the float32 anchor did not fit in memory)")
+    return out
+
+
+def phase_evidence(phases: dict) -> dict:
+    """{<phase>_seconds, <phase>_peak_allocated_bytes (CUDA)} of `PhaseRecorder` phases."""
+    out = {}
+    for name, record in phases.items():
+        out[f"{name}_seconds"] = record["seconds"]
+        if "peak_allocated_bytes" in record:
+            out[f"{name}_peak_allocated_bytes"] = record["peak_allocated_bytes"]
     return out
 
 
@@ -219,11 +228,7 @@ def execute(model, prompt, responses, rewards, cfg: dict, mode: str, device, sca
     finite = math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])
     evidence = {"loss": metrics["loss"], "grad_norm": metrics["grad_norm"], "state_unchanged": metrics["state_unchanged"],
                 "replays": len(responses), "resident_bytes": metrics["resident_bytes"],
-                "step_seconds": sum(p["seconds"] for p in phases.values())}
-    for name, record in phases.items():
-        evidence[f"{name}_seconds"] = record["seconds"]
-        if "peak_allocated_bytes" in record:
-            evidence[f"{name}_peak_allocated_bytes"] = record["peak_allocated_bytes"]
+                "step_seconds": sum(p["seconds"] for p in phases.values()), **phase_evidence(phases)}
     if "prefix_backward" in phases:
         evidence["prefix_backward_over_capture"] = phases["prefix_backward"]["seconds"] / phases["capture"]["seconds"]
     under = True
