@@ -252,7 +252,7 @@ class ResidentState:
     def device_nbytes(self) -> int:
         """Resident bytes on the compute device (host-resident pages excluded)."""
         return sum(t.numel() * t.element_size() for layer in self.layers for t in layer.tensors()
-                   if t.device == self.device or (t.is_cuda and self.device.type == "cuda"))
+                   if t.device.type == self.device.type)
 
     @property
     def local_positions(self) -> int:

@@ -121,7 +121,7 @@ def capture(model, prompt_ids, prefix_grad: bool = False, *, chunk_size: int | N
         return adapter.layer_forward(i, h, pe, entry, capturing=True)
 
     progress_bar = CaptureProgress(positions if order == "chunk" else positions * adapter.num_layers, progress,
-                             label=f"capture ({order}-major)")
+                                   label=f"capture ({order}-major)")
     with torch.no_grad(), adapter.selected():
         if order == "chunk":
             for start in starts:

@@ -19,6 +19,7 @@ from longstraw.mla import latent_attention, reference_mla_attention
 from longstraw.models import TINY_MLA_PRESETS, build_model
 from longstraw.rollout import SamplingConfig, _decode_entries, sample
 from transformers import DynamicCache, GenerationConfig
+from state_asserts import assert_same_state
 
 PROMPT_LEN, RESPONSE_LEN = 23, 7  # prompt spans three 8-position capture chunks
 DROP_TOPK = 6  # far below the 29 positions a response token sees: top-k drops most of them
@@ -140,9 +141,7 @@ def test_capture_orders_give_identical_state_with_index_sharing(preset):
     prompt = _ids(PROMPT_LEN, 2)
     a = capture(model, prompt, chunk_size=8, order="chunk")
     b = capture(model, prompt, chunk_size=5, order="layer")
-    for ea, eb in zip(a.layers, b.layers):
-        for ta, tb in zip(ea.tensors(), eb.tensors()):
-            torch.testing.assert_close(ta, tb, rtol=1e-5, atol=1e-6)
+    assert_same_state(a, b)
 
 
 def test_blocked_topk_equals_one_pass_topk():

@@ -7,6 +7,7 @@ from longstraw.hf_reference import grads_of, hf_conditional_logprobs, hf_full_lo
 from longstraw import capture, replay
 from longstraw.lora import apply_lora
 from longstraw.models import TINY_PRESETS, build_model
+from state_asserts import assert_same_state
 
 PROMPT_LEN = 37  # spans several 8-position capture chunks and is a multiple of none
 
@@ -42,9 +43,7 @@ def test_capture_orders_and_chunkings_give_identical_state(model):
     prompt = _ids(PROMPT_LEN, 2)
     a = capture(model, prompt, chunk_size=8, order="chunk")
     b = capture(model, prompt, chunk_size=64, order="layer")
-    for ea, eb in zip(a.layers, b.layers):
-        for ta, tb in zip(ea.tensors(), eb.tensors()):
-            torch.testing.assert_close(ta, tb, rtol=1e-5, atol=1e-6)
+    assert_same_state(a, b)
 
 
 def test_measured_resident_bytes_equal_prediction(model):
