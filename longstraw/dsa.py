@@ -87,8 +87,7 @@ def _topk_with_prefix(q_THI, w_TH, k_prefix_PI, live_TN, k, scale, block_size):
     positions_N = torch.arange(P, P + live_TN.shape[1], device=q_THI.device)
     vals_TK, idx_TK = _merge_top(None, None, live_TN, positions_N, k)
     for start in range(0, P, block_size):
-        k_NI = k_prefix_PI[start:start + block_size].to(q_THI.device, non_blocking=True)  # host pages: a block
-        block_TN = block_scores(q_THI, w_TH, k_NI, scale)
+        block_TN = block_scores(q_THI, w_TH, k_prefix_PI[start:start + block_size], scale)
         positions_N = torch.arange(start, start + block_TN.shape[1], device=q_THI.device)
         vals_TK, idx_TK = _merge_top(vals_TK, idx_TK, block_TN, positions_N, k)
     return idx_TK

@@ -57,7 +57,6 @@ def latent_attention(q_1HTE, pages_11PE, live_11TE, *, rank: int, scale: float, 
     `pages_11PE` are on the queries' device; `resident_11PE`, where they differ, the host-resident
     pages they were copied from, which the sparse backward reads again (the dense one keeps the copy)."""
     if selection_TK is None:
-        pages_11PE = pages_11PE.to(q_1HTE.device, non_blocking=True)
         return paged_attention(q_1HTE, pages_11PE, pages_11PE[..., :rank], live_11TE, live_11TE[..., :rank],
                                scale=scale)
     resident_PE = (pages_11PE if resident_11PE is None else resident_11PE)[0, 0]
@@ -94,7 +93,6 @@ def latent_decode_attention(q_BH1E, shared_11PE, own_B1NE, *, rank: int, scale: 
     and its own N generated entries (the current one included); over the selected entries only
     (indices into [prompt pages ‖ own entries], `select_topk_decode`) when `selection_BK` is given."""
     if selection_BK is None:
-        shared_11PE = shared_11PE.to(q_BH1E.device, non_blocking=True)
         return decode_attention(q_BH1E, shared_11PE, shared_11PE[..., :rank], own_B1NE, own_B1NE[..., :rank],
                                 scale=scale)
     B, N, P = own_B1NE.shape[0], own_B1NE.shape[2], shared_11PE.shape[2]
@@ -102,7 +100,7 @@ def latent_decode_attention(q_BH1E, shared_11PE, own_B1NE, *, rank: int, scale: 
     offset_B1 = torch.arange(B, device=selection_BK.device)[:, None] * N
     idx_BK = torch.where(selection_BK >= P, selection_BK + offset_B1, selection_BK)
     acc = torch.float64 if q_BH1E.dtype == torch.float64 else torch.float32
-    kv_BKE = _gather(_on_device(shared_11PE[0, 0], q_BH1E.device), own_B1NE.reshape(B * N, -1), idx_BK).to(acc)
+    kv_BKE = _gather(shared_11PE[0, 0], own_B1NE.reshape(B * N, -1), idx_BK).to(acc)
     out_HBC, _ = _gathered_softmax(q_BH1E[:, :, 0].transpose(0, 1).to(acc), kv_BKE, None, rank, scale)
     return out_HBC.transpose(0, 1)[:, :, None].to(q_BH1E.dtype)
 
@@ -118,7 +116,7 @@ def _scatter_(grad_pages_PE, grad_live_TE, P, idx_TK, grad_TKE):
 
 
 def _on_device(pages_PE, device):
-    """Pages on `device` for one call (a host-resident layer's pages, whole), dropped after it."""
+    """Pages on `device` for one backward (a host-resident layer's pages, whole), dropped after it."""
     return pages_PE.to(device, non_blocking=True)
 
 
@@ -132,7 +130,6 @@ class _SparseLatentAttention(torch.autograd.Function):
         # the resident pages, a reference like paged_attention's prefix (no copy, no version check):
         # host-resident ones come back to the device in backward, so the graph holds no device copy
         ctx.pages = resident_PE if resident_PE.device != pages_PE.device else pages_PE
-        pages_PE = _on_device(pages_PE, q_HTE.device)
         H, T, _ = q_HTE.shape
         acc = torch.float64 if q_HTE.dtype == torch.float64 else torch.float32
         visible_TK = idx_TK <= pages_PE.shape[0] + torch.arange(T, device=q_HTE.device)[:, None]
