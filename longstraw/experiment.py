@@ -327,12 +327,17 @@ def _run_sweep(cfg: dict, device, on_progress) -> dict:
             del responses
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+            if getattr(state, "cp", None) is not None:  # each rank's peak; an OOM on any rank ends the mode on all
+                ranks = state.cp.all_gather_objects({"status": step["status"],
+                                                     "peak_allocated_bytes": step.get("peak_allocated_bytes")})
+                step["rank_peak_allocated_bytes"] = [r["peak_allocated_bytes"] for r in ranks]
+                step["rank_status"] = [r["status"] for r in ranks]
             out["steps"].append(step)
             peak = step.get("peak_allocated_bytes")
             print(f"sweep {mode} G={count}: {step['status']}" + (f", peak {peak / 2**30:.2f} GiB" if peak else ""),
                   file=sys.stderr, flush=True)
             on_progress(out)
-            if step["status"] == "oom":
+            if "oom" in step.get("rank_status", [step["status"]]):
                 break
     return out
 

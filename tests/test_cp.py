@@ -222,6 +222,27 @@ def test_run_point_gathers_per_rank_memory_to_rank_zero(single_point):
     assert ranks[0]["metrics"]["cycles"][0]["loss"] == pytest.approx(cycle["loss"], rel=TOL, abs=1e-7)
 
 
+def _rank_sweep_point():
+    return run_point({**_point_config(int(os.environ["WORLD_SIZE"])), "kind": "sweep",
+                      "sweep": {"replay": [2, 2], "hold_all": []}})
+
+
+def test_sweep_under_cp_serves_its_steps_from_one_sharded_capture_with_every_ranks_peaks():
+    ranks = run_ranks(_rank_sweep_point, 2, start_method="fork")
+    single = run_point({**_point_config(1), "kind": "sweep", "sweep": {"replay": [2, 2], "hold_all": []}})
+    assert [r["status"] for r in ranks] == ["ok", "ok"], [r.get("traceback") for r in ranks]
+    own = [r["metrics"]["capture"]["resident_bytes"] for r in ranks]
+    assert own[0] + own[1] > single["metrics"]["capture"]["resident_bytes"]  # the GDN state is whole on each
+    assert max(own) < single["metrics"]["capture"]["resident_bytes"]
+    for step, reference in zip(ranks[0]["metrics"]["steps"], single["metrics"]["steps"], strict=True):
+        assert step["status"] == reference["status"] == "ok" and step["state_unchanged"]
+        assert step["rank_status"] == ["ok", "ok"]
+        assert len(step["rank_peak_allocated_bytes"]) == 2  # None on CPU: every rank answered
+        # the second step follows the first's optimizer update, on both sides alike
+        assert step["loss"] == pytest.approx(reference["loss"], rel=TOL, abs=1e-7)
+        assert step["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-4)
+
+
 def test_torchrun_with_one_rank_gives_the_single_process_result(tmp_path, single_point):
     spec, out = tmp_path / "point.yaml", tmp_path / "point.json"
     spec.write_text(json.dumps(_point_config(1)))

@@ -76,6 +76,12 @@ class CPGroup:
         dist.gather_object(obj, out, dst=0)
         return out
 
+    def all_gather_objects(self, obj) -> list:
+        """Every rank's `obj`, on every rank."""
+        out = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
+
     def all_reduce_together(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """The sums over ranks of `tensors` (one dtype), by one all-reduce of them flattened
         together; views of one buffer, shaped as the inputs."""

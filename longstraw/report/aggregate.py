@@ -190,11 +190,9 @@ def _cp_columns(point) -> dict:
     """A context-parallel point: its largest rank's resident bytes and peak (rank 0 gathered every
     rank's record: CUDA max_memory_allocated over the run, else the rank's peak RSS)."""
     ranks = [r for r in _dict(point.get("cp")).get("ranks") or [] if isinstance(r, dict)]
-    resident = [r["resident_bytes"] for r in ranks if _number(r.get("resident_bytes")) is not None]
-    peaks = [r.get("peak_allocated_bytes", r.get("peak_rss_bytes")) for r in ranks]
-    peaks = [p for p in peaks if _number(p) is not None]
-    return {"rank_resident_bytes_max": max(resident) if resident else None,
-            "rank_peak_bytes_max": max(peaks) if peaks else None} if ranks else {}
+    return {"rank_resident_bytes_max": _max_number(r.get("resident_bytes") for r in ranks),
+            "rank_peak_bytes_max": _max_number(r.get("peak_allocated_bytes", r.get("peak_rss_bytes"))
+                                               for r in ranks)} if ranks else {}
 
 
 def _phase_columns(name: str, record: dict) -> dict:
@@ -338,6 +336,7 @@ def _sweep_step_row(point, index: int, step: dict, identity: dict) -> dict:
            "headroom_bytes": identity["device_memory_bytes"] - peak
            if peak is not None and identity["device_memory_bytes"] else None,
            "graph_bytes_peak": _number(step.get("graph_bytes_peak")),
+           "rank_peak_bytes_max": _max_number(step.get("rank_peak_allocated_bytes")),
            "step_seconds": _phase_seconds(phases),
            "replays": members,
            "seconds_per_member": _ratio(_dict(phases.get("replay")).get("seconds"), members),
@@ -351,6 +350,12 @@ def _sweep_step_row(point, index: int, step: dict, identity: dict) -> dict:
     for name in list(STEP_PHASES) + sorted(set(phases) - set(STEP_PHASES)):
         row.update(_phase_columns(name, _dict(phases.get(name))))
     return row
+
+
+def _max_number(values):
+    """The largest number of a list (a context-parallel step's per-rank peaks); None if none."""
+    numbers_ = [v for v in values or () if _number(v) is not None]
+    return max(numbers_) if numbers_ else None
 
 
 def _probes(metrics) -> list[dict]:

@@ -65,8 +65,10 @@ SWEEP_COLUMNS = ["model", "model_type", "lora_r", "prompt_length", "response_len
                  "transient_bytes", "capture_seconds", "capture_attention_tflops_per_second",
                  "capture_peak_allocated_bytes", "weights_peak_allocated_bytes", "trainable_parameters", "steps",
                  "steps_ok", "steps_oom", "replays", "peak_memory_bytes", "peak_memory_measure",
-                 "device_memory_bytes", "peak_rss_bytes", "wall_seconds"]
-SWEEP_STEP_COLUMNS = ["point", "step", "mode", "G", "status", "peak_memory_bytes", "headroom_bytes", "graph_bytes_peak",
+                 "cp_size", "rank_resident_bytes_max", "rank_peak_bytes_max", "device_memory_bytes",
+                 "peak_rss_bytes", "wall_seconds"]
+SWEEP_STEP_COLUMNS = ["point", "step", "mode", "G", "status", "peak_memory_bytes", "rank_peak_bytes_max",
+                      "headroom_bytes", "graph_bytes_peak",
                       "old_scoring_peak_allocated_bytes", "ref_scoring_peak_allocated_bytes",
                       "replay_peak_allocated_bytes", "optimizer_step_peak_allocated_bytes", "step_seconds",
                       "replay_seconds", "seconds_per_member", "loss", "grad_norm", "state_unchanged", "error",
