@@ -251,7 +251,7 @@ def test_host_resident_pages_give_identical_results(device):
     with pytest.raises(ValueError, match="prefix_grad"):
         capture(model, prompt, prefix_grad=True, host_pages=True)
     with pytest.raises(ValueError, match="host-resident"):
-        capture(build_model("tiny-llama", seed=1), prompt, host_pages=True)
+        capture(build_model("tiny-llama", seed=1, device=device), prompt, host_pages=True)
 
 
 # Sampling from latent pages. Top-k 6 (tie_free indexer weights, see the module doc) keeps 6 of the 22 prompt
