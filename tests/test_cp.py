@@ -80,6 +80,35 @@ def _to_cpu(value):
     return value
 
 
+def _rank_capture_calls():
+    """Each sharded attention call of one capture: (queries, earlier shards held), and what the
+    pages hold after it."""
+    import longstraw.adapters.attention_mixer as mixer
+
+    calls, real = [], mixer.capture_attention
+
+    def spy(q_BHTD, k_BKTD, v_BKTD, pages, scale):
+        calls.append((q_BHTD.shape[2], len(pages.earlier)))
+        return real(q_BHTD, k_BKTD, v_BKTD, pages, scale)
+
+    mixer.capture_attention = spy
+    state = capture(build_model("tiny-llama", seed=1), PROMPT, chunk_size=CHUNK,
+                    cp=context_parallel(int(os.environ["WORLD_SIZE"])))
+    return calls, [len(e.earlier) for e in state.layers]
+
+
+def test_sharded_capture_attends_a_chunk_at_a_time_with_the_earlier_shards_of_one_layer():
+    """The transient stays one chunk's activations (plus the earlier shards' K/V of the layer at
+    hand), not the whole shard's: the single-process capture's bound, per rank."""
+    world = 3
+    for rank, (calls, held_after) in enumerate(run_ranks(_rank_capture_calls, world, start_method="fork")):
+        start, end = shard_bounds(PROMPT_LEN - 1, world)[rank]
+        layers = build_model("tiny-llama", seed=1).config.num_hidden_layers
+        assert [t for t, _ in calls] == [min(CHUNK, end - c) for c in range(start, end, CHUNK)] * layers
+        assert all(earlier == rank for _, earlier in calls)  # rank r holds shards 0..r-1 during a layer
+        assert held_after == [0] * layers  # and drops them after it
+
+
 @pytest.fixture(scope="module", params=[(p, w) for p in PRESETS for w in (2, 3)], ids=lambda pw: f"{pw[0]}-w{pw[1]}")
 def sharded(request):
     preset, world = request.param

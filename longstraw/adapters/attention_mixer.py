@@ -14,7 +14,7 @@ from contextlib import contextmanager, nullcontext
 from transformers import AttentionInterface
 
 from longstraw.attention import decode_attention, paged_attention
-from longstraw.cp.attention import sharded_attention, sharded_decode_attention
+from longstraw.cp.attention import capture_attention, sharded_attention, sharded_decode_attention
 from longstraw.cp.state import ShardPages
 from longstraw.flops import attention_forward_flops
 from longstraw.measure import AttentionTimer
@@ -38,15 +38,20 @@ def _longstraw_attention(module, query_BHTD, key_BKTD, value_BKTD, attention_mas
             out_BHTD = decode_attention(query_BHTD, *longstraw_pages.shared.filled(), *longstraw_pages.own.filled(),
                                         scale=scale)
         return out_BHTD.transpose(1, 2).contiguous(), None
-    if isinstance(longstraw_pages, ShardPages):  # context parallel: this rank holds one shard of the prompt
-        out_BHTD = sharded_attention(query_BHTD, key_BKTD, value_BKTD, longstraw_pages, scale, longstraw_append)
+    sharded = isinstance(longstraw_pages, ShardPages)  # context parallel: this rank holds one shard of the prompt
+    if sharded and not longstraw_append:
+        out_BHTD = sharded_attention(query_BHTD, key_BKTD, value_BKTD, longstraw_pages, scale)
         return out_BHTD.transpose(1, 2).contiguous(), None
-    k_prefix_BKPD, v_prefix_BKPD = longstraw_pages.filled()
     timer = AttentionTimer.active
     _, H, T, D = query_BHTD.shape
-    with timer.call(attention_forward_flops(H, D, T, k_prefix_BKPD.shape[2])) if timer else nullcontext():
-        out_BHTD = paged_attention(query_BHTD, k_prefix_BKPD, v_prefix_BKPD, key_BKTD, value_BKTD, scale=scale)
-    if longstraw_append:  # pages copy detached values; the exact mode's recompute keeps the graph
+    # keys before the chunk: a sharded capture's earlier shards count (its shard starts at their end)
+    prefix = longstraw_pages.length + (longstraw_pages.bounds[longstraw_pages.cp.rank][0] if sharded else 0)
+    with timer.call(attention_forward_flops(H, D, T, prefix)) if timer else nullcontext():
+        if sharded:  # appends the chunk's K/V itself
+            out_BHTD = capture_attention(query_BHTD, key_BKTD, value_BKTD, longstraw_pages, scale)
+        else:
+            out_BHTD = paged_attention(query_BHTD, *longstraw_pages.filled(), key_BKTD, value_BKTD, scale=scale)
+    if longstraw_append and not sharded:  # pages copy detached values; the exact mode's recompute keeps the graph
         longstraw_pages.append(key_BKTD, value_BKTD)
     return out_BHTD.transpose(1, 2).contiguous(), None
 

@@ -78,17 +78,12 @@ class FamilyAdapter:
             positions = positions[None].expand(3, -1, -1)
         return rotary(h_BTH, positions)
 
-    def layer_forward(self, layer_idx: int, h_BTH, position_embeddings, entry, capturing: bool,
-                      mlp_chunk: int | None = None):
-        """Pre-norm residual block, as every supported HF decoder layer computes it. The MLP is
-        per-token: `mlp_chunk` runs it that many positions at a time (a context-parallel capture
-        mixes a whole shard at once but keeps the MLP's transient small)."""
+    def layer_forward(self, layer_idx: int, h_BTH, position_embeddings, entry, capturing: bool):
+        """Pre-norm residual block, as every supported HF decoder layer computes it."""
         layer = self.layers[layer_idx]
         mixed = self.mix(layer_idx, layer.input_layernorm(h_BTH), position_embeddings, entry, capturing)
         h_BTH = h_BTH + mixed
-        if mlp_chunk is None or mlp_chunk >= h_BTH.shape[1]:
-            return h_BTH + self._mlp(layer, h_BTH)
-        return torch.cat([h + self._mlp(layer, h) for h in h_BTH.split(mlp_chunk, dim=1)], dim=1)
+        return h_BTH + self._mlp(layer, h_BTH)
 
     @staticmethod
     def _mlp(layer, h_BTH):

@@ -3,12 +3,13 @@
 Both paths reuse `longstraw.attention`'s partial forward (out, lse over blocks) and its backward
 fed the global out/lse, and its in-place log-sum-exp merge; only the communication is new.
 
-Capture (`capture_attention`, no autograd): a rank attends its whole shard at once. Its queries
-first see their own shard causally, `query_chunk` queries at a time over the pages before them
-(as a single-process capture does); then the earlier shards' K/V arrive one shard at a time from
-the previous rank, in rank order (rank r receives shards 0..r-1 from rank r-1 and forwards each to
-r+1 before merging it, then sends its own): a pipeline of point-to-point sends, holding one
-received shard at a time, never the whole prefix.
+Capture (no autograd), one layer at a time over the rank's shard (`longstraw.cp.capture`):
+`receive_earlier_shards` takes the earlier shards' K/V of the layer from the previous rank, in rank
+order, forwarding each to the next rank as it arrives (a pipeline of point-to-point sends; the
+rank holds the earlier shards of this one layer until it is done); then `capture_attention` runs
+per capture chunk, as a single-process capture does: the chunk's queries attend the earlier shards
+and their own shard causally, and the chunk's K/V join the pages; `send_own_shard` then passes the
+rank's finished pages on.
 
 Replay (`_ShardedAttention`, an autograd Function): the response's queries and live K/V are the
 same on every rank. Forward: each rank's partial over its own pages (the last rank also takes the
@@ -32,44 +33,46 @@ from longstraw.cp.state import ShardPages
 from longstraw.state import DecodePages
 
 
-def sharded_attention(q_BHRD, k_BKRD, v_BKRD, pages: ShardPages, scale: float, append: bool) -> torch.Tensor:
-    """[B, H, R, Dv] attention of q over every rank's pages plus the causal live keys; `append` =
-    capture (q is this rank's whole shard; its K/V are written to the pages)."""
-    if append:
-        return capture_attention(q_BHRD, k_BKRD, v_BKRD, pages, scale)
+def sharded_attention(q_BHRD, k_BKRD, v_BKRD, pages: ShardPages, scale: float) -> torch.Tensor:
+    """[B, H, R, Dv] attention of the response's queries over every rank's pages plus the causal
+    live keys (replay)."""
     kernel, block = kernel_and_block("auto", q_BHRD, v_BKRD.shape[-1], (q_BHRD, k_BKRD, v_BKRD), None)
     return _ShardedAttention.apply(q_BHRD, k_BKRD, v_BKRD, *pages.filled(), float(scale), block, kernel, pages.cp)
 
 
-@torch.no_grad()
-def capture_attention(q_BHTD, k_BKTD, v_BKTD, pages: ShardPages, scale: float) -> torch.Tensor:
-    cp, T = pages.cp, q_BHTD.shape[2]
-    if pages.length != 0 or T != pages.k_BKPD.shape[2]:
-        raise RuntimeError(f"a context-parallel capture attends the whole shard ({pages.k_BKPD.shape[2]} positions) "
-                           f"in one call; got {T} queries with {pages.length} already captured")
-    pages.append(k_BKTD, v_BKTD)
-    k_BKTD, v_BKTD = pages.filled()
-    # queries go `query_chunk` at a time, so a block's scores stay [chunk, block] however long the
-    # shard; each chunk gets the kernel a single-process capture would give it
-    chunks = [slice(c0, min(c0 + pages.query_chunk, T)) for c0 in range(0, T, pages.query_chunk)]
-    q_chunks = [q_BHTD[:, :, c].contiguous() for c in chunks]
-    kernels = [kernel_and_block("auto", q_c, v_BKTD.shape[-1], (), None) for q_c in q_chunks]
-    parts = [attention_partial(q_c, k_BKTD[:, :, :c.start], v_BKTD[:, :, :c.start], k_BKTD[:, :, c], v_BKTD[:, :, c],
-                               scale, block, kernel)
-             for c, q_c, (kernel, block) in zip(chunks, q_chunks, kernels)]  # own shard, causal
-    out_BHTD, lse_BHT = (torch.cat(x, dim=2) for x in zip(*parts))
-    for source in range(cp.rank):  # earlier shards, in rank order, from the previous rank
+def receive_earlier_shards(pages: ShardPages) -> None:
+    """Before a layer's chunks: the earlier ranks' K/V of this layer into `pages.earlier`, each
+    forwarded to the next rank as it arrives."""
+    cp = pages.cp
+    for source in range(cp.rank):
         start, end = pages.bounds[source]
-        k_b = k_BKTD.new_empty(*k_BKTD.shape[:2], end - start, k_BKTD.shape[3])
-        v_b = v_BKTD.new_empty(*v_BKTD.shape[:2], end - start, v_BKTD.shape[3])
+        k_b = pages.k_BKPD.new_empty(*pages.k_BKPD.shape[:2], end - start, pages.k_BKPD.shape[3])
+        v_b = pages.v_BKPD.new_empty(*pages.v_BKPD.shape[:2], end - start, pages.v_BKPD.shape[3])
         cp.recv_((k_b, v_b), cp.rank - 1)
         if not cp.is_last:
             cp.send((k_b, v_b), cp.rank + 1)
-        for c, q_c, (kernel, block) in zip(chunks, q_chunks, kernels):
-            partial = attention_partial(q_c, k_b, v_b, None, None, scale, block, kernel)
-            lse_merge_(out_BHTD[:, :, c], lse_BHT[:, :, c], *partial)
-    if not cp.is_last:
-        cp.send((k_BKTD, v_BKTD), cp.rank + 1)
+        pages.earlier.append((k_b, v_b))
+
+
+def send_own_shard(pages: ShardPages) -> None:
+    """After a layer's chunks: this rank's finished pages to the next rank; the earlier shards go."""
+    if not pages.cp.is_last:
+        pages.cp.send(pages.filled(), pages.cp.rank + 1)
+    pages.earlier.clear()
+
+
+@torch.no_grad()
+def capture_attention(q_BHTD, k_BKTD, v_BKTD, pages: ShardPages, scale: float) -> torch.Tensor:
+    """One capture chunk: its queries over the earlier shards (`receive_earlier_shards`) and their
+    own shard's pages so far plus the chunk's causal keys; the chunk's K/V are appended."""
+    own, q_BHTD = pages.length, q_BHTD.contiguous()  # the CUDA kernels take q, out in one layout
+    pages.append(k_BKTD, v_BKTD)
+    k_BKPD, v_BKPD = pages.filled()
+    kernel, block = kernel_and_block("auto", q_BHTD, v_BKTD.shape[-1], (), None)
+    out_BHTD, lse_BHT = attention_partial(q_BHTD, k_BKPD[:, :, :own], v_BKPD[:, :, :own], k_BKPD[:, :, own:],
+                                          v_BKPD[:, :, own:], scale, block, kernel)
+    for k_b, v_b in pages.earlier:
+        lse_merge_(out_BHTD, lse_BHT, *attention_partial(q_BHTD, k_b, v_b, None, None, scale, block, kernel))
     return out_BHTD.to(q_BHTD.dtype)
 
 

@@ -8,17 +8,17 @@ what crosses ranks flows one way, from rank r to rank r+1, layer by layer, as a 
 - Gated DeltaNet layers: rank r starts from the conv + recurrent state that rank r-1 had at the
   end of its shard (received before the layer, zeros on rank 0) and sends its own end state on
   (state passing); the union of the shards is then the single-process recurrence.
-- attention layers: the earlier shards' K/V pass rank to rank with log-sum-exp merging
-  (`longstraw.cp.attention.capture_attention`); each rank keeps only its own shard's pages.
+- attention layers: the earlier shards' K/V of the layer pass rank to rank before it, and the
+  rank's own pages go on after it (`longstraw.cp.attention`); each rank keeps only its own shard's
+  pages.
 - at the end the last rank broadcasts every GDN layer's final state: replay runs the response's
   layers on every rank, and each needs the state at the prompt boundary.
 
-Gated DeltaNet layers run `chunk_size` positions at a time (their state carries over, as in a
-single-process capture). An attention layer takes the whole shard at once, its MLP `chunk_size`
-positions at a time and its queries `chunk_size` at a time against each block: the transient is the
-shard's hidden states, its q/k/v and a float32 (out, lse) per query for one layer (the price of
-receiving each earlier shard once per layer). `order` and `memory_budget_bytes` do not apply. No exact mode
-(prefix_grad) yet.
+Within a layer the shard goes `chunk_size` positions at a time, as a single-process capture
+calls a layer, so the transient is the shard's hidden states ([shard, hidden]) plus one chunk's
+activations, and, for an attention layer, the earlier shards' K/V of that one layer (the last
+rank's share of the price of receiving each shard once per layer). `order` and
+`memory_budget_bytes` do not apply. No exact mode (prefix_grad) yet.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from longstraw.adapters import adapter_for
+from longstraw.cp.attention import receive_earlier_shards, send_own_shard
 from longstraw.cp.group import CPGroup, shard_bounds
 from longstraw.cp.state import ShardedResidentState, ShardPages
 from longstraw.measure import synchronize
@@ -51,7 +52,7 @@ def capture_sharded(model, ids: torch.Tensor, cp: CPGroup, chunk: int, progress:
     for i in range(adapter.num_layers):
         entry = adapter.allocate_entry(i, end - start, dtype, device)
         if isinstance(entry, AttentionPages):
-            entry = ShardPages(entry.k_BKPD, entry.v_BKPD, cp=cp, bounds=bounds, query_chunk=chunk)
+            entry = ShardPages(entry.k_BKPD, entry.v_BKPD, cp=cp, bounds=bounds)
         elif not isinstance(entry, RecurrentState):
             raise ValueError(f"context parallelism covers the dense and hybrid families; {adapter.config.model_type!r} "
                              f"keeps {type(entry).__name__} entries, which have no sharded form yet")
@@ -66,21 +67,14 @@ def capture_sharded(model, ids: torch.Tensor, cp: CPGroup, chunk: int, progress:
                                    label=f"capture (rank {cp.rank + 1}/{cp.world}, layer-major)")
     with torch.no_grad(), adapter.selected():
         h = adapter.embed(ids[None, start:end])
-        pe = adapter.position_embeddings(h, start)
         for i, entry in enumerate(layers):
-            gdn = isinstance(entry, RecurrentState)
-            if gdn and cp.rank > 0:
-                cp.recv_(entry.tensors(), cp.rank - 1)
-            if gdn:  # chunk by chunk, as a single-process capture calls it: small transients, known kernel shapes
-                for c0 in range(0, end - start, chunk):
-                    h_c = h[:, c0:c0 + chunk]
-                    h[:, c0:c0 + chunk] = adapter.layer_forward(i, h_c, adapter.position_embeddings(h_c, start + c0),
-                                                                entry, capturing=True)
-            else:
-                h = adapter.layer_forward(i, h, pe, entry, capturing=True, mlp_chunk=chunk)
-            if gdn and not cp.is_last:
-                cp.send(entry.tensors(), cp.rank + 1)
-            progress_bar.advance_to((i + 1) * (end - start))
+            _receive_before_layer(entry, cp)
+            for c0 in range(0, end - start, chunk):
+                h_c = h[:, c0:c0 + chunk]
+                h[:, c0:c0 + chunk] = adapter.layer_forward(i, h_c, adapter.position_embeddings(h_c, start + c0),
+                                                            entry, capturing=True)
+                progress_bar.advance_to(i * (end - start) + c0 + h_c.shape[1])
+            _send_after_layer(entry, cp)
         progress_bar.close()
         del h
         for entry in (e for e in layers if isinstance(e, RecurrentState)):
@@ -88,3 +82,19 @@ def capture_sharded(model, ids: torch.Tensor, cp: CPGroup, chunk: int, progress:
     synchronize(device)
     cp.resident_bytes = state.nbytes
     return state
+
+
+def _receive_before_layer(entry, cp: CPGroup) -> None:
+    """What a layer needs from the earlier ranks: the GDN state at the end of the previous shard,
+    or the earlier shards' K/V."""
+    if isinstance(entry, ShardPages):
+        receive_earlier_shards(entry)
+    elif cp.rank > 0:
+        cp.recv_(entry.tensors(), cp.rank - 1)
+
+
+def _send_after_layer(entry, cp: CPGroup) -> None:
+    if isinstance(entry, ShardPages):
+        send_own_shard(entry)
+    elif not cp.is_last:
+        cp.send(entry.tensors(), cp.rank + 1)

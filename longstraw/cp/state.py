@@ -10,7 +10,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from longstraw.cp.group import CPGroup
 from longstraw.state import AttentionPages, ResidentState
@@ -20,7 +20,9 @@ from longstraw.state import AttentionPages, ResidentState
 class ShardPages(AttentionPages):
     cp: CPGroup | None = None
     bounds: tuple = ()  # every rank's [start, end) of the prompt positions (this rank's: bounds[cp.rank])
-    query_chunk: int = 2048  # capture: the shard's queries attend their own pages this many at a time
+    # capture only: the earlier ranks' K/V of the layer being captured, received before its chunks
+    # and dropped after them (`longstraw.cp.attention`)
+    earlier: list = field(default_factory=list)
 
 
 @dataclass
