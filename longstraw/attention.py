@@ -60,13 +60,22 @@ def paged_attention(
     scale: float,
     block_size: int | None = None,
     backend: str = "auto",
+    prefix_again=None,
 ) -> torch.Tensor:
-    """Attention of ``q`` over all prefix keys and the causal live keys; returns [B, H, R, Dv]."""
+    """Attention of ``q`` over all prefix keys and the causal live keys; returns [B, H, R, Dv].
+
+    ``prefix_again``, when given, returns the prefix (k, v) anew for the backward, and the graph
+    keeps no reference to the prefix given here: pages streamed from host memory then live on the
+    device for the forward only (the prefix must not require grad)."""
     _validate(q_BHRD, k_prefix_BKPD, v_prefix_BKPD, k_live_BKRD, v_live_BKRD, scale, block_size, backend)
+    if prefix_again is not None and (k_prefix_BKPD.requires_grad or v_prefix_BKPD.requires_grad):
+        raise ValueError("prefix_again brings the prefix back for the backward: a prefix that requires grad "
+                         "(exact mode) must stay referenced")
     inputs = (q_BHRD, k_prefix_BKPD, v_prefix_BKPD, k_live_BKRD, v_live_BKRD)
     kernel, block_size = kernel_and_block(backend, q_BHRD, v_live_BKRD.shape[-1], inputs, block_size)
     return _PagedAttention.apply(
-        q_BHRD, k_prefix_BKPD, v_prefix_BKPD, k_live_BKRD, v_live_BKRD, float(scale), int(block_size), kernel
+        q_BHRD, k_prefix_BKPD, v_prefix_BKPD, k_live_BKRD, v_live_BKRD, float(scale), int(block_size), kernel,
+        prefix_again,
     )
 
 
@@ -433,13 +442,14 @@ def attention_partial_backward(dout_BHRD, q_BHRD, k_BKPD, v_BKPD, k_live_BKRD, v
 
 class _PagedAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q_BHRD, k_BKPD, v_BKPD, k_BKRD, v_BKRD, scale, block_size, kernel):
+    def forward(ctx, q_BHRD, k_BKPD, v_BKPD, k_BKRD, v_BKRD, scale, block_size, kernel, prefix_again):
         if kernel != "math":
             q_BHRD = q_BHRD.contiguous()  # one layout for q, out and dO (cudnn needs it; small)
         out_BHRD, lse_BHR = attention_partial(q_BHRD, k_BKPD, v_BKPD, k_BKRD, v_BKRD, scale, block_size, kernel)
         out_BHRD = out_BHRD.to(q_BHRD.dtype)
         ctx.save_for_backward(q_BHRD, k_BKRD, v_BKRD, out_BHRD, lse_BHR)
-        ctx.prefix = (k_BKPD, v_BKPD)  # references only: no copy, no version check (see module doc)
+        # references only: no copy, no version check (see module doc); or none, and fetched again
+        ctx.prefix = prefix_again or (k_BKPD, v_BKPD)
         ctx.scale, ctx.block_size, ctx.kernel = scale, block_size, kernel
         return out_BHRD
 
@@ -447,8 +457,9 @@ class _PagedAttention(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout_BHRD):
         q_BHRD, k_BKRD, v_BKRD, out_BHRD, lse_BHR = ctx.saved_tensors
+        prefix = ctx.prefix() if callable(ctx.prefix) else ctx.prefix
         dq, dk_p, dv_p, dk_l, dv_l = attention_partial_backward(
-            dout_BHRD, q_BHRD, *ctx.prefix, k_BKRD, v_BKRD, out_BHRD, lse_BHR, ctx.scale, ctx.block_size, ctx.kernel,
+            dout_BHRD, q_BHRD, *prefix, k_BKRD, v_BKRD, out_BHRD, lse_BHR, ctx.scale, ctx.block_size, ctx.kernel,
             ctx.needs_input_grad[:5],
         )  # fmt: skip
         return (
@@ -457,6 +468,7 @@ class _PagedAttention(torch.autograd.Function):
             dv_p,
             dk_l.to(k_BKRD.dtype) if dk_l is not None else None,
             dv_l.to(v_BKRD.dtype) if dv_l is not None else None,
+            None,
             None,
             None,
             None,

@@ -18,8 +18,8 @@ its own backward); values are the first C dims of the same pages (a view, no cop
 attention gathers each query's selected entries (T x k rows, never a [T, P] mask) and runs one
 softmax per query, `rows_per_block` queries at a time, in an autograd op that keeps only the
 indices for its backward (the gathered rows are gathered again there). Host-resident pages reach
-it on the device (`LatentPages.on_device`, one layer at a time); its graph keeps only the host pages,
-which its backward brings to the device again.
+both on the device (`LatentPages.on_device`, one layer at a time); their graphs keep only the host
+pages, which their backward brings to the device again.
 """
 
 from __future__ import annotations
@@ -55,10 +55,12 @@ def latent_attention(q_1HTE, pages_11PE, live_11TE, *, rank: int, scale: float, 
     """Attention-weighted latents [1, H, T, C] of T live queries over P page entries and the causal
     live entries; only the selected ones (indices into [pages ‖ live]) when `selection_TK` is given.
     `pages_11PE` are on the queries' device; `resident_11PE`, where they differ, the host-resident
-    pages they were copied from, which the sparse backward reads again (the dense one keeps the copy)."""
+    pages they were copied from, which the backward reads again (the graph keeps no device copy)."""
     if selection_TK is None:
+        streamed = resident_11PE is not None and resident_11PE.device != pages_11PE.device
         return paged_attention(q_1HTE, pages_11PE, pages_11PE[..., :rank], live_11TE, live_11TE[..., :rank],
-                               scale=scale)
+                               scale=scale, prefix_again=_streamed_again(resident_11PE, q_1HTE.device, rank)
+                               if streamed else None)
     resident_PE = (pages_11PE if resident_11PE is None else resident_11PE)[0, 0]
     out_HTC = _SparseLatentAttention.apply(q_1HTE[0], pages_11PE[0, 0], live_11TE[0, 0], selection_TK, rank,
                                            float(scale), int(rows_per_block), resident_PE)
@@ -118,6 +120,15 @@ def _scatter_(grad_pages_PE, grad_live_TE, P, idx_TK, grad_TKE):
 def _on_device(pages_PE, device):
     """Pages on `device` for one backward (a host-resident layer's pages, whole), dropped after it."""
     return pages_PE.to(device, non_blocking=True)
+
+
+def _streamed_again(resident_11PE, device, rank: int):
+    """For the dense backward: host-resident pages on `device` again, as (keys, values = the first
+    `rank` dims)."""
+    def again():
+        pages_11PE = _on_device(resident_11PE, device)
+        return pages_11PE, pages_11PE[..., :rank]
+    return again
 
 
 class _SparseLatentAttention(torch.autograd.Function):

@@ -99,6 +99,36 @@ def test_backward_with_only_some_inputs_requiring_grad():
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
 
 
+def test_prefix_fetched_again_for_backward_is_not_kept_by_the_graph():
+    """`prefix_again` (pages streamed from host memory): the forward's prefix copy is freed once the
+    caller drops it, the backward takes a new one, and the gradients are the dense reference's."""
+    import gc
+    import weakref
+
+    q, kp, vp, kl, vl, _ = make_inputs(1, 4, 2, 3, 10, 8)
+    host = torch.cat([kp, vp], dim=-1)  # one page tensor: keys then values, as MLA latent pages are
+    fetched = []
+
+    def again():
+        fetched.append(host.clone())
+        return fetched[-1][..., :8], fetched[-1][..., 8:]
+
+    copy = host.clone()  # the forward's "device copy"
+    out = paged_attention(q, copy[..., :8], copy[..., 8:], kl, vl, scale=0.3, block_size=4, backend="math",
+                          prefix_again=again)
+    gone = weakref.ref(copy)
+    del copy
+    gc.collect()
+    assert gone() is None and not fetched  # the graph held no reference; nothing fetched yet
+    dout = torch.randn_like(out)
+    ref = dense_reference(q, kp, vp, kl, vl, 0.3)
+    for a, b in zip(grads_of(out, [q, kl, vl], dout), grads_of(ref, [q, kl, vl], dout)):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+    assert len(fetched) == 1
+    with pytest.raises(ValueError, match="requires grad"):
+        paged_attention(q, kp.detach().requires_grad_(), vp, kl, vl, scale=0.3, prefix_again=again)
+
+
 def test_prefix_grads_not_computed_when_prefix_does_not_require_grad(monkeypatch):
     calls = []
     real = attention._math_block_bwd

@@ -231,12 +231,15 @@ def test_index_share_without_a_preceding_index_layer_is_refused():
         capture(model, _ids(PROMPT_LEN, 0))
 
 
+@pytest.mark.parametrize("preset,topk", [("tiny-glm_moe_dsa", DROP_TOPK), ("tiny-deepseek_v3", None)],
+                         ids=["sparse", "dense"])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA device"))])
-def test_host_resident_pages_give_identical_results(device):
+def test_host_resident_pages_give_identical_results(device, preset, topk):
     """On CPU the host is the device: the option must change nothing. On CUDA the pages sit in pinned
-    memory and each layer's copy is prefetched on a side stream while the layer before computes."""
-    model = _model("tiny-glm_moe_dsa", DROP_TOPK).to(device)
+    memory and each layer's copy is prefetched on a side stream while the layer before computes; the
+    backward (sparse top-k, or dense MLA) streams them again."""
+    model = _model(preset, topk).to(device)
     prompt, response = _ids(PROMPT_LEN, 9).to(device), _ids(RESPONSE_LEN, 10).to(device)
     runs = []
     for host in (False, True):

@@ -653,6 +653,27 @@ def test_recorded_h200_results_render(tmp_path):
 
 
 
+def test_recorded_context_parallel_sweeps_show_every_ranks_peak(tmp_path):
+    """The recorded CP sweeps: each step row's per-rank peak is the largest of its ranks' (from the
+    JSON), the point row's the largest rank's run peak; the scale table says how many ranks."""
+    recorded = REPO / "experiments" / "recorded" / "h200"
+    page = render.render_report("h200", recorded, tmp_path, recorded_dir=recorded,
+                                paper=REPO / "experiments" / "reference" / "paper.yaml").read_text()
+    parsed = _parse(page)
+    points = sorted((p for p in aggregate.load_points(recorded) if p["experiment"] == "context_parallel"),
+                    key=lambda p: p["point"])
+    rows = parsed.tables["table-context_parallel-sweep_steps"]
+    steps = [s for p in points for s in p["metrics"]["steps"]]
+    assert len(rows) == len(steps) and {len(s["rank_peak_allocated_bytes"]) for s in steps} == {2}
+    assert sorted(int(_cells(r)["rank_peak_bytes_max"]["value"]) for r in rows) == sorted(
+        max(s["rank_peak_allocated_bytes"]) for s in steps)
+    point_rows = {_cells(r)["point"]["text"]: _cells(r) for r in parsed.tables["table-context_parallel-sweep"]}
+    for point in points:
+        assert int(point_rows[point["point"]]["rank_peak_bytes_max"]["value"]) == max(
+            r["peak_allocated_bytes"] for r in point["cp"]["ranks"])
+    assert "context parallel over 2 ranks" in page
+
+
 def _mla_sweep(hybrid: dict) -> dict:
     """g_sweep's glm-pattern-sweep point (h200 profile) shaped as it will be recorded, from the recorded hybrid
     sweep: glm-pattern-1b on 1,048,576 positions, replay G = 2 and 8 only, no kernel rates, and a capture whose

@@ -259,6 +259,7 @@ def scale_rows(paper: dict, rows: list[dict], ceiling: dict) -> list[dict]:
              if lengths and paper_positions else "")
     nf4 = {bool(r.get("nf4")) for r in ran if r.get("nf4") is not None}
     lora = _distinct(ran, "lora_r")
+    cp_sizes = [v for v in _distinct(ran, "cp_size") if isinstance(v, int) and v > 1]
     quant = "; ".join([
         {frozenset({True}): "NF4", frozenset({True, False}): "NF4 on some points"}.get(frozenset(nf4), "no NF4"),
         f"LoRA r={', '.join(str(v) for v in lora)}" if lora else "no LoRA (all parameters trainable)",
@@ -271,8 +272,10 @@ def scale_rows(paper: dict, rows: list[dict], ceiling: dict) -> list[dict]:
         {"quantity": "trainable parameters", "paper": setup.get("trainable_parameters_text", "not stated"),
          "ours": _span(trainable, format_number)},
         {"quantity": "devices", "paper": setup.get("devices", "not stated"),
-         "ours": "; ".join(_distinct(ran, "device")) + " (one process, one device)" if ran else "no points"},
-        {"quantity": "parallelism", "paper": setup.get("parallelism", "not stated"), "ours": "none (single device)"},
+         "ours": "; ".join(_distinct(ran, "device")) + " (one device per process)" if ran else "no points"},
+        {"quantity": "parallelism", "paper": setup.get("parallelism", "not stated"),
+         "ours": (f"context parallel over {' or '.join(str(v) for v in cp_sizes)} ranks on the points that set "
+                  "cp_size; the others on one device" if cp_sizes else "none (single device)")},
         {"quantity": "quantization", "paper": setup.get("quantization", "not stated"),
          "ours": quant if ran else "no points"},
         {"quantity": "prompt positions",
