@@ -72,8 +72,8 @@ def expand(experiment: dict, profile: str, source: str = "experiment") -> dict[s
     settings = experiment["profiles"].get(profile)
     if settings is None:
         return {}
-    base = _deep_merge(_deep_merge(experiment.get("base", {}), settings.get("base", {})),
-                       {"kind": experiment["kind"]})
+    # the experiment's kind, unless a base (or a point's `set`) names another
+    base = _deep_merge(_deep_merge({"kind": experiment["kind"]}, experiment.get("base", {})), settings.get("base", {}))
     assignments = []
     grid = settings.get("grid", {})
     if grid or not settings.get("points"):

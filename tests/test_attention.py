@@ -281,7 +281,7 @@ def test_cuda_path_plumbing_with_emulated_kernel_on_cpu(monkeypatch):
     monkeypatch.setitem(attention._CUDA_KERNELS, "flash", (fwd, bwd))
     for B, H, Hk, R, P, D, bs in [(1, 8, 2, 6, 0, 8, 4), (2, 6, 2, 5, 23, 8, 7), (1, 4, 1, 1, 9, 8, 4)]:
         q, kp, vp, kl, vl, (k_pages, v_pages) = make_inputs(B, H, Hk, R, P, D, dtype=torch.bfloat16, prefix_grad=True)
-        out = attention._PagedAttention.apply(q, kp, vp, kl, vl, 0.3, bs, "flash")
+        out = attention._PagedAttention.apply(q, kp, vp, kl, vl, 0.3, bs, "flash", None)
         leaves = [q, kl, vl, k_pages, v_pages]
         dout = torch.randn(out.shape, dtype=torch.float64)
         got = grads_of(out, leaves, dout.to(out.dtype))

@@ -36,6 +36,14 @@ def test_grid_and_points_expand_with_profile_settings(tmp_path):
     assert points["long"]["config"]["kind"] == "capture" and points["long"]["config"]["prompt"]["length"] == 128
 
 
+def test_a_profiles_base_may_set_the_kind(tmp_path):
+    """A profile's base kind applies to its points (it used to be overwritten by the experiment's)."""
+    text = EXPERIMENT.replace("base: {model: {preset: tiny-llama}", "base: {kind: sweep, model: {preset: tiny-llama}")
+    points = plan.plan(_write(tmp_path, text).parent, "cpu")["demo"]["points"]
+    assert points["mode-replay_count-1"]["config"]["kind"] == "sweep"
+    assert points["long"]["config"]["kind"] == "capture"  # a point's own setting still wins
+
+
 def test_profile_without_settings_has_no_points(tmp_path):
     assert plan.plan(_write(tmp_path, EXPERIMENT).parent, "h200") == {}
 
