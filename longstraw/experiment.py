@@ -334,8 +334,9 @@ def _run_sweep(cfg: dict, device, on_progress) -> dict:
                 step["rank_status"] = [r["status"] for r in ranks]
             out["steps"].append(step)
             peak = step.get("peak_allocated_bytes")
-            print(f"sweep {mode} G={count}: {step['status']}" + (f", peak {peak / 2**30:.2f} GiB" if peak else ""),
-                  file=sys.stderr, flush=True)
+            if getattr(state, "cp", None) is None or state.cp.rank == 0:  # one line per step, not per rank
+                print(f"sweep {mode} G={count}: {step['status']}" + (f", peak {peak / 2**30:.2f} GiB" if peak else ""),
+                      file=sys.stderr, flush=True)
             on_progress(out)
             if "oom" in step.get("rank_status", [step["status"]]):
                 break
