@@ -147,16 +147,15 @@ def gradient_levels(model, prompt, responses, cfg: dict, mode: str, scale: dict)
     weights = objective_weights(responses, cfg["validation"]["weights_seed"])
     ours = our_gradients(model, prompt, responses, weights, mode, capture_kwargs(cfg))
     model32 = float32_copy(model, cfg)
-    stated = f"||g - g_ref|| / ||g_ref|| <= {tol:.0e} over the whole gradient vector ({cfg['model']['dtype']})"
-    if model32 is not None:
-        stated = (f"||g - g32|| / ||g32|| <= max({tol:.0e}, {NOISE_FACTOR:g} x ||g_ref - g32|| / ||g32||) over the "
-                  f"whole gradient vector; g_ref: HF in {cfg['model']['dtype']}, g32: HF on a float32 copy")
-
+    anchor_wanted = model32 is not None
+    dtype = cfg["model"]["dtype"]
     recorder = PhaseRecorder(prompt.device)  # the references' time and peak: what bounds V2/V3's scale
 
     def reference_pair(logprobs, anchored=True):
+        """(HF's gradient, HF's on the float32 copy or None); once the float32 pass runs out of memory
+        the anchor is dropped for the rest of the path."""
         nonlocal model32
-        with recorder.phase(f"{logprobs.__name__}"):
+        with recorder.phase(logprobs.__name__):
             reference = _reference_gradient(model, logprobs, prompt, responses, weights)
         if model32 is None or not anchored:
             return reference, None
@@ -166,37 +165,41 @@ def gradient_levels(model, prompt, responses, cfg: dict, mode: str, scale: dict)
         except torch.OutOfMemoryError:  # HF's float32 pass keeps twice the activations: fixed tolerance then
             pass
         model32 = None  # (outside the handler: its traceback held the failed graph)
-        anchor_lost.append(logprobs.__name__)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         return reference, None
 
-    anchor_lost = []
+    def reference_evidence(logprobs) -> dict:
+        return phase_evidence({n: r for n, r in recorder.phases.items() if n.startswith(logprobs.__name__)})
+
+    def compared(name, ours_g, logprobs, note):
+        """A level reached by parity with HF's `logprobs` path, anchored to float32 where it fits."""
+        reference, reference32 = reference_pair(logprobs)
+        reached, evidence = parity(ours_g, reference, tol, reference32)
+        if reference32 is not None:
+            stated = (f"||g - g32|| / ||g32|| <= max({tol:.0e}, {NOISE_FACTOR:g} x ||g_ref - g32|| / ||g32||) over "
+                      f"the whole gradient vector; g_ref: HF in {dtype}, g32: HF on a float32 copy")
+        elif anchor_wanted:
+            evidence["float32_anchor"] = "out of memory"
+            stated = (f"||g - g_ref|| / ||g_ref|| <= {tol:.0e} over the whole gradient vector ({dtype}; the float32 "
+                      "anchor did not fit in memory)")
+        else:
+            stated = f"||g - g_ref|| / ||g_ref|| <= {tol:.0e} over the whole gradient vector ({dtype})"
+        return level(name, reached, stated, {**evidence, **reference_evidence(logprobs)}, scale, note)
 
     out = {}
     if "V2" in wanted:
-        reference, reference32 = reference_pair(hf_conditional_logprobs)
-        reached, evidence = parity(ours["conditional"], reference, tol, reference32)
-        out["V2"] = level("V2", reached, stated, evidence, scale, "against HF's cache path (p[:-1] no grad, then "
-                          "p[-1] + y with grad)" + (", before backward_prefix" if mode == "exact" else ""))
-    if "V3" in wanted:
-        full, full32 = reference_pair(hf_full_logprobs, anchored=mode == "exact")  # response-only: the gap alone
-        if mode == "exact":
-            reached, evidence = parity(ours["exact"], full, tol, full32)
-            out["V3"] = level("V3", reached, stated, evidence, scale, "against HF one-pass autograd over p + y")
-        else:
-            _, evidence = parity(ours["conditional"], full, tol)
-            evidence["dropped_term_relative_norm"] = evidence.pop("relative_error")
-            out["V3"] = level("V3", False, "not reachable: response-only drops the prompt-side term by design; "
-                              "the gap is measured", evidence, scale,
-                              "gap to HF one-pass autograd over p + y: cosine and ||g_full - g|| / ||g_full||")
-    for entry in out.values():
-        reference = "hf_full" if entry["level"] == "V3" else "hf_conditional"
-        entry["evidence"].update(phase_evidence({n: r for n, r in recorder.phases.items() if n.startswith(reference)}))
-        if anchor_lost and entry["tolerance"] == stated and "relative_error_to_float32" not in entry["evidence"]:
-            entry["evidence"]["float32_anchor"] = "out of memory"
-            entry["tolerance"] = (f"||g - g_ref|| / ||g_ref|| <= {tol:.0e} over the whole gradient vector "
-                                  f"({cfg['model']['dtype']}; the float32 anchor did not fit in memory)")
+        out["V2"] = compared("V2", ours["conditional"], hf_conditional_logprobs, "against HF's cache path (p[:-1] no "
+                             "grad, then p[-1] + y with grad)" + (", before backward_prefix" if mode == "exact" else ""))
+    if "V3" in wanted and mode == "exact":
+        out["V3"] = compared("V3", ours["exact"], hf_full_logprobs, "against HF one-pass autograd over p + y")
+    elif "V3" in wanted:  # response-only: the gap alone, not judged
+        full, _ = reference_pair(hf_full_logprobs, anchored=False)
+        _, evidence = parity(ours["conditional"], full, tol)
+        evidence["dropped_term_relative_norm"] = evidence.pop("relative_error")
+        out["V3"] = level("V3", False, "not reachable: response-only drops the prompt-side term by design; the gap "
+                          "is measured", {**evidence, **reference_evidence(hf_full_logprobs)}, scale,
+                          "gap to HF one-pass autograd over p + y: cosine and ||g_full - g|| / ||g_full||")
     return out
 
 
