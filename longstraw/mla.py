@@ -56,14 +56,14 @@ def latent_attention(q_1HTE, pages_11PE, live_11TE, *, rank: int, scale: float, 
     live entries; only the selected ones (indices into [pages ‖ live]) when `selection_TK` is given.
     `pages_11PE` are on the queries' device; `resident_11PE`, where they differ, the host-resident
     pages they were copied from, which the backward reads again (the graph keeps no device copy)."""
+    streamed = resident_11PE is not None and resident_11PE.device != pages_11PE.device
     if selection_TK is None:
-        streamed = resident_11PE is not None and resident_11PE.device != pages_11PE.device
         return paged_attention(q_1HTE, pages_11PE, pages_11PE[..., :rank], live_11TE, live_11TE[..., :rank],
                                scale=scale, prefix_again=_streamed_again(resident_11PE, q_1HTE.device, rank)
                                if streamed else None)
-    resident_PE = (pages_11PE if resident_11PE is None else resident_11PE)[0, 0]
     out_HTC = _SparseLatentAttention.apply(q_1HTE[0], pages_11PE[0, 0], live_11TE[0, 0], selection_TK, rank,
-                                           float(scale), int(rows_per_block), resident_PE)
+                                           float(scale), int(rows_per_block),
+                                           (resident_11PE if streamed else pages_11PE)[0, 0])
     return out_HTC[None]
 
 
@@ -140,7 +140,7 @@ class _SparseLatentAttention(torch.autograd.Function):
     def forward(ctx, q_HTE, pages_PE, live_TE, idx_TK, rank, scale, rows, resident_PE):
         # the resident pages, a reference like paged_attention's prefix (no copy, no version check):
         # host-resident ones come back to the device in backward, so the graph holds no device copy
-        ctx.pages = resident_PE if resident_PE.device != pages_PE.device else pages_PE
+        ctx.pages = resident_PE
         H, T, _ = q_HTE.shape
         acc = torch.float64 if q_HTE.dtype == torch.float64 else torch.float32
         visible_TK = idx_TK <= pages_PE.shape[0] + torch.arange(T, device=q_HTE.device)[:, None]
