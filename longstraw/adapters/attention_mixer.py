@@ -42,19 +42,17 @@ def _longstraw_attention(module, query_BHTD, key_BKTD, value_BKTD, attention_mas
     if sharded and not longstraw_append:
         out_BHTD = sharded_attention(query_BHTD, key_BKTD, value_BKTD, longstraw_pages, scale)
         return out_BHTD.transpose(1, 2).contiguous(), None
+    k_prefix_BKPD, v_prefix_BKPD = longstraw_pages.filled()
     timer = AttentionTimer.active
     _, H, T, D = query_BHTD.shape
-    if sharded:  # keys before the chunk: the earlier shards' and this shard's so far
-        prefix = longstraw_pages.bounds[longstraw_pages.cp.rank][0] + longstraw_pages.length
-    else:
-        k_prefix_BKPD, v_prefix_BKPD = longstraw_pages.filled()
-        prefix = k_prefix_BKPD.shape[2]
+    # keys before the chunk; a sharded capture's earlier shards count too (its shard starts at their end)
+    prefix = k_prefix_BKPD.shape[2] + (longstraw_pages.bounds[longstraw_pages.cp.rank][0] if sharded else 0)
     with timer.call(attention_forward_flops(H, D, T, prefix)) if timer else nullcontext():
-        if sharded:  # appends the chunk's K/V itself
+        if sharded:
             out_BHTD = capture_attention(query_BHTD, key_BKTD, value_BKTD, longstraw_pages, scale)
         else:
             out_BHTD = paged_attention(query_BHTD, k_prefix_BKPD, v_prefix_BKPD, key_BKTD, value_BKTD, scale=scale)
-    if longstraw_append and not sharded:  # pages copy detached values; the exact mode's recompute keeps the graph
+    if longstraw_append:  # pages copy detached values; the exact mode's recompute keeps the graph
         longstraw_pages.append(key_BKTD, value_BKTD)
     return out_BHTD.transpose(1, 2).contiguous(), None
 

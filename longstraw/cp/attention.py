@@ -8,7 +8,7 @@ Capture (no autograd), one layer at a time over the rank's shard (`longstraw.cp.
 order, forwarding each to the next rank as it arrives (a pipeline of point-to-point sends; the
 rank holds the earlier shards of this one layer until it is done); then `capture_attention` runs
 per capture chunk, as a single-process capture does: the chunk's queries attend the earlier shards
-and their own shard causally, and the chunk's K/V join the pages; `send_own_shard` then passes the
+and their own shard causally, and the chunk's K/V then join the pages; `send_own_shard` passes the
 rank's finished pages on.
 
 Replay (`_ShardedAttention`, an autograd Function): the response's queries and live K/V are the
@@ -63,14 +63,11 @@ def send_own_shard(pages: ShardPages) -> None:
 
 @torch.no_grad()
 def capture_attention(q_BHTD, k_BKTD, v_BKTD, pages: ShardPages, scale: float) -> torch.Tensor:
-    """One capture chunk: its queries over the earlier shards (`receive_earlier_shards`) and their
-    own shard's pages so far plus the chunk's causal keys; the chunk's K/V are appended."""
-    own, q_BHTD = pages.length, q_BHTD.contiguous()  # the CUDA kernels take q, out in one layout
-    pages.append(k_BKTD, v_BKTD)
-    k_BKPD, v_BKPD = pages.filled()
+    """One capture chunk: its queries over the earlier shards (`receive_earlier_shards`), their own
+    shard's pages so far and the chunk's causal keys (which the caller appends after)."""
+    q_BHTD = q_BHTD.contiguous()  # the CUDA kernels take q and out in one layout
     kernel, block = kernel_and_block("auto", q_BHTD, v_BKTD.shape[-1], (), None)
-    out_BHTD, lse_BHT = attention_partial(q_BHTD, k_BKPD[:, :, :own], v_BKPD[:, :, :own], k_BKPD[:, :, own:],
-                                          v_BKPD[:, :, own:], scale, block, kernel)
+    out_BHTD, lse_BHT = attention_partial(q_BHTD, *pages.filled(), k_BKTD, v_BKTD, scale, block, kernel)
     for k_b, v_b in pages.earlier:
         lse_merge_(out_BHTD, lse_BHT, *attention_partial(q_BHTD, k_b, v_b, None, None, scale, block, kernel))
     return out_BHTD.to(q_BHTD.dtype)
