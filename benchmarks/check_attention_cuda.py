@@ -17,7 +17,7 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from longstraw.attention import _pick_kernel, paged_attention  # noqa: E402
+from longstraw.kernels.paged_attention import _pick_kernel, paged_attention  # noqa: E402
 
 OUT_TOL = 2e-2  # max |cuda - math| / max |math|, bf16 inputs, math computed in float32
 GRAD_TOL = 5e-2

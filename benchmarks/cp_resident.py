@@ -22,7 +22,7 @@ import torch
 from longstraw import capture
 from longstraw.cp import context_parallel
 from longstraw.cp.launch import run_ranks
-from longstraw.measure import peak_rss_bytes, process_peak_allocated_bytes
+from longstraw.measure.memory import peak_rss_bytes, process_peak_allocated_bytes
 from longstraw.models import build_model
 
 

@@ -18,8 +18,8 @@ import time
 import torch
 
 from longstraw import capture, replay
-from longstraw.lora import apply_lora
-from longstraw.measure import synchronize
+from longstraw.models.lora import apply_lora
+from longstraw.measure.memory import synchronize
 from longstraw.models import build_model
 
 

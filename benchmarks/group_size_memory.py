@@ -15,7 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from longstraw.experiment import run_point_in_fresh_process
+from longstraw.harness.runner import run_point_in_fresh_process
 
 GROUP_SIZES = (1, 2, 4, 8)
 MODES = ("replay", "hold_all", "naive")

@@ -5,7 +5,8 @@
     logp = replay(model, state, response_ids)   # float32 [R], under autograd
 """
 
-_EXPORTS = {"capture": "transaction", "replay": "transaction", "score": "transaction", "ResidentState": "state"}
+_EXPORTS = {"capture": "core.transaction", "replay": "core.transaction", "score": "core.transaction",
+            "ResidentState": "state"}
 __all__ = list(_EXPORTS)
 
 

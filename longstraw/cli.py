@@ -8,17 +8,20 @@
     longstraw validate experiments/validation.yaml [--profile cpu] [--out results/validation-cpu.json]
 
 `run` executes one point config; `point` executes one point of a pipeline experiment file and
-adds the pipeline's keys (experiment, point, profile, grid, command). Result JSONs are written
-atomically (a `sweep` also keeps OUT.partial, rewritten after each finished step and removed
-when the result is written); the last stdout line is a one-line JSON summary. Exit status of `run`: 0 for ok and
-oom (an out-of-memory point is a measurement), 1 for error; `point` exits 0 whenever a result
-was recorded (error included: the report shows it), 2 for a bad experiment file. `train` runs the
-GRPO trainer (`longstraw.trainer`), resuming from the output folder's newest checkpoint.
-`validate` runs the validation levels (`longstraw.validation`) of every point of a validation
-experiment's profile (or of one validation point config) in this process: a progress line per
-level on stderr, then a table per path and, last, the JSON summary on stdout; all results go to
-OUT atomically. Exit status: 0 when every point ran (levels not reached included), 1 when a point
-failed, 2 for a bad config.
+adds the pipeline's keys (experiment, point, profile, grid, command). A config is checked (types,
+ranges, names) and the output path's folder tested for writing before any work. Result JSONs are
+written atomically (a `sweep` also keeps OUT.partial, rewritten after each finished step and
+removed when the result is written); the last stdout line is a one-line JSON summary. Exit status
+of `run`: 0 for ok and oom (an out-of-memory point is a measurement), 1 for error; `point` exits 0
+whenever a result was recorded (error included: the report shows it); 2 for a bad config or
+experiment file. `train` runs the GRPO trainer (`longstraw.training.trainer`), resuming from the
+output folder's newest checkpoint. `validate` runs the validation levels (`longstraw.kinds.validation`)
+of every point of a validation experiment's profile (or of one validation point config) in this
+process: a progress line per level on stderr, then a table per path and, last, the JSON summary on
+stdout; all results go to OUT atomically. Exit status: 0 when every point ran (levels not reached
+included), 1 when a point failed, 2 for a bad config.
+
+This module imports no torch or transformers until a subcommand needs them (`--help` is instant).
 """
 
 from __future__ import annotations
@@ -30,20 +33,60 @@ from pathlib import Path
 
 import yaml
 
-from longstraw import plan
-from longstraw.experiment import run_point
-from longstraw.results import write_json_atomic
+SET_HELP = "override a config key, e.g. --set responses.count=8 (repeatable; the value is read as YAML)"
 
 
-def _apply_override(cfg: dict, assignment: str) -> None:
-    if "=" not in assignment:
-        raise SystemExit(f"--set expects KEY.PATH=VALUE, got {assignment!r}")
-    path, value = assignment.split("=", 1)
-    *parents, leaf = path.split(".")
-    node = cfg
-    for key in parents:
-        node = node.setdefault(key, {})
-    node[leaf] = yaml.safe_load(value)
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="longstraw", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run one experiment point config and write its result JSON")
+    run.add_argument("experiment", help="a point config YAML (see longstraw.config.point.PointConfig)")
+    run.add_argument("--out", required=True, help="result JSON path (written atomically)")
+    run.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE", help=SET_HELP)
+    listing = sub.add_parser("plan", help="list the experiment points of a profile (checks every experiment file)")
+    listing.add_argument("--profile", default="cpu", help="the profile to plan: cpu (default) or h200")
+    listing.add_argument("--experiments", default="experiments", help="folder of experiment files (default experiments)")
+    point = sub.add_parser("point", help="run one point of a pipeline experiment file")
+    point.add_argument("experiment", help="experiment file (experiments/NAME.yaml)")
+    point.add_argument("--profile", required=True, help="the profile the point belongs to (cpu, h200)")
+    point.add_argument("--point", required=True, help="the point's name (`longstraw plan` lists them)")
+    point.add_argument("--out", required=True, help="result JSON path (written atomically)")
+    train = sub.add_parser("train", help="GRPO training over long prompts (longstraw.training.trainer)")
+    train.add_argument("config", help="train config YAML (see longstraw.config.train.TrainConfig)")
+    train.add_argument("--no-resume", action="store_true", help="start over instead of resuming")
+    train.add_argument("--allow-config-change", action="store_true",
+                       help="resume although the config differs from the checkpoint's: apply and record the change")
+    train.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE", help=SET_HELP)
+    validate = sub.add_parser("validate", help="run the validation levels and write their results JSON")
+    validate.add_argument("config", help="a validation experiment file (experiments/validation.yaml) or one point config")
+    validate.add_argument("--profile", default="cpu", help="the experiment file's profile (default cpu)")
+    validate.add_argument("--out", help="results JSON (default results/validation-<profile>.json)")
+    return parser
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    command = {"run": _run, "plan": _plan, "point": _point, "train": _train, "validate": _validate}[args.command]
+    try:
+        return command(args)
+    except (OSError, yaml.YAMLError, ValueError) as exc:  # a bad config or file: nothing ran
+        print(f"longstraw: {exc}", file=sys.stderr)
+        return 2
+
+
+def _load_yaml(path) -> dict:
+    with open(path) as f:
+        return yaml.safe_load(f) or {}
+
+
+def _apply_overrides(cfg: dict, assignments: list[str], source: str) -> None:
+    from longstraw.harness.plan import set_dotted
+
+    for assignment in assignments:
+        if "=" not in assignment:
+            raise ValueError(f"--set expects KEY.PATH=VALUE, got {assignment!r}")
+        path, value = assignment.split("=", 1)
+        set_dotted(cfg, path, yaml.safe_load(value), f"{source} (--set {assignment})")
 
 
 def _summary(result: dict) -> dict:
@@ -65,6 +108,8 @@ def _partial_path(out) -> Path:
 def _record(result: dict, out) -> None:
     """Write the result atomically; show a failure's traceback; end stdout with the summary line.
     Under context parallelism only rank 0 writes (its result holds every rank's record)."""
+    from longstraw.results import write_json_atomic
+
     if result.get("cp", {}).get("rank", 0) != 0:
         return
     write_json_atomic(out, result)
@@ -74,70 +119,37 @@ def _record(result: dict, out) -> None:
     print(json.dumps(_summary(result)))
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="longstraw", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="run one experiment point and write its result JSON")
-    run.add_argument("experiment", help="experiment YAML file")
-    run.add_argument("--out", required=True, help="result JSON path (written atomically)")
-    run.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE", help="override a config key")
-    listing = sub.add_parser("plan", help="list the experiment points of a profile")
-    listing.add_argument("--profile", default="cpu")
-    listing.add_argument("--experiments", default="experiments")
-    point = sub.add_parser("point", help="run one point of a pipeline experiment file")
-    point.add_argument("experiment", help="experiment file (experiments/NAME.yaml)")
-    point.add_argument("--profile", required=True)
-    point.add_argument("--point", required=True)
-    point.add_argument("--out", required=True)
-    train = sub.add_parser("train", help="GRPO training over long prompts (longstraw.trainer)")
-    train.add_argument("config", help="train config YAML")
-    train.add_argument("--no-resume", action="store_true", help="start over instead of resuming")
-    train.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE", help="override a config key")
-    validate = sub.add_parser("validate", help="run the validation levels and write their results JSON")
-    validate.add_argument("config", help="a validation experiment file (experiments/validation.yaml) or one point config")
-    validate.add_argument("--profile", default="cpu", help="the experiment file's profile (default cpu)")
-    validate.add_argument("--out", help="results JSON (default results/validation-<profile>.json)")
-    args = parser.parse_args(argv)
-    if args.command == "validate":
-        return _validate(args)
-    if args.command == "train":
-        return _train(args)
-    if args.command == "plan":
-        return _plan(args)
-    if args.command == "point":
-        return _point(args)
+def _run_point(config, source: str, out) -> dict:
+    from longstraw.harness.runner import run_point
+    from longstraw.results import write_json_atomic
 
-    try:
-        with open(args.experiment) as f:
-            cfg = yaml.safe_load(f) or {}
-    except (OSError, yaml.YAMLError) as exc:
-        print(f"longstraw: cannot read {args.experiment}: {exc}", file=sys.stderr)
-        return 2
-    for assignment in args.set:
-        _apply_override(cfg, assignment)
-    try:
-        result = run_point(cfg, source=args.experiment,
-                           on_progress=lambda partial: write_json_atomic(_partial_path(args.out), partial))
-    except ValueError as exc:  # bad config: nothing ran
-        print(f"longstraw: {exc}", file=sys.stderr)
-        return 2
+    return run_point(config, source=source, on_progress=lambda partial: write_json_atomic(_partial_path(out), partial))
+
+
+def _run(args) -> int:
+    from longstraw.harness.plan import resolve
+    from longstraw.results import check_writable
+
+    cfg = _load_yaml(args.experiment)
+    _apply_overrides(cfg, args.set, args.experiment)
+    config = resolve(cfg, args.experiment)
+    check_writable(args.out, "--out")
+    result = _run_point(config, args.experiment, args.out)
     _record(result, args.out)
     return 1 if result["status"] == "error" else 0
 
 
 def _train(args) -> int:
-    from longstraw.trainer import Trainer
+    from longstraw.training.trainer import Trainer
 
+    cfg = _load_yaml(args.config)
+    _apply_overrides(cfg, args.set, args.config)
+    trainer = Trainer(cfg, source=args.config)
     try:
-        with open(args.config) as f:
-            cfg = yaml.safe_load(f) or {}
-        for assignment in args.set:
-            _apply_override(cfg, assignment)
-        trainer = Trainer(cfg, source=args.config)
-    except (OSError, yaml.YAMLError, ValueError) as exc:
+        metrics = trainer.run(resume=not args.no_resume, allow_config_change=args.allow_config_change)
+    except ValueError as exc:  # a resumed config that differs, a reward that is not a number: say which
         print(f"longstraw: {exc}", file=sys.stderr)
-        return 2
-    metrics = trainer.run(resume=not args.no_resume)
+        return 1
     last = metrics[-1] if metrics else {}
     print(json.dumps({"steps": len(metrics), "out": str(trainer.out), "reward_mean_last": last.get("reward_mean"),
                       "loss_last": last.get("loss")}))
@@ -147,10 +159,9 @@ def _train(args) -> int:
 def _validation_points(path: str, profile: str) -> dict:
     """{point name: config} of a validation experiment's profile, or of one point config (named
     after its file); configs are resolved here, so a bad one fails before anything runs."""
-    from longstraw.config import resolve_config
+    from longstraw.harness import plan
 
-    with open(path) as f:
-        raw = yaml.safe_load(f) or {}
+    raw = _load_yaml(path)
     if isinstance(raw, dict) and "profiles" in raw:
         experiment = plan.load_experiment(path)
         if experiment["kind"] != "validation":
@@ -161,22 +172,21 @@ def _validation_points(path: str, profile: str) -> dict:
         return points
     if not isinstance(raw, dict) or raw.get("kind", "validation") != "validation":
         raise ValueError(f"{path}: not a validation point config (kind must be 'validation')")
-    return {Path(path).stem: resolve_config({"name": Path(path).stem, **raw, "kind": "validation"}, path)}
+    return {Path(path).stem: plan.resolve({"name": Path(path).stem, **raw, "kind": "validation"}, path)}
 
 
 def _validate(args) -> int:
-    from longstraw import validation
+    from longstraw.harness.runner import run_point
+    from longstraw.kinds import validation
+    from longstraw.results import check_writable, write_json_atomic
 
     out = args.out or f"results/validation-{args.profile}.json"
-    try:
-        points = _validation_points(args.config, args.profile)
-    except (OSError, yaml.YAMLError, ValueError) as exc:
-        print(f"longstraw: {exc}", file=sys.stderr)
-        return 2
+    points = _validation_points(args.config, args.profile)
+    check_writable(out, "--out")
     results = []
     for name, config in points.items():
-        print(f"validate {name}: {', '.join(config['validation']['levels'])} for "
-              f"{', '.join(config['validation']['modes'])}", file=sys.stderr, flush=True)
+        print(f"validate {name}: {', '.join(config.validation.levels)} for {', '.join(config.validation.modes)}",
+              file=sys.stderr, flush=True)
         results.append(run_point(config, source=args.config))
     write_json_atomic(out, {"config": args.config, "profile": args.profile, "points": results})
     for result in results:
@@ -191,33 +201,29 @@ def _validate(args) -> int:
 
 
 def _plan(args) -> int:
-    try:
-        experiments = plan.plan(args.experiments, args.profile)
-    except ValueError as exc:
-        print(f"longstraw: {exc}", file=sys.stderr)
-        return 2
-    for name, experiment in experiments.items():
+    from longstraw.harness import plan
+
+    for name, experiment in plan.plan(args.experiments, args.profile).items():
         for point in experiment["points"]:
             print(f"{name}/{point}")
     return 0
 
 
 def _point(args) -> int:
-    try:
-        experiment = plan.load_experiment(args.experiment)
-        points = plan.expand(experiment, args.profile, source=args.experiment)
-        if args.point not in points:
-            raise ValueError(f"{args.experiment}: no point {args.point!r} in profile {args.profile!r}; "
-                             f"points: {sorted(points)}")
-    except ValueError as exc:
-        print(f"longstraw: {exc}", file=sys.stderr)
-        return 2
-    result = run_point(points[args.point]["config"], source=args.experiment,
-                       on_progress=lambda partial: write_json_atomic(_partial_path(args.out), partial))
+    from longstraw.harness import plan
+    from longstraw.results import check_writable
+
+    experiment = plan.load_experiment(args.experiment)
+    points = plan.expand(experiment, args.profile, source=args.experiment)
+    if args.point not in points:
+        raise ValueError(f"{args.experiment}: no point {args.point!r} in profile {args.profile!r}; "
+                         f"points: {sorted(points)}")
+    check_writable(args.out, "--out")
+    config = points[args.point]["config"]
+    result = _run_point(config, args.experiment, args.out)
     result.update(experiment=experiment["name"], experiment_title=experiment["title"], point=args.point,
                   profile=args.profile, grid=points[args.point]["grid"],
-                  command=plan.point_command(args.experiment, args.profile, args.point, args.out,
-                                             points[args.point]["config"]["cp_size"]))
+                  command=plan.point_command(args.experiment, args.profile, args.point, args.out, config.cp_size))
     _record(result, args.out)
     return 0
 

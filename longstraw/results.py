@@ -51,6 +51,13 @@ def _jsonable(value):
     return str(value)
 
 
-def read_json(path):
-    with open(path) as f:
-        return json.load(f)
+def check_writable(path, what: str = "output") -> None:
+    """Refuse, before any work, an output file whose folder cannot be created or written (the
+    folder is created; nothing is written to `path`)."""
+    folder = Path(path).parent
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".longstraw-write-check-"):
+            pass
+    except OSError as exc:
+        raise ValueError(f"{what}: cannot write to {folder}: {exc.strerror or exc}") from None

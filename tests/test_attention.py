@@ -1,12 +1,12 @@
-"""Tests for longstraw.attention.paged_attention (blockwise LSE-merged attention with own backward)."""
+"""Tests for longstraw.kernels.paged_attention.paged_attention (blockwise LSE-merged attention with own backward)."""
 
 import math
 
 import pytest
 import torch
 
-import longstraw.attention as attention
-from longstraw.attention import paged_attention, reference_attention
+import longstraw.kernels.paged_attention as attention
+from longstraw.kernels.paged_attention import paged_attention, reference_attention
 
 
 def dense_reference(q, k_prefix, v_prefix, k_live, v_live, scale):

@@ -1,18 +1,22 @@
 """The capacity search (doubling, bisection, time limit, comparison steps) on a fake probe: the
 search logic is what is tested here; real probes run in the pipeline test and on the GPU."""
 
-import copy
-
 import pytest
+import torch
 
-from longstraw import capacity
-from longstraw.config import resolve_config
+from longstraw.config import resolve_point
+from longstraw.kinds import capacity
+from longstraw.kinds.common import Progress
 
 FITS_UP_TO = 5000  # the fake device holds prompts up to this length
 
 
+def _search(point):
+    return capacity.run(point, torch.device(point.model.device), Progress())
+
+
 def _point(**capacity_settings):
-    return resolve_config({"name": "cap", "kind": "capacity", "mode": "naive",
+    return resolve_point({"name": "cap", "kind": "capacity", "mode": "naive",
                            "model": {"preset": "tiny-llama", "device": "cuda"},
                            "capacity": {"min_length": 1024, "max_length": 65536, "granularity": 256,
                                         **capacity_settings}})
@@ -24,7 +28,7 @@ def fake(monkeypatch):
     calls, clock = [], {"now": 0.0}
 
     def probe(point, length, workdir):
-        calls.append((point["mode"], length))
+        calls.append((point.mode, length))
         clock["now"] += 10.0
         ok = length <= FITS_UP_TO
         return {"status": "ok" if ok else "oom", "wall_seconds": 10.0,
@@ -37,7 +41,7 @@ def fake(monkeypatch):
 
 
 def test_search_doubles_then_bisects_to_the_granularity(fake):
-    m = capacity.find_capacity(_point())
+    m = _search(_point())
     lengths = [length for _, length in fake]
     assert lengths[:4] == [1024, 2048, 4096, 8192]  # doubling until the first oom
     assert m["largest_fitting"] <= FITS_UP_TO < m["first_failing"]
@@ -48,7 +52,7 @@ def test_search_doubles_then_bisects_to_the_granularity(fake):
 
 
 def test_time_limit_stops_the_search_and_says_so(fake):
-    m = capacity.find_capacity(_point(time_limit_seconds=25))
+    m = _search(_point(time_limit_seconds=25))
     # probes start at t = 0, 10, 20 (< 25); none starts after
     assert [length for _, length in fake] == [1024, 2048, 4096]
     assert m["largest_fitting"] == 4096 and m["first_failing"] is None
@@ -56,7 +60,7 @@ def test_time_limit_stops_the_search_and_says_so(fake):
 
 
 def test_comparison_modes_run_at_the_largest_fitting_length(fake):
-    m = capacity.find_capacity(_point(time_limit_seconds=15, compare_modes=["replay", "hold_all"]))
+    m = _search(_point(time_limit_seconds=15, compare_modes=["replay", "hold_all"]))
     assert m["largest_fitting"] == 2048
     assert fake[-2:] == [("replay", 2048), ("hold_all", 2048)]
     assert {mode: c["status"] for mode, c in m["comparison_at_largest_fitting"].items()} == \
@@ -64,27 +68,27 @@ def test_comparison_modes_run_at_the_largest_fitting_length(fake):
 
 
 def test_cpu_search_needs_an_emulated_ceiling(fake):
-    point = copy.deepcopy(_point())
-    point["model"]["device"] = "cpu"
+    point = _point()
+    point.model.device = "cpu"
     with pytest.raises(ValueError, match="ceiling_bytes"):
-        capacity.find_capacity(point)
+        _search(point)
 
 
 def test_one_member_probes_are_refused_on_cpu(fake):
-    point = copy.deepcopy(_point(ceiling_bytes=1 << 28))
-    point["model"]["device"] = "cpu"
-    point["responses"]["probe_members"] = 1
+    point = _point(ceiling_bytes=1 << 28)
+    point.model.device = "cpu"
+    point.responses.probe_members = 1
     with pytest.raises(ValueError, match="probe_members"):
-        capacity.find_capacity(point)
+        _search(point)
     assert fake == []  # refused before any probe ran
 
 
 def test_comparison_steps_run_all_members(fake, monkeypatch):
     seen = []
     monkeypatch.setattr(capacity, "_probe", lambda point, length, workdir: seen.append(
-        (point["mode"], point["responses"]["probe_members"])) or {"status": "ok", "metrics": {
+        (point.mode, point.responses.probe_members)) or {"status": "ok", "metrics": {
             "peak_allocated_bytes": 1, "phase_summary": {}}})
     point = _point(max_length=2048, compare_modes=["replay"])
-    point["responses"]["probe_members"] = 1
-    capacity.find_capacity(point)
+    point.responses.probe_members = 1
+    _search(point)
     assert ("naive", 1) in seen and ("replay", None) in seen

@@ -12,15 +12,16 @@ import sys
 import pytest
 import torch
 
-from longstraw.hf_reference import global_relative_error, max_relative_error
-from longstraw import capture, grpo, replay
-from longstraw.config import DEFAULTS
+from longstraw.core.hf_reference import global_relative_error, max_relative_error
+from longstraw import capture, replay
+from longstraw.core import grpo
+from longstraw.config import PointConfig
 from longstraw.cp import context_parallel, shard_bounds
 from longstraw.cp.launch import run_ranks
-from longstraw.experiment import run_point
+from longstraw.harness.runner import run_point
 from longstraw.models import build_model
 from longstraw.state import AttentionPages, RecurrentState
-from longstraw.step import grpo_step
+from longstraw.core.step import StepOptions, grpo_step
 
 PRESETS = ["tiny-llama", "tiny-qwen3_5"]  # dense GQA; hybrid Gated DeltaNet + attention
 PROMPT_LEN = 24  # 23 resident positions: divisible by neither 2 nor 3
@@ -65,9 +66,9 @@ def _hide_fla():
     """Gated DeltaNet in the plain float32 torch kernel: fla's Triton kernel computes in TF32-like
     precision (~3e-3 relative) and its result depends on how the positions are split into calls,
     which sharding changes; the NCCL check is about the transport and the merge, not that kernel."""
-    import longstraw.gdn
+    import longstraw.kernels.gdn
 
-    longstraw.gdn._load_fla = lambda: (None, ())
+    longstraw.kernels.gdn._load_fla = lambda: (None, ())
 
 
 def _to_cpu(value):
@@ -83,15 +84,15 @@ def _to_cpu(value):
 def _rank_capture_calls():
     """Each sharded attention call of one capture: (queries, earlier shards held), and what the
     pages hold after it."""
-    import longstraw.adapters.attention_mixer as mixer
+    import longstraw.cp.shards as shards
 
-    calls, real = [], mixer.capture_attention
+    calls, real = [], shards.capture_attention
 
     def spy(q_BHTD, k_BKTD, v_BKTD, pages, scale):
         calls.append((q_BHTD.shape[2], len(pages.earlier)))
         return real(q_BHTD, k_BKTD, v_BKTD, pages, scale)
 
-    mixer.capture_attention = spy
+    shards.capture_attention = spy
     state = capture(build_model("tiny-llama", seed=1), PROMPT, chunk_size=CHUNK,
                     cp=context_parallel(int(os.environ["WORLD_SIZE"])))
     return calls, [len(e.earlier) for e in state.layers]
@@ -137,7 +138,7 @@ def sharded_nccl(request):
     preset, world = request.param
     ranks = run_ranks(_rank_capture_replay, world, preset, "cuda")
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("longstraw.gdn._load_fla", lambda: (None, ()))
+        patch.setattr("longstraw.kernels.gdn._load_fla", lambda: (None, ()))
         return world, ranks, _to_cpu(_capture_replay(preset, device="cuda"))
 
 
@@ -201,7 +202,7 @@ def _grpo_step(preset, cp=None):
     responses = [_ids(5, 10 + i) for i in range(3)]
     config = grpo.GRPOConfig(num_generations=3, beta=0.04)
     metrics = grpo_step(model, PROMPT, responses, [0.0, 1.0, 0.5], optimizer, config,
-                        capture_kwargs={"chunk_size": CHUNK, **({"cp": cp} if cp else {})})
+                        StepOptions(capture={"chunk_size": CHUNK, **({"cp": cp} if cp else {})})).metrics
     return {"loss": metrics["loss"], "state_unchanged": metrics["state_unchanged"],
             "updates": {n: p.detach() - before[n] for n, p in model.named_parameters()}}
 
@@ -304,7 +305,7 @@ def test_cp_size_needs_a_matching_launch(monkeypatch):
         context_parallel(2)
     with pytest.raises(ValueError, match="positive integer"):
         context_parallel(0)
-    assert DEFAULTS["cp_size"] == 1
+    assert PointConfig().cp_size == 1
 
 
 def _rank_short_prompt():
@@ -326,13 +327,13 @@ def _train_config(out_dir, cp_size):
 
 
 def _rank_train(out_dir):
-    from longstraw.trainer import Trainer
+    from longstraw.training.trainer import Trainer
 
     return Trainer(_train_config(out_dir, int(os.environ["WORLD_SIZE"]))).run(resume=False)
 
 
 def test_trainer_under_cp_samples_and_steps_as_a_single_process(tmp_path):
-    from longstraw.trainer import Trainer
+    from longstraw.training.trainer import Trainer
 
     ranks = run_ranks(_rank_train, 2, tmp_path / "cp", start_method="fork")
     single = Trainer(_train_config(tmp_path / "single", 1)).run(resume=False)

@@ -4,7 +4,7 @@ the full replay, in bf16, against HF's own forward and cache reference on the sa
 import pytest
 import torch
 
-from longstraw.hf_reference import (grads_of, hf_conditional_logprobs, hf_full_logprobs, hf_torch_gdn_kernels,
+from longstraw.core.hf_reference import (grads_of, hf_conditional_logprobs, hf_full_logprobs, hf_torch_gdn_kernels,
                                      max_relative_error)
 from longstraw import capture, replay
 from longstraw.models import TINY_PRESETS, build_model
@@ -36,7 +36,7 @@ def test_bf16_replay_matches_hf_on_cuda(preset):
 
 
 def test_kernel_rates_measure_positive_rates():
-    from longstraw.kernel_rates import measure_kernel_rates
+    from longstraw.kernels.rates import measure_kernel_rates
     from longstraw.models import make_config
 
     rates = measure_kernel_rates(make_config("tiny-qwen3_5", head_dim=64), response_length=256,

@@ -5,7 +5,7 @@ import torch
 import transformers
 
 from longstraw import capture, replay
-from longstraw.config import resolve_config
+from longstraw.config import resolve_point
 from longstraw.models import build_model
 
 
@@ -65,8 +65,8 @@ def test_backward_prefix_needs_an_exact_mode_capture(state):
 
 
 def test_unknown_experiment_key_is_named():
-    with pytest.raises(ValueError, match=r"exp.yaml.model: unknown key 'presett'"):
-        resolve_config({"model": {"presett": "tiny-llama"}}, source="exp.yaml")
+    with pytest.raises(ValueError, match=r"exp.yaml: model.presett: unknown key"):
+        resolve_point({"model": {"presett": "tiny-llama"}}, source="exp.yaml")
 
 
 def test_unknown_preset_is_named():

@@ -5,9 +5,9 @@ import pytest
 import torch
 import transformers
 
-from longstraw import flops
-from longstraw.adapters import adapter_for
-from longstraw.lora import apply_lora, trainable_parameters
+from longstraw.measure import flops
+from longstraw.families import adapter_for
+from longstraw.models.lora import apply_lora, trainable_parameters
 from longstraw.models import build_model, make_config
 
 

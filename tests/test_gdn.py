@@ -1,4 +1,4 @@
-"""Tests for longstraw.gdn: chunked gated delta rule vs references, causal conv, purity."""
+"""Tests for longstraw.kernels.gdn: chunked gated delta rule vs references, causal conv, purity."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
-from longstraw.gdn import (
+from longstraw.kernels.gdn import (
     causal_conv1d,
     chunk_gated_delta_rule,
     chunk_gated_delta_rule_forward,

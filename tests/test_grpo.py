@@ -1,4 +1,4 @@
-"""Tests for longstraw.grpo: hand-computed values, serial == batch equivalence, bad input."""
+"""Tests for longstraw.core.grpo: hand-computed values, serial == batch equivalence, bad input."""
 
 import dataclasses
 import math
@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from longstraw.grpo import (
+from longstraw.core.grpo import (
     GRPOConfig,
     ResponseStats,
     batch_loss,

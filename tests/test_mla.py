@@ -11,13 +11,13 @@ sequence length, so every visible key is selected whatever the scores, or give t
 import pytest
 import torch
 
-from longstraw.hf_reference import grads_of, hf_conditional_logprobs, hf_full_logprobs, max_relative_error
+from longstraw.core.hf_reference import grads_of, hf_conditional_logprobs, hf_full_logprobs, max_relative_error
 from longstraw import capture, replay, score
-from longstraw.dsa import block_scores, index_scores, reference_select_topk, select_topk
-from longstraw.lora import apply_lora
-from longstraw.mla import latent_attention, reference_mla_attention
+from longstraw.kernels.dsa_topk import block_scores, index_scores, reference_select_topk, select_topk
+from longstraw.models.lora import apply_lora
+from longstraw.kernels.latent_attention import latent_attention, reference_mla_attention
 from longstraw.models import TINY_MLA_PRESETS, build_model
-from longstraw.rollout import SamplingConfig, _decode_entries, sample
+from longstraw.training.rollout import SamplingConfig, _decode_entries, sample
 from transformers import DynamicCache, GenerationConfig
 from state_asserts import assert_same_state
 

@@ -4,11 +4,11 @@ once training moves the parameters, and the refresh interval read off by hand-ma
 import pytest
 import torch
 
-from longstraw import grpo
-from longstraw.experiment import run_point
-from longstraw.lora import apply_lora
+from longstraw.core import grpo
+from longstraw.harness.runner import run_point
+from longstraw.models.lora import apply_lora
 from longstraw.models import build_model
-from longstraw.oracle import refresh_interval, staleness_oracle
+from longstraw.training.oracle import refresh_interval, staleness_oracle
 
 
 def _run(lr, steps=3):

@@ -1,8 +1,12 @@
 """Experiment files -> points: grid expansion, per-profile settings, errors naming file and key."""
 
+from pathlib import Path
+
 import pytest
 
-from longstraw import plan
+from longstraw.harness import plan
+
+REPO = Path(__file__).resolve().parents[1]
 
 EXPERIMENT = """
 name: demo
@@ -31,17 +35,18 @@ def test_grid_and_points_expand_with_profile_settings(tmp_path):
     point = points["mode-naive_count-2"]
     assert point["grid"] == {"mode": "naive", "responses.count": 2}
     config = point["config"]
-    assert (config["mode"], config["responses"]["count"], config["prompt"]["length"]) == ("naive", 2, 64)
-    assert config["grpo"]["beta"] == 0.0 and config["grpo"]["epsilon"] == 0.2  # defaults fill the rest
-    assert points["long"]["config"]["kind"] == "capture" and points["long"]["config"]["prompt"]["length"] == 128
+    assert (config.mode, config.responses.count, config.prompt.length) == ("naive", 2, 64)
+    assert config.grpo.beta == 0.0 and config.grpo.epsilon == 0.2  # defaults fill the rest
+    assert config.grpo.num_generations == 2  # the group size is the point's
+    assert points["long"]["config"].kind == "capture" and points["long"]["config"].prompt.length == 128
 
 
 def test_a_profiles_base_may_set_the_kind(tmp_path):
     """A profile's base kind applies to its points (it used to be overwritten by the experiment's)."""
     text = EXPERIMENT.replace("base: {model: {preset: tiny-llama}", "base: {kind: sweep, model: {preset: tiny-llama}")
     points = plan.plan(_write(tmp_path, text).parent, "cpu")["demo"]["points"]
-    assert points["mode-replay_count-1"]["config"]["kind"] == "sweep"
-    assert points["long"]["config"]["kind"] == "capture"  # a point's own setting still wins
+    assert points["mode-replay_count-1"]["config"].kind == "sweep"
+    assert points["long"]["config"].kind == "capture"  # a point's own setting still wins
 
 
 def test_profile_without_settings_has_no_points(tmp_path):
@@ -51,9 +56,9 @@ def test_profile_without_settings_has_no_points(tmp_path):
 @pytest.mark.parametrize("text, message", [
     (EXPERIMENT.replace("title: Demo", "title: Demo\ncolour: red"), r"<top level>: Additional properties .*'colour'"),
     (EXPERIMENT.replace("grid:", "gird:"), r"profiles.cpu: Additional properties .*'gird'"),
-    (EXPERIMENT.replace("prompt: {length: 64}", "prompt: {lenght: 64}"), r"point .*: unknown key 'lenght'"),
+    (EXPERIMENT.replace("prompt: {length: 64}", "prompt: {lenght: 64}"), r"point .*: prompt.lenght: unknown key"),
     (EXPERIMENT.replace("kind: step", "kind: stepp"), r"kind: 'stepp' is not one of"),
-    (EXPERIMENT.replace("responses.count: [1, 2]", "responsez.count: [1]"), r"unknown key 'responsez'"),
+    (EXPERIMENT.replace("responses.count: [1, 2]", "responsez.count: [1]"), r"responsez: unknown key"),
 ])
 def test_malformed_experiment_names_file_and_key(tmp_path, text, message):
     path = _write(tmp_path, text)
@@ -69,5 +74,5 @@ def test_file_name_must_match_experiment_name(tmp_path):
 
 def test_repository_experiments_plan_for_both_profiles():
     for profile in plan.PROFILES:
-        experiments = plan.plan(plan.REPO / "experiments", profile)
+        experiments = plan.plan(REPO / "experiments", profile)
         assert {"g_sweep", "operating_points", "baselines", "architectures"} <= set(experiments)

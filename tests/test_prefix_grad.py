@@ -4,9 +4,9 @@ prompt + response (the full-sequence gradient), for every family (attention page
 import pytest
 import torch
 
-from longstraw.hf_reference import global_relative_error, hf_full_logprobs, max_relative_error
+from longstraw.core.hf_reference import global_relative_error, hf_full_logprobs, max_relative_error
 from longstraw import capture, replay
-from longstraw.lora import apply_lora
+from longstraw.models.lora import apply_lora
 from longstraw.models import TINY_PRESETS, build_model
 
 

@@ -11,11 +11,11 @@ try:
 except Exception as exc:  # not installed, or a broken build (missing native library)
     pytest.skip(f"bitsandbytes is not importable ({exc!r}): NF4/QLoRA tests skipped", allow_module_level=True)
 
-from longstraw.hf_reference import grads_of, hf_conditional_logprobs, hf_full_logprobs, max_relative_error  # noqa: E402
+from longstraw.core.hf_reference import grads_of, hf_conditional_logprobs, hf_full_logprobs, max_relative_error  # noqa: E402
 from longstraw import capture, replay  # noqa: E402
-from longstraw.lora import apply_lora  # noqa: E402
+from longstraw.models.lora import apply_lora  # noqa: E402
 from longstraw.models import TINY_PRESETS, build_model  # noqa: E402
-from longstraw.quant import quantize_nf4, quantized_bytes  # noqa: E402
+from longstraw.models.quant import quantize_nf4, quantized_bytes  # noqa: E402
 
 PROMPT_LEN = 37
 ROUTER_GATES = ("shared_expert_gate",)

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from longstraw.hf_reference import grads_of, hf_conditional_logprobs, hf_full_logprobs, max_relative_error
+from longstraw.core.hf_reference import grads_of, hf_conditional_logprobs, hf_full_logprobs, max_relative_error
 from longstraw import capture, replay
-from longstraw.lora import apply_lora
+from longstraw.models.lora import apply_lora
 from longstraw.models import TINY_PRESETS, build_model
 from state_asserts import assert_same_state
 

@@ -19,8 +19,8 @@ import matplotlib.image
 import pytest
 
 from longstraw.cp.launch import run_ranks
-from longstraw.experiment import run_point
-from longstraw.oracle import refresh_interval
+from longstraw.harness.runner import run_point
+from longstraw.training.oracle import refresh_interval
 from longstraw.report import aggregate, render
 from longstraw.report.plots import make_plots
 from longstraw.results import write_json_atomic
@@ -41,7 +41,7 @@ def _put(root: Path, experiment: str, point: str, result: dict, grid: dict) -> N
 
 
 def _capacity(base: dict, mode: str, largest) -> dict:
-    """A capacity point shaped as `longstraw.capacity.find_capacity` returns it (probes run in
+    """A capacity point shaped as `longstraw.kinds.capacity.find_capacity` returns it (probes run in
     subprocesses, too slow for this test), with one oom probe or only oom probes."""
     lengths = (64, 128, 256, 512)
     probes = [{"prompt_length": n, "status": "ok" if largest and n <= largest else "oom", "peak_bytes": n * 4096,
@@ -81,8 +81,9 @@ def built(tmp_path_factory):
     broken = {**{k: validation[k] for k in ("provenance", "config", "peak_rss_bytes", "wall_seconds")},
               "kind": "validation", "status": "error", "error": "RuntimeError: the reference did not fit"}
     points[("validation", "broken")] = (broken, {})
-    error = run_point({**TINY, "kind": "step", "mode": "no_such_mode"})
-    assert error["status"] == "error"
+    # fails when it runs (a prompt beyond the model's max_position_embeddings, refused at its capture)
+    error = run_point({**TINY, "kind": "step", "prompt": {"length": 70000}})
+    assert error["status"] == "error" and "max_position_embeddings" in error["error"]
     points[("g_sweep", "no_such_mode-G2")] = (error, {"mode": "no_such_mode", "responses.count": 2})
     base = points[("g_sweep", "replay-G2")][0]
     oom = {k: v for k, v in base.items() if k != "metrics"}
@@ -279,7 +280,7 @@ def test_failed_points_are_rows_with_their_messages(built):
     statuses = {row["attrs"]["data-point"]: row["attrs"]["data-status"] for row in tables["table-g_sweep-step"]}
     assert statuses["no_such_mode-G2"] == "error" and statuses["hold_all-G8"] == "oom"
     assert statuses["replay-G2"] == "ok"
-    assert "mode must be one of" in html and "CUDA out of memory. Tried to allocate 2.00 GiB" in html
+    assert "max_position_embeddings" in html and "CUDA out of memory. Tried to allocate 2.00 GiB" in html
     broken = html.split('id="experiment-broken"')[1].split("</section>")[0]
     assert "unreadable result file truncated.json" in broken and "1 error" in broken
 
@@ -733,7 +734,7 @@ def test_an_mla_sweep_beside_the_hybrid_sweep_renders(tmp_path):
 # ------------------------------------------------------------- staleness: the fresh-prefix oracle's report
 
 def _oracle_rows(drifts: list[float], lr: float) -> list[dict]:
-    """Rows shaped as `longstraw.oracle.staleness_oracle` returns them: step 0 (fresh == stale, drift
+    """Rows shaped as `longstraw.training.oracle.staleness_oracle` returns them: step 0 (fresh == stale, drift
     exactly zero) then one per step with the given relative loss drifts."""
     rows = []
     for step, drift in enumerate([0.0] + drifts):

@@ -7,7 +7,7 @@ from transformers import GenerationConfig
 
 from longstraw import capture, score
 from longstraw.models import TINY_PRESETS, build_model
-from longstraw.rollout import SamplingConfig, _decode_entries, sample
+from longstraw.training.rollout import SamplingConfig, _decode_entries, sample
 from longstraw.state import AttentionPages
 
 STOP = tuple(range(3, 256, 9))  # ~11% of the vocabulary: rows stop at different steps

@@ -3,10 +3,11 @@
 import pytest
 import torch
 
-from longstraw.hf_reference import global_relative_error, hf_conditional_logprobs, hf_full_logprobs, max_relative_error
-from longstraw import capture, grpo
+from longstraw.core.hf_reference import global_relative_error, hf_conditional_logprobs, hf_full_logprobs, max_relative_error
+from longstraw import capture
+from longstraw.core import grpo
 from longstraw.models import build_model
-from longstraw.step import grpo_step
+from longstraw.core.step import StepOptions, grpo_step
 
 
 class GradientRecorder:
@@ -20,6 +21,12 @@ class GradientRecorder:
 
     def zero_grad(self, set_to_none=True):
         self.model.zero_grad(set_to_none=set_to_none)
+
+
+def _step(model, prompt, responses, rewards, optimizer, config, state=None, capture_kwargs=None, **options):
+    """grpo_step's metrics, with its options given as keywords."""
+    options = StepOptions(capture=capture_kwargs or {}, **options)
+    return grpo_step(model, prompt, responses, rewards, optimizer, config, options, state=state).metrics
 
 
 def _group(seed=0, lengths=(3, 7, 1, 5)):
@@ -38,7 +45,7 @@ def test_serial_replay_gradient_equals_hold_all(preset, loss_type):
     runs = {}
     for mode in ("replay", "hold_all"):
         recorder = GradientRecorder(model)
-        metrics = grpo_step(model, prompt, responses, rewards, recorder, config, mode=mode,
+        metrics = _step(model, prompt, responses, rewards, recorder, config, mode=mode,
                             capture_kwargs={"chunk_size": 8})
         assert metrics["state_unchanged"]
         runs[mode] = (recorder.grads, metrics)
@@ -52,7 +59,7 @@ def test_naive_gradient_is_hf_full_sequence_gradient():
     prompt, responses, rewards = _group(seed=1)
     config = grpo.GRPOConfig(num_generations=4, beta=0.0, loss_type="grpo")
     recorder = GradientRecorder(model)
-    grpo_step(model, prompt, responses, rewards, recorder, config, mode="naive")
+    _step(model, prompt, responses, rewards, recorder, config, mode="naive")
     # on-policy first step: old log-probs equal the current ones (detached), as in the step
     logps = [hf_full_logprobs(model, prompt, y) for y in responses]
     advantages = grpo.group_advantages(rewards)
@@ -74,7 +81,7 @@ def test_exact_mode_step_gradient_equals_naive(mode):
                         ("conditional", {"mode": mode, "capture_kwargs": {"chunk_size": 8}}),
                         ("naive", {"mode": "naive"})):
         recorder = GradientRecorder(model)
-        phases[run] = grpo_step(model, prompt, responses, rewards, recorder, config, **kwargs)["phases"]
+        phases[run] = _step(model, prompt, responses, rewards, recorder, config, **kwargs)["phases"]
         grads[run] = recorder.grads
     assert "prefix_backward" in phases["exact"] and "prefix_backward" not in phases["conditional"]
     assert global_relative_error(grads["exact"], grads["naive"]) < 1e-4
@@ -85,7 +92,7 @@ def test_prefix_grad_refuses_a_response_only_state():
     model = build_model("tiny-llama", seed=0)
     prompt, responses, rewards = _group()
     with pytest.raises(ValueError, match="prefix_grad=True"):
-        grpo_step(model, prompt, responses, rewards, GradientRecorder(model), grpo.GRPOConfig(num_generations=4),
+        _step(model, prompt, responses, rewards, GradientRecorder(model), grpo.GRPOConfig(num_generations=4),
                   state=capture(model, prompt), prefix_grad=True)
 
 
@@ -94,7 +101,7 @@ def test_step_applies_the_optimizer_and_reports_phases():
     prompt, responses, rewards = _group(seed=2)
     before = [p.detach().clone() for p in model.parameters()]
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    metrics = grpo_step(model, prompt, responses, rewards, optimizer, grpo.GRPOConfig(num_generations=4, beta=0.0),
+    metrics = _step(model, prompt, responses, rewards, optimizer, grpo.GRPOConfig(num_generations=4, beta=0.0),
                         capture_kwargs={"chunk_size": 8})
     assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
     assert {"capture", "old_scoring", "replay", "optimizer_step"} <= set(metrics["phases"])
@@ -110,8 +117,8 @@ def test_one_member_probe_reaches_the_full_steps_graph_peak_and_gradient_share(m
     config = grpo.GRPOConfig(num_generations=4, beta=0.0, loss_type="grpo")
     full, probe = GradientRecorder(model), GradientRecorder(model)
     kwargs = {} if mode == "naive" else {"capture_kwargs": {"chunk_size": 8}}
-    whole = grpo_step(model, prompt, responses, rewards, full, config, mode=mode, **kwargs)
-    one = grpo_step(model, prompt, responses, rewards, probe, config, mode=mode, members=1, **kwargs)
+    whole = _step(model, prompt, responses, rewards, full, config, mode=mode, **kwargs)
+    one = _step(model, prompt, responses, rewards, probe, config, mode=mode, members=1, **kwargs)
     assert one["members_replayed"] == 1 and whole["members_replayed"] == 4
     assert one["graph_bytes_peak"] == whole["graph_bytes_peak"] > 0
     # the probe's gradient is member 0's term of the full loss (advantage from all four rewards)
@@ -129,5 +136,5 @@ def test_partial_step_is_refused_for_hold_all():
     model = build_model("tiny-llama", seed=0)
     prompt, responses, rewards = _group()
     with pytest.raises(ValueError, match="hold_all"):
-        grpo_step(model, prompt, responses, rewards, GradientRecorder(model), grpo.GRPOConfig(num_generations=4),
+        _step(model, prompt, responses, rewards, GradientRecorder(model), grpo.GRPOConfig(num_generations=4),
                   mode="hold_all", members=1)

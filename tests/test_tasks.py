@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from longstraw import tasks
+from longstraw.training import tasks
 
 
 def test_kv_retrieval_hides_needles_at_the_asked_depths_and_asks_for_one():
@@ -45,7 +45,7 @@ def test_examples_are_seeded():
 def test_plugins_and_bad_specs():
     tasks.register_task("constant", lambda vocab_size, answer=5: tasks.Counting(vocab_size, length=50))
     assert isinstance(tasks.build_task({"name": "constant"}, vocab_size=300), tasks.Counting)
-    assert isinstance(tasks.build_task({"plugin": "longstraw.tasks:Counting", "length": 50}, vocab_size=300),
+    assert isinstance(tasks.build_task({"plugin": "longstraw.training.tasks:Counting", "length": 50}, vocab_size=300),
                       tasks.Counting)
     with pytest.raises(ValueError, match="unknown task"):
         tasks.build_task({"name": "needle"}, vocab_size=300)

@@ -9,9 +9,10 @@ import pytest
 import torch
 from transformers import GenerationConfig
 
-from longstraw.hf_reference import hf_conditional_logprobs, hf_full_logprobs
-from longstraw import grpo, tasks
-from longstraw.trainer import Trainer
+from longstraw.core.hf_reference import hf_conditional_logprobs, hf_full_logprobs
+from longstraw.core import grpo
+from longstraw.training import tasks
+from longstraw.training.trainer import Trainer
 
 
 class _ParityTask:
@@ -45,7 +46,7 @@ def _config(tmp_path, preset="tiny-qwen3_5", **changes):
 def _reference_run(cfg):
     """Everything recomputed from scratch each step with HF alone: generate, forwards, gradients."""
     trainer = Trainer(copy.deepcopy(cfg))  # only for the same model, task, optimizer and schedule objects
-    model, config = trainer.model, trainer.grpo
+    model, config = trainer.model, trainer.cfg.grpo
     s = cfg["sampling"]
     for step in range(cfg["steps"]):
         example = trainer._example(step)

@@ -1,4 +1,4 @@
-"""The validation levels (longstraw.validation): each can pass and each can fail, against HF's own
+"""The validation levels (longstraw.kinds.validation): each can pass and each can fail, against HF's own
 gradients and hand-computed numbers; and `longstraw validate` end to end."""
 
 import json
@@ -8,14 +8,17 @@ import pytest
 import torch
 import yaml
 
-from longstraw import cli, validation
-from longstraw.config import resolve_config
-from longstraw.hf_reference import global_relative_error, hf_conditional_logprobs, hf_full_logprobs
+from longstraw import cli
+from longstraw.kinds import validation
+from longstraw.config import resolve_point
+from longstraw.harness.plan import resolve
+from longstraw.kinds.common import Progress
+from longstraw.core.hf_reference import global_relative_error, hf_conditional_logprobs, hf_full_logprobs
 from longstraw.models import build_model
 
 
 def _config(preset="tiny-llama", **validation_settings):
-    return resolve_config({"kind": "validation", "model": {"preset": preset}, "prompt": {"length": 40},
+    return resolve_point({"kind": "validation", "model": {"preset": preset}, "prompt": {"length": 40},
                            "responses": {"count": 2, "length": 6}, "capture": {"chunk_size": 16},
                            "validation": validation_settings})
 
@@ -27,7 +30,7 @@ def _levels(path):
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3_5"])
 def test_exact_mode_reaches_full_sequence_parity(preset):
     cfg = _config(preset, modes=["exact"], levels=["V2", "V3"])
-    (path,) = validation.run_validation(cfg, torch.device("cpu"))["paths"]
+    (path,) = validation.run(cfg, torch.device("cpu"), Progress())["paths"]
     levels = _levels(path)
     assert levels["V3"]["reached"] and levels["V3"]["evidence"]["relative_error"] < 1e-5
     assert levels["V2"]["reached"] and levels["V1"]["reached"] is None and path["highest_level"] == "V3"
@@ -43,7 +46,7 @@ def _hf_gradient(model, logprobs, prompt, responses, weights):
 
 def test_response_only_reports_its_gap_and_does_not_reach_v3():
     cfg = _config("tiny-qwen3_5", modes=["response-only"], levels=["V3"])
-    (path,) = validation.run_validation(cfg, torch.device("cpu"))["paths"]
+    (path,) = validation.run(cfg, torch.device("cpu"), Progress())["paths"]
     v3 = _levels(path)["V3"]
     assert v3["reached"] is False
     # the gap, recomputed from HF alone: the conditional reference against the one-pass one
@@ -63,18 +66,18 @@ def test_a_corrupted_gradient_fails_v2(monkeypatch):
     real = validation.replay
     monkeypatch.setattr(validation, "replay", lambda *args, **kwargs: real(*args, **kwargs) * 1.001)
     cfg = _config(modes=["response-only"], levels=["V2"])
-    (path,) = validation.run_validation(cfg, torch.device("cpu"))["paths"]
+    (path,) = validation.run(cfg, torch.device("cpu"), Progress())["paths"]
     v2 = _levels(path)["V2"]
     assert v2["reached"] is False and path["highest_level"] == "none"
     assert v2["evidence"]["relative_error"] == pytest.approx(1e-3, rel=1e-2)  # every gradient 0.1% too large
 
 
 def test_a_non_finite_step_fails_v1(monkeypatch):
-    from longstraw import step
+    from longstraw.core import step
 
     real = step.replay
     monkeypatch.setattr(step, "replay", lambda *args, **kwargs: real(*args, **kwargs) * float("nan"))
-    (path,) = validation.run_validation(_config(modes=["response-only"], levels=["V1"]), torch.device("cpu"))["paths"]
+    (path,) = validation.run(_config(modes=["response-only"], levels=["V1"]), torch.device("cpu"), Progress())["paths"]
     v1 = _levels(path)["V1"]
     assert v1["reached"] is False and math.isnan(v1["evidence"]["loss"]) and v1["evidence"]["state_unchanged"]
 
@@ -102,10 +105,10 @@ def test_low_precision_parity_is_anchored_to_float32_on_hand_computed_vectors():
 
 
 def test_bfloat16_paths_record_their_float32_anchor():
-    cfg = resolve_config({"kind": "validation", "model": {"preset": "tiny-llama", "dtype": "bfloat16"},
+    cfg = resolve_point({"kind": "validation", "model": {"preset": "tiny-llama", "dtype": "bfloat16"},
                           "prompt": {"length": 40}, "responses": {"count": 2, "length": 6},
                           "capture": {"chunk_size": 16}, "validation": {"modes": ["exact"], "levels": ["V2", "V3"]}})
-    (path,) = validation.run_validation(cfg, torch.device("cpu"))["paths"]
+    (path,) = validation.run(cfg, torch.device("cpu"), Progress())["paths"]
     for name in ("V2", "V3"):
         evidence = _levels(path)[name]["evidence"]
         assert 0 < evidence["reference_error_to_float32"] < 0.1  # HF's bfloat16 gradient is not float32's
@@ -122,10 +125,10 @@ def test_a_float32_anchor_that_runs_out_of_memory_falls_back_to_the_fixed_tolera
         return real(model, *args)
 
     monkeypatch.setattr(validation, "_reference_gradient", float32_oom)
-    cfg = resolve_config({"kind": "validation", "model": {"preset": "tiny-llama", "dtype": "bfloat16"},
+    cfg = resolve_point({"kind": "validation", "model": {"preset": "tiny-llama", "dtype": "bfloat16"},
                           "prompt": {"length": 40}, "responses": {"count": 2, "length": 6},
                           "capture": {"chunk_size": 16}, "validation": {"modes": ["exact"], "levels": ["V2", "V3"]}})
-    (path,) = validation.run_validation(cfg, torch.device("cpu"))["paths"]
+    (path,) = validation.run(cfg, torch.device("cpu"), Progress())["paths"]
     for name in ("V2", "V3"):
         entry = _levels(path)[name]
         assert entry["evidence"]["float32_anchor"] == "out of memory" and "did not fit" in entry["tolerance"]
@@ -165,17 +168,28 @@ def test_v4_window_must_fit_the_run():
 
 
 def test_v4_wiring_runs_the_trainer_twice():
-    cfg = resolve_config({"kind": "validation", "model": {"preset": "tiny-llama", "overrides": {"vocab_size": 80}},
+    cfg = resolve_point({"kind": "validation", "model": {"preset": "tiny-llama", "overrides": {"vocab_size": 80}},
                           "grpo": {"beta": 0.0}, "optimizer": {"lr": 3e-2}, "validation": {
                               "modes": ["response-only"], "levels": ["V4"], "window": 1,
                               "train": {"task": {"name": "kv_retrieval", "length": 16}, "steps": 2,
                                         "sampling": {"num_samples": 2, "max_new_tokens": 1}}}})
     lines = []
-    (path,) = validation.run_validation(cfg, torch.device("cpu"), progress=lines.append)["paths"]
-    v4 = _levels(path)["V4"]
-    assert v4["reached"] in (True, False) and v4["evidence"]["responses_per_window"] == 2
-    assert v4["scale"]["prompt_positions"] == 16 and v4["evidence"]["lr"] == 3e-2
-    assert any(line.startswith("V4 untrained run (lr 0)") for line in lines)
+
+    class Lines(Progress):
+        def line(self, text):
+            lines.append(text)
+
+    (path,) = validation.run(cfg, torch.device("cpu"), Lines())["paths"]
+    v4, e = _levels(path)["V4"], _levels(path)["V4"]["evidence"]
+    assert e["responses_per_window"] == 2 and v4["scale"]["prompt_positions"] == 16 and e["lr"] == 3e-2
+    # the two runs' per-step mean rewards, as each run reported them
+    means = {line.split()[1]: [float(x) for x in line.split("per step ")[1].split()]
+             for line in lines if line.startswith("V4 ")}
+    assert means["trained"][0] == means["untrained"][0]  # same weights and seeds until the first update
+    assert (e["first_mean"], e["last_mean"], e["lr0_last_mean"]) == pytest.approx(
+        (means["trained"][0], means["trained"][1], means["untrained"][1]), abs=0.005)  # printed to 2 decimals
+    assert v4["reached"] == (e["gain_over_first"] > 3 * e["gain_over_first_se"]
+                             and e["gain_over_lr0"] > 3 * e["gain_over_lr0_se"])
 
 
 def test_bad_validation_configs_are_named():
@@ -185,8 +199,10 @@ def test_bad_validation_configs_are_named():
         _config(modes=["full"])
     with pytest.raises(ValueError, match="validation.train: level V4 needs"):
         _config(levels=["V4"])
-    with pytest.raises(ValueError, match="validation.train: unknown key 'stpes'"):
-        _config(levels=["V4"], train={"stpes": 3})
+    with pytest.raises(ValueError, match="validation.train: stpes: unknown key"):  # checked when the plan is made
+        resolve(_config(levels=["V4"], train={"stpes": 3}))
+    with pytest.raises(ValueError, match="validation.train.task.lenght: unknown setting"):
+        resolve(_config(levels=["V4"], train={"task": {"name": "kv_retrieval", "lenght": 16}}))
 
 
 def test_validate_cli_writes_json_and_a_summary_line(tmp_path, capsys):

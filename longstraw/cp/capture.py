@@ -9,7 +9,7 @@ what crosses ranks flows one way, from rank r to rank r+1, layer by layer, as a 
   end of its shard (received before the layer, zeros on rank 0) and sends its own end state on
   (state passing); the union of the shards is then the single-process recurrence.
 - attention layers: the earlier shards' K/V of the layer pass rank to rank before it, and the
-  rank's own pages go on after it (`longstraw.cp.attention`); each rank keeps only its own shard's
+  rank's own pages go on after it (`longstraw.cp.sharded_attention`); each rank keeps only its own shard's
   pages.
 - at the end the last rank broadcasts every GDN layer's final state: replay runs the response's
   layers on every rank, and each needs the state at the prompt boundary.
@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import torch
 
-from longstraw.adapters import adapter_for
-from longstraw.cp.attention import receive_earlier_shards, send_own_shard
+from longstraw.families import adapter_for
+from longstraw.cp.sharded_attention import receive_earlier_shards, send_own_shard
 from longstraw.cp.group import CPGroup, shard_bounds
-from longstraw.cp.state import ShardedResidentState, ShardPages
-from longstraw.measure import synchronize
+from longstraw.cp.shards import ShardedResidentState, ShardPages
+from longstraw.measure.memory import synchronize
+from longstraw.measure.progress import CaptureProgress
 from longstraw.state import AttentionPages, RecurrentState
-from longstraw.transaction import CaptureProgress
 
 
 def capture_sharded(model, ids: torch.Tensor, cp: CPGroup, chunk: int, progress: bool | None = None

@@ -4,7 +4,7 @@ their message), the key metrics flattened into columns, written as CSV atomicall
     python -m longstraw.report.aggregate --results results/cpu --out reports/cpu/tables
 
 Input layout: `<results>/points/<experiment>/<point>.json` (or `<results>/<experiment>/<point>.json`),
-each the dict `longstraw.experiment.run_point` returns plus the pipeline's keys (`experiment`,
+each the dict `longstraw.harness.runner.run_point` returns plus the pipeline's keys (`experiment`,
 `point`, `profile`, `grid`, `experiment_title`, `command`). Every key is read defensively: an error
 point has no metrics, a CPU point has no CUDA peaks, a newer kind has metrics we do not know yet
 (its scalar metrics still become columns).
@@ -18,7 +18,7 @@ Besides the row per point, two kinds hold several measurements in one result and
 their own: a `sweep` point (one capture serving GRPO steps at several (mode, G)) gets one row per
 step (`sweep_step_tables`), and a capacity point with `comparison_at_largest_fitting` gets the
 searched mode's step beside the compared modes' steps at that length (`comparison_tables`), and a
-`staleness` point (the fresh-prefix oracle, `longstraw.oracle`) gets one row per oracle step, its
+`staleness` point (the fresh-prefix oracle, `longstraw.training.oracle`) gets one row per oracle step, its
 drift measures against a fresh capture (`staleness_step_tables`); its point row summarizes them
 (drift at steps 1 and 2, the largest drift, the derived refresh interval, the final gradient cosine).
 """
@@ -434,7 +434,7 @@ def _staleness_rows(metrics) -> list[dict]:
 
 
 def _derived_refresh_interval(rows: list[dict], threshold) -> int | None:
-    """`longstraw.oracle.refresh_interval`'s rule, for a result that did not record it: the largest
+    """`longstraw.training.oracle.refresh_interval`'s rule, for a result that did not record it: the largest
     step k with the relative loss drift under `threshold` at every step 1..k."""
     if _number(threshold) is None or not rows:
         return None

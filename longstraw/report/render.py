@@ -37,7 +37,7 @@ from longstraw.report.formatting import (column_label, exact_value, format_perce
                                          refresh_interval_sentence)
 from longstraw.report.paper import compare_figures, load_paper, reference_marks, scale_rows
 from longstraw.report.plots import figure_caption, make_plots
-from longstraw.report.validation import all_paths, levels_table, paper_paths
+from longstraw.report.levels import all_paths, levels_table, paper_paths
 from longstraw.results import STATUSES
 
 REPO_ROOT = Path(__file__).resolve().parents[2]

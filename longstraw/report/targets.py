@@ -189,7 +189,7 @@ def floor_for(sweep: dict) -> dict:
     import torch
     import transformers
 
-    from longstraw.flops import linear_parameters, replay_floor_seconds
+    from longstraw.measure.flops import linear_parameters, replay_floor_seconds
     from longstraw.models import MODEL_CLASSES, PRESETS, make_config
 
     cfg = sweep["config"]

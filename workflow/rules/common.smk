@@ -1,15 +1,16 @@
 # Helpers shared by the rules. The plan (experiment files -> points) comes from the package,
-# which validates every experiment file against workflow/schemas/experiment.schema.yaml now,
+# which validates every experiment file against its schema (shipped with the package) now,
 # at parse time, so a malformed file fails before anything runs.
 import sys
+from importlib import resources
 from pathlib import Path
 
-from longstraw.plan import launcher, plan
+from longstraw.harness.plan import launcher, plan
 
 PROFILE = config.get("profile", "cpu")
 PYTHON = sys.executable
 PLAN = plan("experiments", PROFILE)
-SCHEMA = "workflow/schemas/experiment.schema.yaml"
+SCHEMA = str(resources.files("longstraw.harness") / "experiment.schema.yaml")  # package data
 RECORDED = sorted(str(p) for p in Path("experiments/recorded").rglob("*.json"))
 
 
@@ -31,7 +32,7 @@ def experiment_file(wildcards):
 
 
 def point_cp_size(wildcards):
-    return PLAN[wildcards.experiment]["points"][wildcards.point]["config"]["cp_size"]
+    return PLAN[wildcards.experiment]["points"][wildcards.point]["config"].cp_size
 
 
 def point_gpus(wildcards):

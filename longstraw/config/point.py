@@ -1,0 +1,156 @@
+"""An experiment point's config: what one `longstraw run` measures (kinds: `longstraw.kinds`).
+
+    cfg = resolve_point(yaml.safe_load(open("experiments/examples/step_cpu.yaml")), "step_cpu.yaml")
+    cfg.responses.count, cfg.model.preset, to_mapping(cfg)     # typed; the plain dict results record
+
+A point is resolved once, when the plan is made (`longstraw.harness.plan`), and carried to the
+point as its resolved mapping; resolving that mapping again gives the same config.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from longstraw.config.grpo import GRPOConfig, grouped_objective
+from longstraw.config.sections import CaptureConfig, ModelConfig, OptimizerConfig
+from longstraw.config.typed import ConfigError, bounded, from_mapping, to_mapping
+
+KINDS = ("step", "capture", "capacity", "sweep", "staleness", "validation")
+MODES = ("replay", "hold_all", "naive")
+VALIDATION_MODES = ("response-only", "exact")
+VALIDATION_LEVELS = ("V1", "V2", "V3", "V4")
+
+Mode = Literal["replay", "hold_all", "naive"]
+
+
+@dataclass
+class PromptConfig:
+    """A seeded random prompt of `length` tokens (memory and time need shapes, not meaning)."""
+
+    length: int = bounded(1024, min=1)
+    seed: int = 0
+
+
+@dataclass
+class ResponsesConfig:
+    """G seeded random responses of `length` tokens; `probe_members: k` replays only the first k."""
+
+    count: int = bounded(4, min=1)
+    length: int = bounded(32, min=1)
+    seed: int = 1
+    probe_members: Optional[int] = bounded(None, min=1)
+
+
+@dataclass
+class CapacityConfig:
+    """The largest-prompt search (`longstraw.kinds.capacity`)."""
+
+    min_length: int = bounded(1024, min=2)
+    max_length: int = bounded(1 << 20, min=2)
+    granularity: int = bounded(1024, min=1)
+    ceiling_bytes: Optional[int] = bounded(None, min=1)
+    time_limit_seconds: Optional[float] = bounded(None, gt=0)
+    compare_modes: list[Mode] = field(default_factory=list)
+
+    def __post_init__(self):
+        if self.min_length > self.max_length:
+            raise ValueError(f"min_length {self.min_length} exceeds max_length {self.max_length}")
+
+
+@dataclass
+class SweepConfig:
+    """One capture serving steps at these group sizes: replay's, then hold_all's."""
+
+    replay: list[int] = field(default_factory=lambda: [2, 8])
+    hold_all: list[int] = field(default_factory=lambda: [2, 4, 8])
+
+    def __post_init__(self):
+        for mode in ("replay", "hold_all"):
+            if any(g < 1 for g in getattr(self, mode)):
+                raise ValueError(f"{mode}: group sizes must be >= 1, got {getattr(self, mode)}")
+
+
+@dataclass
+class MeasureConfig:
+    kernel_rates: bool = False  # also time torch's SDPA and our attention/GEMM kernels on this device
+
+
+@dataclass
+class StalenessConfig:
+    """The fresh-prefix oracle (`longstraw.training.oracle`)."""
+
+    steps: int = bounded(8, min=1)
+    threshold: float = bounded(1.0e-3, gt=0)
+
+
+@dataclass
+class ValidationConfig:
+    """The validation levels (`longstraw.kinds.validation`): gradient modes and levels per path;
+    `presets`: the models (empty: `model` alone); `tolerance`: V2/V3's (None: by dtype); `window`:
+    V4's k steps; `train`: V4's trainer settings (a `longstraw train` config without model, grpo
+    and capture, which are the point's)."""
+
+    modes: list[Literal["response-only", "exact"]] = field(default_factory=lambda: ["response-only", "exact"])
+    levels: list[Literal["V1", "V2", "V3", "V4"]] = field(default_factory=lambda: ["V1", "V2", "V3"])
+    presets: list[str] = field(default_factory=list)
+    tolerance: Optional[float] = bounded(None, gt=0)
+    weights_seed: int = 0
+    window: int = bounded(8, min=1)
+    train: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if not self.modes or not self.levels:
+            raise ValueError("modes and levels must not be empty")
+        if "V4" in self.levels and not self.train:
+            raise ValueError("train: level V4 needs the trainer's settings (task, steps, sampling, ...)")
+
+
+@dataclass
+class PointConfig:
+    name: str = "unnamed"
+    kind: Literal["step", "capture", "capacity", "sweep", "staleness", "validation"] = "step"
+    cp_size: int = bounded(1, min=1)  # context-parallel ranks; > 1 runs under `torchrun --nproc-per-node cp_size`
+    model: ModelConfig = field(default_factory=ModelConfig)
+    prompt: PromptConfig = field(default_factory=PromptConfig)
+    responses: ResponsesConfig = field(default_factory=ResponsesConfig)
+    mode: Mode = "replay"
+    cycles: int = bounded(1, min=1)
+    # num_generations is the group size, responses.count (a sweep sets it per step)
+    grpo: GRPOConfig = field(default_factory=lambda: GRPOConfig(beta=0.04))
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    capture: CaptureConfig = field(default_factory=CaptureConfig)
+    capacity: CapacityConfig = field(default_factory=CapacityConfig)
+    sweep: SweepConfig = field(default_factory=SweepConfig)
+    measure: MeasureConfig = field(default_factory=MeasureConfig)
+    staleness: StalenessConfig = field(default_factory=StalenessConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
+
+
+def resolve_point(raw, source: str = "config") -> PointConfig:
+    """A point config from its mapping: defaults filled in, every value checked (`ConfigError` names
+    the source and key). The group size is the point's: `grpo.num_generations` follows
+    `responses.count`."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{source}: the experiment config must be a mapping, got {type(raw).__name__}")
+    return from_mapping(PointConfig, grouped_objective(raw, "responses", "count", ResponsesConfig.count, source),
+                        source)
+
+
+def trainer_mapping(cfg: PointConfig, lr: float, out_dir) -> dict:
+    """The trainer's config for a validation point's V4: the point's model, objective (less the
+    group size, which is the trainer's sampling's) and capture settings and `lr`, then
+    `validation.train` (task, steps, sampling, ...), writing under `out_dir`."""
+    train = copy.deepcopy(cfg.validation.train)
+    grpo = {k: v for k, v in to_mapping(cfg.grpo).items() if k != "num_generations"}
+    merged = {"model": to_mapping(cfg.model), "grpo": grpo, "capture": to_mapping(cfg.capture), **train}
+    merged["optimizer"] = {**train.get("optimizer", {}), "lr": lr}
+    merged["output"] = {"dir": str(out_dir), "checkpoint_every": 0}
+    return merged
+
+
+def with_group(cfg: GRPOConfig, count: int) -> GRPOConfig:
+    """The objective for a group of `count` responses."""
+    return dataclasses.replace(cfg, num_generations=count)

@@ -1,0 +1,61 @@
+"""Config sections shared by experiment points and the trainers: the model, capture, optimizer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from longstraw.config.typed import bounded
+
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+Dtype = Literal["float32", "bfloat16", "float16", "float64"]
+DEVICE_PATTERN = r"cpu|cuda(:\d+)?"
+
+
+@dataclass
+class LoraConfig:
+    """A peft LoRA adapter (`longstraw.models.lora.apply_lora`)."""
+
+    r: int = bounded(16, min=1)
+    alpha: Optional[int] = bounded(None, min=1)
+    dropout: float = bounded(0.0, min=0.0, max=1.0)
+    # randomise LoRA's B too: peft's zero-B adapter gives the A matrices zero gradient (tests want every path)
+    init_random: bool = False
+
+
+@dataclass
+class ModelConfig:
+    """The policy: a named preset (random weights from `seed`) or a local checkpoint (`path`)."""
+
+    preset: str = "tiny-qwen3_5"
+    path: Optional[str] = None
+    dtype: Dtype = "float32"
+    device: str = bounded("cpu", pattern=DEVICE_PATTERN)
+    seed: int = 0
+    lora: Optional[LoraConfig] = None
+    nf4: bool = False
+    overrides: dict = field(default_factory=dict)  # HF config fields of the preset, as given
+
+
+@dataclass
+class CaptureConfig:
+    """`longstraw.capture` settings; unset ones keep capture's defaults."""
+
+    chunk_size: Optional[int] = bounded(None, min=1)
+    order: Literal["auto", "chunk", "layer"] = "auto"
+    memory_budget_bytes: Optional[int] = bounded(None, min=0)
+    host_pages: bool = False
+    # a prompt longer than the model's max_position_embeddings is refused unless this is set
+    beyond_max_positions: bool = False
+
+    def kwargs(self) -> dict:
+        """The keyword arguments of `capture` this config sets."""
+        return {k: v for k, v in vars(self).items() if v not in (None, False) or k == "order"}
+
+
+@dataclass
+class OptimizerConfig:
+    """AdamW (torch's default weight decay unless set)."""
+
+    lr: float = bounded(1.0e-4, min=0.0)
+    weight_decay: float = bounded(0.01, min=0.0)

@@ -1,0 +1,448 @@
+"""The GRPO objective as pure torch functions, arranged for serial response replay.
+
+Objective
+---------
+One prompt, ``G = num_generations`` sampled responses ``o_1..o_G`` with scalar rewards
+``r_1..r_G``. Advantages are group-relative (:func:`group_advantages`)::
+
+    A_i = (r_i - mean(r)) / (std(r) + 1e-4)      scale_rewards="group"
+    A_i =  r_i - mean(r)                         scale_rewards="none"
+
+where ``std`` is the *unbiased* (Bessel-corrected, ``torch.std`` default) group std, exactly
+as TRL's ``GRPOTrainer`` computes it (for G == 1 the std is taken as 0, so A = 0).
+
+Every completion token t of response i gets the clipped-surrogate loss plus an optional
+k3 KL penalty towards a reference policy (:func:`per_token_loss`)::
+
+    ratio_it = exp(logp_it - old_logp_it)
+    l_it = -min(ratio_it * A_i, clip(ratio_it, 1 - epsilon, 1 + epsilon_high) * A_i)
+           + beta * (exp(ref_it - logp_it) - (ref_it - logp_it) - 1)
+
+``old_logp`` and ``ref_logp`` are constants (detached); only ``logp`` carries gradient.
+The group loss aggregates ``l_it`` according to ``loss_type`` (:func:`batch_loss`, written
+the TRL way with padding and a completion mask)::
+
+    grpo    : mean_i ( sum_t l_it / L_i )                       (length-biased)
+    bnpo    : sum_it l_it / sum_i L_i
+    dapo    : sum_it l_it / num_items_in_batch = sum_it l_it / sum_i L_i
+    dr_grpo : sum_it l_it / (G * max_completion_length)
+
+Serial replay
+-------------
+Every aggregation above is *linear* in the per-response token sums ``S_i = sum_t l_it``
+with coefficients that depend only on the response lengths, which are known once sampling
+is done. :func:`token_weights` returns those coefficients ``w_i``, so that::
+
+    batch_loss(...) == sum_i w_i * S_i == sum_i response_loss(..., weight=w_i)
+
+and calling ``response_loss(...).backward()`` once per response, one response at a time,
+accumulates exactly the gradient of the one-big-batch loss.
+
+Simplifications (relative to TRL's ``GRPOTrainer``)
+---------------------------------------------------
+* A single prompt per transaction and a single process: "dapo" (normalise by the active
+  tokens of the global accumulated batch) and "bnpo" (normalise by the active tokens of
+  the local batch) coincide, both equal ``1 / sum_i L_i``. There is no gradient
+  accumulation divisor; callers that accumulate several prompts scale themselves.
+* Token-level importance sampling only (no GSPO ``importance_sampling_level="sequence"``),
+  no two-sided ``delta`` clipping, no entropy bonus / top-entropy token masking, no vLLM
+  importance-sampling correction, no truncated-completion masking, no ``"batch"`` reward
+  scaling (identical to ``"group"`` for a single-prompt batch anyway), one reward per
+  response (reward-function weighting happens upstream).
+* Loss arithmetic is done in at least float32 (bf16 log-probs are upcast).
+
+Names follow TRL's ``GRPOConfig``: ``num_generations``, ``beta``, ``epsilon``,
+``epsilon_high``, ``loss_type``, ``scale_rewards``, ``max_completion_length``; the logged
+metric names of :func:`summarize_stats` follow TRL's (``clip_ratio/low_mean``, ``kl``, ...).
+
+Default ``loss_type`` is ``"dapo"``, the current TRL default: it has no per-response length
+bias (unlike ``"grpo"``) and needs no ``max_completion_length`` (unlike ``"dr_grpo"``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence, Union
+
+import torch
+import torch.nn.functional as F
+
+from longstraw.config.grpo import LOSS_TYPES, SCALE_REWARDS, GRPOConfig, _is_real, normalize_scale_rewards
+
+__all__ = [
+    "LOSS_TYPES",
+    "SCALE_REWARDS",
+    "GRPOConfig",
+    "normalize_scale_rewards",
+    "group_advantages",
+    "k3_kl",
+    "per_token_loss",
+    "token_weights",
+    "response_loss",
+    "batch_loss",
+    "ResponseStats",
+    "response_stats",
+    "summarize_stats",
+    "clip_fraction",
+    "mean_kl",
+]
+
+
+STD_EPS = 1e-4  # TRL: advantages / (std_rewards + 1e-4)
+
+Advantage = Union[float, int, torch.Tensor]
+
+
+# --------------------------------------------------------------------------------------
+# Advantages and KL
+# --------------------------------------------------------------------------------------
+
+
+def group_advantages(
+    rewards_G,
+    scale_rewards: Union[str, bool] = "group",
+    *,
+    num_generations: Optional[int] = None,
+) -> torch.Tensor:
+    """Group-relative advantages, float32, shape ``[G]``, on the rewards' device.
+
+    ``rewards - mean``, divided by ``(std + 1e-4)`` when ``scale_rewards`` is ``"group"``/True.
+    ``std`` is the unbiased sample std (``torch.std`` default, as in TRL); for G == 1 it is 0.
+    Computed in float64, returned as float32. If ``num_generations`` is given, ``G`` must
+    equal it.
+    """
+    mode = normalize_scale_rewards(scale_rewards)
+    device = rewards_G.device if isinstance(rewards_G, torch.Tensor) else None
+    r = torch.as_tensor(
+        rewards_G.detach() if isinstance(rewards_G, torch.Tensor) else rewards_G,
+        dtype=torch.float64,
+        device=device,
+    )
+    if r.dim() != 1 or r.numel() == 0:
+        raise ValueError(f"rewards must be a non-empty 1-D sequence, got shape {tuple(r.shape)}")
+    if num_generations is not None and r.numel() != num_generations:
+        raise ValueError(f"rewards has {r.numel()} entries but num_generations={num_generations}")
+    if not bool(torch.isfinite(r).all()):
+        raise ValueError(f"rewards must be finite, got {r.tolist()}")
+    adv = r - r.mean()
+    if mode == "group":
+        std = r.std() if r.numel() > 1 else torch.zeros((), dtype=r.dtype, device=r.device)
+        adv = adv / (std + STD_EPS)
+    return adv.to(torch.float32)
+
+
+def k3_kl(logp_R: torch.Tensor, ref_logp_R: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimator of KL(pi || ref): ``exp(ref - logp) - (ref - logp) - 1`` (>= 0).
+
+    Differentiable w.r.t. ``logp_R``; ``ref_logp_R`` is treated as a constant.
+    """
+    _check_1d("logp", logp_R)
+    _check_same_len("ref_logp", ref_logp_R, logp_R)
+    dtype = _compute_dtype(logp_R)
+    d = ref_logp_R.detach().to(device=logp_R.device, dtype=dtype) - logp_R.to(dtype)
+    return torch.exp(d) - d - 1.0
+
+
+# --------------------------------------------------------------------------------------
+# Per-token loss and serial replay
+# --------------------------------------------------------------------------------------
+
+
+def _compute_dtype(t: torch.Tensor) -> torch.dtype:
+    if not t.is_floating_point():
+        raise ValueError(f"log-probs must be a floating-point tensor, got dtype {t.dtype}")
+    return torch.promote_types(t.dtype, torch.float32)
+
+
+def _check_1d(name: str, t) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() != 1:
+        raise ValueError(f"{name} must be 1-D (one response's tokens), got shape {tuple(t.shape)}")
+
+
+def _check_same_len(name: str, t, ref: torch.Tensor) -> None:
+    _check_1d(name, t)
+    if t.shape[0] != ref.shape[0]:
+        raise ValueError(f"length mismatch: {name} has {t.shape[0]} tokens, logp has {ref.shape[0]}")
+
+
+def _advantage_value(advantage: Advantage, device, dtype):
+    """Scalar advantage as a python float or a detached 0-d tensor (no host sync for tensors)."""
+    if isinstance(advantage, torch.Tensor):
+        if advantage.numel() != 1:
+            raise ValueError(f"advantage must be a scalar, got shape {tuple(advantage.shape)}")
+        return advantage.detach().reshape(()).to(device=device, dtype=dtype)
+    if not _is_real(advantage) or not math.isfinite(advantage):
+        raise ValueError(f"advantage must be a finite scalar, got {advantage!r}")
+    return float(advantage)
+
+
+def per_token_loss(
+    logp_R: torch.Tensor,
+    old_logp_R: Optional[torch.Tensor],
+    ref_logp_R: Optional[torch.Tensor],
+    advantage: Advantage,
+    config: GRPOConfig,
+) -> torch.Tensor:
+    """Per-token GRPO loss ``[R]`` for one response (see module docstring).
+
+    ``old_logp_R=None`` means on-policy (``old = logp.detach()``, ratio 1, as TRL does with
+    ``num_iterations == 1``). ``ref_logp_R`` is required iff ``config.beta > 0`` (ignored
+    when beta == 0). Only ``logp_R`` receives gradient. Result dtype: at least float32.
+    """
+    _check_1d("logp", logp_R)
+    dtype = _compute_dtype(logp_R)
+    logp = logp_R.to(dtype)
+    if old_logp_R is None:
+        old = logp.detach()
+    else:
+        _check_same_len("old_logp", old_logp_R, logp_R)
+        old = old_logp_R.detach().to(device=logp.device, dtype=dtype)
+    adv = _advantage_value(advantage, logp.device, dtype)
+
+    ratio = torch.exp(logp - old)
+    clipped = torch.clamp(ratio, 1.0 - config.epsilon, 1.0 + config.epsilon_high)
+    loss = -torch.minimum(ratio * adv, clipped * adv)
+    if config.beta != 0.0:
+        if ref_logp_R is None:
+            raise ValueError("ref_logp is required when beta > 0")
+        loss = loss + config.beta * k3_kl(logp, ref_logp_R)
+    elif ref_logp_R is not None:
+        _check_same_len("ref_logp", ref_logp_R, logp_R)
+    return loss
+
+
+def token_weights(lengths_G: Sequence[int], config: GRPOConfig) -> torch.Tensor:
+    """Per-response weights ``w_G`` (float64, CPU) fixed before replay, such that
+    ``sum_i w_i * per_token_loss_i.sum()`` equals :func:`batch_loss` for ``config.loss_type``:
+
+    * grpo:     ``w_i = 1 / (G * max(L_i, 1))``
+    * bnpo/dapo ``w_i = 1 / max(sum_j L_j, 1)``
+    * dr_grpo:  ``w_i = 1 / (G * max_completion_length)``
+
+    (the ``max(., 1)`` clamps mirror TRL's ``.clamp(min=1.0)``; they only matter for empty
+    responses, whose token sum is 0 anyway).
+    """
+    if isinstance(lengths_G, torch.Tensor):
+        if lengths_G.dim() != 1 or lengths_G.is_floating_point() or lengths_G.is_complex():
+            raise ValueError(f"lengths must be a 1-D integer sequence, got {lengths_G!r}")
+        lengths = [int(x) for x in lengths_G.tolist()]
+    else:
+        lengths = list(lengths_G)
+        for x in lengths:
+            if not isinstance(x, int) or isinstance(x, bool):
+                raise ValueError(f"lengths must be integers, got {x!r}")
+    G = len(lengths)
+    if G != config.num_generations:
+        raise ValueError(f"got {G} response lengths but num_generations={config.num_generations}")
+    if any(L < 0 for L in lengths):
+        raise ValueError(f"lengths must be >= 0, got {lengths}")
+    m = config.max_completion_length
+    if m is not None and any(L > m for L in lengths):
+        raise ValueError(f"a response length exceeds max_completion_length={m}: {lengths}")
+
+    if config.loss_type == "grpo":
+        w = [1.0 / (G * max(L, 1)) for L in lengths]
+    elif config.loss_type in ("bnpo", "dapo"):
+        w = [1.0 / max(sum(lengths), 1)] * G
+    elif config.loss_type == "dr_grpo":
+        w = [1.0 / (G * m)] * G
+    else:  # pragma: no cover - config validation prevents this
+        raise ValueError(f"unknown loss_type {config.loss_type!r}")
+    return torch.tensor(w, dtype=torch.float64)
+
+
+def response_loss(
+    logp_R: torch.Tensor,
+    old_logp_R: Optional[torch.Tensor],
+    ref_logp_R: Optional[torch.Tensor],
+    advantage: Advantage,
+    weight: Union[float, torch.Tensor],
+    config: GRPOConfig,
+) -> torch.Tensor:
+    """One response's contribution to the group loss: ``weight * per_token_loss(...).sum()``.
+
+    ``weight`` is this response's entry of :func:`token_weights` (a float or 0-d tensor; it is
+    converted to a python float so the result keeps the per-token loss dtype).
+    """
+    if isinstance(weight, torch.Tensor):
+        if weight.numel() != 1:
+            raise ValueError(f"weight must be a scalar, got shape {tuple(weight.shape)}")
+        weight = float(weight)
+    if not _is_real(weight) or not math.isfinite(weight) or weight < 0:
+        raise ValueError(f"weight must be a finite scalar >= 0, got {weight!r}")
+    return per_token_loss(logp_R, old_logp_R, ref_logp_R, advantage, config).sum() * float(weight)
+
+
+# --------------------------------------------------------------------------------------
+# Reference "one big batch" formulation (TRL style: padding + completion mask)
+# --------------------------------------------------------------------------------------
+
+
+def _pad_stack(name: str, seqs: Sequence[torch.Tensor], lengths, width, dtype, device, detach):
+    rows = []
+    for i, s in enumerate(seqs):
+        _check_1d(f"{name}[{i}]", s)
+        if s.shape[0] != lengths[i]:
+            raise ValueError(f"length mismatch: {name}[{i}] has {s.shape[0]} tokens, logps[{i}] has {lengths[i]}")
+        s = s.detach() if detach else s
+        rows.append(F.pad(s.to(device=device, dtype=dtype), (0, width - lengths[i])))
+    return torch.stack(rows)
+
+
+def batch_loss(
+    logps: Sequence[torch.Tensor],
+    old_logps: Optional[Sequence[torch.Tensor]],
+    ref_logps: Optional[Sequence[torch.Tensor]],
+    advantages_G,
+    config: GRPOConfig,
+) -> torch.Tensor:
+    """The whole group's loss computed at once, the way TRL's ``GRPOTrainer._compute_loss``
+    does: right-pad to ``[G, max_len]``, build a completion mask, compute the per-token
+    loss on the padded batch and aggregate by ``loss_type``. Independent of
+    :func:`per_token_loss` / :func:`token_weights`; used as the reference in tests.
+
+    ``old_logps=None`` means on-policy; ``ref_logps`` is required iff ``beta > 0``.
+    """
+    logps = list(logps)
+    G = len(logps)
+    if G != config.num_generations:
+        raise ValueError(f"got {G} responses but num_generations={config.num_generations}")
+    if G == 0:
+        raise ValueError("need at least one response")
+    for i, lp in enumerate(logps):
+        _check_1d(f"logps[{i}]", lp)
+    lengths = [int(lp.shape[0]) for lp in logps]
+    m = config.max_completion_length
+    if m is not None and any(L > m for L in lengths):
+        raise ValueError(f"a response length exceeds max_completion_length={m}: {lengths}")
+    width = max(max(lengths), 1)
+    device = logps[0].device
+    dtype = _compute_dtype(logps[0])
+    for lp in logps[1:]:
+        dtype = torch.promote_types(dtype, _compute_dtype(lp))
+
+    logp = _pad_stack("logps", logps, lengths, width, dtype, device, detach=False)
+    if old_logps is None:
+        old = logp.detach()
+    else:
+        old_logps = list(old_logps)
+        if len(old_logps) != G:
+            raise ValueError(f"got {len(old_logps)} old_logps for {G} responses")
+        old = _pad_stack("old_logps", old_logps, lengths, width, dtype, device, detach=True)
+    mask = (torch.arange(width, device=device)[None, :] < torch.tensor(lengths, device=device)[:, None]).to(dtype)
+
+    adv = torch.as_tensor(
+        advantages_G.detach() if isinstance(advantages_G, torch.Tensor) else advantages_G,
+        dtype=dtype,
+        device=device,
+    )
+    if adv.dim() != 1 or adv.shape[0] != G:
+        raise ValueError(f"advantages must have shape [{G}], got {tuple(adv.shape)}")
+    if not bool(torch.isfinite(adv).all()):
+        raise ValueError("advantages must be finite")
+
+    coef_1 = torch.exp(logp - old)
+    coef_2 = torch.clamp(coef_1, 1 - config.epsilon, 1 + config.epsilon_high)
+    loss_tok = -torch.min(coef_1 * adv.unsqueeze(1), coef_2 * adv.unsqueeze(1))
+    if config.beta != 0.0:
+        if ref_logps is None:
+            raise ValueError("ref_logps is required when beta > 0")
+        ref_logps = list(ref_logps)
+        if len(ref_logps) != G:
+            raise ValueError(f"got {len(ref_logps)} ref_logps for {G} responses")
+        ref = _pad_stack("ref_logps", ref_logps, lengths, width, dtype, device, detach=True)
+        per_token_kl = torch.exp(ref - logp) - (ref - logp) - 1
+        loss_tok = loss_tok + config.beta * per_token_kl
+
+    if config.loss_type == "grpo":
+        return ((loss_tok * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
+    if config.loss_type == "bnpo":
+        return (loss_tok * mask).sum() / mask.sum().clamp(min=1.0)
+    if config.loss_type == "dr_grpo":
+        return (loss_tok * mask).sum() / (loss_tok.size(0) * config.max_completion_length)
+    if config.loss_type == "dapo":
+        num_items_in_batch = mask.sum()  # single process, single prompt
+        return (loss_tok * mask).sum() / num_items_in_batch.clamp(min=1.0)
+    raise ValueError(f"unknown loss_type {config.loss_type!r}")  # pragma: no cover
+
+
+# --------------------------------------------------------------------------------------
+# Metrics
+# --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ResponseStats:
+    """Additive per-response counters, so serial replays can be summarised exactly.
+
+    A token is *low-clipped* when ``ratio < 1 - epsilon`` and ``A < 0``, *high-clipped* when
+    ``ratio > 1 + epsilon_high`` and ``A > 0`` (TRL's definition: exactly the tokens whose
+    surrogate gradient is zeroed by clipping). ``kl_sum`` is ``None`` without a reference.
+    """
+
+    num_tokens: int
+    num_low_clipped: int
+    num_high_clipped: int
+    kl_sum: Optional[float] = None
+
+
+@torch.no_grad()
+def response_stats(
+    logp_R: torch.Tensor,
+    old_logp_R: Optional[torch.Tensor],
+    ref_logp_R: Optional[torch.Tensor],
+    advantage: Advantage,
+    config: GRPOConfig,
+) -> ResponseStats:
+    """Clip counts and KL sum for one response (no gradient; syncs to host)."""
+    _check_1d("logp", logp_R)
+    dtype = _compute_dtype(logp_R)
+    logp = logp_R.detach().to(dtype)
+    adv = float(_advantage_value(advantage, logp.device, dtype))
+    if old_logp_R is None:
+        n_low = n_high = 0
+    else:
+        _check_same_len("old_logp", old_logp_R, logp_R)
+        ratio = torch.exp(logp - old_logp_R.detach().to(device=logp.device, dtype=dtype))
+        n_low = int((ratio < 1 - config.epsilon).sum()) if adv < 0 else 0
+        n_high = int((ratio > 1 + config.epsilon_high).sum()) if adv > 0 else 0
+    kl_sum = None if ref_logp_R is None else float(k3_kl(logp, ref_logp_R).sum())
+    return ResponseStats(int(logp.shape[0]), n_low, n_high, kl_sum)
+
+
+def summarize_stats(stats: Sequence[ResponseStats]) -> dict:
+    """Token-weighted group metrics with TRL's names: ``clip_ratio/low_mean``,
+    ``clip_ratio/high_mean``, ``clip_ratio/region_mean``, ``kl`` (only if every response had a
+    reference) and ``num_tokens``."""
+    stats = list(stats)
+    n = sum(s.num_tokens for s in stats)
+    denom = max(n, 1)
+    low = sum(s.num_low_clipped for s in stats)
+    high = sum(s.num_high_clipped for s in stats)
+    out = {
+        "num_tokens": float(n),
+        "clip_ratio/low_mean": low / denom,
+        "clip_ratio/high_mean": high / denom,
+        "clip_ratio/region_mean": (low + high) / denom,
+    }
+    if stats and all(s.kl_sum is not None for s in stats):
+        out["kl"] = sum(s.kl_sum for s in stats) / denom
+    return out
+
+
+def clip_fraction(
+    logp_R: torch.Tensor, old_logp_R: torch.Tensor, advantage: Advantage, config: GRPOConfig
+) -> float:
+    """Fraction of this response's tokens whose surrogate is clipped (low or high region)."""
+    s = response_stats(logp_R, old_logp_R, None, advantage, config)
+    return (s.num_low_clipped + s.num_high_clipped) / max(s.num_tokens, 1)
+
+
+def mean_kl(logp_R: torch.Tensor, ref_logp_R: torch.Tensor) -> float:
+    """Mean per-token k3 KL of one response (0.0 for an empty response)."""
+    with torch.no_grad():
+        kl = k3_kl(logp_R.detach(), ref_logp_R)
+    return float(kl.mean()) if kl.numel() else 0.0

@@ -1,0 +1,233 @@
+"""One GRPO transaction for one prompt and G given responses (DESIGN.md §1), in three modes:
+
+- `replay` (ours): capture once (or reuse `state`), score old/ref graph-free from the state,
+  replay responses one at a time with one backward each; the live graph is one response.
+- `hold_all`: same capture and scoring, but all G response graphs stay alive for one backward.
+- `naive`: what standard trainers do: each response's full prompt+response forward under
+  autograd with gradient checkpointing (HF's own forward), scoring by full forwards too.
+
+`StepOptions(prefix_grad=True)` (replay and hold_all) is the exact mode (`longstraw.core.exact`): the capture
+keeps what the prompt-side term needs, and `state.backward_prefix()` runs after the replays (phase
+`prefix_backward`), so the step applies the full-sequence gradient instead of the conditional one.
+
+All modes share the objective (`longstraw.core.grpo`) and the token normalisation fixed before the
+replays, so their accumulated gradients agree; they differ only in memory and time.
+"""
+
+from __future__ import annotations
+
+import warnings
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+
+import torch
+
+from longstraw.core import grpo
+from longstraw.core.hf_reference import hf_torch_gdn_kernels
+from longstraw.core.transaction import capture, replay, score
+from longstraw.families import adapter_for
+from longstraw.kernels.logprobs import token_logprobs
+from longstraw.measure.memory import GraphBytesMeter, PhaseRecorder
+from longstraw.state import ResidentState
+
+MODES = ("replay", "hold_all", "naive")
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    """How one step runs. `mode`: replay | hold_all | naive; `prefix_grad`: the exact mode;
+    `capture`: `capture()` keyword arguments when the step captures the prompt itself;
+    `max_grad_norm`: clip the accumulated gradient before the optimizer step (`grad_norm` reports
+    it unclipped); `members=k`: score and replay only the first k responses (a memory probe of the
+    serial modes, see `grpo_step`)."""
+
+    mode: str = "replay"
+    prefix_grad: bool = False
+    capture: dict = field(default_factory=dict)
+    max_grad_norm: float | None = None
+    members: int | None = None
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.prefix_grad and self.mode == "naive":
+            raise ValueError("prefix_grad needs a captured state; mode 'naive' already back-propagates through the "
+                             "prompt")
+
+
+@dataclass
+class StepResult:
+    """The step's measurements, and the resident state it used (reuse it for the next step of the
+    same prompt: prefix reuse; `state.age` counts the steps it has served). No state in naive mode."""
+
+    metrics: dict
+    state: ResidentState | None
+
+
+@contextmanager
+def reference_policy(model):
+    """The reference model = the base model with the peft adapter disabled (or the model itself)."""
+    disable = getattr(model, "disable_adapter", None)
+    with (disable() if callable(disable) else nullcontext()):
+        yield
+
+
+def naive_logprobs(model, prompt_ids, response_ids):
+    """HF one-pass forward over prompt+response (checkpointed when grad is on), response log-probs."""
+    adapter = adapter_for(model)
+    ids = torch.cat([prompt_ids, response_ids[:-1]])[None]
+    hidden = adapter.decoder(input_ids=ids, use_cache=False).last_hidden_state[0]
+    return token_logprobs(hidden[prompt_ids.numel() - 1:], adapter.lm_head, response_ids)
+
+
+@contextmanager
+def _checkpointed(model):
+    lm = adapter_for(model).lm
+    was_training = lm.training
+    # transformers renamed gradient -> activation checkpointing; support both spellings
+    kwargs = {"use_reentrant": False}
+    if hasattr(lm, "activation_checkpointing_enable"):
+        lm.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        disable = lm.activation_checkpointing_disable
+    else:
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        disable = lm.gradient_checkpointing_disable
+    lm.train()
+    try:
+        yield
+    finally:
+        disable()
+        lm.train(was_training)
+
+
+def grpo_step(model, prompt_ids, responses, rewards, optimizer, config: grpo.GRPOConfig,
+              options: StepOptions = StepOptions(), *, state: ResidentState | None = None,
+              ref_state: ResidentState | None = None, old_logps=None) -> StepResult:
+    """Run one transaction and the optimizer step.
+
+    `state`: the prompt's resident state from an earlier capture (checked against the model and the
+    prompt), else the step captures it. `old_logps`: the old policy's log-probs from sampling, else
+    scored from the state. Reference log-probs (`config.beta > 0`) are scored with the adapter
+    disabled on `ref_state`, the prompt captured by the reference policy, when given (the trainer
+    keeps one per prompt: the frozen base never makes it stale); without it, on the policy's own
+    state: the reference's response distribution given the policy's prompt state, which saves a
+    second resident state and is what the memory experiments measure.
+
+    `options.members=k` scores and replays only the first k responses (advantages and token
+    weights still come from all G): one member at a time is live in the serial modes, so every
+    member of equal length reaches the same peak. The metrics say so."""
+    mode, members = options.mode, options.members
+    if len(responses) != config.num_generations:
+        raise ValueError(f"got {len(responses)} responses but num_generations={config.num_generations}")
+    if members is not None and not (mode != "hold_all" and 1 <= members <= len(responses)):
+        raise ValueError(f"members={members!r}: a partial step is a memory probe of the serial modes (replay, naive) "
+                         f"and needs 1 <= members <= G={len(responses)}; hold_all's peak depends on all G graphs")
+    if (state is not None or ref_state is not None) and mode == "naive":
+        raise ValueError("mode 'naive' recomputes the prompt per response and takes no captured state")
+    if options.prefix_grad and state is not None and state.prefix_trace is None:
+        raise ValueError("prefix_grad=True needs a state captured with capture(..., prefix_grad=True)")
+    if state is not None:
+        state.check_prompt(prompt_ids)
+    if len(responses) == 1:
+        warnings.warn("a group of one response has zero advantage: the step leaves the policy unchanged "
+                      "(only a KL term, beta > 0, can move it)", stacklevel=2)
+    adapter = adapter_for(model)
+    recorder = PhaseRecorder(adapter.device)
+    rewards = torch.as_tensor(rewards, dtype=torch.float32)
+    advantages = grpo.group_advantages(rewards, config.scale_rewards, num_generations=config.num_generations)
+    weights = grpo.token_weights([int(r.numel()) for r in responses], config)
+    responses = responses[:members]
+    age = state.age if state is not None else 0
+
+    if mode == "naive":
+        def scorer(y, scored_state=None):  # naive takes no state: it recomputes the prompt
+            with torch.no_grad():
+                return naive_logprobs(model, prompt_ids, y)
+    else:
+        if state is None:
+            with recorder.phase("capture"):
+                state = capture(model, prompt_ids, prefix_grad=options.prefix_grad, **options.capture)
+        fingerprint = state.fingerprint()
+
+        def scorer(y, scored_state=None):
+            return score(model, state if scored_state is None else scored_state, y)
+
+    # naive runs HF's own forward: its torch GDN kernel, whose backward works everywhere (fla's fails on Hopper)
+    with hf_torch_gdn_kernels(model) if mode == "naive" else nullcontext():
+        with recorder.phase("old_scoring"):
+            old = old_logps if old_logps is not None else [scorer(y) for y in responses]
+        ref = None
+        if config.beta > 0:
+            with recorder.phase("ref_scoring"), reference_policy(model):
+                ref = [scorer(y, ref_state) for y in responses]
+        losses, logps, meter = _replay_and_backward(model, prompt_ids, state, responses, old, ref, advantages,
+                                                    weights, config, mode, recorder)
+    if options.prefix_grad:
+        with recorder.phase("prefix_backward"):
+            state.backward_prefix()
+    cp = getattr(state, "cp", None)
+    if cp is not None:  # every rank holds the same gradient already; one all-reduce keeps the steps identical
+        cp.average_gradients_([p for p in model.parameters() if p.requires_grad])
+    grad_norm = _grad_norm(model)
+    if options.max_grad_norm is not None:
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], options.max_grad_norm)
+    with recorder.phase("optimizer_step"):
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    metrics = {
+        "mode": mode,
+        "loss": float(sum(float(l.detach()) for l in losses)),
+        "grad_norm": grad_norm,
+        "reward_mean": float(rewards.mean()),
+        "advantages": [float(a) for a in advantages],
+        "members_replayed": len(responses),
+        "response_tokens": [int(r.numel()) for r in responses],
+        "graph_bytes_peak": meter.peak,
+        "phases": recorder.phases,
+        "stats": grpo.summarize_stats([
+            grpo.response_stats(lp.detach(), old[i], ref and ref[i], advantages[i], config)
+            for i, lp in enumerate(logps)
+        ]),
+    }
+    if state is not None:
+        metrics["resident_bytes"] = state.nbytes
+        metrics["predicted_resident_bytes"] = state.predicted_nbytes
+        metrics["prompt_positions"] = state.positions + 1
+        metrics["state_unchanged"] = state.fingerprint() == fingerprint
+        metrics["state_age"] = age
+        state.age += 1  # the parameters moved once more since the capture
+    return StepResult(metrics, state)
+
+
+def _replay_and_backward(model, prompt_ids, state, responses, old, ref, advantages, weights, config, mode, recorder):
+    """Each response's loss and its gradient: replay (one graph at a time), hold_all (all G graphs,
+    one backward) or naive (HF's checkpointed forward over prompt + response, one at a time).
+    Returns (detached losses, detached log-probs, the graph-bytes meter)."""
+    exclude = list(model.parameters()) + ([t for e in state.layers for t in e.tensors()] if state else [])
+    meter = GraphBytesMeter(exclude=exclude)
+    losses, logps = [], []
+    with meter:
+        if mode == "hold_all":
+            with recorder.phase("replay"):
+                for i, y in enumerate(responses):
+                    logps.append(replay(model, state, y))
+                    losses.append(grpo.response_loss(logps[-1], old[i], ref and ref[i], advantages[i], weights[i],
+                                                     config))
+                torch.stack(losses).sum().backward()
+            return [l.detach() for l in losses], [lp.detach() for lp in logps], meter
+        with _checkpointed(model) if mode == "naive" else nullcontext():
+            for i, y in enumerate(responses):
+                with recorder.phase("replay"):
+                    logp = replay(model, state, y) if mode == "replay" else naive_logprobs(model, prompt_ids, y)
+                    loss = grpo.response_loss(logp, old[i], ref and ref[i], advantages[i], weights[i], config)
+                    loss.backward()
+                losses.append(loss.detach())
+                logps.append(logp.detach())
+                del logp, loss
+    return losses, logps, meter
+
+
+def _grad_norm(model) -> float:
+    norms = [p.grad.detach().float().norm() for p in model.parameters() if p.grad is not None]
+    return float(torch.stack(norms).norm()) if norms else 0.0

@@ -1,0 +1,181 @@
+"""capture() and replay(): the transaction's two halves (DESIGN.md §1, API in §4).
+
+    from longstraw import capture, replay
+    state = capture(model, prompt_ids)          # no autograd; ResidentState over prompt[:-1]
+    logp = replay(model, state, response_ids)   # float32 [R] under autograd; state unchanged
+
+Capture walks the prompt (minus its last token) in chunks, writing each attention layer's K/V
+into preallocated pages and carrying GDN states forward. Two loop orders give the same state:
+chunk-major (each chunk through all layers; transient memory independent of the prompt length)
+and layer-major (the whole prompt through one layer at a time; holds [P, hidden] activations,
+used when they fit the memory budget). Replay feeds the last prompt token and the response
+(minus its last token) on top of the pages, so every response token has a full autograd path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from longstraw.core import exact
+from longstraw.cp.capture import capture_sharded
+from longstraw.families import adapter_for
+from longstraw.kernels.logprobs import token_logprobs
+from longstraw.measure.memory import synchronize
+from longstraw.measure.progress import CaptureProgress
+from longstraw.state import RecurrentState, ResidentState, chain_host_pages, prompt_digest
+
+DEFAULT_CHUNK = {"cpu": 2048, "cuda": 16384}
+
+
+def _as_ids(ids, name: str, adapter) -> torch.Tensor:
+    if not isinstance(ids, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.LongTensor, got {type(ids).__name__}")
+    if ids.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"{name} must hold integer token ids (int64), got dtype {ids.dtype}")
+    if ids.dim() == 2 and ids.shape[0] == 1:
+        ids = ids[0]
+    if ids.dim() != 1:
+        raise ValueError(f"{name} must be 1-D or [1, n], got shape {tuple(ids.shape)}")
+    if ids.numel() == 0:
+        raise ValueError(f"{name} is empty")
+    if ids.device != adapter.device:
+        raise ValueError(f"{name} is on {ids.device} but the model is on {adapter.device}")
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= adapter.vocab_size:
+        raise ValueError(f"{name} has ids outside the vocabulary [0, {adapter.vocab_size}): min {low}, max {high}")
+    return ids.long()
+
+
+def capture(model, prompt_ids, prefix_grad: bool = False, *, chunk_size: int | None = None, order: str = "auto",
+            memory_budget_bytes: int | None = None, progress: bool | None = None, cp=None,
+            host_pages: bool = False, beyond_max_positions: bool = False) -> ResidentState:
+    """Evaluate the prompt once without autograd and keep only its resident state.
+
+    `host_pages=True` (MLA family) keeps the latent and index-key pages in (pinned) host memory;
+    each layer reads them from there when it runs (`LatentPages`).
+
+    `prefix_grad=True` is the exact mode (`longstraw.core.exact`): replays also accumulate the
+    pages' gradients and `state.backward_prefix()` adds the prompt-side term. `cp` (a
+    `longstraw.cp.CPGroup`) shards the capture over the context-parallel ranks
+    (`longstraw.cp.capture`); `replay` and `score` then take the sharded state unchanged. A prompt
+    longer than the model's `max_position_embeddings` is refused unless `beyond_max_positions`."""
+    adapter = adapter_for(model)
+    ids = _as_ids(prompt_ids, "prompt_ids", adapter)
+    device, dtype = adapter.device, adapter.compute_dtype
+    positions = ids.numel() - 1
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
+    chunk = chunk_size or DEFAULT_CHUNK.get(device.type, 2048)
+    limit = getattr(adapter.config, "max_position_embeddings", None)
+    if limit and ids.numel() > limit and not beyond_max_positions:
+        raise ValueError(f"the prompt has {ids.numel()} tokens but the model was configured for at most {limit} "
+                         "positions (max_position_embeddings); pass beyond_max_positions=True "
+                         "(config: capture.beyond_max_positions) to capture it anyway")
+    if cp is not None:
+        if prefix_grad or host_pages:
+            raise ValueError("prefix_grad=True (exact mode) and host_pages=True are not implemented for a "
+                             "context-parallel capture")
+        return _bind(capture_sharded(model, ids, cp, chunk, progress), adapter, ids)
+    per_position, constant = adapter.predicted_bytes(dtype)
+    host = {}
+    if host_pages:
+        if not adapter.supports_host_pages:
+            raise ValueError(f"host_pages=True: {adapter.config.model_type!r} models keep no host-resident pages "
+                             "(supported: the MLA family)")
+        if prefix_grad:
+            raise ValueError("host_pages=True cannot be combined with prefix_grad=True (exact mode)")
+        host = {"host": True}
+    state = ResidentState(
+        layers=[adapter.allocate_entry(i, positions, dtype, device, **host) for i in range(adapter.num_layers)],
+        positions=positions, last_token=int(ids[-1]), model_type=adapter.config.model_type,
+        predicted_bytes_per_position=per_position, predicted_constant_bytes=constant, dtype=dtype, device=device,
+    )
+    _bind(state, adapter, ids)
+    chain_host_pages(state.layers)
+    if order == "auto":
+        budget = memory_budget_bytes if memory_budget_bytes is not None else _default_budget(device)
+        hidden_bytes = positions * adapter.config.hidden_size * torch.empty((), dtype=dtype).element_size()
+        order = "layer" if adapter.layer_major_capture and 2 * hidden_bytes <= budget else "chunk"
+    if order not in ("chunk", "layer"):
+        raise ValueError(f"order must be 'auto', 'chunk' or 'layer', got {order!r}")
+    starts = range(0, positions, chunk)
+    # exact mode: each GDN layer's state at every chunk boundary, for the reverse recompute
+    checkpoints = {} if prefix_grad else None
+
+    def forward_layer(i, h, pe, entry, start):
+        if checkpoints is not None and isinstance(entry, RecurrentState):
+            checkpoints[(i, start)] = (entry.conv_BCK1.clone(), entry.recurrent_BHDV.clone())
+        return adapter.layer_forward(i, h, pe, entry, capturing=True)
+
+    progress_bar = CaptureProgress(positions if order == "chunk" else positions * adapter.num_layers, progress,
+                                   label=f"capture ({order}-major)")
+    with torch.no_grad(), adapter.selected():
+        if order == "chunk":
+            for start in starts:
+                h = adapter.embed(ids[None, start:min(start + chunk, positions)])
+                pe = adapter.position_embeddings(h, start)
+                for i, entry in enumerate(state.layers):
+                    h = forward_layer(i, h, pe, entry, start)
+                progress_bar.advance_to(min(start + chunk, positions))
+        else:
+            h_all = adapter.embed(ids[None, :positions])
+            for i, entry in enumerate(state.layers):
+                for start in starts:
+                    h = h_all[:, start:start + chunk]
+                    pe = adapter.position_embeddings(h, start)
+                    h_all[:, start:start + chunk] = forward_layer(i, h, pe, entry, start)
+                progress_bar.advance_to((i + 1) * positions, label=f"capture layer {i + 1}/{adapter.num_layers}")
+            del h_all
+    progress_bar.close()
+    synchronize(device)
+    if prefix_grad:
+        exact.enable(state, model, ids, chunk, checkpoints)
+    return state
+
+
+def _bind(state: ResidentState, adapter, ids) -> ResidentState:
+    """Record the model and the prompt the state belongs to (`check_state` compares them)."""
+    state.binding, state.prompt = adapter.binding(), prompt_digest(ids)
+    return state
+
+
+def check_state(adapter, state) -> None:
+    """Refuse a state that does not belong to the adapter's model (its layers, shapes, weights, device, dtype)."""
+    if not isinstance(state, ResidentState):
+        raise TypeError(f"state must be a ResidentState from capture(), got {type(state).__name__}")
+    if state.model_type != adapter.config.model_type:
+        raise ValueError(f"state was captured from a {state.model_type!r} model, not {adapter.config.model_type!r}")
+    if state.device != adapter.device:
+        raise ValueError(f"state is on {state.device} but the model is on {adapter.device}")
+    if state.dtype != adapter.compute_dtype:
+        raise TypeError(f"state pages are {state.dtype} but the model computes in {adapter.compute_dtype}")
+    state.check_model(adapter.binding())
+
+
+def _default_budget(device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free // 8
+    return 512 << 20
+
+
+def replay(model, state: ResidentState, response_ids, *, rows_per_chunk: int | None = None) -> torch.Tensor:
+    """float32 [R] log p(y_t | prompt, y_<t) under autograd, computed on top of `state`."""
+    adapter = adapter_for(model)
+    check_state(adapter, state)
+    targets = _as_ids(response_ids, "response_ids", adapter)
+    inputs = torch.cat([targets.new_tensor([state.last_token]), targets[:-1]])
+    with adapter.selected():
+        h = adapter.embed(inputs[None])
+        pe = adapter.position_embeddings(h, state.positions)
+        for i, entry in enumerate(state.layers):
+            h = adapter.layer_forward(i, h, pe, entry, capturing=False)
+        h = adapter.final_hidden(h)[0]
+    kwargs = {"rows_per_chunk": rows_per_chunk} if rows_per_chunk else {}
+    return token_logprobs(h, adapter.lm_head, targets, **kwargs)
+
+
+def score(model, state: ResidentState, response_ids, **kwargs) -> torch.Tensor:
+    """Graph-free log-probs (old-policy or reference scoring) from the same state."""
+    with torch.no_grad():
+        return replay(model, state, response_ids, **kwargs)

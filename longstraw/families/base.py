@@ -1,0 +1,134 @@
+"""The family-adapter interface and the pre-norm decoder layer every supported family shares.
+
+An adapter wraps one HF causal LM (peft-wrapped or not). The core (`longstraw.core.transaction`) only
+calls: `embed`, `position_embeddings`, `layer_forward`, `final_hidden`, `lm_head`,
+`allocate_entry`, `predicted_bytes`, `binding`. A family implements `allocate_entry(i, ...)` (which
+resident entry layer i keeps), `mix(i, x, pe, entry, capturing)` (its token mixing) and
+`predicted_bytes`; everything per-token (norms, MLP / MoE) runs through the HF modules.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+
+from longstraw.families.attention_layer import longstraw_attention_selected
+from longstraw.state import ModelBinding
+
+# config fields that size a resident entry (absent ones read None)
+_SHAPE_KEYS = ("hidden_size", "num_key_value_heads", "head_dim", "linear_num_key_heads", "linear_num_value_heads",
+               "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim", "kv_lora_rank",
+               "qk_rope_head_dim", "index_head_dim")
+_SAMPLES = 16  # elements read from each frozen weight for the binding's checksum
+
+
+def unwrap_causal_lm(model):
+    """The HF causal LM inside a peft wrapper (LoRA layers stay injected in its modules)."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+class FamilyAdapter:
+    model_types: tuple[str, ...] = ()
+    layer_major_capture = True  # capture(order="auto") may pick layer-major when activations fit
+    supports_host_pages = False  # capture(host_pages=True): allocate_entry(..., host=True)
+
+    def __init__(self, model):
+        self.model = model
+        self.lm = unwrap_causal_lm(model)
+        self.config = self.lm.config
+        self.decoder = self.lm.model
+        self.layers = self.decoder.layers
+
+    # ---- what a family defines ----
+    def allocate_entry(self, layer_idx: int, positions: int, dtype, device):
+        raise NotImplementedError
+
+    def mix(self, layer_idx: int, x_BTH, position_embeddings, entry, capturing: bool):
+        raise NotImplementedError
+
+    def predicted_bytes(self, dtype) -> tuple[int, int]:
+        """(bytes per prompt position, constant bytes) of the resident state, from the config."""
+        raise NotImplementedError
+
+    # ---- shared machinery ----
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.lm.get_input_embeddings().weight.shape[0]
+
+    @property
+    def compute_dtype(self):
+        return self.lm.get_input_embeddings().weight.dtype
+
+    @property
+    def device(self):
+        return self.lm.get_input_embeddings().weight.device
+
+    def selected(self):
+        """Context in which the HF attention modules dispatch to the paged implementation."""
+        configs = {id(m.config): m.config for m in self.lm.modules() if hasattr(m, "config")
+                   and hasattr(m.config, "_attn_implementation_internal")}
+        return longstraw_attention_selected(configs.values()) if configs else nullcontext()
+
+    def binding(self) -> ModelBinding:
+        """What a state captured now depends on (`ResidentState.check_model` compares it)."""
+        mixers = tuple(type(getattr(layer, "linear_attn", None) or layer.self_attn).__name__ for layer in self.layers)
+        shapes = tuple((k, getattr(self.config, k, None)) for k in _SHAPE_KEYS)
+        structure = (self.config.model_type, self.num_layers, mixers, shapes, str(self.compute_dtype))
+        named = list(self.lm.named_parameters())
+        # peft's adapter weights are the trainable ones (disabling the adapter turns their grad off for a while)
+        frozen = [p for n, p in named if not p.requires_grad and "lora_" not in n]
+        return ModelBinding(structure, hash(tuple(p.data_ptr() for _, p in named)), _frozen_checksum(self.lm, frozen))
+
+    def embed(self, ids_BT):
+        return self.lm.get_input_embeddings()(ids_BT)
+
+    def position_embeddings(self, h_BTH, start: int):
+        positions = torch.arange(start, start + h_BTH.shape[1], device=h_BTH.device)[None]
+        rotary = self.decoder.rotary_emb
+        if hasattr(rotary, "mrope_section"):  # multimodal rotary: text positions on all three axes
+            positions = positions[None].expand(3, -1, -1)
+        return rotary(h_BTH, positions)
+
+    def layer_forward(self, layer_idx: int, h_BTH, position_embeddings, entry, capturing: bool):
+        """Pre-norm residual block, as every supported HF decoder layer computes it."""
+        layer = self.layers[layer_idx]
+        mixed = self.mix(layer_idx, layer.input_layernorm(h_BTH), position_embeddings, entry, capturing)
+        h_BTH = h_BTH + mixed
+        return h_BTH + self._mlp(layer, h_BTH)
+
+    @staticmethod
+    def _mlp(layer, h_BTH):
+        out = layer.mlp(layer.post_attention_layernorm(h_BTH))
+        return out[0] if isinstance(out, tuple) else out  # some MoE blocks also return router logits
+
+    def final_hidden(self, h_BTH):
+        return self.decoder.norm(h_BTH)
+
+    @property
+    def lm_head(self):
+        return self.lm.get_output_embeddings()
+
+
+def _frozen_checksum(lm, frozen) -> float:
+    """A sampled checksum of the frozen weights, kept on the model while they are unchanged (their
+    storages and version counters say so), so checking a state costs one device sync per change."""
+    frozen = [p for p in frozen if p.numel()]
+    key = tuple((p.data_ptr(), p._version) for p in frozen)
+    cached = getattr(lm, "_longstraw_frozen_checksum", None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    by_device: dict = {}
+    with torch.no_grad():
+        for p in frozen:
+            flat = p.detach().reshape(-1)
+            at = torch.linspace(0, flat.numel() - 1, min(_SAMPLES, flat.numel()), device=flat.device).long()
+            by_device.setdefault(flat.device, []).append((flat[at].double() * (at + 1)).sum())
+        value = sum(float(torch.stack(sums).sum()) for sums in by_device.values())
+    lm._longstraw_frozen_checksum = (key, value)
+    return value

@@ -1,0 +1,32 @@
+"""Dense GQA family (llama, qwen3, glm4_moe): every layer is full attention with K/V pages."""
+
+from __future__ import annotations
+
+import torch
+
+from longstraw.families.attention_layer import attention_mix
+from longstraw.families.base import FamilyAdapter
+from longstraw.state import AttentionPages
+
+
+def attention_page_bytes(config, dtype) -> int:
+    """K + V bytes per position of one attention layer."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 2 * config.num_key_value_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def allocate_attention_pages(attn_module, config, positions, dtype, device) -> AttentionPages:
+    return AttentionPages.allocate(config.num_key_value_heads, positions, attn_module.head_dim, dtype, device)
+
+
+class DenseAdapter(FamilyAdapter):
+    model_types = ("llama", "qwen3", "glm4_moe")
+
+    def allocate_entry(self, layer_idx, positions, dtype, device):
+        return allocate_attention_pages(self.layers[layer_idx].self_attn, self.config, positions, dtype, device)
+
+    def mix(self, layer_idx, x_BTH, position_embeddings, entry, capturing):
+        return attention_mix(self.layers[layer_idx].self_attn, x_BTH, position_embeddings, entry, capturing)
+
+    def predicted_bytes(self, dtype):
+        return self.num_layers * attention_page_bytes(self.config, dtype), 0

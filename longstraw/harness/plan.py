@@ -1,0 +1,149 @@
+"""Experiment files -> the points a profile runs (what the Snakemake workflow expands).
+
+    longstraw plan --profile cpu                 # list every point
+    longstraw point experiments/g_sweep.yaml --profile cpu --point mode-replay_count-8 \
+        --out results/cpu/points/g_sweep/mode-replay_count-8.json
+
+An experiment file (schema: `experiment.schema.yaml` beside this module, shipped with the
+package) holds shared settings (`base`) and, per profile, more settings plus a `grid` (cartesian
+product of dotted-key value lists) and/or explicit `points`. A point's config = base, then the
+profile's base, then the point's values; it is resolved here, once, into a typed `PointConfig`
+and checked through to the names it uses (presets, V4's task), so a malformed file fails when the
+plan is made, naming the file and the key. No torch is imported unless a point trains on a task.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import re
+from importlib import resources
+from pathlib import Path
+
+import jsonschema
+import yaml
+
+from longstraw.config import ConfigError, PointConfig, resolve_point
+from longstraw.config.point import trainer_mapping
+from longstraw.config.train import resolve_train
+from longstraw.models.presets import check_preset
+
+PROFILES = ("cpu", "h200")
+
+
+def schema() -> dict:
+    return yaml.safe_load(resources.files("longstraw.harness").joinpath("experiment.schema.yaml").read_text())
+
+
+def load_experiment(path) -> dict:
+    """Read and schema-validate one experiment file; errors name the file and the key."""
+    path = Path(path)
+    try:
+        experiment = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ValueError(f"{path}: not valid YAML: {exc}") from None
+    errors = sorted(jsonschema.Draft202012Validator(schema()).iter_errors(experiment), key=lambda e: list(e.path))
+    if errors:
+        first = errors[0]
+        where = ".".join(str(p) for p in first.path) or "<top level>"
+        raise ValueError(f"{path}: {where}: {first.message}")
+    if experiment["name"] != path.stem:
+        raise ValueError(f"{path}: name: {experiment['name']!r} must equal the file name {path.stem!r}")
+    return experiment
+
+
+def resolve(raw, source: str = "config") -> PointConfig:
+    """A point config, typed and checked through to the names it uses, before any work."""
+    cfg = raw if isinstance(raw, PointConfig) else resolve_point(raw, source)
+    named = ([] if cfg.model.path else [("model.preset", cfg.model.preset)]) + [
+        (f"validation.presets[{i}]", name) for i, name in enumerate(cfg.validation.presets)]
+    for key, name in named:
+        try:
+            check_preset(name)
+        except ValueError as exc:
+            raise ConfigError(f"{source}: {key}: {exc}") from None
+    if cfg.kind == "validation" and "V4" in cfg.validation.levels:
+        from longstraw.training.tasks import check_task_spec
+
+        train = resolve_train(trainer_mapping(cfg, cfg.optimizer.lr, "unused"), f"{source}: validation.train")
+        check_task_spec(train.task, f"{source}: validation.train.task")
+    return cfg
+
+
+def set_dotted(config: dict, dotted: str, value, source: str = "config") -> None:
+    """config[a][b][c] = value for "a.b.c"; a key on the way that holds a value, not a mapping, is refused."""
+    *parents, leaf = dotted.split(".")
+    node, walked = config, []
+    for key in parents:
+        walked.append(key)
+        child = node.setdefault(key, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{source}: {'.'.join(walked)} is {child!r}, not a mapping: cannot set {dotted}")
+        node = child
+    node[leaf] = value
+
+
+def _deep_merge(a: dict, b: dict) -> dict:
+    out = copy.deepcopy(a)
+    for key, value in (b or {}).items():
+        out[key] = _deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) \
+            else copy.deepcopy(value)
+    return out
+
+
+def _grid_name(assignment: dict) -> str:
+    parts = [f"{key.rsplit('.', 1)[-1]}-{value}" for key, value in assignment.items()]
+    return re.sub(r"[^A-Za-z0-9_.-]", "-", "_".join(parts)) or "default"
+
+
+def expand(experiment: dict, profile: str, source: str = "experiment") -> dict[str, dict]:
+    """{point name: {"config": resolved PointConfig, "grid": varied values}} for one profile."""
+    settings = experiment["profiles"].get(profile)
+    if settings is None:
+        return {}
+    # the experiment's kind, unless a base (or a point's `set`) names another
+    base = _deep_merge(_deep_merge({"kind": experiment["kind"]}, experiment.get("base", {})), settings.get("base", {}))
+    assignments = []
+    grid = settings.get("grid", {})
+    if grid or not settings.get("points"):
+        keys = list(grid)
+        for values in itertools.product(*(grid[k] for k in keys)):
+            assignment = dict(zip(keys, values))
+            assignments.append((_grid_name(assignment), assignment))
+    assignments += [(p["name"], dict(p.get("set", {}))) for p in settings.get("points", [])]
+    points = {}
+    for name, assignment in assignments:
+        if name in points:
+            raise ValueError(f"{source}: profiles.{profile}: point name {name!r} appears twice")
+        where = f"{source} [profile {profile}, point {name}]"
+        config = copy.deepcopy(base)
+        for dotted, value in assignment.items():
+            set_dotted(config, dotted, value, where)
+        config["name"] = f"{experiment['name']}/{name}"
+        points[name] = {"config": resolve(config, where), "grid": assignment}
+    return points
+
+
+def plan(experiments_dir, profile: str) -> dict[str, dict]:
+    """{experiment name: {"path", "title", "points"}} for every experiment file defining `profile`."""
+    if profile not in PROFILES:
+        raise ValueError(f"unknown profile {profile!r}; known: {PROFILES}")
+    out = {}
+    for path in sorted(Path(experiments_dir).glob("*.yaml")):
+        experiment = load_experiment(path)
+        points = expand(experiment, profile, source=str(path))
+        if points:
+            out[experiment["name"]] = {"path": str(path), "title": experiment["title"], "points": points}
+    return out
+
+
+def launcher(cp_size: int, python: str | None = None) -> str:
+    """The command that starts a point: one process, or torchrun with one process per
+    context-parallel rank on this node (`python -m torch.distributed.run` is torchrun)."""
+    start = f"{python} -m torch.distributed.run" if python else "torchrun"
+    prefix = f"{python} -m longstraw" if python else "longstraw"
+    return prefix if cp_size == 1 else f"{start} --standalone --nproc-per-node {cp_size} -m longstraw"
+
+
+def point_command(path, profile: str, point: str, out, cp_size: int = 1) -> str:
+    return f"{launcher(cp_size)} point {path} --profile {profile} --point {point} --out {out}"

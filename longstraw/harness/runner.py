@@ -1,0 +1,83 @@
+"""One experiment point: its resolved config -> one measured result dict (status ok / oom / error).
+
+    python -m longstraw run experiments/examples/step_cpu.yaml --out results/step.json
+
+The point's kind (`longstraw.kinds.<kind>`) runs it; every result carries provenance and the
+resolved config. Out-of-memory is a result, not a crash.
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+import traceback
+
+import torch
+
+from longstraw.config import PointConfig, to_mapping
+from longstraw.cp import context_parallel
+from longstraw.kinds.common import Progress
+from longstraw.measure.memory import peak_rss_bytes, process_peak_allocated_bytes
+from longstraw.measure.provenance import provenance
+from longstraw.harness.plan import resolve
+
+
+def run_point(raw, source: str = "config", on_progress=None) -> dict:
+    """Run one experiment point; never raises for OOM or runtime failure (recorded as status).
+    A bad config raises ValueError before anything runs.
+
+    `on_progress(partial_result)` is called after each finished step of a `sweep` or `staleness`
+    point, so a run cut off later still leaves what it measured.
+    """
+    cfg = resolve(raw, source)
+    device = torch.device(cfg.model.device)
+    cp = _context_parallel(cfg, source)
+    if cp is not None and cp.rank != 0:
+        on_progress = None  # rank 0 writes the result
+    result = {"name": cfg.name, "kind": cfg.kind, "config": to_mapping(cfg), "provenance": provenance(device)}
+    start = time.perf_counter()
+
+    def partial(metrics):
+        if on_progress:
+            on_progress({**result, "status": "partial", "metrics": metrics, "wall_seconds": time.perf_counter() - start})
+
+    try:
+        kind = importlib.import_module(f"longstraw.kinds.{cfg.kind}")
+        result["metrics"] = kind.run(cfg, device, Progress(partial))
+        result["status"] = "ok"
+    except torch.OutOfMemoryError as exc:
+        result["status"] = "oom"
+        result["error"] = str(exc).splitlines()[0]
+        if device.type == "cuda":
+            result["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(device)
+    except Exception as exc:  # recorded, not swallowed: the CLI exits non-zero on status error
+        result["status"] = "error"
+        result["error"] = f"{type(exc).__name__}: {exc}"
+        result["traceback"] = traceback.format_exc()
+    result["wall_seconds"] = time.perf_counter() - start
+    result["peak_rss_bytes"] = peak_rss_bytes()
+    if cp is not None:
+        result["cp"] = _rank_records(cp, result)
+    return result
+
+
+def _context_parallel(cfg: PointConfig, source: str):
+    """The run's CP group (None for a single process); kinds without a resident state refuse it."""
+    cp = context_parallel(cfg.cp_size, torch.device(cfg.model.device).type)
+    if cp is not None and cp.world > 1 and (cfg.kind == "capacity" or cfg.mode == "naive"):
+        raise ValueError(f"{source}: cp_size={cp.world} shards a captured prompt; kind {cfg.kind!r} with mode "
+                         f"{cfg.mode!r} has none to shard (capacity probes run as single processes)")
+    return cp
+
+
+def _rank_records(cp, result: dict) -> dict:
+    """Per-rank memory, gathered to rank 0: {"size", "rank", "ranks": [per rank] (rank 0 only)}.
+    A rank's peak is its process's CUDA max_memory_allocated (across phases) or its peak RSS."""
+    record = {"rank": cp.rank, "device": str(cp.device), "status": result["status"],
+              "resident_bytes": cp.resident_bytes, "peak_rss_bytes": peak_rss_bytes()}
+    if cp.device.type == "cuda":
+        record["peak_allocated_bytes"] = process_peak_allocated_bytes(cp.device)
+    ranks = cp.gather_objects(record)
+    return {"size": cp.world, "rank": cp.rank, **({"ranks": ranks} if ranks is not None else {})}
+
+

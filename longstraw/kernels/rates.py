@@ -1,0 +1,80 @@
+"""Kernel rates measured in the same run as the experiment they judge (CUDA only).
+
+    rates = measure_kernel_rates(model.config, response_length=2048, dtype=torch.bfloat16, device="cuda")
+
+- `causal_sdpa`: torch's own `scaled_dot_product_attention(is_causal=True)` (whichever backend
+  torch picks) over `sdpa_positions` tokens with the model's attention heads: the rate capture's
+  attention is judged against.
+- `flash_forward`, `flash_backward`, `cudnn_forward`: the block kernels paged attention calls, on
+  one prefix block of replay's shape (the model's query heads folded over its K/V heads, times the
+  response length, against `CUDA_BLOCK_SIZE` keys): the rates replay's FLOP floor uses.
+- `gemm`: a square bf16 matmul, for the linear part of the floor.
+Each is timed after one warm-up call, with device syncs around the timed calls.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+
+from longstraw.kernels.paged_attention import CUDA_BLOCK_SIZE, _cudnn_block_fwd, _flash_block_bwd, _flash_block_fwd
+from longstraw.measure.flops import BACKWARD_OVER_FORWARD, attention_forward_flops, head_dim
+
+
+def _timed(fn, device, repeats: int) -> float:
+    fn()
+    torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    torch.cuda.synchronize(device)
+    return (time.perf_counter() - start) / repeats
+
+
+def _rate(flops: int, seconds: float, **shape) -> dict:
+    return {"flops": flops, "seconds": seconds, "tflops_per_second": flops / seconds / 1e12, **shape}
+
+
+def causal_sdpa_rate(heads: int, head_dim: int, positions: int, dtype, device) -> dict:
+    q, k, v = (torch.randn(1, heads, positions, head_dim, dtype=dtype, device=device) for _ in range(3))
+    seconds = _timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), device, repeats=1)
+    return _rate(attention_forward_flops(heads, head_dim, positions, 0), seconds, heads=heads, head_dim=head_dim,
+                 positions=positions)
+
+
+def block_rates(heads: int, kv_heads: int, head_dim: int, response_length: int, dtype, device,
+                keys: int = CUDA_BLOCK_SIZE, repeats: int = 8) -> dict:
+    rows = heads // kv_heads * response_length
+    q, do = (torch.randn(1, kv_heads, rows, head_dim, dtype=dtype, device=device) for _ in range(2))
+    k, v = (torch.randn(1, kv_heads, keys, head_dim, dtype=dtype, device=device) for _ in range(2))
+    scale = head_dim ** -0.5
+    out, lse = _flash_block_fwd(q, k, v, scale)
+    lse = lse.contiguous()
+    flops = 4 * kv_heads * rows * keys * head_dim
+    shape = {"kv_heads": kv_heads, "rows": rows, "keys": keys, "head_dim": head_dim}
+    rates = {
+        "flash_forward": _rate(flops, _timed(lambda: _flash_block_fwd(q, k, v, scale), device, repeats), **shape),
+        "flash_backward": _rate(int(BACKWARD_OVER_FORWARD * flops), _timed(
+            lambda: _flash_block_bwd(do, q, k, v, out, lse, scale), device, repeats), **shape),
+    }
+    if head_dim <= 128 and (torch.backends.cudnn.version() or 0) >= 90000:
+        rates["cudnn_forward"] = _rate(flops, _timed(lambda: _cudnn_block_fwd(q, k, v, scale), device, repeats),
+                                       **shape)
+    return rates
+
+
+def gemm_rate(dtype, device, n: int = 8192, repeats: int = 8) -> dict:
+    a, b = (torch.randn(n, n, dtype=dtype, device=device) for _ in range(2))
+    return _rate(2 * n ** 3, _timed(lambda: a @ b, device, repeats), n=n)
+
+
+def measure_kernel_rates(config, *, response_length: int, dtype, device, sdpa_positions: int = 1 << 20) -> dict:
+    heads, dim = config.num_attention_heads, head_dim(config)
+    rates = {"causal_sdpa": causal_sdpa_rate(heads, dim, sdpa_positions, dtype, device)}
+    torch.cuda.empty_cache()
+    rates.update(block_rates(heads, config.num_key_value_heads, dim, response_length, dtype, device))
+    rates["gemm"] = gemm_rate(dtype, device)
+    torch.cuda.empty_cache()
+    return rates

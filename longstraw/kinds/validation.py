@@ -1,0 +1,410 @@
+"""The four validation levels of DESIGN.md §6, measured path by path.
+
+    longstraw validate experiments/validation.yaml --profile cpu --out results/validation-cpu.json
+    longstraw point experiments/validation.yaml --profile cpu --point families --out r.json   # one point
+
+A path is model family x gradient mode x scale (prompt positions, model, device). Gradient modes:
+`response-only` (the paper's: capture, replay, the conditional-response gradient) and `exact`
+(`capture(..., prefix_grad=True)` + `state.backward_prefix()`: the full-sequence gradient). Every
+level gives {level, reached (True / False; None: not run), tolerance, evidence (numbers), scale, note}.
+
+- V1 executes: one GRPO step (`grpo_step`, mode replay; exact: `prefix_grad=True`) on the point's
+  seeded prompt, responses and rewards completes with a finite loss and gradient norm, the resident
+  state's fingerprint unchanged after all replays, and on CUDA every phase's peak allocated bytes
+  below the device's total memory (on CPU there is no ceiling: completing is the check). Exact mode
+  also reports backward_prefix's time and peak against the capture's.
+- V2 conditional-response parity: the gradient of L = sum_i sum_t w_it log p(y_it | p, y_i<t) (w
+  seeded uniform in [-1, 2]: any objective of the log-probs reaches the parameters through such a
+  vector-Jacobian product) from our replays (exact mode: before backward_prefix) against the same L
+  through `hf_conditional_logprobs` (HF forward of p[:-1] without grad into a cache, then p[-1] + y
+  on it with grad). Reached when ||g - g_ref|| / ||g_ref|| over the whole trainable gradient vector
+  is within the tolerance: 1e-4 in float32. In bfloat16 / float16 both sides carry rounding noise
+  that grows with the prompt, so a fixed tolerance says little at long context: there both gradients
+  are also compared with the reference computed on a float32 copy of the model (g32), and the level is
+  reached when ||g - g32|| / ||g32|| <= max(2e-2, 2 x ||g_ref - g32|| / ||g32||), i.e. our path is
+  no further from float32 than twice HF's own low-precision path (NF4 models, which have no float32
+  copy, and points where HF's float32 pass runs out of memory keep the fixed 2e-2, and say so). Whole vector, not per parameter: HF's own one-pass and cache paths
+  differ by ~1% on Gated DeltaNet's tiny decay-parameter gradients (`hf_reference.global_relative_error`).
+- V3 full-sequence parity: the same gradient against HF one-pass autograd over p + y
+  (`hf_full_logprobs`). Exact mode: reached within the same tolerance. Response-only mode drops the
+  prompt-side term by design, so it is not reached; its evidence is the gap: the cosine between our
+  gradient and the full one, and ||g_full - g|| / ||g_full||, the relative norm of the dropped term.
+- V4 policy improvement: the trainer (`longstraw.training.trainer`, response-only) on a verifiable task, run
+  twice from the same weights and seeds: with the point's learning rate and with 0. Pooling the
+  per-response rewards of the first k steps (F), the last k steps (L) and the lr-0 run's last k
+  steps (Z), reached when mean(L) - mean(F) > 3 SE(L, F) and mean(L) - mean(Z) > 3 SE(L, Z), with
+  SE(A, B) = sqrt(s_A^2 / n_A + s_B^2 / n_B) from sample variances. Simplification: responses of one
+  step share a prompt and parameters, so they are not independent; the SE treats them as if they
+  were (it understates the noise where a step's responses agree).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import tempfile
+from pathlib import Path
+
+import torch
+
+from longstraw.config import PointConfig
+from longstraw.config.point import VALIDATION_LEVELS, VALIDATION_MODES, trainer_mapping
+from longstraw.core.hf_reference import (global_cosine, global_norm, global_relative_error, grads_of,
+                                         hf_conditional_logprobs, hf_full_logprobs, hf_torch_gdn_kernels)
+from longstraw.core.step import StepOptions, grpo_step
+from longstraw.core.transaction import capture, replay
+from longstraw.kinds.common import Progress, capture_kwargs, optimizer_for, seeded_group, seeded_tokens
+from longstraw.measure.memory import PhaseRecorder
+from longstraw.measure.provenance import device_name
+from longstraw.models.policy import build_policy
+from longstraw.models.presets import PRESETS
+
+MODES, LEVELS = VALIDATION_MODES, VALIDATION_LEVELS
+TOLERANCES = {"float32": 1e-4, "float64": 1e-4, "bfloat16": 2e-2, "float16": 2e-2}
+NOISE_FACTOR = 2.0  # low precision: our error to float32 may be this multiple of HF's own
+SIGMAS = 3.0  # V4: the gain must exceed this many standard errors
+V1_TOLERANCE = ("finite loss and gradient norm, resident fingerprint unchanged after all replays; CUDA: every "
+                "phase's peak allocated bytes below the device's total memory (CPU: completed, no ceiling)")
+
+
+def level(name: str, reached, tolerance: str, evidence: dict, scale: dict, note: str = "") -> dict:
+    return {"level": name, "reached": reached, "tolerance": tolerance, "evidence": evidence, "scale": scale,
+            "note": note}
+
+
+def not_run(name: str, scale: dict, note: str = "not run at this point") -> dict:
+    return level(name, None, "", {}, scale, note)
+
+
+def highest_level(levels: list[dict]) -> str:
+    """The highest level reached (levels are not nested: V4 can hold where V3 does not)."""
+    reached = [entry["level"] for entry in levels if entry["reached"]]
+    return max(reached, key=LEVELS.index) if reached else "none"
+
+
+# ------------------------------------------------------------------------------------------ V2, V3
+
+def objective_weights(responses, seed: int) -> list[torch.Tensor]:
+    """Per-token weights w_it, seeded uniform in [-1, 2] (float32, on the responses' device)."""
+    generator = torch.Generator().manual_seed(seed)
+    return [(torch.rand(y.numel(), generator=generator) * 3 - 1).to(y.device) for y in responses]
+
+
+def _trainable_grads(model) -> dict:
+    return {n: p.grad.detach().float().clone() for n, p in model.named_parameters()
+            if p.requires_grad and p.grad is not None}
+
+
+def _reference_gradient(model, logprobs, prompt, responses, weights) -> dict:
+    """Gradient of L through an HF reference, one response's graph at a time (HF's torch GDN
+    kernel: fla's backward fails on Hopper; our own capture keeps fla's forward)."""
+    with hf_torch_gdn_kernels(model):
+        grads = grads_of(model, ((logprobs(model, prompt, y) * w).sum() for y, w in zip(responses, weights)))
+    return {n: g.float() for n, g in grads.items()}
+
+
+def our_gradients(model, prompt, responses, weights, mode: str, capture_settings: dict) -> dict:
+    """{"conditional": after the replays, "exact": + backward_prefix (exact mode only)}."""
+    model.zero_grad(set_to_none=True)
+    state = capture(model, prompt, prefix_grad=mode == "exact", **capture_settings)
+    for y, w in zip(responses, weights):
+        (replay(model, state, y) * w).sum().backward()
+    grads = {"conditional": _trainable_grads(model)}
+    if mode == "exact":
+        state.backward_prefix()
+        grads["exact"] = _trainable_grads(model)
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def parity(ours: dict, reference: dict, tolerance: float, reference32: dict | None = None) -> tuple[bool, dict]:
+    """Whether `ours` matches `reference` (see the module doc); with `reference32`, the float32
+    gradient of the same reference, the low-precision criterion anchored to it."""
+    error = global_relative_error(ours, reference)
+    evidence = {"relative_error": error, "cosine": global_cosine(ours, reference),
+                "reference_norm": global_norm(reference), "parameters_compared": len(reference)}
+    if reference32 is None:
+        return error <= tolerance, evidence
+    evidence["relative_error_to_float32"] = global_relative_error(ours, reference32)
+    evidence["reference_error_to_float32"] = global_relative_error(reference, reference32)
+    allowed = max(tolerance, NOISE_FACTOR * evidence["reference_error_to_float32"])
+    evidence["allowed_error_to_float32"] = allowed
+    return evidence["relative_error_to_float32"] <= allowed, evidence
+
+
+def float32_copy(model, cfg: PointConfig):
+    """A float32 copy of the policy for the low-precision anchor, or None (float32 already, or NF4)."""
+    if cfg.model.dtype in ("float32", "float64") or cfg.model.nf4:
+        return None
+    return copy.deepcopy(model).float()
+
+
+def gradient_levels(model, prompt, responses, cfg: PointConfig, mode: str, scale: dict) -> dict:
+    """V2 and V3 (the ones `validation.levels` asks for) for one path."""
+    wanted = cfg.validation.levels
+    tol = tolerance(cfg)
+    weights = objective_weights(responses, cfg.validation.weights_seed)
+    ours = our_gradients(model, prompt, responses, weights, mode, capture_kwargs(cfg))
+    model32 = float32_copy(model, cfg)
+    anchor_wanted = model32 is not None
+    dtype = cfg.model.dtype
+    recorder = PhaseRecorder(prompt.device)  # the references' time and peak: what bounds V2/V3's scale
+
+    def reference_pair(logprobs, anchored=True):
+        """(HF's gradient, HF's on the float32 copy or None); once the float32 pass runs out of memory
+        the anchor is dropped for the rest of the path."""
+        nonlocal model32
+        with recorder.phase(logprobs.__name__):
+            reference = _reference_gradient(model, logprobs, prompt, responses, weights)
+        if model32 is None or not anchored:
+            return reference, None
+        try:
+            with recorder.phase(f"{logprobs.__name__}_float32"):
+                return reference, _reference_gradient(model32, logprobs, prompt, responses, weights)
+        except torch.OutOfMemoryError:  # HF's float32 pass keeps twice the activations: fixed tolerance then
+            pass
+        model32 = None  # (outside the handler: its traceback held the failed graph)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return reference, None
+
+    def reference_evidence(logprobs) -> dict:
+        return phase_evidence({n: r for n, r in recorder.phases.items() if n.startswith(logprobs.__name__)})
+
+    def compared(name, ours_g, logprobs, note):
+        """A level reached by parity with HF's `logprobs` path, anchored to float32 where it fits."""
+        reference, reference32 = reference_pair(logprobs)
+        reached, evidence = parity(ours_g, reference, tol, reference32)
+        if reference32 is not None:
+            stated = (f"||g - g32|| / ||g32|| <= max({tol:.0e}, {NOISE_FACTOR:g} x ||g_ref - g32|| / ||g32||) over "
+                      f"the whole gradient vector; g_ref: HF in {dtype}, g32: HF on a float32 copy")
+        elif anchor_wanted:
+            evidence["float32_anchor"] = "out of memory"
+            stated = (f"||g - g_ref|| / ||g_ref|| <= {tol:.0e} over the whole gradient vector ({dtype}; the float32 "
+                      "anchor did not fit in memory)")
+        else:
+            stated = f"||g - g_ref|| / ||g_ref|| <= {tol:.0e} over the whole gradient vector ({dtype})"
+        return level(name, reached, stated, {**evidence, **reference_evidence(logprobs)}, scale, note)
+
+    out = {}
+    if "V2" in wanted:
+        out["V2"] = compared("V2", ours["conditional"], hf_conditional_logprobs, "against HF's cache path (p[:-1] no "
+                             "grad, then p[-1] + y with grad)" + (", before backward_prefix" if mode == "exact" else ""))
+    if "V3" in wanted and mode == "exact":
+        out["V3"] = compared("V3", ours["exact"], hf_full_logprobs, "against HF one-pass autograd over p + y")
+    elif "V3" in wanted:  # response-only: the gap alone, not judged
+        full, _ = reference_pair(hf_full_logprobs, anchored=False)
+        _, evidence = parity(ours["conditional"], full, tol)
+        evidence["dropped_term_relative_norm"] = evidence.pop("relative_error")
+        out["V3"] = level("V3", False, "not reachable: response-only drops the prompt-side term by design; the gap "
+                          "is measured", {**evidence, **reference_evidence(hf_full_logprobs)}, scale,
+                          "gap to HF one-pass autograd over p + y: cosine and ||g_full - g|| / ||g_full||")
+    return out
+
+
+def phase_evidence(phases: dict) -> dict:
+    """{<phase>_seconds, <phase>_peak_allocated_bytes (CUDA)} of `PhaseRecorder` phases."""
+    out = {}
+    for name, record in phases.items():
+        out[f"{name}_seconds"] = record["seconds"]
+        if "peak_allocated_bytes" in record:
+            out[f"{name}_peak_allocated_bytes"] = record["peak_allocated_bytes"]
+    return out
+
+
+def tolerance(cfg: PointConfig) -> float:
+    stated = cfg.validation.tolerance
+    return float(stated) if stated is not None else TOLERANCES[cfg.model.dtype]
+
+
+# ---------------------------------------------------------------------------------------------- V1
+
+def execute(model, prompt, responses, rewards, cfg: PointConfig, mode: str, device, scale: dict) -> dict:
+    """V1: one GRPO step in replay mode (exact: with backward_prefix), checked and measured."""
+    options = StepOptions(mode="replay", capture=capture_kwargs(cfg), prefix_grad=mode == "exact")
+    metrics = grpo_step(model, prompt, responses, rewards, optimizer_for(model, cfg), cfg.grpo, options).metrics
+    phases = metrics["phases"]
+    finite = math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])
+    evidence = {"loss": metrics["loss"], "grad_norm": metrics["grad_norm"], "state_unchanged": metrics["state_unchanged"],
+                "replays": len(responses), "resident_bytes": metrics["resident_bytes"],
+                "step_seconds": sum(p["seconds"] for p in phases.values()), **phase_evidence(phases)}
+    if "prefix_backward" in phases:
+        evidence["prefix_backward_over_capture"] = phases["prefix_backward"]["seconds"] / phases["capture"]["seconds"]
+    under = True
+    if device.type == "cuda":
+        peak = max(p["peak_allocated_bytes"] for p in phases.values())
+        ceiling = torch.cuda.get_device_properties(device).total_memory
+        evidence.update(peak_allocated_bytes=peak, ceiling_bytes=ceiling)
+        under = peak < ceiling
+    else:
+        evidence["peak_rss_bytes"] = max(p["peak_rss_bytes"] for p in phases.values())
+    reached = finite and metrics["state_unchanged"] and under
+    return level("V1", reached, V1_TOLERANCE, evidence, scale,
+                 "one GRPO step, mode replay" + (" with backward_prefix" if mode == "exact" else ""))
+
+
+# ---------------------------------------------------------------------------------------------- V4
+
+def _mean_var(values: list[float]) -> tuple[float, float, int]:
+    n = len(values)
+    mean = sum(values) / n
+    var = sum((v - mean) ** 2 for v in values) / (n - 1) if n > 1 else 0.0
+    return mean, var, n
+
+
+def _gain(a: list[float], b: list[float]) -> tuple[float, float]:
+    """mean(a) - mean(b) and its standard error sqrt(s_a^2 / n_a + s_b^2 / n_b)."""
+    (ma, va, na), (mb, vb, nb) = _mean_var(a), _mean_var(b)
+    return ma - mb, math.sqrt(va / na + vb / nb)
+
+
+def improvement_decision(trained: list[list[float]], untrained: list[list[float]], window: int,
+                         sigmas: float = SIGMAS) -> tuple[bool, dict]:
+    """V4's rule on per-step lists of per-response rewards (the module docstring states it)."""
+    if window < 1 or 2 * window > len(trained) or window > len(untrained):
+        raise ValueError(f"window {window} needs at least {2 * window} trained steps and {window} lr-0 steps; "
+                         f"got {len(trained)} and {len(untrained)}")
+    first = [r for step in trained[:window] for r in step]
+    last = [r for step in trained[-window:] for r in step]
+    baseline = [r for step in untrained[-window:] for r in step]
+    over_first, se_first = _gain(last, first)
+    over_baseline, se_baseline = _gain(last, baseline)
+    reached = over_first > sigmas * se_first and over_baseline > sigmas * se_baseline
+    return reached, {
+        "first_mean": _mean_var(first)[0], "last_mean": _mean_var(last)[0], "lr0_last_mean": _mean_var(baseline)[0],
+        "gain_over_first": over_first, "gain_over_first_se": se_first,
+        "gain_over_lr0": over_baseline, "gain_over_lr0_se": se_baseline,
+        "window_steps": window, "responses_per_window": len(last), "steps": len(trained), "sigmas": sigmas,
+    }
+
+
+def policy_improvement(cfg: PointConfig, scale: dict, progress: Progress) -> dict:
+    from longstraw.training.trainer import Trainer
+
+    window = cfg.validation.window
+    runs = {}
+    with tempfile.TemporaryDirectory(prefix="longstraw-v4-") as tmp:
+        for name, lr in (("trained", cfg.optimizer.lr), ("untrained", 0.0)):
+            trainer = Trainer(trainer_mapping(cfg, lr, Path(tmp) / name), source="validation.train")
+            runs[name] = [m["rewards"] for m in trainer.run(resume=False)]
+            progress.line(f"V4 {name} run (lr {lr:g}): mean reward per step "
+                          + " ".join(f"{sum(r) / len(r):.2f}" for r in runs[name]))
+    reached, evidence = improvement_decision(runs["trained"], runs["untrained"], window)
+    evidence["lr"] = cfg.optimizer.lr
+    task = trainer.cfg.task
+    stated = (f"mean reward of the last {window} steps above the first {window} steps' and above the lr-0 run's "
+              f"last {window} steps', each by more than {SIGMAS:g} standard errors (per-response rewards pooled)")
+    return level("V4", reached, stated, evidence, {**scale, "prompt_positions": task.get("length")},
+                 f"trainer on {task.get('name')} ({', '.join(f'{k}={v}' for k, v in task.items() if k != 'name')}), "
+                 f"{trainer.cfg.sampling.num_samples} responses per step")
+
+
+# ------------------------------------------------------------------------------------------- paths
+
+def validate_path(cfg: PointConfig, mode: str, device, progress: Progress) -> dict:
+    """Every level `validation.levels` asks for, on one path (a fresh model: V1 steps its optimizer)."""
+    model = build_policy(cfg.model)
+    vocab = model.get_input_embeddings().weight.shape[0]
+    prompt = seeded_tokens(cfg.prompt.length, cfg.prompt.seed, vocab, device)
+    responses, rewards = seeded_group(cfg, cfg.responses.count, vocab, device)
+    model_name = cfg.model.path or cfg.model.preset
+    scale = {"prompt_positions": int(prompt.numel()), "model": model_name, "device": device_name(device),
+             "dtype": cfg.model.dtype}
+    wanted = cfg.validation.levels
+    done = {}
+    if "V2" in wanted or "V3" in wanted:  # before V1, whose optimizer step moves the weights
+        done.update(gradient_levels(model, prompt, responses, cfg, mode, scale))
+    if "V1" in wanted:
+        done["V1"] = execute(model, prompt, responses, rewards, cfg, mode, device, scale)
+    del model
+    if "V4" in wanted:
+        done["V4"] = policy_improvement(cfg, scale, progress) if mode == "response-only" else not_run(
+            "V4", scale, "the trainer steps in response-only mode; V4 is not run for exact mode")
+    levels = [done.get(name) or not_run(name, scale) for name in LEVELS]
+    path = {"model": model_name, "model_type": _model_type(cfg), "gradient_mode": mode, "scale": scale,
+            "levels": levels, "highest_level": highest_level(levels)}
+    for entry in levels:
+        progress.line(f"{model_name} {mode} {entry['level']}: {describe(entry)}")
+    return path
+
+
+def _model_type(cfg: PointConfig) -> str:
+    if cfg.model.path:
+        return Path(cfg.model.path).name
+    return PRESETS[cfg.model.preset].model_type
+
+
+def describe(entry: dict) -> str:
+    """One line: reached or not, and the level's key numbers."""
+    state = {True: "reached", False: "not reached", None: "not run"}[entry["reached"]]
+    shown = {k: v for k, v in entry["evidence"].items() if k in KEY_EVIDENCE}
+    numbers = ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in shown.items())
+    return state + (f" ({numbers})" if numbers else "") + (f"; {entry['note']}" if entry["reached"] is None else "")
+
+
+KEY_EVIDENCE = ("relative_error", "dropped_term_relative_norm", "cosine", "loss", "grad_norm", "state_unchanged",
+                "peak_allocated_bytes", "prefix_backward_over_capture", "first_mean", "last_mean", "lr0_last_mean",
+                "gain_over_first_se", "gain_over_lr0_se")
+
+
+def run(cfg: PointConfig, device, progress: Progress) -> dict:
+    """A `validation` point: every (model, gradient mode) path; `validation.presets` lists the
+    models (empty: the point's model alone)."""
+    presets = cfg.validation.presets or [None]
+    paths = []
+    for preset in presets:
+        point = cfg if preset is None else dataclasses.replace(
+            cfg, model=dataclasses.replace(cfg.model, preset=preset, path=None))
+        by_mode = {mode: validate_path(point, mode, device, progress) for mode in cfg.validation.modes}
+        _compare_exact_cost(by_mode)
+        paths += by_mode.values()
+    return {"paths": paths, "models": ", ".join(dict.fromkeys(p["model"] for p in paths)),
+            "tolerance": tolerance(cfg), "reached": reached_counts(paths)}
+
+
+def _compare_exact_cost(by_mode: dict) -> None:
+    """Exact mode's V1 evidence gains the response-only step's time and peak at the same point."""
+    if "exact" not in by_mode or "response-only" not in by_mode:
+        return
+    exact, plain = (by_mode[m]["levels"][0]["evidence"] for m in ("exact", "response-only"))
+    for key in ("step_seconds", "peak_allocated_bytes", "capture_seconds"):
+        if key in exact and key in plain:
+            exact[f"response_only_{key}"] = plain[key]
+
+
+# ------------------------------------------------------------------------------------ the summary
+
+def cell(entry: dict) -> str:
+    """A level in a few characters: yes / no / - and its deciding number."""
+    state = {True: "yes", False: "no", None: "-"}[entry["reached"]]
+    e = entry["evidence"]
+    if "dropped_term_relative_norm" in e:
+        return f"{state} (gap {e['dropped_term_relative_norm']:.3g}, cos {e['cosine']:.3f})"
+    if "relative_error" in e:
+        return f"{state} (err {e['relative_error']:.2g})"
+    if "last_mean" in e:
+        return f"{state} ({e['first_mean']:.2f}->{e['last_mean']:.2f}, lr0 {e['lr0_last_mean']:.2f})"
+    return state
+
+
+def summary_table(results: list[dict]) -> str:
+    """One line per path of every point result (a failed point: its error)."""
+    header = ["point", "model", "mode", "positions", *LEVELS, "highest"]
+    rows = []
+    for result in results:
+        if result["status"] != "ok":
+            rows.append([result["name"], result.get("error", "")[:60], "", "", "", "", "", "", result["status"]])
+            continue
+        for path in result["metrics"]["paths"]:
+            rows.append([result["name"], path["model"], path["gradient_mode"], f"{path['scale']['prompt_positions']:,}",
+                         *(cell(entry) for entry in path["levels"]), path["highest_level"]])
+    widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
+    return "\n".join("  ".join(str(v).ljust(w) for v, w in zip(r, widths)).rstrip() for r in [header] + rows)
+
+
+def reached_counts(paths: list[dict]) -> dict:
+    """{level: "reached/run"} over `paths`."""
+    entries = [e for p in paths for e in p["levels"]]
+    return {name: f"{sum(e['reached'] is True for e in entries if e['level'] == name)}/"
+                  f"{sum(e['reached'] is not None for e in entries if e['level'] == name)}" for name in LEVELS}

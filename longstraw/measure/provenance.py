@@ -1,0 +1,53 @@
+"""Provenance recorded with every result: commit, device, versions, date."""
+
+from __future__ import annotations
+
+import datetime
+import importlib.metadata
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+import torch
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def git_commit() -> str | None:
+    """HEAD (with -dirty for uncommitted tracked changes); LONGSTRAW_COMMIT where there is no
+    .git (the GPU box receives a copy of the tree without it)."""
+    if os.environ.get("LONGSTRAW_COMMIT"):
+        return os.environ["LONGSTRAW_COMMIT"]
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
+                             cwd=Path(__file__).resolve().parent)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, timeout=10, cwd=Path(__file__).resolve().parent).stdout.strip()
+        return out.stdout.strip() + ("-dirty" if dirty else "") if out.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def device_name(device) -> str:
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.processor() or platform.machine()})"
+
+
+def provenance(device) -> dict:
+    return {
+        "commit": git_commit(),
+        "device": device_name(device),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "versions": {p: _version(p) for p in ("torch", "transformers", "peft", "bitsandbytes", "fla-core")},
+        "cuda_total_memory_bytes": torch.cuda.get_device_properties(device).total_memory
+        if torch.device(device).type == "cuda" else None,
+    }

@@ -1,0 +1,58 @@
+"""The capture attention rate: seconds and FLOPs spent inside paged attention while a timer is active."""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager, nullcontext
+
+import torch
+
+from longstraw.measure.flops import attention_forward_flops
+from longstraw.measure.memory import synchronize
+
+
+class AttentionTimer:
+    """Seconds and FLOPs spent inside paged attention while active (the capture attention rate).
+
+    The attention mixer reports each call through `AttentionTimer.active`; every call is
+    bracketed by device syncs, so use it only where calls are large (capture chunks).
+    """
+
+    active: "AttentionTimer | None" = None
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+        self.seconds = 0.0
+        self.flops = 0
+        self.calls = 0
+
+    def __enter__(self):
+        AttentionTimer.active = self
+        return self
+
+    def __exit__(self, *exc):
+        AttentionTimer.active = None
+
+    @contextmanager
+    def call(self, flops: int):
+        synchronize(self.device)
+        start = time.perf_counter()
+        yield
+        synchronize(self.device)
+        self.seconds += time.perf_counter() - start
+        self.flops += flops
+        self.calls += 1
+
+    def summary(self) -> dict:
+        return {"seconds": self.seconds, "flops": self.flops, "calls": self.calls,
+                "tflops_per_second": self.flops / self.seconds / 1e12 if self.seconds else None}
+
+
+def timed_attention(q_BHTD, prefix: int):
+    """The active timer's bracket around one capture chunk's attention of `q_BHTD` over `prefix` earlier keys
+    and its own causal keys (a no-op when no timer is active)."""
+    timer = AttentionTimer.active
+    if timer is None:
+        return nullcontext()
+    _, H, T, D = q_BHTD.shape
+    return timer.call(attention_forward_flops(H, D, T, prefix))

@@ -1,0 +1,29 @@
+"""The policy a point or a trainer trains, from its `ModelConfig`: a preset with random weights or a
+local checkpoint, optionally NF4-quantised, optionally wrapped in a LoRA adapter."""
+
+from __future__ import annotations
+
+import torch
+
+from longstraw.config.sections import ModelConfig
+from longstraw.models.presets import build_model, load_pretrained
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+def build_policy(cfg: ModelConfig):
+    dtype = DTYPES[cfg.dtype]
+    if cfg.path:
+        model = load_pretrained(cfg.path, dtype=dtype, device=cfg.device)
+    else:
+        model = build_model(cfg.preset, seed=cfg.seed, dtype=dtype, device=cfg.device, **cfg.overrides)
+    if cfg.nf4:
+        from longstraw.models.quant import quantize_nf4  # bitsandbytes only where a point asks for NF4
+
+        model = quantize_nf4(model, compute_dtype=dtype)
+    if cfg.lora is not None:
+        from longstraw.models.lora import apply_lora
+
+        model = apply_lora(model, r=cfg.lora.r, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
+                           init_random=cfg.lora.init_random)
+    return model

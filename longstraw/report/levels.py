@@ -1,0 +1,225 @@
+"""The four validation levels of DESIGN.md §6, as far as the results show them: one row per path
+(model family x gradient mode x scale: model, prompt positions, device), each level's cell with its
+evidence (numbers) and tolerance, and the highest level the path reached.
+
+Two sources. `validation` points (`longstraw.kinds.validation`) measure V1-V4 for their paths. Every
+`replay`-mode step point (the LongStraw transaction; hold_all and naive are baselines) is also a
+response-only path "<model>, <prompt positions>, <device>" whose V1 (executes) is reached when one of
+its points completed with a finite loss and finite gradients in every cycle, the resident state's
+fingerprint unchanged after all replays, and its peak under the ceiling (CUDA: peak_allocated_bytes
+below the device's total; CPU: the process completed without running out of memory). The paper's
+two paths stand beside ours only as its material states them (`paths` in paper.yaml).
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+
+from longstraw.report.aggregate import family_of, model_type_of, records
+from longstraw.report.formatting import format_bytes, is_missing
+
+LEVELS = [
+    {"level": "V1", "name": "executes",
+     "definition": "the step completes at the operating point: finite loss and gradients, peak under the ceiling, "
+                   "resident state fingerprint unchanged after all replays"},
+    {"level": "V2", "name": "conditional-response parity",
+     "definition": "gradients equal an independent reference (HF forward of the prompt minus its last token without "
+                   "grad, then the last prompt token and the response on that cache with grad) within tolerance"},
+    {"level": "V3", "name": "full-sequence parity",
+     "definition": "gradients equal HF one-pass autograd over p + y; response-only mode reports its measured gap, "
+                   "exact mode must pass"},
+    {"level": "V4", "name": "policy improvement",
+     "definition": "GRPO steps raise reward on a verifiable long-context task beyond noise (against the same run "
+                   "with learning rate 0)"},
+]
+NOT_RUN = "not run in these results (experiments/validation.yaml: longstraw validate experiments/validation.yaml)"
+LEVEL_NAMES = [level["level"] for level in LEVELS]
+STATE = {True: "reached", False: "not reached", None: "not run"}
+
+
+def _value(row, key):
+    value = row.get(key)
+    return None if is_missing(value) else value
+
+
+def v1_check(row: dict) -> tuple[bool, str]:
+    """(reached, why) for one replay-mode step row."""
+    status = _value(row, "status")
+    if status != "ok":
+        return False, f"status {status}: {_value(row, 'error') or 'no message'}"
+    problems = []
+    if _value(row, "loss_finite") is not True:
+        problems.append("loss not finite" if _value(row, "loss_finite") is False else "no loss recorded")
+    if _value(row, "grad_norm_finite") is False:
+        problems.append("gradient norm not finite")
+    if _value(row, "state_unchanged") is not True:
+        problems.append("state changed by replay" if _value(row, "state_unchanged") is False
+                        else "no state fingerprint recorded")
+    peak, ceiling = _value(row, "peak_memory_bytes"), _value(row, "device_memory_bytes")
+    if _value(row, "peak_memory_measure") == "peak_allocated_bytes" and peak is not None and ceiling:
+        if peak >= ceiling:
+            problems.append(f"peak {format_bytes(peak)} not under the ceiling {format_bytes(ceiling)}")
+        memory = f"peak allocated {format_bytes(peak)} under {format_bytes(ceiling)}"
+    else:
+        memory = f"process peak RSS {format_bytes(peak)}; completed without running out of memory (CPU)"
+    if problems:
+        return False, "; ".join(problems)
+    return True, f"loss and gradients finite, state unchanged after {_value(row, 'replays')} replays, {memory}"
+
+
+def _path_key(row: dict) -> tuple:
+    return (_value(row, "family") or "unknown family", _value(row, "model_type") or "unknown type",
+            _value(row, "model"), _value(row, "prompt_positions") or _value(row, "prompt_length"),
+            _value(row, "device"), _value(row, "dtype"))
+
+
+def _cells(**given) -> dict:
+    """V1-V4 cells ({state, reached, text}); levels not given read "not run"."""
+    return {name: given.get(name, {"state": STATE[None], "reached": None, "text": STATE[None]}) for name in LEVEL_NAMES}
+
+
+def _row(family, model_type, gradient_mode, scale, cells: dict, source: str) -> dict:
+    reached = [name for name in LEVEL_NAMES if cells[name]["reached"]]
+    return {"family": family or "unknown family", "model_type": model_type or "unknown type",
+            "gradient_mode": gradient_mode, "scale": scale, "cells": cells, "source": source,
+            "level": max(reached, key=LEVEL_NAMES.index) if reached else "none", "reached": bool(reached)}
+
+
+def _scale_text(model, positions, device, dtype=None) -> str:
+    shown = f"{positions:,}" if isinstance(positions, int) else str(positions)
+    return f"{model}, {shown} positions, {device}" + (f", {dtype}" if dtype else "")
+
+
+def v1_paths(frames: dict[str, pd.DataFrame]) -> list[dict]:
+    """One response-only path per (model, prompt positions, device) of the replay-mode step rows,
+    with its V1 from the first point that reached it (else every point's reason)."""
+    tried: dict[tuple, list] = {}
+    for experiment, df in frames.items():
+        if "kind" not in df.columns:
+            continue
+        for row in records(df):
+            if row.get("kind") == "step" and row.get("mode") == "replay":
+                tried.setdefault(_path_key(row), []).append((f"{experiment}/{row.get('point')}", *v1_check(row)))
+    paths = []
+    for (family, model_type, model, positions, device, dtype), points in tried.items():
+        good = [p for p in points if p[1]]
+        text = f"{good[0][0]}: {good[0][2]}" if good else "; ".join(f"{name}: {why}" for name, _, why in points)
+        cell = {"state": STATE[bool(good)], "reached": bool(good), "text": text}
+        paths.append(_row(family, model_type, "response-only", _scale_text(model, positions, device, dtype),
+                          _cells(V1=cell), ", ".join(name for name, _, _ in points)))
+    return sorted(paths, key=_order)
+
+
+def _order(path: dict) -> tuple:
+    return path["family"], path["model_type"], path["gradient_mode"], path["scale"]
+
+
+# ------------------------------------------------------------------------ validation points' levels
+
+def _g(value, digits=3) -> str:
+    return f"{value:.{digits}g}" if isinstance(value, (int, float)) and not isinstance(value, bool) else str(value)
+
+
+def _v1_text(e: dict) -> str:
+    text = (f"loss {_g(e.get('loss'), 4)}, gradient norm {_g(e.get('grad_norm'), 4)}, state "
+            f"{'unchanged' if e.get('state_unchanged') else 'CHANGED'} after {e.get('replays')} replays")
+    if "peak_allocated_bytes" in e:
+        text += (f", peak allocated {format_bytes(e['peak_allocated_bytes'])} under the device's "
+                 f"{format_bytes(e.get('ceiling_bytes'))}")
+    else:
+        text += f", process peak RSS {format_bytes(e.get('peak_rss_bytes'))} (CPU: completed, no ceiling)"
+    if "prefix_backward_seconds" in e:
+        text += (f"; backward_prefix {_g(e['prefix_backward_seconds'])} s = "
+                 f"{_g(e.get('prefix_backward_over_capture'))}x the capture's {_g(e.get('capture_seconds'))} s")
+        if "prefix_backward_peak_allocated_bytes" in e:
+            text += f", its peak {format_bytes(e['prefix_backward_peak_allocated_bytes'])}"
+    if "response_only_step_seconds" in e:
+        text += f"; step {_g(e['step_seconds'])} s against response-only's {_g(e['response_only_step_seconds'])} s"
+    if "response_only_peak_allocated_bytes" in e:
+        text += (f", peak {format_bytes(e['peak_allocated_bytes'])} against response-only's "
+                 f"{format_bytes(e['response_only_peak_allocated_bytes'])}")
+    return text
+
+
+def _parity_text(e: dict) -> str:
+    if "dropped_term_relative_norm" in e:
+        return (f"gap to the full-sequence gradient: ||g_full - g|| / ||g_full|| = {_g(e['dropped_term_relative_norm'])}, "
+                f"cosine {e['cosine']:.4f}")
+    return f"relative error {e['relative_error']:.2e}, cosine {e['cosine']:.6f}"
+
+
+def _v4_text(e: dict) -> str:
+    k = e["window_steps"]
+    return (f"mean reward: first {k} steps {e['first_mean']:.3f}, last {k} steps {e['last_mean']:.3f} (gain "
+            f"{e['gain_over_first']:.3f}, SE {e['gain_over_first_se']:.3f}); lr-0 run's last {k} steps "
+            f"{e['lr0_last_mean']:.3f} (gain {e['gain_over_lr0']:.3f}, SE {e['gain_over_lr0_se']:.3f}); "
+            f"{e['responses_per_window']} responses per window, {e['steps']} steps, lr {_g(e.get('lr'))}")
+
+
+LEVEL_TEXT = {"V1": _v1_text, "V2": _parity_text, "V3": _parity_text, "V4": _v4_text}
+
+
+def level_cell(entry: dict) -> dict:
+    """A measured level as a cell: state, the evidence in words and numbers, tolerance, note."""
+    if entry.get("reached") is None:
+        return {"state": STATE[None], "reached": None, "text": entry.get("note") or STATE[None]}
+    text = LEVEL_TEXT[entry["level"]](entry.get("evidence") or {})
+    if entry.get("tolerance") and entry["level"] != "V1":  # V1's rule is the levels table's definition
+        text += f". Tolerance: {entry['tolerance']}"
+    if entry.get("note"):
+        text += f" ({entry['note']})"
+    return {"state": STATE[entry["reached"]], "reached": entry["reached"], "text": text}
+
+
+def validation_paths(points: list[dict]) -> list[dict]:
+    """One row per path of every `validation` point (a failed point: one row with its error)."""
+    rows = []
+    for point in points:
+        if point.get("kind") != "validation":
+            continue
+        name = f"{point.get('experiment')}/{point.get('point')}"
+        if point.get("status") != "ok":
+            model_type = model_type_of(point)
+            cfg = point.get("config") or {}
+            failed = {"state": f"status {point.get('status')}", "reached": False,
+                      "text": point.get("error") or "no message"}
+            rows.append(_row(family_of(model_type), model_type, "—", _scale_text(
+                (cfg.get("model") or {}).get("preset"), (cfg.get("prompt") or {}).get("length"),
+                (point.get("provenance") or {}).get("device")), _cells(V1=failed), name))
+            continue
+        for path in (point.get("metrics") or {}).get("paths") or []:
+            scale = path["scale"]
+            cells = {entry["level"]: level_cell(entry) for entry in path["levels"]}
+            rows.append(_row(family_of(path["model_type"]), path["model_type"], path["gradient_mode"],
+                             _scale_text(scale["model"], scale["prompt_positions"], scale["device"], scale.get("dtype")),
+                             _cells(**cells), name))
+    return rows
+
+
+def all_paths(frames: dict[str, pd.DataFrame], points: list[dict]) -> list[dict]:
+    """The validation points' paths, then the step points' V1-only paths not among them."""
+    measured = validation_paths(points)
+    keys = {(p["model_type"], p["gradient_mode"], p["scale"]) for p in measured}
+    return sorted(measured + [p for p in v1_paths(frames) if (p["model_type"], p["gradient_mode"], p["scale"])
+                              not in keys], key=_order)
+
+
+def levels_table(paths: list[dict], standing: dict) -> list[dict]:
+    """The four levels: definition, where we stand, and the paper's stated standing."""
+    ours = {}
+    for name in LEVEL_NAMES:
+        run = [p for p in paths if p["cells"][name]["reached"] is not None]
+        reached = sum(1 for p in run if p["cells"][name]["reached"])
+        ours[name] = f"reached on {reached} of {len(run)} paths where run (table below)" if run else NOT_RUN
+    if any(p["cells"]["V3"]["reached"] is not None and p["gradient_mode"] == "response-only" for p in paths):
+        ours["V3"] += "; response-only paths report their gap and are not reached by design"
+    return [{**level, "ours": ours[level["level"]], "paper": standing.get(level["level"], "not stated")}
+            for level in LEVELS]
+
+
+def paper_paths(paper: dict) -> list[dict]:
+    """The paper's two paths as its material states them; any level it does not state: "not stated"."""
+    return [{"family": p.get("family", "not stated"), "model": p.get("model", "not stated"),
+             "gradient_mode": p.get("gradient_mode", "not stated"), "scale": p.get("scale", "not stated"),
+             "highest": p.get("highest", "not stated"), **{name: p.get(name, "not stated") for name in LEVEL_NAMES}}
+            for p in paper.get("paths") or [] if isinstance(p, dict)]

@@ -1,0 +1,243 @@
+"""Resident state: the model-native pages a captured prompt leaves behind.
+
+A `ResidentState` holds one entry per decoder layer. Each entry is a small class that owns
+its tensors and knows its byte count; the family adapters decide which entry a layer gets:
+
+- `AttentionPages`: K/V pages preallocated to the prompt length, written in place by capture.
+- `RecurrentState`: Gated DeltaNet conv state (last K-1 conv inputs) and recurrent state.
+- `DecodePages`: while sampling, an attention layer's shared prompt pages plus per-sequence pages.
+- `LatentPages`: an MLA layer's compressed latent + rotary key per position (never per-head K/V),
+  and on DSA index layers the indexer's key per position.
+- `LatentDecodePages`: while sampling, an MLA layer's shared prompt latent pages plus per-sequence entries.
+
+The core only relies on `tensors()` (for bytes and fingerprint) and `snapshot()/restore()`.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+import torch
+
+from longstraw.kernels.paged_attention import decode_attention, paged_attention
+from longstraw.measure.timing import timed_attention
+
+
+def attend_pages(pages, q_BHTD, k_BKTD, v_BKTD, scale: float, append: bool):
+    """The live queries over `pages.filled()` and their own causal keys ([B, H, T, Dv]); a capture
+    (`append`) then writes the live K/V after the filled part. Any entry with `filled()` and
+    `append()` attends this way (attention pages, the exact mode's recompute pages)."""
+    k_prefix_BKPD, v_prefix_BKPD = pages.filled()
+    with timed_attention(q_BHTD, k_prefix_BKPD.shape[2]) if append else nullcontext():
+        out_BHTD = paged_attention(q_BHTD, k_prefix_BKPD, v_prefix_BKPD, k_BKTD, v_BKTD, scale=scale)
+    if append:  # pages copy detached values; the exact mode's recompute keeps the graph
+        pages.append(k_BKTD, v_BKTD)
+    return out_BHTD
+
+
+@dataclass
+class AttentionPages:
+    """K/V pages of one full-attention layer: `k_BKPD`, `v_BKPD` with `length` positions filled."""
+
+    k_BKPD: torch.Tensor
+    v_BKPD: torch.Tensor
+    length: int = 0
+    # exact mode: grad-tracking leaves over the filled pages; replays' backwards accumulate the
+    # prompt-side gradient in their .grad (allocated on first touch)
+    leaves: tuple | None = None
+
+    @classmethod
+    def allocate(cls, num_kv_heads, positions, head_dim, dtype, device, v_head_dim=None):
+        shape = (1, num_kv_heads, positions, head_dim)
+        v_shape = (1, num_kv_heads, positions, v_head_dim or head_dim)
+        return cls(torch.empty(shape, dtype=dtype, device=device), torch.empty(v_shape, dtype=dtype, device=device))
+
+    def filled(self):
+        """Views of the pages written so far (no copy); the grad-tracking leaves in exact mode."""
+        if self.leaves is not None:
+            return self.leaves
+        return self.k_BKPD[:, :, : self.length], self.v_BKPD[:, :, : self.length]
+
+    def append(self, k_BKTD, v_BKTD):
+        """Write a chunk's K/V in place after the filled part."""
+        end = self.length + k_BKTD.shape[2]
+        if end > self.k_BKPD.shape[2]:
+            raise ValueError(f"attention pages hold {self.k_BKPD.shape[2]} positions; cannot append up to {end}")
+        self.k_BKPD[:, :, self.length : end].copy_(k_BKTD.detach())
+        self.v_BKPD[:, :, self.length : end].copy_(v_BKTD.detach())
+        self.length = end
+
+    def tensors(self):
+        return [self.k_BKPD, self.v_BKPD]
+
+    attend = attend_pages
+
+    def attend_decode(self, q_BHTD, own: "AttentionPages", scale: float):
+        """One decoding step: each sequence's query over these shared pages and its `own` pages."""
+        return decode_attention(q_BHTD, *self.filled(), *own.filled(), scale=scale)
+
+
+@dataclass
+class DecodePages:
+    """One attention layer while B sequences decode on top of one captured prompt: the prompt's
+    `shared` pages (batch 1, read by every sequence, never copied) and each sequence's `own`
+    pages (batch B) holding the tokens generated so far."""
+
+    shared: AttentionPages
+    own: AttentionPages
+
+    @classmethod
+    def allocate(cls, shared: AttentionPages, batch: int, capacity: int):
+        _, K, _, D = shared.k_BKPD.shape
+        k = shared.k_BKPD.new_empty(batch, K, capacity, D)
+        v = shared.v_BKPD.new_empty(batch, K, capacity, shared.v_BKPD.shape[3])
+        return cls(shared, AttentionPages(k, v))
+
+    def tensors(self):
+        return self.shared.tensors() + self.own.tensors()
+
+    def attend(self, q_BHTD, k_BKTD, v_BKTD, scale: float, append: bool = True):
+        """A decoding step: the new token's K/V join each sequence's own pages, then it attends."""
+        self.own.append(k_BKTD, v_BKTD)
+        return self.shared.attend_decode(q_BHTD, self.own, scale)
+
+
+@dataclass
+class RecurrentState:
+    """Gated DeltaNet state of one layer: conv inputs `conv_BCK1` and recurrent `recurrent_BHDV` (float32)."""
+
+    conv_BCK1: torch.Tensor
+    recurrent_BHDV: torch.Tensor
+    leaves: tuple | None = None  # exact mode: grad-tracking leaves replays read (see AttentionPages)
+    keep_final = False  # capture writes the final state back in place (not a dataclass field)
+
+    def tensors(self):
+        return [self.conv_BCK1, self.recurrent_BHDV]
+
+    def inputs(self):
+        """(conv, recurrent) a chunk starts from: the leaves in exact mode, else the state itself."""
+        return self.leaves if self.leaves is not None else (self.conv_BCK1, self.recurrent_BHDV)
+
+    def repeated(self, batch: int) -> "RecurrentState":
+        """Copies for `batch` sequences continuing from this state (decoding G responses)."""
+        return RecurrentState(self.conv_BCK1.repeat(batch, 1, 1), self.recurrent_BHDV.repeat(batch, 1, 1, 1))
+
+
+@dataclass
+class LatentPages:
+    """One MLA layer's pages: `kv_11PE` holds, per position, the latent after `kv_a_layernorm`
+    (the first `kv_lora_rank` of E) followed by the rotated rope key (E = kv_lora_rank +
+    qk_rope_head_dim), laid out as one shared kv head so it feeds `paged_attention` unchanged;
+    `index_1PI` holds the DSA indexer's key (after its norm and rotary) on index layers, else None."""
+
+    kv_11PE: torch.Tensor
+    index_1PI: torch.Tensor | None
+    kv_lora_rank: int
+    length: int = 0
+    leaves: tuple | None = None  # exact mode: a grad-tracking leaf over the filled latent pages
+    # host-resident pages: the device the layer computes on (the pages stay in pinned host memory
+    # and come to it whole, one layer at a time: `on_device`)
+    compute_device: torch.device | None = None
+    next_host: LatentPages | None = field(default=None, repr=False)  # the host pages read after these
+    _staged: tuple | None = field(default=None, repr=False)  # (length, copy done event, device copies)
+
+    @classmethod
+    def allocate(cls, positions, kv_lora_rank, rope_dim, index_dim, dtype, device, host=False):
+        device = torch.device(device)
+        where = dict(dtype=dtype, device="cpu", pin_memory=device.type == "cuda") if host else dict(dtype=dtype,
+                                                                                                     device=device)
+        kv = torch.empty(1, 1, positions, kv_lora_rank + rope_dim, **where)
+        index = torch.empty(1, positions, index_dim, **where) if index_dim else None
+        return cls(kv, index, kv_lora_rank, compute_device=device if host else None)
+
+    def filled(self):
+        """(kv pages, index-key pages or None) written so far, as views; the leaf in exact mode."""
+        kv = self.leaves[0] if self.leaves is not None else self.kv_11PE[:, :, : self.length]
+        return kv, None if self.index_1PI is None else self.index_1PI[:, : self.length]
+
+    def on_device(self):
+        """`filled()` on the compute device. Host pages: the copy prefetched while the layer before
+        ran, when its length still matches, else a copy now; then the next layer's copy starts on a
+        side stream, so that transfer overlaps this layer's compute. Device pages: `filled()`."""
+        kv, index = self.filled()
+        if self.compute_device is None:
+            return kv, index
+        staged, self._staged = self._staged, None
+        if staged is not None and staged[0] == self.length:
+            stream = torch.cuda.current_stream(self.compute_device)
+            stream.wait_event(staged[1])
+            for t in staged[2]:
+                if t is not None:
+                    t.record_stream(stream)  # allocated on the copy stream, read on this one
+            kv, index = staged[2]
+        else:
+            kv, index = (None if t is None else t.to(self.compute_device, non_blocking=True) for t in (kv, index))
+        if self.next_host is not None:
+            self.next_host.prefetch()
+        return kv, index
+
+    def prefetch(self):
+        """Host pages on CUDA: start copying the filled pages to the device on the copy stream."""
+        if self.compute_device is None or self.compute_device.type != "cuda":
+            return
+        stream = _copy_stream(self.compute_device)
+        with torch.cuda.stream(stream):
+            copies = tuple(None if t is None else t.to(self.compute_device, non_blocking=True) for t in self.filled())
+            self._staged = (self.length, stream.record_event(), copies)
+
+    def append(self, kv_11TE, index_1TI):
+        end = self.length + kv_11TE.shape[2]
+        if end > self.kv_11PE.shape[2]:
+            raise ValueError(f"latent pages hold {self.kv_11PE.shape[2]} positions; cannot append up to {end}")
+        self.kv_11PE[:, :, self.length : end].copy_(kv_11TE.detach())
+        if self.index_1PI is not None:
+            self.index_1PI[:, self.length : end].copy_(index_1TI.detach())
+        self.length = end
+
+    def tensors(self):
+        return [self.kv_11PE] + ([] if self.index_1PI is None else [self.index_1PI])
+
+
+_COPY_STREAMS: dict = {}  # one host-to-device copy stream per CUDA device
+
+
+def _copy_stream(device):
+    if device not in _COPY_STREAMS:
+        _COPY_STREAMS[device] = torch.cuda.Stream(device)
+    return _COPY_STREAMS[device]
+
+
+def chain_host_pages(layers) -> None:
+    """Each host-resident `LatentPages` learns the next one in layer order (what `on_device`
+    prefetches)."""
+    host = [e for e in layers if isinstance(e, LatentPages) and e.compute_device is not None]
+    for a, b in zip(host, host[1:]):
+        a.next_host = b
+
+
+@dataclass
+class LatentDecodePages:
+    """One MLA layer while B sequences decode on top of one captured prompt: the prompt's `shared`
+    latent pages (read by every sequence, never copied) and each sequence's `own` entries (latents,
+    and index keys on index layers) for the tokens generated so far: `kv_11PE` is then [B, 1, N, E]
+    and `index_1PI` [B, N, I]."""
+
+    shared: LatentPages
+    own: LatentPages
+
+    @classmethod
+    def allocate(cls, shared: LatentPages, batch: int, capacity: int):
+        device = shared.compute_device or shared.kv_11PE.device  # host-resident prompt: own entries on the device
+        kv = torch.empty(batch, 1, capacity, shared.kv_11PE.shape[3], dtype=shared.kv_11PE.dtype, device=device)
+        index = None if shared.index_1PI is None else torch.empty(
+            batch, capacity, shared.index_1PI.shape[2], dtype=shared.index_1PI.dtype, device=device)
+        return cls(shared, LatentPages(kv, index, shared.kv_lora_rank))
+
+    @property
+    def length(self) -> int:
+        """Positions before the next token: the prompt's and the generated ones."""
+        return self.shared.length + self.own.length
+
+    def tensors(self):
+        return self.shared.tensors() + self.own.tensors()

@@ -1,0 +1,162 @@
+"""ResidentState: what `capture` keeps of a prompt, one entry per decoder layer (`pages.py`).
+
+The core relies only on each entry's `tensors()` (bytes, fingerprint, snapshot/restore). A state
+knows what it belongs to: the model it was captured from (`ModelBinding`: its layers and shapes,
+its weights) and the prompt (a digest); `check` refuses any other, and `age` counts the optimizer
+steps taken since the capture (reusing a state across steps is the design: prefix reuse).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class ModelBinding:
+    """What a state was captured from (`FamilyAdapter.binding`): `structure` (family, layer count,
+    each layer's mixer, the config shapes that size the entries, dtype), `storages` (the identity of
+    the weights: another model object differs) and `frozen` (a sampled checksum of the frozen
+    weights: another model built in the same memory differs). Training moves only trainable
+    weights in place, so a reused state stays bound to its model."""
+
+    structure: tuple
+    storages: int
+    frozen: float
+
+    def mismatch(self, other: "ModelBinding") -> str | None:
+        """Why `other` is not the model this binding describes, or None."""
+        if self.structure != other.structure:
+            return f"captured from {_describe(self.structure)}, not {_describe(other.structure)}"
+        if self.storages != other.storages:
+            return "captured from another model's weights (another model object, or its weights were replaced)"
+        if self.frozen != other.frozen:
+            return "the model's frozen weights changed since the capture"
+        return None
+
+
+def _describe(structure: tuple) -> str:
+    model_type, layers, mixers, shapes, dtype = structure
+    kinds = ", ".join(f"{mixers.count(m)} {m}" for m in dict.fromkeys(mixers))
+    return f"a {layers}-layer {model_type} model ({kinds}; {dict(shapes)}; {dtype})"
+
+
+def prompt_digest(ids: torch.Tensor) -> str:
+    """A digest of a prompt's token ids (a state is bound to the prompt it covers)."""
+    return hashlib.sha256(ids.detach().to("cpu", torch.int64).contiguous().numpy().tobytes()).hexdigest()[:32]
+
+_FINGERPRINT_CHUNK = 1 << 24
+
+
+@dataclass
+class ResidentState:
+    """What `capture` keeps of a prompt: per-layer pages covering `positions` prompt positions.
+
+    `positions` is the prompt length minus one: replay recomputes the last prompt token together
+    with the response (DESIGN.md §4). `last_token` is that token, `model_type` names the family.
+    """
+
+    layers: list
+    positions: int
+    last_token: int
+    model_type: str
+    predicted_bytes_per_position: int
+    predicted_constant_bytes: int
+    dtype: torch.dtype = torch.float32
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    prefix_trace: object | None = None  # exact mode: a `longstraw.core.exact.PrefixTrace`
+    binding: ModelBinding | None = None  # the model it was captured from
+    prompt: str | None = None  # the digest of the prompt it covers (`prompt_digest`)
+    age: int = 0  # optimizer steps taken since the capture (`grpo_step` counts them)
+
+    def check_model(self, binding: ModelBinding) -> None:
+        """Refuse a model this state was not captured from (replay, score, sample, grpo_step)."""
+        why = self.binding.mismatch(binding) if self.binding is not None else None
+        if why:
+            raise ValueError(f"this resident state does not belong to the model: {why}; capture the prompt with "
+                             "this model")
+
+    def check_prompt(self, prompt_ids: torch.Tensor) -> None:
+        """Refuse a prompt other than the one this state covers."""
+        if prompt_ids.numel() != self.positions + 1:
+            raise ValueError(f"the state covers a prompt of {self.positions + 1} tokens; got {prompt_ids.numel()}")
+        if self.prompt is not None and prompt_digest(prompt_ids) != self.prompt:
+            raise ValueError(f"the state was captured from another prompt of {prompt_ids.numel()} tokens (their "
+                             "token ids differ); capture this prompt")
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.nbytes_by_entry().values())
+
+    def nbytes_by_entry(self) -> dict[str, int]:
+        """Resident bytes per entry class (position-proportional pages vs constant-size states)."""
+        out: dict[str, int] = {}
+        for layer in self.layers:
+            name = type(layer).__name__
+            out[name] = out.get(name, 0) + sum(t.numel() * t.element_size() for t in layer.tensors())
+        return out
+
+    @property
+    def device_nbytes(self) -> int:
+        """Resident bytes on the compute device (host-resident pages excluded)."""
+        return sum(t.numel() * t.element_size() for layer in self.layers for t in layer.tensors()
+                   if t.device.type == self.device.type)
+
+    @property
+    def local_positions(self) -> int:
+        """Prompt positions whose pages this process holds (a context-parallel rank: its shard)."""
+        return self.positions
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of the position-proportional entries (attention pages)."""
+        return sum(v for name, v in self.nbytes_by_entry().items() if name.endswith("Pages"))
+
+    @property
+    def predicted_nbytes(self) -> int:
+        return self.predicted_bytes_per_position * self.local_positions + self.predicted_constant_bytes
+
+    def fingerprint(self) -> int:
+        """A position-sensitive checksum of every state byte: changes if any bit of any page changes."""
+        total = 0
+        for index, layer in enumerate(self.layers):
+            for t in layer.tensors():
+                total = (total * 1_000_003 + index + _checksum(t)) % (1 << 61)
+        return total
+
+    def snapshot(self) -> list:
+        """Copies of every tensor (for tests and for callers that must survive a failed replay)."""
+        return [[t.clone() for t in layer.tensors()] for layer in self.layers]
+
+    def restore(self, snapshot) -> None:
+        for layer, saved in zip(self.layers, snapshot, strict=True):
+            for t, s in zip(layer.tensors(), saved, strict=True):
+                t.copy_(s)
+
+    def backward_prefix(self) -> None:
+        """Exact mode: add the prompt-side gradient to the parameters' .grad (after all replays)."""
+        if self.prefix_trace is None:
+            raise RuntimeError("backward_prefix needs a state captured with capture(..., prefix_grad=True); "
+                               "this one gives the conditional-response gradient only")
+        self.prefix_trace.backward(self)
+
+
+def _checksum(t: torch.Tensor) -> int:
+    """Sum of the tensor's raw 32/16-bit words weighted by position (mod a prime), in chunks."""
+    if t.numel() == 0:
+        return 0
+    words = t.detach().contiguous().view(-1).view(torch.uint8)
+    pad = (-words.numel()) % 4
+    if pad:
+        words = torch.cat([words, words.new_zeros(pad)])
+    words = words.view(torch.int32)
+    total = 0
+    weights = None
+    for start in range(0, words.numel(), _FINGERPRINT_CHUNK):
+        chunk = words[start : start + _FINGERPRINT_CHUNK].to(torch.int64)
+        if weights is None or weights.numel() != chunk.numel():
+            weights = torch.arange(chunk.numel(), device=chunk.device, dtype=torch.int64) % 65521 + 1
+        total = (total + int((chunk * weights).sum().item()) * (start // _FINGERPRINT_CHUNK + 1)) % (1 << 61)
+    return total

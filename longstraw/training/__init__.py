@@ -1,0 +1,2 @@
+"""Learning on top of the transaction: tasks, rollouts from the resident state, the GRPO trainer,
+the staleness oracle."""

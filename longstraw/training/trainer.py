@@ -1,0 +1,294 @@
+"""GRPO training over long prompts: `longstraw train CONFIG.yaml`.
+
+    longstraw train experiments/examples/train_cpu.yaml          # resumes from OUT/checkpoints
+    longstraw train experiments/examples/train_cpu.yaml --no-resume
+
+One optimizer step per prompt visit, `steps_per_prompt` consecutive steps per task example:
+1. capture the prompt (or reuse the resident state captured at an earlier step of this prompt);
+2. sample G responses from the state (`longstraw.training.rollout`, seeded by step), reward them;
+3. old-policy log-probs come from sampling; reference log-probs (when `grpo.beta > 0`) are scored
+   graph-free with the adapter disabled, on the prompt as the reference captured it (one extra
+   capture and resident state per prompt; the frozen base never makes it stale);
+4. serial replay with one backward per response (`grpo_step`, mode `replay`), gradient clipping,
+   the optimizer step and the learning-rate schedule (constant or cosine, linear warm-up).
+
+Prefix reuse and its refresh policy (`refresh`): the state is captured with the parameters of
+its capture step and goes stale as they move. `every: K` recaptures when the state is K steps
+old; `never` only on a new prompt; `adaptive` recaptures when the drift signal reaches
+`threshold`. The signal is the L2 norm of the trainable parameters' change since the capture:
+it costs one copy of the trainable parameters (LoRA: megabytes) and one norm per step, and the
+staleness oracle (`longstraw.training.oracle`) measures how it relates to the real drift of loss,
+log-probs and gradient against a fresh capture.
+
+Outputs under `output.dir`: `metrics.jsonl` (one JSON object per step), and every
+`checkpoint_every` steps `checkpoints/step-N/` with the peft adapter (`adapter/`) and
+`trainer.pt` (trainable parameters at the step and at the state's capture, optimizer and
+schedule state, the resolved config). Resuming loads the newest checkpoint, recaptures the stale
+state with the parameters it was captured with, truncates the metrics to that step, and
+continues: on CPU the resumed run's metrics equal the uninterrupted run's. A config that differs
+from the checkpoint's is refused unless `allow_config_change=True` (`--allow-config-change`):
+then the new values apply (learning rate, weight decay, schedule, ...) and the change is recorded
+in `config_changes.jsonl`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from longstraw.config import TrainConfig, resolve_train, to_mapping
+from longstraw.core.step import StepOptions, grpo_step, reference_policy
+from longstraw.core.transaction import capture
+from longstraw.cp import context_parallel
+from longstraw.models.policy import build_policy
+from longstraw.models.presets import check_preset
+from longstraw.results import check_writable
+from longstraw.training.oracle import parameter_drift
+from longstraw.training.rollout import SamplingConfig, sample
+from longstraw.training.tasks import build_task, check_task_spec
+
+
+def _schedule(cfg, steps: int):
+    warmup, name = cfg.warmup_steps, cfg.name
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / (warmup + 1)
+        if name == "cosine":
+            progress = (step - warmup) / max(1, steps - warmup)
+            return 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+        return 1.0
+
+    return factor
+
+
+def resolve(raw, source: str = "train config") -> TrainConfig:
+    """The trainer's config checked through to the names it uses (preset, task keys) and its
+    output folder's writability, before any work."""
+    cfg = raw if isinstance(raw, TrainConfig) else resolve_train(raw, source)
+    if not cfg.model.path:
+        try:
+            check_preset(cfg.model.preset)
+        except ValueError as exc:
+            raise ValueError(f"{source}: model.preset: {exc}") from None
+    check_task_spec(cfg.task, f"{source}: task")
+    check_writable(Path(cfg.output.dir) / "metrics.jsonl", f"{source}: output.dir")
+    return cfg
+
+
+class Trainer:
+    def __init__(self, raw_config, source: str = "train config"):
+        self.cfg = cfg = resolve(raw_config, source)
+        self.device = torch.device(cfg.model.device)
+        # context parallel (`cp_size`): every rank runs this same loop on its shard; rank 0 writes
+        self.cp = context_parallel(cfg.cp_size, self.device.type)
+        self.writes = self.cp is None or self.cp.rank == 0
+        self.model = build_policy(cfg.model)
+        self.task = build_task(cfg.task, self.model.get_input_embeddings().weight.shape[0])
+        self.params = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+        self.optimizer = torch.optim.AdamW(self.params.values(), lr=cfg.optimizer.lr,
+                                           weight_decay=cfg.optimizer.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _schedule(cfg.schedule, cfg.steps))
+        self.options = StepOptions(max_grad_norm=cfg.max_grad_norm)
+        self.out = Path(cfg.output.dir)
+        self.state = self.capture_step = self.capture_params = None
+        self.ref_state = self.ref_prompt = None
+        self._made = (None, None)  # (prompt index, example)
+
+    # ---- prefix reuse
+    def _example(self, step: int):
+        """This step's task example, made once per prompt (a long prompt is costly to build)."""
+        prompt = step // self.cfg.steps_per_prompt
+        if self._made[0] != prompt:
+            self._made = (prompt, self.task.make(self.cfg.seed * 1_000_003 + prompt))
+        return self._made[1]
+
+    def drift(self) -> float:
+        """The adaptive policy's signal: L2 norm of the trainable parameters' change since capture."""
+        if self.capture_params is None:
+            return 0.0
+        return parameter_drift(self.params.values(), [self.capture_params[n] for n in self.params])
+
+    def _needs_capture(self, step: int, drift: float) -> bool:
+        per_prompt = self.cfg.steps_per_prompt
+        if self.state is None or step // per_prompt != self.capture_step // per_prompt:
+            return True
+        refresh = self.cfg.refresh
+        if refresh.policy == "every":
+            return step - self.capture_step >= refresh.every
+        if refresh.policy == "adaptive":
+            return drift >= refresh.threshold
+        return False
+
+    def _capture_kwargs(self) -> dict:
+        kwargs = self.cfg.capture.kwargs()
+        return {**kwargs, "cp": self.cp} if self.cp is not None else kwargs
+
+    def _capture(self, step: int, params: dict | None = None):
+        """Capture this step's prompt, with `params` loaded for the capture when given (resume)."""
+        current = None
+        if params is not None:
+            current = {n: p.detach().clone() for n, p in self.params.items()}
+            self._load_params(params)
+        self.state = capture(self.model, self._example(step).prompt_ids.to(self.device), **self._capture_kwargs())
+        self.capture_step = step
+        self.capture_params = {n: p.detach().clone() for n, p in self.params.items()}
+        if current is not None:
+            self._load_params(current)
+
+    def _reference_state(self, step: int):
+        """The reference policy's capture of this step's prompt (None when there is no KL term)."""
+        prompt = step // self.cfg.steps_per_prompt
+        if self.cfg.grpo.beta > 0 and self.ref_prompt != prompt:
+            self.ref_state = None  # free the previous prompt's first
+            with reference_policy(self.model):
+                self.ref_state = capture(self.model, self._example(step).prompt_ids.to(self.device),
+                                         **self._capture_kwargs())
+            self.ref_prompt = prompt
+        return self.ref_state
+
+    def _load_params(self, values: dict):
+        with torch.no_grad():
+            for n, p in self.params.items():
+                p.copy_(values[n])
+
+    # ---- one step
+    def _rewards(self, step: int, example, responses) -> list[float]:
+        rewards = [self.task.reward(example, r) for r in responses]
+        bad = [r for r in rewards if not isinstance(r, (int, float)) or isinstance(r, bool) or not math.isfinite(r)]
+        if bad:
+            raise ValueError(f"step {step}: the task's reward function returned {bad[0]!r} (rewards must be finite "
+                             f"numbers); all rewards of the group: {rewards}")
+        return [float(r) for r in rewards]
+
+    def train_step(self, step: int) -> dict:
+        start = time.perf_counter()
+        example = self._example(step)
+        drift = self.drift()
+        refreshed = self._needs_capture(step, drift)
+        if refreshed:
+            self._capture(step)
+        s = self.cfg.sampling
+        rollouts = sample(self.model, self.state, SamplingConfig(
+            num_samples=s.num_samples, max_new_tokens=s.max_new_tokens, temperature=s.temperature,
+            top_p=s.top_p, seed=self.cfg.seed * 1_000_003 + step))
+        rewards = self._rewards(step, example, rollouts.responses)
+        result = grpo_step(self.model, example.prompt_ids.to(self.device), rollouts.responses, rewards,
+                           self.optimizer, self.cfg.grpo, self.options, state=self.state,
+                           ref_state=self._reference_state(step), old_logps=rollouts.logprobs)
+        metrics = result.metrics
+        lr = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        return {"step": step, "prompt": step // self.cfg.steps_per_prompt, "refreshed": refreshed,
+                "state_age": step - self.capture_step, "drift_before": drift, "lr": lr,
+                "reward_mean": metrics["reward_mean"], "reward_std": float(torch.tensor(rewards).std()),
+                "rewards": rewards,
+                "loss": metrics["loss"], "grad_norm": metrics["grad_norm"], **metrics["stats"],
+                "response_tokens": metrics["response_tokens"], "seconds": time.perf_counter() - start}
+
+    # ---- checkpoints
+    def _checkpoint_dir(self, step: int) -> Path:
+        return self.out / "checkpoints" / f"step-{step}"
+
+    def save_checkpoint(self, steps_done: int):
+        final = self._checkpoint_dir(steps_done)
+        tmp = final.with_name(final.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+        if hasattr(self.model, "save_pretrained"):
+            self.model.save_pretrained(tmp / "adapter")
+        torch.save({"steps_done": steps_done, "params": {n: p.detach().cpu() for n, p in self.params.items()},
+                    "capture_step": self.capture_step,
+                    "capture_params": {n: t.cpu() for n, t in (self.capture_params or {}).items()},
+                    "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                    "config": json.dumps(to_mapping(self.cfg), sort_keys=True)},
+                   tmp / "trainer.pt")
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)  # a checkpoint exists complete or not at all
+
+    def _config_changes(self, saved: dict) -> dict:
+        """{key path: [checkpoint's value, this config's]} where they differ (the output folder aside)."""
+        before, now = json.loads(saved.get("config", "{}")), to_mapping(self.cfg)
+        changes = {}
+
+        def walk(a, b, path):
+            if isinstance(a, dict) and isinstance(b, dict):
+                for key in sorted(set(a) | set(b)):
+                    walk(a.get(key), b.get(key), f"{path}.{key}" if path else key)
+            elif a != b and path != "output.dir":
+                changes[path] = [a, b]
+
+        walk(before, now, "")
+        return changes
+
+    def load_latest_checkpoint(self, allow_config_change: bool = False) -> int:
+        folder = self.out / "checkpoints"
+        done = sorted((int(p.name.split("-")[1]) for p in folder.glob("step-*") if p.name.split("-")[1].isdigit()),
+                      reverse=True) if folder.is_dir() else []
+        if not done:
+            return 0
+        saved = torch.load(self._checkpoint_dir(done[0]) / "trainer.pt", map_location=self.device, weights_only=True)
+        changes = self._config_changes(saved)
+        if changes and not allow_config_change:
+            listed = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changes.items())
+            raise ValueError(f"{self.out}: the config differs from the checkpoint's at step {done[0]} ({listed}); "
+                             "resume with the same config, start over (--no-resume), or apply the change "
+                             "(--allow-config-change)")
+        self.optimizer.load_state_dict(saved["optimizer"])
+        self.scheduler.load_state_dict(saved["scheduler"])
+        if changes:
+            self._apply_optimizer_config()
+            if self.writes:
+                with open(self.out / "config_changes.jsonl", "a") as f:
+                    f.write(json.dumps({"resumed_at_step": saved["steps_done"], "changes": changes}) + "\n")
+        self._load_params(saved["params"])
+        if saved["capture_step"] is not None:
+            self._capture(saved["capture_step"], params=saved["capture_params"])
+        return saved["steps_done"]
+
+    def _apply_optimizer_config(self):
+        """This config's learning rate, weight decay and schedule over the restored optimizer state."""
+        self.scheduler.base_lrs = [self.cfg.optimizer.lr] * len(self.optimizer.param_groups)
+        factor = _schedule(self.cfg.schedule, self.cfg.steps)(self.scheduler.last_epoch)
+        for group in self.optimizer.param_groups:
+            group["initial_lr"] = self.cfg.optimizer.lr
+            group["lr"] = self.cfg.optimizer.lr * factor
+            group["weight_decay"] = self.cfg.optimizer.weight_decay
+        self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
+
+    # ---- the loop
+    def run(self, resume: bool = True, stop_after: int | None = None, allow_config_change: bool = False) -> list[dict]:
+        """Train to `steps`; `stop_after` ends early after that many steps of this call (tests).
+        Returns every step's metrics, the resumed ones included."""
+        metrics_path = self.out / "metrics.jsonl"
+        first = self.load_latest_checkpoint(allow_config_change) if resume else 0
+        lines = metrics_path.read_text().splitlines()[:first] if first and metrics_path.exists() else []
+        records = [json.loads(line) for line in lines]
+        if self.writes:
+            self.out.mkdir(parents=True, exist_ok=True)
+            if not resume:
+                shutil.rmtree(self.out / "checkpoints", ignore_errors=True)
+            metrics_path.write_text("".join(line + "\n" for line in lines))
+        every, steps = self.cfg.output.checkpoint_every, self.cfg.steps
+        bar = tqdm(range(first, steps), desc="train", unit="step", file=sys.stderr, initial=first, total=steps,
+                   disable=not self.writes)
+        for count, step in enumerate(bar):
+            if stop_after is not None and count >= stop_after:
+                break
+            records.append(self.train_step(step))
+            if self.writes:
+                with open(metrics_path, "a") as f:
+                    f.write(json.dumps(records[-1]) + "\n")
+            bar.set_postfix(reward=f"{records[-1]['reward_mean']:.3f}", loss=f"{records[-1]['loss']:.4f}",
+                            refreshed=records[-1]["refreshed"])
+            if self.writes and every and ((step + 1) % every == 0 or step + 1 == steps):
+                self.save_checkpoint(step + 1)
+        bar.close()
+        return records
