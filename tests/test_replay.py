@@ -40,10 +40,15 @@ def test_replay_logprobs_equal_hf_one_pass(model, response_len, order):
     assert (ours - expected).abs().max() < 1e-5
 
 
-def test_capture_orders_and_chunkings_give_identical_state(model):
+def test_capture_orders_and_chunkings_give_identical_state(preset):
+    # float64, HF's float32 casts included (float64_reference): in float32 other chunk shapes round
+    # differently, per element up to 0.89 of the bound (tiny-glm4_moe, MKL AVX2); in float64 <= 0.09
+    # of it (GDN presets: the recurrent state is kept in float32), <= 1.1e-9 elsewhere
+    model = float64_model(preset, seed=1)
     prompt = _ids(PROMPT_LEN, 2)
-    a = capture(model, prompt, chunk_size=8, order="chunk")
-    b = capture(model, prompt, chunk_size=64, order="layer")
+    with hf_float64(model):
+        a = capture(model, prompt, chunk_size=8, order="chunk")
+        b = capture(model, prompt, chunk_size=64, order="layer")
     assert_same_state(a, b)
 
 
