@@ -153,6 +153,7 @@ def sharded_nccl(request):
         return world, ranks, _to_cpu(_capture_replay(preset, device="cuda"))
 
 
+@pytest.mark.numerics
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_nccl_capture_replay_and_gradients_equal_single_process(sharded_nccl):
     test_sharded_capture_equals_single_process(sharded_nccl)
@@ -161,6 +162,7 @@ def test_nccl_capture_replay_and_gradients_equal_single_process(sharded_nccl):
     test_resident_bytes_are_sharded(sharded_nccl)
 
 
+@pytest.mark.numerics
 def test_sharded_capture_equals_single_process(sharded):
     world, ranks, single = sharded
     assert [r["shard"] for r in ranks] == shard_bounds(PROMPT_LEN - 1, world)
@@ -177,6 +179,7 @@ def test_sharded_capture_equals_single_process(sharded):
     print(f"max capture error {worst:.2e}")
 
 
+@pytest.mark.numerics
 def test_sharded_replay_logprobs_and_gradients_equal_single_process(sharded, same_bits=True):
     world, ranks, single = sharded
     for r in ranks:
@@ -224,6 +227,7 @@ def _rank_grpo_step(preset):
     return _grpo_step(preset, context_parallel(int(os.environ["WORLD_SIZE"])))
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("preset,world", [("tiny-llama", 3), ("tiny-qwen3_5", 2)])
 def test_grpo_step_under_cp_equals_single_process_and_keeps_ranks_identical(preset, world):
     ranks = run_ranks(_rank_grpo_step, world, preset, start_method="fork")
@@ -254,6 +258,7 @@ def single_point():
     return run_point(_point_config(1))
 
 
+@pytest.mark.numerics
 def test_run_point_gathers_per_rank_memory_to_rank_zero(single_point):
     ranks = run_ranks(_rank_point, 2, start_method="fork")
     single = single_point
@@ -276,6 +281,7 @@ def _rank_sweep_point():
                       "sweep": {"replay": [2, 2], "hold_all": []}})
 
 
+@pytest.mark.numerics
 def test_sweep_under_cp_serves_its_steps_from_one_sharded_capture_with_every_ranks_peaks():
     ranks = run_ranks(_rank_sweep_point, 2, start_method="fork")
     single = run_point({**_point_config(1), "kind": "sweep", "sweep": {"replay": [2, 2], "hold_all": []}})
@@ -346,6 +352,7 @@ def _rank_train(out_dir):
     return Trainer(_train_config(out_dir, int(os.environ["WORLD_SIZE"]))).run(resume=False)
 
 
+@pytest.mark.numerics
 def test_trainer_under_cp_samples_and_steps_as_a_single_process(tmp_path):
     from longstraw.trainer import Trainer
 

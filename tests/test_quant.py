@@ -41,6 +41,7 @@ def _nf4_dequantized(weight):
     return (qs.code[nibbles.long()] * absmax.float().repeat_interleave(qs.blocksize)[:n]).reshape(qs.shape)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("preset", TINY_PRESETS)
 def test_linears_become_nf4_with_close_weights_and_routing_kept(preset):
     model = build_model(preset, seed=1)
@@ -106,6 +107,7 @@ def test_quantise_after_lora_is_refused():
         quantize_nf4(apply_lora(build_model("tiny-llama", seed=1), r=4))
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("preset", TINY_PRESETS)
 @pytest.mark.parametrize("response_len", [1, 9])
 def test_replay_logprobs_equal_hf_one_pass_of_same_nf4_model(preset, response_len):
@@ -118,6 +120,7 @@ def test_replay_logprobs_equal_hf_one_pass_of_same_nf4_model(preset, response_le
     assert (ours - expected).abs().max() < 1e-4
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("preset", TINY_PRESETS)
 def test_qlora_replay_gradients_equal_conditional_reference(preset):
     # Activations, LoRA and HF's own float32 casts in float64 on both sides (float64_reference), the 4-bit

@@ -27,6 +27,7 @@ def model(preset):
     return build_model(preset, seed=1)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("response_len", [1, 9])
 @pytest.mark.parametrize("order", ["chunk", "layer"])
 def test_replay_logprobs_equal_hf_one_pass(model, response_len, order):
@@ -40,6 +41,7 @@ def test_replay_logprobs_equal_hf_one_pass(model, response_len, order):
     assert (ours - expected).abs().max() < 1e-5
 
 
+@pytest.mark.numerics
 def test_capture_orders_and_chunkings_give_identical_state(preset):
     # float64, HF's float32 casts included (float64_reference): in float32 other chunk shapes round
     # differently, per element up to 0.89 of the bound (tiny-glm4_moe, MKL AVX2); in float64 <= 0.09
@@ -57,6 +59,7 @@ def test_measured_resident_bytes_equal_prediction(model):
     assert state.nbytes == state.predicted_nbytes > 0
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("prompt_len", [1, PROMPT_LEN])
 @pytest.mark.parametrize("lora", [False, True])
 def test_replay_gradient_equals_conditional_response_reference(preset, prompt_len, lora):

@@ -30,6 +30,7 @@ def _group(seed=0, lengths=(3, 7, 1, 5)):
     return prompt, responses, torch.tensor([1.0, 0.0, 0.5, 0.25])
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-qwen3_next"])
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
 def test_serial_replay_gradient_equals_hold_all(preset, loss_type):
@@ -48,6 +49,7 @@ def test_serial_replay_gradient_equals_hold_all(preset, loss_type):
     assert runs["hold_all"][1]["graph_bytes_peak"] > runs["replay"][1]["graph_bytes_peak"]
 
 
+@pytest.mark.numerics
 def test_naive_gradient_is_hf_full_sequence_gradient():
     model = build_model("tiny-llama", seed=3)
     prompt, responses, rewards = _group(seed=1)
@@ -64,6 +66,7 @@ def test_naive_gradient_is_hf_full_sequence_gradient():
     assert max_relative_error(recorder.grads, expected) < 1e-4
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("mode", ["replay", "hold_all"])
 def test_exact_mode_step_gradient_equals_naive(mode):
     """prefix_grad=True: the step applies HF's one-pass full-sequence gradient (naive's), not the conditional one."""
@@ -103,6 +106,7 @@ def test_step_applies_the_optimizer_and_reports_phases():
     assert metrics["resident_bytes"] == metrics["predicted_resident_bytes"]
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("mode", ["replay", "naive"])
 def test_one_member_probe_reaches_the_full_steps_graph_peak_and_gradient_share(mode):
     # the capacity probe's premise: serial members of equal length have equal live graphs.
