@@ -8,6 +8,8 @@ import torch
 import longstraw.kernels.paged_attention as attention
 from longstraw.kernels.paged_attention import paged_attention, reference_attention
 
+pytestmark = pytest.mark.numerics  # kernel numerics against references, under tolerances
+
 
 def dense_reference(q, k_prefix, v_prefix, k_live, v_live, scale):
     """Independent float64 reference: per query head, explicit loops over the mask, plain autograd."""

@@ -18,6 +18,8 @@ HF_RECURRENT = getattr(hf.torch_recurrent_gated_delta_rule, "__wrapped__", hf.to
 HF_CONV_FN = getattr(hf.causal_conv1d_fn, "__wrapped__", hf.causal_conv1d_fn)
 HF_CONV_UPDATE = getattr(hf.causal_conv1d_update, "__wrapped__", hf.causal_conv1d_update)
 
+pytestmark = pytest.mark.numerics  # kernel numerics against references, under tolerances
+
 
 def hf_recurrent(q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, state_BHDV):
     """HF's reference; q/k heads repeated here (transformers 5.17 repeats them in the layer, not the kernel)."""

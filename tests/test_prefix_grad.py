@@ -21,6 +21,7 @@ def _ids(n, seed):
     return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed))
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("lora", [False, True])
 @pytest.mark.parametrize("preset", TINY_PRESETS)
 @pytest.mark.parametrize("prompt_len,chunk", [(150, 32), (40, 64), (1, 16)])  # several chunks, one, none

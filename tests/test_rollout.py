@@ -25,6 +25,7 @@ def _hf_generate(model, prompt, config: SamplingConfig):
     return out.expand(config.num_samples, -1)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("temperature,top_p", SETTINGS)
 @pytest.mark.parametrize("preset", TINY_PRESETS)
 def test_sampling_from_state_matches_hf_generate(preset, temperature, top_p):

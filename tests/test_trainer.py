@@ -13,6 +13,7 @@ from longstraw.core.hf_reference import hf_conditional_logprobs, hf_full_logprob
 from longstraw.core import grpo
 from longstraw.training import tasks
 from longstraw.training.trainer import Trainer
+from float64_reference import hf_float64
 
 
 class _ParityTask:
@@ -43,10 +44,29 @@ def _config(tmp_path, preset="tiny-qwen3_5", **changes):
     return cfg
 
 
+# Adam's eps for the from-scratch comparison: Adam moves an element with |g| ~ eps by up to lr * dg / (4 eps)
+# for a gradient difference dg, and even in float64 both sides take a float32 log-softmax (dg up to 1.6e-8 at
+# step 0). With torch's 1e-8 that amplification alone put the two tiny-qwen3_5 runs up to 2.2e-5 apart (one
+# element with g = 5e-8; allclose at 0.76 of its bound), rounding rather than the trainer; with 1e-6, 6.1e-6.
+ADAM_EPS = 1e-6
+
+
+def _trainer(cfg):
+    trainer = Trainer(copy.deepcopy(cfg))
+    for group in trainer.optimizer.param_groups:
+        group["eps"] = ADAM_EPS
+    return trainer
+
+
 def _reference_run(cfg):
     """Everything recomputed from scratch each step with HF alone: generate, forwards, gradients."""
-    trainer = Trainer(copy.deepcopy(cfg))  # only for the same model, task, optimizer and schedule objects
-    model, config = trainer.model, trainer.cfg.grpo
+    trainer = _trainer(cfg)  # only for the same model, task, optimizer and schedule objects
+    with hf_float64(trainer.model):  # a float64 model: HF's own float32 casts in float64 too
+        _reference_steps(cfg, trainer, trainer.model, trainer.cfg.grpo)
+    return {n: p.detach().clone() for n, p in trainer.params.items()}
+
+
+def _reference_steps(cfg, trainer, model, config):
     s = cfg["sampling"]
     for step in range(cfg["steps"]):
         example = trainer._example(step)
@@ -70,19 +90,25 @@ def _reference_run(cfg):
         trainer.optimizer.step()
         trainer.optimizer.zero_grad(set_to_none=True)
         trainer.scheduler.step()
-    return {n: p.detach().clone() for n, p in trainer.params.items()}
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3_5"])
 def test_refresh_every_step_equals_recomputing_from_scratch(tmp_path, preset):
+    # float64 (float64_reference): in float32 the GDN decay gradients carry ~4e-4 relative rounding on both
+    # sides (tiny-qwen3_5: 2.8e-5 / 6.4e-5 / 8.2e-5 apart after 3 steps on ATen avx2 / avx512 / default)
     cfg = _config(tmp_path, preset)
-    trainer = Trainer(copy.deepcopy(cfg))
+    cfg["model"]["dtype"] = "float64"
+    trainer = _trainer(cfg)
     start = {n: p.detach().clone() for n, p in trainer.params.items()}
-    metrics = trainer.run(resume=False)
+    with hf_float64(trainer.model):  # as the reference: the trainer runs HF's norms and MLPs too
+        metrics = trainer.run(resume=False)
     assert all(m["refreshed"] for m in metrics) and any(m["grad_norm"] > 0 for m in metrics)
     expected = _reference_run(cfg)
     moved = max(float((p.detach() - start[n]).abs().max()) for n, p in trainer.params.items())
     assert moved > 1e-3  # the updates are real
+    # float64: <= 6.1e-6 apart (ATen default / avx2 / avx512, MKL AVX2 or AVX-512); a state not refreshed at
+    # step 1 gives 2.4e-2, dt_bias off by 0.1% in our GDN mixer 2.6e-3
     for name, p in trainer.params.items():
         assert torch.allclose(p.detach(), expected[name], atol=2e-5, rtol=1e-4), name
 

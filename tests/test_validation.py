@@ -27,6 +27,7 @@ def _levels(path):
     return {entry["level"]: entry for entry in path["levels"]}
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3_5"])
 def test_exact_mode_reaches_full_sequence_parity(preset):
     cfg = _config(preset, modes=["exact"], levels=["V2", "V3"])
@@ -104,6 +105,7 @@ def test_low_precision_parity_is_anchored_to_float32_on_hand_computed_vectors():
     assert not validation.parity(ours, g32, 2e-2, g32)[0]  # an exact reference leaves only the fixed 2e-2
 
 
+@pytest.mark.numerics
 def test_bfloat16_paths_record_their_float32_anchor():
     cfg = resolve_point({"kind": "validation", "model": {"preset": "tiny-llama", "dtype": "bfloat16"},
                           "prompt": {"length": 40}, "responses": {"count": 2, "length": 6},

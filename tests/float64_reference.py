@@ -1,0 +1,71 @@
+"""Float64 references, for comparisons whose float32 answer is set by rounding, not by the code under test.
+
+HF's modeling code runs some steps in float32 whatever the model's dtype: Gated DeltaNet's torch
+kernels (`torch_chunk_gated_delta_rule`, `torch_recurrent_gated_delta_rule`), the RMS norms, the
+gated norm and the eager attention softmax cast to `torch.float32` and back, so HF's forward of a
+float64 model is still only float32-accurate there, and so is ours, which runs HF's norms and MLPs.
+Inside `hf_float64(model)`, the `torch` that the model's `transformers` modeling modules see answers
+float64 for `float32` (and `float`); nothing else changes, and everything is restored on exit:
+
+    net = float64_model("tiny-qwen3_5", seed=1)
+    with hf_float64(net):
+        ours = grads_of(net, replay(net, capture(net, prompt), response).sum())
+        expected = grads_of(net, hf_conditional_logprobs(net, prompt, response).sum())
+
+Why the tests need it: on the GDN presets, float32 gradients of the decay path (A_log, dt_bias,
+in_proj_a and its LoRA factors) are ill-conditioned. Measured on tiny-qwen3_5 (LoRA, 37-token
+prompt), the float32 conditional reference is off the float64 one by 2.3e-4..4.0e-4 (max relative
+error per parameter) and our float32 replay by 2.3e-4..4.2e-4, depending on the ATen CPU
+capability (default / avx2 / avx512); the full-parameter gradients of tiny-qwen3_5_moe by 1.7e-3.
+Ours and HF agreed to 1e-4 in float32 only where their roundings happened to coincide; in float64
+with both sides inside `hf_float64` they agree to <= 7.4e-7 on every preset with ATEN_CPU_CAPABILITY
+default, avx2 and avx512 and MKL's AVX2 or AVX-512 path (what stays float32 on both sides: the
+log-softmax of the logits and exp(A_log)).
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from contextlib import contextmanager
+
+import torch
+
+from longstraw.models import build_model
+
+
+class _Float64Torch(types.ModuleType):
+    """`torch`, except that its float32 dtype reads as float64."""
+
+    def __getattr__(self, name):
+        value = getattr(torch, name)
+        return torch.float64 if value is torch.float32 else value
+
+
+@contextmanager
+def hf_float64(model):
+    """Inside the block, `model`'s transformers modeling modules compute their float32 casts in float64."""
+    modules = {sys.modules[type(m).__module__] for m in model.modules()}
+    patched = [m for m in modules if m.__name__.startswith("transformers.") and vars(m).get("torch") is torch]
+    proxy = _Float64Torch("torch")
+    for module in patched:
+        module.torch = proxy
+    try:
+        yield
+    finally:
+        for module in patched:
+            module.torch = torch
+
+
+def to_float64(model):
+    """The model in float64, MoE experts on HF's eager loop (torch's grouped_mm has no float64)."""
+    model = model.to(torch.float64)
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if hasattr(base, "set_experts_implementation"):
+        base.set_experts_implementation("eager")
+    return model
+
+
+def float64_model(preset, **kwargs):
+    """`build_model(preset, **kwargs)` in float64 (the same weights: presets initialise in float32)."""
+    return to_float64(build_model(preset, **kwargs))
