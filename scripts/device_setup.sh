@@ -18,16 +18,19 @@ if [ ! -e .git ]; then  # never let git walk up to a repo enclosing the copy (lo
 fi
 echo "device_setup: commit ${LONGSTRAW_COMMIT:-from .git}; triton cache $(ls "$TRITON_CACHE_DIR" | wc -l) entries" >&2
 
-# One pipeline point: device_point EXPERIMENT POINT SECONDS
+# One pipeline point: device_point EXPERIMENT POINT SECONDS [RANKS]
 #   -> $OUT/EXPERIMENT__POINT.json (the result) and $OUT/EXPERIMENT__POINT.log (the whole output);
 # shows the log's last 40 non-blank lines and returns the point's exit status: 0 when it ran, 124
 # when it timed out (137 if it then ignored SIGTERM for 30 s), the error's status when it crashed.
+# RANKS (default 1) is the point's cp_size: more than 1 starts that many ranks through torchrun.
 device_point() {
-    if [ $# -ne 3 ]; then echo "usage: device_point EXPERIMENT POINT SECONDS" >&2; return 2; fi
-    local experiment=$1 point=$2 seconds=$3 status
+    if [ $# -lt 3 ] || [ $# -gt 4 ]; then echo "usage: device_point EXPERIMENT POINT SECONDS [RANKS]" >&2; return 2; fi
+    local experiment=$1 point=$2 seconds=$3 ranks=${4:-1} status
+    local start=(python3 -m longstraw)
+    [ "$ranks" -gt 1 ] && start=(python3 -m torch.distributed.run --standalone --nproc-per-node "$ranks" -m longstraw)
     local log="${OUT:?OUT is not set}/${experiment}__${point}.log"
     mkdir -p "$OUT"
-    timeout --kill-after=30 "$seconds" python3 -m longstraw point "experiments/$experiment.yaml" --profile h200 \
+    timeout --kill-after=30 "$seconds" "${start[@]}" point "experiments/$experiment.yaml" --profile h200 \
         --point "$point" --out "$OUT/${experiment}__${point}.json" 2>&1 | tee "$log" | grep -v "^\s*$" | tail -40
     status=${PIPESTATUS[0]}  # the timeout/python status, not tail's (pipefail without setting it)
     if [ "$status" -ne 0 ]; then
