@@ -5,8 +5,9 @@
 # - keeps Triton's compiled kernels and autotune results in .triton_cache, unpacked from a carried
 #   .cache_device/triton_cache.tgz when there is one (without it fla's autotuning costs ~40 s on the
 #   first call; `save_triton_cache` below makes the archive);
-# - fixes the commit results record: the box's copy has no .git, so LONGSTRAW_COMMIT, put into the
-#   command's text by the sender (LONGSTRAW_COMMIT=<sha> . scripts/device_setup.sh), else "unknown".
+# - fixes the commit results record: the box's copy has no .git, so LONGSTRAW_COMMIT, which the
+#   sender writes into the command (export LONGSTRAW_COMMIT=<sha>; . scripts/device_setup.sh),
+#   else "unknown".
 # It defines device_point and save_triton_cache, and switches no shell options on (no set -e/pipefail).
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     .whl/*.whl $(ls .whl_bnb/*.whl 2>/dev/null) || return 1
