@@ -1,13 +1,59 @@
-# Source at the start of a command on the GPU box (see DEVELOPERS notes in README):
+# Source at the start of a command on the GPU box, from the tree's root (the recipe: docs/gpu.md):
 #   . scripts/device_setup.sh
-# installs the carried wheels into /tmp/site, and keeps Triton's compiled kernels and autotune
-# results in .triton_cache (carried between calls, so fla's autotuning is paid once).
+# - installs the carried wheels (.whl/, and .whl_bnb/ when carried; scripts/prepare_device_wheels.sh
+#   makes both) into /tmp/site;
+# - keeps Triton's compiled kernels and autotune results in .triton_cache, unpacked from a carried
+#   .cache_device/triton_cache.tgz when there is one (without it fla's autotuning costs ~40 s on the
+#   first call; `save_triton_cache` below makes the archive);
+# - fixes the commit results record: the box's copy has no .git, so LONGSTRAW_COMMIT, which the
+#   sender writes into the command (export LONGSTRAW_COMMIT=<sha>; . scripts/device_setup.sh),
+#   else "unknown".
+# It defines device_point and save_triton_cache, and switches no shell options on (no set -e/pipefail).
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     .whl/*.whl $(ls .whl_bnb/*.whl 2>/dev/null) || return 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TRITON_CACHE_AUTOTUNING=1 TRITON_CACHE_DIR=$PWD/.triton_cache
 mkdir -p "$TRITON_CACHE_DIR"; [ -f .cache_device/triton_cache.tgz ] && tar xzf .cache_device/triton_cache.tgz
-# run one pipeline point: device_point EXPERIMENT POINT SECONDS -> $OUT/EXPERIMENT__POINT.json
+if [ ! -e .git ]; then  # never let git walk up to a repo enclosing the copy (longstraw.measure.git_commit)
+    export LONGSTRAW_COMMIT=${LONGSTRAW_COMMIT:-unknown}
+    [ "$LONGSTRAW_COMMIT" = unknown ] && echo "device_setup: no .git and no LONGSTRAW_COMMIT: results record commit 'unknown'" >&2
+fi
+echo "device_setup: commit ${LONGSTRAW_COMMIT:-from .git}; triton cache $(ls "$TRITON_CACHE_DIR" | wc -l) entries" >&2
+
+# One pipeline point: device_point EXPERIMENT POINT SECONDS [RANKS]
+#   -> $OUT/EXPERIMENT__POINT.json (the result) and $OUT/EXPERIMENT__POINT.log (the whole output);
+# shows the log's last 40 non-blank lines and returns the point's exit status: 0 when it ran, 124
+# when it timed out (137 if it then ignored SIGTERM for 30 s), the error's status when it crashed.
+# RANKS (default 1) is the point's cp_size: more than 1 starts that many ranks through torchrun.
 device_point() {
-    timeout "$3" python3 -m longstraw point "experiments/$1.yaml" --profile h200 --point "$2" \
-        --out "$OUT/$1__$2.json" 2>&1 | grep -v "^\s*$" | tail -40
+    if [ $# -lt 3 ] || [ $# -gt 4 ]; then echo "usage: device_point EXPERIMENT POINT SECONDS [RANKS]" >&2; return 2; fi
+    local experiment=$1 point=$2 seconds=$3 ranks=${4:-1} status
+    local start=(python3 -m longstraw)
+    [ "$ranks" -gt 1 ] && start=(python3 -m torch.distributed.run --standalone --nproc-per-node "$ranks" -m longstraw)
+    local log="${OUT:?OUT is not set}/${experiment}__${point}.log"
+    mkdir -p "$OUT"
+    timeout --kill-after=30 "$seconds" "${start[@]}" point "experiments/$experiment.yaml" --profile h200 \
+        --point "$point" --out "$OUT/${experiment}__${point}.json" 2>&1 | tee "$log" | grep -v "^\s*$" | tail -40
+    status=${PIPESTATUS[0]}  # the timeout/python status, not tail's (pipefail without setting it)
+    if [ "$status" -ne 0 ]; then
+        if [ "$status" -eq 124 ]; then
+            echo "device_point $experiment $point: timed out after $seconds s (exit 124); log: $log" >&2
+        else
+            echo "device_point $experiment $point: failed (exit $status); log: $log" >&2
+        fi
+    fi
+    return "$status"
+}
+
+# Pack .triton_cache into $OUT/triton_cache.tgz, last thing in a command; copy it from the returned
+# files to .cache_device/triton_cache.tgz here and carry .cache_device on later calls.
+save_triton_cache() {
+    local archive="${OUT:?OUT is not set}/triton_cache.tgz" size
+    mkdir -p "$OUT"
+    tar czf "$archive" -C "$(dirname "$TRITON_CACHE_DIR")" "$(basename "$TRITON_CACHE_DIR")" || return
+    size=$(wc -c <"$archive")
+    echo "save_triton_cache: $archive, $size bytes" >&2
+    if [ "$size" -gt 16777216 ]; then
+        echo "save_triton_cache: over the 16 MiB a returned file may have; it will not come back" >&2
+        return 1
+    fi
 }

@@ -20,15 +20,20 @@ def _version(package: str) -> str | None:
 
 
 def git_commit() -> str | None:
-    """HEAD (with -dirty for uncommitted tracked changes); LONGSTRAW_COMMIT where there is no
-    .git (the GPU box receives a copy of the tree without it)."""
+    """The commit results record: LONGSTRAW_COMMIT when set (the GPU box receives a copy of the tree
+    without .git, so the sender passes its HEAD; docs/gpu.md); else, where the package's repo root
+    (the folder above `longstraw/`) itself holds `.git` (a folder, or a worktree's file), its HEAD
+    with -dirty for uncommitted tracked changes; else "unknown". Git is never asked from a root
+    without `.git`: it would walk up and report the commit of whatever repo encloses the copy."""
     if os.environ.get("LONGSTRAW_COMMIT"):
         return os.environ["LONGSTRAW_COMMIT"]
+    root = Path(__file__).resolve().parents[2]
+    if not (root / ".git").exists():
+        return "unknown"
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10,
-                             cwd=Path(__file__).resolve().parent)
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, cwd=root)
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, timeout=10, cwd=Path(__file__).resolve().parent).stdout.strip()
+                               text=True, timeout=10, cwd=root).stdout.strip()
         return out.stdout.strip() + ("-dirty" if dirty else "") if out.returncode == 0 else None
     except (OSError, subprocess.SubprocessError):
         return None
