@@ -234,7 +234,7 @@ CUDA_SHAPES = [
 ]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 @pytest.mark.parametrize("B,H,Hk,R,P,D,block_size", CUDA_SHAPES)
 @pytest.mark.parametrize("prefix_grad", [False, True])
 @pytest.mark.parametrize("backend", ["cuda", "flash"])  # "cudnn" is experimental: see module doc
@@ -295,7 +295,7 @@ def test_cuda_path_plumbing_with_emulated_kernel_on_cpu(monkeypatch):
             torch.testing.assert_close(a.double(), b, rtol=5e-2, atol=5e-2)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 @pytest.mark.parametrize("P", [0, 300, 4096 + 7])  # 4096 + 7: a 7-key tail block goes to flash
 def test_forward_only_auto_takes_cudnn_and_matches_math(P):
     g = torch.Generator(device="cuda").manual_seed(0)

@@ -155,7 +155,7 @@ def sharded_nccl(request):
 
 
 @pytest.mark.numerics
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
 def test_nccl_capture_replay_and_gradients_equal_single_process(sharded_nccl):
     test_sharded_capture_equals_single_process(sharded_nccl)
     # on several GPUs a kernel's backward need not be bitwise deterministic: within TOL is the claim
@@ -299,6 +299,7 @@ def test_sweep_under_cp_serves_its_steps_from_one_sharded_capture_with_every_ran
         assert step["grad_norm"] == pytest.approx(reference["grad_norm"], rel=1e-4)
 
 
+@pytest.mark.slow
 def test_torchrun_with_one_rank_gives_the_single_process_result(tmp_path, single_point):
     spec, out = tmp_path / "point.yaml", tmp_path / "point.json"
     spec.write_text(json.dumps(_point_config(1)))
@@ -354,6 +355,7 @@ def _rank_train(out_dir):
 
 
 @pytest.mark.numerics
+@pytest.mark.slow
 def test_trainer_under_cp_samples_and_steps_as_a_single_process(tmp_path):
     from longstraw.training.trainer import Trainer
 

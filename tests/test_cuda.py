@@ -9,7 +9,7 @@ from longstraw.core.hf_reference import (grads_of, hf_conditional_logprobs, hf_f
 from longstraw import capture, replay
 from longstraw.models import TINY_PRESETS, build_model
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = pytest.mark.cuda
 
 
 def _ids(n, seed):

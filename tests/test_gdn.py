@@ -190,7 +190,7 @@ def test_forward_use_fla_true_raises_on_cpu():
         chunk_gated_delta_rule_forward(*make_gdn_inputs(T=3, dtype=torch.float32), use_fla=True)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 def test_forward_cuda_matches_reference():
     q, k, v, g, beta, s0 = (t.cuda() for t in make_gdn_inputs(T=200, Hk=2, Hv=4, Dk=64, Dv=32, dtype=torch.float32))
     o_f, s_f = chunk_gated_delta_rule_forward(q, k, v, g, beta, s0)

@@ -174,7 +174,7 @@ def test_head_by_head_scores_equal_hf_formula():
 
 
 @pytest.mark.numerics
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
 def test_fused_cuda_index_scores_and_selection_equal_the_float32_formula():
     g = torch.Generator().manual_seed(3)
     T, P, H, I = 300, 5000, 32, 128
@@ -247,8 +247,7 @@ def test_index_share_without_a_preceding_index_layer_is_refused():
 
 @pytest.mark.parametrize("preset,topk", [("tiny-glm_moe_dsa", DROP_TOPK), ("tiny-deepseek_v3", None)],
                          ids=["sparse", "dense"])
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs a CUDA device"))])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_host_resident_pages_give_identical_results(device, preset, topk):
     """On CPU the host is the device: the option must change nothing. On CUDA the pages sit in pinned
     memory and each layer's copy is prefetched on a side stream while the layer before computes; the

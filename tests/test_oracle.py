@@ -31,7 +31,8 @@ def test_training_on_the_stale_state_makes_it_drift():
     assert rows[0]["relative_loss_drift"] == 0.0  # step 0: fresh == stale
     drift = [r["param_drift"] for r in rows]
     assert drift == sorted(drift) and drift[-1] > 0
-    assert all(r["mean_abs_logprob_diff"] > 0 and r["kl_k3"] >= 0 for r in rows[1:])
+    for r in rows[1:]:  # k3 = e^d - d - 1 ~ d^2 / 2: positive once the states differ, and below |d| for small d
+        assert 0 < r["kl_k3"] < r["mean_abs_logprob_diff"] < 1
     assert all(r["grad_cosine"] < 1 for r in rows[1:])
 
 

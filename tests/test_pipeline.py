@@ -19,6 +19,7 @@ import pandas as pd
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
 
 STEP = """
 name: tiny_steps

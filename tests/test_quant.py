@@ -148,7 +148,7 @@ def test_qlora_replay_gradients_equal_conditional_reference(preset):
     assert max_relative_error(ours, expected) < 1e-4
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 @pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-qwen3_5"])
 def test_cuda_bf16_qlora_smoke(preset):
     """CUDA path: Params4bit quantises on the device, bf16 compute, LoRA grads through the 4-bit base."""
