@@ -21,7 +21,6 @@ from longstraw.cp import context_parallel, shard_bounds
 from longstraw.cp.launch import run_ranks
 from longstraw.harness.runner import run_point
 from longstraw.models import build_model
-from longstraw.state import AttentionPages, RecurrentState
 from longstraw.core.step import StepOptions, grpo_step
 from float64_reference import hf_float64
 

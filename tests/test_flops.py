@@ -15,7 +15,9 @@ def test_attention_flop_counts_by_hand():
     # 3 live queries over 5 prefix keys + their causal 3 (1 + 2 + 3 = 6 pairs): 21 pairs x 4 x 2 heads x 4 dims
     assert flops.attention_forward_flops(heads=2, head_dim=4, queries=3, prefix=5) == 672
     # tiny-qwen3_5: one attention layer of 4 heads x 16; a causal pass over 10 tokens has 55 pairs
-    assert flops.capture_attention_flops(make_config("tiny-qwen3_5"), 10) == 4 * 4 * 16 * 55
+    config = make_config("tiny-qwen3_5")
+    assert flops.attention_layers(config) == 1 and flops.head_dim(config) == 16
+    assert flops.attention_forward_flops(4, 16, queries=10, prefix=0) == 4 * 4 * 16 * 55
     # tiny-llama: two attention layers
     assert flops.replay_attention_flops(make_config("tiny-llama"), 3, 5) == (2 * 4 * 4 * 16 * 21, 26880)
 

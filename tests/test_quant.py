@@ -15,8 +15,26 @@ from longstraw.core.hf_reference import grads_of, hf_conditional_logprobs, hf_fu
 from longstraw import capture, replay  # noqa: E402
 from longstraw.models.lora import apply_lora  # noqa: E402
 from longstraw.models import TINY_PRESETS, build_model  # noqa: E402
-from longstraw.models.quant import quantize_nf4, quantized_bytes  # noqa: E402
+from longstraw.models.quant import quantize_nf4  # noqa: E402
 from float64_reference import hf_float64, to_float64  # noqa: E402
+
+
+def _quant_state_tensors(qs):
+    yield from (qs.absmax, qs.code, qs.offset)
+    if qs.state2 is not None:
+        yield from _quant_state_tensors(qs.state2)
+
+
+def quantized_bytes(model) -> int:
+    """Bytes of weight storage: every parameter once, 4-bit ones as packed data plus quant state."""
+    total = 0
+    for param in model.parameters():  # parameters() already yields tied weights once
+        total += param.numel() * param.element_size()
+        if isinstance(param, bnb.nn.Params4bit) and param.quant_state is not None:
+            total += sum(t.numel() * t.element_size() for t in _quant_state_tensors(param.quant_state)
+                         if isinstance(t, torch.Tensor))
+    return total
+
 
 PROMPT_LEN = 37
 ROUTER_GATES = ("shared_expert_gate",)

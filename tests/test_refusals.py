@@ -10,7 +10,7 @@ import yaml
 
 from longstraw import capture, cli, replay, score
 from longstraw.config import GRPOConfig
-from longstraw.core.step import StepOptions, grpo_step
+from longstraw.core.step import grpo_step
 from longstraw.harness import plan
 from longstraw.models import build_model
 from longstraw.training import tasks

@@ -8,6 +8,7 @@ from longstraw import capture
 from longstraw.core import grpo
 from longstraw.models import build_model
 from longstraw.core.step import StepOptions, grpo_step
+from grpo_reference import batch_loss
 from float64_reference import float64_model, hf_float64
 
 
@@ -66,7 +67,7 @@ def test_naive_gradient_is_hf_full_sequence_gradient():
     # on-policy first step: old log-probs equal the current ones (detached), as in the step
     logps = [hf_full_logprobs(model, prompt, y) for y in responses]
     advantages = grpo.group_advantages(rewards)
-    loss = grpo.batch_loss(logps, [lp.detach() for lp in logps], None, advantages, config)
+    loss = batch_loss(logps, [lp.detach() for lp in logps], None, advantages, config)
     model.zero_grad()
     loss.backward()
     expected = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -135,7 +136,7 @@ def test_one_member_probe_reaches_the_full_steps_graph_peak_and_gradient_share(m
         reference = hf_full_logprobs if mode == "naive" else hf_conditional_logprobs  # naive: full-sequence gradient
         logps = [reference(model, prompt, y) for y in responses]
         logps = logps[:1] + [lp.detach() for lp in logps[1:]]
-        loss = grpo.batch_loss(logps, [lp.detach() for lp in logps], None, grpo.group_advantages(rewards), config)
+        loss = batch_loss(logps, [lp.detach() for lp in logps], None, grpo.group_advantages(rewards), config)
         model.zero_grad()
         loss.backward()
     expected = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}

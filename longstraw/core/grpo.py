@@ -19,8 +19,8 @@ k3 KL penalty towards a reference policy (:func:`per_token_loss`)::
            + beta * (exp(ref_it - logp_it) - (ref_it - logp_it) - 1)
 
 ``old_logp`` and ``ref_logp`` are constants (detached); only ``logp`` carries gradient.
-The group loss aggregates ``l_it`` according to ``loss_type`` (:func:`batch_loss`, written
-the TRL way with padding and a completion mask)::
+The group loss aggregates ``l_it`` according to ``loss_type`` (in TRL, a padded batch with a completion
+mask; `tests/grpo_reference.py` writes it that way)::
 
     grpo    : mean_i ( sum_t l_it / L_i )                       (length-biased)
     bnpo    : sum_it l_it / sum_i L_i
@@ -66,7 +66,6 @@ from dataclasses import dataclass
 from typing import Optional, Sequence, Union
 
 import torch
-import torch.nn.functional as F
 
 from longstraw.config.grpo import LOSS_TYPES, SCALE_REWARDS, GRPOConfig, _is_real, normalize_scale_rewards
 
@@ -80,12 +79,9 @@ __all__ = [
     "per_token_loss",
     "token_weights",
     "response_loss",
-    "batch_loss",
     "ResponseStats",
     "response_stats",
     "summarize_stats",
-    "clip_fraction",
-    "mean_kl",
 ]
 
 
@@ -216,7 +212,7 @@ def per_token_loss(
 
 def token_weights(lengths_G: Sequence[int], config: GRPOConfig) -> torch.Tensor:
     """Per-response weights ``w_G`` (float64, CPU) fixed before replay, such that
-    ``sum_i w_i * per_token_loss_i.sum()`` equals :func:`batch_loss` for ``config.loss_type``:
+    ``sum_i w_i * per_token_loss_i.sum()`` equals the group loss above for ``config.loss_type``:
 
     * grpo:     ``w_i = 1 / (G * max(L_i, 1))``
     * bnpo/dapo ``w_i = 1 / max(sum_j L_j, 1)``
@@ -274,99 +270,6 @@ def response_loss(
     if not _is_real(weight) or not math.isfinite(weight) or weight < 0:
         raise ValueError(f"weight must be a finite scalar >= 0, got {weight!r}")
     return per_token_loss(logp_R, old_logp_R, ref_logp_R, advantage, config).sum() * float(weight)
-
-
-# --------------------------------------------------------------------------------------
-# Reference "one big batch" formulation (TRL style: padding + completion mask)
-# --------------------------------------------------------------------------------------
-
-
-def _pad_stack(name: str, seqs: Sequence[torch.Tensor], lengths, width, dtype, device, detach):
-    rows = []
-    for i, s in enumerate(seqs):
-        _check_1d(f"{name}[{i}]", s)
-        if s.shape[0] != lengths[i]:
-            raise ValueError(f"length mismatch: {name}[{i}] has {s.shape[0]} tokens, logps[{i}] has {lengths[i]}")
-        s = s.detach() if detach else s
-        rows.append(F.pad(s.to(device=device, dtype=dtype), (0, width - lengths[i])))
-    return torch.stack(rows)
-
-
-def batch_loss(
-    logps: Sequence[torch.Tensor],
-    old_logps: Optional[Sequence[torch.Tensor]],
-    ref_logps: Optional[Sequence[torch.Tensor]],
-    advantages_G,
-    config: GRPOConfig,
-) -> torch.Tensor:
-    """The whole group's loss computed at once, the way TRL's ``GRPOTrainer._compute_loss``
-    does: right-pad to ``[G, max_len]``, build a completion mask, compute the per-token
-    loss on the padded batch and aggregate by ``loss_type``. Independent of
-    :func:`per_token_loss` / :func:`token_weights`; used as the reference in tests.
-
-    ``old_logps=None`` means on-policy; ``ref_logps`` is required iff ``beta > 0``.
-    """
-    logps = list(logps)
-    G = len(logps)
-    if G != config.num_generations:
-        raise ValueError(f"got {G} responses but num_generations={config.num_generations}")
-    if G == 0:
-        raise ValueError("need at least one response")
-    for i, lp in enumerate(logps):
-        _check_1d(f"logps[{i}]", lp)
-    lengths = [int(lp.shape[0]) for lp in logps]
-    m = config.max_completion_length
-    if m is not None and any(L > m for L in lengths):
-        raise ValueError(f"a response length exceeds max_completion_length={m}: {lengths}")
-    width = max(max(lengths), 1)
-    device = logps[0].device
-    dtype = _compute_dtype(logps[0])
-    for lp in logps[1:]:
-        dtype = torch.promote_types(dtype, _compute_dtype(lp))
-
-    logp = _pad_stack("logps", logps, lengths, width, dtype, device, detach=False)
-    if old_logps is None:
-        old = logp.detach()
-    else:
-        old_logps = list(old_logps)
-        if len(old_logps) != G:
-            raise ValueError(f"got {len(old_logps)} old_logps for {G} responses")
-        old = _pad_stack("old_logps", old_logps, lengths, width, dtype, device, detach=True)
-    mask = (torch.arange(width, device=device)[None, :] < torch.tensor(lengths, device=device)[:, None]).to(dtype)
-
-    adv = torch.as_tensor(
-        advantages_G.detach() if isinstance(advantages_G, torch.Tensor) else advantages_G,
-        dtype=dtype,
-        device=device,
-    )
-    if adv.dim() != 1 or adv.shape[0] != G:
-        raise ValueError(f"advantages must have shape [{G}], got {tuple(adv.shape)}")
-    if not bool(torch.isfinite(adv).all()):
-        raise ValueError("advantages must be finite")
-
-    coef_1 = torch.exp(logp - old)
-    coef_2 = torch.clamp(coef_1, 1 - config.epsilon, 1 + config.epsilon_high)
-    loss_tok = -torch.min(coef_1 * adv.unsqueeze(1), coef_2 * adv.unsqueeze(1))
-    if config.beta != 0.0:
-        if ref_logps is None:
-            raise ValueError("ref_logps is required when beta > 0")
-        ref_logps = list(ref_logps)
-        if len(ref_logps) != G:
-            raise ValueError(f"got {len(ref_logps)} ref_logps for {G} responses")
-        ref = _pad_stack("ref_logps", ref_logps, lengths, width, dtype, device, detach=True)
-        per_token_kl = torch.exp(ref - logp) - (ref - logp) - 1
-        loss_tok = loss_tok + config.beta * per_token_kl
-
-    if config.loss_type == "grpo":
-        return ((loss_tok * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).mean()
-    if config.loss_type == "bnpo":
-        return (loss_tok * mask).sum() / mask.sum().clamp(min=1.0)
-    if config.loss_type == "dr_grpo":
-        return (loss_tok * mask).sum() / (loss_tok.size(0) * config.max_completion_length)
-    if config.loss_type == "dapo":
-        num_items_in_batch = mask.sum()  # single process, single prompt
-        return (loss_tok * mask).sum() / num_items_in_batch.clamp(min=1.0)
-    raise ValueError(f"unknown loss_type {config.loss_type!r}")  # pragma: no cover
 
 
 # --------------------------------------------------------------------------------------
@@ -431,18 +334,3 @@ def summarize_stats(stats: Sequence[ResponseStats]) -> dict:
     if stats and all(s.kl_sum is not None for s in stats):
         out["kl"] = sum(s.kl_sum for s in stats) / denom
     return out
-
-
-def clip_fraction(
-    logp_R: torch.Tensor, old_logp_R: torch.Tensor, advantage: Advantage, config: GRPOConfig
-) -> float:
-    """Fraction of this response's tokens whose surrogate is clipped (low or high region)."""
-    s = response_stats(logp_R, old_logp_R, None, advantage, config)
-    return (s.num_low_clipped + s.num_high_clipped) / max(s.num_tokens, 1)
-
-
-def mean_kl(logp_R: torch.Tensor, ref_logp_R: torch.Tensor) -> float:
-    """Mean per-token k3 KL of one response (0.0 for an empty response)."""
-    with torch.no_grad():
-        kl = k3_kl(logp_R.detach(), ref_logp_R)
-    return float(kl.mean()) if kl.numel() else 0.0

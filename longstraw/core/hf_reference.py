@@ -38,7 +38,7 @@ def _assigning_recurrent_update(layer):
 
 
 def hf_conditional_logprobs(model, prompt_P, response_R):
-    """The conditional-response reference (DESIGN.md §4): prompt minus its last token through HF
+    """The conditional-response reference: prompt minus its last token through HF
     without grad into a DynamicCache, then the last prompt token + response on that cache with grad."""
     config = model.config if not hasattr(model, "get_base_model") else model.get_base_model().config
     cache = DynamicCache(config=config)
@@ -57,7 +57,7 @@ def hf_conditional_logprobs(model, prompt_P, response_R):
 def hf_torch_gdn_kernels(model):
     """Make HF's GDN layers run HF's own torch chunk kernel, not fla's, inside the block.
 
-    fla's chunk backward raises on Hopper with Triton 3.4-3.7 (DESIGN.md §2), so a gradient
+    fla's chunk backward raises on Hopper with Triton 3.4-3.7 (docs/design.md), so a gradient
     reference on CUDA must take HF's torch path. transformers 5.17 binds the kernel per layer
     (`layer.chunk_gated_delta_rule`); 5.23 wraps the module-level torch function, keeping the
     original as `__wrapped__`. Both are undone on exit."""

@@ -1,4 +1,4 @@
-"""One GRPO transaction for one prompt and G given responses (DESIGN.md §1), in three modes:
+"""One GRPO transaction for one prompt and G given responses, in three modes:
 
 - `replay` (ours): capture once (or reuse `state`), score old/ref graph-free from the state,
   replay responses one at a time with one backward each; the live graph is one response.

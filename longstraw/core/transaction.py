@@ -1,4 +1,4 @@
-"""capture() and replay(): the transaction's two halves (DESIGN.md §1, API in §4).
+"""capture() and replay(): the transaction's two halves (docs/design.md).
 
     from longstraw import capture, replay
     state = capture(model, prompt_ids)          # no autograd; ResidentState over prompt[:-1]

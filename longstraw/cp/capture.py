@@ -1,4 +1,4 @@
-"""Sharded capture: each rank captures its contiguous shard of the prompt (DESIGN.md §1, issue 8).
+"""Sharded capture: each rank captures its contiguous shard of the prompt.
 
     state = capture(model, prompt_ids, cp=context_parallel(2))   # under torchrun, on every rank
 

@@ -1,4 +1,4 @@
-"""The four validation levels of DESIGN.md §6, measured path by path.
+"""The four validation levels (docs/design.md), measured path by path.
 
     longstraw validate experiments/validation.yaml --profile cpu --out results/validation-cpu.json
     longstraw point experiments/validation.yaml --profile cpu --point families --out r.json   # one point

@@ -28,12 +28,6 @@ def attention_forward_flops(heads: int, head_dim: int, queries: int, prefix: int
     return 4 * heads * head_dim * pairs
 
 
-def capture_attention_flops(config, positions: int) -> int:
-    """All attention layers of a causal pass over `positions` tokens (what capture computes)."""
-    return attention_layers(config) * attention_forward_flops(config.num_attention_heads, head_dim(config),
-                                                              positions, 0)
-
-
 def replay_attention_flops(config, response_length: int, prefix: int) -> tuple[int, int]:
     """(forward, backward) attention FLOPs of one replayed member over `prefix` resident positions."""
     forward = attention_layers(config) * attention_forward_flops(config.num_attention_heads, head_dim(config),

@@ -1,4 +1,4 @@
-"""LoRA (peft) on the attention and Gated DeltaNet projections, and NF4 quantisation (bitsandbytes)."""
+"""LoRA (peft) on the attention, MLA and Gated DeltaNet projections (NF4 quantisation is `quant`)."""
 
 from __future__ import annotations
 

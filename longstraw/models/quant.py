@@ -86,22 +86,3 @@ def quantize_nf4(model: nn.Module, *, compute_dtype: torch.dtype | None = None, 
         del old, weight
     model.is_loaded_in_4bit = True
     return model
-
-
-def _quant_state_tensors(qs):
-    yield from (qs.absmax, qs.code, qs.offset)
-    if qs.state2 is not None:
-        yield from _quant_state_tensors(qs.state2)
-
-
-def quantized_bytes(model: nn.Module) -> int:
-    """Bytes of weight storage: every parameter once, 4-bit ones as packed data plus quant state."""
-    import bitsandbytes as bnb
-
-    total = 0
-    for param in model.parameters():  # parameters() already yields tied weights once
-        total += param.numel() * param.element_size()
-        if isinstance(param, bnb.nn.Params4bit) and param.quant_state is not None:
-            total += sum(t.numel() * t.element_size() for t in _quant_state_tensors(param.quant_state)
-                         if isinstance(t, torch.Tensor))
-    return total

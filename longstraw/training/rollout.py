@@ -5,7 +5,7 @@
                                                    top_p=0.95, stop_ids=(eos,), seed=0))
     rollouts.responses[i], rollouts.logprobs[i]      # token ids (stop token included), log p per token
 
-Decoding starts from the last prompt token (the state covers the prompt minus it, DESIGN.md §4).
+Decoding starts from the last prompt token (the state covers the prompt minus it).
 The G sequences share the prompt's attention pages and MLA latent pages (read in place, never copied)
 and keep their own pages for the generated tokens (MLA: latents, and index keys on DSA index layers,
 so each sequence's top-k runs over the prompt's keys and its own); Gated DeltaNet states (constant
