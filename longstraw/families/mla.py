@@ -8,12 +8,166 @@ layer that shares it, so both capture orders, replay and sampling (keyed by the 
 selection [G, k] for all G sequences) see the right one. The FFN (dense for the first
 `first_k_dense_replace` layers, then routed experts + shared expert) runs through HF's modules in
 `FamilyAdapter.layer_forward`.
+
+Each layer's token mixing (`mla_mix`) goes through HF's own modules, with absorbed latent attention.
+
+Per token, everything runs through the HF attention module's submodules (q_a_proj / q_a_layernorm /
+q_b_proj or q_proj, kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj, the indexer's wq_b / wk /
+k_norm / weights_proj) and HF's own rotary functions, so LoRA and NF4 apply unchanged. The sequence
+mixing is ours: the live latents attend the layer's `LatentPages` in absorbed form
+(`longstraw.kernels.latent_attention`), over the indexer's top-k (`longstraw.kernels.dsa_topk`) when it drops positions.
+
+Rotary layouts (the same in transformers 5.17 and 5.23): the MLA rope part is interleaved (deepseek_v3:
+unless `config.rope_interleave` is False); the indexer's rope part is interleaved in glm_moe_dsa
+and half-split in deepseek_v32. The functions are taken from the model's own modeling module.
+
+    out_BTH, selection = mla_mix(attn, x_BTH, (cos, sin), pages, capturing=True, selection=None)
+    out_B1H, selection_BK = mla_mix(attn, x_B1H, (cos, sin), decode_pages, capturing=True)  # sampling G rows
 """
 
 from __future__ import annotations
 
+import sys
+
+import torch
+
 from longstraw.families.base import FamilyAdapter
-from longstraw.families.mla_layer import allocate_latent_pages, indexer_of, latent_page_bytes, mla_mix
+from longstraw.kernels.dsa_topk import select_topk, select_topk_decode
+from longstraw.kernels.latent_attention import (absorb_query, expand_output, latent_attention,
+                                                latent_decode_attention, split_kv_b)
+from longstraw.state import LatentDecodePages, LatentPages
+
+
+_INDEXER_ROTARY = {"glm_moe_dsa": "apply_rotary_pos_emb_interleave", "deepseek_v32": "apply_rotary_pos_emb"}
+
+
+def _rotary(attn, name=None):
+    modeling = sys.modules[type(attn).__module__]
+    if name is None:
+        interleave = getattr(attn.config, "rope_interleave", True)
+        name = "apply_rotary_pos_emb_interleave" if interleave else "apply_rotary_pos_emb"
+    return getattr(modeling, name)
+
+
+def indexer_of(attn):
+    """The layer's own DSA indexer, or None (no indexer, or an IndexShare layer)."""
+    indexer = getattr(attn, "indexer", None)
+    return None if indexer is None or getattr(attn, "skip_topk", False) else indexer
+
+
+def latent_page_bytes(config, index_layer: bool, dtype) -> int:
+    """Resident bytes per position of one MLA layer: latent + rope key (+ the index key)."""
+    width = config.kv_lora_rank + config.qk_rope_head_dim + (config.index_head_dim if index_layer else 0)
+    return width * torch.empty((), dtype=dtype).element_size()
+
+
+def allocate_latent_pages(attn, positions, dtype, device, host=False) -> LatentPages:
+    indexer = indexer_of(attn)
+    return LatentPages.allocate(positions, attn.kv_lora_rank, attn.qk_rope_head_dim,
+                                indexer.head_dim if indexer is not None else 0, dtype, device, host)
+
+
+def _index_query_key(attn, indexer, x_BTH, q_resid_BTQ, cos, sin):
+    """The indexer's rotated queries [B, T, Hi, I], head weights [B, T, Hi] and keys [B, T, I] (HF's math)."""
+    B, T, _ = x_BTH.shape
+    rope = indexer.qk_rope_head_dim
+    q_BTHI = indexer.wq_b(q_resid_BTQ).view(B, T, indexer.n_heads, indexer.head_dim)
+    k_BT1I = indexer.k_norm(indexer.wk(x_BTH)).unsqueeze(2)
+    q_rot, q_pass = q_BTHI.split([rope, indexer.head_dim - rope], dim=-1)
+    k_rot, k_pass = k_BT1I.split([rope, indexer.head_dim - rope], dim=-1)
+    q_rot, k_rot = _rotary(attn, _INDEXER_ROTARY[attn.config.model_type])(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
+    q_BTHI = torch.cat([q_rot, q_pass], dim=-1)
+    k_BTI = torch.cat([k_rot, k_pass], dim=-1).squeeze(2)
+    w_BTH = indexer.weights_proj(x_BTH.to(indexer.weights_proj.weight.dtype)).float() * indexer.n_heads ** -0.5
+    return q_BTHI, w_BTH, k_BTI
+
+
+def _project(attn, x_BTH, cos, sin):
+    """Per-token MLA projections: (q_nope [B, H, T, N], rotated q_rot [B, H, T, R], q_resid [B, T, Q] or
+    None without q-LoRA, the normed latent [B, T, C], the live page entries [latent ‖ rotated rope key]
+    [B, 1, T, E])."""
+    B, T, _ = x_BTH.shape
+    H, N, R, C = attn.num_heads, attn.qk_nope_head_dim, attn.qk_rope_head_dim, attn.kv_lora_rank
+    if getattr(attn, "q_proj", None) is not None:
+        q_resid_BTQ, q_BTX = None, attn.q_proj(x_BTH)
+    else:
+        q_resid_BTQ = attn.q_a_layernorm(attn.q_a_proj(x_BTH))
+        q_BTX = attn.q_b_proj(q_resid_BTQ)
+    q_nope_BHTN, q_rot_BHTR = q_BTX.view(B, T, H, N + R).transpose(1, 2).split([N, R], dim=-1)
+    kv_pass_BTC, k_rot_BTR = attn.kv_a_proj_with_mqa(x_BTH).split([C, R], dim=-1)
+    latent_BTC = attn.kv_a_layernorm(kv_pass_BTC)
+    q_rot_BHTR, k_rot_B1TR = _rotary(attn)(q_rot_BHTR, k_rot_BTR.view(B, 1, T, R), cos, sin)
+    live_B1TE = torch.cat([latent_BTC.view(B, 1, T, C), k_rot_B1TR], dim=-1)
+    return q_nope_BHTN, q_rot_BHTR, q_resid_BTQ, latent_BTC, live_B1TE
+
+
+def _absorbed(attn, q_nope_BHTN, q_rot_BHTR, latent_BTC):
+    """(absorbed queries [B, H, T, E], W_UV [H, V, C]) for attention over latent pages."""
+    w_uk_HNC, w_uv_HVC = split_kv_b(attn.kv_b_proj, attn.num_heads, attn.qk_nope_head_dim, attn.v_head_dim,
+                                    latent_BTC)
+    return torch.cat([absorb_query(q_nope_BHTN, w_uk_HNC), q_rot_BHTR], dim=-1), w_uv_HVC
+
+
+def _output(attn, out_BHTC, w_uv_HVC):
+    B, H, T, _ = out_BHTC.shape
+    return attn.o_proj(expand_output(out_BHTC, w_uv_HVC).transpose(1, 2).reshape(B, T, H * attn.v_head_dim))
+
+
+def mla_mix(attn, x_BTH, position_embeddings, pages: LatentPages | LatentDecodePages, capturing: bool,
+            selection=None):
+    """(attention output [B, T, hidden], the top-k selection this layer used or None when dense).
+
+    `selection` is the previous index layer's selection (IndexShare layers reuse it). Capturing
+    appends the live latents and index keys to `pages`. Sampling pages (`LatentDecodePages`) take
+    `mla_decode_mix`."""
+    if isinstance(pages, LatentDecodePages):
+        return mla_decode_mix(attn, x_BTH, position_embeddings, pages, selection)
+    T = x_BTH.shape[1]
+    cos, sin = position_embeddings
+    q_nope_BHTN, q_rot_BHTR, q_resid_BTQ, latent_BTC, live_11TE = _project(attn, x_BTH, cos, sin)
+    pages_11PE, index_pages_1PI = pages.on_device()  # host pages: this layer's, streamed (the next one's starts)
+
+    indexer, index_key_1TI = indexer_of(attn), None
+    if indexer is not None:
+        with torch.no_grad():  # HF's indexer is @torch.no_grad(): the selection carries no gradient
+            q_1THI, w_1TH, index_key_1TI = _index_query_key(attn, indexer, x_BTH, q_resid_BTQ, cos, sin)
+            selection = None
+            if indexer.index_topk < pages_11PE.shape[2] + T:  # else every visible position is kept
+                selection = select_topk(q_1THI[0], w_1TH[0], index_pages_1PI[0], index_key_1TI[0],
+                                        topk=indexer.index_topk, scale=indexer.softmax_scale)
+
+    q_1HTE, w_uv_HVC = _absorbed(attn, q_nope_BHTN, q_rot_BHTR, latent_BTC)
+    out_1HTC = latent_attention(q_1HTE, pages_11PE, live_11TE, rank=attn.kv_lora_rank, scale=attn.scaling,
+                                selection_TK=selection, resident_11PE=pages.filled()[0])
+    del pages_11PE, index_pages_1PI  # a streamed copy lives for this layer only
+    if capturing:
+        pages.append(live_11TE, index_key_1TI)
+    return _output(attn, out_1HTC, w_uv_HVC), selection
+
+
+@torch.no_grad()
+def mla_decode_mix(attn, x_B1H, position_embeddings, pages: LatentDecodePages, selection=None):
+    """One decoding step of B sequences (one token each) on the shared prompt pages: appends each
+    sequence's latent (and index key) to its own entries, selects top-k over [prompt ‖ own keys] on
+    index layers as HF's indexer does over its cache (IndexShare layers reuse `selection`), attends.
+    Returns (output [B, 1, hidden], the selection [B, k] or None when dense)."""
+    cos, sin = position_embeddings
+    q_nope_BH1N, q_rot_BH1R, q_resid_B1Q, latent_B1C, live_B11E = _project(attn, x_B1H, cos, sin)
+    indexer, index_key_B1I = indexer_of(attn), None
+    if indexer is not None:
+        q_B1HI, w_B1H, index_key_B1I = _index_query_key(attn, indexer, x_B1H, q_resid_B1Q, cos, sin)
+    pages.own.append(live_B11E, index_key_B1I)
+    shared_11PE, shared_index_1PI = pages.shared.on_device()
+    own_B1NE, own_index_BNI = pages.own.filled()
+    if indexer is not None:
+        selection = None
+        if indexer.index_topk < pages.length:  # else every position is kept
+            selection = select_topk_decode(q_B1HI[:, 0], w_B1H[:, 0], shared_index_1PI[0], own_index_BNI,
+                                           topk=indexer.index_topk, scale=indexer.softmax_scale)
+    q_BH1E, w_uv_HVC = _absorbed(attn, q_nope_BH1N, q_rot_BH1R, latent_B1C)
+    out_BH1C = latent_decode_attention(q_BH1E, shared_11PE, own_B1NE, rank=attn.kv_lora_rank, scale=attn.scaling,
+                                       selection_BK=selection)
+    return _output(attn, out_BH1C, w_uv_HVC), selection
 
 
 class MlaAdapter(FamilyAdapter):
