@@ -288,17 +288,8 @@ def _scan_chunks(state_BHDV, u0_BHNCV, w_BHNCD, attn_BHNCC, q_from_start_BHNCD, 
     return outs_BHCV, state_BHDV
 
 
-def chunk_gated_delta_rule(
-    q_BTHD: torch.Tensor,
-    k_BTHD: torch.Tensor,
-    v_BTHV: torch.Tensor,
-    g_BTH: torch.Tensor,
-    beta_BTH: torch.Tensor,
-    initial_state_BHDV: torch.Tensor | None = None,
-    *,
-    chunk_size: int = 64,
-    l2norm_qk: bool = True,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def chunk_gated_delta_rule(q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_BHDV=None, *, chunk_size: int = 64,
+                           l2norm_qk: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunked, fully differentiable gated delta rule.
 
     Args:
@@ -389,18 +380,9 @@ def _fla_forward(fla_chunk, fla_version, q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH
 
 
 @torch.no_grad()
-def chunk_gated_delta_rule_forward(
-    q_BTHD: torch.Tensor,
-    k_BTHD: torch.Tensor,
-    v_BTHV: torch.Tensor,
-    g_BTH: torch.Tensor,
-    beta_BTH: torch.Tensor,
-    initial_state_BHDV: torch.Tensor | None = None,
-    *,
-    chunk_size: int = 64,
-    l2norm_qk: bool = True,
-    use_fla: bool | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def chunk_gated_delta_rule_forward(q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_BHDV=None, *,
+                                   chunk_size: int = 64, l2norm_qk: bool = True,
+                                   use_fla: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """No-grad forward for capturing a prompt's state; same results as ``chunk_gated_delta_rule``.
 
     Uses fla's Triton kernel when ``use_fla`` is not False, fla imports, the

@@ -25,17 +25,9 @@ MODEL_CLASSES = {
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
 }
 
-_TINY_COMMON = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=65536,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=False,
-)
+_TINY_COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=16, max_position_embeddings=65536, rms_norm_eps=1e-6,
+                    tie_word_embeddings=False)
 _TINY_GDN = dict(
     linear_num_key_heads=2,
     linear_num_value_heads=4,
@@ -69,24 +61,18 @@ class Preset:
     init_on_device: bool = False
 
 
+# what the GPU-scale 1B presets share: width, depth and an 8M-position range
+_GPU_1B = dict(vocab_size=32768, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
+               max_position_embeddings=8_388_608, tie_word_embeddings=False)
+
 PRESETS = {
     "tiny-llama": Preset("llama", dict(_TINY_COMMON, num_hidden_layers=2), "2-layer GQA llama"),
     "tiny-qwen3": Preset("qwen3", dict(_TINY_COMMON, num_hidden_layers=2), "2-layer GQA qwen3 (q/k norm)"),
     "tiny-glm4_moe": Preset(
         "glm4_moe",
-        dict(
-            _TINY_COMMON,
-            num_hidden_layers=3,
-            first_k_dense_replace=1,
-            n_routed_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=32,
-            n_shared_experts=1,
-            n_group=1,
-            topk_group=1,
-            use_qk_norm=True,
-            partial_rotary_factor=0.5,
-        ),
+        dict(_TINY_COMMON, num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2,
+             moe_intermediate_size=32, n_shared_experts=1, n_group=1, topk_group=1, use_qk_norm=True,
+             partial_rotary_factor=0.5),
         "1 dense + 2 routed-MoE layers, partial rotary, q/k norm",
     ),
     "tiny-glm_moe_dsa": Preset(
@@ -121,12 +107,10 @@ PRESETS = {
     # layer) keeps one capture of 4,456,448 positions plus 64 replays inside one 10-minute command.
     "hybrid-1b": Preset(
         "qwen3_5",
-        dict(vocab_size=32768, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
-             layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 4,
-             num_attention_heads=8, num_key_value_heads=2, head_dim=128,
-             linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
-             linear_value_head_dim=128, linear_conv_kernel_dim=4, max_position_embeddings=8_388_608,
-             rms_norm_eps=1e-6, tie_word_embeddings=False),
+        dict(_GPU_1B, layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 4,
+             num_attention_heads=8, num_key_value_heads=2, head_dim=128, linear_num_key_heads=16,
+             linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+             rms_norm_eps=1e-6),
         "GPU: Qwen3.6 pattern, 16 layers (12 GDN + 4 attention), hidden 2048",
         init_on_device=True,
     ),
@@ -136,14 +120,11 @@ PRESETS = {
     # 1,048,576 positions hold 19.0 GiB of pages, next to ~2.3 GiB of weights on a 139 GiB H200.
     "glm-pattern-1b": Preset(
         "glm_moe_dsa",
-        dict(vocab_size=32768, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
-             num_attention_heads=16, num_key_value_heads=16, q_lora_rank=768, kv_lora_rank=512,
-             qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
-             index_n_heads=32, index_head_dim=128, index_topk=2048,
-             indexer_types=["full", "shared", "shared", "shared"] * 4,
-             first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=1024,
-             n_shared_experts=1, n_group=1, topk_group=1, max_position_embeddings=8_388_608,
-             rms_norm_eps=1e-5, tie_word_embeddings=False),
+        dict(_GPU_1B, num_attention_heads=16, num_key_value_heads=16, q_lora_rank=768, kv_lora_rank=512,
+             qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, index_n_heads=32, index_head_dim=128,
+             index_topk=2048, indexer_types=["full", "shared", "shared", "shared"] * 4, first_k_dense_replace=1,
+             n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=1024, n_shared_experts=1, n_group=1,
+             topk_group=1, rms_norm_eps=1e-5),
         "GPU: GLM-5.2 pattern, 16 MLA layers (4 index + 12 IndexShare), 1 dense + 15 MoE, hidden 2048",
         init_on_device=True,
     ),
