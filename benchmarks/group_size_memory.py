@@ -15,14 +15,15 @@ import sys
 import tempfile
 from pathlib import Path
 
-from longstraw.harness.runner import run_point_in_fresh_process
+from longstraw.config import resolve_point
+from longstraw.kinds.common import run_point_in_fresh_process
 
 GROUP_SIZES = (1, 2, 4, 8)
 MODES = ("replay", "hold_all", "naive")
 
 
 def run_point(config: dict, workdir: Path) -> dict:
-    result = run_point_in_fresh_process(config, workdir)
+    result = run_point_in_fresh_process(resolve_point(config, config["name"]), workdir)
     if result["status"] != "ok":
         raise SystemExit(f"{config['name']}: {result['status']}: {result.get('error')}")
     return result
