@@ -11,12 +11,14 @@ from longstraw.models import build_model
 from longstraw.training.oracle import refresh_interval, staleness_oracle
 
 
-def _run(lr, steps=3):
-    model = apply_lora(build_model("tiny-qwen3_5", seed=2), r=4, init_random=True)
+def _run(lr, steps=3, dtype=torch.float32, floor_perturbation=None):
+    model = apply_lora(build_model("tiny-qwen3_5", seed=2, dtype=dtype), r=4, init_random=True)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
     prompt = torch.randint(0, 256, (200,), generator=torch.Generator().manual_seed(0))
-    return staleness_oracle(model, prompt, optimizer, grpo.GRPOConfig(num_generations=3, beta=0.04), steps=steps,
-                            num_samples=3, max_new_tokens=6, capture_kwargs={"chunk_size": 64})
+    result = staleness_oracle(model, prompt, optimizer, grpo.GRPOConfig(num_generations=3, beta=0.04), steps=steps,
+                              num_samples=3, max_new_tokens=6, capture_kwargs={"chunk_size": 64},
+                              floor_perturbation=floor_perturbation)
+    return result.rows if floor_perturbation is None else result
 
 
 def test_without_updates_the_stale_state_is_the_fresh_one():
@@ -34,6 +36,26 @@ def test_training_on_the_stale_state_makes_it_drift():
     for r in rows[1:]:  # k3 = e^d - d - 1 ~ d^2 / 2: positive once the states differ, and below |d| for small d
         assert 0 < r["kl_k3"] < r["mean_abs_logprob_diff"] < 1
     assert all(r["grad_cosine"] < 1 for r in rows[1:])
+
+
+def test_the_numerical_floor_restores_the_parameters_and_grows_with_the_perturbation():
+    tiny, large = _run(lr=0.0, steps=0, floor_perturbation=1e-9), _run(lr=0.0, steps=0, floor_perturbation=1e-1)
+    assert tiny.rows[0]["relative_loss_drift"] == 0.0  # restored exactly: step 0 still recaptures the same state
+    assert tiny.floor["perturbation_norm"] == 1e-9
+    assert tiny.floor["mean_abs_logprob_diff"] < 1e-6 < large.floor["mean_abs_logprob_diff"]
+
+
+def test_in_bfloat16_a_tiny_perturbation_already_moves_the_log_probs():
+    """The floor the H200's bf16 oracle needs: re-rounding, not staleness."""
+    f32 = _run(lr=0.0, steps=0, floor_perturbation=1e-6).floor["mean_abs_logprob_diff"]
+    bf16 = _run(lr=0.0, steps=0, dtype=torch.bfloat16, floor_perturbation=1e-6).floor["mean_abs_logprob_diff"]
+    assert bf16 > 100 * max(f32, 1e-9)
+
+
+def test_a_threshold_under_the_floor_reads_no_interval():
+    rows = [{"step": s, "relative_loss_drift": d} for s, d in enumerate([0.0, 1e-4, 5e-4, 2e-3])]
+    assert refresh_interval(rows, 1e-3, floor=1e-4) == 2
+    assert refresh_interval(rows, 1e-3, floor=4e-4) is None  # 3 x floor = 1.2e-3 > threshold
 
 
 def test_refresh_interval_is_the_last_step_under_the_threshold():

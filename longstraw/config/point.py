@@ -84,6 +84,11 @@ class StalenessConfig:
 
     steps: int = bounded(8, min=1)
     threshold: float = bounded(1.0e-3, gt=0)
+    # L2 norm of the random parameter perturbation that measures the numerical floor (None: not measured)
+    floor_perturbation: Optional[float] = bounded(None, gt=0)
+    # a task spec: the prompt is its example (seed prompt.seed, length prompt.length) and the rewards are
+    # its rewards; empty: a seeded random prompt and uniform random rewards (a model no task reward moves)
+    task: dict = field(default_factory=dict)
 
 
 @dataclass

@@ -62,6 +62,10 @@ def resolve(raw, source: str = "config") -> PointConfig:
             check_preset(name)
         except ValueError as exc:
             raise ConfigError(f"{source}: {key}: {exc}") from None
+    if cfg.kind == "staleness" and cfg.staleness.task:
+        from longstraw.training.tasks import check_task_spec
+
+        check_task_spec({**cfg.staleness.task, "length": cfg.prompt.length}, f"{source}: staleness.task")
     if cfg.kind == "validation" and "V4" in cfg.validation.levels:
         from longstraw.training.tasks import check_task_spec
 

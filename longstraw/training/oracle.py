@@ -1,7 +1,8 @@
 """The fresh-prefix staleness oracle: how far a reused (stale) prompt state drifts from a fresh one.
 
-    rows = staleness_oracle(model, prompt_ids, optimizer, grpo_config, steps=8, num_samples=4,
-                            max_new_tokens=32, seed=0)
+    result = staleness_oracle(model, prompt_ids, optimizer, grpo_config, steps=8, num_samples=4,
+                              max_new_tokens=32, seed=0, reward=task_reward, floor_perturbation=1e-7)
+    result.rows, result.floor
 
 Step 0 captures the prompt. At every step 0..steps the policy samples G responses from the
 stale state, and on those same responses the oracle compares the stale state with a fresh
@@ -18,15 +19,23 @@ capture made with the current parameters:
 - `param_drift`: L2 norm of the trainable parameters' change since the capture (the trainer's
   adaptive refresh signal), so the report can relate the signal to the drift it stands for.
 Training then steps on the stale gradient, as a trainer reusing the prefix would. Step 0's
-fresh state equals the stale one: its drift is exactly zero (a check, not a data point).
+fresh state is captured with the stale one's parameters: its drift is the recapture's own
+(exactly zero where the kernels are deterministic).
 
-Rewards are seeded uniform draws per response: drift is a property of the parameter updates, and
-random rewards give every step a non-zero advantage (a task reward on an untrained model is
-mostly all-zero, which would stop the updates). Cost per step: one extra capture (the fresh
-state lives beside the stale one) and two gradient passes.
+The numerical floor (`numerical_floor`, at step 0): a fresh capture after a random parameter
+perturbation far below one step's, compared with the stale state in the same precision. In bf16 a
+tiny change of the weights re-rounds activations over the whole prompt, so the log-probs move by
+that much whatever the update; only drift beyond the floor is staleness (`refresh_interval`).
+
+Rewards: the task's (`reward`), on a model that can do the task; or seeded uniform draws, which
+give every step a non-zero advantage on a random model (where a task reward is mostly all-zero and
+would stop the updates). Cost per step: one extra capture (the fresh state lives beside the stale
+one) and two gradient passes.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -55,9 +64,48 @@ def _loss_and_grads(model, state, responses, old, ref, advantages, weights, conf
     return total, grads, torch.cat(logps)
 
 
+def _drift(logp_stale, logp_fresh) -> dict:
+    """How far the stale state's log-probs are from the fresh one's, on the same tokens."""
+    d = logp_fresh - logp_stale
+    nll_stale, nll_fresh = float(-logp_stale.mean()), float(-logp_fresh.mean())
+    return {"loss_stale": nll_stale, "loss_fresh": nll_fresh,
+            "relative_loss_drift": abs(nll_stale - nll_fresh) / abs(nll_fresh),
+            "mean_abs_logprob_diff": float(d.abs().mean()), "kl_k3": float((d.exp() - d - 1).mean())}
+
+
+def numerical_floor(model, prompt_ids, stale, responses, params, perturbation: float, seed: int,
+                    capture_kwargs: dict) -> dict:
+    """The drift a fresh capture shows when the parameters have not really moved: the trainable
+    parameters get a random perturbation of L2 norm `perturbation` (far below one optimizer step's),
+    the prompt is captured again, and its log-probs on `responses` are compared with `stale`'s; then
+    the parameters are restored exactly. Drift under this floor is the precision's, not staleness."""
+    saved = [p.detach().clone() for p in params]
+    generator = torch.Generator().manual_seed(seed)
+    noise = [torch.randn(p.shape, generator=generator, dtype=torch.float32) for p in params]
+    total = float(torch.stack([n.norm() for n in noise]).norm())
+    with torch.no_grad():
+        for p, n in zip(params, noise):
+            p.add_((n * (perturbation / total)).to(device=p.device, dtype=p.dtype))
+        fresh = capture(model, prompt_ids, **capture_kwargs)
+        logp_fresh = torch.cat([score(model, fresh, y) for y in responses])
+        logp_stale = torch.cat([score(model, stale, y) for y in responses])
+        for p, s in zip(params, saved):
+            p.copy_(s)
+    return {"perturbation_norm": perturbation, **_drift(logp_stale, logp_fresh)}
+
+
+@dataclass
+class OracleResult:
+    rows: list  # one per step 0..steps: the stale state's drift against a fresh capture
+    floor: dict  # `numerical_floor` at step 0 (empty when not measured)
+
+
 def staleness_oracle(model, prompt_ids, optimizer, config: grpo.GRPOConfig, *, steps: int = 8,
                      num_samples: int = 4, max_new_tokens: int = 32, seed: int = 0, capture_kwargs=None,
-                     progress=None) -> list[dict]:
+                     reward=None, floor_perturbation: float | None = None, progress=None) -> OracleResult:
+    """`reward(responses) -> list[float]`: the task's rewards of a group; None draws them uniform at
+    random (seeded), which gives every step a non-zero advantage on a model no task reward moves.
+    `floor_perturbation`: the parameter perturbation's L2 norm for `numerical_floor` (None: none)."""
     capture_kwargs = capture_kwargs or {}
     params = [p for p in model.parameters() if p.requires_grad]
     stale = capture(model, prompt_ids, **capture_kwargs)
@@ -66,36 +114,34 @@ def staleness_oracle(model, prompt_ids, optimizer, config: grpo.GRPOConfig, *, s
     if config.beta > 0:
         with reference_policy(model):
             ref_state = capture(model, prompt_ids, **capture_kwargs)
-    rows = []
+    rows, floor = [], {}
     for step in range(steps + 1):
         rollouts = sample(model, stale, SamplingConfig(num_samples=num_samples, max_new_tokens=max_new_tokens,
                                                        seed=seed * 1_000_003 + step))
         responses, old = rollouts.responses, rollouts.logprobs
-        rewards = torch.rand(num_samples, generator=torch.Generator().manual_seed(seed * 7919 + step))
+        rewards = (torch.tensor(reward(responses), dtype=torch.float32) if reward is not None else
+                   torch.rand(num_samples, generator=torch.Generator().manual_seed(seed * 7919 + step)))
         advantages = grpo.group_advantages(rewards, config.scale_rewards, num_generations=num_samples)
         weights = grpo.token_weights([int(r.numel()) for r in responses], config)
         ref = None
         if ref_state is not None:
             with reference_policy(model):
                 ref = [score(model, ref_state, y) for y in responses]
+        if step == 0 and floor_perturbation is not None:
+            floor = numerical_floor(model, prompt_ids, stale, responses, params, floor_perturbation, seed,
+                                    capture_kwargs)
         fresh = capture(model, prompt_ids, **capture_kwargs)
         group = (responses, old, ref, advantages, weights, config, params)
         loss_fresh, grad_fresh, logp_fresh = _loss_and_grads(model, fresh, *group)
         optimizer.zero_grad(set_to_none=True)
         del fresh
         loss_stale, grad_stale, logp_stale = _loss_and_grads(model, stale, *group)
-        d = logp_fresh - logp_stale
-        nll_stale, nll_fresh = float(-logp_stale.mean()), float(-logp_fresh.mean())
         rows.append({
             "step": step,
             "param_drift": parameter_drift(params, at_capture),
-            "loss_stale": nll_stale,
-            "loss_fresh": nll_fresh,
-            "relative_loss_drift": abs(nll_stale - nll_fresh) / abs(nll_fresh),
+            **_drift(logp_stale, logp_fresh),
             "grpo_loss_stale": loss_stale,
             "grpo_loss_fresh": loss_fresh,
-            "mean_abs_logprob_diff": float(d.abs().mean()),
-            "kl_k3": float((d.exp() - d - 1).mean()),
             "grad_cosine": float(torch.nn.functional.cosine_similarity(grad_stale, grad_fresh, dim=0)),
             "grad_norm_stale": float(grad_stale.norm()),
             "response_tokens": [int(r.numel()) for r in responses],
@@ -105,11 +151,19 @@ def staleness_oracle(model, prompt_ids, optimizer, config: grpo.GRPOConfig, *, s
             progress(rows[-1])
         optimizer.step()  # on the stale gradient, as prefix reuse trains
         optimizer.zero_grad(set_to_none=True)
-    return rows
+    return OracleResult(rows, floor)
 
 
-def refresh_interval(rows: list[dict], threshold: float) -> int:
-    """The largest step count k such that the relative loss drift stays under `threshold` for steps 1..k."""
+FLOOR_MARGIN = 3.0  # a drift is read as staleness only beyond this multiple of the numerical floor
+
+
+def refresh_interval(rows: list[dict], threshold: float, floor: float = 0.0) -> int | None:
+    """The largest step count k such that the relative loss drift stays under the threshold for
+    steps 1..k; a step counts as drifted only when its drift is also beyond FLOOR_MARGIN x the
+    numerical floor. None when the threshold itself lies under that margin (nothing above the
+    floor can be read at this threshold)."""
+    if threshold <= FLOOR_MARGIN * floor:
+        return None
     interval = 0
     for row in rows:
         if row["step"] == 0:
