@@ -155,3 +155,17 @@ def test_trainer_runs_on_an_mla_preset(tmp_path):
     assert len(metrics) == 2
     assert all(math.isfinite(m["loss"]) and math.isfinite(m["grad_norm"]) for m in metrics)
     assert any(m["grad_norm"] > 0 for m in metrics)
+
+
+def test_exact_gradient_training_steps_on_the_full_sequence_gradient(tmp_path):
+    """gradient: exact recaptures with prefix_grad every step: the same rollouts as response-only
+    at the first step (same weights, same seed), a larger gradient (the prompt-side term)."""
+    runs = {}
+    for gradient in ("response-only", "exact"):
+        cfg = _config(tmp_path / gradient, steps=1, gradient=gradient)
+        runs[gradient] = Trainer(cfg).run(resume=False)[0]
+    assert runs["exact"]["response_tokens"] == runs["response-only"]["response_tokens"]
+    assert runs["exact"]["rewards"] == runs["response-only"]["rewards"]
+    assert runs["exact"]["grad_norm"] != pytest.approx(runs["response-only"]["grad_norm"], rel=1e-3)
+    with pytest.raises(ValueError, match="gradient: 'exact' needs a capture with the current parameters"):
+        Trainer(_config(tmp_path / "x", gradient="exact", refresh={"policy": "every", "every": 2}))

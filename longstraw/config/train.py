@@ -60,9 +60,17 @@ class TrainConfig:
     optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(weight_decay=0.0))
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     max_grad_norm: Optional[float] = bounded(1.0, gt=0)
+    # "exact": the full-sequence gradient (capture with prefix_grad, backward_prefix each step); the
+    # prompt-side term needs the current parameters' capture, so the state is captured every step
+    gradient: Literal["response-only", "exact"] = "response-only"
     refresh: RefreshConfig = field(default_factory=RefreshConfig)
     capture: CaptureConfig = field(default_factory=CaptureConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+
+    def __post_init__(self):
+        if self.gradient == "exact" and (self.refresh.policy, self.refresh.every) != ("every", 1):
+            raise ValueError("gradient: 'exact' needs a capture with the current parameters every step "
+                             "(refresh: {policy: every, every: 1})")
 
 
 def resolve_train(raw, source: str = "train config") -> TrainConfig:

@@ -96,7 +96,8 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(self.params.values(), lr=cfg.optimizer.lr,
                                            weight_decay=cfg.optimizer.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _schedule(cfg.schedule, cfg.steps))
-        self.options = StepOptions(max_grad_norm=cfg.max_grad_norm)
+        self.exact = cfg.gradient == "exact"
+        self.options = StepOptions(max_grad_norm=cfg.max_grad_norm, prefix_grad=self.exact)
         self.out = Path(cfg.output.dir)
         self.state = self.capture_step = self.capture_params = None
         self.ref_state = self.ref_prompt = None
@@ -137,7 +138,8 @@ class Trainer:
         if params is not None:
             current = {n: p.detach().clone() for n, p in self.params.items()}
             self._load_params(params)
-        self.state = capture(self.model, self._example(step).prompt_ids.to(self.device), **self._capture_kwargs())
+        self.state = capture(self.model, self._example(step).prompt_ids.to(self.device), prefix_grad=self.exact,
+                             **self._capture_kwargs())
         self.capture_step = step
         self.capture_params = {n: p.detach().clone() for n, p in self.params.items()}
         if current is not None:
