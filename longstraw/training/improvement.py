@@ -1,0 +1,40 @@
+"""Does the policy improve? The learning statistic of two runs that differ only in their learning rate.
+
+    gain = paired_gain(trained, untrained)      # per-prompt rewards of the same prompts, same seeds
+
+Both runs visit the same prompts in the same order with the same sampling seeds (the trainer
+derives both from its seed), so prompt difficulty cancels in the per-prompt differences
+d_i = r_trained(i) - r_untrained(i) (each the mean reward of that prompt's steps and samples). The
+gain is mean(d), its standard error sd(d) / sqrt(n) (sample sd), and the policy improves when the
+gain exceeds SIGMAS standard errors. Simplification: a prompt's G samples share one policy, so a
+prompt is the unit, not a sample.
+"""
+
+from __future__ import annotations
+
+import math
+
+SIGMAS = 3.0
+
+
+def per_prompt_means(steps: list[dict], first_step: int = 0) -> dict[int, float]:
+    """{prompt index: mean reward over its steps (from `first_step` on) and samples} of trainer metrics."""
+    totals: dict[int, list[float]] = {}
+    for step in steps:
+        if step["step"] >= first_step:
+            totals.setdefault(step["prompt"], []).extend(step["rewards"])
+    return {prompt: sum(r) / len(r) for prompt, r in sorted(totals.items())}
+
+
+def paired_gain(trained: dict[int, float], untrained: dict[int, float], sigmas: float = SIGMAS) -> dict:
+    """The gain of `trained` over `untrained` on the prompts both visited (see the module doc)."""
+    prompts = sorted(set(trained) & set(untrained))
+    if len(prompts) < 2:
+        raise ValueError(f"a paired gain needs at least 2 shared prompts, got {len(prompts)}")
+    d = [trained[p] - untrained[p] for p in prompts]
+    n, mean = len(d), sum(d) / len(d)
+    se = math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1) / n)
+    return {"gain": mean, "standard_error": se, "prompts": n, "sigmas": sigmas,
+            "trained_mean": sum(trained[p] for p in prompts) / n,
+            "untrained_mean": sum(untrained[p] for p in prompts) / n,
+            "reached": mean > sigmas * se and mean > 0}
