@@ -43,3 +43,31 @@ def test_kernel_rates_measure_positive_rates():
                                  dtype=torch.bfloat16, device="cuda", sdpa_positions=4096)
     for name in ("causal_sdpa", "flash_forward", "flash_backward", "gemm"):
         assert rates[name]["seconds"] > 0 and rates[name]["tflops_per_second"] > 0
+
+
+def test_naive_step_backward_runs_hfs_torch_gdn_kernel_beside_fla():
+    """With fla installed HF binds fla's GDN kernel, whose backward fails on Hopper with this Triton;
+    the naive baseline's step scopes HF's torch kernel to itself (forward and checkpointed backward),
+    and gives the same gradient as the step on HF's torch kernel throughout."""
+    from longstraw.config import GRPOConfig
+    from longstraw.core.step import StepOptions, grpo_step
+
+    model = build_model("tiny-qwen3_5", seed=2, dtype=torch.bfloat16, device="cuda", head_dim=64)
+    prompt, responses = _ids(200, 3), [_ids(16, 4), _ids(16, 5)]
+
+    class Recorder:  # an optimizer stand-in that keeps the accumulated gradient
+        grads = None
+
+        def step(self):
+            Recorder.grads = {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+        def zero_grad(self, set_to_none=True):
+            model.zero_grad(set_to_none=set_to_none)
+
+    grpo_step(model, prompt, responses, [0.0, 1.0], Recorder(), GRPOConfig(num_generations=2, beta=0.0),
+              StepOptions(mode="naive"))
+    scoped = Recorder.grads
+    with hf_torch_gdn_kernels(model):
+        grpo_step(model, prompt, responses, [0.0, 1.0], Recorder(), GRPOConfig(num_generations=2, beta=0.0),
+                  StepOptions(mode="naive"))
+    assert max_relative_error(scoped, Recorder.grads) < 1e-2
