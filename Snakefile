@@ -1,4 +1,4 @@
-# LongStraw reproduction pipeline.
+# LongStraw reproduction pipeline: points (JSON) -> tables (CSV) -> figures (PNG) -> report (HTML).
 #   snakemake --cores all                         # profile cpu (default): tiny real models
 #   snakemake --cores all --config profile=h200   # one NVIDIA H200: the paper's operating points
 include: "workflow/rules/common.smk"
@@ -11,4 +11,4 @@ include: "workflow/rules/report.smk"
 rule all:
     input:
         f"reports/{PROFILE}/index.html",
-        "reports/recorded-h200/index.html",
+        f"reports/recorded-{RECORDED}/index.html",

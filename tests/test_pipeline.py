@@ -1,13 +1,14 @@
 """The Snakemake workflow end to end on a tiny experiment set in a temporary directory.
 
-Runs the real Snakefile (copied with workflow/ and the templates) on two tiny experiments, one
-point of which fails on purpose; then checks the report, the tables against the result JSONs,
-resumption after an interruption, parse-time rejection of a malformed experiment, and renders
-the report in headless Chromium.
+Runs the real Snakefile (copied with workflow/) on two tiny experiments, one point of which fails
+on purpose; then checks the graph (points -> tables -> figures -> report, no point file read past
+the tables), the report, the tables against the result JSONs, resumption after an interruption,
+parse-time rejection of a malformed experiment, and renders the report in headless Chromium.
 """
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -57,7 +58,6 @@ def workdir(tmp_path_factory):
     root = tmp_path_factory.mktemp("pipeline")
     shutil.copy(REPO / "Snakefile", root)
     shutil.copytree(REPO / "workflow", root / "workflow")
-    shutil.copytree(REPO / "reports" / "templates", root / "reports" / "templates")
     shutil.copy(REPO / "environment.yml", root)
     experiments = root / "experiments"
     (experiments / "recorded" / "h200").mkdir(parents=True)
@@ -65,8 +65,6 @@ def workdir(tmp_path_factory):
     (experiments / "tiny_capture.yaml").write_text(CAPTURE)
     for recorded in (REPO / "experiments" / "recorded" / "h200").glob("*.json"):
         shutil.copy(recorded, experiments / "recorded" / "h200")
-    if (REPO / "experiments" / "reference").exists():
-        shutil.copytree(REPO / "experiments" / "reference", experiments / "reference")
     return root
 
 
@@ -93,6 +91,18 @@ def completed(workdir):
     return {"done_before": done_before, "planned": planned.stdout + planned.stderr}
 
 
+def test_the_graph_is_points_tables_figures_report(workdir):
+    """Each rule reads the one before: points only feed the tables; the figures and the report read
+    tables (the recorded results' too); the profile's report links the recorded report."""
+    graph = _snakemake(workdir, "--rulegraph")
+    assert graph.returncode == 0, graph.stderr
+    names = dict(re.findall(r'(\d+)\[label = "(\w+)"', graph.stdout))
+    edges = {(names[a], names[b]) for a, b in re.findall(r"(\d+) -> (\d+)", graph.stdout)}
+    assert edges == {("point", "tables"), ("tables", "figures"), ("tables_recorded", "figures"),
+                     ("tables", "report"), ("tables_recorded", "report"), ("figures", "report"),
+                     ("report", "report"), ("report", "all")}
+
+
 def test_rerun_redoes_only_missing_points(workdir, completed):
     planned_points = int(next(line.split()[1] for line in completed["planned"].splitlines()
                               if line.startswith("point ")))
@@ -117,6 +127,15 @@ def test_report_has_every_section_and_valid_images(workdir, completed):
     for image in images:
         assert image.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert image.relative_to(workdir / "reports/cpu").as_posix() in html
+    listed = json.loads((workdir / "reports/cpu/figures/manifest.json").read_text())["figures"]
+    assert sorted(f["file"] for f in listed) == sorted(p.name for p in images)
+    # the tables beside the page are the tables stage's, and the recorded results have their own report
+    manifest = json.loads((workdir / "results/cpu/tables/manifest.json").read_text())
+    for entry in manifest["tables"].values():
+        assert (workdir / "reports/cpu/tables" / entry["file"]).read_bytes() == (
+            workdir / "results/cpu/tables" / entry["file"]).read_bytes()
+    assert 'href="../recorded-h200/index.html"' in html
+    assert (workdir / "reports/recorded-h200/index.html").is_file()
 
 
 def test_tables_equal_result_files(workdir, completed):

@@ -106,15 +106,3 @@ def staleness_oracle(model, prompt_ids, optimizer, config: grpo.GRPOConfig, *, s
         optimizer.step()  # on the stale gradient, as prefix reuse trains
         optimizer.zero_grad(set_to_none=True)
     return rows
-
-
-def refresh_interval(rows: list[dict], threshold: float) -> int:
-    """The largest step count k such that the relative loss drift stays under `threshold` for steps 1..k."""
-    interval = 0
-    for row in rows:
-        if row["step"] == 0:
-            continue
-        if row["relative_loss_drift"] >= threshold:
-            break
-        interval = row["step"]
-    return interval
