@@ -19,6 +19,7 @@ from pathlib import Path
 import matplotlib.image
 import pytest
 
+from longstraw import cli
 from longstraw.cp.launch import run_ranks
 from longstraw.harness.runner import run_point
 from longstraw.kinds.staleness import refresh_interval
@@ -440,6 +441,15 @@ def test_tables_keep_every_point_and_csvs_are_written(built, tmp_path):
     assert len((tmp_path / "tables" / "points.csv").read_text().strip().splitlines()) == len(points) + 1
     leftovers = [p for p in (tmp_path / "tables").iterdir() if p.name.startswith(".")]
     assert not leftovers and not [p for p in built["out"].rglob(".*.tmp")]
+
+
+def test_report_cli(built, tmp_path, capsys):
+    assert cli.main(["report", "--profile", "cpu", "--results", str(built["results"]), "--out", str(tmp_path),
+                     "--recorded", str(tmp_path / "none")]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["statuses"]["oom"] == 1 and Path(summary["report"]).is_file()
+    assert "no recorded results folder" in Path(summary["report"]).read_text()
+    assert cli.main(["report", "--results", str(tmp_path / "missing"), "--out", str(tmp_path / "x")]) == 2
 
 
 # ------------------------------------------------- sweep and capacity-comparison results (GPU shapes)
