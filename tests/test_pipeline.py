@@ -1,9 +1,10 @@
 """The Snakemake workflow end to end on a tiny experiment set in a temporary directory.
 
-Runs the real Snakefile (copied with workflow/) on two tiny experiments, one point of which fails
-on purpose; then checks the graph (points -> tables -> figures -> report, no point file read past
-the tables), the report, the tables against the result JSONs, resumption after an interruption,
-parse-time rejection of a malformed experiment, and renders the report in headless Chromium.
+Runs the real Snakefile (copied with workflow/, config/ and profiles/) on two tiny experiments, one
+point of which fails on purpose; then checks the graph (points -> tables -> figures -> report, no
+point file read past the tables), the report, the tables against the result JSONs, resumption
+after an interruption, parse-time rejection of a malformed experiment, `snakemake --lint`, the
+conda environment against pyproject.toml, and renders the report in headless Chromium.
 """
 
 import json
@@ -14,10 +15,13 @@ import signal
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 import pandas as pd
 import pytest
+import yaml
+from packaging.requirements import Requirement
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -57,8 +61,8 @@ def _snakemake(workdir, *args, **kwargs):
 def workdir(tmp_path_factory):
     root = tmp_path_factory.mktemp("pipeline")
     shutil.copy(REPO / "Snakefile", root)
-    shutil.copytree(REPO / "workflow", root / "workflow")
-    shutil.copy(REPO / "environment.yml", root)
+    for folder in ("workflow", "config", "profiles"):
+        shutil.copytree(REPO / folder, root / folder)
     experiments = root / "experiments"
     (experiments / "recorded" / "h200").mkdir(parents=True)
     (experiments / "tiny_steps.yaml").write_text(STEP)
@@ -101,6 +105,32 @@ def test_the_graph_is_points_tables_figures_report(workdir):
     assert edges == {("point", "tables"), ("tables", "figures"), ("tables_recorded", "figures"),
                      ("tables", "report"), ("tables_recorded", "report"), ("figures", "report"),
                      ("report", "report"), ("report", "all")}
+
+
+def test_lint_is_clean(workdir):
+    lint = _snakemake(workdir, "--lint")
+    assert lint.returncode == 0 and "Congratulations, your workflow is in a good condition!" in lint.stderr, (
+        lint.stdout + lint.stderr)[-3000:]
+
+
+def test_conda_environment_matches_pyproject():
+    """workflow/envs/longstraw.yml pins every dependency of pyproject.toml (tests included) within its
+    range, names the same range where it pins none, and nothing else but the repository itself."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    wanted = {r.name: r for r in map(Requirement, project["dependencies"] + project["optional-dependencies"]["test"])}
+    env = yaml.safe_load((REPO / "workflow" / "envs" / "longstraw.yml").read_text())["dependencies"]
+    python = next(d for d in env if isinstance(d, str) and d.startswith("python="))
+    assert Requirement(f"python{project['requires-python']}").specifier.contains(python.split("=", 1)[1])
+    pip = next(d["pip"] for d in env if isinstance(d, dict))
+    assert [p for p in pip if p.startswith("-e")] == ["-e ../.."]
+    pinned = {r.name: r for r in map(Requirement, [p for p in pip if not p.startswith("-e")])}
+    assert set(pinned) == set(wanted)
+    for name, requirement in pinned.items():
+        (spec, *more) = requirement.specifier
+        if spec.operator == "==" and not more:
+            assert wanted[name].specifier.contains(spec.version, prereleases=True), name
+        else:
+            assert requirement.specifier == wanted[name].specifier, name
 
 
 def test_rerun_redoes_only_missing_points(workdir, completed):

@@ -8,8 +8,8 @@ from pathlib import Path
 
 from longstraw.harness.plan import launcher, plan
 
-PROFILE = config.get("profile", "cpu")
-RECORDED = "h200"  # experiments/recorded/<RECORDED>/ -> reports/recorded-<RECORDED>/
+PROFILE = config["profile"]
+RECORDED = config["recorded"]  # experiments/recorded/<RECORDED>/ -> reports/recorded-<RECORDED>/
 PYTHON = sys.executable
 PLAN = plan("experiments", PROFILE)
 EXPERIMENT_FILES = sorted(str(p) for p in Path("experiments").glob("*.yaml"))
@@ -18,7 +18,7 @@ SCHEMA = str(resources.files("longstraw.harness") / "experiment.schema.yaml")
 TEMPLATES = sorted(str(p) for p in (resources.files("longstraw.report") / "templates").iterdir()
                    if p.name.endswith(".html"))
 PAPER = str(resources.files("longstraw.report") / "paper.yaml")
-CONDA_ENV = "../../environment.yml"
+CONDA_ENV = "../envs/longstraw.yml"
 
 
 wildcard_constraints:
