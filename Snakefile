@@ -1,6 +1,16 @@
-# LongStraw reproduction pipeline.
-#   snakemake --cores all                         # profile cpu (default): tiny real models
-#   snakemake --cores all --config profile=h200   # one NVIDIA H200: the paper's operating points
+# LongStraw reproduction pipeline: points (JSON) -> tables (CSV) -> figures (PNG) -> report (HTML).
+#   snakemake                                   # profile cpu (config/config.yaml): tiny real models
+#   snakemake --config profile=h200             # one NVIDIA H200: the paper's operating points
+#   snakemake --workflow-profile profiles/slurm # every job on SLURM (profiles/default: this machine)
+from snakemake.utils import validate
+
+
+configfile: "config/config.yaml"
+
+
+validate(config, "workflow/schemas/config.schema.yaml")
+
+
 include: "workflow/rules/common.smk"
 include: "workflow/rules/points.smk"
 include: "workflow/rules/tables.smk"
@@ -11,4 +21,4 @@ include: "workflow/rules/report.smk"
 rule all:
     input:
         f"reports/{PROFILE}/index.html",
-        "reports/recorded-h200/index.html",
+        f"reports/recorded-{RECORDED}/index.html",

@@ -6,6 +6,7 @@
     longstraw point experiments/g_sweep.yaml --profile cpu --point mode-replay_count-8 --out r.json
     longstraw train experiments/examples/train_cpu.yaml [--no-resume] [--set steps=20]
     longstraw validate experiments/validation.yaml [--profile cpu] [--out results/validation-cpu.json]
+    longstraw report --results results/cpu --out reports/cpu [--profile cpu] [--recorded experiments/recorded/h200]
 
 `run` executes one point config; `point` executes one point of a pipeline experiment file and
 adds the pipeline's keys (experiment, point, profile, grid, command). A config is checked (types,
@@ -19,7 +20,8 @@ output folder's newest checkpoint. `validate` runs the validation levels (`longs
 of every point of a validation experiment's profile (or of one validation point config) in this
 process: a progress line per level on stderr, then a table per path and, last, the JSON summary on
 stdout; all results go to OUT atomically. Exit status: 0 when every point ran (levels not reached
-included), 1 when a point failed, 2 for a bad config.
+included), 1 when a point failed, 2 for a bad config. `report` renders the HTML report of a results
+folder (its tables, figures and page, `longstraw.report.build`) from any folder, no clone needed.
 
 This module imports no torch or transformers until a subcommand needs them (`--help` is instant).
 """
@@ -61,12 +63,20 @@ def _parser() -> argparse.ArgumentParser:
     validate.add_argument("config", help="a validation experiment file (experiments/validation.yaml) or one point config")
     validate.add_argument("--profile", default="cpu", help="the experiment file's profile (default cpu)")
     validate.add_argument("--out", help="results JSON (default results/validation-<profile>.json)")
+    report = sub.add_parser("report", help="render the HTML report of a results folder: tables, figures, page")
+    report.add_argument("--results", required=True,
+                        help="results folder: point result JSONs under it (or under its points/ folder)")
+    report.add_argument("--out", required=True, help="report folder: index.html with tables/ and figures/ beside it")
+    report.add_argument("--profile", default="cpu",
+                        help="the profile the results belong to (default cpu; any other evaluates the GPU targets)")
+    report.add_argument("--recorded", help="recorded GPU results folder, shown in a section of its own (default: none)")
     return parser
 
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
-    command = {"run": _run, "plan": _plan, "point": _point, "train": _train, "validate": _validate}[args.command]
+    command = {"run": _run, "plan": _plan, "point": _point, "train": _train, "validate": _validate,
+               "report": _report}[args.command]
     try:
         return command(args)
     except (OSError, yaml.YAMLError, ValueError) as exc:  # a bad config or file: nothing ran
@@ -225,6 +235,17 @@ def _point(args) -> int:
                   profile=args.profile, grid=points[args.point]["grid"],
                   command=plan.point_command(args.experiment, args.profile, args.point, args.out, config.cp_size))
     _record(result, args.out)
+    return 0
+
+
+def _report(args) -> int:
+    from longstraw.report.build import build_report
+
+    if not Path(args.results).is_dir():
+        raise ValueError(f"--results: no folder {args.results}")
+    page = build_report(args.results, args.out, profile=args.profile, recorded_dir=args.recorded)
+    statuses = json.loads((Path(args.out) / "tables" / "manifest.json").read_text())["statuses"]
+    print(json.dumps({"report": str(page), "statuses": statuses}))
     return 0
 
 

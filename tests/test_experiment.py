@@ -83,14 +83,16 @@ def test_sweep_serves_every_step_from_one_capture_and_reports_progress():
 
 
 def test_sweep_mode_stops_at_its_first_out_of_memory_step(monkeypatch):
-    real = sweep_kind.grpo_step
+    from longstraw.core import step as core_step
+
+    real = core_step.grpo_step  # what the sweep's steps call
 
     def limited(model, prompt, responses, rewards, optimizer, config, options, **kwargs):
         if options.mode == "hold_all" and len(responses) >= 2:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         return real(model, prompt, responses, rewards, optimizer, config, options, **kwargs)
 
-    monkeypatch.setattr(sweep_kind, "grpo_step", limited)
+    monkeypatch.setattr(core_step, "grpo_step", limited)
     result = runner.run_point({**SWEEP, "sweep": {"replay": [1], "hold_all": [1, 2, 4]}})
     assert [(s["mode"], s["count"], s["status"]) for s in result["metrics"]["steps"]] == [
         ("replay", 1, "ok"), ("hold_all", 1, "ok"), ("hold_all", 2, "oom")]

@@ -8,7 +8,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "longstraw"
 
 # bottom to top; a sub-package may import its own modules and any sub-package of a lower layer
 LAYERS = [
-    {"config", "results", "measure", "plotting"},
+    {"results"},
+    {"config", "measure", "plotting"},
     {"kernels"},
     {"state", "models"},
     {"families"},
@@ -29,15 +30,22 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def _is_module(name: str) -> bool:
+    path = PACKAGE.parent / name.replace(".", "/")
+    return path.with_suffix(".py").exists() or (path / "__init__.py").exists()
+
+
 def _imports(path: Path) -> set[str]:
-    """Every `longstraw...` module a file imports, at any depth of its code."""
+    """Every `longstraw...` module a file imports, at any depth of its code (`from pkg import
+    module` imports that module; `from module import name`, the module)."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names if a.name.startswith("longstraw")}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("longstraw"):
-            found.add(node.module)
-            found |= {f"{node.module}.{a.name}" for a in node.names}  # `from pkg import module`
+            for alias in node.names:
+                inner = f"{node.module}.{alias.name}"
+                found.add(inner if _is_module(inner) else node.module)
     return found
 
 

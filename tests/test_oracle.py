@@ -8,7 +8,8 @@ from longstraw.core import grpo
 from longstraw.harness.runner import run_point
 from longstraw.models.lora import apply_lora
 from longstraw.models import build_model
-from longstraw.training.oracle import refresh_interval, staleness_oracle
+from longstraw.kinds.staleness import refresh_interval
+from longstraw.training.oracle import staleness_oracle
 
 
 def _run(lr, steps=3, dtype=torch.float32, floor_perturbation=None):

@@ -1,22 +1,27 @@
 """The Snakemake workflow end to end on a tiny experiment set in a temporary directory.
 
-Runs the real Snakefile (copied with workflow/ and the templates) on two tiny experiments, one
-point of which fails on purpose; then checks the report, the tables against the result JSONs,
-resumption after an interruption, parse-time rejection of a malformed experiment, and renders
-the report in headless Chromium.
+Runs the real Snakefile (copied with workflow/, config/ and profiles/) on two tiny experiments, one
+point of which fails on purpose; then checks the graph (points -> tables -> figures -> report, no
+point file read past the tables), the report, the tables against the result JSONs, resumption
+after an interruption, parse-time rejection of a malformed experiment, `snakemake --lint`, the
+conda environment against pyproject.toml, and renders the report in headless Chromium.
 """
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 import pandas as pd
 import pytest
+import yaml
+from packaging.requirements import Requirement
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -57,17 +62,14 @@ def _snakemake(workdir, *args, **kwargs):
 def workdir(tmp_path_factory):
     root = tmp_path_factory.mktemp("pipeline")
     shutil.copy(REPO / "Snakefile", root)
-    shutil.copytree(REPO / "workflow", root / "workflow")
-    shutil.copytree(REPO / "reports" / "templates", root / "reports" / "templates")
-    shutil.copy(REPO / "environment.yml", root)
+    for folder in ("workflow", "config", "profiles"):
+        shutil.copytree(REPO / folder, root / folder)
     experiments = root / "experiments"
     (experiments / "recorded" / "h200").mkdir(parents=True)
     (experiments / "tiny_steps.yaml").write_text(STEP)
     (experiments / "tiny_capture.yaml").write_text(CAPTURE)
     for recorded in (REPO / "experiments" / "recorded" / "h200").glob("*.json"):
         shutil.copy(recorded, experiments / "recorded" / "h200")
-    if (REPO / "experiments" / "reference").exists():
-        shutil.copytree(REPO / "experiments" / "reference", experiments / "reference")
     return root
 
 
@@ -94,6 +96,44 @@ def completed(workdir):
     return {"done_before": done_before, "planned": planned.stdout + planned.stderr}
 
 
+def test_the_graph_is_points_tables_figures_report(workdir):
+    """Each rule reads the one before: points only feed the tables; the figures and the report read
+    tables (the recorded results' too); the profile's report links the recorded report."""
+    graph = _snakemake(workdir, "--rulegraph")
+    assert graph.returncode == 0, graph.stderr
+    names = dict(re.findall(r'(\d+)\[label = "(\w+)"', graph.stdout))
+    edges = {(names[a], names[b]) for a, b in re.findall(r"(\d+) -> (\d+)", graph.stdout)}
+    assert edges == {("point", "tables"), ("tables", "figures"), ("tables_recorded", "figures"),
+                     ("tables", "report"), ("tables_recorded", "report"), ("figures", "report"),
+                     ("report", "report"), ("report", "all")}
+
+
+def test_lint_is_clean(workdir):
+    lint = _snakemake(workdir, "--lint")
+    assert lint.returncode == 0 and "Congratulations, your workflow is in a good condition!" in lint.stderr, (
+        lint.stdout + lint.stderr)[-3000:]
+
+
+def test_conda_environment_matches_pyproject():
+    """workflow/envs/longstraw.yml pins every dependency of pyproject.toml (tests included) within its
+    range, names the same range where it pins none, and nothing else but the repository itself."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    wanted = {r.name: r for r in map(Requirement, project["dependencies"] + project["optional-dependencies"]["test"])}
+    env = yaml.safe_load((REPO / "workflow" / "envs" / "longstraw.yml").read_text())["dependencies"]
+    python = next(d for d in env if isinstance(d, str) and d.startswith("python="))
+    assert Requirement(f"python{project['requires-python']}").specifier.contains(python.split("=", 1)[1])
+    pip = next(d["pip"] for d in env if isinstance(d, dict))
+    assert [p for p in pip if p.startswith("-e")] == ["-e ../.."]
+    pinned = {r.name: r for r in map(Requirement, [p for p in pip if not p.startswith("-e")])}
+    assert set(pinned) == set(wanted)
+    for name, requirement in pinned.items():
+        (spec, *more) = requirement.specifier
+        if spec.operator == "==" and not more:
+            assert wanted[name].specifier.contains(spec.version, prereleases=True), name
+        else:
+            assert requirement.specifier == wanted[name].specifier, name
+
+
 def test_rerun_redoes_only_missing_points(workdir, completed):
     planned_points = int(next(line.split()[1] for line in completed["planned"].splitlines()
                               if line.startswith("point ")))
@@ -118,6 +158,15 @@ def test_report_has_every_section_and_valid_images(workdir, completed):
     for image in images:
         assert image.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert image.relative_to(workdir / "reports/cpu").as_posix() in html
+    listed = json.loads((workdir / "reports/cpu/figures/manifest.json").read_text())["figures"]
+    assert sorted(f["file"] for f in listed) == sorted(p.name for p in images)
+    # the tables beside the page are the tables stage's, and the recorded results have their own report
+    manifest = json.loads((workdir / "results/cpu/tables/manifest.json").read_text())
+    for entry in manifest["tables"].values():
+        assert (workdir / "reports/cpu/tables" / entry["file"]).read_bytes() == (
+            workdir / "results/cpu/tables" / entry["file"]).read_bytes()
+    assert 'href="../recorded-h200/index.html"' in html
+    assert (workdir / "reports/recorded-h200/index.html").is_file()
 
 
 def test_tables_equal_result_files(workdir, completed):

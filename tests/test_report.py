@@ -1,9 +1,9 @@
-"""The report end to end on real tiny points: aggregate -> plots -> HTML, checked against the JSON.
+"""The report end to end on real tiny points: tables (CSV) -> figures (PNG) -> HTML, checked against the JSON.
 
 A results folder is built once per module from `run_point` on tiny configs (one of them on two
 context-parallel ranks), plus fabricated error, oom, capacity, unknown-kind and unreadable points,
 and a recorded GPU result; every number a table shows is then compared with the result file it
-came from.
+came from. The page and the figures are also rendered from the tables alone, the results gone.
 """
 
 import copy
@@ -11,6 +11,7 @@ import json
 import math
 import os
 import re
+import subprocess
 import sys
 from html.parser import HTMLParser
 from pathlib import Path
@@ -18,11 +19,14 @@ from pathlib import Path
 import matplotlib.image
 import pytest
 
+from longstraw import cli
 from longstraw.cp.launch import run_ranks
 from longstraw.harness.runner import run_point
-from longstraw.training.oracle import refresh_interval
+from longstraw.kinds.staleness import refresh_interval
 from longstraw.report import aggregate, render
-from longstraw.report.plots import make_plots
+from longstraw.report.build import build_report
+from longstraw.report.figures import make_figures
+from longstraw.report.store import read_tables
 from longstraw.results import write_json_atomic
 
 REPO = Path(__file__).resolve().parents[1]
@@ -107,8 +111,7 @@ def built(tmp_path_factory):
     write_json_atomic(recorded_dir / "nested" / "recorded_smoke.json", recorded)
 
     out = tmp / "report"
-    page = render.render_report("cpu", results, out, recorded_dir=recorded_dir,
-                                paper=REPO / "experiments" / "reference" / "paper.yaml")
+    page = build_report(results, out, "cpu", recorded_dir=recorded_dir)
     files = {(p.parent.name, p.stem): json.loads(p.read_text()) for p in (results / "points").rglob("*.json")
              if p.parent.name != "broken"}
     return {"results": results, "out": out, "page": page, "html": page.read_text(), "files": files,
@@ -240,6 +243,15 @@ def _close(shown: float, exact: float) -> bool:
 
 # -------------------------------------------------------------------------------------------- tests
 
+def test_reporting_imports_no_torch():
+    """The report's stages and every kind's report half import neither torch nor transformers (a
+    kind imports what it runs with inside `run`)."""
+    code = ("import sys; from longstraw import kinds; import longstraw.report.build, longstraw.cli; kinds.modules(); "
+            "print(sorted(m for m in ('torch', 'transformers', 'peft') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
 def test_every_section_is_present(built):
     ids = _parse(built["html"]).ids
     for section in ("summary", "paper", "paper-scale", "paper-figures", "validation", "validation-levels",
@@ -306,11 +318,43 @@ def test_figures_exist_and_are_valid_png(built):
         assert pixels.ndim == 3 and pixels.shape[0] > 100 and pixels.shape[1] > 100
 
 
-def test_make_plots_takes_points_or_tables(built, tmp_path):
-    points = aggregate.load_points(built["results"])
-    from_points = make_plots(points, tmp_path / "a")
-    from_tables = make_plots(aggregate.tables(points), tmp_path / "b", probes=aggregate.probe_tables(points))
-    assert set(from_points) == set(from_tables) and all(p.is_file() for p in from_points.values())
+def test_figures_are_drawn_from_the_tables(built, tmp_path):
+    drawn = make_figures(built["out"] / "tables", tmp_path / "figures")
+    listed = json.loads((built["out"] / "figures" / "manifest.json").read_text())["figures"]
+    assert set(drawn) == {f["key"] for f in listed} and all(p.is_file() for p in drawn.values())
+    assert {p.name for p in (tmp_path / "figures").glob("*.png")} == {f["file"] for f in listed}
+
+
+def test_the_report_renders_from_the_tables_alone(built, tmp_path):
+    """Tables stage, then the results moved away: the figures and the page from the CSVs alone give
+    the same figures and every table cell the same exact value and text as the built report."""
+    results = tmp_path / "results"
+    results.mkdir()
+    for path in built["results"].rglob("*.json"):
+        (results / path.relative_to(built["results"])).parent.mkdir(parents=True, exist_ok=True)
+        (results / path.relative_to(built["results"])).write_bytes(path.read_bytes())
+    recorded = tmp_path / "recorded" / "h200"
+    recorded.mkdir(parents=True)
+    for path in (built["out"].parent / "recorded" / "h200").rglob("*.json"):
+        (recorded / path.relative_to(built["out"].parent / "recorded" / "h200")).parent.mkdir(parents=True,
+                                                                                               exist_ok=True)
+        (recorded / path.relative_to(built["out"].parent / "recorded" / "h200")).write_bytes(path.read_bytes())
+    aggregate.write_all(results, tmp_path / "tables", "cpu", REPO / "experiments")
+    aggregate.write_all(recorded, tmp_path / "recorded-tables", "h200", REPO / "experiments", targets=False)
+    (tmp_path / "gone").mkdir()
+    results.rename(tmp_path / "gone" / "results")
+    recorded.parent.rename(tmp_path / "gone" / "recorded")
+    assert not list(tmp_path.glob("results")) and not list(tmp_path.glob("recorded"))
+    make_figures(tmp_path / "tables", tmp_path / "report" / "figures")
+    page = render.render(tmp_path / "tables", tmp_path / "report" / "figures", tmp_path / "report",
+                         recorded_tables=tmp_path / "recorded-tables")
+    ours, theirs = _parse(page.read_text()), _parse(built["html"])
+    assert set(ours.tables) == set(theirs.tables) and sorted(ours.images) == sorted(theirs.images)
+    for table_id, rows in theirs.tables.items():
+        assert [[(c["column"], c["value"], c["text"]) for c in r["cells"]] for r in ours.tables[table_id]] == [
+            [(c["column"], c["value"], c["text"]) for c in r["cells"]] for r in rows], table_id
+    assert sorted(p.name for p in (tmp_path / "report" / "tables").glob("*.csv")) == sorted(
+        p.name for p in (tmp_path / "tables").glob("*.csv"))
 
 
 def test_recorded_results_are_listed_separately(built):
@@ -390,19 +434,22 @@ def test_tables_keep_every_point_and_csvs_are_written(built, tmp_path):
     frames = aggregate.tables(points)
     assert list(frames)[:2] == ["g_sweep", "baselines"]  # the paper's order first
     assert sorted(frames["g_sweep"]["status"]) == ["error", "ok", "ok", "ok", "ok", "oom"]
-    written = aggregate.main(built["results"], tmp_path / "tables")
-    assert {"g_sweep", "baselines", "architectures", "baselines.probes", "points"} <= set(written)
+    written = aggregate.write_all(built["results"], tmp_path / "tables")["tables"]
+    assert {"g_sweep", "baselines", "architectures", "baselines.probes", "points", "files"} <= set(written)
+    assert set(written) == {name for name in read_tables(tmp_path / "tables").names}
+    assert {f"{name}.csv" for name in written} == {p.name for p in (tmp_path / "tables").glob("*.csv")}
     assert len((tmp_path / "tables" / "points.csv").read_text().strip().splitlines()) == len(points) + 1
     leftovers = [p for p in (tmp_path / "tables").iterdir() if p.name.startswith(".")]
     assert not leftovers and not [p for p in built["out"].rglob(".*.tmp")]
 
 
-def test_render_cli(built, tmp_path, capsys):
-    assert render.main(["--profile", "cpu", "--results", str(built["results"]), "--out", str(tmp_path),
-                        "--recorded", str(tmp_path / "none")]) == 0
+def test_report_cli(built, tmp_path, capsys):
+    assert cli.main(["report", "--profile", "cpu", "--results", str(built["results"]), "--out", str(tmp_path),
+                     "--recorded", str(tmp_path / "none")]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["statuses"]["oom"] == 1 and Path(summary["report"]).is_file()
     assert "no recorded results folder" in Path(summary["report"]).read_text()
+    assert cli.main(["report", "--results", str(tmp_path / "missing"), "--out", str(tmp_path / "x")]) == 2
 
 
 # ------------------------------------------------- sweep and capacity-comparison results (GPU shapes)
@@ -499,8 +546,7 @@ def gpu_built(tmp_path_factory):
     out = tmp / "report"
     with pytest.MonkeyPatch.context() as patch:
         patch.setitem(sys.modules, "longstraw.report.targets", fake)
-        page = render.render_report("h200", results, out, recorded_dir=tmp / "none",
-                                    paper=REPO / "experiments" / "reference" / "paper.yaml")
+        page = build_report(results, out, "h200", recorded_dir=tmp / "none")
     html = page.read_text()
     return {"results": results, "out": out, "html": html, "tables": _parse(html).tables, "files": files}
 
@@ -607,20 +653,20 @@ def test_targets_table(gpu_built):
 
 
 def test_targets_section_skips_or_reports(monkeypatch, tmp_path):
-    assert render.targets_section(tmp_path, "cpu") is None  # CPU: emulated sizes, no targets
+    assert aggregate.targets_section(tmp_path, "cpu") is None  # CPU: emulated sizes, no targets
     monkeypatch.setitem(sys.modules, "longstraw.report.targets", None)  # the module not there: no section
-    assert render.targets_section(tmp_path, "h200") is None
+    assert aggregate.targets_section(tmp_path, "h200") is None
 
     def broken(results_dir):
         raise KeyError("metrics")
     fake = type(sys)("longstraw.report.targets")
     fake.evaluate_targets = broken
     monkeypatch.setitem(sys.modules, "longstraw.report.targets", fake)
-    assert render.targets_section(tmp_path, "h200") == {"rows": [], "error": "KeyError: 'metrics'"}
+    assert aggregate.targets_section(tmp_path, "h200") == {"rows": [], "error": "KeyError: 'metrics'"}
 
 
 def test_sweep_and_comparison_csvs(gpu_built, tmp_path):
-    written = aggregate.main(gpu_built["results"], tmp_path)
+    written = aggregate.write_all(gpu_built["results"], tmp_path)["tables"]
     assert {"g_sweep.steps", "operating_points.steps", "architectures.steps", "baselines.comparison"} <= set(written)
     assert len((tmp_path / "g_sweep.steps.csv").read_text().strip().splitlines()) == 1 + 4
 
@@ -629,16 +675,15 @@ def test_cpu_report_links_the_recorded_report(built, tmp_path):
     sibling = tmp_path / "recorded-h200" / "index.html"
     sibling.parent.mkdir()
     sibling.write_text("<html></html>")
-    page = render.render_report("cpu", built["results"], tmp_path / "cpu", recorded_dir=REPO / "experiments"
-                                / "recorded" / "h200", paper=REPO / "experiments" / "reference" / "paper.yaml")
+    page = build_report(built["results"], tmp_path / "cpu", "cpu", recorded_dir=REPO / "experiments" / "recorded"
+                        / "h200")
     assert 'id="recorded-report" href="../recorded-h200/index.html"' in page.read_text()
     assert 'id="targets"' not in page.read_text()
 
 
 def test_recorded_h200_results_render(tmp_path):
     recorded = REPO / "experiments" / "recorded" / "h200"
-    page = render.render_report("h200", recorded, tmp_path, recorded_dir=recorded,
-                                paper=REPO / "experiments" / "reference" / "paper.yaml")
+    page = build_report(recorded, tmp_path, "h200", recorded_dir=recorded)
     parsed = _parse(page.read_text())
     experiments = {p.parent.name for p in recorded.glob("*/*.json")}
     for experiment in experiments:
@@ -658,8 +703,7 @@ def test_recorded_context_parallel_sweeps_show_every_ranks_peak(tmp_path):
     """The recorded CP sweeps: each step row's per-rank peak is the largest of its ranks' (from the
     JSON), the point row's the largest rank's run peak; the scale table says how many ranks."""
     recorded = REPO / "experiments" / "recorded" / "h200"
-    page = render.render_report("h200", recorded, tmp_path, recorded_dir=recorded,
-                                paper=REPO / "experiments" / "reference" / "paper.yaml").read_text()
+    page = build_report(recorded, tmp_path, "h200", recorded_dir=recorded).read_text()
     parsed = _parse(page)
     points = sorted((p for p in aggregate.load_points(recorded) if p["experiment"] == "context_parallel"),
                     key=lambda p: p["point"])
@@ -711,8 +755,7 @@ def test_an_mla_sweep_beside_the_hybrid_sweep_renders(tmp_path):
     hybrid = json.loads((recorded / "g_sweep" / "sweep.json").read_text())
     mla = _mla_sweep(hybrid)
     write_json_atomic(results / "g_sweep" / "glm-pattern-sweep.json", mla)
-    page = render.render_report("h200", results, tmp_path / "report", recorded_dir=results,
-                                paper=REPO / "experiments" / "reference" / "paper.yaml")
+    page = build_report(results, tmp_path / "report", "h200", recorded_dir=results)
     html = page.read_text()
     parsed = _parse(html)
     rows = {r["attrs"]["data-point"]: _cells(r) for r in parsed.tables["table-g_sweep-sweep"]}
@@ -787,8 +830,7 @@ def staleness_built(tmp_path_factory):
     for point, result in files.items():
         write_json_atomic(results / "staleness" / f"{point}.json", {**result, "name": f"staleness/{point}"})
     out = tmp / "report"
-    page = render.render_report("cpu", results, out, recorded_dir=tmp / "none",
-                                paper=REPO / "experiments" / "reference" / "paper.yaml")
+    page = build_report(results, out, "cpu", recorded_dir=tmp / "none")
     html = page.read_text()
     return {"results": results, "out": out, "html": html, "tables": _parse(html).tables, "files": files}
 
@@ -911,28 +953,30 @@ def test_staleness_figure(staleness_built, tmp_path):
     pixels = matplotlib.image.imread(path)
     assert pixels.shape[0] > 500 and pixels.shape[1] > 1000
     assert "paper&#39;s stated band" in _section(staleness_built["html"], "staleness")
-    # from the points too; and no figure when no point has steps to draw
-    points = aggregate.load_points(staleness_built["results"])
-    assert "staleness/drift_per_step" in make_plots(points, tmp_path / "a")
-    failed = [p for p in points if p["status"] != "ok"]
-    assert not any(k.startswith("staleness/") for k in make_plots(failed, tmp_path / "b"))
+    # no figure when no point has steps to draw
+    failed = tmp_path / "failed"
+    for point, result in staleness_built["files"].items():
+        if result["status"] != "ok":
+            write_json_atomic(failed / "staleness" / f"{point}.json", result)
+    aggregate.write_all(failed, tmp_path / "tables")
+    assert not any(k.startswith("staleness/") for k in make_figures(tmp_path / "tables", tmp_path / "figures"))
 
 
 def test_staleness_band_from_the_paper_file():
     from longstraw.report.paper import load_paper, reference_marks
-    [mark] = reference_marks(load_paper(REPO / "experiments" / "reference" / "paper.yaml"))["staleness"]
+    [mark] = reference_marks(load_paper())["staleness"]
     assert mark["band"]["steps"] == [1, 2] and (mark["band"]["low"], mark["band"]["high"]) == (0.0004, 0.0012)
 
 
 def test_staleness_csvs(staleness_built, tmp_path):
-    written = aggregate.main(staleness_built["results"], tmp_path)
+    written = aggregate.write_all(staleness_built["results"], tmp_path)["tables"]
     assert {"staleness", "staleness.drift", "points"} <= set(written)
     expected = sum(len((r.get("metrics") or {}).get("rows") or [None]) for r in staleness_built["files"].values())
     assert len((tmp_path / "staleness.drift.csv").read_text().strip().splitlines()) == 1 + expected
 
 
 def test_staleness_formatting():
-    from longstraw.report.formatting import format_value
+    from longstraw.plotting.formatting import format_value
     assert format_value("relative_loss_drift", 0.0012) == "0.12%"
     assert format_value("max_relative_loss_drift", 7.03e-06) == "0.000703%"
     assert format_value("grad_cosine", 0.9999924898147583) == "0.999992"

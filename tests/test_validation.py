@@ -64,8 +64,10 @@ def test_response_only_reports_its_gap_and_does_not_reach_v3():
 
 
 def test_a_corrupted_gradient_fails_v2(monkeypatch):
-    real = validation.replay
-    monkeypatch.setattr(validation, "replay", lambda *args, **kwargs: real(*args, **kwargs) * 1.001)
+    from longstraw.core import transaction
+
+    real = transaction.replay  # what validation's replays call
+    monkeypatch.setattr(transaction, "replay", lambda *args, **kwargs: real(*args, **kwargs) * 1.001)
     cfg = _config(modes=["response-only"], levels=["V2"])
     (path,) = validation.run(cfg, torch.device("cpu"), Progress())["paths"]
     v2 = _levels(path)["V2"]

@@ -2,18 +2,18 @@
 
     python -m longstraw run experiments/examples/step_cpu.yaml --out results/step.json
 
-The point's kind (`longstraw.kinds.<kind>`) runs it; every result carries provenance and the
+The point's kind (`longstraw.kinds.<kind>`, from the kinds' registry) runs it; every result carries provenance and the
 resolved config. Out-of-memory is a result, not a crash.
 """
 
 from __future__ import annotations
 
-import importlib
 import time
 import traceback
 
 import torch
 
+from longstraw import kinds
 from longstraw.config import PointConfig, to_mapping
 from longstraw.cp import context_parallel
 from longstraw.kinds.common import Progress
@@ -42,8 +42,7 @@ def run_point(raw, source: str = "config", on_progress=None) -> dict:
             on_progress({**result, "status": "partial", "metrics": metrics, "wall_seconds": time.perf_counter() - start})
 
     try:
-        kind = importlib.import_module(f"longstraw.kinds.{cfg.kind}")
-        result["metrics"] = kind.run(cfg, device, Progress(partial))
+        result["metrics"] = kinds.module(cfg.kind).run(cfg, device, Progress(partial))
         result["status"] = "ok"
     except torch.OutOfMemoryError as exc:
         result["status"] = "oom"

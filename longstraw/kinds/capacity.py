@@ -22,6 +22,12 @@ the H200 one naive member's peak at 32,768 positions came within 0.12% of the fu
 CUDA only: a CPU probe's measure, process peak RSS, keeps growing over members (freed heap is not
 returned), so there one member reads low (205 MiB against the full step's > 256 MiB, tiny-qwen3_5
 naive at 6,144 positions).
+
+Report: one row per point (the largest fitting length, the smallest that ran out of memory, the
+probes' counts, the ceiling); tables of its own: every probe (`probes`), and the compared modes'
+steps beside the searched mode's at its largest fitting length (`comparison`); a note where a
+search stopped on its time limit; figures: the largest fitting prompt per mode with every probe
+drawn, and the step time of each mode at that length.
 """
 
 from __future__ import annotations
@@ -31,12 +37,21 @@ import tempfile
 import time
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 from longstraw.config import PointConfig
 from longstraw.config.point import CapacityConfig
-from longstraw.kinds.common import Progress, run_point_in_fresh_process
+from longstraw.kinds.columns import (ExtraTable, as_dict, number, phase_seconds, point_parts, ratio, rows_of_points,
+                                     status_of)
+from longstraw.kinds.step import STEP_PHASES
+
+if TYPE_CHECKING:
+    from longstraw.kinds.common import Progress
 
 
 def _probe(point: PointConfig, length: int, workdir: Path) -> dict:
+    from longstraw.kinds.common import run_point_in_fresh_process
+
     config = dataclasses.replace(point, kind="step", name=f"{point.name}_probe_{length}",
                                  prompt=dataclasses.replace(point.prompt, length=length), capacity=CapacityConfig())
     return run_point_in_fresh_process(config, workdir)
@@ -124,3 +139,201 @@ def run(point: PointConfig, device, progress: Progress) -> dict:
         "search_capped_at_max_length": high is None and not stopped_on_time,
         "search_stopped_on_time_limit": stopped_on_time,
     }
+
+
+# ------------------------------------------------------------------------------------------- report
+
+SHOWN = ["model", "mode", "ceiling_bytes", "device_memory_bytes", "memory_measure", "largest_fitting",
+         "largest_fitting_peak_bytes", "first_failing", "smallest_oom", "probes", "probes_ok", "probes_oom",
+         "search_stopped_on_time_limit", "time_limit_seconds", "step_seconds_at", "step_seconds_at_prompt_length",
+         "step_seconds_at_seconds", "wall_seconds"]
+COMPARISON_COLUMNS = ["point", "mode", "measured_as", "prompt_length", "status", "peak_bytes", "step_seconds",
+                      "speedup_vs_searched_mode", "capture_seconds", "old_scoring_seconds", "ref_scoring_seconds",
+                      "replay_seconds", "optimizer_step_seconds", "wall_seconds", "error", "report_error"]
+PROBE_COLUMNS = ["point", "mode", "prompt_length", "status", "peak_bytes", "seconds"]
+EXTRA_TABLES = {
+    "comparison": ExtraTable(
+        "Step time at the largest fitting length", COMPARISON_COLUMNS,
+        "The searched mode's step at its largest fitting prompt (its search probe there) beside the compared "
+        "modes' steps at the same length. Step seconds: the sum of the step's phase seconds (replay and hold_all "
+        "include their capture; naive has none); wall seconds: the probe's whole process, model load included. "
+        "speedup_vs_searched_mode: the searched mode's step seconds over this row's.", key="comparison"),
+    "probes": ExtraTable("Capacity probes", PROBE_COLUMNS, key="probes"),
+}
+CAPTIONS = {
+    "capacity": "Largest prompt that fits under the ceiling per mode (bar); every probed prompt length drawn "
+                "(o fits, x out of memory).",
+    "capacity_step_time": "One step of each mode at the searched mode's largest fitting prompt: seconds per phase "
+                          "(the searched mode's from its search probe, the others from their comparison steps; "
+                          "process start and model load left out).",
+}
+
+
+def _probes(metrics) -> list[dict]:
+    return [p for p in metrics.get("probes") or [] if isinstance(p, dict)]
+
+
+def columns(point: dict) -> dict:
+    cfg, metrics = point_parts(point)
+    probes = _probes(metrics)
+    fitting, oom = ([p for p in probes if p.get("status") == s] for s in ("ok", "oom"))
+    largest = metrics.get("largest_fitting")
+    at_largest = next((p for p in fitting if p.get("prompt_length") == largest), {})
+    oom_lengths = [p["prompt_length"] for p in oom if number(p.get("prompt_length")) is not None]
+    return {
+        "mode": metrics.get("mode", cfg.get("mode")),
+        "ceiling_bytes": number(metrics.get("ceiling_bytes")),
+        "memory_measure": metrics.get("memory_measure"),
+        "largest_fitting": largest,
+        "largest_fitting_peak_bytes": number(at_largest.get("peak_bytes")),
+        "largest_fitting_seconds": number(at_largest.get("seconds")),
+        "smallest_oom": min(oom_lengths) if oom_lengths else None,
+        "probes": len(probes),
+        "probes_ok": len(fitting),
+        "probes_oom": len(oom),
+        "peak_memory_bytes": number(at_largest.get("peak_bytes")),
+        "peak_memory_measure": metrics.get("memory_measure"),
+        "search_stopped_on_time_limit": metrics.get("search_stopped_on_time_limit"),
+        "time_limit_seconds": number(as_dict(cfg.get("capacity")).get("time_limit_seconds")),
+    }
+
+
+def probe_rows(point: dict) -> list[dict]:
+    """One row per prompt length the search tried."""
+    cfg, metrics = point_parts(point)
+    return [{"point": point.get("point"), "mode": metrics.get("mode", cfg.get("mode")),
+             "prompt_length": probe.get("prompt_length"), "status": probe.get("status"),
+             "peak_bytes": number(probe.get("peak_bytes")), "seconds": number(probe.get("seconds")),
+             "memory_measure": metrics.get("memory_measure"), "ceiling_bytes": number(metrics.get("ceiling_bytes"))}
+            for probe in _probes(metrics)]
+
+
+def comparison_rows(point: dict) -> list[dict]:
+    """The searched mode's step at its largest fitting length (its search probe there) and each
+    compared mode's step at that same length, with step seconds side by side; empty without a
+    comparison. `speedup_vs_searched_mode`: the searched mode's step seconds over this row's."""
+    cfg, metrics = point_parts(point)
+    compared = as_dict(metrics.get("comparison_at_largest_fitting"))
+    if not compared:
+        return []
+    largest = metrics.get("largest_fitting")
+    probe = next((p for p in _probes(metrics) if p.get("prompt_length") == largest and p.get("status") == "ok"), {})
+    entries = [(metrics.get("mode", cfg.get("mode")), "search probe", probe)]
+    entries += [(mode, "comparison step", as_dict(record)) for mode, record in compared.items()]
+    rows = []
+    for mode, measured_as, record in entries:
+        phases = as_dict(record.get("step_phases"))
+        row = {"point": point.get("point"), "mode": mode, "measured_as": measured_as,
+               "prompt_length": record.get("prompt_length", largest), "status": status_of(record.get("status")),
+               "error": record.get("error") or (None if record else "no ok probe at the largest fitting length"),
+               "peak_bytes": number(record.get("peak_bytes")), "step_seconds": phase_seconds(phases),
+               "wall_seconds": number(record.get("seconds"))}
+        for name in list(STEP_PHASES) + sorted(set(phases) - set(STEP_PHASES)):
+            row[f"{name}_seconds"] = number(as_dict(phases.get(name)).get("seconds"))
+        rows.append(row)
+    for row in rows:
+        row["speedup_vs_searched_mode"] = ratio(rows[0]["step_seconds"], row["step_seconds"])
+    return rows
+
+
+def tables(points: list[dict]) -> dict[str, list[dict]]:
+    return {"comparison": rows_of_points(points, comparison_rows), "probes": rows_of_points(points, probe_rows)}
+
+
+def notes(row: dict, grid) -> list[str]:
+    """A search cut off by its time limit: its largest fitting length is how far it got."""
+    if not row.get("search_stopped_on_time_limit"):
+        return []
+    from longstraw.plotting.formatting import format_value
+
+    limit = f" ({format_value('time_limit_seconds', row['time_limit_seconds'])})" \
+        if row.get("time_limit_seconds") is not None else ""
+    ran_out = "none ran out of memory" if not row.get("probes_oom") else f"{row['probes_oom']} ran out of memory"
+    return [f"{row.get('point')} ({row.get('mode')}): the search stopped on its time limit{limit}; of the "
+            f"probes it ran ({row.get('probes')}), {ran_out}, so its largest fitting length, "
+            f"{format_value('largest_fitting', row.get('largest_fitting'))} positions, is how far it got, "
+            "not where memory runs out." + _probe_members_note(row)]
+
+
+def _probe_members_note(row: dict) -> str:
+    from longstraw.plotting.formatting import is_missing
+
+    members = row.get("responses.probe_members")
+    if is_missing(members):
+        return ""
+    return (f" Each probe replayed {int(members)} of the G members (a serial mode's peak is one member's; the "
+            "targets below take out-of-memory step points of the same mode as the upper end of its bracket).")
+
+
+def figures(data, ceiling: dict, marks=()):
+    capacity = data.of_kind("capacity")
+    if capacity:
+        yield "capacity", plot_capacity(capacity, data.extra.get("probes", []), data.name)
+    if data.extra.get("comparison"):
+        yield "capacity_step_time", plot_capacity_step_time(data.extra["comparison"], data.name)
+
+
+def plot_capacity(rows, probes: list[dict], title: str):
+    from longstraw.plotting import draw
+    from longstraw.plotting.formatting import format_bytes
+
+    fig, ax = draw.plt.subplots(figsize=(max(7, 1.6 * len(rows) + 3), 4.8))
+    labels = [str(r.get("mode") or r.get("point")) for r in rows]
+    if len(set(labels)) < len(labels):  # two points of one mode: name them
+        labels = [f"{label}\n{r.get('point')}" for label, r in zip(labels, rows)]
+    for i, row in enumerate(rows):
+        largest = row.get("largest_fitting")
+        if row.get("status") != "ok":
+            draw.mark_failed(ax, i, row, value_key="__none__")
+        elif largest:
+            ax.bar([i], [largest], color=draw.MODE_COLORS.get(str(row.get("mode")), "#4c72b0"), alpha=0.6, width=0.6)
+            # a search cut off by its time limit reached this length; the memory limit lies beyond it
+            stopped = "\nsearch stopped on its time limit" if row.get("search_stopped_on_time_limit") else ""
+            ax.annotate(f"{int(largest):,}{stopped}", (i, largest), textcoords="offset points", xytext=(0, 3),
+                        ha="center", fontsize=8)
+        else:
+            transform = draw.blended_transform_factory(ax.transData, ax.transAxes)
+            ax.text(i, 0.05, "no probed length fits", transform=transform, ha="center", fontsize=8, rotation=90,
+                    va="bottom", color=draw.FAILED_COLORS["oom"])
+        mine = [p for p in probes if p.get("point") == row.get("point") and p.get("prompt_length")]
+        for status, marker, color in (("ok", "o", "#2ca02c"), ("oom", "x", draw.FAILED_COLORS["oom"])):
+            lengths = [p["prompt_length"] for p in mine if p.get("status") == status]
+            ax.plot([i] * len(lengths), lengths, linestyle="none", marker=marker, color=color, markersize=7,
+                    label=f"probe {status}" if i == 0 else None)
+    ax.set_yscale("log", base=2)
+    ax.set_xticks(range(len(rows)), labels)
+    ax.set_ylabel("prompt length (positions, log2)")
+    # No configured ceiling on CUDA means the device itself is the ceiling (a real OOM).
+    ceilings = {(r.get("ceiling_bytes") or r.get("device_memory_bytes"), r.get("memory_measure")) for r in rows
+                if r.get("ceiling_bytes") or r.get("device_memory_bytes")}
+    stated = "; ".join(f"{format_bytes(c)} on {m}" for c, m in sorted(ceilings, key=str)) or "not recorded"
+    ax.set_title(f"{title}: largest prompt that fits per mode\nceiling {stated}", fontsize=9)
+    handles, names = ax.get_legend_handles_labels()
+    if handles:
+        ax.legend(fontsize=7)
+    return fig
+
+
+def plot_capacity_step_time(rows, title: str):
+    """Stacked phase seconds per mode at one prompt length (the capacity comparison rows)."""
+    from longstraw.plotting import draw
+
+    phases = [p for p in STEP_PHASES if any(r.get(f"{p}_seconds") is not None for r in rows)]
+    fig, ax = draw.plt.subplots(figsize=(max(6, 1.6 * len(rows) + 3), 4.8))
+    base = [0.0] * len(rows)
+    for phase in phases:
+        heights = [(r.get(f"{phase}_seconds") or 0.0) if r.get("status") == "ok" else 0.0 for r in rows]
+        ax.bar(range(len(rows)), heights, bottom=base, label=phase, color=draw.PHASE_COLORS.get(phase), width=0.6)
+        base = [b + h for b, h in zip(base, heights)]
+    for i, row in enumerate(rows):
+        if row.get("status") != "ok":
+            draw.mark_failed(ax, i, row, value_key="__none__")
+        elif row.get("step_seconds") is not None:
+            ax.annotate(f"{row['step_seconds']:,.1f} s", (i, base[i]), textcoords="offset points", xytext=(0, 3),
+                        ha="center", fontsize=8)
+    ax.set_xticks(range(len(rows)), [f"{r.get('mode')}\n({r.get('measured_as')})" for r in rows], fontsize=8)
+    lengths = sorted({r["prompt_length"] for r in rows if r.get("prompt_length") is not None})
+    ax.set_ylabel("seconds (s), sum of phases")
+    ax.set_title(f"{title}: one step per mode at {', '.join(f'{n:,}' for n in lengths)} positions", fontsize=10)
+    ax.legend(fontsize=7, ncols=3)
+    return fig

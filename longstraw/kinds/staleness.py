@@ -1,18 +1,32 @@
 """Kind `staleness`: the fresh-prefix oracle (`longstraw.training.oracle`): capture once, train
 `staleness.steps` steps on the stale state, and at each step measure its drift against a fresh
 capture; the derived refresh interval is the largest step count whose loss drift stays under
-`staleness.threshold`."""
+`staleness.threshold` (`refresh_interval`, the one definition the run and the report share).
+
+Report: one row per point (its setting, the drift at steps 1 and 2, where the paper states its
+figure, the largest drift and its step, the refresh interval, derived where the result did not
+record it, the last step's measures), one row per oracle step in a table of its own (`drift`),
+the refresh interval in a sentence; figure: the drift measures per step, one line per point, the
+paper's stated band beside them."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from longstraw.config import PointConfig
-from longstraw.kinds.common import Progress, capture_kwargs, optimizer_for, policy_and_prompt
-from longstraw.measure.memory import PhaseRecorder
-from longstraw.training.oracle import refresh_interval, staleness_oracle
-from longstraw.training.tasks import build_task
+from longstraw.kinds.columns import (ExtraTable, as_dict, finite, is_cuda_point, number, phase_columns, point_parts,
+                                     rows_of_points, status_of)
+
+if TYPE_CHECKING:
+    from longstraw.kinds.common import Progress
 
 
 def run(cfg: PointConfig, device, progress: Progress) -> dict:
+    from longstraw.kinds.common import capture_kwargs, optimizer_for, policy_and_prompt
+    from longstraw.measure.memory import PhaseRecorder
+    from longstraw.training.oracle import staleness_oracle
+    from longstraw.training.tasks import build_task
+
     recorder = PhaseRecorder(device)
     model, vocab, prompt = policy_and_prompt(cfg, recorder)
     reward = None
@@ -21,8 +35,9 @@ def run(cfg: PointConfig, device, progress: Progress) -> dict:
         example = task.make(cfg.prompt.seed)
         prompt = example.prompt_ids.to(device)
 
-        def reward(responses):
+        def task_reward(responses):
             return [task.reward(example, y) for y in responses]
+        reward = task_reward
     optimizer = optimizer_for(model, cfg)
     threshold, rows, floor = cfg.staleness.threshold, [], {}
 
@@ -43,3 +58,320 @@ def run(cfg: PointConfig, device, progress: Progress) -> dict:
                                   floor_perturbation=cfg.staleness.floor_perturbation, reward=reward)
         floor.update(result.floor)
     return metrics()
+
+
+# ------------------------------------------------------------------------------------------- report
+
+# The oracle's per-step measures (longstraw.training.oracle), in the order a step row shows them.
+MEASURES = ("param_drift", "loss_stale", "loss_fresh", "relative_loss_drift", "mean_abs_logprob_diff", "kl_k3",
+            "grad_cosine", "grad_norm_stale", "grpo_loss_stale", "grpo_loss_fresh", "reward_mean")
+SHOWN = ["model", "lr", "prompt_positions", "G", "response_length", "steps", "drift_threshold", "refresh_interval",
+         "threshold_crossed_at_step", "relative_loss_drift_step1", "relative_loss_drift_step2",
+         "max_relative_loss_drift", "max_drift_step", "final_param_drift", "final_mean_abs_logprob_diff",
+         "final_kl_k3", "final_grad_cosine", "step0_drift_zero", "oracle_seconds", "peak_memory_bytes",
+         "peak_memory_measure", "wall_seconds"]
+STEP_COLUMNS = ["point", "lr", "step", "status", "param_drift", "loss_stale", "loss_fresh", "relative_loss_drift",
+                "under_threshold", "mean_abs_logprob_diff", "kl_k3", "grad_cosine", "one_minus_grad_cosine",
+                "grad_norm_stale", "grpo_loss_stale", "grpo_loss_fresh", "response_tokens", "reward_mean", "error",
+                "report_error"]
+EXTRA_TABLES = {
+    "drift": ExtraTable(
+        "Drift per step", STEP_COLUMNS,
+        "One row per oracle step. At every step the policy samples responses from the reused (stale) prompt state, "
+        "and on those same responses the stale state is compared with a fresh capture under the current "
+        "parameters. Step 0 is the capture itself: fresh equals stale, so its drift is exactly zero (a check, not a "
+        "data point). relative_loss_drift: |L_stale - L_fresh| / L_fresh for the mean response NLL; "
+        "under_threshold: below the point's refresh threshold; mean_abs_logprob_diff and kl_k3 (exp(d) - d - 1, "
+        "d = log p_fresh - log p_stale) per response token; grad_cosine: cosine of the stale and fresh gradients; "
+        "param_drift: L2 norm of the trainable parameters' change since the capture (the trainer's adaptive "
+        "refresh signal); grpo_loss_*: the GRPO surrogate (about 0 on policy, so not used for the drift); "
+        "response_tokens: summed over the group. A point without steps (error, out of memory, rows missing) has "
+        "one row saying so.", key="drift", beside_points=True),
+}
+CAPTIONS = {
+    "drift_per_step": "The fresh-prefix oracle, one line per point: at every step the reused (stale) prompt state is "
+                      "compared with a fresh capture under the current parameters on the same responses. Top: "
+                      "relative loss drift |L_stale - L_fresh| / L_fresh in % (log scale) with the refresh threshold "
+                      "and the paper's stated band (its 1M-position oracle: ~0.04-0.12% at steps 1-2; for later "
+                      "steps the paper gives no figure, so none is drawn); mean |delta log p| per response token; "
+                      "KL k3 (stale || fresh). Bottom: 1 - cosine of the stale and fresh gradients; the parameter "
+                      "drift since the capture (the trainer's adaptive refresh signal); and the loss drift against "
+                      "that signal, each marker labelled with its step. Step 0 is the capture itself (drift exactly "
+                      "zero by construction) and is not drawn on the log scales.",
+}
+
+
+def _step_rows(rows) -> list[dict]:
+    """The oracle's rows that carry a step number, in step order (a malformed row is left out)."""
+    rows = [r for r in rows or [] if isinstance(r, dict) and number(r.get("step")) is not None]
+    return sorted(rows, key=lambda r: r["step"])
+
+
+FLOOR_MARGIN = 3.0  # a drift is read as staleness only beyond this multiple of the numerical floor
+
+
+def refresh_interval(rows: list[dict], threshold, floor=0.0) -> int | None:
+    """The largest step count k such that the relative loss drift stays under `threshold` at every
+    step 1..k (a step without a drift ends it); None without a threshold or rows, and None when the
+    threshold lies within FLOOR_MARGIN x the numerical `floor` (the oracle's drift under a parameter
+    perturbation far below one step's): nothing above the floor can be read at that threshold."""
+    rows = _step_rows(rows)
+    if number(threshold) is None or not rows or threshold <= FLOOR_MARGIN * (number(floor) or 0.0):
+        return None
+    interval = 0
+    for row in rows:
+        if row["step"] == 0:
+            continue
+        drift = number(row.get("relative_loss_drift"))
+        if drift is None or drift >= threshold:
+            break
+        interval = int(row["step"])
+    return interval
+
+
+def refresh_interval_sentence(row: dict) -> str:
+    """A staleness point's derived refresh interval in words, from its row (`refresh_interval`,
+    `drift_threshold`, `steps_measured`, `threshold_crossed_at_step`)."""
+    from longstraw.plotting.formatting import format_percent, is_missing
+
+    interval, threshold = row.get("refresh_interval"), row.get("drift_threshold")
+    under = f"under {format_percent(threshold)}" if not is_missing(threshold) else "under the threshold"
+    if is_missing(interval):
+        return f"no refresh interval: no loss drift measured (status {row.get('status')})"
+    interval = int(interval)
+    text = f"{interval} step{'s' if interval != 1 else ''}: the largest step count whose loss drift stays {under}"
+    crossed, measured = row.get("threshold_crossed_at_step"), row.get("steps_measured")
+    if not is_missing(crossed):
+        text += f" (crossed at step {int(crossed)})"
+    elif not is_missing(measured):
+        text += (f" (never crossed in the {int(measured)} steps measured, so at least {interval}; "
+                 "the run does not show where it ends)")
+    return text
+
+
+def columns(point: dict) -> dict:
+    """One staleness point: its setting, the drift at steps 1 and 2 (where the paper states its
+    figure), the largest drift and the step it occurred at, the derived refresh interval (where the
+    drift first reached the threshold, if it did) and the last step's measures."""
+    cfg, metrics = point_parts(point)
+    cuda = is_cuda_point(point)
+    settings, responses = as_dict(cfg.get("staleness")), as_dict(cfg.get("responses"))
+    rows = _step_rows(metrics.get("rows"))
+    threshold = number(metrics.get("threshold", settings.get("threshold")))
+    after = [r for r in rows if r["step"] >= 1 and number(r.get("relative_loss_drift")) is not None]
+    largest = max(after, key=lambda r: r["relative_loss_drift"]) if after else {}
+    crossed = next((r["step"] for r in after if threshold is not None and r["relative_loss_drift"] >= threshold),
+                   None)
+    recorded = number(metrics.get("refresh_interval"))
+    by_step = {r["step"]: r for r in rows}
+    peaks = [number(as_dict(p).get("peak_allocated_bytes")) for p in as_dict(metrics.get("phases")).values()]
+    peaks = [v for v in peaks if v is not None]
+    first, last = by_step.get(0, {}), rows[-1] if rows else {}
+    cols = {
+        "lr": number(as_dict(cfg.get("optimizer")).get("lr")),
+        "prompt_positions": number(metrics.get("prompt_positions")),
+        "G": responses.get("count"),
+        "response_length": responses.get("length"),
+        "steps": settings.get("steps"),
+        "steps_measured": max((r["step"] for r in rows), default=None) if rows else None,
+        "drift_threshold": threshold,
+        "refresh_interval": recorded if recorded is not None else refresh_interval(
+            rows, threshold, as_dict(metrics.get("floor")).get("relative_loss_drift", 0.0)),
+        # the drift of a fresh capture after a parameter perturbation far below one step's (the precision's)
+        "floor_relative_loss_drift": number(as_dict(metrics.get("floor")).get("relative_loss_drift")),
+        "floor_mean_abs_logprob_diff": number(as_dict(metrics.get("floor")).get("mean_abs_logprob_diff")),
+        "threshold_crossed_at_step": crossed,
+        "relative_loss_drift_step1": number(by_step.get(1, {}).get("relative_loss_drift")),
+        "relative_loss_drift_step2": number(by_step.get(2, {}).get("relative_loss_drift")),
+        "max_relative_loss_drift": number(largest.get("relative_loss_drift")),
+        "max_drift_step": largest.get("step"),
+        # step 0: fresh == stale by construction, so its drift must be exactly zero (a check)
+        "step0_drift_zero": (first.get("relative_loss_drift") == 0 and first.get("mean_abs_logprob_diff") == 0)
+        if first else None,
+        "final_param_drift": number(last.get("param_drift")),
+        "final_mean_abs_logprob_diff": number(last.get("mean_abs_logprob_diff")),
+        "final_kl_k3": number(last.get("kl_k3")),
+        "final_grad_cosine": number(last.get("grad_cosine")),
+        "min_grad_cosine": min((r["grad_cosine"] for r in rows if number(r.get("grad_cosine")) is not None),
+                               default=None),
+        "loss_finite": finite([r.get(k) for r in rows for k in ("loss_stale", "loss_fresh")]),
+        "peak_memory_bytes": number(point.get("peak_rss_bytes")) if not cuda else max(
+            peaks + [point["peak_allocated_bytes"]] if number(point.get("peak_allocated_bytes")) is not None
+            else peaks, default=None),
+        "peak_memory_measure": "peak_allocated_bytes" if cuda else "process peak RSS",
+    }
+    cols.update(phase_columns("oracle", as_dict(as_dict(metrics.get("phases")).get("oracle"))))
+    cols.update(phase_columns("weights", as_dict(as_dict(metrics.get("phases")).get("weights"))))
+    if point.get("status") == "ok" and not rows:
+        cols["report_error"] = "no per-step rows in the result (metrics.rows missing or empty)"
+    return cols
+
+
+def drift_rows(point: dict) -> list[dict]:
+    """One row per oracle step of a staleness point (step 0: the capture itself, drift zero by
+    construction). A point without rows (error, oom, or rows missing) gives one row saying so, so
+    the per-step table shows every point."""
+    cfg, metrics = point_parts(point)
+    rows = _step_rows(metrics.get("rows"))
+    threshold = number(metrics.get("threshold", as_dict(cfg.get("staleness")).get("threshold")))
+    lr = number(as_dict(cfg.get("optimizer")).get("lr"))
+    if not rows:
+        status = status_of(point.get("status"))
+        return [{"point": point.get("point"), "kind": "staleness_step", "lr": lr, "step": None, "status": status,
+                 "error": point.get("error"),
+                 "report_error": "no per-step rows in the result" if status == "ok" or not point.get("error")
+                 else None}]
+    out = []
+    for row in rows:
+        record = {"point": point.get("point"), "kind": "staleness_step", "lr": lr, "step": int(row["step"]),
+                  "status": "ok", "error": None}
+        record.update({key: number(row.get(key)) for key in MEASURES})
+        cosine, drift = record["grad_cosine"], record["relative_loss_drift"]
+        record["one_minus_grad_cosine"] = 1.0 - cosine if cosine is not None else None
+        record["under_threshold"] = drift < threshold if drift is not None and threshold is not None else None
+        tokens = row.get("response_tokens")
+        record["response_tokens"] = sum(tokens) if isinstance(tokens, list) and all(
+            number(t) is not None for t in tokens) else number(tokens)
+        out.append(record)
+    return out
+
+
+def tables(points: list[dict]) -> dict[str, list[dict]]:
+    return {"drift": rows_of_points(points, drift_rows)}
+
+
+def notes(row: dict, grid) -> list[str]:
+    """The point's derived refresh interval in a sentence, with what it rests on."""
+    from longstraw.plotting.formatting import format_percent, format_value, is_missing
+
+    setting = ", ".join(f"{k}={row[k]}" for k in grid if not is_missing(row.get(k)))
+    head = f"{row.get('point')}" + (f" ({setting})" if setting else "")
+    if row.get("status") != "ok" or is_missing(row.get("refresh_interval")):
+        why = row.get("error") or row.get("report_error") or "no drift measured"
+        return [f"{head}: no refresh interval (status {row.get('status')}: {why})."]
+    text = f"{head}: refresh interval {refresh_interval_sentence(row)}."
+    if not is_missing(row.get("max_relative_loss_drift")):
+        text += (f" Largest loss drift {format_percent(row['max_relative_loss_drift'])} at step "
+                 f"{row.get('max_drift_step')}; drift at steps 1-2: "
+                 f"{format_percent(row.get('relative_loss_drift_step1'))}, "
+                 f"{format_percent(row.get('relative_loss_drift_step2'))}, at "
+                 f"{format_value('prompt_positions', row.get('prompt_positions'))} prompt positions "
+                 "(the paper's reading beside ours: the table below).")
+    if row.get("step0_drift_zero") is False:
+        text += " Step 0's drift is not zero: the oracle's fresh capture does not reproduce the stale one."
+    return [text]
+
+
+def figures(data, ceiling: dict, marks=()):
+    staleness = data.of_kind("staleness")
+    drift = data.extra.get("drift", [])
+    if staleness and any(d.get("step") is not None for d in drift):
+        bands = [m["band"] for m in marks if "band" in m]
+        yield "drift_per_step", plot_drift(staleness, drift, data.grid, data.name, bands)
+
+
+def _positive(rows, key, scale=1.0):
+    """(steps, values) of the rows with a positive value (what a log scale can draw), step >= 1."""
+    pairs = [(r["step"], r[key] * scale) for r in rows
+             if r.get("step") is not None and r["step"] >= 1 and r.get(key) is not None and r[key] * scale > 0]
+    return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
+def _draw_band(ax, band: dict) -> None:
+    """The paper's stated drift range over its stated steps, hatched, labelled as the paper's."""
+    import textwrap
+
+    from longstraw.plotting.draw import PAPER_COLOR
+
+    steps = band["steps"]
+    ax.fill_between([min(steps), max(steps)], band["low"] * 100, band["high"] * 100, color=PAPER_COLOR, alpha=0.2,
+                    hatch="//", edgecolor=PAPER_COLOR, linewidth=1.2,
+                    label=textwrap.fill(f"paper: {band['text']}", 70, subsequent_indent="  "), zorder=1)
+
+
+def plot_drift(points: list[dict], drift: list[dict], grid, title: str, bands=()):
+    """`points`: the staleness point rows (`columns`); `drift`: their oracle steps (`drift_rows`);
+    `bands`: the paper's stated drift ranges (`report.paper.reference_marks`)."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    from longstraw.plotting import draw
+    from longstraw.plotting.formatting import format_percent
+
+    fig, axes = draw.plt.subplots(2, 3, figsize=(16, 10))
+    (loss_ax, logp_ax, kl_ax), (cos_ax, param_ax, vs_ax) = axes
+    labels = {str(r.get("point")): draw.point_label(r, grid) for r in points}
+    drawn = [p for p in points if any(d.get("point") == p.get("point") and d.get("step") is not None for d in drift)]
+    for i, point in enumerate(drawn):
+        name, color = str(point.get("point")), draw.POINT_COLORS[i % len(draw.POINT_COLORS)]
+        rows = sorted((d for d in drift if str(d.get("point")) == name and d.get("step") is not None),
+                      key=lambda d: d["step"])
+        label = labels.get(name, name)
+        if point.get("status") != "ok":
+            label += f" ({str(point.get('status')).upper()}: partial)"
+        for ax, key, scale in ((loss_ax, "relative_loss_drift", 100.0), (logp_ax, "mean_abs_logprob_diff", 1.0),
+                               (kl_ax, "kl_k3", 1.0), (cos_ax, "one_minus_grad_cosine", 1.0)):
+            xs, ys = _positive(rows, key, scale)
+            if xs:
+                ax.plot(xs, ys, marker="o", markersize=4, color=color, label=label)
+        xs = [r["step"] for r in rows if r.get("param_drift") is not None]
+        param_ax.plot(xs, [r["param_drift"] for r in rows if r.get("param_drift") is not None], marker="o",
+                      markersize=4, color=color, label=label)
+        pairs = [(r["param_drift"], r["relative_loss_drift"] * 100, r["step"]) for r in rows
+                 if r["step"] >= 1 and r.get("param_drift") and r.get("relative_loss_drift")]
+        if pairs:
+            vs_ax.plot([p[0] for p in pairs], [p[1] for p in pairs], marker="o", markersize=4, color=color,
+                       label=label)
+            for x, y, step in pairs:
+                vs_ax.annotate(str(step), (x, y), textcoords="offset points", xytext=(3, 3), fontsize=6, color=color)
+    for point in points:  # no rows to draw: say so in the legend, never drop it silently
+        if point not in drawn:
+            status = str(point.get("status") or "error")
+            loss_ax.plot([], [], marker="X", linestyle="none", markersize=9,
+                         color=draw.FAILED_COLORS.get(status, draw.FAILED_COLORS["error"]),
+                         label=f"{labels.get(str(point.get('point')))}: "
+                               + ("no per-step rows in the result" if status == "ok"
+                                  else f"{status.upper()}, no steps measured"))
+    thresholds = sorted({p["drift_threshold"] for p in points if p.get("drift_threshold")})
+    for threshold in thresholds:
+        for ax in (loss_ax, vs_ax):
+            ax.axhline(threshold * 100, color="black", linestyle="--", linewidth=1.1,
+                       label=f"threshold {format_percent(threshold)} (refresh interval)" if ax is loss_ax else None)
+    for band in bands:
+        _draw_band(loss_ax, band)
+    panels = ((loss_ax, "relative loss drift (%)", "loss drift per step, log scale"),
+              (logp_ax, "mean |Δ log p| (nats per token)", "mean |Δ log p|, stale against fresh"),
+              (kl_ax, "KL k3 (nats per token)", "KL(stale || fresh), k3 estimate"),
+              (cos_ax, "1 − cos(g_stale, g_fresh)", "1 − gradient cosine"))
+    for ax, ylabel, name in panels:
+        ax.set_yscale("log")
+        ax.set_xlabel("step since the capture")
+        ax.set_ylabel(ylabel)
+        ax.set_title(name, fontsize=9)
+    positions = sorted({p["prompt_positions"] for p in points if p.get("prompt_positions")})
+    paper_where = "; ".join(f"paper at {b['positions']:,} positions" for b in bands if b.get("positions"))
+    loss_ax.set_title("relative loss drift per step (log scale)\nours at "
+                      + (", ".join(f"{n:,}" for n in positions) or "?") + " positions"
+                      + (f"; {paper_where}" if paper_where else ""), fontsize=9)
+    param_ax.set_xlabel("step since the capture")
+    param_ax.set_ylabel("‖θ − θ_capture‖₂ (trainable parameters)")
+    param_ax.set_title("parameter drift (the trainer's adaptive refresh signal)", fontsize=9)
+    vs_ax.set_xscale("log")
+    vs_ax.set_yscale("log")
+    vs_ax.set_xlabel("parameter drift ‖θ − θ_capture‖₂ (log)")
+    vs_ax.set_ylabel("relative loss drift (%)")
+    vs_ax.set_title("measured loss drift against the refresh signal (labels: step)", fontsize=9)
+    steps = sorted({d["step"] for d in drift if d.get("step") is not None})
+    for ax in (loss_ax, logp_ax, kl_ax, cos_ax, param_ax):
+        if steps:
+            ax.set_xticks(steps)
+    # ticks at 1, 2, 5 x 10^k, plainly labelled (log minor labels overlap on a narrow range)
+    vs_ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+    vs_ax.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+    vs_ax.xaxis.set_minor_formatter(NullFormatter())
+    for ax in axes.flat:
+        if ax is not loss_ax and ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7, loc="best")
+    # the loss panel's legend (points, threshold, the paper's band) below it, clear of the lines
+    loss_ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncols=1)
+    fig.suptitle(f"{title}: drift of a reused prompt state against a fresh capture, per step", fontsize=10)
+    return fig

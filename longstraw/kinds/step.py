@@ -1,17 +1,28 @@
 """Kind `step`: G seeded random responses with seeded rewards (a memory/time measurement needs
 shapes, not meaning), `cycles` GRPO steps in the chosen mode; with `replay`/`hold_all` one capture
-serves every cycle."""
+serves every cycle.
+
+Report: one row per point (mode, G, the peak against the ceiling, per-phase peaks and seconds,
+graph and resident bytes, time per replayed member); figures: per-phase peak memory against the
+ceiling, peak memory against G per mode (when G varies), time per member, seconds per phase."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from longstraw.config import PointConfig
-from longstraw.core.step import StepOptions, grpo_step
-from longstraw.kinds.common import Progress, capture_kwargs, optimizer_for, policy_and_prompt, seeded_group
-from longstraw.measure.memory import PhaseRecorder
-from longstraw.models.lora import trainable_parameters
+from longstraw.kinds.columns import as_dict, finite, is_cuda_point, number, phase_columns, point_parts
+
+if TYPE_CHECKING:
+    from longstraw.kinds.common import Progress
 
 
 def run(cfg: PointConfig, device, progress: Progress) -> dict:
+    from longstraw.core.step import StepOptions, grpo_step
+    from longstraw.kinds.common import capture_kwargs, optimizer_for, policy_and_prompt, seeded_group
+    from longstraw.measure.memory import PhaseRecorder
+    from longstraw.models.lora import trainable_parameters
+
     recorder = PhaseRecorder(device)
     model, vocab, prompt = policy_and_prompt(cfg, recorder)
     responses, rewards = seeded_group(cfg, cfg.responses.count, vocab, device)
@@ -40,3 +51,248 @@ def summary(cycles: list) -> dict:
     peaks = [p["peak_allocated_bytes"] for p in phases.values() if "peak_allocated_bytes" in p]
     return {"phase_summary": phases, "peak_allocated_bytes": max(peaks) if peaks else None,
             "graph_bytes_peak": max(c["graph_bytes_peak"] for c in cycles)}
+
+
+# ------------------------------------------------------------------------------------------- report
+
+STEP_PHASES = ("capture", "old_scoring", "ref_scoring", "replay", "optimizer_step")
+SHOWN = ["model", "prompt_length", "mode", "G", "response_length", "cycles", "replays", "peak_memory_bytes",
+         "peak_memory_measure", "capture_peak_allocated_bytes", "old_scoring_peak_allocated_bytes",
+         "ref_scoring_peak_allocated_bytes", "replay_peak_allocated_bytes", "optimizer_step_peak_allocated_bytes",
+         "graph_bytes_peak", "resident_bytes", "predicted_resident_bytes", "cp_size", "rank_resident_bytes_max",
+         "rank_peak_bytes_max", "seconds_per_member", "capture_seconds", "cycle_seconds_mean", "loss_last",
+         "state_unchanged", "peak_rss_bytes", "wall_seconds"]
+CAPTIONS = {
+    "memory_vs_ceiling": "Per-phase peak memory of each point against the memory ceiling (top), and the autograd "
+                         "graph peak beside the resident state, measured and predicted (bottom).",
+    "g_sweep_memory": "Peak memory against the group size G, one line per mode: replay should stay flat in G, "
+                      "hold_all grows with G.",
+    "time_per_member": "Seconds per replayed response (replay phase seconds / replays).",
+    "phase_seconds": "Where a point's time goes: seconds per phase, summed over its cycles.",
+}
+
+
+def columns(point: dict) -> dict:
+    cfg, metrics = point_parts(point)
+    responses = as_dict(cfg.get("responses"))
+    summary = as_dict(metrics.get("phase_summary"))
+    cycles = [c for c in metrics.get("cycles") or [] if isinstance(c, dict)]
+    replay = as_dict(summary.get("replay"))
+    # Responses replayed over all cycles: hold_all times its G replays as one phase, so count
+    # responses (not replay-phase entries) for the time per member.
+    replays = sum(len(c.get("response_tokens") or []) for c in cycles) or None
+    cols = {
+        "mode": cfg.get("mode"),
+        "G": responses.get("count"),
+        "response_length": responses.get("length"),
+        "cycles": cfg.get("cycles"),
+        "replays": replays,
+    }
+    if is_cuda_point(point):
+        peak = metrics.get("peak_allocated_bytes", point.get("peak_allocated_bytes"))
+        cols.update(peak_memory_bytes=number(peak), peak_memory_measure="peak_allocated_bytes")
+    else:
+        cols.update(peak_memory_bytes=number(point.get("peak_rss_bytes")), peak_memory_measure="process peak RSS")
+    cols["graph_bytes_peak"] = number(metrics.get("graph_bytes_peak"))
+    for key in ("resident_bytes", "predicted_resident_bytes", "prompt_positions"):
+        values = [c[key] for c in cycles if number(c.get(key)) is not None]
+        cols[key] = max(values) if values else None
+    flags = [c["state_unchanged"] for c in cycles if "state_unchanged" in c]
+    cols["state_unchanged"] = all(flags) if flags else None
+    losses = [c.get("loss") for c in cycles]
+    cols["loss_first"] = number(losses[0]) if losses else None
+    cols["loss_last"] = number(losses[-1]) if losses else None
+    cols["loss_finite"] = finite(losses)
+    cols["grad_norm_finite"] = finite(c.get("grad_norm") for c in cycles)
+    if replays and number(replay.get("seconds")) is not None:
+        cols["seconds_per_member"] = replay["seconds"] / replays
+    if cycles:
+        per_cycle = [sum(number(as_dict(r).get("seconds")) or 0.0 for r in as_dict(c.get("phases")).values())
+                     for c in cycles]
+        cols["cycle_seconds_mean"] = sum(per_cycle) / len(per_cycle)
+    cols["trainable_parameters"] = metrics.get("trainable_parameters")
+    for name in list(STEP_PHASES) + sorted(set(summary) - set(STEP_PHASES)):
+        cols.update(phase_columns(name, as_dict(summary.get(name))))
+    cols.update(phase_columns("weights", as_dict(metrics.get("weights"))))
+    return cols
+
+
+def figures(data, ceiling: dict, marks=()):
+    """Step points: per-phase peaks against the ceiling, peak against G per mode (when G varies),
+    time per member, seconds per phase."""
+    step = data.of_kind("step")
+    if not step:
+        return
+    cuda = any(r.get("peak_memory_measure") == "peak_allocated_bytes" for r in step)
+    yield "memory_vs_ceiling", plot_memory_vs_ceiling(step, data.grid, ceiling, cuda, data.name)
+    if len({r.get("G") for r in step if r.get("G") is not None}) > 1:
+        yield "g_sweep_memory", plot_g_sweep_memory(step, ceiling, cuda, data.name)
+    yield "time_per_member", plot_time_per_member(step, data.grid, data.name)
+    yield "phase_seconds", plot_phase_seconds(step, data.grid, data.name)
+
+
+def plot_memory_vs_ceiling(rows, grid, ceiling, cuda: bool, title: str):
+    from longstraw.plotting import draw
+
+    measure = "peak_allocated_bytes" if cuda else "peak_rss_bytes"
+    phases = [p for p in STEP_PHASES if any(r.get(f"{p}_{measure}") is not None for r in rows)]
+    labels = [draw.point_label(r, grid) for r in rows]
+    fig, (top, bottom) = draw.plt.subplots(2, 1, figsize=(min(18, 5 + 0.75 * len(rows) * max(1, len(phases)) / 3),
+                                                          8.5))
+    peaks = [r.get(f"{p}_{measure}") for r in rows for p in phases] + [r.get("peak_memory_bytes") for r in rows]
+    ok_peaks = [r.get(f"{p}_{measure}") for r in draw.ok(rows) for p in phases] + [r.get("peak_memory_bytes")
+                                                                                   for r in draw.ok(rows)]
+    # A ceiling far above every bar: log scale, so both the bars and the ceiling stay readable.
+    log = bool(ceiling.get("bytes")) and max([v for v in ok_peaks if v] or [1]) * 25 < ceiling["bytes"]
+    scale, unit = draw.unit(peaks + [ceiling.get("bytes")] if not log else peaks)
+    xs, width = draw.bar_positions(len(rows), len(phases))
+    for j, phase in enumerate(phases):
+        heights = [(r.get(f"{phase}_{measure}") or 0) / scale if r.get("status") == "ok" else 0 for r in rows]
+        top.bar(xs[j], heights, width, label=phase, color=draw.PHASE_COLORS.get(phase))
+    if log:
+        top.set_yscale("log")
+    stated = draw.ceiling_line(top, ceiling, scale, peaks)
+    for i, row in enumerate(rows):
+        if row.get("status") != "ok":
+            draw.mark_failed(top, i, row, scale)
+    what = "peak allocated (torch.cuda.max_memory_allocated per phase)" if cuda else \
+        "process peak RSS up to the end of each phase (CPU; monotone over a run)"
+    top.set_ylabel(f"{unit}" + (" (log scale)" if log else ""))
+    top.set_title(f"{title}: {what}\nceiling: {stated}", fontsize=9)
+    top.set_xticks(range(len(rows)), labels, rotation=30, ha="right", fontsize=8)
+    top.legend(fontsize=7, loc="best", ncols=3)
+
+    series = [("graph_bytes_peak", "autograd graph peak", "#dd8452"), ("resident_bytes", "resident state (measured)",
+                                                                        "#4c72b0")]
+    values = [r.get(k) for r in rows for k, _, _ in series] + [r.get("predicted_resident_bytes") for r in rows]
+    scale2, unit2 = draw.unit(values)
+    xs2, width2 = draw.bar_positions(len(rows), len(series))
+    for j, (key, name, color) in enumerate(series):
+        bottom.bar(xs2[j], [(r.get(key) or 0) / scale2 if r.get("status") == "ok" else 0 for r in rows], width2,
+                   label=name, color=color)
+    predicted = [(i, r["predicted_resident_bytes"] / scale2) for i, r in enumerate(rows)
+                 if r.get("status") == "ok" and r.get("predicted_resident_bytes") is not None]
+    if predicted:
+        bottom.plot([xs2[1][i] for i, _ in predicted], [v for _, v in predicted], linestyle="none", marker="_",
+                    markersize=18, markeredgewidth=2.5, color="black", label="resident state (predicted)")
+    positive = [v for v in values if v]
+    if positive and max(positive) / min(positive) > 50:
+        bottom.set_yscale("log")
+        unit2 += " (log scale)"
+    draw.mark_failed_bars(bottom, rows)
+    bottom.set_ylabel(unit2)
+    bottom.set_title("autograd saved-tensor peak and resident state per point (naive mode has no resident state)",
+                     fontsize=9)
+    bottom.set_xticks(range(len(rows)), labels, rotation=30, ha="right", fontsize=8)
+    bottom.legend(fontsize=7, loc="best")
+    return fig
+
+
+def by_mode(rows):
+    """{line label: (mode, line style, rows)}: one line per mode, and per model where the rows hold
+    several (e.g. two sweeps of one experiment on different models), each model its own line style."""
+    from longstraw.plotting.draw import LINE_STYLES
+
+    models = list(dict.fromkeys(str(row.get("model")) for row in rows))
+    lines: dict[str, tuple[str, str, list[dict]]] = {}
+    for row in rows:
+        mode, model = str(row.get("mode")), str(row.get("model"))
+        label = mode if len(models) == 1 else f"{mode}, {model}"
+        style = LINE_STYLES[models.index(model) % len(LINE_STYLES)]
+        lines.setdefault(label, (mode, style, []))[2].append(row)
+    return lines
+
+
+def _draw_paper_points(ax, marks, scale: float) -> None:
+    """The paper's per-G figures as hollow diamonds at their G, labelled with the paper's text."""
+    from longstraw.plotting.draw import PAPER_COLOR
+
+    for i, mark in enumerate(marks):
+        g = mark["where"]["G"]
+        ax.plot([g], [mark["bytes"] / scale], marker="D", markersize=9, markerfacecolor="none", linestyle="none",
+                markeredgecolor=PAPER_COLOR, markeredgewidth=1.8, label=mark["source"] if i == 0 else None)
+        ax.annotate(f"paper: {mark['text']}", (g, mark["bytes"] / scale), textcoords="offset points",
+                    xytext=(8, -10 if i else 4), color=PAPER_COLOR, fontsize=7)
+
+
+def plot_g_sweep_memory(rows, ceiling, cuda: bool, title: str, marks=()):
+    """`marks`: the paper's figures at a G (`report.paper.reference_marks`), drawn on the peak panel."""
+    from longstraw.plotting import draw
+
+    panels = [("peak_memory_bytes", "peak allocated (CUDA)" if cuda else "process peak RSS (CPU)"),
+              ("graph_bytes_peak", "autograd graph peak (saved tensors)")]
+    marks = [m for m in marks if isinstance(m["where"].get("G"), (int, float))]
+    fig, axes = draw.plt.subplots(1, 2, figsize=(12, 4.8))
+    for ax, (key, name) in zip(axes, panels):
+        values = [r.get(key) for r in rows] + ([m["bytes"] for m in marks] if key == "peak_memory_bytes" else [])
+        scale, unit = draw.unit(values)
+        for label, (mode, style, members) in by_mode(rows).items():
+            ok = sorted((r for r in draw.ok(members) if r.get(key) is not None), key=lambda r: r["G"])
+            if ok:
+                ax.plot([r["G"] for r in ok], [r[key] / scale for r in ok], marker="o", label=label,
+                        color=draw.MODE_COLORS.get(mode), linestyle=style)
+        for row in draw.failed(rows):
+            if row.get("G") is not None:
+                draw.mark_failed(ax, row["G"], row, scale, value_key=key)
+        if key == "peak_memory_bytes" and cuda:
+            name += f"\n{draw.ceiling_line(ax, ceiling, scale, [r.get(key) for r in draw.ok(rows)])}"
+        if key == "peak_memory_bytes":
+            _draw_paper_points(ax, marks, scale)
+        ax.set_xscale("log", base=2)
+        gs = sorted({r["G"] for r in rows if r.get("G") is not None} | {m["where"]["G"] for m in marks})
+        ax.set_xticks(gs, [str(g) for g in gs])
+        ax.set_xlabel("G (responses per prompt)")
+        ax.set_ylabel(unit)
+        ax.set_title(name, fontsize=9)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"{title}: peak memory against G", fontsize=10)
+    return fig
+
+
+def plot_time_per_member(rows, grid, title: str):
+    from longstraw.plotting import draw
+
+    fig, ax = draw.plt.subplots(figsize=(8, 4.5))
+    gs = {r.get("G") for r in rows if r.get("G") is not None}
+    if len(gs) > 1:
+        for label, (mode, style, members) in by_mode(rows).items():
+            ok = sorted((r for r in draw.ok(members) if r.get("seconds_per_member") is not None),
+                        key=lambda r: r["G"])
+            if ok:
+                ax.plot([r["G"] for r in ok], [r["seconds_per_member"] for r in ok], marker="o", label=label,
+                        color=draw.MODE_COLORS.get(mode), linestyle=style)
+        for row in draw.failed(rows):
+            if row.get("G") is not None:
+                draw.mark_failed(ax, row["G"], row, value_key="__none__")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted(gs), [str(g) for g in sorted(gs)])
+        ax.set_xlabel("G (responses per prompt)")
+        ax.legend(fontsize=7)
+    else:
+        ax.bar(range(len(rows)), [r.get("seconds_per_member") or 0 if r.get("status") == "ok" else 0 for r in rows],
+               color=[draw.MODE_COLORS.get(str(r.get("mode")), "#4c72b0") for r in rows])
+        draw.mark_failed_bars(ax, rows)
+        ax.set_xticks(range(len(rows)), [draw.point_label(r, grid) for r in rows], rotation=30, ha="right",
+                      fontsize=8)
+    ax.set_ylabel("seconds per replayed member (s)")
+    ax.set_title(f"{title}: time per member", fontsize=10)
+    return fig
+
+
+def plot_phase_seconds(rows, grid, title: str):
+    from longstraw.plotting import draw
+
+    phases = [p for p in STEP_PHASES if any(r.get(f"{p}_seconds") is not None for r in rows)]
+    fig, ax = draw.plt.subplots(figsize=(min(16, 4 + 0.7 * len(rows)), 4.8))
+    base = [0.0] * len(rows)
+    for phase in phases:
+        heights = [(r.get(f"{phase}_seconds") or 0.0) if r.get("status") == "ok" else 0.0 for r in rows]
+        ax.bar(range(len(rows)), heights, bottom=base, label=phase, color=draw.PHASE_COLORS.get(phase))
+        base = [b + h for b, h in zip(base, heights)]
+    draw.mark_failed_bars(ax, rows)
+    ax.set_xticks(range(len(rows)), [draw.point_label(r, grid) for r in rows], rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("seconds (s), summed over cycles")
+    ax.set_title(f"{title}: seconds per phase", fontsize=10)
+    if phases:  # points that all failed have no phase to label
+        ax.legend(fontsize=7, ncols=3)
+    return fig

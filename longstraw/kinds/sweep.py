@@ -2,22 +2,35 @@
 sizes in order, each mode stopping at its first out-of-memory step (recorded with the peak it
 reached). Capture is measured as in `capture` (attention time and rate included), and with
 `measure.kernel_rates` the run also times torch's causal SDPA and the attention and GEMM kernels
-on this device, so ratios against them come from one run."""
+on this device, so ratios against them come from one run.
+
+Report: one row per point (its one capture, and a summary of the steps it served), one row per
+step in a table of its own (`steps`, read beside step points' rows by the paper's figures and
+the validation levels), the capture in a sentence; figures: peak against G per mode (when G
+varies within a mode) with the paper's figures beside it, and each point's per-phase peaks, its
+capture once then every step, against the ceiling."""
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from longstraw.config import PointConfig
 from longstraw.config.point import with_group
-from longstraw.core.step import StepOptions, grpo_step
-from longstraw.kinds.common import (Progress, compute_dtype, measure_capture, model_config, optimizer_for,
-                                    phase_peaks, policy_and_prompt, seeded_group)
-from longstraw.measure.memory import PhaseRecorder
-from longstraw.models.lora import trainable_parameters
+from longstraw.kinds.capture import capture_columns
+from longstraw.kinds.columns import (ExtraTable, as_dict, common_columns, finite, is_cuda_point, max_number, number,
+                                     phase_columns, phase_seconds, point_parts, ratio, rows_of_points, status_of)
+from longstraw.kinds.step import STEP_PHASES, plot_g_sweep_memory
+
+if TYPE_CHECKING:
+    from longstraw.kinds.common import Progress
 
 
 def run(cfg: PointConfig, device, progress: Progress) -> dict:
+    from longstraw.kinds.common import (compute_dtype, measure_capture, model_config, optimizer_for,
+                                        policy_and_prompt)
+    from longstraw.measure.memory import PhaseRecorder
+    from longstraw.models.lora import trainable_parameters
+
     recorder = PhaseRecorder(device)
     model, vocab, prompt = policy_and_prompt(cfg, recorder)
     out = {"weights": recorder.phases["weights"], "trainable_parameters": trainable_parameters(model)}
@@ -47,6 +60,11 @@ def run(cfg: PointConfig, device, progress: Progress) -> dict:
 
 def _step(model, prompt, state, optimizer, cfg, mode: str, count: int, vocab: int, device) -> dict:
     """One step of the sweep on the shared state; an out-of-memory step is recorded with its peak."""
+    import torch
+
+    from longstraw.core.step import StepOptions, grpo_step
+    from longstraw.kinds.common import phase_peaks, seeded_group
+
     responses, rewards = seeded_group(cfg, count, vocab, device)
     step = {"mode": mode, "count": count}
     try:
@@ -66,3 +84,203 @@ def _step(model, prompt, state, optimizer, cfg, mode: str, count: int, vocab: in
         step["rank_peak_allocated_bytes"] = [r["peak_allocated_bytes"] for r in ranks]
         step["rank_status"] = [r["status"] for r in ranks]
     return step
+
+
+# ------------------------------------------------------------------------------------------- report
+
+SHOWN = ["model", "model_type", "lora_r", "prompt_length", "response_length", "positions", "resident_bytes",
+         "predicted_resident_bytes", "bytes_per_position_measured", "bytes_per_position_predicted", "transient_bytes",
+         "capture_seconds", "capture_attention_tflops_per_second", "capture_peak_allocated_bytes",
+         "weights_peak_allocated_bytes", "trainable_parameters", "steps", "steps_ok", "steps_oom", "replays",
+         "peak_memory_bytes", "peak_memory_measure", "cp_size", "rank_resident_bytes_max", "rank_peak_bytes_max",
+         "device_memory_bytes", "peak_rss_bytes", "wall_seconds"]
+STEP_COLUMNS = ["point", "step", "mode", "G", "status", "peak_memory_bytes", "rank_peak_bytes_max", "headroom_bytes",
+                "graph_bytes_peak", "old_scoring_peak_allocated_bytes", "ref_scoring_peak_allocated_bytes",
+                "replay_peak_allocated_bytes", "optimizer_step_peak_allocated_bytes", "step_seconds",
+                "replay_seconds", "seconds_per_member", "loss", "grad_norm", "state_unchanged", "error",
+                "report_error"]
+EXTRA_TABLES = {
+    "steps": ExtraTable(
+        "Sweep steps", STEP_COLUMNS,
+        "One row per GRPO step, in the order they ran, every one served by its point's single capture (the table "
+        "above). Peak: torch.cuda.max_memory_allocated over the step (an OOM step: the peak it reached when it ran "
+        "out; its mode stopped there). Headroom: the device's total memory minus that peak. Step seconds: the sum "
+        "of the step's phases.", key="sweep_steps", beside_points=True),
+}
+CAPTIONS = {
+    "sweep_memory": "Peak allocated memory of each sweep step against G, one line per mode (the OOM step drawn at "
+                    "the peak it reached), with the device ceiling and the paper's per-rank figures beside ours.",
+    "step_phase_peaks": "Per-phase peak memory of one sweep point: its weights and its one capture, then each step "
+                        "it served, against the device ceiling (top); seconds per replayed member per step (bottom).",
+}
+
+
+def _sweep_capture(metrics) -> dict:
+    """A sweep's capture metrics shaped as a capture point's (its phase record under `phases`)."""
+    capture = as_dict(metrics.get("capture"))
+    return {**capture, "phases": {"capture": as_dict(capture.get("phase"))}}
+
+
+def columns(point: dict) -> dict:
+    """The sweep point as a whole: its one capture, and a summary of the steps it served (each
+    step is a row of `steps`). The peak is the largest that fitted: capture's or an ok step's (an
+    oom step's peak is the allocator at the device's limit, shown on its step row)."""
+    cfg, metrics = point_parts(point)
+    cuda = is_cuda_point(point)
+    capture = _sweep_capture(metrics)
+    cols = capture_columns(point, capture, cuda)
+    steps = step_rows(point)
+    ok = [s for s in steps if s["status"] == "ok"]
+    attention = as_dict(capture.get("capture_attention"))
+    fitted = [cols.get("capture_peak_allocated_bytes")] + [s.get("peak_memory_bytes") for s in ok]
+    fitted = [v for v in fitted if v is not None]
+    cols.update(
+        capture_attention_seconds=number(attention.get("seconds")),
+        capture_attention_tflops_per_second=number(attention.get("tflops_per_second")),
+        response_length=as_dict(cfg.get("responses")).get("length"),
+        trainable_parameters=metrics.get("trainable_parameters"),
+        steps=len(steps),
+        steps_ok=len(ok),
+        steps_oom=sum(s["status"] == "oom" for s in steps),
+        replays=sum(s.get("replays") or 0 for s in ok) or None,
+        peak_memory_bytes=max(fitted) if cuda and fitted else number(point.get("peak_rss_bytes")),
+        peak_memory_measure="peak_allocated_bytes" if cuda else "process peak RSS",
+    )
+    cols.update(phase_columns("weights", as_dict(metrics.get("weights"))))
+    return cols
+
+
+def step_rows(point: dict) -> list[dict]:
+    """One row per step of a sweep point, in the order they ran (`step`, from 1). Each row carries
+    the point's model and prompt, so it reads (and is checked for V1) like a step point's row."""
+    metrics = point_parts(point)[1]
+    common = common_columns(point)
+    identity = {k: common[k] for k in ("model", "model_type", "family", "device", "prompt_length",
+                                       "device_memory_bytes")}
+    steps = [s for s in metrics.get("steps") or [] if isinstance(s, dict)]
+    return [_step_row(point, index, step, identity) for index, step in enumerate(steps, 1)]
+
+
+def _step_row(point, index: int, step: dict, identity: dict) -> dict:
+    phases = as_dict(step.get("phases"))
+    status = status_of(step.get("status"))
+    peak = number(step.get("peak_allocated_bytes"))
+    # hold_all times its G replays as one phase: count responses, not replay-phase entries
+    members = len(step.get("response_tokens") or []) or None
+    row = {"point": point.get("point"), "step": index, "kind": "step", "mode": step.get("mode"),
+           "G": step.get("count"), "status": status, "error": step.get("error"), **identity,
+           "peak_memory_bytes": peak,
+           "peak_memory_measure": "peak_allocated_bytes" + (" at OOM" if status == "oom" else ""),
+           "headroom_bytes": identity["device_memory_bytes"] - peak
+           if peak is not None and identity["device_memory_bytes"] else None,
+           "graph_bytes_peak": number(step.get("graph_bytes_peak")),
+           "rank_peak_bytes_max": max_number(step.get("rank_peak_allocated_bytes")),
+           "step_seconds": phase_seconds(phases),
+           "replays": members,
+           "seconds_per_member": ratio(as_dict(phases.get("replay")).get("seconds"), members),
+           "resident_bytes": number(step.get("resident_bytes")),
+           "predicted_resident_bytes": number(step.get("predicted_resident_bytes")),
+           "prompt_positions": number(step.get("prompt_positions")),
+           "loss": number(step.get("loss")), "grad_norm": number(step.get("grad_norm")),
+           "loss_finite": finite([step.get("loss")]) if "loss" in step else None,
+           "grad_norm_finite": finite([step.get("grad_norm")]) if "grad_norm" in step else None,
+           "state_unchanged": step.get("state_unchanged")}
+    for name in list(STEP_PHASES) + sorted(set(phases) - set(STEP_PHASES)):
+        row.update(phase_columns(name, as_dict(phases.get(name))))
+    return row
+
+
+def tables(points: list[dict]) -> dict[str, list[dict]]:
+    return {"steps": rows_of_points(points, step_rows)}
+
+
+def notes(row: dict, grid) -> list[str]:
+    """A sweep's one capture, in a sentence: what it held, what it cost, what it served."""
+    if row.get("positions") is None:
+        return []
+    from longstraw.plotting.formatting import format_value
+
+    def show(column):
+        return format_value(column, row.get(column))
+    return [f"{row.get('point')}: one capture of {show('positions')} positions in {show('capture_seconds')} "
+            f"(attention {show('capture_attention_tflops_per_second')}); resident state {show('resident_bytes')} "
+            f"measured against {show('predicted_resident_bytes')} predicted "
+            f"({show('bytes_per_position_measured')} against {show('bytes_per_position_predicted')}), "
+            f"capture transient {show('transient_bytes')}; steps it served: {show('steps')} "
+            f"({show('steps_ok')} ok, {show('steps_oom')} oom)."]
+
+
+def figures(data, ceiling: dict, marks=()):
+    """Peak against G per mode where G varies within a mode (the paper's per-G figures beside it),
+    and each sweep point's per-phase peaks (the paper's figures that name no G beside them)."""
+    steps = data.extra.get("steps", [])
+    marks = [m for m in marks if "bytes" in m]
+    gs_per_mode = {}
+    for step in steps:
+        gs_per_mode.setdefault(step.get("mode"), set()).add(step.get("G"))
+    if any(len(gs) > 1 for gs in gs_per_mode.values()):
+        cuda = any(str(s.get("peak_memory_measure")).startswith("peak_allocated_bytes") for s in steps)
+        yield "sweep_memory", plot_g_sweep_memory([s for s in steps if s.get("kind") == "step"], ceiling, cuda,
+                                                  data.name, marks)
+    for row in data.of_kind("sweep"):
+        mine = [s for s in steps if s.get("point") == row.get("point") and s.get("kind") == "step"]
+        yield f"step_phase_peaks.{row.get('point')}", plot_step_phase_peaks(row, mine, ceiling, data.name, marks)
+
+
+def _step_label(step: dict) -> str:
+    label = f"#{step.get('step')} {step.get('mode')}\nG={step.get('G')}"
+    return label if step.get("status") == "ok" else f"{label} ({str(step.get('status')).upper()})"
+
+
+def plot_step_phase_peaks(row: dict, steps: list[dict], ceiling: dict, title: str, marks=()):
+    """One sweep point: weights and capture (once), then each step's phase peaks, against the
+    ceiling; the paper's figures that name no G (e.g. its operating point's peak) as dotted lines."""
+    from longstraw.plotting import draw
+
+    groups = [("weights +\ncapture", {p: row.get(f"{p}_peak_allocated_bytes") for p in ("weights", "capture")},
+               None)]
+    groups += [(_step_label(s), {p: s.get(f"{p}_peak_allocated_bytes") for p in STEP_PHASES[1:]}, s) for s in steps]
+    marks = [m for m in marks if "G" not in m["where"]]
+    values = [v for _, peaks, _ in groups for v in peaks.values()] + [s.get("peak_memory_bytes") for s in steps]
+    scale, unit = draw.unit(values + [ceiling.get("bytes")] + [m["bytes"] for m in marks])
+    fig, (top, bottom) = draw.plt.subplots(2, 1, figsize=(min(18, max(10, 4 + 1.1 * len(groups))), 8.5),
+                                           gridspec_kw={"height_ratios": [2, 1]})
+    labelled = set()
+    for i, (_, peaks, step) in enumerate(groups):
+        present = [(p, v) for p, v in peaks.items() if v is not None]
+        if step is not None and step.get("status") != "ok":
+            draw.mark_failed(top, i, step, scale)  # the peak the allocator reached when it ran out
+            continue
+        width = 0.8 / max(len(present), 1)
+        for j, (phase, value) in enumerate(present):
+            top.bar(i - 0.4 + width * (j + 0.5), value / scale, width, color=draw.PHASE_COLORS.get(phase),
+                    label=phase if phase not in labelled else None)
+            labelled.add(phase)
+    stated = draw.ceiling_line(top, ceiling, scale, values)
+    for mark in marks:
+        top.axhline(mark["bytes"] / scale, color=draw.PAPER_COLOR, linestyle=":", linewidth=1.5,
+                    label=f"{mark['source']}: {mark['text']}")
+    top.set_ylim(0, top.get_ylim()[1] * 1.25)  # room for the legend above the ceiling line
+    top.set_xticks(range(len(groups)), [g[0] for g in groups], fontsize=8)
+    top.set_ylabel(unit)
+    top.set_title(f"{title} / {row.get('point')}: peak allocated per phase "
+                  f"(torch.cuda.max_memory_allocated)\nceiling: {stated}", fontsize=9)
+    top.legend(fontsize=7, loc="upper left", ncols=3)
+
+    per_member = [s.get("seconds_per_member") if s.get("status") == "ok" else None for s in steps]
+    bottom.bar(range(1, len(groups)), [v or 0 for v in per_member],
+               color=[draw.MODE_COLORS.get(str(s.get("mode")), "#4c72b0") for s in steps], width=0.6)
+    for i, (step, value) in enumerate(zip(steps, per_member), 1):
+        if value is not None:
+            bottom.annotate(f"{value:.2f} s", (i, value), textcoords="offset points", xytext=(0, 2), ha="center",
+                            fontsize=7)
+        elif step.get("status") != "ok":
+            draw.mark_failed(bottom, i, step, value_key="__none__")
+    bottom.set_xlim(top.get_xlim())
+    bottom.set_xticks(range(len(groups)), [g[0] for g in groups], fontsize=8)
+    bottom.set_ylabel("s per member")
+    capture = row.get("capture_seconds")
+    bottom.set_title("seconds per replayed member (replay phase / responses)"
+                     + (f"; the one capture took {capture:,.1f} s for {row.get('positions') or 0:,} positions"
+                        if capture is not None else ""), fontsize=9)
+    return fig

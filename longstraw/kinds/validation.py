@@ -36,6 +36,10 @@ level gives {level, reached (True / False; None: not run), tolerance, evidence (
   SE(A, B) = sqrt(s_A^2 / n_A + s_B^2 / n_B) from sample variances. Simplification: responses of one
   step share a prompt and parameters, so they are not independent; the SE treats them as if they
   were (it understates the noise where a step's responses agree).
+
+Report: one row per point (how many of its paths reached each level), and one row per path in a
+table of its own (`paths`: each level's state and its evidence in words and numbers) that the
+report's validation section shows beside the step points' V1 paths (`longstraw.report.levels`).
 """
 
 from __future__ import annotations
@@ -46,19 +50,17 @@ import math
 import tempfile
 from pathlib import Path
 
-import torch
+from typing import TYPE_CHECKING
 
 from longstraw.config import PointConfig
 from longstraw.config.point import VALIDATION_LEVELS, VALIDATION_MODES, trainer_mapping
-from longstraw.core.hf_reference import (global_cosine, global_norm, global_relative_error, grads_of,
-                                         hf_conditional_logprobs, hf_full_logprobs, hf_torch_gdn_kernels)
-from longstraw.core.step import StepOptions, grpo_step
-from longstraw.core.transaction import capture, replay
-from longstraw.kinds.common import Progress, capture_kwargs, optimizer_for, seeded_group, seeded_tokens
-from longstraw.measure.memory import PhaseRecorder
-from longstraw.measure.provenance import device_name
-from longstraw.models.policy import build_policy
+from longstraw.kinds.columns import as_dict, family_of, model_type_of
 from longstraw.models.presets import PRESETS
+
+if TYPE_CHECKING:
+    import torch
+
+    from longstraw.kinds.common import Progress
 
 MODES, LEVELS = VALIDATION_MODES, VALIDATION_LEVELS
 TOLERANCES = {"float32": 1e-4, "float64": 1e-4, "bfloat16": 2e-2, "float16": 2e-2}
@@ -87,6 +89,8 @@ def highest_level(levels: list[dict]) -> str:
 
 def objective_weights(responses, seed: int) -> list[torch.Tensor]:
     """Per-token weights w_it, seeded uniform in [-1, 2] (float32, on the responses' device)."""
+    import torch
+
     generator = torch.Generator().manual_seed(seed)
     return [(torch.rand(y.numel(), generator=generator) * 3 - 1).to(y.device) for y in responses]
 
@@ -99,6 +103,8 @@ def _trainable_grads(model) -> dict:
 def _reference_gradient(model, logprobs, prompt, responses, weights) -> dict:
     """Gradient of L through an HF reference, one response's graph at a time (HF's torch GDN
     kernel: fla's backward fails on Hopper; our own capture keeps fla's forward)."""
+    from longstraw.core.hf_reference import grads_of, hf_torch_gdn_kernels
+
     with hf_torch_gdn_kernels(model):
         grads = grads_of(model, ((logprobs(model, prompt, y) * w).sum() for y, w in zip(responses, weights)))
     return {n: g.float() for n, g in grads.items()}
@@ -106,6 +112,8 @@ def _reference_gradient(model, logprobs, prompt, responses, weights) -> dict:
 
 def our_gradients(model, prompt, responses, weights, mode: str, capture_settings: dict) -> dict:
     """{"conditional": after the replays, "exact": + backward_prefix (exact mode only)}."""
+    from longstraw.core.transaction import capture, replay
+
     model.zero_grad(set_to_none=True)
     state = capture(model, prompt, prefix_grad=mode == "exact", **capture_settings)
     for y, w in zip(responses, weights):
@@ -121,6 +129,8 @@ def our_gradients(model, prompt, responses, weights, mode: str, capture_settings
 def parity(ours: dict, reference: dict, tolerance: float, reference32: dict | None = None) -> tuple[bool, dict]:
     """Whether `ours` matches `reference` (see the module doc); with `reference32`, the float32
     gradient of the same reference, the low-precision criterion anchored to it."""
+    from longstraw.core.hf_reference import global_cosine, global_norm, global_relative_error
+
     error = global_relative_error(ours, reference)
     evidence = {"relative_error": error, "cosine": global_cosine(ours, reference),
                 "reference_norm": global_norm(reference), "parameters_compared": len(reference)}
@@ -142,6 +152,12 @@ def float32_copy(model, cfg: PointConfig):
 
 def gradient_levels(model, prompt, responses, cfg: PointConfig, mode: str, scale: dict) -> dict:
     """V2 and V3 (the ones `validation.levels` asks for) for one path."""
+    import torch
+
+    from longstraw.core.hf_reference import hf_conditional_logprobs, hf_full_logprobs
+    from longstraw.kinds.common import capture_kwargs
+    from longstraw.measure.memory import PhaseRecorder
+
     wanted = cfg.validation.levels
     tol = tolerance(cfg)
     weights = objective_weights(responses, cfg.validation.weights_seed)
@@ -222,6 +238,11 @@ def tolerance(cfg: PointConfig) -> float:
 
 def execute(model, prompt, responses, rewards, cfg: PointConfig, mode: str, device, scale: dict) -> dict:
     """V1: one GRPO step in replay mode (exact: with backward_prefix), checked and measured."""
+    import torch
+
+    from longstraw.core.step import StepOptions, grpo_step
+    from longstraw.kinds.common import capture_kwargs, optimizer_for
+
     options = StepOptions(mode="replay", capture=capture_kwargs(cfg), prefix_grad=mode == "exact")
     metrics = grpo_step(model, prompt, responses, rewards, optimizer_for(model, cfg), cfg.grpo, options).metrics
     phases = metrics["phases"]
@@ -304,6 +325,10 @@ def policy_improvement(cfg: PointConfig, scale: dict, progress: Progress) -> dic
 
 def validate_path(cfg: PointConfig, mode: str, device, progress: Progress) -> dict:
     """Every level `validation.levels` asks for, on one path (a fresh model: V1 steps its optimizer)."""
+    from longstraw.kinds.common import seeded_group, seeded_tokens
+    from longstraw.measure.provenance import device_name
+    from longstraw.models.policy import build_policy
+
     model = build_policy(cfg.model)
     vocab = model.get_input_embeddings().weight.shape[0]
     prompt = seeded_tokens(cfg.prompt.length, cfg.prompt.seed, vocab, device)
@@ -408,3 +433,118 @@ def reached_counts(paths: list[dict]) -> dict:
     entries = [e for p in paths for e in p["levels"]]
     return {name: f"{sum(e['reached'] is True for e in entries if e['level'] == name)}/"
                   f"{sum(e['reached'] is not None for e in entries if e['level'] == name)}" for name in LEVELS}
+
+
+# ------------------------------------------------------------------------------------------- report
+
+# A validation point: how many of its paths reached each level (the paths themselves: the validation section).
+SHOWN = ["models", "prompt_length", "reached_V1", "reached_V2", "reached_V3", "reached_V4", "tolerance",
+         "peak_rss_bytes", "wall_seconds"]
+PATHS = "paths"  # the suffix of the paths table
+STATE = {True: "reached", False: "not reached", None: "not run"}
+
+
+def scale_text(model, positions, device, dtype=None) -> str:
+    shown = f"{positions:,}" if isinstance(positions, int) else str(positions)
+    return f"{model}, {shown} positions, {device}" + (f", {dtype}" if dtype else "")
+
+
+def _g(value, digits=3) -> str:
+    return f"{value:.{digits}g}" if isinstance(value, (int, float)) and not isinstance(value, bool) else str(value)
+
+
+def _v1_text(e: dict) -> str:
+    from longstraw.plotting.formatting import format_bytes
+
+    text = (f"loss {_g(e.get('loss'), 4)}, gradient norm {_g(e.get('grad_norm'), 4)}, state "
+            f"{'unchanged' if e.get('state_unchanged') else 'CHANGED'} after {e.get('replays')} replays")
+    if "peak_allocated_bytes" in e:
+        text += (f", peak allocated {format_bytes(e['peak_allocated_bytes'])} under the device's "
+                 f"{format_bytes(e.get('ceiling_bytes'))}")
+    else:
+        text += f", process peak RSS {format_bytes(e.get('peak_rss_bytes'))} (CPU: completed, no ceiling)"
+    if "prefix_backward_seconds" in e:
+        text += (f"; backward_prefix {_g(e['prefix_backward_seconds'])} s = "
+                 f"{_g(e.get('prefix_backward_over_capture'))}x the capture's {_g(e.get('capture_seconds'))} s")
+        if "prefix_backward_peak_allocated_bytes" in e:
+            text += f", its peak {format_bytes(e['prefix_backward_peak_allocated_bytes'])}"
+    if "response_only_step_seconds" in e:
+        text += f"; step {_g(e['step_seconds'])} s against response-only's {_g(e['response_only_step_seconds'])} s"
+    if "response_only_peak_allocated_bytes" in e:
+        text += (f", peak {format_bytes(e['peak_allocated_bytes'])} against response-only's "
+                 f"{format_bytes(e['response_only_peak_allocated_bytes'])}")
+    return text
+
+
+def _parity_text(e: dict) -> str:
+    if "dropped_term_relative_norm" in e:
+        return ("gap to the full-sequence gradient: ||g_full - g|| / ||g_full|| = "
+                f"{_g(e['dropped_term_relative_norm'])}, cosine {e['cosine']:.4f}")
+    return f"relative error {e['relative_error']:.2e}, cosine {e['cosine']:.6f}"
+
+
+def _v4_text(e: dict) -> str:
+    k = e["window_steps"]
+    return (f"mean reward: first {k} steps {e['first_mean']:.3f}, last {k} steps {e['last_mean']:.3f} (gain "
+            f"{e['gain_over_first']:.3f}, SE {e['gain_over_first_se']:.3f}); lr-0 run's last {k} steps "
+            f"{e['lr0_last_mean']:.3f} (gain {e['gain_over_lr0']:.3f}, SE {e['gain_over_lr0_se']:.3f}); "
+            f"{e['responses_per_window']} responses per window, {e['steps']} steps, lr {_g(e.get('lr'))}")
+
+
+LEVEL_TEXT = {"V1": _v1_text, "V2": _parity_text, "V3": _parity_text, "V4": _v4_text}
+
+
+def level_cell(entry: dict) -> dict:
+    """A measured level as a cell: state, the evidence in words and numbers, tolerance, note."""
+    if entry.get("reached") is None:
+        return {"state": STATE[None], "reached": None, "text": entry.get("note") or STATE[None]}
+    text = LEVEL_TEXT[entry["level"]](entry.get("evidence") or {})
+    if entry.get("tolerance") and entry["level"] != "V1":  # V1's rule is the levels table's definition
+        text += f". Tolerance: {entry['tolerance']}"
+    if entry.get("note"):
+        text += f" ({entry['note']})"
+    return {"state": STATE[entry["reached"]], "reached": entry["reached"], "text": text}
+
+
+def path_row(point: dict, family, model_type, gradient_mode: str, scale: str, cells: dict) -> dict:
+    """One path as a table row: {level}_state, {level}_reached, {level}_text for every level (a
+    level not given: not run)."""
+    row = {"point": point.get("point"), "source": f"{point.get('experiment')}/{point.get('point')}",
+           "family": family, "model_type": model_type, "gradient_mode": gradient_mode, "scale": scale}
+    for name in LEVELS:
+        cell = cells.get(name) or {"state": STATE[None], "reached": None, "text": STATE[None]}
+        row.update({f"{name}_state": cell["state"], f"{name}_reached": cell["reached"], f"{name}_text": cell["text"]})
+    return row
+
+
+def path_rows(point: dict) -> list[dict]:
+    """One row per path of a validation point; a failed point: one row with its error as V1."""
+    if point.get("status") != "ok":
+        model_type = model_type_of(point)
+        cfg = as_dict(point.get("config"))
+        failed = {"state": f"status {point.get('status')}", "reached": False,
+                  "text": point.get("error") or "no message"}
+        return [path_row(point, family_of(model_type), model_type, "—", scale_text(
+            as_dict(cfg.get("model")).get("preset"), as_dict(cfg.get("prompt")).get("length"),
+            as_dict(point.get("provenance")).get("device")), {"V1": failed})]
+    rows = []
+    for path in as_dict(point.get("metrics")).get("paths") or []:
+        scale = path["scale"]
+        cells = {entry["level"]: level_cell(entry) for entry in path["levels"]}
+        rows.append(path_row(point, family_of(path["model_type"]), path["model_type"], path["gradient_mode"],
+                             scale_text(scale["model"], scale["prompt_positions"], scale["device"],
+                                        scale.get("dtype")), cells))
+    return rows
+
+
+def tables(points: list[dict]) -> dict[str, list[dict]]:
+    """The paths of every point (a point whose paths cannot be read: one row saying so)."""
+    rows = []
+    for point in points:
+        try:
+            rows += path_rows(point)
+        except Exception as exc:
+            broken = {"state": "status error", "reached": False,
+                      "text": f"metrics not readable: {type(exc).__name__}: {exc}"}
+            rows.append(path_row(point, None, None, "—", "", {"V1": broken}))
+    return {PATHS: rows}

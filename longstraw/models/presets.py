@@ -25,6 +25,15 @@ MODEL_CLASSES = {
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
 }
 
+# model_type -> its family, as the report names it; the MLA family's types follow from it
+FAMILY_NAMES = {
+    "llama": "dense GQA", "qwen3": "dense GQA", "glm4_moe": "dense GQA + routed MoE",
+    "qwen3_next": "hybrid GDN + attention", "qwen3_5": "hybrid GDN + attention",
+    "qwen3_5_moe": "hybrid GDN + attention",
+    "glm_moe_dsa": "MLA + DSA + MoE", "deepseek_v32": "MLA + DSA + MoE", "deepseek_v3": "MLA + MoE",
+}
+MLA_MODEL_TYPES = tuple(t for t, family in FAMILY_NAMES.items() if family.startswith("MLA"))
+
 _TINY_COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                     num_key_value_heads=2, head_dim=16, max_position_embeddings=65536, rms_norm_eps=1e-6,
                     tie_word_embeddings=False)
@@ -141,7 +150,6 @@ PRESETS = {
         init_on_device=True,
     ),
 }
-MLA_MODEL_TYPES = ("glm_moe_dsa", "deepseek_v32", "deepseek_v3")
 # the MLA family's tests live in tests/test_mla.py (HF comparisons need tie-free indexer weights once top-k
 # drops positions); it has no NF4 path yet, so its presets stay out of the families' shared test lists
 TINY_MLA_PRESETS = [n for n, p in PRESETS.items() if n.startswith("tiny-") and p.model_type in MLA_MODEL_TYPES]

@@ -1,22 +1,14 @@
-"""The report: result files -> tables (CSV) -> figures (PNG) -> one HTML page per profile.
+"""The report, in three stages, each reading only the files the one before wrote:
 
-    python -m longstraw.report.aggregate --results results/cpu --out reports/cpu/tables
-    python -m longstraw.report.render --profile cpu --results results/cpu --out reports/cpu
+    result files (JSON) -> tables (CSV + manifest) -> figures (PNG + manifest) -> page (HTML)
 
-Modules, one job each: `aggregate` (load points, one table per experiment), `plots` (figures),
-`paper` (the paper's figures beside ours), `validation` (the four levels), `render` (the page),
-`formatting` (units), `ceiling` (which memory ceiling a plot draws), atomic writes come from `longstraw.results`.
+- `aggregate`: the tables stage, the only one that reads result files (`write_all`); `store`: how
+  tables are written and read back exactly (CSV, with each column's type in the manifest).
+- `figures`: the figures stage (`make_figures`); each kind draws its own (`longstraw.kinds`), from
+  primitives in `longstraw.plotting`.
+- `render`: the page stage (`render`), Jinja2 templates shipped in `templates/`; `paper` (the
+  paper's figures beside ours, `paper.yaml` shipped beside it), `levels` (the validation levels
+  table), `targets` (the GPU targets, evaluated by the tables stage).
+- `build`: the three in one call (`build_report`), what `longstraw report` runs; the Snakemake
+  workflow runs them as rules of their own (`workflow/rules/report.smk`).
 """
-
-_EXPORTS = {"load_points": "aggregate", "tables": "aggregate", "write_tables": "aggregate",
-            "make_plots": "plots", "render_report": "render"}
-__all__ = list(_EXPORTS)
-
-
-def __getattr__(name):
-    # Lazy, so `python -m longstraw.report.render` does not import render twice (runpy warns).
-    if name in _EXPORTS:
-        import importlib
-
-        return getattr(importlib.import_module(f"longstraw.report.{_EXPORTS[name]}"), name)
-    raise AttributeError(f"module 'longstraw.report' has no attribute {name!r}")

@@ -2,7 +2,8 @@
 (model family x gradient mode x scale: model, prompt positions, device), each level's cell with its
 evidence (numbers) and tolerance, and the highest level the path reached.
 
-Two sources. `validation` points (`longstraw.kinds.validation`) measure V1-V4 for their paths. Every
+Two sources, both tables. `validation` points (`longstraw.kinds.validation`) measure V1-V4 for their
+paths (their `paths` table: each level's state and evidence). Every
 `replay`-mode step point (the LongStraw transaction; hold_all and naive are baselines) is also a
 response-only path "<model>, <prompt positions>, <device>" whose V1 (executes) is reached when one of
 its points completed with a finite loss and finite gradients in every cycle, the resident state's
@@ -13,10 +14,9 @@ two paths stand beside ours only as its material states them (`paths` in paper.y
 
 from __future__ import annotations
 
-import pandas as pd
-
-from longstraw.report.aggregate import family_of, model_type_of, records
-from longstraw.report.formatting import format_bytes, is_missing
+from longstraw.kinds.validation import LEVELS as LEVEL_NAMES
+from longstraw.kinds.validation import STATE, scale_text
+from longstraw.plotting.formatting import format_bytes, is_missing
 
 LEVELS = [
     {"level": "V1", "name": "executes",
@@ -33,8 +33,6 @@ LEVELS = [
                    "with learning rate 0)"},
 ]
 NOT_RUN = "not run in these results (experiments/validation.yaml: longstraw validate experiments/validation.yaml)"
-LEVEL_NAMES = [level["level"] for level in LEVELS]
-STATE = {True: "reached", False: "not reached", None: "not run"}
 
 
 def _value(row, key):
@@ -85,19 +83,12 @@ def _row(family, model_type, gradient_mode, scale, cells: dict, source: str) -> 
             "level": max(reached, key=LEVEL_NAMES.index) if reached else "none", "reached": bool(reached)}
 
 
-def _scale_text(model, positions, device, dtype=None) -> str:
-    shown = f"{positions:,}" if isinstance(positions, int) else str(positions)
-    return f"{model}, {shown} positions, {device}" + (f", {dtype}" if dtype else "")
-
-
-def v1_paths(frames: dict[str, pd.DataFrame]) -> list[dict]:
+def v1_paths(rows_by_experiment: dict[str, list[dict]]) -> list[dict]:
     """One response-only path per (model, prompt positions, device) of the replay-mode step rows,
     with its V1 from the first point that reached it (else every point's reason)."""
     tried: dict[tuple, list] = {}
-    for experiment, df in frames.items():
-        if "kind" not in df.columns:
-            continue
-        for row in records(df):
+    for experiment, rows in rows_by_experiment.items():
+        for row in rows:
             if row.get("kind") == "step" and row.get("mode") == "replay":
                 tried.setdefault(_path_key(row), []).append((f"{experiment}/{row.get('point')}", *v1_check(row)))
     paths = []
@@ -105,7 +96,7 @@ def v1_paths(frames: dict[str, pd.DataFrame]) -> list[dict]:
         good = [p for p in points if p[1]]
         text = f"{good[0][0]}: {good[0][2]}" if good else "; ".join(f"{name}: {why}" for name, _, why in points)
         cell = {"state": STATE[bool(good)], "reached": bool(good), "text": text}
-        paths.append(_row(family, model_type, "response-only", _scale_text(model, positions, device, dtype),
+        paths.append(_row(family, model_type, "response-only", scale_text(model, positions, device, dtype),
                           _cells(V1=cell), ", ".join(name for name, _, _ in points)))
     return sorted(paths, key=_order)
 
@@ -116,92 +107,21 @@ def _order(path: dict) -> tuple:
 
 # ------------------------------------------------------------------------ validation points' levels
 
-def _g(value, digits=3) -> str:
-    return f"{value:.{digits}g}" if isinstance(value, (int, float)) and not isinstance(value, bool) else str(value)
+def validation_paths(path_rows: list[dict]) -> list[dict]:
+    """The validation points' paths from their `paths` table rows (`kinds.validation.path_row`)."""
+    return [_row(row.get("family"), row.get("model_type"), row.get("gradient_mode"), row.get("scale"),
+                 {name: {"state": row.get(f"{name}_state"), "reached": row.get(f"{name}_reached"),
+                         "text": row.get(f"{name}_text")} for name in LEVEL_NAMES}, row.get("source"))
+            for row in path_rows]
 
 
-def _v1_text(e: dict) -> str:
-    text = (f"loss {_g(e.get('loss'), 4)}, gradient norm {_g(e.get('grad_norm'), 4)}, state "
-            f"{'unchanged' if e.get('state_unchanged') else 'CHANGED'} after {e.get('replays')} replays")
-    if "peak_allocated_bytes" in e:
-        text += (f", peak allocated {format_bytes(e['peak_allocated_bytes'])} under the device's "
-                 f"{format_bytes(e.get('ceiling_bytes'))}")
-    else:
-        text += f", process peak RSS {format_bytes(e.get('peak_rss_bytes'))} (CPU: completed, no ceiling)"
-    if "prefix_backward_seconds" in e:
-        text += (f"; backward_prefix {_g(e['prefix_backward_seconds'])} s = "
-                 f"{_g(e.get('prefix_backward_over_capture'))}x the capture's {_g(e.get('capture_seconds'))} s")
-        if "prefix_backward_peak_allocated_bytes" in e:
-            text += f", its peak {format_bytes(e['prefix_backward_peak_allocated_bytes'])}"
-    if "response_only_step_seconds" in e:
-        text += f"; step {_g(e['step_seconds'])} s against response-only's {_g(e['response_only_step_seconds'])} s"
-    if "response_only_peak_allocated_bytes" in e:
-        text += (f", peak {format_bytes(e['peak_allocated_bytes'])} against response-only's "
-                 f"{format_bytes(e['response_only_peak_allocated_bytes'])}")
-    return text
-
-
-def _parity_text(e: dict) -> str:
-    if "dropped_term_relative_norm" in e:
-        return (f"gap to the full-sequence gradient: ||g_full - g|| / ||g_full|| = {_g(e['dropped_term_relative_norm'])}, "
-                f"cosine {e['cosine']:.4f}")
-    return f"relative error {e['relative_error']:.2e}, cosine {e['cosine']:.6f}"
-
-
-def _v4_text(e: dict) -> str:
-    k = e["window_steps"]
-    return (f"mean reward: first {k} steps {e['first_mean']:.3f}, last {k} steps {e['last_mean']:.3f} (gain "
-            f"{e['gain_over_first']:.3f}, SE {e['gain_over_first_se']:.3f}); lr-0 run's last {k} steps "
-            f"{e['lr0_last_mean']:.3f} (gain {e['gain_over_lr0']:.3f}, SE {e['gain_over_lr0_se']:.3f}); "
-            f"{e['responses_per_window']} responses per window, {e['steps']} steps, lr {_g(e.get('lr'))}")
-
-
-LEVEL_TEXT = {"V1": _v1_text, "V2": _parity_text, "V3": _parity_text, "V4": _v4_text}
-
-
-def level_cell(entry: dict) -> dict:
-    """A measured level as a cell: state, the evidence in words and numbers, tolerance, note."""
-    if entry.get("reached") is None:
-        return {"state": STATE[None], "reached": None, "text": entry.get("note") or STATE[None]}
-    text = LEVEL_TEXT[entry["level"]](entry.get("evidence") or {})
-    if entry.get("tolerance") and entry["level"] != "V1":  # V1's rule is the levels table's definition
-        text += f". Tolerance: {entry['tolerance']}"
-    if entry.get("note"):
-        text += f" ({entry['note']})"
-    return {"state": STATE[entry["reached"]], "reached": entry["reached"], "text": text}
-
-
-def validation_paths(points: list[dict]) -> list[dict]:
-    """One row per path of every `validation` point (a failed point: one row with its error)."""
-    rows = []
-    for point in points:
-        if point.get("kind") != "validation":
-            continue
-        name = f"{point.get('experiment')}/{point.get('point')}"
-        if point.get("status") != "ok":
-            model_type = model_type_of(point)
-            cfg = point.get("config") or {}
-            failed = {"state": f"status {point.get('status')}", "reached": False,
-                      "text": point.get("error") or "no message"}
-            rows.append(_row(family_of(model_type), model_type, "—", _scale_text(
-                (cfg.get("model") or {}).get("preset"), (cfg.get("prompt") or {}).get("length"),
-                (point.get("provenance") or {}).get("device")), _cells(V1=failed), name))
-            continue
-        for path in (point.get("metrics") or {}).get("paths") or []:
-            scale = path["scale"]
-            cells = {entry["level"]: level_cell(entry) for entry in path["levels"]}
-            rows.append(_row(family_of(path["model_type"]), path["model_type"], path["gradient_mode"],
-                             _scale_text(scale["model"], scale["prompt_positions"], scale["device"], scale.get("dtype")),
-                             _cells(**cells), name))
-    return rows
-
-
-def all_paths(frames: dict[str, pd.DataFrame], points: list[dict]) -> list[dict]:
-    """The validation points' paths, then the step points' V1-only paths not among them."""
-    measured = validation_paths(points)
+def all_paths(rows_by_experiment: dict[str, list[dict]], path_rows: list[dict]) -> list[dict]:
+    """The validation points' paths (`path_rows`: their `paths` tables' rows), then the step
+    points' V1-only paths not among them."""
+    measured = validation_paths(path_rows)
     keys = {(p["model_type"], p["gradient_mode"], p["scale"]) for p in measured}
-    return sorted(measured + [p for p in v1_paths(frames) if (p["model_type"], p["gradient_mode"], p["scale"])
-                              not in keys], key=_order)
+    return sorted(measured + [p for p in v1_paths(rows_by_experiment)
+                              if (p["model_type"], p["gradient_mode"], p["scale"]) not in keys], key=_order)
 
 
 def levels_table(paths: list[dict], standing: dict) -> list[dict]:

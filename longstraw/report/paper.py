@@ -1,4 +1,5 @@
-"""The paper's figures (experiments/reference/paper.yaml) set beside ours, with the scale difference stated.
+"""The paper's figures (`paper.yaml` beside this module, package data) set beside ours, with the scale
+difference stated.
 
 Each figure names the aggregated column that answers it (`ours:`); the value shown is read from the
 same tables the experiment sections show, so the comparison and the tables cannot disagree. A figure
@@ -15,11 +16,13 @@ interval in a sentence; a point that did not complete gets its row with its stat
 from __future__ import annotations
 
 import re
+from importlib import resources
 from pathlib import Path
 
 import yaml
 
-from longstraw.report.formatting import exact_value, format_number, format_value, is_missing, refresh_interval_sentence
+from longstraw.kinds.staleness import refresh_interval_sentence
+from longstraw.plotting.formatting import exact_value, format_number, format_value, is_missing
 
 NOT_MEASURED = "not yet measured"
 EMPTY_PAPER = {"setup": {}, "experiments": [], "figures": [], "standing": {}, "paths": []}
@@ -31,13 +34,18 @@ OUR_LORA_TARGETS = "attention and GDN projections only, no MLP; longstraw/lora.p
 _GB = re.compile(r"(\d[\d,]*(?:\.\d+)?)\s*GB\b")
 
 
-def load_paper(path) -> dict:
-    """The paper's figures as data; an absent file gives empty sections (the report says so)."""
-    path = Path(path)
+def paper_file():
+    """The paper's figures file shipped with the package."""
+    return resources.files("longstraw.report").joinpath("paper.yaml")
+
+
+def load_paper(path=None) -> dict:
+    """The paper's figures as data (default: the package's `paper.yaml`); an absent file gives empty
+    sections (the report says so)."""
+    path = paper_file() if path is None else Path(path)
     if not path.is_file():
         return {**EMPTY_PAPER, "missing": str(path)}
-    with open(path) as f:
-        data = yaml.safe_load(f) or {}
+    data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     return {**EMPTY_PAPER, **{k: v for k, v in data.items() if v is not None}}
 
 

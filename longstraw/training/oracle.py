@@ -152,23 +152,3 @@ def staleness_oracle(model, prompt_ids, optimizer, config: grpo.GRPOConfig, *, s
         optimizer.step()  # on the stale gradient, as prefix reuse trains
         optimizer.zero_grad(set_to_none=True)
     return OracleResult(rows, floor)
-
-
-FLOOR_MARGIN = 3.0  # a drift is read as staleness only beyond this multiple of the numerical floor
-
-
-def refresh_interval(rows: list[dict], threshold: float, floor: float = 0.0) -> int | None:
-    """The largest step count k such that the relative loss drift stays under the threshold for
-    steps 1..k; a step counts as drifted only when its drift is also beyond FLOOR_MARGIN x the
-    numerical floor. None when the threshold itself lies under that margin (nothing above the
-    floor can be read at this threshold)."""
-    if threshold <= FLOOR_MARGIN * floor:
-        return None
-    interval = 0
-    for row in rows:
-        if row["step"] == 0:
-            continue
-        if row["relative_loss_drift"] >= threshold:
-            break
-        interval = row["step"]
-    return interval

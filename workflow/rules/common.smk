@@ -1,22 +1,31 @@
 # Helpers shared by the rules. The plan (experiment files -> points) comes from the package,
 # which validates every experiment file against its schema (shipped with the package) now,
 # at parse time, so a malformed file fails before anything runs.
+import re
 import sys
 from importlib import resources
 from pathlib import Path
 
 from longstraw.harness.plan import launcher, plan
 
-PROFILE = config.get("profile", "cpu")
+PROFILE = config["profile"]
+RECORDED = config["recorded"]  # experiments/recorded/<RECORDED>/ -> reports/recorded-<RECORDED>/
 PYTHON = sys.executable
 PLAN = plan("experiments", PROFILE)
-SCHEMA = str(resources.files("longstraw.harness") / "experiment.schema.yaml")  # package data
-RECORDED = sorted(str(p) for p in Path("experiments/recorded").rglob("*.json"))
+EXPERIMENT_FILES = sorted(str(p) for p in Path("experiments").glob("*.yaml"))
+# package data: a rule that reads them reruns when they change
+SCHEMA = str(resources.files("longstraw.harness") / "experiment.schema.yaml")
+TEMPLATES = sorted(str(p) for p in (resources.files("longstraw.report") / "templates").iterdir()
+                   if p.name.endswith(".html"))
+PAPER = str(resources.files("longstraw.report") / "paper.yaml")
+CONDA_ENV = "../envs/longstraw.yml"
 
 
 wildcard_constraints:
-    profile=PROFILE,
+    profile=re.escape(PROFILE),
     experiment="|".join(PLAN) or "none",
+    device="[A-Za-z0-9_.-]+",
+    report=f"{re.escape(PROFILE)}|recorded-[A-Za-z0-9_.-]+",
 
 
 def point_results(experiment):
@@ -42,7 +51,28 @@ def point_gpus(wildcards):
 
 def point_launcher(wildcards):
     return launcher(point_cp_size(wildcards), PYTHON)
-CONDA_ENV = "../../environment.yml"
+
+
+def recorded_dir(wildcards):
+    return f"experiments/recorded/{wildcards.device}"
+
+
+def recorded_results(wildcards):
+    return sorted(str(p) for p in Path(recorded_dir(wildcards)).rglob("*.json"))
+
+
+def linked_report(wildcards):
+    """The recorded results' own report, which the profile's report links (none for itself)."""
+    own = f"recorded-{RECORDED}"
+    return [] if wildcards.report == own else [f"reports/{own}/index.html"]
+
+
+def folder(files):
+    """The folder of a file, or of a list's first file (a stage's folder, from the file that stands
+    for it); None for an empty list."""
+    if isinstance(files, str):
+        return str(Path(files).parent)
+    return str(Path(files[0]).parent) if files else None
 
 
 def points_dir(point_files):

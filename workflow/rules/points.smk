@@ -14,7 +14,7 @@ rule point:
         "logs/{profile}/points/{experiment}/{point}.log",
     params:
         launch=point_launcher,
-    threads: 1024
+    threads: workflow.cores
     resources:
         gpu=point_gpus,
         tasks_per_gpu=0,

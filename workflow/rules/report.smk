@@ -1,42 +1,41 @@
-# Plots and the HTML report (Jinja2); recorded GPU results are shown in their own section.
-# The recorded H200 results also get a report of their own (just rendering, no measurement), which
-# the profile's report links to from that section, so it is rendered first.
-RECORDED_H200 = "experiments/recorded/h200"
-
-
-rule report_recorded:
+# Figures (PNG, from the tables alone) and the HTML report (from the tables and the figures'
+# manifest, never from result files), for the profile's results and for the recorded ones
+# (`report`: `cpu` or `recorded-h200`). The profile's report lists the recorded results in a
+# section of its own and links their report, so that one is rendered first.
+rule figures:
     input:
-        recorded=sorted(str(p) for p in Path(RECORDED_H200).rglob("*.json")),
-        templates=sorted(str(p) for p in Path("reports/templates").glob("*.html")),
+        tables="results/{report}/tables/manifest.json",
+        paper=PAPER,
     output:
-        "reports/recorded-h200/index.html",
+        manifest="reports/{report}/figures/manifest.json",
     log:
-        "logs/recorded-h200/report.log",
+        "logs/{report}/figures.log",
     params:
-        profile="h200",
-        results=RECORDED_H200,
-        out=lambda wildcards, output: str(Path(output[0]).parent),
+        tables=lambda wildcards, input: folder(input.tables),
+        out=lambda wildcards, output: folder(output.manifest),
     conda:
         CONDA_ENV
     script:
-        "../scripts/report.py"
+        "../scripts/figures.py"
 
 
 rule report:
     input:
-        tables=rules.tables.output,
-        points=all_point_results(),
-        recorded=RECORDED,
-        recorded_report=rules.report_recorded.output,
-        templates=sorted(str(p) for p in Path("reports/templates").glob("*.html")),
+        tables="results/{report}/tables/manifest.json",
+        figures="reports/{report}/figures/manifest.json",
+        recorded=f"results/recorded-{RECORDED}/tables/manifest.json",
+        linked=linked_report,
+        templates=TEMPLATES,
+        paper=PAPER,
     output:
-        f"reports/{PROFILE}/index.html",
+        "reports/{report}/index.html",
     log:
-        f"logs/{PROFILE}/report.log",
+        "logs/{report}/report.log",
     params:
-        profile=PROFILE,
-        results=lambda wildcards, input: points_dir(input.points),
-        out=lambda wildcards, output: str(Path(output[0]).parent),
+        tables=lambda wildcards, input: folder(input.tables),
+        figures=lambda wildcards, input: folder(input.figures),
+        recorded=lambda wildcards, input: folder(input.recorded),
+        out=lambda wildcards, output: folder(output),
     conda:
         CONDA_ENV
     script:

@@ -1,7 +1,7 @@
-"""Snakemake script: point results -> one CSV per experiment (logic in longstraw.report.aggregate)."""
+"""Snakemake script: result files -> CSV tables + manifest (logic in longstraw.report.aggregate)."""
 import contextlib
 
-from longstraw.report.aggregate import main
+from longstraw.report.aggregate import write_all
 
 with open(snakemake.log[0], "w") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
-    main(snakemake.params.results, snakemake.params.tables)
+    write_all(snakemake.params.results, snakemake.params.out, snakemake.params.profile, snakemake.params.experiments)

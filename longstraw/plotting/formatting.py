@@ -106,24 +106,6 @@ def format_percent(value) -> str:
     return f"{float(value) * 100:.3g}%"
 
 
-def refresh_interval_sentence(row: dict) -> str:
-    """A staleness point's derived refresh interval in words, from its aggregated row
-    (`refresh_interval`, `drift_threshold`, `steps_measured`, `threshold_crossed_at_step`)."""
-    interval, threshold = row.get("refresh_interval"), row.get("drift_threshold")
-    under = f"under {format_percent(threshold)}" if not is_missing(threshold) else "under the threshold"
-    if is_missing(interval):
-        return f"no refresh interval: no loss drift measured (status {row.get('status')})"
-    interval = int(interval)
-    text = f"{interval} step{'s' if interval != 1 else ''}: the largest step count whose loss drift stays {under}"
-    crossed, measured = row.get("threshold_crossed_at_step"), row.get("steps_measured")
-    if not is_missing(crossed):
-        text += f" (crossed at step {int(crossed)})"
-    elif not is_missing(measured):
-        text += (f" (never crossed in the {int(measured)} steps measured, so at least {interval}; "
-                 "the run does not show where it ends)")
-    return text
-
-
 def format_value(column: str, value) -> str:
     if is_missing(value):
         return MISSING

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-from longstraw.report.formatting import format_bytes
+from longstraw.plotting.formatting import format_bytes
 
 _RAM_KEYS = ("ram_total_bytes", "memory_total_bytes", "host_memory_total_bytes")
 
