@@ -1,0 +1,3 @@
+"""Task-competent models without a hub: pretrain small presets from random initialisation on the
+synthetic long-context tasks (`pretrain`), then measure where they break with prompt length
+(`length_curve`)."""

@@ -1,0 +1,297 @@
+"""Pretrain a small preset from random initialisation on a synthetic long-context task.
+
+    python -m longstraw.training.pretrain --model learn-tiny-hybrid --steps 400 --out runs/tiny-hybrid
+    python -m longstraw.training.pretrain --config my_pretrain.yaml --lr 2e-3   # flags override the file
+
+An ordinary training loop (nanochat style): each step draws one prompt length from `lengths`,
+makes a batch of task examples of that length (every sequence is `prompt + answer[:-1]`, so no
+padding), runs the HF causal LM forward, a masked cross-entropy, backward, gradient clipping and
+AdamW with linear warm-up then cosine decay. Every `eval_every` steps (and at the end) it measures
+greedy answer accuracy on held-out examples per prompt length. At the end it writes
+`OUT/checkpoint/` (`save_pretrained`; load it with `longstraw.models.load_pretrained`) and
+`OUT/curve.json` (atomically): per-step loss, the evaluations, the config, provenance, wall
+seconds and tokens per second. The last stdout line is one JSON summary.
+
+Simplifications, stated:
+- Loss `answer` (default): cross-entropy on the answer tokens only (the filler is random, so
+  next-token loss on it is irreducible noise); `next_token`: on every position (reported
+  `answer_loss` stays the answer-only loss, for comparison).
+- Evaluation is teacher-forced: an example counts as solved when the argmax at every answer
+  position equals the answer token. For exact-match rewards this IS greedy decoding's success
+  (if every earlier greedy token was right, greedy saw exactly the teacher-forced context), in one
+  batched forward. `longstraw.training.length_curve` measures the same through capture + sampling.
+- Seeds: training example j of a run with `seed` s uses task seed `s * 2**40 + j`
+  (`TRAIN_SEED_STRIDE`); held-out evaluation uses `EVAL_SEED_BASE + i` = 2**62 + i, and the
+  length curve `CURVE_SEED_BASE + i` = 2**62 + 2**40 + i: disjoint from training for s < 2**22.
+- One length per batch (sequences of one batch share it). `batch_tokens`, when set, sizes each
+  batch as `max(1, batch_tokens // length)` so that every step costs about the same; otherwise
+  every batch holds `batch_size` sequences.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+TRAIN_SEED_STRIDE = 2**40
+EVAL_SEED_BASE = 2**62
+CURVE_SEED_BASE = 2**62 + 2**40
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class PretrainConfig:
+    # model
+    model: str = "learn-tiny-hybrid"  # a preset of longstraw.models.PRESETS
+    model_overrides: dict = field(default_factory=dict)  # config fields over the preset's
+    dtype: str = "float32"  # parameter (master) dtype
+    autocast: str | None = None  # e.g. "bfloat16" on CUDA: forward/backward in bf16, fp32 master weights
+    device: str = "cpu"
+    seed: int = 0  # model init, length draws, and the training seed range
+    # task (its `length` is set per batch from `lengths`)
+    task: dict = field(default_factory=lambda: {"name": "kv_retrieval", "num_needles": 4, "value_length": 2})
+    lengths: list[int] = field(default_factory=lambda: [128, 256, 512])
+    batch_size: int = 16
+    batch_tokens: int | None = None  # when set, batch = max(1, batch_tokens // length)
+    # optimisation
+    steps: int = 400
+    lr: float = 3e-3
+    warmup_steps: int = 40
+    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0
+    loss: str = "answer"  # "answer" | "next_token"
+    # evaluation
+    eval_every: int = 100  # 0: only at the end
+    eval_lengths: list[int] | None = None  # default: the training lengths
+    eval_examples: int = 64
+    eval_batch_size: int = 32
+    # output
+    out: str | None = None  # OUT/checkpoint and OUT/curve.json; None writes nothing
+    progress: bool = True
+
+    def __post_init__(self):
+        if self.loss not in ("answer", "next_token"):
+            raise ValueError(f"loss must be 'answer' or 'next_token', got {self.loss!r}")
+        if self.dtype not in DTYPES or (self.autocast is not None and self.autocast not in DTYPES):
+            raise ValueError(f"dtype / autocast must be one of {sorted(DTYPES)}, got {self.dtype!r}, {self.autocast!r}")
+        if not self.lengths or min(self.lengths) < 2:
+            raise ValueError(f"lengths must be a non-empty list of prompt lengths >= 2, got {self.lengths}")
+        if self.steps < 1 or self.batch_size < 1:
+            raise ValueError(f"steps and batch_size must be >= 1, got {self.steps}, {self.batch_size}")
+        self.lengths = [int(n) for n in self.lengths]
+        self.betas = tuple(self.betas)
+
+
+def lr_factor(step: int, cfg: PretrainConfig) -> float:
+    """Linear warm-up to 1, then cosine down to `min_lr_ratio` at the last step."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - 1 - cfg.warmup_steps)
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+class TaskBank:
+    """One task object per prompt length (the spec's `length` replaced)."""
+
+    def __init__(self, spec: dict, vocab_size: int):
+        from longstraw.tasks import build_task
+
+        self.spec, self.vocab_size, self._build, self._tasks = dict(spec), vocab_size, build_task, {}
+
+    def __call__(self, length: int):
+        if length not in self._tasks:
+            self._tasks[length] = self._build({**self.spec, "length": int(length)}, self.vocab_size)
+        return self._tasks[length]
+
+
+def make_batch(task, seeds) -> tuple[torch.Tensor, torch.Tensor, list]:
+    """`ids_BT` = prompt + answer[:-1] per example, `answers_BM`, and the examples."""
+    examples = [task.make(int(s)) for s in seeds]
+    lengths = {(e.prompt_ids.numel(), len(e.answer)) for e in examples}
+    if len(lengths) != 1:
+        raise ValueError(f"a batch needs one prompt length and one answer length, got {sorted(lengths)}")
+    answers_BM = torch.tensor([e.answer for e in examples], dtype=torch.long)
+    ids_BT = torch.cat([torch.stack([e.prompt_ids for e in examples]), answers_BM[:, :-1]], dim=1)
+    return ids_BT, answers_BM, examples
+
+
+def forward_losses(model, ids_BT, answers_BM, loss: str):
+    """(training loss, answer loss, answer logits [B, M, V]) for one batch."""
+    M = answers_BM.shape[1]
+    if loss == "answer":
+        logits_BMV = model(input_ids=ids_BT, logits_to_keep=M).logits.float()
+        answer_loss = F.cross_entropy(logits_BMV.flatten(0, 1), answers_BM.flatten())
+        return answer_loss, answer_loss, logits_BMV
+    logits_BTV = model(input_ids=ids_BT).logits.float()
+    targets_BT = torch.cat([ids_BT[:, 1:], answers_BM[:, -1:]], dim=1)
+    total = F.cross_entropy(logits_BTV.flatten(0, 1), targets_BT.flatten())
+    logits_BMV = logits_BTV[:, -M:]
+    return total, F.cross_entropy(logits_BMV.flatten(0, 1), answers_BM.flatten()), logits_BMV
+
+
+@torch.no_grad()
+def evaluate(model, bank: TaskBank, lengths, examples: int, batch_size: int, device, autocast=None,
+             seed_base: int = EVAL_SEED_BASE) -> dict[int, float]:
+    """Greedy exact-match accuracy per prompt length on held-out seeds `seed_base + i` (teacher-forced
+    argmax over the answer, which equals greedy decoding's exact match)."""
+    was_training = model.training
+    model.eval()
+    accuracy = {}
+    for length in lengths:
+        task, hits = bank(length), 0.0
+        for start in range(0, examples, batch_size):
+            seeds = range(seed_base + start, seed_base + min(examples, start + batch_size))
+            ids_BT, answers_BM, batch = make_batch(task, seeds)
+            with _autocast(device, autocast):
+                logits = model(input_ids=ids_BT.to(device), logits_to_keep=answers_BM.shape[1]).logits
+            greedy_BM = logits.argmax(-1).cpu()
+            hits += sum(task.reward(e, greedy_BM[b]) for b, e in enumerate(batch))
+        accuracy[int(length)] = hits / examples
+    model.train(was_training)
+    return accuracy
+
+
+def _autocast(device, dtype_name):
+    if dtype_name is None:
+        return torch.autocast(torch.device(device).type, enabled=False)
+    return torch.autocast(torch.device(device).type, dtype=DTYPES[dtype_name])
+
+
+def pretrain(cfg: PretrainConfig) -> dict:
+    """Train, evaluate, and (with `cfg.out`) save the checkpoint and curve.json. Returns the curve."""
+    from longstraw.measure import provenance, synchronize
+    from longstraw.models import build_model
+    from longstraw.results import write_json_atomic
+    from longstraw.training.length_curve import chance_level
+
+    wall_start = time.perf_counter()
+    device = torch.device(cfg.device)
+    model = build_model(cfg.model, seed=cfg.seed, dtype=DTYPES[cfg.dtype], device=device, **cfg.model_overrides)
+    model.train()
+    bank = TaskBank(cfg.task, model.config.vocab_size)
+    eval_lengths = cfg.eval_lengths or cfg.lengths
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]  # norms, biases, GDN A_log / dt_bias
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                                   {"params": no_decay, "weight_decay": 0.0}],
+                                  lr=cfg.lr, betas=cfg.betas, fused=device.type == "cuda")
+    rng = random.Random(cfg.seed)
+    steps, evals, next_example, tokens, train_seconds = [], [], 0, 0, 0.0
+
+    def run_eval(step):
+        t = time.perf_counter()
+        acc = evaluate(model, bank, eval_lengths, cfg.eval_examples, cfg.eval_batch_size, device, cfg.autocast)
+        evals.append({"step": step, "accuracy": acc, "n": cfg.eval_examples, "seconds": time.perf_counter() - t})
+        return acc
+
+    bar = tqdm(range(cfg.steps), desc="pretrain", unit="step", file=sys.stderr, disable=not cfg.progress,
+               dynamic_ncols=True)
+    acc = {}
+    for step in bar:
+        t = time.perf_counter()
+        length = rng.choice(cfg.lengths)
+        batch = max(1, cfg.batch_tokens // length) if cfg.batch_tokens else cfg.batch_size
+        seeds = range(cfg.seed * TRAIN_SEED_STRIDE + next_example, cfg.seed * TRAIN_SEED_STRIDE + next_example + batch)
+        next_example += batch
+        ids_BT, answers_BM, _ = make_batch(bank(length), seeds)
+        ids_BT, answers_BM = ids_BT.to(device), answers_BM.to(device)
+        for group in optimizer.param_groups:
+            group["lr"] = cfg.lr * lr_factor(step, cfg)
+        with _autocast(device, cfg.autocast):
+            loss, answer_loss, _ = forward_losses(model, ids_BT, answers_BM, cfg.loss)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        synchronize(device)
+        train_seconds += time.perf_counter() - t
+        tokens += ids_BT.numel()
+        steps.append({"step": step, "length": length, "batch": batch, "loss": loss.item(),
+                      "answer_loss": answer_loss.item(), "grad_norm": grad_norm.item(),
+                      "lr": optimizer.param_groups[0]["lr"]})
+        if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
+            acc = run_eval(step + 1)
+        bar.set_postfix(loss=f"{answer_loss.item():.3f}", L=length,
+                        acc=" ".join(f"{a:.2f}" for a in acc.values()) or "-", refresh=False)
+    bar.close()
+    run_eval(cfg.steps)
+    model.eval()
+    task = bank(cfg.lengths[0])
+    curve = {
+        "config": dataclasses.asdict(cfg),
+        "model_config": model.config.to_dict(),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "chance": chance_level(task),
+        "seeds": {"train": [cfg.seed * TRAIN_SEED_STRIDE, cfg.seed * TRAIN_SEED_STRIDE + next_example],
+                  "eval_base": EVAL_SEED_BASE, "curve_base": CURVE_SEED_BASE},
+        "steps": steps,
+        "evals": evals,
+        "final_accuracy": evals[-1]["accuracy"],
+        "tokens": tokens,
+        "train_seconds": train_seconds,
+        "tokens_per_second": tokens / train_seconds,
+        "wall_seconds": time.perf_counter() - wall_start,
+        "provenance": provenance(device),
+    }
+    if cfg.out is not None:
+        out = Path(cfg.out)
+        model.save_pretrained(out / "checkpoint")
+        curve["checkpoint"] = str(out / "checkpoint")
+        curve["wall_seconds"] = time.perf_counter() - wall_start
+        write_json_atomic(out / "curve.json", curve)
+    return curve | {"model": model}
+
+
+def _parse_value(text: str):
+    import yaml
+
+    return yaml.safe_load(text)
+
+
+def config_from_args(argv=None) -> tuple[PretrainConfig, int | None]:
+    """`--config FILE.yaml|json` then `--FIELD VALUE` overrides (values parsed as YAML: lists, dicts,
+    numbers), and `--threads N` (torch CPU threads)."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", help="YAML or JSON file with PretrainConfig fields")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
+    for f in dataclasses.fields(PretrainConfig):
+        parser.add_argument(f"--{f.name}", type=_parse_value, default=argparse.SUPPRESS)
+    args = vars(parser.parse_args(argv))
+    values = {}
+    if args.get("config"):
+        values.update(_parse_value(Path(args.pop("config")).read_text()) or {})
+    args.pop("config", None)
+    threads = args.pop("threads")
+    values.update(args)
+    return PretrainConfig(**values), threads
+
+
+def main(argv=None) -> None:
+    cfg, threads = config_from_args(argv)
+    if threads:
+        torch.set_num_threads(threads)
+    curve = pretrain(cfg)
+    summary = {k: curve[k] for k in ("parameters", "chance", "final_accuracy", "tokens", "train_seconds",
+                                     "tokens_per_second", "wall_seconds")}
+    summary["final_loss"] = curve["steps"][-1]["answer_loss"]
+    summary["out"] = cfg.out
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
