@@ -62,6 +62,14 @@ class PretrainConfig:
     seed: int = 0  # model init, length draws, and the training seed range
     # task (its `length` is set per batch from `lengths`)
     task: dict = field(default_factory=lambda: {"name": "kv_retrieval", "num_needles": 4, "value_length": 2})
+    # curriculum: [{"until": step, "lengths": [...] (optional), **task overrides}, ...]; a step before a stage's
+    # `until` (the first such stage) trains on the task with that stage's overrides (and lengths), later steps
+    # on `task` and `lengths` themselves
+    stages: list[dict] = field(default_factory=list)
+    # warm-up data mixed in: each step trains on `aux_task` with probability `aux_fraction` (a stage may set
+    # its own "aux_fraction"); e.g. {"name": "periodic"} teaches the look-back heads retrieval needs
+    aux_task: dict | None = None
+    aux_fraction: float = 0.0
     lengths: list[int] = field(default_factory=lambda: [128, 256, 512])
     batch_size: int = 16
     batch_tokens: int | None = None  # when set, batch = max(1, batch_tokens // length)
@@ -76,6 +84,7 @@ class PretrainConfig:
     loss: str = "answer"  # "answer" | "next_token"
     # evaluation
     eval_every: int = 100  # 0: only at the end
+    eval_task: dict | None = None  # default: `task` (e.g. train on mqar, evaluate kv_retrieval)
     eval_lengths: list[int] | None = None  # default: the training lengths
     eval_examples: int = 64
     eval_batch_size: int = 32
@@ -104,43 +113,68 @@ def lr_factor(step: int, cfg: PretrainConfig) -> float:
     return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
 
+def stage_at(cfg: PretrainConfig, step: int) -> tuple[dict, list[int], float]:
+    """The task spec, prompt lengths and aux fraction at `step` (the curriculum's stage, else the config's)."""
+    for stage in cfg.stages:
+        if step < stage["until"]:
+            overrides = {k: v for k, v in stage.items() if k not in ("until", "lengths", "aux_fraction")}
+            return ({**cfg.task, **overrides}, stage.get("lengths", cfg.lengths),
+                    stage.get("aux_fraction", cfg.aux_fraction))
+    return cfg.task, cfg.lengths, cfg.aux_fraction
+
+
 class TaskBank:
-    """One task object per prompt length (the spec's `length` replaced)."""
+    """One task object per (spec, prompt length) (the spec's `length` replaced)."""
 
     def __init__(self, spec: dict, vocab_size: int):
+        import longstraw.training.synthetic  # noqa: F401  (registers "mqar", "periodic")
         from longstraw.tasks import build_task
 
         self.spec, self.vocab_size, self._build, self._tasks = dict(spec), vocab_size, build_task, {}
 
-    def __call__(self, length: int):
-        if length not in self._tasks:
-            self._tasks[length] = self._build({**self.spec, "length": int(length)}, self.vocab_size)
-        return self._tasks[length]
+    def __call__(self, length: int, spec: dict | None = None):
+        spec = self.spec if spec is None else spec
+        key = (json.dumps(spec, sort_keys=True), int(length))
+        if key not in self._tasks:
+            self._tasks[key] = self._build({**spec, "length": int(length)}, self.vocab_size)
+        return self._tasks[key]
 
 
-def make_batch(task, seeds) -> tuple[torch.Tensor, torch.Tensor, list]:
-    """`ids_BT` = prompt + answer[:-1] per example, `answers_BM`, and the examples."""
+def make_batch(task, seeds) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list]:
+    """`ids_BT` = prompt + answer[:-1] per example, `answers_BM`, `targets_BT` (the next token at every
+    supervised position, -100 elsewhere: the answer's positions, plus `info["supervised"]` prompt
+    positions when a task lists them, e.g. mqar's earlier queries), and the examples."""
     examples = [task.make(int(s)) for s in seeds]
     lengths = {(e.prompt_ids.numel(), len(e.answer)) for e in examples}
     if len(lengths) != 1:
         raise ValueError(f"a batch needs one prompt length and one answer length, got {sorted(lengths)}")
     answers_BM = torch.tensor([e.answer for e in examples], dtype=torch.long)
     ids_BT = torch.cat([torch.stack([e.prompt_ids for e in examples]), answers_BM[:, :-1]], dim=1)
-    return ids_BT, answers_BM, examples
+    full_BT = torch.cat([ids_BT, answers_BM[:, -1:]], dim=1)
+    targets_BT = torch.full_like(ids_BT, -100)
+    P, M = examples[0].prompt_ids.numel(), answers_BM.shape[1]
+    targets_BT[:, P - 1:] = answers_BM
+    for b, e in enumerate(examples):
+        positions = torch.as_tensor(e.info.get("supervised", ()), dtype=torch.long)
+        targets_BT[b, positions] = full_BT[b, positions + 1]
+    return ids_BT, answers_BM, targets_BT, examples
 
 
-def forward_losses(model, ids_BT, answers_BM, loss: str):
-    """(training loss, answer loss, answer logits [B, M, V]) for one batch."""
+def forward_losses(model, ids_BT, answers_BM, targets_BT, loss: str):
+    """(training loss, answer loss) for one batch. `answer`: cross-entropy over the supervised positions
+    (logits only from the first of them on); `next_token`: over every position."""
     M = answers_BM.shape[1]
     if loss == "answer":
-        logits_BMV = model(input_ids=ids_BT, logits_to_keep=M).logits.float()
-        answer_loss = F.cross_entropy(logits_BMV.flatten(0, 1), answers_BM.flatten())
-        return answer_loss, answer_loss, logits_BMV
-    logits_BTV = model(input_ids=ids_BT).logits.float()
-    targets_BT = torch.cat([ids_BT[:, 1:], answers_BM[:, -1:]], dim=1)
-    total = F.cross_entropy(logits_BTV.flatten(0, 1), targets_BT.flatten())
-    logits_BMV = logits_BTV[:, -M:]
-    return total, F.cross_entropy(logits_BMV.flatten(0, 1), answers_BM.flatten()), logits_BMV
+        supervised = (targets_BT != -100).any(0).nonzero()
+        keep = ids_BT.shape[1] - int(supervised[0])
+        logits_BKV = model(input_ids=ids_BT, logits_to_keep=keep, use_cache=False).logits.float()
+        total = F.cross_entropy(logits_BKV.flatten(0, 1), targets_BT[:, -keep:].flatten())
+    else:
+        logits_BKV = model(input_ids=ids_BT, use_cache=False).logits.float()
+        targets = torch.cat([ids_BT[:, 1:], answers_BM[:, -1:]], dim=1)
+        total = F.cross_entropy(logits_BKV.flatten(0, 1), targets.flatten())
+    answer_loss = F.cross_entropy(logits_BKV[:, -M:].flatten(0, 1), answers_BM.flatten())
+    return total, answer_loss
 
 
 @torch.no_grad()
@@ -155,9 +189,9 @@ def evaluate(model, bank: TaskBank, lengths, examples: int, batch_size: int, dev
         task, hits = bank(length), 0.0
         for start in range(0, examples, batch_size):
             seeds = range(seed_base + start, seed_base + min(examples, start + batch_size))
-            ids_BT, answers_BM, batch = make_batch(task, seeds)
+            ids_BT, answers_BM, _, batch = make_batch(task, seeds)
             with _autocast(device, autocast):
-                logits = model(input_ids=ids_BT.to(device), logits_to_keep=answers_BM.shape[1]).logits
+                logits = model(input_ids=ids_BT.to(device), logits_to_keep=answers_BM.shape[1], use_cache=False).logits
             greedy_BM = logits.argmax(-1).cpu()
             hits += sum(task.reward(e, greedy_BM[b]) for b, e in enumerate(batch))
         accuracy[int(length)] = hits / examples
@@ -183,6 +217,7 @@ def pretrain(cfg: PretrainConfig) -> dict:
     model = build_model(cfg.model, seed=cfg.seed, dtype=DTYPES[cfg.dtype], device=device, **cfg.model_overrides)
     model.train()
     bank = TaskBank(cfg.task, model.config.vocab_size)
+    eval_bank = TaskBank(cfg.eval_task or cfg.task, model.config.vocab_size)
     eval_lengths = cfg.eval_lengths or cfg.lengths
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]  # norms, biases, GDN A_log / dt_bias
@@ -194,7 +229,7 @@ def pretrain(cfg: PretrainConfig) -> dict:
 
     def run_eval(step):
         t = time.perf_counter()
-        acc = evaluate(model, bank, eval_lengths, cfg.eval_examples, cfg.eval_batch_size, device, cfg.autocast)
+        acc = evaluate(model, eval_bank, eval_lengths, cfg.eval_examples, cfg.eval_batch_size, device, cfg.autocast)
         evals.append({"step": step, "accuracy": acc, "n": cfg.eval_examples, "seconds": time.perf_counter() - t})
         return acc
 
@@ -203,16 +238,19 @@ def pretrain(cfg: PretrainConfig) -> dict:
     acc = {}
     for step in bar:
         t = time.perf_counter()
-        length = rng.choice(cfg.lengths)
+        spec, lengths, aux_fraction = stage_at(cfg, step)
+        length = rng.choice(lengths)
+        aux = cfg.aux_task is not None and rng.random() < aux_fraction
+        spec = cfg.aux_task if aux else spec
         batch = max(1, cfg.batch_tokens // length) if cfg.batch_tokens else cfg.batch_size
         seeds = range(cfg.seed * TRAIN_SEED_STRIDE + next_example, cfg.seed * TRAIN_SEED_STRIDE + next_example + batch)
         next_example += batch
-        ids_BT, answers_BM, _ = make_batch(bank(length), seeds)
-        ids_BT, answers_BM = ids_BT.to(device), answers_BM.to(device)
+        ids_BT, answers_BM, targets_BT, _ = make_batch(bank(length, spec), seeds)
+        ids_BT, answers_BM, targets_BT = ids_BT.to(device), answers_BM.to(device), targets_BT.to(device)
         for group in optimizer.param_groups:
             group["lr"] = cfg.lr * lr_factor(step, cfg)
         with _autocast(device, cfg.autocast):
-            loss, answer_loss, _ = forward_losses(model, ids_BT, answers_BM, cfg.loss)
+            loss, answer_loss = forward_losses(model, ids_BT, answers_BM, targets_BT, cfg.loss)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         optimizer.step()
@@ -220,7 +258,7 @@ def pretrain(cfg: PretrainConfig) -> dict:
         synchronize(device)
         train_seconds += time.perf_counter() - t
         tokens += ids_BT.numel()
-        steps.append({"step": step, "length": length, "batch": batch, "loss": loss.item(),
+        steps.append({"step": step, "length": length, "batch": batch, "aux": aux, "loss": loss.item(),
                       "answer_loss": answer_loss.item(), "grad_norm": grad_norm.item(),
                       "lr": optimizer.param_groups[0]["lr"]})
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
@@ -230,7 +268,7 @@ def pretrain(cfg: PretrainConfig) -> dict:
     bar.close()
     run_eval(cfg.steps)
     model.eval()
-    task = bank(cfg.lengths[0])
+    task = eval_bank(cfg.lengths[0])
     curve = {
         "config": dataclasses.asdict(cfg),
         "model_config": model.config.to_dict(),
@@ -259,7 +297,13 @@ def pretrain(cfg: PretrainConfig) -> dict:
 def _parse_value(text: str):
     import yaml
 
-    return yaml.safe_load(text)
+    value = yaml.safe_load(text)
+    if isinstance(value, str):  # YAML 1.1 reads "1e-3" as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    return value
 
 
 def config_from_args(argv=None) -> tuple[PretrainConfig, int | None]:
