@@ -86,21 +86,52 @@ def greedy_success(model, task, example, chunk_size: int | None = None) -> float
     return float(task.reward(example, rollouts.responses[0].cpu()))
 
 
+@torch.no_grad()
+def forward_successes(model, task, examples, batch_tokens: int = 65536) -> list[float]:
+    """The same scores from HF's one-pass forward over `prompt + answer[:-1]` (batched): greedy decoding's
+    exact match equals "argmax at every answer position is the answer token" (teacher forcing), because
+    greedy sees exactly the teacher-forced context while it is right. Exact-match rewards only."""
+    if getattr(task, "partial", False):
+        raise ValueError("method='forward' needs exact-match rewards (partial=False); use method='capture'")
+    device = next(model.parameters()).device
+    per_batch = max(1, batch_tokens // (examples[0].prompt_ids.numel() + len(examples[0].answer)))
+    rewards = []
+    for start in range(0, len(examples), per_batch):
+        batch = examples[start:start + per_batch]
+        answers_BM = torch.tensor([e.answer for e in batch], dtype=torch.long)
+        ids_BT = torch.cat([torch.stack([e.prompt_ids for e in batch]), answers_BM[:, :-1]], dim=1).to(device)
+        logits = model(input_ids=ids_BT, logits_to_keep=answers_BM.shape[1], use_cache=False).logits
+        greedy_BM = logits.argmax(-1).cpu()
+        rewards += [float(task.reward(e, greedy_BM[b])) for b, e in enumerate(batch)]
+    return rewards
+
+
 def length_curve(model, task_spec: dict, lengths, depths=None, examples: int = 64, *,
-                 seed_base: int = CURVE_SEED_BASE, chunk_size: int | None = None, progress: bool = True) -> dict:
-    """Rows {length, depth, success, n, stderr, rewards} per cell, the task's chance, and timing."""
+                 seed_base: int = CURVE_SEED_BASE, chunk_size: int | None = None, method: str = "capture",
+                 progress: bool = True) -> dict:
+    """Rows {length, depth, success, n, stderr, rewards} per cell, the task's chance, and timing.
+
+    `method="capture"` (the reference: capture + greedy sampling from the resident state, one example at a
+    time) or `"forward"` (HF's batched one-pass forward, teacher-forced argmax: the same scores for
+    exact-match rewards, and on CPU much faster at long lengths, where the project's math attention
+    backend materialises the score blocks; tests check the two agree example by example)."""
     from longstraw.tasks import build_task
 
+    if method not in ("capture", "forward"):
+        raise ValueError(f"method must be 'capture' or 'forward', got {method!r}")
     vocab = model.config.vocab_size
     rows, start = [], time.perf_counter()
     for length in lengths:
         task = build_task({**task_spec, "length": int(length)}, vocab)
         for depth in (depths if depths else [None]):
             t = time.perf_counter()
-            rewards = [greedy_success(model, task, example_at_depth(task, seed_base + i, depth), chunk_size)
-                       for i in range(examples)]
+            cell = [example_at_depth(task, seed_base + i, depth) for i in range(examples)]
+            if method == "capture":
+                rewards = [greedy_success(model, task, example, chunk_size) for example in cell]
+            else:
+                rewards = forward_successes(model, task, cell)
             p = sum(rewards) / len(rewards)
-            row = {"length": int(length), "depth": depth, "success": p, "n": len(rewards),
+            row = {"length": int(length), "depth": depth, "success": p, "n": len(rewards), "method": method,
                    "stderr": math.sqrt(p * (1 - p) / len(rewards)), "seconds": time.perf_counter() - t,
                    "rewards": rewards}
             rows.append(row)
@@ -131,6 +162,7 @@ def main(argv=None) -> None:
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--chunk-size", type=int, default=None)
+    parser.add_argument("--method", default="capture", choices=("capture", "forward"))
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -139,7 +171,7 @@ def main(argv=None) -> None:
     model = load_pretrained(args.checkpoint, dtype=DTYPES[args.dtype], device=args.device)
     result = length_curve(model, json.loads(args.task), _numbers(args.lengths, int),
                           _numbers(args.depths, float) if args.depths else None, args.examples,
-                          chunk_size=args.chunk_size)
+                          chunk_size=args.chunk_size, method=args.method)
     result.update(checkpoint=args.checkpoint, dtype=args.dtype, provenance=provenance(args.device))
     if args.out:
         write_json_atomic(args.out, result)

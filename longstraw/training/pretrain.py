@@ -31,6 +31,7 @@ Simplifications, stated:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -53,6 +54,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 @dataclass
 class PretrainConfig:
+    """Defaults: the CPU recipe measured for `learn-tiny-hybrid` (README of `longstraw.training`)."""
+
     # model
     model: str = "learn-tiny-hybrid"  # a preset of longstraw.models.PRESETS
     model_overrides: dict = field(default_factory=dict)  # config fields over the preset's
@@ -60,33 +63,41 @@ class PretrainConfig:
     autocast: str | None = None  # e.g. "bfloat16" on CUDA: forward/backward in bf16, fp32 master weights
     device: str = "cpu"
     seed: int = 0  # model init, length draws, and the training seed range
+    # HF's torch GDN kernel instead of fla's (whose chunk backward fails on Hopper with Triton 3.4-3.7);
+    # None: on CUDA only (on CPU HF takes its torch kernel anyway)
+    hf_torch_gdn: bool | None = None
     # task (its `length` is set per batch from `lengths`)
-    task: dict = field(default_factory=lambda: {"name": "kv_retrieval", "num_needles": 4, "value_length": 2})
+    task: dict = field(default_factory=lambda: {"name": "mqar", "num_needles": 4, "value_length": 2,
+                                                "answer_marker": 0.5})
     # curriculum: [{"until": step, "lengths": [...] (optional), **task overrides}, ...]; a step before a stage's
     # `until` (the first such stage) trains on the task with that stage's overrides (and lengths), later steps
-    # on `task` and `lengths` themselves
-    stages: list[dict] = field(default_factory=list)
+    # on `task` and `lengths` themselves. Default: no ANSWER marker and no filler first (28 = 4 needles of 6
+    # tokens, the query and one spare token), then half-marked without filler, then with filler
+    stages: list[dict] = field(default_factory=lambda: [{"until": 800, "answer_marker": 0.0, "lengths": [28]},
+                                                        {"until": 1600, "lengths": [28]}])
     # warm-up data mixed in: each step trains on `aux_task` with probability `aux_fraction` (a stage may set
-    # its own "aux_fraction"); e.g. {"name": "periodic"} teaches the look-back heads retrieval needs
+    # its own "aux_fraction"); e.g. {"name": "periodic"} (look-back heads)
     aux_task: dict | None = None
     aux_fraction: float = 0.0
-    lengths: list[int] = field(default_factory=lambda: [128, 256, 512])
-    batch_size: int = 16
-    batch_tokens: int | None = None  # when set, batch = max(1, batch_tokens // length)
+    lengths: list[int] = field(default_factory=lambda: [32, 64, 128, 256])
+    batch_size: int = 64
+    batch_tokens: int | None = 2048  # when set, batch = max(1, batch_tokens // length)
     # optimisation
-    steps: int = 400
-    lr: float = 3e-3
-    warmup_steps: int = 40
-    min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
-    weight_decay: float = 0.1
+    steps: int = 2500
+    lr: float = 1e-3
+    warmup_steps: int = 20
+    min_lr_ratio: float = 1.0  # cosine decays to lr * min_lr_ratio (1.0: constant after warm-up)
+    weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = 1.0
     loss: str = "answer"  # "answer" | "next_token"
     # evaluation
-    eval_every: int = 100  # 0: only at the end
-    eval_task: dict | None = None  # default: `task` (e.g. train on mqar, evaluate kv_retrieval)
-    eval_lengths: list[int] | None = None  # default: the training lengths
-    eval_examples: int = 64
+    eval_every: int = 500  # 0: only at the end
+    # default: kv_retrieval with the task's needles and value length (the task GRPO trains on)
+    eval_task: dict | None = field(default_factory=lambda: {"name": "kv_retrieval", "num_needles": 4,
+                                                            "value_length": 2})
+    eval_lengths: list[int] | None = field(default_factory=lambda: [256, 1024, 2048])  # None: the training lengths
+    eval_examples: int = 128
     eval_batch_size: int = 32
     # output
     out: str | None = None  # OUT/checkpoint and OUT/curve.json; None writes nothing
@@ -216,6 +227,11 @@ def pretrain(cfg: PretrainConfig) -> dict:
     device = torch.device(cfg.device)
     model = build_model(cfg.model, seed=cfg.seed, dtype=DTYPES[cfg.dtype], device=device, **cfg.model_overrides)
     model.train()
+    kernels = contextlib.ExitStack()
+    if cfg.hf_torch_gdn if cfg.hf_torch_gdn is not None else device.type == "cuda":
+        from longstraw.hf_reference import hf_torch_gdn_kernels
+
+        kernels.enter_context(hf_torch_gdn_kernels(model))
     bank = TaskBank(cfg.task, model.config.vocab_size)
     eval_bank = TaskBank(cfg.eval_task or cfg.task, model.config.vocab_size)
     eval_lengths = cfg.eval_lengths or cfg.lengths
@@ -267,6 +283,7 @@ def pretrain(cfg: PretrainConfig) -> dict:
                         acc=" ".join(f"{a:.2f}" for a in acc.values()) or "-", refresh=False)
     bar.close()
     run_eval(cfg.steps)
+    kernels.close()
     model.eval()
     task = eval_bank(cfg.lengths[0])
     curve = {

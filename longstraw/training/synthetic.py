@@ -46,7 +46,8 @@ class MultiQueryRetrieval(KeyValueRetrieval):
         tail = (self.num_queries - 1) * (self.value_length + 3)
         # the haystack is a kv_retrieval prompt of length - tail (one token shorter when the last query drops
         # its marker; any other dropped marker frees one filler token too)
-        if self.length - tail - 1 < self.num_needles * (self.value_length + 3) + 3:
+        # a needle is KEY k VAL v_1..v_m END: m + 4 tokens (kv_retrieval's own check counts m + 3)
+        if self.length - tail - 1 < self.num_needles * (self.value_length + 4) + 3:
             raise ValueError(f"length {self.length} cannot hold {self.num_needles} needles and {self.num_queries} "
                              f"queries of value length {self.value_length}")
         self._base = KeyValueRetrieval(self.vocab_size, self.length - tail, self.num_needles, self.value_length,
