@@ -149,6 +149,46 @@ PRESETS = {
         "GPU: Qwen3.6-27B text shape, 64 layers (48 GDN + 16 attention), hidden 5120",
         init_on_device=True,
     ),
+    # Learning presets (longstraw.training): small vocabularies suited to the synthetic tasks (vocab 256: 61 keys,
+    # 61 values, 62 filler ids), rotary on a quarter of each head with rope_theta 64, so that every rotary
+    # frequency turns through many full periods inside the training lengths (the longest period is
+    # 2 pi 64^((d_rot - 2) / d_rot) positions: 50 for d_rot 4, 240 for d_rot 16): longer prompts then show the
+    # attention no unseen angle, and the position-free rest of each head does the content match. Measured on
+    # CPU (kv_retrieval, 4 needles, 2-token values, trained at 32-256 positions): rope_theta 10,000 gave 0.98
+    # at 256 and 0.02 at 1,024; rope_theta 64 gave 0.84 at 1,024 (attention only) and 0.98 (hybrid).
+    # Attention is Qwen3.5's output-gated attention: without a gate (llama) and without a fixed first token to
+    # park attention on, the retrieval circuit forms several times slower.
+    "learn-tiny-hybrid": Preset(
+        "qwen3_5",
+        dict(_TINY_COMMON, **{**_TINY_GDN, "num_hidden_layers": 4,
+                              "layer_types": ["full_attention", "linear_attention", "full_attention", "full_attention"]},
+             vocab_size=256, rope_parameters={"rope_type": "default", "rope_theta": 64.0, "partial_rotary_factor": 0.25},
+             max_position_embeddings=8_388_608),
+        "learning: 1 GDN + 3 gated attention layers, hidden 64, vocab 256, rope_theta 64 on a quarter of each head",
+    ),
+    "learn-tiny-dense": Preset(
+        "llama",
+        dict(_TINY_COMMON, num_hidden_layers=3, vocab_size=256, max_position_embeddings=8_388_608,
+             rope_parameters={"rope_type": "default", "rope_theta": 64.0}),
+        "learning: 3-layer GQA llama, hidden 64, vocab 256, rope_theta 64",
+    ),
+    # GPU scale (147M parameters): the tiny hybrid's pattern (attention, GDN, attention, attention) and then
+    # GDN layers with a fourth attention layer, 12 layers. Attention is 8 query heads x 64 (2 K/V heads), so a
+    # capture of 1,048,576 positions costs 2 P^2 x 8 x 64 = 1.1 PFLOP per attention layer (causal half),
+    # 4.5 PFLOP in all: ~9 s at 500 TFLOP/s.
+    "learn-hybrid-150m": Preset(
+        "qwen3_5",
+        dict(vocab_size=1024, hidden_size=1024, intermediate_size=2816, num_hidden_layers=12,
+             layer_types=["full_attention", "linear_attention", "full_attention", "full_attention"]
+             + ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 4,
+             num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+             rope_parameters={"rope_type": "default", "rope_theta": 64.0, "partial_rotary_factor": 0.25},
+             linear_num_key_heads=8, linear_num_value_heads=16, linear_key_head_dim=64, linear_value_head_dim=64,
+             linear_conv_kernel_dim=4, max_position_embeddings=8_388_608, rms_norm_eps=1e-6,
+             tie_word_embeddings=False),
+        "learning, GPU: 8 GDN + 4 gated attention layers, hidden 1024, vocab 1024, rope_theta 64 on a quarter",
+        init_on_device=True,
+    ),
 }
 # the MLA family's tests live in tests/test_mla.py (HF comparisons need tie-free indexer weights once top-k
 # drops positions); it has no NF4 path yet, so its presets stay out of the families' shared test lists

@@ -145,6 +145,20 @@ class Counting:
         return _match_reward(example, response_ids, partial=False)
 
 
+def chance_level(task) -> dict:
+    """{"value": chance success, "rule": how it was computed} (value None for unknown tasks)."""
+    if isinstance(task, KeyValueRetrieval):
+        copy = 1.0 / task.num_needles
+        blind = 1.0 / len(task.values) ** task.value_length
+        return {"value": max(copy, blind), "copy_one_needle": copy, "blind_guess": blind,
+                "rule": "max(1/num_needles, 1/|values|^value_length): the queried needle is uniform among the "
+                        "needles, so ignoring the query key gives 1/num_needles"}
+    if isinstance(task, Counting):
+        return {"value": 1.0 / (task.max_count - task.min_count + 1),
+                "rule": "1/(max_count - min_count + 1): counts are uniform"}
+    return {"value": None, "rule": f"unknown for {type(task).__name__}"}
+
+
 TASKS: dict[str, Callable[..., Task]] = {"kv_retrieval": KeyValueRetrieval, "counting": Counting}
 
 

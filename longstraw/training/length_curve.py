@@ -1,0 +1,168 @@
+"""Where a task-trained model breaks with prompt length: greedy success per (length, needle depth).
+
+    python -m longstraw.training.length_curve runs/tiny-hybrid/checkpoint \\
+        --task '{"name": "kv_retrieval", "num_needles": 4, "value_length": 2}' \\
+        --lengths 512,2048,8192 --depths 0.1,0.5,0.9 --examples 100 --out runs/tiny-hybrid/length_curve.json
+
+Each example goes through the project's own path, as GRPO will see it: `longstraw.capture` of the
+prompt (resident state, no autograd), then `longstraw.training.rollout.sample` greedily
+(`temperature=0`, `max_new_tokens=len(answer)`) from that state, scored with `task.reward`.
+Examples are held out: seeds `CURVE_SEED_BASE + i` (`longstraw.training.pretrain` documents the
+seed ranges); the same seeds in every cell, so cells differ only in length and depth.
+
+Depth (kv_retrieval): the queried needle starts at `depth` (a fraction of the filler); the other
+needles keep depths drawn uniformly from the example's own seed. `None` leaves all depths random,
+as in training. Tasks without needles (counting) take `depths=None`.
+
+Chance (`chance_level`): the success of the best strategy that does not use what the task tests.
+- kv_retrieval with n needles and values of m tokens from a range of |V| ids: the queried needle is
+  uniform among the n and independent of the prompt's layout, so a model that ignores the query key
+  (copies some needle's value, e.g. the last one) succeeds with probability 1/n (a little more when two
+  needles happen to share a value); a blind guess gets 1/|V|^m, far lower. Chance = max(1/n, 1/|V|^m):
+  success above 1/n shows key matching, not just copying. With one needle, chance is 1: such a task
+  tests retrieval-by-copy only.
+- counting with counts uniform in [min_count, max_count]: 1 / (max_count - min_count + 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+import time
+
+import torch
+
+from longstraw.training.pretrain import CURVE_SEED_BASE
+from longstraw.training.tasks import chance_level
+
+
+def example_at_depth(task, seed: int, depth: float | None):
+    """`task.make(seed)` with the queried needle at `depth` (kv_retrieval), the others at random depths."""
+    if depth is None:
+        return task.make(seed)
+    if not hasattr(task, "depths") or not hasattr(task, "num_needles"):
+        raise ValueError(f"depth {depth} asked of a task without needles ({type(task).__name__}); use depths=None")
+    if not 0 <= depth <= 1:
+        raise ValueError(f"depth must be in [0, 1], got {depth}")
+    n = task.num_needles
+    # which needle is queried does not depend on the depth values (given depths draw nothing from the
+    # example's generator), so a probe with distinct depths names it
+    marks = [i / max(1, n - 1) for i in range(n)] if n > 1 else [0.0]
+    queried = marks.index(dataclasses.replace(task, depths=marks).make(seed).info["depth"])
+    others = torch.rand(n, generator=torch.Generator().manual_seed(seed ^ 0x5EED)).tolist()
+    depths = [depth if i == queried else others[i] for i in range(n)]
+    example = dataclasses.replace(task, depths=depths).make(seed)
+    assert example.info["depth"] == depth
+    return example
+
+
+def greedy_success(model, task, example, chunk_size: int | None = None) -> float:
+    """Capture the prompt, decode len(answer) tokens greedily from the resident state, score them."""
+    from longstraw.training.rollout import SamplingConfig, sample
+    from longstraw.core.transaction import capture
+
+    device = next(model.parameters()).device
+    state = capture(model, example.prompt_ids.to(device), chunk_size=chunk_size, progress=False)
+    rollouts = sample(model, state, SamplingConfig(num_samples=1, max_new_tokens=len(example.answer),
+                                                   temperature=0.0, seed=None))
+    return float(task.reward(example, rollouts.responses[0].cpu()))
+
+
+@torch.no_grad()
+def forward_successes(model, task, examples, batch_tokens: int = 65536) -> list[float]:
+    """The same scores from HF's one-pass forward over `prompt + answer[:-1]` (batched): greedy decoding's
+    exact match equals "argmax at every answer position is the answer token" (teacher forcing), because
+    greedy sees exactly the teacher-forced context while it is right. Exact-match rewards only."""
+    if getattr(task, "partial", False):
+        raise ValueError("method='forward' needs exact-match rewards (partial=False); use method='capture'")
+    device = next(model.parameters()).device
+    per_batch = max(1, batch_tokens // (examples[0].prompt_ids.numel() + len(examples[0].answer)))
+    rewards = []
+    for start in range(0, len(examples), per_batch):
+        batch = examples[start:start + per_batch]
+        answers_BM = torch.tensor([e.answer for e in batch], dtype=torch.long)
+        ids_BT = torch.cat([torch.stack([e.prompt_ids for e in batch]), answers_BM[:, :-1]], dim=1).to(device)
+        logits = model(input_ids=ids_BT, logits_to_keep=answers_BM.shape[1], use_cache=False).logits
+        greedy_BM = logits.argmax(-1).cpu()
+        rewards += [float(task.reward(e, greedy_BM[b])) for b, e in enumerate(batch)]
+    return rewards
+
+
+def length_curve(model, task_spec: dict, lengths, depths=None, examples: int = 64, *,
+                 seed_base: int = CURVE_SEED_BASE, chunk_size: int | None = None, method: str = "capture",
+                 progress: bool = True) -> dict:
+    """Rows {length, depth, success, n, stderr, rewards} per cell, the task's chance, and timing.
+
+    `method="capture"` (the reference: capture + greedy sampling from the resident state, one example at a
+    time) or `"forward"` (HF's batched one-pass forward, teacher-forced argmax: the same scores for
+    exact-match rewards, and on CPU much faster at long lengths, where the project's math attention
+    backend materialises the score blocks; tests check the two agree example by example)."""
+    from longstraw.training.tasks import build_task
+
+    if method not in ("capture", "forward"):
+        raise ValueError(f"method must be 'capture' or 'forward', got {method!r}")
+    vocab = model.config.vocab_size
+    rows, start = [], time.perf_counter()
+    for length in lengths:
+        task = build_task({**task_spec, "length": int(length)}, vocab)
+        for depth in (depths if depths else [None]):
+            t = time.perf_counter()
+            cell = [example_at_depth(task, seed_base + i, depth) for i in range(examples)]
+            if method == "capture":
+                rewards = [greedy_success(model, task, example, chunk_size) for example in cell]
+            else:
+                rewards = forward_successes(model, task, cell)
+            p = sum(rewards) / len(rewards)
+            row = {"length": int(length), "depth": depth, "success": p, "n": len(rewards), "method": method,
+                   "stderr": math.sqrt(p * (1 - p) / len(rewards)), "seconds": time.perf_counter() - t,
+                   "rewards": rewards}
+            rows.append(row)
+            if progress:
+                print(f"length_curve: length {length:>9,} depth {'random' if depth is None else depth}: "
+                      f"success {p:.3f} +- {row['stderr']:.3f} (n={len(rewards)}, {row['seconds']:.1f} s)",
+                      file=sys.stderr, flush=True)
+    return {"task": dict(task_spec), "chance": chance_level(build_task({**task_spec, "length": int(lengths[0])}, vocab)),
+            "rows": rows, "seed_base": seed_base, "seconds": time.perf_counter() - start}
+
+
+def _numbers(text: str, cast):
+    return [cast(x) for x in text.split(",") if x.strip()]
+
+
+def main(argv=None) -> None:
+    from longstraw.measure.provenance import provenance
+    from longstraw.models import load_pretrained
+    from longstraw.results import write_json_atomic
+    from longstraw.training.pretrain import DTYPES
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("checkpoint")
+    parser.add_argument("--task", required=True, help="task spec as JSON (its length is replaced)")
+    parser.add_argument("--lengths", required=True, help="comma-separated prompt lengths")
+    parser.add_argument("--depths", default=None, help="comma-separated needle depths in [0, 1] (default random)")
+    parser.add_argument("--examples", type=int, default=64)
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--chunk-size", type=int, default=None)
+    parser.add_argument("--method", default="capture", choices=("capture", "forward"))
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model = load_pretrained(args.checkpoint, dtype=DTYPES[args.dtype], device=args.device)
+    result = length_curve(model, json.loads(args.task), _numbers(args.lengths, int),
+                          _numbers(args.depths, float) if args.depths else None, args.examples,
+                          chunk_size=args.chunk_size, method=args.method)
+    result.update(checkpoint=args.checkpoint, dtype=args.dtype, provenance=provenance(args.device))
+    if args.out:
+        write_json_atomic(args.out, result)
+    print(json.dumps({"chance": result["chance"]["value"], "seconds": result["seconds"],
+                      "rows": [{k: r[k] for k in ("length", "depth", "success", "stderr", "n")} for r in result["rows"]]}))
+
+
+if __name__ == "__main__":
+    main()

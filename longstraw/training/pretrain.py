@@ -1,0 +1,359 @@
+"""Pretrain a small preset from random initialisation on a synthetic long-context task.
+
+    python -m longstraw.training.pretrain --model learn-tiny-hybrid --steps 400 --out runs/tiny-hybrid
+    python -m longstraw.training.pretrain --config my_pretrain.yaml --lr 2e-3   # flags override the file
+
+An ordinary training loop (nanochat style): each step draws one prompt length from `lengths`,
+makes a batch of task examples of that length (every sequence is `prompt + answer[:-1]`, so no
+padding), runs the HF causal LM forward, a masked cross-entropy, backward, gradient clipping and
+AdamW with linear warm-up then cosine decay. Every `eval_every` steps (and at the end) it measures
+greedy answer accuracy on held-out examples per prompt length. At the end it writes
+`OUT/checkpoint/` (`save_pretrained`; load it with `longstraw.models.load_pretrained`) and
+`OUT/curve.json` (atomically): per-step loss, the evaluations, the config, provenance, wall
+seconds and tokens per second. The last stdout line is one JSON summary.
+
+Simplifications, stated:
+- Loss `answer` (default): cross-entropy on the answer tokens only (the filler is random, so
+  next-token loss on it is irreducible noise); `next_token`: on every position (reported
+  `answer_loss` stays the answer-only loss, for comparison).
+- Evaluation is teacher-forced: an example counts as solved when the argmax at every answer
+  position equals the answer token. For exact-match rewards this IS greedy decoding's success
+  (if every earlier greedy token was right, greedy saw exactly the teacher-forced context), in one
+  batched forward. `longstraw.training.length_curve` measures the same through capture + sampling.
+- Seeds: training example j of a run with `seed` s uses task seed `s * 2**40 + j`
+  (`TRAIN_SEED_STRIDE`); held-out evaluation uses `EVAL_SEED_BASE + i` = 2**62 + i, and the
+  length curve `CURVE_SEED_BASE + i` = 2**62 + 2**40 + i: disjoint from training for s < 2**22.
+- One length per batch (sequences of one batch share it). `batch_tokens`, when set, sizes each
+  batch as `max(1, batch_tokens // length)` so that every step costs about the same; otherwise
+  every batch holds `batch_size` sequences.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+TRAIN_SEED_STRIDE = 2**40
+EVAL_SEED_BASE = 2**62
+CURVE_SEED_BASE = 2**62 + 2**40
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class PretrainConfig:
+    """Defaults: the CPU recipe measured for `learn-tiny-hybrid` (README of `longstraw.training`)."""
+
+    # model
+    model: str = "learn-tiny-hybrid"  # a preset of longstraw.models.PRESETS
+    model_overrides: dict = field(default_factory=dict)  # config fields over the preset's
+    dtype: str = "float32"  # parameter (master) dtype
+    autocast: str | None = None  # e.g. "bfloat16" on CUDA: forward/backward in bf16, fp32 master weights
+    device: str = "cpu"
+    seed: int = 0  # model init, length draws, and the training seed range
+    # HF's torch GDN kernel instead of fla's (whose chunk backward fails on Hopper with Triton 3.4-3.7);
+    # None: on CUDA only (on CPU HF takes its torch kernel anyway)
+    hf_torch_gdn: bool | None = None
+    # task (its `length` is set per batch from `lengths`)
+    task: dict = field(default_factory=lambda: {"name": "mqar", "num_needles": 4, "value_length": 2,
+                                                "answer_marker": 0.5})
+    # curriculum: [{"until": step, "lengths": [...] (optional), **task overrides}, ...]; a step before a stage's
+    # `until` (the first such stage) trains on the task with that stage's overrides (and lengths), later steps
+    # on `task` and `lengths` themselves. Default: no ANSWER marker and no filler first (28 = 4 needles of 6
+    # tokens, the query and one spare token), then half-marked without filler, then with filler
+    stages: list[dict] = field(default_factory=lambda: [{"until": 800, "answer_marker": 0.0, "lengths": [28]},
+                                                        {"until": 1600, "lengths": [28]}])
+    # warm-up data mixed in: each step trains on `aux_task` with probability `aux_fraction` (a stage may set
+    # its own "aux_fraction"); e.g. {"name": "periodic"} (look-back heads)
+    aux_task: dict | None = None
+    aux_fraction: float = 0.0
+    lengths: list[int] = field(default_factory=lambda: [32, 64, 128, 256])
+    batch_size: int = 64
+    batch_tokens: int | None = 2048  # when set, batch = max(1, batch_tokens // length)
+    # optimisation
+    steps: int = 2500
+    lr: float = 1e-3
+    warmup_steps: int = 20
+    min_lr_ratio: float = 1.0  # cosine decays to lr * min_lr_ratio (1.0: constant after warm-up)
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0
+    loss: str = "answer"  # "answer" | "next_token"
+    # evaluation
+    eval_every: int = 500  # 0: only at the end
+    # default: kv_retrieval with the task's needles and value length (the task GRPO trains on)
+    eval_task: dict | None = field(default_factory=lambda: {"name": "kv_retrieval", "num_needles": 4,
+                                                            "value_length": 2})
+    eval_lengths: list[int] | None = field(default_factory=lambda: [256, 1024, 2048])  # None: the training lengths
+    eval_examples: int = 128
+    eval_batch_size: int = 32
+    # output
+    out: str | None = None  # OUT/checkpoint and OUT/curve.json; None writes nothing
+    progress: bool = True
+
+    def __post_init__(self):
+        if self.loss not in ("answer", "next_token"):
+            raise ValueError(f"loss must be 'answer' or 'next_token', got {self.loss!r}")
+        if self.dtype not in DTYPES or (self.autocast is not None and self.autocast not in DTYPES):
+            raise ValueError(f"dtype / autocast must be one of {sorted(DTYPES)}, got {self.dtype!r}, {self.autocast!r}")
+        if not self.lengths or min(self.lengths) < 2:
+            raise ValueError(f"lengths must be a non-empty list of prompt lengths >= 2, got {self.lengths}")
+        if self.steps < 1 or self.batch_size < 1:
+            raise ValueError(f"steps and batch_size must be >= 1, got {self.steps}, {self.batch_size}")
+        self.lengths = [int(n) for n in self.lengths]
+        self.betas = tuple(self.betas)
+
+
+def lr_factor(step: int, cfg: PretrainConfig) -> float:
+    """Linear warm-up to 1, then cosine down to `min_lr_ratio` at the last step."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, cfg.steps - 1 - cfg.warmup_steps)
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def stage_at(cfg: PretrainConfig, step: int) -> tuple[dict, list[int], float]:
+    """The task spec, prompt lengths and aux fraction at `step` (the curriculum's stage, else the config's)."""
+    for stage in cfg.stages:
+        if step < stage["until"]:
+            overrides = {k: v for k, v in stage.items() if k not in ("until", "lengths", "aux_fraction")}
+            return ({**cfg.task, **overrides}, stage.get("lengths", cfg.lengths),
+                    stage.get("aux_fraction", cfg.aux_fraction))
+    return cfg.task, cfg.lengths, cfg.aux_fraction
+
+
+class TaskBank:
+    """One task object per (spec, prompt length) (the spec's `length` replaced)."""
+
+    def __init__(self, spec: dict, vocab_size: int):
+        import longstraw.training.synthetic  # noqa: F401  (registers "mqar", "periodic")
+        from longstraw.training.tasks import build_task
+
+        self.spec, self.vocab_size, self._build, self._tasks = dict(spec), vocab_size, build_task, {}
+
+    def __call__(self, length: int, spec: dict | None = None):
+        spec = self.spec if spec is None else spec
+        key = (json.dumps(spec, sort_keys=True), int(length))
+        if key not in self._tasks:
+            self._tasks[key] = self._build({**spec, "length": int(length)}, self.vocab_size)
+        return self._tasks[key]
+
+
+def make_batch(task, seeds) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list]:
+    """`ids_BT` = prompt + answer[:-1] per example, `answers_BM`, `targets_BT` (the next token at every
+    supervised position, -100 elsewhere: the answer's positions, plus `info["supervised"]` prompt
+    positions when a task lists them, e.g. mqar's earlier queries), and the examples."""
+    examples = [task.make(int(s)) for s in seeds]
+    lengths = {(e.prompt_ids.numel(), len(e.answer)) for e in examples}
+    if len(lengths) != 1:
+        raise ValueError(f"a batch needs one prompt length and one answer length, got {sorted(lengths)}")
+    answers_BM = torch.tensor([e.answer for e in examples], dtype=torch.long)
+    ids_BT = torch.cat([torch.stack([e.prompt_ids for e in examples]), answers_BM[:, :-1]], dim=1)
+    full_BT = torch.cat([ids_BT, answers_BM[:, -1:]], dim=1)
+    targets_BT = torch.full_like(ids_BT, -100)
+    P = examples[0].prompt_ids.numel()
+    targets_BT[:, P - 1:] = answers_BM
+    for b, e in enumerate(examples):
+        positions = torch.as_tensor(e.info.get("supervised", ()), dtype=torch.long)
+        targets_BT[b, positions] = full_BT[b, positions + 1]
+    return ids_BT, answers_BM, targets_BT, examples
+
+
+def forward_losses(model, ids_BT, answers_BM, targets_BT, loss: str):
+    """(training loss, answer loss) for one batch. `answer`: cross-entropy over the supervised positions
+    (logits only from the first of them on); `next_token`: over every position."""
+    M = answers_BM.shape[1]
+    if loss == "answer":
+        supervised = (targets_BT != -100).any(0).nonzero()
+        keep = ids_BT.shape[1] - int(supervised[0])
+        logits_BKV = model(input_ids=ids_BT, logits_to_keep=keep, use_cache=False).logits.float()
+        total = F.cross_entropy(logits_BKV.flatten(0, 1), targets_BT[:, -keep:].flatten())
+    else:
+        logits_BKV = model(input_ids=ids_BT, use_cache=False).logits.float()
+        targets = torch.cat([ids_BT[:, 1:], answers_BM[:, -1:]], dim=1)
+        total = F.cross_entropy(logits_BKV.flatten(0, 1), targets.flatten())
+    answer_loss = F.cross_entropy(logits_BKV[:, -M:].flatten(0, 1), answers_BM.flatten())
+    return total, answer_loss
+
+
+@torch.no_grad()
+def evaluate(model, bank: TaskBank, lengths, examples: int, batch_size: int, device, autocast=None,
+             seed_base: int = EVAL_SEED_BASE) -> dict[int, float]:
+    """Greedy exact-match accuracy per prompt length on held-out seeds `seed_base + i` (teacher-forced
+    argmax over the answer, which equals greedy decoding's exact match)."""
+    was_training = model.training
+    model.eval()
+    accuracy = {}
+    for length in lengths:
+        task, hits = bank(length), 0.0
+        for start in range(0, examples, batch_size):
+            seeds = range(seed_base + start, seed_base + min(examples, start + batch_size))
+            ids_BT, answers_BM, _, batch = make_batch(task, seeds)
+            with _autocast(device, autocast):
+                logits = model(input_ids=ids_BT.to(device), logits_to_keep=answers_BM.shape[1], use_cache=False).logits
+            greedy_BM = logits.argmax(-1).cpu()
+            hits += sum(task.reward(e, greedy_BM[b]) for b, e in enumerate(batch))
+        accuracy[int(length)] = hits / examples
+    model.train(was_training)
+    return accuracy
+
+
+def _autocast(device, dtype_name):
+    if dtype_name is None:
+        return torch.autocast(torch.device(device).type, enabled=False)
+    return torch.autocast(torch.device(device).type, dtype=DTYPES[dtype_name])
+
+
+def pretrain(cfg: PretrainConfig) -> dict:
+    """Train, evaluate, and (with `cfg.out`) save the checkpoint and curve.json. Returns the curve."""
+    from longstraw.measure.memory import synchronize
+    from longstraw.measure.provenance import provenance
+    from longstraw.models import build_model
+    from longstraw.results import write_json_atomic
+    from longstraw.training.tasks import chance_level
+
+    wall_start = time.perf_counter()
+    device = torch.device(cfg.device)
+    model = build_model(cfg.model, seed=cfg.seed, dtype=DTYPES[cfg.dtype], device=device, **cfg.model_overrides)
+    model.train()
+    kernels = contextlib.ExitStack()
+    if cfg.hf_torch_gdn if cfg.hf_torch_gdn is not None else device.type == "cuda":
+        from longstraw.core.hf_reference import hf_torch_gdn_kernels
+
+        kernels.enter_context(hf_torch_gdn_kernels(model))
+    bank = TaskBank(cfg.task, model.config.vocab_size)
+    eval_bank = TaskBank(cfg.eval_task or cfg.task, model.config.vocab_size)
+    eval_lengths = cfg.eval_lengths or cfg.lengths
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]  # norms, biases, GDN A_log / dt_bias
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                                   {"params": no_decay, "weight_decay": 0.0}],
+                                  lr=cfg.lr, betas=cfg.betas, fused=device.type == "cuda")
+    rng = random.Random(cfg.seed)
+    steps, evals, next_example, tokens, train_seconds = [], [], 0, 0, 0.0
+
+    def run_eval(step):
+        t = time.perf_counter()
+        acc = evaluate(model, eval_bank, eval_lengths, cfg.eval_examples, cfg.eval_batch_size, device, cfg.autocast)
+        evals.append({"step": step, "accuracy": acc, "n": cfg.eval_examples, "seconds": time.perf_counter() - t})
+        return acc
+
+    bar = tqdm(range(cfg.steps), desc="pretrain", unit="step", file=sys.stderr, disable=not cfg.progress,
+               dynamic_ncols=True)
+    acc = {}
+    for step in bar:
+        t = time.perf_counter()
+        spec, lengths, aux_fraction = stage_at(cfg, step)
+        length = rng.choice(lengths)
+        aux = cfg.aux_task is not None and rng.random() < aux_fraction
+        spec = cfg.aux_task if aux else spec
+        batch = max(1, cfg.batch_tokens // length) if cfg.batch_tokens else cfg.batch_size
+        seeds = range(cfg.seed * TRAIN_SEED_STRIDE + next_example, cfg.seed * TRAIN_SEED_STRIDE + next_example + batch)
+        next_example += batch
+        ids_BT, answers_BM, targets_BT, _ = make_batch(bank(length, spec), seeds)
+        ids_BT, answers_BM, targets_BT = ids_BT.to(device), answers_BM.to(device), targets_BT.to(device)
+        for group in optimizer.param_groups:
+            group["lr"] = cfg.lr * lr_factor(step, cfg)
+        with _autocast(device, cfg.autocast):
+            loss, answer_loss = forward_losses(model, ids_BT, answers_BM, targets_BT, cfg.loss)
+        loss.backward()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        synchronize(device)
+        train_seconds += time.perf_counter() - t
+        tokens += ids_BT.numel()
+        steps.append({"step": step, "length": length, "batch": batch, "aux": aux, "loss": loss.item(),
+                      "answer_loss": answer_loss.item(), "grad_norm": grad_norm.item(),
+                      "lr": optimizer.param_groups[0]["lr"]})
+        if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
+            acc = run_eval(step + 1)
+        bar.set_postfix(loss=f"{answer_loss.item():.3f}", L=length,
+                        acc=" ".join(f"{a:.2f}" for a in acc.values()) or "-", refresh=False)
+    bar.close()
+    run_eval(cfg.steps)
+    kernels.close()
+    model.eval()
+    task = eval_bank(cfg.lengths[0])
+    curve = {
+        "config": dataclasses.asdict(cfg),
+        "model_config": model.config.to_dict(),
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "chance": chance_level(task),
+        "seeds": {"train": [cfg.seed * TRAIN_SEED_STRIDE, cfg.seed * TRAIN_SEED_STRIDE + next_example],
+                  "eval_base": EVAL_SEED_BASE, "curve_base": CURVE_SEED_BASE},
+        "steps": steps,
+        "evals": evals,
+        "final_accuracy": evals[-1]["accuracy"],
+        "tokens": tokens,
+        "train_seconds": train_seconds,
+        "tokens_per_second": tokens / train_seconds,
+        "wall_seconds": time.perf_counter() - wall_start,
+        "provenance": provenance(device),
+    }
+    if cfg.out is not None:
+        out = Path(cfg.out)
+        model.save_pretrained(out / "checkpoint")
+        curve["checkpoint"] = str(out / "checkpoint")
+        curve["wall_seconds"] = time.perf_counter() - wall_start
+        write_json_atomic(out / "curve.json", curve)
+    return curve | {"model": model}
+
+
+def _parse_value(text: str):
+    import yaml
+
+    value = yaml.safe_load(text)
+    if isinstance(value, str):  # YAML 1.1 reads "1e-3" as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    return value
+
+
+def config_from_args(argv=None) -> tuple[PretrainConfig, int | None]:
+    """`--config FILE.yaml|json` then `--FIELD VALUE` overrides (values parsed as YAML: lists, dicts,
+    numbers), and `--threads N` (torch CPU threads)."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", help="YAML or JSON file with PretrainConfig fields")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
+    for f in dataclasses.fields(PretrainConfig):
+        parser.add_argument(f"--{f.name}", type=_parse_value, default=argparse.SUPPRESS)
+    args = vars(parser.parse_args(argv))
+    values = {}
+    if args.get("config"):
+        values.update(_parse_value(Path(args.pop("config")).read_text()) or {})
+    args.pop("config", None)
+    threads = args.pop("threads")
+    values.update(args)
+    return PretrainConfig(**values), threads
+
+
+def main(argv=None) -> None:
+    cfg, threads = config_from_args(argv)
+    if threads:
+        torch.set_num_threads(threads)
+    curve = pretrain(cfg)
+    summary = {k: curve[k] for k in ("parameters", "chance", "final_accuracy", "tokens", "train_seconds",
+                                     "tokens_per_second", "wall_seconds")}
+    summary["final_loss"] = curve["steps"][-1]["answer_loss"]
+    summary["out"] = cfg.out
+    print(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()
