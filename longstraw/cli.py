@@ -5,6 +5,7 @@
     longstraw plan --profile cpu
     longstraw point experiments/g_sweep.yaml --profile cpu --point mode-replay_count-8 --out r.json
     longstraw train experiments/examples/train_cpu.yaml [--no-resume] [--set steps=20]
+    longstraw pretrain experiments/examples/pretrain_cpu.yaml [--set steps=400]
     longstraw validate experiments/validation.yaml [--profile cpu] [--out results/validation-cpu.json]
     longstraw report --results results/cpu --out reports/cpu [--profile cpu] [--recorded experiments/recorded/h200]
 
@@ -59,6 +60,9 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--allow-config-change", action="store_true",
                        help="resume although the config differs from the checkpoint's: apply and record the change")
     train.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE", help=SET_HELP)
+    pretrain = sub.add_parser("pretrain", help="pretrain a preset on a synthetic task and save its checkpoint")
+    pretrain.add_argument("config", help="pretrain config YAML (see longstraw.config.pretrain.PretrainConfig)")
+    pretrain.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE", help=SET_HELP)
     validate = sub.add_parser("validate", help="run the validation levels and write their results JSON")
     validate.add_argument("config", help="a validation experiment file (experiments/validation.yaml) or one point config")
     validate.add_argument("--profile", default="cpu", help="the experiment file's profile (default cpu)")
@@ -75,8 +79,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
-    command = {"run": _run, "plan": _plan, "point": _point, "train": _train, "validate": _validate,
-               "report": _report}[args.command]
+    command = {"run": _run, "plan": _plan, "point": _point, "train": _train, "pretrain": _pretrain,
+               "validate": _validate, "report": _report}[args.command]
     try:
         return command(args)
     except (OSError, yaml.YAMLError, ValueError) as exc:  # a bad config or file: nothing ran
@@ -163,6 +167,26 @@ def _train(args) -> int:
     last = metrics[-1] if metrics else {}
     print(json.dumps({"steps": len(metrics), "out": str(trainer.out), "reward_mean_last": last.get("reward_mean"),
                       "loss_last": last.get("loss")}))
+    return 0
+
+
+def _pretrain(args) -> int:
+    from longstraw.config import from_mapping
+    from longstraw.config.pretrain import PretrainConfig
+    from longstraw.models.presets import check_preset
+    from longstraw.results import check_writable
+
+    raw = _load_yaml(args.config)
+    _apply_overrides(raw, args.set, args.config)
+    cfg = from_mapping(PretrainConfig, raw, args.config)
+    check_preset(cfg.model)
+    if cfg.out:
+        check_writable(f"{cfg.out}/curve.json", "out")
+    from longstraw.training.pretrain import pretrain
+
+    curve = pretrain(cfg)
+    print(json.dumps({k: curve[k] for k in ("parameters", "chance", "final_accuracy", "tokens_per_second",
+                                            "wall_seconds")} | {"out": cfg.out}))
     return 0
 
 

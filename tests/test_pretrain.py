@@ -2,7 +2,7 @@
 the length curve counts what greedy decoding from a captured prompt gets right.
 
 The learning test uses `counting` (a few hundred tiny steps reach it); kv_retrieval needs a curriculum of
-~2,000 steps (minutes, measured in longstraw/training/README.md), too long for a unit test."""
+~2,000 steps (minutes, measured: docs/results.md), too long for a unit test."""
 
 import math
 
@@ -18,12 +18,12 @@ from longstraw.training.pretrain import (
     TRAIN_SEED_STRIDE,
     PretrainConfig,
     TaskBank,
-    config_from_args,
     lr_factor,
     make_batch,
     pretrain,
 )
 from longstraw.training.synthetic import MultiQueryRetrieval
+from longstraw.config import from_mapping
 
 COUNTING = {"name": "counting", "min_count": 0, "max_count": 3}
 
@@ -148,9 +148,19 @@ def test_schedule_seeds_and_cli():
     assert lr_factor(0, cfg) == pytest.approx(0.1) and lr_factor(9, cfg) == pytest.approx(1.0)
     assert lr_factor(99, cfg) == pytest.approx(0.1)
     assert EVAL_SEED_BASE > 2**21 * TRAIN_SEED_STRIDE  # training seeds (seed < 2**21) never reach held-out ones
-    cfg, threads = config_from_args(["--model", "learn-tiny-dense", "--lengths", "[64, 128]", "--lr", "1e-3",
-                                     "--task", "{name: counting}", "--threads", "1"])
-    assert cfg.model == "learn-tiny-dense" and cfg.lengths == [64, 128] and cfg.lr == 1e-3 and threads == 1
-    assert cfg.task == {"name": "counting"}
-    with pytest.raises(ValueError, match="loss"):
-        PretrainConfig(loss="mse")
+    cfg = from_mapping(PretrainConfig, {"model": "learn-tiny-dense", "lengths": [64, 128], "lr": 1e-3,
+                                        "task": {"name": "counting"}})
+    assert cfg.model == "learn-tiny-dense" and cfg.lengths == [64, 128] and cfg.lr == 1e-3
+    with pytest.raises(ValueError, match="loss: must be one of"):
+        from_mapping(PretrainConfig, {"loss": "mse"}, "p.yaml")
+
+
+def test_pretrain_cli_refuses_bad_settings_before_training(tmp_path, capsys):
+    from longstraw import cli
+
+    config = tmp_path / "p.yaml"
+    config.write_text("model: learn-tiny-dense\nsteps: 0\n")
+    assert cli.main(["pretrain", str(config)]) == 2
+    assert "steps: must be >= 1, got 0" in capsys.readouterr().err
+    assert cli.main(["pretrain", str(config), "--set", "steps=5", "--set", "model=tiny-gpt5"]) == 2
+    assert "unknown model preset 'tiny-gpt5'" in capsys.readouterr().err

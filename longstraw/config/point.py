@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 from longstraw.config.grpo import GRPOConfig, grouped_objective
+from longstraw.config.pretrain import PretrainConfig
 from longstraw.config.sections import CaptureConfig, ModelConfig, OptimizerConfig
 from longstraw.config.typed import ConfigError, bounded, from_mapping, to_mapping
 
-KINDS = ("step", "capture", "capacity", "sweep", "staleness", "validation")
+KINDS = ("step", "capture", "capacity", "sweep", "staleness", "validation", "pretrain", "length_curve", "learning")
 MODES = ("replay", "hold_all", "naive")
 VALIDATION_MODES = ("response-only", "exact")
 VALIDATION_LEVELS = ("V1", "V2", "V3", "V4")
@@ -114,9 +115,50 @@ class ValidationConfig:
 
 
 @dataclass
+class LengthCurveConfig:
+    """Where a task-trained model (`model.path`) breaks with prompt length (`longstraw.training.length_curve`)."""
+
+    task: dict = field(default_factory=lambda: {"name": "kv_retrieval", "num_needles": 4, "value_length": 2})
+    lengths: list[int] = field(default_factory=lambda: [256, 1024, 4096])
+    depths: Optional[list[float]] = None  # the queried needle's depth per cell (None: random, as trained)
+    examples: int = bounded(32, min=2)  # held-out examples per (length, depth) cell
+    method: Literal["capture", "forward"] = "capture"
+
+    def __post_init__(self):
+        if not self.lengths or min(self.lengths) < 2:
+            raise ValueError(f"lengths: a non-empty list of prompt lengths >= 2, got {self.lengths}")
+        if self.depths is not None and not all(0 <= d <= 1 for d in self.depths):
+            raise ValueError(f"depths: fractions in [0, 1], got {self.depths}")
+
+
+@dataclass
+class LearningConfig:
+    """Does GRPO improve the policy at long context (`longstraw.kinds.learning`)? The trainer from
+    `model.path` on `task` at `prompt.length` positions, once per gradient mode at `optimizer.lr`
+    and once at learning rate 0 (response-only), with the same seeds and prompts; the gain over the
+    lr-0 run on the prompts of the last `window` steps (`longstraw.training.improvement`)."""
+
+    task: dict = field(default_factory=lambda: {"name": "kv_retrieval", "num_needles": 4, "value_length": 2})
+    steps: int = bounded(16, min=2)
+    steps_per_prompt: int = bounded(1, min=1)
+    seed: int = 0
+    num_samples: int = bounded(8, min=2)  # G
+    temperature: float = bounded(1.0, min=0.0)
+    gradients: list[Literal["response-only", "exact"]] = field(default_factory=lambda: ["response-only"])
+    window: int = bounded(8, min=2)  # the last `window` steps' prompts are compared
+
+    def __post_init__(self):
+        if self.window > self.steps:
+            raise ValueError(f"window: {self.window} is more than the {self.steps} steps")
+        if not self.gradients:
+            raise ValueError("gradients: at least one gradient mode")
+
+
+@dataclass
 class PointConfig:
     name: str = "unnamed"
-    kind: Literal["step", "capture", "capacity", "sweep", "staleness", "validation"] = "step"
+    kind: Literal["step", "capture", "capacity", "sweep", "staleness", "validation", "pretrain", "length_curve",
+                  "learning"] = "step"
     cp_size: int = bounded(1, min=1)  # context-parallel ranks; > 1 runs under `torchrun --nproc-per-node cp_size`
     model: ModelConfig = field(default_factory=ModelConfig)
     prompt: PromptConfig = field(default_factory=PromptConfig)
@@ -132,6 +174,9 @@ class PointConfig:
     measure: MeasureConfig = field(default_factory=MeasureConfig)
     staleness: StalenessConfig = field(default_factory=StalenessConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
+    pretrain: PretrainConfig = field(default_factory=PretrainConfig)  # kind pretrain (its own model settings)
+    length_curve: LengthCurveConfig = field(default_factory=LengthCurveConfig)
+    learning: LearningConfig = field(default_factory=LearningConfig)
 
 
 def resolve_point(raw, source: str = "config") -> PointConfig:

@@ -57,11 +57,21 @@ def resolve(raw, source: str = "config") -> PointConfig:
     cfg = raw if isinstance(raw, PointConfig) else resolve_point(raw, source)
     named = ([] if cfg.model.path else [("model.preset", cfg.model.preset)]) + [
         (f"validation.presets[{i}]", name) for i, name in enumerate(cfg.validation.presets)]
+    if cfg.kind == "pretrain":
+        named.append(("pretrain.model", cfg.pretrain.model))
     for key, name in named:
         try:
             check_preset(name)
         except ValueError as exc:
             raise ConfigError(f"{source}: {key}: {exc}") from None
+    for key, spec, active in (("pretrain.task", cfg.pretrain.task, cfg.kind == "pretrain"),
+                              ("length_curve.task", cfg.length_curve.task, cfg.kind == "length_curve"),
+                              ("learning.task", cfg.learning.task, cfg.kind == "learning")):
+        if active:
+            import longstraw.training.synthetic  # noqa: F401  (registers the training tasks: mqar, periodic)
+            from longstraw.training.tasks import check_task_spec
+
+            check_task_spec({**spec, "length": cfg.prompt.length}, f"{source}: {key}")
     if cfg.kind == "staleness" and cfg.staleness.task:
         from longstraw.training.tasks import check_task_spec
 
@@ -139,6 +149,22 @@ def plan(experiments_dir, profile: str) -> dict[str, dict]:
         if points:
             out[experiment["name"]] = {"path": str(path), "title": experiment["title"], "points": points}
     return out
+
+
+def checkpoint_producers(planned: dict) -> dict[str, tuple[str, str]]:
+    """{checkpoint folder: (experiment, point)} of the plan's pretrain points (`pretrain.out`/checkpoint)."""
+    return {str(Path(p["config"].pretrain.out) / "checkpoint"): (experiment, name)
+            for experiment, e in planned.items() for name, p in e["points"].items()
+            if p["config"].kind == "pretrain" and p["config"].pretrain.out}
+
+
+def needs(planned: dict, experiment: str, point: str) -> list[tuple[str, str]]:
+    """The (experiment, point) pairs whose results a point needs first: the pretrain point that
+    writes the checkpoint its `model.path` loads."""
+    cfg = planned[experiment]["points"][point]["config"]
+    path = cfg.model.path if cfg.kind != "pretrain" else None  # a pretrain point builds its own model
+    producer = checkpoint_producers(planned).get(str(Path(path))) if path else None
+    return [producer] if producer else []
 
 
 def launcher(cp_size: int, python: str | None = None) -> str:

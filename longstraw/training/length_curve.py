@@ -1,8 +1,8 @@
 """Where a task-trained model breaks with prompt length: greedy success per (length, needle depth).
 
-    python -m longstraw.training.length_curve runs/tiny-hybrid/checkpoint \\
-        --task '{"name": "kv_retrieval", "num_needles": 4, "value_length": 2}' \\
-        --lengths 512,2048,8192 --depths 0.1,0.5,0.9 --examples 100 --out runs/tiny-hybrid/length_curve.json
+    result = length_curve(model, {"name": "kv_retrieval", "num_needles": 4, "value_length": 2},
+                          lengths=[512, 2048, 8192], depths=[0.1, 0.5, 0.9], examples=100)
+    (a pipeline point of kind `length_curve`: `longstraw.kinds.length_curve`)
 
 Each example goes through the project's own path, as GRPO will see it: `longstraw.capture` of the
 prompt (resident state, no autograd), then `longstraw.training.rollout.sample` greedily
@@ -26,9 +26,7 @@ Chance (`chance_level`): the success of the best strategy that does not use what
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import math
 import sys
 import time
@@ -126,43 +124,3 @@ def length_curve(model, task_spec: dict, lengths, depths=None, examples: int = 6
                       file=sys.stderr, flush=True)
     return {"task": dict(task_spec), "chance": chance_level(build_task({**task_spec, "length": int(lengths[0])}, vocab)),
             "rows": rows, "seed_base": seed_base, "seconds": time.perf_counter() - start}
-
-
-def _numbers(text: str, cast):
-    return [cast(x) for x in text.split(",") if x.strip()]
-
-
-def main(argv=None) -> None:
-    from longstraw.measure.provenance import provenance
-    from longstraw.models import load_pretrained
-    from longstraw.results import write_json_atomic
-    from longstraw.training.pretrain import DTYPES
-
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("checkpoint")
-    parser.add_argument("--task", required=True, help="task spec as JSON (its length is replaced)")
-    parser.add_argument("--lengths", required=True, help="comma-separated prompt lengths")
-    parser.add_argument("--depths", default=None, help="comma-separated needle depths in [0, 1] (default random)")
-    parser.add_argument("--examples", type=int, default=64)
-    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--chunk-size", type=int, default=None)
-    parser.add_argument("--method", default="capture", choices=("capture", "forward"))
-    parser.add_argument("--threads", type=int, default=None)
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    model = load_pretrained(args.checkpoint, dtype=DTYPES[args.dtype], device=args.device)
-    result = length_curve(model, json.loads(args.task), _numbers(args.lengths, int),
-                          _numbers(args.depths, float) if args.depths else None, args.examples,
-                          chunk_size=args.chunk_size, method=args.method)
-    result.update(checkpoint=args.checkpoint, dtype=args.dtype, provenance=provenance(args.device))
-    if args.out:
-        write_json_atomic(args.out, result)
-    print(json.dumps({"chance": result["chance"]["value"], "seconds": result["seconds"],
-                      "rows": [{k: r[k] for k in ("length", "depth", "success", "stderr", "n")} for r in result["rows"]]}))
-
-
-if __name__ == "__main__":
-    main()

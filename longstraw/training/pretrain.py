@@ -1,7 +1,7 @@
 """Pretrain a small preset from random initialisation on a synthetic long-context task.
 
-    python -m longstraw.training.pretrain --model learn-tiny-hybrid --steps 400 --out runs/tiny-hybrid
-    python -m longstraw.training.pretrain --config my_pretrain.yaml --lr 2e-3   # flags override the file
+    longstraw pretrain experiments/examples/pretrain_cpu.yaml [--set steps=400] [--set out=runs/tiny]
+    curve = pretrain(PretrainConfig(model="learn-tiny-hybrid", out="runs/tiny-hybrid"))  # from Python
 
 An ordinary training loop (nanochat style): each step draws one prompt length from `lengths`,
 makes a batch of task examples of that length (every sequence is `prompt + answer[:-1]`, so no
@@ -9,8 +9,8 @@ padding), runs the HF causal LM forward, a masked cross-entropy, backward, gradi
 AdamW with linear warm-up then cosine decay. Every `eval_every` steps (and at the end) it measures
 greedy answer accuracy on held-out examples per prompt length. At the end it writes
 `OUT/checkpoint/` (`save_pretrained`; load it with `longstraw.models.load_pretrained`) and
-`OUT/curve.json` (atomically): per-step loss, the evaluations, the config, provenance, wall
-seconds and tokens per second. The last stdout line is one JSON summary.
+`OUT/curve.json` (both atomically: a checkpoint is there complete or not at all): per-step loss,
+the evaluations, the config, provenance, wall seconds and tokens per second.
 
 Simplifications, stated:
 - Loss `answer` (default): cross-entropy on the answer tokens only (the filler is random, so
@@ -30,90 +30,27 @@ Simplifications, stated:
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import json
 import math
+import shutil
 import random
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from longstraw.config.pretrain import PretrainConfig
+from longstraw.models.policy import DTYPES
+
 TRAIN_SEED_STRIDE = 2**40
 EVAL_SEED_BASE = 2**62
 CURVE_SEED_BASE = 2**62 + 2**40
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class PretrainConfig:
-    """Defaults: the CPU recipe measured for `learn-tiny-hybrid` (README of `longstraw.training`)."""
-
-    # model
-    model: str = "learn-tiny-hybrid"  # a preset of longstraw.models.PRESETS
-    model_overrides: dict = field(default_factory=dict)  # config fields over the preset's
-    dtype: str = "float32"  # parameter (master) dtype
-    autocast: str | None = None  # e.g. "bfloat16" on CUDA: forward/backward in bf16, fp32 master weights
-    device: str = "cpu"
-    seed: int = 0  # model init, length draws, and the training seed range
-    # HF's torch GDN kernel instead of fla's (whose chunk backward fails on Hopper with Triton 3.4-3.7);
-    # None: on CUDA only (on CPU HF takes its torch kernel anyway)
-    hf_torch_gdn: bool | None = None
-    # task (its `length` is set per batch from `lengths`)
-    task: dict = field(default_factory=lambda: {"name": "mqar", "num_needles": 4, "value_length": 2,
-                                                "answer_marker": 0.5})
-    # curriculum: [{"until": step, "lengths": [...] (optional), **task overrides}, ...]; a step before a stage's
-    # `until` (the first such stage) trains on the task with that stage's overrides (and lengths), later steps
-    # on `task` and `lengths` themselves. Default: no ANSWER marker and no filler first (28 = 4 needles of 6
-    # tokens, the query and one spare token), then half-marked without filler, then with filler
-    stages: list[dict] = field(default_factory=lambda: [{"until": 800, "answer_marker": 0.0, "lengths": [28]},
-                                                        {"until": 1600, "lengths": [28]}])
-    # warm-up data mixed in: each step trains on `aux_task` with probability `aux_fraction` (a stage may set
-    # its own "aux_fraction"); e.g. {"name": "periodic"} (look-back heads)
-    aux_task: dict | None = None
-    aux_fraction: float = 0.0
-    lengths: list[int] = field(default_factory=lambda: [32, 64, 128, 256])
-    batch_size: int = 64
-    batch_tokens: int | None = 2048  # when set, batch = max(1, batch_tokens // length)
-    # optimisation
-    steps: int = 2500
-    lr: float = 1e-3
-    warmup_steps: int = 20
-    min_lr_ratio: float = 1.0  # cosine decays to lr * min_lr_ratio (1.0: constant after warm-up)
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.95)
-    grad_clip: float = 1.0
-    loss: str = "answer"  # "answer" | "next_token"
-    # evaluation
-    eval_every: int = 500  # 0: only at the end
-    # default: kv_retrieval with the task's needles and value length (the task GRPO trains on)
-    eval_task: dict | None = field(default_factory=lambda: {"name": "kv_retrieval", "num_needles": 4,
-                                                            "value_length": 2})
-    eval_lengths: list[int] | None = field(default_factory=lambda: [256, 1024, 2048])  # None: the training lengths
-    eval_examples: int = 128
-    eval_batch_size: int = 32
-    # output
-    out: str | None = None  # OUT/checkpoint and OUT/curve.json; None writes nothing
-    progress: bool = True
-
-    def __post_init__(self):
-        if self.loss not in ("answer", "next_token"):
-            raise ValueError(f"loss must be 'answer' or 'next_token', got {self.loss!r}")
-        if self.dtype not in DTYPES or (self.autocast is not None and self.autocast not in DTYPES):
-            raise ValueError(f"dtype / autocast must be one of {sorted(DTYPES)}, got {self.dtype!r}, {self.autocast!r}")
-        if not self.lengths or min(self.lengths) < 2:
-            raise ValueError(f"lengths must be a non-empty list of prompt lengths >= 2, got {self.lengths}")
-        if self.steps < 1 or self.batch_size < 1:
-            raise ValueError(f"steps and batch_size must be >= 1, got {self.steps}, {self.batch_size}")
-        self.lengths = [int(n) for n in self.lengths]
-        self.betas = tuple(self.betas)
 
 
 def lr_factor(step: int, cfg: PretrainConfig) -> float:
@@ -240,7 +177,7 @@ def pretrain(cfg: PretrainConfig) -> dict:
     no_decay = [p for p in model.parameters() if p.ndim < 2]  # norms, biases, GDN A_log / dt_bias
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                                    {"params": no_decay, "weight_decay": 0.0}],
-                                  lr=cfg.lr, betas=cfg.betas, fused=device.type == "cuda")
+                                  lr=cfg.lr, betas=tuple(cfg.betas), fused=device.type == "cuda")
     rng = random.Random(cfg.seed)
     steps, evals, next_example, tokens, train_seconds = [], [], 0, 0, 0.0
 
@@ -305,55 +242,12 @@ def pretrain(cfg: PretrainConfig) -> dict:
     }
     if cfg.out is not None:
         out = Path(cfg.out)
-        model.save_pretrained(out / "checkpoint")
+        partial = out / "checkpoint.partial"
+        shutil.rmtree(partial, ignore_errors=True)
+        model.save_pretrained(partial)
+        shutil.rmtree(out / "checkpoint", ignore_errors=True)
+        partial.rename(out / "checkpoint")
         curve["checkpoint"] = str(out / "checkpoint")
         curve["wall_seconds"] = time.perf_counter() - wall_start
         write_json_atomic(out / "curve.json", curve)
     return curve | {"model": model}
-
-
-def _parse_value(text: str):
-    import yaml
-
-    value = yaml.safe_load(text)
-    if isinstance(value, str):  # YAML 1.1 reads "1e-3" as a string
-        try:
-            return float(value)
-        except ValueError:
-            pass
-    return value
-
-
-def config_from_args(argv=None) -> tuple[PretrainConfig, int | None]:
-    """`--config FILE.yaml|json` then `--FIELD VALUE` overrides (values parsed as YAML: lists, dicts,
-    numbers), and `--threads N` (torch CPU threads)."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--config", help="YAML or JSON file with PretrainConfig fields")
-    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
-    for f in dataclasses.fields(PretrainConfig):
-        parser.add_argument(f"--{f.name}", type=_parse_value, default=argparse.SUPPRESS)
-    args = vars(parser.parse_args(argv))
-    values = {}
-    if args.get("config"):
-        values.update(_parse_value(Path(args.pop("config")).read_text()) or {})
-    args.pop("config", None)
-    threads = args.pop("threads")
-    values.update(args)
-    return PretrainConfig(**values), threads
-
-
-def main(argv=None) -> None:
-    cfg, threads = config_from_args(argv)
-    if threads:
-        torch.set_num_threads(threads)
-    curve = pretrain(cfg)
-    summary = {k: curve[k] for k in ("parameters", "chance", "final_accuracy", "tokens", "train_seconds",
-                                     "tokens_per_second", "wall_seconds")}
-    summary["final_loss"] = curve["steps"][-1]["answer_loss"]
-    summary["out"] = cfg.out
-    print(json.dumps(summary))
-
-
-if __name__ == "__main__":
-    main()

@@ -6,7 +6,7 @@ import sys
 from importlib import resources
 from pathlib import Path
 
-from longstraw.harness.plan import launcher, plan
+from longstraw.harness.plan import launcher, needs, plan
 
 PROFILE = config["profile"]
 RECORDED = config["recorded"]  # experiments/recorded/<RECORDED>/ -> reports/recorded-<RECORDED>/
@@ -38,6 +38,12 @@ def all_point_results():
 
 def experiment_file(wildcards):
     return PLAN[wildcards.experiment]["path"]
+
+
+def needed_results(wildcards):
+    """The results a point needs first (the pretrain point whose checkpoint it loads)."""
+    return [f"results/{PROFILE}/points/{experiment}/{point}.json"
+            for experiment, point in needs(PLAN, wildcards.experiment, wildcards.point)]
 
 
 def point_cp_size(wildcards):

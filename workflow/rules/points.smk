@@ -8,6 +8,7 @@ rule point:
     input:
         experiment=experiment_file,
         schema=SCHEMA,
+        needs=needed_results,
     output:
         "results/{profile}/points/{experiment}/{point}.json",
     log:

@@ -1,0 +1,152 @@
+"""Kind `learning`: does GRPO improve a task-trained policy at long context (validation level V4)?
+
+The GRPO trainer (`longstraw.training.trainer`: rollouts sampled from the resident state, task
+rewards, serial replay, the optimizer step) starts from the checkpoint at `model.path` and trains
+`learning.steps` steps on `learning.task` at `prompt.length` positions, recapturing every step; once
+per gradient mode of `learning.gradients` at `optimizer.lr` (`response-only`: the paper's
+conditional-response gradient; `exact`: the full-sequence one) and once at learning rate 0. All
+runs share the seed, so they visit the same prompts with the same sampling seeds. V4 is reached
+for a gradient mode when its mean reward over the prompts of the last `learning.window` steps
+exceeds the lr-0 run's on the same prompts by more than 3 standard errors of the per-prompt
+differences (`longstraw.training.improvement.paired_gain`).
+
+Report: one row per point (per gradient mode: the gain, its standard error, reached); every
+step's rewards per run in a table of its own; figure: reward per step per run, the mean over a
+window of prompts with its standard-error band."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from longstraw.config import PointConfig
+from longstraw.kinds.columns import ExtraTable, as_dict, number, point_parts, rows_of_points
+
+if TYPE_CHECKING:
+    from longstraw.kinds.common import Progress
+
+UNTRAINED = "lr0"
+
+
+def trainer_mapping(cfg: PointConfig, lr: float, gradient: str, out_dir) -> dict:
+    """One run's `longstraw train` config: the point's model, objective (less the group size) and
+    capture settings, the learning section, `lr` and `gradient`, writing under `out_dir`."""
+    from longstraw.config import to_mapping
+
+    s = cfg.learning
+    grpo = {k: v for k, v in to_mapping(cfg.grpo).items() if k != "num_generations"}
+    return {"model": to_mapping(cfg.model), "task": {**s.task, "length": cfg.prompt.length}, "steps": s.steps,
+            "steps_per_prompt": s.steps_per_prompt, "seed": s.seed,
+            "sampling": {"num_samples": s.num_samples, "max_new_tokens": cfg.responses.length,
+                         "temperature": s.temperature},
+            "grpo": grpo, "optimizer": {"lr": lr, "weight_decay": 0.0}, "capture": to_mapping(cfg.capture),
+            "gradient": gradient, "refresh": {"policy": "every", "every": 1},
+            "output": {"dir": str(out_dir), "checkpoint_every": 0}}
+
+
+def runs_of(cfg: PointConfig) -> list[tuple[str, float, str]]:
+    """(name, learning rate, gradient mode) of every run, the lr-0 baseline last."""
+    return [(g, cfg.optimizer.lr, g) for g in cfg.learning.gradients] + [(UNTRAINED, 0.0, "response-only")]
+
+
+def run(cfg: PointConfig, device, progress: Progress) -> dict:
+    import tempfile
+    from pathlib import Path
+
+    from longstraw.training.trainer import Trainer
+
+    keep = ("step", "prompt", "reward_mean", "rewards", "loss", "grad_norm", "response_tokens", "seconds")
+    runs = {}
+    with tempfile.TemporaryDirectory(prefix="longstraw-learning-") as tmp:
+        for name, lr, gradient in runs_of(cfg):
+            trainer = Trainer(trainer_mapping(cfg, lr, gradient, Path(tmp) / name), source=f"{cfg.name} [{name}]")
+            runs[name] = [{k: step.get(k) for k in keep} for step in trainer.run(resume=False)]
+            progress.line(f"learning {name} (lr {lr:g}): reward per step "
+                          + " ".join(f"{s['reward_mean']:.2f}" for s in runs[name]))
+            progress.partial({"runs": runs})
+            del trainer
+    return {"runs": runs, "gains": gains(runs, cfg.learning.steps - cfg.learning.window),
+            "prompt_positions": cfg.prompt.length}
+
+
+def gains(runs: dict, first_step: int) -> dict:
+    """Each trained run's paired gain over the lr-0 run on the prompts of the steps from `first_step` on."""
+    from longstraw.training.improvement import paired_gain, per_prompt_means
+
+    baseline = per_prompt_means(runs[UNTRAINED], first_step)
+    return {name: paired_gain(per_prompt_means(steps, first_step), baseline)
+            for name, steps in runs.items() if name != UNTRAINED}
+
+
+# ------------------------------------------------------------------------------------------- report
+
+SHOWN = ["model", "prompt_length", "lr", "steps", "window", "G", "response-only_gain", "response-only_gain_se",
+         "response-only_reached", "exact_gain", "exact_gain_se", "exact_reached", "lr0_mean", "wall_seconds"]
+EXTRA_TABLES = {"steps": ExtraTable("Reward per step, per run", ["point", "run", "step", "prompt", "reward_mean",
+                                                                  "grad_norm", "seconds"],
+                                    "Every run visits the same prompts with the same sampling seeds; lr0 is the "
+                                    "same trainer at learning rate 0.")}
+CAPTIONS = {"reward_per_step": "Reward per step of each run (mean over a window of consecutive prompts, band: one "
+                               "standard error over those prompts); lr0: the same trainer at learning rate 0."}
+WINDOW = 4  # prompts per point of the figure's rolling mean
+
+
+def columns(point: dict) -> dict:
+    cfg, metrics = point_parts(point)
+    settings = as_dict(cfg.get("learning"))
+    out = {"lr": number(as_dict(cfg.get("optimizer")).get("lr")), "steps": settings.get("steps"),
+           "window": settings.get("window"), "G": settings.get("num_samples")}
+    for name, gain in as_dict(metrics.get("gains")).items():
+        out.update({f"{name}_gain": number(gain.get("gain")), f"{name}_gain_se": number(gain.get("standard_error")),
+                    f"{name}_reached": gain.get("reached"), f"{name}_mean": number(gain.get("trained_mean")),
+                    "lr0_mean": number(gain.get("untrained_mean"))})
+    return out
+
+
+def tables(points: list[dict]) -> dict:
+    def steps(point):
+        return [{"point": point.get("point"), "run": name, **{k: s.get(k) for k in ("step", "prompt", "reward_mean",
+                                                                                   "grad_norm", "seconds")}}
+                for name, run in as_dict(point_parts(point)[1].get("runs")).items() for s in run]
+    return {"steps": rows_of_points([p for p in points if p.get("kind") == "learning"], steps)}
+
+
+def figures(data, ceiling: dict, marks=()):
+    rows = [r for r in data.of_kind("learning") if r.get("status") == "ok"]
+    if rows and data.extra.get("steps"):
+        yield "reward_per_step", plot_rewards(rows, data.extra["steps"], data.name)
+
+
+def rolling(values: list[float], window: int) -> tuple[list[float], list[float]]:
+    """Mean and standard error over the last `window` values at each position (fewer at the start)."""
+    means, errors = [], []
+    for i in range(len(values)):
+        part = values[max(0, i - window + 1): i + 1]
+        mean = sum(part) / len(part)
+        var = sum((v - mean) ** 2 for v in part) / (len(part) - 1) if len(part) > 1 else 0.0
+        means.append(mean)
+        errors.append(math.sqrt(var / len(part)))
+    return means, errors
+
+
+def plot_rewards(rows, steps, title: str):
+    from longstraw.plotting import draw
+
+    colors = {"response-only": "#dd8452", "exact": "#4c72b0", UNTRAINED: "#8c8c8c"}
+    fig, axes = draw.plt.subplots(1, len(rows), figsize=(7 * len(rows), 4.5), squeeze=False)
+    for ax, row in zip(axes[0], rows):
+        mine = [s for s in steps if s.get("point") == row.get("point")]
+        for name in dict.fromkeys(s["run"] for s in mine):
+            run = sorted((s for s in mine if s["run"] == name), key=lambda s: s["step"])
+            x = [s["step"] for s in run]
+            mean, se = rolling([s["reward_mean"] for s in run], WINDOW)
+            color = colors.get(name, "#55a868")
+            lr = (row.get('lr') or 0) if name != UNTRAINED else 0
+            ax.plot(x, mean, color=color, label=f"{name} (lr {lr:g})")
+            ax.fill_between(x, [m - e for m, e in zip(mean, se)], [m + e for m, e in zip(mean, se)], color=color,
+                            alpha=0.2)
+        ax.set(xlabel="step", ylabel="reward (mean of G samples)", ylim=(-0.02, 1.02),
+               title=f"{title}: {row.get('point')}, {row.get('prompt_length')} positions")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,102 @@
+"""Kind `length_curve`: where a task-trained model (`model.path`) breaks with prompt length: greedy
+success per (prompt length, needle depth) on held-out examples, each captured and decoded from its
+resident state (`longstraw.training.length_curve`). It tells the length at which GRPO has
+something to improve (success low but not zero).
+
+Report: one row per point (the lengths, the task's chance, the longest length still above chance
+by 3 standard errors); one row per cell in a table of its own; figure: success against prompt
+length (log axis), one line per depth, with standard-error bars and the chance level."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+from longstraw.config import PointConfig
+from longstraw.kinds.columns import ExtraTable, as_dict, number, point_parts, rows_of_points
+
+if TYPE_CHECKING:
+    from longstraw.kinds.common import Progress
+
+
+def run(cfg: PointConfig, device, progress: Progress) -> dict:
+    from longstraw.measure.memory import PhaseRecorder
+    from longstraw.models.policy import build_policy
+    from longstraw.training.length_curve import length_curve
+
+    recorder = PhaseRecorder(device)
+    with recorder.phase("weights"):
+        model = build_policy(cfg.model)
+    s = cfg.length_curve
+    with recorder.phase("length_curve"):
+        result = length_curve(model, s.task, s.lengths, s.depths, s.examples, method=s.method,
+                              chunk_size=cfg.capture.chunk_size)
+    return {**result, "phases": recorder.phases}
+
+
+def above_chance(rows: list[dict], chance) -> int | None:
+    """The longest length whose pooled success (over its depths) exceeds chance by 3 standard errors."""
+    found = None
+    for length in sorted({r["length"] for r in rows}):
+        cells = [r for r in rows if r["length"] == length]
+        n = sum(r["n"] for r in cells)
+        p = sum(r["success"] * r["n"] for r in cells) / n
+        if chance is not None and p > chance + 3 * math.sqrt(max(p * (1 - p), 1e-12) / n):
+            found = length
+    return found
+
+
+# ------------------------------------------------------------------------------------------- report
+
+SHOWN = ["model", "lengths", "depths", "examples", "chance", "longest_above_chance", "seconds", "wall_seconds"]
+EXTRA_TABLES = {"cells": ExtraTable("Greedy success by prompt length and needle depth",
+                                    ["point", "length", "depth", "success", "stderr", "n", "seconds"],
+                                    "Held-out examples, each captured and decoded greedily from its resident state; "
+                                    "stderr = sqrt(p (1 - p) / n).")}
+CAPTIONS = {"length_curve": "Greedy success against prompt length (log axis), one line per needle depth, "
+                            "standard-error bars; dotted: the task's chance level."}
+
+
+def columns(point: dict) -> dict:
+    cfg, metrics = point_parts(point)
+    settings, rows = as_dict(cfg.get("length_curve")), metrics.get("rows") or []
+    chance = number(as_dict(metrics.get("chance")).get("value"))
+    return {"lengths": " ".join(str(n) for n in settings.get("lengths") or []) or None,
+            "depths": " ".join(str(d) for d in settings.get("depths") or []) or "random",
+            "examples": settings.get("examples"), "chance": chance,
+            "longest_above_chance": above_chance(rows, chance) if rows else None,
+            "seconds": number(metrics.get("seconds"))}
+
+
+def tables(points: list[dict]) -> dict:
+    def cells(point):
+        return [{"point": point.get("point"), **{k: r.get(k) for k in ("length", "depth", "success", "stderr", "n",
+                                                                        "seconds")}}
+                for r in point_parts(point)[1].get("rows") or []]
+    return {"cells": rows_of_points([p for p in points if p.get("kind") == "length_curve"], cells)}
+
+
+def figures(data, ceiling: dict, marks=()):
+    rows = [r for r in data.of_kind("length_curve") if r.get("status") == "ok"]
+    if rows and data.extra.get("cells"):
+        yield "length_curve", plot_length_curve(rows, data.extra["cells"], data.name)
+
+
+def plot_length_curve(rows, cells, title: str):
+    from longstraw.plotting import draw
+
+    fig, ax = draw.plt.subplots(figsize=(8, 4.8))
+    for i, row in enumerate(rows):
+        mine = [c for c in cells if c.get("point") == row.get("point")]
+        for j, depth in enumerate(sorted({c.get("depth") for c in mine}, key=lambda d: (d is None, d or 0))):
+            at = sorted((c for c in mine if c.get("depth") == depth), key=lambda c: c["length"])
+            ax.errorbar([c["length"] for c in at], [c["success"] for c in at], yerr=[c["stderr"] for c in at],
+                        marker="o", capsize=3, color=draw.POINT_COLORS[(i + j) % len(draw.POINT_COLORS)],
+                        label=f"{row.get('point')}: depth {'random' if depth is None else depth}")
+        if row.get("chance") is not None:
+            ax.axhline(row["chance"], color="#8c8c8c", linestyle=":", label=f"chance {row['chance']:.2f}")
+    ax.set(xscale="log", xlabel="prompt length (positions)", ylabel="greedy success", ylim=(-0.02, 1.02),
+           title=f"{title}: where the model breaks with prompt length")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    return fig

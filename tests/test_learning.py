@@ -1,0 +1,58 @@
+"""The learning kinds end to end on a tiny task: a pretrain point writes a checkpoint, a length-curve
+point and a learning point load it; the learning point's runs share prompts and seeds and its V4
+gain is the paired statistic of its own recorded rewards."""
+
+import pytest
+
+from longstraw.harness.plan import needs
+from longstraw.harness.runner import run_point
+from longstraw.training.improvement import paired_gain, per_prompt_means
+
+TASK = {"name": "counting", "min_count": 0, "max_count": 3}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    out = tmp_path_factory.mktemp("learning") / "tiny"
+    result = run_point({"name": "pretrain", "kind": "pretrain", "pretrain": {
+        "model": "learn-tiny-hybrid", "task": TASK, "stages": [], "eval_task": None, "lengths": [16],
+        "batch_size": 32, "batch_tokens": None, "steps": 150, "lr": 3e-3, "eval_every": 0, "eval_lengths": [16],
+        "eval_examples": 32, "out": str(out), "progress": False}})
+    assert result["status"] == "ok", result.get("error")
+    assert result["metrics"]["loss_curve"] and result["metrics"]["checkpoint"] == str(out / "checkpoint")
+    return str(out / "checkpoint")
+
+
+def test_length_curve_point_reads_the_checkpoint(checkpoint):
+    result = run_point({"name": "curve", "kind": "length_curve", "model": {"path": checkpoint},
+                        "length_curve": {"task": TASK, "lengths": [16, 64], "examples": 8}})
+    assert result["status"] == "ok", result.get("error")
+    rows = result["metrics"]["rows"]
+    assert [(r["length"], r["n"]) for r in rows] == [(16, 8), (64, 8)]
+    assert result["metrics"]["chance"]["value"] == 0.25
+
+
+def test_learning_point_runs_the_same_prompts_and_reports_the_paired_gain(checkpoint):
+    result = run_point({"name": "v4", "kind": "learning", "model": {"path": checkpoint}, "prompt": {"length": 32},
+                        "responses": {"length": 1}, "grpo": {"beta": 0.0}, "optimizer": {"lr": 1e-2},
+                        "learning": {"task": TASK, "steps": 4, "window": 2, "num_samples": 3,
+                                     "gradients": ["response-only", "exact"]}})
+    assert result["status"] == "ok", result.get("error")
+    runs = result["metrics"]["runs"]
+    assert set(runs) == {"response-only", "exact", "lr0"}
+    assert [s["prompt"] for s in runs["lr0"]] == [s["prompt"] for s in runs["exact"]] == [0, 1, 2, 3]
+    # same weights and seeds until the first update: the first step's rollouts and rewards agree
+    assert runs["lr0"][0]["rewards"] == runs["response-only"][0]["rewards"] == runs["exact"][0]["rewards"]
+    for name in ("response-only", "exact"):
+        expected = paired_gain(per_prompt_means(runs[name], 2), per_prompt_means(runs["lr0"], 2))
+        assert result["metrics"]["gains"][name] == pytest.approx(expected)
+
+
+def test_a_point_on_a_checkpoint_waits_for_its_pretrain_point(tmp_path):
+    from longstraw.harness.plan import plan
+
+    (tmp_path / "learning.yaml").write_text((__import__("pathlib").Path(__file__).parents[1] / "experiments" /
+                                             "learning.yaml").read_text())
+    planned = plan(tmp_path, "cpu")
+    assert needs(planned, "learning", "v4-8192") == [("learning", "pretrain")]
+    assert needs(planned, "learning", "pretrain") == []
