@@ -133,8 +133,12 @@ def plot_rewards(rows, steps, title: str):
     from longstraw.plotting import draw
 
     colors = {"response-only": "#dd8452", "exact": "#4c72b0", UNTRAINED: "#8c8c8c"}
-    fig, axes = draw.plt.subplots(1, len(rows), figsize=(7 * len(rows), 4.5), squeeze=False)
-    for ax, row in zip(axes[0], rows):
+    cols = min(3, len(rows))
+    lines = math.ceil(len(rows) / cols)
+    fig, axes = draw.plt.subplots(lines, cols, figsize=(6 * cols, 4.2 * lines), squeeze=False)
+    for ax in axes.flat[len(rows):]:
+        ax.set_visible(False)
+    for ax, row in zip(axes.flat, rows):
         mine = [s for s in steps if s.get("point") == row.get("point")]
         for name in dict.fromkeys(s["run"] for s in mine):
             run = sorted((s for s in mine if s["run"] == name), key=lambda s: s["step"])
@@ -145,8 +149,8 @@ def plot_rewards(rows, steps, title: str):
             ax.plot(x, mean, color=color, label=f"{name} (lr {lr:g})")
             ax.fill_between(x, [m - e for m, e in zip(mean, se)], [m + e for m, e in zip(mean, se)], color=color,
                             alpha=0.2)
-        ax.set(xlabel="step", ylabel="reward (mean of G samples)", ylim=(-0.02, 1.02),
-               title=f"{title}: {row.get('point')}, {row.get('prompt_length')} positions")
+        ax.set(xlabel="step", ylabel="reward (mean of G samples)", ylim=(-0.02, 1.02))
+        ax.set_title(f"{row.get('point')}: {row.get('prompt_length')} positions", fontsize=9)
         ax.legend(fontsize=7)
     fig.tight_layout()
     return fig
