@@ -1,11 +1,12 @@
 """Kind `staleness`: the fresh-prefix oracle (`longstraw.training.oracle`): capture once, train
 `staleness.steps` steps on the stale state, and at each step measure its drift against a fresh
-capture; the derived refresh interval is the largest step count whose loss drift stays under
-`staleness.threshold` (`refresh_interval`, the one definition the run and the report share).
+capture; the derived refresh interval is the number of parameter updates whose loss drift stays
+under `staleness.threshold` (`refresh_interval`, the one definition the run and the report share;
+a step whose group had equal rewards updates nothing and is not counted).
 
 Report: one row per point (its setting, the drift at steps 1 and 2, where the paper states its
-figure, the largest drift and its step, the refresh interval, derived where the result did not
-record it, the last step's measures), one row per oracle step in a table of its own (`drift`),
+figure, the largest drift and its step, the updates made, the refresh interval derived from the
+rows, the last step's measures), one row per oracle step in a table of its own (`drift`),
 the refresh interval in a sentence; figure: the drift measures per step, one line per point, the
 paper's stated band beside them."""
 
@@ -65,7 +66,8 @@ def run(cfg: PointConfig, device, progress: Progress) -> dict:
 # The oracle's per-step measures (longstraw.training.oracle), in the order a step row shows them.
 MEASURES = ("param_drift", "loss_stale", "loss_fresh", "relative_loss_drift", "mean_abs_logprob_diff", "kl_k3",
             "grad_cosine", "grad_norm_stale", "grpo_loss_stale", "grpo_loss_fresh", "reward_mean")
-SHOWN = ["model", "lr", "prompt_positions", "G", "response_length", "steps", "drift_threshold", "refresh_interval",
+SHOWN = ["model", "lr", "prompt_positions", "G", "response_length", "steps", "updates", "drift_threshold",
+         "refresh_interval",
          "threshold_crossed_at_step", "relative_loss_drift_step1", "relative_loss_drift_step2",
          "max_relative_loss_drift", "max_drift_step", "final_param_drift", "final_mean_abs_logprob_diff",
          "final_kl_k3", "final_grad_cosine", "step0_drift_zero", "oracle_seconds", "peak_memory_bytes",
@@ -110,22 +112,36 @@ def _step_rows(rows) -> list[dict]:
 FLOOR_MARGIN = 3.0  # a drift is read as staleness only beyond this multiple of the numerical floor
 
 
-def refresh_interval(rows: list[dict], threshold, floor=0.0) -> int | None:
-    """The largest step count k such that the relative loss drift stays under `threshold` at every
-    step 1..k (a step without a drift ends it); None without a threshold or rows, and None when the
-    threshold lies within FLOOR_MARGIN x the numerical `floor` (the oracle's drift under a parameter
-    perturbation far below one step's): nothing above the floor can be read at that threshold."""
-    rows = _step_rows(rows)
-    if number(threshold) is None or not rows or threshold <= FLOOR_MARGIN * (number(floor) or 0.0):
-        return None
-    interval = 0
+def updating_steps(rows: list[dict]) -> list[dict]:
+    """The oracle steps (after step 0) that moved the parameters: a step whose parameter drift equals
+    the step before's made no update (every reward in its group was equal, so every advantage was
+    zero) and says nothing about staleness. A row without a recorded drift counts as an update."""
+    rows, out, before = _step_rows(rows), [], 0.0
     for row in rows:
         if row["step"] == 0:
             continue
+        drift = number(row.get("param_drift"))
+        if drift is None or drift != before:
+            out.append(row)
+        before = drift if drift is not None else before
+    return out
+
+
+def refresh_interval(rows: list[dict], threshold, floor=0.0) -> int | None:
+    """The number of parameter updates the reused state stays good for: how many updating steps
+    (`updating_steps`) come before the first whose relative loss drift reaches `threshold` (a step
+    without a drift ends the count). None without a threshold, when no step updated the parameters
+    (nothing to read), and when the threshold lies within FLOOR_MARGIN x the numerical `floor` (the
+    oracle's drift under a parameter perturbation far below one step's)."""
+    updates = updating_steps(rows)
+    if number(threshold) is None or not updates or threshold <= FLOOR_MARGIN * (number(floor) or 0.0):
+        return None
+    interval = 0
+    for row in updates:
         drift = number(row.get("relative_loss_drift"))
         if drift is None or drift >= threshold:
             break
-        interval = int(row["step"])
+        interval += 1
     return interval
 
 
@@ -137,9 +153,15 @@ def refresh_interval_sentence(row: dict) -> str:
     interval, threshold = row.get("refresh_interval"), row.get("drift_threshold")
     under = f"under {format_percent(threshold)}" if not is_missing(threshold) else "under the threshold"
     if is_missing(interval):
+        if row.get("status") == "ok" and row.get("updates") == 0:
+            return ("no refresh interval: no step updated the parameters (every group's rewards were equal, so "
+                    "every advantage was zero)")
         return f"no refresh interval: no loss drift measured (status {row.get('status')})"
     interval = int(interval)
-    text = f"{interval} step{'s' if interval != 1 else ''}: the largest step count whose loss drift stays {under}"
+    text = (f"{interval} update{'s' if interval != 1 else ''}: the number of parameter updates whose loss drift "
+            f"stays {under}")
+    if not is_missing(row.get("updates")) and row.get("updates") != row.get("steps_measured"):
+        text += f" ({int(row['updates'])} of the {int(row['steps_measured'])} steps updated the parameters)"
     crossed, measured = row.get("threshold_crossed_at_step"), row.get("steps_measured")
     if not is_missing(crossed):
         text += f" (crossed at step {int(crossed)})"
@@ -162,7 +184,6 @@ def columns(point: dict) -> dict:
     largest = max(after, key=lambda r: r["relative_loss_drift"]) if after else {}
     crossed = next((r["step"] for r in after if threshold is not None and r["relative_loss_drift"] >= threshold),
                    None)
-    recorded = number(metrics.get("refresh_interval"))
     by_step = {r["step"]: r for r in rows}
     peaks = [number(as_dict(p).get("peak_allocated_bytes")) for p in as_dict(metrics.get("phases")).values()]
     peaks = [v for v in peaks if v is not None]
@@ -175,8 +196,10 @@ def columns(point: dict) -> dict:
         "steps": settings.get("steps"),
         "steps_measured": max((r["step"] for r in rows), default=None) if rows else None,
         "drift_threshold": threshold,
-        "refresh_interval": recorded if recorded is not None else refresh_interval(
-            rows, threshold, as_dict(metrics.get("floor")).get("relative_loss_drift", 0.0)),
+        # derived from the rows (the evidence), not read from the result: one definition for every record
+        "refresh_interval": refresh_interval(rows, threshold,
+                                             as_dict(metrics.get("floor")).get("relative_loss_drift", 0.0)),
+        "updates": len(updating_steps(rows)) if rows else None,
         # the drift of a fresh capture after a parameter perturbation far below one step's (the precision's)
         "floor_relative_loss_drift": number(as_dict(metrics.get("floor")).get("relative_loss_drift")),
         "floor_mean_abs_logprob_diff": number(as_dict(metrics.get("floor")).get("mean_abs_logprob_diff")),
@@ -247,6 +270,8 @@ def notes(row: dict, grid) -> list[str]:
     setting = ", ".join(f"{k}={row[k]}" for k in grid if not is_missing(row.get(k)))
     head = f"{row.get('point')}" + (f" ({setting})" if setting else "")
     if row.get("status") != "ok" or is_missing(row.get("refresh_interval")):
+        if row.get("status") == "ok" and row.get("updates") == 0:
+            return [f"{head}: {refresh_interval_sentence(row)}."]
         why = row.get("error") or row.get("report_error") or "no drift measured"
         return [f"{head}: no refresh interval (status {row.get('status')}: {why})."]
     text = f"{head}: refresh interval {refresh_interval_sentence(row)}."
