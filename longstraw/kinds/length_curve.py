@@ -85,15 +85,21 @@ def figures(data, ceiling: dict, marks=()):
 def plot_length_curve(rows, cells, title: str):
     from longstraw.plotting import draw
 
+    styles = ["-", "--", ":", "-."]
     fig, ax = draw.plt.subplots(figsize=(8, 4.8))
+    chances = set()
     for i, row in enumerate(rows):
         mine = [c for c in cells if c.get("point") == row.get("point")]
-        for j, depth in enumerate(sorted({c.get("depth") for c in mine}, key=lambda d: (d is None, d or 0))):
+        depths = sorted({c.get("depth") for c in mine}, key=lambda d: (d is None, d or 0))
+        for j, depth in enumerate(depths):
             at = sorted((c for c in mine if c.get("depth") == depth), key=lambda c: c["length"])
-            ax.errorbar([c["length"] for c in at], [c["success"] for c in at], yerr=[c["stderr"] for c in at],
-                        marker="o", capsize=3, color=draw.POINT_COLORS[(i + j) % len(draw.POINT_COLORS)],
+            shift = 1.04 ** (j - (len(depths) - 1) / 2)  # depths side by side on the log axis, not on top
+            ax.errorbar([c["length"] * shift for c in at], [c["success"] for c in at],
+                        yerr=[c["stderr"] for c in at], marker="os^Dv"[j % 5], capsize=3,
+                        linestyle=styles[j % len(styles)], color=draw.POINT_COLORS[i % len(draw.POINT_COLORS)],
                         label=f"{row.get('point')}: depth {'random' if depth is None else depth}")
-        if row.get("chance") is not None:
+        if row.get("chance") is not None and row["chance"] not in chances:
+            chances.add(row["chance"])
             ax.axhline(row["chance"], color="#8c8c8c", linestyle=":", label=f"chance {row['chance']:.2f}")
     ax.set(xscale="log", xlabel="prompt length (positions)", ylabel="greedy success", ylim=(-0.02, 1.02),
            title=f"{title}: where the model breaks with prompt length")

@@ -72,7 +72,8 @@ SHOWN = ["model", "lr", "prompt_positions", "G", "response_length", "steps", "up
          "max_relative_loss_drift", "max_drift_step", "final_param_drift", "final_mean_abs_logprob_diff",
          "final_kl_k3", "final_grad_cosine", "step0_drift_zero", "oracle_seconds", "peak_memory_bytes",
          "peak_memory_measure", "wall_seconds"]
-STEP_COLUMNS = ["point", "lr", "step", "status", "param_drift", "loss_stale", "loss_fresh", "relative_loss_drift",
+STEP_COLUMNS = ["point", "lr", "step", "status", "updated", "param_drift", "loss_stale", "loss_fresh",
+                "relative_loss_drift",
                 "under_threshold", "mean_abs_logprob_diff", "kl_k3", "grad_cosine", "one_minus_grad_cosine",
                 "grad_norm_stale", "grpo_loss_stale", "grpo_loss_fresh", "response_tokens", "reward_mean", "error",
                 "report_error"]
@@ -82,7 +83,9 @@ EXTRA_TABLES = {
         "One row per oracle step. At every step the policy samples responses from the reused (stale) prompt state, "
         "and on those same responses the stale state is compared with a fresh capture under the current "
         "parameters. Step 0 is the capture itself: fresh equals stale, so its drift is exactly zero (a check, not a "
-        "data point). relative_loss_drift: |L_stale - L_fresh| / L_fresh for the mean response NLL; "
+        "data point). updated: the step changed the parameters (a group whose rewards were all equal has zero "
+        "advantage and changes nothing); relative_loss_drift: |L_stale - L_fresh| / L_fresh for the mean response "
+        "NLL; "
         "under_threshold: below the point's refresh threshold; mean_abs_logprob_diff and kl_k3 (exp(d) - d - 1, "
         "d = log p_fresh - log p_stale) per response token; grad_cosine: cosine of the stale and fresh gradients; "
         "param_drift: L2 norm of the trainable parameters' change since the capture (the trainer's adaptive "
@@ -244,10 +247,10 @@ def drift_rows(point: dict) -> list[dict]:
                  "error": point.get("error"),
                  "report_error": "no per-step rows in the result" if status == "ok" or not point.get("error")
                  else None}]
-    out = []
+    out, updated = [], {r["step"] for r in updating_steps(rows)}
     for row in rows:
         record = {"point": point.get("point"), "kind": "staleness_step", "lr": lr, "step": int(row["step"]),
-                  "status": "ok", "error": None}
+                  "status": "ok", "updated": row["step"] in updated, "error": None}
         record.update({key: number(row.get(key)) for key in MEASURES})
         cosine, drift = record["grad_cosine"], record["relative_loss_drift"]
         record["one_minus_grad_cosine"] = 1.0 - cosine if cosine is not None else None

@@ -1,4 +1,4 @@
-"""The four validation levels of DESIGN.md §6, as far as the results show them: one row per path
+"""The four validation levels (docs/design.md §8), as far as the results show them: one row per path
 (model family x gradient mode x scale: model, prompt positions, device), each level's cell with its
 evidence (numbers) and tolerance, and the highest level the path reached.
 

@@ -8,7 +8,7 @@ are also read as numbers (`reference_marks`) so the plots can draw them beside o
 stated ranges (`band:`, e.g. the staleness drift at steps 1-2).
 
 `op: per_point` gives one row per point of the experiment (e.g. each staleness point's drift at
-steps 1-2, or its refresh interval): its values where `where` matches (a list value matches any of
+steps 1-2, or its refresh interval; `kind` keeps the points of that kind): its values where `where` matches (a list value matches any of
 its items), each named by the `label` column, or with `format: refresh_interval` the derived refresh
 interval in a sentence; a point that did not complete gets its row with its status.
 """
@@ -156,6 +156,8 @@ def per_point_rows(figure: dict, rows: list[dict]) -> list[dict]:
     column, label, where = spec.get("column"), spec.get("label"), spec.get("where") or {}
     out = []
     for point in _point_rows(rows):
+        if spec.get("kind") and point.get("kind") != spec["kind"]:  # an experiment of several kinds
+            continue
         name = point.get("point")
         value = None
         if point.get("status") != "ok":
