@@ -104,7 +104,7 @@ class ValidationConfig:
     presets: list[str] = field(default_factory=list)
     tolerance: Optional[float] = bounded(None, gt=0)
     weights_seed: int = 0
-    window: int = bounded(8, min=1)
+    window: int = bounded(8, min=2)  # V4 pairs the last `window` steps' prompts (at least 2)
     train: dict = field(default_factory=dict)
 
     def __post_init__(self):

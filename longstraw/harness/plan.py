@@ -81,6 +81,14 @@ def resolve(raw, source: str = "config") -> PointConfig:
 
         train = resolve_train(trainer_mapping(cfg, cfg.optimizer.lr, "unused"), f"{source}: validation.train")
         check_task_spec(train.task, f"{source}: validation.train.task")
+        window = cfg.validation.window
+        if window > train.steps:
+            raise ConfigError(f"{source}: validation.window: {window} is more than the trainer's "
+                              f"{train.steps} steps (validation.train.steps)")
+        prompts = len({step // train.steps_per_prompt for step in range(train.steps - window, train.steps)})
+        if prompts < 2:  # V4 pairs prompts: one cannot give a standard error
+            raise ConfigError(f"{source}: validation.window: the last {window} steps visit {prompts} prompt "
+                              f"({train.steps_per_prompt} steps per prompt); V4 needs at least 2")
     return cfg
 
 

@@ -102,7 +102,9 @@ CAPTIONS = {
                       "KL k3 (stale || fresh). Bottom: 1 - cosine of the stale and fresh gradients; the parameter "
                       "drift since the capture (the trainer's adaptive refresh signal); and the loss drift against "
                       "that signal, each marker labelled with its step. Step 0 is the capture itself (drift exactly "
-                      "zero by construction) and is not drawn on the log scales.",
+                      "zero by construction) and is not drawn on the log scales. Dotted, where a point measured it: its "
+                      "numerical floor (the drift of a fresh capture after a random parameter perturbation far "
+                      "below one step's, in the same precision); drift at or under it is not staleness.",
 }
 
 
@@ -341,6 +343,12 @@ def plot_drift(points: list[dict], drift: list[dict], grid, title: str, bands=()
             xs, ys = _positive(rows, key, scale)
             if xs:
                 ax.plot(xs, ys, marker="o", markersize=4, color=color, label=label)
+        # the point's numerical floor (drift under a perturbation far below one step's): read only above it
+        for ax, key, scale in ((loss_ax, "floor_relative_loss_drift", 100.0),
+                               (logp_ax, "floor_mean_abs_logprob_diff", 1.0)):
+            if number(point.get(key)):
+                ax.axhline(point[key] * scale, color=color, linestyle=":", linewidth=1.2,
+                           label=f"{label}: numerical floor" if ax is loss_ax else None)
         xs = [r["step"] for r in rows if r.get("param_drift") is not None]
         param_ax.plot(xs, [r["param_drift"] for r in rows if r.get("param_drift") is not None], marker="o",
                       markersize=4, color=color, label=label)

@@ -30,12 +30,10 @@ level gives {level, reached (True / False; None: not run), tolerance, evidence (
   prompt-side term by design, so it is not reached; its evidence is the gap: the cosine between our
   gradient and the full one, and ||g_full - g|| / ||g_full||, the relative norm of the dropped term.
 - V4 policy improvement: the trainer (`longstraw.training.trainer`, response-only) on a verifiable task, run
-  twice from the same weights and seeds: with the point's learning rate and with 0. Pooling the
-  per-response rewards of the first k steps (F), the last k steps (L) and the lr-0 run's last k
-  steps (Z), reached when mean(L) - mean(F) > 3 SE(L, F) and mean(L) - mean(Z) > 3 SE(L, Z), with
-  SE(A, B) = sqrt(s_A^2 / n_A + s_B^2 / n_B) from sample variances. Simplification: responses of one
-  step share a prompt and parameters, so they are not independent; the SE treats them as if they
-  were (it understates the noise where a step's responses agree).
+  twice from the same weights and seeds, so on the same prompts: with the point's learning rate and
+  with 0. Reached when the paired gain over the last `window` steps' prompts (per-prompt mean reward,
+  trained minus lr-0) exceeds 3 standard errors of those differences
+  (`longstraw.training.improvement.paired_gain`, the rule the learning kind uses too).
 
 Report: one row per point (how many of its paths reached each level), and one row per path in a
 table of its own (`paths`: each level's state and its evidence in words and numbers) that the
@@ -65,7 +63,6 @@ if TYPE_CHECKING:
 MODES, LEVELS = VALIDATION_MODES, VALIDATION_LEVELS
 TOLERANCES = {"float32": 1e-4, "float64": 1e-4, "bfloat16": 2e-2, "float16": 2e-2}
 NOISE_FACTOR = 2.0  # low precision: our error to float32 may be this multiple of HF's own
-SIGMAS = 3.0  # V4: the gain must exceed this many standard errors
 V1_TOLERANCE = ("finite loss and gradient norm, resident fingerprint unchanged after all replays; CUDA: every "
                 "phase's peak allocated bytes below the device's total memory (CPU: completed, no ceiling)")
 
@@ -267,56 +264,27 @@ def execute(model, prompt, responses, rewards, cfg: PointConfig, mode: str, devi
 
 # ---------------------------------------------------------------------------------------------- V4
 
-def _mean_var(values: list[float]) -> tuple[float, float, int]:
-    n = len(values)
-    mean = sum(values) / n
-    var = sum((v - mean) ** 2 for v in values) / (n - 1) if n > 1 else 0.0
-    return mean, var, n
-
-
-def _gain(a: list[float], b: list[float]) -> tuple[float, float]:
-    """mean(a) - mean(b) and its standard error sqrt(s_a^2 / n_a + s_b^2 / n_b)."""
-    (ma, va, na), (mb, vb, nb) = _mean_var(a), _mean_var(b)
-    return ma - mb, math.sqrt(va / na + vb / nb)
-
-
-def improvement_decision(trained: list[list[float]], untrained: list[list[float]], window: int,
-                         sigmas: float = SIGMAS) -> tuple[bool, dict]:
-    """V4's rule on per-step lists of per-response rewards (the module docstring states it)."""
-    if window < 1 or 2 * window > len(trained) or window > len(untrained):
-        raise ValueError(f"window {window} needs at least {2 * window} trained steps and {window} lr-0 steps; "
-                         f"got {len(trained)} and {len(untrained)}")
-    first = [r for step in trained[:window] for r in step]
-    last = [r for step in trained[-window:] for r in step]
-    baseline = [r for step in untrained[-window:] for r in step]
-    over_first, se_first = _gain(last, first)
-    over_baseline, se_baseline = _gain(last, baseline)
-    reached = over_first > sigmas * se_first and over_baseline > sigmas * se_baseline
-    return reached, {
-        "first_mean": _mean_var(first)[0], "last_mean": _mean_var(last)[0], "lr0_last_mean": _mean_var(baseline)[0],
-        "gain_over_first": over_first, "gain_over_first_se": se_first,
-        "gain_over_lr0": over_baseline, "gain_over_lr0_se": se_baseline,
-        "window_steps": window, "responses_per_window": len(last), "steps": len(trained), "sigmas": sigmas,
-    }
-
-
 def policy_improvement(cfg: PointConfig, scale: dict, progress: Progress) -> dict:
     from longstraw.training.trainer import Trainer
+
+    from longstraw.training.improvement import SIGMAS, paired_gain, per_prompt_means
 
     window = cfg.validation.window
     runs = {}
     with tempfile.TemporaryDirectory(prefix="longstraw-v4-") as tmp:
         for name, lr in (("trained", cfg.optimizer.lr), ("untrained", 0.0)):
             trainer = Trainer(trainer_mapping(cfg, lr, Path(tmp) / name), source="validation.train")
-            runs[name] = [m["rewards"] for m in trainer.run(resume=False)]
+            runs[name] = trainer.run(resume=False)
             progress.line(f"V4 {name} run (lr {lr:g}): mean reward per step "
-                          + " ".join(f"{sum(r) / len(r):.2f}" for r in runs[name]))
-    reached, evidence = improvement_decision(runs["trained"], runs["untrained"], window)
-    evidence["lr"] = cfg.optimizer.lr
+                          + " ".join(f"{sum(m['rewards']) / len(m['rewards']):.2f}" for m in runs[name]))
+    first_step = len(runs["trained"]) - window  # the plan checked that the window fits the run
+    evidence = paired_gain(per_prompt_means(runs["trained"], first_step),
+                           per_prompt_means(runs["untrained"], first_step))
+    evidence.update(lr=cfg.optimizer.lr, window_steps=window, steps=len(runs["trained"]))
     task = trainer.cfg.task
-    stated = (f"mean reward of the last {window} steps above the first {window} steps' and above the lr-0 run's "
-              f"last {window} steps', each by more than {SIGMAS:g} standard errors (per-response rewards pooled)")
-    return level("V4", reached, stated, evidence, {**scale, "prompt_positions": task.get("length")},
+    stated = (f"paired gain over the lr-0 run on the last {window} steps' prompts (per-prompt mean reward, same "
+              f"prompts and seeds) above {SIGMAS:g} standard errors of the differences")
+    return level("V4", evidence["reached"], stated, evidence, {**scale, "prompt_positions": task.get("length")},
                  f"trainer on {task.get('name')} ({', '.join(f'{k}={v}' for k, v in task.items() if k != 'name')}), "
                  f"{trainer.cfg.sampling.num_samples} responses per step")
 
@@ -369,8 +337,8 @@ def describe(entry: dict) -> str:
 
 
 KEY_EVIDENCE = ("relative_error", "dropped_term_relative_norm", "cosine", "loss", "grad_norm", "state_unchanged",
-                "peak_allocated_bytes", "prefix_backward_over_capture", "first_mean", "last_mean", "lr0_last_mean",
-                "gain_over_first_se", "gain_over_lr0_se")
+                "peak_allocated_bytes", "prefix_backward_over_capture", "gain", "standard_error", "trained_mean",
+                "untrained_mean")
 
 
 def run(cfg: PointConfig, device, progress: Progress) -> dict:
@@ -408,8 +376,8 @@ def cell(entry: dict) -> str:
         return f"{state} (gap {e['dropped_term_relative_norm']:.3g}, cos {e['cosine']:.3f})"
     if "relative_error" in e:
         return f"{state} (err {e['relative_error']:.2g})"
-    if "last_mean" in e:
-        return f"{state} ({e['first_mean']:.2f}->{e['last_mean']:.2f}, lr0 {e['lr0_last_mean']:.2f})"
+    if "trained_mean" in e:
+        return f"{state} ({e['trained_mean']:.2f} vs lr0 {e['untrained_mean']:.2f})"
     return state
 
 
@@ -484,11 +452,9 @@ def _parity_text(e: dict) -> str:
 
 
 def _v4_text(e: dict) -> str:
-    k = e["window_steps"]
-    return (f"mean reward: first {k} steps {e['first_mean']:.3f}, last {k} steps {e['last_mean']:.3f} (gain "
-            f"{e['gain_over_first']:.3f}, SE {e['gain_over_first_se']:.3f}); lr-0 run's last {k} steps "
-            f"{e['lr0_last_mean']:.3f} (gain {e['gain_over_lr0']:.3f}, SE {e['gain_over_lr0_se']:.3f}); "
-            f"{e['responses_per_window']} responses per window, {e['steps']} steps, lr {_g(e.get('lr'))}")
+    return (f"mean reward on the last {e['window_steps']} steps' {e['prompts']} prompts: {e['trained_mean']:.3f} "
+            f"trained, {e['untrained_mean']:.3f} at lr 0 (paired gain {e['gain']:.3f}, SE {e['standard_error']:.3f}); "
+            f"{e['steps']} steps, lr {_g(e.get('lr'))}")
 
 
 LEVEL_TEXT = {"V1": _v1_text, "V2": _parity_text, "V3": _parity_text, "V4": _v4_text}

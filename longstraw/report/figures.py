@@ -17,7 +17,8 @@ from longstraw import kinds
 from longstraw.kinds.columns import ExperimentData
 from longstraw.plotting.draw import save_png
 from longstraw.report.aggregate import grid_columns, records
-from longstraw.report.paper import load_paper, reference_marks
+from longstraw.report import memory_vs_length
+from longstraw.report.paper import load_paper, memory_points, reference_marks
 from longstraw.report.store import MANIFEST, Tables, read_tables
 from longstraw.results import write_json_atomic
 
@@ -39,14 +40,26 @@ def remove_stale_figures(folder: Path, current) -> None:
             png.unlink()
 
 
+SUMMARY = "summary"  # the figures drawn across experiments, shown beside the paper's figures
+
+
 def make_figures(tables_dir, out_dir, marks: dict | None = None) -> dict[str, Path]:
-    """Every figure the tables in `tables_dir` support, as `<out_dir>/<experiment>.<figure>.png`,
-    and `<out_dir>/manifest.json`. `marks`: {experiment: the paper's figures to draw beside ours}
-    (default: the paper's, `paper.reference_marks`). Returns {"<experiment>/<figure>": path}."""
+    """Every figure the tables in `tables_dir` support, as `<out_dir>/<experiment>.<figure>.png`
+    (figures across experiments as `summary.<figure>.png`), and `<out_dir>/manifest.json`. `marks`:
+    {experiment: the paper's figures to draw beside ours} (default: the paper's,
+    `paper.reference_marks`). Returns {"<experiment>/<figure>": path}."""
     tables, out_dir = read_tables(tables_dir), Path(out_dir)
     ceiling = tables.manifest["ceiling"]
-    marks = reference_marks(load_paper()) if marks is None else marks
+    paper = load_paper()
+    marks = reference_marks(paper) if marks is None else marks
     drawn, entries = {}, []
+    fig = memory_vs_length.plot_memory_vs_length(memory_vs_length.memory_rows(tables), ceiling,
+                                                 memory_points(paper))
+    if fig is not None:
+        key = f"{SUMMARY}/{memory_vs_length.FIGURE}"
+        drawn[key] = save_png(fig, out_dir / f"{SUMMARY}.{memory_vs_length.FIGURE}.png")
+        entries.append({"key": key, "experiment": SUMMARY, "file": drawn[key].name,
+                        "caption": memory_vs_length.CAPTION})
     for name in tables.manifest["experiments"]:
         data = experiment_data(tables, name)
         for module in kinds.modules():

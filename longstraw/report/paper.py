@@ -25,7 +25,7 @@ from longstraw.kinds.staleness import refresh_interval_sentence
 from longstraw.plotting.formatting import exact_value, format_number, format_value, is_missing
 
 NOT_MEASURED = "not yet measured"
-EMPTY_PAPER = {"setup": {}, "experiments": [], "figures": [], "standing": {}, "paths": []}
+EMPTY_PAPER = {"setup": {}, "experiments": [], "figures": [], "standing": {}, "paths": [], "memory_points": []}
 # What the two trainable-parameter counts cover, so they are not read as the same adapter: the
 # paper's 116.7M is LoRA r=16 on the attention, GDN and MLP projections; ours (longstraw/lora.py
 # LORA_TARGETS) puts LoRA on the attention and GDN projections only.
@@ -47,6 +47,13 @@ def load_paper(path=None) -> dict:
         return {**EMPTY_PAPER, "missing": str(path)}
     data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     return {**EMPTY_PAPER, **{k: v for k, v in data.items() if v is not None}}
+
+
+def memory_points(paper: dict) -> list[dict]:
+    """The paper's operating points as {"positions", "bytes" (its GB as 10^9 bytes), "text"}."""
+    return [{"positions": int(p["positions"]), "bytes": float(p["gb"]) * 1e9, "text": str(p.get("text", ""))}
+            for p in paper.get("memory_points") or []
+            if isinstance(p, dict) and isinstance(p.get("positions"), int) and isinstance(p.get("gb"), (int, float))]
 
 
 def _matches(row: dict, key: str, wanted) -> bool:

@@ -31,6 +31,7 @@ from longstraw import kinds
 from longstraw.plotting.formatting import column_label, exact_value, format_value, is_missing
 from longstraw.report.aggregate import experiment_order, grid_columns, records, status_counts
 from longstraw.report.levels import all_paths, levels_table, paper_paths
+from longstraw.report.figures import SUMMARY
 from longstraw.report.paper import compare_figures, load_paper, scale_rows
 from longstraw.report.store import MANIFEST, Tables, read_tables
 from longstraw.results import STATUSES, atomic_path, write_text_atomic
@@ -286,7 +287,8 @@ def build_context(tables: Tables, figures: list[dict], out_dir, recorded: Tables
         "targets": targets_view(tables),
         "paper": {"missing": paper.get("missing", ""),
                   "scale": scale_rows(paper, [r for df in frames.values() for r in records(df)], ceiling),
-                  "figures": figures_beside},
+                  "figures": figures_beside,
+                  "summary_figures": [f for f in figures if f["experiment"] == SUMMARY]},
         "validation": {"levels": levels_table(paths, paper.get("standing") or {}), "paths": paths,
                        "paper_paths": paper_paths(paper)},
         "experiments": sections,
