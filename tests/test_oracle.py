@@ -1,6 +1,8 @@
 """The staleness oracle: zero drift where the stale and fresh states must agree, growing drift
 once training moves the parameters, and the refresh interval read off by hand-made rows."""
 
+import types
+
 import pytest
 import torch
 
@@ -73,3 +75,46 @@ def test_staleness_point_records_rows_and_interval():
     assert result["status"] == "ok", result.get("error")
     m = result["metrics"]
     assert [r["step"] for r in m["rows"]] == [0, 1, 2] and m["refresh_interval"] == 2
+
+
+class _SeedGatedTask:
+    """A stand-in task: every example's reward is 0 except seed 12's, whose reward is the parity of
+    the response's first token (so a group of 8 sampled responses almost surely has both)."""
+
+    def __init__(self, length, vocab):
+        self.length, self.vocab = length, vocab
+
+    def make(self, seed):
+        ids = torch.randint(0, self.vocab, (self.length,), generator=torch.Generator().manual_seed(seed))
+        return types.SimpleNamespace(prompt_ids=ids, seed=seed)
+
+    def reward(self, example, response):
+        return float(int(response[0]) % 2) if example.seed == 12 else 0.0
+
+
+def _search_config(tries: int):
+    from longstraw.config import resolve_point
+
+    return resolve_point({"kind": "staleness", "model": {"preset": "tiny-llama"}, "prompt": {"length": 24, "seed": 10},
+                          "responses": {"count": 8, "length": 2}, "capture": {"chunk_size": 8},
+                          "staleness": {"prompt_search": tries}})
+
+
+def test_prompt_search_finds_the_first_prompt_whose_group_rewards_differ():
+    from longstraw.kinds.staleness import learnable_example
+
+    model = build_model("tiny-llama")
+    task = _SeedGatedTask(24, model.config.vocab_size)
+    cfg = _search_config(5)
+    example, found = learnable_example(model, task, cfg, torch.device("cpu"))
+    assert example.seed == 12 and found["prompt_seed"] == 12 and found["prompts_tried"] == 3
+    assert len(set(found["first_group_rewards"])) == 2
+    # the oracle's own step 0 draws that same group on that prompt
+    result = staleness_oracle(model, example.prompt_ids, torch.optim.SGD(model.parameters(), lr=0.0),
+                              grpo.GRPOConfig(beta=0.0, num_generations=8), steps=0, num_samples=8,
+                              max_new_tokens=2, seed=cfg.responses.seed,
+                              reward=lambda responses: [task.reward(example, y) for y in responses])
+    assert result.rows[0]["reward_mean"] == pytest.approx(sum(found["first_group_rewards"]) / 8)
+    # fewer tries than needed: the last seed tried, its group's equal rewards stated
+    example, found = learnable_example(model, task, _search_config(2), torch.device("cpu"))
+    assert found["prompt_seed"] == 11 and found["prompts_tried"] == 2 and set(found["first_group_rewards"]) == {0.0}

@@ -1050,3 +1050,36 @@ def test_the_memory_figure_sits_beside_the_paper_figures(gpu_built):
     images = [src for src in _parse(paper).images]
     assert images == ["figures/summary.memory_vs_length.png"]
     assert (gpu_built["out"] / images[0]).read_bytes()[:8] == PNG_SIGNATURE
+
+
+@pytest.mark.parametrize("fixture", ["built", "gpu_built"])
+def test_every_figure_fits_its_canvas(fixture, request, tmp_path, monkeypatch):
+    """Every figure of the test reports, drawn again: no axes, title, tick label or legend leaves
+    the figure, no two legends overlap, no annotation lies under a legend (`layout_problems`)."""
+    from longstraw.plotting import draw
+    from longstraw.report import figures
+
+    found, save = {}, draw.save_png
+
+    def checked(fig, path):
+        fig.tight_layout()
+        found[Path(path).name] = draw.layout_problems(fig)
+        return save(fig, path)
+
+    monkeypatch.setattr(figures, "save_png", checked)
+    drawn = make_figures(request.getfixturevalue(fixture)["out"] / "tables", tmp_path)
+    assert len(found) == len(drawn) >= 5
+    assert {name: problems for name, problems in found.items() if problems} == {}
+
+
+def test_layout_problems_sees_a_title_outside_and_overlapping_legends():
+    from longstraw.plotting import draw
+
+    fig, ax = draw.plt.subplots(figsize=(3, 2))
+    ax.plot([0, 1], [0, 1], label="a line with a long label")
+    ax.set_title("a title far too long for a figure three inches wide, so it must reach outside it")
+    ax.legend(loc="upper left")
+    fig.legend(["the same place"], loc="upper left", bbox_to_anchor=(0.1, 0.9))
+    problems = draw.layout_problems(fig)
+    draw.plt.close(fig)
+    assert any("outside" in p for p in problems) and "two legends overlap" in problems

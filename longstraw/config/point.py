@@ -90,6 +90,9 @@ class StalenessConfig:
     # a task spec: the prompt is its example (seed prompt.seed, length prompt.length) and the rewards are
     # its rewards; empty: a seeded random prompt and uniform random rewards (a model no task reward moves)
     task: dict = field(default_factory=dict)
+    # with a task: how many prompt seeds (from prompt.seed on) to try for one whose first group's rewards
+    # differ, so that the first step updates the parameters (1: prompt.seed whatever its rewards)
+    prompt_search: int = bounded(1, min=1)
 
 
 @dataclass

@@ -30,10 +30,11 @@ def run(cfg: PointConfig, device, progress: Progress) -> dict:
 
     recorder = PhaseRecorder(device)
     model, vocab, prompt = policy_and_prompt(cfg, recorder)
-    reward = None
+    reward, search = None, {}
     if cfg.staleness.task:
         task = build_task({**cfg.staleness.task, "length": cfg.prompt.length}, vocab)
-        example = task.make(cfg.prompt.seed)
+        with recorder.phase("prompt_search"):
+            example, search = learnable_example(model, task, cfg, device)
         prompt = example.prompt_ids.to(device)
 
         def task_reward(responses):
@@ -43,7 +44,7 @@ def run(cfg: PointConfig, device, progress: Progress) -> dict:
     threshold, rows, floor = cfg.staleness.threshold, [], {}
 
     def metrics():
-        return {"rows": rows, "threshold": threshold, "floor": floor,
+        return {"rows": rows, "threshold": threshold, "floor": floor, **search,
                 "refresh_interval": refresh_interval(rows, threshold, floor.get("relative_loss_drift", 0.0)),
                 "prompt_positions": int(prompt.numel()), "phases": recorder.phases}
 
@@ -59,6 +60,31 @@ def run(cfg: PointConfig, device, progress: Progress) -> dict:
                                   floor_perturbation=cfg.staleness.floor_perturbation, reward=reward)
         floor.update(result.floor)
     return metrics()
+
+
+def learnable_example(model, task, cfg: PointConfig, device) -> tuple[object, dict]:
+    """The task's first example from `prompt.seed` on (at most `staleness.prompt_search` seeds)
+    whose group at the oracle's step 0 (the same sampling seed) has unequal rewards, so the first
+    step updates the parameters; the last one tried when none does. Returns it and
+    {"prompt_seed", "prompts_tried", "first_group_rewards"}."""
+    from longstraw.core.transaction import capture
+    from longstraw.kinds.common import capture_kwargs
+    from longstraw.training.oracle import step_sampling
+    from longstraw.training.rollout import sample
+
+    tries = cfg.staleness.prompt_search
+    for i in range(tries):
+        seed = cfg.prompt.seed + i
+        example = task.make(seed)
+        if tries == 1:
+            return example, {"prompt_seed": seed, "prompts_tried": 1}
+        state = capture(model, example.prompt_ids.to(device), **capture_kwargs(cfg))
+        responses = sample(model, state, step_sampling(cfg.responses.count, cfg.responses.length,
+                                                      cfg.responses.seed, step=0)).responses
+        del state
+        rewards = [float(task.reward(example, y)) for y in responses]
+        if len(set(rewards)) > 1 or i == tries - 1:
+            return example, {"prompt_seed": seed, "prompts_tried": i + 1, "first_group_rewards": rewards}
 
 
 # ------------------------------------------------------------------------------------------- report
@@ -209,6 +235,9 @@ def columns(point: dict) -> dict:
         "floor_relative_loss_drift": number(as_dict(metrics.get("floor")).get("relative_loss_drift")),
         "floor_mean_abs_logprob_diff": number(as_dict(metrics.get("floor")).get("mean_abs_logprob_diff")),
         "threshold_crossed_at_step": crossed,
+        # the task example the oracle ran on (a prompt search tries seeds until a group's rewards differ)
+        "prompt_seed": number(metrics.get("prompt_seed")),
+        "prompts_tried": number(metrics.get("prompts_tried")),
         "relative_loss_drift_step1": number(by_step.get(1, {}).get("relative_loss_drift")),
         "relative_loss_drift_step2": number(by_step.get(2, {}).get("relative_loss_drift")),
         "max_relative_loss_drift": number(largest.get("relative_loss_drift")),

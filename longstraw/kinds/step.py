@@ -8,6 +8,8 @@ ceiling, peak memory against G per mode (when G varies), time per member, second
 
 from __future__ import annotations
 
+import textwrap
+
 from typing import TYPE_CHECKING
 
 from longstraw.config import PointConfig
@@ -137,8 +139,9 @@ def plot_memory_vs_ceiling(rows, grid, ceiling, cuda: bool, title: str):
     measure = "peak_allocated_bytes" if cuda else "peak_rss_bytes"
     phases = [p for p in STEP_PHASES if any(r.get(f"{p}_{measure}") is not None for r in rows)]
     labels = [draw.point_label(r, grid) for r in rows]
-    fig, (top, bottom) = draw.plt.subplots(2, 1, figsize=(min(18, 5 + 0.75 * len(rows) * max(1, len(phases)) / 3),
-                                                          8.5))
+    width = min(18, max(9, 5 + 0.75 * len(rows) * max(1, len(phases)) / 3))
+    fig, (top, bottom) = draw.plt.subplots(2, 1, figsize=(width, 8.5))
+    wrap = int(width * 11)  # title characters a line holds at this width (fontsize 9)
     peaks = [r.get(f"{p}_{measure}") for r in rows for p in phases] + [r.get("peak_memory_bytes") for r in rows]
     ok_peaks = [r.get(f"{p}_{measure}") for r in draw.ok(rows) for p in phases] + [r.get("peak_memory_bytes")
                                                                                    for r in draw.ok(rows)]
@@ -158,7 +161,8 @@ def plot_memory_vs_ceiling(rows, grid, ceiling, cuda: bool, title: str):
     what = "peak allocated (torch.cuda.max_memory_allocated per phase)" if cuda else \
         "process peak RSS up to the end of each phase (CPU; monotone over a run)"
     top.set_ylabel(f"{unit}" + (" (log scale)" if log else ""))
-    top.set_title(f"{title}: {what}\nceiling: {stated}", fontsize=9)
+    top.set_title(textwrap.fill(f"{title}: {what}", wrap) + "\n" + textwrap.fill(f"ceiling: {stated}", wrap),
+                  fontsize=9)
     top.set_xticks(range(len(rows)), labels, rotation=30, ha="right", fontsize=8)
     top.legend(fontsize=7, loc="best", ncols=3)
 
@@ -181,8 +185,8 @@ def plot_memory_vs_ceiling(rows, grid, ceiling, cuda: bool, title: str):
         unit2 += " (log scale)"
     draw.mark_failed_bars(bottom, rows)
     bottom.set_ylabel(unit2)
-    bottom.set_title("autograd saved-tensor peak and resident state per point (naive mode has no resident state)",
-                     fontsize=9)
+    bottom.set_title(textwrap.fill("autograd saved-tensor peak and resident state per point (naive mode has no "
+                                   "resident state)", wrap), fontsize=9)
     bottom.set_xticks(range(len(rows)), labels, rotation=30, ha="right", fontsize=8)
     bottom.legend(fontsize=7, loc="best")
     return fig

@@ -8,6 +8,8 @@ CPU; each figure says which, and where its ceiling comes from (`longstraw.plotti
 
 from __future__ import annotations
 
+import sys
+
 from pathlib import Path
 
 import matplotlib
@@ -98,10 +100,39 @@ def bar_positions(n: int, k: int, width: float = 0.8):
     return [[i - width / 2 + step * (j + 0.5) for i in range(n)] for j in range(k)], step
 
 
+def layout_problems(fig) -> list[str]:
+    """What does not fit on the drawn figure: an axes (with its ticks, labels, title and legend), a
+    figure text or a figure legend reaching outside the figure, legends overlapping each other, and
+    an annotation inside an axes lying under a legend."""
+    fig.canvas.draw()
+    renderer, frame = fig.canvas.get_renderer(), fig.bbox
+    problems = []
+    boxes = [(f"axes {ax.get_title()[:40]!r}", ax.get_tightbbox(renderer)) for ax in fig.axes if ax.get_visible()]
+    boxes += [(f"text {t.get_text()[:40]!r}", t.get_window_extent(renderer)) for t in fig.texts if t.get_text()]
+    boxes += [("figure legend", legend.get_window_extent(renderer)) for legend in fig.legends]
+    for name, box in boxes:
+        if box is not None and (box.x0 < frame.x0 - 1 or box.y0 < frame.y0 - 1 or box.x1 > frame.x1 + 1
+                                or box.y1 > frame.y1 + 1):
+            problems.append(f"{name} reaches outside the figure")
+    legends = [ax.get_legend() for ax in fig.axes if ax.get_legend() is not None] + list(fig.legends)
+    extents = [legend.get_window_extent(renderer) for legend in legends]
+    for i, one in enumerate(extents):
+        problems += ["two legends overlap" for other in extents[i + 1:] if one.overlaps(other)]
+    for ax in fig.axes:
+        for text in ax.texts:
+            if text.get_visible() and text.get_text().strip() and any(
+                    text.get_window_extent(renderer).overlaps(extent) for extent in extents):
+                problems.append(f"annotation {text.get_text()[:40]!r} under a legend")
+    return problems
+
+
 def save_png(fig, path) -> Path:
-    """Write the figure as a PNG atomically and close it."""
+    """Write the figure as a PNG atomically and close it; say on stderr what does not fit
+    (`layout_problems`)."""
     path = Path(path)
     fig.tight_layout()
+    for problem in layout_problems(fig):
+        print(f"figure {path.name}: {problem}", file=sys.stderr)
     with atomic_path(path) as tmp:
         fig.savefig(tmp, format="png", dpi=110)
     plt.close(fig)

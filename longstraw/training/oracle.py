@@ -94,6 +94,11 @@ def numerical_floor(model, prompt_ids, stale, responses, params, perturbation: f
     return {"perturbation_norm": perturbation, **_drift(logp_stale, logp_fresh)}
 
 
+def step_sampling(num_samples: int, max_new_tokens: int, seed: int, step: int) -> SamplingConfig:
+    """How the oracle samples its group at `step` (a prompt search draws step 0's group the same way)."""
+    return SamplingConfig(num_samples=num_samples, max_new_tokens=max_new_tokens, seed=seed * 1_000_003 + step)
+
+
 @dataclass
 class OracleResult:
     rows: list  # one per step 0..steps: the stale state's drift against a fresh capture
@@ -116,8 +121,7 @@ def staleness_oracle(model, prompt_ids, optimizer, config: grpo.GRPOConfig, *, s
             ref_state = capture(model, prompt_ids, **capture_kwargs)
     rows, floor = [], {}
     for step in range(steps + 1):
-        rollouts = sample(model, stale, SamplingConfig(num_samples=num_samples, max_new_tokens=max_new_tokens,
-                                                       seed=seed * 1_000_003 + step))
+        rollouts = sample(model, stale, step_sampling(num_samples, max_new_tokens, seed, step))
         responses, old = rollouts.responses, rollouts.logprobs
         rewards = (torch.tensor(reward(responses), dtype=torch.float32) if reward is not None else
                    torch.rand(num_samples, generator=torch.Generator().manual_seed(seed * 7919 + step)))
