@@ -1083,3 +1083,27 @@ def test_layout_problems_sees_a_title_outside_and_overlapping_legends():
     problems = draw.layout_problems(fig)
     draw.plt.close(fig)
     assert any("outside" in p for p in problems) and "two legends overlap" in problems
+
+
+def test_each_point_is_reproduced_by_a_command_that_works_from_a_clone(gpu_built):
+    """The page's per-point command is the plan's (`longstraw point <experiment file> --profile ...
+    --out results/...`), whatever command the point's own machine ran, and the CLI accepts it."""
+    import shlex
+
+    section = _section(gpu_built["html"], "g_sweep")
+    [command] = re.findall(r'<pre data-point="sweep"># sweep\n(.*?)</pre>', section, re.S)
+    assert command == ("longstraw point experiments/g_sweep.yaml --profile h200 --point sweep "
+                       "--out results/h200/points/g_sweep/sweep.json")
+    args = cli._parser().parse_args(shlex.split(command)[1:])
+    assert (args.point, args.profile, args.out) == ("sweep", "h200", "results/h200/points/g_sweep/sweep.json")
+
+
+def test_the_summary_says_how_many_points_ran_with_what():
+    files = [{"commit": f"c{i % 5}", "date": f"2026-01-0{i % 5 + 1}", "device": "NVIDIA H200", "python": "3.12",
+              "version.bitsandbytes": "0.50.2" if i < 2 else None} for i in range(10)]
+    facts = {f["key"]: f["value"] for f in render.provenance_facts(files)}
+    assert facts["commit"] == "5 commits, from c0 to c4 by date; each experiment's section lists its own"
+    assert facts["bitsandbytes"] == "not installed (8 points), 0.50.2 (2 points)"
+    assert facts["device"] == "NVIDIA H200"
+    few = {f["key"]: f["value"] for f in render.provenance_facts(files[:2])}
+    assert few["commit"] == "c0 (1 point), c1 (1 point)"

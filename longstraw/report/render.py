@@ -28,6 +28,7 @@ import jinja2
 import pandas as pd
 
 from longstraw import kinds
+from longstraw.kinds.columns import as_dict, number
 from longstraw.plotting.formatting import column_label, exact_value, format_value, is_missing
 from longstraw.report.aggregate import experiment_order, grid_columns, records, status_counts
 from longstraw.report.levels import all_paths, levels_table, paper_paths
@@ -92,19 +93,40 @@ def _distinct(values) -> list:
     return sorted({v for v in values if not is_missing(v)}, key=str)
 
 
+def _tally(values, missing: str) -> str:
+    """One value, or each distinct value with how many points have it (`missing` for none)."""
+    counts = Counter(str(v) if not is_missing(v) else missing for v in values)
+    if len(counts) == 1:
+        return next(iter(counts))
+    return ", ".join(f"{value} ({n} point{'s' if n != 1 else ''})" for value, n in counts.most_common())
+
+
+def _commits(files: list[dict]) -> str:
+    """The points' commits: listed when a few, else their count and the first and last by date."""
+    first_seen = {}
+    for f in sorted(files, key=lambda f: str(f.get("date") or "")):
+        if not is_missing(f.get("commit")):
+            first_seen.setdefault(str(f["commit"]), f.get("date"))
+    if len(first_seen) <= 3:
+        return _tally([f.get("commit") for f in files], "not recorded")
+    commits = list(first_seen)
+    return (f"{len(commits)} commits, from {commits[0]} to {commits[-1]} by date; each experiment's section lists "
+            "its own")
+
+
 def provenance_facts(files: list[dict]) -> list[dict]:
-    """Device, commit, date, versions of the points (`files` rows: the tables' `files.csv`)."""
+    """Device, commit, date, versions of the points (`files` rows: the tables' `files.csv`); where
+    points differ, how many have each value."""
     dates = _distinct(f.get("date") for f in files)
     facts = [
-        {"key": "device", "value": ", ".join(_distinct(f.get("device") for f in files)) or "not recorded"},
-        {"key": "commit", "value": ", ".join(_distinct(f.get("commit") for f in files)) or "not recorded"},
+        {"key": "device", "value": _tally([f.get("device") for f in files], "not recorded")},
+        {"key": "commit", "value": _commits(files)},
         {"key": "date", "value": (dates[0] if len(dates) == 1 else f"{dates[0]} to {dates[-1]}") if dates
          else "not recorded"},
-        {"key": "python", "value": ", ".join(_distinct(f.get("python") for f in files)) or "not recorded"},
+        {"key": "python", "value": _tally([f.get("python") for f in files], "not recorded")},
     ]
     for key in VERSION_KEYS:
-        facts.append({"key": key, "value": ", ".join(_distinct(f.get(f"version.{key}") for f in files))
-                      or "not installed"})
+        facts.append({"key": key, "value": _tally([f.get(f"version.{key}") for f in files], "not installed")})
     totals = _distinct(f.get("cuda_total_memory_bytes") for f in files)
     if totals:
         facts.append({"key": "CUDA total memory", "value": ", ".join(format_value("x_bytes", t) for t in totals)})
@@ -116,12 +138,23 @@ def _counts_text(counts: dict) -> str:
 
 
 def commands(profile: str, experiment: str, files: list[dict]) -> dict:
+    """Commands that run this experiment's points again from a clone: the pipeline's, and each
+    point's own (written as the plan writes it, not as the point's machine ran it: a recorded GPU
+    point's output folder exists only there). The profile is the one the points ran under."""
+    from longstraw.harness.plan import point_command
+
+    ran = _distinct(f.get("profile") for f in files)
+    profile = ran[0] if len(ran) == 1 else profile
     targets = [f"results/{profile}/points/{experiment}/{f.get('point')}.json" for f in files]
     return {
         "pipeline": f"snakemake --cores all --config profile={profile}",
         "experiment": (f"snakemake --cores all --config profile={profile} --force " + " ".join(targets))
         if targets else "",
-        "points": [{"point": str(f.get("point")), "command": f.get("command") or "not recorded"} for f in files],
+        "points": [{"point": str(f.get("point")),
+                    "command": point_command(f"experiments/{experiment}.yaml", f.get("profile") or profile,
+                                             str(f.get("point")), target,
+                                             int(number(as_dict(f.get("config")).get("cp_size")) or 1))}
+                   for f, target in zip(files, targets)],
     }
 
 
@@ -283,6 +316,7 @@ def build_context(tables: Tables, figures: list[dict], out_dir, recorded: Tables
                              "total": sum(s["counts"].values()), **s["counts"]} for s in sections],
             "provenance": provenance_facts(files),
             "ceiling": ceiling["label"],
+            "cpu": ceiling.get("source") != "cuda_total_memory",
         },
         "targets": targets_view(tables),
         "paper": {"missing": paper.get("missing", ""),
