@@ -7,7 +7,7 @@ sweep steps, and capacity probes (each probe one step at one length in a fresh p
 context-parallel point's peak is per rank and its state is split, so it is left out here (its own
 section plots it). Memory is what each result measured: `peak_allocated_bytes` on CUDA, the process
 peak RSS on CPU (a capacity probe's CPU measure is RSS growth over the weights: it is drawn with its
-own marker). The paper's points come from `paper.yaml` (`memory_points`).
+own line, dashed). The paper's points come from `paper.yaml` (`memory_points`).
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ from longstraw.report.store import Tables
 
 FIGURE = "memory_vs_length"
 CAPTION = ("Peak memory against prompt length (log axis) per model, one line per mode through the largest "
-           "peak measured at each length: step points, sweep steps and capacity probes of every experiment. "
+           "peak measured at each length over the step points and sweep steps of every experiment; dashed: a "
+           "capacity search's probes (on CPU their measure is RSS growth over the weights). "
            "Crosses: out of memory at that length (drawn at the peak the run reached, else at the ceiling). "
-           "Dashed: the ceiling. Diamonds: the paper's operating points (Qwen3.6-27B over 8 GPUs, per rank), "
+           "Dashed: the ceiling; dotted: a capacity search's own (on CPU an emulated one). Diamonds: the paper's operating points (Qwen3.6-27B over 8 GPUs, per rank), "
            "on every panel for scale. Context-parallel points (per-rank peaks) are in their own section.")
 
 
@@ -49,7 +50,8 @@ def memory_rows(tables: Tables) -> list[dict]:
                 return
             out.append({"experiment": experiment, "point": row.get("point"), "model": point.get("model"),
                         "mode": row.get("mode") or point.get("mode"), "prompt_length": int(length),
-                        "peak_bytes": number(peak), "status": row.get("status"), "source": source})
+                        "peak_bytes": number(peak), "status": row.get("status"), "source": source,
+                        "search_ceiling": number(row.get("ceiling_bytes")) if source == "capacity probe" else None})
 
         for point in points:
             if point.get("kind") == "step":
@@ -78,17 +80,23 @@ def plot_memory_vs_length(rows: list[dict], ceiling: dict, paper_points=(), titl
     ceiling_bytes = number((ceiling or {}).get("bytes"))
     values = [r["peak_bytes"] for r in rows if r["model"] in models] + [p["bytes"] for p in paper_points]
     scale, unit = draw.unit(values + ([ceiling_bytes] if ceiling_bytes else []))
+    # sizes far apart (a CPU run's MiB beside the paper's tens of GB): a log axis keeps both readable
+    positive = [v for v in values + [ceiling_bytes] if v]
+    log = bool(positive) and max(positive) / min(positive) > 50
     for ax, model in zip(axes.flat, models):
         mine = [r for r in rows if r["model"] == model]
-        for mode in dict.fromkeys(r["mode"] for r in mine):
-            ok = [r for r in draw.ok(mine) if r["mode"] == mode and r["peak_bytes"] is not None]
+        # capacity probes apart from steps: on CPU they measure RSS growth over the weights, not the peak
+        for mode, probe in dict.fromkeys((r["mode"], r["source"] == "capacity probe") for r in mine):
+            ok = [r for r in draw.ok(mine) if r["mode"] == mode and (r["source"] == "capacity probe") == probe
+                  and r["peak_bytes"] is not None]
             peaks = {}
             for r in ok:
                 peaks[r["prompt_length"]] = max(peaks.get(r["prompt_length"], 0), r["peak_bytes"])
             xs = sorted(peaks)
             if xs:
-                ax.plot(xs, [peaks[x] / scale for x in xs], marker="o", markersize=4, label=str(mode),
-                        color=draw.MODE_COLORS.get(mode))
+                ax.plot(xs, [peaks[x] / scale for x in xs], marker="s" if probe else "o", markersize=4,
+                        linestyle="--" if probe else "-", color=draw.MODE_COLORS.get(mode),
+                        label=f"{mode}, capacity search" if probe else str(mode))
         for r in draw.failed(mine):
             y = r["peak_bytes"] if r["peak_bytes"] is not None else ceiling_bytes
             if y is not None:
@@ -98,15 +106,22 @@ def plot_memory_vs_length(rows: list[dict], ceiling: dict, paper_points=(), titl
                             textcoords="offset points", xytext=(4, 4), fontsize=7)
         if ceiling_bytes:
             ax.axhline(ceiling_bytes / scale, color="black", linestyle="--", linewidth=1,
-                       label=f"ceiling {ceiling_bytes / scale:.1f} {unit}")
+                       label=f"ceiling {ceiling_bytes / scale:.3g} {unit}")
+        # a capacity search against a lower, configured ceiling (CPU: an emulated one) draws that one too
+        for value in sorted({r["search_ceiling"] for r in mine if r.get("search_ceiling")}):
+            ax.axhline(value / scale, color="black", linestyle=":", linewidth=1,
+                       label=f"capacity search ceiling {value / scale:.3g} {unit}")
         for i, point in enumerate(paper_points):
             ax.plot([point["positions"]], [point["bytes"] / scale], marker="D", markersize=8, linestyle="none",
                     markerfacecolor="none", markeredgecolor=draw.PAPER_COLOR, markeredgewidth=1.6,
                     label="paper (per rank)" if i == 0 else None)
         ax.set_xscale("log", base=2)
-        ax.set_ylim(bottom=0)
+        if log:
+            ax.set_yscale("log")
+        else:
+            ax.set_ylim(bottom=0)
         ax.set_xlabel("prompt length (positions, log scale)")
-        ax.set_ylabel(unit)
+        ax.set_ylabel(unit + (" (log scale)" if log else ""))
         ax.set_title(str(model), fontsize=9)
         ax.legend(fontsize=7, loc="upper left")
     fig.suptitle(f"{title}peak memory against prompt length, up to the ceiling", fontsize=10)
