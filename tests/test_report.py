@@ -13,6 +13,7 @@ import os
 import re
 import subprocess
 import sys
+from html import unescape as html_unescape
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -1107,3 +1108,19 @@ def test_the_summary_says_how_many_points_ran_with_what():
     assert facts["device"] == "NVIDIA H200"
     few = {f["key"]: f["value"] for f in render.provenance_facts(files[:2])}
     assert few["commit"] == "c0 (1 point), c1 (1 point)"
+
+
+@pytest.mark.parametrize("fixture", ["built", "gpu_built"])
+def test_the_summary_lists_each_paper_claim_with_a_link_that_resolves(fixture, request):
+    from longstraw.report.paper import load_paper
+
+    html = request.getfixturevalue(fixture)["html"]
+    summary = html.split('id="summary-claims"')[1].split("</table>")[0]
+    rows = re.findall(r"<tr><td>(.*?)</td><td>(.*?)</td><td>(.*?)</td>\s*<td><a href=\"#([^\"]+)\">", summary, re.S)
+    figures = load_paper()["figures"]
+    assert [html_unescape(q) for q, *_ in rows] == [f["quantity"] for f in figures]
+    assert [html_unescape(p) for _, p, *_ in rows] == [f["paper"] for f in figures]
+    ids = set(re.findall(r'id="([^"]+)"', html))
+    assert {anchor for *_, anchor in rows} <= ids
+    # a claim measured in a section links there (g_sweep's peak at G=2 in both fixtures)
+    assert rows[0][3] == "experiment-g_sweep"

@@ -199,6 +199,8 @@ def refresh_interval_sentence(row: dict) -> str:
     elif not is_missing(measured):
         text += (f" (never crossed in the {int(measured)} steps measured, so at least {interval}; "
                  "the run does not show where it ends)")
+    if is_missing(row.get("floor_relative_loss_drift")):
+        text += "; its numerical floor was not measured, so drift from the precision alone is not excluded"
     return text
 
 

@@ -137,7 +137,8 @@ def _missing_text(rows, where) -> str:
     failed = sorted({str(r.get("status")) for r in tried if r.get("status") != "ok"})
     if failed:
         return f"no ok point ({', '.join(failed)})"
-    return f"no point with {', '.join(f'{k}={v}' for k, v in where.items())}" if where else "no ok point"
+    needs = ", ".join(f"{k} {v}" for k, v in where.items())
+    return f"not measured in these results (it needs a point with {needs})" if where else "no ok point"
 
 
 def _point_rows(rows: list[dict]) -> list[dict]:
@@ -189,21 +190,42 @@ def per_point_rows(figure: dict, rows: list[dict]) -> list[dict]:
 
 
 def compare_figures(paper: dict, rows_by_experiment: dict[str, list[dict]], ceiling: dict) -> list[dict]:
+    """One row per figure of the paper (several for a `per_point` figure: one per point), each with
+    `claim`, the figure's index in `paper.yaml`."""
     out = []
-    for figure in paper.get("figures") or []:
+    for claim, figure in enumerate(paper.get("figures") or []):
         experiment = figure.get("experiment")
         rows = rows_by_experiment.get(experiment, [])
         if (figure.get("ours") or {}).get("op") == "per_point" and _point_rows(rows):
-            out += per_point_rows(figure, rows)
+            out += [{**row, "claim": claim} for row in per_point_rows(figure, rows)]
             continue
         ours = ours_value(figure.get("ours"), rows, ceiling)
         if not figure.get("ours") and rows:
             ours = {"text": f"see the {experiment} section", "value": None, "points": ""}
         out.append({"experiment": experiment, "quantity": figure.get("quantity", ""), "paper": figure.get("paper", ""),
                     "ours": ours["text"], "value": ours["value"], "points": ours["points"],
-                    "has_section": experiment in rows_by_experiment})
+                    "has_section": experiment in rows_by_experiment, "claim": claim})
     for experiment, rows in rows_by_experiment.items():
         out += trainable_parameter_rows(paper, experiment, rows)
+    return out
+
+
+def claim_rows(paper: dict, compared: list[dict]) -> list[dict]:
+    """One row per figure the paper states, for the page's summary: the paper's number, ours (the
+    one value, or how many points answer it), and where to read it (the experiment's section, else
+    the comparison table)."""
+    out = []
+    for claim, figure in enumerate(paper.get("figures") or []):
+        mine = [r for r in compared if r.get("claim") == claim]
+        if len(mine) == 1:
+            ours = mine[0]["ours"]
+        else:
+            ours = f"{len(mine)} points: see the section" if mine else NOT_MEASURED
+        experiment = str(figure.get("experiment"))
+        section = bool(mine) and mine[0]["has_section"]
+        out.append({"quantity": figure.get("quantity", ""), "paper": figure.get("paper", ""), "ours": ours,
+                    "where": experiment if section else "the paper's figures",
+                    "link": f"#experiment-{experiment}" if section else "#paper-figures"})
     return out
 
 

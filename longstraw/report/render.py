@@ -33,7 +33,7 @@ from longstraw.plotting.formatting import column_label, exact_value, format_valu
 from longstraw.report.aggregate import experiment_order, grid_columns, records, status_counts
 from longstraw.report.levels import all_paths, levels_table, paper_paths
 from longstraw.report.figures import SUMMARY
-from longstraw.report.paper import compare_figures, load_paper, scale_rows
+from longstraw.report.paper import claim_rows, compare_figures, load_paper, scale_rows
 from longstraw.report.store import MANIFEST, Tables, read_tables
 from longstraw.results import STATUSES, atomic_path, write_text_atomic
 
@@ -317,6 +317,7 @@ def build_context(tables: Tables, figures: list[dict], out_dir, recorded: Tables
             "provenance": provenance_facts(files),
             "ceiling": ceiling["label"],
             "cpu": ceiling.get("source") != "cuda_total_memory",
+            "claims": claim_rows(paper, figures_beside),
         },
         "targets": targets_view(tables),
         "paper": {"missing": paper.get("missing", ""),
