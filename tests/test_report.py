@@ -1124,3 +1124,19 @@ def test_the_summary_lists_each_paper_claim_with_a_link_that_resolves(fixture, r
     assert {anchor for *_, anchor in rows} <= ids
     # a claim measured in a section links there (g_sweep's peak at G=2 in both fixtures)
     assert rows[0][3] == "experiment-g_sweep"
+
+
+def test_each_point_row_links_its_result_file(built):
+    """Every point cell of every table links the point's result JSON, relative to the page, and
+    the link resolves to a file whose point is that row's."""
+    page_dir = built["page"].parent
+    links = re.findall(r'<tr data-point="([^"]+)"[^>]*>\s*<td data-column="point"[^>]*><a href="([^"]+)">',
+                       built["html"])
+    assert len(links) >= len(built["files"])
+    for point, href in links:
+        text = (page_dir / href).read_text()
+        if href.endswith("truncated.json"):  # the fixture's unreadable file: linked as it is
+            assert point == "truncated"
+            continue
+        result = json.loads(text)
+        assert result.get("point") == point or result.get("name", "").endswith("/" + point), (point, href)

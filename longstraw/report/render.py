@@ -57,9 +57,10 @@ def _present(rows: list[dict], column: str) -> bool:
     return any(not is_missing(r.get(column)) for r in rows)
 
 
-def table_view(rows: list[dict], columns: list[str]) -> dict:
+def table_view(rows: list[dict], columns: list[str], links: dict | None = None) -> dict:
     """What a template needs to draw a table: labels, and per cell the text, the exact number
-    (`data-value`, so a reader or a test can check it against the result JSON) and a CSS class."""
+    (`data-value`, so a reader or a test can check it against the result JSON), a CSS class, and
+    for the point's cell a link to its result file (`links`: {point: path relative to the page})."""
     columns = [c for i, c in enumerate(columns) if c not in columns[:i] and (c in ("point", "status")
                                                                              or _present(rows, c))]
     view_rows = []
@@ -70,7 +71,9 @@ def table_view(rows: list[dict], columns: list[str]) -> dict:
             numeric = exact_value(value)
             css = "num" if numeric is not None else ("status status-" + str(value) if column == "status"
                                                      else "message" if column in ("error", "report_error") else "")
-            cells.append({"key": column, "text": format_value(column, value), "value": numeric, "css": css})
+            href = (links or {}).get(str(row.get("point"))) if column == "point" else None
+            cells.append({"key": column, "text": format_value(column, value), "value": numeric, "css": css,
+                          "href": href})
         view_rows.append({"point": str(row.get("point")), "status": str(row.get("status")), "cells": cells})
     return {"columns": [{"key": c, "label": column_label(c)} for c in columns], "rows": view_rows}
 
@@ -158,16 +161,16 @@ def commands(profile: str, experiment: str, files: list[dict]) -> dict:
     }
 
 
-def kind_tables(rows: list[dict], grid: list[str]) -> list[dict]:
+def kind_tables(rows: list[dict], grid: list[str], links: dict | None = None) -> list[dict]:
     """One table per kind among an experiment's point rows, in the order the kinds first appear."""
     out = []
     for kind in dict.fromkeys(str(r.get("kind")) for r in rows):
         mine = [r for r in rows if str(r.get("kind")) == kind]
-        out.append({"kind": kind, "view": table_view(mine, shown_columns(kind, mine, grid))})
+        out.append({"kind": kind, "view": table_view(mine, shown_columns(kind, mine, grid), links)})
     return out
 
 
-def extra_tables(tables: Tables, name: str) -> list[dict]:
+def extra_tables(tables: Tables, name: str, links: dict | None = None) -> list[dict]:
     """The kinds' own tables of an experiment, as the page shows them (`kinds.<kind>.EXTRA_TABLES`)."""
     out = []
     for module in kinds.modules():
@@ -175,7 +178,7 @@ def extra_tables(tables: Tables, name: str) -> list[dict]:
             df = tables.frame(f"{name}.{suffix}")
             if df is not None and len(df):
                 out.append({"title": spec.title, "id": f"table-{name}-{spec.key or suffix}", "note": spec.note,
-                            "view": table_view(records(df), spec.columns)})
+                            "view": table_view(records(df), spec.columns, links)})
     return out
 
 
@@ -185,7 +188,8 @@ def section_notes(rows: list[dict], grid: list[str] = ()) -> list[str]:
 
 
 def experiment_section(name: str, tables: Tables, files: list[dict], figures: list[dict], profile: str,
-                       described: dict, paper_rows: list[dict]) -> dict:
+                       described: dict, paper_rows: list[dict], links: dict | None = None) -> dict:
+    """`links`: {point: its result file, relative to the page}."""
     df = tables.frame(name)
     rows = records(df) if df is not None else []
     grid = grid_columns(df.columns) if df is not None else []
@@ -199,8 +203,8 @@ def experiment_section(name: str, tables: Tables, files: list[dict], figures: li
         "counts": counts,
         "counts_text": _counts_text(counts),
         "figures": [f for f in figures if f["experiment"] == name],
-        "tables": kind_tables(rows, grid),
-        "extra_tables": extra_tables(tables, name),
+        "tables": kind_tables(rows, grid, links),
+        "extra_tables": extra_tables(tables, name, links),
         "notes": section_notes(rows, grid),
         "paper": [r for r in paper_rows if r["experiment"] == name],
         "csv": f"tables/{name}.csv" if rows else "",
@@ -270,6 +274,12 @@ def figure_entries(figures_dir, out_dir) -> list[dict]:
              "alt": f["key"], "experiment": f["experiment"]} for f in manifest["figures"]]
 
 
+def result_links(files: list[dict], results_dir, out_dir) -> dict[str, str]:
+    """{point: its result JSON, relative to the page} for an experiment's files."""
+    return {str(f.get("point")): Path(os.path.relpath(Path(results_dir) / f["result_file"], out_dir)).as_posix()
+            for f in files if not is_missing(f.get("result_file"))}
+
+
 def build_context(tables: Tables, figures: list[dict], out_dir, recorded: Tables | None = None) -> dict:
     manifest = tables.manifest
     profile, results_dir, ceiling = manifest["profile"], manifest["results_dir"], manifest["ceiling"]
@@ -297,7 +307,8 @@ def build_context(tables: Tables, figures: list[dict], out_dir, recorded: Tables
     for f in files:
         by_experiment.setdefault(str(f.get("experiment")), []).append(f)
     sections = [experiment_section(name, tables, by_experiment.get(name, []), figures, profile, described[name],
-                                   figures_beside) for name in names]
+                                   figures_beside, result_links(by_experiment.get(name, []), results_dir, out_dir))
+                for name in names]
     # the validation points' paths, their experiments in file order (as their points were read)
     validation = kinds.module("validation")
     path_rows = [row for name in by_experiment
