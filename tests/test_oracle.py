@@ -118,3 +118,15 @@ def test_prompt_search_finds_the_first_prompt_whose_group_rewards_differ():
     # fewer tries than needed: the last seed tried, its group's equal rewards stated
     example, found = learnable_example(model, task, _search_config(2), torch.device("cpu"))
     assert found["prompt_seed"] == 11 and found["prompts_tried"] == 2 and set(found["first_group_rewards"]) == {0.0}
+
+
+def test_the_first_update_is_read_where_the_steps_before_it_updated_nothing():
+    from longstraw.kinds.staleness import columns
+
+    rows = [{"step": s, "param_drift": p, "relative_loss_drift": d, "mean_abs_logprob_diff": d}
+            for s, (p, d) in enumerate([(0, 0), (0, 0), (0, 0), (0.4, 9e-3), (0.7, 3e-2)])]
+    point = {"kind": "staleness", "status": "ok", "config": {"staleness": {"threshold": 1e-3}},
+             "metrics": {"rows": rows, "threshold": 1e-3}}
+    cols = columns(point)
+    assert (cols["first_update_step"], cols["first_update_relative_loss_drift"]) == (3, 9e-3)
+    assert cols["updates"] == 2 and cols["refresh_interval"] == 0

@@ -95,6 +95,7 @@ MEASURES = ("param_drift", "loss_stale", "loss_fresh", "relative_loss_drift", "m
 SHOWN = ["model", "lr", "prompt_positions", "G", "response_length", "steps", "updates", "drift_threshold",
          "refresh_interval",
          "threshold_crossed_at_step", "relative_loss_drift_step1", "relative_loss_drift_step2",
+         "first_update_step", "first_update_relative_loss_drift",
          "max_relative_loss_drift", "max_drift_step", "final_param_drift", "final_mean_abs_logprob_diff",
          "final_kl_k3", "final_grad_cosine", "step0_drift_zero", "oracle_seconds", "peak_memory_bytes",
          "peak_memory_measure", "wall_seconds"]
@@ -128,9 +129,9 @@ CAPTIONS = {
                       "KL k3 (stale || fresh). Bottom: 1 - cosine of the stale and fresh gradients; the parameter "
                       "drift since the capture (the trainer's adaptive refresh signal); and the loss drift against "
                       "that signal, each marker labelled with its step. Step 0 is the capture itself (drift exactly "
-                      "zero by construction) and is not drawn on the log scales. Dotted, where a point measured it: its "
-                      "numerical floor (the drift of a fresh capture after a random parameter perturbation far "
-                      "below one step's, in the same precision); drift at or under it is not staleness.",
+                      "zero by construction) and is not drawn on the log scales. Dotted, where a point measured "
+                      "it: its numerical floor (the drift of a fresh capture after a random parameter perturbation "
+                      "far below one step's, in the same precision); drift at or under it is not staleness.",
 }
 
 
@@ -221,6 +222,7 @@ def columns(point: dict) -> dict:
     peaks = [number(as_dict(p).get("peak_allocated_bytes")) for p in as_dict(metrics.get("phases")).values()]
     peaks = [v for v in peaks if v is not None]
     first, last = by_step.get(0, {}), rows[-1] if rows else {}
+    first_update = next(iter(updating_steps(rows)), {})
     cols = {
         "lr": number(as_dict(cfg.get("optimizer")).get("lr")),
         "prompt_positions": number(metrics.get("prompt_positions")),
@@ -237,6 +239,10 @@ def columns(point: dict) -> dict:
         "floor_relative_loss_drift": number(as_dict(metrics.get("floor")).get("relative_loss_drift")),
         "floor_mean_abs_logprob_diff": number(as_dict(metrics.get("floor")).get("mean_abs_logprob_diff")),
         "threshold_crossed_at_step": crossed,
+        # the drift after the first step that moved the parameters: what the paper's steps 1-2 figure reads
+        # when every step updates (a task's zero-advantage groups update nothing)
+        "first_update_step": first_update.get("step"),
+        "first_update_relative_loss_drift": number(first_update.get("relative_loss_drift")),
         # the task example the oracle ran on (a prompt search tries seeds until a group's rewards differ)
         "prompt_seed": number(metrics.get("prompt_seed")),
         "prompts_tried": number(metrics.get("prompts_tried")),
@@ -318,6 +324,10 @@ def notes(row: dict, grid) -> list[str]:
                  f"{format_percent(row.get('relative_loss_drift_step2'))}, at "
                  f"{format_value('prompt_positions', row.get('prompt_positions'))} prompt positions "
                  "(the paper's reading beside ours: the table below).")
+    if not is_missing(row.get("first_update_relative_loss_drift")) and \
+            row.get("updates") != row.get("steps_measured"):
+        text += (f" Its first parameter update came at step {int(row['first_update_step'])}, with loss drift "
+                 f"{format_percent(row['first_update_relative_loss_drift'])}.")
     if row.get("step0_drift_zero") is False:
         text += " Step 0's drift is not zero: the oracle's fresh capture does not reproduce the stale one."
     return [text]
