@@ -73,11 +73,11 @@ def learnable_example(model, task, cfg: PointConfig, device) -> tuple[object, di
     from longstraw.training.rollout import sample
 
     tries = cfg.staleness.prompt_search
+    if tries == 1:  # no search: the point's own seed, whatever its rewards
+        return task.make(cfg.prompt.seed), {"prompt_seed": cfg.prompt.seed, "prompts_tried": 1}
     for i in range(tries):
         seed = cfg.prompt.seed + i
         example = task.make(seed)
-        if tries == 1:
-            return example, {"prompt_seed": seed, "prompts_tried": 1}
         state = capture(model, example.prompt_ids.to(device), **capture_kwargs(cfg))
         responses = sample(model, state, step_sampling(cfg.responses.count, cfg.responses.length,
                                                       cfg.responses.seed, step=0)).responses

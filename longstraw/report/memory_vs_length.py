@@ -20,11 +20,12 @@ from longstraw.report.store import Tables
 
 FIGURE = "memory_vs_length"
 CAPTION = ("Peak memory against prompt length (log axis) per model, one line per mode through the largest "
-           "peak measured at each length over the step points and sweep steps of every experiment; dashed: a "
-           "capacity search's probes (on CPU their measure is RSS growth over the weights). "
+           "peak measured at each length over the step points and sweep steps of every experiment; coloured "
+           "dashed lines: a capacity search's probes (on CPU their measure is RSS growth over the weights). "
            "Crosses: out of memory at that length (drawn at the peak the run reached, else at the ceiling). "
-           "Dashed: the ceiling; dotted: a capacity search's own (on CPU an emulated one). Diamonds: the paper's operating points (Qwen3.6-27B over 8 GPUs, per rank), "
-           "on every panel for scale. Context-parallel points (per-rank peaks) are in their own section.")
+           "Black dashed: the ceiling; black dotted: a capacity search's own (on CPU an emulated one). "
+           "Diamonds: the paper's operating points (Qwen3.6-27B over 8 GPUs, per rank), on every panel for "
+           "scale. Context-parallel points (per-rank peaks) are in their own section.")
 
 
 def _rows(tables: Tables, name: str) -> list[dict]:
@@ -65,7 +66,7 @@ def memory_rows(tables: Tables) -> list[dict]:
     return out
 
 
-def plot_memory_vs_length(rows: list[dict], ceiling: dict, paper_points=(), title: str = ""):
+def plot_memory_vs_length(rows: list[dict], ceiling: dict, paper_points=()):
     """One panel per model; None without rows."""
     from longstraw.plotting import draw
 
@@ -124,6 +125,6 @@ def plot_memory_vs_length(rows: list[dict], ceiling: dict, paper_points=(), titl
         ax.set_ylabel(unit + (" (log scale)" if log else ""))
         ax.set_title(str(model), fontsize=9)
         ax.legend(fontsize=7, loc="upper left")
-    fig.suptitle(f"{title}peak memory against prompt length, up to the ceiling", fontsize=10)
+    fig.suptitle("peak memory against prompt length, up to the ceiling", fontsize=10)
     fig.tight_layout()
     return fig

@@ -8,9 +8,10 @@ are also read as numbers (`reference_marks`) so the plots can draw them beside o
 stated ranges (`band:`, e.g. the staleness drift at steps 1-2).
 
 `op: per_point` gives one row per point of the experiment (e.g. each staleness point's drift at
-steps 1-2, or its refresh interval; `kind` keeps the points of that kind): its values where `where` matches (a list value matches any of
-its items), each named by the `label` column, or with `format: refresh_interval` the derived refresh
-interval in a sentence; a point that did not complete gets its row with its status.
+steps 1-2, or its refresh interval; `kind` keeps the points of that kind): its values where `where`
+matches (a list value matches any of its items), each named by the `label` column, or with
+`format: refresh_interval` the derived refresh interval in a sentence; a point that did not complete
+gets its row with its status.
 """
 
 from __future__ import annotations

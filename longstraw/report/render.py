@@ -106,13 +106,10 @@ def _tally(values, missing: str) -> str:
 
 def _commits(files: list[dict]) -> str:
     """The points' commits: listed when a few, else their count and the first and last by date."""
-    first_seen = {}
-    for f in sorted(files, key=lambda f: str(f.get("date") or "")):
-        if not is_missing(f.get("commit")):
-            first_seen.setdefault(str(f["commit"]), f.get("date"))
-    if len(first_seen) <= 3:
+    by_date = sorted(files, key=lambda f: str(f.get("date") or ""))
+    commits = list(dict.fromkeys(str(f["commit"]) for f in by_date if not is_missing(f.get("commit"))))
+    if len(commits) <= 3:
         return _tally([f.get("commit") for f in files], "not recorded")
-    commits = list(first_seen)
     return (f"{len(commits)} commits, from {commits[0]} to {commits[-1]} by date; each experiment's section lists "
             "its own")
 
