@@ -100,10 +100,9 @@ SHOWN = ["model", "lr", "prompt_positions", "G", "response_length", "steps", "up
          "final_kl_k3", "final_grad_cosine", "step0_drift_zero", "oracle_seconds", "peak_memory_bytes",
          "peak_memory_measure", "wall_seconds"]
 STEP_COLUMNS = ["point", "lr", "step", "status", "updated", "param_drift", "loss_stale", "loss_fresh",
-                "relative_loss_drift",
-                "under_threshold", "mean_abs_logprob_diff", "kl_k3", "grad_cosine", "one_minus_grad_cosine",
-                "grad_norm_stale", "grpo_loss_stale", "grpo_loss_fresh", "response_tokens", "reward_mean", "error",
-                "report_error"]
+                "relative_loss_drift", "under_threshold", "mean_abs_logprob_diff", "kl_k3", "grad_cosine",
+                "one_minus_grad_cosine", "grad_norm_stale", "grpo_loss_stale", "grpo_loss_fresh", "response_tokens",
+                "reward_mean", "error", "report_error"]
 EXTRA_TABLES = {
     "drift": ExtraTable(
         "Drift per step", STEP_COLUMNS,
