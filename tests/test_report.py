@@ -403,7 +403,11 @@ def test_validation_paths_show_each_levels_numbers(built):
         levels = {e["level"]: e for e in path["levels"]}
         assert f'data-highest="{path["highest_level"]}"' in row
         v2 = row.split('data-level="V2"')[1].split("</td>")[0]
-        assert f"relative error {levels['V2']['evidence']['relative_error']:.2e}" in v2 and "1e-04" in v2
+        assert f"relative error {levels['V2']['evidence']['relative_error']:.2e}" in v2
+        # its tolerance, stated once below the table, is the one the result records (1e-4 in float32)
+        [rule] = re.findall(r'href="#validation-rule-(\d+)"', v2)
+        stated = re.search(rf'<li id="validation-rule-{rule}">(.*?)</li>', built["html"], re.S).group(1)
+        assert html_unescape(stated) == levels["V2"]["tolerance"] and "1e-04" in stated
         v3 = row.split('data-level="V3"')[1].split("</td>")[0]
         if mode == "exact":
             assert 'data-state="reached"' in v3 and f"{levels['V3']['evidence']['relative_error']:.2e}" in v3
@@ -1140,3 +1144,21 @@ def test_each_point_row_links_its_result_file(built):
             continue
         result = json.loads(text)
         assert result.get("point") == point or result.get("name", "").endswith("/" + point), (point, href)
+
+
+def test_validation_tolerances_are_stated_once_and_cells_refer_to_them(built):
+    section = built["html"].split('id="validation"')[1].split("</section>")[0]
+    rules = re.findall(r'<li id="validation-rule-(\d+)">(.*?)</li>', section, re.S)
+    assert rules and [int(n) for n, _ in rules] == list(range(1, len(rules) + 1))
+    texts = [text for _, text in rules]
+    assert len(set(texts)) == len(texts)  # each rule once
+    paths = section.split('id="validation-paths"')[1].split("</table>")[0]
+    refs = re.findall(r'href="#validation-rule-(\d+)"', paths)
+    assert refs and {int(r) for r in refs} == set(range(1, len(rules) + 1))  # every rule used, none dangling
+    for _, text in rules:  # and no cell repeats a rule's text
+        assert text not in paths
+    # the V2 and V3 cells of the validation point's paths refer to a rule; V1's rule is the levels table's
+    cells = re.findall(r'data-level="(V\d)" data-state="reached">.*?</td>', paths, re.S)
+    assert {"V2", "V3"} <= set(cells)
+    for level, cell in re.findall(r'data-level="(V\d)" data-state="reached">(.*?)</td>', paths, re.S):
+        assert ("validation-rule-" in cell) == (level in ("V2", "V3")), (level, cell)

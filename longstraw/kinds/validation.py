@@ -461,25 +461,27 @@ LEVEL_TEXT = {"V1": _v1_text, "V2": _parity_text, "V3": _parity_text, "V4": _v4_
 
 
 def level_cell(entry: dict) -> dict:
-    """A measured level as a cell: state, the evidence in words and numbers, tolerance, note."""
+    """A measured level as a cell: state, the evidence in words and numbers, note; its tolerance
+    apart (the report states each tolerance once and cells refer to it)."""
     if entry.get("reached") is None:
-        return {"state": STATE[None], "reached": None, "text": entry.get("note") or STATE[None]}
+        return {"state": STATE[None], "reached": None, "text": entry.get("note") or STATE[None], "tolerance": None}
     text = LEVEL_TEXT[entry["level"]](entry.get("evidence") or {})
-    if entry.get("tolerance") and entry["level"] != "V1":  # V1's rule is the levels table's definition
-        text += f". Tolerance: {entry['tolerance']}"
     if entry.get("note"):
         text += f" ({entry['note']})"
-    return {"state": STATE[entry["reached"]], "reached": entry["reached"], "text": text}
+    # V1's rule is the levels table's definition
+    tolerance = entry.get("tolerance") if entry["level"] != "V1" else None
+    return {"state": STATE[entry["reached"]], "reached": entry["reached"], "text": text, "tolerance": tolerance}
 
 
 def path_row(point: dict, family, model_type, gradient_mode: str, scale: str, cells: dict) -> dict:
-    """One path as a table row: {level}_state, {level}_reached, {level}_text for every level (a
-    level not given: not run)."""
+    """One path as a table row: {level}_state, {level}_reached, {level}_text, {level}_tolerance for
+    every level (a level not given: not run)."""
     row = {"point": point.get("point"), "source": f"{point.get('experiment')}/{point.get('point')}",
            "family": family, "model_type": model_type, "gradient_mode": gradient_mode, "scale": scale}
     for name in LEVELS:
         cell = cells.get(name) or {"state": STATE[None], "reached": None, "text": STATE[None]}
-        row.update({f"{name}_state": cell["state"], f"{name}_reached": cell["reached"], f"{name}_text": cell["text"]})
+        row.update({f"{name}_state": cell["state"], f"{name}_reached": cell["reached"], f"{name}_text": cell["text"],
+                    f"{name}_tolerance": cell.get("tolerance")})
     return row
 
 

@@ -109,7 +109,8 @@ def validation_paths(path_rows: list[dict]) -> list[dict]:
     """The validation points' paths from their `paths` table rows (`kinds.validation.path_row`)."""
     return [_row(row.get("family"), row.get("model_type"), row.get("gradient_mode"), row.get("scale"),
                  {name: {"state": row.get(f"{name}_state"), "reached": row.get(f"{name}_reached"),
-                         "text": row.get(f"{name}_text")} for name in LEVEL_NAMES}, row.get("source"))
+                         "text": row.get(f"{name}_text"), "tolerance": _value(row, f"{name}_tolerance")}
+                  for name in LEVEL_NAMES}, row.get("source"))
             for row in path_rows]
 
 
@@ -120,6 +121,20 @@ def all_paths(rows_by_experiment: dict[str, list[dict]], path_rows: list[dict]) 
     keys = {(p["model_type"], p["gradient_mode"], p["scale"]) for p in measured}
     return sorted(measured + [p for p in v1_paths(rows_by_experiment)
                               if (p["model_type"], p["gradient_mode"], p["scale"]) not in keys], key=_order)
+
+
+def number_rules(paths: list[dict]) -> list[str]:
+    """Each distinct tolerance of the paths' cells, once, in order of first use; every cell gets
+    `rule`: its tolerance's 1-based number in that list, None without one (the page states the
+    rules once)."""
+    rules: list[str] = []
+    for path in paths:
+        for cell in path["cells"].values():
+            tolerance = cell.get("tolerance")
+            if tolerance and tolerance not in rules:
+                rules.append(tolerance)
+            cell["rule"] = rules.index(tolerance) + 1 if tolerance else None
+    return rules
 
 
 def levels_table(paths: list[dict], standing: dict) -> list[dict]:

@@ -31,7 +31,7 @@ from longstraw import kinds
 from longstraw.kinds.columns import as_dict, number
 from longstraw.plotting.formatting import column_label, exact_value, format_value, is_missing
 from longstraw.report.aggregate import experiment_order, grid_columns, records, status_counts
-from longstraw.report.levels import all_paths, levels_table, paper_paths
+from longstraw.report.levels import all_paths, levels_table, number_rules, paper_paths
 from longstraw.report.figures import SUMMARY
 from longstraw.report.paper import claim_rows, compare_figures, load_paper, scale_rows
 from longstraw.report.store import MANIFEST, Tables, read_tables
@@ -333,6 +333,7 @@ def build_context(tables: Tables, figures: list[dict], out_dir, recorded: Tables
                   "figures": figures_beside,
                   "summary_figures": [f for f in figures if f["experiment"] == SUMMARY]},
         "validation": {"levels": levels_table(paths, paper.get("standing") or {}), "paths": paths,
+                       "rules": number_rules(paths),
                        "paper_paths": paper_paths(paper)},
         "experiments": sections,
         "recorded": recorded_section(recorded, out_dir, results_dir),
