@@ -33,7 +33,7 @@ import time
 
 import torch
 
-from longstraw.training.pretrain import CURVE_SEED_BASE
+from longstraw.training.pretrain import CURVE_SEED_BASE, teacher_forced_rewards
 from longstraw.training.tasks import chance_level
 
 
@@ -69,24 +69,15 @@ def greedy_success(model, task, example, chunk_size: int | None = None) -> float
     return float(task.reward(example, rollouts.responses[0].cpu()))
 
 
-@torch.no_grad()
 def forward_successes(model, task, examples, batch_tokens: int = 65536) -> list[float]:
-    """The same scores from HF's one-pass forward over `prompt + answer[:-1]` (batched): greedy decoding's
-    exact match equals "argmax at every answer position is the answer token" (teacher forcing), because
-    greedy sees exactly the teacher-forced context while it is right. Exact-match rewards only."""
+    """The same scores from HF's one-pass forward, batched (`pretrain.teacher_forced_rewards`).
+    Exact-match rewards only."""
     if getattr(task, "partial", False):
         raise ValueError("method='forward' needs exact-match rewards (partial=False); use method='capture'")
     device = next(model.parameters()).device
     per_batch = max(1, batch_tokens // (examples[0].prompt_ids.numel() + len(examples[0].answer)))
-    rewards = []
-    for start in range(0, len(examples), per_batch):
-        batch = examples[start:start + per_batch]
-        answers_BM = torch.tensor([e.answer for e in batch], dtype=torch.long)
-        ids_BT = torch.cat([torch.stack([e.prompt_ids for e in batch]), answers_BM[:, :-1]], dim=1).to(device)
-        logits = model(input_ids=ids_BT, logits_to_keep=answers_BM.shape[1], use_cache=False).logits
-        greedy_BM = logits.argmax(-1).cpu()
-        rewards += [float(task.reward(e, greedy_BM[b])) for b, e in enumerate(batch)]
-    return rewards
+    return [reward for start in range(0, len(examples), per_batch)
+            for reward in teacher_forced_rewards(model, task, examples[start:start + per_batch], device)]
 
 
 def length_curve(model, task_spec: dict, lengths, depths=None, examples: int = 64, *,

@@ -89,10 +89,15 @@ class TaskBank:
 
 
 def make_batch(task, seeds) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list]:
+    """`batch_of` the task's examples of `seeds`, and the examples."""
+    examples = [task.make(int(s)) for s in seeds]
+    return (*batch_of(examples), examples)
+
+
+def batch_of(examples) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`ids_BT` = prompt + answer[:-1] per example, `answers_BM`, `targets_BT` (the next token at every
     supervised position, -100 elsewhere: the answer's positions, plus `info["supervised"]` prompt
-    positions when a task lists them, e.g. mqar's earlier queries), and the examples."""
-    examples = [task.make(int(s)) for s in seeds]
+    positions when a task lists them, e.g. mqar's earlier queries)."""
     lengths = {(e.prompt_ids.numel(), len(e.answer)) for e in examples}
     if len(lengths) != 1:
         raise ValueError(f"a batch needs one prompt length and one answer length, got {sorted(lengths)}")
@@ -105,7 +110,7 @@ def make_batch(task, seeds) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, l
     for b, e in enumerate(examples):
         positions = torch.as_tensor(e.info.get("supervised", ()), dtype=torch.long)
         targets_BT[b, positions] = full_BT[b, positions + 1]
-    return ids_BT, answers_BM, targets_BT, examples
+    return ids_BT, answers_BM, targets_BT
 
 
 def forward_losses(model, ids_BT, answers_BM, targets_BT, loss: str):
@@ -126,10 +131,21 @@ def forward_losses(model, ids_BT, answers_BM, targets_BT, loss: str):
 
 
 @torch.no_grad()
+def teacher_forced_rewards(model, task, examples, device, autocast=None) -> list[float]:
+    """Greedy decoding's exact-match rewards of a batch from one forward over prompt + answer[:-1]:
+    while greedy is right it sees exactly the teacher-forced context, so "argmax at every answer
+    position is the answer token" is greedy's exact match (exact-match rewards only)."""
+    ids_BT, answers_BM, _ = batch_of(examples)
+    with _autocast(device, autocast):
+        logits = model(input_ids=ids_BT.to(device), logits_to_keep=answers_BM.shape[1], use_cache=False).logits
+    greedy_BM = logits.argmax(-1).cpu()
+    return [float(task.reward(e, greedy_BM[b])) for b, e in enumerate(examples)]
+
+
 def evaluate(model, bank: TaskBank, lengths, examples: int, batch_size: int, device, autocast=None,
              seed_base: int = EVAL_SEED_BASE) -> dict[int, float]:
-    """Greedy exact-match accuracy per prompt length on held-out seeds `seed_base + i` (teacher-forced
-    argmax over the answer, which equals greedy decoding's exact match)."""
+    """Greedy exact-match accuracy per prompt length on held-out seeds `seed_base + i`
+    (`teacher_forced_rewards`)."""
     was_training = model.training
     model.eval()
     accuracy = {}
@@ -137,11 +153,7 @@ def evaluate(model, bank: TaskBank, lengths, examples: int, batch_size: int, dev
         task, hits = bank(length), 0.0
         for start in range(0, examples, batch_size):
             seeds = range(seed_base + start, seed_base + min(examples, start + batch_size))
-            ids_BT, answers_BM, _, batch = make_batch(task, seeds)
-            with _autocast(device, autocast):
-                logits = model(input_ids=ids_BT.to(device), logits_to_keep=answers_BM.shape[1], use_cache=False).logits
-            greedy_BM = logits.argmax(-1).cpu()
-            hits += sum(task.reward(e, greedy_BM[b]) for b, e in enumerate(batch))
+            hits += sum(teacher_forced_rewards(model, task, [task.make(s) for s in seeds], device, autocast))
         accuracy[int(length)] = hits / examples
     model.train(was_training)
     return accuracy
