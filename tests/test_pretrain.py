@@ -80,9 +80,12 @@ def _greedy_by_hand(model, prompt_ids, steps):
     return ids[0, prompt_ids.numel():]
 
 
+@pytest.mark.numerics  # the trained model, so which examples it gets right, depends on the kernel path
 def test_length_curve_counts_greedy_successes_by_hand(trained):
     model = trained[0]["model"]
-    result = length_curve(model, COUNTING, lengths=[16, 24], examples=6, progress=False)
+    # trained at 16: 192 is far enough beyond it that some examples fail on every CPU kernel path (measured:
+    # success 0.17-0.83 there under ATen default / avx2 / avx512), while 16 succeeds
+    result = length_curve(model, COUNTING, lengths=[16, 24, 192], examples=6, progress=False)
     assert result["chance"]["value"] == 0.25
     for row in result["rows"]:
         task = tasks.build_task({**COUNTING, "length": row["length"]}, model.config.vocab_size)
@@ -94,9 +97,10 @@ def test_length_curve_counts_greedy_successes_by_hand(trained):
         assert row["rewards"] == hits
         assert row["success"] == sum(hits) / len(hits)
         assert row["stderr"] == pytest.approx(math.sqrt(row["success"] * (1 - row["success"]) / row["n"]))
-    assert 0 < sum(r["success"] for r in result["rows"]) < 2  # the count is not trivially all or nothing
+    # the count is not trivially all or nothing
+    assert {reward for row in result["rows"] for reward in row["rewards"]} == {0.0, 1.0}
     # the batched forward path scores every example the same way
-    fast = length_curve(model, COUNTING, lengths=[16, 24], examples=6, method="forward", progress=False)
+    fast = length_curve(model, COUNTING, lengths=[16, 24, 192], examples=6, method="forward", progress=False)
     assert [r["rewards"] for r in fast["rows"]] == [r["rewards"] for r in result["rows"]]
 
 
