@@ -55,4 +55,9 @@ def test_a_point_on_a_checkpoint_waits_for_its_pretrain_point(tmp_path):
                                              "learning.yaml").read_text())
     planned = plan(tmp_path, "cpu")
     assert needs(planned, "learning", "v4-8192") == [("learning", "pretrain")]
+    assert needs(planned, "learning", "cycles-8192") == [("learning", "pretrain")]
     assert needs(planned, "learning", "pretrain") == []
+    # a continued pretraining waits for the point whose checkpoint it starts from (`pretrain.init`)
+    planned = plan(tmp_path, "h200")
+    assert needs(planned, "learning", "pretrain-reach") == [("learning", "pretrain-reach-base")]
+    assert needs(planned, "learning", "v4-reach-1048576") == [("learning", "pretrain-reach")]

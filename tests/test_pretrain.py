@@ -168,3 +168,31 @@ def test_pretrain_cli_refuses_bad_settings_before_training(tmp_path, capsys):
     assert "steps: must be >= 1, got 0" in capsys.readouterr().err
     assert cli.main(["pretrain", str(config), "--set", "steps=5", "--set", "model=tiny-gpt5"]) == 2
     assert "unknown model preset 'tiny-gpt5'" in capsys.readouterr().err
+
+
+def test_a_continuation_starts_from_its_init_checkpoint_and_stops_at_its_time_limit(trained, tmp_path):
+    """`init` loads the checkpoint (a random start would be far from it); `time_limit_seconds` stops after the
+    first step that passes it, and the curve says so."""
+    _, out = trained
+    saved = {n: p.detach().clone() for n, p in load_pretrained(str(out / "checkpoint"), dtype=torch.float32)
+             .named_parameters()}
+    cfg = PretrainConfig(model="learn-tiny-hybrid", init=str(out / "checkpoint"), seed=1, task=COUNTING, stages=[],
+                         eval_task=None, lengths=[16], batch_size=8, batch_tokens=None, steps=50, lr=1e-30,
+                         warmup_steps=0, time_limit_seconds=1e-9, eval_every=0, eval_lengths=[16], eval_examples=8,
+                         out=str(tmp_path / "next"), progress=False)
+    curve = pretrain(cfg)
+    assert curve["steps_done"] == 1 and len(curve["steps"]) == 1 and curve["stopped_by_time_limit"]
+    assert curve["evals"][-1]["step"] == 1
+    # an Adam step of lr 1e-30 moves no float32 weight: the saved continuation is the init checkpoint
+    continued = load_pretrained(str(tmp_path / "next" / "checkpoint"), dtype=torch.float32)
+    for name, p in continued.named_parameters():
+        assert torch.equal(p.detach(), saved[name]), name
+    # the first step's loss is the trained checkpoint's (well below a random model's ln 4 on counting 0-3)
+    assert curve["steps"][0]["answer_loss"] < 0.5 * math.log(4)
+
+
+def test_a_continuation_refuses_a_missing_init_and_overrides():
+    with pytest.raises(ValueError, match="model_overrides: a run that starts from `init`"):
+        PretrainConfig(init="somewhere", model_overrides={"hidden_size": 32})
+    with pytest.raises(ValueError, match="init: no/such/folder is not a checkpoint folder"):
+        pretrain(PretrainConfig(init="no/such/folder", steps=1, progress=False))

@@ -150,3 +150,68 @@ def test_partial_step_is_refused_for_hold_all():
     with pytest.raises(ValueError, match="hold_all"):
         _step(model, prompt, responses, rewards, GradientRecorder(model), grpo.GRPOConfig(num_generations=4),
                   mode="hold_all", members=1)
+
+
+class _EvenShare:
+    """A dense reward, so that every cycle updates: the share of even tokens in the response."""
+
+    def __init__(self, vocab_size, length=96):
+        from longstraw.training.tasks import KeyValueRetrieval
+
+        self.inner = KeyValueRetrieval(vocab_size, length=length)
+
+    def make(self, seed):
+        return self.inner.make(seed)
+
+    def reward(self, example, response_ids):
+        return float((response_ids % 2 == 0).float().mean())
+
+
+def _cycles_point(source, **responses):
+    from longstraw.training.tasks import register_task
+
+    register_task("step_even_share", _EvenShare)
+    return {"name": f"cycles-{source}", "kind": "step", "cycles": 3,
+            "model": {"preset": "tiny-qwen3_5", "lora": {"r": 4, "init_random": True}},
+            "prompt": {"length": 96}, "grpo": {"beta": 0.04}, "optimizer": {"lr": 1e-2},
+            "capture": {"chunk_size": 32},
+            "responses": {"count": 3, "length": 5, "source": source, **responses}}
+
+
+def test_trainer_cycles_on_one_capture_measure_what_seeded_cycles_measure():
+    """`responses.source: rollouts` runs the trainer's cycles on one capture: one capture (and one reference
+    capture) for all cycles, a sampling phase per cycle, real updates; its resident state and its replay's
+    autograd graph are the seeded point's of the same shapes (sampled responses without a stop id are
+    `length` tokens), so the operating points' memory stays comparable."""
+    from longstraw.harness.runner import run_point
+
+    rollouts = run_point(_cycles_point("rollouts", task={"name": "step_even_share"}))
+    seeded = run_point(_cycles_point("seeded"))
+    assert rollouts["status"] == seeded["status"] == "ok", rollouts.get("error") or seeded.get("error")
+    phases = rollouts["metrics"]["phase_summary"]
+    assert phases["capture"]["count"] == phases["ref_capture"]["count"] == 1
+    assert phases["sampling"]["count"] == 3 and phases["replay"]["count"] == 9
+    cycles = rollouts["metrics"]["cycles"]
+    assert [c["state_age"] for c in cycles] == [0, 1, 2] and all(c["state_unchanged"] for c in cycles)
+    assert all(c["response_tokens"] == [5, 5, 5] for c in cycles)
+    assert any(c["grad_norm"] > 0 for c in cycles) and all(0 <= c["reward_mean"] <= 1 for c in cycles)
+    assert cycles[0]["ref_resident_bytes"] == cycles[0]["resident_bytes"]
+    for key in ("resident_bytes", "graph_bytes_peak"):
+        assert [c[key] for c in cycles] == [c[key] for c in seeded["metrics"]["cycles"]], key
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"mode": "hold_all"}, "rollouts are the trainer's cycles"),
+    ({"responses": {"source": "rollouts"}}, "responses.task: rollouts are rewarded by a task"),
+    ({"responses": {"source": "rollouts", "task": {"name": "kv_retrieval"}, "probe_members": 1}},
+     "probe_members: a memory probe replays seeded responses"),
+    ({"responses": {"source": "rollouts", "task": {"name": "kv_retrieval", "needles": 2}}},
+     "responses.task.needles: unknown setting"),
+])
+def test_bad_rollout_points_are_refused_before_any_work(change, message):
+    from longstraw.harness.plan import resolve
+
+    raw = {"name": "p", "kind": "step", "responses": {"source": "rollouts", "task": {"name": "kv_retrieval"}}}
+    raw.update(change)
+    with pytest.raises(ValueError, match=message):
+        resolve(raw, "p.yaml")

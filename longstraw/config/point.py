@@ -37,12 +37,24 @@ class PromptConfig:
 
 @dataclass
 class ResponsesConfig:
-    """G seeded random responses of `length` tokens; `probe_members: k` replays only the first k."""
+    """G seeded random responses of `length` tokens; `probe_members: k` replays only the first k.
+
+    `source: rollouts` (kind step): the responses are the GRPO trainer's instead, every cycle sampled from
+    the resident state (at most `length` tokens) and rewarded by `task`, whose example (length
+    prompt.length, from the trainer's seed prompt.seed) is the prompt."""
 
     count: int = bounded(4, min=1)
     length: int = bounded(32, min=1)
     seed: int = 1
     probe_members: Optional[int] = bounded(None, min=1)
+    source: Literal["seeded", "rollouts"] = "seeded"
+    task: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.source == "rollouts" and not self.task:
+            raise ValueError("task: rollouts are rewarded by a task (e.g. {name: kv_retrieval})")
+        if self.source == "rollouts" and self.probe_members is not None:
+            raise ValueError("probe_members: a memory probe replays seeded responses (source: seeded)")
 
 
 @dataclass
@@ -192,16 +204,34 @@ def resolve_point(raw, source: str = "config") -> PointConfig:
                         source)
 
 
-def trainer_mapping(cfg: PointConfig, lr: float, out_dir) -> dict:
-    """The trainer's config for a validation point's V4: the point's model, objective (less the
-    group size, which is the trainer's sampling's) and capture settings and `lr`, then
-    `validation.train` (task, steps, sampling, ...), writing under `out_dir`."""
-    train = copy.deepcopy(cfg.validation.train)
+def trainer_sections(cfg: PointConfig, out_dir) -> dict:
+    """What a trainer run inside a point takes from the point: its model, objective (less the group
+    size, which is the trainer's sampling's), capture settings and CP size; writing under `out_dir`,
+    no checkpoints."""
     grpo = {k: v for k, v in to_mapping(cfg.grpo).items() if k != "num_generations"}
-    merged = {"model": to_mapping(cfg.model), "grpo": grpo, "capture": to_mapping(cfg.capture), **train}
+    return {"model": to_mapping(cfg.model), "grpo": grpo, "capture": to_mapping(cfg.capture), "cp_size": cfg.cp_size,
+            "output": {"dir": str(out_dir), "checkpoint_every": 0}}
+
+
+def trainer_mapping(cfg: PointConfig, lr: float, out_dir) -> dict:
+    """The trainer's config for a validation point's V4: `trainer_sections` and `lr`, then
+    `validation.train` (task, steps, sampling, ...)."""
+    train = copy.deepcopy(cfg.validation.train)
+    merged = {**trainer_sections(cfg, out_dir), **train}
     merged["optimizer"] = {**train.get("optimizer", {}), "lr": lr}
     merged["output"] = {"dir": str(out_dir), "checkpoint_every": 0}
     return merged
+
+
+def cycles_mapping(cfg: PointConfig, out_dir) -> dict:
+    """The trainer's config for a step point with `responses.source: rollouts`: `cycles` steps on one
+    prompt and one capture (refresh never), G samples of at most `responses.length` tokens, the point's
+    optimizer."""
+    r = cfg.responses
+    return {**trainer_sections(cfg, out_dir), "task": {**r.task, "length": cfg.prompt.length}, "steps": cfg.cycles,
+            "steps_per_prompt": cfg.cycles, "seed": cfg.prompt.seed,
+            "sampling": {"num_samples": r.count, "max_new_tokens": r.length}, "optimizer": to_mapping(cfg.optimizer),
+            "refresh": {"policy": "never"}}
 
 
 def with_group(cfg: GRPOConfig, count: int) -> GRPOConfig:

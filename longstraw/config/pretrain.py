@@ -13,6 +13,9 @@ from longstraw.config.typed import bounded
 @dataclass
 class PretrainConfig:
     model: str = "learn-tiny-hybrid"  # a preset of longstraw.models.PRESETS
+    # continue from this checkpoint (a `save_pretrained` folder, e.g. an earlier run's OUT/checkpoint) instead of
+    # a random initialisation; `model` then only names the preset it was made from (model_overrides must be empty)
+    init: Optional[str] = None
     model_overrides: dict = field(default_factory=dict)  # config fields over the preset's
     dtype: Dtype = "float32"  # parameter (master) dtype
     autocast: Optional[Dtype] = None  # e.g. "bfloat16" on CUDA: forward/backward in bf16, fp32 master weights
@@ -39,6 +42,9 @@ class PretrainConfig:
     batch_tokens: Optional[int] = bounded(2048, min=1)  # when set, batch = max(1, batch_tokens // length)
     # optimisation
     steps: int = bounded(2500, min=1)
+    # stop after the step that passes this many training seconds (a run that must fit one command); the curve
+    # says where it stopped. The schedule still counts to `steps`, so a cosine decay is cut short, not squeezed
+    time_limit_seconds: Optional[float] = bounded(None, gt=0.0)
     lr: float = bounded(1e-3, gt=0.0)
     warmup_steps: int = bounded(20, min=0)
     min_lr_ratio: float = bounded(1.0, min=0.0, max=1.0)  # cosine decays to lr * min_lr_ratio (1: constant)
@@ -61,5 +67,7 @@ class PretrainConfig:
     def __post_init__(self):
         if not self.lengths or min(self.lengths) < 2:
             raise ValueError(f"lengths: a non-empty list of prompt lengths >= 2, got {self.lengths}")
+        if self.init is not None and self.model_overrides:
+            raise ValueError("model_overrides: a run that starts from `init` takes the checkpoint's config as it is")
         if len(self.betas) != 2:
             raise ValueError(f"betas: two numbers, got {self.betas}")

@@ -72,6 +72,13 @@ def resolve(raw, source: str = "config") -> PointConfig:
             from longstraw.training.tasks import check_task_spec
 
             check_task_spec({**spec, "length": cfg.prompt.length}, f"{source}: {key}")
+    if cfg.responses.source == "rollouts":
+        if cfg.kind != "step" or cfg.mode != "replay":
+            raise ConfigError(f"{source}: responses.source: rollouts are the trainer's cycles (kind step, mode "
+                              f"replay), not kind {cfg.kind!r} with mode {cfg.mode!r}")
+        from longstraw.training.tasks import check_task_spec
+
+        check_task_spec({**cfg.responses.task, "length": cfg.prompt.length}, f"{source}: responses.task")
     if cfg.kind == "staleness" and cfg.staleness.task:
         from longstraw.training.tasks import check_task_spec
 
@@ -168,9 +175,9 @@ def checkpoint_producers(planned: dict) -> dict[str, tuple[str, str]]:
 
 def needs(planned: dict, experiment: str, point: str) -> list[tuple[str, str]]:
     """The (experiment, point) pairs whose results a point needs first: the pretrain point that
-    writes the checkpoint its `model.path` loads."""
+    writes the checkpoint its `model.path` loads (a pretrain point's: its `pretrain.init`)."""
     cfg = planned[experiment]["points"][point]["config"]
-    path = cfg.model.path if cfg.kind != "pretrain" else None  # a pretrain point builds its own model
+    path = cfg.model.path if cfg.kind != "pretrain" else cfg.pretrain.init  # pretraining builds its own model
     producer = checkpoint_producers(planned).get(str(Path(path))) if path else None
     return [producer] if producer else []
 

@@ -31,17 +31,15 @@ UNTRAINED = "lr0"
 def trainer_mapping(cfg: PointConfig, lr: float, gradient: str, out_dir) -> dict:
     """One run's `longstraw train` config: the point's model, objective (less the group size) and
     capture settings, the learning section, `lr` and `gradient`, writing under `out_dir`."""
-    from longstraw.config import to_mapping
+    from longstraw.config.point import trainer_sections
 
     s = cfg.learning
-    grpo = {k: v for k, v in to_mapping(cfg.grpo).items() if k != "num_generations"}
-    return {"model": to_mapping(cfg.model), "task": {**s.task, "length": cfg.prompt.length}, "steps": s.steps,
+    return {**trainer_sections(cfg, out_dir), "task": {**s.task, "length": cfg.prompt.length}, "steps": s.steps,
             "steps_per_prompt": s.steps_per_prompt, "seed": s.seed,
             "sampling": {"num_samples": s.num_samples, "max_new_tokens": cfg.responses.length,
                          "temperature": s.temperature},
-            "grpo": grpo, "optimizer": {"lr": lr, "weight_decay": 0.0}, "capture": to_mapping(cfg.capture),
-            "gradient": gradient, "refresh": {"policy": "every", "every": 1},
-            "output": {"dir": str(out_dir), "checkpoint_every": 0}}
+            "optimizer": {"lr": lr, "weight_decay": 0.0}, "gradient": gradient,
+            "refresh": {"policy": "every", "every": 1}}
 
 
 def runs_of(cfg: PointConfig) -> list[tuple[str, float, str]]:

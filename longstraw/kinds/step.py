@@ -1,6 +1,9 @@
 """Kind `step`: G seeded random responses with seeded rewards (a memory/time measurement needs
 shapes, not meaning), `cycles` GRPO steps in the chosen mode; with `replay`/`hold_all` one capture
-serves every cycle.
+serves every cycle. With `responses.source: rollouts` the cycles are the GRPO trainer's steps on one
+capture instead (`longstraw.training.trainer`): G responses sampled from the resident state, the task's
+rewards, serial replay, the optimizer step; its phases add `sampling` (and `ref_capture`, the
+reference policy's own capture of the prompt, when beta > 0) and its old log-probs come from sampling.
 
 Report: one row per point (mode, G, the peak against the ceiling, per-phase peaks and seconds,
 graph and resident bytes, time per replayed member); figures: per-phase peak memory against the
@@ -25,6 +28,8 @@ def run(cfg: PointConfig, device, progress: Progress) -> dict:
     from longstraw.measure.memory import PhaseRecorder
     from longstraw.models.lora import trainable_parameters
 
+    if cfg.responses.source == "rollouts":
+        return run_rollouts(cfg, device, progress)
     recorder = PhaseRecorder(device)
     model, vocab, prompt = policy_and_prompt(cfg, recorder)
     responses, rewards = seeded_group(cfg, cfg.responses.count, vocab, device)
@@ -37,6 +42,34 @@ def run(cfg: PointConfig, device, progress: Progress) -> dict:
         cycles.append(step.metrics)
     return {"weights": recorder.phases["weights"], "trainable_parameters": trainable_parameters(model),
             "cycles": cycles, **summary(cycles)}
+
+
+def run_rollouts(cfg: PointConfig, device, progress: Progress) -> dict:
+    """`cycles` trainer steps on one capture of the task's prompt; each cycle's record is the
+    transaction's (phases, graph and resident bytes) with the step's rewards, loss and gradient norm."""
+    import tempfile
+
+    from longstraw.config.point import cycles_mapping
+    from longstraw.measure.memory import PhaseRecorder
+    from longstraw.models.lora import trainable_parameters
+    from longstraw.training.trainer import Trainer
+
+    recorder = PhaseRecorder(device)
+    cycles = []
+    with tempfile.TemporaryDirectory(prefix="longstraw-cycles-") as tmp:
+        with recorder.phase("weights"):
+            trainer = Trainer(cycles_mapping(cfg, tmp), source=f"{cfg.name} [rollouts]")
+        for step in range(cfg.cycles):
+            record = trainer.train_step(step)
+            cycles.append({**record["transaction"], **{k: record[k] for k in ROLLOUT_KEYS}})
+            progress.line(f"cycle {step}: reward {record['reward_mean']:.3f}, loss {record['loss']:.4g}, "
+                          f"{record['seconds']:.1f} s")
+            progress.partial({"cycles": cycles})
+    return {"weights": recorder.phases["weights"], "trainable_parameters": trainable_parameters(trainer.model),
+            "cycles": cycles, **summary(cycles)}
+
+
+ROLLOUT_KEYS = ("reward_mean", "rewards", "loss", "grad_norm", "response_tokens")
 
 
 def summary(cycles: list) -> dict:
@@ -57,13 +90,13 @@ def summary(cycles: list) -> dict:
 
 # ------------------------------------------------------------------------------------------- report
 
-STEP_PHASES = ("capture", "old_scoring", "ref_scoring", "replay", "optimizer_step")
-SHOWN = ["model", "prompt_length", "mode", "G", "response_length", "cycles", "replays", "peak_memory_bytes",
+STEP_PHASES = ("capture", "ref_capture", "sampling", "old_scoring", "ref_scoring", "replay", "optimizer_step")
+SHOWN = ["model", "prompt_length", "mode", "source", "G", "response_length", "cycles", "replays", "peak_memory_bytes",
          "peak_memory_measure", "capture_peak_allocated_bytes", "old_scoring_peak_allocated_bytes",
          "ref_scoring_peak_allocated_bytes", "replay_peak_allocated_bytes", "optimizer_step_peak_allocated_bytes",
          "graph_bytes_peak", "resident_bytes", "predicted_resident_bytes", "cp_size", "rank_resident_bytes_max",
          "rank_peak_bytes_max", "seconds_per_member", "capture_seconds", "cycle_seconds_mean", "loss_last",
-         "state_unchanged", "peak_rss_bytes", "wall_seconds"]
+         "reward_mean", "state_unchanged", "peak_rss_bytes", "wall_seconds"]
 CAPTIONS = {
     "memory_vs_ceiling": "Per-phase peak memory of each point against the memory ceiling (top), and the autograd "
                          "graph peak beside the resident state, measured and predicted (bottom).",
@@ -83,8 +116,11 @@ def columns(point: dict) -> dict:
     # Responses replayed over all cycles: hold_all times its G replays as one phase, so count
     # responses (not replay-phase entries) for the time per member.
     replays = sum(len(c.get("response_tokens") or []) for c in cycles) or None
+    rewards = [number(c.get("reward_mean")) for c in cycles if number(c.get("reward_mean")) is not None]
     cols = {
         "mode": cfg.get("mode"),
+        "source": responses.get("source", "seeded"),
+        "reward_mean": sum(rewards) / len(rewards) if rewards else None,
         "G": responses.get("count"),
         "response_length": responses.get("length"),
         "cycles": cfg.get("cycles"),

@@ -23,6 +23,8 @@ Simplifications, stated:
 - Seeds: training example j of a run with `seed` s uses task seed `s * 2**40 + j`
   (`TRAIN_SEED_STRIDE`); held-out evaluation uses `EVAL_SEED_BASE + i` = 2**62 + i, and the
   length curve `CURVE_SEED_BASE + i` = 2**62 + 2**40 + i: disjoint from training for s < 2**22.
+- `init` continues from a checkpoint (a longer-context stage after a short one); the seeds of its
+  training examples are those of `seed`, so give a continuation a seed its first stage did not use.
 - One length per batch (sequences of one batch share it). `batch_tokens`, when set, sizes each
   batch as `max(1, batch_tokens // length)` so that every step costs about the same; otherwise
   every batch holds `batch_size` sequences.
@@ -169,13 +171,19 @@ def pretrain(cfg: PretrainConfig) -> dict:
     """Train, evaluate, and (with `cfg.out`) save the checkpoint and curve.json. Returns the curve."""
     from longstraw.measure.memory import synchronize
     from longstraw.measure.provenance import provenance
-    from longstraw.models import build_model
+    from longstraw.models import build_model, load_pretrained
     from longstraw.results import write_json_atomic
     from longstraw.training.tasks import chance_level
 
     wall_start = time.perf_counter()
     device = torch.device(cfg.device)
-    model = build_model(cfg.model, seed=cfg.seed, dtype=DTYPES[cfg.dtype], device=device, **cfg.model_overrides)
+    if cfg.init is not None:
+        if not (Path(cfg.init) / "config.json").is_file():
+            raise ValueError(f"init: {cfg.init} is not a checkpoint folder (no config.json); run the point that "
+                             "writes it first")
+        model = load_pretrained(cfg.init, dtype=DTYPES[cfg.dtype], device=device)
+    else:
+        model = build_model(cfg.model, seed=cfg.seed, dtype=DTYPES[cfg.dtype], device=device, **cfg.model_overrides)
     model.train()
     kernels = contextlib.ExitStack()
     if cfg.hf_torch_gdn if cfg.hf_torch_gdn is not None else device.type == "cuda":
@@ -201,8 +209,11 @@ def pretrain(cfg: PretrainConfig) -> dict:
 
     bar = tqdm(range(cfg.steps), desc="pretrain", unit="step", file=sys.stderr, disable=not cfg.progress,
                dynamic_ncols=True)
-    acc = {}
+    acc, stopped_at = {}, None
     for step in bar:
+        if cfg.time_limit_seconds is not None and train_seconds >= cfg.time_limit_seconds:
+            stopped_at = step
+            break
         t = time.perf_counter()
         spec, lengths, aux_fraction = stage_at(cfg, step)
         length = rng.choice(lengths)
@@ -232,7 +243,8 @@ def pretrain(cfg: PretrainConfig) -> dict:
         bar.set_postfix(loss=f"{answer_loss.item():.3f}", L=length,
                         acc=" ".join(f"{a:.2f}" for a in acc.values()) or "-", refresh=False)
     bar.close()
-    run_eval(cfg.steps)
+    steps_done = len(steps)
+    run_eval(steps_done)
     kernels.close()
     model.eval()
     task = eval_bank(cfg.lengths[0])
@@ -244,6 +256,8 @@ def pretrain(cfg: PretrainConfig) -> dict:
         "seeds": {"train": [cfg.seed * TRAIN_SEED_STRIDE, cfg.seed * TRAIN_SEED_STRIDE + next_example],
                   "eval_base": EVAL_SEED_BASE, "curve_base": CURVE_SEED_BASE},
         "steps": steps,
+        "steps_done": steps_done,
+        "stopped_by_time_limit": stopped_at is not None,
         "evals": evals,
         "final_accuracy": evals[-1]["accuracy"],
         "tokens": tokens,

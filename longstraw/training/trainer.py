@@ -47,12 +47,18 @@ from longstraw.config import TrainConfig, resolve_train, to_mapping
 from longstraw.core.step import StepOptions, grpo_step, reference_policy
 from longstraw.core.transaction import capture
 from longstraw.cp import context_parallel
+from longstraw.measure.memory import PhaseRecorder
 from longstraw.models.policy import build_policy
 from longstraw.models.presets import check_preset
 from longstraw.results import check_writable
 from longstraw.training.oracle import parameter_drift
 from longstraw.training.rollout import SamplingConfig, sample
 from longstraw.training.tasks import build_task, check_task_spec
+
+
+# what a step's record keeps of `grpo_step`'s metrics about memory (with its phases), beside the training metrics
+TRANSACTION_KEYS = ("graph_bytes_peak", "resident_bytes", "predicted_resident_bytes", "prompt_positions",
+                    "state_unchanged", "state_age", "members_replayed")
 
 
 def _schedule(cfg, steps: int):
@@ -145,12 +151,12 @@ class Trainer:
         if current is not None:
             self._load_params(current)
 
-    def _reference_state(self, step: int):
+    def _reference_state(self, step: int, recorder: PhaseRecorder):
         """The reference policy's capture of this step's prompt (None when there is no KL term)."""
         prompt = step // self.cfg.steps_per_prompt
         if self.cfg.grpo.beta > 0 and self.ref_prompt != prompt:
             self.ref_state = None  # free the previous prompt's first
-            with reference_policy(self.model):
+            with recorder.phase("ref_capture"), reference_policy(self.model):
                 self.ref_state = capture(self.model, self._example(step).prompt_ids.to(self.device),
                                          **self._capture_kwargs())
             self.ref_prompt = prompt
@@ -171,29 +177,40 @@ class Trainer:
         return [float(r) for r in rewards]
 
     def train_step(self, step: int) -> dict:
+        """One step; its record holds the step's metrics and, under `transaction`, the memory and time
+        per phase (capture, sampling, ref_capture, then the transaction's own) as `grpo_step` reports them."""
         start = time.perf_counter()
+        recorder = PhaseRecorder(self.device)
         example = self._example(step)
         drift = self.drift()
         refreshed = self._needs_capture(step, drift)
         if refreshed:
-            self._capture(step)
+            with recorder.phase("capture"):
+                self._capture(step)
         s = self.cfg.sampling
-        rollouts = sample(self.model, self.state, SamplingConfig(
-            num_samples=s.num_samples, max_new_tokens=s.max_new_tokens, temperature=s.temperature,
-            top_p=s.top_p, seed=self.cfg.seed * 1_000_003 + step))
+        with recorder.phase("sampling"):
+            rollouts = sample(self.model, self.state, SamplingConfig(
+                num_samples=s.num_samples, max_new_tokens=s.max_new_tokens, temperature=s.temperature,
+                top_p=s.top_p, seed=self.cfg.seed * 1_000_003 + step))
         rewards = self._rewards(step, example, rollouts.responses)
+        ref_state = self._reference_state(step, recorder)
         result = grpo_step(self.model, example.prompt_ids.to(self.device), rollouts.responses, rewards,
                            self.optimizer, self.cfg.grpo, self.options, state=self.state,
-                           ref_state=self._reference_state(step), old_logps=rollouts.logprobs)
+                           ref_state=ref_state, old_logps=rollouts.logprobs)
         metrics = result.metrics
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
+        transaction = {k: metrics[k] for k in TRANSACTION_KEYS if k in metrics}
+        transaction["phases"] = {**recorder.phases, **metrics["phases"]}
+        if ref_state is not None:
+            transaction["ref_resident_bytes"] = ref_state.nbytes
         return {"step": step, "prompt": step // self.cfg.steps_per_prompt, "refreshed": refreshed,
                 "state_age": step - self.capture_step, "drift_before": drift, "lr": lr,
                 "reward_mean": metrics["reward_mean"], "reward_std": float(torch.tensor(rewards).std()),
                 "rewards": rewards,
                 "loss": metrics["loss"], "grad_norm": metrics["grad_norm"], **metrics["stats"],
-                "response_tokens": metrics["response_tokens"], "seconds": time.perf_counter() - start}
+                "response_tokens": metrics["response_tokens"], "transaction": transaction,
+                "seconds": time.perf_counter() - start}
 
     # ---- checkpoints
     def _checkpoint_dir(self, step: int) -> Path:
