@@ -187,6 +187,7 @@ STEP_EXPECTED = {
     "cycle_seconds_mean": lambda r: sum(sum(p["seconds"] for p in c["phases"].values()) for c in _cycles(r))
     / len(_cycles(r)),
     "loss_last": lambda r: _cycles(r)[-1]["loss"],
+    "reward_mean": lambda r: sum(c["reward_mean"] for c in _cycles(r)) / len(_cycles(r)),
     "cp_size": lambda r: r["config"]["cp_size"],
     "rank_resident_bytes_max": lambda r: max(rank["resident_bytes"] for rank in r["cp"]["ranks"]),
     "rank_peak_bytes_max": lambda r: max(rank.get("peak_allocated_bytes", rank["peak_rss_bytes"])
@@ -230,11 +231,16 @@ _UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40, "s": 1
 
 
 def _shown_number(text: str) -> float:
-    """The number a cell displays, in base units: '1.63 MiB' -> bytes, '8.5 ms' -> seconds, '1,024' -> 1024."""
-    match = re.fullmatch(r"(-?[\d,]*\.?\d+(?:e[+-]?\d+)?)\s*(B|KiB|MiB|GiB|TiB|ms|s)?(?:/position| positions/s)?",
-                         text.strip())
+    """The number a cell displays, in base units: '1.63 MiB' -> bytes, '8.5 ms' -> seconds, '1,024' -> 1024;
+    a size from 1 GiB up also in GB beside it ('1.500 GiB (1.611 GB)'), which must say the same size."""
+    match = re.fullmatch(r"(-?[\d,]*\.?\d+(?:e[+-]?\d+)?)\s*(B|KiB|MiB|GiB|TiB|ms|s)?(?: \((-?[\d,]*\.\d{3}) GB\))?"
+                         r"(?:/position| positions/s)?", text.strip())
     assert match, f"cell text {text!r} is not a number with a unit"
-    return float(match.group(1).replace(",", "")) * _UNITS.get(match.group(2) or "", 1)
+    shown = float(match.group(1).replace(",", "")) * _UNITS.get(match.group(2) or "", 1)
+    assert (match.group(3) is not None) == (match.group(2) in ("GiB", "TiB")), text  # GB beside every GiB
+    if match.group(3) is not None:
+        assert float(match.group(3).replace(",", "")) * 1e9 == pytest.approx(shown, rel=5e-3), text
+    return shown
 
 
 def _close(shown: float, exact: float) -> bool:
@@ -1162,3 +1168,226 @@ def test_validation_tolerances_are_stated_once_and_cells_refer_to_them(built):
     assert {"V2", "V3"} <= set(cells)
     for level, cell in re.findall(r'data-level="(V\d)" data-state="reached">(.*?)</td>', paths, re.S):
         assert ("validation-rule-" in cell) == (level in ("V2", "V3")), (level, cell)
+
+
+# ------------------------------------------------- units, scales, failed points, legends, tables (issue 19)
+
+MIB = 2**20
+
+
+def test_sizes_read_in_gb_beside_gib():
+    """The paper writes GB (10^9 bytes): from 1 GiB up a size reads in both units, to 3 decimals."""
+    from longstraw.plotting.formatting import format_bytes, format_value
+    from longstraw.report.paper import _with_gb
+
+    assert format_bytes(26_718_000_000) == "24.883 GiB (26.718 GB)"  # 26.718e9 / 2^30 = 24.8831...
+    assert format_bytes(150_109_880_320) == "139.801 GiB (150.110 GB)"  # the H200's total memory
+    assert format_bytes(2**30) == "1.000 GiB (1.074 GB)"
+    assert format_bytes(512 * MIB) == "512.00 MiB"  # under 1 GiB: the binary unit alone
+    assert format_value("peak_memory_bytes", 3 * 2**30) == "3.000 GiB (3.221 GB)"
+    # beside the paper's figures from 0.1 GB up (it states +0.208 GB): 208e6 / 2^20 = 198.364...
+    assert _with_gb("peak_memory_bytes", 208_000_000) == "198.36 MiB (0.208 GB)"
+
+
+def test_losses_and_drifts_show_six_significant_digits():
+    from longstraw.plotting.formatting import format_value
+
+    assert (format_value("loss_last", 5.5591), format_value("loss_last", 5.5594)) == ("5.5591", "5.5594")
+    assert format_value("loss_stale", 8.013204) == "8.0132" and format_value("grpo_loss_fresh", -2e-06) == "-2e-06"
+    assert format_value("mean_abs_logprob_diff", 1.23456789e-4) == "0.000123457"
+    assert format_value("final_kl_k3", 1.2345678e-7) == "1.23457e-07"
+    assert format_value("grad_norm", 5.5591) == "5.559"  # other numbers: 4 significant digits
+    assert format_value("relative_loss_drift", 0.0012) == "0.12%"  # drifts relative to the loss: percent
+
+
+def test_the_drift_table_shows_losses_to_six_digits(staleness_built):
+    """lr-0.01, step 1: loss_fresh 8.01, loss_stale 8.01 x (1 + 4e-4) = 8.013204 (4 digits would read 8.013)."""
+    rows = [r for r in staleness_built["tables"]["table-staleness-drift"] if r["attrs"]["data-point"] == "lr-0.01"]
+    cells = _cells(next(r for r in rows if _cells(r)["step"]["value"] == "1"))
+    assert cells["loss_stale"]["text"] == "8.0132" and cells["loss_fresh"]["text"] == "8.01"
+
+
+def test_one_rule_chooses_log_or_linear_for_sizes():
+    from longstraw.plotting import draw
+
+    assert not draw.log_scale([20, 30, 140])  # a GPU sweep under its ceiling: linear
+    assert not draw.log_scale([2, 100, 110, 120, 140])  # one small bar among large ones is data
+    assert draw.log_scale([500 * MIB] * 5 + [23.5 * GIB])  # CPU MiB under a machine's GiB: 48x the median
+    axis = draw.memory_axis([500 * MIB, 23.5 * GIB])
+    assert (axis.scale, axis.unit) == (GIB, "GiB")  # one unit for the bars and the ceiling
+
+
+def _line(ax, marker):
+    return [line for line in ax.lines if line.get_marker() == marker]
+
+
+def test_g_sweep_figure_axes_marks_and_legend():
+    """Linear sizes from 0 with GB on the right; the paper's 97.711 GB at 97.711 on the GB axis; the
+    OOM step at its recorded peak on the left, on the x axis of the graph panel (no graph peak); one
+    legend beside both panels saying colour is the mode, line style the model."""
+    from longstraw.kinds.step import plot_g_sweep_memory
+
+    def row(model, mode, g, status="ok", peak=None, graph=None):
+        return {"model": model, "mode": mode, "G": g, "status": status, "peak_memory_bytes": peak,
+                "graph_bytes_peak": graph}
+    rows = [row("m", "replay", 2, peak=20 * GIB, graph=4 * GIB), row("m", "replay", 8, peak=21 * GIB, graph=4 * GIB),
+            row("m", "hold_all", 2, peak=30 * GIB, graph=12 * GIB), row("m", "hold_all", 4, "oom", peak=139 * GIB),
+            row("n", "replay", 2, peak=25 * GIB, graph=5 * GIB), row("n", "replay", 8, peak=25 * GIB, graph=5 * GIB)]
+    ceiling = {"bytes": 140 * GIB, "label": "device", "source": "cuda_total_memory"}
+    marks = [{"bytes": 97.711e9, "where": {"G": 8}, "source": "paper", "text": "97.711 GB"}]
+    fig = plot_g_sweep_memory(rows, ceiling, True, "t", marks)
+    fig.tight_layout()
+    fig.canvas.draw()
+    peak_ax, graph_ax = fig.axes
+    for ax in (peak_ax, graph_ax):
+        assert ax.get_yscale() == "linear" and ax.get_ylim()[0] == 0  # data from 20 GiB, the axis from 0
+        [right] = ax.child_axes
+        assert right.get_ylabel() == "GB" and right.get_ylim()[1] == pytest.approx(ax.get_ylim()[1] * GIB / 1e9)
+    [diamond] = _line(peak_ax, "D")
+    assert list(diamond.get_ydata()) == [pytest.approx(97.711e9 / GIB)]  # 91.0012 GiB
+    assert peak_ax.child_axes[0].transData.transform((8, 97.711))[1] == pytest.approx(
+        peak_ax.transData.transform((8, 97.711e9 / GIB))[1])
+    [oom_peak] = _line(peak_ax, "X")
+    assert list(oom_peak.get_ydata()) == [139.0] and oom_peak.get_transform() == peak_ax.transData
+    [oom_graph] = _line(graph_ax, "X")
+    x, y = oom_graph.get_transform().transform((4, oom_graph.get_ydata()[0]))
+    assert (x, y) == (pytest.approx(graph_ax.transData.transform((4, 0))[0]), pytest.approx(graph_ax.bbox.y0))
+    assert "OOM (no value)" in [t.get_text() for t in graph_ax.texts]
+    styles = {line.get_label(): (line.get_linestyle(), line.get_color()) for line in graph_ax.lines
+              if line.get_label().startswith("replay")}
+    assert styles["replay, m"][0] != styles["replay, n"][0] and styles["replay, m"][1] == styles["replay, n"][1]
+    legend = graph_ax.get_legend()
+    assert peak_ax.get_legend() is None and legend.get_title().get_text() == "colour: mode, line style: model"
+    assert "replay, n" in [t.get_text() for t in legend.get_texts()] and "paper" in [t.get_text()
+                                                                                     for t in legend.get_texts()]
+    box = legend.get_window_extent()
+    assert not box.overlaps(peak_ax.bbox) and not box.overlaps(graph_ax.bbox)
+    _close_figures()
+
+
+def _close_figures():
+    from longstraw.plotting import draw
+    draw.plt.close("all")
+
+
+def test_memory_figure_of_cpu_steps_goes_log_and_marks_a_failed_point_on_the_axis():
+    """CPU peaks of about 510 MiB under 23.5 GiB of RAM: the top panel is log (said in its label); the
+    bottom panel (graph and state, MiB) linear from 0; the OOM point, which measured no graph, sits on
+    the bottom panel's x axis; each title says which ceiling it draws and why."""
+    from longstraw.kinds.step import plot_memory_vs_ceiling
+
+    rows = [{"point": "a", "mode": "replay", "status": "ok", "capture_peak_rss_bytes": 500 * MIB,
+             "replay_peak_rss_bytes": 520 * MIB, "peak_memory_bytes": 520 * MIB, "graph_bytes_peak": 2 * MIB,
+             "resident_bytes": MIB, "predicted_resident_bytes": MIB},
+            {"point": "b", "mode": "hold_all", "status": "oom"}]
+    ceiling = {"bytes": int(23.5 * GIB), "label": "RAM 23.500 GiB", "source": "machine_ram"}
+    fig = plot_memory_vs_ceiling(rows, ["mode"], ceiling, False, "t")
+    fig.tight_layout()
+    fig.canvas.draw()
+    top, bottom = fig.axes
+    assert top.get_yscale() == "log" and "log scale" in top.get_ylabel() and top.get_ylabel().startswith("GiB")
+    assert "scale only" in top.get_title()  # a ceiling the results did not record: for scale, and says so
+    assert bottom.get_yscale() == "linear" and bottom.get_ylim()[0] == 0 and bottom.get_ylabel() == "MiB"
+    [oom] = _line(bottom, "X")
+    assert oom.get_transform().transform((1, oom.get_ydata()[0]))[1] == pytest.approx(bottom.bbox.y0)
+    for ax in (top, bottom):  # legends beside the bars, not over them
+        assert not ax.get_legend().get_window_extent().overlaps(ax.bbox)
+    _close_figures()
+
+
+def test_capacity_figure_states_the_searchs_ceiling_and_why():
+    from longstraw.kinds.capacity import plot_capacity
+
+    cpu = [{"point": "c", "mode": "replay", "status": "ok", "largest_fitting": 256, "ceiling_bytes": 600 * 2**10,
+            "memory_measure": "process peak RSS minus RSS after weights (emulated CPU ceiling)"}]
+    title = plot_capacity(cpu, [], "t").axes[0].get_title().replace("\n", " ")
+    assert "600.0 KiB" in title and "emulated ceiling (capacity.ceiling_bytes)" in title
+    gpu = [{"point": "g", "mode": "naive", "status": "ok", "largest_fitting": 4096, "ceiling_bytes": None,
+            "device_memory_bytes": 150_109_880_320, "memory_measure": "peak_allocated_bytes"}]
+    title = plot_capacity(gpu, [], "t").axes[0].get_title().replace("\n", " ")
+    assert "139.801 GiB (150.110 GB)" in title and "the device's memory" in title
+    _close_figures()
+
+
+def test_a_lone_bar_keeps_a_bars_width():
+    """One point: its bar spans at most a third of the axes, not all of it."""
+    from longstraw.kinds.step import plot_time_per_member
+
+    fig = plot_time_per_member([{"point": "p", "mode": "replay", "status": "ok", "seconds_per_member": 0.14}], [],
+                               "t")
+    ax = fig.axes[0]
+    [bar] = ax.patches
+    low, high = ax.get_xlim()
+    assert bar.get_width() / (high - low) <= 0.8 / 3 + 1e-9 and ax.get_ylim()[0] == 0
+    _close_figures()
+
+
+MINE = ("memory_vs_ceiling", "g_sweep_memory", "sweep_memory", "phase_seconds", "step_phase_peaks", "capacity",
+        "resident_per_position", "memory_vs_length", "time_per_member")
+
+
+@pytest.mark.parametrize("fixture", ["built", "gpu_built"])
+def test_legends_sit_beside_the_data(fixture, request, tmp_path, monkeypatch):
+    """In the step, sweep, capacity, capture and summary figures no legend covers a panel's data area."""
+    from longstraw.plotting import draw
+    from longstraw.report import figures
+
+    covered, save = {}, draw.save_png
+
+    def checked(fig, path):
+        fig.tight_layout()
+        fig.canvas.draw()
+        if any(name in Path(path).name for name in MINE):
+            legends = [ax.get_legend() for ax in fig.axes if ax.get_legend() is not None]
+            covered[Path(path).name] = [ax.get_title()[:30] for ax in fig.axes for legend in legends
+                                        if legend.get_window_extent().overlaps(ax.bbox)]
+        return save(fig, path)
+
+    monkeypatch.setattr(figures, "save_png", checked)
+    make_figures(request.getfixturevalue(fixture)["out"] / "tables", tmp_path)
+    assert len(covered) >= 5 and {name: axes for name, axes in covered.items() if axes} == {}
+
+
+def _csv_note(html: str, table_id: str) -> tuple[int, int, str]:
+    [(shown, every, href)] = re.findall(rf'<p class="note table-csv" data-table="{table_id}">(\d+) of (\d+) '
+                                        r'columns shown; every column: <a href="([^"]+)">', html)
+    return int(shown), int(every), href
+
+
+def test_tables_show_a_few_columns_and_link_the_csv_with_all_of_them(built):
+    """Each kind's table: its columns, then a link to the experiment's CSV, which has every one of
+    them and more; 'N of M': N the table's columns, M the CSV's columns these rows have a value in."""
+    import csv
+
+    html, tables = built["html"], _parse(built["html"]).tables
+    for table_id in ("table-g_sweep-step", "table-baselines-step", "table-baselines-capacity",
+                     "table-architectures-capture"):
+        experiment, kind = table_id.split("-")[1:]
+        shown, every, href = _csv_note(html, table_id)
+        assert href == f"tables/{experiment}.csv"
+        with open(built["out"] / href, newline="") as f:
+            rows = [r for r in csv.DictReader(f) if r["kind"] == kind]
+        columns = [c["column"] for c in tables[table_id][0]["cells"]]
+        assert shown == len(columns) and set(columns) <= set(rows[0])
+        assert every == sum(any(r[c] != "" for r in rows) for c in rows[0]) and every > shown
+    step_columns = [c["column"] for c in tables["table-baselines-step"][0]["cells"]]
+    assert "replay_peak_rss_bytes" not in step_columns and len(step_columns) <= 18  # trimmed; the CSV keeps it
+    with open(built["out"] / "tables" / "baselines.csv", newline="") as f:
+        assert "replay_peak_rss_bytes" in next(csv.reader(f))
+
+
+def test_the_sweeps_step_table_links_its_own_csv(gpu_built):
+    shown, every, href = _csv_note(gpu_built["html"], "table-g_sweep-sweep_steps")
+    assert href == "tables/g_sweep.steps.csv" and (gpu_built["out"] / href).is_file() and every > shown
+    assert "table-g_sweep-steps" not in gpu_built["tables"]  # no other kind's `steps` table drawn on it
+
+
+def test_a_failed_points_row_is_one_line_with_the_whole_message_below(built):
+    """The error point's message (214 characters) shows its first 60 in the row; the whole of it is in
+    the cell's <details>, closed."""
+    message = built["files"][("g_sweep", "no_such_mode-G2")]["error"]
+    row = built["html"].split('<tr data-point="no_such_mode-G2"')[1].split("</tr>")[0]
+    cell = row.split('<td data-column="error" class="message">')[1].split("</td>")[0]
+    summary = html_unescape(re.search(r"<summary>(.*?)</summary>", cell).group(1))
+    assert len(summary) <= 60 and message.startswith(summary.rstrip("…")) and "<details>" in cell
+    assert html_unescape(re.search(r'<div class="full">(.*?)</div>', cell, re.S).group(1)) == message

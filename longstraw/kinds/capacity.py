@@ -143,13 +143,13 @@ def run(point: PointConfig, device, progress: Progress) -> dict:
 
 # ------------------------------------------------------------------------------------------- report
 
+# The search's answer and the ceiling it ran against; every column is in the CSV, the phase seconds
+# of the compared steps in their figure.
 SHOWN = ["model", "mode", "ceiling_bytes", "device_memory_bytes", "memory_measure", "largest_fitting",
-         "largest_fitting_peak_bytes", "first_failing", "smallest_oom", "probes", "probes_ok", "probes_oom",
-         "search_stopped_on_time_limit", "time_limit_seconds", "step_seconds_at", "step_seconds_at_prompt_length",
-         "step_seconds_at_seconds", "wall_seconds"]
+         "largest_fitting_peak_bytes", "first_failing", "probes", "probes_oom", "search_stopped_on_time_limit",
+         "wall_seconds"]
 COMPARISON_COLUMNS = ["point", "mode", "measured_as", "prompt_length", "status", "peak_bytes", "step_seconds",
-                      "speedup_vs_searched_mode", "capture_seconds", "old_scoring_seconds", "ref_scoring_seconds",
-                      "replay_seconds", "optimizer_step_seconds", "wall_seconds", "error", "report_error"]
+                      "speedup_vs_searched_mode", "wall_seconds", "error", "report_error"]
 PROBE_COLUMNS = ["point", "mode", "prompt_length", "status", "peak_bytes", "seconds"]
 EXTRA_TABLES = {
     "comparison": ExtraTable(
@@ -161,8 +161,9 @@ EXTRA_TABLES = {
     "probes": ExtraTable("Capacity probes", PROBE_COLUMNS, key="probes"),
 }
 CAPTIONS = {
-    "capacity": "Largest prompt that fits under the ceiling per mode (bar); every probed prompt length drawn "
-                "(o fits, x out of memory).",
+    "capacity": "Largest prompt that fits under the search's ceiling per mode (bar); every probed prompt length "
+                "drawn (o fits, x out of memory). The title states the ceiling and why it is that one: the "
+                "configured one (on CPU an emulated one), else the device's memory.",
     "capacity_step_time": "One step of each mode at the searched mode's largest fitting prompt: seconds per phase "
                           "(the searched mode's from its search probe, the others from their comparison steps; "
                           "process start and model load left out).",
@@ -273,18 +274,37 @@ def figures(data, ceiling: dict, marks=()):
         yield "capacity_step_time", plot_capacity_step_time(data.extra["comparison"], data.name)
 
 
-def plot_capacity(rows, probes: list[dict], title: str):
-    from longstraw.plotting import draw
+def _stated_ceilings(rows) -> str:
+    """The ceiling each search ran against, its measure, and why that one (no configured ceiling on
+    CUDA: the device itself, a real OOM)."""
+    from longstraw.plotting.ceiling import search_ceiling_reason
     from longstraw.plotting.formatting import format_bytes
 
-    fig, ax = draw.plt.subplots(figsize=(max(7, 1.6 * len(rows) + 3), 4.8))
+    stated = {}
+    for row in rows:
+        configured = bool(row.get("ceiling_bytes"))
+        value = row.get("ceiling_bytes") if configured else row.get("device_memory_bytes")
+        if value:
+            cuda = str(row.get("memory_measure")).startswith("peak_allocated")
+            stated.setdefault(f"{format_bytes(value)} on {row.get('memory_measure')}: "
+                              f"{search_ceiling_reason(configured, cuda)}", None)
+    return "; ".join(sorted(stated)) or "not recorded"
+
+
+def plot_capacity(rows, probes: list[dict], title: str):
+    import textwrap
+
+    from longstraw.plotting import draw
+
+    width = max(8, 1.6 * len(rows) + 5)  # 2 inches of it: the legend beside the axes
+    fig, ax = draw.plt.subplots(figsize=(width, 4.8))
     labels = [str(r.get("mode") or r.get("point")) for r in rows]
     if len(set(labels)) < len(labels):  # two points of one mode: name them
         labels = [f"{label}\n{r.get('point')}" for label, r in zip(labels, rows)]
     for i, row in enumerate(rows):
         largest = row.get("largest_fitting")
         if row.get("status") != "ok":
-            draw.mark_failed(ax, i, row, value_key="__none__")
+            draw.mark_failed(ax, i, row, value_key=None)
         elif largest:
             ax.bar([i], [largest], color=draw.MODE_COLORS.get(str(row.get("mode")), "#4c72b0"), alpha=0.6, width=0.6)
             # a search cut off by its time limit reached this length; the memory limit lies beyond it
@@ -301,16 +321,14 @@ def plot_capacity(rows, probes: list[dict], title: str):
             ax.plot([i] * len(lengths), lengths, linestyle="none", marker=marker, color=color, markersize=7,
                     label=f"probe {status}" if i == 0 else None)
     ax.set_yscale("log", base=2)
+    ax.margins(y=0.15)  # room above the tallest bar for its label
     ax.set_xticks(range(len(rows)), labels)
+    draw.bar_slots(ax, len(rows))
     ax.set_ylabel("prompt length (positions, log2)")
-    # No configured ceiling on CUDA means the device itself is the ceiling (a real OOM).
-    ceilings = {(r.get("ceiling_bytes") or r.get("device_memory_bytes"), r.get("memory_measure")) for r in rows
-                if r.get("ceiling_bytes") or r.get("device_memory_bytes")}
-    stated = "; ".join(f"{format_bytes(c)} on {m}" for c, m in sorted(ceilings, key=str)) or "not recorded"
-    ax.set_title(f"{title}: largest prompt that fits per mode\nceiling {stated}", fontsize=9)
-    handles, names = ax.get_legend_handles_labels()
-    if handles:
-        ax.legend(fontsize=7)
+    ax.set_title(f"{title}: largest prompt that fits per mode\n"
+                 + textwrap.fill(f"ceiling {_stated_ceilings(rows)}", int(width * 10)), fontsize=9)
+    if ax.get_legend_handles_labels()[0]:
+        draw.legend_outside(ax)
     return fig
 
 
@@ -319,7 +337,7 @@ def plot_capacity_step_time(rows, title: str):
     from longstraw.plotting import draw
 
     phases = [p for p in STEP_PHASES if any(r.get(f"{p}_seconds") is not None for r in rows)]
-    fig, ax = draw.plt.subplots(figsize=(max(6, 1.6 * len(rows) + 3), 4.8))
+    fig, ax = draw.plt.subplots(figsize=(max(8, 1.6 * len(rows) + 5), 4.8))  # 2 inches of it: the legend
     base = [0.0] * len(rows)
     for phase in phases:
         heights = [(r.get(f"{phase}_seconds") or 0.0) if r.get("status") == "ok" else 0.0 for r in rows]
@@ -327,13 +345,16 @@ def plot_capacity_step_time(rows, title: str):
         base = [b + h for b, h in zip(base, heights)]
     for i, row in enumerate(rows):
         if row.get("status") != "ok":
-            draw.mark_failed(ax, i, row, value_key="__none__")
+            draw.mark_failed(ax, i, row, value_key=None)
         elif row.get("step_seconds") is not None:
             ax.annotate(f"{row['step_seconds']:,.1f} s", (i, base[i]), textcoords="offset points", xytext=(0, 3),
                         ha="center", fontsize=8)
     ax.set_xticks(range(len(rows)), [f"{r.get('mode')}\n({r.get('measured_as')})" for r in rows], fontsize=8)
+    draw.bar_slots(ax, len(rows))
+    ax.margins(y=0.08)  # room above the tallest stack for its total
     lengths = sorted({r["prompt_length"] for r in rows if r.get("prompt_length") is not None})
     ax.set_ylabel("seconds (s), sum of phases")
     ax.set_title(f"{title}: one step per mode at {', '.join(f'{n:,}' for n in lengths)} positions", fontsize=10)
-    ax.legend(fontsize=7, ncols=3)
+    if phases:
+        draw.legend_outside(ax)
     return fig

@@ -37,8 +37,7 @@ def run(cfg: PointConfig, device, progress: Progress) -> dict:
 
 SHOWN = ["model", "model_type", "prompt_length", "positions", "capture_seconds", "positions_per_second",
          "resident_bytes", "predicted_resident_bytes", "bytes_per_position_measured", "bytes_per_position_predicted",
-         "transient_bytes", "replay_seconds", "peak_memory_bytes", "peak_memory_measure", "peak_rss_bytes",
-         "wall_seconds"]
+         "transient_bytes", "replay_seconds", "peak_memory_bytes", "peak_memory_measure"]
 CAPTIONS = {
     "resident_per_position": "Resident state bytes per prompt position, measured (state.nbytes) against the "
                              "analytical prediction from the config, per model type.",
@@ -108,13 +107,13 @@ def plot_resident_per_position(rows, grid, title: str):
     from longstraw.plotting import draw
     from longstraw.plotting.formatting import format_bytes
 
-    fig, ax = draw.plt.subplots(figsize=(max(7, 1.3 * len(rows) + 3), 4.8))
+    fig, ax = draw.plt.subplots(figsize=(max(9, 1.3 * len(rows) + 5), 4.8))  # 2 inches of it: the legend
     series = [("bytes_per_position_measured", "measured (state.nbytes / positions)", "#4c72b0"),
               ("bytes_per_position_predicted", "predicted (from the config)", "#bcbcbc")]
-    scale, unit = draw.unit([r.get(k) for r in rows for k, _, _ in series])
+    axis = draw.memory_axis([r.get(k) for r in rows for k, _, _ in series])
     xs, width = draw.bar_positions(len(rows), len(series))
     for j, (key, name, color) in enumerate(series):
-        heights = [(r.get(key) or 0) / scale if r.get("status") == "ok" else 0 for r in rows]
+        heights = [(r.get(key) or 0) / axis.scale if r.get("status") == "ok" else 0 for r in rows]
         bars = ax.bar(xs[j], heights, width, label=name, color=color)
         for bar, row in zip(bars, rows):
             if row.get("status") == "ok" and row.get(key) is not None:
@@ -122,9 +121,10 @@ def plot_resident_per_position(rows, grid, title: str):
                             textcoords="offset points", xytext=(0, 2), ha="center", fontsize=7)
     draw.mark_failed_bars(ax, rows)
     ax.set_xticks(range(len(rows)), _capture_labels(rows, grid), fontsize=8)
-    ax.set_ylabel(f"{unit} per prompt position")
+    draw.bar_slots(ax, len(rows))
+    axis.finish(ax, "per prompt position")
     ax.set_title(f"{title}: resident bytes per position, measured against predicted", fontsize=10)
-    ax.legend(fontsize=7)
+    draw.legend_outside(ax)
     return fig
 
 
@@ -136,6 +136,7 @@ def plot_capture_throughput(rows, grid, title: str):
            color="#4c72b0")
     draw.mark_failed_bars(ax, rows)
     ax.set_xticks(range(len(rows)), _capture_labels(rows, grid), fontsize=8)
+    draw.bar_slots(ax, len(rows))
     ax.set_ylabel("positions per second")
     ax.set_title(f"{title}: capture throughput", fontsize=10)
     return fig

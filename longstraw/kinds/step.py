@@ -5,9 +5,10 @@ capture instead (`longstraw.training.trainer`): G responses sampled from the res
 rewards, serial replay, the optimizer step; its phases add `sampling` (and `ref_capture`, the
 reference policy's own capture of the prompt, when beta > 0) and its old log-probs come from sampling.
 
-Report: one row per point (mode, G, the peak against the ceiling, per-phase peaks and seconds,
-graph and resident bytes, time per replayed member); figures: per-phase peak memory against the
-ceiling, peak memory against G per mode (when G varies), time per member, seconds per phase."""
+Report: one row per point (mode, G, the peak and its measure, graph and resident bytes, time per
+replayed member, the loss; per-phase peaks and seconds are in the CSV and the figures); figures:
+per-phase peak memory against the ceiling, peak memory against G per mode (when G varies), time per
+member, seconds per phase."""
 
 from __future__ import annotations
 
@@ -91,17 +92,21 @@ def summary(cycles: list) -> dict:
 # ------------------------------------------------------------------------------------------- report
 
 STEP_PHASES = ("capture", "ref_capture", "sampling", "old_scoring", "ref_scoring", "replay", "optimizer_step")
-SHOWN = ["model", "prompt_length", "mode", "source", "G", "response_length", "cycles", "replays", "peak_memory_bytes",
-         "peak_memory_measure", "capture_peak_allocated_bytes", "old_scoring_peak_allocated_bytes",
-         "ref_scoring_peak_allocated_bytes", "replay_peak_allocated_bytes", "optimizer_step_peak_allocated_bytes",
-         "graph_bytes_peak", "resident_bytes", "predicted_resident_bytes", "cp_size", "rank_resident_bytes_max",
-         "rank_peak_bytes_max", "seconds_per_member", "capture_seconds", "cycle_seconds_mean", "loss_last",
-         "reward_mean", "state_unchanged", "peak_rss_bytes", "wall_seconds"]
+# What a reader checks a step point by (every column is in the experiment's CSV): its peak and what
+# measured it, the graph and the resident state beside their prediction, time per member, the loss.
+# Per-phase peaks are in the memory figure; context-parallel and rollout columns show where present.
+SHOWN = ["model", "prompt_length", "mode", "source", "G", "response_length", "peak_memory_bytes",
+         "peak_memory_measure", "graph_bytes_peak", "resident_bytes", "predicted_resident_bytes", "cp_size",
+         "rank_peak_bytes_max", "seconds_per_member", "cycle_seconds_mean", "loss_last", "reward_mean"]
 CAPTIONS = {
-    "memory_vs_ceiling": "Per-phase peak memory of each point against the memory ceiling (top), and the autograd "
-                         "graph peak beside the resident state, measured and predicted (bottom).",
-    "g_sweep_memory": "Peak memory against the group size G, one line per mode: replay should stay flat in G, "
-                      "hold_all grows with G.",
+    "memory_vs_ceiling": "Per-phase peak memory of each point against the memory ceiling (top; the title says "
+                         "which ceiling and why), and the autograd graph peak beside the resident state, measured "
+                         "and predicted (bottom). Left axes binary units (GiB), right axes decimal (GB, as the "
+                         "paper writes); a point that did not complete is marked on the x axis where it has no "
+                         "value.",
+    "g_sweep_memory": "Peak memory against the group size G; colour: the mode, line style: the model. Replay "
+                      "should stay flat in G, hold_all grows with G. An out-of-memory point recorded no graph "
+                      "peak: it is marked on the x axis of that panel.",
     "time_per_member": "Seconds per replayed response (replay phase seconds / replays).",
     "phase_seconds": "Where a point's time goes: seconds per phase, summed over its cycles.",
 }
@@ -175,56 +180,49 @@ def plot_memory_vs_ceiling(rows, grid, ceiling, cuda: bool, title: str):
     measure = "peak_allocated_bytes" if cuda else "peak_rss_bytes"
     phases = [p for p in STEP_PHASES if any(r.get(f"{p}_{measure}") is not None for r in rows)]
     labels = [draw.point_label(r, grid) for r in rows]
-    width = min(18, max(9, 5 + 0.75 * len(rows) * max(1, len(phases)) / 3))
+    # + 3 inches for the legends beside the axes
+    width = min(18, max(9, 5 + 0.75 * len(rows) * max(1, len(phases)) / 3)) + 3
     fig, (top, bottom) = draw.plt.subplots(2, 1, figsize=(width, 8.5))
-    wrap = int(width * 11)  # title characters a line holds at this width (fontsize 9)
+    wrap = int(width * 9)  # title characters a line holds beside the legend (fontsize 9)
     peaks = [r.get(f"{p}_{measure}") for r in rows for p in phases] + [r.get("peak_memory_bytes") for r in rows]
-    ok_peaks = [r.get(f"{p}_{measure}") for r in draw.ok(rows) for p in phases] + [r.get("peak_memory_bytes")
-                                                                                   for r in draw.ok(rows)]
-    # A ceiling far above every bar: log scale, so both the bars and the ceiling stay readable.
-    log = bool(ceiling.get("bytes")) and max([v for v in ok_peaks if v] or [1]) * 25 < ceiling["bytes"]
-    scale, unit = draw.unit(peaks + [ceiling.get("bytes")] if not log else peaks)
+    axis = draw.memory_axis(peaks + [ceiling.get("bytes")])
     xs, width = draw.bar_positions(len(rows), len(phases))
     for j, phase in enumerate(phases):
-        heights = [(r.get(f"{phase}_{measure}") or 0) / scale if r.get("status") == "ok" else 0 for r in rows]
+        heights = [(r.get(f"{phase}_{measure}") or 0) / axis.scale if r.get("status") == "ok" else 0 for r in rows]
         top.bar(xs[j], heights, width, label=phase, color=draw.PHASE_COLORS.get(phase))
-    if log:
-        top.set_yscale("log")
-    stated = draw.ceiling_line(top, ceiling, scale, peaks)
+    stated = draw.ceiling_line(top, ceiling, axis, peaks)
     for i, row in enumerate(rows):
         if row.get("status") != "ok":
-            draw.mark_failed(top, i, row, scale)
+            draw.mark_failed(top, i, row, axis.scale)
     what = "peak allocated (torch.cuda.max_memory_allocated per phase)" if cuda else \
         "process peak RSS up to the end of each phase (CPU; monotone over a run)"
-    top.set_ylabel(f"{unit}" + (" (log scale)" if log else ""))
+    axis.finish(top)
     top.set_title(textwrap.fill(f"{title}: {what}", wrap) + "\n" + textwrap.fill(f"ceiling: {stated}", wrap),
                   fontsize=9)
     top.set_xticks(range(len(rows)), labels, rotation=30, ha="right", fontsize=8)
-    top.legend(fontsize=7, loc="best", ncols=3)
+    draw.bar_slots(top, len(rows))
+    draw.legend_outside(top)
 
     series = [("graph_bytes_peak", "autograd graph peak", "#dd8452"), ("resident_bytes", "resident state (measured)",
                                                                         "#4c72b0")]
     values = [r.get(k) for r in rows for k, _, _ in series] + [r.get("predicted_resident_bytes") for r in rows]
-    scale2, unit2 = draw.unit(values)
+    axis2 = draw.memory_axis(values)
     xs2, width2 = draw.bar_positions(len(rows), len(series))
     for j, (key, name, color) in enumerate(series):
-        bottom.bar(xs2[j], [(r.get(key) or 0) / scale2 if r.get("status") == "ok" else 0 for r in rows], width2,
+        bottom.bar(xs2[j], [(r.get(key) or 0) / axis2.scale if r.get("status") == "ok" else 0 for r in rows], width2,
                    label=name, color=color)
-    predicted = [(i, r["predicted_resident_bytes"] / scale2) for i, r in enumerate(rows)
+    predicted = [(i, r["predicted_resident_bytes"] / axis2.scale) for i, r in enumerate(rows)
                  if r.get("status") == "ok" and r.get("predicted_resident_bytes") is not None]
     if predicted:
         bottom.plot([xs2[1][i] for i, _ in predicted], [v for _, v in predicted], linestyle="none", marker="_",
                     markersize=18, markeredgewidth=2.5, color="black", label="resident state (predicted)")
-    positive = [v for v in values if v]
-    if positive and max(positive) / min(positive) > 50:
-        bottom.set_yscale("log")
-        unit2 += " (log scale)"
-    draw.mark_failed_bars(bottom, rows)
-    bottom.set_ylabel(unit2)
+    draw.mark_failed_bars(bottom, rows)  # a failed point measured no graph: on the axis, not at a value
+    axis2.finish(bottom)
     bottom.set_title(textwrap.fill("autograd saved-tensor peak and resident state per point (naive mode has no "
                                    "resident state)", wrap), fontsize=9)
     bottom.set_xticks(range(len(rows)), labels, rotation=30, ha="right", fontsize=8)
-    bottom.legend(fontsize=7, loc="best")
+    draw.bar_slots(bottom, len(rows))
+    draw.legend_outside(bottom)
     return fig
 
 
@@ -256,35 +254,41 @@ def _draw_paper_points(ax, marks, scale: float) -> None:
 
 
 def plot_g_sweep_memory(rows, ceiling, cuda: bool, title: str, marks=()):
-    """`marks`: the paper's figures at a G (`report.paper.reference_marks`), drawn on the peak panel."""
+    """`marks`: the paper's figures at a G (`report.paper.reference_marks`), drawn on the peak panel.
+    Colour is the mode, line style the model (where the rows hold several); one legend beside both
+    panels, so it covers neither the lines nor the ceiling."""
     from longstraw.plotting import draw
 
     panels = [("peak_memory_bytes", "peak allocated (CUDA)" if cuda else "process peak RSS (CPU)"),
               ("graph_bytes_peak", "autograd graph peak (saved tensors)")]
     marks = [m for m in marks if isinstance(m["where"].get("G"), (int, float))]
-    fig, axes = draw.plt.subplots(1, 2, figsize=(12, 4.8))
+    fig, axes = draw.plt.subplots(1, 2, figsize=(14, 4.8))
     for ax, (key, name) in zip(axes, panels):
-        values = [r.get(key) for r in rows] + ([m["bytes"] for m in marks] if key == "peak_memory_bytes" else [])
-        scale, unit = draw.unit(values)
+        peak = key == "peak_memory_bytes"
+        drawn_ceiling = [ceiling.get("bytes")] if peak and cuda else []
+        axis = draw.memory_axis([r.get(key) for r in rows] + ([m["bytes"] for m in marks] if peak else [])
+                                + drawn_ceiling)
         for label, (mode, style, members) in by_mode(rows).items():
             ok = sorted((r for r in draw.ok(members) if r.get(key) is not None), key=lambda r: r["G"])
             if ok:
-                ax.plot([r["G"] for r in ok], [r[key] / scale for r in ok], marker="o", label=label,
+                ax.plot([r["G"] for r in ok], [r[key] / axis.scale for r in ok], marker="o", label=label,
                         color=draw.MODE_COLORS.get(mode), linestyle=style)
-        for row in draw.failed(rows):
+        for row in draw.failed(rows):  # an oom step recorded its peak, never its graph: that one on the axis
             if row.get("G") is not None:
-                draw.mark_failed(ax, row["G"], row, scale, value_key=key)
-        if key == "peak_memory_bytes" and cuda:
-            name += f"\n{draw.ceiling_line(ax, ceiling, scale, [r.get(key) for r in draw.ok(rows)])}"
-        if key == "peak_memory_bytes":
-            _draw_paper_points(ax, marks, scale)
+                draw.mark_failed(ax, row["G"], row, axis.scale, value_key=key)
+        if drawn_ceiling:
+            name += "\nceiling: " + draw.ceiling_line(ax, ceiling, axis, [r.get(key) for r in draw.ok(rows)])
+        if peak:
+            _draw_paper_points(ax, marks, axis.scale)
         ax.set_xscale("log", base=2)
         gs = sorted({r["G"] for r in rows if r.get("G") is not None} | {m["where"]["G"] for m in marks})
         ax.set_xticks(gs, [str(g) for g in gs])
         ax.set_xlabel("G (responses per prompt)")
-        ax.set_ylabel(unit)
-        ax.set_title(name, fontsize=9)
-        ax.legend(fontsize=7)
+        axis.finish(ax)
+        ax.set_title("\n".join(textwrap.fill(line, 60) for line in name.split("\n")), fontsize=9)
+    several = len({str(r.get("model")) for r in rows}) > 1
+    draw.legend_outside(axes[-1], *draw.shared_legend(axes),
+                        title="colour: mode, line style: model" if several else "colour: mode", title_fontsize=7)
     fig.suptitle(f"{title}: peak memory against G", fontsize=10)
     return fig
 
@@ -292,9 +296,10 @@ def plot_g_sweep_memory(rows, ceiling, cuda: bool, title: str, marks=()):
 def plot_time_per_member(rows, grid, title: str):
     from longstraw.plotting import draw
 
-    fig, ax = draw.plt.subplots(figsize=(8, 4.5))
     gs = {r.get("G") for r in rows if r.get("G") is not None}
-    if len(gs) > 1:
+    lines = len(gs) > 1
+    fig, ax = draw.plt.subplots(figsize=(10, 4.5) if lines else (min(16, max(6, 4 + 0.7 * len(rows))), 4.5))
+    if lines:
         for label, (mode, style, members) in by_mode(rows).items():
             ok = sorted((r for r in draw.ok(members) if r.get("seconds_per_member") is not None),
                         key=lambda r: r["G"])
@@ -303,17 +308,19 @@ def plot_time_per_member(rows, grid, title: str):
                         color=draw.MODE_COLORS.get(mode), linestyle=style)
         for row in draw.failed(rows):
             if row.get("G") is not None:
-                draw.mark_failed(ax, row["G"], row, value_key="__none__")
+                draw.mark_failed(ax, row["G"], row, value_key=None)
         ax.set_xscale("log", base=2)
         ax.set_xticks(sorted(gs), [str(g) for g in sorted(gs)])
         ax.set_xlabel("G (responses per prompt)")
-        ax.legend(fontsize=7)
+        draw.legend_outside(ax)
     else:
         ax.bar(range(len(rows)), [r.get("seconds_per_member") or 0 if r.get("status") == "ok" else 0 for r in rows],
                color=[draw.MODE_COLORS.get(str(r.get("mode")), "#4c72b0") for r in rows])
         draw.mark_failed_bars(ax, rows)
         ax.set_xticks(range(len(rows)), [draw.point_label(r, grid) for r in rows], rotation=30, ha="right",
                       fontsize=8)
+        draw.bar_slots(ax, len(rows))
+    ax.set_ylim(bottom=0)
     ax.set_ylabel("seconds per replayed member (s)")
     ax.set_title(f"{title}: time per member", fontsize=10)
     return fig
@@ -323,7 +330,7 @@ def plot_phase_seconds(rows, grid, title: str):
     from longstraw.plotting import draw
 
     phases = [p for p in STEP_PHASES if any(r.get(f"{p}_seconds") is not None for r in rows)]
-    fig, ax = draw.plt.subplots(figsize=(min(16, 4 + 0.7 * len(rows)), 4.8))
+    fig, ax = draw.plt.subplots(figsize=(min(18, 6 + 0.7 * len(rows)), 4.8))  # 2 inches of it: the legend
     base = [0.0] * len(rows)
     for phase in phases:
         heights = [(r.get(f"{phase}_seconds") or 0.0) if r.get("status") == "ok" else 0.0 for r in rows]
@@ -331,8 +338,9 @@ def plot_phase_seconds(rows, grid, title: str):
         base = [b + h for b, h in zip(base, heights)]
     draw.mark_failed_bars(ax, rows)
     ax.set_xticks(range(len(rows)), [draw.point_label(r, grid) for r in rows], rotation=30, ha="right", fontsize=8)
+    draw.bar_slots(ax, len(rows))
     ax.set_ylabel("seconds (s), summed over cycles")
     ax.set_title(f"{title}: seconds per phase", fontsize=10)
     if phases:  # points that all failed have no phase to label
-        ax.legend(fontsize=7, ncols=3)
+        draw.legend_outside(ax)
     return fig

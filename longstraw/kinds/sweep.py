@@ -88,17 +88,13 @@ def _step(model, prompt, state, optimizer, cfg, mode: str, count: int, vocab: in
 
 # ------------------------------------------------------------------------------------------- report
 
-SHOWN = ["model", "model_type", "lora_r", "prompt_length", "response_length", "positions", "resident_bytes",
-         "predicted_resident_bytes", "bytes_per_position_measured", "bytes_per_position_predicted", "transient_bytes",
-         "capture_seconds", "capture_attention_tflops_per_second", "capture_peak_allocated_bytes",
-         "weights_peak_allocated_bytes", "trainable_parameters", "steps", "steps_ok", "steps_oom", "replays",
-         "peak_memory_bytes", "peak_memory_measure", "cp_size", "rank_resident_bytes_max", "rank_peak_bytes_max",
-         "device_memory_bytes", "peak_rss_bytes", "wall_seconds"]
+# The point row: its one capture (the note states it in full) and the steps it served; every column
+# is in the CSV, each step's per-phase peaks in its figure.
+SHOWN = ["model", "model_type", "prompt_length", "positions", "resident_bytes", "predicted_resident_bytes",
+         "transient_bytes", "capture_seconds", "capture_attention_tflops_per_second", "steps", "steps_ok",
+         "steps_oom", "peak_memory_bytes", "cp_size", "rank_peak_bytes_max"]
 STEP_COLUMNS = ["point", "step", "mode", "G", "status", "peak_memory_bytes", "rank_peak_bytes_max", "headroom_bytes",
-                "graph_bytes_peak", "old_scoring_peak_allocated_bytes", "ref_scoring_peak_allocated_bytes",
-                "replay_peak_allocated_bytes", "optimizer_step_peak_allocated_bytes", "step_seconds",
-                "replay_seconds", "seconds_per_member", "loss", "grad_norm", "state_unchanged", "error",
-                "report_error"]
+                "graph_bytes_peak", "step_seconds", "seconds_per_member", "loss", "error", "report_error"]
 EXTRA_TABLES = {
     "steps": ExtraTable(
         "Sweep steps", STEP_COLUMNS,
@@ -108,8 +104,10 @@ EXTRA_TABLES = {
         "of the step's phases.", key="sweep_steps", beside_points=True),
 }
 CAPTIONS = {
-    "sweep_memory": "Peak allocated memory of each sweep step against G, one line per mode (the OOM step drawn at "
-                    "the peak it reached), with the device ceiling and the paper's per-rank figures beside ours.",
+    "sweep_memory": "Peak allocated memory of each sweep step against G (left) and its autograd graph peak "
+                    "(right); colour: the mode, line style: the model. The OOM step is drawn at the peak it "
+                    "reached on the left and, having no graph peak, on the x axis on the right; the device "
+                    "ceiling and the paper's per-rank figures (GB, read off the right-hand axis) beside ours.",
     "step_phase_peaks": "Per-phase peak memory of one sweep point: its weights and its one capture, then each step "
                         "it served, against the device ceiling (top); seconds per replayed member per step (bottom).",
 }
@@ -235,6 +233,8 @@ def _step_label(step: dict) -> str:
 def plot_step_phase_peaks(row: dict, steps: list[dict], ceiling: dict, title: str, marks=()):
     """One sweep point: weights and capture (once), then each step's phase peaks, against the
     ceiling; the paper's figures that name no G (e.g. its operating point's peak) as dotted lines."""
+    import textwrap
+
     from longstraw.plotting import draw
 
     groups = [("weights +\ncapture", {p: row.get(f"{p}_peak_allocated_bytes") for p in ("weights", "capture")},
@@ -242,30 +242,31 @@ def plot_step_phase_peaks(row: dict, steps: list[dict], ceiling: dict, title: st
     groups += [(_step_label(s), {p: s.get(f"{p}_peak_allocated_bytes") for p in STEP_PHASES[1:]}, s) for s in steps]
     marks = [m for m in marks if "G" not in m["where"]]
     values = [v for _, peaks, _ in groups for v in peaks.values()] + [s.get("peak_memory_bytes") for s in steps]
-    scale, unit = draw.unit(values + [ceiling.get("bytes")] + [m["bytes"] for m in marks])
-    fig, (top, bottom) = draw.plt.subplots(2, 1, figsize=(min(18, max(10, 4 + 1.1 * len(groups))), 8.5),
-                                           gridspec_kw={"height_ratios": [2, 1]})
+    axis = draw.memory_axis(values + [ceiling.get("bytes")] + [m["bytes"] for m in marks])
+    width = min(20, max(12, 6 + 1.1 * len(groups)))  # 3 inches of it: the legend beside the axes
+    fig, (top, bottom) = draw.plt.subplots(2, 1, figsize=(width, 8.5), gridspec_kw={"height_ratios": [2, 1]})
     labelled = set()
     for i, (_, peaks, step) in enumerate(groups):
         present = [(p, v) for p, v in peaks.items() if v is not None]
         if step is not None and step.get("status") != "ok":
-            draw.mark_failed(top, i, step, scale)  # the peak the allocator reached when it ran out
+            draw.mark_failed(top, i, step, axis.scale)  # the peak the allocator reached when it ran out
             continue
-        width = 0.8 / max(len(present), 1)
+        bar = 0.8 / max(len(present), 1)
         for j, (phase, value) in enumerate(present):
-            top.bar(i - 0.4 + width * (j + 0.5), value / scale, width, color=draw.PHASE_COLORS.get(phase),
+            top.bar(i - 0.4 + bar * (j + 0.5), value / axis.scale, bar, color=draw.PHASE_COLORS.get(phase),
                     label=phase if phase not in labelled else None)
             labelled.add(phase)
-    stated = draw.ceiling_line(top, ceiling, scale, values)
+    stated = draw.ceiling_line(top, ceiling, axis, values)
     for mark in marks:
-        top.axhline(mark["bytes"] / scale, color=draw.PAPER_COLOR, linestyle=":", linewidth=1.5,
-                    label=f"{mark['source']}: {mark['text']}")
-    top.set_ylim(0, top.get_ylim()[1] * 1.25)  # room for the legend above the ceiling line
+        top.axhline(mark["bytes"] / axis.scale, color=draw.PAPER_COLOR, linestyle=":", linewidth=1.5,
+                    label=textwrap.fill(f"{mark['source']}: {mark['text']}", 44))
     top.set_xticks(range(len(groups)), [g[0] for g in groups], fontsize=8)
-    top.set_ylabel(unit)
-    top.set_title(f"{title} / {row.get('point')}: peak allocated per phase "
-                  f"(torch.cuda.max_memory_allocated)\nceiling: {stated}", fontsize=9)
-    top.legend(fontsize=7, loc="upper left", ncols=3)
+    draw.bar_slots(top, len(groups))
+    axis.finish(top)
+    top.set_title(textwrap.fill(f"{title} / {row.get('point')}: peak allocated per phase "
+                                f"(torch.cuda.max_memory_allocated)", int(width * 9)) + "\n"
+                  + textwrap.fill(f"ceiling: {stated}", int(width * 9)), fontsize=9)
+    draw.legend_outside(top)
 
     per_member = [s.get("seconds_per_member") if s.get("status") == "ok" else None for s in steps]
     bottom.bar(range(1, len(groups)), [v or 0 for v in per_member],
@@ -275,7 +276,7 @@ def plot_step_phase_peaks(row: dict, steps: list[dict], ceiling: dict, title: st
             bottom.annotate(f"{value:.2f} s", (i, value), textcoords="offset points", xytext=(0, 2), ha="center",
                             fontsize=7)
         elif step.get("status") != "ok":
-            draw.mark_failed(bottom, i, step, value_key="__none__")
+            draw.mark_failed(bottom, i, step, value_key=None)
     bottom.set_xlim(top.get_xlim())
     bottom.set_xticks(range(len(groups)), [g[0] for g in groups], fontsize=8)
     bottom.set_ylabel("s per member")

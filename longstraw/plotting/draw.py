@@ -1,6 +1,8 @@
-"""Matplotlib helpers (Agg backend, files only) that every kind's figures use: the byte unit of an
-axis, a point's short label, markers for points that did not complete (drawn, never dropped
-silently), the memory ceiling as a line, bar positions, the colours, and atomic PNG files.
+"""Matplotlib helpers (Agg backend, files only) that every kind's figures use: an axis of sizes
+(`memory_axis`: its binary unit, log or linear from zero by one rule, and GB on the right, the unit
+the paper writes), a point's short label, markers for points that did not complete (drawn, never
+dropped silently, never at a made-up value), the memory ceiling as a line, bar positions and widths,
+legends beside the axes rather than over the data, the colours, and atomic PNG files.
 
 Memory is `peak_allocated_bytes` on CUDA and the process peak RSS plus autograd graph bytes on
 CPU; each figure says which, and where its ceiling comes from (`longstraw.plotting.ceiling`).
@@ -8,16 +10,22 @@ CPU; each figure says which, and where its ceiling comes from (`longstraw.plotti
 
 from __future__ import annotations
 
+import math
+import statistics
 import sys
-
+import textwrap
+from dataclasses import dataclass
 from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")  # files only: no display, no GUI toolkit
 import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.transforms import blended_transform_factory  # noqa: E402
+from matplotlib.ticker import LogFormatter  # noqa: E402
+from matplotlib.transforms import blended_transform_factory, offset_copy  # noqa: E402
 
+from longstraw.plotting.ceiling import ceiling_reason  # noqa: E402
+from longstraw.plotting.formatting import LOG_SPAN  # noqa: E402
 from longstraw.results import atomic_path  # noqa: E402
 
 PHASE_COLORS = {"weights": "#937860", "capture": "#4c72b0", "ref_capture": "#64b5cd", "sampling": "#da8bc3",
@@ -37,6 +45,68 @@ def unit(values) -> tuple[float, str]:
         if top >= scale:
             return float(scale), name
     return 1.0, "B"
+
+
+# The decimal unit beside each binary one (the paper writes GB).
+DECIMAL_UNITS = {"GiB": (1e9, "GB"), "MiB": (1e6, "MB"), "KiB": (1e3, "kB")}
+
+
+def _positive(values) -> list[float]:
+    return [float(v) for v in values if v is not None and v > 0]
+
+
+def log_scale(values) -> bool:
+    """The one rule for an axis of sizes: log when its largest value is more than LOG_SPAN times the
+    median of its positive values."""
+    positive = _positive(values)
+    return bool(positive) and max(positive) > LOG_SPAN * statistics.median(positive)
+
+
+class PlainLogFormatter(LogFormatter):
+    """Log ticks as plain numbers (0.5, 20, 100), not 5x10^-1; minor ticks labelled where the range
+    is short, as LogFormatter chooses."""
+
+    def __call__(self, x, pos=None):
+        return f"{x:g}" if super().__call__(x, pos) else ""
+
+
+@dataclass(frozen=True)
+class MemoryAxis:
+    """An axis of sizes: draw `bytes / scale`, then `finish` it. `low`: the smallest positive value
+    drawn, in bytes (a log axis starts a decade below it, so its bars keep a height)."""
+    scale: float
+    unit: str
+    log: bool
+    low: float | None = None
+
+    def finish(self, ax, what: str = "") -> None:
+        """Log (said in the label) or linear from zero; the binary unit on the left, the decimal one
+        (GB) on the right, so the paper's GB figures read off the same axis."""
+        if self.log:
+            ax.set_yscale("log")
+            if self.low:  # bars rise from 0, off a log axis: start it a decade below the smallest
+                ax.set_ylim(bottom=10 ** math.floor(math.log10(self.low / self.scale)))
+        else:
+            ax.set_ylim(bottom=0)
+        ax.set_ylabel(f"{what} ({self.unit}{', log scale' if self.log else ''})" if what
+                      else self.unit + (" (log scale)" if self.log else ""))
+        axes = [ax]
+        if self.unit in DECIMAL_UNITS:
+            decimal, name = DECIMAL_UNITS[self.unit]
+            factor = self.scale / decimal
+            right = ax.secondary_yaxis("right", functions=(lambda y: y * factor, lambda y: y / factor))
+            right.set_ylabel(name)
+            axes.append(right)
+        if self.log:
+            for one in axes:
+                one.yaxis.set_major_formatter(PlainLogFormatter(labelOnlyBase=False))
+                one.yaxis.set_minor_formatter(PlainLogFormatter(labelOnlyBase=False, minor_thresholds=(2, 0.5)))
+
+
+def memory_axis(values) -> MemoryAxis:
+    """The axis for `values` (in bytes): every value it draws, the ceiling and the paper's marks too,
+    so the unit and the scale fit all of them."""
+    return MemoryAxis(*unit(values), log_scale(values), min(_positive(values), default=None))
 
 
 def point_label(row: dict, grid: list[str]) -> str:
@@ -60,44 +130,76 @@ def failed(rows):
 
 
 def mark_failed(ax, x, row, scale=1.0, value_key="peak_memory_bytes"):
-    """A red/orange marker with the status: at the recorded peak when there is one, else on the axis."""
+    """A red/orange marker with the status: an oom point at the peak it recorded (`value_key`);
+    otherwise (an error, or a quantity the point never measured: `value_key` None or absent) on the
+    x axis, labelled as having no value, never at a height that would read as one."""
     status = row.get("status") or "error"
     color = FAILED_COLORS.get(status, FAILED_COLORS["error"])
-    value = row.get(value_key)
+    value = row.get(value_key) if value_key else None
     if value is not None and status == "oom":
         ax.plot([x], [value / scale], marker="X", color=color, markersize=11, linestyle="none", zorder=5)
         ax.annotate(status.upper(), (x, value / scale), textcoords="offset points", xytext=(6, 6), color=color,
                     fontsize=8, fontweight="bold")
     else:
         transform = blended_transform_factory(ax.transData, ax.transAxes)
-        ax.plot([x], [0.04], marker="X", color=color, markersize=11, transform=transform, clip_on=False, zorder=5)
-        ax.text(x, 0.1, status.upper(), transform=transform, color=color, fontsize=8, fontweight="bold",
-                ha="center", rotation=90, va="bottom")
+        ax.plot([x], [0], marker="X", color=color, markersize=11, transform=transform, clip_on=False, zorder=5)
+        ax.text(x, 0.05, f"{status.upper()} (no value)", transform=transform, color=color, fontsize=8,
+                fontweight="bold", ha="center", rotation=90, va="bottom")
 
 
 def mark_failed_bars(ax, rows):
     """Bar charts: every point that did not complete gets its status marker on the axis."""
     for i, row in enumerate(rows):
         if row.get("status") != "ok":
-            mark_failed(ax, i, row, value_key="__none__")
+            mark_failed(ax, i, row, value_key=None)
 
 
-def ceiling_line(ax, ceiling: dict, scale: float, values) -> str:
-    """Draw the ceiling where it is in the plot's range; otherwise say it in words."""
+def ceiling_line(ax, ceiling: dict, axis: MemoryAxis, values) -> str:
+    """Draw the ceiling where it is in the plot's range (otherwise say it in words); returns which
+    ceiling it is and why the figure draws it."""
     if not ceiling or not ceiling.get("bytes"):
         return "no ceiling known"
     top = max([v for v in values if v is not None] or [0])
-    if top and ceiling["bytes"] / top > 25 and ax.get_yscale() != "log":
+    if top and ceiling["bytes"] / top > LOG_SPAN and not axis.log:
         return f"ceiling off scale: {ceiling['label']}"
-    ax.axhline(ceiling["bytes"] / scale, color="black", linestyle="--", linewidth=1.2,
-               label=f"ceiling: {ceiling['label']}")
-    return ceiling["label"]
+    ax.axhline(ceiling["bytes"] / axis.scale, color="black", linestyle="--", linewidth=1.2,
+               label=textwrap.fill(f"ceiling: {ceiling['label']}", 44))
+    return f"{ceiling['label']}: {ceiling_reason(ceiling)}"
 
 
 def bar_positions(n: int, k: int, width: float = 0.8):
     """x positions of k bars side by side at each of n places, and one bar's width."""
     step = width / max(k, 1)
     return [[i - width / 2 + step * (j + 0.5) for i in range(n)] for j in range(k)], step
+
+
+def bar_slots(ax, n: int, at_least: int = 3) -> None:
+    """x limits of a bar chart with places 0..n-1: at least `at_least` places wide, so one or two
+    bars keep a bar's width instead of spanning the axes."""
+    pad = max(0, at_least - n) / 2
+    ax.set_xlim(-0.5 - pad, n - 0.5 + pad)
+
+
+def legend_outside(ax, handles=None, labels=None, **kwargs):
+    """The axes' legend to its right, beyond a right-hand (GB) axis, so it covers no data; the
+    figure's tight layout makes room for it. `handles`/`labels`: a legend gathered from several axes
+    (`shared_legend`)."""
+    fig = ax.figure
+    renderer = fig.canvas.get_renderer()
+    right = max([child.get_tightbbox(renderer).x1 for child in ax.child_axes] + [ax.bbox.x1]) - ax.bbox.x1
+    beside = offset_copy(ax.transAxes, fig=fig, x=right * 72 / fig.dpi + 6, units="points")
+    args = (handles, labels) if handles is not None else ()
+    return ax.legend(*args, loc="upper left", bbox_to_anchor=(1, 1), bbox_transform=beside, borderaxespad=0,
+                     fontsize=kwargs.pop("fontsize", 7), **kwargs)
+
+
+def shared_legend(axes) -> tuple[list, list]:
+    """(handles, labels) of every labelled artist of `axes`, each label once, in drawing order."""
+    seen = {}
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            seen.setdefault(label, handle)
+    return list(seen.values()), list(seen)
 
 
 def layout_problems(fig) -> list[str]:

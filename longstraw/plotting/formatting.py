@@ -16,6 +16,17 @@ _COUNT_COLUMNS = {"G", "responses.count", "cycles", "replays", "trainable_parame
 # Relative drifts (a fraction in the data) read as percent on the page: the paper states its
 # staleness drift in percent.
 _PERCENT_COLUMNS = {"drift_threshold"}
+# Losses, log-probabilities and drifts move in the 4th-6th digit between two steps (5.5591 against
+# 5.5594): they get 6 significant digits where other numbers get 4.
+_PRECISE_PARTS = ("loss", "logprob", "kl_k3", "drift")
+PRECISE_DIGITS, DIGITS = 6, 4
+# The paper writes GB (10^9 bytes): sizes from 1 GiB up read in GB too, beside the binary unit.
+DECIMAL_FROM = 2**30
+# An axis of sizes is linear from zero unless its largest value is more than this many times the
+# median (`draw.log_scale`): bars under a 25th of the axis read as nothing (a CPU step's MiB under a
+# machine's GiB of RAM). The median, not the smallest: one small bar among large ones (the weights
+# beside a replay) is data, not a reason for a log axis.
+LOG_SPAN = 25
 MISSING = "—"
 
 
@@ -33,7 +44,7 @@ def is_missing(value) -> bool:
 
 def column_unit(column: str) -> str:
     """bytes | bytes_per_position | seconds | positions_per_second | tflops_per_second | positions | count |
-    percent | cosine | ratio | plain."""
+    percent | cosine | ratio | precise | plain."""
     name = column.rsplit(".", 1)[-1] if column not in _POSITION_COLUMNS | _COUNT_COLUMNS else column
     if name in _PERCENT_COLUMNS or "relative_loss_drift" in name:
         return "percent"
@@ -55,6 +66,8 @@ def column_unit(column: str) -> str:
         return "count"
     if "ratio" in name:
         return "ratio"
+    if any(part in name for part in _PRECISE_PARTS):
+        return "precise"
     return "plain"
 
 
@@ -67,14 +80,15 @@ def column_label(column: str) -> str:
     return column + _HEADER_UNITS.get(column_unit(column), "")
 
 
-def format_bytes(value) -> str:
+def format_bytes(value, decimal_from: float = DECIMAL_FROM) -> str:
+    """The binary unit that fits ("24.883 GiB"), and from `decimal_from` bytes up the same size in GB
+    beside it ("24.883 GiB (26.718 GB)"), to the paper's 3 decimals."""
     if is_missing(value):
         return MISSING
     value = float(value)
-    for scale, unit, digits in _BINARY:
-        if abs(value) >= scale:
-            return f"{value / scale:,.{digits}f} {unit}"
-    return f"{value:,.0f} B"
+    text = next((f"{value / scale:,.{digits}f} {unit}" for scale, unit, digits in _BINARY if abs(value) >= scale),
+                f"{value:,.0f} B")
+    return text + (f" ({value / 1e9:,.3f} GB)" if abs(value) >= decimal_from else "")
 
 
 def format_seconds(value) -> str:
@@ -88,15 +102,15 @@ def format_seconds(value) -> str:
     return f"{value * 1e3:.3f} ms"
 
 
-def format_number(value) -> str:
-    """Integers with thousands separators; floats to 4 significant digits."""
+def format_number(value, digits: int = DIGITS) -> str:
+    """Integers with thousands separators; floats to `digits` significant digits."""
     if is_missing(value):
         return MISSING
     if isinstance(value, (bool, np.bool_)):
         return "yes" if value else "no"
     if isinstance(value, numbers.Integral) or (isinstance(value, float) and value.is_integer() and abs(value) < 1e15):
         return f"{int(value):,}"
-    return f"{float(value):.4g}"
+    return f"{float(value):.{digits}g}"
 
 
 def format_percent(value) -> str:
@@ -130,7 +144,7 @@ def format_value(column: str, value) -> str:
         return format_percent(value)
     if unit == "cosine":  # near 1: six decimals, so 0.99999 is not shown as 1
         return f"{float(value):.6f}"
-    return format_number(value)
+    return format_number(value, PRECISE_DIGITS if unit == "precise" else DIGITS)
 
 
 def exact_value(value) -> str | None:

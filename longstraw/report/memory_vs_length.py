@@ -25,7 +25,8 @@ CAPTION = ("Peak memory against prompt length (log axis) per model, one line per
            "Crosses: out of memory at that length (drawn at the peak the run reached, else at the ceiling). "
            "Black dashed: the ceiling; black dotted: a capacity search's own (on CPU an emulated one). "
            "Diamonds: the paper's operating points (Qwen3.6-27B over 8 GPUs, per rank), on every panel for "
-           "scale. Context-parallel points (per-rank peaks) are in their own section.")
+           "scale; read their GB off the right-hand axis. Context-parallel points (per-rank peaks) are in their "
+           "own section.")
 
 
 def _rows(tables: Tables, name: str) -> list[dict]:
@@ -69,21 +70,22 @@ def memory_rows(tables: Tables) -> list[dict]:
 def plot_memory_vs_length(rows: list[dict], ceiling: dict, paper_points=()):
     """One panel per model; None without rows."""
     from longstraw.plotting import draw
+    from longstraw.plotting.formatting import format_bytes
 
     models = list(dict.fromkeys(r["model"] for r in rows if r.get("model")))
     if not models:
         return None
     cols = min(3, len(models))
     lines = math.ceil(len(models) / cols)
-    fig, axes = draw.plt.subplots(lines, cols, figsize=(6.2 * cols, 4.6 * lines), squeeze=False)
+    # + 2.5 inches for the legend beside the panels
+    fig, axes = draw.plt.subplots(lines, cols, figsize=(6.2 * cols + 2.5, 4.6 * lines), squeeze=False)
     for ax in axes.flat[len(models):]:
         ax.set_visible(False)
     ceiling_bytes = number((ceiling or {}).get("bytes"))
     values = [r["peak_bytes"] for r in rows if r["model"] in models] + [p["bytes"] for p in paper_points]
-    scale, unit = draw.unit(values + ([ceiling_bytes] if ceiling_bytes else []))
-    # sizes far apart (a CPU run's MiB beside the paper's tens of GB): a log axis keeps both readable
-    positive = [v for v in values + [ceiling_bytes] if v]
-    log = bool(positive) and max(positive) / min(positive) > 50
+    # one axis for every panel: sizes far apart (a CPU run's MiB beside the paper's tens of GB) go log
+    axis = draw.memory_axis(values + ([ceiling_bytes] if ceiling_bytes else []))
+    scale = axis.scale
     for ax, model in zip(axes.flat, models):
         mine = [r for r in rows if r["model"] == model]
         # capacity probes apart from steps: on CPU they measure RSS growth over the weights, not the peak
@@ -107,24 +109,22 @@ def plot_memory_vs_length(rows: list[dict], ceiling: dict, paper_points=()):
                             textcoords="offset points", xytext=(4, 4), fontsize=7)
         if ceiling_bytes:
             ax.axhline(ceiling_bytes / scale, color="black", linestyle="--", linewidth=1,
-                       label=f"ceiling {ceiling_bytes / scale:.3g} {unit}")
+                       label=f"ceiling {format_bytes(ceiling_bytes)}")
         # a capacity search against a lower, configured ceiling (CPU: an emulated one) draws that one too
         for value in sorted({r["search_ceiling"] for r in mine if r.get("search_ceiling")}):
             ax.axhline(value / scale, color="black", linestyle=":", linewidth=1,
-                       label=f"capacity search ceiling {value / scale:.3g} {unit}")
+                       label=f"capacity search ceiling {format_bytes(value)}")
         for i, point in enumerate(paper_points):
             ax.plot([point["positions"]], [point["bytes"] / scale], marker="D", markersize=8, linestyle="none",
                     markerfacecolor="none", markeredgecolor=draw.PAPER_COLOR, markeredgewidth=1.6,
                     label="paper (per rank)" if i == 0 else None)
         ax.set_xscale("log", base=2)
-        if log:
-            ax.set_yscale("log")
-        else:
-            ax.set_ylim(bottom=0)
         ax.set_xlabel("prompt length (positions, log scale)")
-        ax.set_ylabel(unit + (" (log scale)" if log else ""))
+        axis.finish(ax)
         ax.set_title(str(model), fontsize=9)
-        ax.legend(fontsize=7, loc="upper left")
+    # one legend beside the panels (the modes, ceilings and paper marks are the same kinds of line in each)
+    visible = list(axes.flat[:len(models)])
+    draw.legend_outside(axes.flat[cols - 1], *draw.shared_legend(visible))
     fig.suptitle("peak memory against prompt length, up to the ceiling", fontsize=10)
     fig.tight_layout()
     return fig

@@ -23,7 +23,7 @@ from pathlib import Path
 import yaml
 
 from longstraw.kinds.staleness import refresh_interval_sentence
-from longstraw.plotting.formatting import exact_value, format_number, format_value, is_missing
+from longstraw.plotting.formatting import exact_value, format_bytes, format_number, format_value, is_missing
 
 NOT_MEASURED = "not yet measured"
 EMPTY_PAPER = {"setup": {}, "experiments": [], "figures": [], "standing": {}, "paths": [], "memory_points": []}
@@ -78,11 +78,11 @@ def select(rows: list[dict], where: dict) -> list[dict]:
 
 
 def _with_gb(column: str, value) -> str:
-    """Ours in GiB, and in GB (10^9 bytes) beside it where the paper's GB figures are comparable."""
-    text = format_value(column, value)
-    if column.endswith("bytes") and isinstance(value, (int, float)) and abs(value) >= 1e8:
-        text += f" ({value / 1e9:.3f} GB)"
-    return text
+    """Ours in GiB, and in GB (10^9 bytes) beside it from 0.1 GB up: the paper states differences as
+    small as +0.208 GB."""
+    if column.endswith("bytes") and isinstance(value, (int, float)):
+        return format_bytes(value, decimal_from=1e8)
+    return format_value(column, value)
 
 
 def _signed(column: str, value) -> str:
@@ -99,10 +99,8 @@ def ours_value(spec: dict | None, rows: list[dict], ceiling: dict) -> dict:
     if not spec:
         return {"text": NOT_MEASURED, "value": None, "points": ""}
     if spec.get("source") == "ceiling":
-        text = ceiling.get("label", "not known")
-        if ceiling.get("bytes"):
-            text += f" ({ceiling['bytes'] / 1e9:.3f} GB)"
-        return {"text": text, "value": exact_value(ceiling.get("bytes")), "points": ""}
+        # the label's size carries its GB (format_bytes)
+        return {"text": ceiling.get("label", "not known"), "value": exact_value(ceiling.get("bytes")), "points": ""}
     column, op = spec.get("column"), spec.get("op", "value")
     ok = [r for r in rows if r.get("status") == "ok" and r.get(column) is not None]
     if not rows:

@@ -29,7 +29,8 @@ import pandas as pd
 
 from longstraw import kinds
 from longstraw.kinds.columns import as_dict, number
-from longstraw.plotting.formatting import column_label, exact_value, format_value, is_missing
+from longstraw.plotting.ceiling import ceiling_reason
+from longstraw.plotting.formatting import LOG_SPAN, column_label, exact_value, format_value, is_missing
 from longstraw.report.aggregate import experiment_order, grid_columns, records, status_counts
 from longstraw.report.levels import all_paths, levels_table, number_rules, paper_paths
 from longstraw.report.figures import SUMMARY
@@ -38,9 +39,8 @@ from longstraw.report.store import MANIFEST, Tables, read_tables
 from longstraw.results import STATUSES, atomic_path, write_text_atomic
 
 VERSION_KEYS = ("torch", "transformers", "peft", "bitsandbytes", "fla-core")
-RECORDED_COLUMNS = ["file", "point", "kind", "status", "device", "date", "commit", "torch_version",
-                    "transformers_version", "model", "prompt_length", "mode", "G", "cycles", "peak_memory_bytes",
-                    "graph_bytes_peak", "resident_bytes", "seconds_per_member", "wall_seconds", "error"]
+RECORDED_COLUMNS = ["file", "point", "kind", "status", "device", "date", "commit", "model", "prompt_length", "mode",
+                    "G", "peak_memory_bytes", "seconds_per_member", "wall_seconds", "error"]
 # A kind this package does not know: its numeric metrics, a dozen at most, none of these.
 GENERIC_SKIP = {"experiment", "point", "kind", "status", "error", "commit", "date", "device", "family", "dtype",
                 "torch_version", "transformers_version", "device_memory_bytes", "report_error", "model",
@@ -49,6 +49,8 @@ GENERIC_SKIP = {"experiment", "point", "kind", "status", "error", "commit", "dat
 GRID_ALIASES = {"prompt.length": "prompt_length", "responses.count": "G", "responses.length": "response_length",
                 "model.preset": "model", "optimizer.lr": "lr", "cp_size": "cp_size"}
 MET_TEXT = {True: "yes", False: "missed", None: "not measured"}
+MESSAGE_COLUMNS = ("error", "report_error")
+SHORT_MESSAGE = 60  # characters of a message a row shows (a line of its cell); the whole opens below it
 
 
 # ------------------------------------------------------------------------------------- table views
@@ -57,10 +59,19 @@ def _present(rows: list[dict], column: str) -> bool:
     return any(not is_missing(r.get(column)) for r in rows)
 
 
+def short_message(text: str) -> tuple[str, str | None]:
+    """(what a row shows, the whole message or None): a failed point's row stays one line, its first
+    line cut to SHORT_MESSAGE characters; the whole message opens below it (<details>)."""
+    first = text.strip().splitlines()[0] if text.strip() else text
+    short = first if len(first) <= SHORT_MESSAGE else first[:SHORT_MESSAGE - 1].rstrip() + "…"
+    return short, (text if short != text else None)
+
+
 def table_view(rows: list[dict], columns: list[str], links: dict | None = None) -> dict:
     """What a template needs to draw a table: labels, and per cell the text, the exact number
-    (`data-value`, so a reader or a test can check it against the result JSON), a CSS class, and
-    for the point's cell a link to its result file (`links`: {point: path relative to the page})."""
+    (`data-value`, so a reader or a test can check it against the result JSON), a CSS class, for
+    the point's cell a link to its result file (`links`: {point: path relative to the page}), and
+    for a long message the whole of it (`full`). `csv` / `all_columns`: set by `with_csv`."""
     columns = [c for i, c in enumerate(columns) if c not in columns[:i] and (c in ("point", "status")
                                                                              or _present(rows, c))]
     view_rows = []
@@ -70,16 +81,38 @@ def table_view(rows: list[dict], columns: list[str], links: dict | None = None) 
             value = row.get(column)
             numeric = exact_value(value)
             css = "num" if numeric is not None else ("status status-" + str(value) if column == "status"
-                                                     else "message" if column in ("error", "report_error") else "")
+                                                     else "message" if column in MESSAGE_COLUMNS else "")
             href = (links or {}).get(str(row.get("point"))) if column == "point" else None
-            cells.append({"key": column, "text": format_value(column, value), "value": numeric, "css": css,
-                          "href": href})
+            text, full = format_value(column, value), None
+            if column in MESSAGE_COLUMNS and not is_missing(value):
+                text, full = short_message(text)
+            cells.append({"key": column, "text": text, "full": full, "value": numeric, "css": css, "href": href})
         view_rows.append({"point": str(row.get("point")), "status": str(row.get("status")), "cells": cells})
-    return {"columns": [{"key": c, "label": column_label(c)} for c in columns], "rows": view_rows}
+    return {"columns": [{"key": c, "label": column_label(c)} for c in columns], "rows": view_rows, "csv": "",
+            "all_columns": 0}
+
+
+def with_csv(view: dict, rows: list[dict], csv: str) -> dict:
+    """The table's view with its full CSV beside it: the page links it, and says how many of the
+    columns these rows have a value in the table shows."""
+    every = [c for c in dict.fromkeys(k for r in rows for k in r) if _present(rows, c)]
+    return {**view, "csv": csv, "all_columns": len(every)}
+
+
+def _nested(value) -> bool:
+    """A list or dict setting, as the tables hold it (compact JSON text, `kinds.columns.scalar`)."""
+    if isinstance(value, str) and value[:1] in ("{", "["):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return False
+    return isinstance(value, (dict, list))
 
 
 def shown_columns(kind: str, rows: list[dict], grid: list[str]) -> list[str]:
-    """The columns a kind's table shows (`kinds.<kind>.SHOWN`), the grid first."""
+    """The columns a kind's table shows (`kinds.<kind>.SHOWN`), the grid first: its scalar settings
+    (a nested one, e.g. a sweep's G lists, the point's name says; the CSV has it)."""
+    grid = [k for k in grid if not any(_nested(r.get(k)) for r in rows)]
     chosen = kinds.part(kind, "SHOWN")
     if chosen is None:  # a kind added later: its numeric metrics, a dozen at most
         keys = dict.fromkeys(k for r in rows for k in r)
@@ -158,24 +191,36 @@ def commands(profile: str, experiment: str, files: list[dict]) -> dict:
     }
 
 
-def kind_tables(rows: list[dict], grid: list[str], links: dict | None = None) -> list[dict]:
-    """One table per kind among an experiment's point rows, in the order the kinds first appear."""
+def kind_tables(rows: list[dict], grid: list[str], links: dict | None = None, csv: str = "") -> list[dict]:
+    """One table per kind among an experiment's point rows, in the order the kinds first appear;
+    `csv`: the experiment's table with every column (all kinds' rows)."""
     out = []
     for kind in dict.fromkeys(str(r.get("kind")) for r in rows):
         mine = [r for r in rows if str(r.get("kind")) == kind]
-        out.append({"kind": kind, "view": table_view(mine, shown_columns(kind, mine, grid), links)})
+        out.append({"kind": kind, "view": with_csv(table_view(mine, shown_columns(kind, mine, grid), links), mine,
+                                                   csv)})
     return out
 
 
-def extra_tables(tables: Tables, name: str, links: dict | None = None) -> list[dict]:
-    """The kinds' own tables of an experiment, as the page shows them (`kinds.<kind>.EXTRA_TABLES`)."""
+def extra_specs(rows: list[dict]) -> list[tuple]:
+    """(suffix, `ExtraTable`) of the kinds' own tables, for the kinds these point rows are of: two
+    kinds may use one suffix (a sweep's and a learning run's `steps`), and an experiment's table of
+    that name is the one its own kind wrote."""
+    present = {str(r.get("kind")) for r in rows}
+    return [(suffix, spec) for kind in kinds.KINDS if kind in present
+            for suffix, spec in kinds.part(kind, "EXTRA_TABLES").items()]
+
+
+def extra_tables(tables: Tables, name: str, rows: list[dict], links: dict | None = None) -> list[dict]:
+    """The kinds' own tables of an experiment (`rows`: its point rows), as the page shows them
+    (`kinds.<kind>.EXTRA_TABLES`), each beside its CSV."""
     out = []
-    for module in kinds.modules():
-        for suffix, spec in kinds.part(module, "EXTRA_TABLES").items():
-            df = tables.frame(f"{name}.{suffix}")
-            if df is not None and len(df):
-                out.append({"title": spec.title, "id": f"table-{name}-{spec.key or suffix}", "note": spec.note,
-                            "view": table_view(records(df), spec.columns, links)})
+    for suffix, spec in extra_specs(rows):
+        df = tables.frame(f"{name}.{suffix}")
+        if df is not None and len(df):
+            mine = records(df)
+            out.append({"title": spec.title, "id": f"table-{name}-{spec.key or suffix}", "note": spec.note,
+                        "view": with_csv(table_view(mine, spec.columns, links), mine, f"tables/{name}.{suffix}.csv")})
     return out
 
 
@@ -200,11 +245,10 @@ def experiment_section(name: str, tables: Tables, files: list[dict], figures: li
         "counts": counts,
         "counts_text": _counts_text(counts),
         "figures": [f for f in figures if f["experiment"] == name],
-        "tables": kind_tables(rows, grid, links),
-        "extra_tables": extra_tables(tables, name, links),
+        "tables": kind_tables(rows, grid, links, f"tables/{name}.csv"),
+        "extra_tables": extra_tables(tables, name, rows, links),
         "notes": section_notes(rows, grid),
         "paper": [r for r in paper_rows if r["experiment"] == name],
-        "csv": f"tables/{name}.csv" if rows else "",
         "failures": [{"point": str(f.get("point")), "status": f.get("status"),
                       "error": f.get("error") or "no message recorded",
                       "peak": format_value("peak_allocated_bytes", f.get("peak_allocated_bytes"))
@@ -291,11 +335,9 @@ def build_context(tables: Tables, figures: list[dict], out_dir, recorded: Tables
                         **{k: v for k, v in experiment_files.get(name, {}).items() if v}} for name in names}
     # The kinds' rows that read like point rows (a sweep's steps, the staleness oracle's steps): the
     # paper's figures and the validation levels read them beside the point rows.
-    beside = [suffix for module in kinds.modules() for suffix, spec in kinds.part(module, "EXTRA_TABLES").items()
-              if spec.beside_points]
     rows_by_experiment = {}
     for name, df in frames.items():
-        for suffix in beside:
+        for suffix in [suffix for suffix, spec in extra_specs(records(df)) if spec.beside_points]:
             extra = tables.frame(f"{name}.{suffix}")
             df = pd.concat([df, extra], ignore_index=True) if extra is not None else df
         rows_by_experiment[name] = records(df)
@@ -317,13 +359,14 @@ def build_context(tables: Tables, figures: list[dict], out_dir, recorded: Tables
         "profile": profile,
         "results_dir": results_dir,
         "generated": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "log_span": LOG_SPAN,
         "summary": {
             "total": len(files), "counts": counts, "counts_text": _counts_text(counts),
             "kinds": ", ".join(f"{n} {k}" for k, n in sorted(Counter(str(f.get("kind")) for f in files).items())),
             "experiments": [{"name": s["name"], "anchor": s["anchor"], "title": s["title"],
                              "total": sum(s["counts"].values()), **s["counts"]} for s in sections],
             "provenance": provenance_facts(files),
-            "ceiling": ceiling["label"],
+            "ceiling": f"{ceiling['label']}: {ceiling_reason(ceiling)}",
             "cpu": ceiling.get("source") != "cuda_total_memory",
             "claims": claim_rows(paper, figures_beside),
         },
