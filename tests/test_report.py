@@ -1391,3 +1391,26 @@ def test_a_failed_points_row_is_one_line_with_the_whole_message_below(built):
     summary = html_unescape(re.search(r"<summary>(.*?)</summary>", cell).group(1))
     assert len(summary) <= 60 and message.startswith(summary.rstrip("…")) and "<details>" in cell
     assert html_unescape(re.search(r'<div class="full">(.*?)</div>', cell, re.S).group(1)) == message
+
+
+def test_the_papers_staleness_regime_is_read_per_learning_rate_above_the_floor():
+    from longstraw.kinds.staleness import regime_sentence
+
+    def row(lr, drift, floor, positions=1048576, step=1):
+        return {"kind": "staleness", "status": "ok", "lr": lr, "prompt_positions": positions,
+                "first_update_relative_loss_drift": drift, "floor_relative_loss_drift": floor,
+                "first_update_step": step}
+
+    rows = [row(3e-4, 0.009, 1e-5), row(3e-5, 0.0008, 1e-5, step=2), row(1e-5, 0.0002, 1e-5),
+            row(1e-6, 0.00002, 1e-5), row(3e-5, 0.0007, 1e-5, positions=32768)]
+    text = regime_sentence(rows, 0.0004, 0.0012, positions=1048576)
+    assert text.startswith("the paper's regime appears at lr 3e-05.")
+    assert "32,768" not in text  # only the points at the paper's length, when there are any
+    assert "lr 1e-06 at 1,048,576: 0.002% at step 1 (within 3x its floor 0.001%, not readable)" in text
+    assert "lr 1e-05 at 1,048,576: 0.02% at step 1 (below the paper's range)" in text
+    assert "lr 3e-05 at 1,048,576: 0.08% at step 2 (inside the paper's range)" in text
+    assert "lr 0.0003 at 1,048,576: 0.9% at step 1 (above the paper's range)" in text
+    none = regime_sentence([row(3e-4, 0.009, None), {**row(3e-3, None, 0.0), "first_update_step": None}],
+                           0.0004, 0.0012, positions=1048576)
+    assert none.startswith("the paper's regime does not appear at the learning rates tried.")
+    assert "0.9% at step 1 (above the paper's range, floor not measured)" in none and "lr 0.003 at 1,048,576: no update" in none

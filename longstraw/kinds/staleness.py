@@ -204,6 +204,39 @@ def refresh_interval_sentence(row: dict) -> str:
     return text
 
 
+def regime_sentence(rows: list[dict], low: float, high: float, positions=None) -> str:
+    """Whether the paper's staleness regime appears in these staleness rows (one per point) and at which
+    learning rate: each point's first parameter update's loss drift against the paper's range
+    [`low`, `high`] (fractions), read only beyond FLOOR_MARGIN x the point's numerical floor. With
+    `positions`, the points at that prompt length (all of them when none is)."""
+    from longstraw.plotting.formatting import format_percent, format_value, is_missing
+
+    ok = [r for r in rows if r.get("status") == "ok" and r.get("kind") == "staleness"]
+    at = [r for r in ok if positions is not None and r.get("prompt_positions") == positions]
+    chosen = sorted(at or ok, key=lambda r: number(r.get("lr")) or 0.0)
+    if not chosen:
+        return "no staleness point completed"
+    readings, inside = [], []
+    for row in chosen:
+        drift, floor, lr = (number(row.get(k)) for k in ("first_update_relative_loss_drift",
+                                                          "floor_relative_loss_drift", "lr"))
+        name = f"lr {lr:g} at {format_value('prompt_positions', row.get('prompt_positions'))}"
+        if drift is None:
+            readings.append(f"{name}: no update")
+            continue
+        if floor is not None and drift <= FLOOR_MARGIN * floor:
+            where = f"within {FLOOR_MARGIN:g}x its floor {format_percent(floor)}, not readable"
+        else:
+            where = ("below" if drift < low else "above" if drift > high else "inside") + " the paper's range"
+            inside += [f"{lr:g}"] if low <= drift <= high else []
+        floor_text = "" if floor is not None else ", floor not measured"
+        readings.append(f"{name}: {format_percent(drift)} at step {int(row['first_update_step'])} ({where}"
+                        f"{floor_text})" if not is_missing(row.get("first_update_step")) else f"{name}: {where}")
+    verdict = (f"the paper's regime appears at lr {', '.join(inside)}" if inside
+               else "the paper's regime does not appear at the learning rates tried")
+    return f"{verdict}. First update's loss drift: " + "; ".join(readings)
+
+
 def columns(point: dict) -> dict:
     """One staleness point: its setting, the drift at steps 1 and 2 (where the paper states its
     figure), the largest drift and the step it occurred at, the derived refresh interval (where the

@@ -11,7 +11,8 @@ stated ranges (`band:`, e.g. the staleness drift at steps 1-2).
 steps 1-2, or its refresh interval; `kind` keeps the points of that kind): its values where `where`
 matches (a list value matches any of its items), each named by the `label` column, or with
 `format: refresh_interval` the derived refresh interval in a sentence; a point that did not complete
-gets its row with its status.
+gets its row with its status. `op: regime` (with `low`, `high`, `positions`) says in one row whether a
+staleness drift range appears and at which learning rate (`kinds.staleness.regime_sentence`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import yaml
 
-from longstraw.kinds.staleness import refresh_interval_sentence
+from longstraw.kinds.staleness import refresh_interval_sentence, regime_sentence
 from longstraw.plotting.formatting import exact_value, format_bytes, format_number, format_value, is_missing
 
 NOT_MEASURED = "not yet measured"
@@ -195,7 +196,14 @@ def compare_figures(paper: dict, rows_by_experiment: dict[str, list[dict]], ceil
     for claim, figure in enumerate(paper.get("figures") or []):
         experiment = figure.get("experiment")
         rows = rows_by_experiment.get(experiment, [])
-        if (figure.get("ours") or {}).get("op") == "per_point" and _point_rows(rows):
+        spec = figure.get("ours") or {}
+        if spec.get("op") == "regime" and _point_rows(rows):
+            text = regime_sentence(_point_rows(rows), spec["low"], spec["high"], spec.get("positions"))
+            out.append({"experiment": experiment, "quantity": figure.get("quantity", ""),
+                        "paper": figure.get("paper", ""), "ours": text, "value": None, "points": "",
+                        "has_section": True, "claim": claim})
+            continue
+        if spec.get("op") == "per_point" and _point_rows(rows):
             out += [{**row, "claim": claim} for row in per_point_rows(figure, rows)]
             continue
         ours = ours_value(figure.get("ours"), rows, ceiling)
