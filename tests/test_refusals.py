@@ -239,3 +239,16 @@ def test_resume_refuses_a_changed_config_unless_asked_then_applies_and_records_i
     assert [s["lr"] for s in steps] == pytest.approx([1e-3, 1e-2, 1e-2])  # the new rate from the resumed step on
     (change,) = [json.loads(line) for line in (run / "config_changes.jsonl").read_text().splitlines()]
     assert change == {"resumed_at_step": 1, "changes": {"optimizer.lr": [1e-3, 1e-2]}}
+
+
+@pytest.mark.parametrize("numel", [1, 2, 16, 17, 311_164_928, 2**40 + 1])
+def test_the_binding_samples_weights_inside_their_bounds(numel):
+    """The checksum's element indices are exact integers: evenly spaced from 0 to numel - 1, never past the
+    end (a float32 linspace put hybrid-1b's 311,164,928-element embedding's last index at 311,164,928, which
+    CUDA reports as a device-side assert)."""
+    from longstraw.families.base import sample_positions
+
+    at = sample_positions(numel, 16, "cpu").tolist()
+    n = min(16, numel)
+    assert len(at) == n and at[0] == 0 and at[-1] == numel - 1 and at == sorted(set(at))
+    assert at == [i * (numel - 1) // max(n - 1, 1) for i in range(n)]  # by hand, in Python's exact integers

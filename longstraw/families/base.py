@@ -115,6 +115,14 @@ class FamilyAdapter:
         return self.lm.get_output_embeddings()
 
 
+def sample_positions(numel: int, samples: int, device) -> torch.Tensor:
+    """`samples` evenly spaced element indices of a flat tensor of `numel`, 0 and numel - 1 included, in
+    exact integer arithmetic: a float32 linspace rounds numel - 1 up to numel once numel passes 2**24
+    (311,164,927 becomes 311,164,928), an out-of-range read that CUDA reports as a device-side assert."""
+    n = min(samples, numel)
+    return torch.arange(n, device=device, dtype=torch.long) * (numel - 1) // max(n - 1, 1)
+
+
 def _frozen_checksum(lm, frozen) -> float:
     """A sampled checksum of the frozen weights, kept on the model while they are unchanged (their
     storages and version counters say so), so checking a state costs one device sync per change."""
@@ -127,7 +135,7 @@ def _frozen_checksum(lm, frozen) -> float:
     with torch.no_grad():
         for p in frozen:
             flat = p.detach().reshape(-1)
-            at = torch.linspace(0, flat.numel() - 1, min(_SAMPLES, flat.numel()), device=flat.device).long()
+            at = sample_positions(flat.numel(), _SAMPLES, flat.device)
             by_device.setdefault(flat.device, []).append((flat[at].double() * (at + 1)).sum())
         value = sum(float(torch.stack(sums).sum()) for sums in by_device.values())
     lm._longstraw_frozen_checksum = (key, value)
