@@ -48,6 +48,25 @@ def test_the_numerical_floor_restores_the_parameters_and_grows_with_the_perturba
     assert tiny.floor["mean_abs_logprob_diff"] < 1e-6 < large.floor["mean_abs_logprob_diff"]
 
 
+def test_the_floor_says_how_many_weights_its_perturbation_changed():
+    """A perturbation far under a bf16 weight's spacing rounds away for almost every weight (only those at
+    or near zero move), so the floor it measures is mostly the recapture's determinism: the result says
+    what share of the weights changed."""
+    assert _run(lr=0.0, steps=0, floor_perturbation=1e-1).floor["changed_fraction"] > 0.99  # float32 adapter
+
+    def bf16_floor(perturbation):
+        model = build_model("tiny-qwen3_5", seed=2, dtype=torch.bfloat16)  # every weight trainable, no LoRA
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)
+        prompt = torch.randint(0, 256, (200,), generator=torch.Generator().manual_seed(0))
+        return staleness_oracle(model, prompt, optimizer, grpo.GRPOConfig(num_generations=3, beta=0.0), steps=0,
+                                num_samples=3, max_new_tokens=4, capture_kwargs={"chunk_size": 64},
+                                floor_perturbation=perturbation).floor
+
+    # ~1e-11 per element against spacings of ~1e-4 for weights of ~0.02: rounded away but at the zeros
+    assert bf16_floor(1e-9)["changed_fraction"] < 0.01
+    assert bf16_floor(10.0)["changed_fraction"] > 0.5  # ~2e-2 per element: most weights move
+
+
 def test_in_bfloat16_a_tiny_perturbation_already_moves_the_log_probs():
     """The floor the H200's bf16 oracle needs: re-rounding, not staleness."""
     f32 = _run(lr=0.0, steps=0, floor_perturbation=1e-6).floor["mean_abs_logprob_diff"]

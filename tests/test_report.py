@@ -1414,3 +1414,11 @@ def test_the_papers_staleness_regime_is_read_per_learning_rate_above_the_floor()
                            0.0004, 0.0012, positions=1048576)
     assert none.startswith("the paper's regime does not appear at the learning rates tried.")
     assert "0.9% at step 1 (above the paper's range, floor not measured)" in none and "lr 0.003 at 1,048,576: no update" in none
+
+
+def test_a_point_label_leaves_out_nested_settings_read_back_as_json_text():
+    from longstraw.plotting.draw import point_label
+
+    row = {"responses": '{"count": 4, "length": 32}', "prompt.length": 2097152, "cycles": 2, "point": "p"}
+    assert point_label(row, ["cycles", "responses", "prompt.length"]) == "cycles=2 L=2097152"
+    assert point_label({"responses": {"count": 4}, "point": "p"}, ["responses"]) == "p"

@@ -201,6 +201,10 @@ def refresh_interval_sentence(row: dict) -> str:
                  "the run does not show where it ends)")
     if is_missing(row.get("floor_relative_loss_drift")):
         text += "; its numerical floor was not measured, so drift from the precision alone is not excluded"
+    elif row.get("floor_relative_loss_drift") == 0 and row.get("floor_mean_abs_logprob_diff") == 0:
+        text += ("; its floor is exactly zero: the perturbation moved no log-prob (where it changed no weight, "
+                 "rounded away in the parameters' precision, the floor is the recapture's determinism, not the "
+                 "precision's sensitivity to a real change)")
     return text
 
 
@@ -234,7 +238,29 @@ def regime_sentence(rows: list[dict], low: float, high: float, positions=None) -
                         f"{floor_text})" if not is_missing(row.get("first_update_step")) else f"{name}: {where}")
     verdict = (f"the paper's regime appears at lr {', '.join(inside)}" if inside
                else "the paper's regime does not appear at the learning rates tried")
-    return f"{verdict}. First update's loss drift: " + "; ".join(readings)
+    return f"{verdict}. First update's loss drift: " + "; ".join(readings) + _follows_the_step(chosen)
+
+
+def _follows_the_step(rows: list[dict]) -> str:
+    """Does the first update's log-prob drift grow with the step? Between the points whose first updates
+    moved the parameters least and most: how many times the parameter drift and |delta log p| grew. Drift
+    that stays put while the step grows many-fold is the precision's sensitivity, not staleness."""
+    moved = [r for r in rows if (number(r.get("first_update_param_drift")) or 0) > 0
+             and number(r.get("first_update_mean_abs_logprob_diff")) is not None]
+    if len(moved) < 2:
+        return ""
+    small = min(moved, key=lambda r: r["first_update_param_drift"])
+    large = max(moved, key=lambda r: r["first_update_param_drift"])
+    steps = large["first_update_param_drift"] / small["first_update_param_drift"]
+    if small["first_update_mean_abs_logprob_diff"] <= 0:
+        return ""
+    logps = large["first_update_mean_abs_logprob_diff"] / small["first_update_mean_abs_logprob_diff"]
+    text = (f". From lr {number(small.get('lr')):g} to lr {number(large.get('lr')):g} the first update moved the "
+            f"parameters {steps:.3g}x as far and the log-probs {logps:.3g}x as far (mean |delta log p| "
+            f"{small['first_update_mean_abs_logprob_diff']:.3g} -> {large['first_update_mean_abs_logprob_diff']:.3g})")
+    if steps >= 10 and logps < steps ** 0.5:
+        text += ": the drift does not follow the step, so it is the precision's sensitivity rather than staleness"
+    return text
 
 
 def columns(point: dict) -> dict:
@@ -270,11 +296,14 @@ def columns(point: dict) -> dict:
         # the drift of a fresh capture after a parameter perturbation far below one step's (the precision's)
         "floor_relative_loss_drift": number(as_dict(metrics.get("floor")).get("relative_loss_drift")),
         "floor_mean_abs_logprob_diff": number(as_dict(metrics.get("floor")).get("mean_abs_logprob_diff")),
+        "floor_changed_fraction": number(as_dict(metrics.get("floor")).get("changed_fraction")),
         "threshold_crossed_at_step": crossed,
         # the drift after the first step that moved the parameters: what the paper's steps 1-2 figure reads
         # when every step updates (a task's zero-advantage groups update nothing)
         "first_update_step": first_update.get("step"),
         "first_update_relative_loss_drift": number(first_update.get("relative_loss_drift")),
+        "first_update_mean_abs_logprob_diff": number(first_update.get("mean_abs_logprob_diff")),
+        "first_update_param_drift": number(first_update.get("param_drift")),
         # the task example the oracle ran on (a prompt search tries seeds until a group's rewards differ)
         "prompt_seed": number(metrics.get("prompt_seed")),
         "prompts_tried": number(metrics.get("prompts_tried")),
@@ -389,7 +418,7 @@ def _draw_band(ax, band: dict) -> None:
     steps = band["steps"]
     ax.fill_between([min(steps), max(steps)], band["low"] * 100, band["high"] * 100, color=PAPER_COLOR, alpha=0.2,
                     hatch="//", edgecolor=PAPER_COLOR, linewidth=1.2,
-                    label=textwrap.fill(f"paper: {band['text']}", 70, subsequent_indent="  "), zorder=1)
+                    label=textwrap.fill(f"paper: {band['text']}", 48, subsequent_indent="  "), zorder=1)
 
 
 def plot_drift(points: list[dict], drift: list[dict], grid, title: str, bands=()):
@@ -477,10 +506,7 @@ def plot_drift(points: list[dict], drift: list[dict], grid, title: str, bands=()
     vs_ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
     vs_ax.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
     vs_ax.xaxis.set_minor_formatter(NullFormatter())
-    for ax in axes.flat:
-        if ax is not loss_ax and ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize=7, loc="best")
-    # the loss panel's legend (points, threshold, the paper's band) below it, clear of the lines
-    loss_ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncols=1)
+    # one legend for every panel (points, floors, threshold, the paper's band), beside them, clear of the lines
+    draw.legend_outside(axes[0][2], *draw.shared_legend(axes.flat))
     fig.suptitle(f"{title}: drift of a reused prompt state against a fresh capture, per step", fontsize=10)
     return fig

@@ -113,8 +113,9 @@ def point_label(row: dict, grid: list[str]) -> str:
     parts = []
     for key in grid:
         value = row.get(key)
-        # nested settings and paths make unreadable legends: the point's name says them
-        if value is None or isinstance(value, (dict, list)) or len(str(value)) > 32:
+        # nested settings (also as the tables' JSON text) and paths make unreadable legends: the point's name
+        # says them
+        if value is None or isinstance(value, (dict, list)) or len(str(value)) > 32 or str(value)[:1] in "{[":
             continue
         short = SHORT_KEYS.get(key, key.rsplit(".", 1)[-1])
         parts.append(f"{short}={value}" if short else str(value))

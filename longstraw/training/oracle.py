@@ -78,7 +78,8 @@ def numerical_floor(model, prompt_ids, stale, responses, params, perturbation: f
     """The drift a fresh capture shows when the parameters have not really moved: the trainable
     parameters get a random perturbation of L2 norm `perturbation` (far below one optimizer step's),
     the prompt is captured again, and its log-probs on `responses` are compared with `stale`'s; then
-    the parameters are restored exactly. Drift under this floor is the precision's, not staleness."""
+    the parameters are restored exactly. Drift under this floor is the precision's, not staleness.
+    `changed_fraction`: the share of trainable elements the perturbation changed (0: it rounded away)."""
     saved = [p.detach().clone() for p in params]
     generator = torch.Generator().manual_seed(seed)
     noise = [torch.randn(p.shape, generator=generator, dtype=torch.float32) for p in params]
@@ -86,12 +87,16 @@ def numerical_floor(model, prompt_ids, stale, responses, params, perturbation: f
     with torch.no_grad():
         for p, n in zip(params, noise):
             p.add_((n * (perturbation / total)).to(device=p.device, dtype=p.dtype))
+        # in bf16 a perturbation under half a weight's spacing rounds away: then nothing moved, and the floor
+        # is the recapture's determinism alone (say so, rather than read it as the precision's sensitivity)
+        changed = sum(int((p.detach() != s).sum()) for p, s in zip(params, saved))
         fresh = capture(model, prompt_ids, **capture_kwargs)
         logp_fresh = torch.cat([score(model, fresh, y) for y in responses])
         logp_stale = torch.cat([score(model, stale, y) for y in responses])
         for p, s in zip(params, saved):
             p.copy_(s)
-    return {"perturbation_norm": perturbation, **_drift(logp_stale, logp_fresh)}
+    return {"perturbation_norm": perturbation, "changed_fraction": changed / sum(p.numel() for p in params),
+            **_drift(logp_stale, logp_fresh)}
 
 
 def step_sampling(num_samples: int, max_new_tokens: int, seed: int, step: int) -> SamplingConfig:
