@@ -7,7 +7,9 @@
 An experiment file (schema: `experiment.schema.yaml` beside this module, shipped with the
 package) holds shared settings (`base`) and, per profile, more settings plus a `grid` (cartesian
 product of dotted-key value lists) and/or explicit `points`. A point's config = base, then the
-profile's base, then the point's values; it is resolved here, once, into a typed `PointConfig`
+profile's base (merged key by key), then the point's values, each of which replaces what is at its
+dotted key: `responses: {source: rollouts}` replaces the whole responses section (the base's count and
+length too), `responses.source: rollouts` only that field. It is resolved here, once, into a typed `PointConfig`
 and checked through to the names it uses (presets, V4's task), so a malformed file fails when the
 plan is made, naming the file and the key. No torch is imported unless a point trains on a task.
 """
