@@ -1450,3 +1450,13 @@ def test_a_point_label_leaves_out_nested_settings_read_back_as_json_text():
     row = {"responses": '{"count": 4, "length": 32}', "prompt.length": 2097152, "cycles": 2, "point": "p"}
     assert point_label(row, ["cycles", "responses", "prompt.length"]) == "cycles=2 L=2097152"
     assert point_label({"responses": {"count": 4}, "point": "p"}, ["responses"]) == "p"
+
+
+@pytest.mark.parametrize("path, name", [("results/h200/checkpoints/learn-tiny-hybrid-reach/checkpoint",
+                                         "learn-tiny-hybrid-reach"), ("/models/Qwen3-8B", "Qwen3-8B"),
+                                        ("ckpt/", "ckpt"), ("checkpoint", "checkpoint")])
+def test_a_checkpoints_row_names_it_by_its_folder(path, name):
+    from longstraw.kinds.columns import checkpoint_name, common_columns
+
+    assert checkpoint_name(path) == name
+    assert common_columns({"config": {"model": {"path": path, "preset": "tiny-llama"}}})["model"] == name

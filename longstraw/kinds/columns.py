@@ -99,6 +99,16 @@ def is_cuda_point(point: dict) -> bool:
     return device.startswith("cuda") or as_dict(point.get("provenance")).get("cuda_total_memory_bytes") is not None
 
 
+def checkpoint_name(path: str) -> str:
+    """A checkpoint's short name: its folder's, or the folder above when that is `OUT/checkpoint` (the
+    pretraining points' layout), e.g. results/h200/checkpoints/learn-tiny-hybrid-reach/checkpoint ->
+    learn-tiny-hybrid-reach."""
+    parts = [p for p in str(path).replace("\\", "/").split("/") if p]
+    if not parts:
+        return str(path)
+    return parts[-2] if parts[-1] == "checkpoint" and len(parts) > 1 else parts[-1]
+
+
 def common_columns(point: dict) -> dict:
     """The columns of every point's row, whatever its kind."""
     cfg, prov = as_dict(point.get("config")), as_dict(point.get("provenance"))
@@ -106,7 +116,7 @@ def common_columns(point: dict) -> dict:
     model_type = model_type_of(point)
     lora = model.get("lora")
     return {
-        "model": model.get("path") or model.get("preset"),
+        "model": checkpoint_name(model["path"]) if model.get("path") else model.get("preset"),
         "model_type": model_type,
         "family": family_of(model_type),
         "dtype": model.get("dtype"),
