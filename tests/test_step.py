@@ -215,3 +215,18 @@ def test_bad_rollout_points_are_refused_before_any_work(change, message):
     raw.update(change)
     with pytest.raises(ValueError, match=message):
         resolve(raw, "p.yaml")
+
+
+def test_a_step_point_replays_under_checkpointing_when_its_config_says_so():
+    """`replay.checkpoint_layers` reaches the replays: the same loss and gradient norm as the plain step (the
+    same responses and rewards), a smaller kept graph."""
+    from longstraw.harness.runner import run_point
+
+    point = {"name": "ckpt", "kind": "step", "model": {"preset": "tiny-qwen3_5", "lora": {"r": 4, "init_random": True}},
+             "prompt": {"length": 96}, "responses": {"count": 3, "length": 24}, "capture": {"chunk_size": 32}}
+    plain = run_point(point)
+    checkpointed = run_point({**point, "replay": {"checkpoint_layers": True}})
+    assert plain["status"] == checkpointed["status"] == "ok"
+    a, b = plain["metrics"]["cycles"][0], checkpointed["metrics"]["cycles"][0]
+    assert b["loss"] == pytest.approx(a["loss"], rel=1e-6) and b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
+    assert b["graph_bytes_peak"] < a["graph_bytes_peak"] / 5

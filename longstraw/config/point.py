@@ -16,7 +16,7 @@ from typing import Literal, Optional
 
 from longstraw.config.grpo import GRPOConfig, grouped_objective
 from longstraw.config.pretrain import PretrainConfig
-from longstraw.config.sections import CaptureConfig, ModelConfig, OptimizerConfig
+from longstraw.config.sections import CaptureConfig, ModelConfig, OptimizerConfig, ReplayConfig
 from longstraw.config.typed import ConfigError, bounded, from_mapping, to_mapping
 
 KINDS = ("step", "capture", "capacity", "sweep", "staleness", "validation", "pretrain", "length_curve", "learning")
@@ -184,6 +184,7 @@ class PointConfig:
     grpo: GRPOConfig = field(default_factory=lambda: GRPOConfig(beta=0.04))
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     capture: CaptureConfig = field(default_factory=CaptureConfig)
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
     capacity: CapacityConfig = field(default_factory=CapacityConfig)
     sweep: SweepConfig = field(default_factory=SweepConfig)
     measure: MeasureConfig = field(default_factory=MeasureConfig)
@@ -206,10 +207,11 @@ def resolve_point(raw, source: str = "config") -> PointConfig:
 
 def trainer_sections(cfg: PointConfig, out_dir) -> dict:
     """What a trainer run inside a point takes from the point: its model, objective (less the group
-    size, which is the trainer's sampling's), capture settings and CP size; writing under `out_dir`,
-    no checkpoints."""
+    size, which is the trainer's sampling's), capture and replay settings and CP size; writing under
+    `out_dir`, no checkpoints."""
     grpo = {k: v for k, v in to_mapping(cfg.grpo).items() if k != "num_generations"}
-    return {"model": to_mapping(cfg.model), "grpo": grpo, "capture": to_mapping(cfg.capture), "cp_size": cfg.cp_size,
+    return {"model": to_mapping(cfg.model), "grpo": grpo, "capture": to_mapping(cfg.capture),
+            "replay": to_mapping(cfg.replay), "cp_size": cfg.cp_size,
             "output": {"dir": str(out_dir), "checkpoint_every": 0}}
 
 

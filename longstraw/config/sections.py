@@ -54,6 +54,14 @@ class CaptureConfig:
 
 
 @dataclass
+class ReplayConfig:
+    """How the responses are replayed under autograd (`longstraw.replay`)."""
+
+    # whole-layer activation checkpointing: each layer keeps its input and recomputes in the backward
+    checkpoint_layers: bool = False
+
+
+@dataclass
 class OptimizerConfig:
     """AdamW (torch's default weight decay unless set)."""
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional
 
 from longstraw.config.grpo import GRPOConfig, grouped_objective
-from longstraw.config.sections import CaptureConfig, ModelConfig, OptimizerConfig
+from longstraw.config.sections import CaptureConfig, ModelConfig, OptimizerConfig, ReplayConfig
 from longstraw.config.typed import ConfigError, bounded, from_mapping
 
 
@@ -65,6 +65,7 @@ class TrainConfig:
     gradient: Literal["response-only", "exact"] = "response-only"
     refresh: RefreshConfig = field(default_factory=RefreshConfig)
     capture: CaptureConfig = field(default_factory=CaptureConfig)
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
 
     def __post_init__(self):

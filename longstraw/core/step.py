@@ -39,13 +39,15 @@ class StepOptions:
     `capture`: `capture()` keyword arguments when the step captures the prompt itself;
     `max_grad_norm`: clip the accumulated gradient before the optimizer step (`grad_norm` reports
     it unclipped); `members=k`: score and replay only the first k responses (a memory probe of the
-    serial modes, see `grpo_step`)."""
+    serial modes, see `grpo_step`); `checkpoint_layers`: replay under whole-layer activation
+    checkpointing (`replay`; replay and hold_all; naive checkpoints HF's layers anyway)."""
 
     mode: str = "replay"
     prefix_grad: bool = False
     capture: dict = field(default_factory=dict)
     max_grad_norm: float | None = None
     members: int | None = None
+    checkpoint_layers: bool = False
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -161,7 +163,7 @@ def grpo_step(model, prompt_ids, responses, rewards, optimizer, config: grpo.GRP
             with recorder.phase("ref_scoring"), reference_policy(model):
                 ref = [scorer(y, ref_state) for y in responses]
         losses, logps, meter = _replay_and_backward(model, prompt_ids, state, responses, old, ref, advantages,
-                                                    weights, config, mode, recorder)
+                                                    weights, config, mode, recorder, options.checkpoint_layers)
     if options.prefix_grad:
         with recorder.phase("prefix_backward"):
             state.backward_prefix()
@@ -200,7 +202,8 @@ def grpo_step(model, prompt_ids, responses, rewards, optimizer, config: grpo.GRP
     return StepResult(metrics, state)
 
 
-def _replay_and_backward(model, prompt_ids, state, responses, old, ref, advantages, weights, config, mode, recorder):
+def _replay_and_backward(model, prompt_ids, state, responses, old, ref, advantages, weights, config, mode, recorder,
+                         checkpoint_layers=False):
     """Each response's loss and its gradient: replay (one graph at a time), hold_all (all G graphs,
     one backward) or naive (HF's checkpointed forward over prompt + response, one at a time).
     Returns (detached losses, detached log-probs, the graph-bytes meter)."""
@@ -211,7 +214,7 @@ def _replay_and_backward(model, prompt_ids, state, responses, old, ref, advantag
         if mode == "hold_all":
             with recorder.phase("replay"):
                 for i, y in enumerate(responses):
-                    logps.append(replay(model, state, y))
+                    logps.append(replay(model, state, y, checkpoint_layers=checkpoint_layers))
                     losses.append(grpo.response_loss(logps[-1], old[i], ref and ref[i], advantages[i], weights[i],
                                                      config))
                 torch.stack(losses).sum().backward()
@@ -219,7 +222,8 @@ def _replay_and_backward(model, prompt_ids, state, responses, old, ref, advantag
         with _checkpointed(model) if mode == "naive" else nullcontext():
             for i, y in enumerate(responses):
                 with recorder.phase("replay"):
-                    logp = replay(model, state, y) if mode == "replay" else naive_logprobs(model, prompt_ids, y)
+                    logp = (replay(model, state, y, checkpoint_layers=checkpoint_layers) if mode == "replay"
+                            else naive_logprobs(model, prompt_ids, y))
                     loss = grpo.response_loss(logp, old[i], ref and ref[i], advantages[i], weights[i], config)
                     loss.backward()
                 losses.append(loss.detach())

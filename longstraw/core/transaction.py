@@ -159,8 +159,14 @@ def _default_budget(device) -> int:
     return 512 << 20
 
 
-def replay(model, state: ResidentState, response_ids, *, rows_per_chunk: int | None = None) -> torch.Tensor:
-    """float32 [R] log p(y_t | prompt, y_<t) under autograd, computed on top of `state`."""
+def replay(model, state: ResidentState, response_ids, *, rows_per_chunk: int | None = None,
+           checkpoint_layers: bool = False) -> torch.Tensor:
+    """float32 [R] log p(y_t | prompt, y_<t) under autograd, computed on top of `state`.
+
+    `checkpoint_layers=True`: whole-layer activation checkpointing (the paper replays so): each layer
+    (`adapter.checkpoint_segments`) keeps only its input for the backward and recomputes its forward
+    there, so the live graph is one layer's activations plus a hidden state per layer, for a second
+    forward's time."""
     adapter = adapter_for(model)
     check_state(adapter, state)
     targets = _as_ids(response_ids, "response_ids", adapter)
@@ -168,11 +174,32 @@ def replay(model, state: ResidentState, response_ids, *, rows_per_chunk: int | N
     with adapter.selected():
         h = adapter.embed(inputs[None])
         pe = adapter.position_embeddings(h, state.positions)
-        for i, entry in enumerate(state.layers):
-            h = adapter.layer_forward(i, h, pe, entry, capturing=False)
+        if checkpoint_layers and torch.is_grad_enabled():
+            for layers in adapter.checkpoint_segments():
+                h = _checkpointed_layers(adapter, layers, h, pe, state.layers)
+        else:
+            for i, entry in enumerate(state.layers):
+                h = adapter.layer_forward(i, h, pe, entry, capturing=False)
         h = adapter.final_hidden(h)[0]
     kwargs = {"rows_per_chunk": rows_per_chunk} if rows_per_chunk else {}
     return token_logprobs(h, adapter.lm_head, targets, **kwargs)
+
+
+def _checkpointed_layers(adapter, layers: range, h, pe, entries):
+    """A run of replayed layers (`adapter.checkpoint_segments`) under non-reentrant checkpointing. Its
+    recompute runs in the backward, outside `replay`'s `adapter.selected()`, so it enters that context
+    again (the paged attention the layers dispatch to); the pages and states they read are closed over,
+    so their gradients (exact mode) still arrive."""
+    from contextlib import nullcontext
+
+    from torch.utils.checkpoint import checkpoint
+
+    def run(h_BTH):
+        for i in layers:
+            h_BTH = adapter.layer_forward(i, h_BTH, pe, entries[i], capturing=False)
+        return h_BTH
+
+    return checkpoint(run, h, use_reentrant=False, context_fn=lambda: (nullcontext(), adapter.selected()))
 
 
 def score(model, state: ResidentState, response_ids, **kwargs) -> torch.Tensor:

@@ -57,6 +57,11 @@ class FamilyAdapter:
     def num_layers(self) -> int:
         return len(self.layers)
 
+    def checkpoint_segments(self) -> list[range]:
+        """The layer runs a checkpointed replay recomputes together: each layer alone, unless a family's
+        layers pass something forward outside the hidden state (MLA's IndexShare selection)."""
+        return [range(i, i + 1) for i in range(self.num_layers)]
+
     @property
     def vocab_size(self) -> int:
         return self.lm.get_input_embeddings().weight.shape[0]

@@ -187,6 +187,12 @@ class MlaAdapter(FamilyAdapter):
 
     supports_host_pages = True
 
+    def checkpoint_segments(self) -> list[range]:
+        """An index layer with the IndexShare layers after it: they read the top-k selection it leaves in
+        `_selections`, so a recompute must run them in their forward order."""
+        starts = [i for i in range(self.num_layers) if not self.shares[i]]
+        return [range(a, b) for a, b in zip(starts, starts[1:] + [self.num_layers])]
+
     def allocate_entry(self, layer_idx, positions, dtype, device, host=False):
         return allocate_latent_pages(self.attns[layer_idx], positions, dtype, device, host)
 

@@ -35,7 +35,8 @@ def run(cfg: PointConfig, device, progress: Progress) -> dict:
     model, vocab, prompt = policy_and_prompt(cfg, recorder)
     responses, rewards = seeded_group(cfg, cfg.responses.count, vocab, device)
     optimizer = optimizer_for(model, cfg)
-    options = StepOptions(mode=cfg.mode, capture=capture_kwargs(cfg), members=cfg.responses.probe_members)
+    options = StepOptions(mode=cfg.mode, capture=capture_kwargs(cfg), members=cfg.responses.probe_members,
+                          checkpoint_layers=cfg.replay.checkpoint_layers)
     state, cycles = None, []
     for _ in range(cfg.cycles):
         step = grpo_step(model, prompt, responses, rewards, optimizer, cfg.grpo, options, state=state)

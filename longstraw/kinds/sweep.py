@@ -68,8 +68,9 @@ def _step(model, prompt, state, optimizer, cfg, mode: str, count: int, vocab: in
     responses, rewards = seeded_group(cfg, count, vocab, device)
     step = {"mode": mode, "count": count}
     try:
-        metrics = grpo_step(model, prompt, responses, rewards, optimizer, with_group(cfg.grpo, count),
-                            StepOptions(mode=mode), state=state).metrics
+        options = StepOptions(mode=mode, checkpoint_layers=cfg.replay.checkpoint_layers)
+        metrics = grpo_step(model, prompt, responses, rewards, optimizer, with_group(cfg.grpo, count), options,
+                            state=state).metrics
         step.update(status="ok", **metrics, peak_allocated_bytes=phase_peaks(metrics["phases"]))
     except torch.OutOfMemoryError as exc:
         step.update(status="oom", error=str(exc).splitlines()[0], peak_allocated_bytes=(

@@ -30,6 +30,9 @@ class GraphBytesMeter:
 
     Parameters and any `exclude` tensors (the resident pages) are not graph memory: they exist
     anyway, so their storages are skipped. Use as a context manager around forward AND backward.
+    Under activation checkpointing (`replay(..., checkpoint_layers=True)`) it counts what the forward
+    keeps (each segment's input); the activations a segment recomputes for its own backward are held
+    by checkpoint's hooks, not these, so that transient is in a phase's CUDA peak, not here.
     """
 
     def __init__(self, exclude=()):

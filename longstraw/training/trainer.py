@@ -103,7 +103,8 @@ class Trainer:
                                            weight_decay=cfg.optimizer.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _schedule(cfg.schedule, cfg.steps))
         self.exact = cfg.gradient == "exact"
-        self.options = StepOptions(max_grad_norm=cfg.max_grad_norm, prefix_grad=self.exact)
+        self.options = StepOptions(max_grad_norm=cfg.max_grad_norm, prefix_grad=self.exact,
+                                   checkpoint_layers=cfg.replay.checkpoint_layers)
         self.out = Path(cfg.output.dir)
         self.state = self.capture_step = self.capture_params = None
         self.ref_state = self.ref_prompt = None

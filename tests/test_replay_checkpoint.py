@@ -1,0 +1,91 @@
+"""Replay under whole-layer activation checkpointing (`replay(..., checkpoint_layers=True)`): the same
+log-probs and gradients as HF's own autograd (conditional-response, and full-sequence in exact mode), with a
+smaller live autograd graph."""
+
+import pytest
+import torch
+
+from longstraw import capture, replay
+from longstraw.core.hf_reference import global_relative_error, grads_of, hf_conditional_logprobs, hf_full_logprobs
+from longstraw.core.hf_reference import max_relative_error
+from longstraw.measure.memory import GraphBytesMeter
+from longstraw.models import TINY_MLA_PRESETS, TINY_PRESETS, build_model
+from longstraw.models.lora import apply_lora
+from float64_reference import float64_model, hf_float64
+
+PRESETS = TINY_PRESETS + TINY_MLA_PRESETS
+
+
+def _ids(n, seed):
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("preset", PRESETS)
+def test_checkpointed_replay_gives_hfs_conditional_gradient(preset):
+    # float64 with HF's float32 casts (float64_reference), as the plain replay's own test
+    net = apply_lora(float64_model(preset, seed=1), r=4, init_random=True)
+    prompt, response = _ids(37, 4), _ids(6, 5)
+    weights = torch.linspace(-1.0, 2.0, 6, dtype=torch.float64)
+    with hf_float64(net):
+        state = capture(net, prompt, chunk_size=8)
+        before = state.fingerprint()
+        logp = replay(net, state, response, checkpoint_layers=True)
+        ours = grads_of(net, (logp * weights).sum())
+        assert state.fingerprint() == before  # the recompute in the backward writes nothing
+        expected_logp = hf_conditional_logprobs(net, prompt, response)
+        expected = grads_of(net, (expected_logp * weights).sum())
+    assert torch.allclose(logp.detach(), expected_logp.detach().to(logp.dtype), rtol=1e-6, atol=1e-8)
+    assert len(expected) > 0 and max_relative_error(ours, expected) < 1e-4
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3_5"])
+def test_checkpointed_replay_in_exact_mode_gives_hfs_full_sequence_gradient(preset):
+    model = apply_lora(build_model(preset, seed=1), r=4, init_random=True)
+    prompt, responses = _ids(150, 0), [_ids(20, 1), _ids(13, 2)]
+    weights = [torch.linspace(-1.0, 2.0, r.numel()) for r in responses]
+    state = capture(model, prompt, prefix_grad=True, chunk_size=32)
+    for y, w in zip(responses, weights):
+        (replay(model, state, y, checkpoint_layers=True) * w).sum().backward()
+    state.backward_prefix()  # the page gradients arrived through the recomputed layers
+    ours = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    sum((hf_full_logprobs(model, prompt, y) * w).sum() for y, w in zip(responses, weights)).backward()
+    expected = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert global_relative_error(ours, expected) < 1e-4
+
+
+def _graph_peak(model, state, response, checkpoint_layers):
+    exclude = list(model.parameters()) + [t for e in state.layers for t in e.tensors()]
+    with GraphBytesMeter(exclude=exclude) as meter:
+        replay(model, state, response, checkpoint_layers=checkpoint_layers).sum().backward()
+    model.zero_grad(set_to_none=True)
+    return meter.peak
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3_5", "tiny-glm_moe_dsa"])
+def test_checkpointing_keeps_one_hidden_state_per_segment_instead_of_its_activations(preset):
+    """What a checkpointed replay keeps from its forward for the backward: each segment's input
+    [R, hidden], the final norm's and the head's saved tensors, not the layers' activations; against the
+    plain replay of the same response. (A segment's recompute in the backward holds its activations
+    through checkpoint's own hooks, which the meter does not see: that transient is a phase's CUDA peak.)"""
+    from longstraw.families import adapter_for
+
+    model = apply_lora(build_model(preset, seed=1), r=4, init_random=True)
+    state = capture(model, _ids(64, 0), chunk_size=16)
+    response = _ids(48, 1)
+    plain, checkpointed = (_graph_peak(model, state, response, c) for c in (False, True))
+    config = model.get_base_model().config
+    segments, one_hidden = len(adapter_for(model).checkpoint_segments()), 48 * config.hidden_size * 4
+    assert checkpointed < plain / 5, (checkpointed, plain)
+    assert segments * one_hidden <= checkpointed <= (segments + 3) * one_hidden + 2 * 48 * config.vocab_size * 4
+
+
+def test_mla_index_layers_and_their_sharers_are_recomputed_together():
+    from longstraw.families import adapter_for
+
+    adapter = adapter_for(build_model("tiny-glm_moe_dsa", seed=1))
+    adapter.shares = [False, True, True, False, True, False]  # by hand: 0 feeds 1-2, 3 feeds 4, 5 alone
+    adapter.layers = [None] * 6
+    assert [list(r) for r in adapter.checkpoint_segments()] == [[0, 1, 2], [3, 4], [5]]
