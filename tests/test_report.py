@@ -688,6 +688,20 @@ def test_cpu_report_links_the_recorded_report(built, tmp_path):
                         / "h200")
     assert 'id="recorded-report" href="../recorded-h200/index.html"' in page.read_text()
     assert 'id="targets"' not in page.read_text()
+    # the summary's claims carry the recorded GPU value beside this run's: the G=2 replay peak of the recorded
+    # hybrid sweep, read from its result file by hand
+    import json
+
+    import re
+
+    table = page.read_text().split('id="summary-claims"')[1].split("</table>")[0]
+    rows = [re.findall(r"<td>(.*?)</td>", row, re.S) for row in table.split("<tr>")[2:]]
+    row = next(r for r in rows if r[0] == "peak memory per rank, G=2 (replay)")
+    sweep = json.loads((REPO / "experiments/recorded/h200/g_sweep/sweep.json").read_text())
+    g2 = next(s for s in sweep["metrics"]["steps"] if s["mode"] == "replay" and s["count"] == 2)
+    peak = max(p["peak_allocated_bytes"] for p in g2["phases"].values())
+    assert f"{peak / 2**30:,.3f} GiB ({peak / 1e9:,.3f} GB)" in row[3]
+    assert row[2] != row[3] and "GB" in row[2]  # this run's (CPU) value beside it
 
 
 def test_recorded_h200_results_render(tmp_path):

@@ -321,6 +321,29 @@ def result_links(files: list[dict], results_dir, out_dir) -> dict[str, str]:
             for f in files if not is_missing(f.get("result_file"))}
 
 
+def experiment_rows(tables: Tables) -> dict[str, list[dict]]:
+    """{experiment: its rows}, with the kinds' rows that read like point rows (a sweep's steps, the
+    staleness oracle's steps) beside the point rows: the paper's figures and the validation levels read
+    them there."""
+    out = {}
+    for name in tables.manifest["experiments"]:
+        df = tables.frame(name)
+        for suffix in [suffix for suffix, spec in extra_specs(records(df)) if spec.beside_points]:
+            extra = tables.frame(f"{name}.{suffix}")
+            df = pd.concat([df, extra], ignore_index=True) if extra is not None else df
+        out[name] = records(df)
+    return out
+
+
+def recorded_claims(paper: dict, recorded: Tables | None, results_dir) -> list[str] | None:
+    """Each paper claim's value in the recorded GPU results, in claim order, for the summary's column
+    beside this run's (None on the recorded results' own page, or without recorded results)."""
+    if recorded is None or Path(results_dir).resolve() == Path(recorded.manifest["results_dir"]).resolve():
+        return None
+    compared = compare_figures(paper, experiment_rows(recorded), recorded.manifest["ceiling"])
+    return [row["ours"] for row in claim_rows(paper, compared)]
+
+
 def build_context(tables: Tables, figures: list[dict], out_dir, recorded: Tables | None = None) -> dict:
     manifest = tables.manifest
     profile, results_dir, ceiling = manifest["profile"], manifest["results_dir"], manifest["ceiling"]
@@ -333,14 +356,7 @@ def build_context(tables: Tables, figures: list[dict], out_dir, recorded: Tables
     names = experiment_order(set(frames) | set(paper_entries))
     described = {name: {**paper_entries.get(name, {}),
                         **{k: v for k, v in experiment_files.get(name, {}).items() if v}} for name in names}
-    # The kinds' rows that read like point rows (a sweep's steps, the staleness oracle's steps): the
-    # paper's figures and the validation levels read them beside the point rows.
-    rows_by_experiment = {}
-    for name, df in frames.items():
-        for suffix in [suffix for suffix, spec in extra_specs(records(df)) if spec.beside_points]:
-            extra = tables.frame(f"{name}.{suffix}")
-            df = pd.concat([df, extra], ignore_index=True) if extra is not None else df
-        rows_by_experiment[name] = records(df)
+    rows_by_experiment = experiment_rows(tables)
     figures_beside = compare_figures(paper, rows_by_experiment, ceiling)
     by_experiment: dict[str, list[dict]] = {}
     for f in files:
@@ -369,6 +385,7 @@ def build_context(tables: Tables, figures: list[dict], out_dir, recorded: Tables
             "ceiling": f"{ceiling['label']}: {ceiling_reason(ceiling)}",
             "cpu": ceiling.get("source") != "cuda_total_memory",
             "claims": claim_rows(paper, figures_beside),
+            "recorded_claims": recorded_claims(paper, recorded, results_dir),
         },
         "targets": targets_view(tables),
         "paper": {"missing": paper.get("missing", ""),
