@@ -1455,7 +1455,8 @@ def test_the_papers_staleness_regime_is_read_per_learning_rate_above_the_floor()
     none = regime_sentence([row(3e-4, 0.009, None), {**row(3e-3, None, 0.0), "first_update_step": None}],
                            0.0004, 0.0012, positions=1048576)
     assert none.startswith("the paper's regime does not appear at the learning rates tried.")
-    assert "0.9% at step 1 (above the paper's range, floor not measured)" in none and "lr 0.003 at 1,048,576: no update" in none
+    assert "0.9% at step 1 (above the paper's range, floor not measured)" in none
+    assert "lr 0.003 at 1,048,576: no update" in none
 
 
 def test_a_point_label_leaves_out_nested_settings_read_back_as_json_text():

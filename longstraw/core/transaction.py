@@ -14,7 +14,10 @@ used when they fit the memory budget). Replay feeds the last prompt token and th
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from longstraw.core import exact
 from longstraw.cp.capture import capture_sharded
@@ -190,9 +193,6 @@ def _checkpointed_layers(adapter, layers: range, h, pe, entries):
     recompute runs in the backward, outside `replay`'s `adapter.selected()`, so it enters that context
     again (the paged attention the layers dispatch to); the pages and states they read are closed over,
     so their gradients (exact mode) still arrive."""
-    from contextlib import nullcontext
-
-    from torch.utils.checkpoint import checkpoint
 
     def run(h_BTH):
         for i in layers:

@@ -94,13 +94,13 @@ MEASURES = ("param_drift", "loss_stale", "loss_fresh", "relative_loss_drift", "m
             "grad_cosine", "grad_norm_stale", "grpo_loss_stale", "grpo_loss_fresh", "reward_mean")
 # what a reader checks against the paper (the drift at steps 1-2 and at the first update, the floor, the
 # interval); every column stays in the CSV
-SHOWN = ["model", "lr", "prompt_positions", "updates", "drift_threshold", "refresh_interval", "relative_loss_drift_step1",
-         "relative_loss_drift_step2", "first_update_step", "first_update_relative_loss_drift",
-         "first_update_mean_abs_logprob_diff", "first_update_param_drift", "floor_relative_loss_drift",
-         "max_relative_loss_drift", "peak_memory_bytes", "wall_seconds"]
-STEP_COLUMNS = ["point", "lr", "step", "status", "updated", "param_drift", "loss_stale", "loss_fresh", "relative_loss_drift",
-                "under_threshold", "mean_abs_logprob_diff", "kl_k3", "one_minus_grad_cosine", "reward_mean",
-                "error", "report_error"]
+SHOWN = ["model", "lr", "prompt_positions", "updates", "drift_threshold", "refresh_interval",
+         "relative_loss_drift_step1", "relative_loss_drift_step2", "first_update_step",
+         "first_update_relative_loss_drift", "first_update_mean_abs_logprob_diff", "first_update_param_drift",
+         "floor_relative_loss_drift", "max_relative_loss_drift", "peak_memory_bytes", "wall_seconds"]
+STEP_COLUMNS = ["point", "lr", "step", "status", "updated", "param_drift", "loss_stale", "loss_fresh",
+                "relative_loss_drift", "under_threshold", "mean_abs_logprob_diff", "kl_k3", "one_minus_grad_cosine",
+                "reward_mean", "error", "report_error"]
 EXTRA_TABLES = {
     "drift": ExtraTable(
         "Drift per step", STEP_COLUMNS,
@@ -211,7 +211,7 @@ def regime_sentence(rows: list[dict], low: float, high: float, positions=None) -
     learning rate: each point's first parameter update's loss drift against the paper's range
     [`low`, `high`] (fractions), read only beyond FLOOR_MARGIN x the point's numerical floor. With
     `positions`, the points at that prompt length (all of them when none is)."""
-    from longstraw.plotting.formatting import format_percent, format_value, is_missing
+    from longstraw.plotting.formatting import format_percent, format_value
 
     points = [r for r in rows if r.get("kind") == "staleness"]
     ok = [r for r in points if r.get("status") == "ok"]
@@ -233,8 +233,8 @@ def regime_sentence(rows: list[dict], low: float, high: float, positions=None) -
             where = ("below" if drift < low else "above" if drift > high else "inside") + " the paper's range"
             inside += [f"{lr:g}"] if low <= drift <= high else []
         floor_text = "" if floor is not None else ", floor not measured"
-        readings.append(f"{name}: {format_percent(drift)} at step {int(row['first_update_step'])} ({where}"
-                        f"{floor_text})" if not is_missing(row.get("first_update_step")) else f"{name}: {where}")
+        step = int(row["first_update_step"])
+        readings.append(f"{name}: {format_percent(drift)} at step {step} ({where}{floor_text})")
     verdict = (f"the paper's regime appears at lr {', '.join(inside)}" if inside
                else "the paper's regime does not appear at the learning rates tried")
     return f"{verdict}. First update's loss drift: " + "; ".join(readings) + _follows_the_step(chosen)

@@ -122,7 +122,9 @@ def columns(point: dict) -> dict:
     # Responses replayed over all cycles: hold_all times its G replays as one phase, so count
     # responses (not replay-phase entries) for the time per member.
     replays = sum(len(c.get("response_tokens") or []) for c in cycles) or None
-    rewards = [number(c.get("reward_mean")) for c in cycles if number(c.get("reward_mean")) is not None]
+    # a task's rewards mean something; a seeded point's are uniform draws, so it shows none
+    rollouts = responses.get("source") == "rollouts"
+    rewards = [number(c.get("reward_mean")) for c in cycles if rollouts and number(c.get("reward_mean")) is not None]
     cols = {
         "mode": cfg.get("mode"),
         "source": responses.get("source", "seeded"),

@@ -89,7 +89,7 @@ def numerical_floor(model, prompt_ids, stale, responses, params, perturbation: f
             p.add_((n * (perturbation / total)).to(device=p.device, dtype=p.dtype))
         # in bf16 a perturbation under half a weight's spacing rounds away: then nothing moved, and the floor
         # is the recapture's determinism alone (say so, rather than read it as the precision's sensitivity)
-        changed = sum(int((p.detach() != s).sum()) for p, s in zip(params, saved))
+        changed = int(sum((p.detach() != s).sum() for p, s in zip(params, saved)))  # one sync
         fresh = capture(model, prompt_ids, **capture_kwargs)
         logp_fresh = torch.cat([score(model, fresh, y) for y in responses])
         logp_stale = torch.cat([score(model, stale, y) for y in responses])

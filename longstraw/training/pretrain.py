@@ -209,10 +209,9 @@ def pretrain(cfg: PretrainConfig) -> dict:
 
     bar = tqdm(range(cfg.steps), desc="pretrain", unit="step", file=sys.stderr, disable=not cfg.progress,
                dynamic_ncols=True)
-    acc, stopped_at = {}, None
+    acc = {}
     for step in bar:
         if cfg.time_limit_seconds is not None and train_seconds >= cfg.time_limit_seconds:
-            stopped_at = step
             break
         t = time.perf_counter()
         spec, lengths, aux_fraction = stage_at(cfg, step)
@@ -257,7 +256,7 @@ def pretrain(cfg: PretrainConfig) -> dict:
                   "eval_base": EVAL_SEED_BASE, "curve_base": CURVE_SEED_BASE},
         "steps": steps,
         "steps_done": steps_done,
-        "stopped_by_time_limit": stopped_at is not None,
+        "stopped_by_time_limit": steps_done < cfg.steps,
         "evals": evals,
         "final_accuracy": evals[-1]["accuracy"],
         "tokens": tokens,
