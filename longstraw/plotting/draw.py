@@ -25,7 +25,7 @@ from matplotlib.ticker import LogFormatter  # noqa: E402
 from matplotlib.transforms import blended_transform_factory, offset_copy  # noqa: E402
 
 from longstraw.plotting.ceiling import ceiling_reason  # noqa: E402
-from longstraw.plotting.formatting import LOG_SPAN  # noqa: E402
+from longstraw.plotting.formatting import LOG_SPAN, is_nested  # noqa: E402
 from longstraw.results import atomic_path  # noqa: E402
 
 PHASE_COLORS = {"weights": "#937860", "capture": "#4c72b0", "ref_capture": "#64b5cd", "sampling": "#da8bc3",
@@ -115,7 +115,7 @@ def point_label(row: dict, grid: list[str]) -> str:
         value = row.get(key)
         # nested settings (also as the tables' JSON text) and paths make unreadable legends: the point's name
         # says them
-        if value is None or isinstance(value, (dict, list)) or len(str(value)) > 32 or str(value)[:1] in "{[":
+        if value is None or is_nested(value) or len(str(value)) > 32:
             continue
         short = SHORT_KEYS.get(key, key.rsplit(".", 1)[-1])
         parts.append(f"{short}={value}" if short else str(value))

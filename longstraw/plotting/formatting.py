@@ -3,6 +3,7 @@ from the column's name, so the aggregated data and the page can never disagree a
 
 from __future__ import annotations
 
+import json
 import numbers
 
 import numpy as np
@@ -40,6 +41,16 @@ def is_missing(value) -> bool:
         return bool(pd.isna(value))
     except (TypeError, ValueError):
         return False
+
+
+def is_nested(value) -> bool:
+    """A list or dict setting, as a row or a table holds it (the tables keep it as compact JSON text)."""
+    if isinstance(value, str) and value[:1] in ("{", "["):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return False
+    return isinstance(value, (dict, list))
 
 
 def column_unit(column: str) -> str:

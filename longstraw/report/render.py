@@ -30,7 +30,7 @@ import pandas as pd
 from longstraw import kinds
 from longstraw.kinds.columns import as_dict, number
 from longstraw.plotting.ceiling import ceiling_reason
-from longstraw.plotting.formatting import LOG_SPAN, column_label, exact_value, format_value, is_missing
+from longstraw.plotting.formatting import LOG_SPAN, column_label, exact_value, format_value, is_missing, is_nested
 from longstraw.report.aggregate import experiment_order, grid_columns, records, status_counts
 from longstraw.report.levels import all_paths, levels_table, number_rules, paper_paths
 from longstraw.report.figures import SUMMARY
@@ -99,20 +99,10 @@ def with_csv(view: dict, rows: list[dict], csv: str) -> dict:
     return {**view, "csv": csv, "all_columns": len(every)}
 
 
-def _nested(value) -> bool:
-    """A list or dict setting, as the tables hold it (compact JSON text, `kinds.columns.scalar`)."""
-    if isinstance(value, str) and value[:1] in ("{", "["):
-        try:
-            value = json.loads(value)
-        except ValueError:
-            return False
-    return isinstance(value, (dict, list))
-
-
 def shown_columns(kind: str, rows: list[dict], grid: list[str]) -> list[str]:
     """The columns a kind's table shows (`kinds.<kind>.SHOWN`), the grid first: its scalar settings
     (a nested one, e.g. a sweep's G lists, the point's name says; the CSV has it)."""
-    grid = [k for k in grid if not any(_nested(r.get(k)) for r in rows)]
+    grid = [k for k in grid if not any(is_nested(r.get(k)) for r in rows)]
     chosen = kinds.part(kind, "SHOWN")
     if chosen is None:  # a kind added later: its numeric metrics, a dozen at most
         keys = dict.fromkeys(k for r in rows for k in r)
