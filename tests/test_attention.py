@@ -296,21 +296,29 @@ def test_cuda_path_plumbing_with_emulated_kernel_on_cpu(monkeypatch):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("D", [64, 256])  # 256: the Qwen3.6-27B head dim, on cuDNN's forward since issue 20
 @pytest.mark.parametrize("P", [0, 300, 4096 + 7])  # 4096 + 7: a 7-key tail block goes to flash
-def test_forward_only_auto_takes_cudnn_and_matches_math(P):
+def test_capture_auto_takes_cudnn_and_matches_math(P, D):
     g = torch.Generator(device="cuda").manual_seed(0)
 
     def t(*shape):
         return torch.randn(*shape, generator=g, device="cuda", dtype=torch.bfloat16)
 
-    q, kp, vp, kl, vl = t(1, 8, 512, 64), t(1, 2, P, 64), t(1, 2, P, 64), t(1, 2, 512, 64), t(1, 2, 512, 64)
+    q, kp, vp, kl, vl = t(1, 8, 512, D), t(1, 2, P, D), t(1, 2, P, D), t(1, 2, 512, D), t(1, 2, 512, D)
     if (torch.backends.cudnn.version() or 0) >= 90000:
-        assert attention._pick_kernel("auto", q, 64, forward_only=True) == "cudnn"
-    assert attention._pick_kernel("auto", q, 64, forward_only=False) == "flash"
+        assert attention._pick_kernel("auto", q, D, capture=True) == "cudnn"
+    assert attention._pick_kernel("auto", q, D) == "flash"  # scoring and replay: one kernel
     with torch.no_grad():
-        out = paged_attention(q, kp, vp, kl, vl, scale=0.125, block_size=4096)
-    expected = reference_attention(*(x.double() for x in (q, kp, vp, kl, vl)), 0.125)
+        out = paged_attention(q, kp, vp, kl, vl, scale=D**-0.5, block_size=4096, capture=True)
+    expected = reference_attention(*(x.double() for x in (q, kp, vp, kl, vl)), D**-0.5)
     assert (out.double() - expected).abs().max() < 2e-2
+
+
+def test_capture_flag_refuses_inputs_that_need_a_gradient():
+    q = torch.randn(1, 2, 4, 8, requires_grad=True)
+    k = torch.randn(1, 1, 4, 8)
+    with pytest.raises(ValueError, match="capture=True is graph-free"):
+        paged_attention(q, k, k, k, k, scale=0.3, capture=True)
 
 
 @pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))

@@ -39,6 +39,18 @@ def test_replay_floor_divides_each_part_by_its_own_rate():
     assert floor["seconds"] == pytest.approx(10752 / 2e12 + 26880 / 1e12 + linear_flops / 4e12)
 
 
+def test_capture_floor_counts_causal_attention_and_linears_without_the_lm_head():
+    config = make_config("tiny-llama")  # 2 attention layers of 4 heads x 16; LM head 64 x 256
+    rates = {"cudnn_forward": {"tflops_per_second": 2.0}, "flash_forward": {"tflops_per_second": 1.0},
+             "gemm": {"tflops_per_second": 4.0}}
+    linear = 2 * (4096 + 2048 + 2048 + 4096 + 3 * 8192) + 256 * 64
+    floor = flops.capture_floor_seconds(config, linear, 10, rates)
+    attention = 2 * 4 * 4 * 16 * 55  # 10 tokens: 55 causal pairs per head
+    assert floor["flops"] == {"attention": attention, "linear": 2 * (linear - 256 * 64) * 10}
+    assert floor["attention_kernel"] == "cudnn_forward"
+    assert floor["seconds"] == pytest.approx(attention / 2e12 + 2 * (linear - 16384) * 10 / 4e12)
+
+
 def _meta(name):
     config = make_config(name)
     with torch.device("meta"):

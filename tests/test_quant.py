@@ -186,3 +186,26 @@ def test_cuda_bf16_qlora_smoke(preset):
     net.train()
     grads = grads_of(net, replay(net, capture(net, prompt, chunk_size=8), response).sum())
     assert grads and all(torch.isfinite(g).all() and g.abs().sum() > 0 for g in grads.values())
+
+
+@pytest.mark.parametrize("rows", [3, 256])  # 3: bitsandbytes' own fused path; 256: dequantise + GEMM
+def test_nf4_linear_forward_and_input_gradient_equal_float64_of_bitsandbytes_weights(rows):
+    from longstraw.models.quant import DEQUANTIZE_MIN_ROWS
+
+    assert (rows >= DEQUANTIZE_MIN_ROWS) == (rows == 256)
+    torch.manual_seed(0)
+    parent = torch.nn.Module()
+    parent.proj = torch.nn.Linear(96, 80, bias=True)
+    quantize_nf4(parent, skip=())
+    layer = parent.proj
+    x = torch.randn(2, rows // 2 if rows > 3 else rows, 96, requires_grad=True)
+    out = layer(x)
+    grad_out = torch.randn(out.shape, generator=torch.Generator().manual_seed(1))
+    (grad_x,) = torch.autograd.grad(out, x, grad_out)
+
+    x64 = x.detach().double().requires_grad_(True)
+    weight = bnb.functional.dequantize_4bit(layer.weight.data, layer.weight.quant_state)  # bitsandbytes' reading
+    expected = torch.nn.functional.linear(x64, weight.double(), layer.bias.detach().double())
+    (expected_grad_x,) = torch.autograd.grad(expected, x64, grad_out.double())
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grad_x.double(), expected_grad_x, rtol=1e-5, atol=1e-5)

@@ -230,3 +230,34 @@ def test_a_step_point_replays_under_checkpointing_when_its_config_says_so():
     a, b = plain["metrics"]["cycles"][0], checkpointed["metrics"]["cycles"][0]
     assert b["loss"] == pytest.approx(a["loss"], rel=1e-6) and b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-5)
     assert b["graph_bytes_peak"] < a["graph_bytes_peak"] / 5
+
+
+def test_step_records_the_logp_mismatch_against_the_given_old_logps():
+    model = build_model("tiny-qwen3_5", seed=0)
+    prompt = torch.randint(0, 256, (50,), generator=torch.Generator().manual_seed(0))
+    responses = [torch.randint(0, 256, (6,), generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
+    with torch.no_grad():
+        expected = [hf_full_logprobs(model, prompt, y) for y in responses]  # HF's own forward
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    old = [torch.full_like(e, -1.0) for e in expected]
+    metrics = grpo_step(model, prompt, responses, [0.0, 1.0], optimizer,
+                        grpo.GRPOConfig(num_generations=2, beta=0.0), old_logps=old, sampler_logps=expected).metrics
+    distance = torch.cat([(e + 1.0).abs() for e in expected])
+    assert metrics["logp_mismatch"]["max"] == pytest.approx(float(distance.max()), abs=1e-5)
+    assert metrics["logp_mismatch"]["mean"] == pytest.approx(float(distance.mean()), abs=1e-5)
+    assert metrics["logp_mismatch_sampler"]["max"] < 1e-5  # our replay against HF's forward
+
+
+def test_deterministic_mode_runs_a_step_and_restores_torch_flags():
+    from longstraw.core.determinism import deterministic_mode
+
+    model = build_model("tiny-qwen3_5", seed=0)
+    prompt = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(0))
+    responses = [torch.randint(0, 256, (5,), generator=torch.Generator().manual_seed(s)) for s in (1, 2)]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    with deterministic_mode():
+        assert torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.deterministic
+        metrics = grpo_step(model, prompt, responses, [0.0, 1.0], optimizer,
+                            grpo.GRPOConfig(num_generations=2, beta=0.0)).metrics
+    assert metrics["grad_norm"] > 0
+    assert not torch.are_deterministic_algorithms_enabled() and not torch.backends.cudnn.deterministic

@@ -89,6 +89,9 @@ class SweepConfig:
 @dataclass
 class MeasureConfig:
     kernel_rates: bool = False  # also time torch's SDPA and our attention/GEMM kernels on this device
+    sdpa_positions: int = bounded(1 << 20, min=1)  # the causal SDPA rate's length (27B heads: 25 s at 1M)
+    # CUDA: which allocation sites hold the memory at each sweep step's peak (allocator history; slows the step)
+    allocation_sites: bool = False
 
 
 @dataclass
@@ -175,6 +178,8 @@ class PointConfig:
     kind: Literal["step", "capture", "capacity", "sweep", "staleness", "validation", "pretrain", "length_curve",
                   "learning"] = "step"
     cp_size: int = bounded(1, min=1)  # context-parallel ranks; > 1 runs under `torchrun --nproc-per-node cp_size`
+    # bitwise-reproducible capture, scoring and replay (`longstraw.core.determinism`), at a cost in time
+    deterministic: bool = False
     model: ModelConfig = field(default_factory=ModelConfig)
     prompt: PromptConfig = field(default_factory=PromptConfig)
     responses: ResponsesConfig = field(default_factory=ResponsesConfig)
@@ -211,7 +216,7 @@ def trainer_sections(cfg: PointConfig, out_dir) -> dict:
     `out_dir`, no checkpoints."""
     grpo = {k: v for k, v in to_mapping(cfg.grpo).items() if k != "num_generations"}
     return {"model": to_mapping(cfg.model), "grpo": grpo, "capture": to_mapping(cfg.capture),
-            "replay": to_mapping(cfg.replay), "cp_size": cfg.cp_size,
+            "replay": to_mapping(cfg.replay), "cp_size": cfg.cp_size, "deterministic": cfg.deterministic,
             "output": {"dir": str(out_dir), "checkpoint_every": 0}}
 
 

@@ -21,6 +21,9 @@ class LoraConfig:
     dropout: float = bounded(0.0, min=0.0, max=1.0)
     # randomise LoRA's B too: peft's zero-B adapter gives the A matrices zero gradient (tests want every path)
     init_random: bool = False
+    # which projections get LoRA (`longstraw.models.lora.TARGET_SETS`): attention = attention, MLA and GDN
+    # projections; all-linear = those and the MLP ones (dense FFN, MoE shared expert), never routers or lm_head
+    targets: Literal["attention", "all-linear"] = "attention"
 
 
 @dataclass

@@ -67,6 +67,8 @@ class TrainConfig:
     capture: CaptureConfig = field(default_factory=CaptureConfig)
     replay: ReplayConfig = field(default_factory=ReplayConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+    # bitwise-reproducible capture, scoring and replay (`longstraw.core.determinism`), at a cost in time
+    deterministic: bool = False
 
     def __post_init__(self):
         if self.gradient == "exact" and (self.refresh.policy, self.refresh.every) != ("every", 1):

@@ -104,7 +104,7 @@ def _checkpointed(model):
 
 def grpo_step(model, prompt_ids, responses, rewards, optimizer, config: grpo.GRPOConfig,
               options: StepOptions = StepOptions(), *, state: ResidentState | None = None,
-              ref_state: ResidentState | None = None, old_logps=None) -> StepResult:
+              ref_state: ResidentState | None = None, old_logps=None, sampler_logps=None) -> StepResult:
     """Run one transaction and the optimizer step.
 
     `state`: the prompt's resident state from an earlier capture (checked against the model and the
@@ -114,6 +114,12 @@ def grpo_step(model, prompt_ids, responses, rewards, optimizer, config: grpo.GRP
     keeps one per prompt: the frozen base never makes it stale); without it, on the policy's own
     state: the reference's response distribution given the policy's prompt state, which saves a
     second resident state and is what the memory experiments measure.
+
+    `metrics["logp_mismatch"]` is the max and mean |log p_replay - log p_old| over the replayed tokens,
+    before the update: scoring and replay run one attention kernel, so at the on-policy point it measures
+    what remains of the training/inference mismatch (0 when the kernels agree bit for bit).
+    `sampler_logps` (the sampler's own log-probs, from its decoding kernels) are compared the same way
+    (`logp_mismatch_sampler`) and not used otherwise.
 
     `options.members=k` scores and replays only the first k responses (advantages and token
     weights still come from all G): one member at a time is live in the serial modes, so every
@@ -186,6 +192,8 @@ def grpo_step(model, prompt_ids, responses, rewards, optimizer, config: grpo.GRP
         "members_replayed": len(responses),
         "response_tokens": [int(r.numel()) for r in responses],
         "graph_bytes_peak": meter.peak,
+        "logp_mismatch": logp_mismatch(logps, old),
+        **({"logp_mismatch_sampler": logp_mismatch(logps, sampler_logps)} if sampler_logps is not None else {}),
         "phases": recorder.phases,
         "stats": grpo.summarize_stats([
             grpo.response_stats(lp.detach(), old[i], ref and ref[i], advantages[i], config)
@@ -230,6 +238,13 @@ def _replay_and_backward(model, prompt_ids, state, responses, old, ref, advantag
                 logps.append(logp.detach())
                 del logp, loss
     return losses, logps, meter
+
+
+def logp_mismatch(logps, others) -> dict:
+    """max and mean |a - b| over all tokens of paired log-prob tensors (float64 sums)."""
+    diffs = torch.cat([(a.detach().double() - b.detach().to(a.device).double()).abs().reshape(-1)
+                       for a, b in zip(logps, others)])
+    return {"max": float(diffs.max()), "mean": float(diffs.mean())} if diffs.numel() else {"max": 0.0, "mean": 0.0}
 
 
 def _grad_norm(model) -> float:

@@ -34,7 +34,7 @@ from longstraw.kernels.paged_attention import (attention_partial, attention_part
 def sharded_attention(q_BHRD, k_BKRD, v_BKRD, pages, scale: float) -> torch.Tensor:
     """[B, H, R, Dv] attention of the response's queries over every rank's pages plus the causal
     live keys (replay)."""
-    kernel, block = kernel_and_block("auto", q_BHRD, v_BKRD.shape[-1], (q_BHRD, k_BKRD, v_BKRD), None)
+    kernel, block = kernel_and_block("auto", q_BHRD, v_BKRD.shape[-1], None)
     return _ShardedAttention.apply(q_BHRD, k_BKRD, v_BKRD, *pages.filled(), float(scale), block, kernel, pages.cp)
 
 
@@ -64,7 +64,7 @@ def capture_attention(q_BHTD, k_BKTD, v_BKTD, pages, scale: float) -> torch.Tens
     """One capture chunk: its queries over the earlier shards (`receive_earlier_shards`), their own
     shard's pages so far and the chunk's causal keys (which the caller appends after)."""
     q_BHTD = q_BHTD.contiguous()  # the CUDA kernels take q and out in one layout
-    kernel, block = kernel_and_block("auto", q_BHTD, v_BKTD.shape[-1], (), None)
+    kernel, block = kernel_and_block("auto", q_BHTD, v_BKTD.shape[-1], None, capture=True)
     out_BHTD, lse_BHT = attention_partial(q_BHTD, *pages.filled(), k_BKTD, v_BKTD, scale, block, kernel)
     for k_b, v_b in pages.earlier:
         lse_merge_(out_BHTD, lse_BHT, *attention_partial(q_BHTD, k_b, v_b, None, None, scale, block, kernel))

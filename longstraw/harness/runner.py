@@ -15,6 +15,7 @@ import torch
 
 from longstraw import kinds
 from longstraw.config import PointConfig, to_mapping
+from longstraw.core.determinism import deterministic_mode
 from longstraw.cp import context_parallel
 from longstraw.kinds.common import Progress
 from longstraw.measure.memory import peak_rss_bytes, process_peak_allocated_bytes
@@ -42,7 +43,8 @@ def run_point(raw, source: str = "config", on_progress=None) -> dict:
             on_progress({**result, "status": "partial", "metrics": metrics, "wall_seconds": time.perf_counter() - start})
 
     try:
-        result["metrics"] = kinds.module(cfg.kind).run(cfg, device, Progress(partial))
+        with deterministic_mode(cfg.deterministic):
+            result["metrics"] = kinds.module(cfg.kind).run(cfg, device, Progress(partial))
         result["status"] = "ok"
     except torch.OutOfMemoryError as exc:
         result["status"] = "oom"

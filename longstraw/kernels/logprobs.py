@@ -2,7 +2,8 @@
 
 Rows go through lm_head in chunks; under autograd each chunk is checkpointed, so only its
 hidden rows are saved and its logits are recomputed in backward. Peak extra memory is one
-chunk's logits, whatever the response length.
+chunk's logits, whatever the response length: by default a chunk holds at most
+`LOGITS_PER_CHUNK` float32 logits (256 MB; 270 rows of a 248,320-token vocabulary, 2,048 of 32,768).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch.utils.checkpoint import checkpoint
 
-DEFAULT_ROWS_PER_CHUNK = 1024
+LOGITS_PER_CHUNK = 1 << 26
 
 
 def _chunk_logprobs(lm_head, hidden_TH, targets_T):
@@ -18,8 +19,9 @@ def _chunk_logprobs(lm_head, hidden_TH, targets_T):
     return logits_TV.gather(-1, targets_T[:, None]).squeeze(-1) - torch.logsumexp(logits_TV, dim=-1)
 
 
-def token_logprobs(hidden_TH, lm_head, targets_T, rows_per_chunk: int = DEFAULT_ROWS_PER_CHUNK):
+def token_logprobs(hidden_TH, lm_head, targets_T, rows_per_chunk: int | None = None):
     """float32 [T]: log softmax(lm_head(hidden))[t, targets[t]]."""
+    rows_per_chunk = rows_per_chunk or max(1, LOGITS_PER_CHUNK // lm_head.out_features)
     pieces = []
     for start in range(0, hidden_TH.shape[0], rows_per_chunk):
         rows = slice(start, start + rows_per_chunk)

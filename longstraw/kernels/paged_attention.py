@@ -20,11 +20,14 @@ Backends: ``"math"`` is plain torch (any device, any float dtype, float64 comput
 ``"cuda"`` (alias ``"flash"``) runs each block through ``aten._scaled_dot_product_flash_attention``
 and its ``_backward`` op fed the global out/lse (CUDA, fp16/bf16, D == Dv, D % 8 == 0, D <= 256;
 otherwise math).  ``"cudnn"`` does the same through ``aten._scaled_dot_product_cudnn_attention``:
-about twice flash's forward speed on H200 (torch 2.11), but its backward rejects s_q = s_kv = 1 and
-crashed the process on some small shapes, so for training it is an opt-in only.  ``"auto"`` takes
-cuDNN's forward for calls that need no backward (capture and graph-free scoring) when every block
-is large (at least ``CUDNN_MIN_ROWS`` query rows and keys), flash otherwise, math off CUDA;
-``LONGSTRAW_FORWARD_KERNEL=flash`` in the environment keeps forward-only calls on flash.
+about twice flash's forward speed on H200 (torch 2.11; at head dim 256 too), but its backward
+rejects s_q = s_kv = 1 and crashed the process on some small shapes, so for training it is an
+opt-in only (D <= 128).  ``"auto"`` takes cuDNN's forward (D <= 256) for capture chunks
+(``capture=True``: no backward, and their numerics never meet a response's log-probs) when every
+block is large (at least ``CUDNN_MIN_ROWS`` query rows and keys), flash otherwise, math off CUDA.
+Scoring (old policy, reference) and replay both take flash: one kernel for the log-probs whose
+ratio GRPO clips, so at the on-policy point the ratio is exactly 1.
+``LONGSTRAW_FORWARD_KERNEL=flash`` in the environment keeps the capture on flash too.
 
 The prefix tensors are held by plain reference, without autograd's version check, because
 they are usually views of a page buffer that keeps being written past ``P``; the caller must
@@ -61,8 +64,11 @@ def paged_attention(
     block_size: int | None = None,
     backend: str = "auto",
     prefix_again=None,
+    capture: bool = False,
 ) -> torch.Tensor:
     """Attention of ``q`` over all prefix keys and the causal live keys; returns [B, H, R, Dv].
+
+    ``capture=True`` marks a capture chunk (graph-free; "auto" may take cuDNN's forward for it).
 
     ``prefix_again``, when given, returns the prefix (k, v) anew for the backward, and the graph
     keeps no reference to the prefix given here: pages streamed from host memory then live on the
@@ -72,7 +78,9 @@ def paged_attention(
         raise ValueError("prefix_again brings the prefix back for the backward: a prefix that requires grad "
                          "(exact mode) must stay referenced")
     inputs = (q_BHRD, k_prefix_BKPD, v_prefix_BKPD, k_live_BKRD, v_live_BKRD)
-    kernel, block_size = kernel_and_block(backend, q_BHRD, v_live_BKRD.shape[-1], inputs, block_size)
+    if capture and torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
+        raise ValueError("paged_attention: capture=True is graph-free, but an input requires grad")
+    kernel, block_size = kernel_and_block(backend, q_BHRD, v_live_BKRD.shape[-1], block_size, capture)
     return _PagedAttention.apply(
         q_BHRD, k_prefix_BKPD, v_prefix_BKPD, k_live_BKRD, v_live_BKRD, float(scale), int(block_size), kernel,
         prefix_again,
@@ -103,7 +111,7 @@ def decode_partial(q_BHTD, k_shared_1KPD, v_shared_1KPD, k_own_BKND=None, v_own_
     if T != 1:
         raise ValueError(f"decode_attention takes one query per sequence, got T={T}")
     G = H // K
-    kernel = "flash" if _pick_kernel("auto", q_BHTD, Dv) != "math" else "math"
+    kernel = _pick_kernel("auto", q_BHTD, Dv)
     block_fwd = _flash_block_fwd if kernel == "flash" else _math_block_fwd
     acc = _acc_dtype(q_BHTD.dtype)
     q_in = q_BHTD if kernel == "flash" else q_BHTD.to(acc)
@@ -205,15 +213,18 @@ def _validate(q, k_prefix, v_prefix, k_live, v_live, scale, block_size, backend)
         raise ValueError(f"paged_attention: backend={backend!r} needs CUDA tensors, got device {q.device}")
 
 
-def kernel_and_block(backend: str, q_BHRD, Dv: int, inputs, block_size: int | None) -> tuple[str, int]:
-    """The block kernel for these inputs (forward-only when none of `inputs` needs a gradient) and
-    the block size (the kernel's default unless given)."""
-    forward_only = not (torch.is_grad_enabled() and any(t.requires_grad for t in inputs))
-    kernel = _pick_kernel(backend, q_BHRD, Dv, forward_only)
+def kernel_and_block(backend: str, q_BHRD, Dv: int, block_size: int | None, capture: bool = False) -> tuple[str, int]:
+    """The block kernel for these inputs (a capture chunk's when `capture`) and the block size (the
+    kernel's default unless given)."""
+    kernel = _pick_kernel(backend, q_BHRD, Dv, capture)
     return kernel, block_size or (MATH_BLOCK_SIZE if kernel == "math" else CUDA_BLOCK_SIZE)
 
 
-def _pick_kernel(backend: str, q_BHRD: torch.Tensor, Dv: int, forward_only: bool = False) -> str:
+CUDNN_FORWARD_MAX_HEAD_DIM = 256  # cuDNN's forward with LSE at D=256: 666 TFLOP/s on the H200, flash 321
+CUDNN_BACKWARD_MAX_HEAD_DIM = 128  # the opt-in training backend: checked against math at D <= 128 only
+
+
+def _pick_kernel(backend: str, q_BHRD: torch.Tensor, Dv: int, capture: bool = False) -> str:
     """'math', 'flash' or 'cudnn'; a CUDA kernel only where its constraints hold."""
     D, R = q_BHRD.shape[-1], q_BHRD.shape[2]
     if (
@@ -224,10 +235,11 @@ def _pick_kernel(backend: str, q_BHRD: torch.Tensor, Dv: int, forward_only: bool
         or D % 8 != 0
     ):
         return "math"
-    cudnn_ok = D <= 128 and R > 1 and (torch.backends.cudnn.version() or 0) >= 90000
-    if backend == "cudnn" and cudnn_ok:
+    cudnn_ok = R > 1 and (torch.backends.cudnn.version() or 0) >= 90000
+    if backend == "cudnn" and cudnn_ok and D <= CUDNN_BACKWARD_MAX_HEAD_DIM:
         return "cudnn"
-    if backend == "auto" and forward_only and FORWARD_ONLY_KERNEL == "cudnn" and cudnn_ok and R >= CUDNN_MIN_ROWS:
+    if (backend == "auto" and capture and FORWARD_ONLY_KERNEL == "cudnn" and cudnn_ok
+            and D <= CUDNN_FORWARD_MAX_HEAD_DIM and R >= CUDNN_MIN_ROWS):
         return "cudnn"
     return "flash" if D <= 256 and torch.backends.cuda.is_flash_attention_available() else "math"
 

@@ -9,6 +9,9 @@
   one prefix block of replay's shape (the model's query heads folded over its K/V heads, times the
   response length, against `CUDA_BLOCK_SIZE` keys): the rates replay's FLOP floor uses.
 - `gemm`: a square bf16 matmul, for the linear part of the floor.
+- `nf4_linear` (NF4 models): the model's largest 4-bit linear layer on a capture chunk's rows, through
+  the layer as capture calls it (dequantise + GEMM), bitsandbytes' fused 4-bit GEMM, and a bf16 GEMM
+  of the same shape on the dequantised weight.
 Each is timed after one warm-up call, with device syncs around the timed calls.
 """
 
@@ -19,7 +22,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from longstraw.kernels.paged_attention import CUDA_BLOCK_SIZE, _cudnn_block_fwd, _flash_block_bwd, _flash_block_fwd
+from longstraw.kernels.paged_attention import (CUDA_BLOCK_SIZE, CUDNN_FORWARD_MAX_HEAD_DIM, _cudnn_block_fwd,
+                                               _flash_block_bwd, _flash_block_fwd)
 from longstraw.measure.flops import BACKWARD_OVER_FORWARD, attention_forward_flops, head_dim
 
 
@@ -59,7 +63,7 @@ def block_rates(heads: int, kv_heads: int, head_dim: int, response_length: int, 
         "flash_backward": _rate(int(BACKWARD_OVER_FORWARD * flops), _timed(
             lambda: _flash_block_bwd(do, q, k, v, out, lse, scale), device, repeats), **shape),
     }
-    if head_dim <= 128 and (torch.backends.cudnn.version() or 0) >= 90000:
+    if head_dim <= CUDNN_FORWARD_MAX_HEAD_DIM and (torch.backends.cudnn.version() or 0) >= 90000:
         rates["cudnn_forward"] = _rate(flops, _timed(lambda: _cudnn_block_fwd(q, k, v, scale), device, repeats),
                                        **shape)
     return rates
@@ -70,11 +74,38 @@ def gemm_rate(dtype, device, n: int = 8192, repeats: int = 8) -> dict:
     return _rate(2 * n ** 3, _timed(lambda: a @ b, device, repeats), n=n)
 
 
-def measure_kernel_rates(config, *, response_length: int, dtype, device, sdpa_positions: int = 1 << 20) -> dict:
+def nf4_linear_rates(model, rows: int, dtype, device, repeats: int = 8) -> dict | None:
+    """The largest 4-bit linear layer of `model` on `rows` rows, three ways (see the module doc); None
+    when the model has no 4-bit layer."""
+    import bitsandbytes as bnb
+
+    from longstraw.kernels.nf4_linear import dequantize
+
+    layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    if not layers:
+        return None
+    layer = max(layers, key=lambda m: m.in_features * m.out_features)
+    x = torch.randn(rows, layer.in_features, dtype=dtype, device=device)
+    weight = dequantize(layer.weight, dtype)
+    flops = 2 * rows * layer.in_features * layer.out_features
+    shape = {"rows": rows, "in_features": layer.in_features, "out_features": layer.out_features}
+    with torch.no_grad():
+        return {"as_captured": _rate(flops, _timed(lambda: layer(x), device, repeats), **shape),
+                "bitsandbytes_fused": _rate(flops, _timed(lambda: bnb.nn.Linear4bit.forward(layer, x), device,
+                                                          repeats), **shape),
+                "bf16_dequantised_weight": _rate(flops, _timed(lambda: F.linear(x, weight), device, repeats),
+                                                 **shape)}
+
+
+def measure_kernel_rates(config, *, response_length: int, dtype, device, sdpa_positions: int = 1 << 20,
+                         model=None, capture_rows: int = 16384) -> dict:
+    """The rates above for `config`'s attention shape; `nf4_linear` too when `model` has 4-bit layers."""
     heads, dim = config.num_attention_heads, head_dim(config)
     rates = {"causal_sdpa": causal_sdpa_rate(heads, dim, sdpa_positions, dtype, device)}
     torch.cuda.empty_cache()
     rates.update(block_rates(heads, config.num_key_value_heads, dim, response_length, dtype, device))
     rates["gemm"] = gemm_rate(dtype, device)
+    if model is not None and getattr(model, "is_loaded_in_4bit", False):
+        rates["nf4_linear"] = nf4_linear_rates(model, capture_rows, dtype, device)
     torch.cuda.empty_cache()
     return rates

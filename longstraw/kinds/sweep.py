@@ -37,10 +37,16 @@ def run(cfg: PointConfig, device, progress: Progress) -> dict:
     if cfg.measure.kernel_rates:
         from longstraw.kernels.rates import measure_kernel_rates
 
-        out["kernel_rates"] = measure_kernel_rates(model_config(model), device=device,
-                                                   response_length=cfg.responses.length, dtype=compute_dtype(cfg))
+        out["kernel_rates"] = measure_kernel_rates(model_config(model), device=device, model=model,
+                                                   response_length=cfg.responses.length, dtype=compute_dtype(cfg),
+                                                   sdpa_positions=cfg.measure.sdpa_positions)
     out["capture"], state = measure_capture(model, prompt, cfg, recorder)
     out["capture"]["phase"] = recorder.phases["capture"]
+    if "kernel_rates" in out:
+        from longstraw.measure.flops import capture_floor_seconds, linear_parameters
+
+        out["capture"]["floor"] = capture_floor_seconds(model_config(model), linear_parameters(model),
+                                                        state.positions, out["kernel_rates"])
     out["steps"] = []
     progress.partial(out)
     optimizer = optimizer_for(model, cfg)
@@ -63,18 +69,27 @@ def _step(model, prompt, state, optimizer, cfg, mode: str, count: int, vocab: in
     import torch
 
     from longstraw.core.step import StepOptions, grpo_step
-    from longstraw.kinds.common import phase_peaks, seeded_group
+    from longstraw.kinds.common import current_memory, phase_peaks, seeded_group
+    from longstraw.measure.allocation_sites import AllocationSites
 
     responses, rewards = seeded_group(cfg, count, vocab, device)
     step = {"mode": mode, "count": count}
+    sites = AllocationSites(device, enabled=cfg.measure.allocation_sites)
+    before = current_memory(device)
     try:
         options = StepOptions(mode=mode, checkpoint_layers=cfg.replay.checkpoint_layers)
-        metrics = grpo_step(model, prompt, responses, rewards, optimizer, with_group(cfg.grpo, count), options,
-                            state=state).metrics
+        with sites:
+            metrics = grpo_step(model, prompt, responses, rewards, optimizer, with_group(cfg.grpo, count), options,
+                                state=state).metrics
         step.update(status="ok", **metrics, peak_allocated_bytes=phase_peaks(metrics["phases"]))
+        replay_peak = metrics["phases"]["replay"].get("peak_allocated_bytes")
+        if replay_peak is not None:  # above the weights, the pages and anything else alive before the step
+            step["replay_transient_bytes"] = replay_peak - before
     except torch.OutOfMemoryError as exc:
         step.update(status="oom", error=str(exc).splitlines()[0], peak_allocated_bytes=(
             torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None))
+    if sites.result is not None:
+        step["allocation_sites"] = sites.result
     optimizer.zero_grad(set_to_none=True)
     del responses
     if device.type == "cuda":

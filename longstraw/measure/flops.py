@@ -66,3 +66,22 @@ def replay_floor_seconds(config, linear_params: int, lora_params: int, response_
              "linear": lin / tflops("gemm")}
     return {"seconds": sum(parts.values()), "parts_seconds": parts,
             "flops": {"attention_forward": attn_fwd, "attention_backward": attn_bwd, "linear": lin}}
+
+
+def capture_flops(config, linear_params: int, positions: int) -> dict:
+    """A capture's FLOPs: every attention layer's causal forward over the whole prompt, and the linear
+    work of `positions` tokens (the LM head aside: capture computes no logits)."""
+    attention = attention_layers(config) * attention_forward_flops(config.num_attention_heads, head_dim(config),
+                                                                   positions, 0)
+    lm_head = config.hidden_size * config.vocab_size
+    return {"attention": attention, "linear": 2 * (linear_params - lm_head) * positions}
+
+
+def capture_floor_seconds(config, linear_params: int, positions: int, rates: dict) -> dict:
+    """A capture's FLOP floor at measured rates: attention at the forward kernel capture takes (cuDNN's
+    when measured, else flash's), the linear work at the GEMM rate."""
+    flops = capture_flops(config, linear_params, positions)
+    kernel = "cudnn_forward" if "cudnn_forward" in rates else "flash_forward"
+    parts = {"attention": flops["attention"] / (rates[kernel]["tflops_per_second"] * 1e12),
+             "linear": flops["linear"] / (rates["gemm"]["tflops_per_second"] * 1e12)}
+    return {"seconds": sum(parts.values()), "parts_seconds": parts, "flops": flops, "attention_kernel": kernel}

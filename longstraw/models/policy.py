@@ -25,5 +25,5 @@ def build_policy(cfg: ModelConfig):
         from longstraw.models.lora import apply_lora
 
         model = apply_lora(model, r=cfg.lora.r, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
-                           init_random=cfg.lora.init_random)
+                           init_random=cfg.lora.init_random, targets=cfg.lora.targets)
     return model

@@ -14,6 +14,13 @@ save/reload is needed. The rule:
   (In transformers 5 the routers are `*TopKRouter` modules and the routed experts are fused 3-D
   parameters, not `nn.Linear`: both are left untouched, so MoE expert weights stay unquantised.)
 
+Many-row inputs (capture chunks, replayed responses: at least `DEQUANTIZE_MIN_ROWS` rows) do not
+go through bitsandbytes' fused 4-bit GEMM: the weight is dequantised once per call into the compute
+dtype and a plain GEMM runs (`DequantizedMatmul`), at the bf16 GEMM rate (the fused kernel's
+no-grad rate on the 27B shape's capture was ~180 TFLOP/s effective against the H200's 768). The
+dequantised weight is a per-call transient: the backward dequantises again instead of keeping it.
+Few-row inputs (decoding) keep bitsandbytes' own path, the reference beside this one.
+
 Compute dtype defaults to the dtype the weight had (bf16 on GPU, float32 in CPU tests), fixed
 at construction, instead of bnb's "dtype of the first input seen".
 
@@ -32,8 +39,29 @@ its own memory. LoRA parameters get gradients through the frozen 4-bit base as t
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
+
+from longstraw.kernels.nf4_linear import DEQUANTIZE_MIN_ROWS, DequantizedMatmul
+
+
+@functools.cache
+def dequantizing_linear4bit_class():
+    """`bnb.nn.Linear4bit` whose many-row calls dequantise and GEMM (peft still sees a Linear4bit)."""
+    import bitsandbytes as bnb
+    from bitsandbytes.nn.modules import fix_4bit_weight_quant_state_from_module
+
+    class DequantizingLinear4bit(bnb.nn.Linear4bit):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if x.numel() < DEQUANTIZE_MIN_ROWS * x.shape[-1]:
+                return super().forward(x)
+            fix_4bit_weight_quant_state_from_module(self)
+            bias = None if self.bias is None else self.bias.to(self.compute_dtype)
+            return DequantizedMatmul.apply(x.to(self.compute_dtype), self.weight, bias).to(x.dtype)
+
+    return DequantizingLinear4bit
 
 
 def _expert_count(model) -> int | None:
@@ -72,7 +100,7 @@ def quantize_nf4(model: nn.Module, *, compute_dtype: torch.dtype | None = None, 
     for parent, child_name in targets:  # one module at a time: the old weight is freed as we go
         old = getattr(parent, child_name)
         weight = old.weight.detach()
-        new = bnb.nn.Linear4bit(old.in_features, old.out_features, bias=old.bias is not None,
+        new = dequantizing_linear4bit_class()(old.in_features, old.out_features, bias=old.bias is not None,
                                 compute_dtype=compute_dtype or weight.dtype, compress_statistics=double_quant,
                                 quant_type="nf4", quant_storage=torch.uint8, device="meta")
         new.weight = bnb.nn.Params4bit(weight, requires_grad=False, blocksize=blocksize,

@@ -30,7 +30,8 @@ def attend_pages(pages, q_BHTD, k_BKTD, v_BKTD, scale: float, append: bool):
     `append()` attends this way (attention pages, the exact mode's recompute pages)."""
     k_prefix_BKPD, v_prefix_BKPD = pages.filled()
     with timed_attention(q_BHTD, k_prefix_BKPD.shape[2]) if append else nullcontext():
-        out_BHTD = paged_attention(q_BHTD, k_prefix_BKPD, v_prefix_BKPD, k_BKTD, v_BKTD, scale=scale)
+        out_BHTD = paged_attention(q_BHTD, k_prefix_BKPD, v_prefix_BKPD, k_BKTD, v_BKTD, scale=scale,
+                                   capture=append and not torch.is_grad_enabled())
     if append:  # pages copy detached values; the exact mode's recompute keeps the graph
         pages.append(k_BKTD, v_BKTD)
     return out_BHTD

@@ -44,6 +44,7 @@ import torch
 from tqdm import tqdm
 
 from longstraw.config import TrainConfig, resolve_train, to_mapping
+from longstraw.core.determinism import deterministic_mode
 from longstraw.core.step import StepOptions, grpo_step, reference_policy
 from longstraw.core.transaction import capture
 from longstraw.cp import context_parallel
@@ -197,7 +198,7 @@ class Trainer:
         ref_state = self._reference_state(step, recorder)
         result = grpo_step(self.model, example.prompt_ids.to(self.device), rollouts.responses, rewards,
                            self.optimizer, self.cfg.grpo, self.options, state=self.state,
-                           ref_state=ref_state, old_logps=rollouts.logprobs)
+                           ref_state=ref_state, sampler_logps=rollouts.logprobs)
         metrics = result.metrics
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
@@ -210,6 +211,7 @@ class Trainer:
                 "reward_mean": metrics["reward_mean"], "reward_std": float(torch.tensor(rewards).std()),
                 "rewards": rewards,
                 "loss": metrics["loss"], "grad_norm": metrics["grad_norm"], **metrics["stats"],
+                "logp_mismatch": metrics["logp_mismatch"], "logp_mismatch_sampler": metrics["logp_mismatch_sampler"],
                 "response_tokens": metrics["response_tokens"], "transaction": transaction,
                 "seconds": time.perf_counter() - start}
 
@@ -302,7 +304,8 @@ class Trainer:
         for count, step in enumerate(bar):
             if stop_after is not None and count >= stop_after:
                 break
-            records.append(self.train_step(step))
+            with deterministic_mode(self.cfg.deterministic):
+                records.append(self.train_step(step))
             if self.writes:
                 with open(metrics_path, "a") as f:
                     f.write(json.dumps(records[-1]) + "\n")
