@@ -209,3 +209,33 @@ def test_nf4_linear_forward_and_input_gradient_equal_float64_of_bitsandbytes_wei
     (expected_grad_x,) = torch.autograd.grad(expected, x64, grad_out.double())
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(grad_x.double(), expected_grad_x, rtol=1e-5, atol=1e-5)
+
+
+def test_capture_runs_lora_over_nf4_merged_and_its_state_matches_the_unmerged_forward(monkeypatch):
+    """A capture chunk of >= DEQUANTIZE_MIN_ROWS rows takes the merged weight (one GEMM per layer); the
+    pages and states it leaves equal those of peft's unmerged forward (the merging off) within float32
+    rounding accumulated over the layers, and scoring afterwards runs peft's forward."""
+    import contextlib
+
+    import longstraw.core.transaction as transaction
+    import longstraw.models.quant as quant
+
+    model = apply_lora(quantize_nf4(build_model("tiny-qwen3_5", seed=0)), r=4, init_random=True)
+    layers = [m for m in model.modules() if isinstance(m, LoraLinear4bit)]
+    assert layers and all(type(m) is quant.merging_lora_class() for m in layers)
+    calls = []
+    merged_weight = quant.merged_weight
+    monkeypatch.setattr(quant, "merged_weight", lambda *a: calls.append(a) or merged_weight(*a))
+    prompt = _ids(300, 0)
+    merged = capture(model, prompt, chunk_size=128)
+    assert len(calls) == 2 * len(layers)  # every LoRA layer in the two 128-row chunks; the 43-row tail: peft
+    calls.clear()
+    with torch.no_grad():
+        replay(model, merged, _ids(70, 1))
+    assert not calls, "scoring must keep peft's forward"
+    monkeypatch.setattr(transaction, "merged_lora_for_capture", contextlib.nullcontext)
+    unmerged = capture(model, prompt, chunk_size=128)
+    assert not calls
+    for a, b in zip(merged.layers, unmerged.layers):
+        for ta, tb in zip(a.tensors(), b.tensors()):
+            torch.testing.assert_close(ta, tb, rtol=1e-3, atol=2e-4)

@@ -25,6 +25,7 @@ from longstraw.families import adapter_for
 from longstraw.kernels.logprobs import token_logprobs
 from longstraw.measure.memory import synchronize
 from longstraw.measure.progress import CaptureProgress
+from longstraw.models.quant import merged_lora_for_capture
 from longstraw.state import RecurrentState, ResidentState, chain_host_pages, prompt_digest
 
 DEFAULT_CHUNK = {"cpu": 2048, "cuda": 16384}
@@ -78,7 +79,8 @@ def capture(model, prompt_ids, prefix_grad: bool = False, *, chunk_size: int | N
         if prefix_grad or host_pages:
             raise ValueError("prefix_grad=True (exact mode) and host_pages=True are not implemented for a "
                              "context-parallel capture")
-        return _bind(capture_sharded(model, ids, cp, chunk, progress), adapter, ids)
+        with merged_lora_for_capture():
+            return _bind(capture_sharded(model, ids, cp, chunk, progress), adapter, ids)
     per_position, constant = adapter.predicted_bytes(dtype)
     host = {}
     if host_pages:
@@ -112,7 +114,7 @@ def capture(model, prompt_ids, prefix_grad: bool = False, *, chunk_size: int | N
 
     progress_bar = CaptureProgress(positions if order == "chunk" else positions * adapter.num_layers, progress,
                                    label=f"capture ({order}-major)")
-    with torch.no_grad(), adapter.selected():
+    with torch.no_grad(), adapter.selected(), merged_lora_for_capture():
         if order == "chunk":
             for start in starts:
                 h = adapter.embed(ids[None, start:min(start + chunk, positions)])

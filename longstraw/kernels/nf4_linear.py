@@ -28,6 +28,14 @@ class DequantizedMatmul(torch.autograd.Function):
         return grad_x, None, grad_bias
 
 
+def merged_weight(weight, lora_A_RI, lora_B_OR, scaling: float, dtype) -> torch.Tensor:
+    """dequantise(W) + scaling * B @ A in `dtype` (summed in float32): a LoRA layer as one weight, so a
+    graph-free many-row call runs one GEMM instead of the base GEMM plus LoRA's float32 side path."""
+    merged = dequantize(weight, torch.float32)
+    merged.addmm_(lora_B_OR.float(), lora_A_RI.float(), alpha=scaling)
+    return merged.to(dtype)
+
+
 def dequantize(weight, dtype) -> torch.Tensor:
     """The [out, in] weight of a bitsandbytes `Params4bit` in `dtype`."""
     import bitsandbytes.functional as bnbf

@@ -9,6 +9,8 @@ from unittest import mock
 from peft import LoraConfig, get_peft_model
 from peft.tuners.lora import LoraLayer
 
+from longstraw.models.quant import adopt_lora_layers
+
 # Projection names across the supported families: attention (q/k/v/o), MLA (q_a/q_b, kv_a/kv_b) and
 # GDN input/output. The DSA indexer's projections are left out: HF runs the indexer without grad.
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj",
@@ -51,6 +53,7 @@ def apply_lora(model, r: int = 16, alpha: int | None = None, dropout: float = 0.
     stray = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, LoraLayer)} - set(found))
     if stray or config.target_parameters:  # the remap below came back some other way
         raise RuntimeError(f"peft put LoRA on {stray or config.target_parameters}, outside the {targets!r} set {found}")
+    adopt_lora_layers(model)  # LoRA over NF4: the capture's merged path (longstraw.models.quant)
     return model
 
 
