@@ -9,7 +9,8 @@ import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
-STATUSES = ("ok", "oom", "error")
+# partial: a point cut off before its end (a command's time limit); its metrics are the steps it finished
+STATUSES = ("ok", "oom", "error", "partial")
 
 
 @contextmanager

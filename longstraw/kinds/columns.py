@@ -122,6 +122,7 @@ def common_columns(point: dict) -> dict:
         "dtype": model.get("dtype"),
         "nf4": model.get("nf4"),
         "lora_r": lora.get("r") if isinstance(lora, dict) else None,
+        "lora_targets": lora.get("targets", "attention") if isinstance(lora, dict) else None,
         "prompt_length": as_dict(cfg.get("prompt")).get("length"),
         "device": prov.get("device"),
         "peak_rss_bytes": number(point.get("peak_rss_bytes")),

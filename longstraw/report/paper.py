@@ -32,7 +32,9 @@ EMPTY_PAPER = {"setup": {}, "experiments": [], "figures": [], "standing": {}, "p
 # paper's 116.7M is LoRA r=16 on the attention, GDN and MLP projections; ours (longstraw/lora.py
 # LORA_TARGETS) puts LoRA on the attention and GDN projections only.
 PAPER_LORA_TARGETS = "LoRA r=16 on the attention, GDN and MLP projections"
-OUR_LORA_TARGETS = "attention and GDN projections only, no MLP; longstraw/lora.py LORA_TARGETS"
+# what our `lora.targets` sets cover (longstraw/models/lora.py TARGET_SETS)
+OUR_LORA_TARGETS = {"attention": "attention and GDN projections only, no MLP (lora.targets: attention)",
+                    "all-linear": "attention, GDN and MLP projections (lora.targets: all-linear)"}
 _GB = re.compile(r"(\d[\d,]*(?:\.\d+)?)\s*GB\b")
 
 
@@ -251,7 +253,8 @@ def trainable_parameter_rows(paper: dict, experiment: str, rows: list[dict]) -> 
         lora = f"LoRA r={row['lora_r']} on the " if row.get("lora_r") is not None else ""
         out.append({"experiment": experiment, "quantity": f"trainable parameters, {row.get('model')}",
                     "paper": f"{setup.get('trainable_parameters_text', 'not stated')} ({PAPER_LORA_TARGETS})",
-                    "ours": f"{format_number(ours)}{ratio} ({lora}{OUR_LORA_TARGETS})",
+                    "ours": f"{format_number(ours)}{ratio} ({lora}"
+                            f"{OUR_LORA_TARGETS.get(row.get('lora_targets') or 'attention', row.get('lora_targets'))})",
                     "value": exact_value(ours), "points": str(row.get("point")), "has_section": True})
     return out
 

@@ -14,7 +14,10 @@ so (`met` is None) instead of guessing. Inputs (layout `<results>/<experiment>/<
   the smallest that ran out of memory, over its capacity searches (full or one-member probes)
   and its single step points;
 - baselines/mode-naive.json (capacity with comparison steps): the step times of the three modes
-  at the longest length where naive's full G=8 step was timed.
+  at the longest length where naive's full G=8 step was timed;
+- architectures/qwen3.6-27b-shape-nf4-1048576.json and -65536-replay-checkpointed.json (issue 20): the
+  27B shape's capture against its FLOP floor at that run's rates (a run cut off later, status partial,
+  still measured its capture), and its replay transient under whole-layer checkpointing.
 """
 
 from __future__ import annotations
@@ -32,14 +35,18 @@ TRANSIENT_LIMIT = 0.10
 CAPACITY_RATIO = 8
 STEP_SPEEDUP = 5
 FLOOR_RATIO_LIMIT = 1.5
+CAPTURE_27B = "architectures/qwen3.6-27b-shape-nf4-1048576.json"
+REPLAY_27B = "architectures/qwen3.6-27b-shape-nf4-65536-replay-checkpointed.json"
+CAPTURE_FLOOR_LIMIT = 1.3
+REPLAY_TRANSIENT_27B_LIMIT = 8e9
 
 
-def _load(root: Path, relative: str) -> dict | None:
+def _load(root: Path, relative: str, statuses=("ok",)) -> dict | None:
     path = root / relative
     if not path.is_file():
         return None
     result = json.loads(path.read_text())
-    return result if result.get("status") == "ok" else None
+    return result if result.get("status") in statuses else None
 
 
 def _steps(result: dict, mode: str) -> list[dict]:
@@ -201,8 +208,33 @@ def floor_for(sweep: dict) -> dict:
                                 sweep["metrics"]["kernel_rates"])
 
 
+def capture_floor_27b(root: Path) -> dict:
+    target, goal = "27B shape NF4 capture at 1,048,576 positions", f"<= {CAPTURE_FLOOR_LIMIT}x its FLOP floor"
+    result = _load(root, CAPTURE_27B, statuses=("ok", "partial"))
+    floor = result and result["metrics"].get("capture", {}).get("floor")
+    if not floor:
+        return _missing(target, goal, f"no {CAPTURE_27B} with kernel rates")
+    capture = result["metrics"]["capture"]
+    ratio = capture["capture_seconds"] / floor["seconds"]
+    parts = ", ".join(f"{k} {v:.0f} s" for k, v in floor["parts_seconds"].items())
+    return _row(target, goal, f"{capture['capture_seconds']:.0f} s vs floor {floor['seconds']:.0f} s ({parts}; "
+                f"attention ran at {capture['capture_attention']['tflops_per_second']:.0f} TFLOP/s): {ratio:.2f}x",
+                ratio <= CAPTURE_FLOOR_LIMIT, CAPTURE_27B)
+
+
+def replay_transient_27b(root: Path) -> dict:
+    target, goal = "27B shape replay transient, one response of 1,024", f"<= {_gb(REPLAY_TRANSIENT_27B_LIMIT)}"
+    result = _load(root, REPLAY_27B)
+    steps = [s for s in (result or {}).get("metrics", {}).get("steps", []) if s.get("replay_transient_bytes")]
+    if not steps:
+        return _missing(target, goal, f"no ok {REPLAY_27B} with a replay transient")
+    worst = max(s["replay_transient_bytes"] for s in steps)
+    return _row(target, goal, f"{_gb(worst)} (graph {_gb(max(s['graph_bytes_peak'] for s in steps))})",
+                worst <= REPLAY_TRANSIENT_27B_LIMIT, REPLAY_27B)
+
+
 def evaluate_targets(results_dir) -> list[dict]:
     root = Path(results_dir)
     root = root / "points" if (root / "points").is_dir() else root
     return [peak_growth(root), capture_attention_rate(root), *capture_transients(root), *baselines(root),
-            replay_floor(root)]
+            replay_floor(root), capture_floor_27b(root), replay_transient_27b(root)]
