@@ -121,6 +121,7 @@ def test_build_policy_passes_the_target_set_through():
         assert "model.layers.0.self_attn.q_proj" in _wrapped(model)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("preset", ["tiny-qwen3_5_moe", "tiny-glm4_moe"])
 def test_mlp_adapters_train_through_capture_and_replay(preset):
     """The family adapters run HF's MLP modules, so the MLP's LoRA gets the same gradient as in HF's

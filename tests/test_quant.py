@@ -188,6 +188,7 @@ def test_cuda_bf16_qlora_smoke(preset):
     assert grads and all(torch.isfinite(g).all() and g.abs().sum() > 0 for g in grads.values())
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("rows", [3, 256])  # 3: bitsandbytes' own fused path; 256: dequantise + GEMM
 def test_nf4_linear_forward_and_input_gradient_equal_float64_of_bitsandbytes_weights(rows):
     from longstraw.models.quant import DEQUANTIZE_MIN_ROWS
@@ -211,6 +212,7 @@ def test_nf4_linear_forward_and_input_gradient_equal_float64_of_bitsandbytes_wei
     torch.testing.assert_close(grad_x.double(), expected_grad_x, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.numerics
 def test_capture_runs_lora_over_nf4_merged_and_its_state_matches_the_unmerged_forward(monkeypatch):
     """A capture chunk of >= DEQUANTIZE_MIN_ROWS rows takes the merged weight (one GEMM per layer); the
     pages and states it leaves equal those of peft's unmerged forward (the merging off) within float32
