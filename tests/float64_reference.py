@@ -69,3 +69,33 @@ def to_float64(model):
 def float64_model(preset, **kwargs):
     """`build_model(preset, **kwargs)` in float64 (the same weights: presets initialise in float32)."""
     return to_float64(build_model(preset, **kwargs))
+
+
+@contextmanager
+def float64_gdn_states():
+    """Inside the block, a float64 model's Gated DeltaNet recurrent states are float64 too (longstraw keeps
+    them in float32 whatever the model's dtype, `families.hybrid.allocate_recurrent_state`), and so is their
+    predicted size. For comparisons that split the recurrence differently: a context-parallel capture
+    composes the state entering each shard (`longstraw.cp.gdn_shards`) where a single process rounds it to
+    float32 after every capture chunk; with float32 states the two differ by that rounding (tiny-qwen3_5,
+    23 positions, chunk 4: replay gradients up to 2.1e-7 relative, a GRPO step's update 7.2e-9 overall),
+    with float64 states by float64 rounding (<= 4e-16)."""
+    import longstraw.families.hybrid as hybrid
+
+    allocate, nbytes = hybrid.allocate_recurrent_state, hybrid.recurrent_state_bytes
+
+    def allocate_float64(module, dtype, device):
+        state = allocate(module, dtype, device)
+        if dtype == torch.float64:
+            state.recurrent_BHDV = state.recurrent_BHDV.double()
+        return state
+
+    def nbytes_float64(config, dtype):
+        extra = config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim * 4
+        return nbytes(config, dtype) + (extra if dtype == torch.float64 else 0)
+
+    hybrid.allocate_recurrent_state, hybrid.recurrent_state_bytes = allocate_float64, nbytes_float64
+    try:
+        yield
+    finally:
+        hybrid.allocate_recurrent_state, hybrid.recurrent_state_bytes = allocate, nbytes

@@ -22,7 +22,7 @@ from longstraw.cp.launch import run_ranks
 from longstraw.harness.runner import run_point
 from longstraw.models import build_model
 from longstraw.core.step import StepOptions, grpo_step
-from float64_reference import hf_float64
+from float64_reference import float64_gdn_states, hf_float64
 
 PRESETS = ["tiny-llama", "tiny-qwen3_5"]  # dense GQA; hybrid Gated DeltaNet + attention
 PROMPT_LEN = 24  # 23 resident positions: divisible by neither 2 nor 3
@@ -51,7 +51,8 @@ def _capture_replay(preset, cp=None, device="cpu", dtype=torch.float32):
     float64 runs HF's own float32 casts in float64 too (float64_reference)."""
     device = cp.device if cp is not None else device
     model = build_model(preset, seed=1, device=device, dtype=dtype)
-    with hf_float64(model) if dtype == torch.float64 else contextlib.nullcontext():
+    # float64 GDN states too: a sharded capture composes the state entering a shard (float32 rounding apart)
+    with hf_float64(model) if dtype == torch.float64 else contextlib.nullcontext(), float64_gdn_states():
         state = capture(model, PROMPT.to(device), chunk_size=CHUNK, cp=cp)
         before = state.fingerprint()
         logp = replay(model, state, RESPONSE.to(device))
@@ -88,33 +89,45 @@ def _to_cpu(value):
     return value
 
 
-def _rank_capture_calls():
-    """Each sharded attention call of one capture: (queries, earlier shards held), and what the
-    pages hold after it."""
-    import longstraw.cp.shards as shards
+def _rank_capture_chunks(prompt_len: int):
+    """The query chunks ([start, end) of the prompt) whose attention this rank computed in one capture."""
+    import longstraw.cp.balanced_attention as balanced
 
-    calls, real = [], shards.capture_attention
+    chunks, real = [], balanced._chunk_attention
 
-    def spy(q_BHTD, k_BKTD, v_BKTD, pages, scale):
-        calls.append((q_BHTD.shape[2], len(pages.earlier)))
-        return real(q_BHTD, k_BKTD, v_BKTD, pages, scale)
+    def spy(q_1HTD, k_all, v_all, chunk, *args):
+        chunks.append(chunk)
+        return real(q_1HTD, k_all, v_all, chunk, *args)
 
-    shards.capture_attention = spy
-    state = capture(build_model("tiny-llama", seed=1), PROMPT, chunk_size=CHUNK,
-                    cp=context_parallel(int(os.environ["WORLD_SIZE"])))
-    return calls, [len(e.earlier) for e in state.layers]
+    balanced._chunk_attention = spy
+    capture(build_model("tiny-llama", seed=1), _ids(prompt_len, 0), chunk_size=64,
+            cp=context_parallel(int(os.environ["WORLD_SIZE"])))
+    return chunks
 
 
-def test_sharded_capture_attends_a_chunk_at_a_time_with_the_earlier_shards_of_one_layer():
-    """The transient stays one chunk's activations (plus the earlier shards' K/V of the layer at
-    hand), not the whole shard's: the single-process capture's bound, per rank."""
-    world = 3
-    for rank, (calls, held_after) in enumerate(run_ranks(_rank_capture_calls, world, start_method="fork")):
-        start, end = shard_bounds(PROMPT_LEN - 1, world)[rank]
-        layers = build_model("tiny-llama", seed=1).config.num_hidden_layers
-        assert [t for t, _ in calls] == [min(CHUNK, end - c) for c in range(start, end, CHUNK)] * layers
-        assert all(earlier == rank for _, earlier in calls)  # rank r holds shards 0..r-1 during a layer
-        assert held_after == [0] * layers  # and drops them after it
+def _causal_pairs(start: int, end: int) -> int:
+    """(query, key) pairs of queries [start, end) over every earlier key and their own causal keys."""
+    n = end - start
+    return n * start + n * (n + 1) // 2
+
+
+def test_sharded_capture_spreads_the_causal_attention_evenly_over_the_ranks():
+    """Every prompt position's queries are computed once per layer, by the zigzag's rank, and each rank's
+    share of the causal pairs is within 5% of the mean (contiguous shards: the last rank did (2W-1)/W^2).
+    1,001 positions: halves of 166-167, so the zigzag's rounding stays small."""
+    world, positions = 3, 1001
+    layers = build_model("tiny-llama", seed=1).config.num_hidden_layers
+    per_rank = run_ranks(_rank_capture_chunks, world, positions + 1, start_method="fork")
+    covered = sorted(c for chunks in per_rank for c in chunks)
+    halves = [(s + a, s + b) for s, e in shard_bounds(positions, world) for a, b in shard_bounds(e - s, 2)]
+    assert covered == sorted(halves * layers)
+    for rank, chunks in enumerate(per_rank):
+        assert sorted(set(chunks)) == sorted({halves[rank], halves[2 * world - 1 - rank]})
+    work = [sum(_causal_pairs(a, b) for a, b in chunks) / layers for chunks in per_rank]
+    mean = _causal_pairs(0, positions) / world
+    assert max(abs(w - mean) for w in work) <= 0.05 * mean, work
+    last_contiguous = _causal_pairs(*shard_bounds(positions, world)[-1])
+    assert max(work) < 0.75 * last_contiguous
 
 
 @pytest.fixture(scope="module", params=[(p, w) for p in PRESETS for w in (2, 3)], ids=lambda pw: f"{pw[0]}-w{pw[1]}")
@@ -216,7 +229,7 @@ def _grpo_step(preset, cp=None):
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)  # the update is the gradient (Adam's first ~ sign)
     responses = [_ids(5, 10 + i) for i in range(3)]
     config = grpo.GRPOConfig(num_generations=3, beta=0.04)
-    with hf_float64(model):
+    with hf_float64(model), float64_gdn_states():
         metrics = grpo_step(model, PROMPT, responses, [0.0, 1.0, 0.5], optimizer, config,
                             StepOptions(capture={"chunk_size": CHUNK, **({"cp": cp} if cp else {})})).metrics
     return {"loss": metrics["loss"], "state_unchanged": metrics["state_unchanged"],

@@ -4,7 +4,8 @@
 
 - `group.py`: launch (torchrun, env://; NCCL on CUDA, gloo on CPU), the contiguous shard layout,
   the collectives.
-- `capture.py`: sharded capture (GDN state passing, attention K/V passed rank to rank).
+- `capture.py`: sharded capture (GDN layers start from states composed from every shard's transition,
+  `gdn_shards.py`; attention K/V passed rank to rank).
 - `attention.py`: exact attention over sharded pages (capture pipeline; replay all-gather merge
   with an all-reduce in the backward).
 - `state.py`: what a rank keeps. `launch.py`: spawning ranks for tests and benchmarks.

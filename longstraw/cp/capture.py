@@ -2,22 +2,23 @@
 
     state = capture(model, prompt_ids, cp=context_parallel(2))   # under torchrun, on every rank
 
-Layer-major over the rank's shard (the whole shard goes through one layer, then the next), so
-what crosses ranks flows one way, from rank r to rank r+1, layer by layer, as a pipeline:
+Layer-major over the rank's shard (the whole shard goes through one layer, then the next); the
+ranks meet once or twice per layer, and no rank's work waits on a chain of earlier ranks:
 
-- Gated DeltaNet layers: rank r starts from the conv + recurrent state that rank r-1 had at the
-  end of its shard (received before the layer, zeros on rank 0) and sends its own end state on
-  (state passing); the union of the shards is then the single-process recurrence.
-- attention layers: the earlier shards' K/V of the layer pass rank to rank before it, and the
-  rank's own pages go on after it (`longstraw.cp.sharded_attention`); each rank keeps only its own shard's
-  pages.
+- Gated DeltaNet layers: no rank waits on another's recurrence (`longstraw.cp.gdn_shards`): before
+  the layer each rank gets the previous shard's last conv inputs (one exchange) and every shard's
+  transition of the delta rule (one all-gather), composes the state at its shard's start, and the
+  layer runs from it; the union of the shards is then the single-process recurrence.
+- attention layers: two passes over the shard's chunks, with the layer's attention computed between
+  them by `longstraw.cp.balanced_attention`, every rank doing the same share of the causal work (the
+  layer's K/V all-gathered, query chunks moved in a zigzag); each rank keeps only its own shard's pages.
 - at the end the last rank broadcasts every GDN layer's final state: replay runs the response's
   layers on every rank, and each needs the state at the prompt boundary.
 
 Within a layer the shard goes `chunk_size` positions at a time, as a single-process capture
 calls a layer, so the transient is the shard's hidden states ([shard, hidden]) plus one chunk's
-activations, and, for an attention layer, the earlier shards' K/V of that one layer (the last
-rank's share of the price of receiving each shard once per layer). `order` and
+activations, and, for an attention layer, the shard's queries and attention outputs and the whole
+prompt's K/V of that one layer (all-gathered for the balanced attention). `order` and
 `memory_budget_bytes` do not apply. No exact mode (prefix_grad) yet.
 """
 
@@ -26,7 +27,8 @@ from __future__ import annotations
 import torch
 
 from longstraw.families import adapter_for
-from longstraw.cp.sharded_attention import receive_earlier_shards, send_own_shard
+from longstraw.cp.balanced_attention import balanced_capture_attention
+from longstraw.cp.gdn_shards import enter_gdn_layer
 from longstraw.cp.group import CPGroup, shard_bounds
 from longstraw.cp.shards import ShardedResidentState, ShardPages
 from longstraw.measure.memory import synchronize
@@ -68,13 +70,16 @@ def capture_sharded(model, ids: torch.Tensor, cp: CPGroup, chunk: int, progress:
     with torch.no_grad(), adapter.selected():
         h = adapter.embed(ids[None, start:end])
         for i, entry in enumerate(layers):
-            _receive_before_layer(entry, cp)
+            if isinstance(entry, ShardPages):
+                _attention_layer(adapter, i, h, entry, start, chunk)
+                progress_bar.advance_to((i + 1) * (end - start))
+                continue
+            enter_gdn_layer(adapter, i, h, entry, cp, bounds, chunk)  # GDN: the state at this shard's start
             for c0 in range(0, end - start, chunk):
                 h_c = h[:, c0:c0 + chunk]
                 h[:, c0:c0 + chunk] = adapter.layer_forward(i, h_c, adapter.position_embeddings(h_c, start + c0),
                                                             entry, capturing=True)
                 progress_bar.advance_to(i * (end - start) + c0 + h_c.shape[1])
-            _send_after_layer(entry, cp)
         progress_bar.close()
         del h
         for entry in (e for e in layers if isinstance(e, RecurrentState)):
@@ -84,17 +89,22 @@ def capture_sharded(model, ids: torch.Tensor, cp: CPGroup, chunk: int, progress:
     return state
 
 
-def _receive_before_layer(entry, cp: CPGroup) -> None:
-    """What a layer needs from the earlier ranks: the GDN state at the end of the previous shard,
-    or the earlier shards' K/V."""
-    if isinstance(entry, ShardPages):
-        receive_earlier_shards(entry)
-    elif cp.rank > 0:
-        cp.recv_(entry.tensors(), cp.rank - 1)
+def _attention_layer(adapter, i: int, h, pages: ShardPages, start: int, chunk: int) -> None:
+    """One attention layer over the rank's shard `h` (in place), in two passes of its chunks: the first
+    keeps their queries and appends their K/V (its output unused), then the shard's attention outputs
+    come from `balanced_capture_attention` (the work spread over the ranks), and the second pass runs
+    the layer on them. The second pass recomputes the layer's projections: cheap beside long-prompt
+    attention."""
+    layer, shard = adapter.layers[i], h.shape[1]
+    pages.phase = "collect"
+    for c0 in range(0, shard, chunk):
+        h_c = h[:, c0:c0 + chunk]
+        adapter.mix(i, layer.input_layernorm(h_c), adapter.position_embeddings(h_c, start + c0), pages, True)
+    pages.outputs = balanced_capture_attention(pages.queries, *pages.filled(), pages.cp, pages.bounds, pages.scale)
+    pages.phase, pages.queries, pages.cursor = "provide", None, 0
+    for c0 in range(0, shard, chunk):
+        h_c = h[:, c0:c0 + chunk]
+        h[:, c0:c0 + chunk] = adapter.layer_forward(i, h_c, adapter.position_embeddings(h_c, start + c0), pages,
+                                                    capturing=True)
+    pages.phase, pages.outputs = None, None
 
-
-def _send_after_layer(entry, cp: CPGroup) -> None:
-    if isinstance(entry, ShardPages):
-        send_own_shard(entry)
-    elif not cp.is_last:
-        cp.send(entry.tensors(), cp.rank + 1)

@@ -57,6 +57,18 @@ class CPGroup:
         for t in tensors:
             dist.recv(t, src)
 
+    def shift_(self, send: torch.Tensor, recv: torch.Tensor) -> None:
+        """One step along the ranks, every rank at once: `send` goes to the next rank while the previous
+        rank's arrives in `recv` (in place, contiguous); the last rank sends nothing and rank 0 receives
+        nothing. Posted together (non-blocking pairs), so no rank waits on another's exchange first."""
+        ops = []
+        if not self.is_last:
+            ops.append(dist.P2POp(dist.isend, send.contiguous(), self.rank + 1))
+        if self.rank > 0:
+            ops.append(dist.P2POp(dist.irecv, recv, self.rank - 1))
+        for work in dist.batch_isend_irecv(ops) if ops else ():
+            work.wait()
+
     def broadcast_(self, tensors, src: int) -> None:
         for t in tensors:
             dist.broadcast(t, src)

@@ -1,15 +1,9 @@
 """Exact attention over a prompt whose K/V pages are sharded over the CP ranks.
 
-Both paths reuse `longstraw.kernels.paged_attention`'s partial forward (out, lse over blocks) and its backward
+Replay and sampling reuse `longstraw.kernels.paged_attention`'s partial forward (out, lse over blocks) and its backward
 fed the global out/lse, and its in-place log-sum-exp merge; only the communication is new.
 
-Capture (no autograd), one layer at a time over the rank's shard (`longstraw.cp.capture`):
-`receive_earlier_shards` takes the earlier shards' K/V of the layer from the previous rank, in rank
-order, forwarding each to the next rank as it arrives (a pipeline of point-to-point sends; the
-rank holds the earlier shards of this one layer until it is done); then `capture_attention` runs
-per capture chunk, as a single-process capture does: the chunk's queries attend the earlier shards
-and their own shard causally, and the chunk's K/V then join the pages; `send_own_shard` passes the
-rank's finished pages on.
+Capture's attention is `longstraw.cp.balanced_attention` (the work spread evenly over the ranks).
 
 Replay (`_ShardedAttention`, an autograd Function): the response's queries and live K/V are the
 same on every rank. Forward: each rank's partial over its own pages (the last rank also takes the
@@ -36,39 +30,6 @@ def sharded_attention(q_BHRD, k_BKRD, v_BKRD, pages, scale: float) -> torch.Tens
     live keys (replay)."""
     kernel, block = kernel_and_block("auto", q_BHRD, v_BKRD.shape[-1], None)
     return _ShardedAttention.apply(q_BHRD, k_BKRD, v_BKRD, *pages.filled(), float(scale), block, kernel, pages.cp)
-
-
-def receive_earlier_shards(pages) -> None:
-    """Before a layer's chunks: the earlier ranks' K/V of this layer into `pages.earlier`, each
-    forwarded to the next rank as it arrives."""
-    cp = pages.cp
-    for source in range(cp.rank):
-        start, end = pages.bounds[source]
-        k_b = pages.k_BKPD.new_empty(*pages.k_BKPD.shape[:2], end - start, pages.k_BKPD.shape[3])
-        v_b = pages.v_BKPD.new_empty(*pages.v_BKPD.shape[:2], end - start, pages.v_BKPD.shape[3])
-        cp.recv_((k_b, v_b), cp.rank - 1)
-        if not cp.is_last:
-            cp.send((k_b, v_b), cp.rank + 1)
-        pages.earlier.append((k_b, v_b))
-
-
-def send_own_shard(pages) -> None:
-    """After a layer's chunks: this rank's finished pages to the next rank; the earlier shards go."""
-    if not pages.cp.is_last:
-        pages.cp.send(pages.filled(), pages.cp.rank + 1)
-    pages.earlier.clear()
-
-
-@torch.no_grad()
-def capture_attention(q_BHTD, k_BKTD, v_BKTD, pages, scale: float) -> torch.Tensor:
-    """One capture chunk: its queries over the earlier shards (`receive_earlier_shards`), their own
-    shard's pages so far and the chunk's causal keys (which the caller appends after)."""
-    q_BHTD = q_BHTD.contiguous()  # the CUDA kernels take q and out in one layout
-    kernel, block = kernel_and_block("auto", q_BHTD, v_BKTD.shape[-1], None, capture=True)
-    out_BHTD, lse_BHT = attention_partial(q_BHTD, *pages.filled(), k_BKTD, v_BKTD, scale, block, kernel)
-    for k_b, v_b in pages.earlier:
-        lse_merge_(out_BHTD, lse_BHT, *attention_partial(q_BHTD, k_b, v_b, None, None, scale, block, kernel))
-    return out_BHTD.to(q_BHTD.dtype)
 
 
 def merge_ranks(cp, out_BHRD, lse_BHR):

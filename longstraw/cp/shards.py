@@ -1,7 +1,10 @@
 """What one rank keeps of a context-parallel capture (`longstraw.cp.capture`).
 
 - `ShardPages`: an attention layer's K/V pages for this rank's shard only (the positions
-  `bounds[rank]` of the prompt); the attention mixer sends them to `longstraw.cp.sharded_attention`.
+  `bounds[rank]` of the prompt); replay's attention mixer sends them to `longstraw.cp.sharded_attention`;
+  a capture runs each attention layer in two passes over the shard (`longstraw.cp.capture`): `collect`
+  keeps the chunks' queries and appends their K/V, then `balanced_capture_attention` computes the
+  shard's outputs with the work spread over the ranks, and `provide` hands them back chunk by chunk.
 - GDN layers keep an ordinary `RecurrentState`: the state at the prompt's end, the same on every
   rank (the response's layers run replicated on every rank).
 - `ShardedResidentState`: a `ResidentState` whose `positions` is the whole prompt's (replay's
@@ -10,11 +13,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+import torch
 
 from longstraw.cp.group import CPGroup
-from longstraw.cp.sharded_attention import capture_attention, sharded_attention, sharded_decode_attention
-from longstraw.measure.timing import timed_attention
+from longstraw.cp.sharded_attention import sharded_attention, sharded_decode_attention
 from longstraw.state import AttentionPages, ResidentState
 
 
@@ -22,19 +26,31 @@ from longstraw.state import AttentionPages, ResidentState
 class ShardPages(AttentionPages):
     cp: CPGroup | None = None
     bounds: tuple = ()  # every rank's [start, end) of the prompt positions (this rank's: bounds[cp.rank])
-    # capture only: the earlier ranks' K/V of the layer being captured, received before its chunks
-    # and dropped after them (`longstraw.cp.sharded_attention`)
-    earlier: list = field(default_factory=list)
+    # capture only, one layer at a time: "collect" (queries kept, K/V appended) or "provide" (outputs
+    # handed back in chunk order from `outputs`, read at `cursor`)
+    phase: str | None = None
+    queries: torch.Tensor | None = None
+    outputs: torch.Tensor | None = None
+    cursor: int = 0
+    scale: float | None = None
 
     def attend(self, q_BHTD, k_BKTD, v_BKTD, scale: float, append: bool):
-        """Replay: the response over every rank's pages. Capture (`append`): a chunk of this shard over
-        the earlier shards and this shard's pages so far, then its K/V join the pages."""
+        """Replay: the response over every rank's pages. Capture (`append`): see `phase`."""
         if not append:
             return sharded_attention(q_BHTD, k_BKTD, v_BKTD, self, scale)
-        with timed_attention(q_BHTD, self.bounds[self.cp.rank][0] + self.length):  # the earlier shards count
-            out_BHTD = capture_attention(q_BHTD, k_BKTD, v_BKTD, self, scale)
-        self.append(k_BKTD, v_BKTD)
-        return out_BHTD
+        T = q_BHTD.shape[2]
+        if self.phase == "collect":
+            if self.queries is None:
+                self.queries = q_BHTD.new_empty(*q_BHTD.shape[:2], self.k_BKPD.shape[2], q_BHTD.shape[3])
+            self.queries[:, :, self.length:self.length + T] = q_BHTD
+            self.scale = scale
+            self.append(k_BKTD, v_BKTD)
+            return q_BHTD.new_zeros(*q_BHTD.shape[:3], v_BKTD.shape[3])  # the pass's output is not used
+        if self.phase == "provide":
+            self.cursor += T
+            return self.outputs[:, :, self.cursor - T:self.cursor]
+        raise RuntimeError("a context-parallel capture runs attention layers in collect/provide passes "
+                           "(longstraw.cp.capture)")
 
     def attend_decode(self, q_BHTD, own: AttentionPages, scale: float):
         return sharded_decode_attention(q_BHTD, self, own, scale)

@@ -51,13 +51,11 @@ def recurrent_state_bytes(config, dtype) -> int:
     return conv + recurrent
 
 
-def gdn_mix(module, project, x_BTH, state: RecurrentState, write_state: bool):
-    """The GDN token mixer from `state`; differentiable unless capturing (`write_state`).
-
-    A state with `keep_final` (the exact mode's recompute) is read and not written: the mixer runs
-    differentiably and leaves the final (conv, recurrent) state, with its graph, in `state.final`."""
+def gdn_rule_inputs(module, project, x_BTH, conv_in):
+    """What the delta rule of a GDN layer reads, from the layer's (normed) input `x_BTH` and the conv
+    state `conv_in` (the last K-1 projected inputs before `x`, or None at the sequence's start):
+    (q, k, v, g, beta, z, conv_state), `z` the output gate and `conv_state` the conv's new state."""
     B, T, _ = x_BTH.shape
-    conv_in, recurrent_in = state.inputs()
     mixed_BTC, z, b, a = project(module, x_BTH)
     conv_BCT, conv_state = causal_conv1d(
         mixed_BTC.transpose(1, 2), conv_in, module.conv1d.weight.squeeze(1), module.conv1d.bias,
@@ -69,6 +67,17 @@ def gdn_mix(module, project, x_BTH, state: RecurrentState, write_state: bool):
     v = v.reshape(B, T, -1, module.head_v_dim)
     beta = b.sigmoid()
     g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)
+    return q, k, v, g, beta, z, conv_state
+
+
+def gdn_mix(module, project, x_BTH, state: RecurrentState, write_state: bool):
+    """The GDN token mixer from `state`; differentiable unless capturing (`write_state`).
+
+    A state with `keep_final` (the exact mode's recompute) is read and not written: the mixer runs
+    differentiably and leaves the final (conv, recurrent) state, with its graph, in `state.final`."""
+    B, T, _ = x_BTH.shape
+    conv_in, recurrent_in = state.inputs()
+    q, k, v, g, beta, z, conv_state = gdn_rule_inputs(module, project, x_BTH, conv_in)
     rule = chunk_gated_delta_rule_forward if write_state and not state.keep_final else chunk_gated_delta_rule
     core_BTHV, recurrent = rule(q, k, v, g, beta, recurrent_in)
     if state.keep_final:

@@ -1,0 +1,103 @@
+"""longstraw.kernels.gdn_scan: shard transitions of the gated delta rule against the token-by-token recurrence
+(CPU, float64)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from longstraw.kernels.gdn import _l2norm, chunk_gated_delta_rule, recurrent_gated_delta_rule
+from longstraw.kernels.gdn_scan import apply_transition, identity_transition, incoming_states, shard_transition
+
+pytestmark = pytest.mark.numerics
+
+TOL = 1e-10
+T = 37
+SPLITS = [[13, 24], [5, 19, 13], [1, 30, 6]]  # uneven shards, one shorter than a kernel chunk
+
+
+def _inputs(B=2, Hk=2, Hv=4, Dk=8, Dv=6, seed=0):
+    """GQA-style value heads (Hv = 2 Hk), Dk != Dv; a slow decay so the earlier shards still matter at the end."""
+    gen = torch.Generator().manual_seed(seed)
+    rnd = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    q, k, v = rnd(B, T, Hk, Dk), rnd(B, T, Hk, Dk), rnd(B, T, Hv, Dv)
+    g = -0.1 * torch.rand(B, T, Hv, generator=gen, dtype=torch.float64)
+    beta = torch.rand(B, T, Hv, generator=gen, dtype=torch.float64)
+    return (q, k, v, g, beta), 0.5 * rnd(B, Hv, Dk, Dv)
+
+
+def _shard(inputs, a, b):
+    return [t[:, a:b] for t in inputs]
+
+
+def _bounds(sizes):
+    ends = torch.tensor(sizes).cumsum(0).tolist()
+    return list(zip([0] + ends[:-1], ends))
+
+
+def _rel(actual, expected):
+    """max |actual - expected| over max |expected| (0 where both are zero: the state entering shard 0)."""
+    return float((actual - expected).abs().max() / expected.abs().max().clamp_min(1e-300))
+
+
+@pytest.mark.parametrize("with_state", [False, True], ids=["zero-state", "initial-state"])
+@pytest.mark.parametrize("sizes", SPLITS, ids=lambda s: "-".join(map(str, s)))
+def test_incoming_states_are_the_serial_states_at_the_shard_boundaries(sizes, with_state):
+    inputs, s0 = _inputs()
+    s0 = s0 if with_state else None
+    bounds = _bounds(sizes)
+    transitions = [shard_transition(*_shard(inputs, a, b), chunk_size=4) for a, b in bounds]
+    states = incoming_states(transitions, s0)
+    assert len(states) == len(sizes) and all(s.dtype == torch.float64 for s in states)
+    for (a, _), state in zip(bounds, states):
+        _, expected = recurrent_gated_delta_rule(*_shard(inputs, 0, a), s0)
+        assert _rel(state, expected) < TOL, a
+    # each shard run from its incoming state gives the serial outputs and, at the end, the final state
+    out, final = recurrent_gated_delta_rule(*inputs, s0)
+    outs = []
+    for (a, b), state in zip(bounds, states):
+        o, end = chunk_gated_delta_rule(*_shard(inputs, a, b), state, chunk_size=4)
+        outs.append(o)
+    assert _rel(torch.cat(outs, dim=1), out) < TOL
+    assert _rel(end, final) < TOL
+    assert _rel(apply_transition(transitions[-1], states[-1]), final) < TOL
+
+
+def test_the_transition_is_the_product_of_the_token_maps_and_the_state_from_zero():
+    """A = M_T ... M_1 with M_t = exp(g_t) (I - beta_t k_t k_t^T) (k l2-normalised, q/k head h // 2 for
+    value head h), C = the end state from zero; and the rule from any S0 ends at A S0 + C."""
+    (q, k, v, g, beta), s0 = _inputs()
+    a, c = shard_transition(q, k, v, g, beta, chunk_size=5)
+    k_BHTD = _l2norm(k.repeat_interleave(2, dim=2).transpose(1, 2))
+    expected = torch.eye(k.shape[-1], dtype=torch.float64).expand(*a.shape).clone()
+    for t in range(T):
+        kt = k_BHTD[:, :, t]
+        eye = torch.eye(k.shape[-1], dtype=torch.float64)
+        m = g[:, t].exp()[..., None, None] * (eye - beta[:, t, :, None, None] * kt[..., :, None] * kt[..., None, :])
+        expected = m @ expected
+    assert _rel(a, expected) < TOL
+    assert _rel(c, recurrent_gated_delta_rule(q, k, v, g, beta)[1]) < TOL
+    assert _rel(a @ s0 + c, recurrent_gated_delta_rule(q, k, v, g, beta, s0)[1]) < TOL
+
+
+def test_a_transition_carried_over_calls_is_the_whole_runs():
+    """A chunked caller (the sharded capture) carries (A, C) from one call to the next."""
+    inputs, _ = _inputs()
+    whole = shard_transition(*inputs)
+    carried = None
+    for a, b in _bounds([3, 11, 1, 22]):
+        carried = shard_transition(*_shard(inputs, a, b), carried, chunk_size=4)
+    for x, y in zip(carried, whole):
+        assert _rel(x, y) < TOL
+
+
+def test_no_tokens_is_the_identity_and_float32_stays_float32():
+    inputs, _ = _inputs()
+    a, c = shard_transition(*_shard(inputs, 0, 0))
+    eye, zero = identity_transition(2, 4, 8, 6, torch.float64)
+    assert torch.equal(a, eye) and torch.equal(c, zero)
+    a32, c32 = shard_transition(*[t.float() for t in inputs])
+    a64, c64 = shard_transition(*inputs)
+    assert a32.dtype == c32.dtype == torch.float32
+    assert _rel(a32.double(), a64) < 1e-5 and _rel(c32.double(), c64) < 1e-5
+    assert incoming_states([]) == []
