@@ -16,6 +16,7 @@ import math
 import numbers
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from longstraw.models.presets import FAMILY_NAMES
 from longstraw.results import STATUSES
@@ -161,13 +162,14 @@ def rows_of_points(points: list[dict], rows_of) -> list[dict]:
 
 @dataclass(frozen=True)
 class ExtraTable:
-    """How the page shows a kind's table of its own: its heading, columns, the note above it, the
-    HTML id's last part, and whether its rows stand beside the point rows where the paper's figures
-    and the validation levels read them (a sweep's steps read like step points)."""
+    """How the page shows a kind's table of its own: its heading, columns, the note above it (text,
+    or a function of the table's rows giving it), the HTML id's last part, and whether its rows stand
+    beside the point rows where the paper's figures and the validation levels read them (a sweep's
+    steps read like step points)."""
 
     title: str
     columns: list[str]
-    note: str = ""
+    note: str | Callable[[list[dict]], str] = ""
     key: str = ""
     beside_points: bool = False
 

@@ -119,6 +119,32 @@ EXTRA_TABLES = {
         "out; its mode stopped there). Headroom: the device's total memory minus that peak. Step seconds: the sum "
         "of the step's phases.", key="sweep_steps", beside_points=True),
 }
+SCALING_COLUMNS = ["point", "source", "model", "prompt_length", "cp_size", "schedule", "capture_seconds",
+                   "attention_seconds", "other_seconds", "waiting_seconds", "communication_seconds", "residual_seconds",
+                   "model_seconds", "model_over_measured_ratio", "fits_ten_minutes", "role", "basis", "result_file",
+                   "report_error"]
+
+
+def scaling_note(rows: list[dict]) -> str:
+    """What calibrated the CP scaling model and its error on the 2-rank point, from the table's rows."""
+    point = next((r for r in rows if r.get("source") == "measured" and r.get("cp_size") == 2
+                  and "calibration" in str(r.get("role")) and number(r.get("model_seconds")) is not None), None)
+    if point is None:
+        return ""
+    error = point["model_over_measured_ratio"] - 1
+    stated = f", stated error \u00b1{point['stated_error']:.0%}" if number(point.get("stated_error")) else ""
+    return (f"Measured rows are recorded captures (result_file). Predicted rows come from longstraw.cp.scaling, "
+            f"calibrated on the measured rows whose role says calibration: per-rank rates from the single-GPU "
+            f"captures (attention seconds per FLOP from their AttentionTimer, the rest per position, split over "
+            f"ranks) and, for the pipeline only, the 2-rank run's rank-0 attention rate and residual "
+            f"({point['point']}); calibrated without that run the model predicts it at {point['model_seconds']:.1f} s "
+            f"against {point['capture_seconds']:.1f} s measured ({error:+.1%}{stated}). No balanced capture is "
+            f"recorded yet.")
+
+
+EXTRA_TABLES["cp_scaling"] = ExtraTable(
+    "Context-parallel capture time: measured and predicted", SCALING_COLUMNS, scaling_note, key="cp_scaling")
+
 CAPTIONS = {
     "sweep_memory": "Peak allocated memory of each sweep step against G (left) and its autograd graph peak "
                     "(right); colour: the mode, line style: the model. The OOM step is drawn at the peak it "
@@ -205,7 +231,28 @@ def _step_row(point, index: int, step: dict, identity: dict) -> dict:
 
 
 def tables(points: list[dict]) -> dict[str, list[dict]]:
-    return {"steps": rows_of_points(points, step_rows)}
+    """A sweep's steps; beside context-parallel H200 points, the CP scaling model's table too."""
+    out = {"steps": rows_of_points(points, step_rows)}
+    if any(_h200_cp(p) for p in points):
+        out["cp_scaling"] = scaling_rows()
+    return out
+
+
+def _h200_cp(point: dict) -> bool:
+    cfg = point_parts(point)[0]
+    return (number(cfg.get("cp_size")) or 1) > 1 and "H200" in str(as_dict(point.get("provenance")).get("device"))
+
+
+def scaling_rows() -> list[dict]:
+    """Measured and predicted capture times over ranks (`longstraw.cp.scaling`, calibrated on the recorded
+    H200 files; it imports torch, as the GPU targets do, so only here)."""
+    try:
+        from longstraw.cp.scaling import table_rows
+
+        return table_rows()
+    except (OSError, KeyError, ValueError) as exc:
+        return [{"point": "cp scaling model", "source": "predicted",
+                 "report_error": f"not computed: {type(exc).__name__}: {exc}"}]
 
 
 def notes(row: dict, grid) -> list[str]:

@@ -209,7 +209,8 @@ def extra_tables(tables: Tables, name: str, rows: list[dict], links: dict | None
         df = tables.frame(f"{name}.{suffix}")
         if df is not None and len(df):
             mine = records(df)
-            out.append({"title": spec.title, "id": f"table-{name}-{spec.key or suffix}", "note": spec.note,
+            note = spec.note(mine) if callable(spec.note) else spec.note
+            out.append({"title": spec.title, "id": f"table-{name}-{spec.key or suffix}", "note": note,
                         "view": with_csv(table_view(mine, spec.columns, links), mine, f"tables/{name}.{suffix}.csv")})
     return out
 
