@@ -101,3 +101,29 @@ def test_no_tokens_is_the_identity_and_float32_stays_float32():
     assert a32.dtype == c32.dtype == torch.float32
     assert _rel(a32.double(), a64) < 1e-5 and _rel(c32.double(), c64) < 1e-5
     assert incoming_states([]) == []
+
+
+@pytest.mark.cuda
+def test_on_cuda_fla_transitions_at_the_gpu_presets_width_equal_the_torch_kernels():
+    """fla's Triton kernel (capture's path on CUDA) run with Dk + Dv value columns (256 at hybrid-1b's and
+    the 27B shape's 128 + 128) gives the torch kernel's transition, and the composed states equal the serial
+    run's; float32 inputs, as the capture feeds the rule."""
+    from longstraw.kernels.gdn import fla_available
+
+    if not fla_available():
+        pytest.skip("fla is not importable")
+    gen = torch.Generator().manual_seed(3)
+    B, Tn, Hk, Hv, D = 1, 700, 2, 4, 128
+    rnd = lambda *s: torch.randn(*s, generator=gen).cuda()  # noqa: E731
+    q, k, v = rnd(B, Tn, Hk, D), rnd(B, Tn, Hk, D), rnd(B, Tn, Hv, D)
+    g = (-0.05 * torch.rand(B, Tn, Hv, generator=gen)).cuda()
+    beta = torch.rand(B, Tn, Hv, generator=gen).cuda()
+    inputs = (q, k, v, g, beta)
+    for a, b in _bounds([300, 400]):
+        fast = shard_transition(*_shard(inputs, a, b), use_fla=True)
+        slow = shard_transition(*_shard(inputs, a, b), use_fla=False)
+        for x, y in zip(fast, slow):
+            assert _rel(x.double(), y.double()) < 2e-3
+    transitions = [shard_transition(*_shard(inputs, a, b), use_fla=True) for a, b in _bounds([300, 400])]
+    _, serial = chunk_gated_delta_rule(*_shard(inputs, 0, 300))
+    assert _rel(incoming_states(transitions)[1].double(), serial.double()) < 2e-3
