@@ -107,7 +107,9 @@ def test_no_tokens_is_the_identity_and_float32_stays_float32():
 def test_on_cuda_fla_transitions_at_the_gpu_presets_width_equal_the_torch_kernels():
     """fla's Triton kernel (capture's path on CUDA) run with Dk + Dv value columns (256 at hybrid-1b's and
     the 27B shape's 128 + 128) gives the torch kernel's transition, and the composed states equal the serial
-    run's; float32 inputs, as the capture feeds the rule."""
+    run's; float32 inputs, as the capture feeds the rule. fla multiplies in TF32 (10-bit mantissas): on the
+    H200 the two differed by 2.4e-3 of the largest entry (A's entries shrink to ~1e-5 over 300 tokens of
+    decay), so the bound is 1e-2: it catches a wrong identity or layout, not fla's rounding."""
     from longstraw.kernels.gdn import fla_available
 
     if not fla_available():
@@ -123,7 +125,7 @@ def test_on_cuda_fla_transitions_at_the_gpu_presets_width_equal_the_torch_kernel
         fast = shard_transition(*_shard(inputs, a, b), use_fla=True)
         slow = shard_transition(*_shard(inputs, a, b), use_fla=False)
         for x, y in zip(fast, slow):
-            assert _rel(x.double(), y.double()) < 2e-3
+            assert _rel(x.double(), y.double()) < 1e-2
     transitions = [shard_transition(*_shard(inputs, a, b), use_fla=True) for a, b in _bounds([300, 400])]
     _, serial = chunk_gated_delta_rule(*_shard(inputs, 0, 300))
-    assert _rel(incoming_states(transitions)[1].double(), serial.double()) < 2e-3
+    assert _rel(incoming_states(transitions)[1].double(), serial.double()) < 1e-2
