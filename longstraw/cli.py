@@ -5,6 +5,7 @@
     longstraw plan --profile cpu
     longstraw point experiments/g_sweep.yaml --profile cpu --point mode-replay_count-8 --out r.json
     longstraw train experiments/examples/train_cpu.yaml [--no-resume] [--set steps=20]
+    longstraw train experiments/examples/train_text_cpu.yaml     # a local checkpoint, tokenizer, JSONL, reward_funcs
     longstraw pretrain experiments/examples/pretrain_cpu.yaml [--set steps=400]
     longstraw validate experiments/validation.yaml [--profile cpu] [--out results/validation-cpu.json]
     longstraw report --results results/cpu --out reports/cpu [--profile cpu] [--recorded experiments/recorded/h200]

@@ -1,4 +1,11 @@
-"""The GRPO trainer's config (`longstraw train CONFIG.yaml`, `longstraw.training.trainer`)."""
+"""The GRPO trainer's config (`longstraw train CONFIG.yaml`, `longstraw.training.trainer`).
+
+Prompts come from a synthetic token task (`task`) or from a text dataset (`dataset`, with
+`tokenizer`, `reward_funcs` and `reward_weights`: `longstraw.training.text_tasks`). Settings that
+TRL's `GRPOConfig` also has may be given flat under TRL's name (`learning_rate: 1e-5`,
+`num_generations: 8`, ...: `TRL_NAMES`); each is the same setting as its sectioned key here, which
+is what the resolved config (and a checkpoint) records. Giving both with different values is refused.
+"""
 
 from __future__ import annotations
 
@@ -47,9 +54,44 @@ class OutputConfig:
 
 
 @dataclass
+class TokenizerConfig:
+    """The tokenizer of a text dataset's prompts and completions (a local folder; no hub access)."""
+
+    path: Optional[str] = None  # default: model.path (a checkpoint saved with its tokenizer)
+    # a Jinja chat template replacing the tokenizer's own (TRL: `chat_template_path`)
+    chat_template: Optional[str] = None
+    # extra keyword arguments of `apply_chat_template` (TRL's `chat_template_kwargs`, e.g. enable_thinking)
+    chat_template_kwargs: dict = field(default_factory=dict)
+    # a string prompt becomes one user message and goes through the chat template (TRL: tokenized as is)
+    wrap_text_prompts: bool = False
+
+
+@dataclass
+class DatasetConfig:
+    """A dataset of prompts with a `prompt` column (TRL's standard or conversational format): a local
+    file (`path`: JSONL read here; other suffixes, or `loader: datasets`, through HF `datasets`) or a
+    HF `datasets` name (`name`, `config`, `split`)."""
+
+    path: Optional[str] = None
+    name: Optional[str] = None  # TRL script: dataset_name
+    config: Optional[str] = None  # TRL script: dataset_config
+    split: str = "train"  # TRL script: dataset_train_split
+    loader: Literal["auto", "jsonl", "datasets"] = "auto"
+    # a new seeded order of the rows each pass over the dataset (TRL: shuffle_dataset, on by default)
+    shuffle: bool = True
+
+    def __post_init__(self):
+        if (self.path is None) == (self.name is None):
+            raise ValueError("path: give a dataset file (path) or a HF datasets name (name), one of them")
+        if self.name is not None and self.loader == "jsonl":
+            raise ValueError("loader: 'jsonl' reads a local file (path), not a datasets name")
+
+
+@dataclass
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
-    task: dict = field(default_factory=lambda: {"name": "kv_retrieval", "length": 1024})
+    # a synthetic token task (`longstraw.training.tasks`); unset (null) when `dataset` gives the prompts
+    task: Optional[dict] = field(default_factory=lambda: {"name": "kv_retrieval", "length": 1024})
     steps: int = bounded(8, min=1)
     steps_per_prompt: int = bounded(4, min=1)
     seed: int = 0
@@ -69,17 +111,112 @@ class TrainConfig:
     output: OutputConfig = field(default_factory=OutputConfig)
     # bitwise-reproducible capture, scoring and replay (`longstraw.core.determinism`), at a cost in time
     deterministic: bool = False
+    # text prompts (`longstraw.training.text_tasks`): a dataset, its tokenizer, TRL-style reward functions
+    # (`package.module:function`, `package.module.function` or `file.py:function`) and their weights
+    tokenizer: Optional[TokenizerConfig] = None
+    dataset: Optional[DatasetConfig] = None
+    reward_funcs: list[str] = field(default_factory=list)
+    reward_weights: Optional[list[float]] = None  # default: 1.0 each
+    # call each reward function once on the first prompt with G empty completions before any model work
+    # (a function that fails, or returns the wrong number of rewards, is named before the run starts)
+    check_reward_funcs: bool = True
 
     def __post_init__(self):
+        if self.dataset is None:
+            if self.task is None:
+                raise ValueError("task: give a synthetic task or a text dataset (dataset)")
+            for key in ("tokenizer", "reward_funcs", "reward_weights"):
+                if getattr(self, key):
+                    raise ValueError(f"{key}: belongs to a text dataset (dataset), and there is none; a synthetic "
+                                     "task (task) has its own tokens and reward")
+        else:
+            if self.task is not None:
+                raise ValueError("task: a synthetic task and a text dataset (dataset) are two sources of prompts; "
+                                 "give one")
+            if not self.reward_funcs:
+                raise ValueError("reward_funcs: a text dataset needs at least one reward function "
+                                 "(package.module:function)")
+        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
+            raise ValueError(f"reward_weights: {len(self.reward_weights)} weights for {len(self.reward_funcs)} "
+                             "reward functions (reward_funcs); give one per function, or none (1.0 each)")
         if self.gradient == "exact" and (self.refresh.policy, self.refresh.every) != ("every", 1):
             raise ValueError("gradient: 'exact' needs a capture with the current parameters every step "
                              "(refresh: {policy: every, every: 1})")
 
 
+# TRL `GRPOConfig` (and TRL script) names -> the key paths here that hold the same setting. TRL's
+# `max_completion_length` is both the generation limit and the length dr_grpo normalises by.
+TRL_NAMES = {
+    "num_generations": [("sampling", "num_samples")],
+    "max_completion_length": [("sampling", "max_new_tokens"), ("grpo", "max_completion_length")],
+    "temperature": [("sampling", "temperature")],
+    "top_p": [("sampling", "top_p")],
+    "beta": [("grpo", "beta")],
+    "epsilon": [("grpo", "epsilon")],
+    "epsilon_high": [("grpo", "epsilon_high")],
+    "loss_type": [("grpo", "loss_type")],
+    "scale_rewards": [("grpo", "scale_rewards")],
+    "learning_rate": [("optimizer", "lr")],
+    "weight_decay": [("optimizer", "weight_decay")],
+    "max_steps": [("steps",)],
+    "shuffle_dataset": [("dataset", "shuffle")],
+    "chat_template_kwargs": [("tokenizer", "chat_template_kwargs")],
+    "dataset_name": [("dataset", "name")],
+    "dataset_config": [("dataset", "config")],
+    "dataset_train_split": [("dataset", "split")],
+}
+
+
+def _missing(mapping, path):
+    node = mapping
+    for key in path:
+        if not isinstance(node, dict) or key not in node:
+            return True
+        node = node[key]
+    return False
+
+
+def _get(mapping, path):
+    for key in path:
+        mapping = mapping[key]
+    return mapping
+
+
+def apply_trl_names(raw: dict, source: str = "train config") -> dict:
+    """`raw` with each flat TRL-named key moved to the key path(s) that hold it here (`TRL_NAMES`);
+    a value given both ways must be the same."""
+    out = {k: v for k, v in raw.items() if k not in TRL_NAMES}
+    out.update({k: dict(v) for k, v in out.items() if isinstance(v, dict)})  # sections copied before writing
+    for name, paths in TRL_NAMES.items():
+        if name not in raw:
+            continue
+        value = raw[name]
+        for path in paths:
+            shown = ".".join(path)
+            if len(path) > 1:
+                section = out.get(path[0])
+                if section is None:
+                    section = out[path[0]] = {}
+                if not isinstance(section, dict):
+                    raise ConfigError(f"{source}: {path[0]}: expected a mapping, got {section!r}")
+            if not _missing(out, path) and _get(out, path) != value:
+                raise ConfigError(f"{source}: {name}: TRL's name for {shown}, which says {_get(out, path)!r}; "
+                                  f"got {value!r} (give one of them)")
+            if len(path) > 1:
+                out[path[0]][path[1]] = value
+            else:
+                out[path[0]] = value
+    return out
+
+
 def resolve_train(raw, source: str = "train config") -> TrainConfig:
-    """A trainer config from its mapping: defaults filled in, every value checked (`ConfigError`
-    names the source and key); `grpo.num_generations` follows `sampling.num_samples`."""
+    """A trainer config from its mapping: TRL's flat names moved to their sections (`TRL_NAMES`),
+    defaults filled in, every value checked (`ConfigError` names the source and key);
+    `grpo.num_generations` follows `sampling.num_samples`; with a `dataset` there is no task."""
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: the train config must be a mapping, got {type(raw).__name__}")
+    raw = apply_trl_names(raw, source)
+    if raw.get("dataset") is not None:
+        raw.setdefault("task", None)
     return from_mapping(TrainConfig, grouped_objective(raw, "sampling", "num_samples",
                                                        SamplingSettings.num_samples, source), source)

@@ -20,6 +20,17 @@ it costs one copy of the trainable parameters (LoRA: megabytes) and one norm per
 staleness oracle (`longstraw.training.oracle`) measures how it relates to the real drift of loss,
 log-probs and gradient against a fresh capture.
 
+Text prompts (`dataset`, `tokenizer`, `reward_funcs`, `reward_weights`: `longstraw.training.text_tasks`,
+`longstraw.training.rewards`), in TRL's terms: a local checkpoint (`model.path`) and tokenizer, a JSONL
+file (or HF `datasets`) with a `prompt` column, reward functions `f(prompts, completions, **columns)`.
+Prompt visit p takes row `order[p % rows]` of pass p // rows over the dataset (a seeded permutation per
+pass unless `dataset.shuffle: false`); sampling stops at the tokenizer's EOS; completions are decoded
+and scored; rewards combine as TRL's do (weighted nansum, None skipped, unscorable items advantage 0).
+Everything about the text inputs is checked before the model is built. The step's record adds TRL's
+metrics (`reward`, `reward_std`, `rewards/<name>/mean` and `/std`, `frac_reward_zero_std`,
+`completions/mean_length` ...), the decoded `completions`, each function's rewards (`rewards_per_func`,
+null for None) and the `dataset_index`; `reward_mean` equals `reward` there.
+
 Outputs under `output.dir`: `metrics.jsonl` (one JSON object per step), and every
 `checkpoint_every` steps `checkpoints/step-N/` with the peft adapter (`adapter/`) and
 `trainer.pt` (trainable parameters at the step and at the state's capture, optimizer and
@@ -55,6 +66,7 @@ from longstraw.results import check_writable
 from longstraw.training.oracle import parameter_drift
 from longstraw.training.rollout import SamplingConfig, sample
 from longstraw.training.tasks import build_task, check_task_spec
+from longstraw.training.text_tasks import TextTask, completion_metrics, json_safe
 
 
 # what a step's record keeps of `grpo_step`'s metrics about memory (with its phases), beside the training metrics
@@ -85,7 +97,11 @@ def resolve(raw, source: str = "train config") -> TrainConfig:
             check_preset(cfg.model.preset)
         except ValueError as exc:
             raise ValueError(f"{source}: model.preset: {exc}") from None
-    check_task_spec(cfg.task, f"{source}: task")
+    elif not (Path(cfg.model.path) / "config.json").is_file():
+        raise ValueError(f"{source}: model.path: no checkpoint folder {cfg.model.path} (a local folder with "
+                         "config.json, as save_pretrained writes it)")
+    if cfg.task is not None:
+        check_task_spec(cfg.task, f"{source}: task")
     check_writable(Path(cfg.output.dir) / "metrics.jsonl", f"{source}: output.dir")
     return cfg
 
@@ -97,8 +113,16 @@ class Trainer:
         # context parallel (`cp_size`): every rank runs this same loop on its shard; rank 0 writes
         self.cp = context_parallel(cfg.cp_size, self.device.type)
         self.writes = self.cp is None or self.cp.rank == 0
+        # text prompts: tokenizer, dataset and reward functions loaded and checked before the model is built
+        self.text = TextTask.from_config(cfg, source) if cfg.dataset is not None else None
+        if cfg.model.path:  # a checkpoint's random LoRA init follows model.seed, as a preset's weights do
+            torch.manual_seed(cfg.model.seed)
         self.model = build_policy(cfg.model)
-        self.task = build_task(cfg.task, self.model.get_input_embeddings().weight.shape[0])
+        vocab = self.model.get_input_embeddings().weight.shape[0]
+        self.task = build_task(cfg.task, vocab) if self.text is None else None
+        if self.text is not None and len(self.text.tokenizer) > vocab:
+            raise ValueError(f"{source}: the tokenizer has {len(self.text.tokenizer)} tokens but the model's "
+                             f"embeddings have {vocab} rows")
         self.params = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
         self.optimizer = torch.optim.AdamW(self.params.values(), lr=cfg.optimizer.lr,
                                            weight_decay=cfg.optimizer.weight_decay)
@@ -116,7 +140,13 @@ class Trainer:
         """This step's task example, made once per prompt (a long prompt is costly to build)."""
         prompt = step // self.cfg.steps_per_prompt
         if self._made[0] != prompt:
-            self._made = (prompt, self.task.make(self.cfg.seed * 1_000_003 + prompt))
+            if self.text is None:
+                example = self.task.make(self.cfg.seed * 1_000_003 + prompt)
+            else:
+                rows = len(self.text)
+                order = self.text.order(prompt // rows, self.cfg.seed, self.cfg.dataset.shuffle)
+                example = self.text.example(order[prompt % rows])
+            self._made = (prompt, example)
         return self._made[1]
 
     def drift(self) -> float:
@@ -170,6 +200,18 @@ class Trainer:
                 p.copy_(values[n])
 
     # ---- one step
+    def _text_rewards(self, step: int, example, rollouts) -> tuple[list[float], dict]:
+        """(the rewards grpo_step is given, the record's text metrics) for one group of a text prompt."""
+        epoch = (step // self.cfg.steps_per_prompt) / len(self.text)
+        scored, completions = self.text.score(example, rollouts.responses, step=step, max_steps=self.cfg.steps,
+                                              epoch=epoch)
+        record = {**scored.metrics, "reward_mean": scored.metrics["reward"], "rewards": json_safe(scored.rewards),
+                  "rewards_per_func": json_safe(scored.per_func), "completions": completions,
+                  "dataset_index": example.index}
+        if scored.extra:
+            record["completion_extra"] = scored.extra
+        return scored.step_rewards, record
+
     def _rewards(self, step: int, example, responses) -> list[float]:
         rewards = [self.task.reward(example, r) for r in responses]
         bad = [r for r in rewards if not isinstance(r, (int, float)) or isinstance(r, bool) or not math.isfinite(r)]
@@ -190,11 +232,17 @@ class Trainer:
             with recorder.phase("capture"):
                 self._capture(step)
         s = self.cfg.sampling
+        stops = dict(stop_ids=self.text.stop_ids, pad_id=self.text.pad_id) if self.text is not None else {}
         with recorder.phase("sampling"):
             rollouts = sample(self.model, self.state, SamplingConfig(
                 num_samples=s.num_samples, max_new_tokens=s.max_new_tokens, temperature=s.temperature,
-                top_p=s.top_p, seed=self.cfg.seed * 1_000_003 + step))
-        rewards = self._rewards(step, example, rollouts.responses)
+                top_p=s.top_p, seed=self.cfg.seed * 1_000_003 + step, **stops))
+        if self.text is None:
+            rewards = self._rewards(step, example, rollouts.responses)
+            text = {"reward": float(torch.tensor(rewards).mean())}
+        else:
+            with recorder.phase("rewards"):
+                rewards, text = self._text_rewards(step, example, rollouts)
         ref_state = self._reference_state(step, recorder)
         result = grpo_step(self.model, example.prompt_ids.to(self.device), rollouts.responses, rewards,
                            self.optimizer, self.cfg.grpo, self.options, state=self.state,
@@ -206,10 +254,11 @@ class Trainer:
         transaction["phases"] = {**recorder.phases, **metrics["phases"]}
         if ref_state is not None:
             transaction["ref_resident_bytes"] = ref_state.nbytes
+        lengths = completion_metrics(metrics["response_tokens"], rollouts.finished)
         return {"step": step, "prompt": step // self.cfg.steps_per_prompt, "refreshed": refreshed,
                 "state_age": step - self.capture_step, "drift_before": drift, "lr": lr,
                 "reward_mean": metrics["reward_mean"], "reward_std": float(torch.tensor(rewards).std()),
-                "rewards": rewards,
+                "rewards": rewards, **text, "advantages": metrics["advantages"], **lengths,
                 "loss": metrics["loss"], "grad_norm": metrics["grad_norm"], **metrics["stats"],
                 "logp_mismatch": metrics["logp_mismatch"], "logp_mismatch_sampler": metrics["logp_mismatch_sampler"],
                 "response_tokens": metrics["response_tokens"], "transaction": transaction,
@@ -238,16 +287,20 @@ class Trainer:
     def _config_changes(self, saved: dict) -> dict:
         """{key path: [checkpoint's value, this config's]} where they differ (the output folder aside)."""
         before, now = json.loads(saved.get("config", "{}")), to_mapping(self.cfg)
+        defaults = to_mapping(TrainConfig())
         changes = {}
 
-        def walk(a, b, path):
+        def walk(a, b, path, default):
             if isinstance(a, dict) and isinstance(b, dict):
+                default = default if isinstance(default, dict) else {}
                 for key in sorted(set(a) | set(b)):
-                    walk(a.get(key), b.get(key), f"{path}.{key}" if path else key)
+                    if key not in a and key in default and b.get(key) == default[key]:
+                        continue  # a key the checkpoint's version did not have yet, at its default here
+                    walk(a.get(key), b.get(key), f"{path}.{key}" if path else key, default.get(key))
             elif a != b and path != "output.dir":
                 changes[path] = [a, b]
 
-        walk(before, now, "")
+        walk(before, now, "", defaults)
         return changes
 
     def load_latest_checkpoint(self, allow_config_change: bool = False) -> int:
@@ -309,7 +362,8 @@ class Trainer:
             if self.writes:
                 with open(metrics_path, "a") as f:
                     f.write(json.dumps(records[-1]) + "\n")
-            bar.set_postfix(reward=f"{records[-1]['reward_mean']:.3f}", loss=f"{records[-1]['loss']:.4f}",
+            reward = records[-1]["reward_mean"]
+            bar.set_postfix(reward="-" if reward is None else f"{reward:.3f}", loss=f"{records[-1]['loss']:.4f}",
                             refreshed=records[-1]["refreshed"])
             if self.writes and every and ((step + 1) % every == 0 or step + 1 == steps):
                 self.save_checkpoint(step + 1)
