@@ -100,7 +100,8 @@ def _attention_layer(adapter, i: int, h, pages: ShardPages, start: int, chunk: i
     for c0 in range(0, shard, chunk):
         h_c = h[:, c0:c0 + chunk]
         adapter.mix(i, layer.input_layernorm(h_c), adapter.position_embeddings(h_c, start + c0), pages, True)
-    pages.outputs = balanced_capture_attention(pages.queries, *pages.filled(), pages.cp, pages.bounds, pages.scale)
+    pages.outputs = balanced_capture_attention(pages.queries, *pages.filled(), pages.cp, pages.bounds, pages.scale,
+                                               chunk)
     pages.phase, pages.queries, pages.cursor = "provide", None, 0
     for c0 in range(0, shard, chunk):
         h_c = h[:, c0:c0 + chunk]
