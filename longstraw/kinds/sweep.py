@@ -110,14 +110,17 @@ SHOWN = ["model", "model_type", "prompt_length", "positions", "resident_bytes", 
          "transient_bytes", "capture_seconds", "capture_attention_tflops_per_second", "steps", "steps_ok",
          "steps_oom", "peak_memory_bytes", "cp_size", "rank_peak_bytes_max"]
 STEP_COLUMNS = ["point", "step", "mode", "G", "status", "peak_memory_bytes", "rank_peak_bytes_max", "headroom_bytes",
-                "graph_bytes_peak", "step_seconds", "seconds_per_member", "loss", "error", "report_error"]
+                "graph_bytes_peak", "replay_transient_bytes", "step_seconds", "seconds_per_member", "logp_mismatch_max",
+                "loss", "error", "report_error"]
 EXTRA_TABLES = {
     "steps": ExtraTable(
         "Sweep steps", STEP_COLUMNS,
         "One row per GRPO step, in the order they ran, every one served by its point's single capture (the table "
         "above). Peak: torch.cuda.max_memory_allocated over the step (an OOM step: the peak it reached when it ran "
-        "out; its mode stopped there). Headroom: the device's total memory minus that peak. Step seconds: the sum "
-        "of the step's phases.", key="sweep_steps", beside_points=True),
+        "out; its mode stopped there). Headroom: the device's total memory minus that peak. Replay transient: the "
+        "replay phase's peak above what was allocated before the step (weights, pages, optimizer state). Log p "
+        "mismatch: the largest |log p_replay - log p_old| over the step's tokens, before its update. Step seconds: "
+        "the sum of the step's phases.", key="sweep_steps", beside_points=True),
 }
 SCALING_COLUMNS = ["point", "source", "model", "prompt_length", "cp_size", "schedule", "capture_seconds",
                    "attention_seconds", "other_seconds", "waiting_seconds", "communication_seconds", "residual_seconds",
@@ -214,6 +217,9 @@ def _step_row(point, index: int, step: dict, identity: dict) -> dict:
            "headroom_bytes": identity["device_memory_bytes"] - peak
            if peak is not None and identity["device_memory_bytes"] else None,
            "graph_bytes_peak": number(step.get("graph_bytes_peak")),
+           "replay_transient_bytes": number(step.get("replay_transient_bytes")),
+           # |log p_replay - log p_old| before the update (0: scoring and replay agree bit for bit)
+           "logp_mismatch_max": number(as_dict(step.get("logp_mismatch")).get("max")),
            "rank_peak_bytes_max": max_number(step.get("rank_peak_allocated_bytes")),
            "step_seconds": phase_seconds(phases),
            "replays": members,
