@@ -251,8 +251,7 @@ def test_text_prompts_are_tokenized_as_they_are_unless_wrapped(fixture):
 def test_none_rewards_follow_trl(fixture, tmp_path):
     """None is skipped in the weighted sum; an item no function scored has reward None (NaN in TRL),
     stays out of the group's mean and std, and gets advantage 0: the step's advantages are TRL's."""
-    from longstraw.core import grpo
-    from longstraw.training.rewards import load_reward_funcs, score_group, step_rewards
+    from longstraw.training.rewards import load_reward_funcs, score_group
     from longstraw.training.trainer import Trainer
 
     funcs = load_reward_funcs(["test_text_trainer:every_other", "test_text_trainer:only_odd"])
@@ -265,8 +264,10 @@ def test_none_rewards_follow_trl(fixture, tmp_path):
     assert scored.metrics["reward"] == pytest.approx((3.0 + 8.0) / 2)
     assert scored.metrics["rewards/every_other/mean"] == pytest.approx(2.5)
     assert scored.metrics["rewards/only_odd/mean"] == 0.25 and scored.metrics["rewards/only_odd/std"] is None
+    assert scored.advantages == pytest.approx(trl_advantages.tolist(), abs=1e-5)
     for scale in ("group", "none"):
-        got = grpo.group_advantages(torch.tensor(step_rewards(torch.tensor(scored.rewards), scale)), scale)
+        got = torch.tensor(score_group(funcs, [2.0, 4.0], ["p"] * 4, completions, [[]] * 4, {},
+                                       scale_rewards=scale).advantages)
         expected = trl_advantages if scale == "group" else torch.nan_to_num(trl_rewards - torch.nanmean(trl_rewards))
         assert got.tolist() == pytest.approx(expected.tolist(), abs=1e-5)
     # and through the trainer: the record's rewards, advantages and metrics

@@ -104,7 +104,8 @@ def _checkpointed(model):
 
 def grpo_step(model, prompt_ids, responses, rewards, optimizer, config: grpo.GRPOConfig,
               options: StepOptions = StepOptions(), *, state: ResidentState | None = None,
-              ref_state: ResidentState | None = None, old_logps=None, sampler_logps=None) -> StepResult:
+              ref_state: ResidentState | None = None, old_logps=None, sampler_logps=None,
+              advantages=None) -> StepResult:
     """Run one transaction and the optimizer step.
 
     `state`: the prompt's resident state from an earlier capture (checked against the model and the
@@ -114,6 +115,9 @@ def grpo_step(model, prompt_ids, responses, rewards, optimizer, config: grpo.GRP
     keeps one per prompt: the frozen base never makes it stale); without it, on the policy's own
     state: the reference's response distribution given the policy's prompt state, which saves a
     second resident state and is what the memory experiments measure.
+
+    `advantages`: the group's advantages when a caller computes them by another rule (the text trainer
+    follows TRL's for unscorable completions, whose reward is NaN); else `group_advantages(rewards)`.
 
     `metrics["logp_mismatch"]` is the max and mean |log p_replay - log p_old| over the replayed tokens,
     before the update: scoring and replay run one attention kernel, so at the on-policy point it measures
@@ -142,7 +146,12 @@ def grpo_step(model, prompt_ids, responses, rewards, optimizer, config: grpo.GRP
     adapter = adapter_for(model)
     recorder = PhaseRecorder(adapter.device)
     rewards = torch.as_tensor(rewards, dtype=torch.float32)
-    advantages = grpo.group_advantages(rewards, config.scale_rewards, num_generations=config.num_generations)
+    if advantages is None:
+        advantages = grpo.group_advantages(rewards, config.scale_rewards, num_generations=config.num_generations)
+    else:
+        advantages = torch.as_tensor(advantages, dtype=torch.float32)
+        if advantages.shape != (len(responses),) or not bool(torch.isfinite(advantages).all()):
+            raise ValueError(f"advantages: {len(responses)} finite numbers, one per response, got {advantages.tolist()}")
     weights = grpo.token_weights([int(r.numel()) for r in responses], config)
     responses = responses[:members]
     age = state.age if state is not None else 0
@@ -187,7 +196,7 @@ def grpo_step(model, prompt_ids, responses, rewards, optimizer, config: grpo.GRP
         "mode": mode,
         "loss": float(sum(float(l.detach()) for l in losses)),
         "grad_norm": grad_norm,
-        "reward_mean": float(rewards.mean()),
+        "reward_mean": float(rewards.nanmean()),  # NaN rewards (unscorable, with given advantages) left out
         "advantages": [float(a) for a in advantages],
         "members_replayed": len(responses),
         "response_tokens": [int(r.numel()) for r in responses],

@@ -4,7 +4,7 @@ and turned into advantages as TRL's `GRPOTrainer` does (sum_then_normalize).
     funcs = load_reward_funcs(["longstraw.training.rewards:contains_answer", "my_rewards.py:brevity"])
     scored = score_group(funcs, [1.0, 0.5], prompts, completions, completion_ids, columns)
     scored.rewards            # weighted sum per completion (NaN where every function returned None)
-    scored.step_rewards       # what `grpo_step` is given: its group advantages are TRL's
+    scored.advantages         # TRL's group advantages (unscorable items: 0), which `grpo_step` is given
 
 A reward function is `reward_func(prompts, completions, **kwargs) -> list[float | None]`, one value
 per completion. Keyword arguments (TRL's): `completion_ids` (token ids, the stop token included),
@@ -192,20 +192,6 @@ def trl_advantages(rewards_G: torch.Tensor, scale_rewards="group") -> torch.Tens
     return torch.nan_to_num(adv, nan=0.0)
 
 
-def step_rewards(rewards_G: torch.Tensor, scale_rewards="group") -> list[float]:
-    """Finite rewards whose group advantages (`core.grpo.group_advantages`, which takes no NaN) are
-    TRL's advantages of `rewards_G`: the rewards themselves when all are scorable; otherwise TRL's
-    advantages A (mean 0), scaled by c = 1e-4 / (1 - std(A)) under "group" scaling, since
-    (cA - 0) / (c std(A) + 1e-4) = A; std(A) < 1 whenever an item is unscorable."""
-    r = torch.as_tensor(rewards_G, dtype=torch.float64)
-    if not bool(torch.isnan(r).any()):
-        return [float(v) for v in r]
-    adv = trl_advantages(r, scale_rewards)
-    if normalize_scale_rewards(scale_rewards) == "group" and adv.numel() > 1:
-        adv = adv * (STD_EPS / (1.0 - float(adv.std())))
-    return [float(v) for v in adv]
-
-
 def _finite_or_none(value: float):
     return None if value is None or not math.isfinite(value) else value
 
@@ -214,7 +200,7 @@ def _finite_or_none(value: float):
 class Scored:
     rewards: list[float]  # weighted sum per completion, NaN where unscorable
     per_func: dict[str, list[float]]  # each function's values, NaN for None
-    step_rewards: list[float]  # what grpo_step is given (see `step_rewards`)
+    advantages: list[float]  # TRL's group advantages (`trl_advantages`), what grpo_step is given
     metrics: dict = field(default_factory=dict)  # TRL-named, NaN as None
     extra: dict = field(default_factory=dict)  # log_extra columns
 
@@ -253,7 +239,7 @@ def score_group(funcs: list[RewardFunc], weights, prompts: list, completions: li
     metrics["frac_reward_zero_std"] = float(math.isfinite(group_std) and math.isclose(group_std, 0.0, abs_tol=1e-8))
     for name, values in logged.items():
         metrics[name] = sum(values) / len(values)
-    return Scored([float(r) for r in rewards], per_func, step_rewards(rewards, scale_rewards), metrics, extra)
+    return Scored([float(r) for r in rewards], per_func, trl_advantages(rewards, scale_rewards).tolist(), metrics, extra)
 
 
 # ---- stock reward functions over decoded text (standard or conversational completions)

@@ -200,8 +200,9 @@ class Trainer:
                 p.copy_(values[n])
 
     # ---- one step
-    def _text_rewards(self, step: int, example, rollouts) -> tuple[list[float], dict]:
-        """(the rewards grpo_step is given, the record's text metrics) for one group of a text prompt."""
+    def _text_rewards(self, step: int, example, rollouts) -> tuple[list[float], list[float], dict]:
+        """(the rewards, NaN where unscorable; TRL's advantages; the record's text metrics) for one group
+        of a text prompt."""
         epoch = (step // self.cfg.steps_per_prompt) / len(self.text)
         scored, completions = self.text.score(example, rollouts.responses, step=step, max_steps=self.cfg.steps,
                                               epoch=epoch)
@@ -210,7 +211,7 @@ class Trainer:
                   "dataset_index": example.index}
         if scored.extra:
             record["completion_extra"] = scored.extra
-        return scored.step_rewards, record
+        return scored.rewards, scored.advantages, record
 
     def _rewards(self, step: int, example, responses) -> list[float]:
         rewards = [self.task.reward(example, r) for r in responses]
@@ -238,15 +239,15 @@ class Trainer:
                 num_samples=s.num_samples, max_new_tokens=s.max_new_tokens, temperature=s.temperature,
                 top_p=s.top_p, seed=self.cfg.seed * 1_000_003 + step, **stops))
         if self.text is None:
-            rewards = self._rewards(step, example, rollouts.responses)
+            rewards, advantages = self._rewards(step, example, rollouts.responses), None
             text = {"reward": float(torch.tensor(rewards).mean())}
         else:
             with recorder.phase("rewards"):
-                rewards, text = self._text_rewards(step, example, rollouts)
+                rewards, advantages, text = self._text_rewards(step, example, rollouts)
         ref_state = self._reference_state(step, recorder)
         result = grpo_step(self.model, example.prompt_ids.to(self.device), rollouts.responses, rewards,
                            self.optimizer, self.cfg.grpo, self.options, state=self.state,
-                           ref_state=ref_state, sampler_logps=rollouts.logprobs)
+                           ref_state=ref_state, sampler_logps=rollouts.logprobs, advantages=advantages)
         metrics = result.metrics
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
