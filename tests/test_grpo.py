@@ -417,3 +417,14 @@ def test_token_weights_bad_input():
         token_weights([1, 2.5, 3], cfg)
 
 
+
+
+def test_group_advantages_leave_unscorable_rewards_out_as_trl_does():
+    # [NaN, 3, NaN, 1]: the scored rewards 3 and 1 have mean 2 and unbiased std sqrt(2); NaN -> advantage 0
+    s = math.sqrt(2.0) + 1e-4
+    _close(group_advantages([float("nan"), 3.0, float("nan"), 1.0], nan_unscorable=True), [0.0, 1.0 / s, 0.0, -1.0 / s])
+    _close(group_advantages([float("nan"), 3.0, float("nan"), 1.0], "none", nan_unscorable=True), [0.0, 1.0, 0.0, -1.0])
+    _close(group_advantages([float("nan"), 5.0], nan_unscorable=True), [0.0, 0.0])  # one scored: zero advantage
+    _close(group_advantages([float("nan")] * 3, nan_unscorable=True), [0.0, 0.0, 0.0])
+    with pytest.raises(ValueError, match="finite or NaN"):
+        group_advantages([1.0, float("inf")], nan_unscorable=True)

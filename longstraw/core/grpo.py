@@ -100,13 +100,15 @@ def group_advantages(
     scale_rewards: Union[str, bool] = "group",
     *,
     num_generations: Optional[int] = None,
+    nan_unscorable: bool = False,
 ) -> torch.Tensor:
     """Group-relative advantages, float32, shape ``[G]``, on the rewards' device.
 
     ``rewards - mean``, divided by ``(std + 1e-4)`` when ``scale_rewards`` is ``"group"``/True.
     ``std`` is the unbiased sample std (``torch.std`` default, as in TRL); for G == 1 it is 0.
     Computed in float64, returned as float32. If ``num_generations`` is given, ``G`` must
-    equal it.
+    equal it. ``nan_unscorable=True`` is TRL's rule for a response no reward function scored (its
+    reward NaN): it is left out of the mean and std and its advantage is 0; otherwise a NaN is refused.
     """
     mode = normalize_scale_rewards(scale_rewards)
     device = rewards_G.device if isinstance(rewards_G, torch.Tensor) else None
@@ -119,13 +121,15 @@ def group_advantages(
         raise ValueError(f"rewards must be a non-empty 1-D sequence, got shape {tuple(r.shape)}")
     if num_generations is not None and r.numel() != num_generations:
         raise ValueError(f"rewards has {r.numel()} entries but num_generations={num_generations}")
-    if not bool(torch.isfinite(r).all()):
-        raise ValueError(f"rewards must be finite, got {r.tolist()}")
-    adv = r - r.mean()
+    scored = ~torch.isnan(r) if nan_unscorable else torch.ones_like(r, dtype=torch.bool)
+    if not bool(torch.isfinite(r[scored]).all()):
+        raise ValueError(f"rewards must be finite{' or NaN (unscorable)' if nan_unscorable else ''}, got {r.tolist()}")
+    kept = r[scored]
+    adv = r - (kept.mean() if kept.numel() else 0.0)
     if mode == "group":
-        std = r.std() if r.numel() > 1 else torch.zeros((), dtype=r.dtype, device=r.device)
+        std = kept.std() if kept.numel() > 1 else torch.zeros((), dtype=r.dtype, device=r.device)
         adv = adv / (std + STD_EPS)
-    return adv.to(torch.float32)
+    return torch.where(scored, adv, 0.0).to(torch.float32)
 
 
 def k3_kl(logp_R: torch.Tensor, ref_logp_R: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,10 @@
 """A frozen NF4 (bitsandbytes `Params4bit`) weight times many rows: dequantise once per call, then a plain
-GEMM in the compute dtype (the bf16 GEMM rate), instead of bitsandbytes' fused 4-bit GEMM (~180 TFLOP/s
-effective on the 27B shape's capture against the H200's 768). The reference beside it is bitsandbytes'
-own `matmul_4bit`, which `models.quant` keeps for few-row calls (decoding)."""
+GEMM in the compute dtype, instead of bitsandbytes' fused 4-bit GEMM. Measured on the H200 (the 27B's MLP
+shape, `experiments/recorded/h200-benchmarks/kernel_ceilings.json`): on 16,384 rows 780 TFLOP/s against
+the fused kernel's 703; on 1,024 rows 407 against 447, so the crossover lies between and
+`DEQUANTIZE_MIN_ROWS` is not yet set from it. The reference beside it is bitsandbytes' own
+`matmul_4bit`, which `models.quant` keeps for few-row calls (decoding). `merged_weight` folds a LoRA
+adapter into the dequantised weight for graph-free capture calls."""
 
 from __future__ import annotations
 

@@ -24,7 +24,6 @@ MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 
 # `lora.targets` -> the module names (last path component) LoRA wraps where a model has them
 TARGET_SETS = {"attention": ATTENTION_TARGETS, "all-linear": ATTENTION_TARGETS + MLP_TARGETS}
-LORA_TARGETS = TARGET_SETS["attention"]  # the default set, under its old name
 
 
 def target_names(targets: str = "attention") -> tuple[str, ...]:

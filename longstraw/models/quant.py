@@ -16,9 +16,9 @@ save/reload is needed. The rule:
 
 Many-row inputs (capture chunks, replayed responses: at least `DEQUANTIZE_MIN_ROWS` rows) do not
 go through bitsandbytes' fused 4-bit GEMM: the weight is dequantised once per call into the compute
-dtype and a plain GEMM runs (`DequantizedMatmul`), at the bf16 GEMM rate (the fused kernel's
-no-grad rate on the 27B shape's capture was ~180 TFLOP/s effective against the H200's 768). The
-dequantised weight is a per-call transient: the backward dequantises again instead of keeping it.
+dtype and a plain GEMM runs (`DequantizedMatmul`; rates against the fused kernel in
+`longstraw.kernels.nf4_linear`). The dequantised weight is a per-call transient: the backward
+dequantises again instead of keeping it.
 Few-row inputs (decoding) keep bitsandbytes' own path, the reference beside this one.
 
 Capture (`merged_lora_for_capture()`, which `longstraw.capture` enters) goes one step further: a peft
@@ -111,10 +111,10 @@ def merging_lora_class():
             if self.disable_adapters or self.merged or len(self.active_adapters) != 1:
                 return None
             name = self.active_adapters[0]
-            dropout = self.lora_dropout[name] if name in self.lora_dropout else None
-            plain = name in self.lora_A and name not in self.lora_variant and (
-                isinstance(dropout, nn.Identity) or not dropout.training or dropout.p == 0)
-            return name if plain else None
+            if name not in self.lora_A or name in self.lora_variant:
+                return None
+            dropout = self.lora_dropout[name]
+            return name if isinstance(dropout, nn.Identity) or not dropout.training or dropout.p == 0 else None
 
     return MergingLoraLinear4bit
 

@@ -29,8 +29,8 @@ from longstraw.plotting.formatting import exact_value, format_bytes, format_numb
 NOT_MEASURED = "not yet measured"
 EMPTY_PAPER = {"setup": {}, "experiments": [], "figures": [], "standing": {}, "paths": [], "memory_points": []}
 # What the two trainable-parameter counts cover, so they are not read as the same adapter: the
-# paper's 116.7M is LoRA r=16 on the attention, GDN and MLP projections; ours (longstraw/lora.py
-# LORA_TARGETS) puts LoRA on the attention and GDN projections only.
+# paper's 116.7M is LoRA r=16 on the attention, GDN and MLP projections; ours depends on the row's
+# `lora.targets`.
 PAPER_LORA_TARGETS = "LoRA r=16 on the attention, GDN and MLP projections"
 # what our `lora.targets` sets cover (longstraw/models/lora.py TARGET_SETS)
 OUR_LORA_TARGETS = {"attention": "attention and GDN projections only, no MLP (lora.targets: attention)",

@@ -48,7 +48,7 @@ from typing import Callable
 
 import torch
 
-from longstraw.core.grpo import STD_EPS, normalize_scale_rewards
+from longstraw.core.grpo import group_advantages
 
 # keywords the trainer passes itself; a dataset column of one of these names is refused
 RESERVED_KWARGS = ("prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra")
@@ -181,17 +181,6 @@ def nanmean(x: torch.Tensor) -> float:
     return float(kept.mean()) if kept.numel() else math.nan
 
 
-def trl_advantages(rewards_G: torch.Tensor, scale_rewards="group") -> torch.Tensor:
-    """TRL's advantages of one group (float64): NaN rewards out of the mean and std, their advantage 0."""
-    r = torch.as_tensor(rewards_G, dtype=torch.float64)
-    mean = nanmean(r)
-    adv = r - mean
-    if normalize_scale_rewards(scale_rewards) == "group":
-        std = nanstd(r) if r.numel() > 1 else 0.0
-        adv = adv / (std + STD_EPS)
-    return torch.nan_to_num(adv, nan=0.0)
-
-
 def _finite_or_none(value: float):
     return None if value is None or not math.isfinite(value) else value
 
@@ -200,7 +189,7 @@ def _finite_or_none(value: float):
 class Scored:
     rewards: list[float]  # weighted sum per completion, NaN where unscorable
     per_func: dict[str, list[float]]  # each function's values, NaN for None
-    advantages: list[float]  # TRL's group advantages (`trl_advantages`), what grpo_step is given
+    advantages: list[float]  # TRL's group advantages (`group_advantages(..., nan_unscorable=True)`)
     metrics: dict = field(default_factory=dict)  # TRL-named, NaN as None
     extra: dict = field(default_factory=dict)  # log_extra columns
 
@@ -239,7 +228,8 @@ def score_group(funcs: list[RewardFunc], weights, prompts: list, completions: li
     metrics["frac_reward_zero_std"] = float(math.isfinite(group_std) and math.isclose(group_std, 0.0, abs_tol=1e-8))
     for name, values in logged.items():
         metrics[name] = sum(values) / len(values)
-    return Scored([float(r) for r in rewards], per_func, trl_advantages(rewards, scale_rewards).tolist(), metrics, extra)
+    advantages = group_advantages(rewards, scale_rewards, nan_unscorable=True)
+    return Scored([float(r) for r in rewards], per_func, advantages.tolist(), metrics, extra)
 
 
 # ---- stock reward functions over decoded text (standard or conversational completions)
