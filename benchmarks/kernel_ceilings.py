@@ -30,14 +30,18 @@ HEADS, KV_HEADS, CAPTURE_ROWS = 24, 4, 16384
 MLP_SHAPE = (5120, 17408)  # Qwen3.6-27B: hidden 5120, intermediate 17408
 
 
-def attention_ceilings(device) -> dict:
+def attention_ceilings(device, cudnn_backward: bool) -> dict:
     out = {}
     for dim in (128, 256):
         # a capture chunk's queries (folded: G x 16384 rows per K/V head) against one 65,536-key block
-        rates = block_rates(HEADS, KV_HEADS, dim, CAPTURE_ROWS, torch.bfloat16, device, repeats=4)
+        rates = block_rates(HEADS, KV_HEADS, dim, CAPTURE_ROWS, torch.bfloat16, device, repeats=4,
+                            cudnn_backward=cudnn_backward)
         rates["causal_sdpa"] = causal_sdpa_rate(HEADS, dim, 131072, torch.bfloat16, device)
         out[f"head_dim_{dim}"] = rates
         torch.cuda.empty_cache()
+    # replay's block: one response of 1,024 (folded: 6 x 1,024 rows per K/V head) against 65,536 keys
+    out["head_dim_256_replay_rows"] = block_rates(HEADS, KV_HEADS, 256, 1024, torch.bfloat16, device,
+                                                  cudnn_backward=cudnn_backward)
     return out
 
 
@@ -75,6 +79,8 @@ def print_report(report: dict) -> None:
     for dim, rates in report["attention"].items():
         print(f"attention {dim}: " + ", ".join(f"{k} {v['tflops_per_second']:.0f}" for k, v in rates.items())
               + " TFLOP/s")
+        if "cudnn_backward" in rates:
+            print(f"  cudnn_backward dq vs flash: {rates['cudnn_backward']['dq_difference_from_flash']:.2e} (relative)")
     nf4, gemm = report["linear"], report["linear"]["gemm"]["tflops_per_second"]
     for key in ("nf4_linear", "nf4_linear_replay_rows"):
         print(f"{key} ({nf4[key]['as_captured']['rows']} rows): " + ", ".join(
@@ -101,9 +107,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--results", nargs="*", default=[], help="pipeline results to read capture and replay from")
+    parser.add_argument("--cudnn-backward", action="store_true",
+                        help="also time cuDNN's backward (the opt-in backend; it has crashed the process on some shapes)")
     args = parser.parse_args()
     device = torch.device("cuda")
-    report = {"provenance": provenance(device), "attention": attention_ceilings(device),
+    report = {"provenance": provenance(device), "attention": attention_ceilings(device, args.cudnn_backward),
               "linear": nf4_ceilings(device), "results": from_results(args.results)}
     print_report(report)
     write_json_atomic(args.out, report)

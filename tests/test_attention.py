@@ -1,5 +1,6 @@
 """Tests for longstraw.kernels.paged_attention.paged_attention (blockwise LSE-merged attention with own backward)."""
 
+import itertools
 import math
 
 import pytest
@@ -281,9 +282,13 @@ def test_cuda_path_plumbing_with_emulated_kernel_on_cpu(monkeypatch):
         )
 
     monkeypatch.setitem(attention._CUDA_KERNELS, "flash", (fwd, bwd))
-    for B, H, Hk, R, P, D, bs in [(1, 8, 2, 6, 0, 8, 4), (2, 6, 2, 5, 23, 8, 7), (1, 4, 1, 1, 9, 8, 4)]:
+    monkeypatch.setitem(attention._CUDA_KERNELS, "cudnn_forward", (fwd, bwd))
+    monkeypatch.setattr(attention, "_flash_block_fwd", fwd)  # a short tail block's kernel
+    monkeypatch.setattr(attention, "CUDNN_MIN_ROWS", 5)
+    cases = [(1, 8, 2, 6, 0, 8, 4), (2, 6, 2, 5, 23, 8, 7), (1, 4, 1, 1, 9, 8, 4)]
+    for (B, H, Hk, R, P, D, bs), kernel in itertools.product(cases, ["flash", "cudnn_forward"]):
         q, kp, vp, kl, vl, (k_pages, v_pages) = make_inputs(B, H, Hk, R, P, D, dtype=torch.bfloat16, prefix_grad=True)
-        out = attention._PagedAttention.apply(q, kp, vp, kl, vl, 0.3, bs, "flash", None)
+        out = attention._PagedAttention.apply(q, kp, vp, kl, vl, 0.3, bs, kernel, None)
         leaves = [q, kl, vl, k_pages, v_pages]
         dout = torch.randn(out.shape, dtype=torch.float64)
         got = grads_of(out, leaves, dout.to(out.dtype))
@@ -298,7 +303,9 @@ def test_cuda_path_plumbing_with_emulated_kernel_on_cpu(monkeypatch):
 @pytest.mark.cuda
 @pytest.mark.parametrize("D", [64, 256])  # 256: the Qwen3.6-27B head dim, on cuDNN's forward since issue 20
 @pytest.mark.parametrize("P", [0, 300, 4096 + 7])  # 4096 + 7: a 7-key tail block goes to flash
-def test_capture_auto_takes_cudnn_and_matches_math(P, D):
+def test_auto_takes_cudnn_forward_with_flash_backward_and_matches_math(P, D):
+    """Capture, scoring and replay alike ("auto" on 512 queries): cuDNN's forward, flash's backward fed
+    the merged out/lse; forward and gradients against the float64 dense reference, at head dim 256 too."""
     g = torch.Generator(device="cuda").manual_seed(0)
 
     def t(*shape):
@@ -306,12 +313,20 @@ def test_capture_auto_takes_cudnn_and_matches_math(P, D):
 
     q, kp, vp, kl, vl = t(1, 8, 512, D), t(1, 2, P, D), t(1, 2, P, D), t(1, 2, 512, D), t(1, 2, 512, D)
     if (torch.backends.cudnn.version() or 0) >= 90000:
-        assert attention._pick_kernel("auto", q, D, capture=True) == "cudnn"
-    assert attention._pick_kernel("auto", q, D) == "flash"  # scoring and replay: one kernel
+        assert attention._pick_kernel("auto", q, D) == "cudnn_forward"
     with torch.no_grad():
-        out = paged_attention(q, kp, vp, kl, vl, scale=D**-0.5, block_size=4096, capture=True)
-    expected = reference_attention(*(x.double() for x in (q, kp, vp, kl, vl)), D**-0.5)
+        captured = paged_attention(q, kp, vp, kl, vl, scale=D**-0.5, block_size=4096, capture=True)
+    leaves = [x.clone().requires_grad_() for x in (q, kl, vl)]
+    out = paged_attention(leaves[0], kp, vp, *leaves[1:], scale=D**-0.5, block_size=4096)
+    dout = t(*out.shape)
+    grads = torch.autograd.grad(out, leaves, dout)
+    assert torch.equal(out.detach(), captured)  # scoring's forward is replay's, bit for bit
+    leaves64 = [x.double().requires_grad_() for x in (q, kl, vl)]
+    expected = reference_attention(leaves64[0], kp.double(), vp.double(), *leaves64[1:], D**-0.5)
+    expected_grads = torch.autograd.grad(expected, leaves64, dout.double())
     assert (out.double() - expected).abs().max() < 2e-2
+    for a, b in zip(grads, expected_grads):
+        assert (a.double() - b).abs().max() <= 2e-2 * max(1.0, b.abs().max().item())
 
 
 def test_capture_flag_refuses_inputs_that_need_a_gradient():

@@ -89,3 +89,25 @@ def test_mla_index_layers_and_their_sharers_are_recomputed_together():
     adapter.shares = [False, True, True, False, True, False]  # by hand: 0 feeds 1-2, 3 feeds 4, 5 alone
     adapter.layers = [None] * 6
     assert [list(r) for r in adapter.checkpoint_segments()] == [[0, 1, 2], [3, 4], [5]]
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3_5"])
+def test_checkpointed_recompute_reuses_the_forwards_prefix_attention(preset, monkeypatch):
+    """The recompute in the backward takes each paged-attention output from its forward (ForwardMemo)
+    instead of attending over the prefix again: as many attention passes as the plain replay makes
+    (without the memo, twice as many). The gradients are checked against HF's above."""
+    from longstraw.kernels import paged_attention as attention
+
+    model = apply_lora(build_model(preset, seed=1), r=4, init_random=True)
+    state = capture(model, _ids(64, 0), chunk_size=16)
+    calls, real = [], attention.attention_partial
+    monkeypatch.setattr(attention, "attention_partial", lambda *a: calls.append(a[0].shape) or real(*a))
+    passes = {}
+    for checkpoint_layers in (False, True):
+        calls.clear()
+        replay(model, state, _ids(12, 1), checkpoint_layers=checkpoint_layers).sum().backward()
+        passes[checkpoint_layers] = len(calls)
+    from longstraw.state.pages import AttentionPages
+
+    attention_layers = sum(isinstance(e, AttentionPages) for e in state.layers)
+    assert attention_layers > 0 and passes[False] == attention_layers and passes[True] == attention_layers

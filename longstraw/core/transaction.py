@@ -14,7 +14,7 @@ used when they fit the memory budget). Replay feeds the last prompt token and th
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import contextmanager
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -23,6 +23,7 @@ from longstraw.core import exact
 from longstraw.cp.capture import capture_sharded
 from longstraw.families import adapter_for
 from longstraw.kernels.logprobs import token_logprobs
+from longstraw.kernels.paged_attention import ForwardMemo
 from longstraw.measure.memory import synchronize
 from longstraw.measure.progress import CaptureProgress
 from longstraw.models.quant import merged_lora_for_capture
@@ -194,14 +195,23 @@ def _checkpointed_layers(adapter, layers: range, h, pe, entries):
     """A run of replayed layers (`adapter.checkpoint_segments`) under non-reentrant checkpointing. Its
     recompute runs in the backward, outside `replay`'s `adapter.selected()`, so it enters that context
     again (the paged attention the layers dispatch to); the pages and states they read are closed over,
-    so their gradients (exact mode) still arrive."""
+    so their gradients (exact mode) still arrive. The forward's paged-attention outputs are kept
+    (`ForwardMemo`, one [R, heads, head_dim] output per attention layer) and the recompute reuses them
+    instead of attending over the whole prefix a second time."""
 
     def run(h_BTH):
         for i in layers:
             h_BTH = adapter.layer_forward(i, h_BTH, pe, entries[i], capturing=False)
         return h_BTH
 
-    return checkpoint(run, h, use_reentrant=False, context_fn=lambda: (nullcontext(), adapter.selected()))
+    memo = ForwardMemo()
+
+    @contextmanager
+    def recompute():
+        with adapter.selected(), memo.reusing():
+            yield
+
+    return checkpoint(run, h, use_reentrant=False, context_fn=lambda: (memo.remembering(), recompute()))
 
 
 def score(model, state: ResidentState, response_ids, **kwargs) -> torch.Tensor:

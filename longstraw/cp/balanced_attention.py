@@ -67,7 +67,7 @@ def balanced_capture_attention(q_1HSD, k_1KSD, v_1KSD, cp: CPGroup, bounds, scal
              recvs=[(incoming[c], c // 2) for c in incoming])
     queries.update(incoming)
 
-    kernel, block = kernel_and_block("auto", q_1HSD, v_1KSD.shape[-1], None, capture=True)
+    kernel, block = kernel_and_block("auto", q_1HSD, v_1KSD.shape[-1], None)
     outputs = {c: _chunk_attention(queries[c], k_all, v_all, chunks[c], scale, block, kernel, rows_per_call)
                for c in mine}
     out_1HSD = q_1HSD.new_empty(*q_1HSD.shape[:3], v_1KSD.shape[-1])

@@ -19,15 +19,20 @@ K/V are never repeated; the small causal live block is folded (math) or repeated
 Backends: ``"math"`` is plain torch (any device, any float dtype, float64 computed in float64).
 ``"cuda"`` (alias ``"flash"``) runs each block through ``aten._scaled_dot_product_flash_attention``
 and its ``_backward`` op fed the global out/lse (CUDA, fp16/bf16, D == Dv, D % 8 == 0, D <= 256;
-otherwise math).  ``"cudnn"`` does the same through ``aten._scaled_dot_product_cudnn_attention``:
-about twice flash's forward speed on H200 (torch 2.11; at head dim 256 too), but its backward
-rejects s_q = s_kv = 1 and crashed the process on some small shapes, so for training it is an
-opt-in only (D <= 128).  ``"auto"`` takes cuDNN's forward (D <= 256) for capture chunks
-(``capture=True``: no backward, and their numerics never meet a response's log-probs) when every
-block is large (at least ``CUDNN_MIN_ROWS`` query rows and keys), flash otherwise, math off CUDA.
-Scoring (old policy, reference) and replay both take flash: one kernel for the log-probs whose
-ratio GRPO clips, so at the on-policy point the ratio is exactly 1.
-``LONGSTRAW_FORWARD_KERNEL=flash`` in the environment keeps the capture on flash too.
+otherwise math).  ``"cudnn"`` runs forward and backward through ``aten._scaled_dot_product_cudnn_attention``
+and its ``_backward``; its backward rejects s_q = s_kv = 1 and crashed the process on some small
+shapes, so it is an opt-in only (D <= 128).  ``"auto"`` takes kernel ``"cudnn_forward"``, cuDNN's
+forward (about twice flash's on the H200, at head dim 256 too) with flash's backward fed its global
+out/lse, when cuDNN is there, D <= 256 and the queries are at least ``CUDNN_MIN_ROWS`` (a prefix
+block shorter than that goes to flash: cuDNN crashed on small ones); flash otherwise, math off CUDA.
+The choice depends on the shapes only, so capture, scoring (old policy, reference) and replay of the
+same response run one forward kernel: at the on-policy point the ratio GRPO clips is exactly 1.
+``LONGSTRAW_FORWARD_KERNEL=flash`` in the environment keeps "auto" on flash throughout.
+
+Checkpointed replay (``remember_forwards`` / ``reuse_forwards``): a checkpointed layer's forward keeps
+each call's (out, lse), a few MB, and its recompute in the backward takes them back instead of
+attending over the prefix again: the kernels' forward is deterministic, so it would recompute the
+same tensors, at the cost of a second pass over every prefix key.
 
 The prefix tensors are held by plain reference, without autograd's version check, because
 they are usually views of a page buffer that keeps being written past ``P``; the caller must
@@ -41,15 +46,19 @@ from __future__ import annotations
 
 import numbers
 import os
+from collections import deque
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 
-__all__ = ["paged_attention", "decode_attention", "reference_attention", "MATH_BLOCK_SIZE", "CUDA_BLOCK_SIZE"]
+__all__ = ["paged_attention", "decode_attention", "reference_attention", "ForwardMemo", "MATH_BLOCK_SIZE",
+           "CUDA_BLOCK_SIZE"]
 
 MATH_BLOCK_SIZE = 4096
 CUDA_BLOCK_SIZE = 65536
 CUDNN_MIN_ROWS = 128
-FORWARD_ONLY_KERNEL = os.environ.get("LONGSTRAW_FORWARD_KERNEL", "cudnn")
+FORWARD_KERNEL = os.environ.get("LONGSTRAW_FORWARD_KERNEL", "cudnn")
 _BACKENDS = ("auto", "math", "cuda", "flash", "cudnn")
 
 
@@ -68,7 +77,7 @@ def paged_attention(
 ) -> torch.Tensor:
     """Attention of ``q`` over all prefix keys and the causal live keys; returns [B, H, R, Dv].
 
-    ``capture=True`` marks a capture chunk (graph-free; "auto" may take cuDNN's forward for it).
+    ``capture=True`` marks a capture chunk: graph-free, which is checked.
 
     ``prefix_again``, when given, returns the prefix (k, v) anew for the backward, and the graph
     keeps no reference to the prefix given here: pages streamed from host memory then live on the
@@ -80,7 +89,7 @@ def paged_attention(
     inputs = (q_BHRD, k_prefix_BKPD, v_prefix_BKPD, k_live_BKRD, v_live_BKRD)
     if capture and torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
         raise ValueError("paged_attention: capture=True is graph-free, but an input requires grad")
-    kernel, block_size = kernel_and_block(backend, q_BHRD, v_live_BKRD.shape[-1], block_size, capture)
+    kernel, block_size = kernel_and_block(backend, q_BHRD, v_live_BKRD.shape[-1], block_size)
     return _PagedAttention.apply(
         q_BHRD, k_prefix_BKPD, v_prefix_BKPD, k_live_BKRD, v_live_BKRD, float(scale), int(block_size), kernel,
         prefix_again,
@@ -213,19 +222,18 @@ def _validate(q, k_prefix, v_prefix, k_live, v_live, scale, block_size, backend)
         raise ValueError(f"paged_attention: backend={backend!r} needs CUDA tensors, got device {q.device}")
 
 
-def kernel_and_block(backend: str, q_BHRD, Dv: int, block_size: int | None, capture: bool = False) -> tuple[str, int]:
-    """The block kernel for these inputs (a capture chunk's when `capture`) and the block size (the
-    kernel's default unless given)."""
-    kernel = _pick_kernel(backend, q_BHRD, Dv, capture)
+def kernel_and_block(backend: str, q_BHRD, Dv: int, block_size: int | None) -> tuple[str, int]:
+    """The block kernel for these inputs and the block size (the kernel's default unless given)."""
+    kernel = _pick_kernel(backend, q_BHRD, Dv)
     return kernel, block_size or (MATH_BLOCK_SIZE if kernel == "math" else CUDA_BLOCK_SIZE)
 
 
 CUDNN_FORWARD_MAX_HEAD_DIM = 256  # cuDNN's forward with LSE at D=256: 666 TFLOP/s on the H200, flash 321
-CUDNN_BACKWARD_MAX_HEAD_DIM = 128  # the opt-in training backend: checked against math at D <= 128 only
+CUDNN_BACKWARD_MAX_HEAD_DIM = 128  # the opt-in "cudnn" backend: checked against math at D <= 128 only
 
 
-def _pick_kernel(backend: str, q_BHRD: torch.Tensor, Dv: int, capture: bool = False) -> str:
-    """'math', 'flash' or 'cudnn'; a CUDA kernel only where its constraints hold."""
+def _pick_kernel(backend: str, q_BHRD: torch.Tensor, Dv: int) -> str:
+    """'math', 'flash', 'cudnn' or 'cudnn_forward'; a CUDA kernel only where its constraints hold."""
     D, R = q_BHRD.shape[-1], q_BHRD.shape[2]
     if (
         backend == "math"
@@ -238,10 +246,11 @@ def _pick_kernel(backend: str, q_BHRD: torch.Tensor, Dv: int, capture: bool = Fa
     cudnn_ok = R > 1 and (torch.backends.cudnn.version() or 0) >= 90000
     if backend == "cudnn" and cudnn_ok and D <= CUDNN_BACKWARD_MAX_HEAD_DIM:
         return "cudnn"
-    if (backend == "auto" and capture and FORWARD_ONLY_KERNEL == "cudnn" and cudnn_ok
+    flash_ok = D <= 256 and torch.backends.cuda.is_flash_attention_available()
+    if (backend == "auto" and FORWARD_KERNEL == "cudnn" and cudnn_ok and flash_ok
             and D <= CUDNN_FORWARD_MAX_HEAD_DIM and R >= CUDNN_MIN_ROWS):
-        return "cudnn"
-    return "flash" if D <= 256 and torch.backends.cuda.is_flash_attention_available() else "math"
+        return "cudnn_forward"
+    return "flash" if flash_ok else "math"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -317,7 +326,10 @@ def _cudnn_block_bwd(do_BKMD, q_BKMD, k_BKND, v_BKND, out_BKMD, lse_BKM, scale, 
     )  # fmt: skip
 
 
-_CUDA_KERNELS = {"flash": (_flash_block_fwd, _flash_block_bwd), "cudnn": (_cudnn_block_fwd, _cudnn_block_bwd)}
+# kernel name -> (block forward, block backward); the backward recomputes against the global out/lse,
+# so any forward's (out, lse) feeds it
+_CUDA_KERNELS = {"flash": (_flash_block_fwd, _flash_block_bwd), "cudnn": (_cudnn_block_fwd, _cudnn_block_bwd),
+                 "cudnn_forward": (_cudnn_block_fwd, _flash_block_bwd)}
 
 
 def _last_dim_contiguous(x):
@@ -377,7 +389,7 @@ def attention_partial(q_BHRD, k_BKPD, v_BKPD, k_live_BKRD, v_live_BKRD, scale, b
     for start in range(0, P, block_size):
         blk = slice(start, start + block_size)
         # cuDNN only on large blocks (it crashed on small ones): a short tail block goes to flash
-        fwd = _flash_block_fwd if kernel == "cudnn" and P - start < CUDNN_MIN_ROWS else block_fwd
+        fwd = _flash_block_fwd if kernel in ("cudnn", "cudnn_forward") and P - start < CUDNN_MIN_ROWS else block_fwd
         lse_merge_(out_BKMD, lse_BKM, *fwd(q_BKMD, k_BKPD[:, :, blk], v_BKPD[:, :, blk], scale))
     return out_BHRD, lse_BHR
 
@@ -452,13 +464,62 @@ def attention_partial_backward(dout_BHRD, q_BHRD, k_BKPD, v_BKPD, k_live_BKRD, v
     )
 
 
+class ForwardMemo:
+    """The (out, lse) of each paged-attention forward run while `remembering`, given back in the same
+    order on each entry into `reusing`: a checkpointed segment's forward remembers, its recompute in
+    the backward reuses, and so skips a second pass over the prefix (see the module doc)."""
+
+    def __init__(self):
+        self._outputs = []
+        self._next = 0
+
+    @contextmanager
+    def remembering(self):
+        token = _ACTIVE_MEMO.set((self, False))
+        try:
+            yield
+        finally:
+            _ACTIVE_MEMO.reset(token)
+
+    @contextmanager
+    def reusing(self):
+        self._next = 0  # each recompute replays the forward's calls from the first
+        token = _ACTIVE_MEMO.set((self, True))
+        try:
+            yield
+        finally:
+            _ACTIVE_MEMO.reset(token)
+
+    def keep(self, q_BHRD, out_BHRD, lse_BHR):
+        self._outputs.append((q_BHRD.shape, out_BHRD, lse_BHR))
+
+    def take(self, q_BHRD):
+        if self._next == len(self._outputs):
+            raise RuntimeError("ForwardMemo: a recompute ran more paged-attention calls than its forward did")
+        shape, out_BHRD, lse_BHR = self._outputs[self._next]
+        if shape != q_BHRD.shape:
+            raise RuntimeError(f"ForwardMemo: the recompute's call has queries {tuple(q_BHRD.shape)}, "
+                               f"its forward's had {tuple(shape)}: the calls came in another order")
+        self._next += 1
+        return out_BHRD, lse_BHR
+
+
+_ACTIVE_MEMO: ContextVar[tuple[ForwardMemo, bool] | None] = ContextVar("paged_attention_memo", default=None)
+
+
 class _PagedAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_BHRD, k_BKPD, v_BKPD, k_BKRD, v_BKRD, scale, block_size, kernel, prefix_again):
         if kernel != "math":
             q_BHRD = q_BHRD.contiguous()  # one layout for q, out and dO (cudnn needs it; small)
-        out_BHRD, lse_BHR = attention_partial(q_BHRD, k_BKPD, v_BKPD, k_BKRD, v_BKRD, scale, block_size, kernel)
-        out_BHRD = out_BHRD.to(q_BHRD.dtype)
+        memo, reuse = _ACTIVE_MEMO.get() or (None, False)
+        if reuse:
+            out_BHRD, lse_BHR = memo.take(q_BHRD)
+        else:
+            out_BHRD, lse_BHR = attention_partial(q_BHRD, k_BKPD, v_BKPD, k_BKRD, v_BKRD, scale, block_size, kernel)
+            out_BHRD = out_BHRD.to(q_BHRD.dtype)
+            if memo is not None:
+                memo.keep(q_BHRD, out_BHRD, lse_BHR)
         ctx.save_for_backward(q_BHRD, k_BKRD, v_BKRD, out_BHRD, lse_BHR)
         # references only: no copy, no version check (see module doc); or none, and fetched again
         ctx.prefix = prefix_again or (k_BKPD, v_BKPD)
