@@ -30,18 +30,16 @@ HEADS, KV_HEADS, CAPTURE_ROWS = 24, 4, 16384
 MLP_SHAPE = (5120, 17408)  # Qwen3.6-27B: hidden 5120, intermediate 17408
 
 
-def attention_ceilings(device, cudnn_backward: bool) -> dict:
+def attention_ceilings(device) -> dict:
     out = {}
     for dim in (128, 256):
         # a capture chunk's queries (folded: G x 16384 rows per K/V head) against one 65,536-key block
-        rates = block_rates(HEADS, KV_HEADS, dim, CAPTURE_ROWS, torch.bfloat16, device, repeats=4,
-                            cudnn_backward=cudnn_backward)
+        rates = block_rates(HEADS, KV_HEADS, dim, CAPTURE_ROWS, torch.bfloat16, device, repeats=4)
         rates["causal_sdpa"] = causal_sdpa_rate(HEADS, dim, 131072, torch.bfloat16, device)
         out[f"head_dim_{dim}"] = rates
         torch.cuda.empty_cache()
     # replay's block: one response of 1,024 (folded: 6 x 1,024 rows per K/V head) against 65,536 keys
-    out["head_dim_256_replay_rows"] = block_rates(HEADS, KV_HEADS, 256, 1024, torch.bfloat16, device,
-                                                  cudnn_backward=cudnn_backward)
+    out["head_dim_256_replay_rows"] = block_rates(HEADS, KV_HEADS, 256, 1024, torch.bfloat16, device)
     return out
 
 
@@ -107,11 +105,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--results", nargs="*", default=[], help="pipeline results to read capture and replay from")
-    parser.add_argument("--cudnn-backward", action="store_true",
-                        help="also time cuDNN's backward (the opt-in backend; it has crashed the process on some shapes)")
     args = parser.parse_args()
     device = torch.device("cuda")
-    report = {"provenance": provenance(device), "attention": attention_ceilings(device, args.cudnn_backward),
+    report = {"provenance": provenance(device), "attention": attention_ceilings(device),
               "linear": nf4_ceilings(device), "results": from_results(args.results)}
     print_report(report)
     write_json_atomic(args.out, report)

@@ -282,11 +282,14 @@ def test_cuda_path_plumbing_with_emulated_kernel_on_cpu(monkeypatch):
         )
 
     monkeypatch.setitem(attention._CUDA_KERNELS, "flash", (fwd, bwd))
-    monkeypatch.setitem(attention._CUDA_KERNELS, "cudnn_forward", (fwd, bwd))
-    monkeypatch.setattr(attention, "_flash_block_fwd", fwd)  # a short tail block's kernel
+    # "cudnn_blocks" dispatches block by block (short blocks and the live block's backward to flash)
+    for name in ("_flash_block_fwd", "_cudnn_block_fwd"):
+        monkeypatch.setattr(attention, name, fwd)
+    for name in ("_flash_block_bwd", "_cudnn_block_bwd"):
+        monkeypatch.setattr(attention, name, bwd)
     monkeypatch.setattr(attention, "CUDNN_MIN_ROWS", 5)
     cases = [(1, 8, 2, 6, 0, 8, 4), (2, 6, 2, 5, 23, 8, 7), (1, 4, 1, 1, 9, 8, 4)]
-    for (B, H, Hk, R, P, D, bs), kernel in itertools.product(cases, ["flash", "cudnn_forward"]):
+    for (B, H, Hk, R, P, D, bs), kernel in itertools.product(cases, ["flash", "cudnn_blocks"]):
         q, kp, vp, kl, vl, (k_pages, v_pages) = make_inputs(B, H, Hk, R, P, D, dtype=torch.bfloat16, prefix_grad=True)
         out = attention._PagedAttention.apply(q, kp, vp, kl, vl, 0.3, bs, kernel, None)
         leaves = [q, kl, vl, k_pages, v_pages]
@@ -303,17 +306,19 @@ def test_cuda_path_plumbing_with_emulated_kernel_on_cpu(monkeypatch):
 @pytest.mark.cuda
 @pytest.mark.parametrize("D", [64, 256])  # 256: the Qwen3.6-27B head dim, on cuDNN's forward since issue 20
 @pytest.mark.parametrize("P", [0, 300, 4096 + 7])  # 4096 + 7: a 7-key tail block goes to flash
-def test_auto_takes_cudnn_forward_with_flash_backward_and_matches_math(P, D):
-    """Capture, scoring and replay alike ("auto" on 512 queries): cuDNN's forward, flash's backward fed
-    the merged out/lse; forward and gradients against the float64 dense reference, at head dim 256 too."""
+def test_auto_takes_cudnn_blocks_and_matches_math(P, D):
+    """Capture, scoring and replay alike ("auto" on 512 queries): cuDNN's forward and its backward on
+    the prefix blocks (views into longer pages), flash's on the tail and the live block; forward and
+    gradients against the float64 dense reference, at head dim 256 too."""
     g = torch.Generator(device="cuda").manual_seed(0)
 
     def t(*shape):
         return torch.randn(*shape, generator=g, device="cuda", dtype=torch.bfloat16)
 
-    q, kp, vp, kl, vl = t(1, 8, 512, D), t(1, 2, P, D), t(1, 2, P, D), t(1, 2, 512, D), t(1, 2, 512, D)
+    q, kl, vl = t(1, 8, 512, D), t(1, 2, 512, D), t(1, 2, 512, D)
+    kp, vp = t(1, 2, P + 300, D)[:, :, :P], t(1, 2, P + 300, D)[:, :, :P]
     if (torch.backends.cudnn.version() or 0) >= 90000:
-        assert attention._pick_kernel("auto", q, D) == "cudnn_forward"
+        assert attention._pick_kernel("auto", q, D) == "cudnn_blocks"
     with torch.no_grad():
         captured = paged_attention(q, kp, vp, kl, vl, scale=D**-0.5, block_size=4096, capture=True)
     leaves = [x.clone().requires_grad_() for x in (q, kl, vl)]

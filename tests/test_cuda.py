@@ -95,7 +95,7 @@ def test_step_logp_mismatch_at_the_on_policy_point_is_within_bound(head_dim):
     model = _hybrid_with_lora(head_dim)
     q = torch.empty(1, 4, 256, head_dim, dtype=torch.bfloat16, device="cuda")
     if (torch.backends.cudnn.version() or 0) >= 90000:
-        assert _pick_kernel("auto", q, head_dim) == "cudnn_forward"  # capture chunks, scoring and replay
+        assert _pick_kernel("auto", q, head_dim) == "cudnn_blocks"  # capture chunks, scoring and replay
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
     options = StepOptions(capture={"chunk_size": 1024}, checkpoint_layers=True)
     metrics = grpo_step(model, _ids(4097, 0), [_ids(256, 1), _ids(64, 2)], [0.0, 1.0], optimizer,

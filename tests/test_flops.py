@@ -37,6 +37,10 @@ def test_replay_floor_divides_each_part_by_its_own_rate():
     floor = flops.replay_floor_seconds(make_config("tiny-llama"), linear, lora, 3, 5, rates)
     linear_flops = (2 * linear * 3 + 2 * lora * 3) + (2 * linear * 3 + 4 * lora * 3)
     assert floor["seconds"] == pytest.approx(10752 / 2e12 + 26880 / 1e12 + linear_flops / 4e12)
+    # where cuDNN's rates were measured, replay takes cuDNN's kernels, so the floor does too
+    rates |= {"cudnn_forward": {"tflops_per_second": 8.0}, "cudnn_backward": {"tflops_per_second": 16.0}}
+    floor = flops.replay_floor_seconds(make_config("tiny-llama"), linear, lora, 3, 5, rates)
+    assert floor["seconds"] == pytest.approx(10752 / 8e12 + 26880 / 16e12 + linear_flops / 4e12)
 
 
 def test_capture_floor_counts_causal_attention_and_linears_without_the_lm_head():

@@ -20,11 +20,13 @@ Backends: ``"math"`` is plain torch (any device, any float dtype, float64 comput
 ``"cuda"`` (alias ``"flash"``) runs each block through ``aten._scaled_dot_product_flash_attention``
 and its ``_backward`` op fed the global out/lse (CUDA, fp16/bf16, D == Dv, D % 8 == 0, D <= 256;
 otherwise math).  ``"cudnn"`` runs forward and backward through ``aten._scaled_dot_product_cudnn_attention``
-and its ``_backward``; its backward rejects s_q = s_kv = 1 and crashed the process on some small
-shapes, so it is an opt-in only (D <= 128).  ``"auto"`` takes kernel ``"cudnn_forward"``, cuDNN's
-forward (about twice flash's on the H200, at head dim 256 too) with flash's backward fed its global
-out/lse, when cuDNN is there, D <= 256 and the queries are at least ``CUDNN_MIN_ROWS`` (a prefix
-block shorter than that goes to flash: cuDNN crashed on small ones); flash otherwise, math off CUDA.
+and its ``_backward``, the causal live block's backward included; that backward rejects s_q = s_kv = 1
+and crashed the process on some small shapes, so it is an opt-in only (D <= 128).  ``"auto"`` takes
+kernel ``"cudnn_blocks"`` when cuDNN is there, D <= 256 and the queries are at least ``CUDNN_MIN_ROWS``:
+cuDNN's forward on every block of at least ``CUDNN_MIN_ROWS`` keys (about twice flash's on the H200, at
+head dim 256 too) and cuDNN's backward on such prefix blocks (1.66x flash's on replay's block at head
+dim 256), flash's on shorter blocks, on the causal live block's backward and in the deterministic
+mode; flash otherwise, math off CUDA.
 The choice depends on the shapes only, so capture, scoring (old policy, reference) and replay of the
 same response run one forward kernel: at the on-policy point the ratio GRPO clips is exactly 1.
 ``LONGSTRAW_FORWARD_KERNEL=flash`` in the environment keeps "auto" on flash throughout.
@@ -228,12 +230,12 @@ def kernel_and_block(backend: str, q_BHRD, Dv: int, block_size: int | None) -> t
     return kernel, block_size or (MATH_BLOCK_SIZE if kernel == "math" else CUDA_BLOCK_SIZE)
 
 
-CUDNN_FORWARD_MAX_HEAD_DIM = 256  # cuDNN's forward with LSE at D=256: 666 TFLOP/s on the H200, flash 321
+CUDNN_BLOCKS_MAX_HEAD_DIM = 256  # H200, D=256: cuDNN's forward 658 TFLOP/s (flash 314), its backward 416 (250)
 CUDNN_BACKWARD_MAX_HEAD_DIM = 128  # the opt-in "cudnn" backend: checked against math at D <= 128 only
 
 
 def _pick_kernel(backend: str, q_BHRD: torch.Tensor, Dv: int) -> str:
-    """'math', 'flash', 'cudnn' or 'cudnn_forward'; a CUDA kernel only where its constraints hold."""
+    """'math', 'flash', 'cudnn' or 'cudnn_blocks'; a CUDA kernel only where its constraints hold."""
     D, R = q_BHRD.shape[-1], q_BHRD.shape[2]
     if (
         backend == "math"
@@ -248,8 +250,8 @@ def _pick_kernel(backend: str, q_BHRD: torch.Tensor, Dv: int) -> str:
         return "cudnn"
     flash_ok = D <= 256 and torch.backends.cuda.is_flash_attention_available()
     if (backend == "auto" and FORWARD_KERNEL == "cudnn" and cudnn_ok and flash_ok
-            and D <= CUDNN_FORWARD_MAX_HEAD_DIM and R >= CUDNN_MIN_ROWS):
-        return "cudnn_forward"
+            and D <= CUDNN_BLOCKS_MAX_HEAD_DIM and R >= CUDNN_MIN_ROWS):
+        return "cudnn_blocks"
     return "flash" if flash_ok else "math"
 
 
@@ -326,10 +328,26 @@ def _cudnn_block_bwd(do_BKMD, q_BKMD, k_BKND, v_BKND, out_BKMD, lse_BKM, scale, 
     )  # fmt: skip
 
 
+def _cudnn_large_block_fwd(q_BKMD, k_BKND, v_BKND, scale, causal=False):
+    """cuDNN's forward on a block of at least CUDNN_MIN_ROWS keys, flash's on a shorter one (cuDNN
+    crashed on small ones)."""
+    block_fwd = _cudnn_block_fwd if k_BKND.shape[2] >= CUDNN_MIN_ROWS else _flash_block_fwd
+    return block_fwd(q_BKMD, k_BKND, v_BKND, scale, causal)
+
+
+def _cudnn_large_block_bwd(do_BKMD, q_BKMD, k_BKND, v_BKND, out_BKMD, lse_BKM, scale, causal=False):
+    """cuDNN's backward on a prefix block of at least CUDNN_MIN_ROWS keys; flash's on the causal live
+    block, on a shorter block, and in the deterministic mode (flash's deterministic backward)."""
+    if causal or k_BKND.shape[2] < CUDNN_MIN_ROWS or torch.are_deterministic_algorithms_enabled():
+        return _flash_block_bwd(do_BKMD, q_BKMD, k_BKND, v_BKND, out_BKMD, lse_BKM, scale, causal)
+    return _cudnn_block_bwd(do_BKMD, q_BKMD, k_BKND, v_BKND, out_BKMD, lse_BKM, scale)
+
+
 # kernel name -> (block forward, block backward); the backward recomputes against the global out/lse,
-# so any forward's (out, lse) feeds it
-_CUDA_KERNELS = {"flash": (_flash_block_fwd, _flash_block_bwd), "cudnn": (_cudnn_block_fwd, _cudnn_block_bwd),
-                 "cudnn_forward": (_cudnn_block_fwd, _flash_block_bwd)}
+# so any forward's (out, lse) feeds any backward
+_CUDA_KERNELS = {"flash": (_flash_block_fwd, _flash_block_bwd),
+                 "cudnn": (_cudnn_large_block_fwd, _cudnn_block_bwd),
+                 "cudnn_blocks": (_cudnn_large_block_fwd, _cudnn_large_block_bwd)}
 
 
 def _last_dim_contiguous(x):
@@ -388,9 +406,7 @@ def attention_partial(q_BHRD, k_BKPD, v_BKPD, k_live_BKRD, v_live_BKRD, scale, b
     out_BKMD, lse_BKM = out_BHRD.view(B, K, M, Dv), lse_BHR.view(B, K, M)
     for start in range(0, P, block_size):
         blk = slice(start, start + block_size)
-        # cuDNN only on large blocks (it crashed on small ones): a short tail block goes to flash
-        fwd = _flash_block_fwd if kernel in ("cudnn", "cudnn_forward") and P - start < CUDNN_MIN_ROWS else block_fwd
-        lse_merge_(out_BKMD, lse_BKM, *fwd(q_BKMD, k_BKPD[:, :, blk], v_BKPD[:, :, blk], scale))
+        lse_merge_(out_BKMD, lse_BKM, *block_fwd(q_BKMD, k_BKPD[:, :, blk], v_BKPD[:, :, blk], scale))
     return out_BHRD, lse_BHR
 
 

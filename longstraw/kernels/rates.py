@@ -5,12 +5,11 @@
 - `causal_sdpa`: torch's own `scaled_dot_product_attention(is_causal=True)` (whichever backend
   torch picks) over `sdpa_positions` tokens with the model's attention heads: the rate capture's
   attention is judged against.
-- `flash_forward`, `flash_backward`, `cudnn_forward`: the block kernels paged attention calls, on
+- `flash_forward`, `flash_backward`, `cudnn_forward`, `cudnn_backward`: the block kernels paged attention calls, on
   one prefix block of replay's shape (the model's query heads folded over its K/V heads, times the
   response length, against `CUDA_BLOCK_SIZE` keys): the rates replay's FLOP floor uses.
-- `cudnn_backward` (only when asked: the opt-in "cudnn" backend's backward, which has crashed the
-  process on some shapes): its rate on the same block, and its dq's largest difference from flash's
-  relative to flash's largest |dq|.
+  `cudnn_backward` also records its dq's largest difference from flash's, relative to flash's largest
+  |dq|.
 - `gemm`: a square bf16 matmul, for the linear part of the floor.
 - `nf4_linear` (NF4 models): the model's largest 4-bit linear layer on a capture chunk's rows, through
   the layer as capture calls it (dequantise + GEMM), bitsandbytes' fused 4-bit GEMM, and a bf16 GEMM
@@ -25,7 +24,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from longstraw.kernels.paged_attention import (CUDA_BLOCK_SIZE, CUDNN_FORWARD_MAX_HEAD_DIM, _cudnn_block_bwd,
+from longstraw.kernels.paged_attention import (CUDA_BLOCK_SIZE, CUDNN_BLOCKS_MAX_HEAD_DIM, _cudnn_block_bwd,
                                                _cudnn_block_fwd, _flash_block_bwd, _flash_block_fwd)
 from longstraw.measure.flops import BACKWARD_OVER_FORWARD, attention_forward_flops, head_dim
 
@@ -52,7 +51,7 @@ def causal_sdpa_rate(heads: int, head_dim: int, positions: int, dtype, device) -
 
 
 def block_rates(heads: int, kv_heads: int, head_dim: int, response_length: int, dtype, device,
-                keys: int = CUDA_BLOCK_SIZE, repeats: int = 8, cudnn_backward: bool = False) -> dict:
+                keys: int = CUDA_BLOCK_SIZE, repeats: int = 8) -> dict:
     rows = heads // kv_heads * response_length
     q, do = (torch.randn(1, kv_heads, rows, head_dim, dtype=dtype, device=device) for _ in range(2))
     k, v = (torch.randn(1, kv_heads, keys, head_dim, dtype=dtype, device=device) for _ in range(2))
@@ -66,11 +65,9 @@ def block_rates(heads: int, kv_heads: int, head_dim: int, response_length: int, 
         "flash_backward": _rate(int(BACKWARD_OVER_FORWARD * flops), _timed(
             lambda: _flash_block_bwd(do, q, k, v, out, lse, scale), device, repeats), **shape),
     }
-    if head_dim <= CUDNN_FORWARD_MAX_HEAD_DIM and (torch.backends.cudnn.version() or 0) >= 90000:
+    if head_dim <= CUDNN_BLOCKS_MAX_HEAD_DIM and (torch.backends.cudnn.version() or 0) >= 90000:
         rates["cudnn_forward"] = _rate(flops, _timed(lambda: _cudnn_block_fwd(q, k, v, scale), device, repeats),
                                        **shape)
-    if cudnn_backward:
-        _cudnn_block_fwd(q, k, v, scale)  # sets the lse layout its backward is fed
         seconds = _timed(lambda: _cudnn_block_bwd(do, q, k, v, out, lse, scale), device, repeats)
         dq_flash, dq_cudnn = (bwd(do, q, k, v, out, lse, scale)[0].float() for bwd in (_flash_block_bwd,
                                                                                         _cudnn_block_bwd))

@@ -53,17 +53,17 @@ def replay_linear_flops(linear_params: int, response_length: int, lora_parameter
 def replay_floor_seconds(config, linear_params: int, lora_params: int, response_length: int, prefix: int,
                          rates: dict) -> dict:
     """One replayed member's FLOP floor at measured rates (TFLOP/s dicts as kernel_rates records them):
-    attention forward at the flash forward rate, its backward at the flash backward rate, the
-    linear work at the GEMM rate."""
+    attention forward and backward at the rates of the kernels replay takes (cuDNN's where measured,
+    else flash's), the linear work at the GEMM rate."""
     attn_fwd, attn_bwd = replay_attention_flops(config, response_length, prefix)
     lin = sum(replay_linear_flops(linear_params, response_length, lora_params))
 
-    def tflops(name):
-        return rates[name]["tflops_per_second"] * 1e12
+    def tflops(cudnn, flash):
+        return rates[cudnn if cudnn in rates else flash]["tflops_per_second"] * 1e12
 
-    parts = {"attention_forward": attn_fwd / tflops("flash_forward"),
-             "attention_backward": attn_bwd / tflops("flash_backward"),
-             "linear": lin / tflops("gemm")}
+    parts = {"attention_forward": attn_fwd / tflops("cudnn_forward", "flash_forward"),
+             "attention_backward": attn_bwd / tflops("cudnn_backward", "flash_backward"),
+             "linear": lin / tflops("gemm", "gemm")}
     return {"seconds": sum(parts.values()), "parts_seconds": parts,
             "flops": {"attention_forward": attn_fwd, "attention_backward": attn_bwd, "linear": lin}}
 
