@@ -91,3 +91,13 @@ def test_naive_bracket_takes_one_member_probes_and_oom_step_points(tmp_path):
     capacity = next(r for r in evaluate_targets(tmp_path) if r["target"].startswith("largest fitting"))
     assert capacity["met"] is False  # 2,097,152 / 327,680 = 6.4x
     assert "< 327,680" in capacity["measured"] and "131,072" in capacity["measured"]
+
+
+def test_27b_one_command_target_needs_both_steps_within_the_command_limit(tmp_path):
+    target = "27B shape NF4 at 1,048,576 positions: capture, a G=2 and a G=8 step in one command"
+    relative = "architectures/qwen3.6-27b-shape-nf4-1048576.json"
+    for status, wall, steps, met in [("ok", 573.0, [_step("replay", 2, 1), _step("replay", 8, 1)], True),
+                                     ("partial", 549.0, [_step("replay", 2, 1)], False),
+                                     ("ok", 640.0, [_step("replay", 2, 1), _step("replay", 8, 1)], False)]:
+        _write(tmp_path, relative, {"status": status, "wall_seconds": wall, "metrics": {"steps": steps}})
+        assert _verdicts(tmp_path)[target] is met

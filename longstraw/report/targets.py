@@ -17,7 +17,8 @@ so (`met` is None) instead of guessing. Inputs (layout `<results>/<experiment>/<
   at the longest length where naive's full G=8 step was timed;
 - architectures/qwen3.6-27b-shape-nf4-1048576.json and -65536-replay-checkpointed.json (issue 20): the
   27B shape's capture against its FLOP floor at that run's rates (a run cut off later, status partial,
-  still measured its capture), and its replay transient under whole-layer checkpointing.
+  still measured its capture), whether capture and a G=2 and a G=8 step ran in one command, and its
+  replay transient under whole-layer checkpointing.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ FLOOR_RATIO_LIMIT = 1.5
 CAPTURE_27B = "architectures/qwen3.6-27b-shape-nf4-1048576.json"
 REPLAY_27B = "architectures/qwen3.6-27b-shape-nf4-65536-replay-checkpointed.json"
 CAPTURE_FLOOR_LIMIT = 1.3
+COMMAND_SECONDS = 600  # one device command's limit
 REPLAY_TRANSIENT_27B_LIMIT = 8e9
 
 
@@ -222,6 +224,20 @@ def capture_floor_27b(root: Path) -> dict:
                 ratio <= CAPTURE_FLOOR_LIMIT, CAPTURE_27B)
 
 
+def one_command_27b(root: Path) -> dict:
+    target = "27B shape NF4 at 1,048,576 positions: capture, a G=2 and a G=8 step in one command"
+    goal = f"every part ok within {COMMAND_SECONDS} s"
+    path = root / CAPTURE_27B
+    result = json.loads(path.read_text()) if path.is_file() else None
+    if result is None or result.get("wall_seconds") is None:
+        return _missing(target, goal, f"no {CAPTURE_27B}")
+    steps = {s["count"]: s["status"] for s in result["metrics"].get("steps", []) if s["mode"] == "replay"}
+    done = ", ".join(f"G={g} {status}" for g, status in sorted(steps.items())) or "no step"
+    met = (result["status"] == "ok" and steps.get(2) == "ok" and steps.get(8) == "ok"
+           and result["wall_seconds"] <= COMMAND_SECONDS)
+    return _row(target, goal, f"{result['status']} in {result['wall_seconds']:.0f} s ({done})", met, CAPTURE_27B)
+
+
 def replay_transient_27b(root: Path) -> dict:
     target, goal = "27B shape replay transient, one response of 1,024", f"<= {_gb(REPLAY_TRANSIENT_27B_LIMIT)}"
     result = _load(root, REPLAY_27B)
@@ -237,4 +253,4 @@ def evaluate_targets(results_dir) -> list[dict]:
     root = Path(results_dir)
     root = root / "points" if (root / "points").is_dir() else root
     return [peak_growth(root), capture_attention_rate(root), *capture_transients(root), *baselines(root),
-            replay_floor(root), capture_floor_27b(root), replay_transient_27b(root)]
+            replay_floor(root), capture_floor_27b(root), one_command_27b(root), replay_transient_27b(root)]
