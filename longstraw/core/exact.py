@@ -31,7 +31,7 @@ import torch
 
 from longstraw.families import adapter_for
 from longstraw.state import AttentionPages, LatentPages, RecurrentState, ResidentState
-from longstraw.state.pages import attend_pages
+from longstraw.state.pages import attend_latent_pages, attend_pages
 
 
 @dataclass
@@ -73,13 +73,14 @@ class RecomputeLatent:
 
     prefix_kv: torch.Tensor
     prefix_index: torch.Tensor | None
-    length: int  # the chunk's first position (the MLA adapter keys IndexShare selections by it)
+    chunk_start: int  # the chunk's first position (the MLA adapter keys IndexShare selections by it)
     live: list = field(default_factory=list)
 
     def filled(self):
         return self.prefix_kv, self.prefix_index
 
     on_device = filled  # exact mode keeps its pages on the device
+    attend = attend_latent_pages
 
     def append(self, kv_11TE, index_1TI):
         self.live = [kv_11TE]

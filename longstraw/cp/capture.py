@@ -30,10 +30,11 @@ from longstraw.families import adapter_for
 from longstraw.cp.balanced_attention import balanced_capture_attention
 from longstraw.cp.gdn_shards import enter_gdn_layer
 from longstraw.cp.group import CPGroup, shard_bounds
-from longstraw.cp.shards import ShardedResidentState, ShardPages
+from longstraw.cp.latent_capture import capture_latent_layer
+from longstraw.cp.shards import ShardedResidentState, ShardLatentPages, ShardPages
 from longstraw.measure.memory import synchronize
 from longstraw.measure.progress import CaptureProgress
-from longstraw.state import AttentionPages, RecurrentState
+from longstraw.state import AttentionPages, LatentPages, RecurrentState
 
 
 def capture_sharded(model, ids: torch.Tensor, cp: CPGroup, chunk: int, progress: bool | None = None
@@ -55,9 +56,11 @@ def capture_sharded(model, ids: torch.Tensor, cp: CPGroup, chunk: int, progress:
         entry = adapter.allocate_entry(i, end - start, dtype, device)
         if isinstance(entry, AttentionPages):
             entry = ShardPages(entry.k_BKPD, entry.v_BKPD, cp=cp, bounds=bounds)
+        elif isinstance(entry, LatentPages):
+            entry = ShardLatentPages(entry.kv_11PE, entry.index_1PI, entry.kv_lora_rank, cp=cp, bounds=bounds)
         elif not isinstance(entry, RecurrentState):
-            raise ValueError(f"context parallelism covers the dense and hybrid families; {adapter.config.model_type!r} "
-                             f"keeps {type(entry).__name__} entries, which have no sharded form yet")
+            raise ValueError(f"{adapter.config.model_type!r} keeps {type(entry).__name__} entries, which have no "
+                             "context-parallel form")
         layers.append(entry)
     per_position, constant = adapter.predicted_bytes(dtype)
     state = ShardedResidentState(
@@ -70,8 +73,11 @@ def capture_sharded(model, ids: torch.Tensor, cp: CPGroup, chunk: int, progress:
     with torch.no_grad(), adapter.selected():
         h = adapter.embed(ids[None, start:end])
         for i, entry in enumerate(layers):
-            if isinstance(entry, ShardPages):
-                _attention_layer(adapter, i, h, entry, start, chunk)
+            if isinstance(entry, (ShardPages, ShardLatentPages)):
+                if isinstance(entry, ShardPages):
+                    _attention_layer(adapter, i, h, entry, start, chunk)
+                else:
+                    h[:] = capture_latent_layer(adapter, i, h, entry, cp, bounds, chunk)
                 progress_bar.advance_to((i + 1) * (end - start))
                 continue
             enter_gdn_layer(adapter, i, h, entry, cp, bounds, chunk)  # GDN: the state at this shard's start
