@@ -19,7 +19,8 @@ Within a layer the shard goes `chunk_size` positions at a time, as a single-proc
 calls a layer, so the transient is the shard's hidden states ([shard, hidden]) plus one chunk's
 activations, and, for an attention layer, the shard's queries and attention outputs and the whole
 prompt's K/V of that one layer (all-gathered for the balanced attention). `order` and
-`memory_budget_bytes` do not apply. No exact mode (prefix_grad) yet.
+`memory_budget_bytes` do not apply. Exact mode (prefix_grad) keeps each GDN layer's state at every
+chunk start (`checkpoints`) for `longstraw.core.exact_cp`.
 """
 
 from __future__ import annotations
@@ -37,10 +38,11 @@ from longstraw.measure.progress import CaptureProgress
 from longstraw.state import AttentionPages, LatentPages, RecurrentState
 
 
-def capture_sharded(model, ids: torch.Tensor, cp: CPGroup, chunk: int, progress: bool | None = None
-                    ) -> ShardedResidentState:
+def capture_sharded(model, ids: torch.Tensor, cp: CPGroup, chunk: int, progress: bool | None = None,
+                    checkpoints: dict | None = None) -> ShardedResidentState:
     """This rank's share of the resident state of `ids` (validated 1-D prompt ids). The last rank,
-    which finishes last, shows the progress bar."""
+    which finishes last, shows the progress bar. `checkpoints` (exact mode) receives each GDN layer's
+    state at the start of each of this shard's chunks, keyed (layer, position)."""
     adapter = adapter_for(model)
     device, dtype = adapter.device, adapter.compute_dtype
     positions = ids.numel() - 1
@@ -82,6 +84,8 @@ def capture_sharded(model, ids: torch.Tensor, cp: CPGroup, chunk: int, progress:
                 continue
             enter_gdn_layer(adapter, i, h, entry, cp, bounds, chunk)  # GDN: the state at this shard's start
             for c0 in range(0, end - start, chunk):
+                if checkpoints is not None:
+                    checkpoints[(i, start + c0)] = (entry.conv_BCK1.clone(), entry.recurrent_BHDV.clone())
                 h_c = h[:, c0:c0 + chunk]
                 h[:, c0:c0 + chunk] = adapter.layer_forward(i, h_c, adapter.position_embeddings(h_c, start + c0),
                                                             entry, capturing=True)

@@ -1,0 +1,65 @@
+"""Exact mode under context parallelism (`capture(..., prefix_grad=True, cp=...)` + `backward_prefix`,
+`longstraw.core.exact_cp`) on gloo, world sizes 2 and 3, against the single process's exact mode (itself
+held to HF's one-pass autograd over prompt + response in tests/test_prefix_grad.py and tests/test_mla.py).
+"""
+
+import os
+
+import pytest
+import torch
+
+from longstraw import capture, replay
+from longstraw.core.hf_reference import global_relative_error, max_relative_error
+from longstraw.cp import context_parallel
+from longstraw.cp.launch import run_ranks
+from longstraw.models import build_model
+from test_mla import DROP_TOPK, _model
+
+PROMPT_LEN = 24  # 23 resident positions: divisible by neither 2 nor 3
+CHUNK = 4  # several chunks per shard: the reverse recompute crosses chunk and shard boundaries
+TOL = 1e-5  # relative, float32
+# attention (dense GQA), hybrid (GDN + attention), MLA with DSA top-k dropping positions, dense MLA
+CASES = [("tiny-llama", None, 3), ("tiny-qwen3_5", None, 2), ("tiny-qwen3_5", None, 3),
+         ("tiny-glm_moe_dsa", DROP_TOPK, 2), ("tiny-glm_moe_dsa", DROP_TOPK, 3), ("tiny-deepseek_v3", None, 3)]
+
+
+def _ids(n, seed, vocab=256):
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+PROMPT, RESPONSES = _ids(PROMPT_LEN, 0), [_ids(7, 1), _ids(5, 2)]
+
+
+def _grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _exact(preset, topk, cp=None):
+    model = _model(preset, topk) if preset in ("tiny-glm_moe_dsa", "tiny-deepseek_v3") else build_model(preset, seed=1)
+    state = capture(model, PROMPT, prefix_grad=True, chunk_size=CHUNK, cp=cp)
+    before = state.fingerprint()
+    for y in RESPONSES:  # serial replay, one backward each
+        (replay(model, state, y) * torch.linspace(-1.0, 2.0, y.numel())).sum().backward()
+    conditional = _grads(model)
+    state.backward_prefix()
+    return {"conditional": conditional, "exact": _grads(model), "unchanged": state.fingerprint() == before}
+
+
+def _rank_exact(preset, topk):
+    return _exact(preset, topk, context_parallel(int(os.environ["WORLD_SIZE"])))
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("preset,topk,world", CASES, ids=lambda c: str(c))
+def test_exact_mode_under_cp_equals_the_single_process(preset, topk, world):
+    ranks = run_ranks(_rank_exact, world, preset, topk, start_method="fork")
+    single = _exact(preset, topk)
+    for r in ranks:
+        assert r["unchanged"]
+        assert set(r["exact"]) == set(single["exact"])
+        error = max_relative_error(r["exact"], single["exact"])
+        assert error < TOL, error
+        for name, g in r["exact"].items():  # every rank ends with the same gradient
+            assert torch.equal(g, ranks[0]["exact"][name]), name
+    # the prompt-side term is real: without it the gradient is far off
+    assert global_relative_error(ranks[0]["conditional"], single["exact"]) > 0.05
