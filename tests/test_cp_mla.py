@@ -15,6 +15,8 @@ from longstraw import capture, replay
 from longstraw.core.hf_reference import max_relative_error
 from longstraw.cp import context_parallel, shard_bounds
 from longstraw.cp.launch import run_ranks
+from longstraw.kernels.dsa_topk import index_scores, key_positions, ranked_keys, select_topk
+from longstraw.training.rollout import SamplingConfig, sample
 from test_mla import DROP_TOPK, _model
 
 PROMPT_LEN = 24  # 23 resident positions: divisible by neither 2 nor 3
@@ -140,3 +142,61 @@ def test_sharded_mla_replay_logprobs_and_gradients_equal_the_single_process(shar
         assert error < TOL, error
         for name, g in r["grads"].items():  # the replicated backward gives every rank the same gradient
             assert torch.equal(g, ranks[0]["grads"][name]), name
+
+
+def test_sharded_mla_capture_runs_each_rank_on_its_zigzag_chunks(sharded):
+    """The layers' work is spread as the attention family's: the queries a rank selected for in the capture
+    are those of the prompt's half-shards r and 2W-1-r, both of them."""
+    world, topk, ranks, _ = sharded
+    if topk is None:
+        pytest.skip("dense latent attention records no selections")
+    halves = [(s + a, s + b) for s, e in shard_bounds(PROMPT_LEN - 1, world) for a, b in shard_bounds(e - s, 2)]
+    for rank, r in enumerate(ranks):
+        positions = {p for _, first, sel in r["selections"] if first != "replay" for p in range(first, first +
+                                                                                                  len(sel))}
+        spans = [halves[rank], halves[2 * world - 1 - rank]]
+        assert positions <= {p for a, b in spans for p in range(a, b)}
+        assert all(positions & set(range(a, b)) for a, b in spans if b > 2 * CHUNK)
+
+
+def test_sharded_selection_breaks_ties_as_the_single_process():
+    """Exact ties (integer scores: many keys share one) at the k-th place: every shard's top k merged is the
+    single process's selection, and both keep the lower positions among equal scores."""
+    g = torch.Generator().manual_seed(0)
+    T, P, H, I, k = 5, 29, 2, 3, 7
+    q = torch.randint(-1, 2, (T, H, I), generator=g).float()
+    w = torch.ones(T, H)
+    k_prefix, k_live = (torch.randint(-1, 2, (n, I), generator=g).float() for n in (P, T))
+    single = select_topk(q, w, k_prefix, k_live, topk=k, scale=1.0)
+    scores = index_scores(q, w, torch.cat([k_prefix, k_live]), 1.0)
+    scores[torch.arange(P + T)[None] > P + torch.arange(T)[:, None]] = float("-inf")
+    for t in range(T):  # the rule: by score, then the lower position
+        order = sorted(range(P + T), key=lambda s: (-float(scores[t, s]), s))[:k]
+        assert single[t].tolist() == order
+    assert len(set(scores[0].tolist())) < P // 2  # ties are everywhere, not a corner case
+    for world in (2, 3):
+        proposals = []
+        for rank, (start, end) in enumerate(shard_bounds(P, world)):
+            live = (k_live, P) if rank == world - 1 else (None, P)
+            proposals.append(ranked_keys(q, w, k_prefix[start:end], start, *live, k, 1.0))
+        merged = key_positions(torch.cat(proposals, dim=1).topk(k, dim=1).values)
+        assert torch.equal(merged, single)
+
+
+def _rank_refusals():
+    model = _model("tiny-glm_moe_dsa", DROP_TOPK)
+    cp = context_parallel(int(os.environ["WORLD_SIZE"]))
+    messages = []
+    for call in (lambda: capture(model, PROMPT, cp=cp, host_pages=True),
+                 lambda: sample(model, capture(model, PROMPT, chunk_size=CHUNK, cp=cp),
+                                SamplingConfig(num_samples=2, max_new_tokens=2))):
+        with pytest.raises((ValueError, NotImplementedError)) as error:
+            call()
+        messages.append(str(error.value))
+    return messages
+
+
+def test_what_mla_under_cp_does_not_do_is_refused():
+    host, sampling = run_ranks(_rank_refusals, 2, start_method="fork")[0]
+    assert "host_pages=True is not implemented for a context-parallel capture" in host
+    assert "sampling from a context-parallel MLA state is not implemented" in sampling

@@ -14,6 +14,8 @@ position after the last shard, depend on it); only the capture's attention work 
 A chunk's output is exact attention over every earlier position and its own causal keys, computed by
 `attention_partial` with cuDNN's forward on CUDA (the capture kernel) and the math kernel on CPU.
 Point-to-point traffic per layer and rank: at most two chunks of queries out and two of outputs back.
+`zigzag_map` is the schedule alone (a chunk's rows to its computing rank, the results back); MLA layers
+run whole on it (`longstraw.cp.latent_capture`).
 """
 
 from __future__ import annotations
