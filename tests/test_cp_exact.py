@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from longstraw import capture, replay
+from longstraw.core import grpo
+from longstraw.core.step import StepOptions, grpo_step
 from longstraw.core.hf_reference import global_relative_error, max_relative_error
 from longstraw.cp import context_parallel
 from longstraw.cp.launch import run_ranks
@@ -63,3 +65,32 @@ def test_exact_mode_under_cp_equals_the_single_process(preset, topk, world):
             assert torch.equal(g, ranks[0]["exact"][name]), name
     # the prompt-side term is real: without it the gradient is far off
     assert global_relative_error(ranks[0]["conditional"], single["exact"]) > 0.05
+
+
+def _exact_step(preset, cp=None):
+    """One GRPO step in exact mode (`StepOptions(prefix_grad=True)`): the parameters' update."""
+    model = build_model(preset, seed=1)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)  # the update is the gradient
+    responses = [_ids(5, 10 + i) for i in range(3)]
+    options = StepOptions(prefix_grad=True, capture={"chunk_size": CHUNK, **({"cp": cp} if cp else {})})
+    metrics = grpo_step(model, PROMPT, responses, [0.0, 1.0, 0.5], optimizer, grpo.GRPOConfig(num_generations=3),
+                        options).metrics
+    return {"loss": metrics["loss"], "updates": {n: p.detach() - before[n] for n, p in model.named_parameters()}}
+
+
+def _rank_exact_step(preset):
+    return _exact_step(preset, context_parallel(int(os.environ["WORLD_SIZE"])))
+
+
+@pytest.mark.numerics
+def test_exact_grpo_step_under_cp_equals_the_single_process():
+    ranks = run_ranks(_rank_exact_step, 2, "tiny-llama", start_method="fork")
+    single = _exact_step("tiny-llama")
+    for r in ranks:
+        assert r["loss"] == pytest.approx(single["loss"], rel=TOL, abs=1e-7)
+        for name, u in r["updates"].items():
+            assert torch.equal(u, ranks[0]["updates"][name]), name  # one consistent optimizer step
+        error = global_relative_error(r["updates"], single["updates"])
+        print(f"update error {error:.2e}, per parameter {max_relative_error(r['updates'], single['updates']):.2e}")
+        assert error < TOL, error

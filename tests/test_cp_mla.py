@@ -74,7 +74,7 @@ def _rank_capture_replay(preset, topk):
     return _capture_replay(preset, topk, context_parallel(int(os.environ["WORLD_SIZE"])))
 
 
-def _by_position(records, positions):
+def _by_position(records):
     """{(layer, query position or ('replay', row)): the selected positions, as a sorted tuple}."""
     out = {}
     for layer, first, selection in records:
@@ -114,10 +114,10 @@ def test_sharded_mla_selections_are_the_single_process_selections(sharded):
     if topk is None:
         assert not single["selections"] and not any(r["selections"] for r in ranks)
         return
-    expected = _by_position(single["selections"], PROMPT_LEN - 1)
+    expected = _by_position(single["selections"])
     captured = {}
     for r in ranks:
-        mine = _by_position(r["selections"], PROMPT_LEN - 1)
+        mine = _by_position(r["selections"])
         replayed = {k: v for k, v in mine.items() if "replay" in k}
         assert replayed == {k: v for k, v in expected.items() if "replay" in k}  # every rank holds the merge
         captured.update({k: v for k, v in mine.items() if "replay" not in k})

@@ -15,8 +15,8 @@ reverse rank order, since a shard's prompt-side gradient depends on every later 
    every other rank waits for rank r+1, which sends the gradients of every page before its shard
    (the earlier shards' pages, which its queries read) and of each GDN layer's state entering its
    shard (the state at rank r's shard end), adds them to its own pages' and takes the GDN seeds;
-2. the rank recomputes its chunks under autograd, reading the pages of every earlier position (the
-   earlier shards' gathered once at the start: a transient as large as those pages), which adds its
+2. the rank recomputes its chunks under autograd, reading the pages of every earlier position (every
+   shard's pages all-gathered once at the start: a transient as large as the whole state), which adds its
    shard's prompt-side term to the parameters' gradients and leaves the gradients of the earlier
    pages and of its GDN start states, sent on to rank r-1;
 3. one all-reduce of the prompt-side terms: every rank ends with the replays' conditional gradient
@@ -63,7 +63,10 @@ def backward_prefix_sharded(state) -> None:
         received = [torch.empty_like(g) for g, _ in _flat(grads, entries)]
         cp.recv_(received, cp.rank + 1)
         for (mine, is_pages), got in zip(_flat(grads, entries), received):
-            mine.add_(got) if is_pages else mine.copy_(got)
+            if is_pages:  # every later shard's queries read these pages: their shares add up
+                mine.add_(got)
+            else:  # the GDN state at this shard's end: only the next shard read it
+                mine.copy_(got)
     params = [p for p in trace.model.parameters() if p.requires_grad]
     conditional = [p.grad.clone() if p.grad is not None else None for p in params]
     recompute_chunks(adapter_for(trace.model), trace, entries, grads, range(start, end, trace.chunk), end)

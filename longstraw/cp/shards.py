@@ -74,7 +74,8 @@ class ShardLatentPages(LatentPages):
             selection = None
             if index.topk < self.bounds[-1][1] + q_1HTE.shape[2]:  # as the single process decides
                 selection = sharded_select_topk(index, self)
-        return sharded_latent_attention(q_1HTE, live_11TE, self, rank=rank, scale=scale, selection_TK=selection), selection
+        out_1HTC = sharded_latent_attention(q_1HTE, live_11TE, self, rank=rank, scale=scale, selection_TK=selection)
+        return out_1HTC, selection
 
     def on_device(self):
         raise NotImplementedError("sampling from a context-parallel MLA state is not implemented: its decoding "

@@ -113,7 +113,7 @@ def _project(attn, x_BTH, cos, sin):
     None without q-LoRA, the normed latent [B, T, C], the live page entries [latent ‖ rotated rope key]
     [B, 1, T, E])."""
     B, T, _ = x_BTH.shape
-    H, N, R, C = attn.num_heads, attn.qk_nope_head_dim, attn.qk_rope_head_dim, attn.kv_lora_rank
+    H, N, R = attn.num_heads, attn.qk_nope_head_dim, attn.qk_rope_head_dim
     if getattr(attn, "q_proj", None) is not None:
         q_resid_BTQ, q_BTX = None, attn.q_proj(x_BTH)
     else:
