@@ -183,20 +183,41 @@ def test_sharded_selection_breaks_ties_as_the_single_process():
         assert torch.equal(merged, single)
 
 
-def _rank_refusals():
+SAMPLING = SamplingConfig(num_samples=4, max_new_tokens=8, temperature=1.0, stop_ids=tuple(range(3, 256, 9)), seed=5)
+
+
+def _sample(preset, topk, cp=None):
+    model = _model(preset, topk)
+    rollouts = sample(model, capture(model, PROMPT, chunk_size=CHUNK, cp=cp), SAMPLING)
+    return {"responses": rollouts.responses, "logprobs": rollouts.logprobs}
+
+
+def _rank_sample(preset, topk):
+    return _sample(preset, topk, context_parallel(int(os.environ["WORLD_SIZE"])))
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("preset,topk,world", [("tiny-glm_moe_dsa", DROP_TOPK, 2), ("tiny-deepseek_v32", DROP_TOPK, 3),
+                                               ("tiny-deepseek_v3", None, 3)], ids=lambda c: str(c))
+def test_sampling_from_sharded_mla_pages_equals_the_single_process(preset, topk, world):
+    """Each decoding step selects over every rank's index keys and the sequences' own (the last rank's
+    proposal) and attends across the ranks: the same tokens and log-probs as one process."""
+    ranks = run_ranks(_rank_sample, world, preset, topk, start_method="fork")
+    single = _sample(preset, topk)
+    assert len({tuple(r.tolist()) for r in single["responses"]}) > 1  # distinct sequences
+    for r in ranks:
+        assert [t.tolist() for t in r["responses"]] == [t.tolist() for t in single["responses"]]
+        for mine, expected in zip(r["logprobs"], single["logprobs"]):
+            torch.testing.assert_close(mine, expected, rtol=TOL, atol=TOL)
+
+
+def _rank_host_pages():
     model = _model("tiny-glm_moe_dsa", DROP_TOPK)
-    cp = context_parallel(int(os.environ["WORLD_SIZE"]))
-    messages = []
-    for call in (lambda: capture(model, PROMPT, cp=cp, host_pages=True),
-                 lambda: sample(model, capture(model, PROMPT, chunk_size=CHUNK, cp=cp),
-                                SamplingConfig(num_samples=2, max_new_tokens=2))):
-        with pytest.raises((ValueError, NotImplementedError)) as error:
-            call()
-        messages.append(str(error.value))
-    return messages
+    with pytest.raises(ValueError) as error:
+        capture(model, PROMPT, cp=context_parallel(int(os.environ["WORLD_SIZE"])), host_pages=True)
+    return str(error.value)
 
 
-def test_what_mla_under_cp_does_not_do_is_refused():
-    host, sampling = run_ranks(_rank_refusals, 2, start_method="fork")[0]
-    assert "host_pages=True is not implemented for a context-parallel capture" in host
-    assert "sampling from a context-parallel MLA state is not implemented" in sampling
+def test_host_pages_under_cp_are_refused():
+    assert "host_pages=True is not implemented for a context-parallel capture" in run_ranks(
+        _rank_host_pages, 2, start_method="fork")[0]

@@ -18,15 +18,20 @@ entries it holds (its pages; the last rank also the live entries), computes its 
 a query's entries contributes (0, -inf)). Backward: `sparse_partial_backward` on each rank against the
 merged out and lse; one all-reduce sums dq (and brings the live entries' gradients from the last rank);
 the pages' gradients (exact mode) stay with their owner.
+
+Sampling (`sharded_select_topk_decode`, `sharded_latent_decode_attention`): a decoding step proposes and
+merges the same way, each sequence's own generated entries (replicated) counted on the last rank.
 """
 
 from __future__ import annotations
 
 import torch
 
-from longstraw.cp.sharded_attention import sharded_attention_over
-from longstraw.kernels.dsa_topk import key_positions, ranked_keys
-from longstraw.kernels.latent_attention import ROWS_PER_BLOCK, sparse_partial, sparse_partial_backward
+from longstraw.cp.sharded_attention import merge_ranks, sharded_attention_over
+from longstraw.kernels.dsa_topk import key_positions, ranked_decode_keys, ranked_keys
+from longstraw.kernels.latent_attention import (ROWS_PER_BLOCK, sparse_decode_partial, sparse_partial,
+                                                sparse_partial_backward)
+from longstraw.kernels.paged_attention import decode_partial
 
 _NO_KEY = torch.iinfo(torch.int64).min  # pads a proposal shorter than k: below every selection key
 
@@ -41,9 +46,7 @@ def sharded_select_topk(index, pages) -> torch.Tensor:
     own_1NI = pages.filled()[1]
     live = (index.key_TI, P) if cp.is_last else (None, P)
     keys_TN = ranked_keys(index.q_THI, index.w_TH, own_1NI[0], bounds[cp.rank][0], *live, k, index.scale)
-    proposal_TK = keys_TN.new_full((T, k), _NO_KEY)
-    proposal_TK[:, :keys_TN.shape[1]] = keys_TN
-    return key_positions(torch.cat(cp.all_gather(proposal_TK), dim=1).topk(k, dim=1).values)
+    return _merge_proposals(cp, keys_TN, T, k)
 
 
 def sharded_latent_attention(q_1HTE, live_11TE, pages, *, rank: int, scale: float, selection_TK=None):
@@ -59,15 +62,54 @@ def sharded_latent_attention(q_1HTE, live_11TE, pages, *, rank: int, scale: floa
     return out_HTC[None]
 
 
-def _held(selection_TK, cp, shard):
-    """The selected entries this rank holds: (indices into [own pages ‖ live], visible mask)."""
+@torch.no_grad()
+def sharded_select_topk_decode(index, pages, own) -> torch.Tensor:
+    """int64 [B, min(topk, P + N)] positions (into [prompt ‖ the sequence's own N entries]) selected for one
+    decoding step of B sequences over every rank's index pages: `select_topk_decode` of the whole prompt."""
+    cp, bounds = pages.cp, pages.bounds
+    P, B, N = bounds[-1][1], index.q_THI.shape[0], own.length
+    k = min(index.topk, P + N)
+    own_keys = own.filled()[1] if cp.is_last else None
+    keys_BN = ranked_decode_keys(index.q_THI, index.w_TH, pages.filled()[1][0], bounds[cp.rank][0], own_keys, P, k,
+                                 index.scale)
+    return _merge_proposals(cp, keys_BN, B, k)
+
+
+@torch.no_grad()
+def sharded_latent_decode_attention(q_BH1E, pages, own, *, rank: int, scale: float, selection_BK=None):
+    """[B, H, 1, C] one decoding step over every rank's latent pages and each sequence's own entries
+    (counted on the last rank), merged across the ranks."""
+    cp, kv_11NE = pages.cp, pages.filled()[0]
+    own_B1NE = own.filled()[0]
+    if selection_BK is None:
+        own_kv = (own_B1NE, own_B1NE[..., :rank]) if cp.is_last else (None, None)
+        out_BH1C, _ = merge_ranks(cp, *decode_partial(q_BH1E, kv_11NE, kv_11NE[..., :rank], *own_kv, scale=scale))
+        return out_BH1C.to(q_BH1E.dtype)
+    start, end = pages.bounds[cp.rank]
+    local_BK, held_BK = _held(selection_BK, cp, (start, end, pages.bounds[-1][1]), causal=False)
+    out_HBC, _ = _merge_partials(cp, *sparse_decode_partial(q_BH1E, kv_11NE, own_B1NE, local_BK, held_BK, rank=rank,
+                                                            scale=scale))
+    return out_HBC.transpose(0, 1)[:, :, None].to(q_BH1E.dtype)
+
+
+def _merge_proposals(cp, keys_TN, rows: int, k: int) -> torch.Tensor:
+    """The positions of the top k of every rank's proposed keys (each padded to k)."""
+    proposal_TK = keys_TN.new_full((rows, k), _NO_KEY)
+    proposal_TK[:, :keys_TN.shape[1]] = keys_TN
+    return key_positions(torch.cat(cp.all_gather(proposal_TK), dim=1).topk(k, dim=1).values)
+
+
+def _held(selection_TK, cp, shard, causal: bool = True):
+    """The selected entries this rank holds: (indices into [own pages ‖ live], visible mask). Replay's live
+    query t sees live entries up to its own (`causal`); a decoding step sees all its sequence's own entries."""
     start, end, P = shard
-    T = selection_TK.shape[0]
     own = (selection_TK >= start) & (selection_TK < end)
     live = (selection_TK >= P) & cp.is_last
-    causal = selection_TK <= P + torch.arange(T, device=selection_TK.device)[:, None]
     local_TK = torch.where(own, selection_TK - start, torch.where(live, selection_TK - P + (end - start), 0))
-    return local_TK, (own | live) & causal
+    held_TK = own | live
+    if causal:
+        held_TK &= selection_TK <= P + torch.arange(selection_TK.shape[0], device=selection_TK.device)[:, None]
+    return local_TK, held_TK
 
 
 def _merge_partials(cp, out_HTC, lse_HT):

@@ -7,7 +7,7 @@
   shard's outputs with the work spread over the ranks, and `provide` hands them back chunk by chunk.
 - `ShardLatentPages`: an MLA layer's latent + rope-key pages (and index keys on index layers) for this
   rank's shard only; replay selects and attends across the ranks (`longstraw.cp.sharded_latent`); a
-  capture writes them from `longstraw.cp.latent_capture`. Sampling from them is not implemented.
+  capture writes them from `longstraw.cp.latent_capture`; sampling merges its decoding steps alike.
 - GDN layers keep an ordinary `RecurrentState`: the state at the prompt's end, the same on every
   rank (the response's layers run replicated on every rank).
 - `ShardedResidentState`: a `ResidentState` whose `positions` is the whole prompt's (replay's
@@ -22,7 +22,8 @@ import torch
 
 from longstraw.cp.group import CPGroup
 from longstraw.cp.sharded_attention import sharded_attention, sharded_decode_attention
-from longstraw.cp.sharded_latent import sharded_latent_attention, sharded_select_topk
+from longstraw.cp.sharded_latent import (sharded_latent_attention, sharded_latent_decode_attention,
+                                         sharded_select_topk, sharded_select_topk_decode)
 from longstraw.state import AttentionPages, LatentPages, ResidentState
 
 
@@ -77,9 +78,15 @@ class ShardLatentPages(LatentPages):
         out_1HTC = sharded_latent_attention(q_1HTE, live_11TE, self, rank=rank, scale=scale, selection_TK=selection)
         return out_1HTC, selection
 
-    def on_device(self):
-        raise NotImplementedError("sampling from a context-parallel MLA state is not implemented: its decoding "
-                                  "steps would need the selection and attention merged across the ranks")
+    def attend_decode(self, q_BH1E, own: LatentPages, *, rank: int, scale: float, index=None, selection=None):
+        """Sampling: each sequence's query over every rank's pages and its own entries (replicated on every
+        rank; the last rank counts them), selected and merged as replay is."""
+        if index is not None:
+            selection = None
+            if index.topk < self.bounds[-1][1] + own.length:
+                selection = sharded_select_topk_decode(index, self, own)
+        return sharded_latent_decode_attention(q_BH1E, self, own, rank=rank, scale=scale, selection_BK=selection), \
+            selection
 
 
 @dataclass

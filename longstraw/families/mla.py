@@ -32,8 +32,7 @@ import sys
 import torch
 
 from longstraw.families.base import FamilyAdapter
-from longstraw.kernels.dsa_topk import select_topk_decode
-from longstraw.kernels.latent_attention import absorb_query, expand_output, latent_decode_attention, split_kv_b
+from longstraw.kernels.latent_attention import absorb_query, expand_output, split_kv_b
 from longstraw.state import IndexQueries, LatentDecodePages, LatentPages
 
 
@@ -167,20 +166,14 @@ def mla_decode_mix(attn, x_B1H, position_embeddings, pages: LatentDecodePages, s
     Returns (output [B, 1, hidden], the selection [B, k] or None when dense)."""
     cos, sin = position_embeddings
     q_nope_BH1N, q_rot_BH1R, q_resid_B1Q, latent_B1C, live_B11E = _project(attn, x_B1H, cos, sin)
-    indexer, index_key_B1I = indexer_of(attn), None
+    indexer, index, index_key_B1I = indexer_of(attn), None, None
     if indexer is not None:
         q_B1HI, w_B1H, index_key_B1I = _index_query_key(attn, indexer, x_B1H, q_resid_B1Q, cos, sin)
+        index = IndexQueries(q_B1HI[:, 0], w_B1H[:, 0], index_key_B1I[:, 0], indexer.index_topk, indexer.softmax_scale)
     pages.own.append(live_B11E, index_key_B1I)
-    shared_11PE, shared_index_1PI = pages.shared.on_device()
-    own_B1NE, own_index_BNI = pages.own.filled()
-    if indexer is not None:
-        selection = None
-        if indexer.index_topk < pages.length:  # else every position is kept
-            selection = select_topk_decode(q_B1HI[:, 0], w_B1H[:, 0], shared_index_1PI[0], own_index_BNI,
-                                           topk=indexer.index_topk, scale=indexer.softmax_scale)
     q_BH1E, w_uv_HVC = _absorbed(attn, q_nope_BH1N, q_rot_BH1R, latent_B1C)
-    out_BH1C = latent_decode_attention(q_BH1E, shared_11PE, own_B1NE, rank=attn.kv_lora_rank, scale=attn.scaling,
-                                       selection_BK=selection)
+    out_BH1C, selection = pages.shared.attend_decode(q_BH1E, pages.own, rank=attn.kv_lora_rank, scale=attn.scaling,
+                                                     index=index, selection=selection)
     return _output(attn, out_BH1C, w_uv_HVC), selection
 
 

@@ -97,12 +97,23 @@ def select_topk_decode(q_BHI, w_BH, k_prefix_PI, k_own_BNI, *, topk: int, scale:
     """One decoding step of B sequences sharing one prefix: int64 [B, min(topk, P + N)] indices into
     [prefix ‖ the sequence's own N keys] for each sequence's single query. Every key is visible (the
     own keys precede the query or are its own), so no mask; the prefix is scored once for all B."""
-    own_BN = index_scores(q_BHI, w_BH, k_own_BNI, scale)
     P = k_prefix_PI.shape[0]
-    k = min(topk, P + own_BN.shape[1])
-    keys_BK = merge_top_keys(None, own_BN, torch.arange(P, P + own_BN.shape[1], device=q_BHI.device), k)
-    return key_positions(top_keys(q_BHI, w_BH, k_prefix_PI, 0, k, scale,
-                                  block_size or max(1, SCORE_ELEMENTS // q_BHI.shape[0]), keys_BK))
+    k = min(topk, P + k_own_BNI.shape[1])
+    return key_positions(ranked_decode_keys(q_BHI, w_BH, k_prefix_PI, 0, k_own_BNI, P, k, scale, block_size))
+
+
+@torch.no_grad()
+def ranked_decode_keys(q_BHI, w_BH, k_NI, first: int, k_own_BNI, own_first: int, k: int, scale: float,
+                       block_size: int | None = None):
+    """`ranked_keys` for one decoding step: the top k among the shared keys `k_NI` at positions first..
+    and, when `k_own_BNI` is given, each sequence's own keys at positions own_first.. (all visible)."""
+    keys_BK = None
+    if k_own_BNI is not None:
+        own_BN = index_scores(q_BHI, w_BH, k_own_BNI, scale)
+        keys_BK = merge_top_keys(None, own_BN, torch.arange(own_first, own_first + own_BN.shape[1],
+                                                            device=q_BHI.device), k)
+    return top_keys(q_BHI, w_BH, k_NI, first, k, scale, block_size or max(1, SCORE_ELEMENTS // q_BHI.shape[0]),
+                    keys_BK)
 
 
 def top_keys(q_THI, w_TH, k_NI, first: int, k, scale, block_size, keys_TK=None):

@@ -98,14 +98,21 @@ def latent_decode_attention(q_BH1E, shared_11PE, own_B1NE, *, rank: int, scale: 
     if selection_BK is None:
         return decode_attention(q_BH1E, shared_11PE, shared_11PE[..., :rank], own_B1NE, own_B1NE[..., :rank],
                                 scale=scale)
+    out_HBC, _ = sparse_decode_partial(q_BH1E, shared_11PE, own_B1NE, selection_BK, None, rank=rank, scale=scale)
+    return out_HBC.transpose(0, 1)[:, :, None].to(q_BH1E.dtype)
+
+
+def sparse_decode_partial(q_BH1E, shared_11PE, own_B1NE, idx_BK, visible_BK, *, rank: int, scale: float):
+    """(attention-weighted latents [H, B, C], lse [H, B]) in the accumulation dtype of each sequence's query
+    over its entries `idx_BK` of [prompt pages ‖ its own entries] (those `visible_BK` marks, all when
+    None); a row with none visible comes out as (0, -inf) (a context-parallel rank's share)."""
     B, N, P = own_B1NE.shape[0], own_B1NE.shape[2], shared_11PE.shape[2]
     # own entries laid out sequence after sequence behind the pages: sequence b's entry j is row P + b N + j
-    offset_B1 = torch.arange(B, device=selection_BK.device)[:, None] * N
-    idx_BK = torch.where(selection_BK >= P, selection_BK + offset_B1, selection_BK)
+    offset_B1 = torch.arange(B, device=idx_BK.device)[:, None] * N
+    rows_BK = torch.where(idx_BK >= P, idx_BK + offset_B1, idx_BK)
     acc = torch.float64 if q_BH1E.dtype == torch.float64 else torch.float32
-    kv_BKE = _gather(shared_11PE[0, 0], own_B1NE.reshape(B * N, -1), idx_BK).to(acc)
-    out_HBC, _ = _gathered_softmax(q_BH1E[:, :, 0].transpose(0, 1).to(acc), kv_BKE, None, rank, scale)
-    return out_HBC.transpose(0, 1)[:, :, None].to(q_BH1E.dtype)
+    kv_BKE = _gather(shared_11PE[0, 0], own_B1NE.reshape(B * N, -1), rows_BK).to(acc)
+    return _gathered_softmax(q_BH1E[:, :, 0].transpose(0, 1).to(acc), kv_BKE, visible_BK, rank, scale)
 
 
 def _scatter_(grad_pages_PE, grad_live_TE, P, idx_TK, grad_TKE):

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from longstraw.kernels.dsa_topk import select_topk
-from longstraw.kernels.latent_attention import latent_attention
+from longstraw.kernels.dsa_topk import select_topk, select_topk_decode
+from longstraw.kernels.latent_attention import latent_attention, latent_decode_attention
 from longstraw.kernels.paged_attention import decode_attention, paged_attention
 from longstraw.measure.timing import timed_attention
 
@@ -237,6 +237,22 @@ class LatentPages:
         return [self.kv_11PE] + ([] if self.index_1PI is None else [self.index_1PI])
 
     attend = attend_latent_pages
+
+    def attend_decode(self, q_BH1E, own: "LatentPages", *, rank: int, scale: float, index: IndexQueries | None = None,
+                      selection=None):
+        """One decoding step of B sequences on these shared pages ((attention-weighted latents [B, H, 1, C],
+        the selection [B, k] or None)): each sequence's query over the pages and its `own` entries (the
+        current one appended); an index layer selects over [pages ‖ own] (`select_topk_decode`)."""
+        shared_11PE, shared_index_1PI = self.on_device()
+        own_B1NE, own_index_BNI = own.filled()
+        if index is not None:
+            selection = None
+            if index.topk < self.length + own.length:  # else every position is kept
+                selection = select_topk_decode(index.q_THI, index.w_TH, shared_index_1PI[0], own_index_BNI,
+                                               topk=index.topk, scale=index.scale)
+        out_BH1C = latent_decode_attention(q_BH1E, shared_11PE, own_B1NE, rank=rank, scale=scale,
+                                           selection_BK=selection)
+        return out_BH1C, selection
 
     @property
     def chunk_start(self) -> int:
