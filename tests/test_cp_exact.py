@@ -4,6 +4,7 @@ held to HF's one-pass autograd over prompt + response in tests/test_prefix_grad.
 """
 
 import os
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from longstraw.core.hf_reference import global_relative_error, max_relative_erro
 from longstraw.cp import context_parallel
 from longstraw.cp.launch import run_ranks
 from longstraw.models import build_model
+from float64_reference import float64_gdn_states, hf_float64, to_float64
 from test_mla import DROP_TOPK, _model
 
 PROMPT_LEN = 24  # 23 resident positions: divisible by neither 2 nor 3
@@ -36,19 +38,21 @@ def _grads(model):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _exact(preset, topk, cp=None):
+def _exact(preset, topk, cp=None, prompt=PROMPT, dtype=torch.float32):
     model = _model(preset, topk) if preset in ("tiny-glm_moe_dsa", "tiny-deepseek_v3") else build_model(preset, seed=1)
-    state = capture(model, PROMPT, prefix_grad=True, chunk_size=CHUNK, cp=cp)
-    before = state.fingerprint()
-    for y in RESPONSES:  # serial replay, one backward each
-        (replay(model, state, y) * torch.linspace(-1.0, 2.0, y.numel())).sum().backward()
-    conditional = _grads(model)
-    state.backward_prefix()
+    model = to_float64(model) if dtype == torch.float64 else model
+    with hf_float64(model) if dtype == torch.float64 else nullcontext(), float64_gdn_states():
+        state = capture(model, prompt, prefix_grad=True, chunk_size=CHUNK, cp=cp)
+        before = state.fingerprint()
+        for y in RESPONSES:  # serial replay, one backward each
+            (replay(model, state, y) * torch.linspace(-1.0, 2.0, y.numel(), dtype=dtype)).sum().backward()
+        conditional = _grads(model)
+        state.backward_prefix()
     return {"conditional": conditional, "exact": _grads(model), "unchanged": state.fingerprint() == before}
 
 
-def _rank_exact(preset, topk):
-    return _exact(preset, topk, context_parallel(int(os.environ["WORLD_SIZE"])))
+def _rank_exact(preset, topk, *args):
+    return _exact(preset, topk, context_parallel(int(os.environ["WORLD_SIZE"])), *args)
 
 
 @pytest.mark.numerics
@@ -64,6 +68,24 @@ def test_exact_mode_under_cp_equals_the_single_process(preset, topk, world):
         for name, g in r["exact"].items():  # every rank ends with the same gradient
             assert torch.equal(g, ranks[0]["exact"][name]), name
     # the prompt-side term is real: without it the gradient is far off
+    assert global_relative_error(ranks[0]["conditional"], single["exact"]) > 0.05
+
+
+@pytest.mark.numerics
+def test_exact_mode_under_cp_with_shards_shorter_than_the_conv_window():
+    """5 positions over 3 ranks: shards of 2, 2 and 1, shorter than the GDN conv's K-1 = 3, so the conv
+    state entering the last shard holds inputs of two earlier shards, and its gradient must reach both.
+    float64: the shards' chunks start elsewhere than the single process's, and the GDN decay gate is
+    computed in float32 whatever the model's dtype (`gdn_rule_inputs`: a.float()), whose gradient then
+    differs by float32 rounding (measured 5.6e-8 of a parameter's gradient; 1.1e-5 in float32). A
+    gradient that did not reach the earlier shard is off by far more (a lost GDN seed: 0.5)."""
+    prompt = _ids(6, 0)
+    ranks = run_ranks(_rank_exact, 3, "tiny-qwen3_5", None, prompt, torch.float64, start_method="fork")
+    single = _exact("tiny-qwen3_5", None, None, prompt, torch.float64)
+    for r in ranks:
+        assert r["unchanged"]
+        error = max_relative_error(r["exact"], single["exact"])
+        assert error < 1e-6, error
     assert global_relative_error(ranks[0]["conditional"], single["exact"]) > 0.05
 
 
