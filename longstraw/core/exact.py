@@ -31,7 +31,7 @@ import torch
 
 from longstraw.families import adapter_for
 from longstraw.state import AttentionPages, LatentPages, RecurrentState, ResidentState
-from longstraw.state.pages import attend_pages
+from longstraw.state.pages import attend_latent_pages, attend_pages
 
 
 @dataclass
@@ -73,13 +73,14 @@ class RecomputeLatent:
 
     prefix_kv: torch.Tensor
     prefix_index: torch.Tensor | None
-    length: int  # the chunk's first position (the MLA adapter keys IndexShare selections by it)
+    chunk_start: int  # the chunk's first position (the MLA adapter keys IndexShare selections by it)
     live: list = field(default_factory=list)
 
     def filled(self):
         return self.prefix_kv, self.prefix_index
 
     on_device = filled  # exact mode keeps its pages on the device
+    attend = attend_latent_pages
 
     def append(self, kv_11TE, index_1TI):
         self.live = [kv_11TE]
@@ -128,36 +129,54 @@ def _recompute_entry(entry, layer: int, start: int, checkpoints: dict):
     return recompute
 
 
+def page_gradients(state: ResidentState) -> list[list[torch.Tensor]]:
+    """Each layer's accumulated gradients of its leaves (zeros where no replay reached them)."""
+    return [[leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in entry.leaves]
+            for entry in state.layers]
+
+
 def backward_prefix(state: ResidentState) -> None:
     trace = state.prefix_trace
-    adapter = adapter_for(trace.model)
-    grads = [[leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in entry.leaves]
-             for entry in state.layers]
+    recompute_chunks(adapter_for(trace.model), trace, state.layers, page_gradients(state),
+                     range(0, state.positions, trace.chunk), state.positions)
+    clear_page_gradients(state)
+
+
+def clear_page_gradients(state: ResidentState) -> None:
+    """The page gradients are spent: a second pass starts from zero."""
+    for entry in state.layers:
+        for leaf in entry.leaves:
+            leaf.grad = None
+
+
+def recompute_chunks(adapter, trace: PrefixTrace, entries, grads, starts: range, end: int) -> None:
+    """The reverse recompute of the prompt chunks at `starts` (`trace.chunk` positions each, the last
+    ending at `end`), seeded from `grads` (per layer: the gradients of the pages of every position before
+    `end`; a GDN layer's, of its state at `end`), through `entries` (pages covering them). Adds the
+    parameter gradients; leaves in `grads` those of the pages before `starts[0]` and of each GDN layer's
+    state there."""
     with torch.enable_grad(), adapter.selected():
-        for start in reversed(range(0, state.positions, trace.chunk)):
-            end = min(start + trace.chunk, state.positions)
-            h = adapter.embed(trace.ids[None, start:end])
+        for start in reversed(starts):
+            stop = min(start + trace.chunk, end)
+            h = adapter.embed(trace.ids[None, start:stop])
             pe = adapter.position_embeddings(h, start)
-            entries = [_recompute_entry(entry, i, start, trace.checkpoints) for i, entry in enumerate(state.layers)]
-            for i, recompute in enumerate(entries):
+            recomputes = [_recompute_entry(entry, i, start, trace.checkpoints) for i, entry in enumerate(entries)]
+            for i, recompute in enumerate(recomputes):
                 h = adapter.layer_forward(i, h, pe, recompute, capturing=True)
             outputs, seeds = [], []
-            for recompute, pair in zip(entries, grads):
+            for recompute, pair in zip(recomputes, grads):
                 if isinstance(recompute, (RecomputePages, RecomputeLatent)):  # chunk's pages <- their gradients
                     outputs += recompute.live
-                    seeds += [g[:, :, start:end] for g in pair]
+                    seeds += [g[:, :, start:stop] for g in pair]
                 else:  # the GDN state at this chunk's end <- the gradient of the next chunk's start
                     outputs += recompute.final
                     seeds += pair
             torch.autograd.backward(outputs, seeds)
-            for i, recompute in enumerate(entries):
+            for i, recompute in enumerate(recomputes):
                 if isinstance(recompute, (RecomputePages, RecomputeLatent)):
                     for grad, leaf in zip(grads[i], recompute.prefix_leaves):
                         if leaf.grad is not None:  # None where nothing read them (the last layer)
                             grad[:, :, :start] += leaf.grad
                 else:
-                    grads[i] = [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-                                for leaf in recompute.leaves]
-    for entry in state.layers:  # the page gradients are spent: a second pass starts from zero
-        for leaf in entry.leaves:
-            leaf.grad = None
+                    grads[i][:] = [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+                                   for leaf in recompute.leaves]

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from longstraw.core import exact
+from longstraw.core import exact, exact_cp
 from longstraw.cp.capture import capture_sharded
 from longstraw.families import adapter_for
 from longstraw.kernels.logprobs import token_logprobs
@@ -77,11 +77,14 @@ def capture(model, prompt_ids, prefix_grad: bool = False, *, chunk_size: int | N
                          "positions (max_position_embeddings); pass beyond_max_positions=True "
                          "(config: capture.beyond_max_positions) to capture it anyway")
     if cp is not None:
-        if prefix_grad or host_pages:
-            raise ValueError("prefix_grad=True (exact mode) and host_pages=True are not implemented for a "
-                             "context-parallel capture")
+        if host_pages:
+            raise ValueError("host_pages=True is not implemented for a context-parallel capture")
+        checkpoints = {} if prefix_grad else None  # exact mode: as below, for this rank's shard
         with merged_lora_for_capture():
-            return _bind(capture_sharded(model, ids, cp, chunk, progress), adapter, ids)
+            state = _bind(capture_sharded(model, ids, cp, chunk, progress, checkpoints), adapter, ids)
+        if prefix_grad:
+            exact_cp.enable(state, model, ids, chunk, checkpoints)
+        return state
     per_position, constant = adapter.predicted_bytes(dtype)
     host = {}
     if host_pages:

@@ -14,6 +14,8 @@ position after the last shard, depend on it); only the capture's attention work 
 A chunk's output is exact attention over every earlier position and its own causal keys, computed by
 `attention_partial` with cuDNN's forward on CUDA (the capture kernel) and the math kernel on CPU.
 Point-to-point traffic per layer and rank: at most two chunks of queries out and two of outputs back.
+`zigzag_map` is the schedule alone (a chunk's rows to its computing rank, the results back); MLA layers
+run whole on it (`longstraw.cp.latent_capture`).
 """
 
 from __future__ import annotations
@@ -50,37 +52,47 @@ def balanced_capture_attention(q_1HSD, k_1KSD, v_1KSD, cp: CPGroup, bounds, scal
     queries go to the kernel `rows_per_call` at a time (the capture's chunk size), as a single-process
     capture calls it: larger calls grow the math kernel's score blocks (on 2 CPU ranks, 4,096-row calls
     ran 1.7x slower per FLOP than 1,024-row ones)."""
-    k_all, v_all = gather_shards(cp, k_1KSD, v_1KSD, bounds)
+    k_all, v_all = gather_shards(cp, bounds, k_1KSD, v_1KSD)
+    kernel, block = kernel_and_block("auto", q_1HSD, v_1KSD.shape[-1], None)
+    return zigzag_map(q_1HSD, 2, lambda q_1HTD, chunk: _chunk_attention(q_1HTD, k_all, v_all, chunk, scale, block,
+                                                                         kernel, rows_per_call),
+                      cp, bounds, v_1KSD.shape[-1])
+
+
+def zigzag_map(x_own, dim: int, compute, cp: CPGroup, bounds, out_features: int) -> torch.Tensor:
+    """This rank's shard of `compute(x_chunk, (a, b))` over the zigzag's query chunks: each chunk's rows of
+    `x` (along `dim`; `x_own` is this rank's shard of them) travel from their owner to the chunk's
+    computing rank, and the result (x's shape, last dim `out_features`) comes back. Each rank computes its
+    two chunks in prompt order."""
     chunks, world, rank = zigzag_chunks(bounds), cp.world, cp.rank
     offset = bounds[rank][0]
     mine = [c for c in (rank, 2 * world - 1 - rank) if chunks[c][1] > chunks[c][0]]
     owned = [c for c in (2 * rank, 2 * rank + 1) if chunks[c][1] > chunks[c][0]]
 
-    def own_slice(c):
-        return slice(chunks[c][0] - offset, chunks[c][1] - offset)
+    def own_rows(t, c):
+        return t.narrow(dim, chunks[c][0] - offset, chunks[c][1] - chunks[c][0])
 
-    queries = {c: q_1HSD[:, :, own_slice(c)].contiguous() for c in owned if computing_rank(c, world) == rank}
-    incoming = {c: q_1HSD.new_empty(1, q_1HSD.shape[1], chunks[c][1] - chunks[c][0], q_1HSD.shape[3])
-                for c in mine if c // 2 != rank}
-    exchange(sends=[(q_1HSD[:, :, own_slice(c)], computing_rank(c, world)) for c in owned
-                    if computing_rank(c, world) != rank],
+    def rows_like(t, c, features):
+        shape = list(t.shape)
+        shape[dim], shape[-1] = chunks[c][1] - chunks[c][0], features
+        return t.new_empty(shape)
+
+    inputs = {c: own_rows(x_own, c).contiguous() for c in owned if computing_rank(c, world) == rank}
+    incoming = {c: rows_like(x_own, c, x_own.shape[-1]) for c in mine if c // 2 != rank}
+    exchange(sends=[(own_rows(x_own, c), computing_rank(c, world)) for c in owned if computing_rank(c, world) != rank],
              recvs=[(incoming[c], c // 2) for c in incoming])
-    queries.update(incoming)
-
-    kernel, block = kernel_and_block("auto", q_1HSD, v_1KSD.shape[-1], None)
-    outputs = {c: _chunk_attention(queries[c], k_all, v_all, chunks[c], scale, block, kernel, rows_per_call)
-               for c in mine}
-    out_1HSD = q_1HSD.new_empty(*q_1HSD.shape[:3], v_1KSD.shape[-1])
+    inputs.update(incoming)
+    outputs = {c: compute(inputs[c], chunks[c]) for c in mine}
+    out_own = x_own.new_empty(*x_own.shape[:-1], out_features)
     for c in owned:
         if computing_rank(c, world) == rank:
-            out_1HSD[:, :, own_slice(c)] = outputs[c]
-    returned = {c: out_1HSD.new_empty(1, out_1HSD.shape[1], chunks[c][1] - chunks[c][0], out_1HSD.shape[3])
-                for c in owned if computing_rank(c, world) != rank}
+            own_rows(out_own, c).copy_(outputs[c])
+    returned = {c: rows_like(out_own, c, out_features) for c in owned if computing_rank(c, world) != rank}
     exchange(sends=[(outputs[c], c // 2) for c in mine if c // 2 != rank],
              recvs=[(returned[c], computing_rank(c, world)) for c in returned])
     for c, part in returned.items():
-        out_1HSD[:, :, own_slice(c)] = part
-    return out_1HSD
+        own_rows(out_own, c).copy_(part)
+    return out_own
 
 
 def _chunk_attention(q_1HTD, k_all, v_all, chunk, scale, block, kernel, rows_per_call: int) -> torch.Tensor:
@@ -100,9 +112,10 @@ def _chunk_attention(q_1HTD, k_all, v_all, chunk, scale, block, kernel, rows_per
     return torch.cat(parts, dim=2)
 
 
-def gather_shards(cp: CPGroup, k_1KSD, v_1KSD, bounds):
-    """The whole prompt's K and V of one layer (contiguous, as the CUDA kernels take them) from every
-    rank's shard; shards of unequal length are padded to the longest for the all-gather, then trimmed."""
+def gather_shards(cp: CPGroup, bounds, *shards_1XSD):
+    """The whole prompt's tensors (contiguous, as the CUDA kernels take them) from every rank's shard of
+    each [1, X, S, D] tensor; shards of unequal length are padded to the longest for the all-gather,
+    then trimmed."""
     longest = max(end - start for start, end in bounds)
 
     def gather(t):
@@ -111,7 +124,7 @@ def gather_shards(cp: CPGroup, k_1KSD, v_1KSD, bounds):
         parts = cp.all_gather(padded)
         return torch.cat([part[:, :, : end - start] for part, (start, end) in zip(parts, bounds)], dim=2)
 
-    return gather(k_1KSD), gather(v_1KSD)
+    return tuple(gather(t) for t in shards_1XSD)
 
 
 def exchange(sends, recvs) -> None:

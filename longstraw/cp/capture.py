@@ -19,7 +19,8 @@ Within a layer the shard goes `chunk_size` positions at a time, as a single-proc
 calls a layer, so the transient is the shard's hidden states ([shard, hidden]) plus one chunk's
 activations, and, for an attention layer, the shard's queries and attention outputs and the whole
 prompt's K/V of that one layer (all-gathered for the balanced attention). `order` and
-`memory_budget_bytes` do not apply. No exact mode (prefix_grad) yet.
+`memory_budget_bytes` do not apply. Exact mode (prefix_grad) keeps each GDN layer's state at every
+chunk start (`checkpoints`) for `longstraw.core.exact_cp`.
 """
 
 from __future__ import annotations
@@ -30,16 +31,18 @@ from longstraw.families import adapter_for
 from longstraw.cp.balanced_attention import balanced_capture_attention
 from longstraw.cp.gdn_shards import enter_gdn_layer
 from longstraw.cp.group import CPGroup, shard_bounds
-from longstraw.cp.shards import ShardedResidentState, ShardPages
+from longstraw.cp.latent_capture import capture_latent_layer
+from longstraw.cp.shards import ShardedResidentState, ShardLatentPages, ShardPages
 from longstraw.measure.memory import synchronize
 from longstraw.measure.progress import CaptureProgress
-from longstraw.state import AttentionPages, RecurrentState
+from longstraw.state import AttentionPages, LatentPages, RecurrentState
 
 
-def capture_sharded(model, ids: torch.Tensor, cp: CPGroup, chunk: int, progress: bool | None = None
-                    ) -> ShardedResidentState:
+def capture_sharded(model, ids: torch.Tensor, cp: CPGroup, chunk: int, progress: bool | None = None,
+                    checkpoints: dict | None = None) -> ShardedResidentState:
     """This rank's share of the resident state of `ids` (validated 1-D prompt ids). The last rank,
-    which finishes last, shows the progress bar."""
+    which finishes last, shows the progress bar. `checkpoints` (exact mode) receives each GDN layer's
+    state at the start of each of this shard's chunks, keyed (layer, position)."""
     adapter = adapter_for(model)
     device, dtype = adapter.device, adapter.compute_dtype
     positions = ids.numel() - 1
@@ -55,9 +58,11 @@ def capture_sharded(model, ids: torch.Tensor, cp: CPGroup, chunk: int, progress:
         entry = adapter.allocate_entry(i, end - start, dtype, device)
         if isinstance(entry, AttentionPages):
             entry = ShardPages(entry.k_BKPD, entry.v_BKPD, cp=cp, bounds=bounds)
+        elif isinstance(entry, LatentPages):
+            entry = ShardLatentPages(entry.kv_11PE, entry.index_1PI, entry.kv_lora_rank, cp=cp, bounds=bounds)
         elif not isinstance(entry, RecurrentState):
-            raise ValueError(f"context parallelism covers the dense and hybrid families; {adapter.config.model_type!r} "
-                             f"keeps {type(entry).__name__} entries, which have no sharded form yet")
+            raise ValueError(f"{adapter.config.model_type!r} keeps {type(entry).__name__} entries, which have no "
+                             "context-parallel form")
         layers.append(entry)
     per_position, constant = adapter.predicted_bytes(dtype)
     state = ShardedResidentState(
@@ -70,12 +75,17 @@ def capture_sharded(model, ids: torch.Tensor, cp: CPGroup, chunk: int, progress:
     with torch.no_grad(), adapter.selected():
         h = adapter.embed(ids[None, start:end])
         for i, entry in enumerate(layers):
-            if isinstance(entry, ShardPages):
-                _attention_layer(adapter, i, h, entry, start, chunk)
+            if isinstance(entry, (ShardPages, ShardLatentPages)):
+                if isinstance(entry, ShardPages):
+                    _attention_layer(adapter, i, h, entry, start, chunk)
+                else:
+                    h[:] = capture_latent_layer(adapter, i, h, entry, cp, bounds, chunk)
                 progress_bar.advance_to((i + 1) * (end - start))
                 continue
             enter_gdn_layer(adapter, i, h, entry, cp, bounds, chunk)  # GDN: the state at this shard's start
             for c0 in range(0, end - start, chunk):
+                if checkpoints is not None:
+                    checkpoints[(i, start + c0)] = (entry.conv_BCK1.clone(), entry.recurrent_BHDV.clone())
                 h_c = h[:, c0:c0 + chunk]
                 h[:, c0:c0 + chunk] = adapter.layer_forward(i, h_c, adapter.position_embeddings(h_c, start + c0),
                                                             entry, capturing=True)

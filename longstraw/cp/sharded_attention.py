@@ -28,8 +28,15 @@ from longstraw.kernels.paged_attention import (attention_partial, attention_part
 def sharded_attention(q_BHRD, k_BKRD, v_BKRD, pages, scale: float) -> torch.Tensor:
     """[B, H, R, Dv] attention of the response's queries over every rank's pages plus the causal
     live keys (replay)."""
+    return sharded_attention_over(q_BHRD, k_BKRD, v_BKRD, *pages.filled(), scale, pages.cp)
+
+
+def sharded_attention_over(q_BHRD, k_BKRD, v_BKRD, k_BKPD, v_BKPD, scale: float, cp) -> torch.Tensor:
+    """`sharded_attention` over this rank's pages given as K and V (MLA: the latent pages and their
+    first kv_lora_rank dims). Exact mode: pages that are grad-tracking leaves get this rank's share of
+    their gradient, which stays on the rank (it owns them)."""
     kernel, block = kernel_and_block("auto", q_BHRD, v_BKRD.shape[-1], None)
-    return _ShardedAttention.apply(q_BHRD, k_BKRD, v_BKRD, *pages.filled(), float(scale), block, kernel, pages.cp)
+    return _ShardedAttention.apply(q_BHRD, k_BKRD, v_BKRD, k_BKPD, v_BKPD, float(scale), block, kernel, cp)
 
 
 def merge_ranks(cp, out_BHRD, lse_BHR):
@@ -72,18 +79,19 @@ class _ShardedAttention(torch.autograd.Function):
         q_BHRD, k_BKRD, v_BKRD, out_BHRD, lse_BHR = ctx.saved_tensors
         cp = ctx.cp
         live = (k_BKRD, v_BKRD) if cp.is_last else (None, None)
-        need_q, need_kl, need_vl = ctx.needs_input_grad[:3]
-        if not (need_q or need_kl or need_vl):  # the same on every rank: collectives stay in step
+        need_q, need_kl, need_vl, need_kp, need_vp = ctx.needs_input_grad[:5]
+        if not (need_q or need_kl or need_vl or need_kp or need_vp):  # the same on every rank
             return (None,) * 9
-        dq, _, _, dk_l, dv_l = attention_partial_backward(
+        dq, dk_p, dv_p, dk_l, dv_l = attention_partial_backward(
             dout_BHRD, q_BHRD, *ctx.pages, *live, out_BHRD, lse_BHR, ctx.scale, ctx.block, ctx.kernel,
-            (need_q, False, False, need_kl, need_vl),
+            (need_q, need_kp, need_vp, need_kl, need_vl),
         )  # fmt: skip
         acc = lse_BHR.dtype
         # one all-reduce: dq sums every rank's pages' share; the live grads exist on the last rank only
         inputs, needs = (q_BHRD, k_BKRD, v_BKRD), (need_q, need_kl, need_vl)
         shares = [(g if g is not None else torch.zeros(x.shape, device=x.device)).to(acc)
                   for g, x, need in zip((dq, dk_l, dv_l), inputs, needs) if need]
-        totals = iter(cp.all_reduce_together(shares))
+        totals = iter(cp.all_reduce_together(shares) if shares else ())
         out = [next(totals).to(x.dtype) if need else None for x, need in zip(inputs, needs)]
-        return (*out, None, None, None, None, None, None)
+        pages = [g.to(p.dtype) if need else None for g, p, need in zip((dk_p, dv_p), ctx.pages, (need_kp, need_vp))]
+        return (*out, *pages, None, None, None, None)

@@ -5,6 +5,9 @@
   a capture runs each attention layer in two passes over the shard (`longstraw.cp.capture`): `collect`
   keeps the chunks' queries and appends their K/V, then `balanced_capture_attention` computes the
   shard's outputs with the work spread over the ranks, and `provide` hands them back chunk by chunk.
+- `ShardLatentPages`: an MLA layer's latent + rope-key pages (and index keys on index layers) for this
+  rank's shard only; replay selects and attends across the ranks (`longstraw.cp.sharded_latent`); a
+  capture writes them from `longstraw.cp.latent_capture`; sampling merges its decoding steps alike.
 - GDN layers keep an ordinary `RecurrentState`: the state at the prompt's end, the same on every
   rank (the response's layers run replicated on every rank).
 - `ShardedResidentState`: a `ResidentState` whose `positions` is the whole prompt's (replay's
@@ -19,7 +22,9 @@ import torch
 
 from longstraw.cp.group import CPGroup
 from longstraw.cp.sharded_attention import sharded_attention, sharded_decode_attention
-from longstraw.state import AttentionPages, ResidentState
+from longstraw.cp.sharded_latent import (sharded_latent_attention, sharded_latent_decode_attention,
+                                         sharded_select_topk, sharded_select_topk_decode)
+from longstraw.state import AttentionPages, LatentPages, ResidentState
 
 
 @dataclass
@@ -54,6 +59,34 @@ class ShardPages(AttentionPages):
 
     def attend_decode(self, q_BHTD, own: AttentionPages, scale: float):
         return sharded_decode_attention(q_BHTD, self, own, scale)
+
+
+@dataclass
+class ShardLatentPages(LatentPages):
+    cp: CPGroup | None = None
+    bounds: tuple = ()  # every rank's [start, end) of the prompt positions (this rank's: bounds[cp.rank])
+
+    def attend(self, q_1HTE, live_11TE, *, rank: int, scale: float, append: bool, index=None, selection=None):
+        """Replay: the response over every rank's pages (an index layer selects over every rank's index keys)."""
+        if append:
+            raise RuntimeError("a context-parallel capture runs MLA layers over gathered pages "
+                               "(longstraw.cp.latent_capture)")
+        if index is not None:
+            selection = None
+            if index.topk < self.bounds[-1][1] + q_1HTE.shape[2]:  # as the single process decides
+                selection = sharded_select_topk(index, self)
+        out_1HTC = sharded_latent_attention(q_1HTE, live_11TE, self, rank=rank, scale=scale, selection_TK=selection)
+        return out_1HTC, selection
+
+    def attend_decode(self, q_BH1E, own: LatentPages, *, rank: int, scale: float, index=None, selection=None):
+        """Sampling: each sequence's query over every rank's pages and its own entries (replicated on every
+        rank; the last rank counts them), selected and merged as replay is."""
+        if index is not None:
+            selection = None
+            if index.topk < self.bounds[-1][1] + own.length:
+                selection = sharded_select_topk_decode(index, self, own)
+        return sharded_latent_decode_attention(q_BH1E, self, own, rank=rank, scale=scale, selection_BK=selection), \
+            selection
 
 
 @dataclass

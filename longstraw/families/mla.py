@@ -32,10 +32,8 @@ import sys
 import torch
 
 from longstraw.families.base import FamilyAdapter
-from longstraw.kernels.dsa_topk import select_topk, select_topk_decode
-from longstraw.kernels.latent_attention import (absorb_query, expand_output, latent_attention,
-                                                latent_decode_attention, split_kv_b)
-from longstraw.state import LatentDecodePages, LatentPages
+from longstraw.kernels.latent_attention import absorb_query, expand_output, split_kv_b
+from longstraw.state import IndexQueries, LatentDecodePages, LatentPages
 
 
 _INDEXER_ROTARY = {"glm_moe_dsa": "apply_rotary_pos_emb_interleave", "deepseek_v32": "apply_rotary_pos_emb"}
@@ -68,18 +66,45 @@ def allocate_latent_pages(attn, positions, dtype, device, host=False) -> LatentP
 
 
 def _index_query_key(attn, indexer, x_BTH, q_resid_BTQ, cos, sin):
-    """The indexer's rotated queries [B, T, Hi, I], head weights [B, T, Hi] and keys [B, T, I] (HF's math)."""
+    """The indexer's rotated queries [B, T, Hi, I], head weights [B, T, Hi] and keys [B, T, I] (HF's math);
+    queries None when `q_resid_BTQ` is (the keys alone: `mla_page_entries`)."""
     B, T, _ = x_BTH.shape
     rope = indexer.qk_rope_head_dim
-    q_BTHI = indexer.wq_b(q_resid_BTQ).view(B, T, indexer.n_heads, indexer.head_dim)
     k_BT1I = indexer.k_norm(indexer.wk(x_BTH)).unsqueeze(2)
-    q_rot, q_pass = q_BTHI.split([rope, indexer.head_dim - rope], dim=-1)
     k_rot, k_pass = k_BT1I.split([rope, indexer.head_dim - rope], dim=-1)
-    q_rot, k_rot = _rotary(attn, _INDEXER_ROTARY[attn.config.model_type])(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
+    rotary = _rotary(attn, _INDEXER_ROTARY[attn.config.model_type])
+    if q_resid_BTQ is None:
+        k_rot = rotary(k_rot, k_rot, cos, sin, unsqueeze_dim=2)[1]
+        return None, None, torch.cat([k_rot, k_pass], dim=-1).squeeze(2)
+    q_BTHI = indexer.wq_b(q_resid_BTQ).view(B, T, indexer.n_heads, indexer.head_dim)
+    q_rot, q_pass = q_BTHI.split([rope, indexer.head_dim - rope], dim=-1)
+    q_rot, k_rot = rotary(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
     q_BTHI = torch.cat([q_rot, q_pass], dim=-1)
     k_BTI = torch.cat([k_rot, k_pass], dim=-1).squeeze(2)
     w_BTH = indexer.weights_proj(x_BTH.to(indexer.weights_proj.weight.dtype)).float() * indexer.n_heads ** -0.5
     return q_BTHI, w_BTH, k_BTI
+
+
+def _latent_entries(attn, x_BTH, cos, sin, q_rot_BHTR=None):
+    """(the normed latent [B, T, C], the page entries [latent ‖ rotated rope key] [B, 1, T, E], the rotated
+    `q_rot_BHTR` or None): the per-position part of the MLA projections."""
+    B, T, _ = x_BTH.shape
+    C, R = attn.kv_lora_rank, attn.qk_rope_head_dim
+    kv_pass_BTC, k_rot_BTR = attn.kv_a_proj_with_mqa(x_BTH).split([C, R], dim=-1)
+    latent_BTC = attn.kv_a_layernorm(kv_pass_BTC)
+    k_rot_B1TR = k_rot_BTR.view(B, 1, T, R)
+    q_rot_BHTR, k_rot_B1TR = _rotary(attn)(k_rot_B1TR if q_rot_BHTR is None else q_rot_BHTR, k_rot_B1TR, cos, sin)
+    live_B1TE = torch.cat([latent_BTC.view(B, 1, T, C), k_rot_B1TR], dim=-1)
+    return latent_BTC, live_B1TE, q_rot_BHTR
+
+
+def mla_page_entries(attn, x_BTH, position_embeddings):
+    """What a capture writes to the layer's pages for the (normed) input `x_BTH`, without the queries:
+    (page entries [B, 1, T, E], index keys [B, T, I] or None off index layers)."""
+    cos, sin = position_embeddings
+    live_B1TE = _latent_entries(attn, x_BTH, cos, sin)[1]
+    indexer = indexer_of(attn)
+    return live_B1TE, None if indexer is None else _index_query_key(attn, indexer, x_BTH, None, cos, sin)[2]
 
 
 def _project(attn, x_BTH, cos, sin):
@@ -87,17 +112,14 @@ def _project(attn, x_BTH, cos, sin):
     None without q-LoRA, the normed latent [B, T, C], the live page entries [latent ‖ rotated rope key]
     [B, 1, T, E])."""
     B, T, _ = x_BTH.shape
-    H, N, R, C = attn.num_heads, attn.qk_nope_head_dim, attn.qk_rope_head_dim, attn.kv_lora_rank
+    H, N, R = attn.num_heads, attn.qk_nope_head_dim, attn.qk_rope_head_dim
     if getattr(attn, "q_proj", None) is not None:
         q_resid_BTQ, q_BTX = None, attn.q_proj(x_BTH)
     else:
         q_resid_BTQ = attn.q_a_layernorm(attn.q_a_proj(x_BTH))
         q_BTX = attn.q_b_proj(q_resid_BTQ)
     q_nope_BHTN, q_rot_BHTR = q_BTX.view(B, T, H, N + R).transpose(1, 2).split([N, R], dim=-1)
-    kv_pass_BTC, k_rot_BTR = attn.kv_a_proj_with_mqa(x_BTH).split([C, R], dim=-1)
-    latent_BTC = attn.kv_a_layernorm(kv_pass_BTC)
-    q_rot_BHTR, k_rot_B1TR = _rotary(attn)(q_rot_BHTR, k_rot_BTR.view(B, 1, T, R), cos, sin)
-    live_B1TE = torch.cat([latent_BTC.view(B, 1, T, C), k_rot_B1TR], dim=-1)
+    latent_BTC, live_B1TE, q_rot_BHTR = _latent_entries(attn, x_BTH, cos, sin, q_rot_BHTR)
     return q_nope_BHTN, q_rot_BHTR, q_resid_BTQ, latent_BTC, live_B1TE
 
 
@@ -118,30 +140,21 @@ def mla_mix(attn, x_BTH, position_embeddings, pages: LatentPages | LatentDecodeP
     """(attention output [B, T, hidden], the top-k selection this layer used or None when dense).
 
     `selection` is the previous index layer's selection (IndexShare layers reuse it). Capturing
-    appends the live latents and index keys to `pages`. Sampling pages (`LatentDecodePages`) take
-    `mla_decode_mix`."""
+    appends the live latents and index keys to `pages`; the entry attends (`pages.attend`: latent pages,
+    the exact mode's recompute pages, a context-parallel shard). Sampling pages (`LatentDecodePages`)
+    take `mla_decode_mix`."""
     if isinstance(pages, LatentDecodePages):
         return mla_decode_mix(attn, x_BTH, position_embeddings, pages, selection)
-    T = x_BTH.shape[1]
     cos, sin = position_embeddings
     q_nope_BHTN, q_rot_BHTR, q_resid_BTQ, latent_BTC, live_11TE = _project(attn, x_BTH, cos, sin)
-    pages_11PE, index_pages_1PI = pages.on_device()  # host pages: this layer's, streamed (the next one's starts)
-
-    indexer, index_key_1TI = indexer_of(attn), None
+    indexer, index = indexer_of(attn), None
     if indexer is not None:
         with torch.no_grad():  # HF's indexer is @torch.no_grad(): the selection carries no gradient
             q_1THI, w_1TH, index_key_1TI = _index_query_key(attn, indexer, x_BTH, q_resid_BTQ, cos, sin)
-            selection = None
-            if indexer.index_topk < pages_11PE.shape[2] + T:  # else every visible position is kept
-                selection = select_topk(q_1THI[0], w_1TH[0], index_pages_1PI[0], index_key_1TI[0],
-                                        topk=indexer.index_topk, scale=indexer.softmax_scale)
-
+        index = IndexQueries(q_1THI[0], w_1TH[0], index_key_1TI[0], indexer.index_topk, indexer.softmax_scale)
     q_1HTE, w_uv_HVC = _absorbed(attn, q_nope_BHTN, q_rot_BHTR, latent_BTC)
-    out_1HTC = latent_attention(q_1HTE, pages_11PE, live_11TE, rank=attn.kv_lora_rank, scale=attn.scaling,
-                                selection_TK=selection, resident_11PE=pages.filled()[0])
-    del pages_11PE, index_pages_1PI  # a streamed copy lives for this layer only
-    if capturing:
-        pages.append(live_11TE, index_key_1TI)
+    out_1HTC, selection = pages.attend(q_1HTE, live_11TE, rank=attn.kv_lora_rank, scale=attn.scaling,
+                                       append=capturing, index=index, selection=selection)
     return _output(attn, out_1HTC, w_uv_HVC), selection
 
 
@@ -153,20 +166,14 @@ def mla_decode_mix(attn, x_B1H, position_embeddings, pages: LatentDecodePages, s
     Returns (output [B, 1, hidden], the selection [B, k] or None when dense)."""
     cos, sin = position_embeddings
     q_nope_BH1N, q_rot_BH1R, q_resid_B1Q, latent_B1C, live_B11E = _project(attn, x_B1H, cos, sin)
-    indexer, index_key_B1I = indexer_of(attn), None
+    indexer, index, index_key_B1I = indexer_of(attn), None, None
     if indexer is not None:
         q_B1HI, w_B1H, index_key_B1I = _index_query_key(attn, indexer, x_B1H, q_resid_B1Q, cos, sin)
+        index = IndexQueries(q_B1HI[:, 0], w_B1H[:, 0], index_key_B1I[:, 0], indexer.index_topk, indexer.softmax_scale)
     pages.own.append(live_B11E, index_key_B1I)
-    shared_11PE, shared_index_1PI = pages.shared.on_device()
-    own_B1NE, own_index_BNI = pages.own.filled()
-    if indexer is not None:
-        selection = None
-        if indexer.index_topk < pages.length:  # else every position is kept
-            selection = select_topk_decode(q_B1HI[:, 0], w_B1H[:, 0], shared_index_1PI[0], own_index_BNI,
-                                           topk=indexer.index_topk, scale=indexer.softmax_scale)
     q_BH1E, w_uv_HVC = _absorbed(attn, q_nope_BH1N, q_rot_BH1R, latent_B1C)
-    out_BH1C = latent_decode_attention(q_BH1E, shared_11PE, own_B1NE, rank=attn.kv_lora_rank, scale=attn.scaling,
-                                       selection_BK=selection)
+    out_BH1C, selection = pages.shared.attend_decode(q_BH1E, pages.own, rank=attn.kv_lora_rank, scale=attn.scaling,
+                                                     index=index, selection=selection)
     return _output(attn, out_BH1C, w_uv_HVC), selection
 
 
@@ -197,7 +204,7 @@ class MlaAdapter(FamilyAdapter):
         return allocate_latent_pages(self.attns[layer_idx], positions, dtype, device, host)
 
     def mix(self, layer_idx, x_BTH, position_embeddings, entry, capturing):
-        start = entry.length  # the chunk's first position: pages hold everything before it
+        start = entry.chunk_start  # the chunk's first position
         shared = self.shares[layer_idx]
         selection = self._selections[start] if shared else None
         out, selection = mla_mix(self.attns[layer_idx], x_BTH, position_embeddings, entry, capturing, selection)

@@ -85,7 +85,8 @@ def _gathered_softmax(q_HTE, kv_TKE, visible_TK, rank, scale):
     if visible_TK is not None:
         s_HTK.masked_fill_(~visible_TK, float("-inf"))
     lse_HT = torch.logsumexp(s_HTK, dim=-1)
-    return torch.einsum("htk,tkc->htc", torch.exp(s_HTK - lse_HT[..., None]), kv_TKE[..., :rank]), lse_HT
+    weights_HTK = torch.exp(s_HTK - lse_HT.nan_to_num(neginf=0.0)[..., None])  # a row of no visible entry: 0
+    return torch.einsum("htk,tkc->htc", weights_HTK, kv_TKE[..., :rank]), lse_HT
 
 
 @torch.no_grad()
@@ -97,14 +98,21 @@ def latent_decode_attention(q_BH1E, shared_11PE, own_B1NE, *, rank: int, scale: 
     if selection_BK is None:
         return decode_attention(q_BH1E, shared_11PE, shared_11PE[..., :rank], own_B1NE, own_B1NE[..., :rank],
                                 scale=scale)
+    out_HBC, _ = sparse_decode_partial(q_BH1E, shared_11PE, own_B1NE, selection_BK, None, rank=rank, scale=scale)
+    return out_HBC.transpose(0, 1)[:, :, None].to(q_BH1E.dtype)
+
+
+def sparse_decode_partial(q_BH1E, shared_11PE, own_B1NE, idx_BK, visible_BK, *, rank: int, scale: float):
+    """(attention-weighted latents [H, B, C], lse [H, B]) in the accumulation dtype of each sequence's query
+    over its entries `idx_BK` of [prompt pages ‖ its own entries] (those `visible_BK` marks, all when
+    None); a row with none visible comes out as (0, -inf) (a context-parallel rank's share)."""
     B, N, P = own_B1NE.shape[0], own_B1NE.shape[2], shared_11PE.shape[2]
     # own entries laid out sequence after sequence behind the pages: sequence b's entry j is row P + b N + j
-    offset_B1 = torch.arange(B, device=selection_BK.device)[:, None] * N
-    idx_BK = torch.where(selection_BK >= P, selection_BK + offset_B1, selection_BK)
+    offset_B1 = torch.arange(B, device=idx_BK.device)[:, None] * N
+    rows_BK = torch.where(idx_BK >= P, idx_BK + offset_B1, idx_BK)
     acc = torch.float64 if q_BH1E.dtype == torch.float64 else torch.float32
-    kv_BKE = _gather(shared_11PE[0, 0], own_B1NE.reshape(B * N, -1), idx_BK).to(acc)
-    out_HBC, _ = _gathered_softmax(q_BH1E[:, :, 0].transpose(0, 1).to(acc), kv_BKE, None, rank, scale)
-    return out_HBC.transpose(0, 1)[:, :, None].to(q_BH1E.dtype)
+    kv_BKE = _gather(shared_11PE[0, 0], own_B1NE.reshape(B * N, -1), rows_BK).to(acc)
+    return _gathered_softmax(q_BH1E[:, :, 0].transpose(0, 1).to(acc), kv_BKE, visible_BK, rank, scale)
 
 
 def _scatter_(grad_pages_PE, grad_live_TE, P, idx_TK, grad_TKE):
@@ -131,26 +139,61 @@ def _streamed_again(resident_11PE, device, rank: int):
     return again
 
 
+def sparse_partial(q_HTE, pages_PE, live_TE, idx_TK, visible_TK, rank: int, scale: float, rows: int):
+    """(attention-weighted latents [H, T, C], lse [H, T]) in the accumulation dtype, of each query over its
+    visible gathered rows of [pages ‖ live] (`idx_TK`, `visible_TK`), `rows` queries at a time. A row with
+    no visible entry comes out as (0, -inf), which a log-sum-exp merge ignores (a context-parallel
+    rank's share of a selection: `longstraw.cp.sharded_latent`)."""
+    H, T, _ = q_HTE.shape
+    acc = torch.float64 if q_HTE.dtype == torch.float64 else torch.float32
+    out_HTC = torch.empty(H, T, rank, dtype=acc, device=q_HTE.device)
+    lse_HT = torch.empty(H, T, dtype=acc, device=q_HTE.device)
+    for r in range(0, T, rows):
+        blk = slice(r, r + rows)
+        kv_TKE = _gather(pages_PE, live_TE, idx_TK[blk]).to(acc)
+        out_HTC[:, blk], lse_HT[:, blk] = _gathered_softmax(q_HTE[:, blk].to(acc), kv_TKE, visible_TK[blk], rank,
+                                                            scale)
+    return out_HTC, lse_HT
+
+
+def sparse_partial_backward(dout_HTC, q_HTE, pages_PE, live_TE, idx_TK, visible_TK, out_HTC, lse_HT, rank: int,
+                            scale: float, rows: int, need_pages: bool, need_live: bool):
+    """(dq, d_pages or None, d_live or None) in the accumulation dtype of `sparse_partial`'s rows, fed the
+    output and lse of the whole softmax (these rows' share of a merged one, as ring attention does):
+    gathers each row block again, recomputes P = exp(S - lse) and scatters the entries' gradients back."""
+    acc = lse_HT.dtype
+    dq_HTE = torch.zeros(q_HTE.shape, dtype=acc, device=q_HTE.device)
+    d_pages = torch.zeros(pages_PE.shape, dtype=acc, device=pages_PE.device) if need_pages else None
+    d_live = torch.zeros(live_TE.shape, dtype=acc, device=live_TE.device) if need_live else None
+    delta_HT = (dout_HTC.to(acc) * out_HTC.to(acc)).sum(-1)
+    for r in range(0, q_HTE.shape[1], rows):
+        blk = slice(r, r + rows)
+        kv_TKE = _gather(pages_PE, live_TE, idx_TK[blk]).to(acc)
+        q_blk, do_HTC = q_HTE[:, blk].to(acc), dout_HTC[:, blk].to(acc)
+        s_HTK = torch.einsum("hte,tke->htk", q_blk, kv_TKE) * scale
+        p_HTK = torch.exp(s_HTK.masked_fill(~visible_TK[blk], float("-inf")) - lse_HT[:, blk, None])
+        dp_HTK = torch.einsum("htc,tkc->htk", do_HTC, kv_TKE[..., :rank])
+        ds_HTK = p_HTK * (dp_HTK - delta_HT[:, blk, None]) * scale
+        dq_HTE[:, blk] = torch.einsum("htk,tke->hte", ds_HTK, kv_TKE)
+        if need_pages or need_live:
+            dkv_TKE = torch.einsum("htk,hte->tke", ds_HTK, q_blk)
+            dkv_TKE[..., :rank] += torch.einsum("htk,htc->tkc", p_HTK, do_HTC)
+            _scatter_(d_pages, d_live, pages_PE.shape[0], idx_TK[blk], dkv_TKE)
+    return dq_HTE, d_pages, d_live
+
+
 class _SparseLatentAttention(torch.autograd.Function):
-    """Per-query softmax over gathered entries, `rows` queries at a time. Saves q, out, lse and the
-    indices (never the gathered [T, K, E] rows): backward gathers each row block again, recomputes
-    P = exp(S - lse) and scatters the entries' gradients back to pages and live rows."""
+    """Per-query softmax over gathered entries, `rows` queries at a time (`sparse_partial`). Saves q,
+    out, lse and the indices (never the gathered [T, K, E] rows): backward (`sparse_partial_backward`)
+    gathers each row block again."""
 
     @staticmethod
     def forward(ctx, q_HTE, pages_PE, live_TE, idx_TK, rank, scale, rows, resident_PE):
         # the resident pages, a reference like paged_attention's prefix (no copy, no version check):
         # host-resident ones come back to the device in backward, so the graph holds no device copy
         ctx.pages = resident_PE
-        H, T, _ = q_HTE.shape
-        acc = torch.float64 if q_HTE.dtype == torch.float64 else torch.float32
-        visible_TK = idx_TK <= pages_PE.shape[0] + torch.arange(T, device=q_HTE.device)[:, None]
-        out_HTC = torch.empty(H, T, rank, dtype=acc, device=q_HTE.device)
-        lse_HT = torch.empty(H, T, dtype=acc, device=q_HTE.device)
-        for r in range(0, T, rows):
-            blk = slice(r, r + rows)
-            kv_TKE = _gather(pages_PE, live_TE, idx_TK[blk]).to(acc)
-            out_HTC[:, blk], lse_HT[:, blk] = _gathered_softmax(q_HTE[:, blk].to(acc), kv_TKE, visible_TK[blk], rank,
-                                                                scale)
+        visible_TK = idx_TK <= pages_PE.shape[0] + torch.arange(q_HTE.shape[1], device=q_HTE.device)[:, None]
+        out_HTC, lse_HT = sparse_partial(q_HTE, pages_PE, live_TE, idx_TK, visible_TK, rank, scale, rows)
         out_HTC = out_HTC.to(q_HTE.dtype)
         ctx.save_for_backward(q_HTE, live_TE, idx_TK, visible_TK, out_HTC, lse_HT)
         ctx.rank, ctx.scale, ctx.rows = rank, scale, rows
@@ -160,26 +203,11 @@ class _SparseLatentAttention(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout_HTC):
         q_HTE, live_TE, idx_TK, visible_TK, out_HTC, lse_HT = ctx.saved_tensors
-        pages_PE, rank, scale, rows = _on_device(ctx.pages, q_HTE.device), ctx.rank, ctx.scale, ctx.rows
-        acc = lse_HT.dtype
+        pages_PE = _on_device(ctx.pages, q_HTE.device)
         need_q, need_pages, need_live = ctx.needs_input_grad[:3]
-        dq_HTE = torch.zeros(q_HTE.shape, dtype=acc, device=q_HTE.device)
-        d_pages = torch.zeros(pages_PE.shape, dtype=acc, device=pages_PE.device) if need_pages else None
-        d_live = torch.zeros(live_TE.shape, dtype=acc, device=live_TE.device) if need_live else None
-        delta_HT = (dout_HTC.to(acc) * out_HTC.to(acc)).sum(-1)
-        for r in range(0, q_HTE.shape[1], rows):
-            blk = slice(r, r + rows)
-            kv_TKE = _gather(pages_PE, live_TE, idx_TK[blk]).to(acc)
-            q_blk, do_HTC = q_HTE[:, blk].to(acc), dout_HTC[:, blk].to(acc)
-            s_HTK = torch.einsum("hte,tke->htk", q_blk, kv_TKE) * scale
-            p_HTK = torch.exp(s_HTK.masked_fill(~visible_TK[blk], float("-inf")) - lse_HT[:, blk, None])
-            dp_HTK = torch.einsum("htc,tkc->htk", do_HTC, kv_TKE[..., :rank])
-            ds_HTK = p_HTK * (dp_HTK - delta_HT[:, blk, None]) * scale
-            dq_HTE[:, blk] = torch.einsum("htk,tke->hte", ds_HTK, kv_TKE)
-            if need_pages or need_live:
-                dkv_TKE = torch.einsum("htk,hte->tke", ds_HTK, q_blk)
-                dkv_TKE[..., :rank] += torch.einsum("htk,htc->tkc", p_HTK, do_HTC)
-                _scatter_(d_pages, d_live, pages_PE.shape[0], idx_TK[blk], dkv_TKE)
+        dq_HTE, d_pages, d_live = sparse_partial_backward(dout_HTC, q_HTE, pages_PE, live_TE, idx_TK, visible_TK,
+                                                          out_HTC, lse_HT, ctx.rank, ctx.scale, ctx.rows,
+                                                          need_pages, need_live)
         return (dq_HTE.to(q_HTE.dtype) if need_q else None,
                 d_pages.to(pages_PE.dtype) if need_pages else None,
                 d_live.to(live_TE.dtype) if need_live else None, None, None, None, None, None)

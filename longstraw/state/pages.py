@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from longstraw.kernels.dsa_topk import select_topk, select_topk_decode
+from longstraw.kernels.latent_attention import latent_attention, latent_decode_attention
 from longstraw.kernels.paged_attention import decode_attention, paged_attention
 from longstraw.measure.timing import timed_attention
 
@@ -126,6 +128,41 @@ class RecurrentState:
 
 
 @dataclass
+class IndexQueries:
+    """A chunk's DSA indexer queries `q_THI`, head weights `w_TH` and keys `key_TI` (no grad), with the
+    layer's `topk` and score `scale`: what an index layer's entry selects from."""
+
+    q_THI: torch.Tensor
+    w_TH: torch.Tensor
+    key_TI: torch.Tensor
+    topk: int
+    scale: float
+
+
+def attend_latent_pages(pages, q_1HTE, live_11TE, *, rank: int, scale: float, append: bool,
+                        index: IndexQueries | None = None, selection=None):
+    """(attention-weighted latents [1, H, T, C], the top-k selection used or None when dense) of the
+    live absorbed queries over `pages.on_device()` and their own causal entries. An index layer
+    (`index`) selects its own top k over [pages ‖ live] when that drops positions; an IndexShare layer
+    passes the `selection` of the index layer before it. A capture (`append`) then writes the live
+    entries (and index keys) after the filled part. Any entry with `on_device()`, `filled()` and
+    `append()` attends this way (latent pages, the exact mode's recompute pages)."""
+    T = q_1HTE.shape[2]
+    pages_11PE, index_pages_1PI = pages.on_device()  # host pages: this layer's, streamed (the next one's starts)
+    if index is not None:
+        selection = None
+        if index.topk < pages_11PE.shape[2] + T:  # else every visible position is kept
+            selection = select_topk(index.q_THI, index.w_TH, index_pages_1PI[0], index.key_TI, topk=index.topk,
+                                    scale=index.scale)
+    out_1HTC = latent_attention(q_1HTE, pages_11PE, live_11TE, rank=rank, scale=scale, selection_TK=selection,
+                                resident_11PE=pages.filled()[0])
+    del pages_11PE, index_pages_1PI  # a streamed copy lives for this layer only
+    if append:
+        pages.append(live_11TE, None if index is None else index.key_TI[None])
+    return out_1HTC, selection
+
+
+@dataclass
 class LatentPages:
     """One MLA layer's pages: `kv_11PE` holds, per position, the latent after `kv_a_layernorm`
     (the first `kv_lora_rank` of E) followed by the rotated rope key (E = kv_lora_rank +
@@ -199,6 +236,29 @@ class LatentPages:
     def tensors(self):
         return [self.kv_11PE] + ([] if self.index_1PI is None else [self.index_1PI])
 
+    attend = attend_latent_pages
+
+    def attend_decode(self, q_BH1E, own: "LatentPages", *, rank: int, scale: float, index: IndexQueries | None = None,
+                      selection=None):
+        """One decoding step of B sequences on these shared pages ((attention-weighted latents [B, H, 1, C],
+        the selection [B, k] or None)): each sequence's query over the pages and its `own` entries (the
+        current one appended); an index layer selects over [pages ‖ own] (`select_topk_decode`)."""
+        shared_11PE, shared_index_1PI = self.on_device()
+        own_B1NE, own_index_BNI = own.filled()
+        if index is not None:
+            selection = None
+            if index.topk < self.length + own.length:  # else every position is kept
+                selection = select_topk_decode(index.q_THI, index.w_TH, shared_index_1PI[0], own_index_BNI,
+                                               topk=index.topk, scale=index.scale)
+        out_BH1C = latent_decode_attention(q_BH1E, shared_11PE, own_B1NE, rank=rank, scale=scale,
+                                           selection_BK=selection)
+        return out_BH1C, selection
+
+    @property
+    def chunk_start(self) -> int:
+        """The first position of the chunk the next mix call brings (IndexShare keys its selections by it)."""
+        return self.length
+
 
 _COPY_STREAMS: dict = {}  # one host-to-device copy stream per CUDA device
 
@@ -239,6 +299,8 @@ class LatentDecodePages:
     def length(self) -> int:
         """Positions before the next token: the prompt's and the generated ones."""
         return self.shared.length + self.own.length
+
+    chunk_start = length
 
     def tensors(self):
         return self.shared.tensors() + self.own.tensors()
