@@ -4,7 +4,9 @@ What is built (no download): `GRPOTrainer(model=<the point's model object, peft-
 reward_funcs=[a constant function, never called], args=GRPOConfig(...), train_dataset=<one in-memory row>,
 processing_class=<a three-token tokenizer built locally>)` with `GRPOConfig(per_device_train_batch_size=G,
 num_generations=G, steps_per_generation=1, gradient_accumulation_steps=1, max_completion_length=R,
-loss_type, beta, epsilon, epsilon_high, scale_rewards as the point's objective, gradient_checkpointing=True,
+loss_type, beta, epsilon, epsilon_high, scale_rewards as the point's objective, use_bias_correction_kl=False
+(TRL 1.16 defaults it on: its KL term is then multiplied by the importance ratio, 1 in value but not in
+gradient; off, the objective is ours, `longstraw.core.grpo`), gradient_checkpointing=True,
 bf16 for a bfloat16 model else float32, use_cpu on CPU, report_to="none")`. The trainer's constructor adds
 TRL's fused LM head to the model (`trl.trainer.utils.add_fused_lm_head`) and, for peft with checkpointing,
 `enable_input_require_grads()`.
@@ -65,7 +67,7 @@ def trl_config(config: grpo.GRPOConfig, response_length: int, model, output_dir:
                       epsilon=config.epsilon, epsilon_high=config.epsilon_high, scale_rewards=config.scale_rewards,
                       gradient_checkpointing=True, bf16=adapter_for(model).compute_dtype == torch.bfloat16,
                       fp16=False, use_cpu=device.type == "cpu", report_to="none", save_strategy="no",
-                      logging_strategy="no", disable_dropout=True)
+                      logging_strategy="no", disable_dropout=True, use_bias_correction_kl=False)
 
 
 def _checkpointing_kwargs(args) -> dict:
