@@ -149,3 +149,42 @@ def test_a_peer_point_runs_through_the_step_kind(tmp_path):
     assert "forward_backward" in metrics["phase_summary"]
     with pytest.raises(ValueError, match="peer 'trl' runs kind step or capacity"):
         run_point({**raw, "kind": "sweep"})
+
+
+def _row(system, length, g, step_bytes, seconds, status="ok", model="tiny-llama"):
+    return {"experiment": "peers", "point": f"{system}-{length}-{g}", "model": model, "model_type": "llama",
+            "system": system, "status": status, "prompt_length": length, "G": g, "response_length": 64,
+            "cuda": False, "peak_memory_bytes": step_bytes, "setup_rss_bytes": 0, "step_bytes": step_bytes,
+            "step_seconds": seconds}
+
+
+def test_the_peers_sentences_follow_the_measured_numbers():
+    from longstraw.report import peers as section
+
+    rows = [_row("replay", 1024, 8, 100, 2.0), _row("naive", 1024, 8, 50, 3.0), _row("trl", 1024, 8, 400, 1.0),
+            _row("replay", 4096, 8, 110, 4.0), _row("naive", 4096, 8, 200, 9.0), _row("trl", 4096, 8, 90, 5.0),
+            _row("trl", 8192, 8, 3000, None, status="oom"), _row("replay", 8192, 8, 120, 8.0)]
+    section._add_ratios(rows)
+    text = " ".join(section.peer_sentences("trl", rows))
+    assert "step memory is 0.82-4.00x replay's and its step time 0.50-1.25x" in text
+    # lighter than replay only at 4,096 (and there lighter than naive too); faster only at 1,024, and faster
+    # than naive there as well, so faster than every one of our modes measured there
+    assert "lighter than replay at P=4,096 G=8, lighter than every one of our modes measured there at P=4,096 G=8" in text
+    assert "faster than replay at P=1,024 G=8, faster than every one of our modes measured there at P=1,024 G=8" in text
+    assert "did not complete at P=8,192 G=8 (oom), where replay did at P=8,192 G=8" in text
+    slower = [_row("replay", 1024, 2, 100, 1.0), _row("trl", 1024, 2, 300, 3.0)]
+    section._add_ratios(slower)
+    assert "It is lighter than replay at none of them. It is faster than replay at none of them." in " ".join(
+        section.peer_sentences("trl", slower))
+
+
+def test_capacity_sentences_group_searches_under_one_ceiling():
+    from longstraw.report import peers as section
+
+    rows = [{"model": "tiny-qwen3_5", "system": system, "status": "ok", "G": 8, "response_length": 32,
+             "ceiling_bytes": 167772160, "largest_fitting": reach, "smallest_oom": oom,
+             "search_stopped_on_time_limit": False}
+            for system, reach, oom in (("replay", 16384, None), ("naive", 2048, 3072), ("trl", None, 128))]
+    assert section.capacity_sentences(rows) == [
+        "Largest prompt whose G=8 step fits under 160.00 MiB on tiny-qwen3_5 (responses of 32 tokens): replay "
+        "16,384 positions; naive 2,048 positions; trl none of the probed lengths (the shortest, 128, ran out)."]

@@ -182,8 +182,11 @@ def columns(point: dict) -> dict:
     largest = metrics.get("largest_fitting")
     at_largest = next((p for p in fitting if p.get("prompt_length") == largest), {})
     oom_lengths = [p["prompt_length"] for p in oom if number(p.get("prompt_length")) is not None]
+    responses = as_dict(cfg.get("responses"))
     return {
         "mode": metrics.get("mode", cfg.get("mode")),
+        "G": responses.get("count"),
+        "response_length": responses.get("length"),
         "ceiling_bytes": number(metrics.get("ceiling_bytes")),
         "memory_measure": metrics.get("memory_measure"),
         "largest_fitting": largest,

@@ -81,7 +81,7 @@ def run_peer(cfg: PointConfig, model, prompt, responses, rewards, optimizer, rec
     from longstraw.peers import build_peer
 
     with recorder.phase("peer_setup"):
-        peer = build_peer(cfg.mode, model, cfg.grpo)
+        peer = build_peer(cfg.mode, model, cfg.grpo, max_response_length=cfg.responses.length)
     cycles = [peer.step(prompt, responses, rewards, optimizer) for _ in range(cfg.cycles)]
     return {"weights": recorder.phases["weights"], "peer_setup": recorder.phases["peer_setup"],
             "trainable_parameters": trainable_parameters(model), "cycles": cycles, **summary(cycles)}
@@ -177,6 +177,7 @@ def columns(point: dict) -> dict:
     for name in list(STEP_PHASES) + sorted(set(summary) - set(STEP_PHASES)):
         cols.update(phase_columns(name, as_dict(summary.get(name))))
     cols.update(phase_columns("weights", as_dict(metrics.get("weights"))))
+    cols.update(phase_columns("peer_setup", as_dict(metrics.get("peer_setup"))))  # a peer's imports and trainer
     return cols
 
 

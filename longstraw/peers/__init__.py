@@ -11,7 +11,7 @@ torch, so a plan checks a peer point (`check_peer_point`) before any work: the e
 applicable to the model's family.
 
     from longstraw.peers import build_peer
-    peer = build_peer("trl", model, GRPOConfig(num_generations=8))
+    peer = build_peer("trl", model, GRPOConfig(num_generations=8), max_response_length=2048)
     metrics = peer.step(prompt_ids, responses, rewards, optimizer)
 """
 
@@ -71,8 +71,9 @@ def check_peer(mode: str, model_type: str | None) -> None:
         raise PeerNotApplicable(reason)
 
 
-def build_peer(mode: str, model, config):
-    """The peer's step on `model` for the objective `config` (a `GRPOConfig`): an object whose
+def build_peer(mode: str, model, config, max_response_length: int = 1024):
+    """The peer's step on `model` for the objective `config` (a `GRPOConfig`), set up (imports, TRL's trainer
+    for responses of up to `max_response_length` tokens): an object whose
     `step(prompt_ids, responses, rewards, optimizer)` returns `grpo_step`'s metrics."""
     from longstraw.families import adapter_for
 
@@ -80,7 +81,7 @@ def build_peer(mode: str, model, config):
     if mode == "trl":
         from longstraw.peers.trl_peer import TRLPeer
 
-        return TRLPeer(model, config)
+        return TRLPeer(model, config, max_response_length)
     from longstraw.peers.prefix_grouper_peer import PrefixGrouperPeer
 
     return PrefixGrouperPeer(model, config)

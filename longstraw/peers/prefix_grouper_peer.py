@@ -72,6 +72,8 @@ class PrefixGrouperPeer:
     mode = "prefix_grouper"
 
     def __init__(self, model, config: grpo.GRPOConfig):
+        import prefix_grouper  # noqa: F401  (imported in the setup, not in the first step)
+
         _register()
         self.model, self.config = model, config
         self.adapter = adapter_for(model)

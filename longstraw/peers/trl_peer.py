@@ -89,30 +89,30 @@ class TRLPeer:
 
     mode = "trl"
 
-    def __init__(self, model, config: grpo.GRPOConfig):
-        self.model, self.config = model, config
-        self._tmp = tempfile.TemporaryDirectory(prefix="longstraw-trl-")
-        self.trainer = None  # built at the first step: GRPOConfig needs the response length
-
-    def _trainer(self, response_length: int):
+    def __init__(self, model, config: grpo.GRPOConfig, max_response_length: int):
         from datasets import Dataset
         from trl import GRPOTrainer
 
-        if self.trainer is None or self.trainer.args.max_completion_length < response_length:
-            self.trainer = GRPOTrainer(model=self.model, reward_funcs=[_never_called],
-                                       args=trl_config(self.config, response_length, self.model, self._tmp.name),
-                                       train_dataset=Dataset.from_list([{"prompt": "unused"}]),
-                                       processing_class=local_tokenizer())
-            self.trainer.current_gradient_accumulation_steps = 1  # Trainer.train() sets it per accumulation window
-        return self.trainer
+        self.model, self.config, self.max_response_length = model, config, max_response_length
+        self._tmp = tempfile.TemporaryDirectory(prefix="longstraw-trl-")
+        self.trainer = GRPOTrainer(model=model, reward_funcs=[_never_called],
+                                   args=trl_config(config, max_response_length, model, self._tmp.name),
+                                   train_dataset=Dataset.from_list([{"prompt": "unused"}]),
+                                   processing_class=local_tokenizer())
+        self.trainer.current_gradient_accumulation_steps = 1  # Trainer.train() sets it per accumulation window
+
+    def _check_lengths(self, responses) -> None:
+        longest = max(int(r.numel()) for r in responses)
+        if longest > self.max_response_length:
+            raise ValueError(f"a response of {longest} tokens is longer than the trainer's max_completion_length "
+                             f"{self.max_response_length} (build_peer's max_response_length)")
 
     def batch(self, prompt_ids, responses, advantages, ref=None) -> dict:
         """The inputs `GRPOTrainer._compute_loss` takes, for one prompt and its G responses."""
         G, device = len(responses), prompt_ids.device
         lengths = [int(r.numel()) for r in responses]
         completion_ids = torch.nn.utils.rnn.pad_sequence([r.reshape(-1) for r in responses], batch_first=True,
-                                                         padding_value=self._trainer(max(lengths)).processing_class.
-                                                         pad_token_id)
+                                                         padding_value=self.trainer.processing_class.pad_token_id)
         completion_mask = (torch.arange(max(lengths), device=device)[None]
                            < torch.tensor(lengths, device=device)[:, None]).long()
         prompt = prompt_ids.reshape(1, -1).expand(G, -1)
@@ -132,7 +132,7 @@ class TRLPeer:
 
     def logprobs(self, prompt_ids, responses) -> list[torch.Tensor]:
         """TRL's per-token log-probs of each response (`_get_per_token_logps_and_entropies`)."""
-        trainer = self._trainer(max(int(r.numel()) for r in responses))
+        trainer = self.trainer
         batch = self.batch(prompt_ids, responses, torch.zeros(len(responses)))
         input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
         mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
@@ -142,7 +142,7 @@ class TRLPeer:
         return [logps[i, :int(r.numel())] for i, r in enumerate(responses)]
 
     def step(self, prompt_ids, responses, rewards, optimizer) -> dict:
-        self._trainer(max(int(r.numel()) for r in responses))
+        self._check_lengths(responses)
 
         def forward_backward(advantages, weights, ref):  # TRL normalises by its own num_items_in_batch
             batch = self.batch(prompt_ids, responses, advantages, ref)
