@@ -16,6 +16,8 @@ modes on the models a peer ran on, from every experiment's tables.
 
 from __future__ import annotations
 
+import textwrap
+
 from longstraw.kinds.columns import number
 from longstraw.peers import DIFFERENCES, PEER_MODES, not_applicable
 from longstraw.plotting.formatting import format_bytes
@@ -215,19 +217,22 @@ def figures(tables: Tables, ceiling: dict):
     rows = step_rows(tables)
     if not any(r["system"] in PEER_MODES for r in rows):
         return
-    searched = [r["ceiling_bytes"] for r in capacity_rows(tables) if r["ceiling_bytes"]]
+    searched = {}  # model -> the configured ceilings its capacity searches ran under (CPU: emulated ones)
+    for r in capacity_rows(tables):
+        if r["ceiling_bytes"] and r["memory_measure"] and not str(r["memory_measure"]).startswith("peak_allocated"):
+            searched.setdefault(r["model"], set()).add(r["ceiling_bytes"])
     yield "peers_memory", _plot(rows, "step_bytes", ceiling, searched)
-    yield "peers_time", _plot(rows, "step_seconds", None, [])
+    yield "peers_time", _plot(rows, "step_seconds", None, {})
 
 
-def _plot(rows: list[dict], key: str, ceiling: dict | None, searched: list):
+def _plot(rows: list[dict], key: str, ceiling: dict | None, searched: dict):
     from longstraw.plotting import draw
 
     models = list(dict.fromkeys(r["model"] for r in rows))
     fig, axes = draw.plt.subplots(len(models), 2, figsize=(13.5, 4.2 * len(models)), squeeze=False)
     memory = key == "step_bytes"
     device = (ceiling or {}).get("bytes") if memory else None
-    values = [r[key] for r in rows] + ([device] if device else []) + list(searched)
+    values = [r[key] for r in rows] + ([device] if device else []) + [v for s in searched.values() for v in s]
     axis = draw.memory_axis(values) if memory else None
     for line, model in zip(axes, models):
         mine = [r for r in rows if r["model"] == model]
@@ -247,8 +252,8 @@ def _plot(rows: list[dict], key: str, ceiling: dict | None, searched: list):
                     draw.mark_failed(ax, r[x_key], r, axis.scale if axis else 1.0, value_key=key if memory else None)
             if device:
                 ax.axhline(device / axis.scale, color="black", linestyle="--", linewidth=1,
-                           label=f"device ceiling {format_bytes(device)}")
-            for value in sorted(set(searched)):
+                           label=textwrap.fill(f"ceiling: {ceiling['label']}", 44))
+            for value in sorted(searched.get(model, ())):
                 ax.axhline(value / axis.scale, color="black", linestyle=":", linewidth=1,
                            label=f"capacity search ceiling {format_bytes(value)}")
             ax.set_xscale("log", base=2)
