@@ -82,14 +82,16 @@ def naive_logprobs(model, prompt_ids, response_ids):
     return token_logprobs(hidden[prompt_ids.numel() - 1:], adapter.lm_head, response_ids)
 
 
+NON_REENTRANT = {"use_reentrant": False}
+
+
 @contextmanager
-def hf_checkpointing(model, kwargs: dict | None = None):
+def hf_checkpointing(model, kwargs: dict | None = NON_REENTRANT):
     """HF's own activation checkpointing on the model's layers, in training mode, for the block (`kwargs`: what
-    `activation_checkpointing_enable` passes to `torch.utils.checkpoint`; default non-reentrant)."""
+    `activation_checkpointing_enable` passes to `torch.utils.checkpoint`; None: that transformers' default)."""
     lm = adapter_for(model).lm
     was_training = lm.training
     # transformers renamed gradient -> activation checkpointing; support both spellings
-    kwargs = {"use_reentrant": False} if kwargs is None else kwargs
     if hasattr(lm, "activation_checkpointing_enable"):
         lm.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
         disable = lm.activation_checkpointing_disable

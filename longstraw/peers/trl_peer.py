@@ -8,8 +8,8 @@ loss_type, beta, epsilon, epsilon_high, scale_rewards as the point's objective, 
 (TRL 1.16 defaults it on: its KL term is then multiplied by the importance ratio, 1 in value but not in
 gradient; off, the objective is ours, `longstraw.core.grpo`), gradient_checkpointing=True,
 bf16 for a bfloat16 model else float32, use_cpu on CPU, report_to="none")`. The trainer's constructor adds
-TRL's fused LM head to the model (`trl.trainer.utils.add_fused_lm_head`) and, for peft with checkpointing,
-`enable_input_require_grads()`.
+TRL's fused LM head to the model (`trl.trainer.utils.add_fused_lm_head`), writes the tokenizer's pad id into
+the model's config and, for peft with checkpointing, calls `enable_input_require_grads()`.
 
 What one step calls: the switch `Trainer.train()` flips before its loop (`activation_checkpointing_enable`
 with the config's kwargs, `gradient_checkpointing_enable` on transformers that lack it; `longstraw.core.step.
@@ -70,14 +70,15 @@ def trl_config(config: grpo.GRPOConfig, response_length: int, model, output_dir:
                       logging_strategy="no", disable_dropout=True, use_bias_correction_kl=False)
 
 
-def _checkpointing_kwargs(args) -> dict:
+def _checkpointing_kwargs(args) -> dict | None:
     """The kwargs `Trainer.train()` passes to the switch (transformers 5.23 names them activation_..., 5.17
-    gradient_...), less the layer-selection keys it pops first."""
+    gradient_...), less the layer-selection keys it pops first; None (the model's default) when empty, as it
+    passes them."""
     kwargs = dict(getattr(args, "activation_checkpointing_kwargs", None)
                   or getattr(args, "gradient_checkpointing_kwargs", None) or {})
     for key in ("every_n_layers", "offload"):
         kwargs.pop(key, None)
-    return kwargs
+    return kwargs or None
 
 
 # the step statistics TRL logs under the names `grpo.summarize_stats` gives ours
