@@ -1,7 +1,7 @@
 """The report's Peers section: the peers (`longstraw.peers`: TRL's GRPO loss path, PrefixGrouper) beside our
 modes on the models a peer ran on, from every experiment's tables.
 
-- Step rows (`step_rows`): each step point's memory and time. Memory is the step's own: on CUDA the peak
+- Step rows (`step_rows`): each step point's memory and time, in the experiments that ran a peer's steps. Memory is the step's own: on CUDA the peak
   allocated over the step's phases (weights included, the same for every system); on CPU the process peak
   RSS minus the RSS after the weights and a peer's setup (its imports and trainer), the capacity search's
   measure, so a peer's import footprint is not read as step memory (`peak_memory_bytes` keeps the whole
@@ -60,11 +60,13 @@ def peer_models(tables: Tables) -> list[str]:
 
 
 def step_rows(tables: Tables) -> list[dict]:
-    """Every single-process step point of the systems on the peers' models (see the module doc)."""
-    models = peer_models(tables)
+    """Every single-process step point of the systems in the experiments where a peer's step ran (see the
+    module doc): the side-by-side points, one objective and response length per experiment."""
+    compared = {experiment for experiment, row in _all_rows(tables)
+                if row.get("kind") == "step" and row.get("mode") in PEER_MODES}
     out = []
     for experiment, row in _all_rows(tables):
-        if row.get("kind") != "step" or row.get("model") not in models or row.get("mode") not in SYSTEMS \
+        if experiment not in compared or row.get("kind") != "step" or row.get("mode") not in SYSTEMS \
                 or (number(row.get("cp_size")) or 1) > 1 or row.get("source", "seeded") != "seeded":
             continue
         cuda = row.get("peak_memory_measure") == "peak_allocated_bytes"
