@@ -241,6 +241,8 @@ def _plan(args) -> int:
     for name, experiment in plan.plan(args.experiments, args.profile).items():
         for point in experiment["points"]:
             print(f"{name}/{point}")
+        for point, reason in experiment["not_applicable"].items():
+            print(f"{name}/{point}: not applicable ({reason.rsplit('mode: ', 1)[-1]})")
     return 0
 
 

@@ -1,7 +1,7 @@
 # Source at the start of a command on the GPU box, from the tree's root (the recipe: docs/gpu.md):
 #   . scripts/device_setup.sh
-# - installs the carried wheels (.whl/, and .whl_bnb/ when carried; scripts/prepare_device_wheels.sh
-#   makes both) into /tmp/site;
+# - installs the carried wheels (.whl/, and .whl_bnb/ and .whl_peers/ when carried;
+#   scripts/prepare_device_wheels.sh makes all three) into /tmp/site;
 # - keeps Triton's compiled kernels and autotune results in .triton_cache, unpacked from a carried
 #   .cache_device/triton_cache.tgz when there is one (without it fla's autotuning costs ~40 s on the
 #   first call; `save_triton_cache` below makes the archive);
@@ -10,7 +10,7 @@
 #   else "unknown".
 # It defines device_point and save_triton_cache, and switches no shell options on (no set -e/pipefail).
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    .whl/*.whl $(ls .whl_bnb/*.whl 2>/dev/null) || return 1
+    .whl/*.whl $(ls .whl_bnb/*.whl .whl_peers/*.whl 2>/dev/null) || return 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TRITON_CACHE_AUTOTUNING=1 TRITON_CACHE_DIR=$PWD/.triton_cache
 mkdir -p "$TRITON_CACHE_DIR"; [ -f .cache_device/triton_cache.tgz ] && tar xzf .cache_device/triton_cache.tgz
 if [ ! -e .git ]; then  # never let git walk up to a repo enclosing the copy (longstraw.measure.git_commit)

@@ -3,6 +3,7 @@
 #   scripts/prepare_device_wheels.sh          # run from anywhere; writes into the repo root
 # .whl/      fla-core, einops, jsonschema and its needs  (~1.6 MB; carry on every call)
 # .whl_bnb/  bitsandbytes                                (~43 MB; carry only for NF4 points)
+# .whl_peers/ trl, prefix-grouper, datasets and its needs (~1 MB; carry only for the peers' points)
 # The box runs Python 3.12 on manylinux x86_64 (torch 2.11, transformers 5.17, triton 3.6; attrs and
 # typing-extensions, which jsonschema and referencing need, are in its image). Versions are pinned to
 # match the CPU environment (jsonschema's family) and the recorded runs (fla-core, bitsandbytes).
@@ -21,6 +22,16 @@ WHL=(
 )
 WHL_BNB=(
     bitsandbytes==0.50.2
+)
+# the `peers` extra (pyproject.toml) at the CPU environment's versions; the box has accelerate, pyarrow,
+# pandas, huggingface-hub, psutil and fsspec (transformers' and accelerate's needs), not these
+WHL_PEERS=(
+    trl==1.16.0                        # needs datasets (and accelerate, in the image)
+    prefix-grouper==0.0.1.post1
+    datasets==5.2.0                    # needs the three below, xxhash compiled
+    dill==0.4.1
+    multiprocess==0.70.19
+    xxhash==4.1.0                      # compiled: cp312 manylinux wheel
 )
 
 # pip matches manylinux_2_N exactly, so offer every N the box's glibc could take, newest first.
@@ -49,9 +60,11 @@ fetch() {  # fetch DIR NAME==VERSION...
 
 fetch .whl "${WHL[@]}"
 fetch .whl_bnb "${WHL_BNB[@]}"
+fetch .whl_peers "${WHL_PEERS[@]}"
 
 echo "wheels for the GPU box:"
-ls -l .whl/*.whl .whl_bnb/*.whl | awk '{printf "  %10d  %s\n", $5, $NF}'
-printf '  .whl/     %s\n  .whl_bnb/ %s\n' "$(du -sh .whl | cut -f1)" "$(du -sh .whl_bnb | cut -f1)"
-total=$(cat .whl/*.whl .whl_bnb/*.whl | wc -c)
+ls -l .whl/*.whl .whl_bnb/*.whl .whl_peers/*.whl | awk '{printf "  %10d  %s\n", $5, $NF}'
+printf '  .whl/       %s\n  .whl_bnb/   %s\n  .whl_peers/ %s\n' "$(du -sh .whl | cut -f1)" "$(du -sh .whl_bnb | cut -f1)" \
+    "$(du -sh .whl_peers | cut -f1)"
+total=$(cat .whl/*.whl .whl_bnb/*.whl .whl_peers/*.whl | wc -c)
 echo "  total $total bytes ($((total / 1048576)) MiB of the 64 MiB the travelling tree may hold)"

@@ -15,7 +15,7 @@ LAYERS = [
     {"families"},
     {"cp"},
     {"core"},
-    {"training"},
+    {"training", "peers"},
     {"kinds"},
     {"harness"},
     {"report"},

@@ -115,10 +115,12 @@ def test_lint_is_clean(workdir):
 
 
 def test_conda_environment_matches_pyproject():
-    """workflow/envs/longstraw.yml pins every dependency of pyproject.toml (tests included) within its
-    range, names the same range where it pins none, and nothing else but the repository itself."""
+    """workflow/envs/longstraw.yml pins every dependency of pyproject.toml (tests and peers included) within
+    its range, names the same range where it pins none, and nothing else but the repository itself."""
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    wanted = {r.name: r for r in map(Requirement, project["dependencies"] + project["optional-dependencies"]["test"])}
+    extras = project["optional-dependencies"]
+    wanted = {r.name: r for r in map(Requirement, project["dependencies"] + extras["test"] + extras["peers"])
+              if r.name != project["name"]}  # `longstraw[peers]` in the test extra: the peers, listed above
     env = yaml.safe_load((REPO / "workflow" / "envs" / "longstraw.yml").read_text())["dependencies"]
     python = next(d for d in env if isinstance(d, str) and d.startswith("python="))
     assert Requirement(f"python{project['requires-python']}").specifier.contains(python.split("=", 1)[1])

@@ -44,7 +44,7 @@ def _base(key, value):
 @pytest.mark.parametrize("key,value,message", [
     ("model.preset", "tiny-gpt5", r"model.preset: unknown model preset 'tiny-gpt5'"),
     ("model.dtype", "float8", r"model.dtype: must be one of \['float32'"),
-    ("mode", "bogus", r"mode: must be one of \['replay', 'hold_all', 'naive'\], got 'bogus'"),
+    ("mode", "bogus", r"mode: must be one of \['replay', 'hold_all', 'naive', 'trl', 'prefix_grouper'\], got 'bogus'"),
     ("prompt.length", 0, r"prompt.length: must be >= 1, got 0"),
     ("responses.count", "two", r"responses.count: expected an integer, got 'two'"),
     ("responses.count", -2, r"responses.count: must be >= 1, got -2"),

@@ -20,11 +20,12 @@ from longstraw.config.sections import CaptureConfig, ModelConfig, OptimizerConfi
 from longstraw.config.typed import ConfigError, bounded, from_mapping, to_mapping
 
 KINDS = ("step", "capture", "capacity", "sweep", "staleness", "validation", "pretrain", "length_curve", "learning")
-MODES = ("replay", "hold_all", "naive")
+# ours (`longstraw.core.step`), then the peers (`longstraw.peers`, the optional extra `.[peers]`)
+MODES = ("replay", "hold_all", "naive", "trl", "prefix_grouper")
 VALIDATION_MODES = ("response-only", "exact")
 VALIDATION_LEVELS = ("V1", "V2", "V3", "V4")
 
-Mode = Literal["replay", "hold_all", "naive"]
+Mode = Literal["replay", "hold_all", "naive", "trl", "prefix_grouper"]
 
 
 @dataclass

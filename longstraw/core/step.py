@@ -82,12 +82,16 @@ def naive_logprobs(model, prompt_ids, response_ids):
     return token_logprobs(hidden[prompt_ids.numel() - 1:], adapter.lm_head, response_ids)
 
 
+NON_REENTRANT = {"use_reentrant": False}
+
+
 @contextmanager
-def _checkpointed(model):
+def hf_checkpointing(model, kwargs: dict | None = NON_REENTRANT):
+    """HF's own activation checkpointing on the model's layers, in training mode, for the block (`kwargs`: what
+    `activation_checkpointing_enable` passes to `torch.utils.checkpoint`; None: that transformers' default)."""
     lm = adapter_for(model).lm
     was_training = lm.training
     # transformers renamed gradient -> activation checkpointing; support both spellings
-    kwargs = {"use_reentrant": False}
     if hasattr(lm, "activation_checkpointing_enable"):
         lm.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
         disable = lm.activation_checkpointing_disable
@@ -185,7 +189,7 @@ def grpo_step(model, prompt_ids, responses, rewards, optimizer, config: grpo.GRP
     cp = getattr(state, "cp", None)
     if cp is not None:  # every rank holds the same gradient already; one all-reduce keeps the steps identical
         cp.average_gradients_([p for p in model.parameters() if p.requires_grad])
-    grad_norm = _grad_norm(model)
+    grad_norm = gradient_norm(model)
     if options.max_grad_norm is not None:
         torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], options.max_grad_norm)
     with recorder.phase("optimizer_step"):
@@ -236,7 +240,7 @@ def _replay_and_backward(model, prompt_ids, state, responses, old, ref, advantag
                                                      config))
                 torch.stack(losses).sum().backward()
             return [l.detach() for l in losses], [lp.detach() for lp in logps], meter
-        with _checkpointed(model) if mode == "naive" else nullcontext():
+        with hf_checkpointing(model) if mode == "naive" else nullcontext():
             for i, y in enumerate(responses):
                 with recorder.phase("replay"):
                     logp = (replay(model, state, y, checkpoint_layers=checkpoint_layers) if mode == "replay"
@@ -256,6 +260,7 @@ def logp_mismatch(logps, others) -> dict:
     return {"max": float(diffs.max()), "mean": float(diffs.mean())} if diffs.numel() else {"max": 0.0, "mean": 0.0}
 
 
-def _grad_norm(model) -> float:
+def gradient_norm(model) -> float:
+    """The L2 norm of every parameter gradient the model holds (float32 sums)."""
     norms = [p.grad.detach().float().norm() for p in model.parameters() if p.grad is not None]
     return float(torch.stack(norms).norm()) if norms else 0.0

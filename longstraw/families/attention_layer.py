@@ -32,12 +32,13 @@ AttentionInterface.register(IMPLEMENTATION, _longstraw_attention)
 
 
 @contextmanager
-def longstraw_attention_selected(configs):
-    """Route the given configs' attention modules to the paged implementation, then restore."""
+def longstraw_attention_selected(configs, implementation: str = IMPLEMENTATION):
+    """Route the given configs' attention modules to the paged implementation (or another registered
+    `implementation`), then restore."""
     saved = [(c, c._attn_implementation_internal) for c in configs]
     try:
         for c, _ in saved:
-            c._attn_implementation_internal = IMPLEMENTATION
+            c._attn_implementation_internal = implementation
         yield
     finally:
         for c, value in saved:

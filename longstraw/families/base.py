@@ -13,7 +13,7 @@ from contextlib import nullcontext
 
 import torch
 
-from longstraw.families.attention_layer import longstraw_attention_selected
+from longstraw.families.attention_layer import IMPLEMENTATION, longstraw_attention_selected
 from longstraw.state import ModelBinding
 
 # config fields that size a resident entry (absent ones read None)
@@ -74,11 +74,12 @@ class FamilyAdapter:
     def device(self):
         return self.lm.get_input_embeddings().weight.device
 
-    def selected(self):
-        """Context in which the HF attention modules dispatch to the paged implementation."""
+    def selected(self, implementation: str = IMPLEMENTATION):
+        """Context in which the HF attention modules dispatch to the paged implementation (or another
+        registered attention `implementation`)."""
         configs = {id(m.config): m.config for m in self.lm.modules() if hasattr(m, "config")
                    and hasattr(m.config, "_attn_implementation_internal")}
-        return longstraw_attention_selected(configs.values()) if configs else nullcontext()
+        return longstraw_attention_selected(configs.values(), implementation) if configs else nullcontext()
 
     def binding(self) -> ModelBinding:
         """What a state captured now depends on (`ResidentState.check_model` compares it)."""

@@ -28,9 +28,14 @@ import yaml
 from longstraw.config import ConfigError, PointConfig, resolve_point
 from longstraw.config.point import trainer_mapping
 from longstraw.config.train import resolve_train
-from longstraw.models.presets import check_preset
+from longstraw.models.presets import PRESETS, check_preset
+from longstraw.peers import PEER_MODES, PeerNotApplicable, check_peer
 
 PROFILES = ("cpu", "h200")
+
+
+class NotApplicable(ConfigError):
+    """A point whose peer mode does not apply to its model; a grid leaves such points out of the plan."""
 
 
 def schema() -> dict:
@@ -74,6 +79,7 @@ def resolve(raw, source: str = "config") -> PointConfig:
             from longstraw.training.tasks import check_task_spec
 
             check_task_spec({**spec, "length": cfg.prompt.length}, f"{source}: {key}")
+    _check_peer_modes(cfg, source)
     if cfg.responses.source == "rollouts":
         if cfg.kind != "step" or cfg.mode != "replay":
             raise ConfigError(f"{source}: responses.source: rollouts are the trainer's cycles (kind step, mode "
@@ -99,6 +105,25 @@ def resolve(raw, source: str = "config") -> PointConfig:
             raise ConfigError(f"{source}: validation.window: the last {window} steps visit {prompts} prompt "
                               f"({train.steps_per_prompt} steps per prompt); V4 needs at least 2")
     return cfg
+
+
+def _check_peer_modes(cfg: PointConfig, source: str) -> None:
+    """A peer mode (the point's, or a capacity search's compared one) runs a step on its own: the extra
+    installed, the peer applicable to the preset's family, no partial or sharded step."""
+    peers = [m for m in [cfg.mode] * (cfg.kind in ("step", "capacity")) + cfg.capacity.compare_modes * (
+        cfg.kind == "capacity") if m in PEER_MODES]
+    if cfg.mode in PEER_MODES and cfg.kind not in ("step", "capacity"):
+        raise ConfigError(f"{source}: mode: peer {cfg.mode!r} runs kind step or capacity, not {cfg.kind!r}")
+    for mode in peers:
+        try:
+            check_peer(mode, None if cfg.model.path else PRESETS[cfg.model.preset].model_type)
+        except PeerNotApplicable as exc:
+            raise NotApplicable(f"{source}: mode: {exc}") from None
+        except ValueError as exc:
+            raise ConfigError(f"{source}: mode: {exc}") from None
+    if peers and (cfg.responses.probe_members is not None or cfg.cp_size > 1):
+        raise ConfigError(f"{source}: peer mode {peers[0]!r} runs the whole group in one process (no "
+                          "responses.probe_members, cp_size 1)")
 
 
 def set_dotted(config: dict, dotted: str, value, source: str = "config") -> None:
@@ -127,8 +152,11 @@ def _grid_name(assignment: dict) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "-", "_".join(parts)) or "default"
 
 
-def expand(experiment: dict, profile: str, source: str = "experiment") -> dict[str, dict]:
-    """{point name: {"config": resolved PointConfig, "grid": varied values}} for one profile."""
+def expand(experiment: dict, profile: str, source: str = "experiment", not_applicable: dict | None = None
+           ) -> dict[str, dict]:
+    """{point name: {"config": resolved PointConfig, "grid": varied values}} for one profile. A grid's
+    point whose peer mode does not apply to its model (`NotApplicable`) is left out, its reason put in
+    `not_applicable` (name -> reason) when given; a listed point that does not apply is refused."""
     settings = experiment["profiles"].get(profile)
     if settings is None:
         return {}
@@ -141,9 +169,10 @@ def expand(experiment: dict, profile: str, source: str = "experiment") -> dict[s
         for values in itertools.product(*(grid[k] for k in keys)):
             assignment = dict(zip(keys, values))
             assignments.append((_grid_name(assignment), assignment))
+    gridded = len(assignments)
     assignments += [(p["name"], dict(p.get("set", {}))) for p in settings.get("points", [])]
     points = {}
-    for name, assignment in assignments:
+    for index, (name, assignment) in enumerate(assignments):
         if name in points:
             raise ValueError(f"{source}: profiles.{profile}: point name {name!r} appears twice")
         where = f"{source} [profile {profile}, point {name}]"
@@ -151,20 +180,29 @@ def expand(experiment: dict, profile: str, source: str = "experiment") -> dict[s
         for dotted, value in assignment.items():
             set_dotted(config, dotted, value, where)
         config["name"] = f"{experiment['name']}/{name}"
-        points[name] = {"config": resolve(config, where), "grid": assignment}
+        try:
+            points[name] = {"config": resolve(config, where), "grid": assignment}
+        except NotApplicable as exc:
+            if index >= gridded:
+                raise
+            if not_applicable is not None:
+                not_applicable[name] = str(exc)
     return points
 
 
 def plan(experiments_dir, profile: str) -> dict[str, dict]:
-    """{experiment name: {"path", "title", "points"}} for every experiment file defining `profile`."""
+    """{experiment name: {"path", "title", "points", "not_applicable"}} for every experiment file defining
+    `profile` (`not_applicable`: the grid's points left out, name -> reason)."""
     if profile not in PROFILES:
         raise ValueError(f"unknown profile {profile!r}; known: {PROFILES}")
     out = {}
     for path in sorted(Path(experiments_dir).glob("*.yaml")):
         experiment = load_experiment(path)
-        points = expand(experiment, profile, source=str(path))
+        skipped: dict[str, str] = {}
+        points = expand(experiment, profile, source=str(path), not_applicable=skipped)
         if points:
-            out[experiment["name"]] = {"path": str(path), "title": experiment["title"], "points": points}
+            out[experiment["name"]] = {"path": str(path), "title": experiment["title"], "points": points,
+                                       "not_applicable": skipped}
     return out
 
 

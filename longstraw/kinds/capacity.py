@@ -5,7 +5,7 @@ belongs to that probe alone. A probe fits when it completes and its measured ste
 under the ceiling:
 - CUDA: `peak_allocated_bytes` over all phases; the ceiling is the device itself (a real OOM)
   unless `capacity.ceiling_bytes` sets a lower one.
-- CPU: process peak RSS minus RSS after building the weights, against `capacity.ceiling_bytes`
+- CPU: process peak RSS minus RSS after building the weights (and a peer's setup), against `capacity.ceiling_bytes`
   (an emulated ceiling, stated in the result: a 24 GiB machine would not run out at CPU sizes).
 
 Search: double from `min_length` until a probe does not fit (or `max_length`), then bisect
@@ -61,7 +61,8 @@ def _measured_bytes(result: dict, device_type: str) -> int | None:
     metrics = result.get("metrics") or {}
     if device_type == "cuda":
         return metrics.get("peak_allocated_bytes") or result.get("peak_allocated_bytes")
-    weights = (metrics.get("weights") or {}).get("peak_rss_bytes")
+    # RSS after the weights (a peer's: after its setup too, its imports and trainer), so the step's own is measured
+    weights = (metrics.get("peer_setup") or metrics.get("weights") or {}).get("peak_rss_bytes")
     return result["peak_rss_bytes"] - weights if weights is not None and "peak_rss_bytes" in result else None
 
 
@@ -181,8 +182,11 @@ def columns(point: dict) -> dict:
     largest = metrics.get("largest_fitting")
     at_largest = next((p for p in fitting if p.get("prompt_length") == largest), {})
     oom_lengths = [p["prompt_length"] for p in oom if number(p.get("prompt_length")) is not None]
+    responses = as_dict(cfg.get("responses"))
     return {
         "mode": metrics.get("mode", cfg.get("mode")),
+        "G": responses.get("count"),
+        "response_length": responses.get("length"),
         "ceiling_bytes": number(metrics.get("ceiling_bytes")),
         "memory_measure": metrics.get("memory_measure"),
         "largest_fitting": largest,

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from longstraw.config import PointConfig
 from longstraw.kinds.columns import as_dict, finite, is_cuda_point, number, phase_columns, point_parts
+from longstraw.peers import PEER_MODES
 
 if TYPE_CHECKING:
     from longstraw.kinds.common import Progress
@@ -35,6 +36,8 @@ def run(cfg: PointConfig, device, progress: Progress) -> dict:
     model, vocab, prompt = policy_and_prompt(cfg, recorder)
     responses, rewards = seeded_group(cfg, cfg.responses.count, vocab, device)
     optimizer = optimizer_for(model, cfg)
+    if cfg.mode in PEER_MODES:
+        return run_peer(cfg, model, prompt, responses, rewards, optimizer, recorder)
     options = StepOptions(mode=cfg.mode, capture=capture_kwargs(cfg), members=cfg.responses.probe_members,
                           checkpoint_layers=cfg.replay.checkpoint_layers)
     state, cycles = None, []
@@ -71,6 +74,19 @@ def run_rollouts(cfg: PointConfig, device, progress: Progress) -> dict:
             "cycles": cycles, **summary(cycles)}
 
 
+def run_peer(cfg: PointConfig, model, prompt, responses, rewards, optimizer, recorder) -> dict:
+    """`cycles` steps of a peer (`longstraw.peers`) on the same model, prompt, group and optimizer; its setup
+    (imports, TRL's trainer) is the `peer_setup` phase, outside the steps."""
+    from longstraw.models.lora import trainable_parameters
+    from longstraw.peers import build_peer
+
+    with recorder.phase("peer_setup"):
+        peer = build_peer(cfg.mode, model, cfg.grpo, max_response_length=cfg.responses.length)
+    cycles = [peer.step(prompt, responses, rewards, optimizer) for _ in range(cfg.cycles)]
+    return {"weights": recorder.phases["weights"], "peer_setup": recorder.phases["peer_setup"],
+            "trainable_parameters": trainable_parameters(model), "cycles": cycles, **summary(cycles)}
+
+
 ROLLOUT_KEYS = ("reward_mean", "rewards", "loss", "grad_norm", "response_tokens")
 
 
@@ -92,7 +108,8 @@ def summary(cycles: list) -> dict:
 
 # ------------------------------------------------------------------------------------------- report
 
-STEP_PHASES = ("capture", "ref_capture", "sampling", "old_scoring", "ref_scoring", "replay", "optimizer_step")
+STEP_PHASES = ("capture", "ref_capture", "sampling", "old_scoring", "ref_scoring", "replay", "forward_backward",
+               "optimizer_step")
 # What a reader checks a step point by (every column is in the experiment's CSV): its peak and what
 # measured it, the graph and the resident state beside their prediction, time per member, the loss.
 # Per-phase peaks are in the memory figure; context-parallel and rollout columns show where present.
@@ -160,6 +177,7 @@ def columns(point: dict) -> dict:
     for name in list(STEP_PHASES) + sorted(set(summary) - set(STEP_PHASES)):
         cols.update(phase_columns(name, as_dict(summary.get(name))))
     cols.update(phase_columns("weights", as_dict(metrics.get("weights"))))
+    cols.update(phase_columns("peer_setup", as_dict(metrics.get("peer_setup"))))  # a peer's imports and trainer
     return cols
 
 

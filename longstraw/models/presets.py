@@ -123,6 +123,13 @@ PRESETS = {
         "GPU: Qwen3.6 pattern, 16 layers (12 GDN + 4 attention), hidden 2048",
         init_on_device=True,
     ),
+    # GPU scale, attention only: hybrid-1b's width, depth and attention shape with every layer full attention
+    # (llama), the dense model the peers compare on (PrefixGrouper applies to attention-only models)
+    "dense-1b": Preset(
+        "llama", dict(_GPU_1B, num_attention_heads=8, num_key_value_heads=2, head_dim=128, rms_norm_eps=1e-6),
+        "GPU: 16-layer GQA llama, hidden 2048, hybrid-1b's attention shape",
+        init_on_device=True,
+    ),
     # GPU scale: the GLM-5.2 pattern (MLA + DSA, 1 index layer then 3 IndexShare layers, 1 dense FFN layer then
     # routed MoE 2 of 8 + 1 shared expert), ~1.2B parameters. Resident bytes per position (bf16):
     # 16 layers x (kv_lora_rank 512 + rope 64) x 2 + 4 index layers x index_head_dim 128 x 2 = 19,456;

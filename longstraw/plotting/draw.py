@@ -29,8 +29,10 @@ from longstraw.plotting.formatting import LOG_SPAN, is_nested  # noqa: E402
 from longstraw.results import atomic_path  # noqa: E402
 
 PHASE_COLORS = {"weights": "#937860", "capture": "#4c72b0", "ref_capture": "#64b5cd", "sampling": "#da8bc3",
-                "old_scoring": "#8c8c8c", "ref_scoring": "#bcbcbc", "replay": "#dd8452", "optimizer_step": "#55a868"}
-MODE_COLORS = {"replay": "#dd8452", "hold_all": "#4c72b0", "naive": "#c44e52"}
+                "old_scoring": "#8c8c8c", "ref_scoring": "#bcbcbc", "replay": "#dd8452", "forward_backward": "#ccb974",
+                "optimizer_step": "#55a868"}
+MODE_COLORS = {"replay": "#dd8452", "hold_all": "#4c72b0", "naive": "#c44e52", "trl": "#8172b3",
+               "prefix_grouper": "#55a868"}
 LINE_STYLES = ("-", "--", ":", "-.")  # one per model where a figure's lines span several
 PAPER_COLOR = "#8172b3"
 FAILED_COLORS = {"oom": "#d62728", "error": "#ff7f0e"}

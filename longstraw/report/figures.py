@@ -17,7 +17,7 @@ from longstraw import kinds
 from longstraw.kinds.columns import ExperimentData
 from longstraw.plotting.draw import save_png
 from longstraw.report.aggregate import grid_columns, records
-from longstraw.report import memory_vs_length
+from longstraw.report import memory_vs_length, peers
 from longstraw.report.paper import load_paper, memory_points, reference_marks
 from longstraw.report.store import MANIFEST, Tables, read_tables
 from longstraw.results import write_json_atomic
@@ -60,6 +60,11 @@ def make_figures(tables_dir, out_dir, marks: dict | None = None) -> dict[str, Pa
         drawn[key] = save_png(fig, out_dir / f"{SUMMARY}.{memory_vs_length.FIGURE}.png")
         entries.append({"key": key, "experiment": SUMMARY, "file": drawn[key].name,
                         "caption": memory_vs_length.CAPTION})
+    for figure, fig in peers.figures(tables, ceiling):  # the Peers section's, across experiments
+        key = f"{peers.FIGURES}/{figure}"
+        drawn[key] = save_png(fig, out_dir / f"{peers.FIGURES}.{figure}.png")
+        entries.append({"key": key, "experiment": peers.FIGURES, "file": drawn[key].name,
+                        "caption": peers.CAPTIONS[figure]})
     for name in tables.manifest["experiments"]:
         data = experiment_data(tables, name)
         for module in kinds.modules():

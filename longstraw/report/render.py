@@ -5,7 +5,8 @@ page comes from a table the tables stage wrote (`aggregate`).
 
 Sections: summary (what ran, statuses, device, versions, commit, date); on a GPU profile, the
 targets (`longstraw.report.targets`, evaluated by the tables stage); the paper's figures beside
-ours with the scale difference; the four validation levels; one section per experiment (the
+ours with the scale difference; the four validation levels; the peers beside our modes (`peers`, where a
+peer ran); one section per experiment (the
 paper's figures for it beside ours, figures, a table per kind straight from the aggregated data
 with every status, the kinds' own tables (a sweep's steps, a capacity search's comparison steps
 and probes, a staleness oracle's steps), the kinds' notes (e.g. a staleness point's refresh
@@ -33,6 +34,7 @@ from longstraw.plotting.ceiling import ceiling_reason
 from longstraw.plotting.formatting import LOG_SPAN, column_label, exact_value, format_value, is_missing, is_nested
 from longstraw.report.aggregate import experiment_order, grid_columns, records, status_counts
 from longstraw.report.levels import all_paths, levels_table, number_rules, paper_paths
+from longstraw.report import peers
 from longstraw.report.figures import SUMMARY
 from longstraw.report.paper import claim_rows, compare_figures, load_paper, scale_rows
 from longstraw.report.store import MANIFEST, Tables, read_tables
@@ -387,8 +389,19 @@ def build_context(tables: Tables, figures: list[dict], out_dir, recorded: Tables
                        "rules": number_rules(paths),
                        "paper_paths": paper_paths(paper)},
         "experiments": sections,
+        "peers": peers_section(tables, figures),
         "recorded": recorded_section(recorded, out_dir, results_dir),
     }
+
+
+def peers_section(tables: Tables, figures: list[dict]) -> dict | None:
+    """The Peers section (`longstraw.report.peers`): sentences, figures, the step and capacity rows."""
+    found = peers.view(tables)
+    if found is None:
+        return None
+    return {**found, "figures": [f for f in figures if f["experiment"] == peers.FIGURES],
+            "step_view": table_view(found["steps"], peers.STEP_COLUMNS),
+            "capacity_view": table_view(found["capacity"], peers.CAPACITY_COLUMNS) if found["capacity"] else None}
 
 
 def copy_tables(tables: Tables, folder: Path) -> None:

@@ -1,0 +1,190 @@
+"""The peers (`longstraw.peers`) compute the same thing as our exact mode where the objectives coincide:
+TRL's GRPOTrainer loss path and PrefixGrouper's grouped forward give our exact mode's loss and
+full-sequence gradient on the same model, prompt, responses and rewards (our exact mode is held to HF's
+one-pass autograd in tests/test_prefix_grad.py). And they refuse what they cannot run before any work."""
+
+import pytest
+import torch
+
+from longstraw.core import grpo
+from longstraw.core.hf_reference import global_relative_error
+from longstraw.core.step import StepOptions, grpo_step, reference_policy
+from longstraw import capture
+from longstraw.models import build_model
+from longstraw.models.lora import apply_lora
+
+pytest.importorskip("trl", reason='the peers extra is not installed: pip install -e ".[peers]"')
+pytest.importorskip("prefix_grouper", reason='the peers extra is not installed: pip install -e ".[peers]"')
+
+from longstraw.peers import PeerNotApplicable, build_peer  # noqa: E402
+
+
+class GradientRecorder:
+    """An optimizer stand-in: records the accumulated gradients at step() instead of updating."""
+
+    def __init__(self, model):
+        self.model, self.grads = model, None
+
+    def step(self):
+        self.grads = {n: p.grad.clone() for n, p in self.model.named_parameters() if p.grad is not None}
+
+    def zero_grad(self, set_to_none=True):
+        self.model.zero_grad(set_to_none=set_to_none)
+
+
+def _policy(preset):
+    # a random LoRA (B != 0), so the policy differs from the reference and the KL term is not zero
+    return apply_lora(build_model(preset, seed=5), r=4, alpha=8, dropout=0.0, init_random=True, targets="attention")
+
+
+def _group(lengths=(6, 9, 3, 7)):
+    g = torch.Generator().manual_seed(11)
+    prompt = torch.randint(0, 256, (41,), generator=g)
+    responses = [torch.randint(0, 256, (n,), generator=g) for n in lengths]  # unequal: padding in both peers
+    return prompt, responses, torch.tensor([1.0, 0.0, 0.5, 0.25])
+
+
+def _run(preset, mode, config, **options):
+    """(loss, gradients) of one step on a fresh copy of the same policy."""
+    model = _policy(preset)
+    prompt, responses, rewards = _group()
+    recorder = GradientRecorder(model)
+    if mode in ("trl", "prefix_grouper"):
+        metrics = build_peer(mode, model, config).step(prompt, responses, rewards, recorder)
+    else:
+        # the reference's own capture of the prompt (as TRL's reference sees the prompt: the base model's)
+        with reference_policy(model):
+            ref_state = capture(model, prompt) if config.beta else None
+        metrics = grpo_step(model, prompt, responses, rewards, recorder, config, StepOptions(mode=mode, **options),
+                            ref_state=ref_state).metrics
+    assert recorder.grads, "the step produced no gradient"
+    return metrics, recorder.grads
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize(("preset", "peer", "beta"), [
+    ("tiny-llama", "trl", 0.0), ("tiny-qwen3_5", "trl", 0.0), ("tiny-llama", "trl", 0.04),
+    ("tiny-llama", "prefix_grouper", 0.0), ("tiny-qwen3", "prefix_grouper", 0.04)])
+def test_peer_loss_and_gradient_equal_our_exact_mode(preset, peer, beta):
+    config = grpo.GRPOConfig(num_generations=4, beta=beta, loss_type="dapo")
+    exact, exact_grads = _run(preset, "replay", config, prefix_grad=True)
+    theirs, their_grads = _run(preset, peer, config)
+    assert set(their_grads) == set(exact_grads)
+    assert global_relative_error(their_grads, exact_grads) < 1e-4
+    assert theirs["loss"] == pytest.approx(exact["loss"], rel=1e-5, abs=1e-7)
+    assert theirs["grad_norm"] == pytest.approx(exact["grad_norm"], rel=1e-4)
+    if beta:  # the reference pass ran: the KL term is in the loss and the statistics
+        assert theirs["stats"]["kl"] == pytest.approx(exact["stats"]["kl"], rel=1e-4) and exact["stats"]["kl"] > 0
+    # not trivially equal: the conditional-response gradient (replay without the prompt-side term) differs
+    _, replay_grads = _run(preset, "replay", config)
+    assert global_relative_error(replay_grads, exact_grads) > 1e-2
+
+
+def test_peer_steps_record_the_step_phases():
+    config = grpo.GRPOConfig(num_generations=4, beta=0.04)
+    for peer in ("trl", "prefix_grouper"):
+        metrics, _ = _run("tiny-llama", peer, config)
+        assert set(metrics["phases"]) == {"ref_scoring", "forward_backward", "optimizer_step"}
+        assert metrics["graph_bytes_peak"] > 0 and metrics["members_replayed"] == 4
+
+
+def test_prefix_grouper_refuses_a_hybrid_model_before_any_work(monkeypatch):
+    import prefix_grouper.utils.register_transformers as registry
+
+    model = _policy("tiny-qwen3_5")
+    monkeypatch.setattr(registry, "register_attention", lambda: pytest.fail("work started"))
+    with pytest.raises(PeerNotApplicable, match="Gated DeltaNet"):
+        build_peer("prefix_grouper", model, grpo.GRPOConfig(num_generations=4))
+
+
+def _peer_experiment(mode_list, explicit=None):
+    return {"name": "peers_t", "title": "t", "kind": "step", "profiles": {"cpu": {
+        "base": {"model": {"preset": "tiny-qwen3_5"}, "prompt": {"length": 16}, "responses": {"count": 2}},
+        "grid": {"model.preset": ["tiny-llama", "tiny-qwen3_5"], "mode": mode_list},
+        **({"points": [explicit]} if explicit else {})}}}
+
+
+def test_the_plan_leaves_out_grid_points_a_peer_does_not_apply_to():
+    from longstraw.harness.plan import NotApplicable, expand
+
+    skipped = {}
+    points = expand(_peer_experiment(["replay", "prefix_grouper"]), "cpu", "peers_t.yaml", not_applicable=skipped)
+    assert sorted(points) == ["preset-tiny-llama_mode-prefix_grouper", "preset-tiny-llama_mode-replay",
+                              "preset-tiny-qwen3_5_mode-replay"]
+    assert list(skipped) == ["preset-tiny-qwen3_5_mode-prefix_grouper"]
+    assert "does not apply to model type 'qwen3_5'" in skipped["preset-tiny-qwen3_5_mode-prefix_grouper"]
+    # a point asked for by name is refused, naming the file and the point
+    explicit = {"name": "pg-hybrid", "set": {"mode": "prefix_grouper", "model.preset": "tiny-qwen3_5"}}
+    with pytest.raises(NotApplicable, match=r"peers_t.yaml \[profile cpu, point pg-hybrid\].*Gated DeltaNet"):
+        expand(_peer_experiment(["replay"], explicit), "cpu", "peers_t.yaml")
+
+
+def test_a_missing_extra_is_named_when_the_plan_is_made(monkeypatch):
+    import importlib.util
+
+    from longstraw.config import ConfigError
+    from longstraw.harness.plan import expand
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "trl" else real(name, *a))
+    with pytest.raises(ConfigError, match=r'mode \'trl\' runs the peer trl==1\.16\.0.*pip install -e "\.\[peers\]"'):
+        expand(_peer_experiment(["replay", "trl"]), "cpu", "peers_t.yaml")
+    # a capacity search comparing with a peer is checked as well
+    capacity = _peer_experiment(["replay"])
+    capacity["profiles"]["cpu"]["base"].update(kind="capacity", capacity={"compare_modes": ["trl"],
+                                                                         "ceiling_bytes": 1 << 28})
+    with pytest.raises(ConfigError, match=r"pip install"):
+        expand(capacity, "cpu", "peers_t.yaml")
+
+
+def test_a_peer_point_runs_through_the_step_kind(tmp_path):
+    from longstraw.harness.runner import run_point
+
+    raw = {"name": "peers_t/trl", "kind": "step", "mode": "trl", "model": {"preset": "tiny-llama"},
+           "prompt": {"length": 32}, "responses": {"count": 2, "length": 4}, "grpo": {"beta": 0.0}}
+    result = run_point(raw)
+    assert result["status"] == "ok", result.get("error")
+    metrics = result["metrics"]
+    assert metrics["peer_setup"]["seconds"] > 0 and metrics["cycles"][0]["mode"] == "trl"
+    assert "forward_backward" in metrics["phase_summary"]
+    with pytest.raises(ValueError, match="peer 'trl' runs kind step or capacity"):
+        run_point({**raw, "kind": "sweep"})
+
+
+def _row(system, length, g, step_bytes, seconds, status="ok", model="tiny-llama"):
+    return {"experiment": "peers", "point": f"{system}-{length}-{g}", "model": model, "model_type": "llama",
+            "system": system, "status": status, "prompt_length": length, "G": g, "response_length": 64,
+            "cuda": False, "peak_memory_bytes": step_bytes, "setup_rss_bytes": 0, "step_bytes": step_bytes,
+            "step_seconds": seconds}
+
+
+def test_the_peers_sentences_follow_the_measured_numbers():
+    from longstraw.report import peers as section
+
+    rows = [_row("replay", 1024, 8, 100, 2.0), _row("naive", 1024, 8, 50, 3.0), _row("trl", 1024, 8, 400, 1.0),
+            _row("replay", 4096, 8, 110, 4.0), _row("naive", 4096, 8, 200, 9.0), _row("trl", 4096, 8, 90, 5.0),
+            _row("trl", 8192, 8, 3000, None, status="oom"), _row("replay", 8192, 8, 120, 8.0)]
+    section._add_ratios(rows)
+    text = " ".join(section.peer_sentences("trl", rows))
+    assert "step memory is 0.82-4.00x replay's and its step time 0.50-1.25x" in text
+    # lighter than replay only at 4,096 (and there lighter than naive too); faster only at 1,024, and faster
+    # than naive there as well, so faster than every one of our modes measured there
+    assert "lighter than replay at P=4,096 G=8, lighter than every one of our modes measured there at P=4,096 G=8" in text
+    assert "faster than replay at P=1,024 G=8, faster than every one of our modes measured there at P=1,024 G=8" in text
+    assert "did not complete at P=8,192 G=8 (oom), where replay did at P=8,192 G=8" in text
+    slower = [_row("replay", 1024, 2, 100, 1.0), _row("trl", 1024, 2, 300, 3.0)]
+    section._add_ratios(slower)
+    assert "It is lighter than replay at none of them. It is faster than replay at none of them." in " ".join(
+        section.peer_sentences("trl", slower))
+
+
+def test_capacity_sentences_group_searches_under_one_ceiling():
+    from longstraw.report import peers as section
+
+    rows = [{"model": "tiny-qwen3_5", "system": system, "status": "ok", "G": 8, "response_length": 32,
+             "ceiling_bytes": 167772160, "largest_fitting": reach, "smallest_oom": oom,
+             "search_stopped_on_time_limit": False}
+            for system, reach, oom in (("replay", 16384, None), ("naive", 2048, 3072), ("trl", None, 128))]
+    assert section.capacity_sentences(rows) == [
+        "Largest prompt whose G=8 step fits under 160.00 MiB on tiny-qwen3_5 (responses of 32 tokens): replay "
+        "16,384 positions; naive 2,048 positions; trl none of the probed lengths (the shortest, 128, ran out)."]
