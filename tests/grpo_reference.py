@@ -32,3 +32,16 @@ def batch_loss(logps, old_logps, ref_logps, advantages_G, config) -> torch.Tenso
     if config.loss_type == "dr_grpo":
         return (loss_tok * mask).sum() / (loss_tok.size(0) * config.max_completion_length)
     raise ValueError(f"unknown loss_type {config.loss_type!r}")
+
+
+class GradientRecorder:
+    """An optimizer stand-in: records the accumulated gradients at step() instead of updating."""
+
+    def __init__(self, model):
+        self.model, self.grads = model, None
+
+    def step(self):
+        self.grads = {n: p.grad.clone() for n, p in self.model.named_parameters() if p.grad is not None}
+
+    def zero_grad(self, set_to_none=True):
+        self.model.zero_grad(set_to_none=set_to_none)

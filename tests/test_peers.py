@@ -17,19 +17,7 @@ pytest.importorskip("trl", reason='the peers extra is not installed: pip install
 pytest.importorskip("prefix_grouper", reason='the peers extra is not installed: pip install -e ".[peers]"')
 
 from longstraw.peers import PeerNotApplicable, build_peer  # noqa: E402
-
-
-class GradientRecorder:
-    """An optimizer stand-in: records the accumulated gradients at step() instead of updating."""
-
-    def __init__(self, model):
-        self.model, self.grads = model, None
-
-    def step(self):
-        self.grads = {n: p.grad.clone() for n, p in self.model.named_parameters() if p.grad is not None}
-
-    def zero_grad(self, set_to_none=True):
-        self.model.zero_grad(set_to_none=set_to_none)
+from grpo_reference import GradientRecorder  # noqa: E402
 
 
 def _policy(preset):

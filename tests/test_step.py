@@ -8,21 +8,8 @@ from longstraw import capture
 from longstraw.core import grpo
 from longstraw.models import build_model
 from longstraw.core.step import StepOptions, grpo_step
-from grpo_reference import batch_loss
+from grpo_reference import GradientRecorder, batch_loss
 from float64_reference import float64_model, hf_float64
-
-
-class GradientRecorder:
-    """An optimizer stand-in: records the accumulated gradients at step() instead of updating."""
-
-    def __init__(self, model):
-        self.model, self.grads = model, None
-
-    def step(self):
-        self.grads = {n: p.grad.clone() for n, p in self.model.named_parameters() if p.grad is not None}
-
-    def zero_grad(self, set_to_none=True):
-        self.model.zero_grad(set_to_none=set_to_none)
 
 
 def _step(model, prompt, responses, rewards, optimizer, config, state=None, capture_kwargs=None, **options):
