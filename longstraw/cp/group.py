@@ -143,4 +143,16 @@ def context_parallel(cp_size, device_type: str = "cpu") -> CPGroup | None:
     return _GROUP
 
 
+def close_context_parallel() -> None:
+    """End this process's context-parallel group together with the other ranks: a barrier, so that no
+    rank tears its connections down while another still uses them (the two-node gloo test once lost a
+    rank to SIGABRT at exit without one), then `destroy_process_group`. Nothing when none was started."""
+    global _GROUP
+    if _GROUP is None or not dist.is_initialized():
+        return
+    dist.barrier()
+    dist.destroy_process_group()
+    _GROUP = None
+
+
 _GROUP: CPGroup | None = None  # one per process (a process is one rank), made when torch.distributed starts
