@@ -133,8 +133,7 @@ def grpo_step(model, prompt_ids, responses, rewards, optimizer, config: grpo.GRP
     weights still come from all G): one member at a time is live in the serial modes, so every
     member of equal length reaches the same peak. The metrics say so."""
     mode, members = options.mode, options.members
-    if len(responses) != config.num_generations:
-        raise ValueError(f"got {len(responses)} responses but num_generations={config.num_generations}")
+    rewards, advantages, weights = group_objective(responses, rewards, config, advantages)
     if members is not None and not (mode != "hold_all" and 1 <= members <= len(responses)):
         raise ValueError(f"members={members!r}: a partial step is a memory probe of the serial modes (replay, naive) "
                          f"and needs 1 <= members <= G={len(responses)}; hold_all's peak depends on all G graphs")
@@ -149,14 +148,6 @@ def grpo_step(model, prompt_ids, responses, rewards, optimizer, config: grpo.GRP
                       "(only a KL term, beta > 0, can move it)", stacklevel=2)
     adapter = adapter_for(model)
     recorder = PhaseRecorder(adapter.device)
-    rewards = torch.as_tensor(rewards, dtype=torch.float32)
-    if advantages is None:
-        advantages = grpo.group_advantages(rewards, config.scale_rewards, num_generations=config.num_generations)
-    else:
-        advantages = torch.as_tensor(advantages, dtype=torch.float32)
-        if advantages.shape != (len(responses),) or not bool(torch.isfinite(advantages).all()):
-            raise ValueError(f"advantages: {len(responses)} finite numbers, one per response, got {advantages.tolist()}")
-    weights = grpo.token_weights([int(r.numel()) for r in responses], config)
     responses = responses[:members]
     age = state.age if state is not None else 0
 
@@ -258,6 +249,21 @@ def logp_mismatch(logps, others) -> dict:
     diffs = torch.cat([(a.detach().double() - b.detach().to(a.device).double()).abs().reshape(-1)
                        for a, b in zip(logps, others)])
     return {"max": float(diffs.max()), "mean": float(diffs.mean())} if diffs.numel() else {"max": 0.0, "mean": 0.0}
+
+
+def group_objective(responses, rewards, config: grpo.GRPOConfig, advantages=None):
+    """(rewards, advantages, token weights) of a group, fixed before any forward: the advantages are
+    `group_advantages(rewards)` unless given (checked: one finite number per response)."""
+    if len(responses) != config.num_generations:
+        raise ValueError(f"got {len(responses)} responses but num_generations={config.num_generations}")
+    rewards = torch.as_tensor(rewards, dtype=torch.float32)
+    if advantages is None:
+        advantages = grpo.group_advantages(rewards, config.scale_rewards, num_generations=config.num_generations)
+    else:
+        advantages = torch.as_tensor(advantages, dtype=torch.float32)
+        if advantages.shape != (len(responses),) or not bool(torch.isfinite(advantages).all()):
+            raise ValueError(f"advantages: {len(responses)} finite numbers, one per response, got {advantages.tolist()}")
+    return rewards, advantages, grpo.token_weights([int(r.numel()) for r in responses], config)
 
 
 def gradient_norm(model) -> float:

@@ -31,7 +31,7 @@ The choice depends on the shapes only, so capture, scoring (old policy, referenc
 same response run one forward kernel: at the on-policy point the ratio GRPO clips is exactly 1.
 ``LONGSTRAW_FORWARD_KERNEL=flash`` in the environment keeps "auto" on flash throughout.
 
-Checkpointed replay (``remember_forwards`` / ``reuse_forwards``): a checkpointed layer's forward keeps
+Checkpointed replay (``ForwardMemo``): a checkpointed layer's forward keeps
 each call's (out, lse), a few MB, and its recompute in the backward takes them back instead of
 attending over the prefix again: the kernels' forward is deterministic, so it would recompute the
 same tensors, at the cost of a second pass over every prefix key.
@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import numbers
 import os
-from collections import deque
 from contextlib import contextmanager
 from contextvars import ContextVar
 
@@ -230,7 +229,7 @@ def kernel_and_block(backend: str, q_BHRD, Dv: int, block_size: int | None) -> t
     return kernel, block_size or (MATH_BLOCK_SIZE if kernel == "math" else CUDA_BLOCK_SIZE)
 
 
-CUDNN_BLOCKS_MAX_HEAD_DIM = 256  # H200, D=256: cuDNN's forward 658 TFLOP/s (flash 314), its backward 416 (250)
+CUDNN_BLOCKS_MAX_HEAD_DIM = 256  # H200, D=256, replay's block: cuDNN forward 563 TFLOP/s (flash 230), backward 420 (259)
 CUDNN_BACKWARD_MAX_HEAD_DIM = 128  # the opt-in "cudnn" backend: checked against math at D <= 128 only
 
 
@@ -489,18 +488,16 @@ class ForwardMemo:
         self._outputs = []
         self._next = 0
 
-    @contextmanager
     def remembering(self):
-        token = _ACTIVE_MEMO.set((self, False))
-        try:
-            yield
-        finally:
-            _ACTIVE_MEMO.reset(token)
+        return self._active(reuse=False)
 
-    @contextmanager
     def reusing(self):
         self._next = 0  # each recompute replays the forward's calls from the first
-        token = _ACTIVE_MEMO.set((self, True))
+        return self._active(reuse=True)
+
+    @contextmanager
+    def _active(self, reuse: bool):
+        token = _ACTIVE_MEMO.set((self, reuse))
         try:
             yield
         finally:

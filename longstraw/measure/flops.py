@@ -58,12 +58,12 @@ def replay_floor_seconds(config, linear_params: int, lora_params: int, response_
     attn_fwd, attn_bwd = replay_attention_flops(config, response_length, prefix)
     lin = sum(replay_linear_flops(linear_params, response_length, lora_params))
 
-    def tflops(cudnn, flash):
-        return rates[cudnn if cudnn in rates else flash]["tflops_per_second"] * 1e12
+    def tflops(name, fallback=None):
+        return rates[name if name in rates else fallback]["tflops_per_second"] * 1e12
 
     parts = {"attention_forward": attn_fwd / tflops("cudnn_forward", "flash_forward"),
              "attention_backward": attn_bwd / tflops("cudnn_backward", "flash_backward"),
-             "linear": lin / tflops("gemm", "gemm")}
+             "linear": lin / tflops("gemm")}
     return {"seconds": sum(parts.values()), "parts_seconds": parts,
             "flops": {"attention_forward": attn_fwd, "attention_backward": attn_bwd, "linear": lin}}
 

@@ -13,20 +13,9 @@ from __future__ import annotations
 import torch
 
 from longstraw.core import grpo
-from longstraw.core.step import gradient_norm, reference_policy
+from longstraw.core.step import gradient_norm, group_objective, reference_policy
 from longstraw.families import adapter_for
 from longstraw.measure.memory import GraphBytesMeter, PhaseRecorder
-
-
-def group_objective(responses, rewards, config: grpo.GRPOConfig):
-    """(rewards, advantages, token weights) of the group, as `grpo_step` fixes them."""
-    if len(responses) != config.num_generations:
-        raise ValueError(f"got {len(responses)} responses but num_generations={config.num_generations}")
-    if any(r.dim() != 1 or r.numel() == 0 for r in responses):
-        raise ValueError("responses: each a non-empty 1-D tensor of token ids")
-    rewards = torch.as_tensor(rewards, dtype=torch.float32)
-    advantages = grpo.group_advantages(rewards, config.scale_rewards, num_generations=config.num_generations)
-    return rewards, advantages, grpo.token_weights([int(r.numel()) for r in responses], config)
 
 
 def measured_step(model, optimizer, mode: str, responses, rewards, config: grpo.GRPOConfig, forward_backward,
@@ -38,6 +27,8 @@ def measured_step(model, optimizer, mode: str, responses, rewards, config: grpo.
     already back-propagated, as (loss value, the step's clip and KL statistics, `grpo.summarize_stats` names)."""
     adapter = adapter_for(model)
     recorder = PhaseRecorder(adapter.device)
+    if any(r.dim() != 1 or r.numel() == 0 for r in responses):
+        raise ValueError("responses: each a non-empty 1-D tensor of token ids")
     rewards, advantages, weights = group_objective(responses, rewards, config)
     ref = None
     if config.beta > 0:

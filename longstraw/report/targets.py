@@ -227,8 +227,7 @@ def capture_floor_27b(root: Path) -> dict:
 def one_command_27b(root: Path) -> dict:
     target = "27B shape NF4 at 1,048,576 positions: capture, a G=2 and a G=8 step in one command"
     goal = f"every part ok within {COMMAND_SECONDS} s"
-    path = root / CAPTURE_27B
-    result = json.loads(path.read_text()) if path.is_file() else None
+    result = _load(root, CAPTURE_27B, statuses=("ok", "partial"))
     if result is None or result.get("wall_seconds") is None:
         return _missing(target, goal, f"no {CAPTURE_27B}")
     steps = {s["count"]: s["status"] for s in result["metrics"].get("steps", []) if s["mode"] == "replay"}
