@@ -110,8 +110,10 @@ def resolve(raw, source: str = "config") -> PointConfig:
 def _check_peer_modes(cfg: PointConfig, source: str) -> None:
     """A peer mode (the point's, or a capacity search's compared one) runs a step on its own: the extra
     installed, the peer applicable to the preset's family, no partial or sharded step."""
-    peers = [m for m in [cfg.mode] * (cfg.kind in ("step", "capacity")) + cfg.capacity.compare_modes * (
-        cfg.kind == "capacity") if m in PEER_MODES]
+    modes = [cfg.mode] if cfg.kind in ("step", "capacity") else []
+    if cfg.kind == "capacity":
+        modes += cfg.capacity.compare_modes
+    peers = [m for m in modes if m in PEER_MODES]
     if cfg.mode in PEER_MODES and cfg.kind not in ("step", "capacity"):
         raise ConfigError(f"{source}: mode: peer {cfg.mode!r} runs kind step or capacity, not {cfg.kind!r}")
     for mode in peers:
