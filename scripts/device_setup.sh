@@ -44,6 +44,25 @@ device_point() {
     return "$status"
 }
 
+# Several points of one experiment in order within one command's time: device_points EXPERIMENT BUDGET CAP POINT...
+#   runs each point with device_point, giving it CAP seconds or what is left of BUDGET (counted from the
+#   call), and starts none once fewer than 30 s are left; prints one line per point (status, seconds; a
+#   failed one's last log lines) and the points it did not start, so a later command can take them up.
+device_points() {
+    if [ $# -lt 4 ]; then echo "usage: device_points EXPERIMENT BUDGET CAP POINT..." >&2; return 2; fi
+    local experiment=$1 budget=$2 cap=$3 start=$SECONDS point left status began
+    shift 3
+    for point in "$@"; do
+        left=$((budget - (SECONDS - start)))
+        if [ "$left" -lt 30 ]; then echo "device_points: not started (time): $point" >&2; continue; fi
+        began=$SECONDS
+        device_point "$experiment" "$point" $((left < cap ? left : cap)) >/dev/null 2>&1
+        status=$?
+        echo "device_points: $point exit $status in $((SECONDS - began)) s" >&2
+        [ "$status" -ne 0 ] && grep -v "^\s*$" "$OUT/${experiment}__${point}.log" | tail -12 >&2
+    done
+}
+
 # Pack .triton_cache into $OUT/triton_cache.tgz, last thing in a command; copy it from the returned
 # files to .cache_device/triton_cache.tgz here and carry .cache_device on later calls.
 save_triton_cache() {
