@@ -8,7 +8,7 @@
 # - fixes the commit results record: the box's copy has no .git, so LONGSTRAW_COMMIT, which the
 #   sender writes into the command (export LONGSTRAW_COMMIT=<sha>; . scripts/device_setup.sh),
 #   else "unknown".
-# It defines device_point and save_triton_cache, and switches no shell options on (no set -e/pipefail).
+# It defines device_point, device_points and save_triton_cache, and switches no shell options on (no set -e/pipefail).
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     .whl/*.whl $(ls .whl_bnb/*.whl .whl_peers/*.whl 2>/dev/null) || return 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TRITON_CACHE_AUTOTUNING=1 TRITON_CACHE_DIR=$PWD/.triton_cache

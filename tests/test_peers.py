@@ -176,3 +176,29 @@ def test_capacity_sentences_group_searches_under_one_ceiling():
     assert section.capacity_sentences(rows) == [
         "Largest prompt whose G=8 step fits under 160.00 MiB on tiny-qwen3_5 (responses of 32 tokens): replay "
         "16,384 positions; naive 2,048 positions; trl none of the probed lengths (the shortest, 128, ran out)."]
+    # a system searched twice under one ceiling: each search named by its point
+    named = [{**row, "experiment": "peers", "point": row["system"]} for row in rows]
+    twice = named + [{**named[1], "experiment": "baselines", "point": "naive-memory", "largest_fitting": 4096}]
+    [sentence] = section.capacity_sentences(twice)
+    assert "naive (peers/naive) 2,048 positions; naive (baselines/naive-memory) 4,096 positions; trl" in sentence
+
+
+def test_a_cuda_step_that_ran_out_counts_its_peak_at_the_oom(tmp_path):
+    """A CUDA peer step that ran out records only the peak allocated when it did (no metrics): the Peers
+    section draws it at that peak, not as a point without a value."""
+    from longstraw.report import aggregate
+    from longstraw.report import peers as section
+    from longstraw.report.store import read_tables
+    from longstraw.results import write_json_atomic
+
+    config = {"name": "peers/trl-oom", "kind": "step", "mode": "trl", "model": {"preset": "hybrid-1b",
+              "device": "cuda", "dtype": "bfloat16"}, "prompt": {"length": 32768},
+              "responses": {"count": 8, "length": 2048}}
+    result = {"experiment": "peers", "point": "trl-oom", "name": "peers/trl-oom", "kind": "step", "status": "oom",
+              "error": "CUDA out of memory.", "config": config, "peak_allocated_bytes": 149282074624,
+              "peak_rss_bytes": 2396184576, "grid": {"mode": "trl", "prompt.length": 32768, "responses.count": 8}}
+    write_json_atomic(tmp_path / "results" / "peers" / "trl-oom.json", result)
+    aggregate.write_all(tmp_path / "results", tmp_path / "tables", "h200", targets=False)
+    [row] = section.step_rows(read_tables(tmp_path / "tables"))
+    assert (row["system"], row["status"], row["cuda"], row["model_type"]) == ("trl", "oom", True, "qwen3_5")
+    assert row["step_bytes"] == 149282074624

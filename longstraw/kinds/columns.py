@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from longstraw.models.presets import FAMILY_NAMES
+from longstraw.models.presets import FAMILY_NAMES, PRESETS
 from longstraw.results import STATUSES
 
 
@@ -75,8 +75,8 @@ def point_parts(point: dict) -> tuple[dict, dict]:
 
 
 def model_type_of(point: dict) -> str | None:
-    """The model type: from the (sweep's) capture metrics when recorded, else from the preset name
-    (`tiny-qwen3_5` -> `qwen3_5`), else the checkpoint folder's name."""
+    """The model type: from the (sweep's) capture metrics when recorded, else the preset's (a preset no
+    longer defined: from its name, `tiny-qwen3_5` -> `qwen3_5`), else the checkpoint folder's name."""
     cfg, metrics = point_parts(point)
     model = as_dict(cfg.get("model"))
     recorded = metrics.get("model_type") or as_dict(metrics.get("capture")).get("model_type")  # a sweep: its capture's
@@ -86,6 +86,8 @@ def model_type_of(point: dict) -> str | None:
     if model.get("path"):
         return Path(str(model["path"])).name
     if isinstance(preset, str):
+        if preset in PRESETS:  # a point that recorded no metrics (it ran out, or failed): its preset's type
+            return PRESETS[preset].model_type
         suffix = preset.split("-", 1)[-1]
         return suffix if suffix in FAMILY_NAMES else preset
     return None

@@ -28,7 +28,9 @@ ATTENTION_ONLY = ("llama", "qwen3", "glm4_moe")
 DIFFERENCES = {
     "trl": "TRL's GRPOTrainer puts the prompt in every one of the G rows and runs one checkpointed forward and "
            "backward over all G x (prompt + response) tokens: every row recomputes the prompt, and its gradient is "
-           "the full-sequence one (as our exact mode's).",
+           "the full-sequence one (as our exact mode's). On a hybrid model its Gated DeltaNet layers run HF's torch "
+           "chunk kernel, as naive's do: fla's chunk backward, which a fast TRL run would take, fails on Hopper with "
+           "Triton 3.4-3.7, so on a GPU its hybrid times carry that slower kernel.",
     "prefix_grouper": "PrefixGrouper runs the prompt once and the G responses concatenated after it in one "
                       "sequence, each response attending to the shared prompt and to itself: one forward and "
                       "backward over prompt + G responses, holding the whole prompt's graph (full-sequence "

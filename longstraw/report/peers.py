@@ -1,11 +1,12 @@
 """The report's Peers section: the peers (`longstraw.peers`: TRL's GRPO loss path, PrefixGrouper) beside our
 modes on the models a peer ran on, from every experiment's tables.
 
-- Step rows (`step_rows`): each step point's memory and time, in the experiments that ran a peer's steps. Memory is the step's own: on CUDA the peak
-  allocated over the step's phases (weights included, the same for every system); on CPU the process peak
-  RSS minus the RSS after the weights and a peer's setup (its imports and trainer), the capacity search's
-  measure, so a peer's import footprint is not read as step memory (`peak_memory_bytes` keeps the whole
-  process peak). Time: the step's phase seconds (`cycle_seconds_mean`).
+- Step rows (`step_rows`): each step point's memory and time, in the experiments that ran a peer's steps.
+  Memory is the step's own: on CUDA the peak allocated over the step's phases, weights included, the same
+  for every system (a step that ran out: the peak it reached then); on CPU the process peak RSS minus the
+  RSS after the weights and a peer's setup (its imports and trainer), the capacity search's measure, so a
+  peer's import footprint is not read as step memory (`peak_memory_bytes` keeps the whole process peak).
+  Time: the step's phase seconds (`cycle_seconds_mean`).
 - Capacity rows (`capacity_rows`): each capacity search's largest fitting prompt, grouped with the searches of
   other systems under the same ceiling, model, G and response length.
 - Sentences (`sentences`): per peer, what it does differently (`peers.DIFFERENCES`), then what was measured
@@ -69,7 +70,8 @@ def step_rows(tables: Tables) -> list[dict]:
         if experiment not in compared or row.get("kind") != "step" or row.get("mode") not in SYSTEMS \
                 or (number(row.get("cp_size")) or 1) > 1 or row.get("source", "seeded") != "seeded":
             continue
-        cuda = row.get("peak_memory_measure") == "peak_allocated_bytes"
+        # "peak_allocated_bytes", or "... at OOM" for a step that ran out (aggregate.point_row)
+        cuda = str(row.get("peak_memory_measure") or "").startswith("peak_allocated_bytes")
         setup = number(row.get("peer_setup_peak_rss_bytes")) or number(row.get("weights_peak_rss_bytes"))
         peak = number(row.get("peak_memory_bytes"))
         out.append({"experiment": experiment, "point": row.get("point"), "model": row.get("model"),
@@ -172,7 +174,9 @@ def _replay(ours: dict, row: dict) -> dict | None:
 
 
 def capacity_sentences(rows: list[dict]) -> list[str]:
-    """Per group of searches under one ceiling, model, G and response length: each system's largest prompt."""
+    """Per group of searches under one ceiling, model, G and response length: each system's largest prompt
+    (a system searched more than once there, e.g. by whole steps and by one member per probe: each search
+    named by its point)."""
     groups: dict[tuple, list[dict]] = {}
     for row in rows:
         if row["status"] == "ok":
@@ -181,7 +185,9 @@ def capacity_sentences(rows: list[dict]) -> list[str]:
     for (model, ceiling, g, length), members in groups.items():
         if not any(r["system"] in PEER_MODES for r in members):
             continue
-        reach = [f"{r['system']} {_reach(r)}" for r in sorted(members, key=lambda r: SYSTEMS.index(r["system"]))]
+        searches = [r["system"] for r in members]  # a system searched twice is told apart by its point
+        reach = [f"{r['system']}" + (f" ({r['experiment']}/{r['point']})" if searches.count(r["system"]) > 1 else "")
+                 + f" {_reach(r)}" for r in sorted(members, key=lambda r: SYSTEMS.index(r["system"]))]
         out.append(f"Largest prompt whose G={int(g)} step fits under {format_bytes(ceiling)} on {model} "
                    f"(responses of {int(length)} tokens): " + "; ".join(reach) + ".")
     return out
