@@ -1475,3 +1475,28 @@ def test_a_checkpoints_row_names_it_by_its_folder(path, name):
 
     assert checkpoint_name(path) == name
     assert common_columns({"config": {"model": {"path": path, "preset": "tiny-llama"}}})["model"] == name
+
+
+def test_a_planned_point_without_a_result_is_listed_in_its_section(tmp_path):
+    """The profile's plan lists two points; one result is there: the section names the other."""
+    experiments = tmp_path / "experiments"
+    experiments.mkdir()
+    (experiments / "gaps.yaml").write_text(
+        "name: gaps\ntitle: two points, one recorded\nkind: step\nprofiles:\n  cpu:\n"
+        "    base: {model: {preset: tiny-llama}, prompt: {length: 16}, responses: {count: 2, length: 4}}\n"
+        "    grid: {mode: [replay, naive]}\n")
+
+    def record(mode):
+        result = run_point({"name": f"gaps/mode-{mode}", "kind": "step", "mode": mode,
+                            "model": {"preset": "tiny-llama"}, "prompt": {"length": 16},
+                            "responses": {"count": 2, "length": 4}})
+        result.update(experiment="gaps", point=f"mode-{mode}", grid={"mode": mode})
+        write_json_atomic(tmp_path / "results" / "gaps" / f"mode-{mode}.json", result)
+
+    record("replay")
+    page = build_report(tmp_path / "results", tmp_path / "report", "cpu", experiments_dir=experiments)
+    [note] = re.findall(r'<p class="note" id="unrecorded-gaps">(.*?)</p>', page.read_text(), re.S)
+    assert 'data-point="mode-naive"' in note and "mode-replay" not in note
+    record("naive")  # every planned point recorded: no such note
+    page = build_report(tmp_path / "results", tmp_path / "report2", "cpu", experiments_dir=experiments)
+    assert 'id="unrecorded-gaps"' not in page.read_text()

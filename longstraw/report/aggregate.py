@@ -44,7 +44,7 @@ EXPERIMENT_ORDER = ("g_sweep", "operating_points", "baselines", "architectures",
 LEADING_COLUMNS = ("point", "kind")
 STATUS_COLUMNS = ("status", "error")
 # Tables of every results folder; an experiment may not take these names.
-GENERAL_TABLES = ("points", "files", "experiments", "targets")
+GENERAL_TABLES = ("points", "files", "experiments", "targets", "unrecorded")
 
 
 # ---------------------------------------------------------------------------------------- loading
@@ -226,6 +226,22 @@ def experiments_table(experiments_dir) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=["experiment", "title", "description"])
 
 
+def unrecorded_table(points: list[dict], experiments_dir, profile: str) -> pd.DataFrame:
+    """The points the profile's plan (`longstraw.harness.plan`, from `experiments_dir`) lists that have no
+    result here: a recorded folder's gaps, or a pipeline run not finished. Empty without an experiments
+    folder or for a profile the plan does not know."""
+    from longstraw.harness.plan import PROFILES, plan
+
+    columns = ["experiment", "point", "kind"]
+    if not experiments_dir or not Path(experiments_dir).is_dir() or profile not in PROFILES:
+        return pd.DataFrame(columns=columns)
+    have = {(str(p.get("experiment")), str(p.get("point"))) for p in points}
+    rows = [{"experiment": experiment, "point": name, "kind": entry["config"].kind}
+            for experiment, planned in plan(experiments_dir, profile).items()
+            for name, entry in planned["points"].items() if (experiment, name) not in have]
+    return pd.DataFrame(rows, columns=columns)
+
+
 def targets_section(results_dir, profile: str) -> dict | None:
     """The GPU targets (`longstraw.report.targets.evaluate_targets`): {"rows", "error"}; None on CPU,
     whose sizes and ceilings are emulated (every target would read "not measured"), or where the
@@ -274,7 +290,8 @@ def build_tables(points: list[dict], results_dir, profile: str = "cpu", experime
     combined = pd.concat(everything, ignore_index=True) if everything else pd.DataFrame(columns=["experiment"])
     combined = combined[["experiment"] + [c for c in combined.columns if c != "experiment"]]
     out = {**frames, **kind_tables(points), "points": combined, "files": files_table(points),
-           "experiments": experiments_table(experiments_dir)}
+           "experiments": experiments_table(experiments_dir),
+           "unrecorded": unrecorded_table(points, experiments_dir, profile)}
     state = targets_section(results_dir, profile) if targets else None
     if state is not None:
         out["targets"] = pd.DataFrame(state["rows"], columns=["target", "goal", "measured", "met", "evidence"])

@@ -247,6 +247,8 @@ def experiment_section(name: str, tables: Tables, files: list[dict], figures: li
                       "peak": format_value("peak_allocated_bytes", f.get("peak_allocated_bytes"))
                       if f.get("peak_allocated_bytes") is not None else ""}
                      for f in files if f.get("status") != "ok"],
+        "unrecorded": [r["point"] for r in (records(tables.frame("unrecorded")) if "unrecorded" in tables.names
+                                            else []) if r["experiment"] == name],
         "commands": commands(profile, name, files),
         "provenance": provenance_facts(files) if files else [],
         "empty": not files,
