@@ -143,3 +143,16 @@ def test_checkpointed_replay_gives_the_plain_replays_gradients(deterministic):
             assert torch.equal(plain[name], checkpointed[name]), name
     else:
         assert global_relative_error(checkpointed, plain) < 1e-2
+
+
+def test_a_cuda_phase_counts_the_triton_cache_entries_made_inside_it(tmp_path, monkeypatch):
+    from longstraw.measure.memory import PhaseRecorder
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
+    recorder = PhaseRecorder("cuda")
+    with recorder.phase("capture"):
+        (tmp_path / "a-kernel-compiled-now").mkdir()
+    with recorder.phase("replay"):
+        pass
+    assert recorder.phases["capture"]["triton_cache_entries_added"] == 1
+    assert recorder.phases["replay"]["triton_cache_entries_added"] == 0

@@ -59,7 +59,8 @@ def status_of(value) -> str:
 
 def phase_columns(name: str, record: dict) -> dict:
     return {f"{name}_{key}": number(record.get(key))
-            for key in ("seconds", "peak_allocated_bytes", "peak_rss_bytes") if key in record}
+            for key in ("seconds", "peak_allocated_bytes", "peak_rss_bytes", "triton_cache_entries_added")
+            if key in record}
 
 
 def phase_seconds(phases) -> float | None:

@@ -101,6 +101,9 @@ def summary(cycles: list) -> dict:
             for key in ("peak_allocated_bytes", "peak_rss_bytes"):
                 if key in rec:
                     agg[key] = max(agg.get(key, 0), rec[key])
+            if "triton_cache_entries_added" in rec:
+                agg["triton_cache_entries_added"] = agg.get("triton_cache_entries_added", 0) + \
+                    rec["triton_cache_entries_added"]
     peaks = [p["peak_allocated_bytes"] for p in phases.values() if "peak_allocated_bytes" in p]
     return {"phase_summary": phases, "peak_allocated_bytes": max(peaks) if peaks else None,
             "graph_bytes_peak": max(c["graph_bytes_peak"] for c in cycles)}
@@ -179,6 +182,21 @@ def columns(point: dict) -> dict:
     cols.update(phase_columns("weights", as_dict(metrics.get("weights"))))
     cols.update(phase_columns("peer_setup", as_dict(metrics.get("peer_setup"))))  # a peer's imports and trainer
     return cols
+
+
+COMPILED = "_triton_cache_entries_added"  # a phase column: Triton kernels compiled or autotuned in the phase
+
+
+def notes(row: dict, grid) -> list[str]:
+    """A step phase that compiled or autotuned Triton kernels: its seconds hold that first-call cost."""
+    phases = {column.removesuffix(COMPILED): int(value) for column, value in row.items()
+              if column.endswith(COMPILED) and not column.startswith(("weights_", "peer_setup_"))
+              and (number(value) or 0) > 0}
+    if not phases:
+        return []
+    listed = ", ".join(f"{name} {count}" for name, count in phases.items())
+    return [f"{row.get('point')}: Triton compiled or autotuned kernels inside the timed step ({listed} new cache "
+            "entries), so those phases' seconds include first-call compilation, not only the step's work."]
 
 
 def figures(data, ceiling: dict, marks=()):

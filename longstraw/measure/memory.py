@@ -3,9 +3,11 @@ process's peak RSS, the bytes autograd's saved tensors hold, and synchronised ti
 
 from __future__ import annotations
 
+import os
 import resource
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 
@@ -98,8 +100,21 @@ def process_peak_allocated_bytes(device) -> int:
     return max(_PEAK_BEFORE_RESETS.get(_cuda_index(device), 0), torch.cuda.max_memory_allocated(_cuda_index(device)))
 
 
+def triton_cache_entries() -> int | None:
+    """Entries in Triton's on-disk cache (`TRITON_CACHE_DIR`, else ~/.triton/cache): one folder per compiled
+    kernel or stored autotuning result; None where there is no such folder."""
+    folder = Path(os.environ.get("TRITON_CACHE_DIR") or Path.home() / ".triton" / "cache")
+    try:
+        with os.scandir(folder) as entries:
+            return sum(1 for entry in entries if entry.is_dir())
+    except OSError:
+        return None
+
+
 class PhaseRecorder:
-    """Records, per named phase: seconds, CUDA peak allocated (reset at phase start), and RSS."""
+    """Records, per named phase: seconds, CUDA peak allocated (reset at phase start), and RSS. On CUDA also
+    `triton_cache_entries_added`: Triton kernels compiled or autotuned inside the phase, whose first-call
+    cost (tens of seconds for fla's autotuning) its seconds then include."""
 
     def __init__(self, device):
         self.device = torch.device(device)
@@ -112,6 +127,7 @@ class PhaseRecorder:
         if cuda:
             _PEAK_BEFORE_RESETS[_cuda_index(self.device)] = process_peak_allocated_bytes(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
+        cached = triton_cache_entries() if cuda else None
         start = time.perf_counter()
         record = {}
         try:
@@ -119,6 +135,8 @@ class PhaseRecorder:
         finally:
             synchronize(self.device)
             record["seconds"] = time.perf_counter() - start
+            if cached is not None and (now := triton_cache_entries()) is not None:
+                record["triton_cache_entries_added"] = now - cached
             if cuda:
                 stats = torch.cuda.memory_stats(self.device)
                 record["peak_allocated_bytes"] = torch.cuda.max_memory_allocated(self.device)
@@ -130,9 +148,13 @@ class PhaseRecorder:
             self.phases[name] = record if previous is None else _merge(previous, record)
 
 
+SUMMED = ("seconds", "triton_cache_entries_added")  # what repeated phases add up; the rest are peaks
+
+
 def _merge(a: dict, b: dict) -> dict:
-    """Repeated phases (one per replayed member) keep the max of peaks and the sum of seconds."""
-    merged = {k: max(a.get(k, 0), b.get(k, 0)) for k in set(a) | set(b)}
-    merged["seconds"] = a["seconds"] + b["seconds"]
+    """Repeated phases (one per replayed member) keep the max of peaks, the sum of seconds and of Triton
+    cache entries added."""
+    merged = {k: (a.get(k, 0) + b.get(k, 0)) if k in SUMMED else max(a.get(k, 0), b.get(k, 0))
+              for k in set(a) | set(b)}
     merged["count"] = a.get("count", 1) + 1
     return merged
