@@ -48,18 +48,23 @@ device_point() {
 #   runs each point with device_point, giving it CAP seconds or what is left of BUDGET (counted from the
 #   call), and starts none once fewer than 30 s are left; prints one line per point (status, seconds; a
 #   failed one's last log lines) and the points it did not start, so a later command can take them up.
+#   A call returns at most 8 files: the points' files go to a folder of the box, packed after every point
+#   into the one archive $OUT/EXPERIMENT__points.tgz, so a call cut off later still returns those done.
 device_points() {
     if [ $# -lt 4 ]; then echo "usage: device_points EXPERIMENT BUDGET CAP POINT..." >&2; return 2; fi
     local experiment=$1 budget=$2 cap=$3 start=$SECONDS point left status began
+    local folder="${TMPDIR:-/tmp}/device_points/$experiment" archive="${OUT:?OUT is not set}/${experiment}__points.tgz"
     shift 3
+    mkdir -p "$folder" "$OUT"
     for point in "$@"; do
         left=$((budget - (SECONDS - start)))
         if [ "$left" -lt 30 ]; then echo "device_points: not started (time): $point" >&2; continue; fi
         began=$SECONDS
-        device_point "$experiment" "$point" $((left < cap ? left : cap)) >/dev/null 2>&1
+        OUT=$folder device_point "$experiment" "$point" $((left < cap ? left : cap)) >/dev/null 2>&1
         status=$?
         echo "device_points: $point exit $status in $((SECONDS - began)) s" >&2
-        [ "$status" -ne 0 ] && grep -v "^\s*$" "$OUT/${experiment}__${point}.log" | tail -12 >&2
+        [ "$status" -ne 0 ] && grep -v "^\s*$" "$folder/${experiment}__${point}.log" | tail -12 >&2
+        tar czf "$archive.tmp" -C "$folder" . && mv "$archive.tmp" "$archive"
     done
 }
 
