@@ -139,7 +139,8 @@ def _run_point(config, source: str, out) -> dict:
     from longstraw.harness.runner import run_point
     from longstraw.results import write_json_atomic
 
-    result = run_point(config, source=source, on_progress=lambda partial: write_json_atomic(_partial_path(out), partial))
+    result = run_point(config, source=source,
+                       on_progress=lambda partial: write_json_atomic(_partial_path(out), partial))
     close_context_parallel()  # a torchrun rank: every collective of the point is done
     return result
 

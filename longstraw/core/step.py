@@ -252,10 +252,13 @@ def logp_mismatch(logps, others) -> dict:
 
 
 def group_objective(responses, rewards, config: grpo.GRPOConfig, advantages=None):
-    """(rewards, advantages, token weights) of a group, fixed before any forward: the advantages are
-    `group_advantages(rewards)` unless given (checked: one finite number per response)."""
+    """(rewards, advantages, token weights) of a group, fixed before any forward (the responses checked:
+    G non-empty 1-D id tensors): the advantages are `group_advantages(rewards)` unless given (checked: one
+    finite number per response)."""
     if len(responses) != config.num_generations:
         raise ValueError(f"got {len(responses)} responses but num_generations={config.num_generations}")
+    if any(r.dim() != 1 or r.numel() == 0 for r in responses):
+        raise ValueError("responses: each a non-empty 1-D tensor of token ids")
     rewards = torch.as_tensor(rewards, dtype=torch.float32)
     if advantages is None:
         advantages = grpo.group_advantages(rewards, config.scale_rewards, num_generations=config.num_generations)

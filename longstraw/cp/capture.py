@@ -75,21 +75,20 @@ def capture_sharded(model, ids: torch.Tensor, cp: CPGroup, chunk: int, progress:
     with torch.no_grad(), adapter.selected():
         h = adapter.embed(ids[None, start:end])
         for i, entry in enumerate(layers):
-            if isinstance(entry, (ShardPages, ShardLatentPages)):
-                if isinstance(entry, ShardPages):
-                    _attention_layer(adapter, i, h, entry, start, chunk)
-                else:
-                    h[:] = capture_latent_layer(adapter, i, h, entry, cp, bounds, chunk)
-                progress_bar.advance_to((i + 1) * (end - start))
-                continue
-            enter_gdn_layer(adapter, i, h, entry, cp, bounds, chunk)  # GDN: the state at this shard's start
-            for c0 in range(0, end - start, chunk):
-                if checkpoints is not None:
-                    checkpoints[(i, start + c0)] = (entry.conv_BCK1.clone(), entry.recurrent_BHDV.clone())
-                h_c = h[:, c0:c0 + chunk]
-                h[:, c0:c0 + chunk] = adapter.layer_forward(i, h_c, adapter.position_embeddings(h_c, start + c0),
-                                                            entry, capturing=True)
-                progress_bar.advance_to(i * (end - start) + c0 + h_c.shape[1])
+            if isinstance(entry, ShardPages):
+                _attention_layer(adapter, i, h, entry, start, chunk)
+            elif isinstance(entry, ShardLatentPages):
+                h[:] = capture_latent_layer(adapter, i, h, entry, cp, bounds, chunk)
+            else:
+                enter_gdn_layer(adapter, i, h, entry, cp, bounds, chunk)  # GDN: the state at this shard's start
+                for c0 in range(0, end - start, chunk):
+                    if checkpoints is not None:
+                        checkpoints[(i, start + c0)] = (entry.conv_BCK1.clone(), entry.recurrent_BHDV.clone())
+                    h_c = h[:, c0:c0 + chunk]
+                    h[:, c0:c0 + chunk] = adapter.layer_forward(i, h_c, adapter.position_embeddings(h_c, start + c0),
+                                                                entry, capturing=True)
+                    progress_bar.advance_to(i * (end - start) + c0 + h_c.shape[1])
+            progress_bar.advance_to((i + 1) * (end - start))
         progress_bar.close()
         del h
         for entry in (e for e in layers if isinstance(e, RecurrentState)):

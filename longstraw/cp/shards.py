@@ -72,9 +72,8 @@ class ShardLatentPages(LatentPages):
             raise RuntimeError("a context-parallel capture runs MLA layers over gathered pages "
                                "(longstraw.cp.latent_capture)")
         if index is not None:
-            selection = None
-            if index.topk < self.bounds[-1][1] + q_1HTE.shape[2]:  # as the single process decides
-                selection = sharded_select_topk(index, self)
+            selection = sharded_select_topk(index, self) if index.selects(self.bounds[-1][1] + q_1HTE.shape[2]) \
+                else None
         out_1HTC = sharded_latent_attention(q_1HTE, live_11TE, self, rank=rank, scale=scale, selection_TK=selection)
         return out_1HTC, selection
 
@@ -82,9 +81,8 @@ class ShardLatentPages(LatentPages):
         """Sampling: each sequence's query over every rank's pages and its own entries (replicated on every
         rank; the last rank counts them), selected and merged as replay is."""
         if index is not None:
-            selection = None
-            if index.topk < self.bounds[-1][1] + own.length:
-                selection = sharded_select_topk_decode(index, self, own)
+            selection = sharded_select_topk_decode(index, self, own) if index.selects(self.bounds[-1][1] + own.length) \
+                else None
         return sharded_latent_decode_attention(q_BH1E, self, own, rank=rank, scale=scale, selection_BK=selection), \
             selection
 

@@ -91,19 +91,21 @@ ROLLOUT_KEYS = ("reward_mean", "rewards", "loss", "grad_norm", "response_tokens"
 
 
 def summary(cycles: list) -> dict:
-    """Peaks over all cycles per phase, and the step's overall peak."""
+    """Peaks over all cycles per phase (seconds and compiled kernels summed, as repeated phases are), and
+    the step's overall peak."""
+    from longstraw.measure.memory import SUMMED  # torch: only where a step ran, not where its rows are read
+
     phases: dict = {}
     for c in cycles:
         for name, rec in c["phases"].items():
             agg = phases.setdefault(name, {"seconds": 0.0, "count": 0})
-            agg["seconds"] += rec["seconds"]
             agg["count"] += rec.get("count", 1)
+            for key in SUMMED:
+                if key in rec:
+                    agg[key] = agg.get(key, 0) + rec[key]
             for key in ("peak_allocated_bytes", "peak_rss_bytes"):
                 if key in rec:
                     agg[key] = max(agg.get(key, 0), rec[key])
-            if "triton_cache_entries_added" in rec:
-                agg["triton_cache_entries_added"] = agg.get("triton_cache_entries_added", 0) + \
-                    rec["triton_cache_entries_added"]
     peaks = [p["peak_allocated_bytes"] for p in phases.values() if "peak_allocated_bytes" in p]
     return {"phase_summary": phases, "peak_allocated_bytes": max(peaks) if peaks else None,
             "graph_bytes_peak": max(c["graph_bytes_peak"] for c in cycles)}

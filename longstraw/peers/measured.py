@@ -27,8 +27,6 @@ def measured_step(model, optimizer, mode: str, responses, rewards, config: grpo.
     already back-propagated, as (loss value, the step's clip and KL statistics, `grpo.summarize_stats` names)."""
     adapter = adapter_for(model)
     recorder = PhaseRecorder(adapter.device)
-    if any(r.dim() != 1 or r.numel() == 0 for r in responses):
-        raise ValueError("responses: each a non-empty 1-D tensor of token ids")
     rewards, advantages, weights = group_objective(responses, rewards, config)
     ref = None
     if config.beta > 0:

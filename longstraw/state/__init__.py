@@ -5,5 +5,5 @@ from longstraw.state.pages import (AttentionPages, DecodePages, IndexQueries, La
                                    RecurrentState, attend_latent_pages, chain_host_pages)
 from longstraw.state.resident import ModelBinding, ResidentState, prompt_digest
 
-__all__ = ["AttentionPages", "DecodePages", "IndexQueries", "LatentDecodePages", "LatentPages", "ModelBinding", "RecurrentState",
-           "ResidentState", "attend_latent_pages", "chain_host_pages", "prompt_digest"]
+__all__ = ["AttentionPages", "DecodePages", "IndexQueries", "LatentDecodePages", "LatentPages", "ModelBinding",
+           "RecurrentState", "ResidentState", "attend_latent_pages", "chain_host_pages", "prompt_digest"]

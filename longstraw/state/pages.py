@@ -138,6 +138,10 @@ class IndexQueries:
     topk: int
     scale: float
 
+    def selects(self, visible: int) -> bool:
+        """Whether the top k of `visible` positions drops any; else every one is kept (no selection)."""
+        return self.topk < visible
+
 
 def attend_latent_pages(pages, q_1HTE, live_11TE, *, rank: int, scale: float, append: bool,
                         index: IndexQueries | None = None, selection=None):
@@ -150,10 +154,8 @@ def attend_latent_pages(pages, q_1HTE, live_11TE, *, rank: int, scale: float, ap
     T = q_1HTE.shape[2]
     pages_11PE, index_pages_1PI = pages.on_device()  # host pages: this layer's, streamed (the next one's starts)
     if index is not None:
-        selection = None
-        if index.topk < pages_11PE.shape[2] + T:  # else every visible position is kept
-            selection = select_topk(index.q_THI, index.w_TH, index_pages_1PI[0], index.key_TI, topk=index.topk,
-                                    scale=index.scale)
+        selection = select_topk(index.q_THI, index.w_TH, index_pages_1PI[0], index.key_TI, topk=index.topk,
+                                scale=index.scale) if index.selects(pages_11PE.shape[2] + T) else None
     out_1HTC = latent_attention(q_1HTE, pages_11PE, live_11TE, rank=rank, scale=scale, selection_TK=selection,
                                 resident_11PE=pages.filled()[0])
     del pages_11PE, index_pages_1PI  # a streamed copy lives for this layer only
@@ -246,10 +248,9 @@ class LatentPages:
         shared_11PE, shared_index_1PI = self.on_device()
         own_B1NE, own_index_BNI = own.filled()
         if index is not None:
-            selection = None
-            if index.topk < self.length + own.length:  # else every position is kept
-                selection = select_topk_decode(index.q_THI, index.w_TH, shared_index_1PI[0], own_index_BNI,
-                                               topk=index.topk, scale=index.scale)
+            selection = select_topk_decode(index.q_THI, index.w_TH, shared_index_1PI[0], own_index_BNI,
+                                           topk=index.topk, scale=index.scale) \
+                if index.selects(self.length + own.length) else None
         out_BH1C = latent_decode_attention(q_BH1E, shared_11PE, own_B1NE, rank=rank, scale=scale,
                                            selection_BK=selection)
         return out_BH1C, selection
