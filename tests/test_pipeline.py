@@ -40,7 +40,7 @@ profiles:
       capture: {chunk_size: 16}
     grid: {mode: [replay, hold_all]}
     points:
-      - {name: broken, set: {model.overrides: {num_attention_heads: 3}}}
+      - {name: broken, set: {model.overrides: {hidden_act: not_an_activation}}}  # fails only once the model is built
 """
 CAPTURE = """
 name: tiny_capture

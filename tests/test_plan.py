@@ -59,6 +59,9 @@ def test_profile_without_settings_has_no_points(tmp_path):
     (EXPERIMENT.replace("prompt: {length: 64}", "prompt: {lenght: 64}"), r"point .*: prompt.lenght: unknown key"),
     (EXPERIMENT.replace("kind: step", "kind: stepp"), r"kind: 'stepp' is not one of"),
     (EXPERIMENT.replace("responses.count: [1, 2]", "responsez.count: [1]"), r"responsez: unknown key"),
+    (EXPERIMENT.replace("title: Demo", "title: Demo\ntitle: Other"), r": key 'title' appears twice \(lines 3 and 4\)"),
+    (EXPERIMENT.replace("mode: [replay, naive]", "mode: [replay], mode: [naive]"),
+     r": profiles.cpu.grid: key 'mode' appears twice \(both on line 9\)"),
 ])
 def test_malformed_experiment_names_file_and_key(tmp_path, text, message):
     path = _write(tmp_path, text)

@@ -18,12 +18,17 @@ class LoraConfig:
 
     r: int = bounded(16, min=1)
     alpha: Optional[int] = bounded(None, min=1)
-    dropout: float = bounded(0.0, min=0.0, max=1.0)
+    dropout: float = bounded(0.0, min=0.0, max=1.0)  # only 0 runs (see __post_init__)
     # randomise LoRA's B too: peft's zero-B adapter gives the A matrices zero gradient (tests want every path)
     init_random: bool = False
     # which projections get LoRA (`longstraw.models.lora.TARGET_SETS`): attention = attention, MLA and GDN
     # projections; all-linear = those and the MLP ones (dense FFN, MoE shared expert), never routers or lm_head
     targets: Literal["attention", "all-linear"] = "attention"
+
+    def __post_init__(self):
+        if self.dropout > 0:  # `longstraw.core.transaction.check_deterministic` refuses it on the model too
+            raise ValueError(f"dropout: must be 0, got {self.dropout}: dropout makes scoring and replay random, so "
+                             "the old-policy log-probs would not be the replay's and the on-policy ratio not 1")
 
 
 @dataclass
@@ -37,7 +42,7 @@ class ModelConfig:
     seed: int = 0
     lora: Optional[LoraConfig] = None
     nf4: bool = False
-    overrides: dict = field(default_factory=dict)  # HF config fields of the preset, as given
+    overrides: dict = field(default_factory=dict)  # HF config fields over the preset's (or the checkpoint's config.json)
 
 
 @dataclass
@@ -70,3 +75,6 @@ class OptimizerConfig:
 
     lr: float = bounded(1.0e-4, min=0.0)
     weight_decay: float = bounded(0.01, min=0.0)
+    # float32 master weights for bf16/fp16 trainable parameters (`longstraw.training.optimizer`); null: on
+    # exactly when a trainable parameter is low precision (full-parameter training of a bf16 model)
+    master_weights: Optional[bool] = None

@@ -24,11 +24,13 @@ import torch
 
 from longstraw.core import grpo
 from longstraw.core.hf_reference import hf_torch_gdn_kernels
-from longstraw.core.transaction import capture, replay, score
+from longstraw.core.exact import clear_page_gradients
+from longstraw.core.transaction import capture, check_deterministic, check_state, replay, reuse_state, score
 from longstraw.families import adapter_for
 from longstraw.kernels.logprobs import token_logprobs
 from longstraw.measure.memory import GraphBytesMeter, PhaseRecorder
 from longstraw.state import ResidentState
+from longstraw.state.resident import check_positions
 
 MODES = ("replay", "hold_all", "naive")
 
@@ -141,48 +143,48 @@ def grpo_step(model, prompt_ids, responses, rewards, optimizer, config: grpo.GRP
         raise ValueError("mode 'naive' recomputes the prompt per response and takes no captured state")
     if options.prefix_grad and state is not None and state.prefix_trace is None:
         raise ValueError("prefix_grad=True needs a state captured with capture(..., prefix_grad=True)")
-    if state is not None:
-        state.check_prompt(prompt_ids)
+    adapter = adapter_for(model)
+    check_step_inputs(adapter, prompt_ids, responses, options, state, ref_state, old_logps, sampler_logps)
     if len(responses) == 1:
         warnings.warn("a group of one response has zero advantage: the step leaves the policy unchanged "
                       "(only a KL term, beta > 0, can move it)", stacklevel=2)
-    adapter = adapter_for(model)
     recorder = PhaseRecorder(adapter.device)
     responses = responses[:members]
     age = state.age if state is not None else 0
 
-    if mode == "naive":
-        def scorer(y, scored_state=None):  # naive takes no state: it recomputes the prompt
-            with torch.no_grad():
-                return naive_logprobs(model, prompt_ids, y)
-    else:
-        if state is None:
-            with recorder.phase("capture"):
-                state = capture(model, prompt_ids, prefix_grad=options.prefix_grad, **options.capture)
-        fingerprint = state.fingerprint()
+    with undone_on_failure(model, state):  # a step that raises leaves no gradient for the next one to apply
+        if mode == "naive":
+            def scorer(y, scored_state=None):  # naive takes no state: it recomputes the prompt
+                with torch.no_grad():
+                    return naive_logprobs(model, prompt_ids, y)
+        else:
+            if state is None:
+                with recorder.phase("capture"):
+                    state = capture(model, prompt_ids, prefix_grad=options.prefix_grad, **options.capture)
+            fingerprint = state.fingerprint()
 
-        def scorer(y, scored_state=None):
-            return score(model, state if scored_state is None else scored_state, y)
+            def scorer(y, scored_state=None):
+                return score(model, state if scored_state is None else scored_state, y)
 
-    # naive runs HF's own forward: its torch GDN kernel, whose backward works everywhere (fla's fails on Hopper)
-    with hf_torch_gdn_kernels(model) if mode == "naive" else nullcontext():
-        with recorder.phase("old_scoring"):
-            old = old_logps if old_logps is not None else [scorer(y) for y in responses]
-        ref = None
-        if config.beta > 0:
-            with recorder.phase("ref_scoring"), reference_policy(model):
-                ref = [scorer(y, ref_state) for y in responses]
-        losses, logps, meter = _replay_and_backward(model, prompt_ids, state, responses, old, ref, advantages,
-                                                    weights, config, mode, recorder, options.checkpoint_layers)
-    if options.prefix_grad:
-        with recorder.phase("prefix_backward"):
-            state.backward_prefix()
-    cp = getattr(state, "cp", None)
-    if cp is not None:  # every rank holds the same gradient already; one all-reduce keeps the steps identical
-        cp.average_gradients_([p for p in model.parameters() if p.requires_grad])
-    grad_norm = gradient_norm(model)
-    if options.max_grad_norm is not None:
-        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], options.max_grad_norm)
+        # naive runs HF's own forward: its torch GDN kernel, whose backward works everywhere (fla's fails on Hopper)
+        with hf_torch_gdn_kernels(model) if mode == "naive" else nullcontext():
+            with recorder.phase("old_scoring"):
+                old = old_logps if old_logps is not None else [scorer(y) for y in responses]
+            ref = None
+            if config.beta > 0:
+                with recorder.phase("ref_scoring"), reference_policy(model):
+                    ref = [scorer(y, ref_state) for y in responses]
+            losses, logps, meter = _replay_and_backward(model, prompt_ids, state, responses, old, ref, advantages,
+                                                        weights, config, mode, recorder, options.checkpoint_layers)
+        if options.prefix_grad:
+            with recorder.phase("prefix_backward"):
+                state.backward_prefix()
+        cp = getattr(state, "cp", None)
+        if cp is not None:  # every rank holds the same gradient already; one all-reduce keeps the steps identical
+            cp.average_gradients_([p for p in model.parameters() if p.requires_grad])
+        grad_norm = gradient_norm(model)
+        if options.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], options.max_grad_norm)
     with recorder.phase("optimizer_step"):
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -211,7 +213,66 @@ def grpo_step(model, prompt_ids, responses, rewards, optimizer, config: grpo.GRP
         metrics["state_unchanged"] = state.fingerprint() == fingerprint
         metrics["state_age"] = age
         state.age += 1  # the parameters moved once more since the capture
+        reuse_state(model, state)  # it serves the updated weights as a stale prefix (prefix reuse, by design)
+    if ref_state is not None:
+        reuse_state(model, ref_state)  # the reference's capture: the adapter's update does not reach it
     return StepResult(metrics, state)
+
+
+def check_step_inputs(adapter, prompt_ids, responses, options: StepOptions, state, ref_state, old_logps,
+                      sampler_logps) -> None:
+    """Everything a step can check before any work: the policy deterministic, the states the model's and the
+    prompt's, the responses' ids (one sync) and positions, the given log-probs one [R_i] tensor per response."""
+    check_deterministic(adapter.model)
+    for given in (state, ref_state):
+        if given is not None:
+            check_state(adapter, given)
+            given.check_prompt(prompt_ids)
+    ids = torch.cat([r.reshape(-1) for r in responses])
+    if ids.dtype not in (torch.int64, torch.int32) or ids.device != adapter.device:
+        raise ValueError(f"responses: integer token ids on {adapter.device}, got {ids.dtype} on {ids.device}")
+    low, high = (int(v) for v in torch.stack([ids.min(), ids.max()]).tolist())
+    if low < 0 or high >= adapter.vocab_size:
+        raise ValueError(f"responses: ids outside the vocabulary [0, {adapter.vocab_size}): min {low}, max {high}")
+    limit = state.max_positions if state is not None else (
+        None if options.capture.get("beyond_max_positions") else getattr(adapter.config, "max_position_embeddings",
+                                                                          None) or None)
+    check_positions(prompt_ids.numel() - 1, max(r.numel() for r in responses), limit, "responses")
+    for name, given in (("old_logps", old_logps), ("sampler_logps", sampler_logps)):
+        if given is None:
+            continue
+        if len(given) != len(responses):
+            raise ValueError(f"{name}: {len(responses)} tensors, one per response, got {len(given)}")
+        for i, (lp, r) in enumerate(zip(given, responses)):
+            if not isinstance(lp, torch.Tensor) or lp.shape != r.shape:
+                shape = tuple(lp.shape) if isinstance(lp, torch.Tensor) else type(lp).__name__
+                raise ValueError(f"{name}[{i}]: one log-prob per token of response {i}, shape {tuple(r.shape)}, got "
+                                 f"{shape}")
+
+
+@contextmanager
+def undone_on_failure(model, state: ResidentState | None = None):
+    """A block that leaves the model's gradients (and a given exact-mode state's page gradients) as it found
+    them if it raises, so that a failed step hands nothing to the next one's optimizer step. It starts
+    from none held: a step applies its own group's gradient, so gradients left by earlier work (not all
+    zero) are refused before it starts."""
+    params = list(model.parameters())
+    held = [p.grad for p in params if p.grad is not None]
+    if held and int(torch.stack([g.count_nonzero() for g in held]).sum()):
+        raise ValueError("the model holds gradients from earlier work (non-zero .grad); a step applies its group's "
+                         "gradient alone: call optimizer.zero_grad() first")
+    had = {id(p) for p in params if p.grad is not None}
+    try:
+        yield
+    except BaseException:
+        for p in params:
+            if id(p) in had:
+                p.grad.zero_()
+            else:
+                p.grad = None
+        if state is not None and state.prefix_trace is not None:
+            clear_page_gradients(state)
+        raise
 
 
 def _replay_and_backward(model, prompt_ids, state, responses, old, ref, advantages, weights, config, mode, recorder,

@@ -66,6 +66,7 @@ def capture(model, prompt_ids, prefix_grad: bool = False, *, chunk_size: int | N
     longer than the model's `max_position_embeddings` is refused unless `beyond_max_positions`."""
     adapter = adapter_for(model)
     ids = _as_ids(prompt_ids, "prompt_ids", adapter)
+    check_deterministic(model)
     device, dtype = adapter.device, adapter.compute_dtype
     positions = ids.numel() - 1
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
@@ -82,6 +83,7 @@ def capture(model, prompt_ids, prefix_grad: bool = False, *, chunk_size: int | N
         checkpoints = {} if prefix_grad else None  # exact mode: as below, for this rank's shard
         with merged_lora_for_capture():
             state = _bind(capture_sharded(model, ids, cp, chunk, progress, checkpoints), adapter, ids)
+        state.max_positions = None if beyond_max_positions else (limit or None)
         if prefix_grad:
             exact_cp.enable(state, model, ids, chunk, checkpoints)
         return state
@@ -98,6 +100,7 @@ def capture(model, prompt_ids, prefix_grad: bool = False, *, chunk_size: int | N
         layers=[adapter.allocate_entry(i, positions, dtype, device, **host) for i in range(adapter.num_layers)],
         positions=positions, last_token=int(ids[-1]), model_type=adapter.config.model_type,
         predicted_bytes_per_position=per_position, predicted_constant_bytes=constant, dtype=dtype, device=device,
+        max_positions=None if beyond_max_positions else (limit or None),
     )
     _bind(state, adapter, ids)
     chain_host_pages(state.layers)
@@ -161,6 +164,28 @@ def check_state(adapter, state) -> None:
     state.check_model(adapter.binding())
 
 
+def check_deterministic(model) -> None:
+    """Refuse a policy whose dropout is active (a dropout module in training mode with p > 0, e.g. peft's
+    LoRA dropout, whose modules start in training mode): capture, scoring, sampling and replay would each
+    draw their own masks, so the old-policy log-probs would not be the replay's and the on-policy ratio
+    would no longer be 1."""
+    for name, module in adapter_for(model).lm.named_modules():
+        p = module.p if isinstance(module, torch.nn.modules.dropout._DropoutNd) else \
+            getattr(module, "attention_dropout", 0.0)
+        if module.training and isinstance(p, (int, float)) and p > 0:
+            raise ValueError(f"{name or 'the model'}: dropout p={p} is active (training mode), so scoring and replay "
+                             "would be random and the on-policy ratio no longer 1; use dropout 0 (LoRA: "
+                             "lora.dropout: 0) or put the model in eval mode (model.eval())")
+
+
+def reuse_state(model, state: ResidentState) -> ResidentState:
+    """Declare that `state` serves the model's current weights although they were written since the capture
+    (prefix reuse on purpose: the staleness oracle, a trainer's refresh policy, a resumed run). `grpo_step`
+    does this itself for the update it makes; a state of another model is still refused."""
+    state.rebind(adapter_for(model).binding())
+    return state
+
+
 def _default_budget(device) -> int:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
@@ -179,6 +204,7 @@ def replay(model, state: ResidentState, response_ids, *, rows_per_chunk: int | N
     adapter = adapter_for(model)
     check_state(adapter, state)
     targets = _as_ids(response_ids, "response_ids", adapter)
+    state.check_positions(targets.numel(), "response_ids")
     inputs = torch.cat([targets.new_tensor([state.last_token]), targets[:-1]])
     with adapter.selected():
         h = adapter.embed(inputs[None])

@@ -88,8 +88,12 @@ class FamilyAdapter:
         structure = (self.config.model_type, self.num_layers, mixers, shapes, str(self.compute_dtype))
         named = list(self.lm.named_parameters())
         # peft's adapter weights are the trainable ones (disabling the adapter turns their grad off for a while)
-        frozen = [p for n, p in named if not p.requires_grad and "lora_" not in n]
-        return ModelBinding(structure, hash(tuple(p.data_ptr() for _, p in named)), _frozen_checksum(self.lm, frozen))
+        is_frozen = [not p.requires_grad and "lora_" not in n for n, p in named]
+        frozen = [p for (_, p), f in zip(named, is_frozen) if f]
+        # every in-place write bumps a tensor's version (writes through `.data` bypass it, as they bypass autograd)
+        trainable = hash(tuple(p._version for (_, p), f in zip(named, is_frozen) if not f))
+        return ModelBinding(structure, hash(tuple(p.data_ptr() for _, p in named)), _frozen_checksum(self.lm, frozen),
+                            trainable)
 
     def embed(self, ids_BT):
         return self.lm.get_input_embeddings()(ids_BT)

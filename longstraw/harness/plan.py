@@ -10,8 +10,10 @@ product of dotted-key value lists) and/or explicit `points`. A point's config = 
 profile's base (merged key by key), then the point's values, each of which replaces what is at its
 dotted key: `responses: {source: rollouts}` replaces the whole responses section (the base's count and
 length too), `responses.source: rollouts` only that field. It is resolved here, once, into a typed `PointConfig`
-and checked through to the names it uses (presets, V4's task), so a malformed file fails when the
-plan is made, naming the file and the key. No torch is imported unless a point trains on a task.
+and checked through to the names it uses (presets, V4's task) and to what it asks of its model
+(`harness/inputs.py`: overrides, checkpoints, lengths, tasks), so a malformed file fails when the
+plan is made, naming the file and the key. No torch is imported unless a point trains on a task,
+and no transformers unless a point has `model.overrides` (checked against the config class).
 """
 
 from __future__ import annotations
@@ -23,11 +25,12 @@ from importlib import resources
 from pathlib import Path
 
 import jsonschema
-import yaml
 
 from longstraw.config import ConfigError, PointConfig, resolve_point
 from longstraw.config.point import trainer_mapping
 from longstraw.config.train import resolve_train
+from longstraw.config.yaml_input import load_yaml_file, load_yaml_text
+from longstraw.harness.inputs import check_planned_paths, check_point_inputs
 from longstraw.models.presets import PRESETS, check_preset
 from longstraw.peers import PEER_MODES, PeerNotApplicable, check_peer
 
@@ -39,16 +42,14 @@ class NotApplicable(ConfigError):
 
 
 def schema() -> dict:
-    return yaml.safe_load(resources.files("longstraw.harness").joinpath("experiment.schema.yaml").read_text())
+    return load_yaml_text(resources.files("longstraw.harness").joinpath("experiment.schema.yaml").read_text(),
+                          "experiment.schema.yaml")
 
 
 def load_experiment(path) -> dict:
     """Read and schema-validate one experiment file; errors name the file and the key."""
     path = Path(path)
-    try:
-        experiment = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise ValueError(f"{path}: not valid YAML: {exc}") from None
+    experiment = load_yaml_file(path)  # a repeated key or invalid YAML: ConfigError naming the file
     errors = sorted(jsonschema.Draft202012Validator(schema()).iter_errors(experiment), key=lambda e: list(e.path))
     if errors:
         first = errors[0]
@@ -104,6 +105,7 @@ def resolve(raw, source: str = "config") -> PointConfig:
         if prompts < 2:  # V4 pairs prompts: one cannot give a standard error
             raise ConfigError(f"{source}: validation.window: the last {window} steps visit {prompts} prompt "
                               f"({train.steps_per_prompt} steps per prompt); V4 needs at least 2")
+    check_point_inputs(cfg, source)  # models, checkpoints, lengths, tasks against the model (harness/inputs.py)
     return cfg
 
 
@@ -205,6 +207,9 @@ def plan(experiments_dir, profile: str) -> dict[str, dict]:
         if points:
             out[experiment["name"]] = {"path": str(path), "title": experiment["title"], "points": points,
                                        "not_applicable": skipped}
+    # a checkpoint a point loads is there, or one of the plan's pretrain points writes it
+    check_planned_paths(out, checkpoint_producers(out), {
+        (name, point): f"{e['path']} [profile {profile}, point {point}]" for name, e in out.items() for point in e["points"]})
     return out
 
 

@@ -20,22 +20,28 @@ from longstraw.cp import context_parallel
 from longstraw.kinds.common import Progress
 from longstraw.measure.memory import peak_rss_bytes, process_peak_allocated_bytes
 from longstraw.measure.provenance import provenance
+from longstraw.models.real import checkpoint_provenance
+from longstraw.harness.inputs import check_ready
 from longstraw.harness.plan import resolve
 
 
 def run_point(raw, source: str = "config", on_progress=None) -> dict:
     """Run one experiment point; never raises for OOM or runtime failure (recorded as status).
-    A bad config raises ValueError before anything runs.
+    A bad config, a device this machine lacks or a missing or cut checkpoint raises ValueError before
+    anything runs.
 
     `on_progress(partial_result)` is called after each finished step of a `sweep` or `staleness`
     point, so a run cut off later still leaves what it measured.
     """
     cfg = resolve(raw, source)
+    check_ready(cfg, source)  # its devices exist here, its checkpoint is there and whole
     device = torch.device(cfg.model.device)
     cp = _context_parallel(cfg, source)
     if cp is not None and cp.rank != 0:
         on_progress = None  # rank 0 writes the result
     result = {"name": cfg.name, "kind": cfg.kind, "config": to_mapping(cfg), "provenance": provenance(device)}
+    if cfg.model.path and (checkpoint := checkpoint_provenance(cfg.model.path)) is not None:
+        result["provenance"]["checkpoint"] = checkpoint  # real weights: where they came from, their hash
     start = time.perf_counter()
 
     def partial(metrics):

@@ -63,8 +63,9 @@ def capture_kwargs(cfg) -> dict:
 
 
 def optimizer_for(model, cfg) -> torch.optim.Optimizer:
-    params = [p for p in model.parameters() if p.requires_grad]
-    return torch.optim.AdamW(params, lr=cfg.optimizer.lr, weight_decay=cfg.optimizer.weight_decay)
+    from longstraw.training.optimizer import build_optimizer
+
+    return build_optimizer([p for p in model.parameters() if p.requires_grad], cfg.optimizer)
 
 
 def measure_capture(model, prompt, cfg: PointConfig, recorder: PhaseRecorder):

@@ -30,7 +30,8 @@ def run(cfg: PointConfig, device, progress: Progress) -> dict:
     s = cfg.length_curve
     with recorder.phase("length_curve"):
         result = length_curve(model, s.task, s.lengths, s.depths, s.examples, method=s.method,
-                              chunk_size=cfg.capture.chunk_size)
+                              chunk_size=cfg.capture.chunk_size,
+                              beyond_max_positions=cfg.capture.beyond_max_positions)
     return {**result, "phases": recorder.phases}
 
 

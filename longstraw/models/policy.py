@@ -14,7 +14,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def build_policy(cfg: ModelConfig):
     dtype = DTYPES[cfg.dtype]
     if cfg.path:
-        model = load_pretrained(cfg.path, dtype=dtype, device=cfg.device)
+        model = load_pretrained(cfg.path, dtype=dtype, device=cfg.device, **cfg.overrides)  # over its config.json
     else:
         model = build_model(cfg.preset, seed=cfg.seed, dtype=dtype, device=cfg.device, **cfg.overrides)
     if cfg.nf4:

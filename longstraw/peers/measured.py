@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from longstraw.core import grpo
-from longstraw.core.step import gradient_norm, group_objective, reference_policy
+from longstraw.core.step import gradient_norm, group_objective, reference_policy, undone_on_failure
 from longstraw.families import adapter_for
 from longstraw.measure.memory import GraphBytesMeter, PhaseRecorder
 
@@ -33,9 +33,10 @@ def measured_step(model, optimizer, mode: str, responses, rewards, config: grpo.
         with recorder.phase("ref_scoring"), reference_policy(model), torch.no_grad():
             ref = score()
     meter = GraphBytesMeter(exclude=list(model.parameters()))
-    with recorder.phase("forward_backward"), meter:
-        loss, stats = forward_backward(advantages, weights, ref)
-    grad_norm = gradient_norm(model)
+    with undone_on_failure(model):
+        with recorder.phase("forward_backward"), meter:
+            loss, stats = forward_backward(advantages, weights, ref)
+        grad_norm = gradient_norm(model)
     with recorder.phase("optimizer_step"):
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -8,6 +8,7 @@ steps taken since the capture (reusing a state across steps is the design: prefi
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from dataclasses import dataclass, field
 
@@ -18,13 +19,16 @@ import torch
 class ModelBinding:
     """What a state was captured from (`FamilyAdapter.binding`): `structure` (family, layer count,
     each layer's mixer, the config shapes that size the entries, dtype), `storages` (the identity of
-    the weights: another model object differs) and `frozen` (a sampled checksum of the frozen
-    weights: another model built in the same memory differs). Training moves only trainable
-    weights in place, so a reused state stays bound to its model."""
+    the weights: another model object differs), `frozen` (a sampled checksum of the frozen
+    weights: another model built in the same memory differs) and `trainable` (the version counters of
+    the trainable weights, which every in-place write bumps: an optimizer step, `load_state_dict`).
+    A state is bound to the weights it was captured with; serving it after they moved is prefix reuse,
+    which `grpo_step` (for the update it makes) and `reuse_state` (any other) declare by rebinding."""
 
     structure: tuple
     storages: int
     frozen: float
+    trainable: int
 
     def mismatch(self, other: "ModelBinding") -> str | None:
         """Why `other` is not the model this binding describes, or None."""
@@ -34,6 +38,10 @@ class ModelBinding:
             return "captured from another model's weights (another model object, or its weights were replaced)"
         if self.frozen != other.frozen:
             return "the model's frozen weights changed since the capture"
+        if self.trainable != other.trainable:
+            return ("the trainable weights were written since the capture (an optimizer step or load_state_dict "
+                    "outside grpo_step), so the state is stale; capture the prompt again, or declare the reuse on "
+                    "purpose with longstraw.core.transaction.reuse_state(model, state) (prefix reuse)")
         return None
 
 
@@ -46,6 +54,16 @@ def _describe(structure: tuple) -> str:
 def prompt_digest(ids: torch.Tensor) -> str:
     """A digest of a prompt's token ids (a state is bound to the prompt it covers)."""
     return hashlib.sha256(ids.detach().to("cpu", torch.int64).contiguous().numpy().tobytes()).hexdigest()[:32]
+
+def check_positions(positions: int, tokens: int, limit: int | None, what: str) -> None:
+    """Refuse `tokens` tokens after a prompt whose resident state covers `positions` (the prompt minus its last
+    token) when they need more than `limit` positions (None: no limit)."""
+    if limit is not None and positions + tokens > limit:
+        raise ValueError(f"{what}: {tokens} tokens after the prompt's {positions + 1} need {positions + tokens} "
+                         f"positions (the last token is only predicted), past the model's max_position_embeddings "
+                         f"({limit}); capture with beyond_max_positions=True (config: capture.beyond_max_positions) "
+                         "to go past it")
+
 
 _FINGERPRINT_CHUNK = 1 << 24
 
@@ -70,13 +88,27 @@ class ResidentState:
     binding: ModelBinding | None = None  # the model it was captured from
     prompt: str | None = None  # the digest of the prompt it covers (`prompt_digest`)
     age: int = 0  # optimizer steps taken since the capture (`grpo_step` counts them)
+    # the model's position limit that replay and sampling keep to (None: captured with beyond_max_positions)
+    max_positions: int | None = None
 
     def check_model(self, binding: ModelBinding) -> None:
-        """Refuse a model this state was not captured from (replay, score, sample, grpo_step)."""
+        """Refuse a model this state was not captured from, or whose trainable weights were written since
+        without a declared reuse (replay, score, sample, grpo_step)."""
         why = self.binding.mismatch(binding) if self.binding is not None else None
         if why:
-            raise ValueError(f"this resident state does not belong to the model: {why}; capture the prompt with "
-                             "this model")
+            advice = "" if why.startswith("the trainable") else "; capture the prompt with this model"
+            raise ValueError(f"this resident state does not belong to the model: {why}{advice}")
+
+    def rebind(self, binding: ModelBinding) -> None:
+        """Declare prefix reuse: the state serves the model's current trainable weights from now on. A
+        state of another model (structure, weights' storages, frozen weights) is still refused."""
+        if self.binding is not None:
+            self.check_model(dataclasses.replace(binding, trainable=self.binding.trainable))
+        self.binding = binding
+
+    def check_positions(self, tokens: int, what: str) -> None:
+        """Refuse `tokens` more positions after the prompt's (a response replayed, or sampled) past the limit."""
+        check_positions(self.positions, tokens, self.max_positions, what)
 
     def check_prompt(self, prompt_ids: torch.Tensor) -> None:
         """Refuse a prompt other than the one this state covers."""

@@ -38,9 +38,12 @@ from longstraw.training.tasks import chance_level
 
 
 def example_at_depth(task, seed: int, depth: float | None):
-    """`task.make(seed)` with the queried needle at `depth` (kv_retrieval), the others at random depths."""
+    """`task.make(seed)` with the queried needle at `depth` (kv_retrieval; a task with its own
+    `make_at_depth`, e.g. RULER's: that), the others at random depths."""
     if depth is None:
         return task.make(seed)
+    if hasattr(task, "make_at_depth"):
+        return task.make_at_depth(seed, depth)
     if not hasattr(task, "depths") or not hasattr(task, "num_needles"):
         raise ValueError(f"depth {depth} asked of a task without needles ({type(task).__name__}); use depths=None")
     if not 0 <= depth <= 1:
@@ -57,15 +60,18 @@ def example_at_depth(task, seed: int, depth: float | None):
     return example
 
 
-def greedy_success(model, task, example, chunk_size: int | None = None) -> float:
-    """Capture the prompt, decode len(answer) tokens greedily from the resident state, score them."""
+def greedy_success(model, task, example, chunk_size: int | None = None, beyond_max_positions: bool = False) -> float:
+    """Capture the prompt, decode len(answer) tokens greedily from the resident state (or the example's
+    `max_new_tokens`, up to the task's `stop_ids`), score them."""
     from longstraw.training.rollout import SamplingConfig, sample
     from longstraw.core.transaction import capture
 
     device = next(model.parameters()).device
-    state = capture(model, example.prompt_ids.to(device), chunk_size=chunk_size, progress=False)
-    rollouts = sample(model, state, SamplingConfig(num_samples=1, max_new_tokens=len(example.answer),
-                                                   temperature=0.0, seed=None))
+    state = capture(model, example.prompt_ids.to(device), chunk_size=chunk_size, progress=False,
+                    beyond_max_positions=beyond_max_positions)
+    rollouts = sample(model, state, SamplingConfig(
+        num_samples=1, max_new_tokens=example.info.get("max_new_tokens", len(example.answer)), temperature=0.0,
+        seed=None, stop_ids=tuple(getattr(task, "stop_ids", ()))))
     return float(task.reward(example, rollouts.responses[0].cpu()))
 
 
@@ -82,7 +88,7 @@ def forward_successes(model, task, examples, batch_tokens: int = 65536) -> list[
 
 def length_curve(model, task_spec: dict, lengths, depths=None, examples: int = 64, *,
                  seed_base: int = CURVE_SEED_BASE, chunk_size: int | None = None, method: str = "capture",
-                 progress: bool = True) -> dict:
+                 progress: bool = True, beyond_max_positions: bool = False) -> dict:
     """Rows {length, depth, success, n, stderr, rewards} per cell, the task's chance, and timing.
 
     `method="capture"` (the reference: capture + greedy sampling from the resident state, one example at a
@@ -101,7 +107,7 @@ def length_curve(model, task_spec: dict, lengths, depths=None, examples: int = 6
             t = time.perf_counter()
             cell = [example_at_depth(task, seed_base + i, depth) for i in range(examples)]
             if method == "capture":
-                rewards = [greedy_success(model, task, example, chunk_size) for example in cell]
+                rewards = [greedy_success(model, task, example, chunk_size, beyond_max_positions) for example in cell]
             else:
                 rewards = forward_successes(model, task, cell)
             p = sum(rewards) / len(rewards)

@@ -17,7 +17,10 @@ capture made with the current parameters:
   estimate of KL(stale || fresh) on tokens sampled from the stale policy;
 - `grad_cosine`: cosine between the trainable-parameter gradients of L_stale and L_fresh;
 - `param_drift`: L2 norm of the trainable parameters' change since the capture (the trainer's
-  adaptive refresh signal), so the report can relate the signal to the drift it stands for.
+  adaptive refresh signal), so the report can relate the signal to the drift it stands for;
+- `update_changed_fraction`: the share of trainable elements the step's own update changed (in bf16
+  an update below half a weight's spacing rounds away; `longstraw.training.optimizer` keeps float32
+  masters for that).
 Training then steps on the stale gradient, as a trainer reusing the prefix would. Step 0's
 fresh state is captured with the stale one's parameters: its drift is the recapture's own
 (exactly zero where the kernels are deterministic).
@@ -42,12 +45,18 @@ import torch
 from longstraw.core import grpo
 from longstraw.training.rollout import SamplingConfig, sample
 from longstraw.core.step import reference_policy
-from longstraw.core.transaction import capture, replay, score
+from longstraw.core.transaction import capture, replay, reuse_state, score
 
 
 def parameter_drift(params, at_capture) -> float:
     """L2 norm of the parameters' change since `at_capture` (the adaptive refresh signal)."""
     return float(torch.stack([(p.detach() - p0).float().norm() for p, p0 in zip(params, at_capture)]).norm())
+
+
+def changed_fraction(params, before) -> float:
+    """The share of the parameters' elements that differ from `before` (an update that rounded away: 0)."""
+    changed = sum(int((p.detach() != b).sum()) for p, b in zip(params, before))
+    return changed / max(1, sum(p.numel() for p in params))
 
 
 def _loss_and_grads(model, state, responses, old, ref, advantages, weights, config, params):
@@ -89,13 +98,14 @@ def numerical_floor(model, prompt_ids, stale, responses, params, perturbation: f
             p.add_((n * (perturbation / total)).to(device=p.device, dtype=p.dtype))
         # in bf16 a perturbation under half a weight's spacing rounds away: then nothing moved, and the floor
         # is the recapture's determinism alone (say so, rather than read it as the precision's sensitivity)
-        changed = int(sum((p.detach() != s).sum() for p, s in zip(params, saved)))  # one sync
+        changed = changed_fraction(params, saved)
         fresh = capture(model, prompt_ids, **capture_kwargs)
         logp_fresh = torch.cat([score(model, fresh, y) for y in responses])
-        logp_stale = torch.cat([score(model, stale, y) for y in responses])
+        logp_stale = torch.cat([score(model, reuse_state(model, stale), y) for y in responses])  # stale on purpose
         for p, s in zip(params, saved):
             p.copy_(s)
-    return {"perturbation_norm": perturbation, "changed_fraction": changed / sum(p.numel() for p in params),
+        reuse_state(model, stale)  # back at the weights it serves
+    return {"perturbation_norm": perturbation, "changed_fraction": changed,
             **_drift(logp_stale, logp_fresh)}
 
 
@@ -156,8 +166,13 @@ def staleness_oracle(model, prompt_ids, optimizer, config: grpo.GRPOConfig, *, s
             "response_tokens": [int(r.numel()) for r in responses],
             "reward_mean": float(rewards.mean()),
         })
-        if progress:
-            progress(rows[-1])
+        before = [p.detach().clone() for p in params]
         optimizer.step()  # on the stale gradient, as prefix reuse trains
         optimizer.zero_grad(set_to_none=True)
+        rows[-1]["update_changed_fraction"] = changed_fraction(params, before)
+        if progress:
+            progress(rows[-1])
+        reuse_state(model, stale)
+        if ref_state is not None:
+            reuse_state(model, ref_state)
     return OracleResult(rows, floor)

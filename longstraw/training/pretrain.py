@@ -181,7 +181,7 @@ def pretrain(cfg: PretrainConfig) -> dict:
         if not (Path(cfg.init) / "config.json").is_file():
             raise ValueError(f"init: {cfg.init} is not a checkpoint folder (no config.json); run the point that "
                              "writes it first")
-        model = load_pretrained(cfg.init, dtype=DTYPES[cfg.dtype], device=device)
+        model = load_pretrained(cfg.init, dtype=DTYPES[cfg.dtype], device=device, **cfg.model_overrides)
     else:
         model = build_model(cfg.model, seed=cfg.seed, dtype=DTYPES[cfg.dtype], device=device, **cfg.model_overrides)
     model.train()

@@ -24,7 +24,8 @@ What follows TRL (trl/trainer/grpo_trainer.py, `_calculate_rewards` and
   `scale_rewards` is "none"; a group with one scorable item has advantage 0 everywhere (TRL's nanstd
   of one value is NaN).
 - Metrics: `reward` (nanmean), `reward_std` (nanstd), `rewards/<name>/mean` and `/std` (per function,
-  over the items it scored), `frac_reward_zero_std`. Names are TRL's `get_callable_name`: the
+  over the items it scored), `frac_reward_zero_std`; a warning when an item is unscorable (TRL warns
+  too), and `unscorable`, the group's count of such items. Names are TRL's `get_callable_name`: the
   function's `__name__` (a `functools.partial` unwrapped, a callable object's class name).
 Where this differs: NaN metrics are recorded as null (JSON has no NaN); a function returning the
 wrong number of values, a value that is not a number or None, or an infinite one, raises an error
@@ -42,6 +43,7 @@ import math
 import numbers
 import os
 import sys
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -220,7 +222,13 @@ def score_group(funcs: list[RewardFunc], weights, prompts: list, completions: li
     w = torch.tensor([1.0] * len(funcs) if weights is None else list(weights), dtype=torch.float32)
     rewards = (matrix * w[None]).nansum(dim=1)
     rewards[torch.isnan(matrix).all(dim=1)] = math.nan
-    metrics = {"reward": _finite_or_none(nanmean(rewards)), "reward_std": _finite_or_none(nanstd(rewards))}
+    unscorable = int(torch.isnan(rewards).sum())
+    if unscorable:  # as TRL warns: these completions get advantage 0; a wholly unscorable group changes nothing
+        warnings.warn(f"{where}: every reward function returned None for {unscorable} of {count} completions: their "
+                      "advantage is 0" + ("; no completion of the group was scored, so the step moves the policy "
+                                          "only through a KL term" if unscorable == count else ""), stacklevel=2)
+    metrics = {"reward": _finite_or_none(nanmean(rewards)), "reward_std": _finite_or_none(nanstd(rewards)),
+               "unscorable": unscorable}
     for i, f in enumerate(funcs):
         metrics[f"rewards/{f.name}/mean"] = _finite_or_none(nanmean(matrix[:, i]))
         metrics[f"rewards/{f.name}/std"] = _finite_or_none(nanstd(matrix[:, i]))

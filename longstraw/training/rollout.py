@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
-from longstraw.core.transaction import check_state
+from longstraw.core.transaction import check_deterministic, check_state
 from longstraw.families import adapter_for
 from longstraw.state import (
     AttentionPages,
@@ -94,6 +94,8 @@ def sample(model, state: ResidentState, config: SamplingConfig) -> Rollouts:
     """G sampled responses and their policy log-probs from the captured `state` (never modified)."""
     adapter = adapter_for(model)
     check_state(adapter, state)
+    state.check_positions(config.max_new_tokens, "sampling max_new_tokens")
+    check_deterministic(model)
     G, device = config.num_samples, state.device
     generator = torch.Generator(device=device).manual_seed(config.seed) if config.seed is not None else None
     entries = _decode_entries(state, G, config.max_new_tokens)

@@ -12,6 +12,8 @@ Built-in tasks (the answer depends on the long prompt, so a model must read it):
 - `counting`: a haystack in which a marker token occurs n times (n uniform in
   [min_count, max_count]); the prompt ends `COUNT ANSWER`; the answer is the token `NUMBER + n`.
 Difficulty knobs: prompt `length`, needle count and depth, value length, count range.
+- `ruler`: RULER's tasks over real text in a real tokenizer (`longstraw.training.ruler.task`), e.g.
+  `{"name": "ruler", "task": "vt", "tokenizer": CHECKPOINT, "length": 32768}`.
 
 Token layout (ids below `vocab_size`): specials 0-7, numbers 8-71, keys and values in the next
 two ranges, filler above. Rewards are exact match on the answer's tokens (partial credit per
@@ -28,27 +30,16 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
+
+from longstraw.training.example import Example, Task
 
 PAD, KEY, VAL, END, QUERY, ANSWER, COUNT, MARK = range(8)
 NUMBER, NUMBERS = 8, 64
 FIRST_FREE = NUMBER + NUMBERS
-
-
-@dataclass(frozen=True)
-class Example:
-    prompt_ids: torch.Tensor
-    answer: tuple[int, ...]
-    info: dict = field(default_factory=dict)
-
-
-class Task(Protocol):
-    def make(self, seed: int) -> Example: ...
-
-    def reward(self, example: Example, response_ids) -> float: ...
 
 
 def _match_reward(example: Example, response_ids, partial: bool) -> float:
@@ -159,7 +150,15 @@ def chance_level(task) -> dict:
     return {"value": None, "rule": f"unknown for {type(task).__name__}"}
 
 
-TASKS: dict[str, Callable[..., Task]] = {"kv_retrieval": KeyValueRetrieval, "counting": Counting}
+def _ruler(**settings) -> Task:
+    """RULER's tasks over real text in a real tokenizer (`longstraw.training.ruler.task.RulerTask`), imported
+    only when asked for."""
+    from longstraw.training.ruler.task import RulerTask
+
+    return RulerTask(**settings)
+
+
+TASKS: dict[str, Callable[..., Task]] = {"kv_retrieval": KeyValueRetrieval, "counting": Counting, "ruler": _ruler}
 
 
 def register_task(name: str, factory: Callable[..., Task]) -> None:

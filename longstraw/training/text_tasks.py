@@ -21,7 +21,9 @@ a column other rows have gives None there).
 
 Everything is checked before any model work: the files, the `prompt` column and its format in
 every row (a JSONL file; a HF dataset's first row), the chat template a conversational prompt needs,
-the tokenizer against the model's vocabulary, the reward functions' imports and, unless
+the tokenizer against the model's vocabulary, every row of a JSONL file tokenized once (at least 2
+tokens, and with `sampling.max_new_tokens` after it within the model's `max_position_embeddings`
+unless `capture.beyond_max_positions`; the first bad row is named), the reward functions' imports and, unless
 `check_reward_funcs: false`, one call of each on the first prompt with G empty completions.
 """
 
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -158,6 +161,11 @@ def load_tokenizer(cfg, source: str = "tokenizer"):
 
 def model_vocab_size(model_cfg) -> int:
     """The policy's vocabulary size from its config alone (no weights)."""
+    return model_limits(model_cfg)[0]
+
+
+def model_limits(model_cfg) -> tuple[int, int | None]:
+    """(vocabulary size, max_position_embeddings or None) of the policy, from its config alone (no weights)."""
     if model_cfg.path:
         import transformers
 
@@ -170,7 +178,8 @@ def model_vocab_size(model_cfg) -> int:
 
         config = make_config(model_cfg.preset, **model_cfg.overrides)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return int(text.vocab_size)
+    limit = getattr(text, "max_position_embeddings", None)
+    return int(text.vocab_size), (int(limit) if limit else None)
 
 
 class TextTask:
@@ -194,6 +203,7 @@ class TextTask:
         self.stop_ids = () if eos is None else (int(eos),)
         pad = tokenizer.pad_token_id
         self.pad_id = int(pad if pad is not None else (eos if eos is not None else 0))
+        self._ids: list[list[int]] | None = None  # every row's prompt ids, once `tokenize_rows` ran
 
     # ---- set-up
     @classmethod
@@ -202,7 +212,7 @@ class TextTask:
         funcs = load_reward_funcs(cfg.reward_funcs)  # first: the cheapest to get wrong
         rows = load_rows(cfg.dataset, f"{source}: dataset")
         tokenizer, key = load_tokenizer(cfg, f"{source}: tokenizer")
-        vocab = model_vocab_size(cfg.model)
+        vocab, limit = model_limits(cfg.model)
         if len(tokenizer) > vocab:
             raise ValueError(f"{source}: {key}: the tokenizer has {len(tokenizer)} tokens but the model's vocabulary "
                              f"has {vocab} (vocab_size); its ids would index past the embeddings")
@@ -217,11 +227,16 @@ class TextTask:
                 raise ValueError(f"{source}: {key}: the tokenizer has no chat template, and row {first}'s prompt is a "
                                  "list of messages (TRL's conversational format) that needs one; set "
                                  "tokenizer.chat_template")
+            # every row tokenized once, here: one too short to capture or too long for the model is named now
+            task.tokenize_rows(None if cfg.capture.beyond_max_positions else limit, cfg.sampling.max_new_tokens,
+                               f"{source}: dataset.path: {cfg.dataset.path}")
         example = task.example(0)
         if cfg.check_reward_funcs:
             G = cfg.sampling.num_samples
-            task.score(example, [torch.zeros(0, dtype=torch.long)] * G, where=f"{source}: reward_funcs (a check "
-                       f"call on row 0 with {G} empty completions; check_reward_funcs: false skips it)")
+            with warnings.catch_warnings():  # empty completions may well be unscorable: no warning for the check
+                warnings.simplefilter("ignore")
+                task.score(example, [torch.zeros(0, dtype=torch.long)] * G, where=f"{source}: reward_funcs (a check "
+                           f"call on row 0 with {G} empty completions; check_reward_funcs: false skips it)")
         return task
 
     def __len__(self) -> int:
@@ -246,11 +261,39 @@ class TextTask:
         ids = out["input_ids"]
         return list(ids[0] if ids and isinstance(ids[0], list) else ids)
 
+    def tokenize_rows(self, limit: int | None, max_new_tokens: int, where: str) -> None:
+        """Tokenize every row's prompt once (a batch call for string prompts), keep the ids for `example`,
+        and refuse the first row whose prompt is under 2 tokens, or, with `limit`, longer than the model's
+        positions or too long for `max_new_tokens` more after it."""
+        prompts = [row["prompt"] for row in self.rows]
+        plain = [i for i, p in enumerate(prompts) if self._messages(p) is None]
+        ids: list = [None] * len(prompts)
+        if plain:
+            for i, row_ids in zip(plain, self.tokenizer([prompts[i] for i in plain])["input_ids"]):
+                ids[i] = list(row_ids)
+        for i, prompt in enumerate(prompts):
+            if ids[i] is None:
+                ids[i] = self.prompt_ids(prompt, f"{where} row {i}")
+        for i, row_ids in enumerate(ids):
+            n = len(row_ids)
+            if n < 2:
+                raise ValueError(f"{where} row {i}: the prompt is {n} token(s); a capture needs at least 2")
+            if limit and n > limit:
+                raise ValueError(f"{where} row {i}: the prompt is {n:,} tokens, more than the {limit:,} positions the "
+                                 "model was configured for (max_position_embeddings); set "
+                                 "capture.beyond_max_positions: true to run it anyway")
+            if limit and n + max_new_tokens > limit:
+                raise ValueError(f"{where} row {i}: the prompt's {n:,} tokens and up to {max_new_tokens:,} sampled "
+                                 f"(sampling.max_new_tokens) run past the {limit:,} positions the model was "
+                                 "configured for (max_position_embeddings); set capture.beyond_max_positions: true "
+                                 "to run them anyway")
+        self._ids = ids
+
     def example(self, index: int) -> TextExample:
         row = dict(self.rows[index])
         where = f"{self.source} row {index}"
         check_prompt(row.get("prompt"), where)
-        ids = self.prompt_ids(row["prompt"], where)
+        ids = self._ids[index] if self._ids is not None else self.prompt_ids(row["prompt"], where)
         if len(ids) < 2:
             raise ValueError(f"{where}: the prompt is {len(ids)} token(s); a capture needs at least 2")
         columns = {c: row.get(c) for c in self.columns}

