@@ -1,0 +1,85 @@
+"""A RULER task as a task of `longstraw.training.tasks` (`{"name": "ruler", ...}`): token ids in, a reward out,
+so that every kind built on tasks (the trainer, length curves, V4, the staleness oracle, rollout cycles)
+runs it on a real model and tokenizer unchanged.
+
+    task = build_task({"name": "ruler", "task": "vt", "tokenizer": "models/smollm2", "length": 32768}, vocab)
+    example = task.make(seed)            # the chat-formatted prompt's ids, the reference answers in info
+    task.reward(example, response_ids)   # RULER's metric on the decoded response
+
+`make(seed)` is `make_example(..., chat=True)` tokenized as the trainer tokenizes a string prompt: the
+chat template and RULER's answer prefix after the generation prompt, so the response continues the
+answer. `Example.answer` holds the ids of the references joined as RULER writes them, and
+`info["max_new_tokens"]` a few more, what a greedy answer gets (`length_curve`); sampling stops at the
+tokenizer's EOS (`stop_ids`). The reward is RULER's metric on the decoded response, not `answer`'s ids.
+The tokenizer loads on first use, so a plan can build the task before its checkpoint exists.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from longstraw.training.ruler.formats import TASKS
+from longstraw.training.ruler.rewards import string_match_all, string_match_part
+from longstraw.training.ruler.tasks import make_example
+from longstraw.training.example import Example
+
+METRICS = {"string_match_all": string_match_all, "string_match_part": string_match_part}
+ANSWER_SLACK = 4  # greedy tokens past the references' own (a closing period, a stop token)
+
+
+@functools.cache
+def _tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+@dataclass
+class RulerTask:
+    vocab_size: int
+    length: int = 4096
+    task: str = "niah_single_1"
+    tokenizer: str = ""  # a tokenizer folder (a checkpoint's own)
+    depth: float | None = None  # the first answering needle's depth; None: RULER's depth grid, by seed
+    chat: bool = True
+
+    def __post_init__(self):
+        if self.task not in TASKS:
+            raise ValueError(f"unknown RULER task {self.task!r}; known: {', '.join(TASKS)}")
+        if not self.tokenizer:
+            raise ValueError("tokenizer: the folder of the tokenizer the prompts are measured in (a checkpoint's)")
+        if self.depth is not None and not 0 <= self.depth <= 1:
+            raise ValueError(f"depth must be in [0, 1], got {self.depth}")
+
+    @property
+    def loaded(self):
+        tokenizer = _tokenizer(self.tokenizer)
+        if len(tokenizer) > self.vocab_size:
+            raise ValueError(f"tokenizer {self.tokenizer} has {len(tokenizer)} tokens, more than the model's "
+                             f"{self.vocab_size}")
+        return tokenizer
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        eos = self.loaded.eos_token_id
+        return () if eos is None else (int(eos),)
+
+    def make(self, seed: int) -> Example:
+        return self.make_at_depth(seed, self.depth)
+
+    def make_at_depth(self, seed: int, depth: float | None) -> Example:
+        tokenizer = self.loaded
+        made = make_example(self.task, tokenizer, self.length, seed, depth=depth, chat=self.chat)
+        ids = tokenizer(made.prompt)["input_ids"]
+        answer = tokenizer(" " + ", ".join(made.answer), add_special_tokens=False)["input_ids"]
+        return Example(torch.tensor(ids), tuple(answer), {
+            "depth": made.depth, "references": list(made.answer), "task": self.task, "seed": seed,
+            "max_new_tokens": len(answer) + ANSWER_SLACK})
+
+    def reward(self, example: Example, response_ids) -> float:
+        text = self.loaded.decode([int(t) for t in response_ids], skip_special_tokens=True)
+        metric = METRICS[TASKS[self.task].metric]
+        return float(metric([None], [text], [example.info["references"]])[0])
