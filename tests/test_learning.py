@@ -24,11 +24,14 @@ def checkpoint(tmp_path_factory):
 
 
 def test_length_curve_point_reads_the_checkpoint(checkpoint):
+    partials = []  # what a run cut off at its time limit would have left: the cells finished so far
     result = run_point({"name": "curve", "kind": "length_curve", "model": {"path": checkpoint},
-                        "length_curve": {"task": TASK, "lengths": [16, 64], "examples": 8}})
+                        "length_curve": {"task": TASK, "lengths": [16, 64], "examples": 8}},
+                       on_progress=lambda p: partials.append((p["status"], [r["length"] for r in p["metrics"]["rows"]])))
     assert result["status"] == "ok", result.get("error")
     rows = result["metrics"]["rows"]
     assert [(r["length"], r["n"]) for r in rows] == [(16, 8), (64, 8)]
+    assert partials == [("partial", [16]), ("partial", [16, 64])]
     assert result["metrics"]["chance"]["value"] == 0.25
 
 

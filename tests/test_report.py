@@ -1462,6 +1462,23 @@ def test_the_papers_staleness_regime_is_read_per_learning_rate_above_the_floor()
     assert "lr 0.003 at 1,048,576: no update" in none
 
 
+def test_the_staleness_regime_is_read_per_training_setting():
+    """bf16 weights updated in place and float32 weights are different experiments: each gets its own verdict,
+    and a setting without points at the paper's length is read at the lengths it has."""
+    from longstraw.kinds.staleness import regime_sentence
+
+    def row(setting, lr, drift, positions):
+        return {"kind": "staleness", "status": "ok", "lr": lr, "prompt_positions": positions, "setting": setting,
+                "first_update_relative_loss_drift": drift, "floor_relative_loss_drift": 1e-6, "first_update_step": 1}
+
+    text = regime_sentence([row("bfloat16 weights, updated in place", 1e-5, 0.08, 1048576),
+                            row("float32 weights", 1e-5, 0.0012 - 1e-4, 32768),
+                            row("float32 weights", 1e-4, 0.0137, 32768)], 0.0004, 0.0012, positions=1048576)
+    in_place, full = text.split(" | ")
+    assert in_place.startswith("bfloat16 weights, updated in place: the paper's regime does not appear")
+    assert full.startswith("float32 weights: the paper's regime appears at lr 1e-05.") and "32,768" in full
+
+
 def test_a_point_label_leaves_out_nested_settings_read_back_as_json_text():
     from longstraw.plotting.draw import point_label
 

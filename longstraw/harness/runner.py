@@ -30,8 +30,8 @@ def run_point(raw, source: str = "config", on_progress=None) -> dict:
     A bad config, a device this machine lacks or a missing or cut checkpoint raises ValueError before
     anything runs.
 
-    `on_progress(partial_result)` is called after each finished step of a `sweep` or `staleness`
-    point, so a run cut off later still leaves what it measured.
+    `on_progress(partial_result)` is called after each finished step of a `sweep`, `staleness` or
+    `learning` point and each cell of a `length_curve`, so a run cut off later still leaves what it measured.
     """
     cfg = resolve(raw, source)
     check_ready(cfg, source)  # its devices exist here, its checkpoint is there and whole

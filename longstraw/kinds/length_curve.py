@@ -31,7 +31,8 @@ def run(cfg: PointConfig, device, progress: Progress) -> dict:
     with recorder.phase("length_curve"):
         result = length_curve(model, s.task, s.lengths, s.depths, s.examples, method=s.method,
                               chunk_size=cfg.capture.chunk_size,
-                              beyond_max_positions=cfg.capture.beyond_max_positions)
+                              beyond_max_positions=cfg.capture.beyond_max_positions,
+                              on_row=lambda rows: progress.partial({"rows": rows, "task": dict(s.task)}))
     return {**result, "phases": recorder.phases}
 
 

@@ -91,6 +91,20 @@ def setting_label(setting: dict) -> str | None:
     return f"{trained} weights{masters}"
 
 
+def recorded_setting(cfg: dict) -> dict:
+    """`training_setting` for a record made before the oracle wrote it down, from its config: a full-parameter
+    run updated its weights in place in `model.dtype` (float32 masters came later, with their option); a LoRA
+    run kept peft's float32 adapters over that dtype."""
+    model = as_dict(cfg.get("model"))
+    if not model.get("dtype"):
+        return {}
+    dtype = str(model["dtype"])
+    if model.get("lora"):
+        return {"frozen_dtypes": [dtype], "trainable_dtypes": ["float32"], "lora": True, "master_weights": False}
+    return {"frozen_dtypes": [], "trainable_dtypes": [dtype], "lora": False,
+            "master_weights": bool(as_dict(cfg.get("optimizer")).get("master_weights"))}
+
+
 def learnable_example(model, task, cfg: PointConfig, device) -> tuple[object, dict]:
     """The task's first example from `prompt.seed` on (at most `staleness.prompt_search` seeds)
     whose group at the oracle's step 0 (the same sampling seed) has unequal rewards, so the first
@@ -216,6 +230,12 @@ def refresh_interval_sentence(row: dict) -> str:
         if row.get("status") == "ok" and row.get("updates") == 0:
             return ("no refresh interval: no step updated the parameters (every group's rewards were equal, so "
                     "every advantage was zero)")
+        floor = row.get("floor_relative_loss_drift")
+        if row.get("status") == "ok" and not is_missing(threshold) and not is_missing(floor) and \
+                threshold <= FLOOR_MARGIN * floor:
+            return (f"no refresh interval: the threshold {format_percent(threshold)} lies within {FLOOR_MARGIN:g}x "
+                    f"the numerical floor {format_percent(floor)} (the drift after a perturbation far below one "
+                    "step's), so a drift that small cannot be told from the precision's")
         return f"no refresh interval: no loss drift measured (status {row.get('status')})"
     interval = int(interval)
     text = (f"{interval} update{'s' if interval != 1 else ''}: the number of parameter updates whose loss drift "
@@ -238,18 +258,28 @@ def refresh_interval_sentence(row: dict) -> str:
 
 
 def regime_sentence(rows: list[dict], low: float, high: float, positions=None) -> str:
-    """Whether the paper's staleness regime appears in these staleness rows (one per point) and at which
-    learning rate: each point's first parameter update's loss drift against the paper's range
-    [`low`, `high`] (fractions), read only beyond FLOOR_MARGIN x the point's numerical floor. With
-    `positions`, the points at that prompt length (all of them when none is)."""
-    from longstraw.plotting.formatting import format_percent, format_value
-
+    """Whether the paper's staleness regime appears in these staleness rows (one per point), per training
+    setting (`setting`: what was trained in which precision) and at which learning rate: each point's first
+    parameter update's loss drift against the paper's range [`low`, `high`] (fractions), read only beyond
+    FLOOR_MARGIN x the point's numerical floor. With `positions`, a setting's points at that prompt length
+    (all of its points when none is)."""
     points = [r for r in rows if r.get("kind") == "staleness"]
     ok = [r for r in points if r.get("status") == "ok"]
-    at = [r for r in ok if positions is not None and r.get("prompt_positions") == positions]
-    chosen = sorted(at or ok, key=lambda r: number(r.get("lr")) or 0.0)
-    if not chosen:
+    if not ok:
         return "no staleness point completed" if points else "not measured in these results (no staleness point)"
+    settings = list(dict.fromkeys(r.get("setting") or "setting not recorded" for r in ok))
+    parts = []
+    for setting in settings:
+        mine = [r for r in ok if (r.get("setting") or "setting not recorded") == setting]
+        at = [r for r in mine if positions is not None and r.get("prompt_positions") == positions]
+        text = _regime_of(sorted(at or mine, key=lambda r: number(r.get("lr")) or 0.0), low, high)
+        parts.append(f"{setting}: {text}" if len(settings) > 1 or setting != "setting not recorded" else text)
+    return " | ".join(parts)
+
+
+def _regime_of(chosen: list[dict], low: float, high: float) -> str:
+    from longstraw.plotting.formatting import format_percent, format_value
+
     readings, inside = [], []
     for row in chosen:
         drift, floor, lr = (number(row.get(k)) for k in ("first_update_relative_loss_drift",
@@ -314,7 +344,7 @@ def columns(point: dict) -> dict:
     cols = {
         "lr": number(as_dict(cfg.get("optimizer")).get("lr")),
         # what is trained and in which precision: the drift means staleness only where an update is not rounded away
-        "setting": setting_label(as_dict(metrics.get("setting"))),
+        "setting": setting_label(as_dict(metrics.get("setting")) or recorded_setting(cfg)),
         "update_changed_fraction": number(first_update.get("update_changed_fraction")),
         "prompt_positions": number(metrics.get("prompt_positions")),
         "G": responses.get("count"),
@@ -404,9 +434,11 @@ def notes(row: dict, grid) -> list[str]:
     from longstraw.plotting.formatting import format_percent, format_value, is_missing
 
     setting = ", ".join(f"{k}={row[k]}" for k in grid if not is_missing(row.get(k)))
-    head = f"{row.get('point')}" + (f" ({setting})" if setting else "")
+    head = f"{row.get('point')}" + (f" ({row['setting']})" if not is_missing(row.get("setting")) else "") + (
+        f" ({setting})" if setting else "")
     if row.get("status") != "ok" or is_missing(row.get("refresh_interval")):
-        if row.get("status") == "ok" and row.get("updates") == 0:
+        if row.get("status") == "ok" and (row.get("updates") == 0 or not is_missing(
+                row.get("floor_relative_loss_drift"))):
             return [f"{head}: {refresh_interval_sentence(row)}."]
         why = row.get("error") or row.get("report_error") or "no drift measured"
         return [f"{head}: no refresh interval (status {row.get('status')}: {why})."]

@@ -88,8 +88,9 @@ def forward_successes(model, task, examples, batch_tokens: int = 65536) -> list[
 
 def length_curve(model, task_spec: dict, lengths, depths=None, examples: int = 64, *,
                  seed_base: int = CURVE_SEED_BASE, chunk_size: int | None = None, method: str = "capture",
-                 progress: bool = True, beyond_max_positions: bool = False) -> dict:
-    """Rows {length, depth, success, n, stderr, rewards} per cell, the task's chance, and timing.
+                 progress: bool = True, beyond_max_positions: bool = False, on_row=None) -> dict:
+    """Rows {length, depth, success, n, stderr, rewards} per cell, the task's chance, and timing;
+    `on_row(rows)` after each cell (so a run cut off at its time limit keeps the cells it finished).
 
     `method="capture"` (the reference: capture + greedy sampling from the resident state, one example at a
     time) or `"forward"` (HF's batched one-pass forward, teacher-forced argmax: the same scores for
@@ -115,6 +116,8 @@ def length_curve(model, task_spec: dict, lengths, depths=None, examples: int = 6
                    "stderr": math.sqrt(p * (1 - p) / len(rewards)), "seconds": time.perf_counter() - t,
                    "rewards": rewards}
             rows.append(row)
+            if on_row is not None:
+                on_row(rows)
             if progress:
                 print(f"length_curve: length {length:>9,} depth {'random' if depth is None else depth}: "
                       f"success {p:.3f} +- {row['stderr']:.3f} (n={len(rewards)}, {row['seconds']:.1f} s)",
