@@ -1479,6 +1479,17 @@ def test_the_staleness_regime_is_read_per_training_setting():
     assert full.startswith("float32 weights: the paper's regime appears at lr 1e-05.") and "32,768" in full
 
 
+def test_a_staleness_record_from_before_the_setting_was_recorded_reads_it_from_its_config():
+    from longstraw.kinds.staleness import recorded_setting, setting_label
+
+    # before `optimizer.master_weights` existed a bf16 full-parameter run updated its weights in place
+    assert setting_label(recorded_setting({"model": {"dtype": "bfloat16", "lora": None}, "optimizer": {}})) == \
+        "bfloat16 weights, updated in place"
+    assert setting_label(recorded_setting({"model": {"dtype": "bfloat16", "lora": {"r": 16}}})) == \
+        "bfloat16 base, float32 LoRA"
+    assert setting_label(recorded_setting({"model": {"dtype": "float32", "lora": None}})) == "float32 weights"
+
+
 def test_a_point_label_leaves_out_nested_settings_read_back_as_json_text():
     from longstraw.plotting.draw import point_label
 
