@@ -25,9 +25,11 @@ def checkpoint(tmp_path_factory):
 
 def test_length_curve_point_reads_the_checkpoint(checkpoint):
     partials = []  # what a run cut off at its time limit would have left: the cells finished so far
+
+    def keep(partial):
+        partials.append((partial["status"], [r["length"] for r in partial["metrics"]["rows"]]))
     result = run_point({"name": "curve", "kind": "length_curve", "model": {"path": checkpoint},
-                        "length_curve": {"task": TASK, "lengths": [16, 64], "examples": 8}},
-                       on_progress=lambda p: partials.append((p["status"], [r["length"] for r in p["metrics"]["rows"]])))
+                        "length_curve": {"task": TASK, "lengths": [16, 64], "examples": 8}}, on_progress=keep)
     assert result["status"] == "ok", result.get("error")
     rows = result["metrics"]["rows"]
     assert [(r["length"], r["n"]) for r in rows] == [(16, 8), (64, 8)]

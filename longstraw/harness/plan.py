@@ -30,7 +30,7 @@ from longstraw.config import ConfigError, PointConfig, resolve_point
 from longstraw.config.point import trainer_mapping
 from longstraw.config.train import resolve_train
 from longstraw.config.yaml_input import load_yaml_file, load_yaml_text
-from longstraw.harness.inputs import check_planned_paths, check_point_inputs
+from longstraw.harness.inputs import built_models, check_planned_paths, check_point_inputs
 from longstraw.models.presets import PRESETS, check_preset
 from longstraw.peers import PEER_MODES, PeerNotApplicable, check_peer
 
@@ -234,8 +234,7 @@ def real_checkpoints_needed(planned: dict, experiment: str, point: str) -> list[
     from longstraw.models.real import real_checkpoint_of
 
     cfg = planned[experiment]["points"][point]["config"]
-    path = cfg.model.path if cfg.kind != "pretrain" else cfg.pretrain.init
-    return [str(Path(path))] if path and real_checkpoint_of(path) else []
+    return [str(Path(b.path)) for b in built_models(cfg) if b.path and real_checkpoint_of(b.path)]
 
 
 def launcher(cp_size: int, python: str | None = None) -> str:

@@ -36,8 +36,7 @@ def trainer_mapping(cfg: PointConfig, lr: float, gradient: str, out_dir, length:
 
     s = cfg.learning
     return {**trainer_sections(cfg, out_dir), "task": {**s.task, "length": length or cfg.prompt.length},
-            "steps": s.steps,
-            "steps_per_prompt": s.steps_per_prompt, "seed": s.seed,
+            "steps": s.steps, "steps_per_prompt": s.steps_per_prompt, "seed": s.seed,
             "sampling": {"num_samples": s.num_samples, "max_new_tokens": cfg.responses.length,
                          "temperature": s.temperature},
             "optimizer": {"lr": lr, "weight_decay": 0.0}, "gradient": gradient,
@@ -106,8 +105,9 @@ def gains(runs: dict, first_step: int) -> dict:
 
 # ------------------------------------------------------------------------------------------- report
 
-SHOWN = ["model", "prompt_length", "probe", "trained_length", "lr", "steps", "window", "G", "response-only_gain", "response-only_gain_se",
-         "response-only_reached", "exact_gain", "exact_gain_se", "exact_reached", "lr0_mean", "wall_seconds"]
+SHOWN = ["model", "prompt_length", "probe", "trained_length", "lr", "steps", "window", "G", "response-only_gain",
+         "response-only_gain_se", "response-only_reached", "exact_gain", "exact_gain_se", "exact_reached", "lr0_mean",
+         "wall_seconds"]
 EXTRA_TABLES = {"steps": ExtraTable("Reward per step, per run", ["point", "run", "step", "prompt", "reward_mean",
                                                                   "grad_norm", "seconds"],
                                     "Every run visits the same prompts with the same sampling seeds; lr0 is the "

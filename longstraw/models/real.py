@@ -39,7 +39,7 @@ class RealCheckpoint:
     licence: str
     quantization: str
     description: str
-    # what a plan checks before the folder exists (`real_checkpoint_facts`): its config.json's values
+    # what a plan checks before the folder exists (`harness.inputs.real_facts`): its config.json's values
     model_type: str
     max_positions: int
     vocab_size: int

@@ -15,7 +15,7 @@ import random
 import uuid
 from itertools import accumulate
 
-from longstraw.training.ruler import corpora
+from longstraw.training.ruler.corpora import QACorpus, essay_sentences, key_words
 from longstraw.training.ruler.formats import DOCUMENT, NEEDLE, REPEAT_HAYSTACK, VT_NOISE
 from longstraw.training.ruler.tokens import Counter
 
@@ -93,7 +93,7 @@ class Essays(Haystack):
 
     def __init__(self, counter, where=None):
         super().__init__(counter)
-        self.sentences = corpora.essay_sentences(where)
+        self.sentences = essay_sentences(where)
         # counts are the same for every example: kept with the tokenizer
         self._counts = counter.cache.setdefault(("essays", len(self.sentences)), [])
 
@@ -187,7 +187,7 @@ class Documents(Haystack):
     lead = ""  # a document is counted alone, with `item_cost` for its blank line and "Document j:" line
     fillers = ("pick", "words", "chars")
 
-    def __init__(self, counter, corpus: corpora.QACorpus, dataset: str, rng: random.Random, gold, related):
+    def __init__(self, counter, corpus: QACorpus, dataset: str, rng: random.Random, gold, related):
         super().__init__(counter)
         self.docs, self.rng, self.dataset = corpus.documents, rng, dataset
         own = set(gold) | set(related)
@@ -271,7 +271,7 @@ def draw_uuid(rng: random.Random) -> str:
 
 def draw_word(rng: random.Random) -> str:
     """niah.py: an "adjective-noun" pair of wonderwords' lists."""
-    adjectives, nouns = corpora.key_words()
+    adjectives, nouns = key_words()
     return f"{rng.choice(adjectives)}-{rng.choice(nouns)}"
 
 

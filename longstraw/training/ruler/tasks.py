@@ -8,7 +8,9 @@ import string
 from dataclasses import dataclass, field
 from numbers import Real
 
-from longstraw.training.ruler import corpora, haystacks
+from longstraw.training.ruler.corpora import qa_corpus
+from longstraw.training.ruler.haystacks import (DRAW, VT_SENTENCES, Distractors, Documents, Essays, Haystack, Repeat,
+                                               vt_noise, vt_split_noise)
 from longstraw.training.ruler.fit import Needle, assemble
 from longstraw.training.ruler.formats import (DEPTH_GRID, NEEDLE, QA_PREFIX, QA_TEMPLATE, TASKS, VT_NOISE, VT_PREFIX,
                                               VT_TEMPLATE, TaskSpec, join_query, niah_template, split_template)
@@ -46,7 +48,7 @@ class Parts:
     head: str  # the task text before the context
     tail: str  # after it
     prefix: str  # the answer prefix
-    hay: haystacks.Haystack
+    hay: Haystack
     needles: list[Needle]
     answer: list[str]
     answering: list[int]  # the needles that hold the answer
@@ -95,8 +97,8 @@ def niah(spec: TaskSpec, seed: int, depth, counter: Counter, where) -> Parts:
     rng = _rng(spec.name, seed, "needles")
     num_k, num_v, num_q = max(a["num_needle_k"], a["num_needle_q"]), a["num_needle_v"], a["num_needle_q"]
     type_v = a["type_needle_v"]
-    keys = _distinct(haystacks.DRAW[a["type_needle_k"]], num_k, rng)
-    values = _distinct(haystacks.DRAW[type_v], num_k * num_v, rng)
+    keys = _distinct(DRAW[a["type_needle_k"]], num_k, rng)
+    values = _distinct(DRAW[type_v], num_k * num_v, rng)
     values = [values[i * num_v:(i + 1) * num_v] for i in range(num_k)]
     texts = [NEEDLE.format(type_needle_v=type_v, key=k, value=v) for k, vs in zip(keys, values) for v in vs]
     depths = _depths(depth, len(texts), _rng(spec.name, seed, "depth"))
@@ -105,11 +107,11 @@ def niah(spec: TaskSpec, seed: int, depth, counter: Counter, where) -> Parts:
     head, tail = split_template(template, type_needle_v=named, query=query)
     kind = a["type_haystack"]
     if kind == "essay":
-        hay = haystacks.Essays(counter, where)
+        hay = Essays(counter, where)
     elif kind == "repeat":
-        hay = haystacks.Repeat(counter)
+        hay = Repeat(counter)
     elif kind == "needle":
-        hay = haystacks.Distractors(counter, haystacks.DRAW[a["type_needle_k"]], haystacks.DRAW[type_v], type_v,
+        hay = Distractors(counter, DRAW[a["type_needle_k"]], DRAW[type_v], type_v,
                                     _rng(spec.name, seed, "haystack"), taken=set(keys))
     else:
         raise ValueError(f"{spec.name}: unknown haystack {kind!r}")
@@ -134,7 +136,7 @@ def _vt_context(rng: random.Random, noises: int, chains) -> str:
     """variable_tracking.py's context for the one-shot example: the statements at random places among
     the noise lines (their sentences when there are no more lines than statements), in order."""
     split = noises <= len(chains[0][1])
-    items = list(haystacks.VT_SENTENCES) * noises if split else [VT_NOISE] * noises
+    items = list(VT_SENTENCES) * noises if split else [VT_NOISE] * noises
     for _, statements in chains:
         places = sorted(rng.sample(range(len(items)), min(len(statements), len(items))))
         for j, (place, statement) in enumerate(zip(places, statements)):
@@ -183,7 +185,7 @@ def vt(spec: TaskSpec, seed: int, depth, counter: Counter, where) -> Parts:
     head, tail = split_template(VT_TEMPLATE, query=values[0])
     prefix = VT_PREFIX.format(num_v=num_hops + 1, query=values[0])
     # variable_tracking.py puts the example before the task: " " + example + "\n\n"
-    return Parts(" " + shot + "\n\n" + head, tail, prefix, haystacks.vt_noise(counter),
+    return Parts(" " + shot + "\n\n" + head, tail, prefix, vt_noise(counter),
                  [Needle(t, d) for t, d in zip(texts, depths)], list(chains[0][0]), list(range(num_hops + 1)))
 
 
@@ -192,13 +194,13 @@ def qa(spec: TaskSpec, seed: int, depth, counter: Counter, where) -> Parts:
     documents RULER adds first (SQuAD: the rest of the article; HotpotQA: the question's distractor
     paragraphs) and then those of the whole corpus are the haystack (`haystacks.Documents`)."""
     dataset = spec.args["dataset"]
-    corpus = corpora.qa_corpus(dataset, where)
+    corpus = qa_corpus(dataset, where)
     rng = _rng(spec.name, seed, "needles")
     question = corpus.questions[rng.randrange(len(corpus.questions))]
     depths = _depths(depth, len(question.gold), _rng(spec.name, seed, "depth"))
     needles = [Needle(corpus.documents[i], d) for i, d in zip(question.gold, depths)]
     head, tail = split_template(QA_TEMPLATE, query=question.query)
-    hay = haystacks.Documents(counter, corpus, dataset, _rng(spec.name, seed, "haystack"), question.gold,
+    hay = Documents(counter, corpus, dataset, _rng(spec.name, seed, "haystack"), question.gold,
                               question.related)
     return Parts(head, tail, QA_PREFIX, hay, needles, list(question.outputs), list(range(len(needles))))
 
@@ -232,7 +234,7 @@ def make_example(task: str, tokenizer, length: int, seed: int, *, depth=None, ch
         room = length - counter.count(before) - counter.count(after) - sum(
             counter.counts([" " + n.text for n in parts.needles]))
         if room < noise * (len(parts.answering) + 1):  # RULER's rule: no more noise lines than statements
-            parts.hay = haystacks.vt_split_noise(counter)
+            parts.hay = vt_split_noise(counter)
     built = assemble(counter, parts.hay, parts.needles, before, after, length, fr.special_tokens)
     context = built.text[built.context[0]:built.context[1]]
     content = parts.head + context + parts.tail + (parts.prefix if mode == "messages" else "")
