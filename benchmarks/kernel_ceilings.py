@@ -96,7 +96,8 @@ def print_report(report: dict) -> None:
                 continue
             print(f"  {step['mode']} G={step['count']}: replay transient {step['replay_transient_bytes'] / 1e9:.2f} GB, "
                   f"graph {step['graph_bytes_peak'] / 1e9:.2f} GB, replay {step['replay_seconds']:.1f} s, "
-                  f"logp mismatch max {step['logp_mismatch']['max']:.3g}")
+                  + (f"logp mismatch max {step['logp_mismatch']['max']:.3g}" if step["logp_mismatch"]
+                     else "old policy: the replay's own (on-policy, not scored)"))
             for site in (step.get("allocation_sites") or {}).get("sites", [])[:8]:
                 print(f"      {site['bytes'] / 1e9:7.3f} GB x{site['count']:<5} {site['site']}")
 

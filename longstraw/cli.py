@@ -16,7 +16,9 @@ adds the pipeline's keys (experiment, point, profile, grid, command). A config i
 ranges, names) and the output path tested before any work: a folder there is refused, and so is a
 file that is not a failed result unless `--overwrite` (a finished result is never replaced silently).
 Result JSONs are written atomically (a `sweep` also keeps OUT.partial, rewritten after each finished
-step and removed when the result is written); one that cannot be written at the end is kept in the
+step and removed when the result is written; a `learning` point keeps its runs' checkpoints in OUT.work,
+so the same command run again after a cut goes on from them, removed once a result other than an error is
+written); one that cannot be written at the end is kept in the
 temp folder, which stderr names (exit 1). The last stdout line is a one-line JSON summary. Exit status
 of `run`: 0 for ok and oom (an out-of-memory point is a measurement), 1 for error; `point` exits 0
 whenever a result was recorded (error included: the report shows it); 2 for a bad config or
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -137,6 +140,10 @@ def _partial_path(out) -> Path:
     return Path(f"{out}.partial")
 
 
+def _work_path(out) -> Path:
+    return Path(f"{out}.work")
+
+
 def _record(result: dict, out) -> bool:
     """Write the result atomically; show a failure's traceback; end stdout with the summary line.
     Under context parallelism only rank 0 writes (its result holds every rank's record). False when
@@ -151,6 +158,8 @@ def _record(result: dict, out) -> bool:
         print(f"longstraw: {exc}", file=sys.stderr)
         return False
     _partial_path(out).unlink(missing_ok=True)
+    if result["status"] != "error":  # a failed point keeps its work: run again, it goes on from there
+        shutil.rmtree(_work_path(out), ignore_errors=True)
     if result["status"] == "error":
         print(result.get("traceback", result["error"]), file=sys.stderr)
     print(json.dumps(_summary(result)))
@@ -163,7 +172,8 @@ def _run_point(config, source: str, out) -> dict:
     from longstraw.results import write_json_atomic
 
     result = run_point(config, source=source,
-                       on_progress=lambda partial: write_json_atomic(_partial_path(out), partial))
+                       on_progress=lambda partial: write_json_atomic(_partial_path(out), partial),
+                       work_dir=_work_path(out))
     close_context_parallel()  # a torchrun rank: every collective of the point is done
     return result
 

@@ -99,7 +99,7 @@ def test_step_logp_mismatch_at_the_on_policy_point_is_within_bound(head_dim):
     if (torch.backends.cudnn.version() or 0) >= 90000:
         assert _pick_kernel("auto", q, head_dim) == "cudnn_blocks"  # capture chunks, scoring and replay
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
-    options = StepOptions(capture={"chunk_size": 1024}, checkpoint_layers=True)
+    options = StepOptions(capture={"chunk_size": 1024}, checkpoint_layers=True, old_policy="score")
     metrics = grpo_step(model, _ids(4097, 0), [_ids(256, 1), _ids(64, 2)], [0.0, 1.0], optimizer,
                         GRPOConfig(num_generations=2, beta=0.0), options).metrics
     assert metrics["logp_mismatch"]["max"] <= LOGP_MISMATCH_BOUND, metrics["logp_mismatch"]

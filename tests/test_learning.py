@@ -53,6 +53,42 @@ def test_learning_point_runs_the_same_prompts_and_reports_the_paired_gain(checkp
         assert result["metrics"]["gains"][name] == pytest.approx(expected)
 
 
+def test_a_learning_point_cut_off_goes_on_from_its_work_folder(checkpoint, tmp_path, monkeypatch):
+    # a command cut off mid-run and started again with the same work folder resumes the runs from their last
+    # checkpoints; on CPU its runs equal an uninterrupted point's (same prompts, rewards, losses)
+    from longstraw.kinds import learning
+    from longstraw.training.trainer import Trainer
+
+    point = {"name": "v4", "kind": "learning", "model": {"path": checkpoint}, "prompt": {"length": 32},
+             "responses": {"length": 1}, "grpo": {"beta": 0.0}, "optimizer": {"lr": 1e-2},
+             "learning": {"task": {**TASK, "max_count": 6}, "steps": 5, "window": 2, "num_samples": 4}}
+    whole = run_point(point)["metrics"]["runs"]
+    monkeypatch.setattr(learning, "RESUME_EVERY", 2)
+    original, calls = Trainer.train_step, []
+
+    def cut_at_the_fourth_step(self, step):
+        calls.append(step)
+        if len(calls) == 4:
+            raise RuntimeError("cut off")
+        return original(self, step)
+
+    monkeypatch.setattr(Trainer, "train_step", cut_at_the_fourth_step)
+    work = tmp_path / "point.json.work"
+    first = run_point(point, work_dir=work)
+    assert first["status"] == "error" and "cut off" in first["error"]
+    again = run_point(point, work_dir=work)
+    assert again["status"] == "ok", again.get("error")
+    assert calls[:4] == [0, 1, 2, 3] and calls[4:] == [2, 3, 4] + [0, 1, 2, 3, 4]  # from step 2's checkpoint
+    keys = ("step", "prompt", "rewards", "loss", "grad_norm")
+    for name, steps in whole.items():
+        resumed = again["metrics"]["runs"][name]
+        assert [{k: s[k] for k in keys} for s in resumed] == [{k: s[k] for k in keys} for s in steps]
+    assert any(s["grad_norm"] > 0 for s in whole["response-only"][2:])  # the resumed steps had updates to redo
+    changed = {**point, "optimizer": {"lr": 2e-2}}
+    refused = run_point(changed, work_dir=work)
+    assert refused["status"] == "error" and "another config of this point" in refused["error"]
+
+
 def test_a_point_on_a_checkpoint_waits_for_its_pretrain_point(tmp_path):
     from longstraw.harness.plan import plan
 

@@ -52,14 +52,22 @@ def test_serial_replay_gradient_equals_hold_all(preset, loss_type):
 
 
 @pytest.mark.numerics
-def test_naive_gradient_is_hf_full_sequence_gradient():
-    # float64 (float64_reference): HF's forward on both sides, the objective written twice
+@pytest.mark.parametrize("options", [{"mode": "naive"}, {"mode": "replay", "prefix_grad": True},
+                                     {"mode": "replay", "prefix_grad": True, "old_policy": "score"}],
+                         ids=["naive", "exact-replay", "exact-replay-scored"])
+def test_step_gradient_is_hf_full_sequence_gradient(options):
+    # float64 (float64_reference): HF's forward on both sides, the objective written twice. The old policy is the
+    # gradient pass's own log-probs unless a scoring pass is asked for; either way the gradient is the on-policy one
     model = float64_model("tiny-llama", seed=3)
     prompt, responses, rewards = _group(seed=1)
     config = grpo.GRPOConfig(num_generations=4, beta=0.0, loss_type="grpo")
     recorder = GradientRecorder(model)
     with hf_float64(model):
-        _step(model, prompt, responses, rewards, recorder, config, mode="naive")
+        metrics = _step(model, prompt, responses, rewards, recorder, config, **options)
+        scored = options.get("old_policy") == "score"
+        assert metrics["old_policy"] == ("scored" if scored else "current")
+        assert ("old_scoring" in metrics["phases"]) == scored
+        assert (metrics["logp_mismatch"] is not None) == scored
         # on-policy first step: old log-probs equal the current ones (detached), as in the step
         logps = [hf_full_logprobs(model, prompt, y) for y in responses]
         advantages = grpo.group_advantages(rewards)
@@ -109,7 +117,7 @@ def test_step_applies_the_optimizer_and_reports_phases():
     metrics = _step(model, prompt, responses, rewards, optimizer, grpo.GRPOConfig(num_generations=4, beta=0.0),
                         capture_kwargs={"chunk_size": 8})
     assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
-    assert {"capture", "old_scoring", "replay", "optimizer_step"} <= set(metrics["phases"])
+    assert {"capture", "replay", "optimizer_step"} <= set(metrics["phases"])
     assert metrics["phases"]["replay"]["count"] == 4
     assert metrics["resident_bytes"] == metrics["predicted_resident_bytes"]
 

@@ -1,10 +1,15 @@
 """One GRPO transaction for one prompt and G given responses, in three modes:
 
-- `replay` (ours): capture once (or reuse `state`), score old/ref graph-free from the state,
-  replay responses one at a time with one backward each; the live graph is one response.
+- `replay` (ours): capture once (or reuse `state`), score the reference (beta > 0) graph-free from the
+  state, replay responses one at a time with one backward each; the live graph is one response.
 - `hold_all`: same capture and scoring, but all G response graphs stay alive for one backward.
 - `naive`: what standard trainers do: each response's full prompt+response forward under
   autograd with gradient checkpointing (HF's own forward), scoring by full forwards too.
+
+Unless the caller gives the old policy's log-probs, they are the gradient pass's own, detached (ratio 1),
+as TRL takes them with `num_iterations=1`: a scoring pass would run the same function on the same state
+with the same weights (a state reused across updates included), so it only measures whether the kernels
+agree, which `StepOptions(old_policy="score")` does (`logp_mismatch`).
 
 `StepOptions(prefix_grad=True)` (replay and hold_all) is the exact mode (`longstraw.core.exact`): the capture
 keeps what the prompt-side term needs, and `state.backward_prefix()` runs after the replays (phase
@@ -33,6 +38,7 @@ from longstraw.state import ResidentState
 from longstraw.state.resident import check_positions
 
 MODES = ("replay", "hold_all", "naive")
+OLD_POLICIES = ("current", "score")
 
 
 @dataclass(frozen=True)
@@ -42,7 +48,10 @@ class StepOptions:
     `max_grad_norm`: clip the accumulated gradient before the optimizer step (`grad_norm` reports
     it unclipped); `members=k`: score and replay only the first k responses (a memory probe of the
     serial modes, see `grpo_step`); `checkpoint_layers`: replay under whole-layer activation
-    checkpointing (`replay`; replay and hold_all; naive checkpoints HF's layers anyway)."""
+    checkpointing (`replay`; replay and hold_all; naive checkpoints HF's layers anyway). `old_policy`: where
+    the old-policy log-probs come from when the caller gives none: `current` takes the gradient pass's own,
+    detached (see the module doc); `score` scores them in a graph-free pass first, which measures the
+    training/inference mismatch (`logp_mismatch`)."""
 
     mode: str = "replay"
     prefix_grad: bool = False
@@ -50,10 +59,13 @@ class StepOptions:
     max_grad_norm: float | None = None
     members: int | None = None
     checkpoint_layers: bool = False
+    old_policy: str = "current"
 
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.old_policy not in OLD_POLICIES:
+            raise ValueError(f"old_policy must be one of {OLD_POLICIES}, got {self.old_policy!r}")
         if self.prefix_grad and self.mode == "naive":
             raise ValueError("prefix_grad needs a captured state; mode 'naive' already back-propagates through the "
                              "prompt")
@@ -125,9 +137,12 @@ def grpo_step(model, prompt_ids, responses, rewards, optimizer, config: grpo.GRP
     `advantages`: the group's advantages when a caller computes them by another rule (the text trainer
     follows TRL's for unscorable completions, whose reward is NaN); else `group_advantages(rewards)`.
 
-    `metrics["logp_mismatch"]` is the max and mean |log p_replay - log p_old| over the replayed tokens,
-    before the update: scoring and replay run one attention kernel, so at the on-policy point it measures
-    what remains of the training/inference mismatch (0 when the kernels agree bit for bit).
+    `metrics["old_policy"]` says where the old log-probs came from: `given` (`old_logps`), `scored` (a
+    graph-free pass, `options.old_policy="score"`) or `current` (the gradient pass's own, detached; no
+    extra pass). `metrics["logp_mismatch"]` is the max and mean |log p_replay - log p_old| over the replayed
+    tokens, before the update (None for `current`): scoring and replay run one attention kernel, so at the
+    on-policy point it measures what remains of the training/inference mismatch (0 when the kernels agree
+    bit for bit).
     `sampler_logps` (the sampler's own log-probs, from its decoding kernels) are compared the same way
     (`logp_mismatch_sampler`) and not used otherwise.
 
@@ -168,8 +183,12 @@ def grpo_step(model, prompt_ids, responses, rewards, optimizer, config: grpo.GRP
 
         # naive runs HF's own forward: its torch GDN kernel, whose backward works everywhere (fla's fails on Hopper)
         with hf_torch_gdn_kernels(model) if mode == "naive" else nullcontext():
-            with recorder.phase("old_scoring"):
-                old = old_logps if old_logps is not None else [scorer(y) for y in responses]
+            old_policy = old_source(old_logps, options)
+            if old_policy == "scored":
+                with recorder.phase("old_scoring"):
+                    old = [scorer(y) for y in responses]
+            else:
+                old = old_logps if old_policy == "given" else [None] * len(responses)
             ref = None
             if config.beta > 0:
                 with recorder.phase("ref_scoring"), reference_policy(model):
@@ -198,7 +217,8 @@ def grpo_step(model, prompt_ids, responses, rewards, optimizer, config: grpo.GRP
         "members_replayed": len(responses),
         "response_tokens": [int(r.numel()) for r in responses],
         "graph_bytes_peak": meter.peak,
-        "logp_mismatch": logp_mismatch(logps, old),
+        "old_policy": old_policy,
+        "logp_mismatch": None if old_policy == "current" else logp_mismatch(logps, old),
         **({"logp_mismatch_sampler": logp_mismatch(logps, sampler_logps)} if sampler_logps is not None else {}),
         "phases": recorder.phases,
         "stats": grpo.summarize_stats([
@@ -217,6 +237,13 @@ def grpo_step(model, prompt_ids, responses, rewards, optimizer, config: grpo.GRP
     if ref_state is not None:
         reuse_state(model, ref_state)  # the reference's capture: the adapter's update does not reach it
     return StepResult(metrics, state)
+
+
+def old_source(old_logps, options: StepOptions) -> str:
+    """Where a step's old-policy log-probs come from (`metrics["old_policy"]` of `grpo_step`)."""
+    if old_logps is not None:
+        return "given"
+    return "scored" if options.old_policy == "score" else "current"
 
 
 def check_step_inputs(adapter, prompt_ids, responses, options: StepOptions, state, ref_state, old_logps,

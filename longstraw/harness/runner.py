@@ -25,13 +25,15 @@ from longstraw.harness.inputs import check_ready
 from longstraw.harness.plan import resolve
 
 
-def run_point(raw, source: str = "config", on_progress=None) -> dict:
+def run_point(raw, source: str = "config", on_progress=None, work_dir=None) -> dict:
     """Run one experiment point; never raises for OOM or runtime failure (recorded as status).
     A bad config, a device this machine lacks or a missing or cut checkpoint raises ValueError before
     anything runs.
 
     `on_progress(partial_result)` is called after each finished step of a `sweep`, `staleness` or
     `learning` point and each cell of a `length_curve`, so a run cut off later still leaves what it measured.
+    `work_dir` is the point's resumable work (`Progress.work_dir`): a learning point run again with the same
+    `work_dir` goes on from its runs' last checkpoints.
     """
     cfg = resolve(raw, source)
     check_ready(cfg, source)  # its devices exist here, its checkpoint is there and whole
@@ -50,7 +52,7 @@ def run_point(raw, source: str = "config", on_progress=None) -> dict:
 
     try:
         with deterministic_mode(cfg.deterministic):
-            result["metrics"] = kinds.module(cfg.kind).run(cfg, device, Progress(partial))
+            result["metrics"] = kinds.module(cfg.kind).run(cfg, device, Progress(partial, work_dir))
         result["status"] = "ok"
     except torch.OutOfMemoryError as exc:
         result["status"] = "oom"

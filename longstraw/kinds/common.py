@@ -24,9 +24,13 @@ from longstraw.models.policy import DTYPES, build_policy
 @dataclass
 class Progress:
     """How a long point reports: `partial(metrics)` after each finished step (the CLI keeps them in
-    OUT.partial, so a run cut off later still leaves what it measured); `line(text)` to stderr."""
+    OUT.partial, so a run cut off later still leaves what it measured); `line(text)` to stderr.
+    `work_dir`: a folder that outlives the process until the point's result is written (the CLI's
+    OUT.work), where a kind keeps what lets the same command, run again after a cut, go on where it
+    stopped (a learning point's trainer checkpoints); None: no such folder, the point starts over."""
 
     partial: Callable[[dict], None] = lambda metrics: None
+    work_dir: Path | None = None
 
     @staticmethod
     def line(text: str) -> None:

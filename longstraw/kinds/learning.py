@@ -10,16 +10,23 @@ for a gradient mode when its mean reward over the prompts of the last `learning.
 exceeds the lr-0 run's on the same prompts by more than 3 standard errors of the per-prompt
 differences (`longstraw.training.improvement.paired_gain`).
 
+A point longer than one command resumes: under the CLI the runs write into OUT.work with a checkpoint
+every `RESUME_EVERY` steps (and the probe's result), and the same command run again goes on from there.
+
 Report: one row per point (per gradient mode: the gain, its standard error, reached); every
 step's rewards per run in a table of its own; figure: reward per step per run, the mean over a
 window of prompts with its standard-error band."""
 
 from __future__ import annotations
 
+import json
 import math
+from contextlib import contextmanager
+from pathlib import Path
 from typing import TYPE_CHECKING
 
-from longstraw.config import PointConfig
+from longstraw.config import PointConfig, to_mapping
+from longstraw.results import write_text_atomic
 from longstraw.kinds.columns import ExtraTable, as_dict, number, point_parts, rows_of_points
 
 if TYPE_CHECKING:
@@ -48,30 +55,68 @@ def runs_of(cfg: PointConfig) -> list[tuple[str, float, str]]:
     return [(g, cfg.optimizer.lr, g) for g in cfg.learning.gradients] + [(UNTRAINED, 0.0, "response-only")]
 
 
-def run(cfg: PointConfig, device, progress: Progress) -> dict:
-    import tempfile
-    from pathlib import Path
+RESUME_EVERY = 5  # a run's checkpoint interval in a work folder (steps): what a command cut off loses at most
 
+
+def run(cfg: PointConfig, device, progress: Progress) -> dict:
     from longstraw.training.trainer import Trainer
 
     keep = ("step", "prompt", "reward_mean", "rewards", "loss", "grad_norm", "response_tokens", "seconds")
-    runs, probe, length = {}, None, cfg.prompt.length
-    if cfg.learning.probe is not None:
-        probe = probe_lengths(cfg, device, progress)
-        length = probe["chosen_length"]
-        if length is None:
-            return {"runs": {}, "gains": {}, "probe": probe, "prompt_positions": None}
-    with tempfile.TemporaryDirectory(prefix="longstraw-learning-") as tmp:
+    runs, length = {}, cfg.prompt.length
+    with work_folder(cfg, progress.work_dir) as (work, resumable):
+        probe = None
+        if cfg.learning.probe is not None:
+            probe = remembered(work / "probe.json", lambda: probe_lengths(cfg, device, progress))
+            length = probe["chosen_length"]
+            if length is None:
+                return {"runs": {}, "gains": {}, "probe": probe, "prompt_positions": None}
         for name, lr, gradient in runs_of(cfg):
-            trainer = Trainer(trainer_mapping(cfg, lr, gradient, Path(tmp) / name, length),
-                              source=f"{cfg.name} [{name}]")
-            runs[name] = [{k: step.get(k) for k in keep} for step in trainer.run(resume=False)]
+            mapping = trainer_mapping(cfg, lr, gradient, work / name, length)
+            mapping["output"]["checkpoint_every"] = RESUME_EVERY if resumable else 0
+            trainer = Trainer(mapping, source=f"{cfg.name} [{name}]")
+            runs[name] = [{**{k: step.get(k) for k in keep}, "phase_seconds": phase_seconds(step)}
+                          for step in trainer.run(resume=resumable)]
             progress.line(f"learning {name} (lr {lr:g}): reward per step "
                           + " ".join(f"{s['reward_mean']:.2f}" for s in runs[name]))
             progress.partial({"runs": runs})
             del trainer
     return {"runs": runs, "gains": gains(runs, cfg.learning.steps - cfg.learning.window),
             "prompt_positions": length, **({"probe": probe} if probe else {})}
+
+
+@contextmanager
+def work_folder(cfg: PointConfig, work_dir):
+    """(the folder the point's runs write under, whether they resume from it): the point's `work_dir`, which
+    a command run again after a cut finds with the same point's checkpoints in it (a folder of another
+    config of the point is refused), else a temporary folder and no checkpoints."""
+    import tempfile
+
+    if work_dir is None:
+        with tempfile.TemporaryDirectory(prefix="longstraw-learning-") as tmp:
+            yield Path(tmp), False
+        return
+    work = Path(work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    config = json.dumps(to_mapping(cfg), sort_keys=True)
+    marker = work / "config.json"
+    if marker.is_file() and marker.read_text() != config:
+        raise ValueError(f"{work}: holds the runs of another config of this point; remove the folder to start over")
+    write_text_atomic(marker, config)
+    yield work, True
+
+
+def remembered(path: Path, compute):
+    """`compute()`'s JSON result, kept at `path` so that a resumed point does not measure it again."""
+    if path.is_file():
+        return json.loads(path.read_text())
+    value = compute()
+    write_text_atomic(path, json.dumps(value))
+    return value
+
+
+def phase_seconds(step: dict) -> dict:
+    """A trainer step's seconds per phase (capture, sampling, the transaction's own)."""
+    return {name: round(phase["seconds"], 4) for name, phase in step.get("transaction", {}).get("phases", {}).items()}
 
 
 def probe_lengths(cfg: PointConfig, device, progress: Progress) -> dict:
