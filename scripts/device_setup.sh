@@ -101,7 +101,7 @@ device_points() {
         status=$?
         echo "device_points: $point exit $status in $((SECONDS - began)) s" >&2
         [ "$status" -ne 0 ] && grep -v "^\s*$" "$folder/${experiment}__${point}.log" | tail -12 >&2
-        tar czf "$archive.tmp" -C "$folder" . && mv "$archive.tmp" "$archive"
+        tar czf "$archive.tmp" --exclude="*.work" -C "$folder" . && mv "$archive.tmp" "$archive"  # not the work folders: checkpoints
     done
 }
 
