@@ -79,6 +79,7 @@ def test_a_learning_point_cut_off_goes_on_from_its_work_folder(checkpoint, tmp_p
     again = run_point(point, work_dir=work)
     assert again["status"] == "ok", again.get("error")
     assert calls[:4] == [0, 1, 2, 3] and calls[4:] == [2, 3, 4] + [0, 1, 2, 3, 4]  # from step 2's checkpoint
+    assert again["metrics"]["resumed_at"] == {"response-only": 2, "lr0": 0}
     keys = ("step", "prompt", "rewards", "loss", "grad_norm")
     for name, steps in whole.items():
         resumed = again["metrics"]["runs"][name]

@@ -59,10 +59,10 @@ RESUME_EVERY = 5  # a run's checkpoint interval in a work folder (steps): what a
 
 
 def run(cfg: PointConfig, device, progress: Progress) -> dict:
-    from longstraw.training.trainer import Trainer
+    from longstraw.training.trainer import Trainer, checkpointed_steps
 
     keep = ("step", "prompt", "reward_mean", "rewards", "loss", "grad_norm", "response_tokens", "seconds")
-    runs, length = {}, cfg.prompt.length
+    runs, resumed_at, length = {}, {}, cfg.prompt.length
     with work_folder(cfg, progress.work_dir) as (work, resumable):
         probe = None
         if cfg.learning.probe is not None:
@@ -74,14 +74,17 @@ def run(cfg: PointConfig, device, progress: Progress) -> dict:
             mapping = trainer_mapping(cfg, lr, gradient, work / name, length)
             mapping["output"]["checkpoint_every"] = RESUME_EVERY if resumable else 0
             trainer = Trainer(mapping, source=f"{cfg.name} [{name}]")
+            resumed_at[name] = (checkpointed_steps(work / name) or [0])[0] if resumable else 0
             runs[name] = [{**{k: step.get(k) for k in keep}, "phase_seconds": phase_seconds(step)}
                           for step in trainer.run(resume=resumable)]
             progress.line(f"learning {name} (lr {lr:g}): reward per step "
                           + " ".join(f"{s['reward_mean']:.2f}" for s in runs[name]))
             progress.partial({"runs": runs})
             del trainer
+    # resumed_at: the step each run went on from in this process (0: it ran whole here); the result's
+    # wall_seconds are this process's, the steps' own seconds cover every command's
     return {"runs": runs, "gains": gains(runs, cfg.learning.steps - cfg.learning.window),
-            "prompt_positions": length, **({"probe": probe} if probe else {})}
+            "prompt_positions": length, "resumed_at": resumed_at, **({"probe": probe} if probe else {})}
 
 
 @contextmanager
@@ -152,7 +155,7 @@ def gains(runs: dict, first_step: int) -> dict:
 
 SHOWN = ["model", "prompt_length", "probe", "trained_length", "lr", "steps", "window", "G", "response-only_gain",
          "response-only_gain_se", "response-only_reached", "exact_gain", "exact_gain_se", "exact_reached", "lr0_mean",
-         "wall_seconds"]
+         "train_seconds", "wall_seconds"]
 EXTRA_TABLES = {"steps": ExtraTable("Reward per step, per run", ["point", "run", "step", "prompt", "reward_mean",
                                                                   "grad_norm", "seconds"],
                                     "Every run visits the same prompts with the same sampling seeds; lr0 is the "
@@ -177,6 +180,9 @@ def columns(point: dict) -> dict:
         out.update({f"{name}_gain": number(gain.get("gain")), f"{name}_gain_se": number(gain.get("standard_error")),
                     f"{name}_reached": gain.get("reached"), f"{name}_mean": number(gain.get("trained_mean")),
                     "lr0_mean": number(gain.get("untrained_mean"))})
+    # every run's steps, over all the commands a resumed point took (wall_seconds: the last command's)
+    seconds = [number(s.get("seconds")) for run in as_dict(metrics.get("runs")).values() for s in run]
+    out["train_seconds"] = sum(v for v in seconds if v is not None) if seconds else None
     return out
 
 
