@@ -1,4 +1,4 @@
-"""Print issue 4's H200 targets, measured figure beside goal, from recorded (or fresh) results.
+"""Print the H200 targets (issues 4, 20 and 32), measured figure beside goal, from recorded (or fresh) results.
 
     python benchmarks/h200_targets.py                          # experiments/recorded/h200
     python benchmarks/h200_targets.py --results results/h200   # a fresh h200 pipeline run

@@ -11,6 +11,7 @@ import json
 import math
 import os
 import re
+import statistics
 import subprocess
 import sys
 from html import unescape as html_unescape
@@ -189,6 +190,9 @@ STEP_EXPECTED = {
     "capture_seconds": lambda r: r["metrics"]["phase_summary"]["capture"]["seconds"],
     "cycle_seconds_mean": lambda r: sum(sum(p["seconds"] for p in c["phases"].values()) for c in _cycles(r))
     / len(_cycles(r)),
+    "cold_step_seconds": lambda r: sum(p["seconds"] for p in _cycles(r)[0]["phases"].values()),
+    "warm_step_seconds": lambda r: statistics.median(sum(p["seconds"] for p in c["phases"].values())
+                                                     for c in _cycles(r)[1:]),
     "loss_last": lambda r: _cycles(r)[-1]["loss"],
     "reward_mean": lambda r: sum(c["reward_mean"] for c in _cycles(r)) / len(_cycles(r)),
     "cp_size": lambda r: r["config"]["cp_size"],
@@ -1531,3 +1535,20 @@ def test_a_planned_point_without_a_result_is_listed_in_its_section(tmp_path):
     record("naive")  # every planned point recorded: no such note
     page = build_report(tmp_path / "results", tmp_path / "report2", "cpu", experiments_dir=experiments)
     assert 'id="unrecorded-gaps"' not in page.read_text()
+
+
+def test_a_step_point_of_several_cycles_shows_its_cold_and_its_warm_step():
+    # cold: the first cycle's phases (3.0 s: the capture and the first plans in it); warm: the median of the rest
+    from longstraw.kinds.step import columns
+
+    def cycle(*seconds):
+        return {"phases": {name: {"seconds": s} for name, s in zip(("capture", "replay"), seconds)},
+                "response_tokens": [4, 4], "loss": 0.0, "grad_norm": 0.0}
+
+    point = {"status": "ok", "config": {"mode": "replay", "cycles": 4, "responses": {"count": 2, "length": 4}},
+             "metrics": {"cycles": [cycle(2.0, 1.0), cycle(1.1), cycle(0.9), cycle(1.4)]}}
+    row = columns(point)
+    assert row["cold_step_seconds"] == pytest.approx(3.0)
+    assert row["warm_step_seconds"] == pytest.approx(1.1)
+    one = columns({**point, "metrics": {"cycles": [cycle(2.0, 1.0)]}})
+    assert one["cold_step_seconds"] == pytest.approx(3.0) and one["warm_step_seconds"] is None

@@ -226,6 +226,29 @@ def test_bad_rollout_points_are_refused_before_any_work(change, message):
         resolve(raw, "p.yaml")
 
 
+def test_a_recapturing_step_point_captures_every_cycle_and_reuses_no_state():
+    """`recapture`: each cycle captures the prompt anew with the weights it has then (state age 0, a capture
+    phase per cycle), where the default serves every cycle from the first capture (ages 0, 1, 2)."""
+    from longstraw.harness.runner import run_point
+
+    reused = run_point(_cycles_point("seeded"))
+    fresh = run_point({**_cycles_point("seeded"), "recapture": True})
+    assert reused["status"] == fresh["status"] == "ok", reused.get("error") or fresh.get("error")
+    assert reused["metrics"]["phase_summary"]["capture"]["count"] == 1
+    assert fresh["metrics"]["phase_summary"]["capture"]["count"] == 3
+    assert [c["state_age"] for c in reused["metrics"]["cycles"]] == [0, 1, 2]
+    assert [c["state_age"] for c in fresh["metrics"]["cycles"]] == [0, 0, 0]
+
+
+@pytest.mark.parametrize("change", [{"mode": "naive"}, {"kind": "capacity"},
+                                    {"responses": {"source": "rollouts", "task": {"name": "kv_retrieval"}}}])
+def test_recapture_is_refused_where_a_point_has_no_capture_of_its_own_to_repeat(change):
+    from longstraw.harness.plan import resolve
+
+    with pytest.raises(ValueError, match="recapture: captures a seeded step point's prompt every cycle"):
+        resolve({"name": "p", "kind": "step", "recapture": True, **change}, "p.yaml")
+
+
 def test_a_step_point_replays_under_checkpointing_when_its_config_says_so():
     """`replay.checkpoint_layers` reaches the replays: the same loss and gradient norm as the plain step (the
     same responses and rewards), a smaller kept graph."""

@@ -101,3 +101,27 @@ def test_27b_one_command_target_needs_both_steps_within_the_command_limit(tmp_pa
                                      ("ok", 640.0, [_step("replay", 2, 1), _step("replay", 8, 1)], False)]:
         _write(tmp_path, relative, {"status": status, "wall_seconds": wall, "metrics": {"steps": steps}})
         assert _verdicts(tmp_path)[target] is met
+
+
+def _warm(mode, seconds, peak):
+    return {"status": "ok", "kind": "step", "config": {"mode": mode},
+            "metrics": {"peak_allocated_bytes": peak,
+                        "cycles": [{"phases": {"forward_backward": {"seconds": s}}} for s in seconds]}}
+
+
+def test_replay_against_prefix_grouper_reads_cold_and_warm_steps_and_peaks(tmp_path):
+    # 8,192: replay warm 1.0 (median of 1.2, 1.0, 0.9) over PrefixGrouper's 2.0 = 0.5x, met; cold 3.0 over 2.5,
+    # missed; peak 4 GB over 5 GB, met. 32,768: PrefixGrouper's point has one cycle, so no verdict there
+    point = "peers/warm-dense-1b_mode-{}_length-{}_count-8.json"
+    _write(tmp_path, point.format("replay", 8192), _warm("replay", [3.0, 1.2, 1.0, 0.9], 4 * 10**9))
+    _write(tmp_path, point.format("prefix_grouper", 8192), _warm("prefix_grouper", [2.5, 2.0, 2.0], 5 * 10**9))
+    _write(tmp_path, point.format("replay", 32768), _warm("replay", [3.0, 1.0], 4 * 10**9))
+    _write(tmp_path, point.format("prefix_grouper", 32768), _warm("prefix_grouper", [2.5], 5 * 10**9))
+    rows = {row["target"]: row for row in evaluate_targets(tmp_path)}
+    at = "dense-1b, G=8, {:,} positions"
+    assert rows[f"replay over PrefixGrouper, warm step, {at.format(8192)}"]["met"] is True
+    assert rows[f"replay over PrefixGrouper, warm step, {at.format(8192)}"]["measured"].startswith("0.50x")
+    assert rows[f"replay over PrefixGrouper, cold step, {at.format(8192)}"]["met"] is False
+    assert rows[f"replay over PrefixGrouper, peak memory, {at.format(8192)}"]["met"] is True
+    for what in ("warm step", "cold step", "peak memory"):
+        assert rows[f"replay over PrefixGrouper, {what}, {at.format(32768)}"]["met"] is None

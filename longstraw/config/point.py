@@ -204,6 +204,9 @@ class PointConfig:
     responses: ResponsesConfig = field(default_factory=ResponsesConfig)
     mode: Mode = "replay"
     cycles: int = bounded(1, min=1)
+    # kind step, replay/hold_all: capture the prompt anew every cycle (warm steps as a peer runs them: the prompt
+    # each step), instead of one capture serving every cycle (prefix reuse)
+    recapture: bool = False
     # num_generations is the group size, responses.count (a sweep sets it per step)
     grpo: GRPOConfig = field(default_factory=lambda: GRPOConfig(beta=0.04))
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)

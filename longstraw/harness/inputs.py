@@ -176,6 +176,10 @@ def check_settings(cfg: PointConfig, source: str) -> None:
     """Settings the kinds refuse only once the model is built, refused from the config alone."""
     r = cfg.responses
     cpu = not cfg.model.device.startswith("cuda")
+    if cfg.recapture and not (cfg.kind == "step" and cfg.mode in ("replay", "hold_all") and r.source == "seeded"):
+        raise ConfigError(f"{source}: recapture: captures a seeded step point's prompt every cycle (kind step, mode "
+                          f"replay or hold_all); kind {cfg.kind!r}, mode {cfg.mode!r}, responses.source "
+                          f"{r.source!r} has no capture of its own to repeat")
     if cfg.kind == "capacity" and cpu and cfg.capacity.ceiling_bytes is None:
         raise ConfigError(f"{source}: capacity.ceiling_bytes: a capacity search on CPU needs an emulated memory "
                           "ceiling (bytes of peak RSS above the weights)")

@@ -1,17 +1,20 @@
 """Kind `step`: G seeded random responses with seeded rewards (a memory/time measurement needs
 shapes, not meaning), `cycles` GRPO steps in the chosen mode; with `replay`/`hold_all` one capture
-serves every cycle. With `responses.source: rollouts` the cycles are the GRPO trainer's steps on one
+serves every cycle, or each cycle captures anew (`recapture`: a cold first step and warm ones, each
+doing what a peer's step does). With `responses.source: rollouts` the cycles are the GRPO trainer's steps on one
 capture instead (`longstraw.training.trainer`): G responses sampled from the resident state, the task's
 rewards, serial replay, the optimizer step; its phases add `sampling` (and `ref_capture`, the
 reference policy's own capture of the prompt, when beta > 0) and its old log-probs come from sampling.
 
 Report: one row per point (mode, G, the peak and its measure, graph and resident bytes, time per
-replayed member, the loss; per-phase peaks and seconds are in the CSV and the figures); figures:
+replayed member, the first step's seconds (cold: cuDNN plans and Triton autotuning inside it) and the
+median of the others (warm), the loss; per-phase peaks and seconds are in the CSV and the figures); figures:
 per-phase peak memory against the ceiling, peak memory against G per mode (when G varies), time per
 member, seconds per phase."""
 
 from __future__ import annotations
 
+import statistics
 import textwrap
 
 from typing import TYPE_CHECKING
@@ -43,7 +46,7 @@ def run(cfg: PointConfig, device, progress: Progress) -> dict:
     state, cycles = None, []
     for _ in range(cfg.cycles):
         step = grpo_step(model, prompt, responses, rewards, optimizer, cfg.grpo, options, state=state)
-        state = step.state
+        state = None if cfg.recapture else step.state
         cycles.append(step.metrics)
     return {"weights": recorder.phases["weights"], "trainable_parameters": trainable_parameters(model),
             "cycles": cycles, **summary(cycles)}
@@ -120,7 +123,8 @@ STEP_PHASES = ("capture", "ref_capture", "sampling", "old_scoring", "ref_scoring
 # Per-phase peaks are in the memory figure; context-parallel and rollout columns show where present.
 SHOWN = ["model", "prompt_length", "mode", "source", "G", "response_length", "peak_memory_bytes",
          "peak_memory_measure", "graph_bytes_peak", "resident_bytes", "predicted_resident_bytes", "cp_size",
-         "rank_peak_bytes_max", "seconds_per_member", "cycle_seconds_mean", "loss_last", "reward_mean"]
+         "rank_peak_bytes_max", "seconds_per_member", "cold_step_seconds", "warm_step_seconds", "loss_last",
+         "reward_mean"]
 CAPTIONS = {
     "memory_vs_ceiling": "Per-phase peak memory of each point against the memory ceiling (top; the title says "
                          "which ceiling and why), and the autograd graph peak beside the resident state, measured "
@@ -178,6 +182,9 @@ def columns(point: dict) -> dict:
         per_cycle = [sum(number(as_dict(r).get("seconds")) or 0.0 for r in as_dict(c.get("phases")).values())
                      for c in cycles]
         cols["cycle_seconds_mean"] = sum(per_cycle) / len(per_cycle)
+        # cold: the process's first step (cuDNN plans, Triton autotuning inside it); warm: the median of the rest
+        cols["cold_step_seconds"] = per_cycle[0]
+        cols["warm_step_seconds"] = statistics.median(per_cycle[1:]) if len(per_cycle) > 1 else None
     cols["trainable_parameters"] = metrics.get("trainable_parameters")
     for name in list(STEP_PHASES) + sorted(set(summary) - set(STEP_PHASES)):
         cols.update(phase_columns(name, as_dict(summary.get(name))))

@@ -6,7 +6,8 @@ modes on the models a peer ran on, from every experiment's tables.
   for every system (a step that ran out: the peak it reached then); on CPU the process peak RSS minus the
   RSS after the weights and a peer's setup (its imports and trainer), the capacity search's measure, so a
   peer's import footprint is not read as step memory (`peak_memory_bytes` keeps the whole process peak).
-  Time: the step's phase seconds (`cycle_seconds_mean`).
+  Time: the step's phase seconds, the first step of the process (`cold_step_seconds`: cuDNN plans and Triton
+  autotuning inside it) and, for a point of several cycles, the median of the others (`warm_step_seconds`).
 - Capacity rows (`capacity_rows`): each capacity search's largest fitting prompt, grouped with the searches of
   other systems under the same ceiling, model, G and response length.
 - Sentences (`sentences`): per peer, what it does differently (`peers.DIFFERENCES`), then what was measured
@@ -38,8 +39,8 @@ CAPTIONS = {
                   "length at the largest G (left) and against G at the longest prompt (right).",
 }
 STEP_COLUMNS = ["model", "system", "prompt_length", "G", "response_length", "status", "step_bytes",
-                "peak_memory_bytes", "setup_rss_bytes", "step_seconds", "memory_over_replay_ratio",
-                "time_over_replay_ratio", "experiment", "point"]
+                "peak_memory_bytes", "setup_rss_bytes", "step_seconds", "warm_step_seconds", "memory_over_replay_ratio",
+                "time_over_replay_ratio", "warm_time_over_replay_ratio", "experiment", "point"]
 CAPACITY_COLUMNS = ["model", "system", "G", "response_length", "ceiling_bytes", "memory_measure", "largest_fitting",
                     "smallest_oom", "search_stopped_on_time_limit", "experiment", "point"]
 
@@ -80,7 +81,8 @@ def step_rows(tables: Tables) -> list[dict]:
                     "response_length": number(row.get("response_length")), "cuda": cuda,
                     "peak_memory_bytes": peak, "setup_rss_bytes": None if cuda else setup,
                     "step_bytes": peak if cuda else (peak - setup if peak is not None and setup is not None else None),
-                    "step_seconds": number(row.get("cycle_seconds_mean"))})
+                    "step_seconds": number(row.get("cold_step_seconds")),
+                    "warm_step_seconds": number(row.get("warm_step_seconds"))})
     _add_ratios(out)
     return out
 
@@ -97,6 +99,8 @@ def _add_ratios(rows: list[dict]) -> None:
         ok = row["status"] == "ok" and base is not None
         row["memory_over_replay_ratio"] = _ratio(row["step_bytes"], base["step_bytes"]) if ok else None
         row["time_over_replay_ratio"] = _ratio(row["step_seconds"], base["step_seconds"]) if ok else None
+        row["warm_time_over_replay_ratio"] = (_ratio(row.get("warm_step_seconds"), base.get("warm_step_seconds"))
+                                              if ok else None)
 
 
 def _ratio(a, b):

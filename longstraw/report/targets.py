@@ -1,4 +1,4 @@
-"""Issue 4's H200 targets, evaluated from result JSONs (recorded or freshly run).
+"""The H200 targets (issues 4, 20 and 32), evaluated from result JSONs (recorded or freshly run).
 
     python benchmarks/h200_targets.py                       # experiments/recorded/h200
     python benchmarks/h200_targets.py --results results/h200
@@ -15,6 +15,8 @@ so (`met` is None) instead of guessing. Inputs (layout `<results>/<experiment>/<
   and its single step points;
 - baselines/mode-naive.json (capacity with comparison steps): the step times of the three modes
   at the longest length where naive's full G=8 step was timed;
+- peers/warm-dense-1b_mode-{replay,prefix_grouper}_length-{8192,32768}_count-8.json (issue 32): replay's
+  warm and cold step and peak over PrefixGrouper's;
 - architectures/qwen3.6-27b-shape-nf4-1048576.json and -65536-replay-checkpointed.json (issue 20): the
   27B shape's capture against its FLOP floor at that run's rates (a run cut off later, status partial,
   still measured its capture), whether capture and a G=2 and a G=8 step ran in one command, and its
@@ -24,6 +26,7 @@ so (`met` is None) instead of guessing. Inputs (layout `<results>/<experiment>/<
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 SWEEP = "g_sweep/sweep.json"
@@ -248,8 +251,46 @@ def replay_transient_27b(root: Path) -> dict:
                 worst <= REPLAY_TRANSIENT_27B_LIMIT, REPLAY_27B)
 
 
+WARM_POINT = "peers/warm-dense-1b_mode-{mode}_length-{length}_count-8.json"
+WARM_LENGTHS = (8192, 32768)
+WARM_RATIO_LIMIT = 0.67  # issue 32: replay's warm step at most 0.67x PrefixGrouper's (1.5x faster)
+
+
+def _cycle_seconds(result: dict) -> list[float]:
+    return [_step_seconds(c["phases"]) for c in result["metrics"]["cycles"]]
+
+
+def replay_against_prefix_grouper(root: Path) -> list[dict]:
+    """Issue 32, dense-1b, G=8, responses of 2,048: at each length, replay's warm step (the median of its
+    cycles after the first, each from a fresh capture) over PrefixGrouper's, their cold (first) steps, and
+    their peaks (one process per system: the two figures of a ratio come from two files)."""
+    rows = []
+    for length in WARM_LENGTHS:
+        files = {mode: WARM_POINT.format(mode=mode, length=length) for mode in ("replay", "prefix_grouper")}
+        results = {mode: _load(root, path) for mode, path in files.items()}
+        evidence = ", ".join(files.values())
+        # (what, goal, figure of a result, the ratio's limit, whether the limit itself misses)
+        checks = [("warm step", f"<= {WARM_RATIO_LIMIT}x", lambda r: statistics.median(_cycle_seconds(r)[1:]),
+                   WARM_RATIO_LIMIT, False),
+                  ("cold step", "< 1x", lambda r: _cycle_seconds(r)[0], 1.0, True),
+                  ("peak memory", "<= 1x", lambda r: r["metrics"]["peak_allocated_bytes"], 1.0, False)]
+        complete = all(r is not None and len(r["metrics"].get("cycles", [])) >= 2 for r in results.values())
+        for what, goal, figure, limit, strict in checks:
+            target = f"replay over PrefixGrouper, {what}, dense-1b, G=8, {length:,} positions"
+            if not complete:
+                rows.append(_missing(target, goal, f"ok {evidence}, at least 2 cycles each"))
+                continue
+            ours, theirs = figure(results["replay"]), figure(results["prefix_grouper"])
+            ratio = ours / theirs
+            shown = f"{_gb(ours)} / {_gb(theirs)}" if what == "peak memory" else f"{ours:.3f} s / {theirs:.3f} s"
+            rows.append(_row(target, goal, f"{ratio:.2f}x ({shown})", ratio < limit if strict else ratio <= limit,
+                             evidence))
+    return rows
+
+
 def evaluate_targets(results_dir) -> list[dict]:
     root = Path(results_dir)
     root = root / "points" if (root / "points").is_dir() else root
     return [peak_growth(root), capture_attention_rate(root), *capture_transients(root), *baselines(root),
-            replay_floor(root), capture_floor_27b(root), one_command_27b(root), replay_transient_27b(root)]
+            replay_floor(root), capture_floor_27b(root), one_command_27b(root), replay_transient_27b(root),
+            *replay_against_prefix_grouper(root)]
