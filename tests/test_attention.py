@@ -38,7 +38,8 @@ def dense_reference(q, k_prefix, v_prefix, k_live, v_live, scale):
     return torch.stack(heads, dim=1)
 
 
-def make_inputs(B, H, Hk, R, P, D, dtype=torch.float64, prefix_grad=False, seed=0, capacity_extra=5):
+def make_inputs(B, H, Hk, R, P, D, dtype=torch.float64, prefix_grad=False, seed=0, capacity_extra=5, shared=False):
+    """`shared`: one prompt's pages (batch 1) for the B sequences, as a batch of replayed members reads them."""
     g = torch.Generator().manual_seed(seed)
 
     def rnd(*shape):
@@ -46,7 +47,8 @@ def make_inputs(B, H, Hk, R, P, D, dtype=torch.float64, prefix_grad=False, seed=
 
     q = rnd(B, H, R, D).requires_grad_()
     # prefix as strided views of a larger preallocated page buffer
-    k_pages, v_pages = rnd(B, Hk, P + capacity_extra, D), rnd(B, Hk, P + capacity_extra, D)
+    pages = 1 if shared else B
+    k_pages, v_pages = rnd(pages, Hk, P + capacity_extra, D), rnd(pages, Hk, P + capacity_extra, D)
     if prefix_grad:
         k_pages.requires_grad_()
         v_pages.requires_grad_()
@@ -90,6 +92,24 @@ def test_forward_backward_matches_float64_reference(B, H, Hk, R, P, D, block_siz
         torch.testing.assert_close(a, b, rtol=TOL64, atol=TOL64, msg=lambda m, n=name: f"grad {n}: {m}")
     if prefix_grad and P:
         assert got[3][:, :, P:].abs().max() == 0  # positions past the prefix view get nothing
+
+
+@pytest.mark.parametrize("B,H,Hk,R,P,D,block_size", [(3, 4, 2, 5, 13, 8, 4), (2, 6, 2, 1, 9, 16, 4),
+                                                     (4, 2, 2, 3, 0, 8, 4)])
+@pytest.mark.parametrize("prefix_grad", [False, True])
+def test_sequences_sharing_one_prefix_match_the_reference_per_sequence(B, H, Hk, R, P, D, block_size, prefix_grad):
+    # B sequences over one prompt's pages (batch 1): each as if it had the prefix to itself; the pages'
+    # gradient is the sum of the sequences' (the reference reads them through an expand)
+    q, kp, vp, kl, vl, (k_pages, v_pages) = make_inputs(B, H, Hk, R, P, D, prefix_grad=prefix_grad, shared=True)
+    scale = D**-0.5
+    out = paged_attention(q, kp, vp, kl, vl, scale=scale, block_size=block_size, backend="math")
+    ref = dense_reference(q, kp.expand(B, -1, -1, -1), vp.expand(B, -1, -1, -1), kl, vl, scale)
+    torch.testing.assert_close(out, ref, rtol=TOL64, atol=TOL64)
+    dout = torch.randn_like(ref)
+    leaves = [q, kl, vl] + ([k_pages, v_pages] if prefix_grad else [])
+    for name, a, b in zip(["q", "k_live", "v_live", "k_pages", "v_pages"], grads_of(out, leaves, dout),
+                          grads_of(ref, leaves, dout)):
+        torch.testing.assert_close(a, b, rtol=TOL64, atol=TOL64, msg=lambda m, n=name: f"grad {n}: {m}")
 
 
 def test_reference_attention_matches_independent_reference():
@@ -296,16 +316,19 @@ def test_cuda_path_plumbing_with_emulated_kernel_on_cpu(monkeypatch):
     for name in ("_flash_block_bwd", "_cudnn_block_bwd"):
         monkeypatch.setattr(attention, name, bwd)
     monkeypatch.setattr(attention, "CUDNN_MIN_ROWS", 5)
-    cases = [(1, 8, 2, 6, 0, 8, 4), (2, 6, 2, 5, 23, 8, 7), (1, 4, 1, 1, 9, 8, 4)]
-    for (B, H, Hk, R, P, D, bs), kernel in itertools.product(cases, ["flash", "cudnn_blocks"]):
-        q, kp, vp, kl, vl, (k_pages, v_pages) = make_inputs(B, H, Hk, R, P, D, dtype=torch.bfloat16, prefix_grad=True)
+    cases = [(1, 8, 2, 6, 0, 8, 4, False), (2, 6, 2, 5, 23, 8, 7, False), (1, 4, 1, 1, 9, 8, 4, False),
+             (3, 6, 2, 5, 23, 8, 7, True)]  # last: three sequences over one prompt's pages, folded
+    for (B, H, Hk, R, P, D, bs, shared), kernel in itertools.product(cases, ["flash", "cudnn_blocks"]):
+        q, kp, vp, kl, vl, (k_pages, v_pages) = make_inputs(B, H, Hk, R, P, D, dtype=torch.bfloat16, prefix_grad=True,
+                                                            shared=shared)
         out = attention._PagedAttention.apply(q, kp, vp, kl, vl, 0.3, bs, kernel, None)
         leaves = [q, kl, vl, k_pages, v_pages]
         dout = torch.randn(out.shape, dtype=torch.float64)
         got = grads_of(out, leaves, dout.to(out.dtype))
         leaves64 = [t.detach().double().requires_grad_() for t in leaves]
         q64, kl64, vl64, kpg64, vpg64 = leaves64
-        ref = dense_reference(q64, kpg64[:, :, :P], vpg64[:, :, :P], kl64, vl64, 0.3)
+        ref = dense_reference(q64, kpg64[:, :, :P].expand(B, -1, -1, -1), vpg64[:, :, :P].expand(B, -1, -1, -1),
+                              kl64, vl64, 0.3)
         # each block's partial output (and gradient) leaves the stand-in kernel in bf16: the output merges them
         # by convex weights (one rounding, then the result's); a query's gradient adds one rounded partial per
         # block, then rounds the sum

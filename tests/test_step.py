@@ -52,6 +52,80 @@ def test_serial_replay_gradient_equals_hold_all(preset, loss_type):
 
 
 @pytest.mark.numerics
+@pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-qwen3_next"])
+@pytest.mark.parametrize("batching", [{"micro_batch": 2}, {"micro_batch": 3}, {"micro_batch": 4},
+                                      {"micro_batch": "auto", "member_budget_bytes": 1 << 40},
+                                      {"micro_batch": 2, "prefix_grad": True}],
+                         ids=["k2", "k3", "k4", "auto-all", "k2-exact"])
+def test_members_replayed_in_batches_give_the_serial_gradient(preset, batching):
+    # float64 (float64_reference): the same gradient summed in another order. Responses of 3, 7, 1 and 5 tokens,
+    # so every batch pads; k=3 leaves a batch of one; "auto" with room for all replays the first member alone,
+    # then the other three together. A GDN layer keeps its decay in float32 by design: a batched projection's
+    # float64 value (summed in another order) may round to another float32 there, which the residue bound covers
+    gdn = preset == "tiny-qwen3_next"
+    tolerance = float64_residue_tolerance(gdn=True) if gdn else TOL64
+    model = float64_model(preset, seed=3)
+    prompt, responses, rewards = _group()
+    config = grpo.GRPOConfig(num_generations=4, beta=0.1, loss_type="dapo")
+    exact = batching.get("prefix_grad", False)
+    runs = {}
+    with hf_float64(model), float64_gdn_states():
+        for name, options in (("serial", {"prefix_grad": exact}), ("batched", batching)):
+            recorder = GradientRecorder(model)
+            runs[name] = (_step(model, prompt, responses, rewards, recorder, config, capture_kwargs={"chunk_size": 8},
+                                **options), recorder.grads)
+    serial, batched = runs["serial"][0], runs["batched"][0]
+    assert serial["micro_batch"] == 1
+    assert batched["micro_batch"] == (3 if batching["micro_batch"] == "auto" else batching["micro_batch"])
+    assert batched["phases"]["replay"].get("count", 1) == {2: 2, 3: 2, 4: 1, "auto": 2}[batching["micro_batch"]]
+    within(max_relative_error(runs["batched"][1], runs["serial"][1]), tolerance, "max relative gradient error")
+    within(abs(batched["loss"] - serial["loss"]), tolerance * max(abs(serial["loss"]), 1.0), "loss")
+    assert batched["state_unchanged"]
+    if batching["micro_batch"] != "auto":  # k members' graphs at once
+        assert batched["graph_bytes_peak"] > serial["graph_bytes_peak"]
+
+
+@pytest.mark.parametrize("options, message", [({"micro_batch": 0}, "micro_batch must be a positive integer"),
+                                              ({"micro_batch": "all"}, "micro_batch must be a positive integer"),
+                                              ({"micro_batch": 2, "mode": "hold_all"}, "mode 'replay' only")])
+def test_bad_micro_batches_are_refused(options, message):
+    with pytest.raises(ValueError, match=message):
+        StepOptions(**options)
+
+
+@pytest.mark.parametrize("change", [{"mode": "hold_all"}, {"cp_size": 2}])
+def test_a_point_refuses_batched_members_where_it_replays_none(change):
+    from longstraw.harness.plan import resolve
+
+    with pytest.raises(ValueError, match="replay.micro_batch: batches of replayed members"):
+        resolve({"name": "p", "kind": "step", "replay": {"micro_batch": 2}, **change}, "p.yaml")
+
+
+def test_a_step_point_replays_its_members_in_the_batches_its_config_sets():
+    # the config reaches the step (its gradient is test_members_replayed_in_batches_give_the_serial_gradient's)
+    from longstraw.harness.runner import run_point
+
+    point = {**_cycles_point("seeded"), "cycles": 1, "grpo": {"beta": 0.0}}
+    serial = run_point(point)["metrics"]["cycles"][0]
+    batched = run_point({**point, "replay": {"micro_batch": "auto"}})["metrics"]["cycles"][0]
+    assert serial["micro_batch"] == 1 and batched["micro_batch"] == 1  # auto off CUDA without a budget: 1
+    paired = run_point({**point, "replay": {"micro_batch": 3}})["metrics"]["cycles"][0]
+    assert paired["micro_batch"] == 3 and paired["phases"]["replay"].get("count", 1) == 1  # G=3: one batch
+
+
+def test_a_batch_of_members_is_refused_on_entries_that_cannot_share(monkeypatch):
+    from longstraw.state import AttentionPages
+
+    model = build_model("tiny-llama", seed=0)
+    prompt, responses, rewards = _group()
+    state = capture(model, prompt)
+    monkeypatch.delattr(AttentionPages, "for_members")
+    with pytest.raises(ValueError, match="AttentionPages entries cannot be read by several sequences at once"):
+        _step(model, prompt, responses, rewards, GradientRecorder(model), grpo.GRPOConfig(num_generations=4),
+              state=state, micro_batch=2)
+
+
+@pytest.mark.numerics
 @pytest.mark.parametrize("options", [{"mode": "naive"}, {"mode": "replay", "prefix_grad": True},
                                      {"mode": "replay", "prefix_grad": True, "old_policy": "score"}],
                          ids=["naive", "exact-replay", "exact-replay-scored"])

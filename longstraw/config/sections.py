@@ -67,6 +67,9 @@ class ReplayConfig:
 
     # whole-layer activation checkpointing: each layer keeps its input and recomputes in the backward
     checkpoint_layers: bool = False
+    # members replayed together, one graph and one backward per batch of k (mode replay); "auto": the first
+    # member alone, then as many as its graph bytes fit half the device's free memory (`StepOptions`)
+    micro_batch: int | Literal["auto"] = bounded(1, min=1)
 
 
 @dataclass

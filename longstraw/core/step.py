@@ -30,7 +30,8 @@ import torch
 from longstraw.core import grpo
 from longstraw.core.hf_reference import hf_torch_gdn_kernels
 from longstraw.core.exact import clear_page_gradients
-from longstraw.core.transaction import capture, check_deterministic, check_state, replay, reuse_state, score
+from longstraw.core.transaction import (capture, check_deterministic, check_state, members_view, replay,
+                                        replay_members, reuse_state, score)
 from longstraw.families import adapter_for
 from longstraw.kernels.logprobs import token_logprobs
 from longstraw.measure.memory import GraphBytesMeter, PhaseRecorder
@@ -51,7 +52,10 @@ class StepOptions:
     checkpointing (`replay`; replay and hold_all; naive checkpoints HF's layers anyway). `old_policy`: where
     the old-policy log-probs come from when the caller gives none: `current` takes the gradient pass's own,
     detached (see the module doc); `score` scores them in a graph-free pass first, which measures the
-    training/inference mismatch (`logp_mismatch`)."""
+    training/inference mismatch (`logp_mismatch`). `micro_batch` (mode replay): members replayed together, one
+    graph and one backward per batch of k (`replay_members`); "auto" replays the first member alone, then
+    takes k as its graph bytes fit `member_budget_bytes` (default: half the device's free memory then; off
+    CUDA without a budget, 1). k=1 is the serial path; the group's peak grows with k, not with G."""
 
     mode: str = "replay"
     prefix_grad: bool = False
@@ -60,12 +64,21 @@ class StepOptions:
     members: int | None = None
     checkpoint_layers: bool = False
     old_policy: str = "current"
+    micro_batch: int | str = 1
+    member_budget_bytes: int | None = None
 
     def __post_init__(self):
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.old_policy not in OLD_POLICIES:
             raise ValueError(f"old_policy must be one of {OLD_POLICIES}, got {self.old_policy!r}")
+        k = self.micro_batch
+        if k != "auto" and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+            raise ValueError(f"micro_batch must be a positive integer or 'auto', got {k!r}")
+        if k != 1 and self.mode != "replay":
+            raise ValueError(f"micro_batch={k!r} batches replayed members: mode 'replay' only, not {self.mode!r}")
+        if k != 1 and self.capture.get("cp") is not None:
+            raise ValueError("micro_batch > 1 is not implemented for a context-parallel state")
         if self.prefix_grad and self.mode == "naive":
             raise ValueError("prefix_grad needs a captured state; mode 'naive' already back-propagates through the "
                              "prompt")
@@ -156,6 +169,8 @@ def grpo_step(model, prompt_ids, responses, rewards, optimizer, config: grpo.GRP
                          f"and needs 1 <= members <= G={len(responses)}; hold_all's peak depends on all G graphs")
     if (state is not None or ref_state is not None) and mode == "naive":
         raise ValueError("mode 'naive' recomputes the prompt per response and takes no captured state")
+    if options.micro_batch != 1 and state is not None:
+        check_members(state)
     if options.prefix_grad and state is not None and state.prefix_trace is None:
         raise ValueError("prefix_grad=True needs a state captured with capture(..., prefix_grad=True)")
     adapter = adapter_for(model)
@@ -176,6 +191,8 @@ def grpo_step(model, prompt_ids, responses, rewards, optimizer, config: grpo.GRP
             if state is None:
                 with recorder.phase("capture"):
                     state = capture(model, prompt_ids, prefix_grad=options.prefix_grad, **options.capture)
+                if options.micro_batch != 1:
+                    check_members(state)
             fingerprint = state.fingerprint()
 
             def scorer(y, scored_state=None):
@@ -193,8 +210,8 @@ def grpo_step(model, prompt_ids, responses, rewards, optimizer, config: grpo.GRP
             if config.beta > 0:
                 with recorder.phase("ref_scoring"), reference_policy(model):
                     ref = [scorer(y, ref_state) for y in responses]
-            losses, logps, meter = _replay_and_backward(model, prompt_ids, state, responses, old, ref, advantages,
-                                                        weights, config, mode, recorder, options.checkpoint_layers)
+            losses, logps, meter, k = _replay_and_backward(model, prompt_ids, state, responses, old, ref, advantages,
+                                                           weights, config, mode, recorder, options)
         if options.prefix_grad:
             with recorder.phase("prefix_backward"):
                 state.backward_prefix()
@@ -215,6 +232,7 @@ def grpo_step(model, prompt_ids, responses, rewards, optimizer, config: grpo.GRP
         "reward_mean": float(rewards.nanmean()),  # NaN rewards (unscorable, with given advantages) left out
         "advantages": [float(a) for a in advantages],
         "members_replayed": len(responses),
+        "micro_batch": k,
         "response_tokens": [int(r.numel()) for r in responses],
         "graph_bytes_peak": meter.peak,
         "old_policy": old_policy,
@@ -303,33 +321,72 @@ def undone_on_failure(model, state: ResidentState | None = None):
 
 
 def _replay_and_backward(model, prompt_ids, state, responses, old, ref, advantages, weights, config, mode, recorder,
-                         checkpoint_layers=False):
-    """Each response's loss and its gradient: replay (one graph at a time), hold_all (all G graphs,
-    one backward) or naive (HF's checkpointed forward over prompt + response, one at a time).
-    Returns (detached losses, detached log-probs, the graph-bytes meter)."""
+                         options: StepOptions):
+    """Each response's loss and its gradient: replay (one graph per batch of `options.micro_batch` members),
+    hold_all (all G graphs, one backward) or naive (HF's checkpointed forward over prompt + response, one
+    at a time). Returns (detached losses, detached log-probs, the graph-bytes meter, the batch size used)."""
     exclude = list(model.parameters()) + ([t for e in state.layers for t in e.tensors()] if state else [])
     meter = GraphBytesMeter(exclude=exclude)
     losses, logps = [], []
+    checkpoint_layers = options.checkpoint_layers
+
+    def member_losses(members, logps_k):
+        return [grpo.response_loss(lp, old[i], ref and ref[i], advantages[i], weights[i], config)
+                for i, lp in zip(members, logps_k)]
+
     with meter:
         if mode == "hold_all":
             with recorder.phase("replay"):
                 for i, y in enumerate(responses):
                     logps.append(replay(model, state, y, checkpoint_layers=checkpoint_layers))
-                    losses.append(grpo.response_loss(logps[-1], old[i], ref and ref[i], advantages[i], weights[i],
-                                                     config))
+                    losses.append(member_losses([i], logps[-1:])[0])
                 torch.stack(losses).sum().backward()
-            return [l.detach() for l in losses], [lp.detach() for lp in logps], meter
-        with hf_checkpointing(model) if mode == "naive" else nullcontext():
-            for i, y in enumerate(responses):
-                with recorder.phase("replay"):
-                    logp = (replay(model, state, y, checkpoint_layers=checkpoint_layers) if mode == "replay"
-                            else naive_logprobs(model, prompt_ids, y))
-                    loss = grpo.response_loss(logp, old[i], ref and ref[i], advantages[i], weights[i], config)
-                    loss.backward()
-                losses.append(loss.detach())
-                logps.append(logp.detach())
-                del logp, loss
-    return losses, logps, meter
+            return [l.detach() for l in losses], [lp.detach() for lp in logps], meter, 1
+        if mode == "naive":
+            with hf_checkpointing(model):
+                for i, y in enumerate(responses):
+                    with recorder.phase("replay"):
+                        logp = naive_logprobs(model, prompt_ids, y)
+                        loss = member_losses([i], [logp])[0]
+                        loss.backward()
+                    losses.append(loss.detach())
+                    logps.append(logp.detach())
+                    del logp, loss
+            return losses, logps, meter, 1
+        k, start = (1 if options.micro_batch == "auto" else options.micro_batch), 0
+        while start < len(responses):
+            members = range(start, min(start + k, len(responses)))
+            with recorder.phase("replay"):
+                logps_k = replay_members(model, state, [responses[i] for i in members],
+                                         checkpoint_layers=checkpoint_layers)
+                losses_k = member_losses(members, logps_k)
+                total = losses_k[0]
+                for loss in losses_k[1:]:
+                    total = total + loss
+                total.backward()
+            losses += [l.detach() for l in losses_k]
+            logps += [lp.detach() for lp in logps_k]
+            del logps_k, losses_k, total
+            if options.micro_batch == "auto" and start == 0:
+                k = members_that_fit(meter.peak, options.member_budget_bytes, state.device, len(responses) - 1)
+            start = members.stop
+    return losses, logps, meter, k
+
+
+def members_that_fit(member_bytes: int, budget: int | None, device, remaining: int) -> int:
+    """`micro_batch="auto"`: how many members' graphs of `member_bytes` each fit the budget (`budget`, else half
+    the device's free memory; off CUDA without a budget, 1), at least 1 and at most the members left."""
+    if budget is None:
+        if device.type != "cuda":
+            return 1
+        budget = torch.cuda.mem_get_info(device)[0] // 2
+    return max(1, min(remaining, budget // max(member_bytes, 1)))
+
+
+def check_members(state: ResidentState) -> None:
+    """Refuse a state whose entries cannot be replayed by several members at once (`members_view`)."""
+    for entry in state.layers:
+        members_view(entry, 2)
 
 
 def logp_mismatch(logps, others) -> dict:

@@ -201,23 +201,51 @@ def replay(model, state: ResidentState, response_ids, *, rows_per_chunk: int | N
     (`adapter.checkpoint_segments`) keeps only its input for the backward and recomputes its forward
     there, so the live graph is one layer's activations plus a hidden state per layer, for a second
     forward's time."""
+    return replay_members(model, state, [response_ids], rows_per_chunk=rows_per_chunk,
+                          checkpoint_layers=checkpoint_layers)[0]
+
+
+def replay_members(model, state: ResidentState, responses, *, rows_per_chunk: int | None = None,
+                   checkpoint_layers: bool = False) -> list[torch.Tensor]:
+    """`replay` of k responses as one batch: one float32 [R_i] tensor per response, under one graph.
+
+    The responses are right-padded to the longest (a pad comes after every token of its row, so causally
+    no real token reads it) and each layer's entry is read as k sequences share it (`members_view`:
+    attention pages are read in place, the rows of the k members folded over them as decoding folds its
+    samples; a GDN state is repeated). One response is `replay` exactly: no padding, the entries as they are."""
     adapter = adapter_for(model)
     check_state(adapter, state)
-    targets = _as_ids(response_ids, "response_ids", adapter)
-    state.check_positions(targets.numel(), "response_ids")
-    inputs = torch.cat([targets.new_tensor([state.last_token]), targets[:-1]])
+    targets = [_as_ids(y, "response_ids", adapter) for y in responses]
+    lengths = [t.numel() for t in targets]
+    state.check_positions(max(lengths), "response_ids")
+    longest = max(lengths)
+    inputs_BR = torch.stack([torch.nn.functional.pad(torch.cat([t.new_tensor([state.last_token]), t[:-1]]),
+                                                     (0, longest - t.numel()), value=state.last_token)
+                             for t in targets])
+    entries = state.layers if len(targets) == 1 else [members_view(e, len(targets)) for e in state.layers]
     with adapter.selected():
-        h = adapter.embed(inputs[None])
+        h = adapter.embed(inputs_BR)
         pe = adapter.position_embeddings(h, state.positions)
         if checkpoint_layers and torch.is_grad_enabled():
             for layers in adapter.checkpoint_segments():
-                h = _checkpointed_layers(adapter, layers, h, pe, state.layers)
+                h = _checkpointed_layers(adapter, layers, h, pe, entries)
         else:
-            for i, entry in enumerate(state.layers):
+            for i, entry in enumerate(entries):
                 h = adapter.layer_forward(i, h, pe, entry, capturing=False)
-        h = adapter.final_hidden(h)[0]
+        h = adapter.final_hidden(h)
+    rows = h[0] if len(targets) == 1 else torch.cat([h[i, :n] for i, n in enumerate(lengths)])
     kwargs = {"rows_per_chunk": rows_per_chunk} if rows_per_chunk else {}
-    return token_logprobs(h, adapter.lm_head, targets, **kwargs)
+    return list(token_logprobs(rows, adapter.lm_head, torch.cat(targets), **kwargs).split(lengths))
+
+
+def members_view(entry, members: int):
+    """`entry` as `members` replayed sequences read it together (`entry.for_members`), or a clear refusal."""
+    view = getattr(entry, "for_members", None)
+    if view is None:
+        raise ValueError(f"replaying {members} members as one batch: {type(entry).__name__} entries cannot be read "
+                         "by several sequences at once yet (attention pages and GDN states can); replay one member "
+                         "at a time (micro_batch 1)")
+    return view(members)
 
 
 def _checkpointed_layers(adapter, layers: range, h, pe, entries):

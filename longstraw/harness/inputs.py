@@ -180,6 +180,10 @@ def check_settings(cfg: PointConfig, source: str) -> None:
         raise ConfigError(f"{source}: recapture: captures a seeded step point's prompt every cycle (kind step, mode "
                           f"replay or hold_all); kind {cfg.kind!r}, mode {cfg.mode!r}, responses.source "
                           f"{r.source!r} has no capture of its own to repeat")
+    if cfg.replay.micro_batch != 1 and ((cfg.kind in ("step", "capacity") and cfg.mode != "replay")
+                                        or cfg.cp_size > 1):
+        raise ConfigError(f"{source}: replay.micro_batch: batches of replayed members are mode replay's on one "
+                          f"process; this point has mode {cfg.mode!r}, cp_size {cfg.cp_size}")
     if cfg.kind == "capacity" and cpu and cfg.capacity.ceiling_bytes is None:
         raise ConfigError(f"{source}: capacity.ceiling_bytes: a capacity search on CPU needs an emulated memory "
                           "ceiling (bytes of peak RSS above the weights)")

@@ -182,7 +182,8 @@ def _validate(q, k_prefix, v_prefix, k_live, v_live, scale, block_size, backend)
     B, H, R, D = q.shape
     Hk = k_live.shape[1]
     for name, t in named.items():
-        if t.shape[0] != B:
+        shared = name in ("k_prefix", "v_prefix") and t.shape[0] == 1  # one prompt's pages for B sequences
+        if t.shape[0] != B and not shared:
             raise ValueError(f"paged_attention: batch size mismatch: q has {B}, {name} has {t.shape[0]}")
     for name in ("k_prefix", "v_prefix", "v_live"):
         if named[name].shape[1] != Hk:
@@ -361,6 +362,23 @@ def lse_merge_(out_BKMD, lse_BKM, out_b_BKMD, lse_b_BKM):
     lse_BKM.copy_(lse_new_BKM)
 
 
+def _shares_prefix(B: int, k_BKPD) -> bool:
+    """Whether B > 1 sequences attend one prompt's pages (batch 1): their rows are then folded over it."""
+    return B > 1 and k_BKPD.shape[0] == 1
+
+
+def _fold(x_BKM_):
+    """[B, K, M, ...] -> [1, K, B * M, ...] (contiguous): B sequences' rows as rows of one batch."""
+    B, K, M = x_BKM_.shape[:3]
+    return x_BKM_.transpose(0, 1).reshape(1, K, B * M, *x_BKM_.shape[3:])
+
+
+def _unfold(x_1KF_, B: int):
+    """The inverse of `_fold`: [1, K, B * M, ...] -> [B, K, M, ...] (a view of a transposed copy)."""
+    K, F = x_1KF_.shape[1:3]
+    return x_1KF_.reshape(K, B, F // B, *x_1KF_.shape[3:]).transpose(0, 1)
+
+
 def _causal_allowed_MR(G, R, device):
     """Folded row m is live query m % R; it may see live keys j <= m % R."""
     r_M = torch.arange(G * R, device=device) % R
@@ -403,6 +421,15 @@ def attention_partial(q_BHRD, k_BKPD, v_BKPD, k_live_BKRD, v_live_BKRD, scale, b
         out_BHRD, lse_BHR = o_BKMD.view(B, H, R, Dv), l_BKM.view(B, H, R)
 
     out_BKMD, lse_BKM = out_BHRD.view(B, K, M, Dv), lse_BHR.view(B, K, M)
+    if _shares_prefix(B, k_BKPD) and P:  # B sequences over one prompt's pages: their rows folded, the pages read once
+        out_1KFD = torch.zeros(1, K, B * M, Dv, dtype=acc, device=q_BHRD.device)
+        lse_1KF = torch.full((1, K, B * M), float("-inf"), dtype=acc, device=q_BHRD.device)
+        q_1KFD = _fold(q_BKMD)
+        for start in range(0, P, block_size):
+            blk = slice(start, start + block_size)
+            lse_merge_(out_1KFD, lse_1KF, *block_fwd(q_1KFD, k_BKPD[:, :, blk], v_BKPD[:, :, blk], scale))
+        lse_merge_(out_BKMD, lse_BKM, _unfold(out_1KFD, B), _unfold(lse_1KF, B))
+        return out_BHRD, lse_BHR
     for start in range(0, P, block_size):
         blk = slice(start, start + block_size)
         lse_merge_(out_BKMD, lse_BKM, *block_fwd(q_BKMD, k_BKPD[:, :, blk], v_BKPD[:, :, blk], scale))
@@ -433,8 +460,10 @@ def attention_partial_backward(dout_BHRD, q_BHRD, k_BKPD, v_BKPD, k_live_BKRD, v
         dout_BHRD = dout_BHRD.contiguous()  # q and out are contiguous already
         do_BKMD, q_BKMD, out_BKMD = (x.view(B, K, M, D) for x in (dout_BHRD, q_BHRD, out_BHRD))
 
-        def block_bwd(k_BKND, v_BKND):
-            return kernel_bwd(do_BKMD, q_BKMD, k_BKND, v_BKND, out_BKMD, lse_BKM, scale)
+        rows = (do_BKMD, q_BKMD, out_BKMD, lse_BKM)
+
+        def block_bwd(k_BKND, v_BKND, do, q, out, lse):
+            return kernel_bwd(do, q, k_BKND, v_BKND, out, lse, scale)
 
         if need_live:
             dq_b, dk_b, dv_b = kernel_bwd(
@@ -449,8 +478,10 @@ def attention_partial_backward(dout_BHRD, q_BHRD, k_BKPD, v_BKPD, k_live_BKRD, v
         q_BKMD = q_BHRD.reshape(B, K, M, D).to(acc)
         delta_BKM = (do_BKMD * out_BHRD.view(B, K, M, Dv).to(acc)).sum(-1)
 
-        def block_bwd(k_BKND, v_BKND):
-            return _math_block_bwd(do_BKMD, q_BKMD, k_BKND, v_BKND, lse_BKM, delta_BKM, scale, need_prefix)
+        rows = (do_BKMD, q_BKMD, delta_BKM, lse_BKM)
+
+        def block_bwd(k_BKND, v_BKND, do, q, delta, lse):
+            return _math_block_bwd(do, q, k_BKND, v_BKND, lse, delta, scale, need_prefix)
 
         if need_live:
             allowed_MR = _causal_allowed_MR(G, R, q_BHRD.device)
@@ -463,13 +494,22 @@ def attention_partial_backward(dout_BHRD, q_BHRD, k_BKPD, v_BKPD, k_live_BKRD, v
         dk_BKPD = torch.empty(k_BKPD.shape, dtype=k_BKPD.dtype, device=k_BKPD.device)
         dv_BKPD = torch.empty(v_BKPD.shape, dtype=v_BKPD.dtype, device=v_BKPD.device)
     if need_q or need_prefix:
+        shared = _shares_prefix(B, k_BKPD)  # as the forward folded the B sequences' rows over one prefix
+        if shared:
+            rows = tuple(_fold(x) for x in rows)
+            dq_1KFD = torch.zeros(1, K, B * M, D, dtype=acc, device=q_BHRD.device)
         for start in range(0, P, block_size):
             blk = slice(start, start + block_size)
-            dq_b, dk_b, dv_b = block_bwd(k_BKPD[:, :, blk], v_BKPD[:, :, blk])
-            dq_BKMD += dq_b
+            dq_b, dk_b, dv_b = block_bwd(k_BKPD[:, :, blk], v_BKPD[:, :, blk], *rows)
+            if shared:
+                dq_1KFD += dq_b
+            else:
+                dq_BKMD += dq_b
             if need_prefix:
                 dk_BKPD[:, :, blk] = dk_b
                 dv_BKPD[:, :, blk] = dv_b
+        if shared and P:
+            dq_BKMD += _unfold(dq_1KFD, B)
     return (
         dq_BHRD if need_q else None,
         dk_BKPD if need_kp else None,

@@ -42,7 +42,7 @@ def run(cfg: PointConfig, device, progress: Progress) -> dict:
     if cfg.mode in PEER_MODES:
         return run_peer(cfg, model, prompt, responses, rewards, optimizer, recorder)
     options = StepOptions(mode=cfg.mode, capture=capture_kwargs(cfg), members=cfg.responses.probe_members,
-                          checkpoint_layers=cfg.replay.checkpoint_layers)
+                          checkpoint_layers=cfg.replay.checkpoint_layers, micro_batch=cfg.replay.micro_batch)
     state, cycles = None, []
     for _ in range(cfg.cycles):
         step = grpo_step(model, prompt, responses, rewards, optimizer, cfg.grpo, options, state=state)

@@ -77,7 +77,8 @@ def _step(model, prompt, state, optimizer, cfg, mode: str, count: int, vocab: in
     sites = AllocationSites(device, enabled=cfg.measure.allocation_sites)
     before = current_memory(device)
     try:
-        options = StepOptions(mode=mode, checkpoint_layers=cfg.replay.checkpoint_layers)
+        options = StepOptions(mode=mode, checkpoint_layers=cfg.replay.checkpoint_layers,
+                              micro_batch=cfg.replay.micro_batch if mode == "replay" else 1)
         with sites:
             metrics = grpo_step(model, prompt, responses, rewards, optimizer, with_group(cfg.grpo, count), options,
                                 state=state).metrics

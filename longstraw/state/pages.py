@@ -74,6 +74,10 @@ class AttentionPages:
     def tensors(self):
         return [self.k_BKPD, self.v_BKPD]
 
+    def for_members(self, members: int) -> "AttentionPages":
+        """The pages as `members` replayed sequences read them: in place (paged attention folds their rows)."""
+        return self
+
     attend = attend_pages
 
     def attend_decode(self, q_BHTD, own: "AttentionPages", scale: float):
@@ -121,6 +125,12 @@ class RecurrentState:
     def inputs(self):
         """(conv, recurrent) a chunk starts from: the leaves in exact mode, else the state itself."""
         return self.leaves if self.leaves is not None else (self.conv_BCK1, self.recurrent_BHDV)
+
+    def for_members(self, members: int) -> "RecurrentState":
+        """The state `members` replayed sequences continue from: repeated, from `inputs()` (in exact mode the
+        leaves, so each sequence's gradient reaches them); replay never writes it."""
+        conv, recurrent = self.inputs()
+        return RecurrentState(conv.repeat(members, 1, 1), recurrent.repeat(members, 1, 1, 1))
 
     def repeated(self, batch: int) -> "RecurrentState":
         """Copies for `batch` sequences continuing from this state (decoding G responses)."""

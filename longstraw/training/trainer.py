@@ -150,7 +150,8 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _schedule(cfg.schedule, cfg.steps))
         self.exact = cfg.gradient == "exact"
         self.options = StepOptions(max_grad_norm=cfg.max_grad_norm, prefix_grad=self.exact,
-                                   checkpoint_layers=cfg.replay.checkpoint_layers)
+                                   checkpoint_layers=cfg.replay.checkpoint_layers,
+                                   micro_batch=cfg.replay.micro_batch)
         self.out = Path(cfg.output.dir)
         self.state = self.capture_step = self.capture_params = None
         self.ref_state = self.ref_prompt = None
