@@ -90,8 +90,9 @@ def test_a_corrupted_gradient_fails_v2(monkeypatch):
 def test_a_non_finite_step_fails_v1(monkeypatch):
     from longstraw.core import step
 
-    real = step.replay
-    monkeypatch.setattr(step, "replay", lambda *args, **kwargs: real(*args, **kwargs) * float("nan"))
+    real = step.replay_members
+    monkeypatch.setattr(step, "replay_members",
+                        lambda *args, **kwargs: [lp * float("nan") for lp in real(*args, **kwargs)])
     (path,) = validation.run(_config(modes=["response-only"], levels=["V1"]), torch.device("cpu"), Progress())["paths"]
     v1 = _levels(path)["V1"]
     assert v1["reached"] is False and math.isnan(v1["evidence"]["loss"]) and v1["evidence"]["state_unchanged"]
