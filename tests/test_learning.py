@@ -53,15 +53,34 @@ def test_learning_point_runs_the_same_prompts_and_reports_the_paired_gain(checkp
         assert result["metrics"]["gains"][name] == pytest.approx(expected)
 
 
+class _EvenShare:
+    """The counting task's prompts with a dense reward (the share of even ids in the response), so that every
+    group's rewards differ and every step updates, whatever the checkpoint answers on this CPU's kernels."""
+
+    def __init__(self, vocab_size, **settings):
+        from longstraw.training.tasks import Counting
+
+        self.inner = Counting(vocab_size, **settings)
+
+    def make(self, seed):
+        return self.inner.make(seed)
+
+    def reward(self, example, response_ids):
+        return float((response_ids % 2 == 0).float().mean())
+
+
 def test_a_learning_point_cut_off_goes_on_from_its_work_folder(checkpoint, tmp_path, monkeypatch):
     # a command cut off mid-run and started again with the same work folder resumes the runs from their last
     # checkpoints; on CPU its runs equal an uninterrupted point's (same prompts, rewards, losses)
     from longstraw.kinds import learning
+    from longstraw.training.tasks import register_task
     from longstraw.training.trainer import Trainer
 
+    register_task("learning_even_share", _EvenShare)
+    task = {**TASK, "name": "learning_even_share"}
     point = {"name": "v4", "kind": "learning", "model": {"path": checkpoint}, "prompt": {"length": 32},
-             "responses": {"length": 1}, "grpo": {"beta": 0.0}, "optimizer": {"lr": 1e-2},
-             "learning": {"task": {**TASK, "max_count": 6}, "steps": 5, "window": 2, "num_samples": 4}}
+             "responses": {"length": 4}, "grpo": {"beta": 0.0}, "optimizer": {"lr": 1e-2},
+             "learning": {"task": task, "steps": 5, "window": 2, "num_samples": 4}}
     whole = run_point(point)["metrics"]["runs"]
     monkeypatch.setattr(learning, "RESUME_EVERY", 2)
     original, calls = Trainer.train_step, []
