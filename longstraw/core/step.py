@@ -30,7 +30,7 @@ import torch
 from longstraw.core import grpo
 from longstraw.core.hf_reference import hf_torch_gdn_kernels
 from longstraw.core.exact import clear_page_gradients
-from longstraw.core.transaction import (capture, check_deterministic, check_state, members_view, replay,
+from longstraw.core.transaction import (capture, check_deterministic, check_members_entry, check_state, replay,
                                         replay_members, reuse_state, score)
 from longstraw.families import adapter_for
 from longstraw.kernels.logprobs import token_logprobs
@@ -384,9 +384,9 @@ def members_that_fit(member_bytes: int, budget: int | None, device, remaining: i
 
 
 def check_members(state: ResidentState) -> None:
-    """Refuse a state whose entries cannot be replayed by several members at once (`members_view`)."""
+    """Refuse a state whose entries cannot be replayed by several members at once, before any replay."""
     for entry in state.layers:
-        members_view(entry, 2)
+        check_members_entry(entry)
 
 
 def logp_mismatch(logps, others) -> dict:

@@ -240,12 +240,16 @@ def replay_members(model, state: ResidentState, responses, *, rows_per_chunk: in
 
 def members_view(entry, members: int):
     """`entry` as `members` replayed sequences read it together (`entry.for_members`), or a clear refusal."""
-    view = getattr(entry, "for_members", None)
-    if view is None:
+    check_members_entry(entry, members)
+    return entry.for_members(members)
+
+
+def check_members_entry(entry, members: int = 2) -> None:
+    """Refuse an entry that several replayed sequences cannot read at once (it has no `for_members`)."""
+    if not hasattr(entry, "for_members"):
         raise ValueError(f"replaying {members} members as one batch: {type(entry).__name__} entries cannot be read "
                          "by several sequences at once yet (attention pages and GDN states can); replay one member "
                          "at a time (micro_batch 1)")
-    return view(members)
 
 
 def _checkpointed_layers(adapter, layers: range, h, pe, entries):

@@ -75,7 +75,7 @@ def run(cfg: PointConfig, device, progress: Progress) -> dict:
             mapping["output"]["checkpoint_every"] = RESUME_EVERY if resumable else 0
             trainer = Trainer(mapping, source=f"{cfg.name} [{name}]")
             resumed_at[name] = (checkpointed_steps(work / name) or [0])[0] if resumable else 0
-            runs[name] = [{**{k: step.get(k) for k in keep}, "phase_seconds": phase_seconds(step)}
+            runs[name] = [{**{k: step.get(k) for k in keep}, "phase_seconds": seconds_per_phase(step)}
                           for step in trainer.run(resume=resumable)]
             progress.line(f"learning {name} (lr {lr:g}): reward per step "
                           + " ".join(f"{s['reward_mean']:.2f}" for s in runs[name]))
@@ -117,7 +117,7 @@ def remembered(path: Path, compute):
     return value
 
 
-def phase_seconds(step: dict) -> dict:
+def seconds_per_phase(step: dict) -> dict:
     """A trainer step's seconds per phase (capture, sampling, the transaction's own)."""
     return {name: round(phase["seconds"], 4) for name, phase in step.get("transaction", {}).get("phases", {}).items()}
 

@@ -126,15 +126,13 @@ class RecurrentState:
         """(conv, recurrent) a chunk starts from: the leaves in exact mode, else the state itself."""
         return self.leaves if self.leaves is not None else (self.conv_BCK1, self.recurrent_BHDV)
 
-    def for_members(self, members: int) -> "RecurrentState":
-        """The state `members` replayed sequences continue from: repeated, from `inputs()` (in exact mode the
-        leaves, so each sequence's gradient reaches them); replay never writes it."""
-        conv, recurrent = self.inputs()
-        return RecurrentState(conv.repeat(members, 1, 1), recurrent.repeat(members, 1, 1, 1))
-
     def repeated(self, batch: int) -> "RecurrentState":
-        """Copies for `batch` sequences continuing from this state (decoding G responses)."""
-        return RecurrentState(self.conv_BCK1.repeat(batch, 1, 1), self.recurrent_BHDV.repeat(batch, 1, 1, 1))
+        """Copies for `batch` sequences continuing from this state (decoding G responses, replaying G members),
+        repeated from `inputs()`: in exact mode the leaves, so each replayed member's gradient reaches them."""
+        conv, recurrent = self.inputs()
+        return RecurrentState(conv.repeat(batch, 1, 1), recurrent.repeat(batch, 1, 1, 1))
+
+    for_members = repeated  # replay never writes it
 
 
 @dataclass
