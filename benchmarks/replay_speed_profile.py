@@ -21,7 +21,7 @@ import torch
 
 from longstraw.core.transaction import capture, replay_members
 from longstraw.harness.plan import expand, load_experiment
-from longstraw.kernels import paged_attention
+from longstraw.kernels.paged_attention import forward_kernel
 from longstraw.kinds.common import optimizer_for, policy_and_prompt, seeded_group
 from longstraw.measure.memory import PhaseRecorder, synchronize
 
@@ -82,26 +82,28 @@ def measure(cfg, device) -> dict:
         holder["state"] = None
         holder["state"] = capture(model, prompt, **chunk)
 
-    out["capture_first"], out["capture_warm"] = timed(do_capture, device, 3)
-    state = holder["state"]
     rows = []
     for kernel in ("cudnn", "flash"):
-        paged_attention.FORWARD_KERNEL = kernel
-        for k in (1, G):
-            first, warm = timed(lambda: replay_group(model, state, responses, k), device, 3)
-            rows.append({"kernel": kernel, "k": k, "lora": "float32", "first": first, "warm": warm,
-                         "warm_per_member": warm / G})
-            print(f"{cfg.prompt.length} {kernel} k={k} lora fp32: first {first:.3f} s, warm {warm:.3f} s "
-                  f"({warm / G * 1e3:.1f} ms a member)", flush=True)
-    paged_attention.FORWARD_KERNEL = "cudnn"
+        with forward_kernel(kernel):
+            out[f"capture_first_{kernel}"], out[f"capture_warm_{kernel}"] = timed(do_capture, device, 3)
+            state = holder["state"]
+            for k in (1, G):
+                first, warm = timed(lambda: replay_group(model, state, responses, k), device, 3)
+                rows.append({"kernel": kernel, "k": k, "lora": "float32", "first": first, "warm": warm,
+                             "warm_per_member": warm / G})
+                print(f"{cfg.prompt.length} {kernel} k={k} lora fp32: first {first:.3f} s, warm {warm:.3f} s "
+                      f"({warm / G * 1e3:.1f} ms a member)", flush=True)
     out["profile_member_lora_float32"] = member_profile(model, state, responses[0], device)
     for p in lora_parameters(model):
-        p.data = p.data.to(cfg.model.dtype == "bfloat16" and torch.bfloat16 or p.dtype)
+        p.data = p.data.to(torch.bfloat16 if cfg.model.dtype == "bfloat16" else p.dtype)
+    del state
+    state = capture(model, prompt, **chunk)  # the weights changed: a state of the new ones
     for k in (1, G):
         first, warm = timed(lambda: replay_group(model, state, responses, k), device, 3)
         rows.append({"kernel": "cudnn", "k": k, "lora": "model dtype", "first": first, "warm": warm,
                      "warm_per_member": warm / G})
-        print(f"{cfg.prompt.length} cudnn k={k} lora bf16: first {first:.3f} s, warm {warm:.3f} s", flush=True)
+        print(f"{cfg.prompt.length} cudnn k={k} lora {cfg.model.dtype}: first {first:.3f} s, warm {warm:.3f} s "
+              f"({warm / G * 1e3:.1f} ms a member)", flush=True)
     out["profile_member_lora_model_dtype"] = member_profile(model, state, responses[0], device)
     for p in lora_parameters(model):
         p.data = p.data.float()

@@ -191,6 +191,7 @@ def _run(args) -> int:
 
 
 def _train(args) -> int:
+    from longstraw.kernels.paged_attention import forward_kernel
     from longstraw.training.trainer import Trainer, check_not_replacing, resolve
 
     raw = _load_yaml(args.config)
@@ -200,7 +201,8 @@ def _train(args) -> int:
         check_not_replacing(Path(cfg.output.dir))
     trainer = Trainer(cfg, source=args.config)
     try:
-        metrics = trainer.run(resume=not args.no_resume, allow_config_change=args.allow_config_change)
+        with forward_kernel(cfg.model.attention_kernel):
+            metrics = trainer.run(resume=not args.no_resume, allow_config_change=args.allow_config_change)
     except ValueError as exc:  # a resumed config that differs, a reward that is not a number: say which
         print(f"longstraw: {exc}", file=sys.stderr)
         return 1

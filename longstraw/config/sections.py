@@ -24,6 +24,9 @@ class LoraConfig:
     # which projections get LoRA (`longstraw.models.lora.TARGET_SETS`): attention = attention, MLA and GDN
     # projections; all-linear = those and the MLP ones (dense FFN, MoE shared expert), never routers or lm_head
     targets: Literal["attention", "all-linear"] = "attention"
+    # the adapters' dtype: float32 (peft's default: every LoRA product upcasts the activations) or the model's
+    # compute dtype (bf16 products; the optimizer then steps float32 master copies, `MasterWeightsAdamW`)
+    dtype: Literal["float32", "model"] = "float32"
 
     def __post_init__(self):
         if self.dropout > 0:  # `longstraw.core.transaction.check_deterministic` refuses it on the model too
@@ -43,6 +46,9 @@ class ModelConfig:
     lora: Optional[LoraConfig] = None
     nf4: bool = False
     overrides: dict = field(default_factory=dict)  # HF config fields over the preset's (or the checkpoint's config.json)
+    # the kernel paged attention's "auto" runs on CUDA (`longstraw.kernels.paged_attention.forward_kernel`): cudnn
+    # (fastest in steady state; each new shape builds a plan inside the first call that meets it) or flash (none)
+    attention_kernel: Literal["cudnn", "flash"] = "cudnn"
 
 
 @dataclass

@@ -17,6 +17,7 @@ from longstraw import kinds
 from longstraw.config import PointConfig, to_mapping
 from longstraw.core.determinism import deterministic_mode
 from longstraw.cp import context_parallel
+from longstraw.kernels.paged_attention import forward_kernel
 from longstraw.kinds.common import Progress
 from longstraw.measure.memory import peak_rss_bytes, process_peak_allocated_bytes
 from longstraw.measure.provenance import provenance
@@ -51,7 +52,7 @@ def run_point(raw, source: str = "config", on_progress=None, work_dir=None) -> d
             on_progress({**result, "status": "partial", "metrics": metrics, "wall_seconds": time.perf_counter() - start})
 
     try:
-        with deterministic_mode(cfg.deterministic):
+        with deterministic_mode(cfg.deterministic), forward_kernel(cfg.model.attention_kernel):
             result["metrics"] = kinds.module(cfg.kind).run(cfg, device, Progress(partial, work_dir))
         result["status"] = "ok"
     except torch.OutOfMemoryError as exc:

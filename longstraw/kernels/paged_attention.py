@@ -29,7 +29,8 @@ dim 256), flash's on shorter blocks, on the causal live block's backward and in 
 mode; flash otherwise, math off CUDA.
 The choice depends on the shapes only, so capture, scoring (old policy, reference) and replay of the
 same response run one forward kernel: at the on-policy point the ratio GRPO clips is exactly 1.
-``LONGSTRAW_FORWARD_KERNEL=flash`` in the environment keeps "auto" on flash throughout.
+``forward_kernel("flash")`` (a point's ``model.attention_kernel``; ``LONGSTRAW_FORWARD_KERNEL=flash`` in the
+environment sets the default) keeps "auto" on flash throughout: no cuDNN plan builds in a cold step.
 
 Checkpointed replay (``ForwardMemo``): a checkpointed layer's forward keeps
 each call's (out, lse), a few MB, and its recompute in the backward takes them back instead of
@@ -53,14 +54,39 @@ from contextvars import ContextVar
 
 import torch
 
-__all__ = ["paged_attention", "decode_attention", "reference_attention", "ForwardMemo", "MATH_BLOCK_SIZE",
-           "CUDA_BLOCK_SIZE"]
+__all__ = ["paged_attention", "decode_attention", "reference_attention", "ForwardMemo", "forward_kernel",
+           "MATH_BLOCK_SIZE", "CUDA_BLOCK_SIZE"]
 
 MATH_BLOCK_SIZE = 4096
 CUDA_BLOCK_SIZE = 65536
 CUDNN_MIN_ROWS = 128
-FORWARD_KERNEL = os.environ.get("LONGSTRAW_FORWARD_KERNEL", "cudnn")
+FORWARD_KERNELS = ("cudnn", "flash")  # what "auto" runs on CUDA: cuDNN blocks where they apply, or flash throughout
 _BACKENDS = ("auto", "math", "cuda", "flash", "cudnn")
+
+
+def _kernel_from_environment() -> str:
+    name = os.environ.get("LONGSTRAW_FORWARD_KERNEL", "cudnn")
+    if name not in FORWARD_KERNELS:
+        raise ValueError(f"LONGSTRAW_FORWARD_KERNEL={name!r}: one of {FORWARD_KERNELS}")
+    return name
+
+
+# a process-wide setting, not a ContextVar: a checkpointed replay's recompute runs in autograd's device thread
+_forward_kernel = [_kernel_from_environment()]
+
+
+@contextmanager
+def forward_kernel(name: str):
+    """Within the block, "auto" runs `name` on CUDA: "cudnn" (cuDNN's kernels on blocks of at least
+    CUDNN_MIN_ROWS; fastest in steady state, but each new shape builds a plan, 0.5-1.1 s on the H200, in the
+    first call that meets it) or "flash" (no plan builds: a process's first step pays none)."""
+    if name not in FORWARD_KERNELS:
+        raise ValueError(f"forward kernel must be one of {FORWARD_KERNELS}, got {name!r}")
+    before, _forward_kernel[0] = _forward_kernel[0], name
+    try:
+        yield
+    finally:
+        _forward_kernel[0] = before
 
 
 def paged_attention(
@@ -249,7 +275,7 @@ def _pick_kernel(backend: str, q_BHRD: torch.Tensor, Dv: int) -> str:
     if backend == "cudnn" and cudnn_ok and D <= CUDNN_BACKWARD_MAX_HEAD_DIM:
         return "cudnn"
     flash_ok = D <= 256 and torch.backends.cuda.is_flash_attention_available()
-    if (backend == "auto" and FORWARD_KERNEL == "cudnn" and cudnn_ok and flash_ok
+    if (backend == "auto" and _forward_kernel[0] == "cudnn" and cudnn_ok and flash_ok
             and D <= CUDNN_BLOCKS_MAX_HEAD_DIM and R >= CUDNN_MIN_ROWS):
         return "cudnn_blocks"
     return "flash" if flash_ok else "math"

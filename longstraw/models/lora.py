@@ -34,8 +34,10 @@ def target_names(targets: str = "attention") -> tuple[str, ...]:
 
 
 def apply_lora(model, r: int = 16, alpha: int | None = None, dropout: float = 0.0, init_random: bool = False,
-               targets: str = "attention"):
+               targets: str = "attention", dtype=None):
     """Wrap `model` with a peft LoRA adapter on every projection of the target set `targets` it has.
+
+    `dtype`: the adapters' dtype; None keeps peft's float32 (its LoRA products then upcast the activations).
 
     `init_random=True` also randomises LoRA's B matrix (peft's default zero-B adapter is an
     identity, under which the A matrices get zero gradient: tests want every path exercised).
@@ -52,6 +54,10 @@ def apply_lora(model, r: int = 16, alpha: int | None = None, dropout: float = 0.
     stray = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, LoraLayer)} - set(found))
     if stray or config.target_parameters:  # the remap below came back some other way
         raise RuntimeError(f"peft put LoRA on {stray or config.target_parameters}, outside the {targets!r} set {found}")
+    if dtype is not None:
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.data = param.data.to(dtype)
     adopt_lora_layers(model)  # LoRA over NF4: the capture's merged path (longstraw.models.quant)
     return model
 

@@ -25,5 +25,6 @@ def build_policy(cfg: ModelConfig):
         from longstraw.models.lora import apply_lora
 
         model = apply_lora(model, r=cfg.lora.r, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
-                           init_random=cfg.lora.init_random, targets=cfg.lora.targets)
+                           init_random=cfg.lora.init_random, targets=cfg.lora.targets,
+                           dtype=dtype if cfg.lora.dtype == "model" else None)
     return model
