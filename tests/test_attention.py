@@ -396,3 +396,27 @@ def test_decode_attention_matches_dense_reference(device):
         assert (out[b].double() - expected).abs().max() < (1e-10 if device == "cpu" else 2e-2)
     with pytest.raises(ValueError, match="one query"):
         attention.decode_attention(t(B, H, 2, D), kp, vp, ko, vo, scale=0.125)
+
+
+def test_the_forward_kernel_setting_is_checked_and_restored():
+    before = attention._forward_kernel[0]
+    with pytest.raises(ValueError, match="forward kernel must be one of"):
+        with attention.forward_kernel("cudnn_blocks"):
+            pass
+    with attention.forward_kernel("flash"):
+        assert attention._forward_kernel[0] == "flash"
+        with pytest.raises(RuntimeError):
+            with attention.forward_kernel("cudnn"):
+                raise RuntimeError("inside")
+        assert attention._forward_kernel[0] == "flash"
+    assert attention._forward_kernel[0] == before
+
+
+@pytest.mark.cuda
+def test_auto_runs_flash_throughout_under_the_flash_setting():
+    q = torch.zeros(1, 8, 512, 128, device="cuda", dtype=torch.bfloat16)
+    with attention.forward_kernel("flash"):
+        assert attention._pick_kernel("auto", q, 128) == "flash"
+    with attention.forward_kernel("cudnn"):
+        expected = "cudnn_blocks" if (torch.backends.cudnn.version() or 0) >= 90000 else "flash"
+        assert attention._pick_kernel("auto", q, 128) == expected

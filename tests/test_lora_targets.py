@@ -145,3 +145,19 @@ def test_mlp_adapters_train_through_capture_and_replay(preset):
     tol = float64_residue_tolerance(has_gdn(model))
     within(global_relative_error(ours, expected), tol, "relative gradient error")
     within(max_relative_error(ours, expected), tol, "max relative gradient error")
+
+
+@pytest.mark.parametrize("dtype, expected", [("float32", torch.float32), ("model", torch.bfloat16)])
+def test_the_adapters_take_the_dtype_the_config_names(dtype, expected):
+    # peft keeps adapters in float32 over a bf16 base; lora.dtype "model" keeps them in the base's dtype, and the
+    # optimizer then steps float32 masters of them (a bf16 in-place Adam step would round most updates away)
+    from longstraw.config.sections import LoraConfig, ModelConfig, OptimizerConfig
+    from longstraw.models.policy import build_policy
+    from longstraw.training.optimizer import MasterWeightsAdamW, build_optimizer
+
+    model = build_policy(ModelConfig(preset="tiny-llama", dtype="bfloat16", lora=LoraConfig(r=4, dtype=dtype)))
+    adapters = [p for n, p in model.named_parameters() if "lora_" in n]
+    assert adapters and {p.dtype for p in adapters} == {expected}
+    assert all(p.requires_grad for p in adapters)
+    optimizer = build_optimizer(adapters, OptimizerConfig())
+    assert isinstance(optimizer, MasterWeightsAdamW) == (expected == torch.bfloat16)

@@ -125,3 +125,28 @@ def test_replay_against_prefix_grouper_reads_cold_and_warm_steps_and_peaks(tmp_p
     assert rows[f"replay over PrefixGrouper, peak memory, {at.format(8192)}"]["met"] is True
     for what in ("warm step", "cold step", "peak memory"):
         assert rows[f"replay over PrefixGrouper, {what}, {at.format(32768)}"]["met"] is None
+
+
+def _scheduled(peak, replay_seconds, members):
+    return {"status": "ok", "kind": "step", "config": {"mode": "replay"},
+            "metrics": {"peak_allocated_bytes": peak,
+                        "cycles": [{"members_replayed": members, "phases": {"replay": {"seconds": s}}}
+                                   for s in replay_seconds]}}
+
+
+def test_the_g_schedule_targets_read_peaks_against_g_and_warm_time_per_member_against_k(tmp_path):
+    point = "peers/mb-dense-1b_length-32768_count-{}_k-{}.json"
+    peak, time = ("peak memory against G (2, 8, 32) at k=2, dense-1b, 32,768 positions",
+                  "time per member against k (2, 4, 8) at G=8, dense-1b, 32,768 positions")
+    for count, gb in ((2, 10.0), (8, 10.2), (32, 10.4)):  # 10.4 / 10.0 = 1.04: flat
+        _write(tmp_path, point.format(count, 2), _scheduled(gb * 1e9, [9.0, 0.8, 0.8], count))
+    # the cold first cycle is not read: k=4's 9 s there would otherwise put it above k=2
+    _write(tmp_path, point.format(8, 4), _scheduled(1e10, [9.0, 0.6], 8))
+    _write(tmp_path, point.format(8, 8), _scheduled(1e10, [0.1, 0.4], 8))
+    rows = {row["target"]: row for row in evaluate_targets(tmp_path)}
+    assert rows[peak]["met"] is True and rows[peak]["measured"].startswith("1.040")
+    assert rows[time]["met"] is True and rows[time]["measured"] == "100.0 ms > 75.0 ms > 50.0 ms"
+    _write(tmp_path, point.format(32, 2), _scheduled(11e9, [1.0], 32))  # 11 / 10 = 1.1
+    _write(tmp_path, point.format(8, 8), _scheduled(1e10, [0.1, 0.7], 8))  # k=8 slower than k=4
+    rows = {row["target"]: row for row in evaluate_targets(tmp_path)}
+    assert rows[peak]["met"] is False and rows[time]["met"] is False

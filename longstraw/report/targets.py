@@ -285,9 +285,45 @@ def replay_against_prefix_grouper(root: Path) -> list[dict]:
     return rows
 
 
+SCHEDULE_POINT = "peers/mb-dense-1b_length-32768_count-{count}_k-{k}.json"
+SCHEDULE_PEAK_SPREAD = 1.05  # issue 32: at one k, the peaks for G = 2, 8, 32 within 5% of each other
+
+
+def _last_replay_seconds_per_member(result: dict) -> float:
+    last = result["metrics"]["cycles"][-1]
+    return last["phases"]["replay"]["seconds"] / last["members_replayed"]
+
+
+def members_as_a_schedule(root: Path) -> list[dict]:
+    """Issue 32, dense-1b at 32,768: the peak for G = 2, 8, 32 replayed two members at a time (flat in G), and
+    the time per member at G=8 for k = 2, 4, 8 (the last cycle's replay phase over its members: warm)."""
+    rows = []
+    target, goal = "peak memory against G (2, 8, 32) at k=2, dense-1b, 32,768 positions", "max / min <= 1.05"
+    files = [SCHEDULE_POINT.format(count=g, k=2) for g in (2, 8, 32)]
+    results = [_load(root, f) for f in files]
+    if any(r is None for r in results):
+        rows.append(_missing(target, goal, "ok " + ", ".join(files)))
+    else:
+        peaks = [r["metrics"]["peak_allocated_bytes"] for r in results]
+        spread = max(peaks) / min(peaks)
+        rows.append(_row(target, goal, f"{spread:.3f} ({', '.join(_gb(p) for p in peaks)})",
+                         spread <= SCHEDULE_PEAK_SPREAD, ", ".join(files)))
+    target, goal = "time per member against k (2, 4, 8) at G=8, dense-1b, 32,768 positions", "falls as k grows"
+    files = [SCHEDULE_POINT.format(count=8, k=k) for k in (2, 4, 8)]
+    results = [_load(root, f) for f in files]
+    if any(r is None or len(r["metrics"].get("cycles", [])) < 2 for r in results):
+        rows.append(_missing(target, goal, "ok " + ", ".join(files) + ", at least 2 cycles each"))
+    else:
+        seconds = [_last_replay_seconds_per_member(r) for r in results]
+        falling = all(a > b for a, b in zip(seconds, seconds[1:]))
+        rows.append(_row(target, goal, " > ".join(f"{s * 1e3:.1f} ms" for s in seconds) if falling
+                         else ", ".join(f"{s * 1e3:.1f} ms" for s in seconds), falling, ", ".join(files)))
+    return rows
+
+
 def evaluate_targets(results_dir) -> list[dict]:
     root = Path(results_dir)
     root = root / "points" if (root / "points").is_dir() else root
     return [peak_growth(root), capture_attention_rate(root), *capture_transients(root), *baselines(root),
             replay_floor(root), capture_floor_27b(root), one_command_27b(root), replay_transient_27b(root),
-            *replay_against_prefix_grouper(root)]
+            *replay_against_prefix_grouper(root), *members_as_a_schedule(root)]
