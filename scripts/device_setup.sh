@@ -11,8 +11,8 @@
 # - the real model (docs/gpu.md §6): links results/h200/checkpoints/smollm2-135m-instruct to the checkpoint
 #   that real_model_checkpoint built under /tmp on this box (kept while the box is held), and points the wheel
 #   cache (RULER's data) at /tmp/longstraw/wheels.
-# It defines device_point, device_points, save_triton_cache, real_model_stash and real_model_checkpoint, and
-# switches no shell options on (no set -e/pipefail).
+# It defines device_point, device_points, warm_libraries, save_triton_cache, real_model_stash and
+# real_model_checkpoint, and switches no shell options on (no set -e/pipefail).
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     .whl/*.whl $(ls .whl_bnb/*.whl .whl_peers/*.whl 2>/dev/null) || return 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TRITON_CACHE_AUTOTUNING=1 TRITON_CACHE_DIR=$PWD/.triton_cache
@@ -103,6 +103,26 @@ device_points() {
         [ "$status" -ne 0 ] && grep -v "^\s*$" "$folder/${experiment}__${point}.log" | tail -12 >&2
         tar czf "$archive.tmp" --exclude="*.work" -C "$folder" . && mv "$archive.tmp" "$archive"  # not the work folders: checkpoints
     done
+}
+
+# Read the CUDA libraries (cuDNN's engines, cuBLAS, torch's flash kernels) once in a throwaway process, so that
+# the first point's cold step is a fresh process's on a box that has run torch before, as every later point's
+# is: on a freshly started box the first process to touch cuDNN read its libraries from disk (measured: replay
+# at 8,192 as a command's first point, cold step 4.08 s with capture 1.46 s and replay 2.53 s in it; its
+# variants later in that command 0.37-0.45 s and 0.6-0.85 s).
+warm_libraries() {
+    python3 - <<'PY'
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+q = torch.randn(1, 8, 256, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION):
+    with sdpa_kernel(backend):
+        F.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
+(q.detach() @ q.detach().transpose(-1, -2)).sum().item()
+print("warm_libraries: cuDNN, flash and cuBLAS loaded")
+PY
 }
 
 # Pack .triton_cache into $OUT/triton_cache.tgz, last thing in a command; copy it from the returned
