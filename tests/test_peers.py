@@ -212,3 +212,24 @@ def test_a_cuda_step_that_ran_out_counts_its_peak_at_the_oom(tmp_path):
     [row] = section.step_rows(read_tables(tmp_path / "tables"))
     assert (row["system"], row["status"], row["cuda"], row["model_type"]) == ("trl", "oom", True, "qwen3_5")
     assert row["step_bytes"] == 149282074624
+
+
+def test_a_peer_is_compared_with_the_replay_point_named_as_its_own():
+    # two replay points at one cell (a one-batch one and a serial one): each peer point takes its named twin,
+    # a peer point without one takes none, and replay's own rows carry no ratio
+    from longstraw.report import peers as section
+
+    def named(point, system, step_bytes, seconds, warm):
+        return {**_row(system, 8192, 8, step_bytes, seconds), "point": point, "warm_step_seconds": warm}
+
+    rows = [named("warm_mode-replay_length-8192", "replay", 100, 1.0, 0.4),
+            named("warm_mode-replay-serial_length-8192", "replay", 90, 2.0, 1.0),
+            named("warm_mode-prefix_grouper_length-8192", "prefix_grouper", 120, 1.5, 0.6),
+            named("other_mode-prefix_grouper_length-8192", "prefix_grouper", 120, 1.5, 0.6)]
+    section._add_ratios(rows)
+    twin, orphan = rows[2], rows[3]
+    assert (twin["memory_over_replay_ratio"], twin["time_over_replay_ratio"]) == (1.2, 1.5)
+    assert twin["warm_time_over_replay_ratio"] == pytest.approx(1.5)
+    assert orphan["time_over_replay_ratio"] is None and rows[0]["time_over_replay_ratio"] is None
+    text = " ".join(section.peer_sentences("prefix_grouper", rows))
+    assert "(1 point): prefix_grouper's step memory is 1.20x replay's and its step time 1.50x; its warm step" in text

@@ -150,3 +150,24 @@ def test_the_g_schedule_targets_read_peaks_against_g_and_warm_time_per_member_ag
     _write(tmp_path, point.format(8, 8), _scheduled(1e10, [0.1, 0.7], 8))  # k=8 slower than k=4
     rows = {row["target"]: row for row in evaluate_targets(tmp_path)}
     assert rows[peak]["met"] is False and rows[time]["met"] is False
+
+
+def test_the_hybrid_trl_targets_read_warm_steps_and_the_boxs_kernel_rates(tmp_path):
+    root = tmp_path / "h200"
+    point = "peers/warm-hybrid-1b_mode-{}_length-32768_count-2.json"
+    config = {"mode": "replay", "model": {"preset": "hybrid-1b", "overrides": {}}, "prompt": {"length": 32768},
+              "responses": {"count": 2, "length": 2048}}
+    replay = {**_warm("replay", [40.0, 1.0, 1.2], 5e9), "config": config}  # warm: the median of 1.0 and 1.2
+    replay["metrics"]["trainable_parameters"] = 10**7
+    _write(root, point.format("replay"), replay)
+    _write(root, point.format("trl"), _warm("trl", [46.0, 44.0], 4e10))
+    speed = "replay over TRL, warm step, hybrid-1b, G=2, 32,768 positions"
+    floor = "replay's warm step over its FLOP floor, hybrid-1b, G=2, 32,768 positions"
+    rows = {row["target"]: row for row in evaluate_targets(root)}
+    assert rows[speed]["met"] is True and rows[speed]["measured"].startswith("40.0x")  # 44 / 1.1
+    assert rows[floor]["met"] is None  # no kernel rates beside the points
+    rate = {"tflops_per_second": 1e6}  # a million TFLOP/s: a floor of microseconds, so 1.1 s is far above it
+    _write(tmp_path, "h200-benchmarks/kernel_ceilings.json", {
+        "attention": {"head_dim_128": {"cudnn_forward": rate, "cudnn_backward": rate}}, "linear": {"gemm": rate}})
+    rows = {row["target"]: row for row in evaluate_targets(root)}
+    assert rows[floor]["met"] is False

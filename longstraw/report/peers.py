@@ -11,7 +11,8 @@ modes on the models a peer ran on, from every experiment's tables.
 - Capacity rows (`capacity_rows`): each capacity search's largest fitting prompt, grouped with the searches of
   other systems under the same ceiling, model, G and response length.
 - Sentences (`sentences`): per peer, what it does differently (`peers.DIFFERENCES`), then what was measured
-  against replay at the same model, prompt and G, derived from the rows: the range of its memory and time
+  against its replay point (the point named as its own with "replay" for the peer: the same settings), derived
+  from the rows: the range of its memory and time
   over replay's, and every point where it is lighter or faster than replay (or than all of our modes).
 - Not applicable: a peer that has no row on a model it does not apply to (`peers.not_applicable`).
 """
@@ -92,15 +93,26 @@ def _cell(row: dict) -> tuple:
 
 
 def _add_ratios(rows: list[dict]) -> None:
-    """Each ok row's memory and time over replay's at the same model, prompt, G and response length."""
-    replay = {_cell(r): r for r in rows if r["system"] == "replay" and r["status"] == "ok"}
+    """Each ok row's memory and time over its replay point's (`_replay_twin`); None for replay's own rows."""
+    replay = [r for r in rows if r["system"] == "replay" and r["status"] == "ok"]
     for row in rows:
-        base = replay.get(_cell(row))
+        base = _replay_twin(row, replay) if row["system"] != "replay" else None
         ok = row["status"] == "ok" and base is not None
         row["memory_over_replay_ratio"] = _ratio(row["step_bytes"], base["step_bytes"]) if ok else None
         row["time_over_replay_ratio"] = _ratio(row["step_seconds"], base["step_seconds"]) if ok else None
         row["warm_time_over_replay_ratio"] = (_ratio(row.get("warm_step_seconds"), base.get("warm_step_seconds"))
                                               if ok else None)
+
+
+def _replay_twin(row: dict, replay: list[dict]) -> dict | None:
+    """The replay point a row is compared with: the point of its experiment named as it is with its system
+    replaced by "replay" (`..._mode-prefix_grouper_length-8192` -> `..._mode-replay_length-8192`: the same
+    settings otherwise), else the one replay point at its model, prompt, G and response length (None when
+    there are several: which of them a ratio would mean is not known)."""
+    named = str(row["point"]).replace(row["system"], "replay")
+    twin = [r for r in replay if r["experiment"] == row["experiment"] and r["point"] == named]
+    same_cell = [r for r in replay if _cell(r) == _cell(row)]
+    return twin[0] if twin else (same_cell[0] if len(same_cell) == 1 else None)
 
 
 def _ratio(a, b):
@@ -133,6 +145,10 @@ def _where(row: dict) -> str:
     return f"P={int(row['prompt_length']):,} G={int(row['G'])}"
 
 
+def _points(n: int) -> str:
+    return f"{n} point" if n == 1 else f"{n} points"
+
+
 def _span(values) -> str:
     low, high = min(values), max(values)
     return f"{low:.2f}x" if abs(high - low) < 0.005 else f"{low:.2f}-{high:.2f}x"
@@ -152,10 +168,14 @@ def peer_sentences(peer: str, rows: list[dict]) -> list[str]:
         if paired:
             memory = [r["memory_over_replay_ratio"] for r in paired]
             time = [r["time_over_replay_ratio"] for r in paired if r["time_over_replay_ratio"] is not None]
-            text = (f"On {model}, against replay at the same prompt and G ({len(paired)} points): {peer}'s step "
-                    f"memory is {_span(memory)} replay's" + (f" and its step time {_span(time)}" if time else "") + ".")
-            for what, key, word in (("memory", "step_bytes", "lighter"), ("time", "step_seconds", "faster")):
-                better = [r for r in paired if r[key] is not None and r[key] < _replay(ours, r)[key]]
+            warm = [r["warm_time_over_replay_ratio"] for r in paired if r["warm_time_over_replay_ratio"] is not None]
+            text = (f"On {model}, against replay at the same prompt and G ({_points(len(paired))}): {peer}'s step "
+                    f"memory is {_span(memory)} replay's" + (f" and its step time {_span(time)}" if time else "")
+                    + (f"; its warm step (the median after the first, {_points(len(warm))}) {_span(warm)}" if warm
+                       else "") + ".")
+            for ratio, key, word in (("memory_over_replay_ratio", "step_bytes", "lighter"),
+                                     ("time_over_replay_ratio", "step_seconds", "faster")):
+                better = [r for r in paired if r[ratio] is not None and r[ratio] < 1]
                 best = [r for r in better if all(o[key] is not None and r[key] < o[key] for o in ours[_cell(r)])]
                 if better:
                     text += (f" It is {word} than replay at {', '.join(_where(r) for r in better)}"

@@ -199,19 +199,24 @@ def replay_floor(root: Path) -> dict:
 
 def floor_for(sweep: dict) -> dict:
     """The FLOP floor of one member of a recorded sweep, from its config and its own kernel rates."""
+    from longstraw.measure.flops import linear_parameters, replay_floor_seconds
+
+    config, model = _shapes(sweep["config"])
+    return replay_floor_seconds(config, linear_parameters(model), sweep["metrics"]["trainable_parameters"],
+                                sweep["config"]["responses"]["length"], sweep["metrics"]["capture"]["positions"],
+                                sweep["metrics"]["kernel_rates"])
+
+
+def _shapes(cfg: dict):
+    """(HF config, a meta-device model: shapes only) of a recorded point's preset."""
     import torch
     import transformers
 
-    from longstraw.measure.flops import linear_parameters, replay_floor_seconds
     from longstraw.models import MODEL_CLASSES, PRESETS, make_config
 
-    cfg = sweep["config"]
     config = make_config(cfg["model"]["preset"], **cfg["model"]["overrides"])
-    with torch.device("meta"):  # shapes only
-        model = getattr(transformers, MODEL_CLASSES[PRESETS[cfg["model"]["preset"]].model_type][1])(config)
-    return replay_floor_seconds(config, linear_parameters(model), sweep["metrics"]["trainable_parameters"],
-                                cfg["responses"]["length"], sweep["metrics"]["capture"]["positions"],
-                                sweep["metrics"]["kernel_rates"])
+    with torch.device("meta"):
+        return config, getattr(transformers, MODEL_CLASSES[PRESETS[cfg["model"]["preset"]].model_type][1])(config)
 
 
 def capture_floor_27b(root: Path) -> dict:
@@ -285,6 +290,52 @@ def replay_against_prefix_grouper(root: Path) -> list[dict]:
     return rows
 
 
+HYBRID_WARM_POINT = "peers/warm-hybrid-1b_mode-{mode}_length-32768_count-2.json"
+TRL_SPEEDUP_LIMIT = 10.0  # issue 32: replay's warm step at least 10x faster than TRL's on hybrid-1b
+CEILINGS = "../h200-benchmarks/kernel_ceilings.json"  # the box's measured kernel rates, beside the recorded points
+
+
+def step_floor(result: dict, ceilings: dict) -> dict:
+    """The FLOP floor of a replay step point (its capture and G members) at the box's measured kernel rates
+    (`kernel_ceilings.json`: cuDNN's attention rates at the model's head dim, the bf16 GEMM rate). A lower bound:
+    no recompute under checkpointing, no Gated DeltaNet, norm or elementwise work."""
+    from longstraw.measure.flops import capture_floor_seconds, head_dim, linear_parameters, replay_floor_seconds
+
+    cfg = result["config"]
+    config, model = _shapes(cfg)
+    rates = {**ceilings["attention"][f"head_dim_{head_dim(config)}"], "gemm": ceilings["linear"]["gemm"]}
+    positions, linear = cfg["prompt"]["length"] - 1, linear_parameters(model)
+    capture = capture_floor_seconds(config, linear, positions, rates)
+    member = replay_floor_seconds(config, linear, result["metrics"]["trainable_parameters"],
+                                  cfg["responses"]["length"], positions, rates)
+    count = cfg["responses"]["count"]
+    return {"seconds": capture["seconds"] + count * member["seconds"], "capture_seconds": capture["seconds"],
+            "replay_seconds": count * member["seconds"]}
+
+
+def replay_against_trl_hybrid(root: Path) -> list[dict]:
+    """Issue 32, hybrid-1b, G=2, 32,768: replay's warm step against TRL's, and against its own FLOP floor."""
+    files = {mode: HYBRID_WARM_POINT.format(mode=mode) for mode in ("replay", "trl")}
+    results = {mode: _load(root, path) for mode, path in files.items()}
+    complete = all(r is not None and len(r["metrics"].get("cycles", [])) >= 2 for r in results.values())
+    speed = ("replay over TRL, warm step, hybrid-1b, G=2, 32,768 positions", f">= {TRL_SPEEDUP_LIMIT:.0f}x faster")
+    floor = ("replay's warm step over its FLOP floor, hybrid-1b, G=2, 32,768 positions", f"<= {FLOOR_RATIO_LIMIT}x")
+    if not complete:
+        return [_missing(*speed, f"ok {', '.join(files.values())}, at least 2 cycles each"),
+                _missing(*floor, f"ok {files['replay']}, at least 2 cycles")]
+    ours, theirs = (step_columns(results[m])["warm_step_seconds"] for m in ("replay", "trl"))
+    rows = [_row(*speed, f"{theirs / ours:.1f}x ({theirs:.2f} s / {ours:.3f} s)", theirs / ours >= TRL_SPEEDUP_LIMIT,
+                 ", ".join(files.values()))]
+    ceilings_path = root / CEILINGS
+    if not ceilings_path.is_file():
+        return rows + [_missing(*floor, f"no {CEILINGS} (the box's kernel rates)")]
+    bound = step_floor(results["replay"], json.loads(ceilings_path.read_text()))
+    rows.append(_row(*floor, f"{ours / bound['seconds']:.1f}x ({ours:.3f} s / {bound['seconds']:.3f} s: capture "
+                     f"{bound['capture_seconds']:.3f} s, replay {bound['replay_seconds']:.3f} s)",
+                     ours / bound["seconds"] <= FLOOR_RATIO_LIMIT, f"{files['replay']}, {CEILINGS}"))
+    return rows
+
+
 SCHEDULE_POINT = "peers/mb-dense-1b_length-32768_count-{count}_k-{k}.json"
 SCHEDULE_PEAK_SPREAD = 1.05  # issue 32: at one k, the peaks for G = 2, 8, 32 within 5% of each other
 
@@ -326,4 +377,4 @@ def evaluate_targets(results_dir) -> list[dict]:
     root = root / "points" if (root / "points").is_dir() else root
     return [peak_growth(root), capture_attention_rate(root), *capture_transients(root), *baselines(root),
             replay_floor(root), capture_floor_27b(root), one_command_27b(root), replay_transient_27b(root),
-            *replay_against_prefix_grouper(root), *members_as_a_schedule(root)]
+            *replay_against_prefix_grouper(root), *replay_against_trl_hybrid(root), *members_as_a_schedule(root)]
