@@ -16,6 +16,7 @@ import argparse
 import json
 import statistics
 import time
+from dataclasses import replace
 
 import torch
 
@@ -36,10 +37,6 @@ def timed(fn, device, repeats: int = 1):
         synchronize(device)
         seconds.append(time.perf_counter() - start)
     return seconds[0], (statistics.median(seconds[1:]) if len(seconds) > 1 else None)
-
-
-def lora_parameters(model):
-    return [p for n, p in model.named_parameters() if "lora_" in n]
 
 
 def replay_group(model, state, responses, k):
@@ -70,55 +67,48 @@ def member_profile(model, state, response, device) -> dict:
 
 
 def measure(cfg, device) -> dict:
-    recorder = PhaseRecorder(device)
-    model, vocab, prompt = policy_and_prompt(cfg, recorder)
-    responses, rewards = seeded_group(cfg, cfg.responses.count, vocab, device)
-    G = len(responses)
-    out = {"point": cfg.name, "prompt_length": cfg.prompt.length, "G": G, "response_length": cfg.responses.length}
-    chunk = cfg.capture.kwargs()
-    holder = {}
-
-    def do_capture():
-        holder["state"] = None
-        holder["state"] = capture(model, prompt, **chunk)
-
+    out = {"point": cfg.name, "prompt_length": cfg.prompt.length, "G": cfg.responses.count,
+           "response_length": cfg.responses.length}
     rows = []
-    for kernel in ("cudnn", "flash"):
-        with forward_kernel(kernel):
-            out[f"capture_first_{kernel}"], out[f"capture_warm_{kernel}"] = timed(do_capture, device, 3)
-            state = holder["state"]
-            for k in (1, G):
-                first, warm = timed(lambda: replay_group(model, state, responses, k), device, 3)
-                rows.append({"kernel": kernel, "k": k, "lora": "float32", "first": first, "warm": warm,
-                             "warm_per_member": warm / G})
-                print(f"{cfg.prompt.length} {kernel} k={k} lora fp32: first {first:.3f} s, warm {warm:.3f} s "
-                      f"({warm / G * 1e3:.1f} ms a member)", flush=True)
-    out["profile_member_lora_float32"] = member_profile(model, state, responses[0], device)
-    for p in lora_parameters(model):
-        p.data = p.data.to(torch.bfloat16 if cfg.model.dtype == "bfloat16" else p.dtype)
-    del state
-    state = capture(model, prompt, **chunk)  # the weights changed: a state of the new ones
-    for k in (1, G):
-        first, warm = timed(lambda: replay_group(model, state, responses, k), device, 3)
-        rows.append({"kernel": "cudnn", "k": k, "lora": "model dtype", "first": first, "warm": warm,
-                     "warm_per_member": warm / G})
-        print(f"{cfg.prompt.length} cudnn k={k} lora {cfg.model.dtype}: first {first:.3f} s, warm {warm:.3f} s "
-              f"({warm / G * 1e3:.1f} ms a member)", flush=True)
-    out["profile_member_lora_model_dtype"] = member_profile(model, state, responses[0], device)
-    for p in lora_parameters(model):
-        p.data = p.data.float()
+    for adapters, kernels in (("float32", ("cudnn", "flash")), ("model", ("cudnn",))):
+        point = replace(cfg, model=replace(cfg.model, lora=replace(cfg.model.lora, dtype=adapters)))
+        model, vocab, prompt = policy_and_prompt(point, PhaseRecorder(device))
+        responses, rewards = seeded_group(point, point.responses.count, vocab, device)
+        G, held = len(responses), {}
+
+        def fresh_capture():
+            held.pop("state", None)  # the previous state freed first, as a step would
+            held["state"] = capture(model, prompt, **point.capture.kwargs())
+
+        for kernel in kernels:
+            with forward_kernel(kernel):
+                out[f"capture_first_{kernel}_{adapters}"], out[f"capture_warm_{kernel}_{adapters}"] = timed(
+                    fresh_capture, device, 3)
+                for k in (1, G):
+                    first, warm = timed(lambda: replay_group(model, held["state"], responses, k), device, 3)
+                    rows.append({"kernel": kernel, "k": k, "lora": adapters, "first": first, "warm": warm,
+                                 "warm_per_member": warm / G})
+                    print(f"{cfg.prompt.length} {kernel} k={k} lora {adapters}: first {first:.3f} s, warm "
+                          f"{warm:.3f} s ({warm / G * 1e3:.1f} ms a member)", flush=True)
+        out[f"profile_member_lora_{adapters}"] = member_profile(model, held.pop("state"), responses[0], device)
+        if adapters == "float32":
+            out.update(prefix_grouper_steps(model, point, prompt, responses, rewards, device))
+        del model
     out["replays"] = rows
-    del state, holder["state"]
+    return out
+
+
+def prefix_grouper_steps(model, cfg, prompt, responses, rewards, device) -> dict:
+    """PrefixGrouper's first and warm step on the same model and group (or why it could not run)."""
     try:
         from longstraw.peers import build_peer
 
         peer = build_peer("prefix_grouper", model, cfg.grpo, max_response_length=cfg.responses.length)
         optimizer = optimizer_for(model, cfg)
-        out["prefix_grouper_first"], out["prefix_grouper_warm"] = timed(
-            lambda: peer.step(prompt, responses, rewards, optimizer), device, 3)
+        first, warm = timed(lambda: peer.step(prompt, responses, rewards, optimizer), device, 3)
+        return {"prefix_grouper_first": first, "prefix_grouper_warm": warm}
     except Exception as exc:  # the peers' extra absent: say so, keep the rest
-        out["prefix_grouper_error"] = f"{type(exc).__name__}: {exc}"
-    return out
+        return {"prefix_grouper_error": f"{type(exc).__name__}: {exc}"}
 
 
 def main() -> int:

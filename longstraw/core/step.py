@@ -360,13 +360,10 @@ def _replay_and_backward(model, prompt_ids, state, responses, old, ref, advantag
                 logps_k = replay_members(model, state, [responses[i] for i in members],
                                          checkpoint_layers=checkpoint_layers)
                 losses_k = member_losses(members, logps_k)
-                total = losses_k[0]
-                for loss in losses_k[1:]:
-                    total = total + loss
-                total.backward()
+                torch.stack(losses_k).sum().backward()
             losses += [l.detach() for l in losses_k]
             logps += [lp.detach() for lp in logps_k]
-            del logps_k, losses_k, total
+            del logps_k, losses_k
             if options.micro_batch == "auto" and start == 0:
                 k = members_that_fit(meter.peak, options.member_budget_bytes, state.device, len(responses) - 1)
             start = members.stop

@@ -33,6 +33,14 @@ DEFAULT_CHUNK = {"cpu": 2048, "cuda": 16384}
 
 
 def _as_ids(ids, name: str, adapter) -> torch.Tensor:
+    """`ids` checked (`_shaped_ids`, then `_check_vocabulary`) as a 1-D int64 tensor."""
+    ids = _shaped_ids(ids, name, adapter)
+    _check_vocabulary(ids, name, adapter)
+    return ids
+
+
+def _shaped_ids(ids, name: str, adapter) -> torch.Tensor:
+    """`ids` as a 1-D int64 tensor on the model's device, or a clear error (no host sync)."""
     if not isinstance(ids, torch.Tensor):
         raise TypeError(f"{name} must be a torch.LongTensor, got {type(ids).__name__}")
     if ids.dtype not in (torch.int64, torch.int32):
@@ -45,10 +53,14 @@ def _as_ids(ids, name: str, adapter) -> torch.Tensor:
         raise ValueError(f"{name} is empty")
     if ids.device != adapter.device:
         raise ValueError(f"{name} is on {ids.device} but the model is on {adapter.device}")
-    low, high = int(ids.min()), int(ids.max())
+    return ids.long()
+
+
+def _check_vocabulary(ids, name: str, adapter) -> None:
+    """Refuse ids outside the vocabulary (one host sync)."""
+    low, high = (int(v) for v in torch.stack([ids.min(), ids.max()]).tolist())
     if low < 0 or high >= adapter.vocab_size:
         raise ValueError(f"{name} has ids outside the vocabulary [0, {adapter.vocab_size}): min {low}, max {high}")
-    return ids.long()
 
 
 def capture(model, prompt_ids, prefix_grad: bool = False, *, chunk_size: int | None = None, order: str = "auto",
@@ -215,7 +227,9 @@ def replay_members(model, state: ResidentState, responses, *, rows_per_chunk: in
     samples; a GDN state is repeated). One response is `replay` exactly: no padding, the entries as they are."""
     adapter = adapter_for(model)
     check_state(adapter, state)
-    targets = [_as_ids(y, "response_ids", adapter) for y in responses]
+    targets = [_shaped_ids(y, "response_ids", adapter) for y in responses]
+    every_target = torch.cat(targets)
+    _check_vocabulary(every_target, "response_ids", adapter)  # one host sync for the k members
     lengths = [t.numel() for t in targets]
     state.check_positions(max(lengths), "response_ids")
     longest = max(lengths)
@@ -235,7 +249,7 @@ def replay_members(model, state: ResidentState, responses, *, rows_per_chunk: in
         h = adapter.final_hidden(h)
     rows = h[0] if len(targets) == 1 else torch.cat([h[i, :n] for i, n in enumerate(lengths)])
     kwargs = {"rows_per_chunk": rows_per_chunk} if rows_per_chunk else {}
-    return list(token_logprobs(rows, adapter.lm_head, torch.cat(targets), **kwargs).split(lengths))
+    return list(token_logprobs(rows, adapter.lm_head, every_target, **kwargs).split(lengths))
 
 
 def members_view(entry, members: int):

@@ -159,7 +159,7 @@ def decode_partial(q_BHTD, k_shared_1KPD, v_shared_1KPD, k_own_BKND=None, v_own_
         out_BHTD, lse_BHT = out_BHTD.to(acc).contiguous(), lse_BHT.to(acc).contiguous()
     P = k_shared_1KPD.shape[2]
     if P:
-        q_1KMD = q_in.reshape(B, K, G, D).transpose(0, 1).reshape(1, K, B * G, D).contiguous()
+        q_1KMD = _fold(q_in.reshape(B, K, G, D))
         out_1KMD = torch.zeros(1, K, B * G, Dv, dtype=acc, device=q_BHTD.device)
         lse_1KM = torch.full((1, K, B * G), float("-inf"), dtype=acc, device=q_BHTD.device)
         size = block_size or (MATH_BLOCK_SIZE if kernel == "math" else CUDA_BLOCK_SIZE)
@@ -167,8 +167,7 @@ def decode_partial(q_BHTD, k_shared_1KPD, v_shared_1KPD, k_own_BKND=None, v_own_
             blk = slice(start, start + size)
             o_b, l_b = block_fwd(q_1KMD, k_shared_1KPD[:, :, blk], v_shared_1KPD[:, :, blk], scale)
             lse_merge_(out_1KMD, lse_1KM, o_b.to(acc), l_b.to(acc))
-        shared_BHTD = out_1KMD.reshape(K, B, G, Dv).transpose(0, 1).reshape(B, H, 1, Dv)
-        lse_merge_(out_BHTD, lse_BHT, shared_BHTD, lse_1KM.reshape(K, B, G).transpose(0, 1).reshape(B, H, 1))
+        lse_merge_(out_BHTD, lse_BHT, _unfold(out_1KMD, B).reshape(B, H, 1, Dv), _unfold(lse_1KM, B).reshape(B, H, 1))
     return out_BHTD, lse_BHT
 
 
@@ -396,7 +395,7 @@ def _shares_prefix(B: int, k_BKPD) -> bool:
 def _fold(x_BKM_):
     """[B, K, M, ...] -> [1, K, B * M, ...] (contiguous): B sequences' rows as rows of one batch."""
     B, K, M = x_BKM_.shape[:3]
-    return x_BKM_.transpose(0, 1).reshape(1, K, B * M, *x_BKM_.shape[3:])
+    return x_BKM_.transpose(0, 1).reshape(1, K, B * M, *x_BKM_.shape[3:]).contiguous()  # B = 1 may be a view
 
 
 def _unfold(x_1KF_, B: int):
