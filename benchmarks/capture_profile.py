@@ -1,5 +1,5 @@
-"""Where a capture's time goes: a preset's capture timed at two chunk sizes, then one capture under
-torch.profiler, its top CUDA kernels and CPU ops printed (CUDA).
+"""Where a capture's time goes: a preset's capture timed at two chunk sizes in each loop order (chunk-major,
+layer-major), then one capture under torch.profiler, its top CUDA kernels and CPU ops printed (CUDA).
 
     python benchmarks/capture_profile.py --preset qwen3.6-27b-shape --nf4 --lora-targets all-linear \
         --positions 65536 --out $OUT/capture_profile.json
@@ -20,10 +20,10 @@ from longstraw.measure.provenance import provenance
 from longstraw.results import write_json_atomic
 
 
-def timed_capture(model, prompt, chunk: int) -> float:
+def timed_capture(model, prompt, chunk: int, order: str = "chunk") -> float:
     torch.cuda.synchronize()
     start = time.perf_counter()
-    state = capture(model, prompt, chunk_size=chunk, order="chunk", progress=False)
+    state = capture(model, prompt, chunk_size=chunk, order=order, progress=False)
     torch.cuda.synchronize()
     del state
     torch.cuda.empty_cache()
@@ -37,6 +37,7 @@ def main() -> None:
     parser.add_argument("--lora-targets", default="all-linear")
     parser.add_argument("--positions", type=int, default=65536)
     parser.add_argument("--chunks", type=int, nargs="+", default=[16384, 32768])
+    parser.add_argument("--orders", nargs="+", default=["chunk", "layer"], choices=["chunk", "layer"])
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -45,9 +46,12 @@ def main() -> None:
     vocab = model.get_input_embeddings().weight.shape[0]
     prompt = torch.randint(0, vocab, (args.positions + 1,), generator=torch.Generator().manual_seed(0)).cuda()
     timed_capture(model, prompt[: args.chunks[0] + 1], args.chunks[0])  # warm-up: kernels compiled, plans built
-    seconds = {chunk: timed_capture(model, prompt, chunk) for chunk in args.chunks}
-    for chunk, s in seconds.items():
-        print(f"capture of {args.positions:,} positions, chunk {chunk}: {s:.2f} s")
+    seconds = {}
+    for order in args.orders:
+        for chunk in args.chunks:
+            seconds[f"{order}-{chunk}"] = timed_capture(model, prompt, chunk, order)
+            print(f"capture of {args.positions:,} positions, {order}-major, chunk {chunk}: "
+                  f"{seconds[f'{order}-{chunk}']:.2f} s", flush=True)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         timed_capture(model, prompt[: 2 * args.chunks[0] + 1], args.chunks[0])
     table = prof.key_averages()

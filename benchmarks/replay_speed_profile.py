@@ -24,6 +24,7 @@ from longstraw.core.transaction import capture, replay_members
 from longstraw.harness.plan import expand, load_experiment
 from longstraw.kernels.paged_attention import forward_kernel
 from longstraw.kinds.common import optimizer_for, policy_and_prompt, seeded_group
+from longstraw.measure.kernel_profile import kernel_profile
 from longstraw.measure.memory import PhaseRecorder, synchronize
 
 
@@ -49,21 +50,8 @@ def replay_group(model, state, responses, k):
 
 def member_profile(model, state, response, device) -> dict:
     """One warm member (k=1) under torch.profiler: kernels launched, their summed time, the wall."""
-    from torch.profiler import ProfilerActivity, profile
-
     replay_group(model, state, [response], 1)
-    synchronize(device)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        start = time.perf_counter()
-        replay_group(model, state, [response], 1)
-        synchronize(device)
-        wall = time.perf_counter() - start
-    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    kernel_seconds = sum(e.device_time for e in kernels) / 1e6
-    top = sorted(prof.key_averages(), key=lambda e: e.device_time_total, reverse=True)[:12]
-    return {"wall_seconds": wall, "kernels": len(kernels), "kernel_seconds": kernel_seconds,
-            "busy_fraction": kernel_seconds / wall,
-            "top": [{"name": e.key[:90], "calls": e.count, "seconds": e.device_time_total / 1e6} for e in top]}
+    return kernel_profile(lambda: replay_group(model, state, [response], 1), device)
 
 
 def measure(cfg, device) -> dict:

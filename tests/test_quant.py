@@ -244,19 +244,45 @@ def test_capture_runs_lora_over_nf4_merged_and_its_state_matches_the_unmerged_fo
     merged_weight = quant.merged_weight
     monkeypatch.setattr(quant, "merged_weight", lambda *a: calls.append(a) or merged_weight(*a))
     prompt = _ids(300, 0)
-    merged = capture(model, prompt, chunk_size=128)
+    merged = capture(model, prompt, chunk_size=128, order="chunk")
     assert len(calls) == 2 * len(layers)  # every LoRA layer in the two 128-row chunks; the 43-row tail: peft
     calls.clear()
     with torch.no_grad():
         replay(model, merged, _ids(70, 1))
     assert not calls, "scoring must keep peft's forward"
     monkeypatch.setattr(transaction, "merged_lora_for_capture", contextlib.nullcontext)
-    unmerged = capture(model, prompt, chunk_size=128)
+    unmerged = capture(model, prompt, chunk_size=128, order="chunk")
     assert not calls
     # merged (dequantise(W) + s B A, one GEMM) against peft's W x + s B (A x): each layer's projections round
     # their hidden-size reductions otherwise, and carry the earlier layers' difference (measured <= 2.2e-6)
     config = model.get_base_model().config
     tol = float32_tolerance(config.hidden_size, roundings=config.num_hidden_layers)
     for a, b in zip(merged.layers, unmerged.layers):
+        for ta, tb in zip(a.tensors(), b.tensors()):
+            within(relative(ta, tb), tol, "state")
+
+
+@pytest.mark.numerics
+def test_layer_major_capture_builds_each_merged_weight_once_and_leaves_the_chunk_major_state(monkeypatch):
+    """Layer-major capture keeps a layer's merged NF4 + LoRA weights while the layer runs its chunks: one
+    `merged_weight` per LoRA layer for two full chunks (chunk-major builds it per chunk), and the same state."""
+    import longstraw.models.quant as quant
+
+    model = apply_lora(quantize_nf4(build_model("tiny-qwen3_5", seed=0)), r=4, init_random=True)
+    layers = [m for m in model.modules() if isinstance(m, LoraLinear4bit)]
+    calls = []
+    merged_weight = quant.merged_weight
+    monkeypatch.setattr(quant, "merged_weight", lambda *a: calls.append(a) or merged_weight(*a))
+    prompt = _ids(300, 0)
+    by_chunk = capture(model, prompt, chunk_size=128, order="chunk")
+    assert len(calls) == 2 * len(layers)
+    calls.clear()
+    by_layer = capture(model, prompt, chunk_size=128, order="layer")
+    assert len(calls) == len(layers)  # once per layer; the 43-row tail takes peft's forward in both orders
+    assert quant._kept is None  # nothing kept once the capture ends
+    # the same weights and the same per-chunk arithmetic in another loop order: float32 rounding at most
+    config = model.get_base_model().config
+    tol = float32_tolerance(config.hidden_size, roundings=config.num_hidden_layers)
+    for a, b in zip(by_chunk.layers, by_layer.layers):
         for ta, tb in zip(a.tensors(), b.tensors()):
             within(relative(ta, tb), tol, "state")

@@ -197,6 +197,24 @@ def test_step_applies_the_optimizer_and_reports_phases():
     assert metrics["resident_bytes"] == metrics["predicted_resident_bytes"]
 
 
+@pytest.mark.parametrize("micro_batch", [1, 2])
+def test_a_step_checks_its_responses_ids_once_whatever_its_batches(monkeypatch, micro_batch):
+    """The vocabulary check costs a host sync: a step makes it once for the group, not once per batch."""
+    import longstraw.core.step as step
+    import longstraw.core.transaction as transaction
+
+    checked = []
+    check = transaction.check_vocabulary
+    for module in (step, transaction):
+        monkeypatch.setattr(module, "check_vocabulary", lambda ids, name, adapter: checked.append(name) or
+                            check(ids, name, adapter))
+    model = build_model("tiny-qwen3", seed=0)
+    prompt, responses, rewards = _group(seed=2)
+    _step(model, prompt, responses, rewards, torch.optim.SGD(model.parameters(), lr=0.1),
+          grpo.GRPOConfig(num_generations=4, beta=0.0), micro_batch=micro_batch)
+    assert sorted(checked) == ["prompt_ids", "responses"]
+
+
 @pytest.mark.numerics
 @pytest.mark.parametrize("mode", ["replay", "naive"])
 def test_one_member_probe_reaches_the_full_steps_graph_peak_and_gradient_share(mode):

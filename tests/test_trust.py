@@ -275,7 +275,7 @@ def test_response_ids_outside_the_vocabulary_are_refused_before_the_capture(monk
     def no_capture(*args, **kwargs):
         raise AssertionError("captured before the responses were checked")
     monkeypatch.setattr("longstraw.core.step.capture", no_capture)
-    with pytest.raises(ValueError, match=r"responses: ids outside the vocabulary \[0, 256\): min 0, max 300"):
+    with pytest.raises(ValueError, match=r"responses has ids outside the vocabulary \[0, 256\): min 0, max 300"):
         grpo_step(model, prompt, [torch.tensor([0, 300]), _ids(2, 2)], rewards,
                   torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1),
                   GRPOConfig(num_generations=2))

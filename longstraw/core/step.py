@@ -30,8 +30,8 @@ import torch
 from longstraw.core import grpo
 from longstraw.core.hf_reference import hf_torch_gdn_kernels
 from longstraw.core.exact import clear_page_gradients
-from longstraw.core.transaction import (capture, check_deterministic, check_members_entry, check_state, replay,
-                                        replay_members, reuse_state, score)
+from longstraw.core.transaction import (capture, check_deterministic, check_members_entry, check_state,
+                                        check_vocabulary, replay, replay_members, reuse_state, score)
 from longstraw.families import adapter_for
 from longstraw.kernels.logprobs import token_logprobs
 from longstraw.measure.memory import GraphBytesMeter, PhaseRecorder
@@ -276,9 +276,7 @@ def check_step_inputs(adapter, prompt_ids, responses, options: StepOptions, stat
     ids = torch.cat([r.reshape(-1) for r in responses])
     if ids.dtype not in (torch.int64, torch.int32) or ids.device != adapter.device:
         raise ValueError(f"responses: integer token ids on {adapter.device}, got {ids.dtype} on {ids.device}")
-    low, high = (int(v) for v in torch.stack([ids.min(), ids.max()]).tolist())
-    if low < 0 or high >= adapter.vocab_size:
-        raise ValueError(f"responses: ids outside the vocabulary [0, {adapter.vocab_size}): min {low}, max {high}")
+    check_vocabulary(ids, "responses", adapter)
     limit = state.max_positions if state is not None else (
         None if options.capture.get("beyond_max_positions") else getattr(adapter.config, "max_position_embeddings",
                                                                           None) or None)
@@ -357,8 +355,8 @@ def _replay_and_backward(model, prompt_ids, state, responses, old, ref, advantag
         while start < len(responses):
             members = range(start, min(start + k, len(responses)))
             with recorder.phase("replay"):
-                logps_k = replay_members(model, state, [responses[i] for i in members],
-                                         checkpoint_layers=checkpoint_layers)
+                logps_k = replay_members(model, state, [responses[i] for i in members],  # ids: check_step_inputs
+                                         checkpoint_layers=checkpoint_layers, ids_checked=True)
                 losses_k = member_losses(members, logps_k)
                 torch.stack(losses_k).sum().backward()
             losses += [l.detach() for l in losses_k]

@@ -26,16 +26,16 @@ from longstraw.kernels.logprobs import token_logprobs
 from longstraw.kernels.paged_attention import ForwardMemo
 from longstraw.measure.memory import synchronize
 from longstraw.measure.progress import CaptureProgress
-from longstraw.models.quant import merged_lora_for_capture
+from longstraw.models.quant import merged_lora_for_capture, merged_weights_kept
 from longstraw.state import RecurrentState, ResidentState, chain_host_pages, prompt_digest
 
 DEFAULT_CHUNK = {"cpu": 2048, "cuda": 16384}
 
 
 def _as_ids(ids, name: str, adapter) -> torch.Tensor:
-    """`ids` checked (`_shaped_ids`, then `_check_vocabulary`) as a 1-D int64 tensor."""
+    """`ids` checked (`_shaped_ids`, then `check_vocabulary`) as a 1-D int64 tensor."""
     ids = _shaped_ids(ids, name, adapter)
-    _check_vocabulary(ids, name, adapter)
+    check_vocabulary(ids, name, adapter)
     return ids
 
 
@@ -56,7 +56,7 @@ def _shaped_ids(ids, name: str, adapter) -> torch.Tensor:
     return ids.long()
 
 
-def _check_vocabulary(ids, name: str, adapter) -> None:
+def check_vocabulary(ids, name: str, adapter) -> None:
     """Refuse ids outside the vocabulary (one host sync)."""
     low, high = (int(v) for v in torch.stack([ids.min(), ids.max()]).tolist())
     if low < 0 or high >= adapter.vocab_size:
@@ -144,10 +144,11 @@ def capture(model, prompt_ids, prefix_grad: bool = False, *, chunk_size: int | N
         else:
             h_all = adapter.embed(ids[None, :positions])
             for i, entry in enumerate(state.layers):
-                for start in starts:
-                    h = h_all[:, start:start + chunk]
-                    pe = adapter.position_embeddings(h, start)
-                    h_all[:, start:start + chunk] = forward_layer(i, h, pe, entry, start)
+                with merged_weights_kept():  # the layer's merged NF4 + LoRA weights, built once for its chunks
+                    for start in starts:
+                        h = h_all[:, start:start + chunk]
+                        pe = adapter.position_embeddings(h, start)
+                        h_all[:, start:start + chunk] = forward_layer(i, h, pe, entry, start)
                 progress_bar.advance_to((i + 1) * positions, label=f"capture layer {i + 1}/{adapter.num_layers}")
             del h_all
     progress_bar.close()
@@ -218,18 +219,21 @@ def replay(model, state: ResidentState, response_ids, *, rows_per_chunk: int | N
 
 
 def replay_members(model, state: ResidentState, responses, *, rows_per_chunk: int | None = None,
-                   checkpoint_layers: bool = False) -> list[torch.Tensor]:
+                   checkpoint_layers: bool = False, ids_checked: bool = False) -> list[torch.Tensor]:
     """`replay` of k responses as one batch: one float32 [R_i] tensor per response, under one graph.
 
     The responses are right-padded to the longest (a pad comes after every token of its row, so causally
     no real token reads it) and each layer's entry is read as k sequences share it (`members_view`:
     attention pages are read in place, the rows of the k members folded over them as decoding folds its
-    samples; a GDN state is repeated). One response is `replay` exactly: no padding, the entries as they are."""
+    samples; a GDN state is repeated). One response is `replay` exactly: no padding, the entries as they are.
+    `ids_checked=True`: the caller has checked the ids against the vocabulary (`grpo_step` does, once for the
+    group), so the batch runs without that check's host sync."""
     adapter = adapter_for(model)
     check_state(adapter, state)
     targets = [_shaped_ids(y, "response_ids", adapter) for y in responses]
     every_target = torch.cat(targets)
-    _check_vocabulary(every_target, "response_ids", adapter)  # one host sync for the k members
+    if not ids_checked:
+        check_vocabulary(every_target, "response_ids", adapter)  # one host sync for the k members
     lengths = [t.numel() for t in targets]
     state.check_positions(max(lengths), "response_ids")
     longest = max(lengths)

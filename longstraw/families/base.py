@@ -9,6 +9,7 @@ resident entry layer i keeps), `mix(i, x, pe, entry, capturing)` (its token mixi
 
 from __future__ import annotations
 
+import functools
 from contextlib import nullcontext
 
 import torch
@@ -77,9 +78,16 @@ class FamilyAdapter:
     def selected(self, implementation: str = IMPLEMENTATION):
         """Context in which the HF attention modules dispatch to the paged implementation (or another
         registered attention `implementation`)."""
+        configs = self._attention_configs
+        return longstraw_attention_selected(configs, implementation) if configs else nullcontext()
+
+    @functools.cached_property
+    def _attention_configs(self) -> list:
+        # walked once per adapter: a checkpointed replay enters `selected()` again in every segment's recompute,
+        # and on the 27B shape (thousands of modules) the walk costs milliseconds each time
         configs = {id(m.config): m.config for m in self.lm.modules() if hasattr(m, "config")
                    and hasattr(m.config, "_attn_implementation_internal")}
-        return longstraw_attention_selected(configs.values(), implementation) if configs else nullcontext()
+        return list(configs.values())
 
     def binding(self) -> ModelBinding:
         """What a state captured now depends on (`ResidentState.check_model` compares it)."""

@@ -25,7 +25,9 @@ Capture (`merged_lora_for_capture()`, which `longstraw.capture` enters) goes one
 LoRA layer over a 4-bit base runs as one GEMM on dequantise(W) + scaling * B @ A, instead of the base
 GEMM, peft's defensive clone of its output and LoRA's float32 side path (a float32 copy of the input
 and of the output per layer): on the 27B shape that side path was 40% of a capture chunk's GPU time.
-Only graph-free many-row calls inside a capture take it; scoring and replay keep peft's forward, so the
+A layer-major capture keeps each layer's merged weights while that layer runs its chunks
+(`merged_weights_kept`), so they are built once per layer, not once per chunk. Only graph-free many-row
+calls inside a capture take it; scoring and replay keep peft's forward, so the
 log-probs GRPO compares come from one computation. In bf16 the merged weight's rounding differs from
 the unmerged sum's by bf16 rounding; in float32 they agree to float32 rounding.
 
@@ -57,6 +59,7 @@ from torch import nn
 from longstraw.kernels.nf4_linear import DEQUANTIZE_MIN_ROWS, DequantizedMatmul, merged_weight
 
 _merging = False  # inside merged_lora_for_capture()
+_kept: dict | None = None  # inside merged_weights_kept(): each layer's merged weight, built once
 
 
 @contextmanager
@@ -68,6 +71,19 @@ def merged_lora_for_capture():
         yield
     finally:
         _merging = previous
+
+
+@contextmanager
+def merged_weights_kept():
+    """Inside a capture, build each LoRA-over-NF4 layer's merged weight once and reuse it for every call
+    until the context ends. A layer-major capture enters it per layer: one layer's merged weights are kept
+    while that layer runs all its chunks, instead of being rebuilt (dequantised, summed in float32) per chunk."""
+    global _kept
+    previous, _kept = _kept, {}
+    try:
+        yield
+    finally:
+        _kept = previous
 
 
 @functools.cache
@@ -100,9 +116,13 @@ def merging_lora_class():
                     or x.numel() < DEQUANTIZE_MIN_ROWS * x.shape[-1]):
                 return super().forward(x, *args, **kwargs)
             base = self.base_layer
-            fix_4bit_weight_quant_state_from_module(base)
-            weight = merged_weight(base.weight, self.lora_A[adapter].weight, self.lora_B[adapter].weight,
-                                   self.scaling[adapter], base.compute_dtype)
+            weight = _kept.get(self) if _kept is not None else None
+            if weight is None:
+                fix_4bit_weight_quant_state_from_module(base)
+                weight = merged_weight(base.weight, self.lora_A[adapter].weight, self.lora_B[adapter].weight,
+                                       self.scaling[adapter], base.compute_dtype)
+                if _kept is not None:
+                    _kept[self] = weight
             bias = None if base.bias is None else base.bias.to(base.compute_dtype)
             return F.linear(x.to(base.compute_dtype), weight, bias).to(x.dtype)
 

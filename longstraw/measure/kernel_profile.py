@@ -1,0 +1,28 @@
+"""How launch-bound a call is: one call under torch.profiler, its kernels counted and timed against the wall."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from longstraw.measure.memory import synchronize
+
+
+def kernel_profile(fn, device, top: int = 12) -> dict:
+    """Run `fn()` once under torch.profiler (CPU and CUDA activity): the kernels it launched, their summed
+    device time, the wall, the fraction of the wall the device was busy, and the `top` ops by device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    synchronize(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        wall = time.perf_counter() - start
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernel_seconds = sum(e.device_time for e in kernels) / 1e6
+    ops = sorted(prof.key_averages(), key=lambda e: e.device_time_total, reverse=True)[:top]
+    return {"wall_seconds": wall, "kernels": len(kernels), "kernel_seconds": kernel_seconds,
+            "busy_fraction": kernel_seconds / wall if wall else None,
+            "top": [{"name": e.key[:90], "calls": e.count, "seconds": e.device_time_total / 1e6} for e in ops]}
