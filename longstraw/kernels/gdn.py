@@ -27,8 +27,9 @@ of C tokens starting from state S0, with cumulative log decay
     S_end  = exp(G_C) S0 + (diag(exp(G_C - G)) K)^T U
 
 The unit-lower-triangular system is solved with ``torch.linalg.solve_triangular``
-(differentiable), and the scan over chunks is a plain Python loop whose
-per-chunk outputs are gathered in a list and concatenated: nothing autograd
+(differentiable); the scan over chunks is a plain Python loop that carries only
+the state (each chunk's start state and delta writes gathered in lists and
+stacked), and every chunk's output is then two batched matmuls: nothing autograd
 saved is ever written in place, and no input tensor is modified.
 
 Simplifications / conventions (kept identical to HF's ``torch_chunk_gated_delta_rule``
@@ -276,16 +277,19 @@ def _intra_chunk(q_BHNCD, k_BHNCD, v_BHNCV, g_BHNC, beta_BHNC):
 
 
 def _scan_chunks(state_BHDV, u0_BHNCV, w_BHNCD, attn_BHNCC, q_from_start_BHNCD, k_to_end_BHNCD, chunk_decay_BHN):
-    """Sequential pass over chunks; returns per-chunk outputs (a list) and the final state."""
-    outs_BHCV = []
-    for n in range(u0_BHNCV.shape[2]):
-        u_BHCV = u0_BHNCV[:, :, n] - w_BHNCD[:, :, n] @ state_BHDV
-        outs_BHCV.append(q_from_start_BHNCD[:, :, n] @ state_BHDV + attn_BHNCC[:, :, n] @ u_BHCV)
-        state_BHDV = (
-            state_BHDV * chunk_decay_BHN[:, :, n, None, None]
-            + k_to_end_BHNCD[:, :, n].transpose(-1, -2) @ u_BHCV
-        )
-    return outs_BHCV, state_BHDV
+    """The state's pass over the chunks, the only sequential part: each chunk's start state and delta writes
+    ``u``; then every chunk's output in two batched matmuls. Returns ``(out_BHNCV, final_state_BHDV)``.
+    The chunks are taken with ``unbind`` (its backward is one ``stack``): indexing chunk ``n`` would give
+    every chunk a backward that writes a zero gradient the size of the whole input."""
+    starts_BHDV, writes_BHCV = [], []
+    for u0_BHCV, w_BHCD, k_to_end_BHCD, decay_BH in zip(u0_BHNCV.unbind(2), w_BHNCD.unbind(2),
+                                                        k_to_end_BHNCD.unbind(2), chunk_decay_BHN.unbind(2)):
+        starts_BHDV.append(state_BHDV)
+        u_BHCV = u0_BHCV - w_BHCD @ state_BHDV
+        writes_BHCV.append(u_BHCV)
+        state_BHDV = state_BHDV * decay_BH[..., None, None] + k_to_end_BHCD.transpose(-1, -2) @ u_BHCV
+    starts_BHNDV, writes_BHNCV = torch.stack(starts_BHDV, dim=2), torch.stack(writes_BHCV, dim=2)
+    return q_from_start_BHNCD @ starts_BHNDV + attn_BHNCC @ writes_BHNCV, state_BHDV
 
 
 def chunk_gated_delta_rule(q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_BHDV=None, *, chunk_size: int = 64,
@@ -321,8 +325,8 @@ def chunk_gated_delta_rule(q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_stat
 
     pad = (-T) % chunk_size
     chunks = [_to_chunks(_pad_time(t, pad), chunk_size) for t in (q_BHTD, k_BHTD, v_BHTV, g_BHT, beta_BHT)]
-    outs_BHCV, state_BHDV = _scan_chunks(state_BHDV, *_intra_chunk(*chunks))
-    out_BHTV = torch.cat(outs_BHCV, dim=2)[:, :, :T]
+    out_BHNCV, state_BHDV = _scan_chunks(state_BHDV, *_intra_chunk(*chunks))
+    out_BHTV = out_BHNCV.reshape(B, H, -1, Dv)[:, :, :T]
     return out_BHTV.transpose(1, 2).to(q_BTHD.dtype), state_BHDV
 
 
