@@ -199,7 +199,7 @@ def test_held_out_two_rank_point_within_the_stated_error():
         assert abs(predicted["capture_seconds"] / measured - 1) <= scaling.STATED_ERROR, file
     checks = {r["point"]: r for r in scaling.checks()}
     point = checks["context_parallel/positions-2097152"]
-    assert point["relative_error"] == pytest.approx(-0.071, abs=5e-4)  # the error the docs state
+    assert point["relative_error"] == pytest.approx(-0.076, abs=5e-4)  # the error the docs state
     assert abs(point["relative_error"]) <= scaling.STATED_ERROR
     # the single-GPU checks at the other length: within 3% (hybrid-1b) and 16% (the 27B shape)
     assert abs(checks["validation/operating-point-2097152"]["relative_error"]) < 0.03
@@ -245,7 +245,7 @@ def test_sweep_tables_carry_the_scaling_table_beside_h200_cp_points(rows):
     single = _load("g_sweep/sweep.json")
     assert "cp_scaling" not in sweep.tables([single])
     note = sweep.scaling_note(rows)
-    assert "-7.1%" in note and "62.8 s" in note and "67.6 s" in note and "\u00b112%" in note
+    assert "-7.6%" in note and "62.4 s" in note and "67.6 s" in note and "\u00b112%" in note
     assert sweep.scaling_note([]) == ""
 
 

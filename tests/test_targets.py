@@ -171,3 +171,17 @@ def test_the_hybrid_trl_targets_read_warm_steps_and_the_boxs_kernel_rates(tmp_pa
         "attention": {"head_dim_128": {"cudnn_forward": rate, "cudnn_backward": rate}}, "linear": {"gemm": rate}})
     rows = {row["target"]: row for row in evaluate_targets(root)}
     assert rows[floor]["met"] is False
+
+
+def test_the_27b_checkpoint_cost_target_divides_the_two_points_g2_replay_phases(tmp_path):
+    target = "27B shape replay, checkpointed over plain, G=2 x 1,024 at 65,536 positions"
+    checkpointed = "architectures/qwen3.6-27b-shape-nf4-65536-replay-checkpointed.json"
+    plain = "architectures/qwen3.6-27b-shape-nf4-65536-replay-plain.json"
+    _write(tmp_path, checkpointed, {"status": "ok", "metrics": {"steps": [_step("replay", 2, 1, replay_seconds=3.9)]}})
+    rows = {row["target"]: row for row in evaluate_targets(tmp_path)}
+    assert rows[target]["met"] is None and plain in rows[target]["measured"]  # the plain point missing: said so
+    _write(tmp_path, plain, {"status": "ok", "metrics": {"steps": [_step("replay", 2, 1, replay_seconds=3.0)]}})
+    rows = {row["target"]: row for row in evaluate_targets(tmp_path)}
+    assert rows[target]["met"] is True and rows[target]["measured"].startswith("1.30x")  # 3.9 / 3.0, at the limit
+    _write(tmp_path, plain, {"status": "ok", "metrics": {"steps": [_step("replay", 2, 1, replay_seconds=2.5)]}})
+    assert _verdicts(tmp_path)[target] is False  # 1.56x
