@@ -41,8 +41,15 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    model = build_policy(ModelConfig(preset=args.preset, dtype="bfloat16", device="cuda", nf4=args.nf4,
-                                     lora=LoraConfig(r=16, targets=args.lora_targets)))
+    model = build_policy(
+        ModelConfig(
+            preset=args.preset,
+            dtype="bfloat16",
+            device="cuda",
+            nf4=args.nf4,
+            lora=LoraConfig(r=16, targets=args.lora_targets),
+        )
+    )
     vocab = model.get_input_embeddings().weight.shape[0]
     prompt = torch.randint(0, vocab, (args.positions + 1,), generator=torch.Generator().manual_seed(0)).cuda()
     timed_capture(model, prompt[: args.chunks[0] + 1], args.chunks[0])  # warm-up: kernels compiled, plans built
@@ -50,8 +57,11 @@ def main() -> None:
     for order in args.orders:
         for chunk in args.chunks:
             seconds[f"{order}-{chunk}"] = timed_capture(model, prompt, chunk, order)
-            print(f"capture of {args.positions:,} positions, {order}-major, chunk {chunk}: "
-                  f"{seconds[f'{order}-{chunk}']:.2f} s", flush=True)
+            print(
+                f"capture of {args.positions:,} positions, {order}-major, chunk {chunk}: "
+                f"{seconds[f'{order}-{chunk}']:.2f} s",
+                flush=True,
+            )
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         timed_capture(model, prompt[: 2 * args.chunks[0] + 1], args.chunks[0])
     table = prof.key_averages()
@@ -59,10 +69,16 @@ def main() -> None:
     by_cpu = sorted(table, key=lambda e: e.self_cpu_time_total, reverse=True)[: args.top]
     print(prof.key_averages().table(sort_by="device_time_total", row_limit=args.top, max_name_column_width=70))
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15, max_name_column_width=70))
-    write_json_atomic(args.out, {
-        "provenance": provenance("cuda"), "positions": args.positions, "capture_seconds": seconds,
-        "top_device": [{"name": e.key, "device_ms": e.device_time_total / 1e3, "calls": e.count} for e in by_cuda],
-        "top_cpu": [{"name": e.key, "self_cpu_ms": e.self_cpu_time_total / 1e3, "calls": e.count} for e in by_cpu]})
+    write_json_atomic(
+        args.out,
+        {
+            "provenance": provenance("cuda"),
+            "positions": args.positions,
+            "capture_seconds": seconds,
+            "top_device": [{"name": e.key, "device_ms": e.device_time_total / 1e3, "calls": e.count} for e in by_cuda],
+            "top_cpu": [{"name": e.key, "self_cpu_ms": e.self_cpu_time_total / 1e3, "calls": e.count} for e in by_cpu],
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -30,19 +30,34 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for order in ("chunk", "layer"):
             for n in args.lengths:
-                config = {"name": f"capture_{order}_{n}", "kind": "capture",
-                          "model": {"preset": args.preset, "device": args.device}, "prompt": {"length": n},
-                          "capture": {"chunk_size": args.chunk, "order": order}}
+                config = {
+                    "name": f"capture_{order}_{n}",
+                    "kind": "capture",
+                    "model": {"preset": args.preset, "device": args.device},
+                    "prompt": {"length": n},
+                    "capture": {"chunk_size": args.chunk, "order": order},
+                }
                 m = run_point(config, Path(tmp))["metrics"]
-                rows.append({"order": order, "positions": m["positions"], "transient_bytes": m["transient_bytes"],
-                             "resident_bytes": m["resident_bytes"], "positions_per_second": m["positions_per_second"]})
-                print(f"{order:>5}-major P={n:>8,}: resident {m['resident_bytes'] / 2**20:8.1f} MiB  "
-                      f"transient {m['transient_bytes'] / 2**20:8.1f} MiB  {m['positions_per_second']:,.0f} pos/s",
-                      flush=True)
+                rows.append(
+                    {
+                        "order": order,
+                        "positions": m["positions"],
+                        "transient_bytes": m["transient_bytes"],
+                        "resident_bytes": m["resident_bytes"],
+                        "positions_per_second": m["positions_per_second"],
+                    }
+                )
+                print(
+                    f"{order:>5}-major P={n:>8,}: resident {m['resident_bytes'] / 2**20:8.1f} MiB  "
+                    f"transient {m['transient_bytes'] / 2**20:8.1f} MiB  {m['positions_per_second']:,.0f} pos/s",
+                    flush=True,
+                )
     chunk = [r for r in rows if r["order"] == "chunk"]
     growth = chunk[-1]["transient_bytes"] / max(chunk[0]["transient_bytes"], 1)
-    print(f"\nchunk-major transient, longest / shortest prompt ({chunk[-1]['positions']:,} / "
-          f"{chunk[0]['positions']:,} positions): {growth:.3f}  (flat means ~1)")
+    print(
+        f"\nchunk-major transient, longest / shortest prompt ({chunk[-1]['positions']:,} / "
+        f"{chunk[0]['positions']:,} positions): {growth:.3f}  (flat means ~1)"
+    )
     print(json.dumps({"preset": args.preset, "points": rows, "chunk_transient_growth": growth}))
     return 0
 

@@ -72,7 +72,10 @@ def check(name, B, H, Hk, R, P, D, block_size, prefix_grad):
         passed = all(e <= (OUT_TOL if n == "out" else GRAD_TOL) for n, e in errs.items())
         ok &= passed
         result[kernel] = errs
-        print(f"{'ok  ' if passed else 'FAIL'} {name} [{kernel}]: " + " ".join(f"{n}={e:.2e}" for n, e in errs.items()), flush=True)
+        print(
+            f"{'ok  ' if passed else 'FAIL'} {name} [{kernel}]: " + " ".join(f"{n}={e:.2e}" for n, e in errs.items()),
+            flush=True,
+        )
         del got
     del want, inputs, leaves
     torch.cuda.empty_cache()

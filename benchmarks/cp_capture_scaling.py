@@ -41,8 +41,12 @@ def _rank(preset: str, length: int, device_type: str, chunk: int, threads: int) 
     with AttentionTimer(device) as attention:
         capture(model, prompt, chunk_size=chunk, cp=cp, progress=False)
     synchronize(device)
-    return {"rank": cp.rank if cp else 0, "capture_seconds": time.perf_counter() - start,
-            "attention_seconds": attention.seconds, "attention_flops": attention.flops}
+    return {
+        "rank": cp.rank if cp else 0,
+        "capture_seconds": time.perf_counter() - start,
+        "attention_seconds": attention.seconds,
+        "attention_flops": attention.flops,
+    }
 
 
 def main(argv=None) -> dict:
@@ -57,19 +61,26 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     runs = {}
     for world in args.worlds:
-        ranks = run_ranks(_rank, world, args.preset, args.length, args.device, args.chunk, args.threads,
-                          timeout=3600)
+        ranks = run_ranks(_rank, world, args.preset, args.length, args.device, args.chunk, args.threads, timeout=3600)
         runs[world] = ranks
     base = max(r["capture_seconds"] for r in runs[args.worlds[0]])
     for world, ranks in runs.items():
         slowest = max(r["capture_seconds"] for r in ranks)
         attention = [r["attention_seconds"] for r in ranks]
         flops = [r["attention_flops"] for r in ranks]
-        print(f"{world} rank(s): capture {slowest:.2f} s, {base / slowest:.2f}x of {args.worlds[0]} rank(s); "
-              f"attention seconds per rank {', '.join(f'{a:.2f}' for a in attention)}; "
-              f"attention FLOPs max/min {max(flops) / max(min(flops), 1):.3f}")
-    summary = {"preset": args.preset, "prompt_tokens": args.length, "chunk": args.chunk, "threads": args.threads,
-               "device": args.device, "runs": {str(w): r for w, r in runs.items()}}
+        print(
+            f"{world} rank(s): capture {slowest:.2f} s, {base / slowest:.2f}x of {args.worlds[0]} rank(s); "
+            f"attention seconds per rank {', '.join(f'{a:.2f}' for a in attention)}; "
+            f"attention FLOPs max/min {max(flops) / max(min(flops), 1):.3f}"
+        )
+    summary = {
+        "preset": args.preset,
+        "prompt_tokens": args.length,
+        "chunk": args.chunk,
+        "threads": args.threads,
+        "device": args.device,
+        "runs": {str(w): r for w, r in runs.items()},
+    }
     print(json.dumps(summary))
     if args.out:
         from longstraw.results import write_json_atomic

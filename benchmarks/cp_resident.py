@@ -35,10 +35,16 @@ def _rank(preset: str, length: int, device_type: str, chunk: int) -> dict:
     model = build_model(preset, seed=0, device=cp.device)
     state = capture(model, _prompt(length, model.config.vocab_size, cp.device), chunk_size=chunk, cp=cp)
     peak = process_peak_allocated_bytes(cp.device) if device_type == "cuda" else peak_rss_bytes()
-    return {"rank": cp.rank, "shard": list(state.shard), "resident_bytes": state.nbytes,
-            "predicted_resident_bytes": state.predicted_nbytes, "page_bytes": state.page_bytes,
-            "state_bytes": state.nbytes - state.page_bytes, "peak_bytes": peak,
-            "peak_measure": "max_memory_allocated" if device_type == "cuda" else "process peak RSS"}
+    return {
+        "rank": cp.rank,
+        "shard": list(state.shard),
+        "resident_bytes": state.nbytes,
+        "predicted_resident_bytes": state.predicted_nbytes,
+        "page_bytes": state.page_bytes,
+        "state_bytes": state.nbytes - state.page_bytes,
+        "peak_bytes": peak,
+        "peak_measure": "max_memory_allocated" if device_type == "cuda" else "process peak RSS",
+    }
 
 
 def main(argv=None) -> dict:
@@ -60,14 +66,23 @@ def main(argv=None) -> dict:
     single_total = sum(single_entry.values())
     share = single_total / args.world
     for r in ranks:
-        print(f"rank {r['rank']}: positions [{r['shard'][0]}, {r['shard'][1]}), resident {r['resident_bytes']:,} B "
-              f"(pages {r['page_bytes']:,} + GDN states {r['state_bytes']:,}), single-process total / {args.world} "
-              f"= {share:,.0f} B, ratio {r['resident_bytes'] / share:.3f}; peak {r['peak_bytes']:,} B "
-              f"({r['peak_measure']})")
-    summary = {"preset": args.preset, "prompt_tokens": args.length, "world": args.world, "device": args.device,
-               "single_process_resident_bytes": single_total, "single_process_by_entry": single_entry,
-               "single_process_total_over_world": share, "ranks": ranks,
-               "pages_sum_over_ranks": sum(r["page_bytes"] for r in ranks)}
+        print(
+            f"rank {r['rank']}: positions [{r['shard'][0]}, {r['shard'][1]}), resident {r['resident_bytes']:,} B "
+            f"(pages {r['page_bytes']:,} + GDN states {r['state_bytes']:,}), single-process total / {args.world} "
+            f"= {share:,.0f} B, ratio {r['resident_bytes'] / share:.3f}; peak {r['peak_bytes']:,} B "
+            f"({r['peak_measure']})"
+        )
+    summary = {
+        "preset": args.preset,
+        "prompt_tokens": args.length,
+        "world": args.world,
+        "device": args.device,
+        "single_process_resident_bytes": single_total,
+        "single_process_by_entry": single_entry,
+        "single_process_total_over_world": share,
+        "ranks": ranks,
+        "pages_sum_over_ranks": sum(r["page_bytes"] for r in ranks),
+    }
     print(json.dumps(summary))
     return summary
 

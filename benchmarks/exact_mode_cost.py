@@ -34,8 +34,10 @@ def _timed(fn, device):
 def measure(model, length: int, responses: int, response_length: int, chunk: int, device) -> dict:
     vocab = model.get_input_embeddings().weight.shape[0]
     prompt = torch.randint(0, vocab, (length,), generator=torch.Generator().manual_seed(0)).to(device)
-    ys = [torch.randint(0, vocab, (response_length,), generator=torch.Generator().manual_seed(i + 1)).to(device)
-          for i in range(responses)]
+    ys = [
+        torch.randint(0, vocab, (response_length,), generator=torch.Generator().manual_seed(i + 1)).to(device)
+        for i in range(responses)
+    ]
     plain, plain_seconds = _timed(lambda: capture(model, prompt, chunk_size=chunk), device)
     del plain
     state, exact_seconds = _timed(lambda: capture(model, prompt, prefix_grad=True, chunk_size=chunk), device)
@@ -45,15 +47,26 @@ def measure(model, length: int, responses: int, response_length: int, chunk: int
             replay(model, state, y).sum().backward()
 
     _, replay_seconds = _timed(replays, device)
-    gradient_pages = sum(leaf.grad.numel() * leaf.grad.element_size() for entry in state.layers
-                         for leaf in entry.leaves if leaf.grad is not None)
+    gradient_pages = sum(
+        leaf.grad.numel() * leaf.grad.element_size()
+        for entry in state.layers
+        for leaf in entry.leaves
+        if leaf.grad is not None
+    )
     checkpoints = sum(t.numel() * t.element_size() for pair in state.prefix_trace.checkpoints.values() for t in pair)
     _, prefix_seconds = _timed(state.backward_prefix, device)
-    return {"prompt_length": length, "capture_seconds": plain_seconds, "exact_capture_seconds": exact_seconds,
-            "replay_seconds": replay_seconds, "backward_prefix_seconds": prefix_seconds,
-            "backward_prefix_over_capture": prefix_seconds / plain_seconds,
-            "resident_bytes": state.nbytes, "gradient_page_bytes": gradient_pages, "checkpoint_bytes": checkpoints,
-            "extra_over_resident": (gradient_pages + checkpoints) / state.nbytes}
+    return {
+        "prompt_length": length,
+        "capture_seconds": plain_seconds,
+        "exact_capture_seconds": exact_seconds,
+        "replay_seconds": replay_seconds,
+        "backward_prefix_seconds": prefix_seconds,
+        "backward_prefix_over_capture": prefix_seconds / plain_seconds,
+        "resident_bytes": state.nbytes,
+        "gradient_page_bytes": gradient_pages,
+        "checkpoint_bytes": checkpoints,
+        "extra_over_resident": (gradient_pages + checkpoints) / state.nbytes,
+    }
 
 
 def main() -> int:
@@ -68,13 +81,17 @@ def main() -> int:
     device = torch.device(args.device)
     model = apply_lora(build_model(args.preset, device=device), r=8, init_random=True)
     rows = [measure(model, n, args.responses, args.response_length, args.chunk, device) for n in args.lengths]
-    print(f"{'positions':>10} {'capture s':>10} {'exact cap s':>11} {'replays s':>10} {'prefix s':>9} "
-          f"{'prefix/capture':>14} {'grad pages':>11} {'checkpoints':>12} {'extra/resident':>14}")
+    print(
+        f"{'positions':>10} {'capture s':>10} {'exact cap s':>11} {'replays s':>10} {'prefix s':>9} "
+        f"{'prefix/capture':>14} {'grad pages':>11} {'checkpoints':>12} {'extra/resident':>14}"
+    )
     for r in rows:
-        print(f"{r['prompt_length']:>10,} {r['capture_seconds']:>10.2f} {r['exact_capture_seconds']:>11.2f} "
-              f"{r['replay_seconds']:>10.2f} {r['backward_prefix_seconds']:>9.2f} "
-              f"{r['backward_prefix_over_capture']:>14.2f} {r['gradient_page_bytes'] / 2**20:>9.1f}Mi "
-              f"{r['checkpoint_bytes'] / 2**20:>10.1f}Mi {r['extra_over_resident']:>14.2f}")
+        print(
+            f"{r['prompt_length']:>10,} {r['capture_seconds']:>10.2f} {r['exact_capture_seconds']:>11.2f} "
+            f"{r['replay_seconds']:>10.2f} {r['backward_prefix_seconds']:>9.2f} "
+            f"{r['backward_prefix_over_capture']:>14.2f} {r['gradient_page_bytes'] / 2**20:>9.1f}Mi "
+            f"{r['checkpoint_bytes'] / 2**20:>10.1f}Mi {r['extra_over_resident']:>14.2f}"
+        )
     print(json.dumps({"preset": args.preset, "rows": rows}))
     return 0
 

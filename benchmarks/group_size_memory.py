@@ -40,17 +40,32 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for mode in MODES:
             for g in GROUP_SIZES:
-                config = {"name": f"{mode}_G{g}", "kind": "step", "mode": mode,
-                          "model": {"preset": args.preset, "device": args.device, "lora": {"r": 8}},
-                          "prompt": {"length": args.prompt}, "responses": {"count": g, "length": args.response},
-                          "capture": {"chunk_size": 1024}}
+                config = {
+                    "name": f"{mode}_G{g}",
+                    "kind": "step",
+                    "mode": mode,
+                    "model": {"preset": args.preset, "device": args.device, "lora": {"r": 8}},
+                    "prompt": {"length": args.prompt},
+                    "responses": {"count": g, "length": args.response},
+                    "capture": {"chunk_size": 1024},
+                }
                 result = run_point(config, Path(tmp))
                 m = result["metrics"]
-                rows.append({"mode": mode, "G": g, "graph_bytes_peak": m["graph_bytes_peak"],
-                             "peak_rss_bytes": result["peak_rss_bytes"],
-                             "peak_allocated_bytes": m["peak_allocated_bytes"], "status": result["status"]})
-                print(f"{mode:>9} G={g}: graph {m['graph_bytes_peak'] / 2**20:9.1f} MiB   "
-                      f"peak RSS {result['peak_rss_bytes'] / 2**20:9.1f} MiB", flush=True)
+                rows.append(
+                    {
+                        "mode": mode,
+                        "G": g,
+                        "graph_bytes_peak": m["graph_bytes_peak"],
+                        "peak_rss_bytes": result["peak_rss_bytes"],
+                        "peak_allocated_bytes": m["peak_allocated_bytes"],
+                        "status": result["status"],
+                    }
+                )
+                print(
+                    f"{mode:>9} G={g}: graph {m['graph_bytes_peak'] / 2**20:9.1f} MiB   "
+                    f"peak RSS {result['peak_rss_bytes'] / 2**20:9.1f} MiB",
+                    flush=True,
+                )
 
     def value(mode, g, key):
         return next(r[key] for r in rows if r["mode"] == mode and r["G"] == g)
@@ -62,10 +77,15 @@ def main() -> int:
         ratios[f"naive_{key}_G8_over_G2"] = value("naive", 8, key) / value("naive", 2, key)
     print("\nratio G=8 / G=2            graph bytes   peak RSS   target")
     for mode, target in (("replay", "<= 1.05"), ("hold_all", "~4 (linear)"), ("naive", "<= 1.05")):
-        print(f"  {mode:<24} {ratios[f'{mode}_graph_bytes_peak_G8_over_G2']:11.3f} "
-              f"{ratios[f'{mode}_peak_rss_bytes_G8_over_G2']:10.3f}   {target}")
-    print(json.dumps({"preset": args.preset, "prompt": args.prompt, "response": args.response,
-                      "points": rows, "ratios": ratios}))
+        print(
+            f"  {mode:<24} {ratios[f'{mode}_graph_bytes_peak_G8_over_G2']:11.3f} "
+            f"{ratios[f'{mode}_peak_rss_bytes_G8_over_G2']:10.3f}   {target}"
+        )
+    print(
+        json.dumps(
+            {"preset": args.preset, "prompt": args.prompt, "response": args.response, "points": rows, "ratios": ratios}
+        )
+    )
     return 0
 
 

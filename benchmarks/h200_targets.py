@@ -18,8 +18,10 @@ def main() -> None:
     parser.add_argument("--results", default="experiments/recorded/h200")
     args = parser.parse_args()
     for row in evaluate_targets(args.results):
-        print(f"[{VERDICT[row['met']]:>12}] {row['target']}\n{'':15}goal: {row['goal']}\n"
-              f"{'':15}measured: {row['measured']}\n{'':15}from: {row['evidence'] or '-'}")
+        print(
+            f"[{VERDICT[row['met']]:>12}] {row['target']}\n{'':15}goal: {row['goal']}\n"
+            f"{'':15}measured: {row['measured']}\n{'':15}from: {row['evidence'] or '-'}"
+        )
 
 
 if __name__ == "__main__":

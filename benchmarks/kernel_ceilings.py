@@ -50,9 +50,11 @@ def nf4_ceilings(device) -> dict:
     holder.mlp_up = torch.nn.Linear(*MLP_SHAPE, bias=False, device=device, dtype=torch.bfloat16)
     quantize_nf4(holder, skip=())
     holder.is_loaded_in_4bit = True
-    rates = {"nf4_linear": nf4_linear_rates(holder, CAPTURE_ROWS, torch.bfloat16, device),
-             "nf4_linear_replay_rows": nf4_linear_rates(holder, 1024, torch.bfloat16, device),
-             "gemm": gemm_rate(torch.bfloat16, device)}
+    rates = {
+        "nf4_linear": nf4_linear_rates(holder, CAPTURE_ROWS, torch.bfloat16, device),
+        "nf4_linear_replay_rows": nf4_linear_rates(holder, 1024, torch.bfloat16, device),
+        "gemm": gemm_rate(torch.bfloat16, device),
+    }
     return rates
 
 
@@ -62,42 +64,72 @@ def from_results(paths) -> list[dict]:
         result = json.loads(Path(path).read_text())
         metrics = result.get("metrics", {})
         capture = metrics.get("capture", {})
-        row = {"point": result.get("name"), "status": result.get("status"),
-               "positions": capture.get("positions"), "capture_seconds": capture.get("capture_seconds"),
-               "capture_floor": capture.get("floor"), "weights_seconds": metrics.get("weights", {}).get("seconds"),
-               "steps": [{k: s.get(k) for k in ("mode", "count", "status", "replay_transient_bytes",
-                                                 "graph_bytes_peak", "allocation_sites", "logp_mismatch")}
-                         | {"replay_seconds": s.get("phases", {}).get("replay", {}).get("seconds")}
-                         for s in metrics.get("steps", [])]}
+        row = {
+            "point": result.get("name"),
+            "status": result.get("status"),
+            "positions": capture.get("positions"),
+            "capture_seconds": capture.get("capture_seconds"),
+            "capture_floor": capture.get("floor"),
+            "weights_seconds": metrics.get("weights", {}).get("seconds"),
+            "steps": [
+                {
+                    k: s.get(k)
+                    for k in (
+                        "mode",
+                        "count",
+                        "status",
+                        "replay_transient_bytes",
+                        "graph_bytes_peak",
+                        "allocation_sites",
+                        "logp_mismatch",
+                    )
+                }
+                | {"replay_seconds": s.get("phases", {}).get("replay", {}).get("seconds")}
+                for s in metrics.get("steps", [])
+            ],
+        }
         rows.append(row)
     return rows
 
 
 def print_report(report: dict) -> None:
     for dim, rates in report["attention"].items():
-        print(f"attention {dim}: " + ", ".join(f"{k} {v['tflops_per_second']:.0f}" for k, v in rates.items())
-              + " TFLOP/s")
+        print(
+            f"attention {dim}: " + ", ".join(f"{k} {v['tflops_per_second']:.0f}" for k, v in rates.items()) + " TFLOP/s"
+        )
         if "cudnn_backward" in rates:
             print(f"  cudnn_backward dq vs flash: {rates['cudnn_backward']['dq_difference_from_flash']:.2e} (relative)")
     nf4, gemm = report["linear"], report["linear"]["gemm"]["tflops_per_second"]
     for key in ("nf4_linear", "nf4_linear_replay_rows"):
-        print(f"{key} ({nf4[key]['as_captured']['rows']} rows): " + ", ".join(
-            f"{k} {v['tflops_per_second']:.0f} TFLOP/s ({v['tflops_per_second'] / gemm:.0%} of the square GEMM's "
-            f"{gemm:.0f})" for k, v in nf4[key].items()))
+        print(
+            f"{key} ({nf4[key]['as_captured']['rows']} rows): "
+            + ", ".join(
+                f"{k} {v['tflops_per_second']:.0f} TFLOP/s ({v['tflops_per_second'] / gemm:.0%} of the square GEMM's "
+                f"{gemm:.0f})"
+                for k, v in nf4[key].items()
+            )
+        )
     for row in report["results"]:
         floor = row["capture_floor"]
         if floor:
-            print(f"{row['point']}: capture {row['capture_seconds']:.1f} s over {row['positions']:,} positions, "
-                  f"floor {floor['seconds']:.1f} s ({', '.join(f'{k} {v:.1f} s' for k, v in floor['parts_seconds'].items())}"
-                  f"): {row['capture_seconds'] / floor['seconds']:.2f}x; weights built in {row['weights_seconds']:.1f} s")
+            print(
+                f"{row['point']}: capture {row['capture_seconds']:.1f} s over {row['positions']:,} positions, "
+                f"floor {floor['seconds']:.1f} s ({', '.join(f'{k} {v:.1f} s' for k, v in floor['parts_seconds'].items())}"
+                f"): {row['capture_seconds'] / floor['seconds']:.2f}x; weights built in {row['weights_seconds']:.1f} s"
+            )
         for step in row["steps"]:
             if step["status"] != "ok":
                 print(f"  {step['mode']} G={step['count']}: {step['status']}")
                 continue
-            print(f"  {step['mode']} G={step['count']}: replay transient {step['replay_transient_bytes'] / 1e9:.2f} GB, "
-                  f"graph {step['graph_bytes_peak'] / 1e9:.2f} GB, replay {step['replay_seconds']:.1f} s, "
-                  + (f"logp mismatch max {step['logp_mismatch']['max']:.3g}" if step["logp_mismatch"]
-                     else "old policy: the replay's own (on-policy, not scored)"))
+            print(
+                f"  {step['mode']} G={step['count']}: replay transient {step['replay_transient_bytes'] / 1e9:.2f} GB, "
+                f"graph {step['graph_bytes_peak'] / 1e9:.2f} GB, replay {step['replay_seconds']:.1f} s, "
+                + (
+                    f"logp mismatch max {step['logp_mismatch']['max']:.3g}"
+                    if step["logp_mismatch"]
+                    else "old policy: the replay's own (on-policy, not scored)"
+                )
+            )
             for site in (step.get("allocation_sites") or {}).get("sites", [])[:8]:
                 print(f"      {site['bytes'] / 1e9:7.3f} GB x{site['count']:<5} {site['site']}")
 
@@ -108,8 +140,12 @@ def main() -> None:
     parser.add_argument("--results", nargs="*", default=[], help="pipeline results to read capture and replay from")
     args = parser.parse_args()
     device = torch.device("cuda")
-    report = {"provenance": provenance(device), "attention": attention_ceilings(device),
-              "linear": nf4_ceilings(device), "results": from_results(args.results)}
+    report = {
+        "provenance": provenance(device),
+        "attention": attention_ceilings(device),
+        "linear": nf4_ceilings(device),
+        "results": from_results(args.results),
+    }
     print_report(report)
     write_json_atomic(args.out, report)
 

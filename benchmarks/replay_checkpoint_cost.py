@@ -51,8 +51,11 @@ def replay_once(model, state, responses, checkpoint_layers: bool, device) -> dic
         replay_batch(model, state, responses, checkpoint_layers)
     synchronize(device)
     seconds = time.perf_counter() - start
-    return {"graph_bytes": meter.peak, "seconds": seconds,
-            "transient_bytes": torch.cuda.max_memory_allocated(device) - before if cuda else None}
+    return {
+        "graph_bytes": meter.peak,
+        "seconds": seconds,
+        "transient_bytes": torch.cuda.max_memory_allocated(device) - before if cuda else None,
+    }
 
 
 def measure(model, state, length: int, members: int, device, repeats: int, profiled: bool) -> dict:
@@ -61,13 +64,17 @@ def measure(model, state, length: int, members: int, device, repeats: int, profi
     responses = [torch.randint(0, vocab, (length,), generator=generator).to(device) for _ in range(members)]
     for _, flag in MODES:  # warm-up: first-call costs (plans, autotuning) out of both timings
         replay_once(model, state, responses, flag, device)
-    runs = {name: [replay_once(model, state, responses, flag, device) for _ in range(repeats)]
-            for name, flag in MODES}
+    runs = {name: [replay_once(model, state, responses, flag, device) for _ in range(repeats)] for name, flag in MODES}
     best = {name: min(rows, key=lambda r: r["seconds"]) for name, rows in runs.items()}
     plain, ckpt = best["plain"], best["checkpointed"]
-    out = {"response_length": length, "members": members, "plain": plain, "checkpointed": ckpt,
-           "graph_ratio": plain["graph_bytes"] / ckpt["graph_bytes"],
-           "time_ratio": ckpt["seconds"] / plain["seconds"]}
+    out = {
+        "response_length": length,
+        "members": members,
+        "plain": plain,
+        "checkpointed": ckpt,
+        "graph_ratio": plain["graph_bytes"] / ckpt["graph_bytes"],
+        "time_ratio": ckpt["seconds"] / plain["seconds"],
+    }
     if plain["transient_bytes"] is not None:
         out["transient_ratio"] = plain["transient_bytes"] / ckpt["transient_bytes"]
     if profiled:
@@ -91,28 +98,48 @@ def main() -> int:
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
     device = torch.device(args.device)
-    model = build_policy(ModelConfig(preset=args.preset, dtype="bfloat16" if device.type == "cuda" else "float32",
-                                     device=args.device, nf4=args.nf4,
-                                     lora=LoraConfig(r=args.lora_r, targets=args.lora_targets, init_random=True)))
+    model = build_policy(
+        ModelConfig(
+            preset=args.preset,
+            dtype="bfloat16" if device.type == "cuda" else "float32",
+            device=args.device,
+            nf4=args.nf4,
+            lora=LoraConfig(r=args.lora_r, targets=args.lora_targets, init_random=True),
+        )
+    )
     vocab = model.get_input_embeddings().weight.shape[0]
     prompt = torch.randint(0, vocab, (args.prompt_length,), generator=torch.Generator().manual_seed(0)).to(device)
     state = capture(model, prompt, chunk_size=args.chunk_size, progress=False)
-    rows = [measure(model, state, n, args.members, device, args.repeats, args.profile)
-            for n in args.response_lengths]
-    print(f"{'response':>9} {'k':>3} {'graph plain':>12} {'graph ckpt':>11} {'ratio':>6} {'s plain':>8} "
-          f"{'s ckpt':>7} {'time ratio':>10}")
+    rows = [measure(model, state, n, args.members, device, args.repeats, args.profile) for n in args.response_lengths]
+    print(
+        f"{'response':>9} {'k':>3} {'graph plain':>12} {'graph ckpt':>11} {'ratio':>6} {'s plain':>8} "
+        f"{'s ckpt':>7} {'time ratio':>10}"
+    )
     for r in rows:
-        print(f"{r['response_length']:>9,} {r['members']:>3} {r['plain']['graph_bytes'] / 2**20:>10.1f}Mi "
-              f"{r['checkpointed']['graph_bytes'] / 2**20:>9.1f}Mi {r['graph_ratio']:>6.1f} "
-              f"{r['plain']['seconds']:>8.3f} {r['checkpointed']['seconds']:>7.3f} {r['time_ratio']:>10.2f}")
+        print(
+            f"{r['response_length']:>9,} {r['members']:>3} {r['plain']['graph_bytes'] / 2**20:>10.1f}Mi "
+            f"{r['checkpointed']['graph_bytes'] / 2**20:>9.1f}Mi {r['graph_ratio']:>6.1f} "
+            f"{r['plain']['seconds']:>8.3f} {r['checkpointed']['seconds']:>7.3f} {r['time_ratio']:>10.2f}"
+        )
         for name, _ in MODES:
             p = r[name].get("profile")
             if p:
-                print(f"  {name}: {p['kernels']:,} kernels, {p['kernel_seconds']:.3f} s of kernels in "
-                      f"{p['wall_seconds']:.3f} s ({p['busy_fraction']:.0%} busy); top: "
-                      + "; ".join(f"{t['name'][:50]} {t['seconds'] * 1e3:.0f} ms x{t['calls']}" for t in p["top"][:6]))
-    print(json.dumps({"preset": args.preset, "nf4": args.nf4, "prompt_length": args.prompt_length,
-                      "device": str(device), "rows": rows}))
+                print(
+                    f"  {name}: {p['kernels']:,} kernels, {p['kernel_seconds']:.3f} s of kernels in "
+                    f"{p['wall_seconds']:.3f} s ({p['busy_fraction']:.0%} busy); top: "
+                    + "; ".join(f"{t['name'][:50]} {t['seconds'] * 1e3:.0f} ms x{t['calls']}" for t in p["top"][:6])
+                )
+    print(
+        json.dumps(
+            {
+                "preset": args.preset,
+                "nf4": args.nf4,
+                "prompt_length": args.prompt_length,
+                "device": str(device),
+                "rows": rows,
+            }
+        )
+    )
     return 0
 
 

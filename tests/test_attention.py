@@ -94,8 +94,9 @@ def test_forward_backward_matches_float64_reference(B, H, Hk, R, P, D, block_siz
         assert got[3][:, :, P:].abs().max() == 0  # positions past the prefix view get nothing
 
 
-@pytest.mark.parametrize("B,H,Hk,R,P,D,block_size", [(3, 4, 2, 5, 13, 8, 4), (2, 6, 2, 1, 9, 16, 4),
-                                                     (4, 2, 2, 3, 0, 8, 4)])
+@pytest.mark.parametrize(
+    "B,H,Hk,R,P,D,block_size", [(3, 4, 2, 5, 13, 8, 4), (2, 6, 2, 1, 9, 16, 4), (4, 2, 2, 3, 0, 8, 4)]
+)
 @pytest.mark.parametrize("prefix_grad", [False, True])
 def test_sequences_sharing_one_prefix_match_the_reference_per_sequence(B, H, Hk, R, P, D, block_size, prefix_grad):
     # B sequences over one prompt's pages (batch 1): each as if it had the prefix to itself; the pages'
@@ -107,8 +108,9 @@ def test_sequences_sharing_one_prefix_match_the_reference_per_sequence(B, H, Hk,
     torch.testing.assert_close(out, ref, rtol=TOL64, atol=TOL64)
     dout = torch.randn_like(ref)
     leaves = [q, kl, vl] + ([k_pages, v_pages] if prefix_grad else [])
-    for name, a, b in zip(["q", "k_live", "v_live", "k_pages", "v_pages"], grads_of(out, leaves, dout),
-                          grads_of(ref, leaves, dout)):
+    for name, a, b in zip(
+        ["q", "k_live", "v_live", "k_pages", "v_pages"], grads_of(out, leaves, dout), grads_of(ref, leaves, dout)
+    ):
         torch.testing.assert_close(a, b, rtol=TOL64, atol=TOL64, msg=lambda m, n=name: f"grad {n}: {m}")
 
 
@@ -145,8 +147,9 @@ def test_prefix_fetched_again_for_backward_is_not_kept_by_the_graph():
         return fetched[-1][..., :8], fetched[-1][..., 8:]
 
     copy = host.clone()  # the forward's "device copy"
-    out = paged_attention(q, copy[..., :8], copy[..., 8:], kl, vl, scale=0.3, block_size=4, backend="math",
-                          prefix_again=again)
+    out = paged_attention(
+        q, copy[..., :8], copy[..., 8:], kl, vl, scale=0.3, block_size=4, backend="math", prefix_again=again
+    )
     gone = weakref.ref(copy)
     del copy
     gc.collect()
@@ -195,7 +198,10 @@ def test_low_precision_math_and_auto_on_cpu():
 def test_value_head_dim_may_differ_on_math_backend():
     g = torch.Generator().manual_seed(1)
     q, kp, kl = (torch.randn(1, 4, n, 8, generator=g, dtype=torch.float64) for n in (3, 5, 3))
-    vp, vl = torch.randn(1, 2, 5, 6, generator=g, dtype=torch.float64), torch.randn(1, 2, 3, 6, generator=g, dtype=torch.float64)
+    vp, vl = (
+        torch.randn(1, 2, 5, 6, generator=g, dtype=torch.float64),
+        torch.randn(1, 2, 3, 6, generator=g, dtype=torch.float64),
+    )
     kp, vp, kl = kp[:, :2], vp, kl[:, :2]
     out = paged_attention(q, kp, vp, kl, vl, scale=0.3, block_size=2, backend="math")
     assert out.shape == (1, 4, 3, 6)
@@ -306,7 +312,12 @@ def test_cuda_path_plumbing_with_emulated_kernel_on_cpu(monkeypatch):
         p = torch.exp(s - lse.unsqueeze(-1))
         ds = p * (do.float() @ v.float().transpose(-1, -2) - (do.float() * out.float()).sum(-1, keepdim=True))
         return tuple(
-            g.to(q.dtype) for g in (ds @ k.float() * scale, ds.transpose(-1, -2) @ q.float() * scale, p.transpose(-1, -2) @ do.float())
+            g.to(q.dtype)
+            for g in (
+                ds @ k.float() * scale,
+                ds.transpose(-1, -2) @ q.float() * scale,
+                p.transpose(-1, -2) @ do.float(),
+            )
         )
 
     monkeypatch.setitem(attention._CUDA_KERNELS, "flash", (fwd, bwd))
@@ -316,19 +327,25 @@ def test_cuda_path_plumbing_with_emulated_kernel_on_cpu(monkeypatch):
     for name in ("_flash_block_bwd", "_cudnn_block_bwd"):
         monkeypatch.setattr(attention, name, bwd)
     monkeypatch.setattr(attention, "CUDNN_MIN_ROWS", 5)
-    cases = [(1, 8, 2, 6, 0, 8, 4, False), (2, 6, 2, 5, 23, 8, 7, False), (1, 4, 1, 1, 9, 8, 4, False),
-             (3, 6, 2, 5, 23, 8, 7, True)]  # last: three sequences over one prompt's pages, folded
+    cases = [
+        (1, 8, 2, 6, 0, 8, 4, False),
+        (2, 6, 2, 5, 23, 8, 7, False),
+        (1, 4, 1, 1, 9, 8, 4, False),
+        (3, 6, 2, 5, 23, 8, 7, True),
+    ]  # last: three sequences over one prompt's pages, folded
     for (B, H, Hk, R, P, D, bs, shared), kernel in itertools.product(cases, ["flash", "cudnn_blocks"]):
-        q, kp, vp, kl, vl, (k_pages, v_pages) = make_inputs(B, H, Hk, R, P, D, dtype=torch.bfloat16, prefix_grad=True,
-                                                            shared=shared)
+        q, kp, vp, kl, vl, (k_pages, v_pages) = make_inputs(
+            B, H, Hk, R, P, D, dtype=torch.bfloat16, prefix_grad=True, shared=shared
+        )
         out = attention._PagedAttention.apply(q, kp, vp, kl, vl, 0.3, bs, kernel, None)
         leaves = [q, kl, vl, k_pages, v_pages]
         dout = torch.randn(out.shape, dtype=torch.float64)
         got = grads_of(out, leaves, dout.to(out.dtype))
         leaves64 = [t.detach().double().requires_grad_() for t in leaves]
         q64, kl64, vl64, kpg64, vpg64 = leaves64
-        ref = dense_reference(q64, kpg64[:, :, :P].expand(B, -1, -1, -1), vpg64[:, :, :P].expand(B, -1, -1, -1),
-                              kl64, vl64, 0.3)
+        ref = dense_reference(
+            q64, kpg64[:, :, :P].expand(B, -1, -1, -1), vpg64[:, :, :P].expand(B, -1, -1, -1), kl64, vl64, 0.3
+        )
         # each block's partial output (and gradient) leaves the stand-in kernel in bf16: the output merges them
         # by convex weights (one rounding, then the result's); a query's gradient adds one rounded partial per
         # block, then rounds the sum

@@ -16,10 +16,15 @@ def _search(point):
 
 
 def _point(**capacity_settings):
-    return resolve_point({"name": "cap", "kind": "capacity", "mode": "naive",
-                           "model": {"preset": "tiny-llama", "device": "cuda"},
-                           "capacity": {"min_length": 1024, "max_length": 65536, "granularity": 256,
-                                        **capacity_settings}})
+    return resolve_point(
+        {
+            "name": "cap",
+            "kind": "capacity",
+            "mode": "naive",
+            "model": {"preset": "tiny-llama", "device": "cuda"},
+            "capacity": {"min_length": 1024, "max_length": 65536, "granularity": 256, **capacity_settings},
+        }
+    )
 
 
 @pytest.fixture
@@ -31,9 +36,14 @@ def fake(monkeypatch):
         calls.append((point.mode, length))
         clock["now"] += 10.0
         ok = length <= FITS_UP_TO
-        return {"status": "ok" if ok else "oom", "wall_seconds": 10.0,
-                "metrics": {"peak_allocated_bytes": length * 1000, "phase_summary": {"replay": {"seconds": 9.0}}}
-                if ok else None, "peak_allocated_bytes": None if ok else 123}
+        return {
+            "status": "ok" if ok else "oom",
+            "wall_seconds": 10.0,
+            "metrics": {"peak_allocated_bytes": length * 1000, "phase_summary": {"replay": {"seconds": 9.0}}}
+            if ok
+            else None,
+            "peak_allocated_bytes": None if ok else 123,
+        }
 
     monkeypatch.setattr(capacity, "_probe", probe)
     monkeypatch.setattr(capacity.time, "perf_counter", lambda: clock["now"])
@@ -47,8 +57,9 @@ def test_search_doubles_then_bisects_to_the_granularity(fake):
     assert m["largest_fitting"] <= FITS_UP_TO < m["first_failing"]
     assert m["first_failing"] - m["largest_fitting"] <= 256
     assert not m["search_stopped_on_time_limit"] and not m["search_capped_at_max_length"]
-    assert [p["status"] for p in m["probes"]] == ["ok" if p["prompt_length"] <= FITS_UP_TO else "oom"
-                                                 for p in m["probes"]]
+    assert [p["status"] for p in m["probes"]] == [
+        "ok" if p["prompt_length"] <= FITS_UP_TO else "oom" for p in m["probes"]
+    ]
 
 
 def test_time_limit_stops_the_search_and_says_so(fake):
@@ -63,8 +74,10 @@ def test_comparison_modes_run_at_the_largest_fitting_length(fake):
     m = _search(_point(time_limit_seconds=15, compare_modes=["replay", "hold_all"]))
     assert m["largest_fitting"] == 2048
     assert fake[-2:] == [("replay", 2048), ("hold_all", 2048)]
-    assert {mode: c["status"] for mode, c in m["comparison_at_largest_fitting"].items()} == \
-        {"replay": "ok", "hold_all": "ok"}
+    assert {mode: c["status"] for mode, c in m["comparison_at_largest_fitting"].items()} == {
+        "replay": "ok",
+        "hold_all": "ok",
+    }
 
 
 def test_cpu_search_needs_an_emulated_ceiling(fake):
@@ -85,9 +98,14 @@ def test_one_member_probes_are_refused_on_cpu(fake):
 
 def test_comparison_steps_run_all_members(fake, monkeypatch):
     seen = []
-    monkeypatch.setattr(capacity, "_probe", lambda point, length, workdir: seen.append(
-        (point.mode, point.responses.probe_members)) or {"status": "ok", "metrics": {
-            "peak_allocated_bytes": 1, "phase_summary": {}}})
+    monkeypatch.setattr(
+        capacity,
+        "_probe",
+        lambda point, length, workdir: (
+            seen.append((point.mode, point.responses.probe_members))
+            or {"status": "ok", "metrics": {"peak_allocated_bytes": 1, "phase_summary": {}}}
+        ),
+    )
     point = _point(max_length=2048, compare_modes=["replay"])
     point.responses.probe_members = 1
     _search(point)

@@ -60,10 +60,16 @@ def _capture_replay(preset, cp=None, device="cpu", dtype=torch.float32):
         before = state.fingerprint()
         logp = replay(model, state, RESPONSE.to(device))
         (logp * WEIGHTS.to(device)).sum().backward()
-    return {"layers": [[t.clone() for t in e.tensors()] for e in state.layers], "logp": logp.detach(),
-            "grads": _grads(model), "unchanged": state.fingerprint() == before, "nbytes": state.nbytes,
-            "predicted": state.predicted_nbytes, "shard": getattr(state, "shard", None),
-            "kinds": [type(e).__name__ for e in state.layers]}
+    return {
+        "layers": [[t.clone() for t in e.tensors()] for e in state.layers],
+        "logp": logp.detach(),
+        "grads": _grads(model),
+        "unchanged": state.fingerprint() == before,
+        "nbytes": state.nbytes,
+        "predicted": state.predicted_nbytes,
+        "shard": getattr(state, "shard", None),
+        "kinds": [type(e).__name__ for e in state.layers],
+    }
 
 
 def _rank_capture_replay(preset, device_type="cpu", dtype=torch.float32):
@@ -103,8 +109,12 @@ def _rank_capture_chunks(prompt_len: int):
         return real(q_1HTD, k_all, v_all, chunk, *args)
 
     balanced._chunk_attention = spy
-    capture(build_model("tiny-llama", seed=1), _ids(prompt_len, 0), chunk_size=64,
-            cp=context_parallel(int(os.environ["WORLD_SIZE"])))
+    capture(
+        build_model("tiny-llama", seed=1),
+        _ids(prompt_len, 0),
+        chunk_size=64,
+        cp=context_parallel(int(os.environ["WORLD_SIZE"])),
+    )
     return chunks
 
 
@@ -157,8 +167,9 @@ def _nccl_worlds():
     return sorted({1, count}) if count else []
 
 
-@pytest.fixture(scope="module", params=[(p, w) for p in PRESETS for w in _nccl_worlds()],
-                ids=lambda pw: f"{pw[0]}-nccl{pw[1]}")
+@pytest.fixture(
+    scope="module", params=[(p, w) for p in PRESETS for w in _nccl_worlds()], ids=lambda pw: f"{pw[0]}-nccl{pw[1]}"
+)
 def sharded_nccl(request):
     """The same comparison over NCCL: one rank (the launcher's path with no sharding) and every GPU
     of the machine; ranks are spawned (CUDA cannot fork), one GPU each; the reference runs on cuda:0."""
@@ -216,14 +227,19 @@ def test_sharded_replay_logprobs_and_gradients_equal_single_process(sharded, sam
             assert max_relative_error(r["grads"], single["grads"]) < 10 * TOL
         for name, g in r["grads"].items():  # the replicated backward gives every rank the same gradient
             assert torch.equal(g, ranks[0]["grads"][name]) or not same_bits, name
-    print(f"max log-prob error {max(float((r['logp'] - single['logp']).abs().max()) for r in ranks):.2e}, "
-          f"max gradient relative error {max(max_relative_error(r['grads'], single['grads']) for r in ranks):.2e}")
+    print(
+        f"max log-prob error {max(float((r['logp'] - single['logp']).abs().max()) for r in ranks):.2e}, "
+        f"max gradient relative error {max(max_relative_error(r['grads'], single['grads']) for r in ranks):.2e}"
+    )
 
 
 def test_resident_bytes_are_sharded(sharded):
     world, ranks, single = sharded
-    pages = lambda res: sum(sum(t.numel() * t.element_size() for t in layer)  # noqa: E731
-                            for kind, layer in zip(res["kinds"], res["layers"]) if kind.endswith("Pages"))
+    pages = lambda res: sum(
+        sum(t.numel() * t.element_size() for t in layer)  # noqa: E731
+        for kind, layer in zip(res["kinds"], res["layers"])
+        if kind.endswith("Pages")
+    )
     assert sum(pages(r) for r in ranks) == pages(single) > 0
     for r in ranks:
         assert r["nbytes"] == r["predicted"]
@@ -238,10 +254,20 @@ def _grpo_step(preset, cp=None):
     responses = [_ids(5, 10 + i) for i in range(3)]
     config = grpo.GRPOConfig(num_generations=3, beta=0.04)
     with hf_float64(model), float64_gdn_states():
-        metrics = grpo_step(model, PROMPT, responses, [0.0, 1.0, 0.5], optimizer, config,
-                            StepOptions(capture={"chunk_size": CHUNK, **({"cp": cp} if cp else {})})).metrics
-    return {"loss": metrics["loss"], "state_unchanged": metrics["state_unchanged"],
-            "updates": {n: p.detach() - before[n] for n, p in model.named_parameters()}}
+        metrics = grpo_step(
+            model,
+            PROMPT,
+            responses,
+            [0.0, 1.0, 0.5],
+            optimizer,
+            config,
+            StepOptions(capture={"chunk_size": CHUNK, **({"cp": cp} if cp else {})}),
+        ).metrics
+    return {
+        "loss": metrics["loss"],
+        "state_unchanged": metrics["state_unchanged"],
+        "updates": {n: p.detach() - before[n] for n, p in model.named_parameters()},
+    }
 
 
 def _rank_grpo_step(preset):
@@ -266,8 +292,14 @@ def test_grpo_step_under_cp_equals_single_process_and_keeps_ranks_identical(pres
 
 
 def _point_config(cp_size):
-    return {"name": "cp", "cp_size": cp_size, "model": {"preset": "tiny-qwen3_5", "dtype": "float64"},
-            "prompt": {"length": PROMPT_LEN}, "responses": {"count": 2, "length": 5}, "capture": {"chunk_size": CHUNK}}
+    return {
+        "name": "cp",
+        "cp_size": cp_size,
+        "model": {"preset": "tiny-qwen3_5", "dtype": "float64"},
+        "prompt": {"length": PROMPT_LEN},
+        "responses": {"count": 2, "length": 5},
+        "capture": {"chunk_size": CHUNK},
+    }
 
 
 @contextlib.contextmanager
@@ -309,8 +341,9 @@ def test_run_point_gathers_per_rank_memory_to_rank_zero(single_point):
 
 
 def _rank_sweep_point():
-    return run_point({**_point_config(int(os.environ["WORLD_SIZE"])), "kind": "sweep",
-                      "sweep": {"replay": [2, 2], "hold_all": []}})
+    return run_point(
+        {**_point_config(int(os.environ["WORLD_SIZE"])), "kind": "sweep", "sweep": {"replay": [2, 2], "hold_all": []}}
+    )
 
 
 @pytest.mark.numerics
@@ -336,9 +369,27 @@ def test_torchrun_with_one_rank_gives_the_single_process_result(tmp_path, single
     spec, out = tmp_path / "point.yaml", tmp_path / "point.json"
     spec.write_text(json.dumps(_point_config(1)))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1",
-                           "-m", "float64_cli", "tiny-qwen3_5", "run", str(spec), "--out", str(out)],
-                          capture_output=True, text=True, env=env, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "1",
+            "-m",
+            "float64_cli",
+            "tiny-qwen3_5",
+            "run",
+            str(spec),
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     launched = json.loads(out.read_text())
     single = single_point
@@ -373,12 +424,19 @@ def test_prompt_shorter_than_the_ranks_is_refused():
 
 
 def _train_config(out_dir, cp_size):
-    return {"cp_size": cp_size, "model": {"preset": "tiny-qwen3_5", "lora": {"r": 4, "init_random": True},
-                                          "dtype": "float64"},
-            "task": {"name": "kv_retrieval", "length": 48}, "steps": 2, "steps_per_prompt": 2, "seed": 3,
-            "sampling": {"num_samples": 3, "max_new_tokens": 4}, "optimizer": {"lr": 1e-2},
-            "refresh": {"policy": "every", "every": 2}, "capture": {"chunk_size": 8},
-            "output": {"dir": str(out_dir), "checkpoint_every": 0}}
+    return {
+        "cp_size": cp_size,
+        "model": {"preset": "tiny-qwen3_5", "lora": {"r": 4, "init_random": True}, "dtype": "float64"},
+        "task": {"name": "kv_retrieval", "length": 48},
+        "steps": 2,
+        "steps_per_prompt": 2,
+        "seed": 3,
+        "sampling": {"num_samples": 3, "max_new_tokens": 4},
+        "optimizer": {"lr": 1e-2},
+        "refresh": {"policy": "every", "every": 2},
+        "capture": {"chunk_size": 8},
+        "output": {"dir": str(out_dir), "checkpoint_every": 0},
+    }
 
 
 def _rank_train(out_dir):

@@ -28,8 +28,14 @@ PROMPT_LEN = 24  # 23 resident positions: divisible by neither 2 nor 3
 CHUNK = 4  # several chunks per shard: the reverse recompute crosses chunk and shard boundaries
 PROMPT_TERM = 0.05  # the conditional gradient alone is this far off the exact one (measured >= 0.2)
 # attention (dense GQA), hybrid (GDN + attention), MLA with DSA top-k dropping positions, dense MLA
-CASES = [("tiny-llama", None, 3), ("tiny-qwen3_5", None, 2), ("tiny-qwen3_5", None, 3),
-         ("tiny-glm_moe_dsa", DROP_TOPK, 2), ("tiny-glm_moe_dsa", DROP_TOPK, 3), ("tiny-deepseek_v3", None, 3)]
+CASES = [
+    ("tiny-llama", None, 3),
+    ("tiny-qwen3_5", None, 2),
+    ("tiny-qwen3_5", None, 3),
+    ("tiny-glm_moe_dsa", DROP_TOPK, 2),
+    ("tiny-glm_moe_dsa", DROP_TOPK, 3),
+    ("tiny-deepseek_v3", None, 3),
+]
 
 
 def _ids(n, seed, vocab=256):
@@ -102,8 +108,11 @@ def test_exact_mode_under_cp_with_shards_shorter_than_the_conv_window():
     single = _exact("tiny-qwen3_5", None, None, prompt, torch.float64)
     for r in ranks:
         assert r["unchanged"]
-        within(max_relative_error(r["exact"], single["exact"]), _tolerance("tiny-qwen3_5", 5, 3),
-               "max relative gradient error")
+        within(
+            max_relative_error(r["exact"], single["exact"]),
+            _tolerance("tiny-qwen3_5", 5, 3),
+            "max relative gradient error",
+        )
     above(global_relative_error(ranks[0]["conditional"], single["exact"]), PROMPT_TERM, "prompt-side term")
 
 
@@ -116,8 +125,9 @@ def _exact_step(preset, cp=None):
     responses = [_ids(5, 10 + i) for i in range(3)]
     options = StepOptions(prefix_grad=True, capture={"chunk_size": CHUNK, **({"cp": cp} if cp else {})})
     with hf_float64(model), float64_gdn_states():
-        metrics = grpo_step(model, PROMPT, responses, [0.0, 1.0, 0.5], optimizer,
-                            grpo.GRPOConfig(num_generations=3), options).metrics
+        metrics = grpo_step(
+            model, PROMPT, responses, [0.0, 1.0, 0.5], optimizer, grpo.GRPOConfig(num_generations=3), options
+        ).metrics
     return {"loss": metrics["loss"], "updates": {n: p.detach() - before[n] for n, p in model.named_parameters()}}
 
 

@@ -20,6 +20,7 @@ from longstraw.cp.group import CPGroup
 from longstraw.cp.launch import run_ranks
 from float64_reference import float64_gdn_states, float64_model, hf_float64
 from tolerances import TOL64, logprob_tolerance, max_abs, within
+
 CHUNK = 4  # several capture chunks per shard
 # (preset, world, prompt tokens): 23 positions are divisible by neither 2 nor 3; 5 positions over 3 ranks
 # are shards of 2, 2 and 1, shorter than the conv's K-1 = 3 (the ranks all-gather their conv tails)
@@ -45,8 +46,13 @@ def _capture_replay(preset, prompt_len, cp=None):
         logp = replay(model, state, RESPONSE)
         logp.sum().backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    return {"layers": [[t.clone() for t in e.tensors()] for e in state.layers], "kinds": [type(e).__name__ for e in
-            state.layers], "logp": logp.detach(), "grads": grads, "shard": getattr(state, "shard", None)}
+    return {
+        "layers": [[t.clone() for t in e.tensors()] for e in state.layers],
+        "kinds": [type(e).__name__ for e in state.layers],
+        "logp": logp.detach(),
+        "grads": grads,
+        "shard": getattr(state, "shard", None),
+    }
 
 
 def _rank_capture_replay(preset, prompt_len):
@@ -126,5 +132,7 @@ def test_sharded_capture_and_replay_equal_single_process(sharded):
         within(max_abs(r["logp"], single["logp"]), tol, "log-probs")
         within(global_relative_error(r["grads"], single["grads"]), TOL64, "relative gradient error")
         within(max_relative_error(r["grads"], single["grads"]), TOL64, "max relative gradient error")
-    print(f"max relative error: GDN states {worst['gdn']:.1e}, pages {worst['pages']:.1e}, log-probs "
-          f"{max(_rel(r['logp'], single['logp']) for r in ranks):.1e}")
+    print(
+        f"max relative error: GDN states {worst['gdn']:.1e}, pages {worst['pages']:.1e}, log-probs "
+        f"{max(_rel(r['logp'], single['logp']) for r in ranks):.1e}"
+    )

@@ -28,8 +28,12 @@ PROMPT_LEN = 24  # 23 resident positions: divisible by neither 2 nor 3
 CHUNK = 4
 # glm_moe_dsa: index and IndexShare layers alternating; deepseek_v32: an indexer on every layer;
 # deepseek_v3: dense latent attention (no indexer)
-CASES = [("tiny-glm_moe_dsa", DROP_TOPK, 2), ("tiny-glm_moe_dsa", DROP_TOPK, 3), ("tiny-deepseek_v32", DROP_TOPK, 3),
-         ("tiny-deepseek_v3", None, 2)]
+CASES = [
+    ("tiny-glm_moe_dsa", DROP_TOPK, 2),
+    ("tiny-glm_moe_dsa", DROP_TOPK, 3),
+    ("tiny-deepseek_v32", DROP_TOPK, 3),
+    ("tiny-deepseek_v3", None, 2),
+]
 
 
 def _ids(n, seed, vocab=256):
@@ -69,10 +73,16 @@ def _capture_replay(preset, topk, cp=None):
             (logp * WEIGHTS.double()).sum().backward()
     finally:
         mla.mla_mix = real
-    return {"layers": [[t.clone() for t in e.tensors()] for e in state.layers], "logp": logp.detach(),
-            "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
-            "unchanged": state.fingerprint() == before, "shard": getattr(state, "shard", None),
-            "nbytes": state.nbytes, "predicted": state.predicted_nbytes, "selections": records}
+    return {
+        "layers": [[t.clone() for t in e.tensors()] for e in state.layers],
+        "logp": logp.detach(),
+        "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+        "unchanged": state.fingerprint() == before,
+        "shard": getattr(state, "shard", None),
+        "nbytes": state.nbytes,
+        "predicted": state.predicted_nbytes,
+        "selections": records,
+    }
 
 
 def _rank_capture_replay(preset, topk):
@@ -158,8 +168,9 @@ def test_sharded_mla_capture_runs_each_rank_on_its_zigzag_chunks(sharded):
         pytest.skip("dense latent attention records no selections")
     halves = [(s + a, s + b) for s, e in shard_bounds(PROMPT_LEN - 1, world) for a, b in shard_bounds(e - s, 2)]
     for rank, r in enumerate(ranks):
-        positions = {p for _, first, sel in r["selections"] if first != "replay" for p in range(first, first +
-                                                                                                  len(sel))}
+        positions = {
+            p for _, first, sel in r["selections"] if first != "replay" for p in range(first, first + len(sel))
+        }
         spans = [halves[rank], halves[2 * world - 1 - rank]]
         assert positions <= {p for a, b in spans for p in range(a, b)}
         assert all(positions & set(range(a, b)) for a, b in spans if b > 2 * CHUNK)
@@ -204,8 +215,11 @@ def _rank_sample(preset, topk):
 
 
 @pytest.mark.numerics
-@pytest.mark.parametrize("preset,topk,world", [("tiny-glm_moe_dsa", DROP_TOPK, 2), ("tiny-deepseek_v32", DROP_TOPK, 3),
-                                               ("tiny-deepseek_v3", None, 3)], ids=lambda c: str(c))
+@pytest.mark.parametrize(
+    "preset,topk,world",
+    [("tiny-glm_moe_dsa", DROP_TOPK, 2), ("tiny-deepseek_v32", DROP_TOPK, 3), ("tiny-deepseek_v3", None, 3)],
+    ids=lambda c: str(c),
+)
 def test_sampling_from_sharded_mla_pages_equals_the_single_process(preset, topk, world):
     """Each decoding step selects over every rank's index keys and the sequences' own (the last rank's
     proposal) and attends across the ranks: the same tokens and log-probs as one process."""
@@ -229,5 +243,7 @@ def _rank_host_pages():
 
 
 def test_host_pages_under_cp_are_refused():
-    assert "host_pages=True is not implemented for a context-parallel capture" in run_ranks(
-        _rank_host_pages, 2, start_method="fork")[0]
+    assert (
+        "host_pages=True is not implemented for a context-parallel capture"
+        in run_ranks(_rank_host_pages, 2, start_method="fork")[0]
+    )

@@ -32,9 +32,14 @@ TIMEOUT = 120.0  # seconds for a whole launch (one run takes ~10 s here)
 def _config(cp_size):
     """A GRPO step on a dense preset: every resident byte is an attention page, so the ranks' bytes
     sum to the single process's; random LoRA so the reference differs and the loss is not 0."""
-    return {"name": "cp-multinode", "cp_size": cp_size,
-            "model": {"preset": PRESET, "lora": {"r": 4, "init_random": True}, "dtype": "float64"},
-            "prompt": {"length": 24}, "responses": {"count": 2, "length": 5}, "capture": {"chunk_size": 4}}
+    return {
+        "name": "cp-multinode",
+        "cp_size": cp_size,
+        "model": {"preset": PRESET, "lora": {"r": 4, "init_random": True}, "dtype": "float64"},
+        "prompt": {"length": 24},
+        "responses": {"count": 2, "length": 5},
+        "capture": {"chunk_size": 4},
+    }
 
 
 def _env(threads):
@@ -72,7 +77,8 @@ def _launch(commands, tmp_path, threads):
             for i, p in enumerate(procs):
                 assert p.poll() in (None, 0), f"agent {i} exited {p.returncode}:\n{logs[i].read_text()[-3000:]}"
             assert time.monotonic() < deadline, f"no result within {TIMEOUT} s:\n" + "\n".join(
-                f"agent {i}:\n{log.read_text()[-1500:]}" for i, log in enumerate(logs))
+                f"agent {i}:\n{log.read_text()[-1500:]}" for i, log in enumerate(logs)
+            )
             time.sleep(0.2)
         for i, p in enumerate(procs):
             assert p.returncode == 0, f"agent {i} exited {p.returncode}:\n{logs[i].read_text()[-3000:]}"
@@ -93,9 +99,28 @@ def _two_nodes(tmp_path):
     spec, port = tmp_path / "point.yaml", free_port()
     spec.write_text(json.dumps(_config(2)))
     outs = [tmp_path / f"node{n}.json" for n in range(2)]
-    commands = [_torchrun("--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
-                          "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "test-cp-multinode",
-                          "-m", "float64_cli", PRESET, "run", str(spec), "--out", str(out)) for out in outs]
+    commands = [
+        _torchrun(
+            "--nnodes",
+            "2",
+            "--nproc-per-node",
+            "1",
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{port}",
+            "--rdzv-id",
+            "test-cp-multinode",
+            "-m",
+            "float64_cli",
+            PRESET,
+            "run",
+            str(spec),
+            "--out",
+            str(out),
+        )
+        for out in outs
+    ]
     logs = _launch(commands, tmp_path, threads=fixed_threads() or max(1, (os.cpu_count() or 2) // 2))
     written = [out for out in outs if out.exists()]
     assert len(written) == 1, f"{len(written)} of the 2 nodes wrote a result; rank 0 alone writes"
@@ -107,9 +132,26 @@ def _two_nodes(tmp_path):
 def _standalone(tmp_path):
     spec, out = tmp_path / "point.yaml", tmp_path / "point.json"
     spec.write_text(json.dumps(_config(2)))
-    _launch([_torchrun("--standalone", "--nnodes", "1", "--nproc-per-node", "2",
-                       "-m", "float64_cli", PRESET, "run", str(spec), "--out", str(out))], tmp_path,
-            threads=fixed_threads() or 1)
+    _launch(
+        [
+            _torchrun(
+                "--standalone",
+                "--nnodes",
+                "1",
+                "--nproc-per-node",
+                "2",
+                "-m",
+                "float64_cli",
+                PRESET,
+                "run",
+                str(spec),
+                "--out",
+                str(out),
+            )
+        ],
+        tmp_path,
+        threads=fixed_threads() or 1,
+    )
     return json.loads(out.read_text())
 
 

@@ -30,11 +30,23 @@ def rows():
 
 def _tiny(layer_types, heads=1, head_dim=1):
     """A shape whose attention FLOPs are 4 x (query, key) pairs and whose other work is what Rates says."""
-    return scaling.Shape(tuple(layer_types), hidden=4, intermediate=4, heads=heads, kv_heads=1, head_dim=head_dim,
-                         k_heads=1, v_heads=1, k_dim=2, v_dim=2, conv_kernel=4)
+    return scaling.Shape(
+        tuple(layer_types),
+        hidden=4,
+        intermediate=4,
+        heads=heads,
+        kv_heads=1,
+        head_dim=head_dim,
+        k_heads=1,
+        v_heads=1,
+        k_dim=2,
+        v_dim=2,
+        conv_kernel=4,
+    )
 
 
 # ---------------------------------------------------------------------------------------- the terms
+
 
 @pytest.mark.parametrize("ranks", [1, 2, 3, 4, 8, 32])
 def test_causal_shares_by_hand(ranks):
@@ -53,8 +65,9 @@ def test_zigzag_flops_are_exactly_one_nth(ranks):
     assert len(chunks) == 2 * ranks and chunks[0][0] == 0 and chunks[-1][1] == positions
     total = shape.attention_flops(positions, 0)
     for r in range(ranks):
-        mine = sum(shape.attention_flops(chunks[c][1] - chunks[c][0], chunks[c][0])
-                   for c in scaling.balanced_chunks(r, ranks))
+        mine = sum(
+            shape.attention_flops(chunks[c][1] - chunks[c][0], chunks[c][0]) for c in scaling.balanced_chunks(r, ranks)
+        )
         assert mine * ranks == total
     # the pipeline's contiguous shards: rank r's FLOPs tend to (2r+1)/N^2 of the layer
     big = 1 << 20
@@ -155,19 +168,25 @@ def test_predict_refuses_what_it_does_not_model(calibration):
 
 # ---------------------------------------------------------------------------------- the calibration
 
+
 def test_calibration_comes_from_the_recorded_files(calibration):
     for model, file in scaling.CALIBRATION.items():
         capture = _load(file)["metrics"]["capture"]
         rates = calibration.rates[model]
-        assert rates.attention_seconds_per_flop == capture["capture_attention"]["seconds"] / \
-            capture["capture_attention"]["flops"]
-        assert rates.other_seconds_per_position == \
-            (capture["capture_seconds"] - capture["capture_attention"]["seconds"]) / capture["positions"]
+        assert (
+            rates.attention_seconds_per_flop
+            == capture["capture_attention"]["seconds"] / capture["capture_attention"]["flops"]
+        )
+        assert (
+            rates.other_seconds_per_position
+            == (capture["capture_seconds"] - capture["capture_attention"]["seconds"]) / capture["positions"]
+        )
     cp = _load(scaling.CP_CALIBRATION)
     rank0 = cp["metrics"]["capture"]["capture_attention"]
     single = _load(scaling.CALIBRATION["hybrid-1b"])["metrics"]["capture"]["capture_attention"]
     assert calibration.pipeline_attention_efficiency == pytest.approx(
-        rank0["tflops_per_second"] / single["tflops_per_second"], rel=1e-12)
+        rank0["tflops_per_second"] / single["tflops_per_second"], rel=1e-12
+    )
     assert cp["config"]["cp_size"] == 2 and cp["config"]["model"]["preset"] == "hybrid-1b"
 
 
@@ -178,13 +197,20 @@ def test_the_calibrated_model_reproduces_its_calibration_points(calibration, row
         predicted = scaling.predict(model, capture["positions"], 1, "balanced", calibration, prompt=False)
         assert predicted["capture_seconds"] == pytest.approx(capture["capture_seconds"], rel=1e-12)
         assert predicted["attention_seconds"] == pytest.approx(capture["capture_attention"]["seconds"], rel=1e-12)
-        assert scaling.predict(model, capture["positions"], 1, "pipeline", calibration,
-                               prompt=False)["capture_seconds"] == pytest.approx(capture["capture_seconds"], rel=1e-12)
+        assert scaling.predict(model, capture["positions"], 1, "pipeline", calibration, prompt=False)[
+            "capture_seconds"
+        ] == pytest.approx(capture["capture_seconds"], rel=1e-12)
     cp = _load(scaling.CP_CALIBRATION)
     predicted = scaling.predict("hybrid-1b", cp["config"]["prompt"]["length"], 2, "pipeline", calibration)
     assert predicted["capture_seconds"] == pytest.approx(cp["metrics"]["capture"]["capture_seconds"], rel=1e-12)
-    row = next(r for r in rows if r["source"] == "predicted" and r["model"] == "hybrid-1b" and r["cp_size"] == 2
-               and r["schedule"] == "pipeline")
+    row = next(
+        r
+        for r in rows
+        if r["source"] == "predicted"
+        and r["model"] == "hybrid-1b"
+        and r["cp_size"] == 2
+        and r["schedule"] == "pipeline"
+    )
     assert row["capture_seconds"] == pytest.approx(cp["metrics"]["capture"]["capture_seconds"], rel=1e-12)
 
 
@@ -208,6 +234,7 @@ def test_held_out_two_rank_point_within_the_stated_error():
 
 # -------------------------------------------------------------------------------------- the table
 
+
 def test_table_rows(rows):
     measured = [r for r in rows if r["source"] == "measured"]
     predicted = [r for r in rows if r["source"] == "predicted"]
@@ -219,10 +246,19 @@ def test_table_rows(rows):
             assert row["capture_seconds"] == capture["capture_seconds"]
         assert row["cp_size"] == (result["config"].get("cp_size") or 1)
     assert {(r["model"], r["prompt_length"], r["cp_size"], r["schedule"]) for r in predicted} == {
-        (m, n, k, s) for m, n, k in scaling.PREDICTED for s in scaling.SCHEDULES}
+        (m, n, k, s) for m, n, k in scaling.PREDICTED for s in scaling.SCHEDULES
+    }
     for row in predicted:
-        parts = sum(row[k] for k in ("attention_seconds", "other_seconds", "waiting_seconds", "communication_seconds",
-                                     "residual_seconds"))
+        parts = sum(
+            row[k]
+            for k in (
+                "attention_seconds",
+                "other_seconds",
+                "waiting_seconds",
+                "communication_seconds",
+                "residual_seconds",
+            )
+        )
         assert parts == pytest.approx(row["capture_seconds"])
         assert row["waiting_seconds"] >= -1e-9 and row["basis"].startswith("s, c: ")
         assert row["fits_ten_minutes"] == (row["capture_seconds"] <= 600)

@@ -6,8 +6,13 @@ from contextlib import nullcontext
 import pytest
 import torch
 
-from longstraw.core.hf_reference import (grads_of, hf_conditional_logprobs, hf_full_logprobs, hf_torch_gdn_kernels,
-                                     max_relative_error)
+from longstraw.core.hf_reference import (
+    grads_of,
+    hf_conditional_logprobs,
+    hf_full_logprobs,
+    hf_torch_gdn_kernels,
+    max_relative_error,
+)
 from longstraw import capture, replay
 from longstraw.models import TINY_PRESETS, build_model
 
@@ -60,8 +65,13 @@ def test_kernel_rates_measure_positive_rates():
     from longstraw.kernels.rates import measure_kernel_rates
     from longstraw.models import make_config
 
-    rates = measure_kernel_rates(make_config("tiny-qwen3_5", head_dim=64), response_length=256,
-                                 dtype=torch.bfloat16, device="cuda", sdpa_positions=4096)
+    rates = measure_kernel_rates(
+        make_config("tiny-qwen3_5", head_dim=64),
+        response_length=256,
+        dtype=torch.bfloat16,
+        device="cuda",
+        sdpa_positions=4096,
+    )
     for name in ("causal_sdpa", "flash_forward", "flash_backward", "gemm"):
         assert rates[name]["seconds"] > 0 and rates[name]["tflops_per_second"] > 0
 
@@ -85,12 +95,26 @@ def test_naive_step_backward_runs_hfs_torch_gdn_kernel_beside_fla():
         def zero_grad(self, set_to_none=True):
             model.zero_grad(set_to_none=set_to_none)
 
-    grpo_step(model, prompt, responses, [0.0, 1.0], Recorder(), GRPOConfig(num_generations=2, beta=0.0),
-              StepOptions(mode="naive"))
+    grpo_step(
+        model,
+        prompt,
+        responses,
+        [0.0, 1.0],
+        Recorder(),
+        GRPOConfig(num_generations=2, beta=0.0),
+        StepOptions(mode="naive"),
+    )
     scoped = Recorder.grads
     with hf_torch_gdn_kernels(model):
-        grpo_step(model, prompt, responses, [0.0, 1.0], Recorder(), GRPOConfig(num_generations=2, beta=0.0),
-                  StepOptions(mode="naive"))
+        grpo_step(
+            model,
+            prompt,
+            responses,
+            [0.0, 1.0],
+            Recorder(),
+            GRPOConfig(num_generations=2, beta=0.0),
+            StepOptions(mode="naive"),
+        )
     assert max_relative_error(scoped, Recorder.grads) < 1e-2
 
 
@@ -119,8 +143,15 @@ def test_step_logp_mismatch_at_the_on_policy_point_is_within_bound(head_dim):
         assert _pick_kernel("auto", q, head_dim) == "cudnn_blocks"  # capture chunks, scoring and replay
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
     options = StepOptions(capture={"chunk_size": 1024}, checkpoint_layers=True, old_policy="score")
-    metrics = grpo_step(model, _ids(4097, 0), [_ids(256, 1), _ids(64, 2)], [0.0, 1.0], optimizer,
-                        GRPOConfig(num_generations=2, beta=0.0), options).metrics
+    metrics = grpo_step(
+        model,
+        _ids(4097, 0),
+        [_ids(256, 1), _ids(64, 2)],
+        [0.0, 1.0],
+        optimizer,
+        GRPOConfig(num_generations=2, beta=0.0),
+        options,
+    ).metrics
     assert metrics["logp_mismatch"]["max"] <= LOGP_MISMATCH_BOUND, metrics["logp_mismatch"]
 
 
@@ -154,8 +185,10 @@ def test_checkpointed_replay_gives_the_plain_replays_gradients(deterministic):
     weights = torch.linspace(-1.0, 2.0, 256, device="cuda")
     with deterministic_mode() if deterministic else nullcontext():
         state = capture(model, prompt, chunk_size=1024)
-        plain, checkpointed = (grads_of(model, (replay(model, state, response, checkpoint_layers=c) * weights).sum())
-                               for c in (False, True))
+        plain, checkpointed = (
+            grads_of(model, (replay(model, state, response, checkpoint_layers=c) * weights).sum())
+            for c in (False, True)
+        )
     assert plain.keys() == checkpointed.keys() and plain
     if deterministic:
         for name in plain:

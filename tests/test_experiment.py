@@ -11,8 +11,15 @@ from longstraw.kinds import step as step_kind
 from longstraw.kinds import sweep as sweep_kind
 from longstraw.kinds.common import Progress
 
-POINT = {"name": "tiny", "kind": "step", "model": {"preset": "tiny-llama"}, "prompt": {"length": 40},
-         "responses": {"count": 2, "length": 5}, "capture": {"chunk_size": 16}, "cycles": 2}
+POINT = {
+    "name": "tiny",
+    "kind": "step",
+    "model": {"preset": "tiny-llama"},
+    "prompt": {"length": 40},
+    "responses": {"count": 2, "length": 5},
+    "capture": {"chunk_size": 16},
+    "cycles": 2,
+}
 
 
 def test_step_point_reuses_one_capture_across_cycles():
@@ -50,7 +57,9 @@ def test_cli_writes_result_and_exits_by_status(tmp_path):
     assert result["status"] == "ok" and result["config"]["mode"] == "hold_all"
     assert list(out.parent.iterdir()) == [out]  # no temp files left behind
     out.unlink()
-    assert cli.main(["run", str(spec), "--out", str(out), "--set", "model.preset=tiny-gpt5"]) == 2  # refused: nothing ran
+    assert (
+        cli.main(["run", str(spec), "--out", str(out), "--set", "model.preset=tiny-gpt5"]) == 2
+    )  # refused: nothing ran
     assert not out.exists()
 
 
@@ -67,12 +76,17 @@ SWEEP = {**POINT, "kind": "sweep", "sweep": {"replay": [1, 2], "hold_all": [2, 4
 
 def test_sweep_serves_every_step_from_one_capture_and_reports_progress():
     partials = []
-    result = runner.run_point(SWEEP, on_progress=lambda p: partials.append(
-        [(s["mode"], s["count"]) for s in p["metrics"]["steps"]]))
+    result = runner.run_point(
+        SWEEP, on_progress=lambda p: partials.append([(s["mode"], s["count"]) for s in p["metrics"]["steps"]])
+    )
     assert result["status"] == "ok", result.get("error")
     m = result["metrics"]
     assert [(s["mode"], s["count"], s["status"]) for s in m["steps"]] == [
-        ("replay", 1, "ok"), ("replay", 2, "ok"), ("hold_all", 2, "ok"), ("hold_all", 4, "ok")]
+        ("replay", 1, "ok"),
+        ("replay", 2, "ok"),
+        ("hold_all", 2, "ok"),
+        ("hold_all", 4, "ok"),
+    ]
     assert all("capture" not in s["phases"] for s in m["steps"])  # the sweep's one capture served them all
     assert m["capture"]["resident_bytes"] == m["capture"]["predicted_resident_bytes"]
     assert all(s["state_unchanged"] for s in m["steps"])
@@ -95,7 +109,10 @@ def test_sweep_mode_stops_at_its_first_out_of_memory_step(monkeypatch):
     monkeypatch.setattr(core_step, "grpo_step", limited)
     result = runner.run_point({**SWEEP, "sweep": {"replay": [1], "hold_all": [1, 2, 4]}})
     assert [(s["mode"], s["count"], s["status"]) for s in result["metrics"]["steps"]] == [
-        ("replay", 1, "ok"), ("hold_all", 1, "ok"), ("hold_all", 2, "oom")]
+        ("replay", 1, "ok"),
+        ("hold_all", 1, "ok"),
+        ("hold_all", 2, "oom"),
+    ]
     assert result["status"] == "ok"
 
 
@@ -109,6 +126,7 @@ def test_cli_keeps_a_partial_file_only_while_a_sweep_runs(tmp_path, monkeypatch)
         def partial(metrics):
             progress.partial(metrics)
             seen.append(json.loads((tmp_path / "result.json.partial").read_text())["status"])
+
         return real(cfg, device, Progress(partial))
 
     monkeypatch.setattr(sweep_kind, "run", watching)
@@ -141,7 +159,8 @@ def test_naive_steps_run_hfs_torch_gdn_kernel_in_forward_and_backward(monkeypatc
         model(input_ids=prompt[None])
     responses = [torch.randint(0, 256, (4,)) for _ in range(2)]
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
-    step = grpo_step(model, prompt, responses, [0.0, 1.0], optimizer, GRPOConfig(num_generations=2),
-                     StepOptions(mode="naive"))
+    step = grpo_step(
+        model, prompt, responses, [0.0, 1.0], optimizer, GRPOConfig(num_generations=2), StepOptions(mode="naive")
+    )
     assert step.metrics["grad_norm"] > 0 and step.state is None
     assert modeling.torch_chunk_gated_delta_rule is fla_like  # restored after the step

@@ -31,8 +31,11 @@ def test_linear_parameters_count_each_projection_once_with_lora():
 
 
 def test_replay_floor_divides_each_part_by_its_own_rate():
-    rates = {"flash_forward": {"tflops_per_second": 2.0}, "flash_backward": {"tflops_per_second": 1.0},
-             "gemm": {"tflops_per_second": 4.0}}
+    rates = {
+        "flash_forward": {"tflops_per_second": 2.0},
+        "flash_backward": {"tflops_per_second": 1.0},
+        "gemm": {"tflops_per_second": 4.0},
+    }
     linear, lora = 90112, 100
     floor = flops.replay_floor_seconds(make_config("tiny-llama"), linear, lora, 3, 5, rates)
     linear_flops = (2 * linear * 3 + 2 * lora * 3) + (2 * linear * 3 + 4 * lora * 3)
@@ -45,8 +48,11 @@ def test_replay_floor_divides_each_part_by_its_own_rate():
 
 def test_capture_floor_counts_causal_attention_and_linears_without_the_lm_head():
     config = make_config("tiny-llama")  # 2 attention layers of 4 heads x 16; LM head 64 x 256
-    rates = {"cudnn_forward": {"tflops_per_second": 2.0}, "flash_forward": {"tflops_per_second": 1.0},
-             "gemm": {"tflops_per_second": 4.0}}
+    rates = {
+        "cudnn_forward": {"tflops_per_second": 2.0},
+        "flash_forward": {"tflops_per_second": 1.0},
+        "gemm": {"tflops_per_second": 4.0},
+    }
     linear = 2 * (4096 + 2048 + 2048 + 4096 + 3 * 8192) + 256 * 64
     floor = flops.capture_floor_seconds(config, linear, 10, rates)
     attention = 2 * 4 * 4 * 16 * 55  # 10 tokens: 55 causal pairs per head

@@ -33,8 +33,14 @@ def hf_recurrent(q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, state_BHDV):
     group = v_BTHV.shape[2] // q_BTHD.shape[2]
     q_BTHD, k_BTHD = (t.repeat_interleave(group, dim=2) for t in (q_BTHD, k_BTHD))
     return HF_RECURRENT(
-        q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH,
-        initial_state=state_BHDV, output_final_state=True, use_qk_l2norm_in_kernel=True,
+        q_BTHD,
+        k_BTHD,
+        v_BTHV,
+        g_BTH,
+        beta_BTH,
+        initial_state=state_BHDV,
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
     )
 
 

@@ -305,8 +305,12 @@ def _logp(W, toks, bias):
 def test_serial_replay_equals_batch(loss_type, beta):
     G, W0, toks, bias, old_d, ref, rewards = _group(seed=0)
     cfg = GRPOConfig(
-        num_generations=G, beta=beta, epsilon=0.2, epsilon_high=0.28,
-        loss_type=loss_type, max_completion_length=16,
+        num_generations=G,
+        beta=beta,
+        epsilon=0.2,
+        epsilon_high=0.28,
+        loss_type=loss_type,
+        max_completion_length=16,
     )
     adv = group_advantages(rewards, cfg.scale_rewards, num_generations=G)
     weights = token_weights(LENGTHS, cfg)  # fixed before any replay
@@ -420,8 +424,6 @@ def test_token_weights_bad_input():
         token_weights([1, -2, 3], cfg)
     with pytest.raises(ValueError, match="integer"):
         token_weights([1, 2.5, 3], cfg)
-
-
 
 
 def test_group_advantages_leave_unscorable_rewards_out_as_trl_does():

@@ -20,8 +20,12 @@ def test_paired_gain_by_hand():
 
 
 def test_per_prompt_means_pool_a_prompts_steps_and_samples():
-    steps = [{"step": 0, "prompt": 0, "rewards": [0.0, 1.0]}, {"step": 1, "prompt": 0, "rewards": [1.0, 1.0]},
-             {"step": 2, "prompt": 1, "rewards": [0.0, 0.0]}, {"step": 3, "prompt": 1, "rewards": [1.0, 0.0]}]
+    steps = [
+        {"step": 0, "prompt": 0, "rewards": [0.0, 1.0]},
+        {"step": 1, "prompt": 0, "rewards": [1.0, 1.0]},
+        {"step": 2, "prompt": 1, "rewards": [0.0, 0.0]},
+        {"step": 3, "prompt": 1, "rewards": [1.0, 0.0]},
+    ]
     assert per_prompt_means(steps) == {0: 0.75, 1: 0.25}
     assert per_prompt_means(steps, first_step=3) == {1: 0.5}
     with pytest.raises(ValueError, match="at least 2 shared prompts"):

@@ -65,8 +65,12 @@ def test_every_subpackage_has_a_layer():
 
 
 def test_imports_only_go_down_the_layers():
-    upward = [(m, d) for m, deps in _graph().items() for d in deps
-              if _subpackage(d) != _subpackage(m) and LAYER[_subpackage(d)] >= LAYER[_subpackage(m)]]
+    upward = [
+        (m, d)
+        for m, deps in _graph().items()
+        for d in deps
+        if _subpackage(d) != _subpackage(m) and LAYER[_subpackage(d)] >= LAYER[_subpackage(m)]
+    ]
     assert not upward, "imports of a layer not below the importer's: " + ", ".join(f"{m} -> {d}" for m, d in upward)
 
 
@@ -77,7 +81,7 @@ def test_no_import_cycles():
         state[node] = "open"
         for dep in sorted(graph[node]):
             if state.get(dep) == "open":
-                cycles.append(stack[stack.index(dep):] + [dep])
+                cycles.append(stack[stack.index(dep) :] + [dep])
             elif dep not in state:
                 visit(dep, stack + [dep])
         state[node] = "done"

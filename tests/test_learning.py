@@ -14,10 +14,28 @@ TASK = {"name": "counting", "min_count": 0, "max_count": 3}
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     out = tmp_path_factory.mktemp("learning") / "tiny"
-    result = run_point({"name": "pretrain", "kind": "pretrain", "pretrain": {
-        "model": "learn-tiny-hybrid", "task": TASK, "stages": [], "eval_task": None, "lengths": [16],
-        "batch_size": 32, "batch_tokens": None, "steps": 150, "lr": 3e-3, "eval_every": 0, "eval_lengths": [16],
-        "eval_examples": 32, "out": str(out), "progress": False}})
+    result = run_point(
+        {
+            "name": "pretrain",
+            "kind": "pretrain",
+            "pretrain": {
+                "model": "learn-tiny-hybrid",
+                "task": TASK,
+                "stages": [],
+                "eval_task": None,
+                "lengths": [16],
+                "batch_size": 32,
+                "batch_tokens": None,
+                "steps": 150,
+                "lr": 3e-3,
+                "eval_every": 0,
+                "eval_lengths": [16],
+                "eval_examples": 32,
+                "out": str(out),
+                "progress": False,
+            },
+        }
+    )
     assert result["status"] == "ok", result.get("error")
     assert result["metrics"]["loss_curve"] and result["metrics"]["checkpoint"] == str(out / "checkpoint")
     return str(out / "checkpoint")
@@ -28,8 +46,16 @@ def test_length_curve_point_reads_the_checkpoint(checkpoint):
 
     def keep(partial):
         partials.append((partial["status"], [r["length"] for r in partial["metrics"]["rows"]]))
-    result = run_point({"name": "curve", "kind": "length_curve", "model": {"path": checkpoint},
-                        "length_curve": {"task": TASK, "lengths": [16, 64], "examples": 8}}, on_progress=keep)
+
+    result = run_point(
+        {
+            "name": "curve",
+            "kind": "length_curve",
+            "model": {"path": checkpoint},
+            "length_curve": {"task": TASK, "lengths": [16, 64], "examples": 8},
+        },
+        on_progress=keep,
+    )
     assert result["status"] == "ok", result.get("error")
     rows = result["metrics"]["rows"]
     assert [(r["length"], r["n"]) for r in rows] == [(16, 8), (64, 8)]
@@ -38,10 +64,24 @@ def test_length_curve_point_reads_the_checkpoint(checkpoint):
 
 
 def test_learning_point_runs_the_same_prompts_and_reports_the_paired_gain(checkpoint):
-    result = run_point({"name": "v4", "kind": "learning", "model": {"path": checkpoint}, "prompt": {"length": 32},
-                        "responses": {"length": 1}, "grpo": {"beta": 0.0}, "optimizer": {"lr": 1e-2},
-                        "learning": {"task": TASK, "steps": 4, "window": 2, "num_samples": 3,
-                                     "gradients": ["response-only", "exact"]}})
+    result = run_point(
+        {
+            "name": "v4",
+            "kind": "learning",
+            "model": {"path": checkpoint},
+            "prompt": {"length": 32},
+            "responses": {"length": 1},
+            "grpo": {"beta": 0.0},
+            "optimizer": {"lr": 1e-2},
+            "learning": {
+                "task": TASK,
+                "steps": 4,
+                "window": 2,
+                "num_samples": 3,
+                "gradients": ["response-only", "exact"],
+            },
+        }
+    )
     assert result["status"] == "ok", result.get("error")
     runs = result["metrics"]["runs"]
     assert set(runs) == {"response-only", "exact", "lr0"}
@@ -78,9 +118,16 @@ def test_a_learning_point_cut_off_goes_on_from_its_work_folder(checkpoint, tmp_p
 
     register_task("learning_even_share", _EvenShare)
     task = {**TASK, "name": "learning_even_share"}
-    point = {"name": "v4", "kind": "learning", "model": {"path": checkpoint}, "prompt": {"length": 32},
-             "responses": {"length": 4}, "grpo": {"beta": 0.0}, "optimizer": {"lr": 1e-2},
-             "learning": {"task": task, "steps": 5, "window": 2, "num_samples": 4}}
+    point = {
+        "name": "v4",
+        "kind": "learning",
+        "model": {"path": checkpoint},
+        "prompt": {"length": 32},
+        "responses": {"length": 4},
+        "grpo": {"beta": 0.0},
+        "optimizer": {"lr": 1e-2},
+        "learning": {"task": task, "steps": 5, "window": 2, "num_samples": 4},
+    }
     whole = run_point(point)["metrics"]["runs"]
     monkeypatch.setattr(learning, "RESUME_EVERY", 2)
     original, calls = Trainer.train_step, []
@@ -112,8 +159,9 @@ def test_a_learning_point_cut_off_goes_on_from_its_work_folder(checkpoint, tmp_p
 def test_a_point_on_a_checkpoint_waits_for_its_pretrain_point(tmp_path):
     from longstraw.harness.plan import plan
 
-    (tmp_path / "learning.yaml").write_text((__import__("pathlib").Path(__file__).parents[1] / "experiments" /
-                                             "learning.yaml").read_text())
+    (tmp_path / "learning.yaml").write_text(
+        (__import__("pathlib").Path(__file__).parents[1] / "experiments" / "learning.yaml").read_text()
+    )
     planned = plan(tmp_path, "cpu")
     assert needs(planned, "learning", "v4-8192") == [("learning", "pretrain")]
     assert needs(planned, "learning", "cycles-8192") == [("learning", "pretrain")]

@@ -22,15 +22,18 @@ def test_chunked_logprobs_equal_the_reference(rows_per_chunk):
     hidden = torch.randn(7, 16, generator=g, dtype=torch.float64, requires_grad=True)
     targets = torch.randint(0, VOCAB, (7,), generator=g)
     ours = token_logprobs(hidden, head, targets, rows_per_chunk=rows_per_chunk)
-    ours_grads = torch.autograd.grad((ours * torch.arange(1.0, 8.0, dtype=torch.float64)).sum(),
-                                     (hidden, head.weight))
+    ours_grads = torch.autograd.grad((ours * torch.arange(1.0, 8.0, dtype=torch.float64)).sum(), (hidden, head.weight))
     expected = reference_token_logprobs(hidden, head, targets)
-    expected_grads = torch.autograd.grad((expected * torch.arange(1.0, 8.0, dtype=torch.float64)).sum(),
-                                         (hidden, head.weight))
+    expected_grads = torch.autograd.grad(
+        (expected * torch.arange(1.0, 8.0, dtype=torch.float64)).sum(), (hidden, head.weight)
+    )
     tol = logprob_tolerance(VOCAB, float(expected.detach().abs().max()))
     within(max_abs(ours, expected), tol, "log-probs")
     for a, b in zip(ours_grads, expected_grads):
         close(a, b, rtol=GRAD_RTOL, atol=GRAD_RTOL * float(b.detach().abs().max()), what="gradient")
     with torch.no_grad():  # graph-free scoring takes the same path without checkpoints
-        within(max_abs(token_logprobs(hidden, head, targets, rows_per_chunk=rows_per_chunk), expected), tol,
-               "graph-free log-probs")
+        within(
+            max_abs(token_logprobs(hidden, head, targets, rows_per_chunk=rows_per_chunk), expected),
+            tol,
+            "graph-free log-probs",
+        )

@@ -29,18 +29,35 @@ def _wrapped(model) -> set[str]:
 # tiny presets, hand-listed from their HF module structure: hidden 64, FFN 128, 4 query heads x 16 (128 with
 # Qwen3.5's output gate), 2 K/V heads x 16; GDN 2 key heads x 16, 4 value heads x 16; expert FFN 32.
 # name -> (in_features, out_features)
-_QWEN_GDN = {"linear_attn.in_proj_qkv": (64, 128), "linear_attn.in_proj_z": (64, 64), "linear_attn.in_proj_b": (64, 4),
-             "linear_attn.in_proj_a": (64, 4), "linear_attn.out_proj": (64, 64)}
+_QWEN_GDN = {
+    "linear_attn.in_proj_qkv": (64, 128),
+    "linear_attn.in_proj_z": (64, 64),
+    "linear_attn.in_proj_b": (64, 4),
+    "linear_attn.in_proj_a": (64, 4),
+    "linear_attn.out_proj": (64, 64),
+}
 _NEXT_GDN = {"linear_attn.in_proj_qkvz": (64, 192), "linear_attn.in_proj_ba": (64, 8), "linear_attn.out_proj": (64, 64)}
-_GATED_ATTN = {"self_attn.q_proj": (64, 128), "self_attn.k_proj": (64, 32), "self_attn.v_proj": (64, 32),
-               "self_attn.o_proj": (64, 64)}
+_GATED_ATTN = {
+    "self_attn.q_proj": (64, 128),
+    "self_attn.k_proj": (64, 32),
+    "self_attn.v_proj": (64, 32),
+    "self_attn.o_proj": (64, 64),
+}
 _ATTN = {**_GATED_ATTN, "self_attn.q_proj": (64, 64)}
 _MLP = {"mlp.gate_proj": (64, 128), "mlp.up_proj": (64, 128), "mlp.down_proj": (128, 64)}
-_SHARED = {"mlp.shared_expert.gate_proj": (64, 32), "mlp.shared_expert.up_proj": (64, 32),
-           "mlp.shared_expert.down_proj": (32, 64)}
+_SHARED = {
+    "mlp.shared_expert.gate_proj": (64, 32),
+    "mlp.shared_expert.up_proj": (64, 32),
+    "mlp.shared_expert.down_proj": (32, 64),
+}
 _SHARED_GLM = {k.replace("shared_expert.", "shared_experts."): v for k, v in _SHARED.items()}
-_MLA = {"self_attn.q_a_proj": (64, 32), "self_attn.q_b_proj": (32, 96), "self_attn.kv_a_proj_with_mqa": (64, 40),
-        "self_attn.kv_b_proj": (32, 128), "self_attn.o_proj": (64, 64)}
+_MLA = {
+    "self_attn.q_a_proj": (64, 32),
+    "self_attn.q_b_proj": (32, 96),
+    "self_attn.kv_a_proj_with_mqa": (64, 40),
+    "self_attn.kv_b_proj": (32, 128),
+    "self_attn.o_proj": (64, 64),
+}
 
 
 def _layers(*per_layer):
@@ -52,19 +69,23 @@ def _layers(*per_layer):
 EXPECTED = {
     "tiny-qwen3_5": (_layers(_QWEN_GDN, _QWEN_GDN, _QWEN_GDN, _GATED_ATTN), _layers(*[_MLP] * 4), []),
     "tiny-qwen3_5_moe": (
-        _layers(_QWEN_GDN, _QWEN_GDN, _QWEN_GDN, _GATED_ATTN), _layers(*[_SHARED] * 4),
+        _layers(_QWEN_GDN, _QWEN_GDN, _QWEN_GDN, _GATED_ATTN),
+        _layers(*[_SHARED] * 4),
         [f"model.layers.{i}.mlp.{m}" for i in range(4) for m in ("gate", "experts", "shared_expert_gate")],
     ),
     "tiny-qwen3_next": (  # routed MoE with a shared expert on every layer
-        _layers(_NEXT_GDN, _NEXT_GDN, _NEXT_GDN, _GATED_ATTN), _layers(*[_SHARED] * 4),
+        _layers(_NEXT_GDN, _NEXT_GDN, _NEXT_GDN, _GATED_ATTN),
+        _layers(*[_SHARED] * 4),
         [f"model.layers.{i}.mlp.{m}" for i in range(4) for m in ("gate", "experts", "shared_expert_gate")],
     ),
     "tiny-glm4_moe": (  # 1 dense FFN layer, then 2 routed-MoE layers with one shared expert
-        _layers(*[_ATTN] * 3), _layers(_MLP, _SHARED_GLM, _SHARED_GLM),
+        _layers(*[_ATTN] * 3),
+        _layers(_MLP, _SHARED_GLM, _SHARED_GLM),
         [f"model.layers.{i}.mlp.{m}" for i in (1, 2) for m in ("gate", "experts")],
     ),
     "tiny-glm_moe_dsa": (  # MLA + DSA indexer on every layer; 1 dense FFN layer, then 3 MoE layers
-        _layers(*[_MLA] * 4), _layers(_MLP, _SHARED_GLM, _SHARED_GLM, _SHARED_GLM),
+        _layers(*[_MLA] * 4),
+        _layers(_MLP, _SHARED_GLM, _SHARED_GLM, _SHARED_GLM),
         [f"model.layers.{i}.mlp.{m}" for i in (1, 2, 3) for m in ("gate", "experts")]
         + [f"model.layers.{i}.self_attn.indexer.{m}" for i in (0, 2) for m in ("wq_b", "wk", "weights_proj")],
     ),
@@ -111,8 +132,11 @@ def test_the_config_accepts_exactly_the_target_sets():
     assert set(typing.get_args(typing.get_type_hints(LoraConfig)["targets"])) == set(TARGET_SETS)
     assert resolve_point({"model": {"lora": {}}}).model.lora.targets == "attention"
     assert resolve_point({"model": {"lora": {"targets": "all-linear"}}}).model.lora.targets == "all-linear"
-    with pytest.raises(ValueError, match=r"exp.yaml: model.lora.targets: must be one of \['attention', 'all-linear'\], "
-                                         r"got 'all_linear'"):
+    with pytest.raises(
+        ValueError,
+        match=r"exp.yaml: model.lora.targets: must be one of \['attention', 'all-linear'\], "
+        r"got 'all_linear'",
+    ):
         resolve_point({"model": {"lora": {"targets": "all_linear"}}}, source="exp.yaml")
 
 

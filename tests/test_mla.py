@@ -91,7 +91,9 @@ def test_topk_drops_positions_and_replay_follows(preset):
 
 # every model type with and without LoRA while top-k keeps everything; the drop cases once each
 GRADIENT_CASES = [(p, None, lora) for p in TINY_MLA_PRESETS for lora in (False, True)] + [
-    ("tiny-glm_moe_dsa", DROP_TOPK, True), ("tiny-deepseek_v32", DROP_TOPK, False)]
+    ("tiny-glm_moe_dsa", DROP_TOPK, True),
+    ("tiny-deepseek_v32", DROP_TOPK, False),
+]
 
 
 @pytest.mark.numerics
@@ -122,8 +124,10 @@ def test_resident_bytes_are_latents_not_expanded_kv(preset):
     state = capture(model, _ids(PROMPT_LEN, 3), chunk_size=8)
     config = model.config
     index_layers = sum(getattr(layer.self_attn, "indexer", None) is not None for layer in model.model.layers)
-    per_position = 4 * (config.num_hidden_layers * (config.kv_lora_rank + config.qk_rope_head_dim)
-                        + index_layers * getattr(config, "index_head_dim", 0))
+    per_position = 4 * (
+        config.num_hidden_layers * (config.kv_lora_rank + config.qk_rope_head_dim)
+        + index_layers * getattr(config, "index_head_dim", 0)
+    )
     assert state.nbytes == state.predicted_nbytes == per_position * (PROMPT_LEN - 1)
     assert {"glm_moe_dsa": 2, "deepseek_v32": 4, "deepseek_v3": 0}[config.model_type] == index_layers
 
@@ -190,14 +194,13 @@ def test_head_by_head_scores_equal_hf_formula():
 def test_fused_cuda_index_scores_and_selection_equal_the_float32_formula():
     g = torch.Generator().manual_seed(3)
     T, P, H, I = 300, 5000, 32, 128
-    q, k_prefix, k_live = (torch.randn(*shape, generator=g).bfloat16().cuda() for shape in
-                           [(T, H, I), (P, I), (T, I)])
+    q, k_prefix, k_live = (torch.randn(*shape, generator=g).bfloat16().cuda() for shape in [(T, H, I), (P, I), (T, I)])
     w = torch.randn(T, H, generator=g).cuda()
-    fused = block_scores(q, w, k_prefix, 128 ** -0.5)
-    plain = index_scores(q.float(), w, k_prefix.float(), 128 ** -0.5)
+    fused = block_scores(q, w, k_prefix, 128**-0.5)
+    plain = index_scores(q.float(), w, k_prefix.float(), 128**-0.5)
     torch.testing.assert_close(fused, plain, rtol=1e-4, atol=1e-4 * float(plain.abs().max()))
-    ours = select_topk(q, w, k_prefix, k_live, topk=2048, scale=128 ** -0.5, block_size=1500, query_block=128)
-    expected = reference_select_topk(q.float(), w, k_prefix.float(), k_live.float(), topk=2048, scale=128 ** -0.5)
+    ours = select_topk(q, w, k_prefix, k_live, topk=2048, scale=128**-0.5, block_size=1500, query_block=128)
+    expected = reference_select_topk(q.float(), w, k_prefix.float(), k_live.float(), topk=2048, scale=128**-0.5)
     same = (ours.sort(dim=1).values == expected.sort(dim=1).values).all(dim=1)
     assert float(same.float().mean()) > 0.99, float(same.float().mean())  # rows that differ hold a near-tie
 
@@ -219,19 +222,27 @@ def test_absorbed_attention_equals_expanded_reference(sparse):
         others = [torch.randperm(P + T, generator=g) for _ in range(T)]
         selection = torch.stack([torch.cat([torch.tensor([P + t]), o[o != P + t][:4]]) for t, o in enumerate(others)])
     q = torch.cat([torch.einsum("bhtn,hnc->bhtc", q_nope, w_uk), q_rot], dim=-1)
-    ours = torch.einsum("bhtc,hvc->bhtv", latent_attention(q, pages, live, rank=C, scale=0.4, selection_TK=selection,
-                                                           rows_per_block=3), w_uv)
-    expected = reference_mla_attention(q_nope, q_rot, pages, live, w_uk, w_uv, rank=C, scale=0.4,
-                                       selection_TK=selection)
+    ours = torch.einsum(
+        "bhtc,hvc->bhtv",
+        latent_attention(q, pages, live, rank=C, scale=0.4, selection_TK=selection, rows_per_block=3),
+        w_uv,
+    )
+    expected = reference_mla_attention(
+        q_nope, q_rot, pages, live, w_uk, w_uv, rank=C, scale=0.4, selection_TK=selection
+    )
     torch.testing.assert_close(ours, expected)
     inputs = (q_nope, q_rot, pages, live, w_uk, w_uv)
     weights = torch.randn(ours.shape, generator=g, dtype=torch.float64)
-    for a, b in zip(torch.autograd.grad((ours * weights).sum(), inputs), torch.autograd.grad((expected * weights).sum(), inputs)):
+    for a, b in zip(
+        torch.autograd.grad((ours * weights).sum(), inputs), torch.autograd.grad((expected * weights).sum(), inputs)
+    ):
         torch.testing.assert_close(a, b)
 
 
-@pytest.mark.parametrize("preset,topk,lora", [("tiny-glm_moe_dsa", DROP_TOPK, True), ("tiny-deepseek_v32", None, False),
-                                              ("tiny-deepseek_v3", None, True)])
+@pytest.mark.parametrize(
+    "preset,topk,lora",
+    [("tiny-glm_moe_dsa", DROP_TOPK, True), ("tiny-deepseek_v32", None, False), ("tiny-deepseek_v3", None, True)],
+)
 @pytest.mark.numerics
 def test_exact_mode_equals_hf_full_sequence_gradient(preset, topk, lora):
     """capture(prefix_grad=True) + backward_prefix: HF's one-pass autograd over prompt + response. In float64
@@ -259,8 +270,9 @@ def test_index_share_without_a_preceding_index_layer_is_refused():
         capture(model, _ids(PROMPT_LEN, 0))
 
 
-@pytest.mark.parametrize("preset,topk", [("tiny-glm_moe_dsa", DROP_TOPK), ("tiny-deepseek_v3", None)],
-                         ids=["sparse", "dense"])
+@pytest.mark.parametrize(
+    "preset,topk", [("tiny-glm_moe_dsa", DROP_TOPK), ("tiny-deepseek_v3", None)], ids=["sparse", "dense"]
+)
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
 def test_host_resident_pages_give_identical_results(device, preset, topk):
     """On CPU the host is the device: the option must change nothing. On CUDA the pages sit in pinned
@@ -296,14 +308,22 @@ SAMPLE_STOP = tuple(range(3, 256, 9))  # ~11% of the vocabulary: sampled rows st
 def _hf_generate_with_logprobs(model, prompt, config: SamplingConfig):
     """HF `generate` on the full prompt with HF's own cache: tokens [G, T] and the policy log-prob of each
     (log-softmax of HF's raw float32 logits per step)."""
-    kwargs = dict(do_sample=False) if config.temperature == 0 else dict(
-        do_sample=True, temperature=config.temperature, top_k=0, num_return_sequences=config.num_samples)
-    generation = GenerationConfig(max_new_tokens=config.max_new_tokens, eos_token_id=list(config.stop_ids),
-                                  pad_token_id=config.pad_id, output_logits=True, return_dict_in_generate=True,
-                                  **kwargs)
+    kwargs = (
+        dict(do_sample=False)
+        if config.temperature == 0
+        else dict(do_sample=True, temperature=config.temperature, top_k=0, num_return_sequences=config.num_samples)
+    )
+    generation = GenerationConfig(
+        max_new_tokens=config.max_new_tokens,
+        eos_token_id=list(config.stop_ids),
+        pad_token_id=config.pad_id,
+        output_logits=True,
+        return_dict_in_generate=True,
+        **kwargs,
+    )
     torch.manual_seed(config.seed)  # HF samples from the global generator
     out = model.generate(prompt[None], generation_config=generation)
-    tokens_GT = out.sequences[:, prompt.numel():]
+    tokens_GT = out.sequences[:, prompt.numel() :]
     logits_GTV = torch.stack(out.logits, 1).float()
     logps_GT = torch.log_softmax(logits_GTV, -1).gather(2, tokens_GT[..., None]).squeeze(2)
     return tokens_GT.expand(config.num_samples, -1), logps_GT.expand(config.num_samples, -1)

@@ -53,11 +53,14 @@ def test_the_masters_travel_with_the_state_dict():
 
 
 def test_masters_are_the_default_exactly_for_low_precision_trainable_parameters():
-    assert type(build_optimizer([torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))], OptimizerConfig())) \
+    assert (
+        type(build_optimizer([torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))], OptimizerConfig()))
         is MasterWeightsAdamW
+    )
     assert type(build_optimizer([torch.nn.Parameter(torch.ones(2))], OptimizerConfig())) is torch.optim.AdamW
     off = OptimizerConfig(master_weights=False)
     assert type(build_optimizer([torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))], off)) is torch.optim.AdamW
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        build_optimizer([torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))], OptimizerConfig()), lambda s: 0.5)
+        build_optimizer([torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))], OptimizerConfig()), lambda s: 0.5
+    )
     assert scheduler.get_last_lr() == [0.5e-4]

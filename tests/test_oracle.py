@@ -21,9 +21,17 @@ def _run(lr, steps=3, dtype=torch.float32, floor_perturbation=None):
     model = apply_lora(build_model("tiny-qwen3_5", seed=2, dtype=dtype), r=4, init_random=True)
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
     prompt = torch.randint(0, 256, (200,), generator=torch.Generator().manual_seed(0))
-    result = staleness_oracle(model, prompt, optimizer, grpo.GRPOConfig(num_generations=3, beta=0.04), steps=steps,
-                              num_samples=3, max_new_tokens=6, capture_kwargs={"chunk_size": 64},
-                              floor_perturbation=floor_perturbation)
+    result = staleness_oracle(
+        model,
+        prompt,
+        optimizer,
+        grpo.GRPOConfig(num_generations=3, beta=0.04),
+        steps=steps,
+        num_samples=3,
+        max_new_tokens=6,
+        capture_kwargs={"chunk_size": 64},
+        floor_perturbation=floor_perturbation,
+    )
     return result.rows if floor_perturbation is None else result
 
 
@@ -65,9 +73,17 @@ def test_the_floor_says_how_many_weights_its_perturbation_changed():
         model = build_model("tiny-qwen3_5", seed=2, dtype=torch.bfloat16)  # every weight trainable, no LoRA
         optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)
         prompt = torch.randint(0, 256, (200,), generator=torch.Generator().manual_seed(0))
-        return staleness_oracle(model, prompt, optimizer, grpo.GRPOConfig(num_generations=3, beta=0.0), steps=0,
-                                num_samples=3, max_new_tokens=4, capture_kwargs={"chunk_size": 64},
-                                floor_perturbation=perturbation).floor
+        return staleness_oracle(
+            model,
+            prompt,
+            optimizer,
+            grpo.GRPOConfig(num_generations=3, beta=0.0),
+            steps=0,
+            num_samples=3,
+            max_new_tokens=4,
+            capture_kwargs={"chunk_size": 64},
+            floor_perturbation=perturbation,
+        ).floor
 
     # ~1e-11 per element against spacings of ~1e-4 for weights of ~0.02: rounded away but at the zeros
     assert bf16_floor(1e-9)["changed_fraction"] < 0.01
@@ -95,30 +111,54 @@ def test_refresh_interval_is_the_last_step_under_the_threshold():
 
 
 def test_staleness_point_records_rows_and_interval():
-    result = run_point({"name": "stale", "kind": "staleness", "model": {"preset": "tiny-llama", "lora": {"r": 4}},
-                        "prompt": {"length": 100}, "responses": {"count": 2, "length": 4},
-                        "capture": {"chunk_size": 32}, "staleness": {"steps": 2, "threshold": 0.5}})
+    result = run_point(
+        {
+            "name": "stale",
+            "kind": "staleness",
+            "model": {"preset": "tiny-llama", "lora": {"r": 4}},
+            "prompt": {"length": 100},
+            "responses": {"count": 2, "length": 4},
+            "capture": {"chunk_size": 32},
+            "staleness": {"steps": 2, "threshold": 0.5},
+        }
+    )
     assert result["status"] == "ok", result.get("error")
     m = result["metrics"]
     assert [r["step"] for r in m["rows"]] == [0, 1, 2] and m["refresh_interval"] == 2
 
 
-@pytest.mark.parametrize("model, expected", [
-    # peft's adapters stay float32 over a bf16 base: the paper's setting
-    ({"dtype": "bfloat16", "lora": {"r": 4}}, ({"bfloat16"}, {"float32"}, True, False, "bfloat16 base, float32 LoRA")),
-    # full-parameter bf16 training keeps float32 masters by default (an update is not rounded away)
-    ({"dtype": "bfloat16"}, (set(), {"bfloat16"}, False, True, "bfloat16 weights, float32 masters")),
-    ({"dtype": "bfloat16"} | {"_masters": False}, (set(), {"bfloat16"}, False, False,
-                                                  "bfloat16 weights, updated in place")),
-])
+@pytest.mark.parametrize(
+    "model, expected",
+    [
+        # peft's adapters stay float32 over a bf16 base: the paper's setting
+        (
+            {"dtype": "bfloat16", "lora": {"r": 4}},
+            ({"bfloat16"}, {"float32"}, True, False, "bfloat16 base, float32 LoRA"),
+        ),
+        # full-parameter bf16 training keeps float32 masters by default (an update is not rounded away)
+        ({"dtype": "bfloat16"}, (set(), {"bfloat16"}, False, True, "bfloat16 weights, float32 masters")),
+        (
+            {"dtype": "bfloat16"} | {"_masters": False},
+            (set(), {"bfloat16"}, False, False, "bfloat16 weights, updated in place"),
+        ),
+    ],
+)
 def test_a_staleness_record_says_what_was_trained_in_which_precision(model, expected):
     from longstraw.kinds.staleness import columns
 
     masters = model.pop("_masters", None)
-    result = run_point({"name": "stale", "kind": "staleness", "model": {"preset": "tiny-llama", **model},
-                        "optimizer": {"master_weights": masters}, "prompt": {"length": 40},
-                        "responses": {"count": 2, "length": 2}, "capture": {"chunk_size": 16},
-                        "staleness": {"steps": 1}})
+    result = run_point(
+        {
+            "name": "stale",
+            "kind": "staleness",
+            "model": {"preset": "tiny-llama", **model},
+            "optimizer": {"master_weights": masters},
+            "prompt": {"length": 40},
+            "responses": {"count": 2, "length": 2},
+            "capture": {"chunk_size": 16},
+            "staleness": {"steps": 1},
+        }
+    )
     assert result["status"] == "ok", result.get("error")
     setting = result["metrics"]["setting"]
     frozen, trained, lora, masters_kept, label = expected
@@ -145,9 +185,16 @@ class _SeedGatedTask:
 def _search_config(tries: int):
     from longstraw.config import resolve_point
 
-    return resolve_point({"kind": "staleness", "model": {"preset": "tiny-llama"}, "prompt": {"length": 24, "seed": 10},
-                          "responses": {"count": 8, "length": 2}, "capture": {"chunk_size": 8},
-                          "staleness": {"prompt_search": tries}})
+    return resolve_point(
+        {
+            "kind": "staleness",
+            "model": {"preset": "tiny-llama"},
+            "prompt": {"length": 24, "seed": 10},
+            "responses": {"count": 8, "length": 2},
+            "capture": {"chunk_size": 8},
+            "staleness": {"prompt_search": tries},
+        }
+    )
 
 
 def test_prompt_search_finds_the_first_prompt_whose_group_rewards_differ():
@@ -160,10 +207,17 @@ def test_prompt_search_finds_the_first_prompt_whose_group_rewards_differ():
     assert example.seed == 12 and found["prompt_seed"] == 12 and found["prompts_tried"] == 3
     assert len(set(found["first_group_rewards"])) == 2
     # the oracle's own step 0 draws that same group on that prompt
-    result = staleness_oracle(model, example.prompt_ids, torch.optim.SGD(model.parameters(), lr=0.0),
-                              grpo.GRPOConfig(beta=0.0, num_generations=8), steps=0, num_samples=8,
-                              max_new_tokens=2, seed=cfg.responses.seed,
-                              reward=lambda responses: [task.reward(example, y) for y in responses])
+    result = staleness_oracle(
+        model,
+        example.prompt_ids,
+        torch.optim.SGD(model.parameters(), lr=0.0),
+        grpo.GRPOConfig(beta=0.0, num_generations=8),
+        steps=0,
+        num_samples=8,
+        max_new_tokens=2,
+        seed=cfg.responses.seed,
+        reward=lambda responses: [task.reward(example, y) for y in responses],
+    )
     assert result.rows[0]["reward_mean"] == pytest.approx(sum(found["first_group_rewards"]) / 8)
     # fewer tries than needed: the last seed tried, its group's equal rewards stated
     example, found = learnable_example(model, task, _search_config(2), torch.device("cpu"))
@@ -173,10 +227,16 @@ def test_prompt_search_finds_the_first_prompt_whose_group_rewards_differ():
 def test_the_first_update_is_read_where_the_steps_before_it_updated_nothing():
     from longstraw.kinds.staleness import columns
 
-    rows = [{"step": s, "param_drift": p, "relative_loss_drift": d, "mean_abs_logprob_diff": d}
-            for s, (p, d) in enumerate([(0, 0), (0, 0), (0, 0), (0.4, 9e-3), (0.7, 3e-2)])]
-    point = {"kind": "staleness", "status": "ok", "config": {"staleness": {"threshold": 1e-3}},
-             "metrics": {"rows": rows, "threshold": 1e-3}}
+    rows = [
+        {"step": s, "param_drift": p, "relative_loss_drift": d, "mean_abs_logprob_diff": d}
+        for s, (p, d) in enumerate([(0, 0), (0, 0), (0, 0), (0.4, 9e-3), (0.7, 3e-2)])
+    ]
+    point = {
+        "kind": "staleness",
+        "status": "ok",
+        "config": {"staleness": {"threshold": 1e-3}},
+        "metrics": {"rows": rows, "threshold": 1e-3},
+    }
     cols = columns(point)
     assert (cols["first_update_step"], cols["first_update_relative_loss_drift"]) == (3, 9e-3)
     assert cols["updates"] == 2 and cols["refresh_interval"] == 0

@@ -49,16 +49,31 @@ def _run(preset, mode, config, dtype=torch.float32, **options):
             # the reference's own capture of the prompt (as TRL's reference sees the prompt: the base model's)
             with reference_policy(model):
                 ref_state = capture(model, prompt) if config.beta else None
-            metrics = grpo_step(model, prompt, responses, rewards, recorder, config,
-                                StepOptions(mode=mode, **options), ref_state=ref_state).metrics
+            metrics = grpo_step(
+                model,
+                prompt,
+                responses,
+                rewards,
+                recorder,
+                config,
+                StepOptions(mode=mode, **options),
+                ref_state=ref_state,
+            ).metrics
     assert recorder.grads, "the step produced no gradient"
     return metrics, recorder.grads
 
 
 @pytest.mark.numerics
-@pytest.mark.parametrize(("preset", "peer", "beta"), [
-    ("tiny-llama", "trl", 0.0), ("tiny-qwen3_5", "trl", 0.0), ("tiny-llama", "trl", 0.04),
-    ("tiny-llama", "prefix_grouper", 0.0), ("tiny-qwen3", "prefix_grouper", 0.04)])
+@pytest.mark.parametrize(
+    ("preset", "peer", "beta"),
+    [
+        ("tiny-llama", "trl", 0.0),
+        ("tiny-qwen3_5", "trl", 0.0),
+        ("tiny-llama", "trl", 0.04),
+        ("tiny-llama", "prefix_grouper", 0.0),
+        ("tiny-qwen3", "prefix_grouper", 0.04),
+    ],
+)
 def test_peer_loss_and_gradient_equal_our_exact_mode(preset, peer, beta):
     # float64 (float64_reference): the peers compute our objective's gradient in their own order (in float32 up
     # to 1.5e-5 apart on tiny-qwen3_5 through HF's torch GDN kernel); the float32 log-softmax each keeps remains
@@ -96,10 +111,18 @@ def test_prefix_grouper_refuses_a_hybrid_model_before_any_work(monkeypatch):
 
 
 def _peer_experiment(mode_list, explicit=None):
-    return {"name": "peers_t", "title": "t", "kind": "step", "profiles": {"cpu": {
-        "base": {"model": {"preset": "tiny-qwen3_5"}, "prompt": {"length": 16}, "responses": {"count": 2}},
-        "grid": {"model.preset": ["tiny-llama", "tiny-qwen3_5"], "mode": mode_list},
-        **({"points": [explicit]} if explicit else {})}}}
+    return {
+        "name": "peers_t",
+        "title": "t",
+        "kind": "step",
+        "profiles": {
+            "cpu": {
+                "base": {"model": {"preset": "tiny-qwen3_5"}, "prompt": {"length": 16}, "responses": {"count": 2}},
+                "grid": {"model.preset": ["tiny-llama", "tiny-qwen3_5"], "mode": mode_list},
+                **({"points": [explicit]} if explicit else {}),
+            }
+        },
+    }
 
 
 def test_the_plan_leaves_out_grid_points_a_peer_does_not_apply_to():
@@ -107,8 +130,11 @@ def test_the_plan_leaves_out_grid_points_a_peer_does_not_apply_to():
 
     skipped = {}
     points = expand(_peer_experiment(["replay", "prefix_grouper"]), "cpu", "peers_t.yaml", not_applicable=skipped)
-    assert sorted(points) == ["preset-tiny-llama_mode-prefix_grouper", "preset-tiny-llama_mode-replay",
-                              "preset-tiny-qwen3_5_mode-replay"]
+    assert sorted(points) == [
+        "preset-tiny-llama_mode-prefix_grouper",
+        "preset-tiny-llama_mode-replay",
+        "preset-tiny-qwen3_5_mode-replay",
+    ]
     assert list(skipped) == ["preset-tiny-qwen3_5_mode-prefix_grouper"]
     assert "does not apply to model type 'qwen3_5'" in skipped["preset-tiny-qwen3_5_mode-prefix_grouper"]
     # a point asked for by name is refused, naming the file and the point
@@ -129,8 +155,9 @@ def test_a_missing_extra_is_named_when_the_plan_is_made(monkeypatch):
         expand(_peer_experiment(["replay", "trl"]), "cpu", "peers_t.yaml")
     # a capacity search comparing with a peer is checked as well
     capacity = _peer_experiment(["replay"])
-    capacity["profiles"]["cpu"]["base"].update(kind="capacity", capacity={"compare_modes": ["trl"],
-                                                                         "ceiling_bytes": 1 << 28})
+    capacity["profiles"]["cpu"]["base"].update(
+        kind="capacity", capacity={"compare_modes": ["trl"], "ceiling_bytes": 1 << 28}
+    )
     with pytest.raises(ConfigError, match=r"pip install"):
         expand(capacity, "cpu", "peers_t.yaml")
 
@@ -138,8 +165,15 @@ def test_a_missing_extra_is_named_when_the_plan_is_made(monkeypatch):
 def test_a_peer_point_runs_through_the_step_kind(tmp_path):
     from longstraw.harness.runner import run_point
 
-    raw = {"name": "peers_t/trl", "kind": "step", "mode": "trl", "model": {"preset": "tiny-llama"},
-           "prompt": {"length": 32}, "responses": {"count": 2, "length": 4}, "grpo": {"beta": 0.0}}
+    raw = {
+        "name": "peers_t/trl",
+        "kind": "step",
+        "mode": "trl",
+        "model": {"preset": "tiny-llama"},
+        "prompt": {"length": 32},
+        "responses": {"count": 2, "length": 4},
+        "grpo": {"beta": 0.0},
+    }
     result = run_point(raw)
     assert result["status"] == "ok", result.get("error")
     metrics = result["metrics"]
@@ -150,42 +184,75 @@ def test_a_peer_point_runs_through_the_step_kind(tmp_path):
 
 
 def _row(system, length, g, step_bytes, seconds, status="ok", model="tiny-llama"):
-    return {"experiment": "peers", "point": f"{system}-{length}-{g}", "model": model, "model_type": "llama",
-            "system": system, "status": status, "prompt_length": length, "G": g, "response_length": 64,
-            "cuda": False, "peak_memory_bytes": step_bytes, "setup_rss_bytes": 0, "step_bytes": step_bytes,
-            "step_seconds": seconds}
+    return {
+        "experiment": "peers",
+        "point": f"{system}-{length}-{g}",
+        "model": model,
+        "model_type": "llama",
+        "system": system,
+        "status": status,
+        "prompt_length": length,
+        "G": g,
+        "response_length": 64,
+        "cuda": False,
+        "peak_memory_bytes": step_bytes,
+        "setup_rss_bytes": 0,
+        "step_bytes": step_bytes,
+        "step_seconds": seconds,
+    }
 
 
 def test_the_peers_sentences_follow_the_measured_numbers():
     from longstraw.report import peers as section
 
-    rows = [_row("replay", 1024, 8, 100, 2.0), _row("naive", 1024, 8, 50, 3.0), _row("trl", 1024, 8, 400, 1.0),
-            _row("replay", 4096, 8, 110, 4.0), _row("naive", 4096, 8, 200, 9.0), _row("trl", 4096, 8, 90, 5.0),
-            _row("trl", 8192, 8, 3000, None, status="oom"), _row("replay", 8192, 8, 120, 8.0)]
+    rows = [
+        _row("replay", 1024, 8, 100, 2.0),
+        _row("naive", 1024, 8, 50, 3.0),
+        _row("trl", 1024, 8, 400, 1.0),
+        _row("replay", 4096, 8, 110, 4.0),
+        _row("naive", 4096, 8, 200, 9.0),
+        _row("trl", 4096, 8, 90, 5.0),
+        _row("trl", 8192, 8, 3000, None, status="oom"),
+        _row("replay", 8192, 8, 120, 8.0),
+    ]
     section._add_ratios(rows)
     text = " ".join(section.peer_sentences("trl", rows))
     assert "step memory is 0.82-4.00x replay's and its step time 0.50-1.25x" in text
     # lighter than replay only at 4,096 (and there lighter than naive too); faster only at 1,024, and faster
     # than naive there as well, so faster than every one of our modes measured there
-    assert "lighter than replay at P=4,096 G=8, lighter than every one of our modes measured there at P=4,096 G=8" in text
+    assert (
+        "lighter than replay at P=4,096 G=8, lighter than every one of our modes measured there at P=4,096 G=8" in text
+    )
     assert "faster than replay at P=1,024 G=8, faster than every one of our modes measured there at P=1,024 G=8" in text
     assert "did not complete at P=8,192 G=8 (oom), where replay did at P=8,192 G=8" in text
     slower = [_row("replay", 1024, 2, 100, 1.0), _row("trl", 1024, 2, 300, 3.0)]
     section._add_ratios(slower)
     assert "It is lighter than replay at none of them. It is faster than replay at none of them." in " ".join(
-        section.peer_sentences("trl", slower))
+        section.peer_sentences("trl", slower)
+    )
 
 
 def test_capacity_sentences_group_searches_under_one_ceiling():
     from longstraw.report import peers as section
 
-    rows = [{"model": "tiny-qwen3_5", "system": system, "status": "ok", "G": 8, "response_length": 32,
-             "ceiling_bytes": 167772160, "largest_fitting": reach, "smallest_oom": oom,
-             "search_stopped_on_time_limit": False}
-            for system, reach, oom in (("replay", 16384, None), ("naive", 2048, 3072), ("trl", None, 128))]
+    rows = [
+        {
+            "model": "tiny-qwen3_5",
+            "system": system,
+            "status": "ok",
+            "G": 8,
+            "response_length": 32,
+            "ceiling_bytes": 167772160,
+            "largest_fitting": reach,
+            "smallest_oom": oom,
+            "search_stopped_on_time_limit": False,
+        }
+        for system, reach, oom in (("replay", 16384, None), ("naive", 2048, 3072), ("trl", None, 128))
+    ]
     assert section.capacity_sentences(rows) == [
         "Largest prompt whose G=8 step fits under 160.00 MiB on tiny-qwen3_5 (responses of 32 tokens): replay "
-        "16,384 positions; naive 2,048 positions; trl none of the probed lengths (the shortest, 128, ran out)."]
+        "16,384 positions; naive 2,048 positions; trl none of the probed lengths (the shortest, 128, ran out)."
+    ]
     # a system searched twice under one ceiling: each search named by its point
     named = [{**row, "experiment": "peers", "point": row["system"]} for row in rows]
     twice = named + [{**named[1], "experiment": "baselines", "point": "naive-memory", "largest_fitting": 4096}]
@@ -201,12 +268,26 @@ def test_a_cuda_step_that_ran_out_counts_its_peak_at_the_oom(tmp_path):
     from longstraw.report.store import read_tables
     from longstraw.results import write_json_atomic
 
-    config = {"name": "peers/trl-oom", "kind": "step", "mode": "trl", "model": {"preset": "hybrid-1b",
-              "device": "cuda", "dtype": "bfloat16"}, "prompt": {"length": 32768},
-              "responses": {"count": 8, "length": 2048}}
-    result = {"experiment": "peers", "point": "trl-oom", "name": "peers/trl-oom", "kind": "step", "status": "oom",
-              "error": "CUDA out of memory.", "config": config, "peak_allocated_bytes": 149282074624,
-              "peak_rss_bytes": 2396184576, "grid": {"mode": "trl", "prompt.length": 32768, "responses.count": 8}}
+    config = {
+        "name": "peers/trl-oom",
+        "kind": "step",
+        "mode": "trl",
+        "model": {"preset": "hybrid-1b", "device": "cuda", "dtype": "bfloat16"},
+        "prompt": {"length": 32768},
+        "responses": {"count": 8, "length": 2048},
+    }
+    result = {
+        "experiment": "peers",
+        "point": "trl-oom",
+        "name": "peers/trl-oom",
+        "kind": "step",
+        "status": "oom",
+        "error": "CUDA out of memory.",
+        "config": config,
+        "peak_allocated_bytes": 149282074624,
+        "peak_rss_bytes": 2396184576,
+        "grid": {"mode": "trl", "prompt.length": 32768, "responses.count": 8},
+    }
     write_json_atomic(tmp_path / "results" / "peers" / "trl-oom.json", result)
     aggregate.write_all(tmp_path / "results", tmp_path / "tables", "h200", targets=False)
     [row] = section.step_rows(read_tables(tmp_path / "tables"))
@@ -222,10 +303,12 @@ def test_a_peer_is_compared_with_the_replay_point_named_as_its_own():
     def named(point, system, step_bytes, seconds, warm):
         return {**_row(system, 8192, 8, step_bytes, seconds), "point": point, "warm_step_seconds": warm}
 
-    rows = [named("warm_mode-replay_length-8192", "replay", 100, 1.0, 0.4),
-            named("warm_mode-replay-serial_length-8192", "replay", 90, 2.0, 1.0),
-            named("warm_mode-prefix_grouper_length-8192", "prefix_grouper", 120, 1.5, 0.6),
-            named("other_mode-prefix_grouper_length-8192", "prefix_grouper", 120, 1.5, 0.6)]
+    rows = [
+        named("warm_mode-replay_length-8192", "replay", 100, 1.0, 0.4),
+        named("warm_mode-replay-serial_length-8192", "replay", 90, 2.0, 1.0),
+        named("warm_mode-prefix_grouper_length-8192", "prefix_grouper", 120, 1.5, 0.6),
+        named("other_mode-prefix_grouper_length-8192", "prefix_grouper", 120, 1.5, 0.6),
+    ]
     section._add_ratios(rows)
     twin, orphan = rows[2], rows[3]
     assert (twin["memory_over_replay_ratio"], twin["time_over_replay_ratio"]) == (1.2, 1.5)

@@ -54,8 +54,13 @@ profiles:
 
 
 def _snakemake(workdir, *args, **kwargs):
-    return subprocess.run([sys.executable, "-m", "snakemake", "--cores", "2", *args], cwd=workdir,
-                          capture_output=True, text=True, **kwargs)
+    return subprocess.run(
+        [sys.executable, "-m", "snakemake", "--cores", "2", *args],
+        cwd=workdir,
+        capture_output=True,
+        text=True,
+        **kwargs,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -79,9 +84,14 @@ def completed(workdir):
     points, logs = workdir / "results" / "cpu" / "points", workdir / "logs" / "cpu" / "points"
     # SIGINT back to its default: a test run started in the background by a non-interactive shell
     # inherits it ignored, and snakemake would then finish every point despite the Ctrl-C
-    first = subprocess.Popen([sys.executable, "-m", "snakemake", "--cores", "1"], cwd=workdir,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    first = subprocess.Popen(
+        [sys.executable, "-m", "snakemake", "--cores", "1"],
+        cwd=workdir,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     deadline = time.time() + 240
     while time.time() < deadline and len(list(logs.rglob("*.log"))) < 2:
         time.sleep(0.2)
@@ -103,15 +113,23 @@ def test_the_graph_is_points_tables_figures_report(workdir):
     assert graph.returncode == 0, graph.stderr
     names = dict(re.findall(r'(\d+)\[label = "(\w+)"', graph.stdout))
     edges = {(names[a], names[b]) for a, b in re.findall(r"(\d+) -> (\d+)", graph.stdout)}
-    assert edges == {("point", "tables"), ("tables", "figures"), ("tables_recorded", "figures"),
-                     ("tables", "report"), ("tables_recorded", "report"), ("figures", "report"),
-                     ("report", "report"), ("report", "all")}
+    assert edges == {
+        ("point", "tables"),
+        ("tables", "figures"),
+        ("tables_recorded", "figures"),
+        ("tables", "report"),
+        ("tables_recorded", "report"),
+        ("figures", "report"),
+        ("report", "report"),
+        ("report", "all"),
+    }
 
 
 def test_lint_is_clean(workdir):
     lint = _snakemake(workdir, "--lint")
     assert lint.returncode == 0 and "Congratulations, your workflow is in a good condition!" in lint.stderr, (
-        lint.stdout + lint.stderr)[-3000:]
+        lint.stdout + lint.stderr
+    )[-3000:]
 
 
 def test_conda_environment_matches_pyproject():
@@ -119,8 +137,11 @@ def test_conda_environment_matches_pyproject():
     its range, names the same range where it pins none, and nothing else but the repository itself."""
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     extras = project["optional-dependencies"]
-    wanted = {r.name: r for r in map(Requirement, project["dependencies"] + extras["test"] + extras["peers"])
-              if r.name != project["name"]}  # `longstraw[peers]` in the test extra: the peers, listed above
+    wanted = {
+        r.name: r
+        for r in map(Requirement, project["dependencies"] + extras["test"] + extras["peers"])
+        if r.name != project["name"]
+    }  # `longstraw[peers]` in the test extra: the peers, listed above
     env = yaml.safe_load((REPO / "workflow" / "envs" / "longstraw.yml").read_text())["dependencies"]
     python = next(d for d in env if isinstance(d, str) and d.startswith("python="))
     assert Requirement(f"python{project['requires-python']}").specifier.contains(python.split("=", 1)[1])
@@ -137,8 +158,9 @@ def test_conda_environment_matches_pyproject():
 
 
 def test_rerun_redoes_only_missing_points(workdir, completed):
-    planned_points = int(next(line.split()[1] for line in completed["planned"].splitlines()
-                              if line.startswith("point ")))
+    planned_points = int(
+        next(line.split()[1] for line in completed["planned"].splitlines() if line.startswith("point "))
+    )
     assert planned_points == 5 - len(completed["done_before"])
     for path, mtime in completed["done_before"].items():
         assert path.stat().st_mtime_ns == mtime
@@ -166,7 +188,8 @@ def test_report_has_every_section_and_valid_images(workdir, completed):
     manifest = json.loads((workdir / "results/cpu/tables/manifest.json").read_text())
     for entry in manifest["tables"].values():
         assert (workdir / "reports/cpu/tables" / entry["file"]).read_bytes() == (
-            workdir / "results/cpu/tables" / entry["file"]).read_bytes()
+            workdir / "results/cpu/tables" / entry["file"]
+        ).read_bytes()
     assert 'href="../recorded-h200/index.html"' in html
     assert (workdir / "reports/recorded-h200/index.html").is_file()
 
@@ -174,8 +197,9 @@ def test_report_has_every_section_and_valid_images(workdir, completed):
 def test_tables_equal_result_files(workdir, completed):
     for experiment in ("tiny_steps", "tiny_capture"):
         table = pd.read_csv(workdir / f"results/cpu/tables/{experiment}.csv")
-        results = {p.stem: json.loads(p.read_text())
-                   for p in (workdir / f"results/cpu/points/{experiment}").glob("*.json")}
+        results = {
+            p.stem: json.loads(p.read_text()) for p in (workdir / f"results/cpu/points/{experiment}").glob("*.json")
+        }
         assert sorted(table["point"]) == sorted(results)
         for _, row in table.iterrows():
             assert row["status"] == results[row["point"]]["status"]
@@ -201,11 +225,27 @@ def test_malformed_experiment_fails_at_parse_time(workdir, completed):
 def test_report_renders_in_headless_chromium(workdir, completed, tmp_path):
     shot = tmp_path / "report.png"
     result = subprocess.run(
-        ["chromium", "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync",
-         f"--user-data-dir={tmp_path / 'profile'}", "--enable-logging=stderr", "--v=0",
-         "--window-size=1280,2400", f"--screenshot={shot}", (workdir / "reports/cpu/index.html").as_uri()],
-        capture_output=True, text=True, timeout=120)
+        [
+            "chromium",
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-quic",
+            "--no-first-run",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            f"--user-data-dir={tmp_path / 'profile'}",
+            "--enable-logging=stderr",
+            "--v=0",
+            "--window-size=1280,2400",
+            f"--screenshot={shot}",
+            (workdir / "reports/cpu/index.html").as_uri(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert shot.exists() and shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", result.stderr[-2000:]
     console_errors = [line for line in result.stderr.splitlines() if "CONSOLE" in line and "ERROR" in line]
     assert not console_errors, console_errors

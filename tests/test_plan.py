@@ -30,8 +30,13 @@ def _write(tmp_path, text, name="demo"):
 
 def test_grid_and_points_expand_with_profile_settings(tmp_path):
     points = plan.plan(_write(tmp_path, EXPERIMENT).parent, "cpu")["demo"]["points"]
-    assert sorted(points) == ["long", "mode-naive_count-1", "mode-naive_count-2", "mode-replay_count-1",
-                              "mode-replay_count-2"]
+    assert sorted(points) == [
+        "long",
+        "mode-naive_count-1",
+        "mode-naive_count-2",
+        "mode-replay_count-1",
+        "mode-replay_count-2",
+    ]
     point = points["mode-naive_count-2"]
     assert point["grid"] == {"mode": "naive", "responses.count": 2}
     config = point["config"]
@@ -53,16 +58,27 @@ def test_profile_without_settings_has_no_points(tmp_path):
     assert plan.plan(_write(tmp_path, EXPERIMENT).parent, "h200") == {}
 
 
-@pytest.mark.parametrize("text, message", [
-    (EXPERIMENT.replace("title: Demo", "title: Demo\ncolour: red"), r"<top level>: Additional properties .*'colour'"),
-    (EXPERIMENT.replace("grid:", "gird:"), r"profiles.cpu: Additional properties .*'gird'"),
-    (EXPERIMENT.replace("prompt: {length: 64}", "prompt: {lenght: 64}"), r"point .*: prompt.lenght: unknown key"),
-    (EXPERIMENT.replace("kind: step", "kind: stepp"), r"kind: 'stepp' is not one of"),
-    (EXPERIMENT.replace("responses.count: [1, 2]", "responsez.count: [1]"), r"responsez: unknown key"),
-    (EXPERIMENT.replace("title: Demo", "title: Demo\ntitle: Other"), r": key 'title' appears twice \(lines 3 and 4\)"),
-    (EXPERIMENT.replace("mode: [replay, naive]", "mode: [replay], mode: [naive]"),
-     r": profiles.cpu.grid: key 'mode' appears twice \(both on line 9\)"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        (
+            EXPERIMENT.replace("title: Demo", "title: Demo\ncolour: red"),
+            r"<top level>: Additional properties .*'colour'",
+        ),
+        (EXPERIMENT.replace("grid:", "gird:"), r"profiles.cpu: Additional properties .*'gird'"),
+        (EXPERIMENT.replace("prompt: {length: 64}", "prompt: {lenght: 64}"), r"point .*: prompt.lenght: unknown key"),
+        (EXPERIMENT.replace("kind: step", "kind: stepp"), r"kind: 'stepp' is not one of"),
+        (EXPERIMENT.replace("responses.count: [1, 2]", "responsez.count: [1]"), r"responsez: unknown key"),
+        (
+            EXPERIMENT.replace("title: Demo", "title: Demo\ntitle: Other"),
+            r": key 'title' appears twice \(lines 3 and 4\)",
+        ),
+        (
+            EXPERIMENT.replace("mode: [replay, naive]", "mode: [replay], mode: [naive]"),
+            r": profiles.cpu.grid: key 'mode' appears twice \(both on line 9\)",
+        ),
+    ],
+)
 def test_malformed_experiment_names_file_and_key(tmp_path, text, message):
     path = _write(tmp_path, text)
     with pytest.raises(ValueError, match=message) as info:

@@ -32,9 +32,22 @@ COUNTING = {"name": "counting", "min_count": 0, "max_count": 3}
 def trained(tmp_path_factory):
     """learn-tiny-hybrid trained on counting at 16 positions (~8 s on one core), saved."""
     out = tmp_path_factory.mktemp("pretrain")
-    cfg = PretrainConfig(model="learn-tiny-hybrid", task=COUNTING, stages=[], eval_task=None, lengths=[16],
-                         batch_size=32, batch_tokens=None, steps=200, lr=3e-3, eval_every=0, eval_lengths=[16],
-                         eval_examples=64, out=str(out), progress=False)
+    cfg = PretrainConfig(
+        model="learn-tiny-hybrid",
+        task=COUNTING,
+        stages=[],
+        eval_task=None,
+        lengths=[16],
+        batch_size=32,
+        batch_tokens=None,
+        steps=200,
+        lr=3e-3,
+        eval_every=0,
+        eval_lengths=[16],
+        eval_examples=64,
+        out=str(out),
+        progress=False,
+    )
     curve = pretrain(cfg)
     return curve, out
 
@@ -67,8 +80,9 @@ def test_checkpoint_round_trips_bit_for_bit(trained):
 
     prompt, response = ids[0, :30], ids[0, 30:]
     with torch.no_grad():
-        assert torch.equal(replay(model, capture(model, prompt), response),
-                           replay(loaded, capture(loaded, prompt), response))
+        assert torch.equal(
+            replay(model, capture(model, prompt), response), replay(loaded, capture(loaded, prompt), response)
+        )
 
 
 def _greedy_by_hand(model, prompt_ids, steps):
@@ -77,7 +91,7 @@ def _greedy_by_hand(model, prompt_ids, steps):
         for _ in range(steps):
             nxt = model(input_ids=ids, use_cache=False).logits[0, -1].argmax()
             ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
-    return ids[0, prompt_ids.numel():]
+    return ids[0, prompt_ids.numel() :]
 
 
 @pytest.mark.numerics  # the trained model, so which examples it gets right, depends on the kernel path
@@ -113,7 +127,7 @@ def test_needle_depth_places_the_queried_needle():
             at = next(p for p in range(len(ids) - 3) if ids[p] == tasks.KEY and ids[p + 1] == example.info["key"])
             room = 200 - 3 - 4 * 6
             assert abs(at - depth * room) <= 3 * 6  # other needles placed before it shift it by whole needles
-            assert example.answer == tuple(ids[at + 3:at + 5])
+            assert example.answer == tuple(ids[at + 3 : at + 5])
     with pytest.raises(ValueError, match="without needles"):
         example_at_depth(tasks.build_task({"name": "counting", "length": 50}, 256), 0, 0.5)
 
@@ -121,7 +135,7 @@ def test_needle_depth_places_the_queried_needle():
 def test_chance_levels():
     kv = tasks.build_task({"name": "kv_retrieval", "length": 100, "num_needles": 4, "value_length": 2}, 256)
     c = chance_level(kv)
-    assert c["value"] == 0.25 and c["blind_guess"] == 1 / 61 ** 2
+    assert c["value"] == 0.25 and c["blind_guess"] == 1 / 61**2
     one = tasks.build_task({"name": "kv_retrieval", "length": 100, "num_needles": 1, "value_length": 1}, 256)
     assert chance_level(one)["value"] == 1.0
     assert chance_level(tasks.build_task({"name": "counting", "length": 50, "max_count": 9}, 256))["value"] == 0.1
@@ -141,8 +155,9 @@ def test_mqar_matches_kv_retrieval_and_marks_its_queries():
     assert len(ex.info["supervised"]) == 2 * 2
     for p in ex.info["supervised"]:
         assert ids[p + 1] in kv.values
-    ids_BT, answers_BM, targets_BT, _ = make_batch(TaskBank({"name": "mqar", "num_needles": 4, "value_length": 2,
-                                                               "num_queries": 3}, 256)(64), [5, 6])
+    ids_BT, answers_BM, targets_BT, _ = make_batch(
+        TaskBank({"name": "mqar", "num_needles": 4, "value_length": 2, "num_queries": 3}, 256)(64), [5, 6]
+    )
     assert ids_BT.shape == (2, 65) and (targets_BT != -100).sum(1).tolist() == [6, 6]
     assert torch.equal(targets_BT[:, -2:], answers_BM)
 
@@ -152,8 +167,9 @@ def test_schedule_seeds_and_cli():
     assert lr_factor(0, cfg) == pytest.approx(0.1) and lr_factor(9, cfg) == pytest.approx(1.0)
     assert lr_factor(99, cfg) == pytest.approx(0.1)
     assert EVAL_SEED_BASE > 2**21 * TRAIN_SEED_STRIDE  # training seeds (seed < 2**21) never reach held-out ones
-    cfg = from_mapping(PretrainConfig, {"model": "learn-tiny-dense", "lengths": [64, 128], "lr": 1e-3,
-                                        "task": {"name": "counting"}})
+    cfg = from_mapping(
+        PretrainConfig, {"model": "learn-tiny-dense", "lengths": [64, 128], "lr": 1e-3, "task": {"name": "counting"}}
+    )
     assert cfg.model == "learn-tiny-dense" and cfg.lengths == [64, 128] and cfg.lr == 1e-3
     with pytest.raises(ValueError, match="loss: must be one of"):
         from_mapping(PretrainConfig, {"loss": "mse"}, "p.yaml")
@@ -174,12 +190,30 @@ def test_a_continuation_starts_from_its_init_checkpoint_and_stops_at_its_time_li
     """`init` loads the checkpoint (a random start would be far from it); `time_limit_seconds` stops after the
     first step that passes it, and the curve says so."""
     _, out = trained
-    saved = {n: p.detach().clone() for n, p in load_pretrained(str(out / "checkpoint"), dtype=torch.float32)
-             .named_parameters()}
-    cfg = PretrainConfig(model="learn-tiny-hybrid", init=str(out / "checkpoint"), seed=1, task=COUNTING, stages=[],
-                         eval_task=None, lengths=[16], batch_size=8, batch_tokens=None, steps=50, lr=1e-30,
-                         warmup_steps=0, time_limit_seconds=1e-9, eval_every=0, eval_lengths=[16], eval_examples=8,
-                         out=str(tmp_path / "next"), progress=False)
+    saved = {
+        n: p.detach().clone()
+        for n, p in load_pretrained(str(out / "checkpoint"), dtype=torch.float32).named_parameters()
+    }
+    cfg = PretrainConfig(
+        model="learn-tiny-hybrid",
+        init=str(out / "checkpoint"),
+        seed=1,
+        task=COUNTING,
+        stages=[],
+        eval_task=None,
+        lengths=[16],
+        batch_size=8,
+        batch_tokens=None,
+        steps=50,
+        lr=1e-30,
+        warmup_steps=0,
+        time_limit_seconds=1e-9,
+        eval_every=0,
+        eval_lengths=[16],
+        eval_examples=8,
+        out=str(tmp_path / "next"),
+        progress=False,
+    )
     curve = pretrain(cfg)
     assert curve["steps_done"] == 1 and len(curve["steps"]) == 1 and curve["stopped_by_time_limit"]
     assert curve["evals"][-1]["step"] == 1

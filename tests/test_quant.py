@@ -33,8 +33,11 @@ def quantized_bytes(model) -> int:
     for param in model.parameters():  # parameters() already yields tied weights once
         total += param.numel() * param.element_size()
         if isinstance(param, bnb.nn.Params4bit) and param.quant_state is not None:
-            total += sum(t.numel() * t.element_size() for t in _quant_state_tensors(param.quant_state)
-                         if isinstance(t, torch.Tensor))
+            total += sum(
+                t.numel() * t.element_size()
+                for t in _quant_state_tensors(param.quant_state)
+                if isinstance(t, torch.Tensor)
+            )
     return total
 
 
@@ -159,7 +162,9 @@ def test_qlora_replay_gradients_equal_conditional_reference(preset):
     net.train()
     wrapped = [m for m in net.modules() if isinstance(m, LoraLinear4bit)]
     assert wrapped and all(isinstance(m.base_layer, bnb.nn.Linear4bit) for m in wrapped)
-    assert all(m.base_layer.compute_dtype == torch.float32 and m.base_layer.weight.dtype == torch.uint8 for m in wrapped)
+    assert all(
+        m.base_layer.compute_dtype == torch.float32 and m.base_layer.weight.dtype == torch.uint8 for m in wrapped
+    )
     trainable = {n for n, p in net.named_parameters() if p.requires_grad}
     assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
 

@@ -28,8 +28,12 @@ def test_every_name_in_the_layout_exists():
 
 def test_the_layout_lists_every_part_of_the_package():
     listed = {line.split()[0].rstrip("/") for line in _layout() if line.startswith("  ") and not line.startswith("   ")}
-    parts = {p.name if p.is_dir() else p.name for p in (REPO / "longstraw").iterdir()
-             if (p.is_dir() and (p / "__init__.py").exists()) or (p.suffix == ".py" and p.stem not in ("__init__", "__main__"))}
+    parts = {
+        p.name if p.is_dir() else p.name
+        for p in (REPO / "longstraw").iterdir()
+        if (p.is_dir() and (p / "__init__.py").exists())
+        or (p.suffix == ".py" and p.stem not in ("__init__", "__main__"))
+    }
     parts = {p[:-3] if p.endswith(".py") else p for p in parts}
     listed = {p[:-3] if p.endswith(".py") else p for p in listed}
     assert parts <= listed, f"not in the README's Layout: {sorted(parts - listed)}"

@@ -72,6 +72,9 @@ def test_greedy_answers_from_the_resident_state_are_sensible(checkpoint, tokeniz
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
     prompt = torch.tensor(ids["input_ids"])
     state = capture(model, prompt)
-    rollouts = sample(model, state, SamplingConfig(num_samples=1, max_new_tokens=12, temperature=0.0,
-                                                   stop_ids=(tokenizer.eos_token_id,)))
+    rollouts = sample(
+        model,
+        state,
+        SamplingConfig(num_samples=1, max_new_tokens=12, temperature=0.0, stop_ids=(tokenizer.eos_token_id,)),
+    )
     assert "Paris" in tokenizer.decode(rollouts.responses[0])

@@ -18,9 +18,15 @@ from longstraw.training.rollout import SamplingConfig, sample
 from longstraw.training.trainer import Trainer
 
 EXPERIMENT = {
-    "name": "demo", "title": "Demo", "kind": "step",
-    "profiles": {"cpu": {"base": {"model": {"preset": "tiny-llama"}, "prompt": {"length": 32}},
-                         "grid": {"responses.length": [4]}}},
+    "name": "demo",
+    "title": "Demo",
+    "kind": "step",
+    "profiles": {
+        "cpu": {
+            "base": {"model": {"preset": "tiny-llama"}, "prompt": {"length": 32}},
+            "grid": {"responses.length": [4]},
+        }
+    },
 }
 
 
@@ -38,20 +44,28 @@ def _base(key, value):
         for part in parents:
             node = node.setdefault(part, {})
         node[leaf] = value
+
     return change
 
 
-@pytest.mark.parametrize("key,value,message", [
-    ("model.preset", "tiny-gpt5", r"model.preset: unknown model preset 'tiny-gpt5'"),
-    ("model.dtype", "float8", r"model.dtype: must be one of \['float32'"),
-    ("mode", "bogus", r"mode: must be one of \['replay', 'hold_all', 'naive', 'trl', 'prefix_grouper'\], got 'bogus'"),
-    ("prompt.length", 0, r"prompt.length: must be >= 1, got 0"),
-    ("responses.count", "two", r"responses.count: expected an integer, got 'two'"),
-    ("responses.count", -2, r"responses.count: must be >= 1, got -2"),
-    ("kind", "bogus", r"kind: must be one of \['step'"),  # inside a profile's base
-    ("cycles", 0, r"cycles: must be >= 1, got 0"),
-    ("capture.chunk_size", 0, r"capture.chunk_size: must be >= 1, got 0"),
-])
+@pytest.mark.parametrize(
+    "key,value,message",
+    [
+        ("model.preset", "tiny-gpt5", r"model.preset: unknown model preset 'tiny-gpt5'"),
+        ("model.dtype", "float8", r"model.dtype: must be one of \['float32'"),
+        (
+            "mode",
+            "bogus",
+            r"mode: must be one of \['replay', 'hold_all', 'naive', 'trl', 'prefix_grouper'\], got 'bogus'",
+        ),
+        ("prompt.length", 0, r"prompt.length: must be >= 1, got 0"),
+        ("responses.count", "two", r"responses.count: expected an integer, got 'two'"),
+        ("responses.count", -2, r"responses.count: must be >= 1, got -2"),
+        ("kind", "bogus", r"kind: must be one of \['step'"),  # inside a profile's base
+        ("cycles", 0, r"cycles: must be >= 1, got 0"),
+        ("capture.chunk_size", 0, r"capture.chunk_size: must be >= 1, got 0"),
+    ],
+)
 def test_plan_refuses_a_bad_value_naming_file_and_key(tmp_path, key, value, message):
     with pytest.raises(ValueError, match=message) as raised:
         _plan_with(tmp_path, _base(key, value))
@@ -62,17 +76,27 @@ def test_plan_refuses_a_misspelt_task_key(tmp_path):
     def v4(experiment):
         experiment["kind"] = "validation"
         experiment["profiles"]["cpu"]["base"]["validation"] = {
-            "levels": ["V4"], "modes": ["response-only"], "train": {"task": {"name": "kv_retrieval", "lenght": 64}}}
+            "levels": ["V4"],
+            "modes": ["response-only"],
+            "train": {"task": {"name": "kv_retrieval", "lenght": 64}},
+        }
+
     with pytest.raises(ValueError, match=r"demo.yaml.*validation.train.task.lenght: unknown setting"):
         _plan_with(tmp_path, v4)
 
 
 def _train_config(tmp_path, **changes):
-    cfg = {"model": {"preset": "tiny-llama", "overrides": {"vocab_size": 96}},
-           "task": {"name": "kv_retrieval", "length": 24}, "steps": 2, "steps_per_prompt": 1,
-           "sampling": {"num_samples": 2, "max_new_tokens": 2}, "grpo": {"beta": 0.0},
-           "schedule": {"name": "constant"}, "capture": {"chunk_size": 8},
-           "output": {"dir": str(tmp_path / "run"), "checkpoint_every": 1}}
+    cfg = {
+        "model": {"preset": "tiny-llama", "overrides": {"vocab_size": 96}},
+        "task": {"name": "kv_retrieval", "length": 24},
+        "steps": 2,
+        "steps_per_prompt": 1,
+        "sampling": {"num_samples": 2, "max_new_tokens": 2},
+        "grpo": {"beta": 0.0},
+        "schedule": {"name": "constant"},
+        "capture": {"chunk_size": 8},
+        "output": {"dir": str(tmp_path / "run"), "checkpoint_every": 1},
+    }
     cfg.update(changes)
     path = tmp_path / "train.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -86,15 +110,19 @@ def no_model_build(monkeypatch):
 
     def refuse(*args, **kwargs):
         raise AssertionError("a model was built before the config was refused")
+
     monkeypatch.setattr(trainer, "build_policy", refuse)
 
 
-@pytest.mark.parametrize("setting,message", [
-    ("steps_per_prompt=0", "steps_per_prompt: must be >= 1, got 0"),
-    ("steps=-3", "steps: must be >= 1, got -3"),
-    ("task.lenght=5", "task.lenght: unknown setting of this task"),
-    ("capture.chunk_size=0", "capture.chunk_size: must be >= 1, got 0"),
-])
+@pytest.mark.parametrize(
+    "setting,message",
+    [
+        ("steps_per_prompt=0", "steps_per_prompt: must be >= 1, got 0"),
+        ("steps=-3", "steps: must be >= 1, got -3"),
+        ("task.lenght=5", "task.lenght: unknown setting of this task"),
+        ("capture.chunk_size=0", "capture.chunk_size: must be >= 1, got 0"),
+    ],
+)
 def test_train_refuses_bad_settings_before_any_work(tmp_path, capsys, no_model_build, setting, message):
     assert cli.main(["train", str(_train_config(tmp_path)), "--set", setting]) == 2
     err = capsys.readouterr().err
@@ -153,8 +181,14 @@ def test_a_group_of_one_says_its_step_changes_nothing():
     model = build_model("tiny-llama")
     prompt = torch.randint(0, 256, (12,))
     with pytest.warns(UserWarning, match="group of one response has zero advantage"):
-        grpo_step(model, prompt, [torch.tensor([3, 4])], [1.0], torch.optim.SGD(model.parameters(), lr=0.1),
-                  GRPOConfig(num_generations=1))
+        grpo_step(
+            model,
+            prompt,
+            [torch.tensor([3, 4])],
+            [1.0],
+            torch.optim.SGD(model.parameters(), lr=0.1),
+            GRPOConfig(num_generations=1),
+        )
 
 
 def test_capture_refuses_chunk_size_zero_and_prompts_beyond_the_configured_positions():
@@ -169,6 +203,7 @@ def test_capture_refuses_chunk_size_zero_and_prompts_beyond_the_configured_posit
 
 # ---------------------------------------------------------------------------- a state's binding
 
+
 @pytest.fixture(scope="module")
 def shallow():
     model = build_model("tiny-qwen3", seed=0)  # 2 layers
@@ -180,8 +215,11 @@ def test_a_state_refuses_a_model_with_other_layers(shallow, layers):
     _, state = shallow
     other = build_model("tiny-qwen3", seed=0, num_hidden_layers=layers)
     response = torch.tensor([5, 6, 7])
-    for call in (lambda: replay(other, state, response), lambda: score(other, state, response),
-                 lambda: sample(other, state, SamplingConfig(num_samples=2, max_new_tokens=2))):
+    for call in (
+        lambda: replay(other, state, response),
+        lambda: score(other, state, response),
+        lambda: sample(other, state, SamplingConfig(num_samples=2, max_new_tokens=2)),
+    ):
         with pytest.raises(ValueError, match=rf"captured from a 2-layer qwen3 model .* not a {layers}-layer qwen3"):
             call()
 
@@ -209,8 +247,9 @@ def test_a_reused_state_serves_later_steps_and_counts_them():
     prompt, responses = torch.arange(1, 20), [torch.tensor([5, 6]), torch.tensor([7, 8, 9])]
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     first = grpo_step(model, prompt, responses, [0.0, 1.0], optimizer, GRPOConfig(num_generations=2))
-    second = grpo_step(model, prompt, responses, [1.0, 0.0], optimizer, GRPOConfig(num_generations=2),
-                       state=first.state)
+    second = grpo_step(
+        model, prompt, responses, [1.0, 0.0], optimizer, GRPOConfig(num_generations=2), state=first.state
+    )
     assert second.state is first.state and "capture" not in second.metrics["phases"]
     assert (first.metrics["state_age"], second.metrics["state_age"], second.state.age) == (0, 1, 2)
 
@@ -219,11 +258,19 @@ def test_a_reused_state_serves_later_steps_and_counts_them():
 def test_a_step_refuses_a_state_of_another_prompt(shallow, prompt):
     model, state = shallow
     with pytest.raises(ValueError, match="another prompt|covers a prompt of 19 tokens"):
-        grpo_step(model, prompt, [torch.tensor([5]), torch.tensor([6])], [0.0, 1.0],
-                  torch.optim.SGD(model.parameters(), lr=0.0), GRPOConfig(num_generations=2), state=state)
+        grpo_step(
+            model,
+            prompt,
+            [torch.tensor([5]), torch.tensor([6])],
+            [0.0, 1.0],
+            torch.optim.SGD(model.parameters(), lr=0.0),
+            GRPOConfig(num_generations=2),
+            state=state,
+        )
 
 
 # ---------------------------------------------------------------------------- resume
+
 
 def test_resume_refuses_a_changed_config_unless_asked_then_applies_and_records_it(tmp_path, capsys):
     config = _train_config(tmp_path, steps=3, optimizer={"lr": 1e-3})
@@ -256,6 +303,7 @@ def test_the_binding_samples_weights_inside_their_bounds(numel):
 
 # ---------------------------------------------------------------------------- every input checked before work
 
+
 @pytest.fixture
 def nothing_built(monkeypatch):
     """Fails the test if any model is built or loaded (a point's, a trainer's or a pretraining run's)."""
@@ -265,8 +313,14 @@ def nothing_built(monkeypatch):
 
     def refuse(*args, **kwargs):
         raise AssertionError("a model was built before the input was refused")
-    for module, name in ((policy, "build_model"), (policy, "load_pretrained"), (trainer, "build_policy"),
-                         (models, "build_model"), (models, "load_pretrained")):
+
+    for module, name in (
+        (policy, "build_model"),
+        (policy, "load_pretrained"),
+        (trainer, "build_policy"),
+        (models, "build_model"),
+        (models, "load_pretrained"),
+    ):
         monkeypatch.setattr(module, name, refuse)
 
 
@@ -297,17 +351,20 @@ POINT = {"model": {"preset": "tiny-llama"}, "prompt": {"length": 16}, "responses
 
 # ---- 1. a key given twice
 
+
 def test_a_repeated_key_in_an_experiment_file_is_refused_naming_both_lines(tmp_path):
     (tmp_path / "demo.yaml").write_text(
         "name: demo\ntitle: Demo\nkind: step\nprofiles:\n  cpu:\n    base:\n"
-        "      model: {preset: tiny-llama}\n      prompt: {length: 32}\n      prompt: {length: 64}\n")
+        "      model: {preset: tiny-llama}\n      prompt: {length: 32}\n      prompt: {length: 64}\n"
+    )
     with pytest.raises(ValueError, match=r"demo.yaml: profiles.cpu.base: key 'prompt' appears twice \(lines 8 and 9\)"):
         plan.plan(tmp_path, "cpu")
 
 
 def test_a_repeated_key_in_a_point_config_or_a_set_value_is_refused(tmp_path, capsys, nothing_built):
-    err = _run_refused(tmp_path, capsys, "model: {preset: tiny-llama}\nresponses:\n  count: 2\n  length: 4\n"
-                                         "  count: 8\n")
+    err = _run_refused(
+        tmp_path, capsys, "model: {preset: tiny-llama}\nresponses:\n  count: 2\n  length: 4\n  count: 8\n"
+    )
     assert "point.yaml: responses: key 'count' appears twice (lines 3 and 5)" in err
     err = _run_refused(tmp_path, capsys, POINT, "--set", "responses={count: 2, count: 8}")
     assert "point.yaml (--set responses={count: 2, count: 8}): key 'count' appears twice (both on line 1)" in err
@@ -316,22 +373,30 @@ def test_a_repeated_key_in_a_point_config_or_a_set_value_is_refused(tmp_path, ca
 
 
 def test_a_repeated_key_in_train_pretrain_and_validate_configs_is_refused(tmp_path, capsys, nothing_built):
-    train = _write(tmp_path / "train.yaml", yaml.safe_dump({"task": {"name": "kv_retrieval", "length": 24}}) + "steps: 2\n"
-                   "steps: 3\n")
+    train = _write(
+        tmp_path / "train.yaml",
+        yaml.safe_dump({"task": {"name": "kv_retrieval", "length": 24}}) + "steps: 2\nsteps: 3\n",
+    )
     assert "train.yaml: key 'steps' appears twice (lines 4 and 5)" in _refused(capsys, ["train", train])
     pretrain = _write(tmp_path / "pretrain.yaml", "model: tiny-llama\nsteps: 2\nlr: 0.01\nsteps: 3\n")
     assert "pretrain.yaml: key 'steps' appears twice (lines 2 and 4)" in _refused(capsys, ["pretrain", pretrain])
-    validate, out = _write(tmp_path / "v.yaml", "model: {preset: tiny-llama}\nvalidation: {levels: [V1], levels: [V2]}\n"), \
-        tmp_path / "v.json"
+    validate, out = (
+        _write(tmp_path / "v.yaml", "model: {preset: tiny-llama}\nvalidation: {levels: [V1], levels: [V2]}\n"),
+        tmp_path / "v.json",
+    )
     err = _refused(capsys, ["validate", validate, "--out", str(out)], out)
     assert "v.yaml: validation: key 'levels' appears twice (both on line 2)" in err
 
 
 # ---- 2. model.overrides against the config class
 
+
 def test_an_override_the_config_class_lacks_is_refused_when_the_plan_is_made(tmp_path):
-    with pytest.raises(ValueError, match=r"demo.yaml \[profile cpu, point length-4\]: model.overrides.num_hidden_layerz: "
-                                         r"not a field of Qwen3_5TextConfig \(did you mean 'num_hidden_layers'\?\)$"):
+    with pytest.raises(
+        ValueError,
+        match=r"demo.yaml \[profile cpu, point length-4\]: model.overrides.num_hidden_layerz: "
+        r"not a field of Qwen3_5TextConfig \(did you mean 'num_hidden_layers'\?\)$",
+    ):
         _plan_with(tmp_path, _base("model", {"preset": "tiny-qwen3_5", "overrides": {"num_hidden_layerz": 2}}))
     with pytest.raises(ValueError, match=r"demo.yaml.*model.overrides: LlamaConfig refuses them: .*num_hidden_layers"):
         _plan_with(tmp_path, _base("model.overrides", {"num_hidden_layers": "two"}))
@@ -363,36 +428,54 @@ def test_a_plan_without_overrides_imports_no_transformers(tmp_path):
     import sys
 
     (tmp_path / "demo.yaml").write_text(yaml.safe_dump(EXPERIMENT))
-    code = (f"import sys; from longstraw.harness import plan; plan.plan({str(tmp_path)!r}, 'cpu'); "
-            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
-    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          check=True).stdout.strip() == "[]"
+    code = (
+        f"import sys; from longstraw.harness import plan; plan.plan({str(tmp_path)!r}, 'cpu'); "
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+    )
+    assert (
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "[]"
+    )
 
 
 # ---- 3. the model's position limit
 
-@pytest.mark.parametrize("settings,message", [
-    ({"prompt.length": 100}, r"prompt.length: 100 positions, more than the 64 the model was configured for "
-                             r"\(preset tiny-llama: max_position_embeddings\); set capture.beyond_max_positions"),
-    ({"prompt.length": 62}, r"responses.length: 4 response tokens after a prompt of 62 \(prompt.length\) run to "
-                            r"position 66, past the 64 .*; set capture.beyond_max_positions: true to run them anyway$"),
-    ({"kind": "capacity", "capacity": {"min_length": 32, "max_length": 128, "ceiling_bytes": 1 << 30}},
-     r"capacity.max_length: 128 positions, more than the 64"),
-    ({"kind": "length_curve", "length_curve": {"lengths": [32, 128]}}, r"length_curve.lengths: 128 positions"),
-    ({"kind": "learning", "prompt.length": 80}, r"prompt.length: 80 positions"),
-    ({"kind": "sweep", "prompt.length": 61}, r"responses.length: 4 response tokens after a prompt of 61"),
-])
+
+@pytest.mark.parametrize(
+    "settings,message",
+    [
+        (
+            {"prompt.length": 100},
+            r"prompt.length: 100 positions, more than the 64 the model was configured for "
+            r"\(preset tiny-llama: max_position_embeddings\); set capture.beyond_max_positions",
+        ),
+        (
+            {"prompt.length": 62},
+            r"responses.length: 4 response tokens after a prompt of 62 \(prompt.length\) run to "
+            r"position 66, past the 64 .*; set capture.beyond_max_positions: true to run them anyway$",
+        ),
+        (
+            {"kind": "capacity", "capacity": {"min_length": 32, "max_length": 128, "ceiling_bytes": 1 << 30}},
+            r"capacity.max_length: 128 positions, more than the 64",
+        ),
+        ({"kind": "length_curve", "length_curve": {"lengths": [32, 128]}}, r"length_curve.lengths: 128 positions"),
+        ({"kind": "learning", "prompt.length": 80}, r"prompt.length: 80 positions"),
+        ({"kind": "sweep", "prompt.length": 61}, r"responses.length: 4 response tokens after a prompt of 61"),
+    ],
+)
 def test_the_plan_refuses_what_runs_past_the_models_positions(tmp_path, settings, message):
     def change(experiment):
         base = experiment["profiles"]["cpu"]["base"]
         base["model"]["overrides"] = {"max_position_embeddings": 64}
         for key, value in settings.items():
             plan.set_dotted(base, key, value)
+
     with pytest.raises(ValueError, match=message) as raised:
         _plan_with(tmp_path, change)
     assert "demo.yaml [profile cpu, point length-4]" in str(raised.value)
-    beyond = _plan_with(tmp_path, lambda e: (change(e), plan.set_dotted(e["profiles"]["cpu"]["base"],
-                                                                        "capture.beyond_max_positions", True)))
+    beyond = _plan_with(
+        tmp_path,
+        lambda e: (change(e), plan.set_dotted(e["profiles"]["cpu"]["base"], "capture.beyond_max_positions", True)),
+    )
     assert beyond["demo"]["points"]["length-4"]["config"].capture.beyond_max_positions  # asked for: planned
 
 
@@ -410,22 +493,35 @@ def test_overrides_apply_over_a_checkpoints_config(tmp_path, checkpoint):
     from longstraw.config.sections import ModelConfig
     from longstraw.models.policy import build_policy
 
-    longer = {"max_position_embeddings": 256, "rope_parameters": {"rope_type": "yarn", "factor": 4.0,
-                                                                  "original_max_position_embeddings": 64,
-                                                                  "rope_theta": 10000.0}}
-    planned = _plan_with(tmp_path, lambda e: e["profiles"]["cpu"]["base"].update(
-        model={"path": str(checkpoint), "overrides": longer}, prompt={"length": 100}))
+    longer = {
+        "max_position_embeddings": 256,
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 64,
+            "rope_theta": 10000.0,
+        },
+    }
+    planned = _plan_with(
+        tmp_path,
+        lambda e: e["profiles"]["cpu"]["base"].update(
+            model={"path": str(checkpoint), "overrides": longer}, prompt={"length": 100}
+        ),
+    )
     assert planned["demo"]["points"]["length-4"]["config"].prompt.length == 100  # 100 > 64, within 256
     model = build_policy(ModelConfig(path=str(checkpoint), overrides=longer))
     assert model.config.max_position_embeddings == 256 and model.config.rope_parameters["rope_type"] == "yarn"
 
 
 def test_the_plan_reads_a_checkpoints_position_limit_from_its_config(tmp_path, checkpoint):
-    with pytest.raises(ValueError, match=rf"prompt.length: 100 positions, more than the 64 .*\({checkpoint}/config.json"):
+    with pytest.raises(
+        ValueError, match=rf"prompt.length: 100 positions, more than the 64 .*\({checkpoint}/config.json"
+    ):
         _plan_with(tmp_path, lambda e: (_base("model", {"path": str(checkpoint)})(e), _base("prompt.length", 100)(e)))
 
 
 # ---- 4. model.path: there, or written by a planned pretrain point
+
 
 def test_run_refuses_a_missing_checkpoint_before_building_anything(tmp_path, capsys, nothing_built):
     err = _run_refused(tmp_path, capsys, {**POINT, "model": {"path": str(tmp_path / "nowhere")}})
@@ -438,19 +534,39 @@ def test_the_plan_accepts_a_checkpoint_a_pretrain_point_writes_and_refuses_any_o
     def pipeline(path, lengths=(32,)):
         def change(experiment):
             experiment["profiles"]["cpu"]["points"] = [
-                {"name": "pretrain", "set": {"kind": "pretrain", "pretrain": {
-                    "model": "learn-tiny-dense", "model_overrides": {"max_position_embeddings": 64}, "steps": 1,
-                    "out": str(tmp_path / "ck")}}},
-                {"name": "curve", "set": {"kind": "length_curve", "model.path": path,
-                                          "length_curve": {"lengths": list(lengths)}}}]
+                {
+                    "name": "pretrain",
+                    "set": {
+                        "kind": "pretrain",
+                        "pretrain": {
+                            "model": "learn-tiny-dense",
+                            "model_overrides": {"max_position_embeddings": 64},
+                            "steps": 1,
+                            "out": str(tmp_path / "ck"),
+                        },
+                    },
+                },
+                {
+                    "name": "curve",
+                    "set": {"kind": "length_curve", "model.path": path, "length_curve": {"lengths": list(lengths)}},
+                },
+            ]
+
         return change
+
     planned = _plan_with(tmp_path, pipeline(written))
     assert plan.needs(planned, "demo", "curve") == [("demo", "pretrain")]
-    with pytest.raises(ValueError, match=r"point curve\]: model.path: no checkpoint folder .*elsewhere, and no pretrain "
-                                         r"point of the plan writes it"):
+    with pytest.raises(
+        ValueError,
+        match=r"point curve\]: model.path: no checkpoint folder .*elsewhere, and no pretrain "
+        r"point of the plan writes it",
+    ):
         _plan_with(tmp_path, pipeline(str(tmp_path / "elsewhere")))
-    with pytest.raises(ValueError, match=r"point curve\]: length_curve.lengths: 128 positions, more than the 64 .*the "
-                                         r"checkpoint demo/pretrain writes"):
+    with pytest.raises(
+        ValueError,
+        match=r"point curve\]: length_curve.lengths: 128 positions, more than the 64 .*the "
+        r"checkpoint demo/pretrain writes",
+    ):
         _plan_with(tmp_path, pipeline(written, lengths=(32, 128)))  # the limit of the model it will hold
 
 
@@ -467,6 +583,7 @@ def test_a_checkpoint_folder_without_config_or_weights_is_refused(tmp_path, chec
 
 # ---- 5. weights files whole
 
+
 def test_a_truncated_or_corrupt_safetensors_file_is_refused_naming_it(tmp_path, checkpoint, capsys, nothing_built):
     import shutil
 
@@ -481,9 +598,12 @@ def test_a_truncated_or_corrupt_safetensors_file_is_refused_naming_it(tmp_path, 
         _plan_with(tmp_path, _base("model", {"path": str(cut)}))
     weights.write_bytes((10**9).to_bytes(8, "little") + b"{}")
     assert "truncated or not safetensors: its header length says 1,000,000,000 bytes" in _run_refused(
-        tmp_path, capsys, {**POINT, "model": {"path": str(cut)}})
+        tmp_path, capsys, {**POINT, "model": {"path": str(cut)}}
+    )
     weights.write_bytes((4).to_bytes(8, "little") + b"{no}")
-    assert f"{weights}: corrupt safetensors header" in _run_refused(tmp_path, capsys, {**POINT, "model": {"path": str(cut)}})
+    assert f"{weights}: corrupt safetensors header" in _run_refused(
+        tmp_path, capsys, {**POINT, "model": {"path": str(cut)}}
+    )
 
 
 def test_a_safetensors_index_naming_a_missing_shard_is_refused(tmp_path, checkpoint, capsys, nothing_built):
@@ -492,13 +612,23 @@ def test_a_safetensors_index_naming_a_missing_shard_is_refused(tmp_path, checkpo
     sharded = tmp_path / "sharded"
     shutil.copytree(checkpoint, sharded)
     (sharded / "model.safetensors").rename(sharded / "model-00001-of-00002.safetensors")
-    (sharded / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {
-        "model.embed_tokens.weight": "model-00001-of-00002.safetensors", "lm_head.weight": "model-00002-of-00002.safetensors"}}))
+    (sharded / "model.safetensors.index.json").write_text(
+        json.dumps(
+            {
+                "metadata": {},
+                "weight_map": {
+                    "model.embed_tokens.weight": "model-00001-of-00002.safetensors",
+                    "lm_head.weight": "model-00002-of-00002.safetensors",
+                },
+            }
+        )
+    )
     err = _run_refused(tmp_path, capsys, {**POINT, "model": {"path": str(sharded)}})
     assert "model.safetensors.index.json names the shard model-00002-of-00002.safetensors, which is missing" in err
 
 
 # ---- 6. a text dataset's rows, every one tokenized when the task is set up
+
 
 def test_a_text_row_too_short_or_too_long_is_named_when_the_task_is_set_up(tmp_path, nothing_built):
     from test_text_trainer import haystack_rows, make_tokenizer, write_jsonl
@@ -510,13 +640,21 @@ def test_a_text_row_too_short_or_too_long_is_named_when_the_task_is_set_up(tmp_p
     rows = haystack_rows(5, 8)
 
     def config(data):
-        return {"model": {"path": str(folder)}, "dataset": {"path": str(data)},
-                "reward_funcs": ["longstraw.training.rewards:contains_answer"], "check_reward_funcs": False,
-                "sampling": {"num_samples": 2, "max_new_tokens": 4}, "output": {"dir": str(tmp_path / "run")}}
+        return {
+            "model": {"path": str(folder)},
+            "dataset": {"path": str(data)},
+            "reward_funcs": ["longstraw.training.rewards:contains_answer"],
+            "check_reward_funcs": False,
+            "sampling": {"num_samples": 2, "max_new_tokens": 4},
+            "output": {"dir": str(tmp_path / "run")},
+        }
 
     short = write_jsonl(tmp_path / "short.jsonl", rows[:3] + [{"prompt": "grass", "answer": "red"}] + rows[3:])
-    with pytest.raises(ValueError, match=rf"dataset.path: {short} row 3: the prompt is 1 token\(s\); a capture needs "
-                                         r"at least 2"):
+    with pytest.raises(
+        ValueError,
+        match=rf"dataset.path: {short} row 3: the prompt is 1 token\(s\); a capture needs "
+        r"at least 2",
+    ):
         Trainer(config(short))
     long = write_jsonl(tmp_path / "long.jsonl", rows[:2] + haystack_rows(1, 80, seed=5) + rows[2:])
     with pytest.raises(ValueError, match=rf"{long} row 2: the prompt is \d+ tokens, more than the 64 positions"):
@@ -544,9 +682,14 @@ def test_run_point_train_pretrain_and_validate_refuse_cuda_without_it(tmp_path, 
     assert f"model.device: {NO_CUDA}" in err
     assert cli.main(["plan", "--profile", "h200", "--experiments", str(tmp_path / "experiments")]) == 0  # any machine
     assert capsys.readouterr().out.splitlines() == ["demo/length-4"]
-    train = _write(tmp_path / "train.yaml", {"model": {"preset": "tiny-llama", "device": "cuda"},
-                                             "task": {"name": "kv_retrieval", "length": 24},
-                                             "output": {"dir": str(tmp_path / "run")}})
+    train = _write(
+        tmp_path / "train.yaml",
+        {
+            "model": {"preset": "tiny-llama", "device": "cuda"},
+            "task": {"name": "kv_retrieval", "length": 24},
+            "output": {"dir": str(tmp_path / "run")},
+        },
+    )
     assert f"model.device: {NO_CUDA}" in _refused(capsys, ["train", train])
     pretrain = _write(tmp_path / "pretrain.yaml", {"model": "learn-tiny-dense", "device": "cuda", "steps": 1})
     assert f"pretrain.yaml: device: {NO_CUDA}" in _refused(capsys, ["pretrain", pretrain])
@@ -566,39 +709,96 @@ def test_a_cuda_index_beyond_the_device_count_is_refused(monkeypatch):
 
 # ---- 8. the rest of the class: what the kinds, the trainer and pretraining would refuse only later
 
-@pytest.mark.parametrize("settings,message", [
-    ({"model": {"path": "PATH", "overrides": {"num_hidden_layerz": 1}}},
-     r"model.overrides.num_hidden_layerz: not a field of LlamaConfig \(did you mean 'num_hidden_layers'\?\)"),
-    ({"kind": "capacity", "capacity": {"min_length": 16, "max_length": 32}},
-     r"capacity.ceiling_bytes: a capacity search on CPU needs an emulated memory ceiling"),
-    ({"kind": "capacity", "responses.probe_members": 1, "capacity": {"min_length": 16, "max_length": 32,
-                                                                     "ceiling_bytes": 1 << 30}},
-     r"responses.probe_members: for CUDA capacity searches"),
-    ({"responses.probe_members": 3}, r"responses.probe_members: 3 members of a group of 2 \(responses.count\)"),
-    ({"responses.probe_members": 1, "mode": "hold_all"}, r"responses.probe_members: a partial step is a memory probe"),
-    ({"capture.host_pages": True}, r"capture.host_pages: 'llama' models keep no host-resident pages \(preset tiny-llama\)"),
-    ({"kind": "pretrain", "pretrain": {"model": "learn-tiny-dense", "steps": 1}},
-     r"pretrain.out: the folder the checkpoint is written to"),
-    ({"kind": "pretrain", "pretrain": {"model": "learn-tiny-dense", "out": "OUT", "stages": [{"lengths": [28]}]}},
-     r"pretrain.stages\[0\]: a stage is a mapping with an integer 'until'"),
-    ({"kind": "pretrain", "pretrain": {"model": "learn-tiny-dense", "out": "OUT", "model_overrides": {"vocab_size": 16}}},
-     r"pretrain.task: vocab_size 16 is too small for the task's token layout .* at length 32"),
-    ({"kind": "pretrain", "pretrain": {"model": "learn-tiny-dense", "out": "OUT", "eval_task": {"name": "kv_retrieval",
-                                                                                              "num_needle": 2}}},
-     r"pretrain.eval_task.num_needle: unknown setting of this task"),
-    ({"responses": {"count": 2, "length": 2, "source": "rollouts", "task": {"name": "kv_retrieval", "num_needles": 8}}},
-     r"responses.task: length 16 cannot hold 8 needles .* \(the task at length 16, against the vocabulary of 256"),
-    ({"kind": "length_curve", "length_curve": {"lengths": [16, 64], "task": {"name": "kv_retrieval", "num_needles": 4,
-                                                                            "value_length": 2}}},
-     r"length_curve.task: length 16 cannot hold 4 needles"),
-])
-def test_the_plan_refuses_settings_a_point_would_refuse_only_after_building_its_model(tmp_path, checkpoint, settings,
-                                                                                     message):
+
+@pytest.mark.parametrize(
+    "settings,message",
+    [
+        (
+            {"model": {"path": "PATH", "overrides": {"num_hidden_layerz": 1}}},
+            r"model.overrides.num_hidden_layerz: not a field of LlamaConfig \(did you mean 'num_hidden_layers'\?\)",
+        ),
+        (
+            {"kind": "capacity", "capacity": {"min_length": 16, "max_length": 32}},
+            r"capacity.ceiling_bytes: a capacity search on CPU needs an emulated memory ceiling",
+        ),
+        (
+            {
+                "kind": "capacity",
+                "responses.probe_members": 1,
+                "capacity": {"min_length": 16, "max_length": 32, "ceiling_bytes": 1 << 30},
+            },
+            r"responses.probe_members: for CUDA capacity searches",
+        ),
+        ({"responses.probe_members": 3}, r"responses.probe_members: 3 members of a group of 2 \(responses.count\)"),
+        (
+            {"responses.probe_members": 1, "mode": "hold_all"},
+            r"responses.probe_members: a partial step is a memory probe",
+        ),
+        (
+            {"capture.host_pages": True},
+            r"capture.host_pages: 'llama' models keep no host-resident pages \(preset tiny-llama\)",
+        ),
+        (
+            {"kind": "pretrain", "pretrain": {"model": "learn-tiny-dense", "steps": 1}},
+            r"pretrain.out: the folder the checkpoint is written to",
+        ),
+        (
+            {
+                "kind": "pretrain",
+                "pretrain": {"model": "learn-tiny-dense", "out": "OUT", "stages": [{"lengths": [28]}]},
+            },
+            r"pretrain.stages\[0\]: a stage is a mapping with an integer 'until'",
+        ),
+        (
+            {
+                "kind": "pretrain",
+                "pretrain": {"model": "learn-tiny-dense", "out": "OUT", "model_overrides": {"vocab_size": 16}},
+            },
+            r"pretrain.task: vocab_size 16 is too small for the task's token layout .* at length 32",
+        ),
+        (
+            {
+                "kind": "pretrain",
+                "pretrain": {
+                    "model": "learn-tiny-dense",
+                    "out": "OUT",
+                    "eval_task": {"name": "kv_retrieval", "num_needle": 2},
+                },
+            },
+            r"pretrain.eval_task.num_needle: unknown setting of this task",
+        ),
+        (
+            {
+                "responses": {
+                    "count": 2,
+                    "length": 2,
+                    "source": "rollouts",
+                    "task": {"name": "kv_retrieval", "num_needles": 8},
+                }
+            },
+            r"responses.task: length 16 cannot hold 8 needles .* \(the task at length 16, against the vocabulary of 256",
+        ),
+        (
+            {
+                "kind": "length_curve",
+                "length_curve": {
+                    "lengths": [16, 64],
+                    "task": {"name": "kv_retrieval", "num_needles": 4, "value_length": 2},
+                },
+            },
+            r"length_curve.task: length 16 cannot hold 4 needles",
+        ),
+    ],
+)
+def test_the_plan_refuses_settings_a_point_would_refuse_only_after_building_its_model(
+    tmp_path, checkpoint, settings, message
+):
     def change(experiment):
         base = experiment["profiles"]["cpu"]["base"]
         base["prompt"]["length"], base["responses"] = 16, {"count": 2, "length": 4}
         for key, value in json.loads(json.dumps(settings).replace("PATH", str(checkpoint))).items():
             plan.set_dotted(base, key, value)
+
     with pytest.raises(ValueError, match=message) as raised:
         _plan_with(tmp_path, change)
     assert "demo.yaml [profile cpu, point length-4]" in str(raised.value)
@@ -607,39 +807,66 @@ def test_the_plan_refuses_settings_a_point_would_refuse_only_after_building_its_
 def test_host_pages_with_context_parallelism_or_exact_gradients_are_refused(tmp_path):
     mla = {"preset": "tiny-deepseek_v3"}
     with pytest.raises(ValueError, match=r"capture.host_pages: not implemented for a context-parallel capture"):
-        _plan_with(tmp_path, lambda e: e["profiles"]["cpu"]["base"].update(
-            model=mla, cp_size=2, capture={"host_pages": True}))
+        _plan_with(
+            tmp_path, lambda e: e["profiles"]["cpu"]["base"].update(model=mla, cp_size=2, capture={"host_pages": True})
+        )
     with pytest.raises(ValueError, match=r"capture.host_pages: cannot be combined with exact gradients"):
-        _plan_with(tmp_path, lambda e: e["profiles"]["cpu"]["base"].update(
-            model=mla, kind="validation", capture={"host_pages": True}, validation={"modes": ["exact"]}))
-    planned = _plan_with(tmp_path, lambda e: e["profiles"]["cpu"]["base"].update(model=mla, capture={"host_pages": True}))
+        _plan_with(
+            tmp_path,
+            lambda e: e["profiles"]["cpu"]["base"].update(
+                model=mla, kind="validation", capture={"host_pages": True}, validation={"modes": ["exact"]}
+            ),
+        )
+    planned = _plan_with(
+        tmp_path, lambda e: e["profiles"]["cpu"]["base"].update(model=mla, capture={"host_pages": True})
+    )
     assert planned["demo"]["points"]["length-4"]["config"].capture.host_pages  # the MLA family keeps host pages
 
 
-@pytest.mark.parametrize("setting,message", [
-    ("model.overrides={vocab_size: 16}", "task: vocab_size 16 is too small for the task's token layout"),
-    ("task.num_needles=9", "task: length 24 cannot hold 9 needles"),
-    ("model.overrides={max_position_embeddings: 20}", "task.length: 24 positions, more than the 20"),
-    ("model.overrides={max_position_embeddings: 25}", "sampling.max_new_tokens: 2 response tokens after a prompt of 24"),
-    ("model.overrides={num_layers: 1}", "model.overrides.num_layers: not a field of LlamaConfig"),
-])
-def test_train_refuses_a_task_or_policy_the_model_cannot_run_before_building_it(tmp_path, capsys, no_model_build,
-                                                                                setting, message):
+@pytest.mark.parametrize(
+    "setting,message",
+    [
+        ("model.overrides={vocab_size: 16}", "task: vocab_size 16 is too small for the task's token layout"),
+        ("task.num_needles=9", "task: length 24 cannot hold 9 needles"),
+        ("model.overrides={max_position_embeddings: 20}", "task.length: 24 positions, more than the 20"),
+        (
+            "model.overrides={max_position_embeddings: 25}",
+            "sampling.max_new_tokens: 2 response tokens after a prompt of 24",
+        ),
+        ("model.overrides={num_layers: 1}", "model.overrides.num_layers: not a field of LlamaConfig"),
+    ],
+)
+def test_train_refuses_a_task_or_policy_the_model_cannot_run_before_building_it(
+    tmp_path, capsys, no_model_build, setting, message
+):
     config = _train_config(tmp_path, model={"preset": "tiny-llama"})
     err = _refused(capsys, ["train", str(config), "--set", setting])
     assert f"train.yaml: {message}" in err
 
 
-@pytest.mark.parametrize("config,message", [
-    ({"model_overrides": {"num_hidden_layer": 2}},
-     "model_overrides.num_hidden_layer: not a field of LlamaConfig (did you mean 'num_hidden_layers'?)"),
-    ({"init": "INIT"}, "init: no checkpoint folder"),
-    ({"task": {"name": "kv_retrieval", "num_needle": 2}}, "task.num_needle: unknown setting of this task"),
-    ({"stages": [{"until": 10, "num_needle": 2}]}, "stages[0]: "),
-    ({"lengths": [16], "task": {"name": "kv_retrieval", "num_needles": 8}}, "task: length 16 cannot hold 8 needles"),
-])
+@pytest.mark.parametrize(
+    "config,message",
+    [
+        (
+            {"model_overrides": {"num_hidden_layer": 2}},
+            "model_overrides.num_hidden_layer: not a field of LlamaConfig (did you mean 'num_hidden_layers'?)",
+        ),
+        ({"init": "INIT"}, "init: no checkpoint folder"),
+        ({"task": {"name": "kv_retrieval", "num_needle": 2}}, "task.num_needle: unknown setting of this task"),
+        ({"stages": [{"until": 10, "num_needle": 2}]}, "stages[0]: "),
+        (
+            {"lengths": [16], "task": {"name": "kv_retrieval", "num_needles": 8}},
+            "task: length 16 cannot hold 8 needles",
+        ),
+    ],
+)
 def test_pretrain_refuses_its_inputs_before_any_work(tmp_path, capsys, nothing_built, config, message):
-    raw = {"model": "learn-tiny-dense", "steps": 1, "eval_lengths": [32], "progress": False,
-           **json.loads(json.dumps(config).replace("INIT", str(tmp_path / "no-such")))}
+    raw = {
+        "model": "learn-tiny-dense",
+        "steps": 1,
+        "eval_lengths": [32],
+        "progress": False,
+        **json.loads(json.dumps(config).replace("INIT", str(tmp_path / "no-such"))),
+    }
     path = _write(tmp_path / "pretrain.yaml", raw)
     assert f"pretrain.yaml: {message}" in _refused(capsys, ["pretrain", path])

@@ -33,16 +33,26 @@ from longstraw.results import write_json_atomic
 
 REPO = Path(__file__).resolve().parents[1]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
-TINY = {"model": {"preset": "tiny-llama"}, "prompt": {"length": 40}, "responses": {"count": 2, "length": 5},
-        "capture": {"chunk_size": 16}}
+TINY = {
+    "model": {"preset": "tiny-llama"},
+    "prompt": {"length": 40},
+    "responses": {"count": 2, "length": 5},
+    "capture": {"chunk_size": 16},
+}
 
 
 def _put(root: Path, experiment: str, point: str, result: dict, grid: dict) -> None:
     result = copy.deepcopy(result)
     sets = " ".join(f"--set {k}={v}" for k, v in grid.items())
     out = f"results/cpu/points/{experiment}/{point}.json"
-    result.update(experiment=experiment, point=point, profile="cpu", grid=grid, experiment_title=f"{experiment} title",
-                  command=f"longstraw run experiments/{experiment}.yaml --out {out} {sets}")
+    result.update(
+        experiment=experiment,
+        point=point,
+        profile="cpu",
+        grid=grid,
+        experiment_title=f"{experiment} title",
+        command=f"longstraw run experiments/{experiment}.yaml --out {out} {sets}",
+    )
     write_json_atomic(root / "points" / experiment / f"{point}.json", result)
 
 
@@ -50,14 +60,34 @@ def _capacity(base: dict, mode: str, largest) -> dict:
     """A capacity point shaped as `longstraw.kinds.capacity.find_capacity` returns it (probes run in
     subprocesses, too slow for this test), with one oom probe or only oom probes."""
     lengths = (64, 128, 256, 512)
-    probes = [{"prompt_length": n, "status": "ok" if largest and n <= largest else "oom", "peak_bytes": n * 4096,
-               "seconds": n / 1000, "step_phases": {}} for n in lengths]
+    probes = [
+        {
+            "prompt_length": n,
+            "status": "ok" if largest and n <= largest else "oom",
+            "peak_bytes": n * 4096,
+            "seconds": n / 1000,
+            "step_phases": {},
+        }
+        for n in lengths
+    ]
     first_failing = min(p["prompt_length"] for p in probes if p["status"] == "oom")
-    return {**{k: base[k] for k in ("provenance", "peak_rss_bytes")}, "name": f"capacity-{mode}", "kind": "capacity",
-            "status": "ok", "wall_seconds": 1.5, "config": {**base["config"], "mode": mode},
-            "metrics": {"mode": mode, "ceiling_bytes": 600 * 2**10, "probes": probes, "largest_fitting": largest,
-                        "memory_measure": "process peak RSS minus RSS after weights (emulated CPU ceiling)",
-                        "first_failing": first_failing, "search_capped_at_max_length": False}}
+    return {
+        **{k: base[k] for k in ("provenance", "peak_rss_bytes")},
+        "name": f"capacity-{mode}",
+        "kind": "capacity",
+        "status": "ok",
+        "wall_seconds": 1.5,
+        "config": {**base["config"], "mode": mode},
+        "metrics": {
+            "mode": mode,
+            "ceiling_bytes": 600 * 2**10,
+            "probes": probes,
+            "largest_fitting": largest,
+            "memory_measure": "process peak RSS minus RSS after weights (emulated CPU ceiling)",
+            "first_failing": first_failing,
+            "search_capped_at_max_length": False,
+        },
+    }
 
 
 def _cp_step():
@@ -71,8 +101,13 @@ def built(tmp_path_factory):
     points = {}
     for mode in ("replay", "hold_all"):  # a hybrid model, as the paper's G sweep (its figures compare these)
         for g in (1, 2):
-            cfg = {**TINY, "kind": "step", "mode": mode, "responses": {"count": g, "length": 5},
-                   "model": {"preset": "tiny-qwen3_5"}}
+            cfg = {
+                **TINY,
+                "kind": "step",
+                "mode": mode,
+                "responses": {"count": g, "length": 5},
+                "model": {"preset": "tiny-qwen3_5"},
+            }
             points[("g_sweep", f"{mode}-G{g}")] = (run_point(cfg), {"mode": mode, "responses.count": g})
     # a real context-parallel point: rank 0's result of 2 forked ranks (gloo)
     points[("context_parallel", "cp_size-2")] = (run_ranks(_cp_step, 2, start_method="fork")[0], {"cp_size": 2})
@@ -84,8 +119,12 @@ def built(tmp_path_factory):
     validation = run_point({**TINY, "kind": "validation", "prompt": {"length": 24}, "capture": {"chunk_size": 8}})
     assert validation["status"] == "ok"
     points[("validation", "families")] = (validation, {})
-    broken = {**{k: validation[k] for k in ("provenance", "config", "peak_rss_bytes", "wall_seconds")},
-              "kind": "validation", "status": "error", "error": "RuntimeError: the reference did not fit"}
+    broken = {
+        **{k: validation[k] for k in ("provenance", "config", "peak_rss_bytes", "wall_seconds")},
+        "kind": "validation",
+        "status": "error",
+        "error": "RuntimeError: the reference did not fit",
+    }
     points[("validation", "broken")] = (broken, {})
     # fails when it runs (a prompt beyond the model's max_position_embeddings, refused at its capture; the plan's
     # own refusal of it, `harness/inputs.py`, is set aside here so that the point fails where it runs)
@@ -100,8 +139,13 @@ def built(tmp_path_factory):
     points[("g_sweep", "hold_all-G8")] = (oom, {"mode": "hold_all", "responses.count": 8})
     for mode, largest in (("replay", 256), ("naive", None)):
         points[("baselines", f"capacity-{mode}")] = (_capacity(base, mode, largest), {"mode": mode})
-    later = {**{k: base[k] for k in ("provenance", "config", "peak_rss_bytes")}, "kind": "oracle", "status": "ok",
-             "wall_seconds": 2.25, "metrics": {"loss_drift": 0.0012, "steps": 4, "fresh_loss_seconds": 0.5}}
+    later = {
+        **{k: base[k] for k in ("provenance", "config", "peak_rss_bytes")},
+        "kind": "oracle",
+        "status": "ok",
+        "wall_seconds": 2.25,
+        "metrics": {"loss_drift": 0.0012, "steps": 4, "fresh_loss_seconds": 0.5},
+    }
     points[("staleness_later", "step4")] = (later, {"reuse_steps": 4})
     for (experiment, point), (result, grid) in points.items():
         _put(results, experiment, point, result, grid)
@@ -111,16 +155,29 @@ def built(tmp_path_factory):
     recorded_dir = tmp / "recorded" / "h200"
     recorded = copy.deepcopy(base)
     recorded["name"] = "recorded_smoke"
-    recorded["provenance"].update(device="NVIDIA H200", date="2026-01-02T03:04:05+00:00", commit="abc1234def",
-                                  cuda_total_memory_bytes=150109880320)
+    recorded["provenance"].update(
+        device="NVIDIA H200",
+        date="2026-01-02T03:04:05+00:00",
+        commit="abc1234def",
+        cuda_total_memory_bytes=150109880320,
+    )
     write_json_atomic(recorded_dir / "nested" / "recorded_smoke.json", recorded)
 
     out = tmp / "report"
     page = build_report(results, out, "cpu", recorded_dir=recorded_dir)
-    files = {(p.parent.name, p.stem): json.loads(p.read_text()) for p in (results / "points").rglob("*.json")
-             if p.parent.name != "broken"}
-    return {"results": results, "out": out, "page": page, "html": page.read_text(), "files": files,
-            "recorded": recorded}
+    files = {
+        (p.parent.name, p.stem): json.loads(p.read_text())
+        for p in (results / "points").rglob("*.json")
+        if p.parent.name != "broken"
+    }
+    return {
+        "results": results,
+        "out": out,
+        "page": page,
+        "html": page.read_text(),
+        "files": files,
+        "recorded": recorded,
+    }
 
 
 class _Tables(HTMLParser):
@@ -167,6 +224,7 @@ def _parse(html: str) -> _Tables:
 
 # --------------------------------------------------------------- what each number should be, from the JSON
 
+
 def _cycles(r):
     return r["metrics"]["cycles"]
 
@@ -188,17 +246,20 @@ STEP_EXPECTED = {
     "predicted_resident_bytes": lambda r: max(c["predicted_resident_bytes"] for c in _cycles(r)),
     "seconds_per_member": lambda r: r["metrics"]["phase_summary"]["replay"]["seconds"] / _replays(r),
     "capture_seconds": lambda r: r["metrics"]["phase_summary"]["capture"]["seconds"],
-    "cycle_seconds_mean": lambda r: sum(sum(p["seconds"] for p in c["phases"].values()) for c in _cycles(r))
-    / len(_cycles(r)),
+    "cycle_seconds_mean": lambda r: (
+        sum(sum(p["seconds"] for p in c["phases"].values()) for c in _cycles(r)) / len(_cycles(r))
+    ),
     "cold_step_seconds": lambda r: sum(p["seconds"] for p in _cycles(r)[0]["phases"].values()),
-    "warm_step_seconds": lambda r: statistics.median(sum(p["seconds"] for p in c["phases"].values())
-                                                     for c in _cycles(r)[1:]),
+    "warm_step_seconds": lambda r: statistics.median(
+        sum(p["seconds"] for p in c["phases"].values()) for c in _cycles(r)[1:]
+    ),
     "loss_last": lambda r: _cycles(r)[-1]["loss"],
     "reward_mean": lambda r: sum(c["reward_mean"] for c in _cycles(r)) / len(_cycles(r)),
     "cp_size": lambda r: r["config"]["cp_size"],
     "rank_resident_bytes_max": lambda r: max(rank["resident_bytes"] for rank in r["cp"]["ranks"]),
-    "rank_peak_bytes_max": lambda r: max(rank.get("peak_allocated_bytes", rank["peak_rss_bytes"])
-                                         for rank in r["cp"]["ranks"]),
+    "rank_peak_bytes_max": lambda r: max(
+        rank.get("peak_allocated_bytes", rank["peak_rss_bytes"]) for rank in r["cp"]["ranks"]
+    ),
     "peak_rss_bytes": lambda r: r["peak_rss_bytes"],
     "wall_seconds": lambda r: r["wall_seconds"],
 }
@@ -210,9 +271,11 @@ CAPTURE_EXPECTED = {
     "resident_bytes": lambda r: r["metrics"]["resident_bytes"],
     "predicted_resident_bytes": lambda r: r["metrics"]["predicted_resident_bytes"],
     "bytes_per_position_measured": lambda r: r["metrics"].get(
-        "bytes_per_position_measured", r["metrics"]["resident_bytes"] / r["metrics"]["positions"]),
+        "bytes_per_position_measured", r["metrics"]["resident_bytes"] / r["metrics"]["positions"]
+    ),
     "bytes_per_position_predicted": lambda r: r["metrics"].get(
-        "bytes_per_position_predicted", r["metrics"]["predicted_resident_bytes"] / r["metrics"]["positions"]),
+        "bytes_per_position_predicted", r["metrics"]["predicted_resident_bytes"] / r["metrics"]["positions"]
+    ),
     "transient_bytes": lambda r: r["metrics"]["transient_bytes"],
     "replay_seconds": lambda r: r["metrics"]["replay_seconds"],
     "peak_memory_bytes": lambda r: r["peak_rss_bytes"],
@@ -222,8 +285,9 @@ CAPTURE_EXPECTED = {
 CAPACITY_EXPECTED = {
     "ceiling_bytes": lambda r: r["metrics"]["ceiling_bytes"],
     "largest_fitting": lambda r: r["metrics"]["largest_fitting"],
-    "largest_fitting_peak_bytes": lambda r: next(p["peak_bytes"] for p in r["metrics"]["probes"]
-                                                 if p["prompt_length"] == r["metrics"]["largest_fitting"]),
+    "largest_fitting_peak_bytes": lambda r: next(
+        p["peak_bytes"] for p in r["metrics"]["probes"] if p["prompt_length"] == r["metrics"]["largest_fitting"]
+    ),
     "smallest_oom": lambda r: min(p["prompt_length"] for p in r["metrics"]["probes"] if p["status"] == "oom"),
     "first_failing": lambda r: r["metrics"]["first_failing"],
     "device_memory_bytes": lambda r: r["provenance"]["cuda_total_memory_bytes"],
@@ -240,8 +304,11 @@ _UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40, "s": 1
 def _shown_number(text: str) -> float:
     """The number a cell displays, in base units: '1.63 MiB' -> bytes, '8.5 ms' -> seconds, '1,024' -> 1024;
     a size from 1 GiB up also in GB beside it ('1.500 GiB (1.611 GB)'), which must say the same size."""
-    match = re.fullmatch(r"(-?[\d,]*\.?\d+(?:e[+-]?\d+)?)\s*(B|KiB|MiB|GiB|TiB|ms|s)?(?: \((-?[\d,]*\.\d{3}) GB\))?"
-                         r"(?:/position| positions/s)?", text.strip())
+    match = re.fullmatch(
+        r"(-?[\d,]*\.?\d+(?:e[+-]?\d+)?)\s*(B|KiB|MiB|GiB|TiB|ms|s)?(?: \((-?[\d,]*\.\d{3}) GB\))?"
+        r"(?:/position| positions/s)?",
+        text.strip(),
+    )
     assert match, f"cell text {text!r} is not a number with a unit"
     shown = float(match.group(1).replace(",", "")) * _UNITS.get(match.group(2) or "", 1)
     assert (match.group(3) is not None) == (match.group(2) in ("GiB", "TiB")), text  # GB beside every GiB
@@ -257,19 +324,31 @@ def _close(shown: float, exact: float) -> bool:
 
 # -------------------------------------------------------------------------------------------- tests
 
+
 def test_reporting_imports_no_torch():
     """The report's stages and every kind's report half import neither torch nor transformers (a
     kind imports what it runs with inside `run`)."""
-    code = ("import sys; from longstraw import kinds; import longstraw.report.build, longstraw.cli; kinds.modules(); "
-            "print(sorted(m for m in ('torch', 'transformers', 'peft') if m in sys.modules))")
+    code = (
+        "import sys; from longstraw import kinds; import longstraw.report.build, longstraw.cli; kinds.modules(); "
+        "print(sorted(m for m in ('torch', 'transformers', 'peft') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
     assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
 def test_every_section_is_present(built):
     ids = _parse(built["html"]).ids
-    for section in ("summary", "paper", "paper-scale", "paper-figures", "validation", "validation-levels",
-                    "validation-paths", "recorded", "table-recorded"):
+    for section in (
+        "summary",
+        "paper",
+        "paper-scale",
+        "paper-figures",
+        "validation",
+        "validation-levels",
+        "validation-paths",
+        "recorded",
+        "table-recorded",
+    ):
         assert section in ids, section
     for experiment in ("g_sweep", "operating_points", "baselines", "architectures", "staleness_later", "broken"):
         assert f"experiment-{experiment}" in ids, experiment
@@ -321,8 +400,14 @@ def test_unknown_experiment_gets_a_generic_table(built):
 def test_figures_exist_and_are_valid_png(built):
     out, images = built["out"], _parse(built["html"]).images
     names = {Path(src).name for src in images}
-    for figure in ("g_sweep.memory_vs_ceiling", "g_sweep.g_sweep_memory", "g_sweep.time_per_member",
-                   "g_sweep.phase_seconds", "baselines.capacity", "architectures.resident_per_position"):
+    for figure in (
+        "g_sweep.memory_vs_ceiling",
+        "g_sweep.g_sweep_memory",
+        "g_sweep.time_per_member",
+        "g_sweep.phase_seconds",
+        "baselines.capacity",
+        "architectures.resident_per_position",
+    ):
         assert f"{figure}.png" in names, figure
     for src in images:
         path = out / src
@@ -350,8 +435,9 @@ def test_the_report_renders_from_the_tables_alone(built, tmp_path):
     recorded = tmp_path / "recorded" / "h200"
     recorded.mkdir(parents=True)
     for path in (built["out"].parent / "recorded" / "h200").rglob("*.json"):
-        (recorded / path.relative_to(built["out"].parent / "recorded" / "h200")).parent.mkdir(parents=True,
-                                                                                               exist_ok=True)
+        (recorded / path.relative_to(built["out"].parent / "recorded" / "h200")).parent.mkdir(
+            parents=True, exist_ok=True
+        )
         (recorded / path.relative_to(built["out"].parent / "recorded" / "h200")).write_bytes(path.read_bytes())
     aggregate.write_all(results, tmp_path / "tables", "cpu", REPO / "experiments")
     aggregate.write_all(recorded, tmp_path / "recorded-tables", "h200", REPO / "experiments", targets=False)
@@ -360,15 +446,21 @@ def test_the_report_renders_from_the_tables_alone(built, tmp_path):
     recorded.parent.rename(tmp_path / "gone" / "recorded")
     assert not list(tmp_path.glob("results")) and not list(tmp_path.glob("recorded"))
     make_figures(tmp_path / "tables", tmp_path / "report" / "figures")
-    page = render.render(tmp_path / "tables", tmp_path / "report" / "figures", tmp_path / "report",
-                         recorded_tables=tmp_path / "recorded-tables")
+    page = render.render(
+        tmp_path / "tables",
+        tmp_path / "report" / "figures",
+        tmp_path / "report",
+        recorded_tables=tmp_path / "recorded-tables",
+    )
     ours, theirs = _parse(page.read_text()), _parse(built["html"])
     assert set(ours.tables) == set(theirs.tables) and sorted(ours.images) == sorted(theirs.images)
     for table_id, rows in theirs.tables.items():
         assert [[(c["column"], c["value"], c["text"]) for c in r["cells"]] for r in ours.tables[table_id]] == [
-            [(c["column"], c["value"], c["text"]) for c in r["cells"]] for r in rows], table_id
+            [(c["column"], c["value"], c["text"]) for c in r["cells"]] for r in rows
+        ], table_id
     assert sorted(p.name for p in (tmp_path / "report" / "tables").glob("*.csv")) == sorted(
-        p.name for p in (tmp_path / "tables").glob("*.csv"))
+        p.name for p in (tmp_path / "tables").glob("*.csv")
+    )
 
 
 def test_recorded_results_are_listed_separately(built):
@@ -377,15 +469,28 @@ def test_recorded_results_are_listed_separately(built):
     text = {c["column"]: c["text"] for c in rows[0]["cells"]}
     assert text["device"] == "NVIDIA H200" and text["commit"] == "abc1234def" and text["file"].startswith("nested")
     assert text["date"] == "2026-01-02T03:04:05+00:00"
-    local = [r["attrs"]["data-point"] for t, rows in _parse(built["html"]).tables.items() if t != "table-recorded"
-             for r in rows]
+    local = [
+        r["attrs"]["data-point"]
+        for t, rows in _parse(built["html"]).tables.items()
+        if t != "table-recorded"
+        for r in rows
+    ]
     assert "recorded_smoke" not in local
 
 
 def test_paper_figures_sit_beside_ours(built):
     html = built["html"]
-    for figure in ("97.503 GB", "97.711 GB", "+0.208 GB", "271 s per member", "83.894 GB", "150.755 GB",
-                   "4,456,448", "116.7M", "Qwen3.6-27B"):
+    for figure in (
+        "97.503 GB",
+        "97.711 GB",
+        "+0.208 GB",
+        "271 s per member",
+        "83.894 GB",
+        "150.755 GB",
+        "4,456,448",
+        "116.7M",
+        "Qwen3.6-27B",
+    ):
         assert figure in html, figure
     g2 = built["files"][("g_sweep", "replay-G2")]
     assert f'data-value="{g2["peak_rss_bytes"]}"' in html.split('id="paper-figures"')[1].split("</table>")[0]
@@ -460,8 +565,22 @@ def test_tables_keep_every_point_and_csvs_are_written(built, tmp_path):
 
 
 def test_report_cli(built, tmp_path, capsys):
-    assert cli.main(["report", "--profile", "cpu", "--results", str(built["results"]), "--out", str(tmp_path),
-                     "--recorded", str(tmp_path / "none")]) == 0
+    assert (
+        cli.main(
+            [
+                "report",
+                "--profile",
+                "cpu",
+                "--results",
+                str(built["results"]),
+                "--out",
+                str(tmp_path),
+                "--recorded",
+                str(tmp_path / "none"),
+            ]
+        )
+        == 0
+    )
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["statuses"]["oom"] == 1 and Path(summary["report"]).is_file()
     assert "no recorded results folder" in Path(summary["report"]).read_text()
@@ -477,65 +596,135 @@ PHASES = ("old_scoring", "ref_scoring", "replay", "optimizer_step")
 def _sweep_step(mode: str, g: int, status: str, peak: int) -> dict:
     """One step of a sweep as `_run_sweep` records it (an oom step: the peak it reached, no phases)."""
     if status == "oom":
-        return {"mode": mode, "count": g, "status": "oom", "error": "CUDA out of memory. Tried to allocate 1.00 GiB",
-                "peak_allocated_bytes": peak}
+        return {
+            "mode": mode,
+            "count": g,
+            "status": "oom",
+            "error": "CUDA out of memory. Tried to allocate 1.00 GiB",
+            "peak_allocated_bytes": peak,
+        }
     phases = {name: {"seconds": 0.25 * (i + 1), "peak_allocated_bytes": 10 * GIB + i} for i, name in enumerate(PHASES)}
     phases["replay"] = {"seconds": 1.5 * g, "peak_allocated_bytes": peak, **({"count": g} if mode == "replay" else {})}
-    return {"mode": mode, "count": g, "status": "ok", "phases": phases, "peak_allocated_bytes": peak,
-            "graph_bytes_peak": g * GIB // 4, "response_tokens": [64] * g, "loss": 0.01 * g, "grad_norm": 0.5,
-            "resident_bytes": 4 * GIB, "predicted_resident_bytes": 4 * GIB, "prompt_positions": 1 << 20,
-            "state_unchanged": True}
+    return {
+        "mode": mode,
+        "count": g,
+        "status": "ok",
+        "phases": phases,
+        "peak_allocated_bytes": peak,
+        "graph_bytes_peak": g * GIB // 4,
+        "response_tokens": [64] * g,
+        "loss": 0.01 * g,
+        "grad_norm": 0.5,
+        "resident_bytes": 4 * GIB,
+        "predicted_resident_bytes": 4 * GIB,
+        "prompt_positions": 1 << 20,
+        "state_unchanged": True,
+    }
 
 
 def _provenance() -> dict:
-    return {"device": "NVIDIA H200", "cuda_total_memory_bytes": 140 * GIB, "commit": "abc1234def",
-            "date": "2026-01-02T03:04:05+00:00", "python": "3.12.3", "versions": {"torch": "2.11.0"}}
+    return {
+        "device": "NVIDIA H200",
+        "cuda_total_memory_bytes": 140 * GIB,
+        "commit": "abc1234def",
+        "date": "2026-01-02T03:04:05+00:00",
+        "python": "3.12.3",
+        "versions": {"torch": "2.11.0"},
+    }
 
 
 def _sweep_point(steps: list, preset: str = "hybrid-1b", trainable: int = 5_000_000) -> dict:
-    return {"kind": "sweep", "status": "ok", "wall_seconds": 100.0, "peak_rss_bytes": 2 * GIB,
-            "provenance": _provenance(),
-            "config": {"kind": "sweep", "mode": "replay", "prompt": {"length": 1 << 20},
-                       "responses": {"count": 4, "length": 64},
-                       "model": {"preset": preset, "device": "cuda", "dtype": "bfloat16", "lora": {"r": 16},
-                                 "nf4": False}},
-            "metrics": {"weights": {"seconds": 3.0, "peak_allocated_bytes": 2 * GIB}, "trainable_parameters": trainable,
-                        "capture": {"model_type": "qwen3_5_text", "positions": (1 << 20) - 1,
-                                    "resident_bytes": 4 * GIB + 5, "predicted_resident_bytes": 4 * GIB,
-                                    "bytes_per_position_measured": 4096.0, "bytes_per_position_predicted": 4096,
-                                    "transient_bytes": GIB // 2, "capture_seconds": 60.0,
-                                    "capture_attention": {"seconds": 30.0, "flops": 1.5e16, "calls": 128,
-                                                          "tflops_per_second": 500.0},
-                                    "memory_before_capture_bytes": 2 * GIB,
-                                    "phase": {"seconds": 60.0, "peak_allocated_bytes": 7 * GIB}},
-                        "steps": steps}}
+    return {
+        "kind": "sweep",
+        "status": "ok",
+        "wall_seconds": 100.0,
+        "peak_rss_bytes": 2 * GIB,
+        "provenance": _provenance(),
+        "config": {
+            "kind": "sweep",
+            "mode": "replay",
+            "prompt": {"length": 1 << 20},
+            "responses": {"count": 4, "length": 64},
+            "model": {"preset": preset, "device": "cuda", "dtype": "bfloat16", "lora": {"r": 16}, "nf4": False},
+        },
+        "metrics": {
+            "weights": {"seconds": 3.0, "peak_allocated_bytes": 2 * GIB},
+            "trainable_parameters": trainable,
+            "capture": {
+                "model_type": "qwen3_5_text",
+                "positions": (1 << 20) - 1,
+                "resident_bytes": 4 * GIB + 5,
+                "predicted_resident_bytes": 4 * GIB,
+                "bytes_per_position_measured": 4096.0,
+                "bytes_per_position_predicted": 4096,
+                "transient_bytes": GIB // 2,
+                "capture_seconds": 60.0,
+                "capture_attention": {"seconds": 30.0, "flops": 1.5e16, "calls": 128, "tflops_per_second": 500.0},
+                "memory_before_capture_bytes": 2 * GIB,
+                "phase": {"seconds": 60.0, "peak_allocated_bytes": 7 * GIB},
+            },
+            "steps": steps,
+        },
+    }
 
 
 def _capacity_with_comparison() -> dict:
     """A GPU capacity point whose search stopped on its time limit, with replay / hold_all steps at
     its largest fitting length (`comparison_at_largest_fitting`)."""
+
     def phases(seconds):
         return {name: {"seconds": s, "count": 1, "peak_allocated_bytes": GIB} for name, s in seconds.items()}
-    compared = {mode: {"prompt_length": 4096, "status": "ok", "peak_bytes": peak, "seconds": wall, "error": None,
-                       "step_phases": phases({"capture": 0.5, "old_scoring": 0.25, "replay": replay})}
-                for mode, peak, wall, replay in (("hold_all", 30 * GIB, 9.0, 2.0), ("replay", 12 * GIB, 11.0, 3.0))}
-    probe = {"prompt_length": 4096, "status": "ok", "peak_bytes": 20 * GIB, "seconds": 60.0,
-             "step_phases": phases({"old_scoring": 4.0, "replay": 40.0, "optimizer_step": 0.5})}
-    return {"kind": "capacity", "status": "ok", "wall_seconds": 90.0, "peak_rss_bytes": GIB,
-            "provenance": _provenance(),
-            "config": {"kind": "capacity", "mode": "naive", "prompt": {"length": 1024},
-                       "model": {"preset": "hybrid-1b", "device": "cuda"},
-                       "capacity": {"time_limit_seconds": 50, "compare_modes": ["replay", "hold_all"]}},
-            "metrics": {"mode": "naive", "ceiling_bytes": None, "memory_measure": "peak_allocated_bytes",
-                        "probes": [probe], "largest_fitting": 4096, "first_failing": None,
-                        "search_capped_at_max_length": False, "search_stopped_on_time_limit": True,
-                        "comparison_at_largest_fitting": compared}}
+
+    compared = {
+        mode: {
+            "prompt_length": 4096,
+            "status": "ok",
+            "peak_bytes": peak,
+            "seconds": wall,
+            "error": None,
+            "step_phases": phases({"capture": 0.5, "old_scoring": 0.25, "replay": replay}),
+        }
+        for mode, peak, wall, replay in (("hold_all", 30 * GIB, 9.0, 2.0), ("replay", 12 * GIB, 11.0, 3.0))
+    }
+    probe = {
+        "prompt_length": 4096,
+        "status": "ok",
+        "peak_bytes": 20 * GIB,
+        "seconds": 60.0,
+        "step_phases": phases({"old_scoring": 4.0, "replay": 40.0, "optimizer_step": 0.5}),
+    }
+    return {
+        "kind": "capacity",
+        "status": "ok",
+        "wall_seconds": 90.0,
+        "peak_rss_bytes": GIB,
+        "provenance": _provenance(),
+        "config": {
+            "kind": "capacity",
+            "mode": "naive",
+            "prompt": {"length": 1024},
+            "model": {"preset": "hybrid-1b", "device": "cuda"},
+            "capacity": {"time_limit_seconds": 50, "compare_modes": ["replay", "hold_all"]},
+        },
+        "metrics": {
+            "mode": "naive",
+            "ceiling_bytes": None,
+            "memory_measure": "peak_allocated_bytes",
+            "probes": [probe],
+            "largest_fitting": 4096,
+            "first_failing": None,
+            "search_capped_at_max_length": False,
+            "search_stopped_on_time_limit": True,
+            "comparison_at_largest_fitting": compared,
+        },
+    }
 
 
-FAKE_TARGETS = [{"target": "peak growth", "goal": "<= 0.25%", "measured": "0.19%", "met": True, "evidence": "a.json"},
-                {"target": "transient", "goal": "<= 10%", "measured": "16.8%", "met": False, "evidence": "b.json"},
-                {"target": "capacity", "goal": ">= 8x", "measured": "not measured: no run", "met": None,
-                 "evidence": ""}]
+FAKE_TARGETS = [
+    {"target": "peak growth", "goal": "<= 0.25%", "measured": "0.19%", "met": True, "evidence": "a.json"},
+    {"target": "transient", "goal": "<= 10%", "measured": "16.8%", "met": False, "evidence": "b.json"},
+    {"target": "capacity", "goal": ">= 8x", "measured": "not measured: no run", "met": None, "evidence": ""},
+]
 
 
 @pytest.fixture(scope="module")
@@ -544,14 +733,19 @@ def gpu_built(tmp_path_factory):
     `<results>/<experiment>/<point>.json`, as recorded), with a stand-in targets module."""
     tmp = tmp_path_factory.mktemp("gpu_report")
     results = tmp / "results"
-    steps = [_sweep_step("replay", 2, "ok", 20 * GIB), _sweep_step("replay", 8, "ok", 20 * GIB + 2**20),
-             _sweep_step("hold_all", 2, "ok", 30 * GIB), _sweep_step("hold_all", 4, "oom", 139 * GIB)]
+    steps = [
+        _sweep_step("replay", 2, "ok", 20 * GIB),
+        _sweep_step("replay", 8, "ok", 20 * GIB + 2**20),
+        _sweep_step("hold_all", 2, "ok", 30 * GIB),
+        _sweep_step("hold_all", 4, "oom", 139 * GIB),
+    ]
     files = {
         ("g_sweep", "sweep"): _sweep_point(steps),
         ("operating_points", "cycles"): _sweep_point([_sweep_step("replay", 8, "ok", 25 * GIB + i) for i in range(3)]),
         ("baselines", "mode-naive"): _capacity_with_comparison(),
-        ("architectures", "big-shape"): _sweep_point([_sweep_step("replay", 2, "ok", 90 * GIB)],
-                                                     preset="qwen3.6-27b-shape", trainable=47_000_000),
+        ("architectures", "big-shape"): _sweep_point(
+            [_sweep_step("replay", 2, "ok", 90 * GIB)], preset="qwen3.6-27b-shape", trainable=47_000_000
+        ),
         # malformed: response_tokens is not a list, so the step rows cannot be read
         ("architectures", "malformed"): _sweep_point([{**_sweep_step("replay", 2, "ok", GIB), "response_tokens": 3}]),
     }
@@ -581,8 +775,16 @@ def test_sweep_steps_are_rows_of_their_own(gpu_built):
     assert [r["attrs"]["data-status"] for r in rows] == [s["status"] for s in steps]
     for row, step in zip(rows, steps):
         cells = _cells(row)
-        assert {"step", "mode", "G", "status", "peak_memory_bytes", "graph_bytes_peak", "seconds_per_member",
-                "headroom_bytes"} <= set(cells)
+        assert {
+            "step",
+            "mode",
+            "G",
+            "status",
+            "peak_memory_bytes",
+            "graph_bytes_peak",
+            "seconds_per_member",
+            "headroom_bytes",
+        } <= set(cells)
         assert cells["mode"]["text"] == step["mode"] and int(cells["G"]["value"]) == step["count"]
         assert int(cells["peak_memory_bytes"]["value"]) == step["peak_allocated_bytes"]  # oom: the peak reached
         if step["status"] == "ok":
@@ -609,16 +811,24 @@ def test_sweep_point_states_its_capture(gpu_built):
 def test_sweep_figures_and_the_papers_figures(gpu_built):
     html, out = gpu_built["html"], gpu_built["out"]
     names = {Path(src).name for src in _parse(html).images}
-    for figure in ("g_sweep.sweep_memory", "g_sweep.step_phase_peaks.sweep",
-                   "operating_points.step_phase_peaks.cycles", "architectures.step_phase_peaks.big-shape",
-                   "baselines.capacity", "baselines.capacity_step_time"):
+    for figure in (
+        "g_sweep.sweep_memory",
+        "g_sweep.step_phase_peaks.sweep",
+        "operating_points.step_phase_peaks.cycles",
+        "architectures.step_phase_peaks.big-shape",
+        "baselines.capacity",
+        "baselines.capacity_step_time",
+    ):
         assert f"{figure}.png" in names, figure
         assert (out / "figures" / f"{figure}.png").read_bytes()[:8] == PNG_SIGNATURE
     assert "operating_points.sweep_memory.png" not in names  # G does not vary there
     g_sweep = _section(html, "g_sweep")
     paper = g_sweep.split('id="paper-g_sweep"')[1].split("</table>")[0]
-    g2 = next(s for s in gpu_built["files"][("g_sweep", "sweep")]["metrics"]["steps"]
-              if s["mode"] == "replay" and s["count"] == 2)
+    g2 = next(
+        s
+        for s in gpu_built["files"][("g_sweep", "sweep")]["metrics"]["steps"]
+        if s["mode"] == "replay" and s["count"] == 2
+    )
     assert "97.503 GB" in paper and "97.711 GB" in paper and f'data-value="{g2["peak_allocated_bytes"]}"' in paper
     assert "83.894 GB" in _section(html, "operating_points")
 
@@ -675,6 +885,7 @@ def test_targets_section_skips_or_reports(monkeypatch, tmp_path):
 
     def broken(results_dir):
         raise KeyError("metrics")
+
     fake = type(sys)("longstraw.report.targets")
     fake.evaluate_targets = broken
     monkeypatch.setitem(sys.modules, "longstraw.report.targets", fake)
@@ -691,8 +902,9 @@ def test_cpu_report_links_the_recorded_report(built, tmp_path):
     sibling = tmp_path / "recorded-h200" / "index.html"
     sibling.parent.mkdir()
     sibling.write_text("<html></html>")
-    page = build_report(built["results"], tmp_path / "cpu", "cpu", recorded_dir=REPO / "experiments" / "recorded"
-                        / "h200")
+    page = build_report(
+        built["results"], tmp_path / "cpu", "cpu", recorded_dir=REPO / "experiments" / "recorded" / "h200"
+    )
     assert 'id="recorded-report" href="../recorded-h200/index.html"' in page.read_text()
     assert 'id="targets"' not in page.read_text()
     # the summary's claims carry the recorded GPU value beside this run's: the G=2 replay peak of the recorded
@@ -722,11 +934,11 @@ def test_recorded_h200_results_render(tmp_path):
     sweeps = {p["experiment"] for p in points if p.get("kind") == "sweep" and p["metrics"].get("steps")}
     for experiment in sweeps:
         assert len(parsed.tables[f"table-{experiment}-sweep_steps"]) == sum(
-            len(p["metrics"]["steps"]) for p in points if p["experiment"] == experiment and p.get("kind") == "sweep")
+            len(p["metrics"]["steps"]) for p in points if p["experiment"] == experiment and p.get("kind") == "sweep"
+        )
     for src in parsed.images:
         assert (tmp_path / src).read_bytes()[:8] == PNG_SIGNATURE
     assert "Every result file in" in page.read_text()  # the recorded folder is this report's own
-
 
 
 def test_recorded_context_parallel_sweeps_show_every_ranks_peak(tmp_path):
@@ -735,17 +947,20 @@ def test_recorded_context_parallel_sweeps_show_every_ranks_peak(tmp_path):
     recorded = REPO / "experiments" / "recorded" / "h200"
     page = build_report(recorded, tmp_path, "h200", recorded_dir=recorded).read_text()
     parsed = _parse(page)
-    points = sorted((p for p in aggregate.load_points(recorded) if p["experiment"] == "context_parallel"),
-                    key=lambda p: p["point"])
+    points = sorted(
+        (p for p in aggregate.load_points(recorded) if p["experiment"] == "context_parallel"), key=lambda p: p["point"]
+    )
     rows = parsed.tables["table-context_parallel-sweep_steps"]
     steps = [s for p in points for s in p["metrics"]["steps"]]
     assert len(rows) == len(steps) and {len(s["rank_peak_allocated_bytes"]) for s in steps} == {2}
     assert sorted(int(_cells(r)["rank_peak_bytes_max"]["value"]) for r in rows) == sorted(
-        max(s["rank_peak_allocated_bytes"]) for s in steps)
+        max(s["rank_peak_allocated_bytes"]) for s in steps
+    )
     point_rows = {_cells(r)["point"]["text"]: _cells(r) for r in parsed.tables["table-context_parallel-sweep"]}
     for point in points:
         assert int(point_rows[point["point"]]["rank_peak_bytes_max"]["value"]) == max(
-            r["peak_allocated_bytes"] for r in point["cp"]["ranks"])
+            r["peak_allocated_bytes"] for r in point["cp"]["ranks"]
+        )
     assert "context parallel over 2 ranks" in page
 
 
@@ -766,11 +981,18 @@ def _mla_sweep(hybrid: dict) -> dict:
     for step in metrics["steps"]:
         step["peak_allocated_bytes"] += 7 * GIB  # distinct from the hybrid's, so a mix-up shows
     resident = 19_456 * positions
-    metrics["capture"].update(model_type="glm_moe_dsa", positions=positions, resident_bytes=resident,
-                              predicted_resident_bytes=resident, bytes_per_position_measured=19_456.0,
-                              bytes_per_position_predicted=19_456, constant_bytes_measured=0,
-                              constant_bytes_predicted=0, resident_bytes_by_entry={"LatentPages": resident},
-                              capture_attention={"seconds": 0.0, "flops": 0, "calls": 0, "tflops_per_second": None})
+    metrics["capture"].update(
+        model_type="glm_moe_dsa",
+        positions=positions,
+        resident_bytes=resident,
+        predicted_resident_bytes=resident,
+        bytes_per_position_measured=19_456.0,
+        bytes_per_position_predicted=19_456,
+        constant_bytes_measured=0,
+        constant_bytes_predicted=0,
+        resident_bytes_by_entry={"LatentPages": resident},
+        capture_attention={"seconds": 0.0, "flops": 0, "calls": 0, "tflops_per_second": None},
+    )
     return result
 
 
@@ -810,35 +1032,72 @@ def test_an_mla_sweep_beside_the_hybrid_sweep_renders(tmp_path):
 
 # ------------------------------------------------------------- staleness: the fresh-prefix oracle's report
 
+
 def _oracle_rows(drifts: list[float], lr: float) -> list[dict]:
     """Rows shaped as `longstraw.training.oracle.staleness_oracle` returns them: step 0 (fresh == stale, drift
     exactly zero) then one per step with the given relative loss drifts."""
     rows = []
     for step, drift in enumerate([0.0] + drifts):
         loss_fresh = 8.0 + 0.01 * step
-        rows.append({"step": step, "param_drift": lr * 100 * step, "loss_stale": loss_fresh * (1 + drift),
-                     "loss_fresh": loss_fresh, "relative_loss_drift": drift, "grpo_loss_stale": 1e-6 * step,
-                     "grpo_loss_fresh": -2e-6 * step, "mean_abs_logprob_diff": 3 * drift,
-                     "kl_k3": drift * drift, "grad_cosine": 1.0 - 10 * drift, "grad_norm_stale": 0.25 + 0.01 * step,
-                     "response_tokens": [16, 16, 15], "reward_mean": 0.5})
+        rows.append(
+            {
+                "step": step,
+                "param_drift": lr * 100 * step,
+                "loss_stale": loss_fresh * (1 + drift),
+                "loss_fresh": loss_fresh,
+                "relative_loss_drift": drift,
+                "grpo_loss_stale": 1e-6 * step,
+                "grpo_loss_fresh": -2e-6 * step,
+                "mean_abs_logprob_diff": 3 * drift,
+                "kl_k3": drift * drift,
+                "grad_cosine": 1.0 - 10 * drift,
+                "grad_norm_stale": 0.25 + 0.01 * step,
+                "response_tokens": [16, 16, 15],
+                "reward_mean": 0.5,
+            }
+        )
     return rows
 
 
 def _staleness_point(lr: float, drifts=None, status: str = "ok", record_interval: bool = True, **extra) -> dict:
-    config = {"kind": "staleness", "model": {"preset": "small-qwen3_5", "device": "cpu", "dtype": "float32",
-                                             "lora": {"r": 8}},
-              "prompt": {"length": 2048}, "responses": {"count": 3, "length": 16}, "optimizer": {"lr": lr},
-              "staleness": {"steps": 8, "threshold": 1e-3}}
-    point = {"kind": "staleness", "status": status, "wall_seconds": 20.0, "peak_rss_bytes": 600 * 2**20,
-             "provenance": {"device": "cpu (x86_64)", "cuda_total_memory_bytes": None, "commit": "abc1234",
-                            "date": "2026-01-02T03:04:05+00:00", "python": "3.11.7", "versions": {"torch": "2.13"}},
-             "config": config, "grid": {"optimizer.lr": lr}, "experiment_title": "Staleness",
-             "command": f"longstraw point experiments/staleness.yaml --profile cpu --point lr-{lr}", **extra}
+    config = {
+        "kind": "staleness",
+        "model": {"preset": "small-qwen3_5", "device": "cpu", "dtype": "float32", "lora": {"r": 8}},
+        "prompt": {"length": 2048},
+        "responses": {"count": 3, "length": 16},
+        "optimizer": {"lr": lr},
+        "staleness": {"steps": 8, "threshold": 1e-3},
+    }
+    point = {
+        "kind": "staleness",
+        "status": status,
+        "wall_seconds": 20.0,
+        "peak_rss_bytes": 600 * 2**20,
+        "provenance": {
+            "device": "cpu (x86_64)",
+            "cuda_total_memory_bytes": None,
+            "commit": "abc1234",
+            "date": "2026-01-02T03:04:05+00:00",
+            "python": "3.11.7",
+            "versions": {"torch": "2.13"},
+        },
+        "config": config,
+        "grid": {"optimizer.lr": lr},
+        "experiment_title": "Staleness",
+        "command": f"longstraw point experiments/staleness.yaml --profile cpu --point lr-{lr}",
+        **extra,
+    }
     if drifts is not None:
         rows = _oracle_rows(drifts, lr)
-        metrics = {"rows": rows, "threshold": 1e-3, "prompt_positions": 2048,
-                   "phases": {"weights": {"seconds": 2.0, "peak_rss_bytes": 400 * 2**20},
-                              "oracle": {"seconds": 17.5, "peak_rss_bytes": 600 * 2**20}}}
+        metrics = {
+            "rows": rows,
+            "threshold": 1e-3,
+            "prompt_positions": 2048,
+            "phases": {
+                "weights": {"seconds": 2.0, "peak_rss_bytes": 400 * 2**20},
+                "oracle": {"seconds": 17.5, "peak_rss_bytes": 600 * 2**20},
+            },
+        }
         if record_interval:
             metrics["refresh_interval"] = refresh_interval(rows, 1e-3)
         point["metrics"] = metrics
@@ -881,8 +1140,9 @@ STALENESS_EXPECTED = {
     "steps": lambda r: r["config"]["staleness"]["steps"],
     "drift_threshold": lambda r: r["metrics"]["threshold"],
     "refresh_interval": lambda r: refresh_interval(r["metrics"]["rows"], r["metrics"]["threshold"]),
-    "threshold_crossed_at_step": lambda r: next((x["step"] for x in _after_capture(r)
-                                                 if x["relative_loss_drift"] >= r["metrics"]["threshold"]), None),
+    "threshold_crossed_at_step": lambda r: next(
+        (x["step"] for x in _after_capture(r) if x["relative_loss_drift"] >= r["metrics"]["threshold"]), None
+    ),
     "relative_loss_drift_step1": lambda r: r["metrics"]["rows"][1]["relative_loss_drift"],
     "relative_loss_drift_step2": lambda r: r["metrics"]["rows"][2]["relative_loss_drift"],
     "max_relative_loss_drift": lambda r: max(x["relative_loss_drift"] for x in _after_capture(r)),
@@ -921,8 +1181,15 @@ def test_staleness_point_table(staleness_built):
     assert [r["attrs"]["data-point"] for r in rows] == ["lr-0.001", "lr-0.01", "lr-0.05", "lr-0.1", "lr-1.0"]
     assert [r["attrs"]["data-status"] for r in rows] == ["ok", "ok", "ok", "error", "oom"]
     columns = [c["column"] for c in rows[0]["cells"]]
-    for column in ("optimizer.lr", "prompt_positions", "drift_threshold", "refresh_interval",
-                   "max_relative_loss_drift", "relative_loss_drift_step1", "first_update_relative_loss_drift"):
+    for column in (
+        "optimizer.lr",
+        "prompt_positions",
+        "drift_threshold",
+        "refresh_interval",
+        "max_relative_loss_drift",
+        "relative_loss_drift_step1",
+        "first_update_relative_loss_drift",
+    ):
         assert column in columns, column
     assert "lr" not in columns  # the grid value is shown once
     csv = _csv_rows(staleness_built, "staleness")
@@ -933,8 +1200,11 @@ def test_staleness_point_table(staleness_built):
             exact = expected(result)
             assert _equal(csv[point][0][column], exact), column  # every column in the CSV
             if column in cells:  # and the page's cells where it shows them
-                assert (cells[column]["value"] is None if exact is None else
-                        float(cells[column]["value"]) == pytest.approx(exact, rel=1e-12)), column
+                assert (
+                    cells[column]["value"] is None
+                    if exact is None
+                    else float(cells[column]["value"]) == pytest.approx(exact, rel=1e-12)
+                ), column
     cells = _cells(rows[1])  # lr-0.01: drift in percent
     assert cells["drift_threshold"]["text"] == "0.1%" and cells["max_relative_loss_drift"]["text"] == "0.7%"
     assert csv["lr-0.01"][0]["step0_drift_zero"] in (True, "True")
@@ -970,9 +1240,19 @@ def test_staleness_drift_per_step_table(staleness_built):
         assert [int(_cells(r)["step"]["value"]) for r in mine] == [s["step"] for s in steps]
         for row, full, step in zip(mine, csv[point], steps):
             cells = _cells(row)
-            for column in ("param_drift", "loss_stale", "loss_fresh", "relative_loss_drift",
-                           "mean_abs_logprob_diff", "kl_k3", "grad_cosine", "grad_norm_stale", "grpo_loss_stale",
-                           "grpo_loss_fresh", "reward_mean"):
+            for column in (
+                "param_drift",
+                "loss_stale",
+                "loss_fresh",
+                "relative_loss_drift",
+                "mean_abs_logprob_diff",
+                "kl_k3",
+                "grad_cosine",
+                "grad_norm_stale",
+                "grpo_loss_stale",
+                "grpo_loss_fresh",
+                "reward_mean",
+            ):
                 assert _equal(full[column], step[column]), column  # the CSV has every measure
                 if column in cells:
                     assert float(cells[column]["value"]) == pytest.approx(step[column], rel=1e-12, abs=0), column
@@ -991,8 +1271,9 @@ def test_staleness_refresh_interval_stated(staleness_built):
     notes = re.findall(r"<li>(.*?)</li>", section.split('class="notes"')[1].split("</ul>")[0], re.S)
     by_point = {p: next(n for n in notes if n.startswith(p + " ")) for p in staleness_built["files"]}
     assert len(notes) == len(by_point)
-    intervals = {p: refresh_interval((r.get("metrics") or {}).get("rows"), 1e-3)
-                 for p, r in staleness_built["files"].items()}
+    intervals = {
+        p: refresh_interval((r.get("metrics") or {}).get("rows"), 1e-3) for p, r in staleness_built["files"].items()
+    }
     assert intervals == {"lr-0.01": 2, "lr-0.001": 8, "lr-0.05": None, "lr-0.1": None, "lr-1.0": None}
     for point, interval in intervals.items():
         numbers = re.findall(r"\b\d+\b", by_point[point].split(")", 1)[-1])
@@ -1018,8 +1299,10 @@ def test_staleness_refresh_interval_stated(staleness_built):
 def test_a_group_with_equal_rewards_updates_nothing_and_is_not_counted():
     """Task rewards that are equal across a group give zero advantage: that step moves no
     parameter (its drift equals the step before's) and the interval counts updates only."""
+
     def rows(param, drift):
         return [{"step": s, "param_drift": p, "relative_loss_drift": d} for s, (p, d) in enumerate(zip(param, drift))]
+
     assert refresh_interval(rows([0, 0, 0, 0], [0, 0, 0, 0]), 1e-3) is None  # nothing to read
     zero_then_one = rows([0, 0, 0, 0, 0.5], [0, 0, 0, 0, 9e-3])  # the H200's 32,768 run: step 4 updates, crosses
     assert refresh_interval(zero_then_one, 1e-3) == 0
@@ -1051,6 +1334,7 @@ def test_staleness_figure(staleness_built, tmp_path):
 
 def test_staleness_band_from_the_paper_file():
     from longstraw.report.paper import load_paper, reference_marks
+
     [mark] = reference_marks(load_paper())["staleness"]
     assert mark["band"]["steps"] == [1, 2] and (mark["band"]["low"], mark["band"]["high"]) == (0.0004, 0.0012)
 
@@ -1064,6 +1348,7 @@ def test_staleness_csvs(staleness_built, tmp_path):
 
 def test_staleness_formatting():
     from longstraw.plotting.formatting import format_value
+
     assert format_value("relative_loss_drift", 0.0012) == "0.12%"
     assert format_value("max_relative_loss_drift", 7.03e-06) == "0.000703%"
     assert format_value("grad_cosine", 0.9999924898147583) == "0.999992"
@@ -1080,11 +1365,13 @@ def test_memory_against_length_gathers_every_single_rank_step_and_oom(gpu_built,
     sweep = [r for r in rows if r["point"] == "sweep"]
     steps = gpu_built["files"][("g_sweep", "sweep")]["metrics"]["steps"]
     assert sorted((r["mode"], r["status"], r["peak_bytes"]) for r in sweep) == sorted(
-        (s["mode"], s["status"], s["peak_allocated_bytes"]) for s in steps)
+        (s["mode"], s["status"], s["peak_allocated_bytes"]) for s in steps
+    )
     assert {r["prompt_length"] for r in sweep} == {1 << 20}
     probes = gpu_built["files"][("baselines", "mode-naive")]["metrics"]["probes"]
     assert [(r["prompt_length"], r["peak_bytes"]) for r in rows if r["source"] == "capacity probe"] == [
-        (p["prompt_length"], p["peak_bytes"]) for p in probes]
+        (p["prompt_length"], p["peak_bytes"]) for p in probes
+    ]
     assert {r["model"] for r in rows} == {"hybrid-1b", "qwen3.6-27b-shape"}
     cpu_rows = memory_vs_length.memory_rows(read_tables(built["out"] / "tables"))
     assert cpu_rows and not [r for r in cpu_rows if r["experiment"] == "context_parallel"]
@@ -1152,15 +1439,25 @@ def test_each_point_is_reproduced_by_a_command_that_works_from_a_clone(gpu_built
 
     section = _section(gpu_built["html"], "g_sweep")
     [command] = re.findall(r'<pre data-point="sweep"># sweep\n(.*?)</pre>', section, re.S)
-    assert command == ("longstraw point experiments/g_sweep.yaml --profile h200 --point sweep "
-                       "--out results/h200/points/g_sweep/sweep.json")
+    assert command == (
+        "longstraw point experiments/g_sweep.yaml --profile h200 --point sweep "
+        "--out results/h200/points/g_sweep/sweep.json"
+    )
     args = cli._parser().parse_args(shlex.split(command)[1:])
     assert (args.point, args.profile, args.out) == ("sweep", "h200", "results/h200/points/g_sweep/sweep.json")
 
 
 def test_the_summary_says_how_many_points_ran_with_what():
-    files = [{"commit": f"c{i % 5}", "date": f"2026-01-0{i % 5 + 1}", "device": "NVIDIA H200", "python": "3.12",
-              "version.bitsandbytes": "0.50.2" if i < 2 else None} for i in range(10)]
+    files = [
+        {
+            "commit": f"c{i % 5}",
+            "date": f"2026-01-0{i % 5 + 1}",
+            "device": "NVIDIA H200",
+            "python": "3.12",
+            "version.bitsandbytes": "0.50.2" if i < 2 else None,
+        }
+        for i in range(10)
+    ]
     facts = {f["key"]: f["value"] for f in render.provenance_facts(files)}
     assert facts["commit"] == "5 commits, from c0 to c4 by date; each experiment's section lists its own"
     assert facts["bitsandbytes"] == "not installed (8 points), 0.50.2 (2 points)"
@@ -1189,8 +1486,9 @@ def test_each_point_row_links_its_result_file(built):
     """Every point cell of every table links the point's result JSON, relative to the page, and
     the link resolves to a file whose point is that row's."""
     page_dir = built["page"].parent
-    links = re.findall(r'<tr data-point="([^"]+)"[^>]*>\s*<td data-column="point"[^>]*><a href="([^"]+)">',
-                       built["html"])
+    links = re.findall(
+        r'<tr data-point="([^"]+)"[^>]*>\s*<td data-column="point"[^>]*><a href="([^"]+)">', built["html"]
+    )
     assert len(links) >= len(built["files"])
     for point, href in links:
         text = (page_dir / href).read_text()
@@ -1277,11 +1575,23 @@ def test_g_sweep_figure_axes_marks_and_legend():
     from longstraw.kinds.step import plot_g_sweep_memory
 
     def row(model, mode, g, status="ok", peak=None, graph=None):
-        return {"model": model, "mode": mode, "G": g, "status": status, "peak_memory_bytes": peak,
-                "graph_bytes_peak": graph}
-    rows = [row("m", "replay", 2, peak=20 * GIB, graph=4 * GIB), row("m", "replay", 8, peak=21 * GIB, graph=4 * GIB),
-            row("m", "hold_all", 2, peak=30 * GIB, graph=12 * GIB), row("m", "hold_all", 4, "oom", peak=139 * GIB),
-            row("n", "replay", 2, peak=25 * GIB, graph=5 * GIB), row("n", "replay", 8, peak=25 * GIB, graph=5 * GIB)]
+        return {
+            "model": model,
+            "mode": mode,
+            "G": g,
+            "status": status,
+            "peak_memory_bytes": peak,
+            "graph_bytes_peak": graph,
+        }
+
+    rows = [
+        row("m", "replay", 2, peak=20 * GIB, graph=4 * GIB),
+        row("m", "replay", 8, peak=21 * GIB, graph=4 * GIB),
+        row("m", "hold_all", 2, peak=30 * GIB, graph=12 * GIB),
+        row("m", "hold_all", 4, "oom", peak=139 * GIB),
+        row("n", "replay", 2, peak=25 * GIB, graph=5 * GIB),
+        row("n", "replay", 8, peak=25 * GIB, graph=5 * GIB),
+    ]
     ceiling = {"bytes": 140 * GIB, "label": "device", "source": "cuda_total_memory"}
     marks = [{"bytes": 97.711e9, "where": {"G": 8}, "source": "paper", "text": "97.711 GB"}]
     fig = plot_g_sweep_memory(rows, ceiling, True, "t", marks)
@@ -1295,20 +1605,25 @@ def test_g_sweep_figure_axes_marks_and_legend():
     [diamond] = _line(peak_ax, "D")
     assert list(diamond.get_ydata()) == [pytest.approx(97.711e9 / GIB)]  # 91.0012 GiB
     assert peak_ax.child_axes[0].transData.transform((8, 97.711))[1] == pytest.approx(
-        peak_ax.transData.transform((8, 97.711e9 / GIB))[1])
+        peak_ax.transData.transform((8, 97.711e9 / GIB))[1]
+    )
     [oom_peak] = _line(peak_ax, "X")
     assert list(oom_peak.get_ydata()) == [139.0] and oom_peak.get_transform() == peak_ax.transData
     [oom_graph] = _line(graph_ax, "X")
     x, y = oom_graph.get_transform().transform((4, oom_graph.get_ydata()[0]))
     assert (x, y) == (pytest.approx(graph_ax.transData.transform((4, 0))[0]), pytest.approx(graph_ax.bbox.y0))
     assert "OOM (no value)" in [t.get_text() for t in graph_ax.texts]
-    styles = {line.get_label(): (line.get_linestyle(), line.get_color()) for line in graph_ax.lines
-              if line.get_label().startswith("replay")}
+    styles = {
+        line.get_label(): (line.get_linestyle(), line.get_color())
+        for line in graph_ax.lines
+        if line.get_label().startswith("replay")
+    }
     assert styles["replay, m"][0] != styles["replay, n"][0] and styles["replay, m"][1] == styles["replay, n"][1]
     legend = graph_ax.get_legend()
     assert peak_ax.get_legend() is None and legend.get_title().get_text() == "colour: mode, line style: model"
-    assert "replay, n" in [t.get_text() for t in legend.get_texts()] and "paper" in [t.get_text()
-                                                                                     for t in legend.get_texts()]
+    assert "replay, n" in [t.get_text() for t in legend.get_texts()] and "paper" in [
+        t.get_text() for t in legend.get_texts()
+    ]
     box = legend.get_window_extent()
     assert not box.overlaps(peak_ax.bbox) and not box.overlaps(graph_ax.bbox)
     _close_figures()
@@ -1316,6 +1631,7 @@ def test_g_sweep_figure_axes_marks_and_legend():
 
 def _close_figures():
     from longstraw.plotting import draw
+
     draw.plt.close("all")
 
 
@@ -1325,10 +1641,20 @@ def test_memory_figure_of_cpu_steps_goes_log_and_marks_a_failed_point_on_the_axi
     the bottom panel's x axis; each title says which ceiling it draws and why."""
     from longstraw.kinds.step import plot_memory_vs_ceiling
 
-    rows = [{"point": "a", "mode": "replay", "status": "ok", "capture_peak_rss_bytes": 500 * MIB,
-             "replay_peak_rss_bytes": 520 * MIB, "peak_memory_bytes": 520 * MIB, "graph_bytes_peak": 2 * MIB,
-             "resident_bytes": MIB, "predicted_resident_bytes": MIB},
-            {"point": "b", "mode": "hold_all", "status": "oom"}]
+    rows = [
+        {
+            "point": "a",
+            "mode": "replay",
+            "status": "ok",
+            "capture_peak_rss_bytes": 500 * MIB,
+            "replay_peak_rss_bytes": 520 * MIB,
+            "peak_memory_bytes": 520 * MIB,
+            "graph_bytes_peak": 2 * MIB,
+            "resident_bytes": MIB,
+            "predicted_resident_bytes": MIB,
+        },
+        {"point": "b", "mode": "hold_all", "status": "oom"},
+    ]
     ceiling = {"bytes": int(23.5 * GIB), "label": "RAM 23.500 GiB", "source": "machine_ram"}
     fig = plot_memory_vs_ceiling(rows, ["mode"], ceiling, False, "t")
     fig.tight_layout()
@@ -1347,12 +1673,29 @@ def test_memory_figure_of_cpu_steps_goes_log_and_marks_a_failed_point_on_the_axi
 def test_capacity_figure_states_the_searchs_ceiling_and_why():
     from longstraw.kinds.capacity import plot_capacity
 
-    cpu = [{"point": "c", "mode": "replay", "status": "ok", "largest_fitting": 256, "ceiling_bytes": 600 * 2**10,
-            "memory_measure": "process peak RSS minus RSS after weights (emulated CPU ceiling)"}]
+    cpu = [
+        {
+            "point": "c",
+            "mode": "replay",
+            "status": "ok",
+            "largest_fitting": 256,
+            "ceiling_bytes": 600 * 2**10,
+            "memory_measure": "process peak RSS minus RSS after weights (emulated CPU ceiling)",
+        }
+    ]
     title = plot_capacity(cpu, [], "t").axes[0].get_title().replace("\n", " ")
     assert "600.0 KiB" in title and "emulated ceiling (capacity.ceiling_bytes)" in title
-    gpu = [{"point": "g", "mode": "naive", "status": "ok", "largest_fitting": 4096, "ceiling_bytes": None,
-            "device_memory_bytes": 150_109_880_320, "memory_measure": "peak_allocated_bytes"}]
+    gpu = [
+        {
+            "point": "g",
+            "mode": "naive",
+            "status": "ok",
+            "largest_fitting": 4096,
+            "ceiling_bytes": None,
+            "device_memory_bytes": 150_109_880_320,
+            "memory_measure": "peak_allocated_bytes",
+        }
+    ]
     title = plot_capacity(gpu, [], "t").axes[0].get_title().replace("\n", " ")
     assert "139.801 GiB (150.110 GB)" in title and "the device's memory" in title
     _close_figures()
@@ -1362,8 +1705,7 @@ def test_a_lone_bar_keeps_a_bars_width():
     """One point: its bar spans at most a third of the axes, not all of it."""
     from longstraw.kinds.step import plot_time_per_member
 
-    fig = plot_time_per_member([{"point": "p", "mode": "replay", "status": "ok", "seconds_per_member": 0.14}], [],
-                               "t")
+    fig = plot_time_per_member([{"point": "p", "mode": "replay", "status": "ok", "seconds_per_member": 0.14}], [], "t")
     ax = fig.axes[0]
     [bar] = ax.patches
     low, high = ax.get_xlim()
@@ -1371,8 +1713,17 @@ def test_a_lone_bar_keeps_a_bars_width():
     _close_figures()
 
 
-MINE = ("memory_vs_ceiling", "g_sweep_memory", "sweep_memory", "phase_seconds", "step_phase_peaks", "capacity",
-        "resident_per_position", "memory_vs_length", "time_per_member")
+MINE = (
+    "memory_vs_ceiling",
+    "g_sweep_memory",
+    "sweep_memory",
+    "phase_seconds",
+    "step_phase_peaks",
+    "capacity",
+    "resident_per_position",
+    "memory_vs_length",
+    "time_per_member",
+)
 
 
 @pytest.mark.parametrize("fixture", ["built", "gpu_built"])
@@ -1388,8 +1739,12 @@ def test_legends_sit_beside_the_data(fixture, request, tmp_path, monkeypatch):
         fig.canvas.draw()
         if any(name in Path(path).name for name in MINE):
             legends = [ax.get_legend() for ax in fig.axes if ax.get_legend() is not None]
-            covered[Path(path).name] = [ax.get_title()[:30] for ax in fig.axes for legend in legends
-                                        if legend.get_window_extent().overlaps(ax.bbox)]
+            covered[Path(path).name] = [
+                ax.get_title()[:30]
+                for ax in fig.axes
+                for legend in legends
+                if legend.get_window_extent().overlaps(ax.bbox)
+            ]
         return save(fig, path)
 
     monkeypatch.setattr(figures, "save_png", checked)
@@ -1398,8 +1753,11 @@ def test_legends_sit_beside_the_data(fixture, request, tmp_path, monkeypatch):
 
 
 def _csv_note(html: str, table_id: str) -> tuple[int, int, str]:
-    [(shown, every, href)] = re.findall(rf'<p class="note table-csv" data-table="{table_id}">(\d+) of (\d+) '
-                                        r'columns shown; every column: <a href="([^"]+)">', html)
+    [(shown, every, href)] = re.findall(
+        rf'<p class="note table-csv" data-table="{table_id}">(\d+) of (\d+) '
+        r'columns shown; every column: <a href="([^"]+)">',
+        html,
+    )
     return int(shown), int(every), href
 
 
@@ -1409,8 +1767,12 @@ def test_tables_show_a_few_columns_and_link_the_csv_with_all_of_them(built):
     import csv
 
     html, tables = built["html"], _parse(built["html"]).tables
-    for table_id in ("table-g_sweep-step", "table-baselines-step", "table-baselines-capacity",
-                     "table-architectures-capture"):
+    for table_id in (
+        "table-g_sweep-step",
+        "table-baselines-step",
+        "table-baselines-capacity",
+        "table-architectures-capture",
+    ):
         experiment, kind = table_id.split("-")[1:]
         shown, every, href = _csv_note(html, table_id)
         assert href == f"tables/{experiment}.csv"
@@ -1446,12 +1808,23 @@ def test_the_papers_staleness_regime_is_read_per_learning_rate_above_the_floor()
     from longstraw.kinds.staleness import regime_sentence
 
     def row(lr, drift, floor, positions=1048576, step=1):
-        return {"kind": "staleness", "status": "ok", "lr": lr, "prompt_positions": positions,
-                "first_update_relative_loss_drift": drift, "floor_relative_loss_drift": floor,
-                "first_update_step": step}
+        return {
+            "kind": "staleness",
+            "status": "ok",
+            "lr": lr,
+            "prompt_positions": positions,
+            "first_update_relative_loss_drift": drift,
+            "floor_relative_loss_drift": floor,
+            "first_update_step": step,
+        }
 
-    rows = [row(3e-4, 0.009, 1e-5), row(3e-5, 0.0008, 1e-5, step=2), row(1e-5, 0.0002, 1e-5),
-            row(1e-6, 0.00002, 1e-5), row(3e-5, 0.0007, 1e-5, positions=32768)]
+    rows = [
+        row(3e-4, 0.009, 1e-5),
+        row(3e-5, 0.0008, 1e-5, step=2),
+        row(1e-5, 0.0002, 1e-5),
+        row(1e-6, 0.00002, 1e-5),
+        row(3e-5, 0.0007, 1e-5, positions=32768),
+    ]
     text = regime_sentence(rows, 0.0004, 0.0012, positions=1048576)
     assert text.startswith("the paper's regime appears at lr 3e-05.")
     assert "32,768" not in text  # only the points at the paper's length, when there are any
@@ -1459,8 +1832,9 @@ def test_the_papers_staleness_regime_is_read_per_learning_rate_above_the_floor()
     assert "lr 1e-05 at 1,048,576: 0.02% at step 1 (below the paper's range)" in text
     assert "lr 3e-05 at 1,048,576: 0.08% at step 2 (inside the paper's range)" in text
     assert "lr 0.0003 at 1,048,576: 0.9% at step 1 (above the paper's range)" in text
-    none = regime_sentence([row(3e-4, 0.009, None), {**row(3e-3, None, 0.0), "first_update_step": None}],
-                           0.0004, 0.0012, positions=1048576)
+    none = regime_sentence(
+        [row(3e-4, 0.009, None), {**row(3e-3, None, 0.0), "first_update_step": None}], 0.0004, 0.0012, positions=1048576
+    )
     assert none.startswith("the paper's regime does not appear at the learning rates tried.")
     assert "0.9% at step 1 (above the paper's range, floor not measured)" in none
     assert "lr 0.003 at 1,048,576: no update" in none
@@ -1472,12 +1846,27 @@ def test_the_staleness_regime_is_read_per_training_setting():
     from longstraw.kinds.staleness import regime_sentence
 
     def row(setting, lr, drift, positions):
-        return {"kind": "staleness", "status": "ok", "lr": lr, "prompt_positions": positions, "setting": setting,
-                "first_update_relative_loss_drift": drift, "floor_relative_loss_drift": 1e-6, "first_update_step": 1}
+        return {
+            "kind": "staleness",
+            "status": "ok",
+            "lr": lr,
+            "prompt_positions": positions,
+            "setting": setting,
+            "first_update_relative_loss_drift": drift,
+            "floor_relative_loss_drift": 1e-6,
+            "first_update_step": 1,
+        }
 
-    text = regime_sentence([row("bfloat16 weights, updated in place", 1e-5, 0.08, 1048576),
-                            row("float32 weights", 1e-5, 0.0012 - 1e-4, 32768),
-                            row("float32 weights", 1e-4, 0.0137, 32768)], 0.0004, 0.0012, positions=1048576)
+    text = regime_sentence(
+        [
+            row("bfloat16 weights, updated in place", 1e-5, 0.08, 1048576),
+            row("float32 weights", 1e-5, 0.0012 - 1e-4, 32768),
+            row("float32 weights", 1e-4, 0.0137, 32768),
+        ],
+        0.0004,
+        0.0012,
+        positions=1048576,
+    )
     in_place, full = text.split(" | ")
     assert in_place.startswith("bfloat16 weights, updated in place: the paper's regime does not appear")
     assert full.startswith("float32 weights: the paper's regime appears at lr 1e-05.") and "32,768" in full
@@ -1487,10 +1876,14 @@ def test_a_staleness_record_from_before_the_setting_was_recorded_reads_it_from_i
     from longstraw.kinds.staleness import recorded_setting, setting_label
 
     # before `optimizer.master_weights` existed a bf16 full-parameter run updated its weights in place
-    assert setting_label(recorded_setting({"model": {"dtype": "bfloat16", "lora": None}, "optimizer": {}})) == \
-        "bfloat16 weights, updated in place"
-    assert setting_label(recorded_setting({"model": {"dtype": "bfloat16", "lora": {"r": 16}}})) == \
-        "bfloat16 base, float32 LoRA"
+    assert (
+        setting_label(recorded_setting({"model": {"dtype": "bfloat16", "lora": None}, "optimizer": {}}))
+        == "bfloat16 weights, updated in place"
+    )
+    assert (
+        setting_label(recorded_setting({"model": {"dtype": "bfloat16", "lora": {"r": 16}}}))
+        == "bfloat16 base, float32 LoRA"
+    )
     assert setting_label(recorded_setting({"model": {"dtype": "float32", "lora": None}})) == "float32 weights"
 
 
@@ -1502,9 +1895,15 @@ def test_a_point_label_leaves_out_nested_settings_read_back_as_json_text():
     assert point_label({"responses": {"count": 4}, "point": "p"}, ["responses"]) == "p"
 
 
-@pytest.mark.parametrize("path, name", [("results/h200/checkpoints/learn-tiny-hybrid-reach/checkpoint",
-                                         "learn-tiny-hybrid-reach"), ("/models/Qwen3-8B", "Qwen3-8B"),
-                                        ("ckpt/", "ckpt"), ("checkpoint", "checkpoint")])
+@pytest.mark.parametrize(
+    "path, name",
+    [
+        ("results/h200/checkpoints/learn-tiny-hybrid-reach/checkpoint", "learn-tiny-hybrid-reach"),
+        ("/models/Qwen3-8B", "Qwen3-8B"),
+        ("ckpt/", "ckpt"),
+        ("checkpoint", "checkpoint"),
+    ],
+)
 def test_a_checkpoints_row_names_it_by_its_folder(path, name):
     from longstraw.kinds.columns import checkpoint_name, common_columns
 
@@ -1519,12 +1918,20 @@ def test_a_planned_point_without_a_result_is_listed_in_its_section(tmp_path):
     (experiments / "gaps.yaml").write_text(
         "name: gaps\ntitle: two points, one recorded\nkind: step\nprofiles:\n  cpu:\n"
         "    base: {model: {preset: tiny-llama}, prompt: {length: 16}, responses: {count: 2, length: 4}}\n"
-        "    grid: {mode: [replay, naive]}\n")
+        "    grid: {mode: [replay, naive]}\n"
+    )
 
     def record(mode):
-        result = run_point({"name": f"gaps/mode-{mode}", "kind": "step", "mode": mode,
-                            "model": {"preset": "tiny-llama"}, "prompt": {"length": 16},
-                            "responses": {"count": 2, "length": 4}})
+        result = run_point(
+            {
+                "name": f"gaps/mode-{mode}",
+                "kind": "step",
+                "mode": mode,
+                "model": {"preset": "tiny-llama"},
+                "prompt": {"length": 16},
+                "responses": {"count": 2, "length": 4},
+            }
+        )
         result.update(experiment="gaps", point=f"mode-{mode}", grid={"mode": mode})
         write_json_atomic(tmp_path / "results" / "gaps" / f"mode-{mode}.json", result)
 
@@ -1542,11 +1949,18 @@ def test_a_step_point_of_several_cycles_shows_its_cold_and_its_warm_step():
     from longstraw.kinds.step import columns
 
     def cycle(*seconds):
-        return {"phases": {name: {"seconds": s} for name, s in zip(("capture", "replay"), seconds)},
-                "response_tokens": [4, 4], "loss": 0.0, "grad_norm": 0.0}
+        return {
+            "phases": {name: {"seconds": s} for name, s in zip(("capture", "replay"), seconds)},
+            "response_tokens": [4, 4],
+            "loss": 0.0,
+            "grad_norm": 0.0,
+        }
 
-    point = {"status": "ok", "config": {"mode": "replay", "cycles": 4, "responses": {"count": 2, "length": 4}},
-             "metrics": {"cycles": [cycle(2.0, 1.0), cycle(1.1), cycle(0.9), cycle(1.4)]}}
+    point = {
+        "status": "ok",
+        "config": {"mode": "replay", "cycles": 4, "responses": {"count": 2, "length": 4}},
+        "metrics": {"cycles": [cycle(2.0, 1.0), cycle(1.1), cycle(0.9), cycle(1.4)]},
+    }
     row = columns(point)
     assert row["cold_step_seconds"] == pytest.approx(3.0)
     assert row["warm_step_seconds"] == pytest.approx(1.1)

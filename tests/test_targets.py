@@ -6,26 +6,49 @@ from pathlib import Path
 
 from longstraw.report.targets import evaluate_targets
 
-RATES = {"causal_sdpa": {"tflops_per_second": 500.0}, "flash_forward": {"tflops_per_second": 250.0},
-         "flash_backward": {"tflops_per_second": 300.0}, "gemm": {"tflops_per_second": 800.0}}
+RATES = {
+    "causal_sdpa": {"tflops_per_second": 500.0},
+    "flash_forward": {"tflops_per_second": 250.0},
+    "flash_backward": {"tflops_per_second": 300.0},
+    "gemm": {"tflops_per_second": 800.0},
+}
 
 
 NAIVE_CAPACITY = {"kind": "capacity", "config": {"mode": "naive"}}
 
 
 def _step(mode, count, peak, replay_seconds=1.0, status="ok"):
-    return {"mode": mode, "count": count, "status": status, "peak_allocated_bytes": peak,
-            "phases": {"replay": {"seconds": replay_seconds}}}
+    return {
+        "mode": mode,
+        "count": count,
+        "status": status,
+        "peak_allocated_bytes": peak,
+        "phases": {"replay": {"seconds": replay_seconds}},
+    }
 
 
 def _sweep(positions, transient, steps, rates=RATES, attention_rate=400.0):
-    return {"status": "ok", "kind": "sweep",
-            "config": {"model": {"preset": "tiny-llama", "overrides": {}, "nf4": False},
-                       "prompt": {"length": positions + 1}, "responses": {"length": 64},
-                       "capture": {"chunk_size": 8192}},
-            "metrics": {"trainable_parameters": 1000, "kernel_rates": rates, "steps": steps,
-                        "capture": {"positions": positions, "resident_bytes": 10**10, "transient_bytes": transient,
-                                    "capture_attention": {"tflops_per_second": attention_rate}}}}
+    return {
+        "status": "ok",
+        "kind": "sweep",
+        "config": {
+            "model": {"preset": "tiny-llama", "overrides": {}, "nf4": False},
+            "prompt": {"length": positions + 1},
+            "responses": {"length": 64},
+            "capture": {"chunk_size": 8192},
+        },
+        "metrics": {
+            "trainable_parameters": 1000,
+            "kernel_rates": rates,
+            "steps": steps,
+            "capture": {
+                "positions": positions,
+                "resident_bytes": 10**10,
+                "transient_bytes": transient,
+                "capture_attention": {"tflops_per_second": attention_rate},
+            },
+        },
+    }
 
 
 def _write(root, relative, result):
@@ -39,16 +62,41 @@ def _verdicts(root):
 
 
 def test_verdicts_follow_the_goals(tmp_path):
-    _write(tmp_path, "g_sweep/sweep.json", _sweep(
-        2_097_151, transient=2 * 10**9, attention_rate=300.0,  # 20% transient: missed; 60% of SDPA: missed
-        steps=[_step("replay", 2, 10**11), _step("replay", 8, 10**11 + 2 * 10**8, replay_seconds=8e3)]))
-    _write(tmp_path, "operating_points/long.json", _sweep(4_456_447, transient=5 * 10**8,
-                                                          steps=[_step("replay", 8, 10**11)]))
-    _write(tmp_path, "baselines/mode-naive.json", {"status": "ok", **NAIVE_CAPACITY, "metrics": {
-        "largest_fitting": 65536, "first_failing": 131072, "search_stopped_on_time_limit": False,
-        "probes": [{"prompt_length": 65536, "status": "ok", "step_phases": {"replay": {"seconds": 60.0}}},
-                   {"prompt_length": 131072, "status": "oom", "step_phases": None}],
-        "comparison_at_largest_fitting": {"replay": {"status": "ok", "step_phases": {"replay": {"seconds": 20.0}}}}}})
+    _write(
+        tmp_path,
+        "g_sweep/sweep.json",
+        _sweep(
+            2_097_151,
+            transient=2 * 10**9,
+            attention_rate=300.0,  # 20% transient: missed; 60% of SDPA: missed
+            steps=[_step("replay", 2, 10**11), _step("replay", 8, 10**11 + 2 * 10**8, replay_seconds=8e3)],
+        ),
+    )
+    _write(
+        tmp_path,
+        "operating_points/long.json",
+        _sweep(4_456_447, transient=5 * 10**8, steps=[_step("replay", 8, 10**11)]),
+    )
+    _write(
+        tmp_path,
+        "baselines/mode-naive.json",
+        {
+            "status": "ok",
+            **NAIVE_CAPACITY,
+            "metrics": {
+                "largest_fitting": 65536,
+                "first_failing": 131072,
+                "search_stopped_on_time_limit": False,
+                "probes": [
+                    {"prompt_length": 65536, "status": "ok", "step_phases": {"replay": {"seconds": 60.0}}},
+                    {"prompt_length": 131072, "status": "oom", "step_phases": None},
+                ],
+                "comparison_at_largest_fitting": {
+                    "replay": {"status": "ok", "step_phases": {"replay": {"seconds": 20.0}}}
+                },
+            },
+        },
+    )
     rows = evaluate_targets(tmp_path)
     verdicts = {row["target"]: row["met"] for row in rows}
     assert verdicts["peak(G=8) - peak(G=2), replay, 2,097,152 positions"] is True  # 0.2%
@@ -56,15 +104,28 @@ def test_verdicts_follow_the_goals(tmp_path):
     assert verdicts["capture transient at 2,097,151 positions (chunk 8192)"] is False
     assert verdicts["capture transient at 4,456,447 positions (chunk 8192)"] is True
     assert verdicts["largest fitting prompt, replay over naive (hybrid-1b, G=8)"] is True  # 4,456,448 / 131,072 = 34x
-    assert verdicts["G=8 step time, naive over replay, at the longest length naive's full step was timed"] is False  # 3x
+    assert (
+        verdicts["G=8 step time, naive over replay, at the longest length naive's full step was timed"] is False
+    )  # 3x
     assert verdicts["replay time per member at 2,097,152 positions"] is False  # 1000 s per member
 
 
 def test_unmeasured_figures_are_not_guessed(tmp_path):
-    _write(tmp_path, "baselines/mode-naive.json", {"status": "ok", **NAIVE_CAPACITY, "metrics": {
-        "largest_fitting": 32768, "first_failing": None, "search_stopped_on_time_limit": True,
-        "probes": [{"prompt_length": 32768, "status": "ok", "step_phases": {"replay": {"seconds": 60.0}}}],
-        "comparison_at_largest_fitting": {}}})
+    _write(
+        tmp_path,
+        "baselines/mode-naive.json",
+        {
+            "status": "ok",
+            **NAIVE_CAPACITY,
+            "metrics": {
+                "largest_fitting": 32768,
+                "first_failing": None,
+                "search_stopped_on_time_limit": True,
+                "probes": [{"prompt_length": 32768, "status": "ok", "step_phases": {"replay": {"seconds": 60.0}}}],
+                "comparison_at_largest_fitting": {},
+            },
+        },
+    )
     _write(tmp_path, "operating_points/long.json", _sweep(4_456_447, 10**8, [_step("replay", 8, 10**11)]))
     rows = evaluate_targets(tmp_path)
     assert all(row["met"] is None for row in rows if "transient" not in row["target"])
@@ -80,13 +141,35 @@ def test_recorded_h200_results_evaluate():
 
 def test_naive_bracket_takes_one_member_probes_and_oom_step_points(tmp_path):
     # a time-limited search fitted 131,072; a single step point ran out of memory at 327,680
-    _write(tmp_path, "baselines/mode-naive.json", {"status": "ok", **NAIVE_CAPACITY, "metrics": {
-        "largest_fitting": 131072, "first_failing": None, "search_stopped_on_time_limit": True, "probes": [],
-        "comparison_at_largest_fitting": {}}})
-    _write(tmp_path, "baselines/oom.json", {"status": "oom", "kind": "step",
-                                            "config": {"mode": "naive", "prompt": {"length": 327680}}})
-    _write(tmp_path, "baselines/hold.json", {"status": "oom", "kind": "step",  # another mode: ignored
-                                             "config": {"mode": "hold_all", "prompt": {"length": 200000}}})
+    _write(
+        tmp_path,
+        "baselines/mode-naive.json",
+        {
+            "status": "ok",
+            **NAIVE_CAPACITY,
+            "metrics": {
+                "largest_fitting": 131072,
+                "first_failing": None,
+                "search_stopped_on_time_limit": True,
+                "probes": [],
+                "comparison_at_largest_fitting": {},
+            },
+        },
+    )
+    _write(
+        tmp_path,
+        "baselines/oom.json",
+        {"status": "oom", "kind": "step", "config": {"mode": "naive", "prompt": {"length": 327680}}},
+    )
+    _write(
+        tmp_path,
+        "baselines/hold.json",
+        {
+            "status": "oom",
+            "kind": "step",  # another mode: ignored
+            "config": {"mode": "hold_all", "prompt": {"length": 200000}},
+        },
+    )
     _write(tmp_path, "operating_points/long.json", _sweep(2_097_151, 10**8, [_step("replay", 8, 10**11)]))
     capacity = next(r for r in evaluate_targets(tmp_path) if r["target"].startswith("largest fitting"))
     assert capacity["met"] is False  # 2,097,152 / 327,680 = 6.4x
@@ -96,17 +179,25 @@ def test_naive_bracket_takes_one_member_probes_and_oom_step_points(tmp_path):
 def test_27b_one_command_target_needs_both_steps_within_the_command_limit(tmp_path):
     target = "27B shape NF4 at 1,048,576 positions: capture, a G=2 and a G=8 step in one command"
     relative = "architectures/qwen3.6-27b-shape-nf4-1048576.json"
-    for status, wall, steps, met in [("ok", 573.0, [_step("replay", 2, 1), _step("replay", 8, 1)], True),
-                                     ("partial", 549.0, [_step("replay", 2, 1)], False),
-                                     ("ok", 640.0, [_step("replay", 2, 1), _step("replay", 8, 1)], False)]:
+    for status, wall, steps, met in [
+        ("ok", 573.0, [_step("replay", 2, 1), _step("replay", 8, 1)], True),
+        ("partial", 549.0, [_step("replay", 2, 1)], False),
+        ("ok", 640.0, [_step("replay", 2, 1), _step("replay", 8, 1)], False),
+    ]:
         _write(tmp_path, relative, {"status": status, "wall_seconds": wall, "metrics": {"steps": steps}})
         assert _verdicts(tmp_path)[target] is met
 
 
 def _warm(mode, seconds, peak):
-    return {"status": "ok", "kind": "step", "config": {"mode": mode},
-            "metrics": {"peak_allocated_bytes": peak,
-                        "cycles": [{"phases": {"forward_backward": {"seconds": s}}} for s in seconds]}}
+    return {
+        "status": "ok",
+        "kind": "step",
+        "config": {"mode": mode},
+        "metrics": {
+            "peak_allocated_bytes": peak,
+            "cycles": [{"phases": {"forward_backward": {"seconds": s}}} for s in seconds],
+        },
+    }
 
 
 def test_replay_against_prefix_grouper_reads_cold_and_warm_steps_and_peaks(tmp_path):
@@ -128,16 +219,23 @@ def test_replay_against_prefix_grouper_reads_cold_and_warm_steps_and_peaks(tmp_p
 
 
 def _scheduled(peak, replay_seconds, members):
-    return {"status": "ok", "kind": "step", "config": {"mode": "replay"},
-            "metrics": {"peak_allocated_bytes": peak,
-                        "cycles": [{"members_replayed": members, "phases": {"replay": {"seconds": s}}}
-                                   for s in replay_seconds]}}
+    return {
+        "status": "ok",
+        "kind": "step",
+        "config": {"mode": "replay"},
+        "metrics": {
+            "peak_allocated_bytes": peak,
+            "cycles": [{"members_replayed": members, "phases": {"replay": {"seconds": s}}} for s in replay_seconds],
+        },
+    }
 
 
 def test_the_g_schedule_targets_read_peaks_against_g_and_warm_time_per_member_against_k(tmp_path):
     point = "peers/mb-dense-1b_length-32768_count-{}_k-{}.json"
-    peak, time = ("peak memory against G (2, 8, 32) at k=2, dense-1b, 32,768 positions",
-                  "time per member against k (2, 4, 8) at G=8, dense-1b, 32,768 positions")
+    peak, time = (
+        "peak memory against G (2, 8, 32) at k=2, dense-1b, 32,768 positions",
+        "time per member against k (2, 4, 8) at G=8, dense-1b, 32,768 positions",
+    )
     for count, gb in ((2, 10.0), (8, 10.2), (32, 10.4)):  # 10.4 / 10.0 = 1.04: flat
         _write(tmp_path, point.format(count, 2), _scheduled(gb * 1e9, [9.0, 0.8, 0.8], count))
     # the cold first cycle is not read: k=4's 9 s there would otherwise put it above k=2
@@ -155,8 +253,12 @@ def test_the_g_schedule_targets_read_peaks_against_g_and_warm_time_per_member_ag
 def test_the_hybrid_trl_targets_read_warm_steps_and_the_boxs_kernel_rates(tmp_path):
     root = tmp_path / "h200"
     point = "peers/warm-hybrid-1b_mode-{}_length-32768_count-2.json"
-    config = {"mode": "replay", "model": {"preset": "hybrid-1b", "overrides": {}}, "prompt": {"length": 32768},
-              "responses": {"count": 2, "length": 2048}}
+    config = {
+        "mode": "replay",
+        "model": {"preset": "hybrid-1b", "overrides": {}},
+        "prompt": {"length": 32768},
+        "responses": {"count": 2, "length": 2048},
+    }
     replay = {**_warm("replay", [40.0, 1.0, 1.2], 5e9), "config": config}  # warm: the median of 1.0 and 1.2
     replay["metrics"]["trainable_parameters"] = 10**7
     _write(root, point.format("replay"), replay)
@@ -167,8 +269,11 @@ def test_the_hybrid_trl_targets_read_warm_steps_and_the_boxs_kernel_rates(tmp_pa
     assert rows[speed]["met"] is True and rows[speed]["measured"].startswith("40.0x")  # 44 / 1.1
     assert rows[floor]["met"] is None  # no kernel rates beside the points
     rate = {"tflops_per_second": 1e6}  # a million TFLOP/s: a floor of microseconds, so 1.1 s is far above it
-    _write(tmp_path, "h200-benchmarks/kernel_ceilings.json", {
-        "attention": {"head_dim_128": {"cudnn_forward": rate, "cudnn_backward": rate}}, "linear": {"gemm": rate}})
+    _write(
+        tmp_path,
+        "h200-benchmarks/kernel_ceilings.json",
+        {"attention": {"head_dim_128": {"cudnn_forward": rate, "cudnn_backward": rate}}, "linear": {"gemm": rate}},
+    )
     rows = {row["target"]: row for row in evaluate_targets(root)}
     assert rows[floor]["met"] is False
 

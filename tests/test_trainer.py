@@ -34,12 +34,20 @@ tasks.register_task("test_parity", _ParityTask)
 
 
 def _config(tmp_path, preset="tiny-qwen3_5", **changes):
-    cfg = {"model": {"preset": preset, "lora": {"r": 4, "init_random": True}},
-           "task": {"name": "test_parity", "length": 96}, "steps": 3, "steps_per_prompt": 2, "seed": 3,
-           "sampling": {"num_samples": 3, "max_new_tokens": 5, "temperature": 1.0, "top_p": 0.9},
-           "optimizer": {"lr": 1e-2}, "schedule": {"name": "cosine", "warmup_steps": 1}, "max_grad_norm": 0.5,
-           "refresh": {"policy": "every", "every": 1}, "capture": {"chunk_size": 32},
-           "output": {"dir": str(tmp_path / "run"), "checkpoint_every": 0}}
+    cfg = {
+        "model": {"preset": preset, "lora": {"r": 4, "init_random": True}},
+        "task": {"name": "test_parity", "length": 96},
+        "steps": 3,
+        "steps_per_prompt": 2,
+        "seed": 3,
+        "sampling": {"num_samples": 3, "max_new_tokens": 5, "temperature": 1.0, "top_p": 0.9},
+        "optimizer": {"lr": 1e-2},
+        "schedule": {"name": "cosine", "warmup_steps": 1},
+        "max_grad_norm": 0.5,
+        "refresh": {"policy": "every", "every": 1},
+        "capture": {"chunk_size": 32},
+        "output": {"dir": str(tmp_path / "run"), "checkpoint_every": 0},
+    }
     for key, value in changes.items():
         cfg[key] = value
     return cfg
@@ -79,10 +87,19 @@ def _reference_steps(cfg, trainer, model, config):
         example = trainer._example(step)
         prompt = example.prompt_ids
         torch.manual_seed(cfg["seed"] * 1_000_003 + step)
-        out = model.generate(prompt[None], generation_config=GenerationConfig(
-            do_sample=True, temperature=s["temperature"], top_p=s["top_p"], top_k=0,
-            num_return_sequences=s["num_samples"], max_new_tokens=s["max_new_tokens"], pad_token_id=0))
-        responses = list(out[:, prompt.numel():])
+        out = model.generate(
+            prompt[None],
+            generation_config=GenerationConfig(
+                do_sample=True,
+                temperature=s["temperature"],
+                top_p=s["top_p"],
+                top_k=0,
+                num_return_sequences=s["num_samples"],
+                max_new_tokens=s["max_new_tokens"],
+                pad_token_id=0,
+            ),
+        )
+        responses = list(out[:, prompt.numel() :])
         rewards = torch.tensor([trainer.task.reward(example, r) for r in responses])
         advantages = grpo.group_advantages(rewards, config.scale_rewards, num_generations=config.num_generations)
         weights = grpo.token_weights([r.numel() for r in responses], config)
@@ -91,8 +108,9 @@ def _reference_steps(cfg, trainer, model, config):
             with model.disable_adapter():
                 ref = [hf_full_logprobs(model, prompt, r) for r in responses]
         for i, r in enumerate(responses):
-            grpo.response_loss(hf_conditional_logprobs(model, prompt, r), old[i], ref[i], advantages[i],
-                               weights[i], config).backward()
+            grpo.response_loss(
+                hf_conditional_logprobs(model, prompt, r), old[i], ref[i], advantages[i], weights[i], config
+            ).backward()
         torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], cfg["max_grad_norm"])
         trainer.optimizer.step()
         trainer.optimizer.zero_grad(set_to_none=True)

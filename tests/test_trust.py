@@ -24,8 +24,13 @@ from longstraw.results import write_result
 from longstraw.training.rollout import SamplingConfig, sample
 from longstraw.training.trainer import Trainer
 
-POINT = {"name": "p", "kind": "step", "model": {"preset": "tiny-llama"}, "prompt": {"length": 16},
-         "responses": {"count": 2, "length": 3}}
+POINT = {
+    "name": "p",
+    "kind": "step",
+    "model": {"preset": "tiny-llama"},
+    "prompt": {"length": 16},
+    "responses": {"count": 2, "length": 3},
+}
 
 
 def _ids(n, seed=0, vocab=256):
@@ -35,10 +40,12 @@ def _ids(n, seed=0, vocab=256):
 def _no_point_runs(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the point ran although its output could not be written")
+
     monkeypatch.setattr(runner, "run_point", refuse)
 
 
 # ---------------------------------------------------------------- 1. data loss: results
+
 
 def test_an_existing_folder_as_out_is_refused_before_the_point_runs(tmp_path, monkeypatch, capsys):
     config = tmp_path / "point.yaml"
@@ -49,13 +56,27 @@ def test_an_existing_folder_as_out_is_refused_before_the_point_runs(tmp_path, mo
     assert cli.main(["run", str(config), "--out", str(folder)]) == 2
     assert f"{folder} is a folder" in capsys.readouterr().err
     validation = tmp_path / "validation.yaml"
-    validation.write_text(yaml.safe_dump({**POINT, "kind": "validation",
-                                          "validation": {"levels": ["V1"], "modes": ["response-only"]}}))
+    validation.write_text(
+        yaml.safe_dump({**POINT, "kind": "validation", "validation": {"levels": ["V1"], "modes": ["response-only"]}})
+    )
     assert cli.main(["validate", str(validation), "--out", str(folder)]) == 2
     assert f"{folder} is a folder" in capsys.readouterr().err
     experiment = tmp_path / "demo.yaml"
-    experiment.write_text(yaml.safe_dump({"name": "demo", "title": "Demo", "kind": "step", "profiles": {
-        "cpu": {"base": {k: v for k, v in POINT.items() if k not in ("name", "kind")}, "points": [{"name": "a"}]}}}))
+    experiment.write_text(
+        yaml.safe_dump(
+            {
+                "name": "demo",
+                "title": "Demo",
+                "kind": "step",
+                "profiles": {
+                    "cpu": {
+                        "base": {k: v for k, v in POINT.items() if k not in ("name", "kind")},
+                        "points": [{"name": "a"}],
+                    }
+                },
+            }
+        )
+    )
     assert cli.main(["point", str(experiment), "--profile", "cpu", "--point", "a", "--out", str(folder)]) == 2
     assert f"{folder} is a folder" in capsys.readouterr().err
     assert list(folder.iterdir()) == []
@@ -92,10 +113,15 @@ def test_a_result_that_cannot_be_written_is_kept_elsewhere(tmp_path):
 
 # ---------------------------------------------------------------- 1. data loss: training runs
 
-TRAIN = {"model": {"preset": "tiny-llama", "lora": {"r": 4}},
-         "task": {"name": "kv_retrieval", "length": 64, "num_needles": 2, "value_length": 1},
-         "steps": 3, "steps_per_prompt": 1, "sampling": {"num_samples": 2, "max_new_tokens": 2},
-         "grpo": {"beta": 0.0}, "optimizer": {"lr": 1e-3}}
+TRAIN = {
+    "model": {"preset": "tiny-llama", "lora": {"r": 4}},
+    "task": {"name": "kv_retrieval", "length": 64, "num_needles": 2, "value_length": 1},
+    "steps": 3,
+    "steps_per_prompt": 1,
+    "sampling": {"num_samples": 2, "max_new_tokens": 2},
+    "grpo": {"beta": 0.0},
+    "optimizer": {"lr": 1e-3},
+}
 
 
 def _train_config(tmp_path, checkpoint_every=0, **changes):
@@ -117,6 +143,7 @@ def test_a_finished_run_without_checkpoints_is_not_replaced(tmp_path, monkeypatc
 
     def no_model(*args, **kwargs):
         raise AssertionError("the model was built for a run that must be refused")
+
     with monkeypatch.context() as patched:
         patched.setattr("longstraw.training.trainer.build_policy", no_model)
         assert cli.main(["train", str(other_lr)]) == 2
@@ -174,6 +201,7 @@ def test_a_failed_rewrite_of_the_records_at_resume_loses_none(tmp_path, monkeypa
     def failing_open(file, mode="r", *args, **kwargs):
         f = real_open(file, mode, *args, **kwargs)
         return _FailingFile(f) if "metrics.jsonl" in str(file) and "w" in mode else f
+
     monkeypatch.setattr(builtins, "open", failing_open)
     monkeypatch.setattr(io, "open", failing_open)
     with pytest.raises(OSError, match="No space left"):
@@ -185,6 +213,7 @@ def test_a_failed_rewrite_of_the_records_at_resume_loses_none(tmp_path, monkeypa
 
 
 # ---------------------------------------------------------------- 2. silent wrong results: the step
+
 
 def _lora_model(**kwargs):
     return apply_lora(build_model("tiny-llama", seed=0, **kwargs), r=4, init_random=True)
@@ -202,8 +231,15 @@ def test_a_step_that_raises_leaves_no_gradient_and_no_update():
     optimizer = torch.optim.AdamW(trainable, lr=1e-2)
     # refused before any work: old log-probs of the wrong length
     with pytest.raises(ValueError, match=r"old_logps\[1\]: one log-prob per token of response 1"):
-        grpo_step(model, prompt, responses, rewards, optimizer, GRPOConfig(num_generations=2),
-                  old_logps=[torch.zeros(5), torch.zeros(7)])
+        grpo_step(
+            model,
+            prompt,
+            responses,
+            rewards,
+            optimizer,
+            GRPOConfig(num_generations=2),
+            old_logps=[torch.zeros(5), torch.zeros(7)],
+        )
     assert all(p.grad is None for p in trainable)
     # a failure after a backward already ran (the second member): its gradient is not left behind
     state = capture(model, prompt)
@@ -215,13 +251,23 @@ def test_a_step_that_raises_leaves_no_gradient_and_no_update():
         if len(calls) == 2:
             raise RuntimeError("out of memory in member 2")
         return original(logp, *args, **kwargs)
+
     from longstraw.core import grpo
+
     original = grpo.response_loss
     grpo.response_loss = failing_second
     try:
         with pytest.raises(RuntimeError, match="member 2"):
-            grpo_step(model, prompt, responses, rewards, optimizer, GRPOConfig(num_generations=2), state=state,
-                      old_logps=list(real))
+            grpo_step(
+                model,
+                prompt,
+                responses,
+                rewards,
+                optimizer,
+                GRPOConfig(num_generations=2),
+                state=state,
+                old_logps=list(real),
+            )
     finally:
         grpo.response_loss = original
     assert len(calls) == 2
@@ -232,8 +278,9 @@ def test_a_step_that_raises_leaves_no_gradient_and_no_update():
     grpo_step(model, prompt, responses, rewards, optimizer, GRPOConfig(num_generations=2), state=state)
     clean = _lora_model()
     clean_params = [p for p in clean.parameters() if p.requires_grad]
-    grpo_step(clean, prompt, responses, rewards, torch.optim.AdamW(clean_params, lr=1e-2),
-              GRPOConfig(num_generations=2))
+    grpo_step(
+        clean, prompt, responses, rewards, torch.optim.AdamW(clean_params, lr=1e-2), GRPOConfig(num_generations=2)
+    )
     assert all(torch.equal(a, b) for a, b in zip(trainable, clean_params))
 
 
@@ -243,8 +290,7 @@ def test_a_step_refuses_gradients_left_by_earlier_work():
     trainable = [p for p in model.parameters() if p.requires_grad]
     trainable[0].grad = torch.ones_like(trainable[0])
     with pytest.raises(ValueError, match="holds gradients from earlier work"):
-        grpo_step(model, prompt, responses, rewards, torch.optim.SGD(trainable, lr=1.0),
-                  GRPOConfig(num_generations=2))
+        grpo_step(model, prompt, responses, rewards, torch.optim.SGD(trainable, lr=1.0), GRPOConfig(num_generations=2))
     trainable[0].grad.zero_()  # zeros are nothing to apply: the step runs
     grpo_step(model, prompt, responses, rewards, torch.optim.SGD(trainable, lr=1.0), GRPOConfig(num_generations=2))
 
@@ -261,8 +307,9 @@ def test_responses_past_the_position_limit_are_refused_in_replay_sampling_and_th
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
     for given in (state, None):
         with pytest.raises(ValueError, match=r"responses: 6 tokens after the prompt's 12 need 17"):
-            grpo_step(model, prompt, [_ids(6, 1), _ids(2, 2)], rewards, optimizer, GRPOConfig(num_generations=2),
-                      state=given)
+            grpo_step(
+                model, prompt, [_ids(6, 1), _ids(2, 2)], rewards, optimizer, GRPOConfig(num_generations=2), state=given
+            )
     beyond = capture(model, prompt, beyond_max_positions=True)  # asked for: allowed
     assert replay(model, beyond, _ids(6, 1)).shape == (6,)
     assert len(sample(model, beyond, SamplingConfig(num_samples=2, max_new_tokens=6)).responses) == 2
@@ -274,11 +321,17 @@ def test_response_ids_outside_the_vocabulary_are_refused_before_the_capture(monk
 
     def no_capture(*args, **kwargs):
         raise AssertionError("captured before the responses were checked")
+
     monkeypatch.setattr("longstraw.core.step.capture", no_capture)
     with pytest.raises(ValueError, match=r"responses has ids outside the vocabulary \[0, 256\): min 0, max 300"):
-        grpo_step(model, prompt, [torch.tensor([0, 300]), _ids(2, 2)], rewards,
-                  torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1),
-                  GRPOConfig(num_generations=2))
+        grpo_step(
+            model,
+            prompt,
+            [torch.tensor([0, 300]), _ids(2, 2)],
+            rewards,
+            torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1),
+            GRPOConfig(num_generations=2),
+        )
 
 
 def test_lora_dropout_is_refused_in_the_config_and_on_the_model():
@@ -312,14 +365,17 @@ def test_a_state_is_refused_after_its_weights_were_replaced_unless_reused_on_pur
     assert torch.equal(score(model, fresh, response), score(other, capture(other, prompt), response))
     # grpo_step's own update keeps its state bound: the trainer's prefix reuse needs no declaration
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    result = grpo_step(model, prompt, [response, _ids(3, 2)], [1.0, 0.0], optimizer, GRPOConfig(num_generations=2),
-                       state=fresh)
-    grpo_step(model, prompt, [response, _ids(3, 2)], [1.0, 0.0], optimizer, GRPOConfig(num_generations=2),
-              state=result.state)
+    result = grpo_step(
+        model, prompt, [response, _ids(3, 2)], [1.0, 0.0], optimizer, GRPOConfig(num_generations=2), state=fresh
+    )
+    grpo_step(
+        model, prompt, [response, _ids(3, 2)], [1.0, 0.0], optimizer, GRPOConfig(num_generations=2), state=result.state
+    )
     assert result.state.age == 2
 
 
 # ---------------------------------------------------------------- 2. silent wrong results: rewards
+
 
 def none_for_all(completions, **kwargs):
     return [None] * len(completions)
@@ -334,8 +390,9 @@ def test_a_group_no_reward_function_scored_warns_and_is_counted(tmp_path, capsys
         scored = score_group(funcs, None, ["p"] * 4, ["a"] * 4, [[]] * 4, {})
     assert scored.metrics["unscorable"] == 4 and scored.advantages == [0.0] * 4
     fixture = make_fixture(tmp_path / "fixture")
-    cfg = _config(fixture, tmp_path / "run", max_steps=2, reward_funcs=["test_trust:none_for_all"],
-                  reward_weights=[1.0])
+    cfg = _config(
+        fixture, tmp_path / "run", max_steps=2, reward_funcs=["test_trust:none_for_all"], reward_weights=[1.0]
+    )
     path = tmp_path / "train.yaml"
     path.write_text(yaml.safe_dump(cfg))
     with warnings.catch_warnings(record=True) as caught:

@@ -20,9 +20,16 @@ from tolerances import EPS_BF16, float64_residue_tolerance, within
 
 
 def _config(preset="tiny-llama", dtype="float32", **validation_settings):
-    return resolve_point({"kind": "validation", "model": {"preset": preset, "dtype": dtype}, "prompt": {"length": 40},
-                           "responses": {"count": 2, "length": 6}, "capture": {"chunk_size": 16},
-                           "validation": validation_settings})
+    return resolve_point(
+        {
+            "kind": "validation",
+            "model": {"preset": preset, "dtype": dtype},
+            "prompt": {"length": 40},
+            "responses": {"count": 2, "length": 6},
+            "capture": {"chunk_size": 16},
+            "validation": validation_settings,
+        }
+    )
 
 
 def _levels(path):
@@ -70,8 +77,11 @@ def test_response_only_reports_its_gap_and_does_not_reach_v3():
         full = _hf_gradient(model, hf_full_logprobs, prompt, responses, weights)
     expected_gap = global_relative_error(conditional, full)
     assert expected_gap > 0.05
-    within(abs(v3["evidence"]["dropped_term_relative_norm"] - expected_gap),
-           float64_residue_tolerance(gdn=True) * (1 + expected_gap), "the dropped term's norm")
+    within(
+        abs(v3["evidence"]["dropped_term_relative_norm"] - expected_gap),
+        float64_residue_tolerance(gdn=True) * (1 + expected_gap),
+        "the dropped term's norm",
+    )
     assert 0 < v3["evidence"]["cosine"] < 0.999
 
 
@@ -91,8 +101,9 @@ def test_a_non_finite_step_fails_v1(monkeypatch):
     from longstraw.core import step
 
     real = step.replay_members
-    monkeypatch.setattr(step, "replay_members",
-                        lambda *args, **kwargs: [lp * float("nan") for lp in real(*args, **kwargs)])
+    monkeypatch.setattr(
+        step, "replay_members", lambda *args, **kwargs: [lp * float("nan") for lp in real(*args, **kwargs)]
+    )
     (path,) = validation.run(_config(modes=["response-only"], levels=["V1"]), torch.device("cpu"), Progress())["paths"]
     v1 = _levels(path)["V1"]
     assert v1["reached"] is False and math.isnan(v1["evidence"]["loss"]) and v1["evidence"]["state_unchanged"]
@@ -122,9 +133,16 @@ def test_low_precision_parity_is_anchored_to_float32_on_hand_computed_vectors():
 
 @pytest.mark.numerics
 def test_bfloat16_paths_record_their_float32_anchor():
-    cfg = resolve_point({"kind": "validation", "model": {"preset": "tiny-llama", "dtype": "bfloat16"},
-                          "prompt": {"length": 40}, "responses": {"count": 2, "length": 6},
-                          "capture": {"chunk_size": 16}, "validation": {"modes": ["exact"], "levels": ["V2", "V3"]}})
+    cfg = resolve_point(
+        {
+            "kind": "validation",
+            "model": {"preset": "tiny-llama", "dtype": "bfloat16"},
+            "prompt": {"length": 40},
+            "responses": {"count": 2, "length": 6},
+            "capture": {"chunk_size": 16},
+            "validation": {"modes": ["exact"], "levels": ["V2", "V3"]},
+        }
+    )
     (path,) = validation.run(cfg, torch.device("cpu"), Progress())["paths"]
     for name in ("V2", "V3"):
         evidence = _levels(path)[name]["evidence"]
@@ -145,9 +163,16 @@ def test_a_float32_anchor_that_runs_out_of_memory_falls_back_to_the_fixed_tolera
         return real(model, *args)
 
     monkeypatch.setattr(validation, "_reference_gradient", float32_oom)
-    cfg = resolve_point({"kind": "validation", "model": {"preset": "tiny-llama", "dtype": "bfloat16"},
-                          "prompt": {"length": 40}, "responses": {"count": 2, "length": 6},
-                          "capture": {"chunk_size": 16}, "validation": {"modes": ["exact"], "levels": ["V2", "V3"]}})
+    cfg = resolve_point(
+        {
+            "kind": "validation",
+            "model": {"preset": "tiny-llama", "dtype": "bfloat16"},
+            "prompt": {"length": 40},
+            "responses": {"count": 2, "length": 6},
+            "capture": {"chunk_size": 16},
+            "validation": {"modes": ["exact"], "levels": ["V2", "V3"]},
+        }
+    )
     (path,) = validation.run(cfg, torch.device("cpu"), Progress())["paths"]
     for name in ("V2", "V3"):
         entry = _levels(path)[name]
@@ -158,12 +183,25 @@ def test_a_float32_anchor_that_runs_out_of_memory_falls_back_to_the_fixed_tolera
 def test_v4_is_the_paired_gain_over_the_lr0_run_on_the_last_window():
     """The trainer runs twice (lr and 0) on the same prompts and seeds; V4's evidence is the paired
     gain on the last `window` steps' prompts, recomputed here by hand from the runs' own printouts."""
-    cfg = resolve_point({"kind": "validation", "model": {"preset": "tiny-llama", "overrides": {"vocab_size": 80}},
-                          "grpo": {"beta": 0.0}, "optimizer": {"lr": 3e-2}, "validation": {
-                              "modes": ["response-only"], "levels": ["V4"], "window": 2,
-                              "train": {"task": {"name": "kv_retrieval", "length": 16}, "steps": 3,
-                                        "steps_per_prompt": 1,
-                                        "sampling": {"num_samples": 4, "max_new_tokens": 1}}}})
+    cfg = resolve_point(
+        {
+            "kind": "validation",
+            "model": {"preset": "tiny-llama", "overrides": {"vocab_size": 80}},
+            "grpo": {"beta": 0.0},
+            "optimizer": {"lr": 3e-2},
+            "validation": {
+                "modes": ["response-only"],
+                "levels": ["V4"],
+                "window": 2,
+                "train": {
+                    "task": {"name": "kv_retrieval", "length": 16},
+                    "steps": 3,
+                    "steps_per_prompt": 1,
+                    "sampling": {"num_samples": 4, "max_new_tokens": 1},
+                },
+            },
+        }
+    )
     lines = []
 
     class Lines(Progress):
@@ -174,8 +212,11 @@ def test_v4_is_the_paired_gain_over_the_lr0_run_on_the_last_window():
     v4, e = _levels(path)["V4"], _levels(path)["V4"]["evidence"]
     assert v4["scale"]["prompt_positions"] == 16 and e["lr"] == 3e-2 and e["steps"] == 3 and e["prompts"] == 2
     # the two runs' per-step mean rewards (one prompt per step), as each run printed them (2 decimals)
-    means = {line.split()[1]: [float(x) for x in line.split("per step ")[1].split()]
-             for line in lines if line.startswith("V4 ")}
+    means = {
+        line.split()[1]: [float(x) for x in line.split("per step ")[1].split()]
+        for line in lines
+        if line.startswith("V4 ")
+    }
     assert means["trained"][0] == means["untrained"][0]  # same weights and seeds until the first update
     d = [t - u for t, u in zip(means["trained"][1:], means["untrained"][1:])]  # the last 2 steps' prompts
     gain = sum(d) / 2
@@ -207,15 +248,27 @@ def test_bad_validation_configs_are_named():
 
 def test_validate_cli_writes_json_and_a_summary_line(tmp_path, capsys):
     config = tmp_path / "one.yaml"
-    config.write_text(yaml.safe_dump({"model": {"preset": "tiny-llama"}, "prompt": {"length": 20},
-                                      "responses": {"count": 2, "length": 4}, "capture": {"chunk_size": 8},
-                                      "validation": {"levels": ["V1", "V2"]}}))
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "model": {"preset": "tiny-llama"},
+                "prompt": {"length": 20},
+                "responses": {"count": 2, "length": 4},
+                "capture": {"chunk_size": 8},
+                "validation": {"levels": ["V1", "V2"]},
+            }
+        )
+    )
     out = tmp_path / "out" / "validation.json"
     assert cli.main(["validate", str(config), "--out", str(out)]) == 0
     stdout = capsys.readouterr().out.strip().splitlines()
     summary = json.loads(stdout[-1])
-    assert summary == {"out": str(out), "points": 1, "statuses": {"ok": 1, "oom": 0, "error": 0},
-                       "reached": {"V1": "2/2", "V2": "2/2", "V3": "0/0", "V4": "0/0"}}
+    assert summary == {
+        "out": str(out),
+        "points": 1,
+        "statuses": {"ok": 1, "oom": 0, "error": 0},
+        "reached": {"V1": "2/2", "V2": "2/2", "V3": "0/0", "V4": "0/0"},
+    }
     written = json.loads(out.read_text())
     modes = [p["gradient_mode"] for p in written["points"][0]["metrics"]["paths"]]
     assert modes == ["response-only", "exact"] and any("exact" in line and "yes (err" in line for line in stdout)

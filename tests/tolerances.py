@@ -23,9 +23,9 @@ import os
 
 import torch
 
-EPS32 = 2.0 ** -23  # float32 machine epsilon: the spacing of float32 numbers at 1 (1.19e-7)
-EPS64 = 2.0 ** -52  # float64 (2.2e-16)
-EPS_BF16 = 2.0 ** -7  # bfloat16 (7.8e-3): 8 significant bits
+EPS32 = 2.0**-23  # float32 machine epsilon: the spacing of float32 numbers at 1 (1.19e-7)
+EPS64 = 2.0**-52  # float64 (2.2e-16)
+EPS_BF16 = 2.0**-7  # bfloat16 (7.8e-3): 8 significant bits
 # the factor a derived bound carries over the error its model predicts; also the least margin each tolerance
 # keeps over the worst error measured on any kernel path and thread count
 SAFETY = 4
@@ -79,8 +79,12 @@ def _record(what: str, error: float, tolerance: float) -> None:
         return
     test = os.environ.get("PYTEST_CURRENT_TEST", "?").rsplit(" (", 1)[0]
     with open(path, "a") as f:
-        f.write(json.dumps({"test": test, "what": what, "error": error, "tolerance": tolerance,
-                            "threads": torch.get_num_threads()}) + "\n")
+        f.write(
+            json.dumps(
+                {"test": test, "what": what, "error": error, "tolerance": tolerance, "threads": torch.get_num_threads()}
+            )
+            + "\n"
+        )
 
 
 def within(error: float, tolerance: float, what: str = "error") -> None:
@@ -150,5 +154,6 @@ def rank_main_at_fixed_threads(rank, world, port, fn, args, results, forked):
     and finds launch's own."""
     from longstraw.cp import launch
 
-    (_real_rank_main or launch._rank_main)(rank, world, port, _AtThreads(fn, 1 if forked else fixed_threads()),
-                                           args, results, forked)
+    (_real_rank_main or launch._rank_main)(
+        rank, world, port, _AtThreads(fn, 1 if forked else fixed_threads()), args, results, forked
+    )

@@ -7,5 +7,13 @@ from longstraw.config.point import PointConfig, resolve_point
 from longstraw.config.train import TrainConfig, resolve_train
 from longstraw.config.typed import ConfigError, from_mapping, to_mapping
 
-__all__ = ["ConfigError", "GRPOConfig", "PointConfig", "TrainConfig", "from_mapping", "resolve_point",
-           "resolve_train", "to_mapping"]
+__all__ = [
+    "ConfigError",
+    "GRPOConfig",
+    "PointConfig",
+    "TrainConfig",
+    "from_mapping",
+    "resolve_point",
+    "resolve_train",
+    "to_mapping",
+]

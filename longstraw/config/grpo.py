@@ -25,8 +25,7 @@ def normalize_scale_rewards(value) -> str:
         return value
     raise ValueError(
         f"scale_rewards must be one of {SCALE_REWARDS} or a bool, got {value!r}"
-        + (" ('batch' is not supported: for a single-prompt batch it equals 'group')"
-           if value == "batch" else "")
+        + (" ('batch' is not supported: for a single-prompt batch it equals 'group')" if value == "batch" else "")
     )
 
 
@@ -85,8 +84,10 @@ def grouped_objective(raw: dict, section: str, key: str, default_size: int, sour
     size = group.get(key, default_size) if isinstance(group, dict) else default_size
     grpo = {"beta": 0.04, **(grpo or {})}
     if "num_generations" in grpo and grpo["num_generations"] != size:
-        raise ConfigError(f"{source}: grpo.num_generations: the group size is {section}.{key} ({size!r}); "
-                          f"got {grpo['num_generations']!r}")
+        raise ConfigError(
+            f"{source}: grpo.num_generations: the group size is {section}.{key} ({size!r}); "
+            f"got {grpo['num_generations']!r}"
+        )
     if isinstance(size, int) and not isinstance(size, bool) and size >= 1:
         grpo["num_generations"] = size  # (an invalid size is reported at its own key)
     return {**raw, "grpo": grpo}

@@ -194,8 +194,9 @@ class LearningConfig:
 @dataclass
 class PointConfig:
     name: str = "unnamed"
-    kind: Literal["step", "capture", "capacity", "sweep", "staleness", "validation", "pretrain", "length_curve",
-                  "learning"] = "step"
+    kind: Literal[
+        "step", "capture", "capacity", "sweep", "staleness", "validation", "pretrain", "length_curve", "learning"
+    ] = "step"
     cp_size: int = bounded(1, min=1)  # context-parallel ranks; > 1 runs under `torchrun --nproc-per-node cp_size`
     # bitwise-reproducible capture, scoring and replay (`longstraw.core.determinism`), at a cost in time
     deterministic: bool = False
@@ -228,8 +229,9 @@ def resolve_point(raw, source: str = "config") -> PointConfig:
     `responses.count`."""
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: the experiment config must be a mapping, got {type(raw).__name__}")
-    return from_mapping(PointConfig, grouped_objective(raw, "responses", "count", ResponsesConfig.count, source),
-                        source)
+    return from_mapping(
+        PointConfig, grouped_objective(raw, "responses", "count", ResponsesConfig.count, source), source
+    )
 
 
 def trainer_sections(cfg: PointConfig, out_dir) -> dict:
@@ -237,9 +239,15 @@ def trainer_sections(cfg: PointConfig, out_dir) -> dict:
     size, which is the trainer's sampling's), capture and replay settings and CP size; writing under
     `out_dir`, no checkpoints."""
     grpo = {k: v for k, v in to_mapping(cfg.grpo).items() if k != "num_generations"}
-    return {"model": to_mapping(cfg.model), "grpo": grpo, "capture": to_mapping(cfg.capture),
-            "replay": to_mapping(cfg.replay), "cp_size": cfg.cp_size, "deterministic": cfg.deterministic,
-            "output": {"dir": str(out_dir), "checkpoint_every": 0}}
+    return {
+        "model": to_mapping(cfg.model),
+        "grpo": grpo,
+        "capture": to_mapping(cfg.capture),
+        "replay": to_mapping(cfg.replay),
+        "cp_size": cfg.cp_size,
+        "deterministic": cfg.deterministic,
+        "output": {"dir": str(out_dir), "checkpoint_every": 0},
+    }
 
 
 def trainer_mapping(cfg: PointConfig, lr: float, out_dir) -> dict:
@@ -257,10 +265,16 @@ def cycles_mapping(cfg: PointConfig, out_dir) -> dict:
     prompt and one capture (refresh never), G samples of at most `responses.length` tokens, the point's
     optimizer."""
     r = cfg.responses
-    return {**trainer_sections(cfg, out_dir), "task": {**r.task, "length": cfg.prompt.length}, "steps": cfg.cycles,
-            "steps_per_prompt": cfg.cycles, "seed": cfg.prompt.seed,
-            "sampling": {"num_samples": r.count, "max_new_tokens": r.length}, "optimizer": to_mapping(cfg.optimizer),
-            "refresh": {"policy": "never"}}
+    return {
+        **trainer_sections(cfg, out_dir),
+        "task": {**r.task, "length": cfg.prompt.length},
+        "steps": cfg.cycles,
+        "steps_per_prompt": cfg.cycles,
+        "seed": cfg.prompt.seed,
+        "sampling": {"num_samples": r.count, "max_new_tokens": r.length},
+        "optimizer": to_mapping(cfg.optimizer),
+        "refresh": {"policy": "never"},
+    }
 
 
 def with_group(cfg: GRPOConfig, count: int) -> GRPOConfig:

@@ -25,14 +25,19 @@ class PretrainConfig:
     # None: on CUDA only (on CPU HF takes its torch kernel anyway)
     hf_torch_gdn: Optional[bool] = None
     # task (its `length` is set per batch from `lengths`)
-    task: dict = field(default_factory=lambda: {"name": "mqar", "num_needles": 4, "value_length": 2,
-                                                "answer_marker": 0.5})
+    task: dict = field(
+        default_factory=lambda: {"name": "mqar", "num_needles": 4, "value_length": 2, "answer_marker": 0.5}
+    )
     # curriculum: [{"until": step, "lengths": [...] (optional), **task overrides}, ...]; a step before a stage's
     # `until` (the first such stage) trains on the task with that stage's overrides (and lengths), later steps
     # on `task` and `lengths` themselves. Default: no ANSWER marker and no filler first (28 = 4 needles of 6
     # tokens, the query and one spare token), then half-marked without filler, then with filler
-    stages: list[dict] = field(default_factory=lambda: [{"until": 800, "answer_marker": 0.0, "lengths": [28]},
-                                                        {"until": 1600, "lengths": [28]}])
+    stages: list[dict] = field(
+        default_factory=lambda: [
+            {"until": 800, "answer_marker": 0.0, "lengths": [28]},
+            {"until": 1600, "lengths": [28]},
+        ]
+    )
     # warm-up data mixed in: each step trains on `aux_task` with probability `aux_fraction` (a stage may set
     # its own "aux_fraction"); e.g. {"name": "periodic"} (look-back heads)
     aux_task: Optional[dict] = None
@@ -55,8 +60,9 @@ class PretrainConfig:
     # evaluation
     eval_every: int = bounded(500, min=0)  # 0: only at the end
     # default: kv_retrieval with the task's needles and value length (the task GRPO trains on)
-    eval_task: Optional[dict] = field(default_factory=lambda: {"name": "kv_retrieval", "num_needles": 4,
-                                                               "value_length": 2})
+    eval_task: Optional[dict] = field(
+        default_factory=lambda: {"name": "kv_retrieval", "num_needles": 4, "value_length": 2}
+    )
     eval_lengths: Optional[list[int]] = field(default_factory=lambda: [256, 1024, 2048])  # None: training lengths
     eval_examples: int = bounded(128, min=1)
     eval_batch_size: int = bounded(32, min=1)

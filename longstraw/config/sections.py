@@ -30,8 +30,10 @@ class LoraConfig:
 
     def __post_init__(self):
         if self.dropout > 0:  # `longstraw.core.transaction.check_deterministic` refuses it on the model too
-            raise ValueError(f"dropout: must be 0, got {self.dropout}: dropout makes scoring and replay random, so "
-                             "the old-policy log-probs would not be the replay's and the on-policy ratio not 1")
+            raise ValueError(
+                f"dropout: must be 0, got {self.dropout}: dropout makes scoring and replay random, so "
+                "the old-policy log-probs would not be the replay's and the on-policy ratio not 1"
+            )
 
 
 @dataclass
@@ -45,7 +47,9 @@ class ModelConfig:
     seed: int = 0
     lora: Optional[LoraConfig] = None
     nf4: bool = False
-    overrides: dict = field(default_factory=dict)  # HF config fields over the preset's (or the checkpoint's config.json)
+    overrides: dict = field(
+        default_factory=dict
+    )  # HF config fields over the preset's (or the checkpoint's config.json)
     # the kernel paged attention's "auto" runs on CUDA (`longstraw.kernels.paged_attention.forward_kernel`): cudnn
     # (fastest in steady state; each new shape builds a plan inside the first call that meets it) or flash (none)
     attention_kernel: Literal["cudnn", "flash"] = "cudnn"

@@ -127,21 +127,29 @@ class TrainConfig:
                 raise ValueError("task: give a synthetic task or a text dataset (dataset)")
             for key in ("tokenizer", "reward_funcs", "reward_weights"):
                 if getattr(self, key):
-                    raise ValueError(f"{key}: belongs to a text dataset (dataset), and there is none; a synthetic "
-                                     "task (task) has its own tokens and reward")
+                    raise ValueError(
+                        f"{key}: belongs to a text dataset (dataset), and there is none; a synthetic "
+                        "task (task) has its own tokens and reward"
+                    )
         else:
             if self.task is not None:
-                raise ValueError("task: a synthetic task and a text dataset (dataset) are two sources of prompts; "
-                                 "give one")
+                raise ValueError(
+                    "task: a synthetic task and a text dataset (dataset) are two sources of prompts; give one"
+                )
             if not self.reward_funcs:
-                raise ValueError("reward_funcs: a text dataset needs at least one reward function "
-                                 "(package.module:function)")
+                raise ValueError(
+                    "reward_funcs: a text dataset needs at least one reward function (package.module:function)"
+                )
         if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
-            raise ValueError(f"reward_weights: {len(self.reward_weights)} weights for {len(self.reward_funcs)} "
-                             "reward functions (reward_funcs); give one per function, or none (1.0 each)")
+            raise ValueError(
+                f"reward_weights: {len(self.reward_weights)} weights for {len(self.reward_funcs)} "
+                "reward functions (reward_funcs); give one per function, or none (1.0 each)"
+            )
         if self.gradient == "exact" and (self.refresh.policy, self.refresh.every) != ("every", 1):
-            raise ValueError("gradient: 'exact' needs a capture with the current parameters every step "
-                             "(refresh: {policy: every, every: 1})")
+            raise ValueError(
+                "gradient: 'exact' needs a capture with the current parameters every step "
+                "(refresh: {policy: every, every: 1})"
+            )
 
 
 # TRL `GRPOConfig` (and TRL script) names -> the key paths here that hold the same setting. TRL's
@@ -200,8 +208,10 @@ def apply_trl_names(raw: dict, source: str = "train config") -> dict:
                 if not isinstance(section, dict):
                     raise ConfigError(f"{source}: {path[0]}: expected a mapping, got {section!r}")
             if not _missing(out, path) and _get(out, path) != value:
-                raise ConfigError(f"{source}: {name}: TRL's name for {shown}, which says {_get(out, path)!r}; "
-                                  f"got {value!r} (give one of them)")
+                raise ConfigError(
+                    f"{source}: {name}: TRL's name for {shown}, which says {_get(out, path)!r}; "
+                    f"got {value!r} (give one of them)"
+                )
             if len(path) > 1:
                 out[path[0]][path[1]] = value
             else:
@@ -218,5 +228,6 @@ def resolve_train(raw, source: str = "train config") -> TrainConfig:
     raw = apply_trl_names(raw, source)
     if raw.get("dataset") is not None:
         raw.setdefault("task", None)
-    return from_mapping(TrainConfig, grouped_objective(raw, "sampling", "num_samples",
-                                                       SamplingSettings.num_samples, source), source)
+    return from_mapping(
+        TrainConfig, grouped_objective(raw, "sampling", "num_samples", SamplingSettings.num_samples, source), source
+    )

@@ -23,11 +23,22 @@ class ConfigError(ValueError):
     """A config value that cannot run; the message names the source and the key path."""
 
 
-def bounded(default=dataclasses.MISSING, *, default_factory=dataclasses.MISSING, min=None, max=None, gt=None,
-            pattern=None, doc: str = ""):
+def bounded(
+    default=dataclasses.MISSING,
+    *,
+    default_factory=dataclasses.MISSING,
+    min=None,
+    max=None,
+    gt=None,
+    pattern=None,
+    doc: str = "",
+):
     """A dataclass field with a range or pattern its value must satisfy (checked by `from_mapping`)."""
-    metadata = {k: v for k, v in (("min", min), ("max", max), ("gt", gt), ("pattern", pattern), ("doc", doc))
-                if v not in (None, "")}
+    metadata = {
+        k: v
+        for k, v in (("min", min), ("max", max), ("gt", gt), ("pattern", pattern), ("doc", doc))
+        if v not in (None, "")
+    }
     if default_factory is not dataclasses.MISSING:
         return dataclasses.field(default_factory=default_factory, metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
@@ -47,8 +58,11 @@ def from_mapping(cls, raw, source: str = "config", path: str = ""):
     if unknown:
         raise ConfigError(f"{source}: {_join(path, unknown[0])}: unknown key (known: {sorted(fields)})")
     hints = typing.get_type_hints(cls)
-    values = {name: _convert(hints[name], raw[name], fields[name].metadata, source, _join(path, name))
-              for name in fields if name in raw}
+    values = {
+        name: _convert(hints[name], raw[name], fields[name].metadata, source, _join(path, name))
+        for name in fields
+        if name in raw
+    }
     try:
         return cls(**values)
     except ConfigError:
@@ -87,8 +101,11 @@ def _convert(hint, value, metadata, source: str, path: str):
                 return _convert(option, value, metadata, source, path)
             except ConfigError as exc:
                 errors.append(str(exc).split(": ", 2)[-1])
-        raise ConfigError(f"{source}: {path}: none of {[_name(o) for o in options]}"
-                          + (" or null" if type(None) in args else "") + f" fits {_shown(value)}")
+        raise ConfigError(
+            f"{source}: {path}: none of {[_name(o) for o in options]}"
+            + (" or null" if type(None) in args else "")
+            + f" fits {_shown(value)}"
+        )
     if origin is Literal:
         if not any(value == a and type(value) is type(a) for a in args):  # True is not 1
             raise ConfigError(f"{source}: {path}: must be one of {list(args)}, got {value!r}")

@@ -65,8 +65,9 @@ class UniqueKeyLoader(yaml.SafeLoader):
                     raise ConfigError(f"{self.source}: {where + ': ' if where else ''}key {key!r} appears twice ({at})")
                 if key is not None:
                     lines[key] = line
-                self._check_unique(value_node, path + [str(key_node.value) if isinstance(key_node, ScalarNode)
-                                                       else "?"], seen_nodes)
+                self._check_unique(
+                    value_node, path + [str(key_node.value) if isinstance(key_node, ScalarNode) else "?"], seen_nodes
+                )
         elif isinstance(node, SequenceNode):
             for i, item in enumerate(node.value):
                 inner = path[:-1] + [f"{path[-1]}[{i}]"] if path else [f"[{i}]"]

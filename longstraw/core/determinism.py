@@ -29,9 +29,14 @@ def deterministic_mode(enabled: bool = True):
     if not enabled:
         yield
         return
-    saved = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled(),
-             torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark,
-             torch.utils.deterministic.fill_uninitialized_memory, os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
+    saved = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        torch.backends.cudnn.deterministic,
+        torch.backends.cudnn.benchmark,
+        torch.utils.deterministic.fill_uninitialized_memory,
+        os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+    )
     if saved[-1] not in (":4096:8", ":16:8"):
         os.environ["CUBLAS_WORKSPACE_CONFIG"] = CUBLAS_WORKSPACE
     torch.use_deterministic_algorithms(True)

@@ -106,20 +106,21 @@ def enable(state: ResidentState, model, ids: torch.Tensor, chunk: int, checkpoin
     """Turn a fresh capture into an exact-mode state (leaves over the state, the prompt kept)."""
     for entry in state.layers:
         if isinstance(entry, AttentionPages):
-            entry.leaves = _leaves(entry.k_BKPD[:, :, :entry.length], entry.v_BKPD[:, :, :entry.length])
+            entry.leaves = _leaves(entry.k_BKPD[:, :, : entry.length], entry.v_BKPD[:, :, : entry.length])
         elif isinstance(entry, LatentPages):
-            entry.leaves = _leaves(entry.kv_11PE[:, :, :entry.length])
+            entry.leaves = _leaves(entry.kv_11PE[:, :, : entry.length])
         elif isinstance(entry, RecurrentState):
             entry.leaves = _leaves(entry.conv_BCK1, entry.recurrent_BHDV)
         else:
             raise NotImplementedError(f"prefix_grad=True: no prompt-side gradient for {type(entry).__name__} layers")
-    state.prefix_trace = PrefixTrace(model, ids[:state.positions], chunk, checkpoints)
+    state.prefix_trace = PrefixTrace(model, ids[: state.positions], chunk, checkpoints)
 
 
 def _recompute_entry(entry, layer: int, start: int, checkpoints: dict):
     if isinstance(entry, AttentionPages):
-        return RecomputePages(*(t[:, :, :start].detach().requires_grad_(start > 0)
-                                for t in (entry.k_BKPD, entry.v_BKPD)))
+        return RecomputePages(
+            *(t[:, :, :start].detach().requires_grad_(start > 0) for t in (entry.k_BKPD, entry.v_BKPD))
+        )
     if isinstance(entry, LatentPages):
         index = None if entry.index_1PI is None else entry.index_1PI[:, :start]
         return RecomputeLatent(entry.kv_11PE[:, :, :start].detach().requires_grad_(start > 0), index, start)
@@ -131,14 +132,22 @@ def _recompute_entry(entry, layer: int, start: int, checkpoints: dict):
 
 def page_gradients(state: ResidentState) -> list[list[torch.Tensor]]:
     """Each layer's accumulated gradients of its leaves (zeros where no replay reached them)."""
-    return [[leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in entry.leaves]
-            for entry in state.layers]
+    return [
+        [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in entry.leaves]
+        for entry in state.layers
+    ]
 
 
 def backward_prefix(state: ResidentState) -> None:
     trace = state.prefix_trace
-    recompute_chunks(adapter_for(trace.model), trace, state.layers, page_gradients(state),
-                     range(0, state.positions, trace.chunk), state.positions)
+    recompute_chunks(
+        adapter_for(trace.model),
+        trace,
+        state.layers,
+        page_gradients(state),
+        range(0, state.positions, trace.chunk),
+        state.positions,
+    )
     clear_page_gradients(state)
 
 
@@ -178,5 +187,6 @@ def recompute_chunks(adapter, trace: PrefixTrace, entries, grads, starts: range,
                         if leaf.grad is not None:  # None where nothing read them (the last layer)
                             grad[:, :, :start] += leaf.grad
                 else:
-                    grads[i][:] = [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-                                   for leaf in recompute.leaves]
+                    grads[i][:] = [
+                        leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in recompute.leaves
+                    ]

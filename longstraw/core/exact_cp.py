@@ -81,13 +81,14 @@ def _through_shard_end(entry, cp, bounds, end: int):
     what the recompute of this rank's chunks reads. GDN layers: the entry itself (the recompute reads
     its chunk checkpoints)."""
     if isinstance(entry, AttentionPages):
-        k, v = (t[:, :, :end] for t in gather_shards(cp, bounds, *(t[:, :, :entry.length] for t in entry.tensors())))
+        k, v = (t[:, :, :end] for t in gather_shards(cp, bounds, *(t[:, :, : entry.length] for t in entry.tensors())))
         return AttentionPages(k, v, end)
     if isinstance(entry, LatentPages):
-        kv, index = entry.kv_11PE[:, :, :entry.length], entry.index_1PI
-        gathered = gather_shards(cp, bounds, kv, *([] if index is None else [index[:, None, :entry.length]]))
-        return LatentPages(gathered[0][:, :, :end], None if index is None else gathered[1][:, 0, :end],
-                           entry.kv_lora_rank, end)
+        kv, index = entry.kv_11PE[:, :, : entry.length], entry.index_1PI
+        gathered = gather_shards(cp, bounds, kv, *([] if index is None else [index[:, None, : entry.length]]))
+        return LatentPages(
+            gathered[0][:, :, :end], None if index is None else gathered[1][:, 0, :end], entry.kv_lora_rank, end
+        )
     return entry
 
 
@@ -114,8 +115,10 @@ def _flat(grads, entries):
 
 def _sum_prompt_terms(cp, params, conditional) -> None:
     """grad = the conditional gradient (every rank's) + the sum over ranks of each rank's prompt-side term."""
-    terms = [(p.grad if p.grad is not None else torch.zeros_like(p)) - (c if c is not None else 0)
-             for p, c in zip(params, conditional)]
+    terms = [
+        (p.grad if p.grad is not None else torch.zeros_like(p)) - (c if c is not None else 0)
+        for p, c in zip(params, conditional)
+    ]
     reached = cp.all_reduce_(torch.tensor([float(p.grad is not None) for p in params], dtype=torch.float64))
     for p, c, total, hit in zip(params, conditional, cp.all_reduce_together(terms), reached.tolist()):
         if hit:

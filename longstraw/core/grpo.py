@@ -179,8 +179,13 @@ def _advantage_value(advantage: Advantage, device, dtype):
     return float(advantage)
 
 
-def per_token_loss(logp_R: torch.Tensor, old_logp_R: Optional[torch.Tensor], ref_logp_R: Optional[torch.Tensor],
-                   advantage: Advantage, config: GRPOConfig) -> torch.Tensor:
+def per_token_loss(
+    logp_R: torch.Tensor,
+    old_logp_R: Optional[torch.Tensor],
+    ref_logp_R: Optional[torch.Tensor],
+    advantage: Advantage,
+    config: GRPOConfig,
+) -> torch.Tensor:
     """Per-token GRPO loss ``[R]`` for one response (see module docstring).
 
     ``old_logp_R=None`` means on-policy (``old = logp.detach()``, ratio 1, as TRL does with
@@ -292,8 +297,13 @@ class ResponseStats:
 
 
 @torch.no_grad()
-def response_stats(logp_R: torch.Tensor, old_logp_R: Optional[torch.Tensor], ref_logp_R: Optional[torch.Tensor],
-                   advantage: Advantage, config: GRPOConfig) -> ResponseStats:
+def response_stats(
+    logp_R: torch.Tensor,
+    old_logp_R: Optional[torch.Tensor],
+    ref_logp_R: Optional[torch.Tensor],
+    advantage: Advantage,
+    config: GRPOConfig,
+) -> ResponseStats:
     """Clip counts and KL sum for one response (no gradient; syncs to host)."""
     _check_1d("logp", logp_R)
     dtype = _compute_dtype(logp_R)

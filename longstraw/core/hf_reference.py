@@ -118,7 +118,7 @@ def global_relative_error(actual: dict, expected: dict) -> float:
     tiny decay-parameter gradients (A_log, dt_bias) in float32, so per-parameter comparisons against
     HF's one-pass gradient are limited by HF, not by the code under test."""
     diff = sum(float((actual.get(k, torch.zeros_like(v)) - v).double().norm() ** 2) for k, v in expected.items())
-    return diff ** 0.5 / global_norm(expected)
+    return diff**0.5 / global_norm(expected)
 
 
 def global_cosine(actual: dict, expected: dict) -> float:

@@ -30,8 +30,17 @@ import torch
 from longstraw.core import grpo
 from longstraw.core.hf_reference import hf_torch_gdn_kernels
 from longstraw.core.exact import clear_page_gradients
-from longstraw.core.transaction import (capture, check_deterministic, check_members_entry, check_state,
-                                        check_vocabulary, replay, replay_members, reuse_state, score)
+from longstraw.core.transaction import (
+    capture,
+    check_deterministic,
+    check_members_entry,
+    check_state,
+    check_vocabulary,
+    replay,
+    replay_members,
+    reuse_state,
+    score,
+)
 from longstraw.families import adapter_for
 from longstraw.kernels.logprobs import token_logprobs
 from longstraw.measure.memory import GraphBytesMeter, PhaseRecorder
@@ -80,8 +89,9 @@ class StepOptions:
         if k != 1 and self.capture.get("cp") is not None:
             raise ValueError("micro_batch > 1 is not implemented for a context-parallel state")
         if self.prefix_grad and self.mode == "naive":
-            raise ValueError("prefix_grad needs a captured state; mode 'naive' already back-propagates through the "
-                             "prompt")
+            raise ValueError(
+                "prefix_grad needs a captured state; mode 'naive' already back-propagates through the prompt"
+            )
 
 
 @dataclass
@@ -97,7 +107,7 @@ class StepResult:
 def reference_policy(model):
     """The reference model = the base model with the peft adapter disabled (or the model itself)."""
     disable = getattr(model, "disable_adapter", None)
-    with (disable() if callable(disable) else nullcontext()):
+    with disable() if callable(disable) else nullcontext():
         yield
 
 
@@ -106,7 +116,7 @@ def naive_logprobs(model, prompt_ids, response_ids):
     adapter = adapter_for(model)
     ids = torch.cat([prompt_ids, response_ids[:-1]])[None]
     hidden = adapter.decoder(input_ids=ids, use_cache=False).last_hidden_state[0]
-    return token_logprobs(hidden[prompt_ids.numel() - 1:], adapter.lm_head, response_ids)
+    return token_logprobs(hidden[prompt_ids.numel() - 1 :], adapter.lm_head, response_ids)
 
 
 NON_REENTRANT = {"use_reentrant": False}
@@ -133,10 +143,21 @@ def hf_checkpointing(model, kwargs: dict | None = NON_REENTRANT):
         lm.train(was_training)
 
 
-def grpo_step(model, prompt_ids, responses, rewards, optimizer, config: grpo.GRPOConfig,
-              options: StepOptions = StepOptions(), *, state: ResidentState | None = None,
-              ref_state: ResidentState | None = None, old_logps=None, sampler_logps=None,
-              advantages=None) -> StepResult:
+def grpo_step(
+    model,
+    prompt_ids,
+    responses,
+    rewards,
+    optimizer,
+    config: grpo.GRPOConfig,
+    options: StepOptions = StepOptions(),
+    *,
+    state: ResidentState | None = None,
+    ref_state: ResidentState | None = None,
+    old_logps=None,
+    sampler_logps=None,
+    advantages=None,
+) -> StepResult:
     """Run one transaction and the optimizer step.
 
     `state`: the prompt's resident state from an earlier capture (checked against the model and the
@@ -165,8 +186,10 @@ def grpo_step(model, prompt_ids, responses, rewards, optimizer, config: grpo.GRP
     mode, members = options.mode, options.members
     rewards, advantages, weights = group_objective(responses, rewards, config, advantages)
     if members is not None and not (mode != "hold_all" and 1 <= members <= len(responses)):
-        raise ValueError(f"members={members!r}: a partial step is a memory probe of the serial modes (replay, naive) "
-                         f"and needs 1 <= members <= G={len(responses)}; hold_all's peak depends on all G graphs")
+        raise ValueError(
+            f"members={members!r}: a partial step is a memory probe of the serial modes (replay, naive) "
+            f"and needs 1 <= members <= G={len(responses)}; hold_all's peak depends on all G graphs"
+        )
     if (state is not None or ref_state is not None) and mode == "naive":
         raise ValueError("mode 'naive' recomputes the prompt per response and takes no captured state")
     if options.micro_batch != 1 and state is not None:
@@ -176,14 +199,18 @@ def grpo_step(model, prompt_ids, responses, rewards, optimizer, config: grpo.GRP
     adapter = adapter_for(model)
     check_step_inputs(adapter, prompt_ids, responses, options, state, ref_state, old_logps, sampler_logps)
     if len(responses) == 1:
-        warnings.warn("a group of one response has zero advantage: the step leaves the policy unchanged "
-                      "(only a KL term, beta > 0, can move it)", stacklevel=2)
+        warnings.warn(
+            "a group of one response has zero advantage: the step leaves the policy unchanged "
+            "(only a KL term, beta > 0, can move it)",
+            stacklevel=2,
+        )
     recorder = PhaseRecorder(adapter.device)
     responses = responses[:members]
     age = state.age if state is not None else 0
 
     with undone_on_failure(model, state):  # a step that raises leaves no gradient for the next one to apply
         if mode == "naive":
+
             def scorer(y, scored_state=None):  # naive takes no state: it recomputes the prompt
                 with torch.no_grad():
                     return naive_logprobs(model, prompt_ids, y)
@@ -210,8 +237,9 @@ def grpo_step(model, prompt_ids, responses, rewards, optimizer, config: grpo.GRP
             if config.beta > 0:
                 with recorder.phase("ref_scoring"), reference_policy(model):
                     ref = [scorer(y, ref_state) for y in responses]
-            losses, logps, meter, k = _replay_and_backward(model, prompt_ids, state, responses, old, ref, advantages,
-                                                           weights, config, mode, recorder, options)
+            losses, logps, meter, k = _replay_and_backward(
+                model, prompt_ids, state, responses, old, ref, advantages, weights, config, mode, recorder, options
+            )
         if options.prefix_grad:
             with recorder.phase("prefix_backward"):
                 state.backward_prefix()
@@ -239,10 +267,12 @@ def grpo_step(model, prompt_ids, responses, rewards, optimizer, config: grpo.GRP
         "logp_mismatch": None if old_policy == "current" else logp_mismatch(logps, old),
         **({"logp_mismatch_sampler": logp_mismatch(logps, sampler_logps)} if sampler_logps is not None else {}),
         "phases": recorder.phases,
-        "stats": grpo.summarize_stats([
-            grpo.response_stats(lp.detach(), old[i], ref and ref[i], advantages[i], config)
-            for i, lp in enumerate(logps)
-        ]),
+        "stats": grpo.summarize_stats(
+            [
+                grpo.response_stats(lp.detach(), old[i], ref and ref[i], advantages[i], config)
+                for i, lp in enumerate(logps)
+            ]
+        ),
     }
     if state is not None:
         metrics["resident_bytes"] = state.nbytes
@@ -264,8 +294,9 @@ def old_source(old_logps, options: StepOptions) -> str:
     return "scored" if options.old_policy == "score" else "current"
 
 
-def check_step_inputs(adapter, prompt_ids, responses, options: StepOptions, state, ref_state, old_logps,
-                      sampler_logps) -> None:
+def check_step_inputs(
+    adapter, prompt_ids, responses, options: StepOptions, state, ref_state, old_logps, sampler_logps
+) -> None:
     """Everything a step can check before any work: the policy deterministic, the states the model's and the
     prompt's, the responses' ids (one sync) and positions, the given log-probs one [R_i] tensor per response."""
     check_deterministic(adapter.model)
@@ -277,9 +308,15 @@ def check_step_inputs(adapter, prompt_ids, responses, options: StepOptions, stat
     if ids.dtype not in (torch.int64, torch.int32) or ids.device != adapter.device:
         raise ValueError(f"responses: integer token ids on {adapter.device}, got {ids.dtype} on {ids.device}")
     check_vocabulary(ids, "responses", adapter)
-    limit = state.max_positions if state is not None else (
-        None if options.capture.get("beyond_max_positions") else getattr(adapter.config, "max_position_embeddings",
-                                                                          None) or None)
+    limit = (
+        state.max_positions
+        if state is not None
+        else (
+            None
+            if options.capture.get("beyond_max_positions")
+            else getattr(adapter.config, "max_position_embeddings", None) or None
+        )
+    )
     check_positions(prompt_ids.numel() - 1, max(r.numel() for r in responses), limit, "responses")
     for name, given in (("old_logps", old_logps), ("sampler_logps", sampler_logps)):
         if given is None:
@@ -289,8 +326,9 @@ def check_step_inputs(adapter, prompt_ids, responses, options: StepOptions, stat
         for i, (lp, r) in enumerate(zip(given, responses)):
             if not isinstance(lp, torch.Tensor) or lp.shape != r.shape:
                 shape = tuple(lp.shape) if isinstance(lp, torch.Tensor) else type(lp).__name__
-                raise ValueError(f"{name}[{i}]: one log-prob per token of response {i}, shape {tuple(r.shape)}, got "
-                                 f"{shape}")
+                raise ValueError(
+                    f"{name}[{i}]: one log-prob per token of response {i}, shape {tuple(r.shape)}, got {shape}"
+                )
 
 
 @contextmanager
@@ -302,8 +340,10 @@ def undone_on_failure(model, state: ResidentState | None = None):
     params = list(model.parameters())
     held = [p.grad for p in params if p.grad is not None]
     if held and int(torch.stack([g.count_nonzero() for g in held]).sum()):
-        raise ValueError("the model holds gradients from earlier work (non-zero .grad); a step applies its group's "
-                         "gradient alone: call optimizer.zero_grad() first")
+        raise ValueError(
+            "the model holds gradients from earlier work (non-zero .grad); a step applies its group's "
+            "gradient alone: call optimizer.zero_grad() first"
+        )
     had = {id(p) for p in params if p.grad is not None}
     try:
         yield
@@ -318,8 +358,9 @@ def undone_on_failure(model, state: ResidentState | None = None):
         raise
 
 
-def _replay_and_backward(model, prompt_ids, state, responses, old, ref, advantages, weights, config, mode, recorder,
-                         options: StepOptions):
+def _replay_and_backward(
+    model, prompt_ids, state, responses, old, ref, advantages, weights, config, mode, recorder, options: StepOptions
+):
     """Each response's loss and its gradient: replay (one graph per batch of `options.micro_batch` members),
     hold_all (all G graphs, one backward) or naive (HF's checkpointed forward over prompt + response, one
     at a time). Returns (detached losses, detached log-probs, the graph-bytes meter, the batch size used)."""
@@ -329,8 +370,10 @@ def _replay_and_backward(model, prompt_ids, state, responses, old, ref, advantag
     checkpoint_layers = options.checkpoint_layers
 
     def member_losses(members, logps_k):
-        return [grpo.response_loss(lp, old[i], ref and ref[i], advantages[i], weights[i], config)
-                for i, lp in zip(members, logps_k)]
+        return [
+            grpo.response_loss(lp, old[i], ref and ref[i], advantages[i], weights[i], config)
+            for i, lp in zip(members, logps_k)
+        ]
 
     with meter:
         if mode == "hold_all":
@@ -355,8 +398,13 @@ def _replay_and_backward(model, prompt_ids, state, responses, old, ref, advantag
         while start < len(responses):
             members = range(start, min(start + k, len(responses)))
             with recorder.phase("replay"):
-                logps_k = replay_members(model, state, [responses[i] for i in members],  # ids: check_step_inputs
-                                         checkpoint_layers=checkpoint_layers, ids_checked=True)
+                logps_k = replay_members(
+                    model,
+                    state,
+                    [responses[i] for i in members],  # ids: check_step_inputs
+                    checkpoint_layers=checkpoint_layers,
+                    ids_checked=True,
+                )
                 losses_k = member_losses(members, logps_k)
                 torch.stack(losses_k).sum().backward()
             losses += [l.detach() for l in losses_k]
@@ -386,8 +434,9 @@ def check_members(state: ResidentState) -> None:
 
 def logp_mismatch(logps, others) -> dict:
     """max and mean |a - b| over all tokens of paired log-prob tensors (float64 sums)."""
-    diffs = torch.cat([(a.detach().double() - b.detach().to(a.device).double()).abs().reshape(-1)
-                       for a, b in zip(logps, others)])
+    diffs = torch.cat(
+        [(a.detach().double() - b.detach().to(a.device).double()).abs().reshape(-1) for a, b in zip(logps, others)]
+    )
     return {"max": float(diffs.max()), "mean": float(diffs.mean())} if diffs.numel() else {"max": 0.0, "mean": 0.0}
 
 
@@ -405,7 +454,9 @@ def group_objective(responses, rewards, config: grpo.GRPOConfig, advantages=None
     else:
         advantages = torch.as_tensor(advantages, dtype=torch.float32)
         if advantages.shape != (len(responses),) or not bool(torch.isfinite(advantages).all()):
-            raise ValueError(f"advantages: {len(responses)} finite numbers, one per response, got {advantages.tolist()}")
+            raise ValueError(
+                f"advantages: {len(responses)} finite numbers, one per response, got {advantages.tolist()}"
+            )
     return rewards, advantages, grpo.token_weights([int(r.numel()) for r in responses], config)
 
 

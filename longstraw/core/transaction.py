@@ -63,9 +63,19 @@ def check_vocabulary(ids, name: str, adapter) -> None:
         raise ValueError(f"{name} has ids outside the vocabulary [0, {adapter.vocab_size}): min {low}, max {high}")
 
 
-def capture(model, prompt_ids, prefix_grad: bool = False, *, chunk_size: int | None = None, order: str = "auto",
-            memory_budget_bytes: int | None = None, progress: bool | None = None, cp=None,
-            host_pages: bool = False, beyond_max_positions: bool = False) -> ResidentState:
+def capture(
+    model,
+    prompt_ids,
+    prefix_grad: bool = False,
+    *,
+    chunk_size: int | None = None,
+    order: str = "auto",
+    memory_budget_bytes: int | None = None,
+    progress: bool | None = None,
+    cp=None,
+    host_pages: bool = False,
+    beyond_max_positions: bool = False,
+) -> ResidentState:
     """Evaluate the prompt once without autograd and keep only its resident state.
 
     `host_pages=True` (MLA family) keeps the latent and index-key pages in (pinned) host memory;
@@ -86,9 +96,11 @@ def capture(model, prompt_ids, prefix_grad: bool = False, *, chunk_size: int | N
     chunk = chunk_size or DEFAULT_CHUNK.get(device.type, 2048)
     limit = getattr(adapter.config, "max_position_embeddings", None)
     if limit and ids.numel() > limit and not beyond_max_positions:
-        raise ValueError(f"the prompt has {ids.numel()} tokens but the model was configured for at most {limit} "
-                         "positions (max_position_embeddings); pass beyond_max_positions=True "
-                         "(config: capture.beyond_max_positions) to capture it anyway")
+        raise ValueError(
+            f"the prompt has {ids.numel()} tokens but the model was configured for at most {limit} "
+            "positions (max_position_embeddings); pass beyond_max_positions=True "
+            "(config: capture.beyond_max_positions) to capture it anyway"
+        )
     if cp is not None:
         if host_pages:
             raise ValueError("host_pages=True is not implemented for a context-parallel capture")
@@ -103,15 +115,22 @@ def capture(model, prompt_ids, prefix_grad: bool = False, *, chunk_size: int | N
     host = {}
     if host_pages:
         if not adapter.supports_host_pages:
-            raise ValueError(f"host_pages=True: {adapter.config.model_type!r} models keep no host-resident pages "
-                             "(supported: the MLA family)")
+            raise ValueError(
+                f"host_pages=True: {adapter.config.model_type!r} models keep no host-resident pages "
+                "(supported: the MLA family)"
+            )
         if prefix_grad:
             raise ValueError("host_pages=True cannot be combined with prefix_grad=True (exact mode)")
         host = {"host": True}
     state = ResidentState(
         layers=[adapter.allocate_entry(i, positions, dtype, device, **host) for i in range(adapter.num_layers)],
-        positions=positions, last_token=int(ids[-1]), model_type=adapter.config.model_type,
-        predicted_bytes_per_position=per_position, predicted_constant_bytes=constant, dtype=dtype, device=device,
+        positions=positions,
+        last_token=int(ids[-1]),
+        model_type=adapter.config.model_type,
+        predicted_bytes_per_position=per_position,
+        predicted_constant_bytes=constant,
+        dtype=dtype,
+        device=device,
         max_positions=None if beyond_max_positions else (limit or None),
     )
     _bind(state, adapter, ids)
@@ -131,12 +150,13 @@ def capture(model, prompt_ids, prefix_grad: bool = False, *, chunk_size: int | N
             checkpoints[(i, start)] = (entry.conv_BCK1.clone(), entry.recurrent_BHDV.clone())
         return adapter.layer_forward(i, h, pe, entry, capturing=True)
 
-    progress_bar = CaptureProgress(positions if order == "chunk" else positions * adapter.num_layers, progress,
-                                   label=f"capture ({order}-major)")
+    progress_bar = CaptureProgress(
+        positions if order == "chunk" else positions * adapter.num_layers, progress, label=f"capture ({order}-major)"
+    )
     with torch.no_grad(), adapter.selected(), merged_lora_for_capture():
         if order == "chunk":
             for start in starts:
-                h = adapter.embed(ids[None, start:min(start + chunk, positions)])
+                h = adapter.embed(ids[None, start : min(start + chunk, positions)])
                 pe = adapter.position_embeddings(h, start)
                 for i, entry in enumerate(state.layers):
                     h = forward_layer(i, h, pe, entry, start)
@@ -146,9 +166,9 @@ def capture(model, prompt_ids, prefix_grad: bool = False, *, chunk_size: int | N
             for i, entry in enumerate(state.layers):
                 with merged_weights_kept():  # the layer's merged NF4 + LoRA weights, built once for its chunks
                     for start in starts:
-                        h = h_all[:, start:start + chunk]
+                        h = h_all[:, start : start + chunk]
                         pe = adapter.position_embeddings(h, start)
-                        h_all[:, start:start + chunk] = forward_layer(i, h, pe, entry, start)
+                        h_all[:, start : start + chunk] = forward_layer(i, h, pe, entry, start)
                 progress_bar.advance_to((i + 1) * positions, label=f"capture layer {i + 1}/{adapter.num_layers}")
             del h_all
     progress_bar.close()
@@ -183,12 +203,17 @@ def check_deterministic(model) -> None:
     draw their own masks, so the old-policy log-probs would not be the replay's and the on-policy ratio
     would no longer be 1."""
     for name, module in adapter_for(model).lm.named_modules():
-        p = module.p if isinstance(module, torch.nn.modules.dropout._DropoutNd) else \
-            getattr(module, "attention_dropout", 0.0)
+        p = (
+            module.p
+            if isinstance(module, torch.nn.modules.dropout._DropoutNd)
+            else getattr(module, "attention_dropout", 0.0)
+        )
         if module.training and isinstance(p, (int, float)) and p > 0:
-            raise ValueError(f"{name or 'the model'}: dropout p={p} is active (training mode), so scoring and replay "
-                             "would be random and the on-policy ratio no longer 1; use dropout 0 (LoRA: "
-                             "lora.dropout: 0) or put the model in eval mode (model.eval())")
+            raise ValueError(
+                f"{name or 'the model'}: dropout p={p} is active (training mode), so scoring and replay "
+                "would be random and the on-policy ratio no longer 1; use dropout 0 (LoRA: "
+                "lora.dropout: 0) or put the model in eval mode (model.eval())"
+            )
 
 
 def reuse_state(model, state: ResidentState) -> ResidentState:
@@ -206,20 +231,29 @@ def _default_budget(device) -> int:
     return 512 << 20
 
 
-def replay(model, state: ResidentState, response_ids, *, rows_per_chunk: int | None = None,
-           checkpoint_layers: bool = False) -> torch.Tensor:
+def replay(
+    model, state: ResidentState, response_ids, *, rows_per_chunk: int | None = None, checkpoint_layers: bool = False
+) -> torch.Tensor:
     """float32 [R] log p(y_t | prompt, y_<t) under autograd, computed on top of `state`.
 
     `checkpoint_layers=True`: whole-layer activation checkpointing (the paper replays so): each layer
     (`adapter.checkpoint_segments`) keeps only its input for the backward and recomputes its forward
     there, so the live graph is one layer's activations plus a hidden state per layer, for a second
     forward's time."""
-    return replay_members(model, state, [response_ids], rows_per_chunk=rows_per_chunk,
-                          checkpoint_layers=checkpoint_layers)[0]
+    return replay_members(
+        model, state, [response_ids], rows_per_chunk=rows_per_chunk, checkpoint_layers=checkpoint_layers
+    )[0]
 
 
-def replay_members(model, state: ResidentState, responses, *, rows_per_chunk: int | None = None,
-                   checkpoint_layers: bool = False, ids_checked: bool = False) -> list[torch.Tensor]:
+def replay_members(
+    model,
+    state: ResidentState,
+    responses,
+    *,
+    rows_per_chunk: int | None = None,
+    checkpoint_layers: bool = False,
+    ids_checked: bool = False,
+) -> list[torch.Tensor]:
     """`replay` of k responses as one batch: one float32 [R_i] tensor per response, under one graph.
 
     The responses are right-padded to the longest (a pad comes after every token of its row, so causally
@@ -237,9 +271,14 @@ def replay_members(model, state: ResidentState, responses, *, rows_per_chunk: in
     lengths = [t.numel() for t in targets]
     state.check_positions(max(lengths), "response_ids")
     longest = max(lengths)
-    inputs_BR = torch.stack([torch.nn.functional.pad(torch.cat([t.new_tensor([state.last_token]), t[:-1]]),
-                                                     (0, longest - t.numel()), value=state.last_token)
-                             for t in targets])
+    inputs_BR = torch.stack(
+        [
+            torch.nn.functional.pad(
+                torch.cat([t.new_tensor([state.last_token]), t[:-1]]), (0, longest - t.numel()), value=state.last_token
+            )
+            for t in targets
+        ]
+    )
     entries = state.layers if len(targets) == 1 else [members_view(e, len(targets)) for e in state.layers]
     with adapter.selected():
         h = adapter.embed(inputs_BR)
@@ -265,9 +304,11 @@ def members_view(entry, members: int):
 def check_members_entry(entry, members: int = 2) -> None:
     """Refuse an entry that several replayed sequences cannot read at once (it has no `for_members`)."""
     if not hasattr(entry, "for_members"):
-        raise ValueError(f"replaying {members} members as one batch: {type(entry).__name__} entries cannot be read "
-                         "by several sequences at once yet (attention pages and GDN states can); replay one member "
-                         "at a time (micro_batch 1)")
+        raise ValueError(
+            f"replaying {members} members as one batch: {type(entry).__name__} entries cannot be read "
+            "by several sequences at once yet (attention pages and GDN states can); replay one member "
+            "at a time (micro_batch 1)"
+        )
 
 
 def _checkpointed_layers(adapter, layers: range, h, pe, entries):

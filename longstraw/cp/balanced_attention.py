@@ -45,8 +45,9 @@ def computing_rank(chunk: int, world: int) -> int:
 
 
 @torch.no_grad()
-def balanced_capture_attention(q_1HSD, k_1KSD, v_1KSD, cp: CPGroup, bounds, scale: float,
-                               rows_per_call: int) -> torch.Tensor:
+def balanced_capture_attention(
+    q_1HSD, k_1KSD, v_1KSD, cp: CPGroup, bounds, scale: float, rows_per_call: int
+) -> torch.Tensor:
     """[1, H, S, Dv]: exact causal attention of this rank's shard queries `q_1HSD` over the whole prompt,
     the work spread as the module doc says; `k_1KSD`, `v_1KSD` are this rank's shard K/V. A chunk's
     queries go to the kernel `rows_per_call` at a time (the capture's chunk size), as a single-process
@@ -54,9 +55,14 @@ def balanced_capture_attention(q_1HSD, k_1KSD, v_1KSD, cp: CPGroup, bounds, scal
     ran 1.7x slower per FLOP than 1,024-row ones)."""
     k_all, v_all = gather_shards(cp, bounds, k_1KSD, v_1KSD)
     kernel, block = kernel_and_block("auto", q_1HSD, v_1KSD.shape[-1], None)
-    return zigzag_map(q_1HSD, 2, lambda q_1HTD, chunk: _chunk_attention(q_1HTD, k_all, v_all, chunk, scale, block,
-                                                                         kernel, rows_per_call),
-                      cp, bounds, v_1KSD.shape[-1])
+    return zigzag_map(
+        q_1HSD,
+        2,
+        lambda q_1HTD, chunk: _chunk_attention(q_1HTD, k_all, v_all, chunk, scale, block, kernel, rows_per_call),
+        cp,
+        bounds,
+        v_1KSD.shape[-1],
+    )
 
 
 def zigzag_map(x_own, dim: int, compute, cp: CPGroup, bounds, out_features: int) -> torch.Tensor:
@@ -79,8 +85,10 @@ def zigzag_map(x_own, dim: int, compute, cp: CPGroup, bounds, out_features: int)
 
     inputs = {c: own_rows(x_own, c).contiguous() for c in owned if computing_rank(c, world) == rank}
     incoming = {c: rows_like(x_own, c, x_own.shape[-1]) for c in mine if c // 2 != rank}
-    exchange(sends=[(own_rows(x_own, c), computing_rank(c, world)) for c in owned if computing_rank(c, world) != rank],
-             recvs=[(incoming[c], c // 2) for c in incoming])
+    exchange(
+        sends=[(own_rows(x_own, c), computing_rank(c, world)) for c in owned if computing_rank(c, world) != rank],
+        recvs=[(incoming[c], c // 2) for c in incoming],
+    )
     inputs.update(incoming)
     outputs = {c: compute(inputs[c], chunks[c]) for c in mine}
     out_own = x_own.new_empty(*x_own.shape[:-1], out_features)
@@ -88,8 +96,10 @@ def zigzag_map(x_own, dim: int, compute, cp: CPGroup, bounds, out_features: int)
         if computing_rank(c, world) == rank:
             own_rows(out_own, c).copy_(outputs[c])
     returned = {c: rows_like(out_own, c, out_features) for c in owned if computing_rank(c, world) != rank}
-    exchange(sends=[(outputs[c], c // 2) for c in mine if c // 2 != rank],
-             recvs=[(returned[c], computing_rank(c, world)) for c in returned])
+    exchange(
+        sends=[(outputs[c], c // 2) for c in mine if c // 2 != rank],
+        recvs=[(returned[c], computing_rank(c, world)) for c in returned],
+    )
     for c, part in returned.items():
         own_rows(out_own, c).copy_(part)
     return out_own
@@ -105,9 +115,17 @@ def _chunk_attention(q_1HTD, k_all, v_all, chunk, scale, block, kernel, rows_per
     with timer.call(flops) if timer is not None else nullcontext():
         for start in range(a, b, rows_per_call):
             end = min(start + rows_per_call, b)
-            q_part = q_1HTD[:, :, start - a:end - a].contiguous()
-            out, _ = attention_partial(q_part, k_all[:, :, :start], v_all[:, :, :start], k_all[:, :, start:end],
-                                       v_all[:, :, start:end], scale, block, kernel)
+            q_part = q_1HTD[:, :, start - a : end - a].contiguous()
+            out, _ = attention_partial(
+                q_part,
+                k_all[:, :, :start],
+                v_all[:, :, :start],
+                k_all[:, :, start:end],
+                v_all[:, :, start:end],
+                scale,
+                block,
+                kernel,
+            )
             parts.append(out.to(q_1HTD.dtype))
     return torch.cat(parts, dim=2)
 

@@ -38,8 +38,9 @@ from longstraw.measure.progress import CaptureProgress
 from longstraw.state import AttentionPages, LatentPages, RecurrentState
 
 
-def capture_sharded(model, ids: torch.Tensor, cp: CPGroup, chunk: int, progress: bool | None = None,
-                    checkpoints: dict | None = None) -> ShardedResidentState:
+def capture_sharded(
+    model, ids: torch.Tensor, cp: CPGroup, chunk: int, progress: bool | None = None, checkpoints: dict | None = None
+) -> ShardedResidentState:
     """This rank's share of the resident state of `ids` (validated 1-D prompt ids). The last rank,
     which finishes last, shows the progress bar. `checkpoints` (exact mode) receives each GDN layer's
     state at the start of each of this shard's chunks, keyed (layer, position)."""
@@ -47,8 +48,10 @@ def capture_sharded(model, ids: torch.Tensor, cp: CPGroup, chunk: int, progress:
     device, dtype = adapter.device, adapter.compute_dtype
     positions = ids.numel() - 1
     if positions < cp.world:
-        raise ValueError(f"a prompt of {ids.numel()} tokens leaves {positions} resident positions, fewer than the "
-                         f"{cp.world} context-parallel ranks; use a longer prompt or a smaller cp_size")
+        raise ValueError(
+            f"a prompt of {ids.numel()} tokens leaves {positions} resident positions, fewer than the "
+            f"{cp.world} context-parallel ranks; use a longer prompt or a smaller cp_size"
+        )
     if device != cp.device:
         raise ValueError(f"the model is on {device} but this context-parallel rank runs on {cp.device}")
     bounds = tuple(shard_bounds(positions, cp.world))
@@ -61,17 +64,29 @@ def capture_sharded(model, ids: torch.Tensor, cp: CPGroup, chunk: int, progress:
         elif isinstance(entry, LatentPages):
             entry = ShardLatentPages(entry.kv_11PE, entry.index_1PI, entry.kv_lora_rank, cp=cp, bounds=bounds)
         elif not isinstance(entry, RecurrentState):
-            raise ValueError(f"{adapter.config.model_type!r} keeps {type(entry).__name__} entries, which have no "
-                             "context-parallel form")
+            raise ValueError(
+                f"{adapter.config.model_type!r} keeps {type(entry).__name__} entries, which have no "
+                "context-parallel form"
+            )
         layers.append(entry)
     per_position, constant = adapter.predicted_bytes(dtype)
     state = ShardedResidentState(
-        layers=layers, positions=positions, last_token=int(ids[-1]), model_type=adapter.config.model_type,
-        predicted_bytes_per_position=per_position, predicted_constant_bytes=constant, dtype=dtype, device=device,
-        cp=cp, shard=(start, end),
+        layers=layers,
+        positions=positions,
+        last_token=int(ids[-1]),
+        model_type=adapter.config.model_type,
+        predicted_bytes_per_position=per_position,
+        predicted_constant_bytes=constant,
+        dtype=dtype,
+        device=device,
+        cp=cp,
+        shard=(start, end),
     )
-    progress_bar = CaptureProgress((end - start) * len(layers), progress if cp.is_last else False,
-                                   label=f"capture (rank {cp.rank + 1}/{cp.world}, layer-major)")
+    progress_bar = CaptureProgress(
+        (end - start) * len(layers),
+        progress if cp.is_last else False,
+        label=f"capture (rank {cp.rank + 1}/{cp.world}, layer-major)",
+    )
     with torch.no_grad(), adapter.selected():
         h = adapter.embed(ids[None, start:end])
         for i, entry in enumerate(layers):
@@ -84,9 +99,10 @@ def capture_sharded(model, ids: torch.Tensor, cp: CPGroup, chunk: int, progress:
                 for c0 in range(0, end - start, chunk):
                     if checkpoints is not None:
                         checkpoints[(i, start + c0)] = (entry.conv_BCK1.clone(), entry.recurrent_BHDV.clone())
-                    h_c = h[:, c0:c0 + chunk]
-                    h[:, c0:c0 + chunk] = adapter.layer_forward(i, h_c, adapter.position_embeddings(h_c, start + c0),
-                                                                entry, capturing=True)
+                    h_c = h[:, c0 : c0 + chunk]
+                    h[:, c0 : c0 + chunk] = adapter.layer_forward(
+                        i, h_c, adapter.position_embeddings(h_c, start + c0), entry, capturing=True
+                    )
                     progress_bar.advance_to(i * (end - start) + c0 + h_c.shape[1])
             progress_bar.advance_to((i + 1) * (end - start))
         progress_bar.close()
@@ -107,14 +123,15 @@ def _attention_layer(adapter, i: int, h, pages: ShardPages, start: int, chunk: i
     layer, shard = adapter.layers[i], h.shape[1]
     pages.phase = "collect"
     for c0 in range(0, shard, chunk):
-        h_c = h[:, c0:c0 + chunk]
+        h_c = h[:, c0 : c0 + chunk]
         adapter.mix(i, layer.input_layernorm(h_c), adapter.position_embeddings(h_c, start + c0), pages, True)
-    pages.outputs = balanced_capture_attention(pages.queries, *pages.filled(), pages.cp, pages.bounds, pages.scale,
-                                               chunk)
+    pages.outputs = balanced_capture_attention(
+        pages.queries, *pages.filled(), pages.cp, pages.bounds, pages.scale, chunk
+    )
     pages.phase, pages.queries, pages.cursor = "provide", None, 0
     for c0 in range(0, shard, chunk):
-        h_c = h[:, c0:c0 + chunk]
-        h[:, c0:c0 + chunk] = adapter.layer_forward(i, h_c, adapter.position_embeddings(h_c, start + c0), pages,
-                                                    capturing=True)
+        h_c = h[:, c0 : c0 + chunk]
+        h[:, c0 : c0 + chunk] = adapter.layer_forward(
+            i, h_c, adapter.position_embeddings(h_c, start + c0), pages, capturing=True
+        )
     pages.phase, pages.outputs = None, None
-

@@ -59,7 +59,7 @@ def enter_gdn_layer(adapter, i: int, h_BTH, state: RecurrentState, cp: CPGroup, 
         packed = torch.zeros(1, Hv, Dk, Dk + Dv, dtype=dtype, device=h_BTH.device)
     else:
         packed = torch.cat(shard_transition_of_layer(layer, module, project, h_BTH, conv_in, chunk), dim=-1)
-    transitions = [part.split([Dk, Dv], dim=-1) for part in cp.all_gather(packed)[:cp.rank + 1]]
+    transitions = [part.split([Dk, Dv], dim=-1) for part in cp.all_gather(packed)[: cp.rank + 1]]
     state.conv_BCK1.copy_(conv_in)
     state.recurrent_BHDV.copy_(incoming_states(transitions)[cp.rank])
 
@@ -78,9 +78,9 @@ def previous_conv_inputs(layer, module, project, h_BTH, conv_BCK1, cp: CPGroup, 
         cp.shift_(tail_BCT, received)
         return received
     padded = conv_BCK1.new_zeros(conv_BCK1.shape)  # right-aligned: a shorter shard's tail is all of it
-    padded[..., K1 - tail_BCT.shape[-1]:] = tail_BCT
+    padded[..., K1 - tail_BCT.shape[-1] :] = tail_BCT
     parts = cp.all_gather(padded)
-    earlier = [part[..., K1 - min(K1, e - s):] for part, (s, e) in zip(parts[:cp.rank], bounds)]
+    earlier = [part[..., K1 - min(K1, e - s) :] for part, (s, e) in zip(parts[: cp.rank], bounds)]
     return torch.cat([conv_BCK1.new_zeros(conv_BCK1.shape), *earlier], dim=-1)[..., -K1:].contiguous()
 
 
@@ -89,7 +89,7 @@ def shard_transition_of_layer(layer, module, project, h_BTH, conv_in, chunk: int
     `chunk` positions at a time, as the capture runs the layer."""
     transition, conv = None, conv_in
     for c0 in range(0, h_BTH.shape[1], chunk):
-        x_BTH = layer.input_layernorm(h_BTH[:, c0:c0 + chunk])
+        x_BTH = layer.input_layernorm(h_BTH[:, c0 : c0 + chunk])
         q, k, v, g, beta, _, conv = gdn_rule_inputs(module, project, x_BTH, conv)
         transition = shard_transition(q, k, v, g, beta, transition)
     return transition

@@ -118,12 +118,16 @@ def context_parallel(cp_size, device_type: str = "cpu") -> CPGroup | None:
     if "WORLD_SIZE" not in os.environ:
         if cp_size == 1:
             return None
-        raise ValueError(f"cp_size={cp_size} needs {cp_size} processes: launch with `torchrun --nproc-per-node "
-                         f"{cp_size} -m longstraw ...` (WORLD_SIZE is unset: this is a single process)")
+        raise ValueError(
+            f"cp_size={cp_size} needs {cp_size} processes: launch with `torchrun --nproc-per-node "
+            f"{cp_size} -m longstraw ...` (WORLD_SIZE is unset: this is a single process)"
+        )
     world = int(os.environ["WORLD_SIZE"])
     if world != cp_size:
-        raise ValueError(f"cp_size={cp_size} but the job was launched with WORLD_SIZE={world}; "
-                         f"launch with `torchrun --nproc-per-node {cp_size}` or set cp_size={world}")
+        raise ValueError(
+            f"cp_size={cp_size} but the job was launched with WORLD_SIZE={world}; "
+            f"launch with `torchrun --nproc-per-node {cp_size}` or set cp_size={world}"
+        )
     if device_type == "cuda":
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         torch.cuda.set_device(local_rank)
@@ -136,8 +140,10 @@ def context_parallel(cp_size, device_type: str = "cpu") -> CPGroup | None:
     if not dist.is_initialized():
         dist.init_process_group(backend, init_method="env://")
     elif dist.get_backend() != backend:
-        raise ValueError(f"torch.distributed is already initialised with {dist.get_backend()!r}, "
-                         f"but {device_type} tensors need {backend!r}")
+        raise ValueError(
+            f"torch.distributed is already initialised with {dist.get_backend()!r}, "
+            f"but {device_type} tensors need {backend!r}"
+        )
     if _GROUP is None:
         _GROUP = CPGroup(rank=dist.get_rank(), world=dist.get_world_size(), device=device)
     return _GROUP

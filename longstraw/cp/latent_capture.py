@@ -33,7 +33,7 @@ def capture_latent_layer(adapter, i: int, h_1SH, pages, cp: CPGroup, bounds, chu
     `pages` (a `ShardLatentPages`) and returns the layer's outputs for the shard."""
     layer, attn, start = adapter.layers[i], adapter.attns[i], bounds[cp.rank][0]
     for c0 in range(0, h_1SH.shape[1], chunk):
-        h_c = h_1SH[:, c0:c0 + chunk]
+        h_c = h_1SH[:, c0 : c0 + chunk]
         pages.append(*mla_page_entries(attn, layer.input_layernorm(h_c), adapter.position_embeddings(h_c, start + c0)))
     kv_11NE, index_1NI = pages.filled()
     gathered = gather_shards(cp, bounds, kv_11NE, *([] if index_1NI is None else [index_1NI[:, None]]))
@@ -44,9 +44,10 @@ def capture_latent_layer(adapter, i: int, h_1SH, pages, cp: CPGroup, bounds, chu
         for a in range(span[0], span[1], chunk):
             b = min(a + chunk, span[1])
             whole.length = a  # the pages before the chunk; the layer writes the chunk's own
-            h_c = h_1TH[:, a - span[0]:b - span[0]]
-            out_1TH[:, a - span[0]:b - span[0]] = adapter.layer_forward(i, h_c, adapter.position_embeddings(h_c, a),
-                                                                        whole, capturing=True)
+            h_c = h_1TH[:, a - span[0] : b - span[0]]
+            out_1TH[:, a - span[0] : b - span[0]] = adapter.layer_forward(
+                i, h_c, adapter.position_embeddings(h_c, a), whole, capturing=True
+            )
         return out_1TH
 
     return zigzag_map(h_1SH, 1, run_chunk, cp, bounds, h_1SH.shape[-1])

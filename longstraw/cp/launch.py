@@ -29,8 +29,14 @@ def free_port() -> int:
 
 
 def _rank_main(rank, world, port, fn, args, results, forked):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     # the ranks share this machine's cores; a forked rank keeps one thread: GNU OpenMP's pool does not survive
     # a fork, and a forked child that runs a multi-threaded op after its parent did hangs
     torch.set_num_threads(1 if forked else max(1, (os.cpu_count() or 1) // world))
@@ -52,8 +58,10 @@ def run_ranks(fn, world: int, *args, timeout: float = 300.0, start_method: str =
     ctx = mp.get_context(start_method)
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, fn, args, results, start_method == "fork"))
-             for r in range(world)]
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, world, port, fn, args, results, start_method == "fork"))
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     out, failures = {}, []

@@ -95,27 +95,45 @@ CALIBRATION = {
 CP_CALIBRATION = "context_parallel/positions-2097152.json"  # hybrid-1b, 2 ranks, pipeline: eta and the residual
 # the measured rows: (role, result file under RECORDED, what it is used for)
 MEASURED = [
-    ("calibration", "operating_points/positions-4456448-cycles-8.json",
-     "s and c of hybrid-1b (attention seconds per FLOP, other seconds per position)"),
+    (
+        "calibration",
+        "operating_points/positions-4456448-cycles-8.json",
+        "s and c of hybrid-1b (attention seconds per FLOP, other seconds per position)",
+    ),
     ("check", "validation/operating-point-2097152.json", "single-GPU capture at the other length"),
-    ("calibration", "architectures/qwen3.6-27b-shape-nf4-1048576.json",
-     "s and c of the 27B shape (status partial: its capture completed, a later step was cut off)"),
+    (
+        "calibration",
+        "architectures/qwen3.6-27b-shape-nf4-1048576.json",
+        "s and c of the 27B shape (status partial: its capture completed, a later step was cut off)",
+    ),
     ("check", "architectures/qwen3.6-27b-shape-nf4.json", "single-GPU capture at the other length"),
-    ("calibration, check", CP_CALIBRATION,
-     "eta (its rank-0 attention rate) and the pipeline residual (its capture seconds); model_seconds: the model "
-     "without any 2-rank run (leave-one-out)"),
-    ("check", "context_parallel/positions-4456448-cycles-8.json",
-     "recorded before the capture went chunk by chunk through attention layers (91927b9); model_seconds: the "
-     "model without any 2-rank run"),
-    ("not comparable", "context_parallel/qwen3.6-27b-shape-nf4-524288.json",
-     "recorded before cuDNN's forward at head dim 256 (04af329) and LoRA over NF4 as one GEMM (d229741), "
-     "when one GPU took 291 s at this length (that file's version in 97860f0); the calibration is after them"),
+    (
+        "calibration, check",
+        CP_CALIBRATION,
+        "eta (its rank-0 attention rate) and the pipeline residual (its capture seconds); model_seconds: the model "
+        "without any 2-rank run (leave-one-out)",
+    ),
+    (
+        "check",
+        "context_parallel/positions-4456448-cycles-8.json",
+        "recorded before the capture went chunk by chunk through attention layers (91927b9); model_seconds: the "
+        "model without any 2-rank run",
+    ),
+    (
+        "not comparable",
+        "context_parallel/qwen3.6-27b-shape-nf4-524288.json",
+        "recorded before cuDNN's forward at head dim 256 (04af329) and LoRA over NF4 as one GEMM (d229741), "
+        "when one GPU took 291 s at this length (that file's version in 97860f0); the calibration is after them",
+    ),
 ]
 PREDICTED = [("hybrid-1b", 2_097_152, n) for n in (2, 4, 8, 32)] + [
-    ("qwen3.6-27b-shape", 2_097_152, 8), ("qwen3.6-27b-shape", 4_456_448, 8)]
+    ("qwen3.6-27b-shape", 2_097_152, 8),
+    ("qwen3.6-27b-shape", 4_456_448, 8),
+]
 
 
 # ------------------------------------------------------------------------------------------ shape
+
 
 @dataclass(frozen=True)
 class Shape:
@@ -137,15 +155,24 @@ class Shape:
     def of(cls, model: str) -> "Shape":
         preset = PRESETS[model]
         if preset.model_type != "qwen3_5":
-            raise ValueError(f"the CP scaling model covers the qwen3_5 hybrid layout; {model!r} is "
-                             f"{preset.model_type!r}")
+            raise ValueError(
+                f"the CP scaling model covers the qwen3_5 hybrid layout; {model!r} is {preset.model_type!r}"
+            )
         c = preset.config
         types = tuple(c.get("layer_types") or ["full_attention"] * c["num_hidden_layers"])
-        return cls(types, c["hidden_size"], c["intermediate_size"], c["num_attention_heads"],
-                   c["num_key_value_heads"], c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"],
-                   c.get("linear_num_key_heads", 0), c.get("linear_num_value_heads", 0),
-                   c.get("linear_key_head_dim", 0), c.get("linear_value_head_dim", 0),
-                   c.get("linear_conv_kernel_dim", 0))
+        return cls(
+            types,
+            c["hidden_size"],
+            c["intermediate_size"],
+            c["num_attention_heads"],
+            c["num_key_value_heads"],
+            c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"],
+            c.get("linear_num_key_heads", 0),
+            c.get("linear_num_value_heads", 0),
+            c.get("linear_key_head_dim", 0),
+            c.get("linear_value_head_dim", 0),
+            c.get("linear_conv_kernel_dim", 0),
+        )
 
     def is_attention(self, i: int) -> bool:
         return self.layer_types[i] == "full_attention"
@@ -227,8 +254,9 @@ def pipeline_received_bytes(shape: Shape, positions: int, ranks: int, rank: int)
     the previous rank's state per GDN layer (rank 0: none)."""
     bounds = shard_bounds(positions, ranks)
     gdn = len(shape.layer_types) - shape.attention_layers
-    return (shape.attention_layers * sum(e - s for s, e in bounds[:rank]) * shape.kv_bytes
-            + (gdn * shape.state_bytes if rank else 0))
+    return shape.attention_layers * sum(e - s for s, e in bounds[:rank]) * shape.kv_bytes + (
+        gdn * shape.state_bytes if rank else 0
+    )
 
 
 def balanced_layer_bytes(shape: Shape, positions: int, ranks: int, rank: int, attention: bool) -> int:
@@ -258,11 +286,13 @@ def balanced_layer_bytes(shape: Shape, positions: int, ranks: int, rank: int, at
 
 
 def bandwidth(ranks: int, calibration: "Calibration") -> float:
-    return calibration.intra_node_bytes_per_second if ranks <= GPUS_PER_NODE else \
-        calibration.inter_node_bytes_per_second
+    return (
+        calibration.intra_node_bytes_per_second if ranks <= GPUS_PER_NODE else calibration.inter_node_bytes_per_second
+    )
 
 
 # ------------------------------------------------------------------------------------ calibration
+
 
 @dataclass(frozen=True)
 class Rates:
@@ -326,11 +356,15 @@ def calibrate(root=RECORDED, cp: bool = True) -> Calibration:
 
 
 def positions_of(result: dict) -> int:
-    return capture_record(result)["positions"] if "capture" in result.get("metrics", {}) else \
-        result["config"]["prompt"]["length"] - 1
+    return (
+        capture_record(result)["positions"]
+        if "capture" in result.get("metrics", {})
+        else result["config"]["prompt"]["length"] - 1
+    )
 
 
 # ------------------------------------------------------------------------------------------ model
+
 
 def _work(rates: Rates, u: float, n: int, repeat: float, flops: int, eta: float) -> tuple[float, float]:
     """(attention seconds, other seconds) of one layer on one rank."""
@@ -372,8 +406,13 @@ def pipeline_seconds(shape: Shape, rates: Rates, positions: int, ranks: int, cal
     broadcast = (len(shape.layer_types) - shape.attention_layers) * shape.state_bytes / bw if ranks > 1 else 0.0
     communication = pipeline_received_bytes(shape, positions, ranks, last) / bw + broadcast
     seconds = done[last] + broadcast
-    return {"attention_seconds": attention, "other_seconds": other, "communication_seconds": communication,
-            "waiting_seconds": seconds - attention - other - communication, "modelled_seconds": seconds}
+    return {
+        "attention_seconds": attention,
+        "other_seconds": other,
+        "communication_seconds": communication,
+        "waiting_seconds": seconds - attention - other - communication,
+        "modelled_seconds": seconds,
+    }
 
 
 def balanced_seconds(shape: Shape, rates: Rates, positions: int, ranks: int, calibration: Calibration) -> dict:
@@ -387,8 +426,11 @@ def balanced_seconds(shape: Shape, rates: Rates, positions: int, ranks: int, cal
         total, repeated = shape.layer_linear(i)
         works = []
         for r, (start, end) in enumerate(bounds):
-            flops = sum(shape.attention_flops(chunks[c][1] - chunks[c][0], chunks[c][0])
-                        for c in balanced_chunks(r, ranks)) if is_attention else 0
+            flops = (
+                sum(shape.attention_flops(chunks[c][1] - chunks[c][0], chunks[c][0]) for c in balanced_chunks(r, ranks))
+                if is_attention
+                else 0
+            )
             repeats = ranks > 1 and (is_attention or r < ranks - 1)  # the last rank skips the transition pass
             works.append(_work(rates, u, end - start, repeated / total if repeats else 0.0, flops, 1.0))
         comm = max(balanced_layer_bytes(shape, positions, ranks, r, is_attention) for r in range(ranks)) / bw
@@ -396,12 +438,23 @@ def balanced_seconds(shape: Shape, rates: Rates, positions: int, ranks: int, cal
         attention, other, communication = attention + works[0][0], other + works[0][1], communication + comm
     broadcast = (len(shape.layer_types) - shape.attention_layers) * shape.state_bytes / bw if ranks > 1 else 0.0
     seconds, communication = seconds + broadcast, communication + broadcast
-    return {"attention_seconds": attention, "other_seconds": other, "communication_seconds": communication,
-            "waiting_seconds": seconds - attention - other - communication, "modelled_seconds": seconds}
+    return {
+        "attention_seconds": attention,
+        "other_seconds": other,
+        "communication_seconds": communication,
+        "waiting_seconds": seconds - attention - other - communication,
+        "modelled_seconds": seconds,
+    }
 
 
-def predict(model: str, length: int, ranks: int, schedule: str = "balanced", calibration: Calibration | None = None,
-            prompt: bool = True) -> dict:
+def predict(
+    model: str,
+    length: int,
+    ranks: int,
+    schedule: str = "balanced",
+    calibration: Calibration | None = None,
+    prompt: bool = True,
+) -> dict:
     """Capture seconds of `model` over `ranks` ranks and its terms. `length`: the prompt's tokens
     (`prompt=True`, P = length - 1 resident positions, as a point's `prompt.length`) or P itself."""
     if schedule not in SCHEDULES:
@@ -411,15 +464,25 @@ def predict(model: str, length: int, ranks: int, schedule: str = "balanced", cal
     if ranks < 1 or positions < ranks:
         raise ValueError(f"{positions} positions over {ranks} ranks: need 1 <= ranks <= positions")
     shape, rates = Shape.of(model), calibration.rates[model]
-    terms = (pipeline_seconds if schedule == "pipeline" else balanced_seconds)(shape, rates, positions, ranks,
-                                                                                calibration)
-    residual = terms["modelled_seconds"] * calibration.pipeline_residual if schedule == "pipeline" and ranks > 1 \
-        else 0.0
-    return {"model": model, "positions": positions, "cp_size": ranks, "schedule": schedule, **terms,
-            "residual_seconds": residual, "capture_seconds": terms["modelled_seconds"] + residual}
+    terms = (pipeline_seconds if schedule == "pipeline" else balanced_seconds)(
+        shape, rates, positions, ranks, calibration
+    )
+    residual = (
+        terms["modelled_seconds"] * calibration.pipeline_residual if schedule == "pipeline" and ranks > 1 else 0.0
+    )
+    return {
+        "model": model,
+        "positions": positions,
+        "cp_size": ranks,
+        "schedule": schedule,
+        **terms,
+        "residual_seconds": residual,
+        "capture_seconds": terms["modelled_seconds"] + residual,
+    }
 
 
 # ------------------------------------------------------------------------------------------ table
+
 
 def _rel(path: Path) -> str:
     try:
@@ -437,11 +500,20 @@ def measured_row(result: dict, role: str, use: str, file: Path, held_out: Calibr
     else:  # a validation point: its V1 step's capture
         evidence = result["metrics"]["paths"][0]["levels"][0]["evidence"]
         seconds, positions = evidence["capture_seconds"], result["config"]["prompt"]["length"] - 1
-    row = {"source": "measured", "point": f"{file.parent.name}/{file.stem}", "model": model_of(result),
-           "prompt_length": result["config"]["prompt"]["length"], "cp_size": ranks,
-           "schedule": "pipeline" if ranks > 1 else "one GPU", "capture_seconds": seconds, "role": role,
-           "basis": use, "result_file": _rel(file), "commit": str(result["provenance"].get("commit", ""))[:7],
-           "status": result.get("status")}
+    row = {
+        "source": "measured",
+        "point": f"{file.parent.name}/{file.stem}",
+        "model": model_of(result),
+        "prompt_length": result["config"]["prompt"]["length"],
+        "cp_size": ranks,
+        "schedule": "pipeline" if ranks > 1 else "one GPU",
+        "capture_seconds": seconds,
+        "role": role,
+        "basis": use,
+        "result_file": _rel(file),
+        "commit": str(result["provenance"].get("commit", ""))[:7],
+        "status": result.get("status"),
+    }
     if ranks == 1 and "capture" in result["metrics"]:  # the AttentionTimer's split (a CP run's is rank 0's only)
         row["attention_seconds"] = capture_record(result)["capture_attention"]["seconds"]
         row["other_seconds"] = seconds - row["attention_seconds"]
@@ -459,28 +531,44 @@ def inputs_text(model: str, schedule: str, ranks: int, calibration: Calibration)
     rates = calibration.rates[model]
     text = f"s, c: {rates.source}" if rates.source else "s, c: given"
     if schedule == "pipeline" and calibration.pipeline_attention_efficiency != 1.0:
-        text += (f"; eta {calibration.pipeline_attention_efficiency:.3f} and residual "
-                 f"{calibration.pipeline_residual:+.3f}: {CP_CALIBRATION}")
+        text += (
+            f"; eta {calibration.pipeline_attention_efficiency:.3f} and residual "
+            f"{calibration.pipeline_residual:+.3f}: {CP_CALIBRATION}"
+        )
     where = "within a node" if ranks <= GPUS_PER_NODE else "between nodes"
     return text + f"; links {bandwidth(ranks, calibration) / 1e9:.0f} GB/s ({where}, nominal)"
 
 
 def predicted_row(model: str, length: int, ranks: int, schedule: str, calibration: Calibration) -> dict:
     p = predict(model, length, ranks, schedule, calibration)
-    return {"source": "predicted", "point": f"{model} {length:,} / {ranks} {schedule}", "model": model,
-            "prompt_length": length, "cp_size": ranks, "schedule": schedule, "capture_seconds": p["capture_seconds"],
-            "attention_seconds": p["attention_seconds"], "other_seconds": p["other_seconds"],
-            "waiting_seconds": p["waiting_seconds"], "communication_seconds": p["communication_seconds"],
-            "residual_seconds": p["residual_seconds"], "fits_ten_minutes": p["capture_seconds"] <= TEN_MINUTES,
-            "role": "prediction", "basis": inputs_text(model, schedule, ranks, calibration)}
+    return {
+        "source": "predicted",
+        "point": f"{model} {length:,} / {ranks} {schedule}",
+        "model": model,
+        "prompt_length": length,
+        "cp_size": ranks,
+        "schedule": schedule,
+        "capture_seconds": p["capture_seconds"],
+        "attention_seconds": p["attention_seconds"],
+        "other_seconds": p["other_seconds"],
+        "waiting_seconds": p["waiting_seconds"],
+        "communication_seconds": p["communication_seconds"],
+        "residual_seconds": p["residual_seconds"],
+        "fits_ten_minutes": p["capture_seconds"] <= TEN_MINUTES,
+        "role": "prediction",
+        "basis": inputs_text(model, schedule, ranks, calibration),
+    }
 
 
 def predictions(calibration: Calibration | None = None) -> list[dict]:
     """The predicted rows: hybrid-1b at 2,097,152 over 2, 4, 8, 32 ranks, the 27B shape at 2,097,152 and
     4,456,448 over 8, each schedule."""
     calibration = calibration or calibrate()
-    return [predicted_row(model, length, ranks, schedule, calibration)
-            for model, length, ranks in PREDICTED for schedule in SCHEDULES]
+    return [
+        predicted_row(model, length, ranks, schedule, calibration)
+        for model, length, ranks in PREDICTED
+        for schedule in SCHEDULES
+    ]
 
 
 def measured(root=RECORDED) -> list[dict]:
@@ -498,5 +586,8 @@ def table_rows(root=RECORDED) -> list[dict]:
 
 def checks(root=RECORDED) -> list[dict]:
     """The held-out checks: each measured row the model did not see, with its relative error."""
-    return [{**row, "relative_error": row["model_over_measured_ratio"] - 1} for row in measured(root)
-            if "check" in row["role"]]
+    return [
+        {**row, "relative_error": row["model_over_measured_ratio"] - 1}
+        for row in measured(root)
+        if "check" in row["role"]
+    ]

@@ -21,8 +21,13 @@ from __future__ import annotations
 
 import torch
 
-from longstraw.kernels.paged_attention import (attention_partial, attention_partial_backward, decode_partial, kernel_and_block,
-                                 lse_merge_)
+from longstraw.kernels.paged_attention import (
+    attention_partial,
+    attention_partial_backward,
+    decode_partial,
+    kernel_and_block,
+    lse_merge_,
+)
 
 
 def sharded_attention(q_BHRD, k_BKRD, v_BKRD, pages, scale: float) -> torch.Tensor:
@@ -89,8 +94,11 @@ class _ShardedAttention(torch.autograd.Function):
         acc = lse_BHR.dtype
         # one all-reduce: dq sums every rank's pages' share; the live grads exist on the last rank only
         inputs, needs = (q_BHRD, k_BKRD, v_BKRD), (need_q, need_kl, need_vl)
-        shares = [(g if g is not None else torch.zeros(x.shape, device=x.device)).to(acc)
-                  for g, x, need in zip((dq, dk_l, dv_l), inputs, needs) if need]
+        shares = [
+            (g if g is not None else torch.zeros(x.shape, device=x.device)).to(acc)
+            for g, x, need in zip((dq, dk_l, dv_l), inputs, needs)
+            if need
+        ]
         totals = iter(cp.all_reduce_together(shares) if shares else ())
         out = [next(totals).to(x.dtype) if need else None for x, need in zip(inputs, needs)]
         pages = [g.to(p.dtype) if need else None for g, p, need in zip((dk_p, dv_p), ctx.pages, (need_kp, need_vp))]

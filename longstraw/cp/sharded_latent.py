@@ -29,8 +29,12 @@ import torch
 
 from longstraw.cp.sharded_attention import merge_ranks, sharded_attention_over
 from longstraw.kernels.dsa_topk import key_positions, ranked_decode_keys, ranked_keys
-from longstraw.kernels.latent_attention import (ROWS_PER_BLOCK, sparse_decode_partial, sparse_partial,
-                                                sparse_partial_backward)
+from longstraw.kernels.latent_attention import (
+    ROWS_PER_BLOCK,
+    sparse_decode_partial,
+    sparse_partial,
+    sparse_partial_backward,
+)
 from longstraw.kernels.paged_attention import decode_partial
 
 _NO_KEY = torch.iinfo(torch.int64).min  # pads a proposal shorter than k: below every selection key
@@ -54,11 +58,20 @@ def sharded_latent_attention(q_1HTE, live_11TE, pages, *, rank: int, scale: floa
     the causal live entries; only the selected ones (global positions) when `selection_TK` is given."""
     kv_11NE = pages.filled()[0]
     if selection_TK is None:
-        return sharded_attention_over(q_1HTE, live_11TE, live_11TE[..., :rank], kv_11NE, kv_11NE[..., :rank], scale,
-                                      pages.cp)
+        return sharded_attention_over(
+            q_1HTE, live_11TE, live_11TE[..., :rank], kv_11NE, kv_11NE[..., :rank], scale, pages.cp
+        )
     start, end = pages.bounds[pages.cp.rank]
-    out_HTC = _ShardedSparseLatent.apply(q_1HTE[0], kv_11NE[0, 0], live_11TE[0, 0], selection_TK, rank, float(scale),
-                                         pages.cp, (start, end, pages.bounds[-1][1]))
+    out_HTC = _ShardedSparseLatent.apply(
+        q_1HTE[0],
+        kv_11NE[0, 0],
+        live_11TE[0, 0],
+        selection_TK,
+        rank,
+        float(scale),
+        pages.cp,
+        (start, end, pages.bounds[-1][1]),
+    )
     return out_HTC[None]
 
 
@@ -70,8 +83,9 @@ def sharded_select_topk_decode(index, pages, own) -> torch.Tensor:
     P, B, N = bounds[-1][1], index.q_THI.shape[0], own.length
     k = min(index.topk, P + N)
     own_keys = own.filled()[1] if cp.is_last else None
-    keys_BN = ranked_decode_keys(index.q_THI, index.w_TH, pages.filled()[1][0], bounds[cp.rank][0], own_keys, P, k,
-                                 index.scale)
+    keys_BN = ranked_decode_keys(
+        index.q_THI, index.w_TH, pages.filled()[1][0], bounds[cp.rank][0], own_keys, P, k, index.scale
+    )
     return _merge_proposals(cp, keys_BN, B, k)
 
 
@@ -87,15 +101,16 @@ def sharded_latent_decode_attention(q_BH1E, pages, own, *, rank: int, scale: flo
         return out_BH1C.to(q_BH1E.dtype)
     start, end = pages.bounds[cp.rank]
     local_BK, held_BK = _held(selection_BK, cp, (start, end, pages.bounds[-1][1]), causal=False)
-    out_HBC, _ = _merge_partials(cp, *sparse_decode_partial(q_BH1E, kv_11NE, own_B1NE, local_BK, held_BK, rank=rank,
-                                                            scale=scale))
+    out_HBC, _ = _merge_partials(
+        cp, *sparse_decode_partial(q_BH1E, kv_11NE, own_B1NE, local_BK, held_BK, rank=rank, scale=scale)
+    )
     return out_HBC.transpose(0, 1)[:, :, None].to(q_BH1E.dtype)
 
 
 def _merge_proposals(cp, keys_TN, rows: int, k: int) -> torch.Tensor:
     """The positions of the top k of every rank's proposed keys (each padded to k)."""
     proposal_TK = keys_TN.new_full((rows, k), _NO_KEY)
-    proposal_TK[:, :keys_TN.shape[1]] = keys_TN
+    proposal_TK[:, : keys_TN.shape[1]] = keys_TN
     return key_positions(torch.cat(cp.all_gather(proposal_TK), dim=1).topk(k, dim=1).values)
 
 
@@ -126,8 +141,9 @@ class _ShardedSparseLatent(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_HTE, pages_NE, live_TE, selection_TK, rank, scale, cp, shard):
         local_TK, visible_TK = _held(selection_TK, cp, shard)
-        out_HTC, lse_HT = _merge_partials(cp, *sparse_partial(q_HTE, pages_NE, live_TE, local_TK, visible_TK, rank,
-                                                              scale, ROWS_PER_BLOCK))
+        out_HTC, lse_HT = _merge_partials(
+            cp, *sparse_partial(q_HTE, pages_NE, live_TE, local_TK, visible_TK, rank, scale, ROWS_PER_BLOCK)
+        )
         out_HTC = out_HTC.to(q_HTE.dtype)
         ctx.save_for_backward(q_HTE, live_TE, local_TK, visible_TK, out_HTC, lse_HT)
         ctx.pages = pages_NE  # a reference, as the single process's sparse attention keeps its pages
@@ -139,9 +155,21 @@ class _ShardedSparseLatent(torch.autograd.Function):
     def backward(ctx, dout_HTC):
         q_HTE, live_TE, local_TK, visible_TK, out_HTC, lse_HT = ctx.saved_tensors
         need_q, need_pages, need_live = ctx.needs_input_grad[:3]
-        dq_HTE, d_pages, d_live = sparse_partial_backward(dout_HTC, q_HTE, ctx.pages, live_TE, local_TK, visible_TK,
-                                                          out_HTC, lse_HT, ctx.rank, ctx.scale, ROWS_PER_BLOCK,
-                                                          need_pages, need_live)
+        dq_HTE, d_pages, d_live = sparse_partial_backward(
+            dout_HTC,
+            q_HTE,
+            ctx.pages,
+            live_TE,
+            local_TK,
+            visible_TK,
+            out_HTC,
+            lse_HT,
+            ctx.rank,
+            ctx.scale,
+            ROWS_PER_BLOCK,
+            need_pages,
+            need_live,
+        )
         # one all-reduce: dq sums every rank's share; the live entries' gradients come from the last rank
         shared = [g for g, need in ((dq_HTE, need_q), (d_live, need_live)) if need]
         totals = iter(ctx.cp.all_reduce_together(shared) if shared else ())

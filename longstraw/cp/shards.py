@@ -22,8 +22,12 @@ import torch
 
 from longstraw.cp.group import CPGroup
 from longstraw.cp.sharded_attention import sharded_attention, sharded_decode_attention
-from longstraw.cp.sharded_latent import (sharded_latent_attention, sharded_latent_decode_attention,
-                                         sharded_select_topk, sharded_select_topk_decode)
+from longstraw.cp.sharded_latent import (
+    sharded_latent_attention,
+    sharded_latent_decode_attention,
+    sharded_select_topk,
+    sharded_select_topk_decode,
+)
 from longstraw.state import AttentionPages, LatentPages, ResidentState
 
 
@@ -47,15 +51,16 @@ class ShardPages(AttentionPages):
         if self.phase == "collect":
             if self.queries is None:
                 self.queries = q_BHTD.new_empty(*q_BHTD.shape[:2], self.k_BKPD.shape[2], q_BHTD.shape[3])
-            self.queries[:, :, self.length:self.length + T] = q_BHTD
+            self.queries[:, :, self.length : self.length + T] = q_BHTD
             self.scale = scale
             self.append(k_BKTD, v_BKTD)
             return q_BHTD.new_zeros(*q_BHTD.shape[:3], v_BKTD.shape[3])  # the pass's output is not used
         if self.phase == "provide":
             self.cursor += T
-            return self.outputs[:, :, self.cursor - T:self.cursor]
-        raise RuntimeError("a context-parallel capture runs attention layers in collect/provide passes "
-                           "(longstraw.cp.capture)")
+            return self.outputs[:, :, self.cursor - T : self.cursor]
+        raise RuntimeError(
+            "a context-parallel capture runs attention layers in collect/provide passes (longstraw.cp.capture)"
+        )
 
     def attend_decode(self, q_BHTD, own: AttentionPages, scale: float):
         return sharded_decode_attention(q_BHTD, self, own, scale)
@@ -69,11 +74,13 @@ class ShardLatentPages(LatentPages):
     def attend(self, q_1HTE, live_11TE, *, rank: int, scale: float, append: bool, index=None, selection=None):
         """Replay: the response over every rank's pages (an index layer selects over every rank's index keys)."""
         if append:
-            raise RuntimeError("a context-parallel capture runs MLA layers over gathered pages "
-                               "(longstraw.cp.latent_capture)")
+            raise RuntimeError(
+                "a context-parallel capture runs MLA layers over gathered pages (longstraw.cp.latent_capture)"
+            )
         if index is not None:
-            selection = sharded_select_topk(index, self) if index.selects(self.bounds[-1][1] + q_1HTE.shape[2]) \
-                else None
+            selection = (
+                sharded_select_topk(index, self) if index.selects(self.bounds[-1][1] + q_1HTE.shape[2]) else None
+            )
         out_1HTC = sharded_latent_attention(q_1HTE, live_11TE, self, rank=rank, scale=scale, selection_TK=selection)
         return out_1HTC, selection
 
@@ -81,10 +88,12 @@ class ShardLatentPages(LatentPages):
         """Sampling: each sequence's query over every rank's pages and its own entries (replicated on every
         rank; the last rank counts them), selected and merged as replay is."""
         if index is not None:
-            selection = sharded_select_topk_decode(index, self, own) if index.selects(self.bounds[-1][1] + own.length) \
-                else None
-        return sharded_latent_decode_attention(q_BH1E, self, own, rank=rank, scale=scale, selection_BK=selection), \
-            selection
+            selection = (
+                sharded_select_topk_decode(index, self, own) if index.selects(self.bounds[-1][1] + own.length) else None
+            )
+        return sharded_latent_decode_attention(
+            q_BH1E, self, own, rank=rank, scale=scale, selection_BK=selection
+        ), selection
 
 
 @dataclass

@@ -17,8 +17,18 @@ from transformers import AttentionInterface
 IMPLEMENTATION = "longstraw"
 
 
-def _longstraw_attention(module, query_BHTD, key_BKTD, value_BKTD, attention_mask, scaling=None, dropout=0.0,
-                         longstraw_pages=None, longstraw_append: bool = False, **kwargs):
+def _longstraw_attention(
+    module,
+    query_BHTD,
+    key_BKTD,
+    value_BKTD,
+    attention_mask,
+    scaling=None,
+    dropout=0.0,
+    longstraw_pages=None,
+    longstraw_append: bool = False,
+    **kwargs,
+):
     if longstraw_pages is None:
         raise RuntimeError("longstraw attention called without resident pages (use longstraw.capture/replay)")
     if kwargs.get("sliding_window") is not None or getattr(module, "sliding_window", None):

@@ -18,9 +18,19 @@ from longstraw.families.attention_layer import IMPLEMENTATION, longstraw_attenti
 from longstraw.state import ModelBinding
 
 # config fields that size a resident entry (absent ones read None)
-_SHAPE_KEYS = ("hidden_size", "num_key_value_heads", "head_dim", "linear_num_key_heads", "linear_num_value_heads",
-               "linear_key_head_dim", "linear_value_head_dim", "linear_conv_kernel_dim", "kv_lora_rank",
-               "qk_rope_head_dim", "index_head_dim")
+_SHAPE_KEYS = (
+    "hidden_size",
+    "num_key_value_heads",
+    "head_dim",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "linear_conv_kernel_dim",
+    "kv_lora_rank",
+    "qk_rope_head_dim",
+    "index_head_dim",
+)
 _SAMPLES = 16  # elements read from each frozen weight for the binding's checksum
 
 
@@ -85,8 +95,11 @@ class FamilyAdapter:
     def _attention_configs(self) -> list:
         # walked once per adapter: a checkpointed replay enters `selected()` again in every segment's recompute,
         # and on the 27B shape (thousands of modules) the walk costs milliseconds each time
-        configs = {id(m.config): m.config for m in self.lm.modules() if hasattr(m, "config")
-                   and hasattr(m.config, "_attn_implementation_internal")}
+        configs = {
+            id(m.config): m.config
+            for m in self.lm.modules()
+            if hasattr(m, "config") and hasattr(m.config, "_attn_implementation_internal")
+        }
         return list(configs.values())
 
     def binding(self) -> ModelBinding:
@@ -100,8 +113,9 @@ class FamilyAdapter:
         frozen = [p for (_, p), f in zip(named, is_frozen) if f]
         # every in-place write bumps a tensor's version (writes through `.data` bypass it, as they bypass autograd)
         trainable = hash(tuple(p._version for (_, p), f in zip(named, is_frozen) if not f))
-        return ModelBinding(structure, hash(tuple(p.data_ptr() for _, p in named)), _frozen_checksum(self.lm, frozen),
-                            trainable)
+        return ModelBinding(
+            structure, hash(tuple(p.data_ptr() for _, p in named)), _frozen_checksum(self.lm, frozen), trainable
+        )
 
     def embed(self, ids_BT):
         return self.lm.get_input_embeddings()(ids_BT)

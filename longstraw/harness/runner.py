@@ -49,7 +49,9 @@ def run_point(raw, source: str = "config", on_progress=None, work_dir=None) -> d
 
     def partial(metrics):
         if on_progress:
-            on_progress({**result, "status": "partial", "metrics": metrics, "wall_seconds": time.perf_counter() - start})
+            on_progress(
+                {**result, "status": "partial", "metrics": metrics, "wall_seconds": time.perf_counter() - start}
+            )
 
     try:
         with deterministic_mode(cfg.deterministic), forward_kernel(cfg.model.attention_kernel):
@@ -75,19 +77,24 @@ def _context_parallel(cfg: PointConfig, source: str):
     """The run's CP group (None for a single process); kinds without a resident state refuse it."""
     cp = context_parallel(cfg.cp_size, torch.device(cfg.model.device).type)
     if cp is not None and cp.world > 1 and (cfg.kind == "capacity" or cfg.mode == "naive"):
-        raise ValueError(f"{source}: cp_size={cp.world} shards a captured prompt; kind {cfg.kind!r} with mode "
-                         f"{cfg.mode!r} has none to shard (capacity probes run as single processes)")
+        raise ValueError(
+            f"{source}: cp_size={cp.world} shards a captured prompt; kind {cfg.kind!r} with mode "
+            f"{cfg.mode!r} has none to shard (capacity probes run as single processes)"
+        )
     return cp
 
 
 def _rank_records(cp, result: dict) -> dict:
     """Per-rank memory, gathered to rank 0: {"size", "rank", "ranks": [per rank] (rank 0 only)}.
     A rank's peak is its process's CUDA max_memory_allocated (across phases) or its peak RSS."""
-    record = {"rank": cp.rank, "device": str(cp.device), "status": result["status"],
-              "resident_bytes": cp.resident_bytes, "peak_rss_bytes": peak_rss_bytes()}
+    record = {
+        "rank": cp.rank,
+        "device": str(cp.device),
+        "status": result["status"],
+        "resident_bytes": cp.resident_bytes,
+        "peak_rss_bytes": peak_rss_bytes(),
+    }
     if cp.device.type == "cuda":
         record["peak_allocated_bytes"] = process_peak_allocated_bytes(cp.device)
     ranks = cp.gather_objects(record)
     return {"size": cp.world, "rank": cp.rank, **({"ranks": ranks} if ranks is not None else {})}
-
-

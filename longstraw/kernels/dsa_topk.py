@@ -56,8 +56,17 @@ def block_scores(q_THI, w_TH, k_NI, scale):
 
 
 @torch.no_grad()
-def select_topk(q_THI, w_TH, k_prefix_PI, k_live_TI, *, topk: int, scale: float, block_size: int | None = None,
-                query_block: int = QUERY_BLOCK):
+def select_topk(
+    q_THI,
+    w_TH,
+    k_prefix_PI,
+    k_live_TI,
+    *,
+    topk: int,
+    scale: float,
+    block_size: int | None = None,
+    query_block: int = QUERY_BLOCK,
+):
     """int64 [T, min(topk, P + T)] indices of the selected keys per query (see module doc).
     Queries go `query_block` at a time; each keeps a running top-k over the live keys (later ones
     masked: a row with fewer than k visible keys also gets masked ones, as in HF) and the prefix."""
@@ -67,8 +76,18 @@ def select_topk(q_THI, w_TH, k_prefix_PI, k_live_TI, *, topk: int, scale: float,
 
 
 @torch.no_grad()
-def ranked_keys(q_THI, w_TH, k_NI, first: int, k_live_TI, live_first: int, k: int, scale: float,
-                block_size: int | None = None, query_block: int = QUERY_BLOCK):
+def ranked_keys(
+    q_THI,
+    w_TH,
+    k_NI,
+    first: int,
+    k_live_TI,
+    live_first: int,
+    k: int,
+    scale: float,
+    block_size: int | None = None,
+    query_block: int = QUERY_BLOCK,
+):
     """int64 [T, min(k, candidates)] `selection_keys` of the top k among the keys `k_NI` at positions
     first..first+N-1 and, when `k_live_TI` is given, the T live keys at positions live_first.. (query t
     sees live keys up to its own). A context-parallel rank passes its own shard's keys (`first` its
@@ -83,8 +102,9 @@ def ranked_keys(q_THI, w_TH, k_NI, first: int, k_live_TI, live_first: int, k: in
             future_TL = torch.arange(T, device=q_THI.device)[None] > torch.arange(qs, qe, device=q_THI.device)[:, None]
             live_TL.masked_fill_(future_TL, float("-inf"))
             keys_TK = merge_top_keys(None, live_TL, torch.arange(live_first, live_first + T, device=q_THI.device), k)
-        keys_TK = top_keys(q_THI[qs:qe], w_TH[qs:qe], k_NI, first, k, scale,
-                           block_size or max(1, SCORE_ELEMENTS // (qe - qs)), keys_TK)
+        keys_TK = top_keys(
+            q_THI[qs:qe], w_TH[qs:qe], k_NI, first, k, scale, block_size or max(1, SCORE_ELEMENTS // (qe - qs)), keys_TK
+        )
         if out_TK is None:
             out_TK = torch.empty(T, keys_TK.shape[1], dtype=torch.long, device=q_THI.device)
         out_TK[qs:qe] = keys_TK
@@ -92,8 +112,7 @@ def ranked_keys(q_THI, w_TH, k_NI, first: int, k_live_TI, live_first: int, k: in
 
 
 @torch.no_grad()
-def select_topk_decode(q_BHI, w_BH, k_prefix_PI, k_own_BNI, *, topk: int, scale: float,
-                       block_size: int | None = None):
+def select_topk_decode(q_BHI, w_BH, k_prefix_PI, k_own_BNI, *, topk: int, scale: float, block_size: int | None = None):
     """One decoding step of B sequences sharing one prefix: int64 [B, min(topk, P + N)] indices into
     [prefix ‖ the sequence's own N keys] for each sequence's single query. Every key is visible (the
     own keys precede the query or are its own), so no mask; the prefix is scored once for all B."""
@@ -103,24 +122,25 @@ def select_topk_decode(q_BHI, w_BH, k_prefix_PI, k_own_BNI, *, topk: int, scale:
 
 
 @torch.no_grad()
-def ranked_decode_keys(q_BHI, w_BH, k_NI, first: int, k_own_BNI, own_first: int, k: int, scale: float,
-                       block_size: int | None = None):
+def ranked_decode_keys(
+    q_BHI, w_BH, k_NI, first: int, k_own_BNI, own_first: int, k: int, scale: float, block_size: int | None = None
+):
     """`ranked_keys` for one decoding step: the top k among the shared keys `k_NI` at positions first..
     and, when `k_own_BNI` is given, each sequence's own keys at positions own_first.. (all visible)."""
     keys_BK = None
     if k_own_BNI is not None:
         own_BN = index_scores(q_BHI, w_BH, k_own_BNI, scale)
-        keys_BK = merge_top_keys(None, own_BN, torch.arange(own_first, own_first + own_BN.shape[1],
-                                                            device=q_BHI.device), k)
-    return top_keys(q_BHI, w_BH, k_NI, first, k, scale, block_size or max(1, SCORE_ELEMENTS // q_BHI.shape[0]),
-                    keys_BK)
+        keys_BK = merge_top_keys(
+            None, own_BN, torch.arange(own_first, own_first + own_BN.shape[1], device=q_BHI.device), k
+        )
+    return top_keys(q_BHI, w_BH, k_NI, first, k, scale, block_size or max(1, SCORE_ELEMENTS // q_BHI.shape[0]), keys_BK)
 
 
 def top_keys(q_THI, w_TH, k_NI, first: int, k, scale, block_size, keys_TK=None):
     """The running top-k keys `keys_TK` (or none yet) merged with the keys `k_NI` at positions
     first..first+N-1, scored `block_size` at a time."""
     for start in range(0, k_NI.shape[0], block_size):
-        block_TN = block_scores(q_THI, w_TH, k_NI[start:start + block_size], scale)
+        block_TN = block_scores(q_THI, w_TH, k_NI[start : start + block_size], scale)
         positions_N = torch.arange(first + start, first + start + block_TN.shape[1], device=q_THI.device)
         keys_TK = merge_top_keys(keys_TK, block_TN, positions_N, k)
     return keys_TK

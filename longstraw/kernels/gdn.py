@@ -123,7 +123,7 @@ def causal_conv1d(
     else:
         y_BCT = F.conv1d(xs_BCL.to(weight_CK.dtype), weight_CK.unsqueeze(1), bias_C, groups=C)
         y_BCT = _ACTIVATIONS[activation](y_BCT).to(x_BCT.dtype)
-    new_state_BCK1 = xs_BCL[..., xs_BCL.shape[-1] - (K - 1):]
+    new_state_BCK1 = xs_BCL[..., xs_BCL.shape[-1] - (K - 1) :]
     return y_BCT, new_state_BCK1
 
 
@@ -207,9 +207,7 @@ def recurrent_gated_delta_rule(
     """
     _check_shapes(q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_BHDV)
     dtype = _compute_dtype(q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_BHDV)
-    q_BHTD, k_BHTD, v_BHTV, g_BHT, beta_BHT = _prepare_inputs(
-        q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, l2norm_qk, dtype
-    )
+    q_BHTD, k_BHTD, v_BHTV, g_BHT, beta_BHT = _prepare_inputs(q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, l2norm_qk, dtype)
     state_BHDV = _initial_state(initial_state_BHDV, v_BHTV, q_BHTD.shape[-1])
     outs_BHV = []
     for t in range(q_BHTD.shape[2]):
@@ -282,8 +280,9 @@ def _scan_chunks(state_BHDV, u0_BHNCV, w_BHNCD, attn_BHNCC, q_from_start_BHNCD, 
     The chunks are taken with ``unbind`` (its backward is one ``stack``): indexing chunk ``n`` would give
     every chunk a backward that writes a zero gradient the size of the whole input."""
     starts_BHDV, writes_BHCV = [], []
-    for u0_BHCV, w_BHCD, k_to_end_BHCD, decay_BH in zip(u0_BHNCV.unbind(2), w_BHNCD.unbind(2),
-                                                        k_to_end_BHNCD.unbind(2), chunk_decay_BHN.unbind(2)):
+    for u0_BHCV, w_BHCD, k_to_end_BHCD, decay_BH in zip(
+        u0_BHNCV.unbind(2), w_BHNCD.unbind(2), k_to_end_BHNCD.unbind(2), chunk_decay_BHN.unbind(2)
+    ):
         starts_BHDV.append(state_BHDV)
         u_BHCV = u0_BHCV - w_BHCD @ state_BHDV
         writes_BHCV.append(u_BHCV)
@@ -292,8 +291,9 @@ def _scan_chunks(state_BHDV, u0_BHNCV, w_BHNCD, attn_BHNCC, q_from_start_BHNCD, 
     return q_from_start_BHNCD @ starts_BHNDV + attn_BHNCC @ writes_BHNCV, state_BHDV
 
 
-def chunk_gated_delta_rule(q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_BHDV=None, *, chunk_size: int = 64,
-                           l2norm_qk: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def chunk_gated_delta_rule(
+    q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_BHDV=None, *, chunk_size: int = 64, l2norm_qk: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunked, fully differentiable gated delta rule.
 
     Args:
@@ -314,9 +314,7 @@ def chunk_gated_delta_rule(q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_stat
         raise ValueError("chunk_size must be positive")
     _check_shapes(q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_BHDV)
     dtype = _compute_dtype(q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_BHDV)
-    q_BHTD, k_BHTD, v_BHTV, g_BHT, beta_BHT = _prepare_inputs(
-        q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, l2norm_qk, dtype
-    )
+    q_BHTD, k_BHTD, v_BHTV, g_BHT, beta_BHT = _prepare_inputs(q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, l2norm_qk, dtype)
     B, H, T, Dk = q_BHTD.shape
     Dv = v_BHTV.shape[-1]
     state_BHDV = _initial_state(initial_state_BHDV, v_BHTV, Dk)
@@ -384,9 +382,18 @@ def _fla_forward(fla_chunk, fla_version, q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH
 
 
 @torch.no_grad()
-def chunk_gated_delta_rule_forward(q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_BHDV=None, *,
-                                   chunk_size: int = 64, l2norm_qk: bool = True,
-                                   use_fla: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def chunk_gated_delta_rule_forward(
+    q_BTHD,
+    k_BTHD,
+    v_BTHV,
+    g_BTH,
+    beta_BTH,
+    initial_state_BHDV=None,
+    *,
+    chunk_size: int = 64,
+    l2norm_qk: bool = True,
+    use_fla: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """No-grad forward for capturing a prompt's state; same results as ``chunk_gated_delta_rule``.
 
     Uses fla's Triton kernel when ``use_fla`` is not False, fla imports, the
@@ -398,8 +405,9 @@ def chunk_gated_delta_rule_forward(q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, init
     """
     _check_shapes(q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_BHDV)
     if q_BTHD.shape[1] == 1 and not use_fla:  # one decoding step: the recurrence itself, as HF decodes
-        return recurrent_gated_delta_rule(q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_BHDV,
-                                          l2norm_qk=l2norm_qk)
+        return recurrent_gated_delta_rule(
+            q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_BHDV, l2norm_qk=l2norm_qk
+        )
     fla_chunk, fla_version = _load_fla() if use_fla is not False else (None, ())
     usable = (
         fla_chunk is not None

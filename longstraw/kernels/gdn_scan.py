@@ -52,8 +52,18 @@ def identity_transition(batch: int, heads: int, dk: int, dv: int, dtype=torch.fl
 
 
 @torch.no_grad()
-def shard_transition(q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, transition=None, *, chunk_size: int = 64,
-                     l2norm_qk: bool = True, use_fla: bool | None = None):
+def shard_transition(
+    q_BTHD,
+    k_BTHD,
+    v_BTHV,
+    g_BTH,
+    beta_BTH,
+    transition=None,
+    *,
+    chunk_size: int = 64,
+    l2norm_qk: bool = True,
+    use_fla: bool | None = None,
+):
     """(A [B, Hv, Dk, Dk], C [B, Hv, Dk, Dv]) of these tokens (the arguments of
     `chunk_gated_delta_rule`), after `transition` (the (A0, C0) of the tokens before them) when given:
     then (A A0, A C0 + C). float32, or float64 when an input or `transition` is float64. No grad."""
@@ -65,12 +75,14 @@ def shard_transition(q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, transition=None, *
         transition = identity_transition(B, Hv, Dk, Dv, dtype, v_BTHV.device)
     a0, c0 = transition
     if tuple(a0.shape) != (B, Hv, Dk, Dk) or tuple(c0.shape) != (B, Hv, Dk, Dv):
-        raise ValueError(f"transition must be ({(B, Hv, Dk, Dk)}, {(B, Hv, Dk, Dv)}), "
-                         f"got ({tuple(a0.shape)}, {tuple(c0.shape)})")
+        raise ValueError(
+            f"transition must be ({(B, Hv, Dk, Dk)}, {(B, Hv, Dk, Dv)}), got ({tuple(a0.shape)}, {tuple(c0.shape)})"
+        )
     start = torch.cat([a0, c0], dim=-1).to(dtype)  # [A0 | C0]
     values = torch.cat([v_BTHV.new_zeros(B, T, Hv, Dk), v_BTHV], dim=-1)  # [0 | v]
-    _, end = chunk_gated_delta_rule_forward(q_BTHD, k_BTHD, values, g_BTH, beta_BTH, start,
-                                            chunk_size=chunk_size, l2norm_qk=l2norm_qk, use_fla=use_fla)
+    _, end = chunk_gated_delta_rule_forward(
+        q_BTHD, k_BTHD, values, g_BTH, beta_BTH, start, chunk_size=chunk_size, l2norm_qk=l2norm_qk, use_fla=use_fla
+    )
     a, c = end.to(dtype).split([Dk, Dv], dim=-1)
     return a.contiguous(), c.contiguous()
 

@@ -50,20 +50,42 @@ def expand_output(out_1HTC, w_uv_HVC):
     return torch.einsum("bhtc,hvc->bhtv", out_1HTC, w_uv_HVC)
 
 
-def latent_attention(q_1HTE, pages_11PE, live_11TE, *, rank: int, scale: float, selection_TK=None,
-                     rows_per_block: int = ROWS_PER_BLOCK, resident_11PE=None):
+def latent_attention(
+    q_1HTE,
+    pages_11PE,
+    live_11TE,
+    *,
+    rank: int,
+    scale: float,
+    selection_TK=None,
+    rows_per_block: int = ROWS_PER_BLOCK,
+    resident_11PE=None,
+):
     """Attention-weighted latents [1, H, T, C] of T live queries over P page entries and the causal
     live entries; only the selected ones (indices into [pages ‖ live]) when `selection_TK` is given.
     `pages_11PE` are on the queries' device; `resident_11PE`, where they differ, the host-resident
     pages they were copied from, which the backward reads again (the graph keeps no device copy)."""
     streamed = resident_11PE is not None and resident_11PE.device != pages_11PE.device
     if selection_TK is None:
-        return paged_attention(q_1HTE, pages_11PE, pages_11PE[..., :rank], live_11TE, live_11TE[..., :rank],
-                               scale=scale, prefix_again=_streamed_again(resident_11PE, q_1HTE.device, rank)
-                               if streamed else None)
-    out_HTC = _SparseLatentAttention.apply(q_1HTE[0], pages_11PE[0, 0], live_11TE[0, 0], selection_TK, rank,
-                                           float(scale), int(rows_per_block),
-                                           (resident_11PE if streamed else pages_11PE)[0, 0])
+        return paged_attention(
+            q_1HTE,
+            pages_11PE,
+            pages_11PE[..., :rank],
+            live_11TE,
+            live_11TE[..., :rank],
+            scale=scale,
+            prefix_again=_streamed_again(resident_11PE, q_1HTE.device, rank) if streamed else None,
+        )
+    out_HTC = _SparseLatentAttention.apply(
+        q_1HTE[0],
+        pages_11PE[0, 0],
+        live_11TE[0, 0],
+        selection_TK,
+        rank,
+        float(scale),
+        int(rows_per_block),
+        (resident_11PE if streamed else pages_11PE)[0, 0],
+    )
     return out_HTC[None]
 
 
@@ -96,8 +118,9 @@ def latent_decode_attention(q_BH1E, shared_11PE, own_B1NE, *, rank: int, scale: 
     and its own N generated entries (the current one included); over the selected entries only
     (indices into [prompt pages ‖ own entries], `select_topk_decode`) when `selection_BK` is given."""
     if selection_BK is None:
-        return decode_attention(q_BH1E, shared_11PE, shared_11PE[..., :rank], own_B1NE, own_B1NE[..., :rank],
-                                scale=scale)
+        return decode_attention(
+            q_BH1E, shared_11PE, shared_11PE[..., :rank], own_B1NE, own_B1NE[..., :rank], scale=scale
+        )
     out_HBC, _ = sparse_decode_partial(q_BH1E, shared_11PE, own_B1NE, selection_BK, None, rank=rank, scale=scale)
     return out_HBC.transpose(0, 1)[:, :, None].to(q_BH1E.dtype)
 
@@ -133,9 +156,11 @@ def _on_device(pages_PE, device):
 def _streamed_again(resident_11PE, device, rank: int):
     """For the dense backward: host-resident pages on `device` again, as (keys, values = the first
     `rank` dims)."""
+
     def again():
         pages_11PE = _on_device(resident_11PE, device)
         return pages_11PE, pages_11PE[..., :rank]
+
     return again
 
 
@@ -151,13 +176,25 @@ def sparse_partial(q_HTE, pages_PE, live_TE, idx_TK, visible_TK, rank: int, scal
     for r in range(0, T, rows):
         blk = slice(r, r + rows)
         kv_TKE = _gather(pages_PE, live_TE, idx_TK[blk]).to(acc)
-        out_HTC[:, blk], lse_HT[:, blk] = _gathered_softmax(q_HTE[:, blk].to(acc), kv_TKE, visible_TK[blk], rank,
-                                                            scale)
+        out_HTC[:, blk], lse_HT[:, blk] = _gathered_softmax(q_HTE[:, blk].to(acc), kv_TKE, visible_TK[blk], rank, scale)
     return out_HTC, lse_HT
 
 
-def sparse_partial_backward(dout_HTC, q_HTE, pages_PE, live_TE, idx_TK, visible_TK, out_HTC, lse_HT, rank: int,
-                            scale: float, rows: int, need_pages: bool, need_live: bool):
+def sparse_partial_backward(
+    dout_HTC,
+    q_HTE,
+    pages_PE,
+    live_TE,
+    idx_TK,
+    visible_TK,
+    out_HTC,
+    lse_HT,
+    rank: int,
+    scale: float,
+    rows: int,
+    need_pages: bool,
+    need_live: bool,
+):
     """(dq, d_pages or None, d_live or None) in the accumulation dtype of `sparse_partial`'s rows, fed the
     output and lse of the whole softmax (these rows' share of a merged one, as ring attention does):
     gathers each row block again, recomputes P = exp(S - lse) and scatters the entries' gradients back."""
@@ -205,22 +242,41 @@ class _SparseLatentAttention(torch.autograd.Function):
         q_HTE, live_TE, idx_TK, visible_TK, out_HTC, lse_HT = ctx.saved_tensors
         pages_PE = _on_device(ctx.pages, q_HTE.device)
         need_q, need_pages, need_live = ctx.needs_input_grad[:3]
-        dq_HTE, d_pages, d_live = sparse_partial_backward(dout_HTC, q_HTE, pages_PE, live_TE, idx_TK, visible_TK,
-                                                          out_HTC, lse_HT, ctx.rank, ctx.scale, ctx.rows,
-                                                          need_pages, need_live)
-        return (dq_HTE.to(q_HTE.dtype) if need_q else None,
-                d_pages.to(pages_PE.dtype) if need_pages else None,
-                d_live.to(live_TE.dtype) if need_live else None, None, None, None, None, None)
+        dq_HTE, d_pages, d_live = sparse_partial_backward(
+            dout_HTC,
+            q_HTE,
+            pages_PE,
+            live_TE,
+            idx_TK,
+            visible_TK,
+            out_HTC,
+            lse_HT,
+            ctx.rank,
+            ctx.scale,
+            ctx.rows,
+            need_pages,
+            need_live,
+        )
+        return (
+            dq_HTE.to(q_HTE.dtype) if need_q else None,
+            d_pages.to(pages_PE.dtype) if need_pages else None,
+            d_live.to(live_TE.dtype) if need_live else None,
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
 
 
-def reference_mla_attention(q_nope_1HTN, q_rot_1HTR, pages_11PE, live_11TE, w_uk_HNC, w_uv_HVC, *, rank, scale,
-                            selection_TK=None):
+def reference_mla_attention(
+    q_nope_1HTN, q_rot_1HTR, pages_11PE, live_11TE, w_uk_HNC, w_uv_HVC, *, rank, scale, selection_TK=None
+):
     """Plain reference: expand every latent per head (as HF does), dense [T, P + T] mask, softmax.
     Returns the per-head values [1, H, T, V]."""
     kv_SE = torch.cat([pages_11PE[0, 0], live_11TE[0, 0]])
     c_SC, r_SR = kv_SE[:, :rank], kv_SE[:, rank:]
-    k_HSD = torch.cat([torch.einsum("sc,hnc->hsn", c_SC, w_uk_HNC),
-                       r_SR.expand(w_uk_HNC.shape[0], -1, -1)], dim=-1)
+    k_HSD = torch.cat([torch.einsum("sc,hnc->hsn", c_SC, w_uk_HNC), r_SR.expand(w_uk_HNC.shape[0], -1, -1)], dim=-1)
     v_HSV = torch.einsum("sc,hvc->hsv", c_SC, w_uv_HVC)
     q_HTD = torch.cat([q_nope_1HTN, q_rot_1HTR], dim=-1)[0]
     T, S = q_HTD.shape[1], kv_SE.shape[0]

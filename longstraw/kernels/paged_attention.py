@@ -54,8 +54,15 @@ from contextvars import ContextVar
 
 import torch
 
-__all__ = ["paged_attention", "decode_attention", "reference_attention", "ForwardMemo", "forward_kernel",
-           "MATH_BLOCK_SIZE", "CUDA_BLOCK_SIZE"]
+__all__ = [
+    "paged_attention",
+    "decode_attention",
+    "reference_attention",
+    "ForwardMemo",
+    "forward_kernel",
+    "MATH_BLOCK_SIZE",
+    "CUDA_BLOCK_SIZE",
+]
 
 MATH_BLOCK_SIZE = 4096
 CUDA_BLOCK_SIZE = 65536
@@ -111,21 +118,31 @@ def paged_attention(
     device for the forward only (the prefix must not require grad)."""
     _validate(q_BHRD, k_prefix_BKPD, v_prefix_BKPD, k_live_BKRD, v_live_BKRD, scale, block_size, backend)
     if prefix_again is not None and (k_prefix_BKPD.requires_grad or v_prefix_BKPD.requires_grad):
-        raise ValueError("prefix_again brings the prefix back for the backward: a prefix that requires grad "
-                         "(exact mode) must stay referenced")
+        raise ValueError(
+            "prefix_again brings the prefix back for the backward: a prefix that requires grad "
+            "(exact mode) must stay referenced"
+        )
     inputs = (q_BHRD, k_prefix_BKPD, v_prefix_BKPD, k_live_BKRD, v_live_BKRD)
     if capture and torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
         raise ValueError("paged_attention: capture=True is graph-free, but an input requires grad")
     kernel, block_size = kernel_and_block(backend, q_BHRD, v_live_BKRD.shape[-1], block_size)
     return _PagedAttention.apply(
-        q_BHRD, k_prefix_BKPD, v_prefix_BKPD, k_live_BKRD, v_live_BKRD, float(scale), int(block_size), kernel,
+        q_BHRD,
+        k_prefix_BKPD,
+        v_prefix_BKPD,
+        k_live_BKRD,
+        v_live_BKRD,
+        float(scale),
+        int(block_size),
+        kernel,
         prefix_again,
     )
 
 
 @torch.no_grad()
-def decode_attention(q_BHTD, k_shared_1KPD, v_shared_1KPD, k_own_BKND, v_own_BKND, *, scale: float,
-                     block_size: int | None = None) -> torch.Tensor:
+def decode_attention(
+    q_BHTD, k_shared_1KPD, v_shared_1KPD, k_own_BKND, v_own_BKND, *, scale: float, block_size: int | None = None
+) -> torch.Tensor:
     """One decoding step of B sequences that share one prefix: each query (T == 1) attends the
     shared prefix pages (batch 1, never copied per sequence) and its own sequence's keys so far,
     the current token's included. Graph-free; returns [B, H, 1, Dv] in q's dtype.
@@ -133,13 +150,22 @@ def decode_attention(q_BHTD, k_shared_1KPD, v_shared_1KPD, k_own_BKND, v_own_BKN
     The shared part folds the B sequences and the query group into one row axis
     ([1, K, B * G, D]), as replay folds the group, so the prefix is read once for all sequences.
     """
-    return decode_partial(q_BHTD, k_shared_1KPD, v_shared_1KPD, k_own_BKND, v_own_BKND, scale=scale,
-                          block_size=block_size)[0].to(q_BHTD.dtype)
+    return decode_partial(
+        q_BHTD, k_shared_1KPD, v_shared_1KPD, k_own_BKND, v_own_BKND, scale=scale, block_size=block_size
+    )[0].to(q_BHTD.dtype)
 
 
 @torch.no_grad()
-def decode_partial(q_BHTD, k_shared_1KPD, v_shared_1KPD, k_own_BKND=None, v_own_BKND=None, *, scale: float,
-                   block_size: int | None = None):
+def decode_partial(
+    q_BHTD,
+    k_shared_1KPD,
+    v_shared_1KPD,
+    k_own_BKND=None,
+    v_own_BKND=None,
+    *,
+    scale: float,
+    block_size: int | None = None,
+):
     """`decode_attention`'s (out, lse) in the accumulation dtype, before the cast; without own keys
     (None) the rows start from (0, -inf): a partial over the shared pages only."""
     B, H, T, D = q_BHTD.shape
@@ -221,9 +247,7 @@ def _validate(q, k_prefix, v_prefix, k_live, v_live, scale, block_size, backend)
         raise ValueError("paged_attention: q has no live queries (R == 0)")
     for name in ("k_live", "v_live"):
         if named[name].shape[2] != R:
-            raise ValueError(
-                f"paged_attention: live length mismatch: q has R={R}, {name} has {named[name].shape[2]}"
-            )
+            raise ValueError(f"paged_attention: live length mismatch: q has R={R}, {name} has {named[name].shape[2]}")
     if k_prefix.shape[2] != v_prefix.shape[2]:
         raise ValueError(
             f"paged_attention: prefix length mismatch: k_prefix has {k_prefix.shape[2]}, "
@@ -234,8 +258,7 @@ def _validate(q, k_prefix, v_prefix, k_live, v_live, scale, block_size, backend)
             raise ValueError(f"paged_attention: head dim mismatch: q has D={D}, {name} has {named[name].shape[3]}")
     if v_prefix.shape[3] != v_live.shape[3]:
         raise ValueError(
-            f"paged_attention: value head dim mismatch: v_prefix has {v_prefix.shape[3]}, "
-            f"v_live has {v_live.shape[3]}"
+            f"paged_attention: value head dim mismatch: v_prefix has {v_prefix.shape[3]}, v_live has {v_live.shape[3]}"
         )
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(f"paged_attention: scale must be a real number, got {type(scale).__name__}")
@@ -255,7 +278,9 @@ def kernel_and_block(backend: str, q_BHRD, Dv: int, block_size: int | None) -> t
     return kernel, block_size or (MATH_BLOCK_SIZE if kernel == "math" else CUDA_BLOCK_SIZE)
 
 
-CUDNN_BLOCKS_MAX_HEAD_DIM = 256  # H200, D=256, replay's block: cuDNN forward 563 TFLOP/s (flash 230), backward 420 (259)
+CUDNN_BLOCKS_MAX_HEAD_DIM = (
+    256  # H200, D=256, replay's block: cuDNN forward 563 TFLOP/s (flash 230), backward 420 (259)
+)
 CUDNN_BACKWARD_MAX_HEAD_DIM = 128  # the opt-in "cudnn" backend: checked against math at D <= 128 only
 
 
@@ -274,8 +299,14 @@ def _pick_kernel(backend: str, q_BHRD: torch.Tensor, Dv: int) -> str:
     if backend == "cudnn" and cudnn_ok and D <= CUDNN_BACKWARD_MAX_HEAD_DIM:
         return "cudnn"
     flash_ok = D <= 256 and torch.backends.cuda.is_flash_attention_available()
-    if (backend == "auto" and _forward_kernel[0] == "cudnn" and cudnn_ok and flash_ok
-            and D <= CUDNN_BLOCKS_MAX_HEAD_DIM and R >= CUDNN_MIN_ROWS):
+    if (
+        backend == "auto"
+        and _forward_kernel[0] == "cudnn"
+        and cudnn_ok
+        and flash_ok
+        and D <= CUDNN_BLOCKS_MAX_HEAD_DIM
+        and R >= CUDNN_MIN_ROWS
+    ):
         return "cudnn_blocks"
     return "flash" if flash_ok else "math"
 
@@ -370,9 +401,11 @@ def _cudnn_large_block_bwd(do_BKMD, q_BKMD, k_BKND, v_BKND, out_BKMD, lse_BKM, s
 
 # kernel name -> (block forward, block backward); the backward recomputes against the global out/lse,
 # so any forward's (out, lse) feeds any backward
-_CUDA_KERNELS = {"flash": (_flash_block_fwd, _flash_block_bwd),
-                 "cudnn": (_cudnn_large_block_fwd, _cudnn_block_bwd),
-                 "cudnn_blocks": (_cudnn_large_block_fwd, _cudnn_large_block_bwd)}
+_CUDA_KERNELS = {
+    "flash": (_flash_block_fwd, _flash_block_bwd),
+    "cudnn": (_cudnn_large_block_fwd, _cudnn_block_bwd),
+    "cudnn_blocks": (_cudnn_large_block_fwd, _cudnn_large_block_bwd),
+}
 
 
 def _last_dim_contiguous(x):
@@ -461,8 +494,9 @@ def attention_partial(q_BHRD, k_BKPD, v_BKPD, k_live_BKRD, v_live_BKRD, scale, b
     return out_BHRD, lse_BHR
 
 
-def attention_partial_backward(dout_BHRD, q_BHRD, k_BKPD, v_BKPD, k_live_BKRD, v_live_BKRD, out_BHRD, lse_BHR,
-                               scale, block_size, kernel, needs):
+def attention_partial_backward(
+    dout_BHRD, q_BHRD, k_BKPD, v_BKPD, k_live_BKRD, v_live_BKRD, out_BHRD, lse_BHR, scale, block_size, kernel, needs
+):
     """Gradients of one partial (as `attention_partial` computed it) fed the GLOBAL ``out`` (in q's
     dtype) and ``lse``: every block is recomputed against them, so partials computed apart (blocks,
     or ranks) give the exact gradient of their merged result. ``needs`` = (q, k_prefix, v_prefix,
@@ -576,8 +610,10 @@ class ForwardMemo:
             raise RuntimeError("ForwardMemo: a recompute ran more paged-attention calls than its forward did")
         shape, out_BHRD, lse_BHR = self._outputs[self._next]
         if shape != q_BHRD.shape:
-            raise RuntimeError(f"ForwardMemo: the recompute's call has queries {tuple(q_BHRD.shape)}, "
-                               f"its forward's had {tuple(shape)}: the calls came in another order")
+            raise RuntimeError(
+                f"ForwardMemo: the recompute's call has queries {tuple(q_BHRD.shape)}, "
+                f"its forward's had {tuple(shape)}: the calls came in another order"
+            )
         self._next += 1
         return out_BHRD, lse_BHR
 

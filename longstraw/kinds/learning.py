@@ -42,12 +42,21 @@ def trainer_mapping(cfg: PointConfig, lr: float, gradient: str, out_dir, length:
     from longstraw.config.point import trainer_sections
 
     s = cfg.learning
-    return {**trainer_sections(cfg, out_dir), "task": {**s.task, "length": length or cfg.prompt.length},
-            "steps": s.steps, "steps_per_prompt": s.steps_per_prompt, "seed": s.seed,
-            "sampling": {"num_samples": s.num_samples, "max_new_tokens": cfg.responses.length,
-                         "temperature": s.temperature},
-            "optimizer": {"lr": lr, "weight_decay": 0.0}, "gradient": gradient,
-            "refresh": {"policy": "every", "every": 1}}
+    return {
+        **trainer_sections(cfg, out_dir),
+        "task": {**s.task, "length": length or cfg.prompt.length},
+        "steps": s.steps,
+        "steps_per_prompt": s.steps_per_prompt,
+        "seed": s.seed,
+        "sampling": {
+            "num_samples": s.num_samples,
+            "max_new_tokens": cfg.responses.length,
+            "temperature": s.temperature,
+        },
+        "optimizer": {"lr": lr, "weight_decay": 0.0},
+        "gradient": gradient,
+        "refresh": {"policy": "every", "every": 1},
+    }
 
 
 def runs_of(cfg: PointConfig) -> list[tuple[str, float, str]]:
@@ -75,16 +84,25 @@ def run(cfg: PointConfig, device, progress: Progress) -> dict:
             mapping["output"]["checkpoint_every"] = RESUME_EVERY if resumable else 0
             trainer = Trainer(mapping, source=f"{cfg.name} [{name}]")
             resumed_at[name] = (checkpointed_steps(work / name) or [0])[0] if resumable else 0
-            runs[name] = [{**{k: step.get(k) for k in keep}, "phase_seconds": seconds_per_phase(step)}
-                          for step in trainer.run(resume=resumable)]
-            progress.line(f"learning {name} (lr {lr:g}): reward per step "
-                          + " ".join(f"{s['reward_mean']:.2f}" for s in runs[name]))
+            runs[name] = [
+                {**{k: step.get(k) for k in keep}, "phase_seconds": seconds_per_phase(step)}
+                for step in trainer.run(resume=resumable)
+            ]
+            progress.line(
+                f"learning {name} (lr {lr:g}): reward per step "
+                + " ".join(f"{s['reward_mean']:.2f}" for s in runs[name])
+            )
             progress.partial({"runs": runs})
             del trainer
     # resumed_at: the step each run went on from in this process (0: it ran whole here); the result's
     # wall_seconds are this process's, the steps' own seconds cover every command's
-    return {"runs": runs, "gains": gains(runs, cfg.learning.steps - cfg.learning.window),
-            "prompt_positions": length, "resumed_at": resumed_at, **({"probe": probe} if probe else {})}
+    return {
+        "runs": runs,
+        "gains": gains(runs, cfg.learning.steps - cfg.learning.window),
+        "prompt_positions": length,
+        "resumed_at": resumed_at,
+        **({"probe": probe} if probe else {}),
+    }
 
 
 @contextmanager
@@ -130,16 +148,30 @@ def probe_lengths(cfg: PointConfig, device, progress: Progress) -> dict:
 
     p = cfg.learning.probe
     model = build_policy(cfg.model)
-    curve = length_curve(model, cfg.learning.task, sorted(p.lengths, reverse=True), None, p.examples,
-                         chunk_size=cfg.capture.chunk_size, beyond_max_positions=cfg.capture.beyond_max_positions)
+    curve = length_curve(
+        model,
+        cfg.learning.task,
+        sorted(p.lengths, reverse=True),
+        None,
+        p.examples,
+        chunk_size=cfg.capture.chunk_size,
+        beyond_max_positions=cfg.capture.beyond_max_positions,
+    )
     del model
     low, high = p.success
     fitting = [r["length"] for r in curve["rows"] if low <= r["success"] <= high]
     chosen = max(fitting) if fitting else None
-    progress.line("learning probe: base success " + ", ".join(f"{r['success']:.2f} at {r['length']:,}"
-                                                             for r in curve["rows"]) + f"; training at {chosen}")
-    return {"rows": curve["rows"], "range": [low, high], "chosen_length": chosen,
-            "rule": f"the longest probed length whose base greedy success is within [{low}, {high}]"}
+    progress.line(
+        "learning probe: base success "
+        + ", ".join(f"{r['success']:.2f} at {r['length']:,}" for r in curve["rows"])
+        + f"; training at {chosen}"
+    )
+    return {
+        "rows": curve["rows"],
+        "range": [low, high],
+        "chosen_length": chosen,
+        "rule": f"the longest probed length whose base greedy success is within [{low}, {high}]",
+    }
 
 
 def gains(runs: dict, first_step: int) -> dict:
@@ -147,39 +179,74 @@ def gains(runs: dict, first_step: int) -> dict:
     from longstraw.training.improvement import paired_gain, per_prompt_means
 
     baseline = per_prompt_means(runs[UNTRAINED], first_step)
-    return {name: paired_gain(per_prompt_means(steps, first_step), baseline)
-            for name, steps in runs.items() if name != UNTRAINED}
+    return {
+        name: paired_gain(per_prompt_means(steps, first_step), baseline)
+        for name, steps in runs.items()
+        if name != UNTRAINED
+    }
 
 
 # ------------------------------------------------------------------------------------------- report
 
-SHOWN = ["model", "prompt_length", "probe", "trained_length", "lr", "steps", "window", "G", "response-only_gain",
-         "response-only_gain_se", "response-only_reached", "exact_gain", "exact_gain_se", "exact_reached", "lr0_mean",
-         "train_seconds", "wall_seconds"]
-EXTRA_TABLES = {"steps": ExtraTable("Reward per step, per run", ["point", "run", "step", "prompt", "reward_mean",
-                                                                  "grad_norm", "seconds"],
-                                    "Every run visits the same prompts with the same sampling seeds; lr0 is the "
-                                    "same trainer at learning rate 0.")}
-CAPTIONS = {"reward_per_step": "Reward per step of each run (mean over a window of consecutive prompts, band: one "
-                               "standard error over those prompts); lr0: the same trainer at learning rate 0."}
+SHOWN = [
+    "model",
+    "prompt_length",
+    "probe",
+    "trained_length",
+    "lr",
+    "steps",
+    "window",
+    "G",
+    "response-only_gain",
+    "response-only_gain_se",
+    "response-only_reached",
+    "exact_gain",
+    "exact_gain_se",
+    "exact_reached",
+    "lr0_mean",
+    "train_seconds",
+    "wall_seconds",
+]
+EXTRA_TABLES = {
+    "steps": ExtraTable(
+        "Reward per step, per run",
+        ["point", "run", "step", "prompt", "reward_mean", "grad_norm", "seconds"],
+        "Every run visits the same prompts with the same sampling seeds; lr0 is the same trainer at learning rate 0.",
+    )
+}
+CAPTIONS = {
+    "reward_per_step": "Reward per step of each run (mean over a window of consecutive prompts, band: one "
+    "standard error over those prompts); lr0: the same trainer at learning rate 0."
+}
 WINDOW = 4  # prompts per point of the figure's rolling mean
 
 
 def columns(point: dict) -> dict:
     cfg, metrics = point_parts(point)
     settings = as_dict(cfg.get("learning"))
-    out = {"lr": number(as_dict(cfg.get("optimizer")).get("lr")), "steps": settings.get("steps"),
-           "window": settings.get("window"), "G": settings.get("num_samples")}
+    out = {
+        "lr": number(as_dict(cfg.get("optimizer")).get("lr")),
+        "steps": settings.get("steps"),
+        "window": settings.get("window"),
+        "G": settings.get("num_samples"),
+    }
     probe = as_dict(metrics.get("probe"))
     if probe:  # the base model's greedy success per probed length, and where it trained
         chosen = probe.get("chosen_length")
         out["probe"] = "; ".join(f"{r['length']:,}: {r['success']:.2f}" for r in probe.get("rows", [])) + (
-            f" -> trained at {chosen:,}" if chosen else " -> none in range: not trained")
+            f" -> trained at {chosen:,}" if chosen else " -> none in range: not trained"
+        )
         out["trained_length"] = chosen
     for name, gain in as_dict(metrics.get("gains")).items():
-        out.update({f"{name}_gain": number(gain.get("gain")), f"{name}_gain_se": number(gain.get("standard_error")),
-                    f"{name}_reached": gain.get("reached"), f"{name}_mean": number(gain.get("trained_mean")),
-                    "lr0_mean": number(gain.get("untrained_mean"))})
+        out.update(
+            {
+                f"{name}_gain": number(gain.get("gain")),
+                f"{name}_gain_se": number(gain.get("standard_error")),
+                f"{name}_reached": gain.get("reached"),
+                f"{name}_mean": number(gain.get("trained_mean")),
+                "lr0_mean": number(gain.get("untrained_mean")),
+            }
+        )
     # every run's steps, over all the commands a resumed point took (wall_seconds: the last command's)
     seconds = [number(s.get("seconds")) for run in as_dict(metrics.get("runs")).values() for s in run]
     out["train_seconds"] = sum(v for v in seconds if v is not None) if seconds else None
@@ -188,9 +255,16 @@ def columns(point: dict) -> dict:
 
 def tables(points: list[dict]) -> dict:
     def steps(point):
-        return [{"point": point.get("point"), "run": name, **{k: s.get(k) for k in ("step", "prompt", "reward_mean",
-                                                                                   "grad_norm", "seconds")}}
-                for name, run in as_dict(point_parts(point)[1].get("runs")).items() for s in run]
+        return [
+            {
+                "point": point.get("point"),
+                "run": name,
+                **{k: s.get(k) for k in ("step", "prompt", "reward_mean", "grad_norm", "seconds")},
+            }
+            for name, run in as_dict(point_parts(point)[1].get("runs")).items()
+            for s in run
+        ]
+
     return {"steps": rows_of_points([p for p in points if p.get("kind") == "learning"], steps)}
 
 
@@ -204,7 +278,7 @@ def rolling(values: list[float], window: int) -> tuple[list[float], list[float]]
     """Mean and standard error over the last `window` values at each position (fewer at the start)."""
     means, errors = [], []
     for i in range(len(values)):
-        part = values[max(0, i - window + 1): i + 1]
+        part = values[max(0, i - window + 1) : i + 1]
         mean = sum(part) / len(part)
         var = sum((v - mean) ** 2 for v in part) / (len(part) - 1) if len(part) > 1 else 0.0
         means.append(mean)
@@ -219,7 +293,7 @@ def plot_rewards(rows, steps, title: str):
     cols = min(3, len(rows))
     lines = math.ceil(len(rows) / cols)
     fig, axes = draw.plt.subplots(lines, cols, figsize=(6 * cols, 4.2 * lines), squeeze=False)
-    for ax in axes.flat[len(rows):]:
+    for ax in axes.flat[len(rows) :]:
         ax.set_visible(False)
     for ax, row in zip(axes.flat, rows):
         mine = [s for s in steps if s.get("point") == row.get("point")]
@@ -228,10 +302,11 @@ def plot_rewards(rows, steps, title: str):
             x = [s["step"] for s in run]
             mean, se = rolling([s["reward_mean"] for s in run], WINDOW)
             color = colors.get(name, "#55a868")
-            lr = (row.get('lr') or 0) if name != UNTRAINED else 0
+            lr = (row.get("lr") or 0) if name != UNTRAINED else 0
             ax.plot(x, mean, color=color, label=f"{name} (lr {lr:g})")
-            ax.fill_between(x, [m - e for m, e in zip(mean, se)], [m + e for m, e in zip(mean, se)], color=color,
-                            alpha=0.2)
+            ax.fill_between(
+                x, [m - e for m, e in zip(mean, se)], [m + e for m, e in zip(mean, se)], color=color, alpha=0.2
+            )
         ax.set(xlabel="step", ylabel="reward (mean of G samples)", ylim=(-0.02, 1.02))
         ax.set_title(f"{row.get('point')}: {row.get('prompt_length')} positions", fontsize=9)
         ax.legend(fontsize=7)

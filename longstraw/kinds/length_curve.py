@@ -29,10 +29,17 @@ def run(cfg: PointConfig, device, progress: Progress) -> dict:
         model = build_policy(cfg.model)
     s = cfg.length_curve
     with recorder.phase("length_curve"):
-        result = length_curve(model, s.task, s.lengths, s.depths, s.examples, method=s.method,
-                              chunk_size=cfg.capture.chunk_size,
-                              beyond_max_positions=cfg.capture.beyond_max_positions,
-                              on_row=lambda rows: progress.partial({"rows": rows, "task": dict(s.task)}))
+        result = length_curve(
+            model,
+            s.task,
+            s.lengths,
+            s.depths,
+            s.examples,
+            method=s.method,
+            chunk_size=cfg.capture.chunk_size,
+            beyond_max_positions=cfg.capture.beyond_max_positions,
+            on_row=lambda rows: progress.partial({"rows": rows, "task": dict(s.task)}),
+        )
     return {**result, "phases": recorder.phases}
 
 
@@ -51,30 +58,43 @@ def above_chance(rows: list[dict], chance) -> int | None:
 # ------------------------------------------------------------------------------------------- report
 
 SHOWN = ["model", "lengths", "depths", "examples", "chance", "longest_above_chance", "seconds", "wall_seconds"]
-EXTRA_TABLES = {"cells": ExtraTable("Greedy success by prompt length and needle depth",
-                                    ["point", "length", "depth", "success", "stderr", "n", "seconds"],
-                                    "Held-out examples, each captured and decoded greedily from its resident state; "
-                                    "stderr = sqrt(p (1 - p) / n).")}
-CAPTIONS = {"length_curve": "Greedy success against prompt length (log axis), one line per needle depth, "
-                            "standard-error bars; dotted: the task's chance level."}
+EXTRA_TABLES = {
+    "cells": ExtraTable(
+        "Greedy success by prompt length and needle depth",
+        ["point", "length", "depth", "success", "stderr", "n", "seconds"],
+        "Held-out examples, each captured and decoded greedily from its resident state; stderr = sqrt(p (1 - p) / n).",
+    )
+}
+CAPTIONS = {
+    "length_curve": "Greedy success against prompt length (log axis), one line per needle depth, "
+    "standard-error bars; dotted: the task's chance level."
+}
 
 
 def columns(point: dict) -> dict:
     cfg, metrics = point_parts(point)
     settings, rows = as_dict(cfg.get("length_curve")), metrics.get("rows") or []
     chance = number(as_dict(metrics.get("chance")).get("value"))
-    return {"lengths": " ".join(str(n) for n in settings.get("lengths") or []) or None,
-            "depths": " ".join(str(d) for d in settings.get("depths") or []) or "random",
-            "examples": settings.get("examples"), "chance": chance,
-            "longest_above_chance": above_chance(rows, chance) if rows else None,
-            "seconds": number(metrics.get("seconds"))}
+    return {
+        "lengths": " ".join(str(n) for n in settings.get("lengths") or []) or None,
+        "depths": " ".join(str(d) for d in settings.get("depths") or []) or "random",
+        "examples": settings.get("examples"),
+        "chance": chance,
+        "longest_above_chance": above_chance(rows, chance) if rows else None,
+        "seconds": number(metrics.get("seconds")),
+    }
 
 
 def tables(points: list[dict]) -> dict:
     def cells(point):
-        return [{"point": point.get("point"), **{k: r.get(k) for k in ("length", "depth", "success", "stderr", "n",
-                                                                        "seconds")}}
-                for r in point_parts(point)[1].get("rows") or []]
+        return [
+            {
+                "point": point.get("point"),
+                **{k: r.get(k) for k in ("length", "depth", "success", "stderr", "n", "seconds")},
+            }
+            for r in point_parts(point)[1].get("rows") or []
+        ]
+
     return {"cells": rows_of_points([p for p in points if p.get("kind") == "length_curve"], cells)}
 
 
@@ -96,15 +116,26 @@ def plot_length_curve(rows, cells, title: str):
         for j, depth in enumerate(depths):
             at = sorted((c for c in mine if c.get("depth") == depth), key=lambda c: c["length"])
             shift = 1.04 ** (j - (len(depths) - 1) / 2)  # depths side by side on the log axis, not on top
-            ax.errorbar([c["length"] * shift for c in at], [c["success"] for c in at],
-                        yerr=[c["stderr"] for c in at], marker="os^Dv"[j % 5], capsize=3,
-                        linestyle=styles[j % len(styles)], color=draw.POINT_COLORS[i % len(draw.POINT_COLORS)],
-                        label=f"{row.get('point')}: depth {'random' if depth is None else depth}")
+            ax.errorbar(
+                [c["length"] * shift for c in at],
+                [c["success"] for c in at],
+                yerr=[c["stderr"] for c in at],
+                marker="os^Dv"[j % 5],
+                capsize=3,
+                linestyle=styles[j % len(styles)],
+                color=draw.POINT_COLORS[i % len(draw.POINT_COLORS)],
+                label=f"{row.get('point')}: depth {'random' if depth is None else depth}",
+            )
         if row.get("chance") is not None and row["chance"] not in chances:
             chances.add(row["chance"])
             ax.axhline(row["chance"], color="#8c8c8c", linestyle=":", label=f"chance {row['chance']:.2f}")
-    ax.set(xscale="log", xlabel="prompt length (positions)", ylabel="greedy success", ylim=(-0.02, 1.02),
-           title=f"{title}: where the model breaks with prompt length")
+    ax.set(
+        xscale="log",
+        xlabel="prompt length (positions)",
+        ylabel="greedy success",
+        ylim=(-0.02, 1.02),
+        title=f"{title}: where the model breaks with prompt length",
+    )
     ax.legend(fontsize=7)
     fig.tight_layout()
     return fig

@@ -36,40 +36,68 @@ def run(cfg: PointConfig, device, progress: Progress) -> dict:
 
 # ------------------------------------------------------------------------------------------- report
 
-SHOWN = ["model", "parameters", "steps", "final_answer_loss", "chance", "final_accuracy", "tokens_per_second",
-         "train_seconds", "checkpoint", "wall_seconds"]
+SHOWN = [
+    "model",
+    "parameters",
+    "steps",
+    "final_answer_loss",
+    "chance",
+    "final_accuracy",
+    "tokens_per_second",
+    "train_seconds",
+    "checkpoint",
+    "wall_seconds",
+]
 EXTRA_TABLES = {
-    "evals": ExtraTable("Held-out accuracy during pretraining, per prompt length",
-                        ["point", "step", "length", "accuracy", "n"],
-                        "Greedy exact match of the answer on held-out examples (seeds disjoint from training), "
-                        "teacher-forced: equal to greedy decoding's success for exact-match rewards."),
-    "loss": ExtraTable("Pretraining loss", ["point", "step", "length", "answer_loss", "loss"],
-                       f"Every step's loss is in the checkpoint folder's curve.json; the result keeps about "
-                       f"{LOSS_POINTS} of them."),
+    "evals": ExtraTable(
+        "Held-out accuracy during pretraining, per prompt length",
+        ["point", "step", "length", "accuracy", "n"],
+        "Greedy exact match of the answer on held-out examples (seeds disjoint from training), "
+        "teacher-forced: equal to greedy decoding's success for exact-match rewards.",
+    ),
+    "loss": ExtraTable(
+        "Pretraining loss",
+        ["point", "step", "length", "answer_loss", "loss"],
+        f"Every step's loss is in the checkpoint folder's curve.json; the result keeps about {LOSS_POINTS} of them.",
+    ),
 }
-CAPTIONS = {"pretrain_curve": "Pretraining: the answer loss per step (left) and the held-out accuracy per prompt "
-                              "length over training (right), the task's chance level dotted."}
+CAPTIONS = {
+    "pretrain_curve": "Pretraining: the answer loss per step (left) and the held-out accuracy per prompt "
+    "length over training (right), the task's chance level dotted."
+}
 
 
 def columns(point: dict) -> dict:
     cfg, metrics = point_parts(point)
     final = as_dict(metrics.get("final_accuracy"))
-    return {"model": as_dict(cfg.get("pretrain")).get("model"), "parameters": number(metrics.get("parameters")),
-            "steps": as_dict(cfg.get("pretrain")).get("steps"),
-            "final_answer_loss": number(metrics.get("final_answer_loss")),
-            "chance": number(as_dict(metrics.get("chance")).get("value")),
-            "final_accuracy": " ".join(f"{k}: {v:.3f}" for k, v in final.items()) or None,
-            "tokens_per_second": number(metrics.get("tokens_per_second")),
-            "train_seconds": number(metrics.get("train_seconds")), "checkpoint": metrics.get("checkpoint")}
+    return {
+        "model": as_dict(cfg.get("pretrain")).get("model"),
+        "parameters": number(metrics.get("parameters")),
+        "steps": as_dict(cfg.get("pretrain")).get("steps"),
+        "final_answer_loss": number(metrics.get("final_answer_loss")),
+        "chance": number(as_dict(metrics.get("chance")).get("value")),
+        "final_accuracy": " ".join(f"{k}: {v:.3f}" for k, v in final.items()) or None,
+        "tokens_per_second": number(metrics.get("tokens_per_second")),
+        "train_seconds": number(metrics.get("train_seconds")),
+        "checkpoint": metrics.get("checkpoint"),
+    }
 
 
 def tables(points: list[dict]) -> dict:
     mine = [p for p in points if p.get("kind") == "pretrain"]
 
     def evals(point):
-        return [{"point": point.get("point"), "step": e.get("step"), "length": int(length), "accuracy": acc,
-                 "n": e.get("n")}
-                for e in point_parts(point)[1].get("evals") or [] for length, acc in as_dict(e.get("accuracy")).items()]
+        return [
+            {
+                "point": point.get("point"),
+                "step": e.get("step"),
+                "length": int(length),
+                "accuracy": acc,
+                "n": e.get("n"),
+            }
+            for e in point_parts(point)[1].get("evals") or []
+            for length, acc in as_dict(e.get("accuracy")).items()
+        ]
 
     def losses(point):
         return [{"point": point.get("point"), **s} for s in point_parts(point)[1].get("loss_curve") or []]
@@ -94,8 +122,14 @@ def plot_curve(rows, losses, evals, title: str):
         scored = [e for e in evals if e.get("point") == name]
         for j, length in enumerate(sorted({e["length"] for e in scored})):
             at = [e for e in scored if e["length"] == length]
-            acc_ax.plot([e["step"] for e in at], [e["accuracy"] for e in at], marker="o", color=color,
-                        linestyle=draw.LINE_STYLES[j % len(draw.LINE_STYLES)], label=f"{name}: {length} positions")
+            acc_ax.plot(
+                [e["step"] for e in at],
+                [e["accuracy"] for e in at],
+                marker="o",
+                color=color,
+                linestyle=draw.LINE_STYLES[j % len(draw.LINE_STYLES)],
+                label=f"{name}: {length} positions",
+            )
         if row.get("chance") is not None:
             acc_ax.axhline(row["chance"], color=color, linestyle=":", linewidth=1, label=f"chance {row['chance']:.2f}")
     loss_ax.set(xlabel="step", ylabel="answer loss (nats)", yscale="log", title=f"{title}: pretraining loss")

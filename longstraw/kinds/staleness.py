@@ -15,8 +15,17 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from longstraw.config import PointConfig
-from longstraw.kinds.columns import (ExtraTable, as_dict, finite, is_cuda_point, number, phase_columns, point_parts,
-                                     rows_of_points, status_of)
+from longstraw.kinds.columns import (
+    ExtraTable,
+    as_dict,
+    finite,
+    is_cuda_point,
+    number,
+    phase_columns,
+    point_parts,
+    rows_of_points,
+    status_of,
+)
 
 if TYPE_CHECKING:
     from longstraw.kinds.common import Progress
@@ -39,15 +48,23 @@ def run(cfg: PointConfig, device, progress: Progress) -> dict:
 
         def task_reward(responses):
             return [task.reward(example, y) for y in responses]
+
         reward = task_reward
     optimizer = optimizer_for(model, cfg)
     threshold, rows, floor = cfg.staleness.threshold, [], {}
     setting = training_setting(model, optimizer)
 
     def metrics():
-        return {"rows": rows, "threshold": threshold, "floor": floor, "setting": setting, **search,
-                "refresh_interval": refresh_interval(rows, threshold, floor.get("relative_loss_drift", 0.0)),
-                "prompt_positions": int(prompt.numel()), "phases": recorder.phases}
+        return {
+            "rows": rows,
+            "threshold": threshold,
+            "floor": floor,
+            "setting": setting,
+            **search,
+            "refresh_interval": refresh_interval(rows, threshold, floor.get("relative_loss_drift", 0.0)),
+            "prompt_positions": int(prompt.numel()),
+            "phases": recorder.phases,
+        }
 
     def step_done(row):
         rows.append(row)
@@ -55,10 +72,20 @@ def run(cfg: PointConfig, device, progress: Progress) -> dict:
         progress.partial(metrics())
 
     with recorder.phase("oracle"):
-        result = staleness_oracle(model, prompt, optimizer, cfg.grpo, steps=cfg.staleness.steps,
-                                  num_samples=cfg.responses.count, max_new_tokens=cfg.responses.length,
-                                  seed=cfg.responses.seed, capture_kwargs=capture_kwargs(cfg), progress=step_done,
-                                  floor_perturbation=cfg.staleness.floor_perturbation, reward=reward)
+        result = staleness_oracle(
+            model,
+            prompt,
+            optimizer,
+            cfg.grpo,
+            steps=cfg.staleness.steps,
+            num_samples=cfg.responses.count,
+            max_new_tokens=cfg.responses.length,
+            seed=cfg.responses.seed,
+            capture_kwargs=capture_kwargs(cfg),
+            progress=step_done,
+            floor_perturbation=cfg.staleness.floor_perturbation,
+            reward=reward,
+        )
         floor.update(result.floor)
     return metrics()
 
@@ -73,10 +100,13 @@ def training_setting(model, optimizer) -> dict:
 
     params = list(model.parameters())
     trainable = [p for p in params if p.requires_grad]
-    return {"frozen_dtypes": dtypes(p for p in params if not p.requires_grad), "trainable_dtypes": dtypes(trainable),
-            "trainable_parameters": sum(p.numel() for p in trainable),
-            "lora": any("lora_" in name for name, p in model.named_parameters() if p.requires_grad),
-            "master_weights": isinstance(optimizer, MasterWeightsAdamW)}
+    return {
+        "frozen_dtypes": dtypes(p for p in params if not p.requires_grad),
+        "trainable_dtypes": dtypes(trainable),
+        "trainable_parameters": sum(p.numel() for p in trainable),
+        "lora": any("lora_" in name for name, p in model.named_parameters() if p.requires_grad),
+        "master_weights": isinstance(optimizer, MasterWeightsAdamW),
+    }
 
 
 def setting_label(setting: dict) -> str | None:
@@ -86,8 +116,9 @@ def setting_label(setting: dict) -> str | None:
     trained = "/".join(setting.get("trainable_dtypes", []))
     if setting.get("lora"):
         return f"{'/'.join(setting.get('frozen_dtypes', []))} base, {trained} LoRA"
-    masters = ", float32 masters" if setting.get("master_weights") else (
-        ", updated in place" if trained != "float32" else "")
+    masters = (
+        ", float32 masters" if setting.get("master_weights") else (", updated in place" if trained != "float32" else "")
+    )
     return f"{trained} weights{masters}"
 
 
@@ -101,8 +132,12 @@ def recorded_setting(cfg: dict) -> dict:
     dtype = str(model["dtype"])
     if model.get("lora"):
         return {"frozen_dtypes": [dtype], "trainable_dtypes": ["float32"], "lora": True, "master_weights": False}
-    return {"frozen_dtypes": [], "trainable_dtypes": [dtype], "lora": False,
-            "master_weights": bool(as_dict(cfg.get("optimizer")).get("master_weights"))}
+    return {
+        "frozen_dtypes": [],
+        "trainable_dtypes": [dtype],
+        "lora": False,
+        "master_weights": bool(as_dict(cfg.get("optimizer")).get("master_weights")),
+    }
 
 
 def learnable_example(model, task, cfg: PointConfig, device) -> tuple[object, dict]:
@@ -122,8 +157,9 @@ def learnable_example(model, task, cfg: PointConfig, device) -> tuple[object, di
         seed = cfg.prompt.seed + i
         example = task.make(seed)
         state = capture(model, example.prompt_ids.to(device), **capture_kwargs(cfg))
-        responses = sample(model, state, step_sampling(cfg.responses.count, cfg.responses.length,
-                                                      cfg.responses.seed, step=0)).responses
+        responses = sample(
+            model, state, step_sampling(cfg.responses.count, cfg.responses.length, cfg.responses.seed, step=0)
+        ).responses
         del state
         rewards = [float(task.reward(example, y)) for y in responses]
         if len(set(rewards)) > 1 or i == tries - 1:
@@ -133,22 +169,66 @@ def learnable_example(model, task, cfg: PointConfig, device) -> tuple[object, di
 # ------------------------------------------------------------------------------------------- report
 
 # The oracle's per-step measures (longstraw.training.oracle), in the order a step row shows them.
-MEASURES = ("update_changed_fraction", "param_drift", "loss_stale", "loss_fresh", "relative_loss_drift",
-            "mean_abs_logprob_diff", "kl_k3", "grad_cosine", "grad_norm_stale", "grpo_loss_stale", "grpo_loss_fresh",
-            "reward_mean")
+MEASURES = (
+    "update_changed_fraction",
+    "param_drift",
+    "loss_stale",
+    "loss_fresh",
+    "relative_loss_drift",
+    "mean_abs_logprob_diff",
+    "kl_k3",
+    "grad_cosine",
+    "grad_norm_stale",
+    "grpo_loss_stale",
+    "grpo_loss_fresh",
+    "reward_mean",
+)
 # what a reader checks against the paper (the drift at steps 1-2 and at the first update, the floor, the
 # interval); every column stays in the CSV
-SHOWN = ["model", "setting", "lr", "prompt_positions", "updates", "drift_threshold", "refresh_interval",
-         "relative_loss_drift_step1", "relative_loss_drift_step2", "first_update_step",
-         "first_update_relative_loss_drift", "first_update_mean_abs_logprob_diff", "first_update_param_drift",
-         "update_changed_fraction", "floor_relative_loss_drift", "floor_changed_fraction", "max_relative_loss_drift",
-         "peak_memory_bytes", "wall_seconds"]
-STEP_COLUMNS = ["point", "lr", "step", "status", "updated", "update_changed_fraction", "param_drift", "loss_stale",
-                "loss_fresh", "relative_loss_drift", "under_threshold", "mean_abs_logprob_diff", "kl_k3",
-                "one_minus_grad_cosine", "reward_mean", "error", "report_error"]
+SHOWN = [
+    "model",
+    "setting",
+    "lr",
+    "prompt_positions",
+    "updates",
+    "drift_threshold",
+    "refresh_interval",
+    "relative_loss_drift_step1",
+    "relative_loss_drift_step2",
+    "first_update_step",
+    "first_update_relative_loss_drift",
+    "first_update_mean_abs_logprob_diff",
+    "first_update_param_drift",
+    "update_changed_fraction",
+    "floor_relative_loss_drift",
+    "floor_changed_fraction",
+    "max_relative_loss_drift",
+    "peak_memory_bytes",
+    "wall_seconds",
+]
+STEP_COLUMNS = [
+    "point",
+    "lr",
+    "step",
+    "status",
+    "updated",
+    "update_changed_fraction",
+    "param_drift",
+    "loss_stale",
+    "loss_fresh",
+    "relative_loss_drift",
+    "under_threshold",
+    "mean_abs_logprob_diff",
+    "kl_k3",
+    "one_minus_grad_cosine",
+    "reward_mean",
+    "error",
+    "report_error",
+]
 EXTRA_TABLES = {
     "drift": ExtraTable(
-        "Drift per step", STEP_COLUMNS,
+        "Drift per step",
+        STEP_COLUMNS,
         "One row per oracle step. At every step the policy samples responses from the reused (stale) prompt state, "
         "and on those same responses the stale state is compared with a fresh capture under the current "
         "parameters. Step 0 is the capture itself: fresh equals stale, so its drift is exactly zero (a check, not a "
@@ -160,20 +240,23 @@ EXTRA_TABLES = {
         "param_drift: L2 norm of the trainable parameters' change since the capture (the trainer's adaptive "
         "refresh signal); grpo_loss_*: the GRPO surrogate (about 0 on policy, so not used for the drift); "
         "response_tokens: summed over the group. A point without steps (error, out of memory, rows missing) has "
-        "one row saying so.", key="drift", beside_points=True),
+        "one row saying so.",
+        key="drift",
+        beside_points=True,
+    ),
 }
 CAPTIONS = {
     "drift_per_step": "The fresh-prefix oracle, one line per point: at every step the reused (stale) prompt state is "
-                      "compared with a fresh capture under the current parameters on the same responses. Top: "
-                      "relative loss drift |L_stale - L_fresh| / L_fresh in % (log scale) with the refresh threshold "
-                      "and the paper's stated band (its 1M-position oracle: ~0.04-0.12% at steps 1-2; for later "
-                      "steps the paper gives no figure, so none is drawn); mean |delta log p| per response token; "
-                      "KL k3 (stale || fresh). Bottom: 1 - cosine of the stale and fresh gradients; the parameter "
-                      "drift since the capture (the trainer's adaptive refresh signal); and the loss drift against "
-                      "that signal, each marker labelled with its step. Step 0 is the capture itself (drift exactly "
-                      "zero by construction) and is not drawn on the log scales. Dotted, where a point measured "
-                      "it: its numerical floor (the drift of a fresh capture after a random parameter perturbation "
-                      "far below one step's, in the same precision); drift at or under it is not staleness.",
+    "compared with a fresh capture under the current parameters on the same responses. Top: "
+    "relative loss drift |L_stale - L_fresh| / L_fresh in % (log scale) with the refresh threshold "
+    "and the paper's stated band (its 1M-position oracle: ~0.04-0.12% at steps 1-2; for later "
+    "steps the paper gives no figure, so none is drawn); mean |delta log p| per response token; "
+    "KL k3 (stale || fresh). Bottom: 1 - cosine of the stale and fresh gradients; the parameter "
+    "drift since the capture (the trainer's adaptive refresh signal); and the loss drift against "
+    "that signal, each marker labelled with its step. Step 0 is the capture itself (drift exactly "
+    "zero by construction) and is not drawn on the log scales. Dotted, where a point measured "
+    "it: its numerical floor (the drift of a fresh capture after a random parameter perturbation "
+    "far below one step's, in the same precision); drift at or under it is not staleness.",
 }
 
 
@@ -228,32 +311,46 @@ def refresh_interval_sentence(row: dict) -> str:
     under = f"under {format_percent(threshold)}" if not is_missing(threshold) else "under the threshold"
     if is_missing(interval):
         if row.get("status") == "ok" and row.get("updates") == 0:
-            return ("no refresh interval: no step updated the parameters (every group's rewards were equal, so "
-                    "every advantage was zero)")
+            return (
+                "no refresh interval: no step updated the parameters (every group's rewards were equal, so "
+                "every advantage was zero)"
+            )
         floor = row.get("floor_relative_loss_drift")
-        if row.get("status") == "ok" and not is_missing(threshold) and not is_missing(floor) and \
-                threshold <= FLOOR_MARGIN * floor:
-            return (f"no refresh interval: the threshold {format_percent(threshold)} lies within {FLOOR_MARGIN:g}x "
-                    f"the numerical floor {format_percent(floor)} (the drift after a perturbation far below one "
-                    "step's), so a drift that small cannot be told from the precision's")
+        if (
+            row.get("status") == "ok"
+            and not is_missing(threshold)
+            and not is_missing(floor)
+            and threshold <= FLOOR_MARGIN * floor
+        ):
+            return (
+                f"no refresh interval: the threshold {format_percent(threshold)} lies within {FLOOR_MARGIN:g}x "
+                f"the numerical floor {format_percent(floor)} (the drift after a perturbation far below one "
+                "step's), so a drift that small cannot be told from the precision's"
+            )
         return f"no refresh interval: no loss drift measured (status {row.get('status')})"
     interval = int(interval)
-    text = (f"{interval} update{'s' if interval != 1 else ''}: the number of parameter updates whose loss drift "
-            f"stays {under}")
+    text = (
+        f"{interval} update{'s' if interval != 1 else ''}: the number of parameter updates whose loss drift "
+        f"stays {under}"
+    )
     if not is_missing(row.get("updates")) and row.get("updates") != row.get("steps_measured"):
         text += f" ({int(row['updates'])} of the {int(row['steps_measured'])} steps updated the parameters)"
     crossed, measured = row.get("threshold_crossed_at_step"), row.get("steps_measured")
     if not is_missing(crossed):
         text += f" (crossed at step {int(crossed)})"
     elif not is_missing(measured):
-        text += (f" (never crossed in the {int(measured)} steps measured, so at least {interval}; "
-                 "the run does not show where it ends)")
+        text += (
+            f" (never crossed in the {int(measured)} steps measured, so at least {interval}; "
+            "the run does not show where it ends)"
+        )
     if is_missing(row.get("floor_relative_loss_drift")):
         text += "; its numerical floor was not measured, so drift from the precision alone is not excluded"
     elif row.get("floor_relative_loss_drift") == 0 and row.get("floor_mean_abs_logprob_diff") == 0:
-        text += ("; its floor is exactly zero: the perturbation moved no log-prob (where it changed no weight, "
-                 "rounded away in the parameters' precision, the floor is the recapture's determinism, not the "
-                 "precision's sensitivity to a real change)")
+        text += (
+            "; its floor is exactly zero: the perturbation moved no log-prob (where it changed no weight, "
+            "rounded away in the parameters' precision, the floor is the recapture's determinism, not the "
+            "precision's sensitivity to a real change)"
+        )
     return text
 
 
@@ -282,8 +379,9 @@ def _regime_of(chosen: list[dict], low: float, high: float) -> str:
 
     readings, inside = [], []
     for row in chosen:
-        drift, floor, lr = (number(row.get(k)) for k in ("first_update_relative_loss_drift",
-                                                          "floor_relative_loss_drift", "lr"))
+        drift, floor, lr = (
+            number(row.get(k)) for k in ("first_update_relative_loss_drift", "floor_relative_loss_drift", "lr")
+        )
         name = f"lr {lr:g} at {format_value('prompt_positions', row.get('prompt_positions'))}"
         if drift is None:
             readings.append(f"{name}: no update")
@@ -296,8 +394,11 @@ def _regime_of(chosen: list[dict], low: float, high: float) -> str:
         floor_text = "" if floor is not None else ", floor not measured"
         step = int(row["first_update_step"])
         readings.append(f"{name}: {format_percent(drift)} at step {step} ({where}{floor_text})")
-    verdict = (f"the paper's regime appears at lr {', '.join(inside)}" if inside
-               else "the paper's regime does not appear at the learning rates tried")
+    verdict = (
+        f"the paper's regime appears at lr {', '.join(inside)}"
+        if inside
+        else "the paper's regime does not appear at the learning rates tried"
+    )
     return f"{verdict}. First update's loss drift: " + "; ".join(readings) + _follows_the_step(chosen)
 
 
@@ -305,8 +406,12 @@ def _follows_the_step(rows: list[dict]) -> str:
     """Does the first update's log-prob drift grow with the step? Between the points whose first updates
     moved the parameters least and most: how many times the parameter drift and |delta log p| grew. Drift
     that stays put while the step grows many-fold is the precision's sensitivity, not staleness."""
-    moved = [r for r in rows if (number(r.get("first_update_param_drift")) or 0) > 0
-             and number(r.get("first_update_mean_abs_logprob_diff")) is not None]
+    moved = [
+        r
+        for r in rows
+        if (number(r.get("first_update_param_drift")) or 0) > 0
+        and number(r.get("first_update_mean_abs_logprob_diff")) is not None
+    ]
     if len(moved) < 2:
         return ""
     small = min(moved, key=lambda r: r["first_update_param_drift"])
@@ -315,10 +420,12 @@ def _follows_the_step(rows: list[dict]) -> str:
     if small["first_update_mean_abs_logprob_diff"] <= 0:
         return ""
     logps = large["first_update_mean_abs_logprob_diff"] / small["first_update_mean_abs_logprob_diff"]
-    text = (f". From lr {number(small.get('lr')):g} to lr {number(large.get('lr')):g} the first update moved the "
-            f"parameters {steps:.3g}x as far and the log-probs {logps:.3g}x as far (mean |delta log p| "
-            f"{small['first_update_mean_abs_logprob_diff']:.3g} -> {large['first_update_mean_abs_logprob_diff']:.3g})")
-    if steps >= 10 and logps < steps ** 0.5:
+    text = (
+        f". From lr {number(small.get('lr')):g} to lr {number(large.get('lr')):g} the first update moved the "
+        f"parameters {steps:.3g}x as far and the log-probs {logps:.3g}x as far (mean |delta log p| "
+        f"{small['first_update_mean_abs_logprob_diff']:.3g} -> {large['first_update_mean_abs_logprob_diff']:.3g})"
+    )
+    if steps >= 10 and logps < steps**0.5:
         text += ": the drift does not follow the step, so it is the precision's sensitivity rather than staleness"
     return text
 
@@ -334,8 +441,7 @@ def columns(point: dict) -> dict:
     threshold = number(metrics.get("threshold", settings.get("threshold")))
     after = [r for r in rows if r["step"] >= 1 and number(r.get("relative_loss_drift")) is not None]
     largest = max(after, key=lambda r: r["relative_loss_drift"]) if after else {}
-    crossed = next((r["step"] for r in after if threshold is not None and r["relative_loss_drift"] >= threshold),
-                   None)
+    crossed = next((r["step"] for r in after if threshold is not None and r["relative_loss_drift"] >= threshold), None)
     by_step = {r["step"]: r for r in rows}
     peaks = [number(as_dict(p).get("peak_allocated_bytes")) for p in as_dict(metrics.get("phases")).values()]
     peaks = [v for v in peaks if v is not None]
@@ -353,8 +459,9 @@ def columns(point: dict) -> dict:
         "steps_measured": max((r["step"] for r in rows), default=None) if rows else None,
         "drift_threshold": threshold,
         # derived from the rows (the evidence), not read from the result: one definition for every record
-        "refresh_interval": refresh_interval(rows, threshold,
-                                             as_dict(metrics.get("floor")).get("relative_loss_drift", 0.0)),
+        "refresh_interval": refresh_interval(
+            rows, threshold, as_dict(metrics.get("floor")).get("relative_loss_drift", 0.0)
+        ),
         "updates": len(updating_steps(rows)) if rows else None,
         # the drift of a fresh capture after a parameter perturbation far below one step's (the precision's)
         "floor_relative_loss_drift": number(as_dict(metrics.get("floor")).get("relative_loss_drift")),
@@ -376,17 +483,22 @@ def columns(point: dict) -> dict:
         "max_drift_step": largest.get("step"),
         # step 0: fresh == stale by construction, so its drift must be exactly zero (a check)
         "step0_drift_zero": (first.get("relative_loss_drift") == 0 and first.get("mean_abs_logprob_diff") == 0)
-        if first else None,
+        if first
+        else None,
         "final_param_drift": number(last.get("param_drift")),
         "final_mean_abs_logprob_diff": number(last.get("mean_abs_logprob_diff")),
         "final_kl_k3": number(last.get("kl_k3")),
         "final_grad_cosine": number(last.get("grad_cosine")),
-        "min_grad_cosine": min((r["grad_cosine"] for r in rows if number(r.get("grad_cosine")) is not None),
-                               default=None),
+        "min_grad_cosine": min(
+            (r["grad_cosine"] for r in rows if number(r.get("grad_cosine")) is not None), default=None
+        ),
         "loss_finite": finite([r.get(k) for r in rows for k in ("loss_stale", "loss_fresh")]),
-        "peak_memory_bytes": number(point.get("peak_rss_bytes")) if not cuda else max(
-            peaks + [point["peak_allocated_bytes"]] if number(point.get("peak_allocated_bytes")) is not None
-            else peaks, default=None),
+        "peak_memory_bytes": number(point.get("peak_rss_bytes"))
+        if not cuda
+        else max(
+            peaks + [point["peak_allocated_bytes"]] if number(point.get("peak_allocated_bytes")) is not None else peaks,
+            default=None,
+        ),
         "peak_memory_measure": "peak_allocated_bytes" if cuda else "process peak RSS",
     }
     cols.update(phase_columns("oracle", as_dict(as_dict(metrics.get("phases")).get("oracle"))))
@@ -406,21 +518,36 @@ def drift_rows(point: dict) -> list[dict]:
     lr = number(as_dict(cfg.get("optimizer")).get("lr"))
     if not rows:
         status = status_of(point.get("status"))
-        return [{"point": point.get("point"), "kind": "staleness_step", "lr": lr, "step": None, "status": status,
-                 "error": point.get("error"),
-                 "report_error": "no per-step rows in the result" if status == "ok" or not point.get("error")
-                 else None}]
+        return [
+            {
+                "point": point.get("point"),
+                "kind": "staleness_step",
+                "lr": lr,
+                "step": None,
+                "status": status,
+                "error": point.get("error"),
+                "report_error": "no per-step rows in the result" if status == "ok" or not point.get("error") else None,
+            }
+        ]
     out, updated = [], {r["step"] for r in updating_steps(rows)}
     for row in rows:
-        record = {"point": point.get("point"), "kind": "staleness_step", "lr": lr, "step": int(row["step"]),
-                  "status": "ok", "updated": row["step"] in updated, "error": None}
+        record = {
+            "point": point.get("point"),
+            "kind": "staleness_step",
+            "lr": lr,
+            "step": int(row["step"]),
+            "status": "ok",
+            "updated": row["step"] in updated,
+            "error": None,
+        }
         record.update({key: number(row.get(key)) for key in MEASURES})
         cosine, drift = record["grad_cosine"], record["relative_loss_drift"]
         record["one_minus_grad_cosine"] = 1.0 - cosine if cosine is not None else None
         record["under_threshold"] = drift < threshold if drift is not None and threshold is not None else None
         tokens = row.get("response_tokens")
-        record["response_tokens"] = sum(tokens) if isinstance(tokens, list) and all(
-            number(t) is not None for t in tokens) else number(tokens)
+        record["response_tokens"] = (
+            sum(tokens) if isinstance(tokens, list) and all(number(t) is not None for t in tokens) else number(tokens)
+        )
         out.append(record)
     return out
 
@@ -434,26 +561,33 @@ def notes(row: dict, grid) -> list[str]:
     from longstraw.plotting.formatting import format_percent, format_value, is_missing
 
     setting = ", ".join(f"{k}={row[k]}" for k in grid if not is_missing(row.get(k)))
-    head = f"{row.get('point')}" + (f" ({row['setting']})" if not is_missing(row.get("setting")) else "") + (
-        f" ({setting})" if setting else "")
+    head = (
+        f"{row.get('point')}"
+        + (f" ({row['setting']})" if not is_missing(row.get("setting")) else "")
+        + (f" ({setting})" if setting else "")
+    )
     if row.get("status") != "ok" or is_missing(row.get("refresh_interval")):
-        if row.get("status") == "ok" and (row.get("updates") == 0 or not is_missing(
-                row.get("floor_relative_loss_drift"))):
+        if row.get("status") == "ok" and (
+            row.get("updates") == 0 or not is_missing(row.get("floor_relative_loss_drift"))
+        ):
             return [f"{head}: {refresh_interval_sentence(row)}."]
         why = row.get("error") or row.get("report_error") or "no drift measured"
         return [f"{head}: no refresh interval (status {row.get('status')}: {why})."]
     text = f"{head}: refresh interval {refresh_interval_sentence(row)}."
     if not is_missing(row.get("max_relative_loss_drift")):
-        text += (f" Largest loss drift {format_percent(row['max_relative_loss_drift'])} at step "
-                 f"{row.get('max_drift_step')}; drift at steps 1-2: "
-                 f"{format_percent(row.get('relative_loss_drift_step1'))}, "
-                 f"{format_percent(row.get('relative_loss_drift_step2'))}, at "
-                 f"{format_value('prompt_positions', row.get('prompt_positions'))} prompt positions "
-                 "(the paper's reading beside ours: the table below).")
-    if not is_missing(row.get("first_update_relative_loss_drift")) and \
-            row.get("updates") != row.get("steps_measured"):
-        text += (f" Its first parameter update came at step {int(row['first_update_step'])}, with loss drift "
-                 f"{format_percent(row['first_update_relative_loss_drift'])}.")
+        text += (
+            f" Largest loss drift {format_percent(row['max_relative_loss_drift'])} at step "
+            f"{row.get('max_drift_step')}; drift at steps 1-2: "
+            f"{format_percent(row.get('relative_loss_drift_step1'))}, "
+            f"{format_percent(row.get('relative_loss_drift_step2'))}, at "
+            f"{format_value('prompt_positions', row.get('prompt_positions'))} prompt positions "
+            "(the paper's reading beside ours: the table below)."
+        )
+    if not is_missing(row.get("first_update_relative_loss_drift")) and row.get("updates") != row.get("steps_measured"):
+        text += (
+            f" Its first parameter update came at step {int(row['first_update_step'])}, with loss drift "
+            f"{format_percent(row['first_update_relative_loss_drift'])}."
+        )
     if row.get("step0_drift_zero") is False:
         text += " Step 0's drift is not zero: the oracle's fresh capture does not reproduce the stale one."
     return [text]
@@ -469,8 +603,11 @@ def figures(data, ceiling: dict, marks=()):
 
 def _positive(rows, key, scale=1.0):
     """(steps, values) of the rows with a positive value (what a log scale can draw), step >= 1."""
-    pairs = [(r["step"], r[key] * scale) for r in rows
-             if r.get("step") is not None and r["step"] >= 1 and r.get(key) is not None and r[key] * scale > 0]
+    pairs = [
+        (r["step"], r[key] * scale)
+        for r in rows
+        if r.get("step") is not None and r["step"] >= 1 and r.get(key) is not None and r[key] * scale > 0
+    ]
     return [p[0] for p in pairs], [p[1] for p in pairs]
 
 
@@ -481,9 +618,18 @@ def _draw_band(ax, band: dict) -> None:
     from longstraw.plotting.draw import PAPER_COLOR
 
     steps = band["steps"]
-    ax.fill_between([min(steps), max(steps)], band["low"] * 100, band["high"] * 100, color=PAPER_COLOR, alpha=0.2,
-                    hatch="//", edgecolor=PAPER_COLOR, linewidth=1.2,
-                    label=textwrap.fill(f"paper: {band['text']}", 48, subsequent_indent="  "), zorder=1)
+    ax.fill_between(
+        [min(steps), max(steps)],
+        band["low"] * 100,
+        band["high"] * 100,
+        color=PAPER_COLOR,
+        alpha=0.2,
+        hatch="//",
+        edgecolor=PAPER_COLOR,
+        linewidth=1.2,
+        label=textwrap.fill(f"paper: {band['text']}", 48, subsequent_indent="  "),
+        zorder=1,
+    )
 
 
 def plot_drift(points: list[dict], drift: list[dict], grid, title: str, bands=()):
@@ -500,51 +646,83 @@ def plot_drift(points: list[dict], drift: list[dict], grid, title: str, bands=()
     drawn = [p for p in points if any(d.get("point") == p.get("point") and d.get("step") is not None for d in drift)]
     for i, point in enumerate(drawn):
         name, color = str(point.get("point")), draw.POINT_COLORS[i % len(draw.POINT_COLORS)]
-        rows = sorted((d for d in drift if str(d.get("point")) == name and d.get("step") is not None),
-                      key=lambda d: d["step"])
+        rows = sorted(
+            (d for d in drift if str(d.get("point")) == name and d.get("step") is not None), key=lambda d: d["step"]
+        )
         label = labels.get(name, name)
         if point.get("status") != "ok":
             label += f" ({str(point.get('status')).upper()}: partial)"
-        for ax, key, scale in ((loss_ax, "relative_loss_drift", 100.0), (logp_ax, "mean_abs_logprob_diff", 1.0),
-                               (kl_ax, "kl_k3", 1.0), (cos_ax, "one_minus_grad_cosine", 1.0)):
+        for ax, key, scale in (
+            (loss_ax, "relative_loss_drift", 100.0),
+            (logp_ax, "mean_abs_logprob_diff", 1.0),
+            (kl_ax, "kl_k3", 1.0),
+            (cos_ax, "one_minus_grad_cosine", 1.0),
+        ):
             xs, ys = _positive(rows, key, scale)
             if xs:
                 ax.plot(xs, ys, marker="o", markersize=4, color=color, label=label)
         # the point's numerical floor (drift under a perturbation far below one step's): read only above it
-        for ax, key, scale in ((loss_ax, "floor_relative_loss_drift", 100.0),
-                               (logp_ax, "floor_mean_abs_logprob_diff", 1.0)):
+        for ax, key, scale in (
+            (loss_ax, "floor_relative_loss_drift", 100.0),
+            (logp_ax, "floor_mean_abs_logprob_diff", 1.0),
+        ):
             if number(point.get(key)):
-                ax.axhline(point[key] * scale, color=color, linestyle=":", linewidth=1.2,
-                           label=f"{label}: numerical floor" if ax is loss_ax else None)
+                ax.axhline(
+                    point[key] * scale,
+                    color=color,
+                    linestyle=":",
+                    linewidth=1.2,
+                    label=f"{label}: numerical floor" if ax is loss_ax else None,
+                )
         xs = [r["step"] for r in rows if r.get("param_drift") is not None]
-        param_ax.plot(xs, [r["param_drift"] for r in rows if r.get("param_drift") is not None], marker="o",
-                      markersize=4, color=color, label=label)
-        pairs = [(r["param_drift"], r["relative_loss_drift"] * 100, r["step"]) for r in rows
-                 if r["step"] >= 1 and r.get("param_drift") and r.get("relative_loss_drift")]
+        param_ax.plot(
+            xs,
+            [r["param_drift"] for r in rows if r.get("param_drift") is not None],
+            marker="o",
+            markersize=4,
+            color=color,
+            label=label,
+        )
+        pairs = [
+            (r["param_drift"], r["relative_loss_drift"] * 100, r["step"])
+            for r in rows
+            if r["step"] >= 1 and r.get("param_drift") and r.get("relative_loss_drift")
+        ]
         if pairs:
-            vs_ax.plot([p[0] for p in pairs], [p[1] for p in pairs], marker="o", markersize=4, color=color,
-                       label=label)
+            vs_ax.plot([p[0] for p in pairs], [p[1] for p in pairs], marker="o", markersize=4, color=color, label=label)
             for x, y, step in pairs:
                 vs_ax.annotate(str(step), (x, y), textcoords="offset points", xytext=(3, 3), fontsize=6, color=color)
     for point in points:  # no rows to draw: say so in the legend, never drop it silently
         if point not in drawn:
             status = str(point.get("status") or "error")
-            loss_ax.plot([], [], marker="X", linestyle="none", markersize=9,
-                         color=draw.FAILED_COLORS.get(status, draw.FAILED_COLORS["error"]),
-                         label=f"{labels.get(str(point.get('point')))}: "
-                               + ("no per-step rows in the result" if status == "ok"
-                                  else f"{status.upper()}, no steps measured"))
+            loss_ax.plot(
+                [],
+                [],
+                marker="X",
+                linestyle="none",
+                markersize=9,
+                color=draw.FAILED_COLORS.get(status, draw.FAILED_COLORS["error"]),
+                label=f"{labels.get(str(point.get('point')))}: "
+                + ("no per-step rows in the result" if status == "ok" else f"{status.upper()}, no steps measured"),
+            )
     thresholds = sorted({p["drift_threshold"] for p in points if p.get("drift_threshold")})
     for threshold in thresholds:
         for ax in (loss_ax, vs_ax):
-            ax.axhline(threshold * 100, color="black", linestyle="--", linewidth=1.1,
-                       label=f"threshold {format_percent(threshold)} (refresh interval)" if ax is loss_ax else None)
+            ax.axhline(
+                threshold * 100,
+                color="black",
+                linestyle="--",
+                linewidth=1.1,
+                label=f"threshold {format_percent(threshold)} (refresh interval)" if ax is loss_ax else None,
+            )
     for band in bands:
         _draw_band(loss_ax, band)
-    panels = ((loss_ax, "relative loss drift (%)", "loss drift per step, log scale"),
-              (logp_ax, "mean |Δ log p| (nats per token)", "mean |Δ log p|, stale against fresh"),
-              (kl_ax, "KL k3 (nats per token)", "KL(stale || fresh), k3 estimate"),
-              (cos_ax, "1 − cos(g_stale, g_fresh)", "1 − gradient cosine"))
+    panels = (
+        (loss_ax, "relative loss drift (%)", "loss drift per step, log scale"),
+        (logp_ax, "mean |Δ log p| (nats per token)", "mean |Δ log p|, stale against fresh"),
+        (kl_ax, "KL k3 (nats per token)", "KL(stale || fresh), k3 estimate"),
+        (cos_ax, "1 − cos(g_stale, g_fresh)", "1 − gradient cosine"),
+    )
     for ax, ylabel, name in panels:
         ax.set_yscale("log")
         ax.set_xlabel("step since the capture")
@@ -552,9 +730,13 @@ def plot_drift(points: list[dict], drift: list[dict], grid, title: str, bands=()
         ax.set_title(name, fontsize=9)
     positions = sorted({p["prompt_positions"] for p in points if p.get("prompt_positions")})
     paper_where = "; ".join(f"paper at {b['positions']:,} positions" for b in bands if b.get("positions"))
-    loss_ax.set_title("relative loss drift per step (log scale)\nours at "
-                      + (", ".join(f"{n:,}" for n in positions) or "?") + " positions"
-                      + (f"; {paper_where}" if paper_where else ""), fontsize=9)
+    loss_ax.set_title(
+        "relative loss drift per step (log scale)\nours at "
+        + (", ".join(f"{n:,}" for n in positions) or "?")
+        + " positions"
+        + (f"; {paper_where}" if paper_where else ""),
+        fontsize=9,
+    )
     param_ax.set_xlabel("step since the capture")
     param_ax.set_ylabel("‖θ − θ_capture‖₂ (trainable parameters)")
     param_ax.set_title("parameter drift (the trainer's adaptive refresh signal)", fontsize=9)

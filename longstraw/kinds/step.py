@@ -41,15 +41,24 @@ def run(cfg: PointConfig, device, progress: Progress) -> dict:
     optimizer = optimizer_for(model, cfg)
     if cfg.mode in PEER_MODES:
         return run_peer(cfg, model, prompt, responses, rewards, optimizer, recorder)
-    options = StepOptions(mode=cfg.mode, capture=capture_kwargs(cfg), members=cfg.responses.probe_members,
-                          checkpoint_layers=cfg.replay.checkpoint_layers, micro_batch=cfg.replay.micro_batch)
+    options = StepOptions(
+        mode=cfg.mode,
+        capture=capture_kwargs(cfg),
+        members=cfg.responses.probe_members,
+        checkpoint_layers=cfg.replay.checkpoint_layers,
+        micro_batch=cfg.replay.micro_batch,
+    )
     state, cycles = None, []
     for _ in range(cfg.cycles):
         step = grpo_step(model, prompt, responses, rewards, optimizer, cfg.grpo, options, state=state)
         state = None if cfg.recapture else step.state
         cycles.append(step.metrics)
-    return {"weights": recorder.phases["weights"], "trainable_parameters": trainable_parameters(model),
-            "cycles": cycles, **summary(cycles)}
+    return {
+        "weights": recorder.phases["weights"],
+        "trainable_parameters": trainable_parameters(model),
+        "cycles": cycles,
+        **summary(cycles),
+    }
 
 
 def run_rollouts(cfg: PointConfig, device, progress: Progress) -> dict:
@@ -70,11 +79,17 @@ def run_rollouts(cfg: PointConfig, device, progress: Progress) -> dict:
         for step in range(cfg.cycles):
             record = trainer.train_step(step)
             cycles.append({**record["transaction"], **{k: record[k] for k in ROLLOUT_KEYS}})
-            progress.line(f"cycle {step}: reward {record['reward_mean']:.3f}, loss {record['loss']:.4g}, "
-                          f"{record['seconds']:.1f} s")
+            progress.line(
+                f"cycle {step}: reward {record['reward_mean']:.3f}, loss {record['loss']:.4g}, "
+                f"{record['seconds']:.1f} s"
+            )
             progress.partial({"cycles": cycles})
-    return {"weights": recorder.phases["weights"], "trainable_parameters": trainable_parameters(trainer.model),
-            "cycles": cycles, **summary(cycles)}
+    return {
+        "weights": recorder.phases["weights"],
+        "trainable_parameters": trainable_parameters(trainer.model),
+        "cycles": cycles,
+        **summary(cycles),
+    }
 
 
 def run_peer(cfg: PointConfig, model, prompt, responses, rewards, optimizer, recorder) -> dict:
@@ -86,8 +101,13 @@ def run_peer(cfg: PointConfig, model, prompt, responses, rewards, optimizer, rec
     with recorder.phase("peer_setup"):
         peer = build_peer(cfg.mode, model, cfg.grpo, max_response_length=cfg.responses.length)
     cycles = [peer.step(prompt, responses, rewards, optimizer) for _ in range(cfg.cycles)]
-    return {"weights": recorder.phases["weights"], "peer_setup": recorder.phases["peer_setup"],
-            "trainable_parameters": trainable_parameters(model), "cycles": cycles, **summary(cycles)}
+    return {
+        "weights": recorder.phases["weights"],
+        "peer_setup": recorder.phases["peer_setup"],
+        "trainable_parameters": trainable_parameters(model),
+        "cycles": cycles,
+        **summary(cycles),
+    }
 
 
 ROLLOUT_KEYS = ("reward_mean", "rewards", "loss", "grad_norm", "response_tokens")
@@ -110,30 +130,57 @@ def summary(cycles: list) -> dict:
                 if key in rec:
                     agg[key] = max(agg.get(key, 0), rec[key])
     peaks = [p["peak_allocated_bytes"] for p in phases.values() if "peak_allocated_bytes" in p]
-    return {"phase_summary": phases, "peak_allocated_bytes": max(peaks) if peaks else None,
-            "graph_bytes_peak": max(c["graph_bytes_peak"] for c in cycles)}
+    return {
+        "phase_summary": phases,
+        "peak_allocated_bytes": max(peaks) if peaks else None,
+        "graph_bytes_peak": max(c["graph_bytes_peak"] for c in cycles),
+    }
 
 
 # ------------------------------------------------------------------------------------------- report
 
-STEP_PHASES = ("capture", "ref_capture", "sampling", "old_scoring", "ref_scoring", "replay", "forward_backward",
-               "optimizer_step")
+STEP_PHASES = (
+    "capture",
+    "ref_capture",
+    "sampling",
+    "old_scoring",
+    "ref_scoring",
+    "replay",
+    "forward_backward",
+    "optimizer_step",
+)
 # What a reader checks a step point by (every column is in the experiment's CSV): its peak and what
 # measured it, the graph and the resident state beside their prediction, time per member, the loss.
 # Per-phase peaks are in the memory figure; context-parallel and rollout columns show where present.
-SHOWN = ["model", "prompt_length", "mode", "source", "G", "response_length", "peak_memory_bytes",
-         "peak_memory_measure", "graph_bytes_peak", "resident_bytes", "predicted_resident_bytes", "cp_size",
-         "rank_peak_bytes_max", "seconds_per_member", "cold_step_seconds", "warm_step_seconds", "loss_last",
-         "reward_mean"]
+SHOWN = [
+    "model",
+    "prompt_length",
+    "mode",
+    "source",
+    "G",
+    "response_length",
+    "peak_memory_bytes",
+    "peak_memory_measure",
+    "graph_bytes_peak",
+    "resident_bytes",
+    "predicted_resident_bytes",
+    "cp_size",
+    "rank_peak_bytes_max",
+    "seconds_per_member",
+    "cold_step_seconds",
+    "warm_step_seconds",
+    "loss_last",
+    "reward_mean",
+]
 CAPTIONS = {
     "memory_vs_ceiling": "Per-phase peak memory of each point against the memory ceiling (top; the title says "
-                         "which ceiling and why), and the autograd graph peak beside the resident state, measured "
-                         "and predicted (bottom). Left axes binary units (GiB), right axes decimal (GB, as the "
-                         "paper writes); a point that did not complete is marked on the x axis where it has no "
-                         "value.",
+    "which ceiling and why), and the autograd graph peak beside the resident state, measured "
+    "and predicted (bottom). Left axes binary units (GiB), right axes decimal (GB, as the "
+    "paper writes); a point that did not complete is marked on the x axis where it has no "
+    "value.",
     "g_sweep_memory": "Peak memory against the group size G; colour: the mode, line style: the model. Replay "
-                      "should stay flat in G, hold_all grows with G. An out-of-memory point recorded no graph "
-                      "peak: it is marked on the x axis of that panel.",
+    "should stay flat in G, hold_all grows with G. An out-of-memory point recorded no graph "
+    "peak: it is marked on the x axis of that panel.",
     "time_per_member": "Seconds per replayed response (replay phase seconds / replays).",
     "phase_seconds": "Where a point's time goes: seconds per phase, summed over its cycles.",
 }
@@ -179,8 +226,9 @@ def columns(point: dict) -> dict:
     if replays and number(replay.get("seconds")) is not None:
         cols["seconds_per_member"] = replay["seconds"] / replays
     if cycles:
-        per_cycle = [sum(number(as_dict(r).get("seconds")) or 0.0 for r in as_dict(c.get("phases")).values())
-                     for c in cycles]
+        per_cycle = [
+            sum(number(as_dict(r).get("seconds")) or 0.0 for r in as_dict(c.get("phases")).values()) for c in cycles
+        ]
         cols["cycle_seconds_mean"] = sum(per_cycle) / len(per_cycle)
         # cold: the process's first step (cuDNN plans, Triton autotuning inside it); warm: the median of the rest
         cols["cold_step_seconds"] = per_cycle[0]
@@ -198,14 +246,18 @@ COMPILED = "_triton_cache_entries_added"  # a phase column: Triton kernels compi
 
 def notes(row: dict, grid) -> list[str]:
     """A step phase that compiled or autotuned Triton kernels: its seconds hold that first-call cost."""
-    phases = {column.removesuffix(COMPILED): int(value) for column, value in row.items()
-              if column.endswith(COMPILED) and not column.startswith(("weights_", "peer_setup_"))
-              and (number(value) or 0) > 0}
+    phases = {
+        column.removesuffix(COMPILED): int(value)
+        for column, value in row.items()
+        if column.endswith(COMPILED) and not column.startswith(("weights_", "peer_setup_")) and (number(value) or 0) > 0
+    }
     if not phases:
         return []
     listed = ", ".join(f"{name} {count}" for name, count in phases.items())
-    return [f"{row.get('point')}: Triton compiled or autotuned kernels inside the timed step ({listed} new cache "
-            "entries), so those phases' seconds include first-call compilation, not only the step's work."]
+    return [
+        f"{row.get('point')}: Triton compiled or autotuned kernels inside the timed step ({listed} new cache "
+        "entries), so those phases' seconds include first-call compilation, not only the step's work."
+    ]
 
 
 def figures(data, ceiling: dict, marks=()):
@@ -242,32 +294,58 @@ def plot_memory_vs_ceiling(rows, grid, ceiling, cuda: bool, title: str):
     for i, row in enumerate(rows):
         if row.get("status") != "ok":
             draw.mark_failed(top, i, row, axis.scale)
-    what = "peak allocated (torch.cuda.max_memory_allocated per phase)" if cuda else \
-        "process peak RSS up to the end of each phase (CPU; monotone over a run)"
+    what = (
+        "peak allocated (torch.cuda.max_memory_allocated per phase)"
+        if cuda
+        else "process peak RSS up to the end of each phase (CPU; monotone over a run)"
+    )
     axis.finish(top)
-    top.set_title(textwrap.fill(f"{title}: {what}", wrap) + "\n" + textwrap.fill(f"ceiling: {stated}", wrap),
-                  fontsize=9)
+    top.set_title(
+        textwrap.fill(f"{title}: {what}", wrap) + "\n" + textwrap.fill(f"ceiling: {stated}", wrap), fontsize=9
+    )
     top.set_xticks(range(len(rows)), labels, rotation=30, ha="right", fontsize=8)
     draw.bar_slots(top, len(rows))
     draw.legend_outside(top)
 
-    series = [("graph_bytes_peak", "autograd graph peak", "#dd8452"), ("resident_bytes", "resident state (measured)",
-                                                                        "#4c72b0")]
+    series = [
+        ("graph_bytes_peak", "autograd graph peak", "#dd8452"),
+        ("resident_bytes", "resident state (measured)", "#4c72b0"),
+    ]
     values = [r.get(k) for r in rows for k, _, _ in series] + [r.get("predicted_resident_bytes") for r in rows]
     axis2 = draw.memory_axis(values)
     xs2, width2 = draw.bar_positions(len(rows), len(series))
     for j, (key, name, color) in enumerate(series):
-        bottom.bar(xs2[j], [(r.get(key) or 0) / axis2.scale if r.get("status") == "ok" else 0 for r in rows], width2,
-                   label=name, color=color)
-    predicted = [(i, r["predicted_resident_bytes"] / axis2.scale) for i, r in enumerate(rows)
-                 if r.get("status") == "ok" and r.get("predicted_resident_bytes") is not None]
+        bottom.bar(
+            xs2[j],
+            [(r.get(key) or 0) / axis2.scale if r.get("status") == "ok" else 0 for r in rows],
+            width2,
+            label=name,
+            color=color,
+        )
+    predicted = [
+        (i, r["predicted_resident_bytes"] / axis2.scale)
+        for i, r in enumerate(rows)
+        if r.get("status") == "ok" and r.get("predicted_resident_bytes") is not None
+    ]
     if predicted:
-        bottom.plot([xs2[1][i] for i, _ in predicted], [v for _, v in predicted], linestyle="none", marker="_",
-                    markersize=18, markeredgewidth=2.5, color="black", label="resident state (predicted)")
+        bottom.plot(
+            [xs2[1][i] for i, _ in predicted],
+            [v for _, v in predicted],
+            linestyle="none",
+            marker="_",
+            markersize=18,
+            markeredgewidth=2.5,
+            color="black",
+            label="resident state (predicted)",
+        )
     draw.mark_failed_bars(bottom, rows)  # a failed point measured no graph: on the axis, not at a value
     axis2.finish(bottom)
-    bottom.set_title(textwrap.fill("autograd saved-tensor peak and resident state per point (naive mode has no "
-                                   "resident state)", wrap), fontsize=9)
+    bottom.set_title(
+        textwrap.fill(
+            "autograd saved-tensor peak and resident state per point (naive mode has no resident state)", wrap
+        ),
+        fontsize=9,
+    )
     bottom.set_xticks(range(len(rows)), labels, rotation=30, ha="right", fontsize=8)
     draw.bar_slots(bottom, len(rows))
     draw.legend_outside(bottom)
@@ -295,10 +373,25 @@ def _draw_paper_points(ax, marks, scale: float) -> None:
 
     for i, mark in enumerate(marks):
         g = mark["where"]["G"]
-        ax.plot([g], [mark["bytes"] / scale], marker="D", markersize=9, markerfacecolor="none", linestyle="none",
-                markeredgecolor=PAPER_COLOR, markeredgewidth=1.8, label=mark["source"] if i == 0 else None)
-        ax.annotate(f"paper: {mark['text']}", (g, mark["bytes"] / scale), textcoords="offset points",
-                    xytext=(8, -10 if i else 4), color=PAPER_COLOR, fontsize=7)
+        ax.plot(
+            [g],
+            [mark["bytes"] / scale],
+            marker="D",
+            markersize=9,
+            markerfacecolor="none",
+            linestyle="none",
+            markeredgecolor=PAPER_COLOR,
+            markeredgewidth=1.8,
+            label=mark["source"] if i == 0 else None,
+        )
+        ax.annotate(
+            f"paper: {mark['text']}",
+            (g, mark["bytes"] / scale),
+            textcoords="offset points",
+            xytext=(8, -10 if i else 4),
+            color=PAPER_COLOR,
+            fontsize=7,
+        )
 
 
 def plot_g_sweep_memory(rows, ceiling, cuda: bool, title: str, marks=()):
@@ -307,20 +400,29 @@ def plot_g_sweep_memory(rows, ceiling, cuda: bool, title: str, marks=()):
     panels, so it covers neither the lines nor the ceiling."""
     from longstraw.plotting import draw
 
-    panels = [("peak_memory_bytes", "peak allocated (CUDA)" if cuda else "process peak RSS (CPU)"),
-              ("graph_bytes_peak", "autograd graph peak (saved tensors)")]
+    panels = [
+        ("peak_memory_bytes", "peak allocated (CUDA)" if cuda else "process peak RSS (CPU)"),
+        ("graph_bytes_peak", "autograd graph peak (saved tensors)"),
+    ]
     marks = [m for m in marks if isinstance(m["where"].get("G"), (int, float))]
     fig, axes = draw.plt.subplots(1, 2, figsize=(14, 4.8))
     for ax, (key, name) in zip(axes, panels):
         peak = key == "peak_memory_bytes"
         drawn_ceiling = [ceiling.get("bytes")] if peak and cuda else []
-        axis = draw.memory_axis([r.get(key) for r in rows] + ([m["bytes"] for m in marks] if peak else [])
-                                + drawn_ceiling)
+        axis = draw.memory_axis(
+            [r.get(key) for r in rows] + ([m["bytes"] for m in marks] if peak else []) + drawn_ceiling
+        )
         for label, (mode, style, members) in by_mode(rows).items():
             ok = sorted((r for r in draw.ok(members) if r.get(key) is not None), key=lambda r: r["G"])
             if ok:
-                ax.plot([r["G"] for r in ok], [r[key] / axis.scale for r in ok], marker="o", label=label,
-                        color=draw.MODE_COLORS.get(mode), linestyle=style)
+                ax.plot(
+                    [r["G"] for r in ok],
+                    [r[key] / axis.scale for r in ok],
+                    marker="o",
+                    label=label,
+                    color=draw.MODE_COLORS.get(mode),
+                    linestyle=style,
+                )
         for row in draw.failed(rows):  # an oom step recorded its peak, never its graph: that one on the axis
             if row.get("G") is not None:
                 draw.mark_failed(ax, row["G"], row, axis.scale, value_key=key)
@@ -335,8 +437,12 @@ def plot_g_sweep_memory(rows, ceiling, cuda: bool, title: str, marks=()):
         axis.finish(ax)
         ax.set_title("\n".join(textwrap.fill(line, 60) for line in name.split("\n")), fontsize=9)
     several = len({str(r.get("model")) for r in rows}) > 1
-    draw.legend_outside(axes[-1], *draw.shared_legend(axes),
-                        title="colour: mode, line style: model" if several else "colour: mode", title_fontsize=7)
+    draw.legend_outside(
+        axes[-1],
+        *draw.shared_legend(axes),
+        title="colour: mode, line style: model" if several else "colour: mode",
+        title_fontsize=7,
+    )
     fig.suptitle(f"{title}: peak memory against G", fontsize=10)
     return fig
 
@@ -349,11 +455,16 @@ def plot_time_per_member(rows, grid, title: str):
     fig, ax = draw.plt.subplots(figsize=(10, 4.5) if lines else (min(16, max(6, 4 + 0.7 * len(rows))), 4.5))
     if lines:
         for label, (mode, style, members) in by_mode(rows).items():
-            ok = sorted((r for r in draw.ok(members) if r.get("seconds_per_member") is not None),
-                        key=lambda r: r["G"])
+            ok = sorted((r for r in draw.ok(members) if r.get("seconds_per_member") is not None), key=lambda r: r["G"])
             if ok:
-                ax.plot([r["G"] for r in ok], [r["seconds_per_member"] for r in ok], marker="o", label=label,
-                        color=draw.MODE_COLORS.get(mode), linestyle=style)
+                ax.plot(
+                    [r["G"] for r in ok],
+                    [r["seconds_per_member"] for r in ok],
+                    marker="o",
+                    label=label,
+                    color=draw.MODE_COLORS.get(mode),
+                    linestyle=style,
+                )
         for row in draw.failed(rows):
             if row.get("G") is not None:
                 draw.mark_failed(ax, row["G"], row, value_key=None)
@@ -362,11 +473,13 @@ def plot_time_per_member(rows, grid, title: str):
         ax.set_xlabel("G (responses per prompt)")
         draw.legend_outside(ax)
     else:
-        ax.bar(range(len(rows)), [r.get("seconds_per_member") or 0 if r.get("status") == "ok" else 0 for r in rows],
-               color=[draw.MODE_COLORS.get(str(r.get("mode")), "#4c72b0") for r in rows])
+        ax.bar(
+            range(len(rows)),
+            [r.get("seconds_per_member") or 0 if r.get("status") == "ok" else 0 for r in rows],
+            color=[draw.MODE_COLORS.get(str(r.get("mode")), "#4c72b0") for r in rows],
+        )
         draw.mark_failed_bars(ax, rows)
-        ax.set_xticks(range(len(rows)), [draw.point_label(r, grid) for r in rows], rotation=30, ha="right",
-                      fontsize=8)
+        ax.set_xticks(range(len(rows)), [draw.point_label(r, grid) for r in rows], rotation=30, ha="right", fontsize=8)
         draw.bar_slots(ax, len(rows))
     ax.set_ylim(bottom=0)
     ax.set_ylabel("seconds per replayed member (s)")

@@ -17,8 +17,21 @@ from typing import TYPE_CHECKING
 from longstraw.config import PointConfig
 from longstraw.config.point import with_group
 from longstraw.kinds.capture import capture_columns
-from longstraw.kinds.columns import (ExtraTable, as_dict, common_columns, finite, is_cuda_point, max_number, number,
-                                     phase_columns, phase_seconds, point_parts, ratio, rows_of_points, status_of)
+from longstraw.kinds.columns import (
+    ExtraTable,
+    as_dict,
+    common_columns,
+    finite,
+    is_cuda_point,
+    max_number,
+    number,
+    phase_columns,
+    phase_seconds,
+    point_parts,
+    ratio,
+    rows_of_points,
+    status_of,
+)
 from longstraw.kinds.step import STEP_PHASES, plot_g_sweep_memory
 
 if TYPE_CHECKING:
@@ -26,8 +39,7 @@ if TYPE_CHECKING:
 
 
 def run(cfg: PointConfig, device, progress: Progress) -> dict:
-    from longstraw.kinds.common import (compute_dtype, measure_capture, model_config, optimizer_for,
-                                        policy_and_prompt)
+    from longstraw.kinds.common import compute_dtype, measure_capture, model_config, optimizer_for, policy_and_prompt
     from longstraw.measure.memory import PhaseRecorder
     from longstraw.models.lora import trainable_parameters
 
@@ -37,16 +49,22 @@ def run(cfg: PointConfig, device, progress: Progress) -> dict:
     if cfg.measure.kernel_rates:
         from longstraw.kernels.rates import measure_kernel_rates
 
-        out["kernel_rates"] = measure_kernel_rates(model_config(model), device=device, model=model,
-                                                   response_length=cfg.responses.length, dtype=compute_dtype(cfg),
-                                                   sdpa_positions=cfg.measure.sdpa_positions)
+        out["kernel_rates"] = measure_kernel_rates(
+            model_config(model),
+            device=device,
+            model=model,
+            response_length=cfg.responses.length,
+            dtype=compute_dtype(cfg),
+            sdpa_positions=cfg.measure.sdpa_positions,
+        )
     out["capture"], state = measure_capture(model, prompt, cfg, recorder)
     out["capture"]["phase"] = recorder.phases["capture"]
     if "kernel_rates" in out:
         from longstraw.measure.flops import capture_floor_seconds, linear_parameters
 
-        out["capture"]["floor"] = capture_floor_seconds(model_config(model), linear_parameters(model),
-                                                        state.positions, out["kernel_rates"])
+        out["capture"]["floor"] = capture_floor_seconds(
+            model_config(model), linear_parameters(model), state.positions, out["kernel_rates"]
+        )
     out["steps"] = []
     progress.partial(out)
     optimizer = optimizer_for(model, cfg)
@@ -56,8 +74,9 @@ def run(cfg: PointConfig, device, progress: Progress) -> dict:
             out["steps"].append(step)
             peak = step.get("peak_allocated_bytes")
             if getattr(state, "cp", None) is None or state.cp.rank == 0:  # one line per step, not per rank
-                progress.line(f"sweep {mode} G={count}: {step['status']}"
-                              + (f", peak {peak / 2**30:.2f} GiB" if peak else ""))
+                progress.line(
+                    f"sweep {mode} G={count}: {step['status']}" + (f", peak {peak / 2**30:.2f} GiB" if peak else "")
+                )
             progress.partial(out)
             if "oom" in step.get("rank_status", [step["status"]]):
                 break
@@ -77,18 +96,25 @@ def _step(model, prompt, state, optimizer, cfg, mode: str, count: int, vocab: in
     sites = AllocationSites(device, enabled=cfg.measure.allocation_sites)
     before = current_memory(device)
     try:
-        options = StepOptions(mode=mode, checkpoint_layers=cfg.replay.checkpoint_layers,
-                              micro_batch=cfg.replay.micro_batch if mode == "replay" else 1)
+        options = StepOptions(
+            mode=mode,
+            checkpoint_layers=cfg.replay.checkpoint_layers,
+            micro_batch=cfg.replay.micro_batch if mode == "replay" else 1,
+        )
         with sites:
-            metrics = grpo_step(model, prompt, responses, rewards, optimizer, with_group(cfg.grpo, count), options,
-                                state=state).metrics
+            metrics = grpo_step(
+                model, prompt, responses, rewards, optimizer, with_group(cfg.grpo, count), options, state=state
+            ).metrics
         step.update(status="ok", **metrics, peak_allocated_bytes=phase_peaks(metrics["phases"]))
         replay_peak = metrics["phases"]["replay"].get("peak_allocated_bytes")
         if replay_peak is not None:  # above the weights, the pages and anything else alive before the step
             step["replay_transient_bytes"] = replay_peak - before
     except torch.OutOfMemoryError as exc:
-        step.update(status="oom", error=str(exc).splitlines()[0], peak_allocated_bytes=(
-            torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None))
+        step.update(
+            status="oom",
+            error=str(exc).splitlines()[0],
+            peak_allocated_bytes=(torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None),
+        )
     if sites.result is not None:
         step["allocation_sites"] = sites.result
     optimizer.zero_grad(set_to_none=True)
@@ -96,8 +122,9 @@ def _step(model, prompt, state, optimizer, cfg, mode: str, count: int, vocab: in
     if device.type == "cuda":
         torch.cuda.empty_cache()
     if getattr(state, "cp", None) is not None:  # each rank's peak; an OOM on any rank ends the mode on all
-        ranks = state.cp.all_gather_objects({"status": step["status"],
-                                             "peak_allocated_bytes": step.get("peak_allocated_bytes")})
+        ranks = state.cp.all_gather_objects(
+            {"status": step["status"], "peak_allocated_bytes": step.get("peak_allocated_bytes")}
+        )
         step["rank_peak_allocated_bytes"] = [r["peak_allocated_bytes"] for r in ranks]
         step["rank_status"] = [r["status"] for r in ranks]
     return step
@@ -107,55 +134,117 @@ def _step(model, prompt, state, optimizer, cfg, mode: str, count: int, vocab: in
 
 # The point row: its one capture (the note states it in full) and the steps it served; every column
 # is in the CSV, each step's per-phase peaks in its figure.
-SHOWN = ["model", "model_type", "prompt_length", "positions", "resident_bytes", "predicted_resident_bytes",
-         "transient_bytes", "capture_seconds", "capture_attention_tflops_per_second", "steps", "steps_ok",
-         "steps_oom", "peak_memory_bytes", "cp_size", "rank_peak_bytes_max"]
-STEP_COLUMNS = ["point", "step", "mode", "G", "status", "peak_memory_bytes", "rank_peak_bytes_max", "headroom_bytes",
-                "graph_bytes_peak", "replay_transient_bytes", "step_seconds", "seconds_per_member", "logp_mismatch_max",
-                "loss", "error", "report_error"]
+SHOWN = [
+    "model",
+    "model_type",
+    "prompt_length",
+    "positions",
+    "resident_bytes",
+    "predicted_resident_bytes",
+    "transient_bytes",
+    "capture_seconds",
+    "capture_attention_tflops_per_second",
+    "steps",
+    "steps_ok",
+    "steps_oom",
+    "peak_memory_bytes",
+    "cp_size",
+    "rank_peak_bytes_max",
+]
+STEP_COLUMNS = [
+    "point",
+    "step",
+    "mode",
+    "G",
+    "status",
+    "peak_memory_bytes",
+    "rank_peak_bytes_max",
+    "headroom_bytes",
+    "graph_bytes_peak",
+    "replay_transient_bytes",
+    "step_seconds",
+    "seconds_per_member",
+    "logp_mismatch_max",
+    "loss",
+    "error",
+    "report_error",
+]
 EXTRA_TABLES = {
     "steps": ExtraTable(
-        "Sweep steps", STEP_COLUMNS,
+        "Sweep steps",
+        STEP_COLUMNS,
         "One row per GRPO step, in the order they ran, every one served by its point's single capture (the table "
         "above). Peak: torch.cuda.max_memory_allocated over the step (an OOM step: the peak it reached when it ran "
         "out; its mode stopped there). Headroom: the device's total memory minus that peak. Replay transient: the "
         "replay phase's peak above what was allocated before the step (weights, pages, optimizer state). Log p "
         "mismatch: the largest |log p_replay - log p_old| over the step's tokens, before its update. Step seconds: "
-        "the sum of the step's phases.", key="sweep_steps", beside_points=True),
+        "the sum of the step's phases.",
+        key="sweep_steps",
+        beside_points=True,
+    ),
 }
-SCALING_COLUMNS = ["point", "source", "model", "prompt_length", "cp_size", "schedule", "capture_seconds",
-                   "attention_seconds", "other_seconds", "waiting_seconds", "communication_seconds", "residual_seconds",
-                   "model_seconds", "model_over_measured_ratio", "fits_ten_minutes", "role", "basis", "result_file",
-                   "report_error"]
+SCALING_COLUMNS = [
+    "point",
+    "source",
+    "model",
+    "prompt_length",
+    "cp_size",
+    "schedule",
+    "capture_seconds",
+    "attention_seconds",
+    "other_seconds",
+    "waiting_seconds",
+    "communication_seconds",
+    "residual_seconds",
+    "model_seconds",
+    "model_over_measured_ratio",
+    "fits_ten_minutes",
+    "role",
+    "basis",
+    "result_file",
+    "report_error",
+]
 
 
 def scaling_note(rows: list[dict]) -> str:
     """What calibrated the CP scaling model and its error on the 2-rank point, from the table's rows."""
-    point = next((r for r in rows if r.get("source") == "measured" and r.get("cp_size") == 2
-                  and "calibration" in str(r.get("role")) and number(r.get("model_seconds")) is not None), None)
+    point = next(
+        (
+            r
+            for r in rows
+            if r.get("source") == "measured"
+            and r.get("cp_size") == 2
+            and "calibration" in str(r.get("role"))
+            and number(r.get("model_seconds")) is not None
+        ),
+        None,
+    )
     if point is None:
         return ""
     error = point["model_over_measured_ratio"] - 1
     stated = f", stated error \u00b1{point['stated_error']:.0%}" if number(point.get("stated_error")) else ""
-    return (f"Measured rows are recorded captures (result_file). Predicted rows come from longstraw.cp.scaling, "
-            f"calibrated on the measured rows whose role says calibration: per-rank rates from the single-GPU "
-            f"captures (attention seconds per FLOP from their AttentionTimer, the rest per position, split over "
-            f"ranks) and, for the pipeline only, the 2-rank run's rank-0 attention rate and residual "
-            f"({point['point']}); calibrated without that run the model predicts it at {point['model_seconds']:.1f} s "
-            f"against {point['capture_seconds']:.1f} s measured ({error:+.1%}{stated}). No balanced capture is "
-            f"recorded yet.")
+    return (
+        f"Measured rows are recorded captures (result_file). Predicted rows come from longstraw.cp.scaling, "
+        f"calibrated on the measured rows whose role says calibration: per-rank rates from the single-GPU "
+        f"captures (attention seconds per FLOP from their AttentionTimer, the rest per position, split over "
+        f"ranks) and, for the pipeline only, the 2-rank run's rank-0 attention rate and residual "
+        f"({point['point']}); calibrated without that run the model predicts it at {point['model_seconds']:.1f} s "
+        f"against {point['capture_seconds']:.1f} s measured ({error:+.1%}{stated}). No balanced capture is "
+        f"recorded yet."
+    )
 
 
 EXTRA_TABLES["cp_scaling"] = ExtraTable(
-    "Context-parallel capture time: measured and predicted", SCALING_COLUMNS, scaling_note, key="cp_scaling")
+    "Context-parallel capture time: measured and predicted", SCALING_COLUMNS, scaling_note, key="cp_scaling"
+)
 
 CAPTIONS = {
     "sweep_memory": "Peak allocated memory of each sweep step against G (left) and its autograd graph peak "
-                    "(right); colour: the mode, line style: the model. The OOM step is drawn at the peak it "
-                    "reached on the left and, having no graph peak, on the x axis on the right; the device "
-                    "ceiling and the paper's per-rank figures (GB, read off the right-hand axis) beside ours.",
+    "(right); colour: the mode, line style: the model. The OOM step is drawn at the peak it "
+    "reached on the left and, having no graph peak, on the x axis on the right; the device "
+    "ceiling and the paper's per-rank figures (GB, read off the right-hand axis) beside ours.",
     "step_phase_peaks": "Per-phase peak memory of one sweep point: its weights and its one capture, then each step "
-                        "it served, against the device ceiling (top); seconds per replayed member per step (bottom).",
+    "it served, against the device ceiling (top); seconds per replayed member per step (bottom).",
 }
 
 
@@ -199,8 +288,9 @@ def step_rows(point: dict) -> list[dict]:
     the point's model and prompt, so it reads (and is checked for V1) like a step point's row."""
     metrics = point_parts(point)[1]
     common = common_columns(point)
-    identity = {k: common[k] for k in ("model", "model_type", "family", "device", "prompt_length",
-                                       "device_memory_bytes")}
+    identity = {
+        k: common[k] for k in ("model", "model_type", "family", "device", "prompt_length", "device_memory_bytes")
+    }
     steps = [s for s in metrics.get("steps") or [] if isinstance(s, dict)]
     return [_step_row(point, index, step, identity) for index, step in enumerate(steps, 1)]
 
@@ -211,27 +301,37 @@ def _step_row(point, index: int, step: dict, identity: dict) -> dict:
     peak = number(step.get("peak_allocated_bytes"))
     # hold_all times its G replays as one phase: count responses, not replay-phase entries
     members = len(step.get("response_tokens") or []) or None
-    row = {"point": point.get("point"), "step": index, "kind": "step", "mode": step.get("mode"),
-           "G": step.get("count"), "status": status, "error": step.get("error"), **identity,
-           "peak_memory_bytes": peak,
-           "peak_memory_measure": "peak_allocated_bytes" + (" at OOM" if status == "oom" else ""),
-           "headroom_bytes": identity["device_memory_bytes"] - peak
-           if peak is not None and identity["device_memory_bytes"] else None,
-           "graph_bytes_peak": number(step.get("graph_bytes_peak")),
-           "replay_transient_bytes": number(step.get("replay_transient_bytes")),
-           # |log p_replay - log p_old| before the update (0: scoring and replay agree bit for bit)
-           "logp_mismatch_max": number(as_dict(step.get("logp_mismatch")).get("max")),
-           "rank_peak_bytes_max": max_number(step.get("rank_peak_allocated_bytes")),
-           "step_seconds": phase_seconds(phases),
-           "replays": members,
-           "seconds_per_member": ratio(as_dict(phases.get("replay")).get("seconds"), members),
-           "resident_bytes": number(step.get("resident_bytes")),
-           "predicted_resident_bytes": number(step.get("predicted_resident_bytes")),
-           "prompt_positions": number(step.get("prompt_positions")),
-           "loss": number(step.get("loss")), "grad_norm": number(step.get("grad_norm")),
-           "loss_finite": finite([step.get("loss")]) if "loss" in step else None,
-           "grad_norm_finite": finite([step.get("grad_norm")]) if "grad_norm" in step else None,
-           "state_unchanged": step.get("state_unchanged")}
+    row = {
+        "point": point.get("point"),
+        "step": index,
+        "kind": "step",
+        "mode": step.get("mode"),
+        "G": step.get("count"),
+        "status": status,
+        "error": step.get("error"),
+        **identity,
+        "peak_memory_bytes": peak,
+        "peak_memory_measure": "peak_allocated_bytes" + (" at OOM" if status == "oom" else ""),
+        "headroom_bytes": identity["device_memory_bytes"] - peak
+        if peak is not None and identity["device_memory_bytes"]
+        else None,
+        "graph_bytes_peak": number(step.get("graph_bytes_peak")),
+        "replay_transient_bytes": number(step.get("replay_transient_bytes")),
+        # |log p_replay - log p_old| before the update (0: scoring and replay agree bit for bit)
+        "logp_mismatch_max": number(as_dict(step.get("logp_mismatch")).get("max")),
+        "rank_peak_bytes_max": max_number(step.get("rank_peak_allocated_bytes")),
+        "step_seconds": phase_seconds(phases),
+        "replays": members,
+        "seconds_per_member": ratio(as_dict(phases.get("replay")).get("seconds"), members),
+        "resident_bytes": number(step.get("resident_bytes")),
+        "predicted_resident_bytes": number(step.get("predicted_resident_bytes")),
+        "prompt_positions": number(step.get("prompt_positions")),
+        "loss": number(step.get("loss")),
+        "grad_norm": number(step.get("grad_norm")),
+        "loss_finite": finite([step.get("loss")]) if "loss" in step else None,
+        "grad_norm_finite": finite([step.get("grad_norm")]) if "grad_norm" in step else None,
+        "state_unchanged": step.get("state_unchanged"),
+    }
     for name in list(STEP_PHASES) + sorted(set(phases) - set(STEP_PHASES)):
         row.update(phase_columns(name, as_dict(phases.get(name))))
     return row
@@ -258,8 +358,13 @@ def scaling_rows() -> list[dict]:
 
         return table_rows()
     except (OSError, KeyError, ValueError) as exc:
-        return [{"point": "cp scaling model", "source": "predicted",
-                 "report_error": f"not computed: {type(exc).__name__}: {exc}"}]
+        return [
+            {
+                "point": "cp scaling model",
+                "source": "predicted",
+                "report_error": f"not computed: {type(exc).__name__}: {exc}",
+            }
+        ]
 
 
 def notes(row: dict, grid) -> list[str]:
@@ -270,12 +375,15 @@ def notes(row: dict, grid) -> list[str]:
 
     def show(column):
         return format_value(column, row.get(column))
-    return [f"{row.get('point')}: one capture of {show('positions')} positions in {show('capture_seconds')} "
-            f"(attention {show('capture_attention_tflops_per_second')}); resident state {show('resident_bytes')} "
-            f"measured against {show('predicted_resident_bytes')} predicted "
-            f"({show('bytes_per_position_measured')} against {show('bytes_per_position_predicted')}), "
-            f"capture transient {show('transient_bytes')}; steps it served: {show('steps')} "
-            f"({show('steps_ok')} ok, {show('steps_oom')} oom)."]
+
+    return [
+        f"{row.get('point')}: one capture of {show('positions')} positions in {show('capture_seconds')} "
+        f"(attention {show('capture_attention_tflops_per_second')}); resident state {show('resident_bytes')} "
+        f"measured against {show('predicted_resident_bytes')} predicted "
+        f"({show('bytes_per_position_measured')} against {show('bytes_per_position_predicted')}), "
+        f"capture transient {show('transient_bytes')}; steps it served: {show('steps')} "
+        f"({show('steps_ok')} ok, {show('steps_oom')} oom)."
+    ]
 
 
 def figures(data, ceiling: dict, marks=()):
@@ -288,8 +396,10 @@ def figures(data, ceiling: dict, marks=()):
         gs_per_mode.setdefault(step.get("mode"), set()).add(step.get("G"))
     if any(len(gs) > 1 for gs in gs_per_mode.values()):
         cuda = any(str(s.get("peak_memory_measure")).startswith("peak_allocated_bytes") for s in steps)
-        yield "sweep_memory", plot_g_sweep_memory([s for s in steps if s.get("kind") == "step"], ceiling, cuda,
-                                                  data.name, marks)
+        yield (
+            "sweep_memory",
+            plot_g_sweep_memory([s for s in steps if s.get("kind") == "step"], ceiling, cuda, data.name, marks),
+        )
     for row in data.of_kind("sweep"):
         mine = [s for s in steps if s.get("point") == row.get("point") and s.get("kind") == "step"]
         yield f"step_phase_peaks.{row.get('point')}", plot_step_phase_peaks(row, mine, ceiling, data.name, marks)
@@ -307,8 +417,7 @@ def plot_step_phase_peaks(row: dict, steps: list[dict], ceiling: dict, title: st
 
     from longstraw.plotting import draw
 
-    groups = [("weights +\ncapture", {p: row.get(f"{p}_peak_allocated_bytes") for p in ("weights", "capture")},
-               None)]
+    groups = [("weights +\ncapture", {p: row.get(f"{p}_peak_allocated_bytes") for p in ("weights", "capture")}, None)]
     groups += [(_step_label(s), {p: s.get(f"{p}_peak_allocated_bytes") for p in STEP_PHASES[1:]}, s) for s in steps]
     marks = [m for m in marks if "G" not in m["where"]]
     values = [v for _, peaks, _ in groups for v in peaks.values()] + [s.get("peak_memory_bytes") for s in steps]
@@ -323,35 +432,61 @@ def plot_step_phase_peaks(row: dict, steps: list[dict], ceiling: dict, title: st
             continue
         bar = 0.8 / max(len(present), 1)
         for j, (phase, value) in enumerate(present):
-            top.bar(i - 0.4 + bar * (j + 0.5), value / axis.scale, bar, color=draw.PHASE_COLORS.get(phase),
-                    label=phase if phase not in labelled else None)
+            top.bar(
+                i - 0.4 + bar * (j + 0.5),
+                value / axis.scale,
+                bar,
+                color=draw.PHASE_COLORS.get(phase),
+                label=phase if phase not in labelled else None,
+            )
             labelled.add(phase)
     stated = draw.ceiling_line(top, ceiling, axis, values)
     for mark in marks:
-        top.axhline(mark["bytes"] / axis.scale, color=draw.PAPER_COLOR, linestyle=":", linewidth=1.5,
-                    label=textwrap.fill(f"{mark['source']}: {mark['text']}", 44))
+        top.axhline(
+            mark["bytes"] / axis.scale,
+            color=draw.PAPER_COLOR,
+            linestyle=":",
+            linewidth=1.5,
+            label=textwrap.fill(f"{mark['source']}: {mark['text']}", 44),
+        )
     top.set_xticks(range(len(groups)), [g[0] for g in groups], fontsize=8)
     draw.bar_slots(top, len(groups))
     axis.finish(top)
-    top.set_title(textwrap.fill(f"{title} / {row.get('point')}: peak allocated per phase "
-                                f"(torch.cuda.max_memory_allocated)", int(width * 9)) + "\n"
-                  + textwrap.fill(f"ceiling: {stated}", int(width * 9)), fontsize=9)
+    top.set_title(
+        textwrap.fill(
+            f"{title} / {row.get('point')}: peak allocated per phase (torch.cuda.max_memory_allocated)", int(width * 9)
+        )
+        + "\n"
+        + textwrap.fill(f"ceiling: {stated}", int(width * 9)),
+        fontsize=9,
+    )
     draw.legend_outside(top)
 
     per_member = [s.get("seconds_per_member") if s.get("status") == "ok" else None for s in steps]
-    bottom.bar(range(1, len(groups)), [v or 0 for v in per_member],
-               color=[draw.MODE_COLORS.get(str(s.get("mode")), "#4c72b0") for s in steps], width=0.6)
+    bottom.bar(
+        range(1, len(groups)),
+        [v or 0 for v in per_member],
+        color=[draw.MODE_COLORS.get(str(s.get("mode")), "#4c72b0") for s in steps],
+        width=0.6,
+    )
     for i, (step, value) in enumerate(zip(steps, per_member), 1):
         if value is not None:
-            bottom.annotate(f"{value:.2f} s", (i, value), textcoords="offset points", xytext=(0, 2), ha="center",
-                            fontsize=7)
+            bottom.annotate(
+                f"{value:.2f} s", (i, value), textcoords="offset points", xytext=(0, 2), ha="center", fontsize=7
+            )
         elif step.get("status") != "ok":
             draw.mark_failed(bottom, i, step, value_key=None)
     bottom.set_xlim(top.get_xlim())
     bottom.set_xticks(range(len(groups)), [g[0] for g in groups], fontsize=8)
     bottom.set_ylabel("s per member")
     capture = row.get("capture_seconds")
-    bottom.set_title("seconds per replayed member (replay phase / responses)"
-                     + (f"; the one capture took {capture:,.1f} s for {row.get('positions') or 0:,} positions"
-                        if capture is not None else ""), fontsize=9)
+    bottom.set_title(
+        "seconds per replayed member (replay phase / responses)"
+        + (
+            f"; the one capture took {capture:,.1f} s for {row.get('positions') or 0:,} positions"
+            if capture is not None
+            else ""
+        ),
+        fontsize=9,
+    )
     return fig

@@ -63,13 +63,21 @@ if TYPE_CHECKING:
 MODES, LEVELS = VALIDATION_MODES, VALIDATION_LEVELS
 TOLERANCES = {"float32": 1e-4, "float64": 1e-4, "bfloat16": 2e-2, "float16": 2e-2}
 NOISE_FACTOR = 2.0  # low precision: our error to float32 may be this multiple of HF's own
-V1_TOLERANCE = ("finite loss and gradient norm, resident fingerprint unchanged after all replays; CUDA: every "
-                "phase's peak allocated bytes below the device's total memory (CPU: completed, no ceiling)")
+V1_TOLERANCE = (
+    "finite loss and gradient norm, resident fingerprint unchanged after all replays; CUDA: every "
+    "phase's peak allocated bytes below the device's total memory (CPU: completed, no ceiling)"
+)
 
 
 def level(name: str, reached, tolerance: str, evidence: dict, scale: dict, note: str = "") -> dict:
-    return {"level": name, "reached": reached, "tolerance": tolerance, "evidence": evidence, "scale": scale,
-            "note": note}
+    return {
+        "level": name,
+        "reached": reached,
+        "tolerance": tolerance,
+        "evidence": evidence,
+        "scale": scale,
+        "note": note,
+    }
 
 
 def not_run(name: str, scale: dict, note: str = "not run at this point") -> dict:
@@ -84,6 +92,7 @@ def highest_level(levels: list[dict]) -> str:
 
 # ------------------------------------------------------------------------------------------ V2, V3
 
+
 def objective_weights(responses, seed: int) -> list[torch.Tensor]:
     """Per-token weights w_it, seeded uniform in [-1, 2] (float32, on the responses' device)."""
     import torch
@@ -93,8 +102,11 @@ def objective_weights(responses, seed: int) -> list[torch.Tensor]:
 
 
 def _trainable_grads(model) -> dict:
-    return {n: p.grad.detach().float().clone() for n, p in model.named_parameters()
-            if p.requires_grad and p.grad is not None}
+    return {
+        n: p.grad.detach().float().clone()
+        for n, p in model.named_parameters()
+        if p.requires_grad and p.grad is not None
+    }
 
 
 def _reference_gradient(model, logprobs, prompt, responses, weights) -> dict:
@@ -129,8 +141,12 @@ def parity(ours: dict, reference: dict, tolerance: float, reference32: dict | No
     from longstraw.core.hf_reference import global_cosine, global_norm, global_relative_error
 
     error = global_relative_error(ours, reference)
-    evidence = {"relative_error": error, "cosine": global_cosine(ours, reference),
-                "reference_norm": global_norm(reference), "parameters_compared": len(reference)}
+    evidence = {
+        "relative_error": error,
+        "cosine": global_cosine(ours, reference),
+        "reference_norm": global_norm(reference),
+        "parameters_compared": len(reference),
+    }
     if reference32 is None:
         return error <= tolerance, evidence
     evidence["relative_error_to_float32"] = global_relative_error(ours, reference32)
@@ -190,29 +206,43 @@ def gradient_levels(model, prompt, responses, cfg: PointConfig, mode: str, scale
         reference, reference32 = reference_pair(logprobs)
         reached, evidence = parity(ours_g, reference, tol, reference32)
         if reference32 is not None:
-            stated = (f"||g - g32|| / ||g32|| <= max({tol:.0e}, {NOISE_FACTOR:g} x ||g_ref - g32|| / ||g32||) over "
-                      f"the whole gradient vector; g_ref: HF in {dtype}, g32: HF on a float32 copy")
+            stated = (
+                f"||g - g32|| / ||g32|| <= max({tol:.0e}, {NOISE_FACTOR:g} x ||g_ref - g32|| / ||g32||) over "
+                f"the whole gradient vector; g_ref: HF in {dtype}, g32: HF on a float32 copy"
+            )
         elif anchor_wanted:
             evidence["float32_anchor"] = "out of memory"
-            stated = (f"||g - g_ref|| / ||g_ref|| <= {tol:.0e} over the whole gradient vector ({dtype}; the float32 "
-                      "anchor did not fit in memory)")
+            stated = (
+                f"||g - g_ref|| / ||g_ref|| <= {tol:.0e} over the whole gradient vector ({dtype}; the float32 "
+                "anchor did not fit in memory)"
+            )
         else:
             stated = f"||g - g_ref|| / ||g_ref|| <= {tol:.0e} over the whole gradient vector ({dtype})"
         return level(name, reached, stated, {**evidence, **reference_evidence(logprobs)}, scale, note)
 
     out = {}
     if "V2" in wanted:
-        out["V2"] = compared("V2", ours["conditional"], hf_conditional_logprobs, "against HF's cache path (p[:-1] no "
-                             "grad, then p[-1] + y with grad)" + (", before backward_prefix" if mode == "exact" else ""))
+        out["V2"] = compared(
+            "V2",
+            ours["conditional"],
+            hf_conditional_logprobs,
+            "against HF's cache path (p[:-1] no "
+            "grad, then p[-1] + y with grad)" + (", before backward_prefix" if mode == "exact" else ""),
+        )
     if "V3" in wanted and mode == "exact":
         out["V3"] = compared("V3", ours["exact"], hf_full_logprobs, "against HF one-pass autograd over p + y")
     elif "V3" in wanted:  # response-only: the gap alone, not judged
         full, _ = reference_pair(hf_full_logprobs, anchored=False)
         _, evidence = parity(ours["conditional"], full, tol)
         evidence["dropped_term_relative_norm"] = evidence.pop("relative_error")
-        out["V3"] = level("V3", False, "not reachable: response-only drops the prompt-side term by design; the gap "
-                          "is measured", {**evidence, **reference_evidence(hf_full_logprobs)}, scale,
-                          "gap to HF one-pass autograd over p + y: cosine and ||g_full - g|| / ||g_full||")
+        out["V3"] = level(
+            "V3",
+            False,
+            "not reachable: response-only drops the prompt-side term by design; the gap is measured",
+            {**evidence, **reference_evidence(hf_full_logprobs)},
+            scale,
+            "gap to HF one-pass autograd over p + y: cosine and ||g_full - g|| / ||g_full||",
+        )
     return out
 
 
@@ -233,6 +263,7 @@ def tolerance(cfg: PointConfig) -> float:
 
 # ---------------------------------------------------------------------------------------------- V1
 
+
 def execute(model, prompt, responses, rewards, cfg: PointConfig, mode: str, device, scale: dict) -> dict:
     """V1: one GRPO step in replay mode (exact: with backward_prefix), checked and measured."""
     import torch
@@ -244,9 +275,15 @@ def execute(model, prompt, responses, rewards, cfg: PointConfig, mode: str, devi
     metrics = grpo_step(model, prompt, responses, rewards, optimizer_for(model, cfg), cfg.grpo, options).metrics
     phases = metrics["phases"]
     finite = math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])
-    evidence = {"loss": metrics["loss"], "grad_norm": metrics["grad_norm"], "state_unchanged": metrics["state_unchanged"],
-                "replays": len(responses), "resident_bytes": metrics["resident_bytes"],
-                "step_seconds": sum(p["seconds"] for p in phases.values()), **phase_evidence(phases)}
+    evidence = {
+        "loss": metrics["loss"],
+        "grad_norm": metrics["grad_norm"],
+        "state_unchanged": metrics["state_unchanged"],
+        "replays": len(responses),
+        "resident_bytes": metrics["resident_bytes"],
+        "step_seconds": sum(p["seconds"] for p in phases.values()),
+        **phase_evidence(phases),
+    }
     if "prefix_backward" in phases:
         evidence["prefix_backward_over_capture"] = phases["prefix_backward"]["seconds"] / phases["capture"]["seconds"]
     under = True
@@ -258,11 +295,18 @@ def execute(model, prompt, responses, rewards, cfg: PointConfig, mode: str, devi
     else:
         evidence["peak_rss_bytes"] = max(p["peak_rss_bytes"] for p in phases.values())
     reached = finite and metrics["state_unchanged"] and under
-    return level("V1", reached, V1_TOLERANCE, evidence, scale,
-                 "one GRPO step, mode replay" + (" with backward_prefix" if mode == "exact" else ""))
+    return level(
+        "V1",
+        reached,
+        V1_TOLERANCE,
+        evidence,
+        scale,
+        "one GRPO step, mode replay" + (" with backward_prefix" if mode == "exact" else ""),
+    )
 
 
 # ---------------------------------------------------------------------------------------------- V4
+
 
 def policy_improvement(cfg: PointConfig, scale: dict, progress: Progress) -> dict:
     from longstraw.training.trainer import Trainer
@@ -275,21 +319,33 @@ def policy_improvement(cfg: PointConfig, scale: dict, progress: Progress) -> dic
         for name, lr in (("trained", cfg.optimizer.lr), ("untrained", 0.0)):
             trainer = Trainer(trainer_mapping(cfg, lr, Path(tmp) / name), source="validation.train")
             runs[name] = trainer.run(resume=False)
-            progress.line(f"V4 {name} run (lr {lr:g}): mean reward per step "
-                          + " ".join(f"{sum(m['rewards']) / len(m['rewards']):.2f}" for m in runs[name]))
+            progress.line(
+                f"V4 {name} run (lr {lr:g}): mean reward per step "
+                + " ".join(f"{sum(m['rewards']) / len(m['rewards']):.2f}" for m in runs[name])
+            )
     first_step = len(runs["trained"]) - window  # the plan checked that the window fits the run
-    evidence = paired_gain(per_prompt_means(runs["trained"], first_step),
-                           per_prompt_means(runs["untrained"], first_step))
+    evidence = paired_gain(
+        per_prompt_means(runs["trained"], first_step), per_prompt_means(runs["untrained"], first_step)
+    )
     evidence.update(lr=cfg.optimizer.lr, window_steps=window, steps=len(runs["trained"]))
     task = trainer.cfg.task
-    stated = (f"paired gain over the lr-0 run on the last {window} steps' prompts (per-prompt mean reward, same "
-              f"prompts and seeds) above {SIGMAS:g} standard errors of the differences")
-    return level("V4", evidence["reached"], stated, evidence, {**scale, "prompt_positions": task.get("length")},
-                 f"trainer on {task.get('name')} ({', '.join(f'{k}={v}' for k, v in task.items() if k != 'name')}), "
-                 f"{trainer.cfg.sampling.num_samples} responses per step")
+    stated = (
+        f"paired gain over the lr-0 run on the last {window} steps' prompts (per-prompt mean reward, same "
+        f"prompts and seeds) above {SIGMAS:g} standard errors of the differences"
+    )
+    return level(
+        "V4",
+        evidence["reached"],
+        stated,
+        evidence,
+        {**scale, "prompt_positions": task.get("length")},
+        f"trainer on {task.get('name')} ({', '.join(f'{k}={v}' for k, v in task.items() if k != 'name')}), "
+        f"{trainer.cfg.sampling.num_samples} responses per step",
+    )
 
 
 # ------------------------------------------------------------------------------------------- paths
+
 
 def validate_path(cfg: PointConfig, mode: str, device, progress: Progress) -> dict:
     """Every level `validation.levels` asks for, on one path (a fresh model: V1 steps its optimizer)."""
@@ -302,8 +358,12 @@ def validate_path(cfg: PointConfig, mode: str, device, progress: Progress) -> di
     prompt = seeded_tokens(cfg.prompt.length, cfg.prompt.seed, vocab, device)
     responses, rewards = seeded_group(cfg, cfg.responses.count, vocab, device)
     model_name = cfg.model.path or cfg.model.preset
-    scale = {"prompt_positions": int(prompt.numel()), "model": model_name, "device": device_name(device),
-             "dtype": cfg.model.dtype}
+    scale = {
+        "prompt_positions": int(prompt.numel()),
+        "model": model_name,
+        "device": device_name(device),
+        "dtype": cfg.model.dtype,
+    }
     wanted = cfg.validation.levels
     done = {}
     if "V2" in wanted or "V3" in wanted:  # before V1, whose optimizer step moves the weights
@@ -312,11 +372,20 @@ def validate_path(cfg: PointConfig, mode: str, device, progress: Progress) -> di
         done["V1"] = execute(model, prompt, responses, rewards, cfg, mode, device, scale)
     del model
     if "V4" in wanted:
-        done["V4"] = policy_improvement(cfg, scale, progress) if mode == "response-only" else not_run(
-            "V4", scale, "the trainer steps in response-only mode; V4 is not run for exact mode")
+        done["V4"] = (
+            policy_improvement(cfg, scale, progress)
+            if mode == "response-only"
+            else not_run("V4", scale, "the trainer steps in response-only mode; V4 is not run for exact mode")
+        )
     levels = [done.get(name) or not_run(name, scale) for name in LEVELS]
-    path = {"model": model_name, "model_type": _model_type(cfg), "gradient_mode": mode, "scale": scale,
-            "levels": levels, "highest_level": highest_level(levels)}
+    path = {
+        "model": model_name,
+        "model_type": _model_type(cfg),
+        "gradient_mode": mode,
+        "scale": scale,
+        "levels": levels,
+        "highest_level": highest_level(levels),
+    }
     for entry in levels:
         progress.line(f"{model_name} {mode} {entry['level']}: {describe(entry)}")
     return path
@@ -336,9 +405,20 @@ def describe(entry: dict) -> str:
     return state + (f" ({numbers})" if numbers else "") + (f"; {entry['note']}" if entry["reached"] is None else "")
 
 
-KEY_EVIDENCE = ("relative_error", "dropped_term_relative_norm", "cosine", "loss", "grad_norm", "state_unchanged",
-                "peak_allocated_bytes", "prefix_backward_over_capture", "gain", "standard_error", "trained_mean",
-                "untrained_mean")
+KEY_EVIDENCE = (
+    "relative_error",
+    "dropped_term_relative_norm",
+    "cosine",
+    "loss",
+    "grad_norm",
+    "state_unchanged",
+    "peak_allocated_bytes",
+    "prefix_backward_over_capture",
+    "gain",
+    "standard_error",
+    "trained_mean",
+    "untrained_mean",
+)
 
 
 def run(cfg: PointConfig, device, progress: Progress) -> dict:
@@ -347,13 +427,20 @@ def run(cfg: PointConfig, device, progress: Progress) -> dict:
     presets = cfg.validation.presets or [None]
     paths = []
     for preset in presets:
-        point = cfg if preset is None else dataclasses.replace(
-            cfg, model=dataclasses.replace(cfg.model, preset=preset, path=None))
+        point = (
+            cfg
+            if preset is None
+            else dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, preset=preset, path=None))
+        )
         by_mode = {mode: validate_path(point, mode, device, progress) for mode in cfg.validation.modes}
         _compare_exact_cost(by_mode)
         paths += by_mode.values()
-    return {"paths": paths, "models": ", ".join(dict.fromkeys(p["model"] for p in paths)),
-            "tolerance": tolerance(cfg), "reached": reached_counts(paths)}
+    return {
+        "paths": paths,
+        "models": ", ".join(dict.fromkeys(p["model"] for p in paths)),
+        "tolerance": tolerance(cfg),
+        "reached": reached_counts(paths),
+    }
 
 
 def _compare_exact_cost(by_mode: dict) -> None:
@@ -367,6 +454,7 @@ def _compare_exact_cost(by_mode: dict) -> None:
 
 
 # ------------------------------------------------------------------------------------ the summary
+
 
 def cell(entry: dict) -> str:
     """A level in a few characters: yes / no / - and its deciding number."""
@@ -390,8 +478,16 @@ def summary_table(results: list[dict]) -> str:
             rows.append([result["name"], result.get("error", "")[:60], "", "", "", "", "", "", result["status"]])
             continue
         for path in result["metrics"]["paths"]:
-            rows.append([result["name"], path["model"], path["gradient_mode"], f"{path['scale']['prompt_positions']:,}",
-                         *(cell(entry) for entry in path["levels"]), path["highest_level"]])
+            rows.append(
+                [
+                    result["name"],
+                    path["model"],
+                    path["gradient_mode"],
+                    f"{path['scale']['prompt_positions']:,}",
+                    *(cell(entry) for entry in path["levels"]),
+                    path["highest_level"],
+                ]
+            )
     widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
     return "\n".join("  ".join(str(v).ljust(w) for v, w in zip(r, widths)).rstrip() for r in [header] + rows)
 
@@ -399,15 +495,27 @@ def summary_table(results: list[dict]) -> str:
 def reached_counts(paths: list[dict]) -> dict:
     """{level: "reached/run"} over `paths`."""
     entries = [e for p in paths for e in p["levels"]]
-    return {name: f"{sum(e['reached'] is True for e in entries if e['level'] == name)}/"
-                  f"{sum(e['reached'] is not None for e in entries if e['level'] == name)}" for name in LEVELS}
+    return {
+        name: f"{sum(e['reached'] is True for e in entries if e['level'] == name)}/"
+        f"{sum(e['reached'] is not None for e in entries if e['level'] == name)}"
+        for name in LEVELS
+    }
 
 
 # ------------------------------------------------------------------------------------------- report
 
 # A validation point: how many of its paths reached each level (the paths themselves: the validation section).
-SHOWN = ["models", "prompt_length", "reached_V1", "reached_V2", "reached_V3", "reached_V4", "tolerance",
-         "peak_rss_bytes", "wall_seconds"]
+SHOWN = [
+    "models",
+    "prompt_length",
+    "reached_V1",
+    "reached_V2",
+    "reached_V3",
+    "reached_V4",
+    "tolerance",
+    "peak_rss_bytes",
+    "wall_seconds",
+]
 PATHS = "paths"  # the suffix of the paths table
 STATE = {True: "reached", False: "not reached", None: "not run"}
 
@@ -424,37 +532,49 @@ def _g(value, digits=3) -> str:
 def _v1_text(e: dict) -> str:
     from longstraw.plotting.formatting import format_bytes
 
-    text = (f"loss {_g(e.get('loss'), 4)}, gradient norm {_g(e.get('grad_norm'), 4)}, state "
-            f"{'unchanged' if e.get('state_unchanged') else 'CHANGED'} after {e.get('replays')} replays")
+    text = (
+        f"loss {_g(e.get('loss'), 4)}, gradient norm {_g(e.get('grad_norm'), 4)}, state "
+        f"{'unchanged' if e.get('state_unchanged') else 'CHANGED'} after {e.get('replays')} replays"
+    )
     if "peak_allocated_bytes" in e:
-        text += (f", peak allocated {format_bytes(e['peak_allocated_bytes'])} under the device's "
-                 f"{format_bytes(e.get('ceiling_bytes'))}")
+        text += (
+            f", peak allocated {format_bytes(e['peak_allocated_bytes'])} under the device's "
+            f"{format_bytes(e.get('ceiling_bytes'))}"
+        )
     else:
         text += f", process peak RSS {format_bytes(e.get('peak_rss_bytes'))} (CPU: completed, no ceiling)"
     if "prefix_backward_seconds" in e:
-        text += (f"; backward_prefix {_g(e['prefix_backward_seconds'])} s = "
-                 f"{_g(e.get('prefix_backward_over_capture'))}x the capture's {_g(e.get('capture_seconds'))} s")
+        text += (
+            f"; backward_prefix {_g(e['prefix_backward_seconds'])} s = "
+            f"{_g(e.get('prefix_backward_over_capture'))}x the capture's {_g(e.get('capture_seconds'))} s"
+        )
         if "prefix_backward_peak_allocated_bytes" in e:
             text += f", its peak {format_bytes(e['prefix_backward_peak_allocated_bytes'])}"
     if "response_only_step_seconds" in e:
         text += f"; step {_g(e['step_seconds'])} s against response-only's {_g(e['response_only_step_seconds'])} s"
     if "response_only_peak_allocated_bytes" in e:
-        text += (f", peak {format_bytes(e['peak_allocated_bytes'])} against response-only's "
-                 f"{format_bytes(e['response_only_peak_allocated_bytes'])}")
+        text += (
+            f", peak {format_bytes(e['peak_allocated_bytes'])} against response-only's "
+            f"{format_bytes(e['response_only_peak_allocated_bytes'])}"
+        )
     return text
 
 
 def _parity_text(e: dict) -> str:
     if "dropped_term_relative_norm" in e:
-        return ("gap to the full-sequence gradient: ||g_full - g|| / ||g_full|| = "
-                f"{_g(e['dropped_term_relative_norm'])}, cosine {e['cosine']:.4f}")
+        return (
+            "gap to the full-sequence gradient: ||g_full - g|| / ||g_full|| = "
+            f"{_g(e['dropped_term_relative_norm'])}, cosine {e['cosine']:.4f}"
+        )
     return f"relative error {e['relative_error']:.2e}, cosine {e['cosine']:.6f}"
 
 
 def _v4_text(e: dict) -> str:
-    return (f"mean reward on the last {e['window_steps']} steps' {e['prompts']} prompts: {e['trained_mean']:.3f} "
-            f"trained, {e['untrained_mean']:.3f} at lr 0 (paired gain {e['gain']:.3f}, SE {e['standard_error']:.3f}); "
-            f"{e['steps']} steps, lr {_g(e.get('lr'))}")
+    return (
+        f"mean reward on the last {e['window_steps']} steps' {e['prompts']} prompts: {e['trained_mean']:.3f} "
+        f"trained, {e['untrained_mean']:.3f} at lr 0 (paired gain {e['gain']:.3f}, SE {e['standard_error']:.3f}); "
+        f"{e['steps']} steps, lr {_g(e.get('lr'))}"
+    )
 
 
 LEVEL_TEXT = {"V1": _v1_text, "V2": _parity_text, "V3": _parity_text, "V4": _v4_text}
@@ -476,12 +596,24 @@ def level_cell(entry: dict) -> dict:
 def path_row(point: dict, family, model_type, gradient_mode: str, scale: str, cells: dict) -> dict:
     """One path as a table row: {level}_state, {level}_reached, {level}_text, {level}_tolerance for
     every level (a level not given: not run)."""
-    row = {"point": point.get("point"), "source": f"{point.get('experiment')}/{point.get('point')}",
-           "family": family, "model_type": model_type, "gradient_mode": gradient_mode, "scale": scale}
+    row = {
+        "point": point.get("point"),
+        "source": f"{point.get('experiment')}/{point.get('point')}",
+        "family": family,
+        "model_type": model_type,
+        "gradient_mode": gradient_mode,
+        "scale": scale,
+    }
     for name in LEVELS:
         cell = cells.get(name) or {"state": STATE[None], "reached": None, "text": STATE[None]}
-        row.update({f"{name}_state": cell["state"], f"{name}_reached": cell["reached"], f"{name}_text": cell["text"],
-                    f"{name}_tolerance": cell.get("tolerance")})
+        row.update(
+            {
+                f"{name}_state": cell["state"],
+                f"{name}_reached": cell["reached"],
+                f"{name}_text": cell["text"],
+                f"{name}_tolerance": cell.get("tolerance"),
+            }
+        )
     return row
 
 
@@ -490,18 +622,39 @@ def path_rows(point: dict) -> list[dict]:
     if point.get("status") != "ok":
         model_type = model_type_of(point)
         cfg = as_dict(point.get("config"))
-        failed = {"state": f"status {point.get('status')}", "reached": False,
-                  "text": point.get("error") or "no message"}
-        return [path_row(point, family_of(model_type), model_type, "—", scale_text(
-            as_dict(cfg.get("model")).get("preset"), as_dict(cfg.get("prompt")).get("length"),
-            as_dict(point.get("provenance")).get("device")), {"V1": failed})]
+        failed = {
+            "state": f"status {point.get('status')}",
+            "reached": False,
+            "text": point.get("error") or "no message",
+        }
+        return [
+            path_row(
+                point,
+                family_of(model_type),
+                model_type,
+                "—",
+                scale_text(
+                    as_dict(cfg.get("model")).get("preset"),
+                    as_dict(cfg.get("prompt")).get("length"),
+                    as_dict(point.get("provenance")).get("device"),
+                ),
+                {"V1": failed},
+            )
+        ]
     rows = []
     for path in as_dict(point.get("metrics")).get("paths") or []:
         scale = path["scale"]
         cells = {entry["level"]: level_cell(entry) for entry in path["levels"]}
-        rows.append(path_row(point, family_of(path["model_type"]), path["model_type"], path["gradient_mode"],
-                             scale_text(scale["model"], scale["prompt_positions"], scale["device"],
-                                        scale.get("dtype")), cells))
+        rows.append(
+            path_row(
+                point,
+                family_of(path["model_type"]),
+                path["model_type"],
+                path["gradient_mode"],
+                scale_text(scale["model"], scale["prompt_positions"], scale["device"], scale.get("dtype")),
+                cells,
+            )
+        )
     return rows
 
 
@@ -512,7 +665,10 @@ def tables(points: list[dict]) -> dict[str, list[dict]]:
         try:
             rows += path_rows(point)
         except Exception as exc:
-            broken = {"state": "status error", "reached": False,
-                      "text": f"metrics not readable: {type(exc).__name__}: {exc}"}
+            broken = {
+                "state": "status error",
+                "reached": False,
+                "text": f"metrics not readable: {type(exc).__name__}: {exc}",
+            }
             rows.append(path_row(point, None, None, "—", "", {"V1": broken}))
     return {PATHS: rows}

@@ -29,7 +29,7 @@ def _project_path(filename: str) -> str | None:
     The deepest, so a checkout named `longstraw` holding a venv still credits the venv's packages."""
     path = "/" + filename
     start = max(path.rfind(f"/{package}/") for package in PROJECT_PACKAGES)
-    return path[start + 1:] if start >= 0 else None
+    return path[start + 1 :] if start >= 0 else None
 
 
 def _short_path(filename: str) -> str:
@@ -116,8 +116,7 @@ def _group_by_site(live: dict, site_of) -> list[dict]:
     return sorted(sites, key=lambda entry: (-entry["bytes"], entry["site"]))
 
 
-def peak_breakdown(snapshot: dict, device: int = 0, baseline_addrs=None, top: int = 12,
-                   site_of=default_site) -> dict:
+def peak_breakdown(snapshot: dict, device: int = 0, baseline_addrs=None, top: int = 12, site_of=default_site) -> dict:
     """The allocations live when `device`'s trace in `snapshot` (`torch.cuda.memory._snapshot()`)
     reaches its peak, grouped by `site_of(frames)`: the `top` sites by bytes, the rest in
     `other_bytes`. Sizes are the requested bytes the trace records.
@@ -131,20 +130,27 @@ def peak_breakdown(snapshot: dict, device: int = 0, baseline_addrs=None, top: in
     trace = snapshot["device_traces"][device]
     release = release_action(trace)
     replay = _Replay(release, baseline_addrs)
-    for event in trace[:_peak_index(trace, release, baseline_addrs) + 1]:
+    for event in trace[: _peak_index(trace, release, baseline_addrs) + 1]:
         replay.step(event)
     sites = _group_by_site(replay.live, site_of)
-    return {"peak_traced_bytes": replay.traced_bytes,
-            "baseline_freed_bytes": replay.baseline_freed_bytes,
-            "sites": sites[:top],
-            "other_bytes": sum(entry["bytes"] for entry in sites[top:]),
-            "events": len(trace)}
+    return {
+        "peak_traced_bytes": replay.traced_bytes,
+        "baseline_freed_bytes": replay.baseline_freed_bytes,
+        "sites": sites[:top],
+        "other_bytes": sum(entry["bytes"] for entry in sites[top:]),
+        "events": len(trace),
+    }
 
 
 def live_block_addrs(snapshot: dict, device: int) -> set[int]:
     """Addresses of `device`'s blocks in use or awaiting their free: a phase's baseline blocks."""
-    return {block["address"] for segment in snapshot["segments"] if segment["device"] == device
-            for block in segment["blocks"] if block["state"] != "inactive"}
+    return {
+        block["address"]
+        for segment in snapshot["segments"]
+        if segment["device"] == device
+        for block in segment["blocks"]
+        if block["state"] != "inactive"
+    }
 
 
 class AllocationSites:
@@ -168,8 +174,9 @@ class AllocationSites:
         if self.active:
             self.index = _cuda_index(self.device)
             self.baseline_addrs = live_block_addrs(torch.cuda.memory._snapshot(), self.index)
-            torch.cuda.memory._record_memory_history(enabled="all", context="alloc", stacks="python",
-                                                     max_entries=self.max_entries, clear_history=True)
+            torch.cuda.memory._record_memory_history(
+                enabled="all", context="alloc", stacks="python", max_entries=self.max_entries, clear_history=True
+            )
         return self
 
     def __exit__(self, *exc):

@@ -30,8 +30,9 @@ def attention_forward_flops(heads: int, head_dim: int, queries: int, prefix: int
 
 def replay_attention_flops(config, response_length: int, prefix: int) -> tuple[int, int]:
     """(forward, backward) attention FLOPs of one replayed member over `prefix` resident positions."""
-    forward = attention_layers(config) * attention_forward_flops(config.num_attention_heads, head_dim(config),
-                                                                 response_length, prefix)
+    forward = attention_layers(config) * attention_forward_flops(
+        config.num_attention_heads, head_dim(config), response_length, prefix
+    )
     return forward, int(BACKWARD_OVER_FORWARD * forward)
 
 
@@ -39,8 +40,11 @@ def linear_parameters(model) -> int:
     """Weights that multiply every token: every nn.Linear (NF4 ones included) except LoRA's own."""
     import torch
 
-    return sum(m.in_features * m.out_features for name, m in model.named_modules()
-               if isinstance(m, torch.nn.Linear) and "lora_" not in name)
+    return sum(
+        m.in_features * m.out_features
+        for name, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and "lora_" not in name
+    )
 
 
 def replay_linear_flops(linear_params: int, response_length: int, lora_parameters: int) -> tuple[int, int]:
@@ -50,8 +54,9 @@ def replay_linear_flops(linear_params: int, response_length: int, lora_parameter
     return forward, backward
 
 
-def replay_floor_seconds(config, linear_params: int, lora_params: int, response_length: int, prefix: int,
-                         rates: dict) -> dict:
+def replay_floor_seconds(
+    config, linear_params: int, lora_params: int, response_length: int, prefix: int, rates: dict
+) -> dict:
     """One replayed member's FLOP floor at measured rates (TFLOP/s dicts as kernel_rates records them):
     attention forward and backward at the rates of the kernels replay takes (cuDNN's where measured,
     else flash's), the linear work at the GEMM rate."""
@@ -61,18 +66,24 @@ def replay_floor_seconds(config, linear_params: int, lora_params: int, response_
     def tflops(name, fallback=None):
         return rates[name if name in rates else fallback]["tflops_per_second"] * 1e12
 
-    parts = {"attention_forward": attn_fwd / tflops("cudnn_forward", "flash_forward"),
-             "attention_backward": attn_bwd / tflops("cudnn_backward", "flash_backward"),
-             "linear": lin / tflops("gemm")}
-    return {"seconds": sum(parts.values()), "parts_seconds": parts,
-            "flops": {"attention_forward": attn_fwd, "attention_backward": attn_bwd, "linear": lin}}
+    parts = {
+        "attention_forward": attn_fwd / tflops("cudnn_forward", "flash_forward"),
+        "attention_backward": attn_bwd / tflops("cudnn_backward", "flash_backward"),
+        "linear": lin / tflops("gemm"),
+    }
+    return {
+        "seconds": sum(parts.values()),
+        "parts_seconds": parts,
+        "flops": {"attention_forward": attn_fwd, "attention_backward": attn_bwd, "linear": lin},
+    }
 
 
 def capture_flops(config, linear_params: int, positions: int) -> dict:
     """A capture's FLOPs: every attention layer's causal forward over the whole prompt, and the linear
     work of `positions` tokens (the LM head aside: capture computes no logits)."""
-    attention = attention_layers(config) * attention_forward_flops(config.num_attention_heads, head_dim(config),
-                                                                   positions, 0)
+    attention = attention_layers(config) * attention_forward_flops(
+        config.num_attention_heads, head_dim(config), positions, 0
+    )
     lm_head = config.hidden_size * config.vocab_size
     return {"attention": attention, "linear": 2 * (linear_params - lm_head) * positions}
 
@@ -82,6 +93,8 @@ def capture_floor_seconds(config, linear_params: int, positions: int, rates: dic
     when measured, else flash's), the linear work at the GEMM rate."""
     flops = capture_flops(config, linear_params, positions)
     kernel = "cudnn_forward" if "cudnn_forward" in rates else "flash_forward"
-    parts = {"attention": flops["attention"] / (rates[kernel]["tflops_per_second"] * 1e12),
-             "linear": flops["linear"] / (rates["gemm"]["tflops_per_second"] * 1e12)}
+    parts = {
+        "attention": flops["attention"] / (rates[kernel]["tflops_per_second"] * 1e12),
+        "linear": flops["linear"] / (rates["gemm"]["tflops_per_second"] * 1e12),
+    }
     return {"seconds": sum(parts.values()), "parts_seconds": parts, "flops": flops, "attention_kernel": kernel}

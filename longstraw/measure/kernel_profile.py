@@ -23,6 +23,10 @@ def kernel_profile(fn, device, top: int = 12) -> dict:
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     kernel_seconds = sum(e.device_time for e in kernels) / 1e6
     ops = sorted(prof.key_averages(), key=lambda e: e.device_time_total, reverse=True)[:top]
-    return {"wall_seconds": wall, "kernels": len(kernels), "kernel_seconds": kernel_seconds,
-            "busy_fraction": kernel_seconds / wall if wall else None,
-            "top": [{"name": e.key[:90], "calls": e.count, "seconds": e.device_time_total / 1e6} for e in ops]}
+    return {
+        "wall_seconds": wall,
+        "kernels": len(kernels),
+        "kernel_seconds": kernel_seconds,
+        "busy_fraction": kernel_seconds / wall if wall else None,
+        "top": [{"name": e.key[:90], "calls": e.count, "seconds": e.device_time_total / 1e6} for e in ops],
+    }

@@ -154,7 +154,6 @@ SUMMED = ("seconds", "triton_cache_entries_added")  # what repeated phases add u
 def _merge(a: dict, b: dict) -> dict:
     """Repeated phases (one per replayed member) keep the max of peaks, the sum of seconds and of Triton
     cache entries added."""
-    merged = {k: (a.get(k, 0) + b.get(k, 0)) if k in SUMMED else max(a.get(k, 0), b.get(k, 0))
-              for k in set(a) | set(b)}
+    merged = {k: (a.get(k, 0) + b.get(k, 0)) if k in SUMMED else max(a.get(k, 0), b.get(k, 0)) for k in set(a) | set(b)}
     merged["count"] = a.get("count", 1) + 1
     return merged

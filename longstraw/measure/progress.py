@@ -14,8 +14,9 @@ class CaptureProgress:
 
     def __init__(self, total: int, enabled: bool | None, label: str):
         enabled = total >= PROGRESS_MIN_POSITIONS if enabled is None else enabled
-        self.bar = tqdm(total=total, unit="pos", unit_scale=True, desc=label, disable=not enabled,
-                        file=sys.stderr, mininterval=5.0)
+        self.bar = tqdm(
+            total=total, unit="pos", unit_scale=True, desc=label, disable=not enabled, file=sys.stderr, mininterval=5.0
+        )
 
     def advance_to(self, done: int, label: str | None = None):
         if label:

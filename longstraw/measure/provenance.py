@@ -32,8 +32,13 @@ def git_commit() -> str | None:
         return "unknown"
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, cwd=root)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, timeout=10, cwd=root).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            cwd=root,
+        ).stdout.strip()
         return out.stdout.strip() + ("-dirty" if dirty else "") if out.returncode == 0 else None
     except (OSError, subprocess.SubprocessError):
         return None
@@ -54,5 +59,6 @@ def provenance(device) -> dict:
         "python": platform.python_version(),
         "versions": {p: _version(p) for p in ("torch", "transformers", "peft", "bitsandbytes", "fla-core")},
         "cuda_total_memory_bytes": torch.cuda.get_device_properties(device).total_memory
-        if torch.device(device).type == "cuda" else None,
+        if torch.device(device).type == "cuda"
+        else None,
     }

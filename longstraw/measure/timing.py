@@ -44,8 +44,12 @@ class AttentionTimer:
         self.calls += 1
 
     def summary(self) -> dict:
-        return {"seconds": self.seconds, "flops": self.flops, "calls": self.calls,
-                "tflops_per_second": self.flops / self.seconds / 1e12 if self.seconds else None}
+        return {
+            "seconds": self.seconds,
+            "flops": self.flops,
+            "calls": self.calls,
+            "tflops_per_second": self.flops / self.seconds / 1e12 if self.seconds else None,
+        }
 
 
 def timed_attention(q_BHTD, prefix: int):

@@ -45,6 +45,7 @@ class ModelFacts:
 
 # ---------------------------------------------------------------------------------------------- presets
 
+
 def _config_class(model_type: str):
     transformers = importlib.import_module("transformers")
     return getattr(transformers, MODEL_CLASSES[model_type][0])
@@ -63,8 +64,11 @@ def config_keys(model_type: str) -> frozenset[str]:
     modeling module reads off the config (`getattr(config, "head_dim", ...)`). Whatever else a config
     class accepts it keeps as an attribute nothing reads."""
     cls = _config_class(model_type)
-    keys = {name for name, p in inspect.signature(cls.__init__).parameters.items()
-            if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and name != "self"}
+    keys = {
+        name
+        for name, p in inspect.signature(cls.__init__).parameters.items()
+        if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL) and name != "self"
+    }
     if dataclasses.is_dataclass(cls):
         keys |= {f.name for f in dataclasses.fields(cls)}
     keys |= set(getattr(cls, "attribute_map", None) or {})
@@ -113,16 +117,26 @@ def preset_facts(name: str, overrides: dict | None = None, key: str = "overrides
             config = make_config(name, **overrides)
         except Exception as exc:  # the config class's own checks (types, relations between fields)
             shown = " ".join(str(exc).split())  # one line
-            raise ValueError(f"{key}: {MODEL_CLASSES[preset.model_type][0]} refuses them: "
-                             f"{type(exc).__name__}: {shown}") from None
-        settings = {"max_position_embeddings": getattr(config, "max_position_embeddings", None),
-                    "vocab_size": getattr(config, "vocab_size", None)}
+            raise ValueError(
+                f"{key}: {MODEL_CLASSES[preset.model_type][0]} refuses them: {type(exc).__name__}: {shown}"
+            ) from None
+        settings = {
+            "max_position_embeddings": getattr(config, "max_position_embeddings", None),
+            "vocab_size": getattr(config, "vocab_size", None),
+        }
     elif "max_position_embeddings" not in settings or "vocab_size" not in settings:
         default = _config_class(preset.model_type)()
-        settings = {"max_position_embeddings": getattr(default, "max_position_embeddings", None),
-                    "vocab_size": getattr(default, "vocab_size", None), **settings}
-    return ModelFacts(f"preset {name}", preset.model_type, _int_or_none(settings.get("max_position_embeddings")),
-                      _int_or_none(settings.get("vocab_size")))
+        settings = {
+            "max_position_embeddings": getattr(default, "max_position_embeddings", None),
+            "vocab_size": getattr(default, "vocab_size", None),
+            **settings,
+        }
+    return ModelFacts(
+        f"preset {name}",
+        preset.model_type,
+        _int_or_none(settings.get("max_position_embeddings")),
+        _int_or_none(settings.get("vocab_size")),
+    )
 
 
 def _int_or_none(value):
@@ -131,8 +145,10 @@ def _int_or_none(value):
 
 # ----------------------------------------------------------------------------------------- checkpoints
 
-def checkpoint_facts(path, key: str = "path", overrides: dict | None = None,
-                     overrides_key: str = "overrides") -> ModelFacts:
+
+def checkpoint_facts(
+    path, key: str = "path", overrides: dict | None = None, overrides_key: str = "overrides"
+) -> ModelFacts:
     """A local checkpoint folder checked before anything loads it: the folder, its config.json, its
     weights (`model.safetensors`, a safetensors index and every shard it names, or `pytorch_model.bin`)
     and every safetensors file whole (header and data as long as the header says). Its facts from config.json,
@@ -141,8 +157,10 @@ def checkpoint_facts(path, key: str = "path", overrides: dict | None = None,
     if not folder.exists():
         raise ValueError(f"{key}: no checkpoint folder {path}")
     if not folder.is_dir():
-        raise ValueError(f"{key}: {path} is a file, not a checkpoint folder (config.json and weights, as "
-                         "save_pretrained writes them)")
+        raise ValueError(
+            f"{key}: {path} is a file, not a checkpoint folder (config.json and weights, as "
+            "save_pretrained writes them)"
+        )
     config_file = folder / CONFIG_FILE
     if not config_file.is_file():
         raise ValueError(f"{key}: {path} holds no {CONFIG_FILE} (a checkpoint folder as save_pretrained writes it)")
@@ -155,14 +173,19 @@ def checkpoint_facts(path, key: str = "path", overrides: dict | None = None,
     _check_weights(folder, key)
     if overrides:
         if config.get("model_type") not in MODEL_CLASSES:
-            raise ValueError(f"{overrides_key}: cannot be checked against {config_file}'s model_type "
-                             f"{config.get('model_type')!r} (known: {sorted(MODEL_CLASSES)})")
+            raise ValueError(
+                f"{overrides_key}: cannot be checked against {config_file}'s model_type "
+                f"{config.get('model_type')!r} (known: {sorted(MODEL_CLASSES)})"
+            )
         check_override_keys(config["model_type"], overrides, overrides_key)
         config = {**config, **overrides}
     text = config.get("text_config") if isinstance(config.get("text_config"), dict) else {}
-    return ModelFacts(str(config_file), config.get("model_type"),
-                      _int_or_none(config.get("max_position_embeddings", text.get("max_position_embeddings"))),
-                      _int_or_none(config.get("vocab_size", text.get("vocab_size"))))
+    return ModelFacts(
+        str(config_file),
+        config.get("model_type"),
+        _int_or_none(config.get("max_position_embeddings", text.get("max_position_embeddings"))),
+        _int_or_none(config.get("vocab_size", text.get("vocab_size"))),
+    )
 
 
 def _check_weights(folder: Path, key: str) -> None:
@@ -180,8 +203,10 @@ def _check_weights(folder: Path, key: str) -> None:
                 raise ValueError(f"{key}: {index} names the shard {shard}, which is missing from {folder}")
         files = sorted(set(files) | {folder / str(s) for s in weight_map.values()})
     elif not files and not any((folder / name).is_file() for name in BIN_WEIGHTS):
-        raise ValueError(f"{key}: {folder} holds no weights (model.safetensors, {SAFETENSORS_INDEX} and its "
-                         "shards, or pytorch_model.bin)")
+        raise ValueError(
+            f"{key}: {folder} holds no weights (model.safetensors, {SAFETENSORS_INDEX} and its "
+            "shards, or pytorch_model.bin)"
+        )
     for file in files:
         check_safetensors(file, key)
 
@@ -191,26 +216,39 @@ def check_safetensors(file: Path, key: str = "path") -> None:
     length (little-endian), the JSON header, then at least as many bytes as its tensors' largest end offset."""
     size = file.stat().st_size
     if size < 8:
-        raise ValueError(f"{key}: {file}: truncated ({size} bytes; a safetensors file starts with an 8-byte "
-                         "header length)")
+        raise ValueError(
+            f"{key}: {file}: truncated ({size} bytes; a safetensors file starts with an 8-byte header length)"
+        )
     with open(file, "rb") as f:
         length = int.from_bytes(f.read(8), "little")
         if 8 + length > size:
-            raise ValueError(f"{key}: {file}: truncated or not safetensors: its header length says {length:,} "
-                             f"bytes, the file holds {size:,}")
+            raise ValueError(
+                f"{key}: {file}: truncated or not safetensors: its header length says {length:,} "
+                f"bytes, the file holds {size:,}"
+            )
         try:
             header = json.loads(f.read(length))
             ends = [int(entry["data_offsets"][1]) for name, entry in header.items() if name != "__metadata__"]
-        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError, KeyError, IndexError, TypeError,
-                ValueError) as exc:
+        except (
+            json.JSONDecodeError,
+            UnicodeDecodeError,
+            AttributeError,
+            KeyError,
+            IndexError,
+            TypeError,
+            ValueError,
+        ) as exc:
             raise ValueError(f"{key}: {file}: corrupt safetensors header ({type(exc).__name__}: {exc})") from None
     needed = 8 + length + max(ends, default=0)
     if size < needed:
-        raise ValueError(f"{key}: {file}: truncated: {size:,} bytes, but its header places tensor data up to byte "
-                         f"{needed:,} (a copy or a save cut short?)")
+        raise ValueError(
+            f"{key}: {file}: truncated: {size:,} bytes, but its header places tensor data up to byte "
+            f"{needed:,} (a copy or a save cut short?)"
+        )
 
 
 # ---------------------------------------------------------------------------------------------- device
+
 
 def check_device(spec: str, key: str = "device") -> None:
     """Refuse a device this machine does not have: `cuda` on a torch without CUDA (or none visible), or
@@ -222,8 +260,10 @@ def check_device(spec: str, key: str = "device") -> None:
         return
     if not torch.cuda.is_available():
         build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
-        raise ValueError(f"{key}: {spec!r}, but this torch ({torch.__version__}, {build}) sees no CUDA device; "
-                         "use device: cpu here, or run where a GPU is")
+        raise ValueError(
+            f"{key}: {spec!r}, but this torch ({torch.__version__}, {build}) sees no CUDA device; "
+            "use device: cpu here, or run where a GPU is"
+        )
     count = torch.cuda.device_count()
     if device.index is not None and device.index >= count:
         raise ValueError(f"{key}: {spec!r}, but this machine has {count} CUDA device(s) (cuda:0 to cuda:{count - 1})")

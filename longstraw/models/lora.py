@@ -13,8 +13,23 @@ from longstraw.models.quant import adopt_lora_layers
 
 # Projection names across the supported families: attention (q/k/v/o), MLA (q_a/q_b, kv_a/kv_b) and
 # GDN input/output. The DSA indexer's projections are left out: HF runs the indexer without grad.
-ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj",
-                     "in_proj_qkvz", "in_proj_ba", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+ATTENTION_TARGETS = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "q_a_proj",
+    "q_b_proj",
+    "kv_a_proj_with_mqa",
+    "kv_b_proj",
+    "in_proj_qkvz",
+    "in_proj_ba",
+    "in_proj_qkv",
+    "in_proj_z",
+    "in_proj_b",
+    "in_proj_a",
+    "out_proj",
+)
 # The MLP projections: a dense FFN's and a MoE shared expert's (`mlp.shared_expert(s).gate_proj`, ...). A MoE's
 # routed experts are fused 3-D parameters in transformers 5 (`experts.gate_up_proj`, `experts.down_proj`), not
 # modules, so these names never reach them; the router (`mlp.gate`), the shared expert's scalar gate
@@ -33,8 +48,15 @@ def target_names(targets: str = "attention") -> tuple[str, ...]:
     return TARGET_SETS[targets]
 
 
-def apply_lora(model, r: int = 16, alpha: int | None = None, dropout: float = 0.0, init_random: bool = False,
-               targets: str = "attention", dtype=None):
+def apply_lora(
+    model,
+    r: int = 16,
+    alpha: int | None = None,
+    dropout: float = 0.0,
+    init_random: bool = False,
+    targets: str = "attention",
+    dtype=None,
+):
     """Wrap `model` with a peft LoRA adapter on every projection of the target set `targets` it has.
 
     `dtype`: the adapters' dtype; None keeps peft's float32 (its LoRA products then upcast the activations).
@@ -47,8 +69,14 @@ def apply_lora(model, r: int = 16, alpha: int | None = None, dropout: float = 0.
     found = [t for t in names if t in present]
     if not found:
         raise ValueError(f"no LoRA target projections ({targets}) found in {type(model).__name__}")
-    config = LoraConfig(r=r, lora_alpha=alpha or 2 * r, lora_dropout=dropout, target_modules=found,
-                        init_lora_weights=not init_random, bias="none")
+    config = LoraConfig(
+        r=r,
+        lora_alpha=alpha or 2 * r,
+        lora_dropout=dropout,
+        target_modules=found,
+        init_lora_weights=not init_random,
+        bias="none",
+    )
     with _no_v4_moe_remap():
         model = get_peft_model(model, config)
     stray = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, LoraLayer)} - set(found))

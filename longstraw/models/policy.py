@@ -24,7 +24,13 @@ def build_policy(cfg: ModelConfig):
     if cfg.lora is not None:
         from longstraw.models.lora import apply_lora
 
-        model = apply_lora(model, r=cfg.lora.r, alpha=cfg.lora.alpha, dropout=cfg.lora.dropout,
-                           init_random=cfg.lora.init_random, targets=cfg.lora.targets,
-                           dtype=dtype if cfg.lora.dtype == "model" else None)
+        model = apply_lora(
+            model,
+            r=cfg.lora.r,
+            alpha=cfg.lora.alpha,
+            dropout=cfg.lora.dropout,
+            init_random=cfg.lora.init_random,
+            targets=cfg.lora.targets,
+            dtype=dtype if cfg.lora.dtype == "model" else None,
+        )
     return model

@@ -27,16 +27,29 @@ MODEL_CLASSES = {
 
 # model_type -> its family, as the report names it; the MLA family's types follow from it
 FAMILY_NAMES = {
-    "llama": "dense GQA", "qwen3": "dense GQA", "glm4_moe": "dense GQA + routed MoE",
-    "qwen3_next": "hybrid GDN + attention", "qwen3_5": "hybrid GDN + attention",
+    "llama": "dense GQA",
+    "qwen3": "dense GQA",
+    "glm4_moe": "dense GQA + routed MoE",
+    "qwen3_next": "hybrid GDN + attention",
+    "qwen3_5": "hybrid GDN + attention",
     "qwen3_5_moe": "hybrid GDN + attention",
-    "glm_moe_dsa": "MLA + DSA + MoE", "deepseek_v32": "MLA + DSA + MoE", "deepseek_v3": "MLA + MoE",
+    "glm_moe_dsa": "MLA + DSA + MoE",
+    "deepseek_v32": "MLA + DSA + MoE",
+    "deepseek_v3": "MLA + MoE",
 }
 MLA_MODEL_TYPES = tuple(t for t, family in FAMILY_NAMES.items() if family.startswith("MLA"))
 
-_TINY_COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                    num_key_value_heads=2, head_dim=16, max_position_embeddings=65536, rms_norm_eps=1e-6,
-                    tie_word_embeddings=False)
+_TINY_COMMON = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=65536,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
 _TINY_GDN = dict(
     linear_num_key_heads=2,
     linear_num_value_heads=4,
@@ -48,10 +61,27 @@ _TINY_GDN = dict(
 )
 # MLA + routed MoE in miniature: first_k_dense_replace dense FFN layers, then MoE with one shared expert
 _TINY_MLA = dict(
-    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-    num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
-    first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
-    n_group=1, topk_group=1, max_position_embeddings=65536, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    q_lora_rank=32,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    first_k_dense_replace=1,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    n_shared_experts=1,
+    n_group=1,
+    topk_group=1,
+    max_position_embeddings=65536,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
 )
 # DSA indexer: 16 heads keep exact-zero (all heads ReLU'd away) score ties rare; top-k 2048 selects every position
 # of a test sequence unless a test lowers it
@@ -71,21 +101,38 @@ class Preset:
 
 
 # what the GPU-scale 1B presets share: width, depth and an 8M-position range
-_GPU_1B = dict(vocab_size=32768, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
-               max_position_embeddings=8_388_608, tie_word_embeddings=False)
+_GPU_1B = dict(
+    vocab_size=32768,
+    hidden_size=2048,
+    intermediate_size=5632,
+    num_hidden_layers=16,
+    max_position_embeddings=8_388_608,
+    tie_word_embeddings=False,
+)
 
 PRESETS = {
     "tiny-llama": Preset("llama", dict(_TINY_COMMON, num_hidden_layers=2), "2-layer GQA llama"),
     "tiny-qwen3": Preset("qwen3", dict(_TINY_COMMON, num_hidden_layers=2), "2-layer GQA qwen3 (q/k norm)"),
     "tiny-glm4_moe": Preset(
         "glm4_moe",
-        dict(_TINY_COMMON, num_hidden_layers=3, first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2,
-             moe_intermediate_size=32, n_shared_experts=1, n_group=1, topk_group=1, use_qk_norm=True,
-             partial_rotary_factor=0.5),
+        dict(
+            _TINY_COMMON,
+            num_hidden_layers=3,
+            first_k_dense_replace=1,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            n_shared_experts=1,
+            n_group=1,
+            topk_group=1,
+            use_qk_norm=True,
+            partial_rotary_factor=0.5,
+        ),
         "1 dense + 2 routed-MoE layers, partial rotary, q/k norm",
     ),
     "tiny-glm_moe_dsa": Preset(
-        "glm_moe_dsa", dict(_TINY_MLA, **_TINY_DSA, indexer_types=["full", "shared", "full", "shared"]),
+        "glm_moe_dsa",
+        dict(_TINY_MLA, **_TINY_DSA, indexer_types=["full", "shared", "full", "shared"]),
         "GLM-5.2 pattern in miniature: MLA + DSA, index / IndexShare layers alternating, 1 dense + 3 MoE",
     ),
     "tiny-deepseek_v32": Preset("deepseek_v32", dict(_TINY_MLA, **_TINY_DSA), "MLA + DSA indexer on every layer, MoE"),
@@ -96,19 +143,29 @@ PRESETS = {
     "tiny-qwen3_5": Preset("qwen3_5", dict(_TINY_COMMON, **_TINY_GDN), "3 GDN : 1 attention, dense FFN"),
     "tiny-qwen3_5_moe": Preset(
         "qwen3_5_moe",
-        dict(_TINY_COMMON, **_TINY_GDN, **{k: v for k, v in _TINY_MOE.items() if k != "shared_expert_intermediate_size"},
-             shared_expert_intermediate_size=32),
+        dict(
+            _TINY_COMMON,
+            **_TINY_GDN,
+            **{k: v for k, v in _TINY_MOE.items() if k != "shared_expert_intermediate_size"},
+            shared_expert_intermediate_size=32,
+        ),
         "3 GDN : 1 attention, MoE",
     ),
     "small-qwen3_5": Preset(
         "qwen3_5",
-        dict(_TINY_COMMON, **{**_TINY_GDN, "linear_key_head_dim": 64, "linear_value_head_dim": 64},
-             vocab_size=4096, hidden_size=256, intermediate_size=768, head_dim=64),
+        dict(
+            _TINY_COMMON,
+            **{**_TINY_GDN, "linear_key_head_dim": 64, "linear_value_head_dim": 64},
+            vocab_size=4096,
+            hidden_size=256,
+            intermediate_size=768,
+            head_dim=64,
+        ),
         "CPU benchmark size: 3 GDN : 1 attention, hidden 256",
     ),
     "small-llama": Preset(
-        "llama", dict(_TINY_COMMON, vocab_size=4096, hidden_size=256, intermediate_size=768, head_dim=64,
-                      num_hidden_layers=4),
+        "llama",
+        dict(_TINY_COMMON, vocab_size=4096, hidden_size=256, intermediate_size=768, head_dim=64, num_hidden_layers=4),
         "CPU benchmark size: 4-layer GQA llama, hidden 256",
     ),
     # GPU scale: the Qwen3.6 pattern (3 Gated DeltaNet : 1 full attention, dense FFN), ~1.1B parameters.
@@ -116,17 +173,27 @@ PRESETS = {
     # layer) keeps one capture of 4,456,448 positions plus 64 replays inside one 10-minute command.
     "hybrid-1b": Preset(
         "qwen3_5",
-        dict(_GPU_1B, layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 4,
-             num_attention_heads=8, num_key_value_heads=2, head_dim=128, linear_num_key_heads=16,
-             linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
-             rms_norm_eps=1e-6),
+        dict(
+            _GPU_1B,
+            layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 4,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            head_dim=128,
+            linear_num_key_heads=16,
+            linear_num_value_heads=32,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            linear_conv_kernel_dim=4,
+            rms_norm_eps=1e-6,
+        ),
         "GPU: Qwen3.6 pattern, 16 layers (12 GDN + 4 attention), hidden 2048",
         init_on_device=True,
     ),
     # GPU scale, attention only: hybrid-1b's width, depth and attention shape with every layer full attention
     # (llama), the dense model the peers compare on (PrefixGrouper applies to attention-only models)
     "dense-1b": Preset(
-        "llama", dict(_GPU_1B, num_attention_heads=8, num_key_value_heads=2, head_dim=128, rms_norm_eps=1e-6),
+        "llama",
+        dict(_GPU_1B, num_attention_heads=8, num_key_value_heads=2, head_dim=128, rms_norm_eps=1e-6),
         "GPU: 16-layer GQA llama, hidden 2048, hybrid-1b's attention shape",
         init_on_device=True,
     ),
@@ -136,23 +203,53 @@ PRESETS = {
     # 1,048,576 positions hold 19.0 GiB of pages, next to ~2.3 GiB of weights on a 139 GiB H200.
     "glm-pattern-1b": Preset(
         "glm_moe_dsa",
-        dict(_GPU_1B, num_attention_heads=16, num_key_value_heads=16, q_lora_rank=768, kv_lora_rank=512,
-             qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, index_n_heads=32, index_head_dim=128,
-             index_topk=2048, indexer_types=["full", "shared", "shared", "shared"] * 4, first_k_dense_replace=1,
-             n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=1024, n_shared_experts=1, n_group=1,
-             topk_group=1, rms_norm_eps=1e-5),
+        dict(
+            _GPU_1B,
+            num_attention_heads=16,
+            num_key_value_heads=16,
+            q_lora_rank=768,
+            kv_lora_rank=512,
+            qk_nope_head_dim=128,
+            qk_rope_head_dim=64,
+            v_head_dim=128,
+            index_n_heads=32,
+            index_head_dim=128,
+            index_topk=2048,
+            indexer_types=["full", "shared", "shared", "shared"] * 4,
+            first_k_dense_replace=1,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=1024,
+            n_shared_experts=1,
+            n_group=1,
+            topk_group=1,
+            rms_norm_eps=1e-5,
+        ),
         "GPU: GLM-5.2 pattern, 16 MLA layers (4 index + 12 IndexShare), 1 dense + 15 MoE, hidden 2048",
         init_on_device=True,
     ),
     # The real Qwen3.6-27B text shape (26.9B parameters), random weights; run it NF4-quantised.
     "qwen3.6-27b-shape": Preset(
         "qwen3_5",
-        dict(vocab_size=248320, hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
-             layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 16,
-             num_attention_heads=24, num_key_value_heads=4, head_dim=256, partial_rotary_factor=0.25,
-             linear_num_key_heads=16, linear_num_value_heads=48, linear_key_head_dim=128,
-             linear_value_head_dim=128, linear_conv_kernel_dim=4, max_position_embeddings=8_388_608,
-             rms_norm_eps=1e-6, tie_word_embeddings=False),
+        dict(
+            vocab_size=248320,
+            hidden_size=5120,
+            intermediate_size=17408,
+            num_hidden_layers=64,
+            layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 16,
+            num_attention_heads=24,
+            num_key_value_heads=4,
+            head_dim=256,
+            partial_rotary_factor=0.25,
+            linear_num_key_heads=16,
+            linear_num_value_heads=48,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            linear_conv_kernel_dim=4,
+            max_position_embeddings=8_388_608,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+        ),
         "GPU: Qwen3.6-27B text shape, 64 layers (48 GDN + 16 attention), hidden 5120",
         init_on_device=True,
     ),
@@ -167,16 +264,28 @@ PRESETS = {
     # park attention on, the retrieval circuit forms several times slower.
     "learn-tiny-hybrid": Preset(
         "qwen3_5",
-        dict(_TINY_COMMON, **{**_TINY_GDN, "num_hidden_layers": 4,
-                              "layer_types": ["full_attention", "linear_attention", "full_attention", "full_attention"]},
-             vocab_size=256, rope_parameters={"rope_type": "default", "rope_theta": 64.0, "partial_rotary_factor": 0.25},
-             max_position_embeddings=8_388_608),
+        dict(
+            _TINY_COMMON,
+            **{
+                **_TINY_GDN,
+                "num_hidden_layers": 4,
+                "layer_types": ["full_attention", "linear_attention", "full_attention", "full_attention"],
+            },
+            vocab_size=256,
+            rope_parameters={"rope_type": "default", "rope_theta": 64.0, "partial_rotary_factor": 0.25},
+            max_position_embeddings=8_388_608,
+        ),
         "learning: 1 GDN + 3 gated attention layers, hidden 64, vocab 256, rope_theta 64 on a quarter of each head",
     ),
     "learn-tiny-dense": Preset(
         "llama",
-        dict(_TINY_COMMON, num_hidden_layers=3, vocab_size=256, max_position_embeddings=8_388_608,
-             rope_parameters={"rope_type": "default", "rope_theta": 64.0}),
+        dict(
+            _TINY_COMMON,
+            num_hidden_layers=3,
+            vocab_size=256,
+            max_position_embeddings=8_388_608,
+            rope_parameters={"rope_type": "default", "rope_theta": 64.0},
+        ),
         "learning: 3-layer GQA llama, hidden 64, vocab 256, rope_theta 64",
     ),
     # GPU scale (147M parameters): the tiny hybrid's pattern (attention, GDN, attention, attention) and then
@@ -185,14 +294,28 @@ PRESETS = {
     # 4.5 PFLOP in all: ~9 s at 500 TFLOP/s.
     "learn-hybrid-150m": Preset(
         "qwen3_5",
-        dict(vocab_size=1024, hidden_size=1024, intermediate_size=2816, num_hidden_layers=12,
-             layer_types=["full_attention", "linear_attention", "full_attention", "full_attention"]
-             + ["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 4,
-             num_attention_heads=8, num_key_value_heads=2, head_dim=64,
-             rope_parameters={"rope_type": "default", "rope_theta": 64.0, "partial_rotary_factor": 0.25},
-             linear_num_key_heads=8, linear_num_value_heads=16, linear_key_head_dim=64, linear_value_head_dim=64,
-             linear_conv_kernel_dim=4, max_position_embeddings=8_388_608, rms_norm_eps=1e-6,
-             tie_word_embeddings=False),
+        dict(
+            vocab_size=1024,
+            hidden_size=1024,
+            intermediate_size=2816,
+            num_hidden_layers=12,
+            layer_types=["full_attention", "linear_attention", "full_attention", "full_attention"]
+            + ["linear_attention"] * 3
+            + ["full_attention"]
+            + ["linear_attention"] * 4,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            head_dim=64,
+            rope_parameters={"rope_type": "default", "rope_theta": 64.0, "partial_rotary_factor": 0.25},
+            linear_num_key_heads=8,
+            linear_num_value_heads=16,
+            linear_key_head_dim=64,
+            linear_value_head_dim=64,
+            linear_conv_kernel_dim=4,
+            max_position_embeddings=8_388_608,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+        ),
         "learning, GPU: 8 GDN + 4 gated attention layers, hidden 1024, vocab 1024, rope_theta 64 on a quarter",
         init_on_device=True,
     ),

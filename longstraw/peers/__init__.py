@@ -27,14 +27,14 @@ INSTALL = 'pip install -e ".[peers]"'
 ATTENTION_ONLY = ("llama", "qwen3", "glm4_moe")
 DIFFERENCES = {
     "trl": "TRL's GRPOTrainer puts the prompt in every one of the G rows and runs one checkpointed forward and "
-           "backward over all G x (prompt + response) tokens: every row recomputes the prompt, and its gradient is "
-           "the full-sequence one (as our exact mode's). On a hybrid model its Gated DeltaNet layers run HF's torch "
-           "chunk kernel, as naive's do: fla's chunk backward, which a fast TRL run would take, fails on Hopper with "
-           "Triton 3.4-3.7, so on a GPU its hybrid times carry that slower kernel.",
+    "backward over all G x (prompt + response) tokens: every row recomputes the prompt, and its gradient is "
+    "the full-sequence one (as our exact mode's). On a hybrid model its Gated DeltaNet layers run HF's torch "
+    "chunk kernel, as naive's do: fla's chunk backward, which a fast TRL run would take, fails on Hopper with "
+    "Triton 3.4-3.7, so on a GPU its hybrid times carry that slower kernel.",
     "prefix_grouper": "PrefixGrouper runs the prompt once and the G responses concatenated after it in one "
-                      "sequence, each response attending to the shared prompt and to itself: one forward and "
-                      "backward over prompt + G responses, holding the whole prompt's graph (full-sequence "
-                      "gradient); attention layers only.",
+    "sequence, each response attending to the shared prompt and to itself: one forward and "
+    "backward over prompt + G responses, holding the whole prompt's graph (full-sequence "
+    "gradient); attention layers only.",
 }
 
 
@@ -45,10 +45,12 @@ class PeerNotApplicable(ValueError):
 def not_applicable(mode: str, model_type: str) -> str | None:
     """Why peer `mode` cannot run on a model of `model_type`, or None when it can."""
     if mode == "prefix_grouper" and model_type not in ATTENTION_ONLY:
-        return (f"prefix_grouper does not apply to model type {model_type!r}: it splits attention layers only, so "
-                "the recurrent (Gated DeltaNet) or sparse-attention layers of this family would carry state from one "
-                "concatenated response into the next; it applies to attention-only types "
-                f"{', '.join(ATTENTION_ONLY)}")
+        return (
+            f"prefix_grouper does not apply to model type {model_type!r}: it splits attention layers only, so "
+            "the recurrent (Gated DeltaNet) or sparse-attention layers of this family would carry state from one "
+            "concatenated response into the next; it applies to attention-only types "
+            f"{', '.join(ATTENTION_ONLY)}"
+        )
     return None
 
 

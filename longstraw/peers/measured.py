@@ -18,8 +18,9 @@ from longstraw.families import adapter_for
 from longstraw.measure.memory import GraphBytesMeter, PhaseRecorder
 
 
-def measured_step(model, optimizer, mode: str, responses, rewards, config: grpo.GRPOConfig, forward_backward,
-                  score) -> dict:
+def measured_step(
+    model, optimizer, mode: str, responses, rewards, config: grpo.GRPOConfig, forward_backward, score
+) -> dict:
     """Run one peer step and return its metrics.
 
     `score()`: the group's per-response log-probs (a list of [R_i] tensors), run without a graph for the

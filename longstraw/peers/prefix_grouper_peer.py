@@ -48,11 +48,12 @@ def masked_sdpa(module, query_BHQD, key_BKTD, value_BKTD, keep_BT, dropout=0.0, 
     groups = query_BHQD.shape[1] // key_BKTD.shape[1]
     key, value = (t.repeat_interleave(groups, dim=1) for t in (key_BKTD, value_BKTD))
     if bool(keep_BT.all()):  # no padding: causal aligned bottom-right, without a materialised mask on CUDA
-        out = F.scaled_dot_product_attention(query_BHQD, key, value, attn_mask=causal_lower_right(q_len, k_len),
-                                             scale=scaling)
+        out = F.scaled_dot_product_attention(
+            query_BHQD, key, value, attn_mask=causal_lower_right(q_len, k_len), scale=scaling
+        )
     else:
         position_BT = keep_BT.long().cumsum(-1)  # real position of each key (padding repeats its left neighbour)
-        query_BQ = position_BT[:, k_len - q_len:]
+        query_BQ = position_BT[:, k_len - q_len :]
         mask_BQT = keep_BT[:, None, :] & (position_BT[:, None, :] <= query_BQ[:, :, None])
         out = F.scaled_dot_product_attention(query_BHQD, key, value, attn_mask=mask_BQT[:, None], scale=scaling)
     return out.transpose(1, 2).contiguous(), None
@@ -89,19 +90,31 @@ class PrefixGrouperPeer:
         responses_GR = torch.nn.utils.rnn.pad_sequence([r.reshape(-1) for r in responses], batch_first=True)
         response_mask = torch.arange(max(lengths), device=device)[None] < torch.tensor(lengths, device=device)[:, None]
         prompt_mask = torch.ones_like(prompt_1P, dtype=torch.bool)
-        grouper = PrefixGrouper.from_ungrouped_masks(prefix_mask=prompt_mask, suffix_mask=response_mask,
-                                                     group_sizes=len(responses), padding_mode="right", device=device)
+        grouper = PrefixGrouper.from_ungrouped_masks(
+            prefix_mask=prompt_mask,
+            suffix_mask=response_mask,
+            group_sizes=len(responses),
+            padding_mode="right",
+            device=device,
+        )
         input_ids = grouper.concat_input(prompt_1P, prompt_mask, responses_GR, response_mask)
         P = prompt_1P.shape[1]
-        position_ids = torch.cat([torch.arange(P, device=device)]
-                                 + [torch.arange(P, P + n, device=device) for n in lengths])[None]
-        hidden = self.adapter.decoder(input_ids=input_ids, attention_mask=grouper.padding_mask,
-                                      position_ids=position_ids, use_cache=False, prefix_grouper=grouper,
-                                      prefix_grouper_attn_func=KERNEL).last_hidden_state
+        position_ids = torch.cat(
+            [torch.arange(P, device=device)] + [torch.arange(P, P + n, device=device) for n in lengths]
+        )[None]
+        hidden = self.adapter.decoder(
+            input_ids=input_ids,
+            attention_mask=grouper.padding_mask,
+            position_ids=position_ids,
+            use_cache=False,
+            prefix_grouper=grouper,
+            prefix_grouper_attn_func=KERNEL,
+        ).last_hidden_state
         _, _, suffix_hidden, _ = grouper.split_output(hidden, include_prefix_last=1)
         targets_GR = grouper.convert_padding(responses_GR, response_mask, padding_mode="right")
-        return [token_logprobs(suffix_hidden[i, :n], self.adapter.lm_head, targets_GR[i, :n])
-                for i, n in enumerate(lengths)]
+        return [
+            token_logprobs(suffix_hidden[i, :n], self.adapter.lm_head, targets_GR[i, :n]) for i, n in enumerate(lengths)
+        ]
 
     def step(self, prompt_ids, responses, rewards, optimizer) -> dict:
         config = self.config
@@ -109,17 +122,29 @@ class PrefixGrouperPeer:
         def forward_backward(advantages, weights, ref):
             with hf_checkpointing(self.model), self.adapter.selected(ATTENTION):
                 logps = self.logprobs(prompt_ids, responses)
-                loss = sum(grpo.response_loss(lp, None, ref and ref[i], advantages[i], weights[i], config)
-                           for i, lp in enumerate(logps))
+                loss = sum(
+                    grpo.response_loss(lp, None, ref and ref[i], advantages[i], weights[i], config)
+                    for i, lp in enumerate(logps)
+                )
                 loss.backward()
-            return loss.detach(), grpo.summarize_stats([grpo.response_stats(lp, None, ref and ref[i], advantages[i],
-                                                                            config) for i, lp in enumerate(logps)])
+            return loss.detach(), grpo.summarize_stats(
+                [grpo.response_stats(lp, None, ref and ref[i], advantages[i], config) for i, lp in enumerate(logps)]
+            )
 
-        return measured_step(self.model, optimizer, self.mode, responses, rewards, config, forward_backward,
-                             self.scorer(prompt_ids, responses))
+        return measured_step(
+            self.model,
+            optimizer,
+            self.mode,
+            responses,
+            rewards,
+            config,
+            forward_backward,
+            self.scorer(prompt_ids, responses),
+        )
 
     def scorer(self, prompt_ids, responses):
         def score():
             with self.adapter.selected(ATTENTION):
                 return self.logprobs(prompt_ids, responses)
+
         return score

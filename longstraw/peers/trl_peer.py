@@ -48,8 +48,12 @@ def local_tokenizer():
     from transformers import PreTrainedTokenizerFast
 
     vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2}
-    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")),
-                                   pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")),
+        pad_token="<pad>",
+        eos_token="<eos>",
+        unk_token="<unk>",
+    )
 
 
 def _never_called(prompts, completions, **kwargs):  # GRPOTrainer needs a reward function; rewards are given
@@ -61,21 +65,39 @@ def trl_config(config: grpo.GRPOConfig, response_length: int, model, output_dir:
     from trl import GRPOConfig
 
     device = adapter_for(model).device
-    return GRPOConfig(output_dir=output_dir, per_device_train_batch_size=config.num_generations,
-                      num_generations=config.num_generations, steps_per_generation=1, gradient_accumulation_steps=1,
-                      max_completion_length=response_length, loss_type=config.loss_type, beta=config.beta,
-                      epsilon=config.epsilon, epsilon_high=config.epsilon_high, scale_rewards=config.scale_rewards,
-                      gradient_checkpointing=True, bf16=adapter_for(model).compute_dtype == torch.bfloat16,
-                      fp16=False, use_cpu=device.type == "cpu", report_to="none", save_strategy="no",
-                      logging_strategy="no", disable_dropout=True, use_bias_correction_kl=False)
+    return GRPOConfig(
+        output_dir=output_dir,
+        per_device_train_batch_size=config.num_generations,
+        num_generations=config.num_generations,
+        steps_per_generation=1,
+        gradient_accumulation_steps=1,
+        max_completion_length=response_length,
+        loss_type=config.loss_type,
+        beta=config.beta,
+        epsilon=config.epsilon,
+        epsilon_high=config.epsilon_high,
+        scale_rewards=config.scale_rewards,
+        gradient_checkpointing=True,
+        bf16=adapter_for(model).compute_dtype == torch.bfloat16,
+        fp16=False,
+        use_cpu=device.type == "cpu",
+        report_to="none",
+        save_strategy="no",
+        logging_strategy="no",
+        disable_dropout=True,
+        use_bias_correction_kl=False,
+    )
 
 
 def _checkpointing_kwargs(args) -> dict | None:
     """The kwargs `Trainer.train()` passes to the switch (transformers 5.23 names them activation_..., 5.17
     gradient_...), less the layer-selection keys it pops first; None (the model's default) when empty, as it
     passes them."""
-    kwargs = dict(getattr(args, "activation_checkpointing_kwargs", None)
-                  or getattr(args, "gradient_checkpointing_kwargs", None) or {})
+    kwargs = dict(
+        getattr(args, "activation_checkpointing_kwargs", None)
+        or getattr(args, "gradient_checkpointing_kwargs", None)
+        or {}
+    )
     for key in ("every_n_layers", "offload"):
         kwargs.pop(key, None)
     return kwargs or None
@@ -96,30 +118,44 @@ class TRLPeer:
 
         self.model, self.config, self.max_response_length = model, config, max_response_length
         self._tmp = tempfile.TemporaryDirectory(prefix="longstraw-trl-")
-        self.trainer = GRPOTrainer(model=model, reward_funcs=[_never_called],
-                                   args=trl_config(config, max_response_length, model, self._tmp.name),
-                                   train_dataset=Dataset.from_list([{"prompt": "unused"}]),
-                                   processing_class=local_tokenizer())
+        self.trainer = GRPOTrainer(
+            model=model,
+            reward_funcs=[_never_called],
+            args=trl_config(config, max_response_length, model, self._tmp.name),
+            train_dataset=Dataset.from_list([{"prompt": "unused"}]),
+            processing_class=local_tokenizer(),
+        )
         self.trainer.current_gradient_accumulation_steps = 1  # Trainer.train() sets it per accumulation window
 
     def _check_lengths(self, responses) -> None:
         longest = max(int(r.numel()) for r in responses)
         if longest > self.max_response_length:
-            raise ValueError(f"a response of {longest} tokens is longer than the trainer's max_completion_length "
-                             f"{self.max_response_length} (build_peer's max_response_length)")
+            raise ValueError(
+                f"a response of {longest} tokens is longer than the trainer's max_completion_length "
+                f"{self.max_response_length} (build_peer's max_response_length)"
+            )
 
     def batch(self, prompt_ids, responses, advantages, ref=None) -> dict:
         """The inputs `GRPOTrainer._compute_loss` takes, for one prompt and its G responses."""
         G, device = len(responses), prompt_ids.device
         lengths = [int(r.numel()) for r in responses]
-        completion_ids = torch.nn.utils.rnn.pad_sequence([r.reshape(-1) for r in responses], batch_first=True,
-                                                         padding_value=self.trainer.processing_class.pad_token_id)
-        completion_mask = (torch.arange(max(lengths), device=device)[None]
-                           < torch.tensor(lengths, device=device)[:, None]).long()
+        completion_ids = torch.nn.utils.rnn.pad_sequence(
+            [r.reshape(-1) for r in responses],
+            batch_first=True,
+            padding_value=self.trainer.processing_class.pad_token_id,
+        )
+        completion_mask = (
+            torch.arange(max(lengths), device=device)[None] < torch.tensor(lengths, device=device)[:, None]
+        ).long()
         prompt = prompt_ids.reshape(1, -1).expand(G, -1)
-        batch = {"prompt_ids": prompt, "prompt_mask": torch.ones_like(prompt), "completion_ids": completion_ids,
-                 "completion_mask": completion_mask, "advantages": advantages.to(device),
-                 "num_items_in_batch": completion_mask.sum()}
+        batch = {
+            "prompt_ids": prompt,
+            "prompt_mask": torch.ones_like(prompt),
+            "completion_ids": completion_ids,
+            "completion_mask": completion_mask,
+            "advantages": advantages.to(device),
+            "num_items_in_batch": completion_mask.sum(),
+        }
         if ref is not None:
             batch["ref_per_token_logps"] = torch.nn.utils.rnn.pad_sequence(ref, batch_first=True)
         return batch
@@ -138,9 +174,10 @@ class TRLPeer:
         input_ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
         mask = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
         with hf_torch_gdn_kernels(self.model):
-            logps, _, _ = trainer._get_per_token_logps_and_entropies(trainer.model, input_ids, mask,
-                                                                      batch["completion_ids"].shape[1])
-        return [logps[i, :int(r.numel())] for i, r in enumerate(responses)]
+            logps, _, _ = trainer._get_per_token_logps_and_entropies(
+                trainer.model, input_ids, mask, batch["completion_ids"].shape[1]
+            )
+        return [logps[i, : int(r.numel())] for i, r in enumerate(responses)]
 
     def step(self, prompt_ids, responses, rewards, optimizer) -> dict:
         self._check_lengths(responses)
@@ -154,5 +191,13 @@ class TRLPeer:
             logged = {name: values[-1] for name, values in trainer._metrics["train"].items() if values}
             return loss.detach(), {name: logged[name] for name in STATS if name in logged}
 
-        return measured_step(self.model, optimizer, self.mode, responses, rewards, self.config, forward_backward,
-                             lambda: self.logprobs(prompt_ids, responses))
+        return measured_step(
+            self.model,
+            optimizer,
+            self.mode,
+            responses,
+            rewards,
+            self.config,
+            forward_backward,
+            lambda: self.logprobs(prompt_ids, responses),
+        )

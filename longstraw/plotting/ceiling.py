@@ -17,9 +17,8 @@ _RAM_KEYS = ("ram_total_bytes", "memory_total_bytes", "host_memory_total_bytes")
 _REASONS = {
     "cuda_total_memory": "the device's memory, where a step runs out",
     "recorded_ram": "the RAM the step points ran in; they have no lower ceiling (a capacity search's emulated "
-                    "ceiling applies to its own probes only)",
-    "machine_ram": "the results recorded no RAM, so it is no limit these points ran under: drawn for scale "
-                   "only",
+    "ceiling applies to its own probes only)",
+    "machine_ram": "the results recorded no RAM, so it is no limit these points ran under: drawn for scale only",
 }
 
 
@@ -37,17 +36,26 @@ def memory_ceiling(points: list[dict]) -> dict:
         total = prov.get("cuda_total_memory_bytes")
         if isinstance(total, int) and total > 0:
             device = prov.get("device") or "CUDA device"
-            return {"bytes": total, "source": "cuda_total_memory",
-                    "label": f"{device} total memory (torch.cuda) {format_bytes(total)}"}
+            return {
+                "bytes": total,
+                "source": "cuda_total_memory",
+                "label": f"{device} total memory (torch.cuda) {format_bytes(total)}",
+            }
     for point in points:
         prov = point.get("provenance") if isinstance(point.get("provenance"), dict) else {}
         for key in _RAM_KEYS:
             if isinstance(prov.get(key), int) and prov[key] > 0:
-                return {"bytes": prov[key], "source": "recorded_ram",
-                        "label": f"RAM of the measuring machine {format_bytes(prov[key])}, CPU run"}
+                return {
+                    "bytes": prov[key],
+                    "source": "recorded_ram",
+                    "label": f"RAM of the measuring machine {format_bytes(prov[key])}, CPU run",
+                }
     ram = machine_ram_bytes()
-    return {"bytes": ram, "source": "machine_ram",
-            "label": f"RAM of the machine that rendered this report {format_bytes(ram)}, CPU run"}
+    return {
+        "bytes": ram,
+        "source": "machine_ram",
+        "label": f"RAM of the machine that rendered this report {format_bytes(ram)}, CPU run",
+    }
 
 
 def ceiling_reason(ceiling: dict) -> str:
@@ -62,5 +70,7 @@ def search_ceiling_reason(configured: bool, cuda: bool) -> str:
         return "the device's memory (no lower ceiling configured): a probe fits when it does not run out"
     if cuda:
         return "the search's configured ceiling (capacity.ceiling_bytes), below the device's memory"
-    return ("the search's emulated ceiling (capacity.ceiling_bytes): the machine's RAM would not run out at "
-            "these sizes, so a probe fits when its RSS growth stays under it")
+    return (
+        "the search's emulated ceiling (capacity.ceiling_bytes): the machine's RAM would not run out at "
+        "these sizes, so a probe fits when its RSS growth stays under it"
+    )

@@ -28,11 +28,24 @@ from longstraw.plotting.ceiling import ceiling_reason  # noqa: E402
 from longstraw.plotting.formatting import LOG_SPAN, is_nested  # noqa: E402
 from longstraw.results import atomic_path  # noqa: E402
 
-PHASE_COLORS = {"weights": "#937860", "capture": "#4c72b0", "ref_capture": "#64b5cd", "sampling": "#da8bc3",
-                "old_scoring": "#8c8c8c", "ref_scoring": "#bcbcbc", "replay": "#dd8452", "forward_backward": "#ccb974",
-                "optimizer_step": "#55a868"}
-MODE_COLORS = {"replay": "#dd8452", "hold_all": "#4c72b0", "naive": "#c44e52", "trl": "#8172b3",
-               "prefix_grouper": "#55a868"}
+PHASE_COLORS = {
+    "weights": "#937860",
+    "capture": "#4c72b0",
+    "ref_capture": "#64b5cd",
+    "sampling": "#da8bc3",
+    "old_scoring": "#8c8c8c",
+    "ref_scoring": "#bcbcbc",
+    "replay": "#dd8452",
+    "forward_backward": "#ccb974",
+    "optimizer_step": "#55a868",
+}
+MODE_COLORS = {
+    "replay": "#dd8452",
+    "hold_all": "#4c72b0",
+    "naive": "#c44e52",
+    "trl": "#8172b3",
+    "prefix_grouper": "#55a868",
+}
 LINE_STYLES = ("-", "--", ":", "-.")  # one per model where a figure's lines span several
 PAPER_COLOR = "#8172b3"
 FAILED_COLORS = {"oom": "#d62728", "error": "#ff7f0e"}
@@ -76,6 +89,7 @@ class PlainLogFormatter(LogFormatter):
 class MemoryAxis:
     """An axis of sizes: draw `bytes / scale`, then `finish` it. `low`: the smallest positive value
     drawn, in bytes (a log axis starts a decade below it, so its bars keep a height)."""
+
     scale: float
     unit: str
     log: bool
@@ -90,8 +104,11 @@ class MemoryAxis:
                 ax.set_ylim(bottom=10 ** math.floor(math.log10(self.low / self.scale)))
         else:
             ax.set_ylim(bottom=0)
-        ax.set_ylabel(f"{what} ({self.unit}{', log scale' if self.log else ''})" if what
-                      else self.unit + (" (log scale)" if self.log else ""))
+        ax.set_ylabel(
+            f"{what} ({self.unit}{', log scale' if self.log else ''})"
+            if what
+            else self.unit + (" (log scale)" if self.log else "")
+        )
         axes = [ax]
         if self.unit in DECIMAL_UNITS:
             decimal, name = DECIMAL_UNITS[self.unit]
@@ -141,13 +158,30 @@ def mark_failed(ax, x, row, scale=1.0, value_key="peak_memory_bytes"):
     value = row.get(value_key) if value_key else None
     if value is not None and status == "oom":
         ax.plot([x], [value / scale], marker="X", color=color, markersize=11, linestyle="none", zorder=5)
-        ax.annotate(status.upper(), (x, value / scale), textcoords="offset points", xytext=(6, 6), color=color,
-                    fontsize=8, fontweight="bold")
+        ax.annotate(
+            status.upper(),
+            (x, value / scale),
+            textcoords="offset points",
+            xytext=(6, 6),
+            color=color,
+            fontsize=8,
+            fontweight="bold",
+        )
     else:
         transform = blended_transform_factory(ax.transData, ax.transAxes)
         ax.plot([x], [0], marker="X", color=color, markersize=11, transform=transform, clip_on=False, zorder=5)
-        ax.text(x, 0.05, f"{status.upper()} (no value)", transform=transform, color=color, fontsize=8,
-                fontweight="bold", ha="center", rotation=90, va="bottom")
+        ax.text(
+            x,
+            0.05,
+            f"{status.upper()} (no value)",
+            transform=transform,
+            color=color,
+            fontsize=8,
+            fontweight="bold",
+            ha="center",
+            rotation=90,
+            va="bottom",
+        )
 
 
 def mark_failed_bars(ax, rows):
@@ -165,8 +199,13 @@ def ceiling_line(ax, ceiling: dict, axis: MemoryAxis, values) -> str:
     top = max([v for v in values if v is not None] or [0])
     if top and ceiling["bytes"] / top > LOG_SPAN and not axis.log:
         return f"ceiling off scale: {ceiling['label']}"
-    ax.axhline(ceiling["bytes"] / axis.scale, color="black", linestyle="--", linewidth=1.2,
-               label=textwrap.fill(f"ceiling: {ceiling['label']}", 44))
+    ax.axhline(
+        ceiling["bytes"] / axis.scale,
+        color="black",
+        linestyle="--",
+        linewidth=1.2,
+        label=textwrap.fill(f"ceiling: {ceiling['label']}", 44),
+    )
     return f"{ceiling['label']}: {ceiling_reason(ceiling)}"
 
 
@@ -192,8 +231,15 @@ def legend_outside(ax, handles=None, labels=None, **kwargs):
     right = max([child.get_tightbbox(renderer).x1 for child in ax.child_axes] + [ax.bbox.x1]) - ax.bbox.x1
     beside = offset_copy(ax.transAxes, fig=fig, x=right * 72 / fig.dpi + 6, units="points")
     args = (handles, labels) if handles is not None else ()
-    return ax.legend(*args, loc="upper left", bbox_to_anchor=(1, 1), bbox_transform=beside, borderaxespad=0,
-                     fontsize=kwargs.pop("fontsize", 7), **kwargs)
+    return ax.legend(
+        *args,
+        loc="upper left",
+        bbox_to_anchor=(1, 1),
+        bbox_transform=beside,
+        borderaxespad=0,
+        fontsize=kwargs.pop("fontsize", 7),
+        **kwargs,
+    )
 
 
 def shared_legend(axes) -> tuple[list, list]:
@@ -216,17 +262,21 @@ def layout_problems(fig) -> list[str]:
     boxes += [(f"text {t.get_text()[:40]!r}", t.get_window_extent(renderer)) for t in fig.texts if t.get_text()]
     boxes += [("figure legend", legend.get_window_extent(renderer)) for legend in fig.legends]
     for name, box in boxes:
-        if box is not None and (box.x0 < frame.x0 - 1 or box.y0 < frame.y0 - 1 or box.x1 > frame.x1 + 1
-                                or box.y1 > frame.y1 + 1):
+        if box is not None and (
+            box.x0 < frame.x0 - 1 or box.y0 < frame.y0 - 1 or box.x1 > frame.x1 + 1 or box.y1 > frame.y1 + 1
+        ):
             problems.append(f"{name} reaches outside the figure")
     legends = [ax.get_legend() for ax in fig.axes if ax.get_legend() is not None] + list(fig.legends)
     extents = [legend.get_window_extent(renderer) for legend in legends]
     for i, one in enumerate(extents):
-        problems += ["two legends overlap" for other in extents[i + 1:] if one.overlaps(other)]
+        problems += ["two legends overlap" for other in extents[i + 1 :] if one.overlaps(other)]
     for ax in fig.axes:
         for text in ax.texts:
-            if text.get_visible() and text.get_text().strip() and any(
-                    text.get_window_extent(renderer).overlaps(extent) for extent in extents):
+            if (
+                text.get_visible()
+                and text.get_text().strip()
+                and any(text.get_window_extent(renderer).overlaps(extent) for extent in extents)
+            ):
                 problems.append(f"annotation {text.get_text()[:40]!r} under a legend")
     return problems
 

@@ -10,10 +10,33 @@ import numpy as np
 import pandas as pd
 
 _BINARY = ((2**40, "TiB", 3), (2**30, "GiB", 3), (2**20, "MiB", 2), (2**10, "KiB", 1))
-_POSITION_COLUMNS = {"prompt_length", "positions", "prompt_positions", "largest_fitting", "smallest_oom",
-                     "first_failing", "response_length", "prompt.length", "responses.length", "replayed_tokens"}
-_COUNT_COLUMNS = {"G", "responses.count", "cycles", "replays", "trainable_parameters", "probes", "probes_ok",
-                  "probes_oom", "count", "step", "steps", "steps_ok", "steps_oom"}
+_POSITION_COLUMNS = {
+    "prompt_length",
+    "positions",
+    "prompt_positions",
+    "largest_fitting",
+    "smallest_oom",
+    "first_failing",
+    "response_length",
+    "prompt.length",
+    "responses.length",
+    "replayed_tokens",
+}
+_COUNT_COLUMNS = {
+    "G",
+    "responses.count",
+    "cycles",
+    "replays",
+    "trainable_parameters",
+    "probes",
+    "probes_ok",
+    "probes_oom",
+    "count",
+    "step",
+    "steps",
+    "steps_ok",
+    "steps_oom",
+}
 # Relative drifts (a fraction in the data) read as percent on the page: the paper states its
 # staleness drift in percent.
 _PERCENT_COLUMNS = {"drift_threshold"}
@@ -82,9 +105,13 @@ def column_unit(column: str) -> str:
     return "plain"
 
 
-_HEADER_UNITS = {"positions": " (positions)", "positions_per_second": " (positions/s)",
-                 "tflops_per_second": " (TFLOP/s)", "count": "",
-                 "bytes_per_position": " (per position)"}
+_HEADER_UNITS = {
+    "positions": " (positions)",
+    "positions_per_second": " (positions/s)",
+    "tflops_per_second": " (TFLOP/s)",
+    "count": "",
+    "bytes_per_position": " (per position)",
+}
 
 
 def column_label(column: str) -> str:
@@ -97,8 +124,10 @@ def format_bytes(value, decimal_from: float = DECIMAL_FROM) -> str:
     if is_missing(value):
         return MISSING
     value = float(value)
-    text = next((f"{value / scale:,.{digits}f} {unit}" for scale, unit, digits in _BINARY if abs(value) >= scale),
-                f"{value:,.0f} B")
+    text = next(
+        (f"{value / scale:,.{digits}f} {unit}" for scale, unit, digits in _BINARY if abs(value) >= scale),
+        f"{value:,.0f} B",
+    )
     return text + (f" ({value / 1e9:,.3f} GB)" if abs(value) >= decimal_from else "")
 
 

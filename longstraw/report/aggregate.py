@@ -49,6 +49,7 @@ GENERAL_TABLES = ("points", "files", "experiments", "targets", "unrecorded")
 
 # ---------------------------------------------------------------------------------------- loading
 
+
 def load_points(results_dir) -> list[dict]:
     """Every result JSON under `results_dir` (its `points/` folder when there is one), sorted by path;
     `result_file`: the file's path relative to `results_dir`.
@@ -101,6 +102,7 @@ def by_experiment(points: list[dict]) -> dict[str, list[dict]]:
 
 # ------------------------------------------------------------------------------------ row per point
 
+
 def point_row(point: dict) -> dict:
     """One table row: identity, grid values, status, common columns, then the kind's metrics."""
     cfg, metrics = point_parts(point)
@@ -144,6 +146,7 @@ def _generic_metrics(metrics: dict) -> dict:
 
 # ----------------------------------------------------------------------------------------- tables
 
+
 def _sort_key(value):
     if value is None or (isinstance(value, float) and math.isnan(value)):
         return (2, 0, "")
@@ -178,8 +181,10 @@ def frame(rows: list[dict], grid: list[str]) -> pd.DataFrame:
 def tables(points: list[dict]) -> dict[str, pd.DataFrame]:
     """{experiment: DataFrame}, one row per point, experiments in the paper's order."""
     grouped = by_experiment(points)
-    return {name: frame([point_row(p) for p in grouped[name]], grid_keys(grouped[name]))
-            for name in experiment_order(grouped)}
+    return {
+        name: frame([point_row(p) for p in grouped[name]], grid_keys(grouped[name]))
+        for name in experiment_order(grouped)
+    }
 
 
 def kind_tables(points: list[dict]) -> dict[str, pd.DataFrame]:
@@ -200,15 +205,24 @@ def files_table(points: list[dict]) -> pd.DataFrame:
     rows = []
     for point in points:
         prov = as_dict(point.get("provenance"))
-        rows.append({
-            "result_file": point.get("result_file"), "experiment": str(point.get("experiment")),
-            "point": scalar(point.get("point")), "kind": scalar(point.get("kind")), "status": point.get("status"),
-            "error": scalar(point.get("error")), "peak_allocated_bytes": scalar(point.get("peak_allocated_bytes")),
-            "experiment_title": scalar(point.get("experiment_title")), "command": scalar(point.get("command")),
-            **{key: scalar(prov.get(key)) for key in ("device", "commit", "commit_source", "date", "python",
-                                                      "cuda_total_memory_bytes")},
-            **{f"version.{key}": scalar(value) for key, value in as_dict(prov.get("versions")).items()},
-        })
+        rows.append(
+            {
+                "result_file": point.get("result_file"),
+                "experiment": str(point.get("experiment")),
+                "point": scalar(point.get("point")),
+                "kind": scalar(point.get("kind")),
+                "status": point.get("status"),
+                "error": scalar(point.get("error")),
+                "peak_allocated_bytes": scalar(point.get("peak_allocated_bytes")),
+                "experiment_title": scalar(point.get("experiment_title")),
+                "command": scalar(point.get("command")),
+                **{
+                    key: scalar(prov.get(key))
+                    for key in ("device", "commit", "commit_source", "date", "python", "cuda_total_memory_bytes")
+                },
+                **{f"version.{key}": scalar(value) for key, value in as_dict(prov.get("versions")).items()},
+            }
+        )
     return pd.DataFrame(rows).convert_dtypes(convert_string=False)
 
 
@@ -221,8 +235,13 @@ def experiments_table(experiments_dir) -> pd.DataFrame:
         except (OSError, yaml.YAMLError):
             continue
         if isinstance(data, dict):
-            rows.append({"experiment": path.stem, "title": str(data.get("title") or ""),
-                         "description": " ".join(str(data.get("description") or "").split())})
+            rows.append(
+                {
+                    "experiment": path.stem,
+                    "title": str(data.get("title") or ""),
+                    "description": " ".join(str(data.get("description") or "").split()),
+                }
+            )
     return pd.DataFrame(rows, columns=["experiment", "title", "description"])
 
 
@@ -236,9 +255,12 @@ def unrecorded_table(points: list[dict], experiments_dir, profile: str) -> pd.Da
     if not experiments_dir or not Path(experiments_dir).is_dir() or profile not in PROFILES:
         return pd.DataFrame(columns=columns)
     have = {(str(p.get("experiment")), str(p.get("point"))) for p in points}
-    rows = [{"experiment": experiment, "point": name, "kind": entry["config"].kind}
-            for experiment, planned in plan(experiments_dir, profile).items()
-            for name, entry in planned["points"].items() if (experiment, name) not in have]
+    rows = [
+        {"experiment": experiment, "point": name, "kind": entry["config"].kind}
+        for experiment, planned in plan(experiments_dir, profile).items()
+        for name, entry in planned["points"].items()
+        if (experiment, name) not in have
+    ]
     return pd.DataFrame(rows, columns=columns)
 
 
@@ -256,17 +278,29 @@ def targets_section(results_dir, profile: str) -> dict | None:
         rows = evaluate_targets(results_dir)
     except Exception as exc:
         return {"rows": [], "error": f"{type(exc).__name__}: {exc}"}
-    return {"error": "", "rows": [{"target": r.get("target", ""), "goal": r.get("goal", ""),
-                                   "measured": r.get("measured", ""), "met": r.get("met"),
-                                   "evidence": r.get("evidence", "")} for r in rows]}
+    return {
+        "error": "",
+        "rows": [
+            {
+                "target": r.get("target", ""),
+                "goal": r.get("goal", ""),
+                "measured": r.get("measured", ""),
+                "met": r.get("met"),
+                "evidence": r.get("evidence", ""),
+            }
+            for r in rows
+        ],
+    }
 
 
 def records(df: pd.DataFrame) -> list[dict]:
     """Plain Python rows: None for missing (never pd.NA / NaN), Python numbers (never numpy)."""
+
     def plain(value):
         if value is None or (np.ndim(value) == 0 and pd.isna(value)):
             return None
         return value.item() if isinstance(value, np.generic) else value
+
     return [{k: plain(v) for k, v in row.items()} for row in df.astype(object).to_dict("records")]
 
 
@@ -277,27 +311,41 @@ def status_counts(points: list[dict]) -> dict[str, int]:
     return counts
 
 
-def build_tables(points: list[dict], results_dir, profile: str = "cpu", experiments_dir=None,
-                 targets: bool = True) -> tuple[dict[str, pd.DataFrame], dict]:
+def build_tables(
+    points: list[dict], results_dir, profile: str = "cpu", experiments_dir=None, targets: bool = True
+) -> tuple[dict[str, pd.DataFrame], dict]:
     """Every table of a results folder, and what the stages share beside them (the manifest's meta).
     `targets`: evaluate the GPU targets (on a profile other than cpu)."""
     frames = tables(points)
     clash = sorted(set(frames) & set(GENERAL_TABLES))
     if clash:
-        raise ValueError(f"experiment name {clash[0]!r} is taken by a table of every results folder; "
-                         f"rename it (reserved: {', '.join(GENERAL_TABLES)})")
+        raise ValueError(
+            f"experiment name {clash[0]!r} is taken by a table of every results folder; "
+            f"rename it (reserved: {', '.join(GENERAL_TABLES)})"
+        )
     everything = [df.assign(experiment=name) for name, df in frames.items()]
     combined = pd.concat(everything, ignore_index=True) if everything else pd.DataFrame(columns=["experiment"])
     combined = combined[["experiment"] + [c for c in combined.columns if c != "experiment"]]
-    out = {**frames, **kind_tables(points), "points": combined, "files": files_table(points),
-           "experiments": experiments_table(experiments_dir),
-           "unrecorded": unrecorded_table(points, experiments_dir, profile)}
+    out = {
+        **frames,
+        **kind_tables(points),
+        "points": combined,
+        "files": files_table(points),
+        "experiments": experiments_table(experiments_dir),
+        "unrecorded": unrecorded_table(points, experiments_dir, profile),
+    }
     state = targets_section(results_dir, profile) if targets else None
     if state is not None:
         out["targets"] = pd.DataFrame(state["rows"], columns=["target", "goal", "measured", "met", "evidence"])
-    meta = {"results_dir": str(results_dir), "results_found": Path(results_dir).is_dir(), "profile": profile,
-            "experiments": list(frames), "statuses": status_counts(points), "ceiling": memory_ceiling(points),
-            "targets": None if state is None else {"error": state["error"]}}
+    meta = {
+        "results_dir": str(results_dir),
+        "results_found": Path(results_dir).is_dir(),
+        "profile": profile,
+        "experiments": list(frames),
+        "statuses": status_counts(points),
+        "ceiling": memory_ceiling(points),
+        "targets": None if state is None else {"error": state["error"]},
+    }
     return out, meta
 
 
@@ -307,6 +355,9 @@ def write_all(results_dir, out_dir, profile: str = "cpu", experiments_dir=None, 
     points = load_points(results_dir)
     frames, meta = build_tables(points, results_dir, profile, experiments_dir, targets)
     manifest = write_tables(frames, out_dir, meta)
-    print(json.dumps({"tables": str(Path(out_dir)), "written": len(manifest["tables"]),
-                      "statuses": status_counts(points)}))
+    print(
+        json.dumps(
+            {"tables": str(Path(out_dir)), "written": len(manifest["tables"]), "statuses": status_counts(points)}
+        )
+    )
     return manifest

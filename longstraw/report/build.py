@@ -15,8 +15,7 @@ from longstraw.report.figures import make_figures
 from longstraw.report.render import render
 
 
-def build_report(results_dir, out_dir, profile: str = "cpu", recorded_dir=None,
-                 experiments_dir="experiments") -> Path:
+def build_report(results_dir, out_dir, profile: str = "cpu", recorded_dir=None, experiments_dir="experiments") -> Path:
     """Tables, figures and the page of the results in `results_dir`; `recorded_dir`: recorded GPU
     results listed in their own section (None: none); `experiments_dir`: the experiment files whose
     titles and descriptions the sections show, where it exists. Returns the page's path."""

@@ -26,8 +26,11 @@ from longstraw.results import write_json_atomic
 def experiment_data(tables: Tables, name: str) -> ExperimentData:
     """An experiment's point rows and its kinds' own tables (`<name>.<suffix>`), as plain rows."""
     df = tables.frame(name)
-    extra = {table.split(".", 1)[1]: records(tables.frame(table)) for table in tables.names
-             if table.startswith(f"{name}.") and "." not in table.split(".", 1)[1]}
+    extra = {
+        table.split(".", 1)[1]: records(tables.frame(table))
+        for table in tables.names
+        if table.startswith(f"{name}.") and "." not in table.split(".", 1)[1]
+    }
     return ExperimentData(name, records(df) if len(df) else [], grid_columns(df.columns), extra)
 
 
@@ -53,18 +56,19 @@ def make_figures(tables_dir, out_dir, marks: dict | None = None) -> dict[str, Pa
     paper = load_paper()
     marks = reference_marks(paper) if marks is None else marks
     drawn, entries = {}, []
-    fig = memory_vs_length.plot_memory_vs_length(memory_vs_length.memory_rows(tables), ceiling,
-                                                 memory_points(paper))
+    fig = memory_vs_length.plot_memory_vs_length(memory_vs_length.memory_rows(tables), ceiling, memory_points(paper))
     if fig is not None:
         key = f"{SUMMARY}/{memory_vs_length.FIGURE}"
         drawn[key] = save_png(fig, out_dir / f"{SUMMARY}.{memory_vs_length.FIGURE}.png")
-        entries.append({"key": key, "experiment": SUMMARY, "file": drawn[key].name,
-                        "caption": memory_vs_length.CAPTION})
+        entries.append(
+            {"key": key, "experiment": SUMMARY, "file": drawn[key].name, "caption": memory_vs_length.CAPTION}
+        )
     for figure, fig in peers.figures(tables, ceiling):  # the Peers section's, across experiments
         key = f"{peers.FIGURES}/{figure}"
         drawn[key] = save_png(fig, out_dir / f"{peers.FIGURES}.{figure}.png")
-        entries.append({"key": key, "experiment": peers.FIGURES, "file": drawn[key].name,
-                        "caption": peers.CAPTIONS[figure]})
+        entries.append(
+            {"key": key, "experiment": peers.FIGURES, "file": drawn[key].name, "caption": peers.CAPTIONS[figure]}
+        )
     for name in tables.manifest["experiments"]:
         data = experiment_data(tables, name)
         for module in kinds.modules():
@@ -72,8 +76,14 @@ def make_figures(tables_dir, out_dir, marks: dict | None = None) -> dict[str, Pa
             for figure, fig in kinds.part(module, "figures")(data, ceiling, marks.get(name, ())):
                 key = f"{name}/{figure}"
                 drawn[key] = save_png(fig, out_dir / f"{name}.{figure}.png")
-                entries.append({"key": key, "experiment": name, "file": drawn[key].name,
-                                "caption": captions.get(figure.split(".", 1)[0], "")})
+                entries.append(
+                    {
+                        "key": key,
+                        "experiment": name,
+                        "file": drawn[key].name,
+                        "caption": captions.get(figure.split(".", 1)[0], ""),
+                    }
+                )
     remove_stale_figures(out_dir, drawn.values())
     write_json_atomic(out_dir / MANIFEST, {"tables": str(tables_dir), "figures": entries})
     print(json.dumps({"figures": str(out_dir), "drawn": len(entries)}))

@@ -18,18 +18,37 @@ from longstraw.kinds.validation import LEVELS as LEVEL_NAMES
 from longstraw.kinds.validation import STATE, scale_text
 from longstraw.plotting.formatting import format_bytes, is_missing
 
-LEVELS = [dict(zip(("level", "name", "definition"), entry)) for entry in (
-    ("V1", "executes", "the step completes at the operating point: finite loss and gradients, peak under the "
-                       "ceiling, resident state fingerprint unchanged after all replays"),
-    ("V2", "conditional-response parity", "gradients equal an independent reference (HF forward of the prompt "
-                                          "minus its last token without grad, then the last prompt token and the "
-                                          "response on that cache with grad) within tolerance"),
-    ("V3", "full-sequence parity", "gradients equal HF one-pass autograd over p + y; response-only mode reports "
-                                   "its measured gap, exact mode must pass"),
-    ("V4", "policy improvement", "GRPO steps raise reward on a verifiable long-context task beyond noise: the paired "
-                                 "gain over the same run at learning rate 0, same prompts and seeds, above 3 "
-                                 "standard errors"),
-)]
+LEVELS = [
+    dict(zip(("level", "name", "definition"), entry))
+    for entry in (
+        (
+            "V1",
+            "executes",
+            "the step completes at the operating point: finite loss and gradients, peak under the "
+            "ceiling, resident state fingerprint unchanged after all replays",
+        ),
+        (
+            "V2",
+            "conditional-response parity",
+            "gradients equal an independent reference (HF forward of the prompt "
+            "minus its last token without grad, then the last prompt token and the "
+            "response on that cache with grad) within tolerance",
+        ),
+        (
+            "V3",
+            "full-sequence parity",
+            "gradients equal HF one-pass autograd over p + y; response-only mode reports "
+            "its measured gap, exact mode must pass",
+        ),
+        (
+            "V4",
+            "policy improvement",
+            "GRPO steps raise reward on a verifiable long-context task beyond noise: the paired "
+            "gain over the same run at learning rate 0, same prompts and seeds, above 3 "
+            "standard errors",
+        ),
+    )
+]
 NOT_RUN = "not run in these results (experiments/validation.yaml: longstraw validate experiments/validation.yaml)"
 
 
@@ -49,8 +68,9 @@ def v1_check(row: dict) -> tuple[bool, str]:
     if _value(row, "grad_norm_finite") is False:
         problems.append("gradient norm not finite")
     if _value(row, "state_unchanged") is not True:
-        problems.append("state changed by replay" if _value(row, "state_unchanged") is False
-                        else "no state fingerprint recorded")
+        problems.append(
+            "state changed by replay" if _value(row, "state_unchanged") is False else "no state fingerprint recorded"
+        )
     peak, ceiling = _value(row, "peak_memory_bytes"), _value(row, "device_memory_bytes")
     if _value(row, "peak_memory_measure") == "peak_allocated_bytes" and peak is not None and ceiling:
         if peak >= ceiling:
@@ -64,9 +84,14 @@ def v1_check(row: dict) -> tuple[bool, str]:
 
 
 def _path_key(row: dict) -> tuple:
-    return (_value(row, "family") or "unknown family", _value(row, "model_type") or "unknown type",
-            _value(row, "model"), _value(row, "prompt_positions") or _value(row, "prompt_length"),
-            _value(row, "device"), _value(row, "dtype"))
+    return (
+        _value(row, "family") or "unknown family",
+        _value(row, "model_type") or "unknown type",
+        _value(row, "model"),
+        _value(row, "prompt_positions") or _value(row, "prompt_length"),
+        _value(row, "device"),
+        _value(row, "dtype"),
+    )
 
 
 def _cells(**given) -> dict:
@@ -76,9 +101,16 @@ def _cells(**given) -> dict:
 
 def _row(family, model_type, gradient_mode, scale, cells: dict, source: str) -> dict:
     reached = [name for name in LEVEL_NAMES if cells[name]["reached"]]
-    return {"family": family or "unknown family", "model_type": model_type or "unknown type",
-            "gradient_mode": gradient_mode, "scale": scale, "cells": cells, "source": source,
-            "level": max(reached, key=LEVEL_NAMES.index) if reached else "none", "reached": bool(reached)}
+    return {
+        "family": family or "unknown family",
+        "model_type": model_type or "unknown type",
+        "gradient_mode": gradient_mode,
+        "scale": scale,
+        "cells": cells,
+        "source": source,
+        "level": max(reached, key=LEVEL_NAMES.index) if reached else "none",
+        "reached": bool(reached),
+    }
 
 
 def v1_paths(rows_by_experiment: dict[str, list[dict]]) -> list[dict]:
@@ -94,8 +126,16 @@ def v1_paths(rows_by_experiment: dict[str, list[dict]]) -> list[dict]:
         good = [p for p in points if p[1]]
         text = f"{good[0][0]}: {good[0][2]}" if good else "; ".join(f"{name}: {why}" for name, _, why in points)
         cell = {"state": STATE[bool(good)], "reached": bool(good), "text": text}
-        paths.append(_row(family, model_type, "response-only", scale_text(model, positions, device, dtype),
-                          _cells(V1=cell), ", ".join(name for name, _, _ in points)))
+        paths.append(
+            _row(
+                family,
+                model_type,
+                "response-only",
+                scale_text(model, positions, device, dtype),
+                _cells(V1=cell),
+                ", ".join(name for name, _, _ in points),
+            )
+        )
     return sorted(paths, key=_order)
 
 
@@ -105,13 +145,28 @@ def _order(path: dict) -> tuple:
 
 # ------------------------------------------------------------------------ validation points' levels
 
+
 def validation_paths(path_rows: list[dict]) -> list[dict]:
     """The validation points' paths from their `paths` table rows (`kinds.validation.path_row`)."""
-    return [_row(row.get("family"), row.get("model_type"), row.get("gradient_mode"), row.get("scale"),
-                 {name: {"state": row.get(f"{name}_state"), "reached": row.get(f"{name}_reached"),
-                         "text": row.get(f"{name}_text"), "tolerance": _value(row, f"{name}_tolerance")}
-                  for name in LEVEL_NAMES}, row.get("source"))
-            for row in path_rows]
+    return [
+        _row(
+            row.get("family"),
+            row.get("model_type"),
+            row.get("gradient_mode"),
+            row.get("scale"),
+            {
+                name: {
+                    "state": row.get(f"{name}_state"),
+                    "reached": row.get(f"{name}_reached"),
+                    "text": row.get(f"{name}_text"),
+                    "tolerance": _value(row, f"{name}_tolerance"),
+                }
+                for name in LEVEL_NAMES
+            },
+            row.get("source"),
+        )
+        for row in path_rows
+    ]
 
 
 def all_paths(rows_by_experiment: dict[str, list[dict]], path_rows: list[dict]) -> list[dict]:
@@ -119,8 +174,11 @@ def all_paths(rows_by_experiment: dict[str, list[dict]], path_rows: list[dict]) 
     points' V1-only paths not among them."""
     measured = validation_paths(path_rows)
     keys = {(p["model_type"], p["gradient_mode"], p["scale"]) for p in measured}
-    return sorted(measured + [p for p in v1_paths(rows_by_experiment)
-                              if (p["model_type"], p["gradient_mode"], p["scale"]) not in keys], key=_order)
+    return sorted(
+        measured
+        + [p for p in v1_paths(rows_by_experiment) if (p["model_type"], p["gradient_mode"], p["scale"]) not in keys],
+        key=_order,
+    )
 
 
 def number_rules(paths: list[dict]) -> list[str]:
@@ -146,13 +204,22 @@ def levels_table(paths: list[dict], standing: dict) -> list[dict]:
         ours[name] = f"reached on {reached} of {len(run)} paths where run (table below)" if run else NOT_RUN
     if any(p["cells"]["V3"]["reached"] is not None and p["gradient_mode"] == "response-only" for p in paths):
         ours["V3"] += "; response-only paths report their gap and are not reached by design"
-    return [{**level, "ours": ours[level["level"]], "paper": standing.get(level["level"], "not stated")}
-            for level in LEVELS]
+    return [
+        {**level, "ours": ours[level["level"]], "paper": standing.get(level["level"], "not stated")} for level in LEVELS
+    ]
 
 
 def paper_paths(paper: dict) -> list[dict]:
     """The paper's two paths as its material states them; any level it does not state: "not stated"."""
-    return [{"family": p.get("family", "not stated"), "model": p.get("model", "not stated"),
-             "gradient_mode": p.get("gradient_mode", "not stated"), "scale": p.get("scale", "not stated"),
-             "highest": p.get("highest", "not stated"), **{name: p.get(name, "not stated") for name in LEVEL_NAMES}}
-            for p in paper.get("paths") or [] if isinstance(p, dict)]
+    return [
+        {
+            "family": p.get("family", "not stated"),
+            "model": p.get("model", "not stated"),
+            "gradient_mode": p.get("gradient_mode", "not stated"),
+            "scale": p.get("scale", "not stated"),
+            "highest": p.get("highest", "not stated"),
+            **{name: p.get(name, "not stated") for name in LEVEL_NAMES},
+        }
+        for p in paper.get("paths") or []
+        if isinstance(p, dict)
+    ]

@@ -19,14 +19,16 @@ from longstraw.report.aggregate import records
 from longstraw.report.store import Tables
 
 FIGURE = "memory_vs_length"
-CAPTION = ("Peak memory against prompt length (log axis) per model, one line per mode through the largest "
-           "peak measured at each length over the step points and sweep steps of every experiment; coloured "
-           "dashed lines: a capacity search's probes (on CPU their measure is RSS growth over the weights). "
-           "Crosses: out of memory at that length (drawn at the peak the run reached, else at the ceiling). "
-           "Black dashed: the ceiling; black dotted: a capacity search's own (on CPU an emulated one). "
-           "Diamonds: the paper's operating points (Qwen3.6-27B over 8 GPUs, per rank), on every panel for "
-           "scale; read their GB off the right-hand axis. Context-parallel points (per-rank peaks) are in their "
-           "own section.")
+CAPTION = (
+    "Peak memory against prompt length (log axis) per model, one line per mode through the largest "
+    "peak measured at each length over the step points and sweep steps of every experiment; coloured "
+    "dashed lines: a capacity search's probes (on CPU their measure is RSS growth over the weights). "
+    "Crosses: out of memory at that length (drawn at the peak the run reached, else at the ceiling). "
+    "Black dashed: the ceiling; black dotted: a capacity search's own (on CPU an emulated one). "
+    "Diamonds: the paper's operating points (Qwen3.6-27B over 8 GPUs, per rank), on every panel for "
+    "scale; read their GB off the right-hand axis. Context-parallel points (per-rank peaks) are in their "
+    "own section."
+)
 
 
 def _rows(tables: Tables, name: str) -> list[dict]:
@@ -50,10 +52,19 @@ def memory_rows(tables: Tables) -> list[dict]:
             length = number(row.get("prompt_length"))
             if length is None or not _single_rank(point):
                 return
-            out.append({"experiment": experiment, "point": row.get("point"), "model": point.get("model"),
-                        "mode": row.get("mode") or point.get("mode"), "prompt_length": int(length),
-                        "peak_bytes": number(peak), "status": row.get("status"), "source": source,
-                        "search_ceiling": number(row.get("ceiling_bytes")) if source == "capacity probe" else None})
+            out.append(
+                {
+                    "experiment": experiment,
+                    "point": row.get("point"),
+                    "model": point.get("model"),
+                    "mode": row.get("mode") or point.get("mode"),
+                    "prompt_length": int(length),
+                    "peak_bytes": number(peak),
+                    "status": row.get("status"),
+                    "source": source,
+                    "search_ceiling": number(row.get("ceiling_bytes")) if source == "capacity probe" else None,
+                }
+            )
 
         for point in points:
             if point.get("kind") == "step":
@@ -79,7 +90,7 @@ def plot_memory_vs_length(rows: list[dict], ceiling: dict, paper_points=()):
     lines = math.ceil(len(models) / cols)
     # + 2.5 inches for the legend beside the panels
     fig, axes = draw.plt.subplots(lines, cols, figsize=(6.2 * cols + 2.5, 4.6 * lines), squeeze=False)
-    for ax in axes.flat[len(models):]:
+    for ax in axes.flat[len(models) :]:
         ax.set_visible(False)
     ceiling_bytes = number((ceiling or {}).get("bytes"))
     values = [r["peak_bytes"] for r in rows if r["model"] in models] + [p["bytes"] for p in paper_points]
@@ -90,40 +101,79 @@ def plot_memory_vs_length(rows: list[dict], ceiling: dict, paper_points=()):
         mine = [r for r in rows if r["model"] == model]
         # capacity probes apart from steps: on CPU they measure RSS growth over the weights, not the peak
         for mode, probe in dict.fromkeys((r["mode"], r["source"] == "capacity probe") for r in mine):
-            ok = [r for r in draw.ok(mine) if r["mode"] == mode and (r["source"] == "capacity probe") == probe
-                  and r["peak_bytes"] is not None]
+            ok = [
+                r
+                for r in draw.ok(mine)
+                if r["mode"] == mode and (r["source"] == "capacity probe") == probe and r["peak_bytes"] is not None
+            ]
             peaks = {}
             for r in ok:
                 peaks[r["prompt_length"]] = max(peaks.get(r["prompt_length"], 0), r["peak_bytes"])
             xs = sorted(peaks)
             if xs:
-                ax.plot(xs, [peaks[x] / scale for x in xs], marker="s" if probe else "o", markersize=4,
-                        linestyle="--" if probe else "-", color=draw.MODE_COLORS.get(mode),
-                        label=f"{mode}, capacity search" if probe else str(mode))
+                ax.plot(
+                    xs,
+                    [peaks[x] / scale for x in xs],
+                    marker="s" if probe else "o",
+                    markersize=4,
+                    linestyle="--" if probe else "-",
+                    color=draw.MODE_COLORS.get(mode),
+                    label=f"{mode}, capacity search" if probe else str(mode),
+                )
         for r in draw.failed(mine):
             y = r["peak_bytes"] if r["peak_bytes"] is not None else ceiling_bytes
             if y is not None:
-                ax.plot([r["prompt_length"]], [y / scale], marker="X", markersize=10, linestyle="none",
-                        color=draw.MODE_COLORS.get(r["mode"], "#c44e52"), markeredgecolor="black")
-                ax.annotate(f"{str(r['status']).upper()} {r['mode']}", (r["prompt_length"], y / scale),
-                            textcoords="offset points", xytext=(4, 4), fontsize=7)
+                ax.plot(
+                    [r["prompt_length"]],
+                    [y / scale],
+                    marker="X",
+                    markersize=10,
+                    linestyle="none",
+                    color=draw.MODE_COLORS.get(r["mode"], "#c44e52"),
+                    markeredgecolor="black",
+                )
+                ax.annotate(
+                    f"{str(r['status']).upper()} {r['mode']}",
+                    (r["prompt_length"], y / scale),
+                    textcoords="offset points",
+                    xytext=(4, 4),
+                    fontsize=7,
+                )
         if ceiling_bytes:
-            ax.axhline(ceiling_bytes / scale, color="black", linestyle="--", linewidth=1,
-                       label=f"ceiling {format_bytes(ceiling_bytes)}")
+            ax.axhline(
+                ceiling_bytes / scale,
+                color="black",
+                linestyle="--",
+                linewidth=1,
+                label=f"ceiling {format_bytes(ceiling_bytes)}",
+            )
         # a capacity search against a lower, configured ceiling (CPU: an emulated one) draws that one too
         for value in sorted({r["search_ceiling"] for r in mine if r.get("search_ceiling")}):
-            ax.axhline(value / scale, color="black", linestyle=":", linewidth=1,
-                       label=f"capacity search ceiling {format_bytes(value)}")
+            ax.axhline(
+                value / scale,
+                color="black",
+                linestyle=":",
+                linewidth=1,
+                label=f"capacity search ceiling {format_bytes(value)}",
+            )
         for i, point in enumerate(paper_points):
-            ax.plot([point["positions"]], [point["bytes"] / scale], marker="D", markersize=8, linestyle="none",
-                    markerfacecolor="none", markeredgecolor=draw.PAPER_COLOR, markeredgewidth=1.6,
-                    label="paper (per rank)" if i == 0 else None)
+            ax.plot(
+                [point["positions"]],
+                [point["bytes"] / scale],
+                marker="D",
+                markersize=8,
+                linestyle="none",
+                markerfacecolor="none",
+                markeredgecolor=draw.PAPER_COLOR,
+                markeredgewidth=1.6,
+                label="paper (per rank)" if i == 0 else None,
+            )
         ax.set_xscale("log", base=2)
         ax.set_xlabel("prompt length (positions, log scale)")
         axis.finish(ax)
         ax.set_title(str(model), fontsize=9)
     # one legend beside the panels (the modes, ceilings and paper marks are the same kinds of line in each)
-    visible = list(axes.flat[:len(models)])
+    visible = list(axes.flat[: len(models)])
     draw.legend_outside(axes.flat[cols - 1], *draw.shared_legend(visible))
     fig.suptitle("peak memory against prompt length, up to the ceiling", fontsize=10)
     fig.tight_layout()

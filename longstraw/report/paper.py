@@ -33,8 +33,10 @@ EMPTY_PAPER = {"setup": {}, "experiments": [], "figures": [], "standing": {}, "p
 # `lora.targets`.
 PAPER_LORA_TARGETS = "LoRA r=16 on the attention, GDN and MLP projections"
 # what our `lora.targets` sets cover (longstraw/models/lora.py TARGET_SETS)
-OUR_LORA_TARGETS = {"attention": "attention and GDN projections only, no MLP (lora.targets: attention)",
-                    "all-linear": "attention, GDN and MLP projections (lora.targets: all-linear)"}
+OUR_LORA_TARGETS = {
+    "attention": "attention and GDN projections only, no MLP (lora.targets: attention)",
+    "all-linear": "attention, GDN and MLP projections (lora.targets: all-linear)",
+}
 _GB = re.compile(r"(\d[\d,]*(?:\.\d+)?)\s*GB\b")
 
 
@@ -55,9 +57,11 @@ def load_paper(path=None) -> dict:
 
 def memory_points(paper: dict) -> list[dict]:
     """The paper's operating points as {"positions", "bytes" (its GB as 10^9 bytes), "text"}."""
-    return [{"positions": int(p["positions"]), "bytes": float(p["gb"]) * 1e9, "text": str(p.get("text", ""))}
-            for p in paper.get("memory_points") or []
-            if isinstance(p, dict) and isinstance(p.get("positions"), int) and isinstance(p.get("gb"), (int, float))]
+    return [
+        {"positions": int(p["positions"]), "bytes": float(p["gb"]) * 1e9, "text": str(p.get("text", ""))}
+        for p in paper.get("memory_points") or []
+        if isinstance(p, dict) and isinstance(p.get("positions"), int) and isinstance(p.get("gb"), (int, float))
+    ]
 
 
 def _matches(row: dict, key: str, wanted) -> bool:
@@ -110,16 +114,25 @@ def ours_value(spec: dict | None, rows: list[dict], ceiling: dict) -> dict:
         return {"text": NOT_MEASURED, "value": None, "points": ""}
     if op == "list":
         values = sorted({r[column] for r in ok})
-        return {"text": ", ".join(format_value(column, v) for v in values) or "no ok point", "value": None,
-                "points": _points(ok)}
+        return {
+            "text": ", ".join(format_value(column, v) for v in values) or "no ok point",
+            "value": None,
+            "points": _points(ok),
+        }
     if op == "difference":
         start, end = select(ok, spec.get("from", {})), select(ok, spec.get("to", {}))
         if not start or not end:
-            return {"text": _missing_text(rows, spec.get("from", {}) if not start else spec.get("to", {})),
-                    "value": None, "points": ""}
+            return {
+                "text": _missing_text(rows, spec.get("from", {}) if not start else spec.get("to", {})),
+                "value": None,
+                "points": "",
+            }
         a, b = max(r[column] for r in start), max(r[column] for r in end)
-        return {"text": _signed(column, b - a), "value": exact_value(b - a),
-                "points": f"{_points(start)} -> {_points(end)}"}
+        return {
+            "text": _signed(column, b - a),
+            "value": exact_value(b - a),
+            "points": f"{_points(start)} -> {_points(end)}",
+        }
     chosen = select(ok, spec.get("where", {}))
     if not chosen:
         return {"text": _missing_text(rows, spec.get("where", {})), "value": None, "points": ""}
@@ -175,19 +188,32 @@ def per_point_rows(figure: dict, rows: list[dict]) -> list[dict]:
         elif spec.get("format") == "refresh_interval":
             text, value = refresh_interval_sentence(point), exact_value(point.get(column))
         else:
-            mine = [r for r in select([r for r in rows if r.get("point") == name], where)
-                    if r.get("status") == "ok" and not is_missing(r.get(column))]
+            mine = [
+                r
+                for r in select([r for r in rows if r.get("point") == name], where)
+                if r.get("status") == "ok" and not is_missing(r.get(column))
+            ]
             if not mine:
                 wanted = ", ".join(f"{k}={v}" for k, v in where.items())
                 text = f"not measured: no {column}" + (f" at {wanted}" if wanted else "") + " in the result"
             else:
-                text = ", ".join((f"{label} {format_value(label, r.get(label))}: " if label else "")
-                                 + format_value(column, r[column]) for r in mine)
+                text = ", ".join(
+                    (f"{label} {format_value(label, r.get(label))}: " if label else "")
+                    + format_value(column, r[column])
+                    for r in mine
+                )
                 value = exact_value(mine[0][column]) if len(mine) == 1 else None
-        out.append({"experiment": experiment,
-                    "quantity": f"{figure.get('quantity', '')}: {name}{_describe(point, spec.get('describe'))}",
-                    "paper": figure.get("paper", ""), "ours": text, "value": value, "points": str(name),
-                    "has_section": True})
+        out.append(
+            {
+                "experiment": experiment,
+                "quantity": f"{figure.get('quantity', '')}: {name}{_describe(point, spec.get('describe'))}",
+                "paper": figure.get("paper", ""),
+                "ours": text,
+                "value": value,
+                "points": str(name),
+                "has_section": True,
+            }
+        )
     return out
 
 
@@ -201,9 +227,18 @@ def compare_figures(paper: dict, rows_by_experiment: dict[str, list[dict]], ceil
         spec = figure.get("ours") or {}
         if spec.get("op") == "regime" and _point_rows(rows):
             text = regime_sentence(_point_rows(rows), spec["low"], spec["high"], spec.get("positions"))
-            out.append({"experiment": experiment, "quantity": figure.get("quantity", ""),
-                        "paper": figure.get("paper", ""), "ours": text, "value": None, "points": "",
-                        "has_section": True, "claim": claim})
+            out.append(
+                {
+                    "experiment": experiment,
+                    "quantity": figure.get("quantity", ""),
+                    "paper": figure.get("paper", ""),
+                    "ours": text,
+                    "value": None,
+                    "points": "",
+                    "has_section": True,
+                    "claim": claim,
+                }
+            )
             continue
         if spec.get("op") == "per_point" and _point_rows(rows):
             out += [{**row, "claim": claim} for row in per_point_rows(figure, rows)]
@@ -211,9 +246,18 @@ def compare_figures(paper: dict, rows_by_experiment: dict[str, list[dict]], ceil
         ours = ours_value(figure.get("ours"), rows, ceiling)
         if not figure.get("ours") and rows:
             ours = {"text": f"see the {experiment} section", "value": None, "points": ""}
-        out.append({"experiment": experiment, "quantity": figure.get("quantity", ""), "paper": figure.get("paper", ""),
-                    "ours": ours["text"], "value": ours["value"], "points": ours["points"],
-                    "has_section": experiment in rows_by_experiment, "claim": claim})
+        out.append(
+            {
+                "experiment": experiment,
+                "quantity": figure.get("quantity", ""),
+                "paper": figure.get("paper", ""),
+                "ours": ours["text"],
+                "value": ours["value"],
+                "points": ours["points"],
+                "has_section": experiment in rows_by_experiment,
+                "claim": claim,
+            }
+        )
     for experiment, rows in rows_by_experiment.items():
         out += trainable_parameter_rows(paper, experiment, rows)
     return out
@@ -232,9 +276,15 @@ def claim_rows(paper: dict, compared: list[dict]) -> list[dict]:
             ours = f"{len(mine)} points: see the section" if mine else NOT_MEASURED
         experiment = str(figure.get("experiment"))
         section = bool(mine) and mine[0]["has_section"]
-        out.append({"quantity": figure.get("quantity", ""), "paper": figure.get("paper", ""), "ours": ours,
-                    "where": experiment if section else "the paper's figures",
-                    "link": f"#experiment-{experiment}" if section else "#paper-figures"})
+        out.append(
+            {
+                "quantity": figure.get("quantity", ""),
+                "paper": figure.get("paper", ""),
+                "ours": ours,
+                "where": experiment if section else "the paper's figures",
+                "link": f"#experiment-{experiment}" if section else "#paper-figures",
+            }
+        )
     return out
 
 
@@ -244,18 +294,31 @@ def trainable_parameter_rows(paper: dict, experiment: str, rows: list[dict]) -> 
     setup = paper.get("setup") or {}
     paper_model = str(setup.get("model") or "").split(" ", 1)[0].lower()
     count = setup.get("trainable_parameters")
-    shaped = [r for r in rows if r.get("status") == "ok" and isinstance(r.get("trainable_parameters"), int)
-              and paper_model and str(r.get("model") or "").lower().startswith(paper_model)]
+    shaped = [
+        r
+        for r in rows
+        if r.get("status") == "ok"
+        and isinstance(r.get("trainable_parameters"), int)
+        and paper_model
+        and str(r.get("model") or "").lower().startswith(paper_model)
+    ]
     out = []
     for row in shaped:
         ours = row["trainable_parameters"]
         ratio = f", {ours / count:.2f}x the paper's" if isinstance(count, (int, float)) and count else ""
         lora = f"LoRA r={row['lora_r']} on the " if row.get("lora_r") is not None else ""
-        out.append({"experiment": experiment, "quantity": f"trainable parameters, {row.get('model')}",
-                    "paper": f"{setup.get('trainable_parameters_text', 'not stated')} ({PAPER_LORA_TARGETS})",
-                    "ours": f"{format_number(ours)}{ratio} ({lora}"
-                            f"{OUR_LORA_TARGETS.get(row.get('lora_targets') or 'attention', row.get('lora_targets'))})",
-                    "value": exact_value(ours), "points": str(row.get("point")), "has_section": True})
+        out.append(
+            {
+                "experiment": experiment,
+                "quantity": f"trainable parameters, {row.get('model')}",
+                "paper": f"{setup.get('trainable_parameters_text', 'not stated')} ({PAPER_LORA_TARGETS})",
+                "ours": f"{format_number(ours)}{ratio} ({lora}"
+                f"{OUR_LORA_TARGETS.get(row.get('lora_targets') or 'attention', row.get('lora_targets'))})",
+                "value": exact_value(ours),
+                "points": str(row.get("point")),
+                "has_section": True,
+            }
+        )
     return out
 
 
@@ -271,17 +334,26 @@ def reference_marks(paper: dict) -> dict[str, list[dict]]:
     marks: dict[str, list[dict]] = {}
     for figure in paper.get("figures") or []:
         band = figure.get("band")
-        if isinstance(band, dict) and all(isinstance(band.get(k), (int, float)) for k in ("low", "high")) \
-                and band.get("steps"):
+        if (
+            isinstance(band, dict)
+            and all(isinstance(band.get(k), (int, float)) for k in ("low", "high"))
+            and band.get("steps")
+        ):
             marks.setdefault(str(figure.get("experiment")), []).append(
-                {"band": {**band, "text": band.get("text") or figure.get("paper", "")}})
+                {"band": {**band, "text": band.get("text") or figure.get("paper", "")}}
+            )
         spec = figure.get("ours") or {}
         match = _GB.search(str(figure.get("paper") or ""))
         if not match or spec.get("column") != "peak_memory_bytes" or spec.get("op", "value") != "value":
             continue
         marks.setdefault(str(figure.get("experiment")), []).append(
-            {"bytes": float(match.group(1).replace(",", "")) * 1e9, "where": spec.get("where") or {},
-             "text": match.group(0), "source": source})
+            {
+                "bytes": float(match.group(1).replace(",", "")) * 1e9,
+                "where": spec.get("where") or {},
+                "text": match.group(0),
+                "source": source,
+            }
+        )
     return marks
 
 
@@ -304,33 +376,62 @@ def scale_rows(paper: dict, rows: list[dict], ceiling: dict) -> list[dict]:
     trainable = [v for v in _distinct(ran, "trainable_parameters") if isinstance(v, int)]
     lengths = [v for v in _distinct(ok, "prompt_length") if isinstance(v, int)]
     paper_positions = setup.get("positions") or []
-    ratio = (f"; the paper's {max(paper_positions):,} is {max(paper_positions) / max(lengths):,.0f}x ours"
-             if lengths and paper_positions else "")
+    ratio = (
+        f"; the paper's {max(paper_positions):,} is {max(paper_positions) / max(lengths):,.0f}x ours"
+        if lengths and paper_positions
+        else ""
+    )
     nf4 = {bool(r.get("nf4")) for r in ran if r.get("nf4") is not None}
     lora = _distinct(ran, "lora_r")
     cp_sizes = [v for v in _distinct(ran, "cp_size") if isinstance(v, int) and v > 1]
-    quant = "; ".join([
-        {frozenset({True}): "NF4", frozenset({True, False}): "NF4 on some points"}.get(frozenset(nf4), "no NF4"),
-        f"LoRA r={', '.join(str(v) for v in lora)}" if lora else "no LoRA (all parameters trainable)",
-        "dtype " + ", ".join(_distinct(ran, "dtype")),
-    ])
+    quant = "; ".join(
+        [
+            {frozenset({True}): "NF4", frozenset({True, False}): "NF4 on some points"}.get(frozenset(nf4), "no NF4"),
+            f"LoRA r={', '.join(str(v) for v in lora)}" if lora else "no LoRA (all parameters trainable)",
+            "dtype " + ", ".join(_distinct(ran, "dtype")),
+        ]
+    )
     return [
         {"quantity": "model", "paper": setup.get("model", "not stated"), "ours": "; ".join(models) or "no points"},
-        {"quantity": "parameters", "paper": setup.get("parameters", "not stated"),
-         "ours": "the presets in the model row (total parameter count not recorded per point)"},
-        {"quantity": "trainable parameters", "paper": setup.get("trainable_parameters_text", "not stated"),
-         "ours": _span(trainable, format_number)},
-        {"quantity": "devices", "paper": setup.get("devices", "not stated"),
-         "ours": "; ".join(_distinct(ran, "device")) + " (one device per process)" if ran else "no points"},
-        {"quantity": "parallelism", "paper": setup.get("parallelism", "not stated"),
-         "ours": (f"context parallel over {' or '.join(str(v) for v in cp_sizes)} ranks on the points that set "
-                  "cp_size; the others on one device" if cp_sizes else "none (single device)")},
-        {"quantity": "quantization", "paper": setup.get("quantization", "not stated"),
-         "ours": quant if ran else "no points"},
-        {"quantity": "prompt positions",
-         "paper": " and ".join(f"{p:,}" for p in paper_positions) or "not stated",
-         "ours": (_span(lengths, lambda v: f"{v:,}") + ratio) if lengths else "no ok point"},
+        {
+            "quantity": "parameters",
+            "paper": setup.get("parameters", "not stated"),
+            "ours": "the presets in the model row (total parameter count not recorded per point)",
+        },
+        {
+            "quantity": "trainable parameters",
+            "paper": setup.get("trainable_parameters_text", "not stated"),
+            "ours": _span(trainable, format_number),
+        },
+        {
+            "quantity": "devices",
+            "paper": setup.get("devices", "not stated"),
+            "ours": "; ".join(_distinct(ran, "device")) + " (one device per process)" if ran else "no points",
+        },
+        {
+            "quantity": "parallelism",
+            "paper": setup.get("parallelism", "not stated"),
+            "ours": (
+                f"context parallel over {' or '.join(str(v) for v in cp_sizes)} ranks on the points that set "
+                "cp_size; the others on one device"
+                if cp_sizes
+                else "none (single device)"
+            ),
+        },
+        {
+            "quantity": "quantization",
+            "paper": setup.get("quantization", "not stated"),
+            "ours": quant if ran else "no points",
+        },
+        {
+            "quantity": "prompt positions",
+            "paper": " and ".join(f"{p:,}" for p in paper_positions) or "not stated",
+            "ours": (_span(lengths, lambda v: f"{v:,}") + ratio) if lengths else "no ok point",
+        },
         {"quantity": "memory ceiling", "paper": setup.get("ceiling", "not stated"), "ours": ceiling.get("label", "")},
-        {"quantity": "gradient", "paper": setup.get("gradient", "not stated"),
-         "ours": "conditional-response (replay mode); hold_all and naive are baselines"},
+        {
+            "quantity": "gradient",
+            "paper": setup.get("gradient", "not stated"),
+            "ours": "conditional-response (replay mode); hold_all and naive are baselines",
+        },
     ]

@@ -32,18 +32,44 @@ SYSTEMS = OURS + PEER_MODES
 FIGURES = "peers-section"  # the figures' manifest key (not an experiment's name)
 CAPTIONS = {
     "peers_memory": "Step memory per system against prompt length at the largest G measured (left) and against G "
-                    "at the longest prompt (right), one panel row per model. CUDA: peak allocated over the step; "
-                    "CPU: process peak RSS above the RSS after the weights and a peer's setup. Crosses: out of "
-                    "memory. Dashed: the device ceiling; dotted: a capacity search's own (on CPU an emulated one).",
+    "at the longest prompt (right), one panel row per model. CUDA: peak allocated over the step; "
+    "CPU: process peak RSS above the RSS after the weights and a peer's setup. Crosses: out of "
+    "memory. Dashed: the device ceiling; dotted: a capacity search's own (on CPU an emulated one).",
     "peers_time": "Step time per system (the step's phases: capture, scoring, replay or the peers' forward and "
-                  "backward, optimizer step; process start, model load and a peer's setup left out) against prompt "
-                  "length at the largest G (left) and against G at the longest prompt (right).",
+    "backward, optimizer step; process start, model load and a peer's setup left out) against prompt "
+    "length at the largest G (left) and against G at the longest prompt (right).",
 }
-STEP_COLUMNS = ["model", "system", "prompt_length", "G", "response_length", "status", "step_bytes",
-                "peak_memory_bytes", "setup_rss_bytes", "step_seconds", "warm_step_seconds", "memory_over_replay_ratio",
-                "time_over_replay_ratio", "warm_time_over_replay_ratio", "experiment", "point"]
-CAPACITY_COLUMNS = ["model", "system", "G", "response_length", "ceiling_bytes", "memory_measure", "largest_fitting",
-                    "smallest_oom", "search_stopped_on_time_limit", "experiment", "point"]
+STEP_COLUMNS = [
+    "model",
+    "system",
+    "prompt_length",
+    "G",
+    "response_length",
+    "status",
+    "step_bytes",
+    "peak_memory_bytes",
+    "setup_rss_bytes",
+    "step_seconds",
+    "warm_step_seconds",
+    "memory_over_replay_ratio",
+    "time_over_replay_ratio",
+    "warm_time_over_replay_ratio",
+    "experiment",
+    "point",
+]
+CAPACITY_COLUMNS = [
+    "model",
+    "system",
+    "G",
+    "response_length",
+    "ceiling_bytes",
+    "memory_measure",
+    "largest_fitting",
+    "smallest_oom",
+    "search_stopped_on_time_limit",
+    "experiment",
+    "point",
+]
 
 
 def _frame_rows(tables: Tables, name: str) -> list[dict]:
@@ -58,32 +84,56 @@ def _all_rows(tables: Tables):
 
 def peer_models(tables: Tables) -> list[str]:
     """The models a peer point ran on, in the order they first appear."""
-    return list(dict.fromkeys(row.get("model") for _, row in _all_rows(tables) if row.get("mode") in PEER_MODES
-                              and row.get("kind") in ("step", "capacity")))
+    return list(
+        dict.fromkeys(
+            row.get("model")
+            for _, row in _all_rows(tables)
+            if row.get("mode") in PEER_MODES and row.get("kind") in ("step", "capacity")
+        )
+    )
 
 
 def step_rows(tables: Tables) -> list[dict]:
     """Every single-process step point of the systems in the experiments where a peer's step ran (see the
     module doc): the side-by-side points, one objective and response length per experiment."""
-    compared = {experiment for experiment, row in _all_rows(tables)
-                if row.get("kind") == "step" and row.get("mode") in PEER_MODES}
+    compared = {
+        experiment
+        for experiment, row in _all_rows(tables)
+        if row.get("kind") == "step" and row.get("mode") in PEER_MODES
+    }
     out = []
     for experiment, row in _all_rows(tables):
-        if experiment not in compared or row.get("kind") != "step" or row.get("mode") not in SYSTEMS \
-                or (number(row.get("cp_size")) or 1) > 1 or row.get("source", "seeded") != "seeded":
+        if (
+            experiment not in compared
+            or row.get("kind") != "step"
+            or row.get("mode") not in SYSTEMS
+            or (number(row.get("cp_size")) or 1) > 1
+            or row.get("source", "seeded") != "seeded"
+        ):
             continue
         # "peak_allocated_bytes", or "... at OOM" for a step that ran out (aggregate.point_row)
         cuda = str(row.get("peak_memory_measure") or "").startswith("peak_allocated_bytes")
         setup = number(row.get("peer_setup_peak_rss_bytes")) or number(row.get("weights_peak_rss_bytes"))
         peak = number(row.get("peak_memory_bytes"))
-        out.append({"experiment": experiment, "point": row.get("point"), "model": row.get("model"),
-                    "model_type": row.get("model_type"), "system": row["mode"], "status": row.get("status"),
-                    "prompt_length": number(row.get("prompt_length")), "G": number(row.get("G")),
-                    "response_length": number(row.get("response_length")), "cuda": cuda,
-                    "peak_memory_bytes": peak, "setup_rss_bytes": None if cuda else setup,
-                    "step_bytes": peak if cuda else (peak - setup if peak is not None and setup is not None else None),
-                    "step_seconds": number(row.get("cold_step_seconds")),
-                    "warm_step_seconds": number(row.get("warm_step_seconds"))})
+        out.append(
+            {
+                "experiment": experiment,
+                "point": row.get("point"),
+                "model": row.get("model"),
+                "model_type": row.get("model_type"),
+                "system": row["mode"],
+                "status": row.get("status"),
+                "prompt_length": number(row.get("prompt_length")),
+                "G": number(row.get("G")),
+                "response_length": number(row.get("response_length")),
+                "cuda": cuda,
+                "peak_memory_bytes": peak,
+                "setup_rss_bytes": None if cuda else setup,
+                "step_bytes": peak if cuda else (peak - setup if peak is not None and setup is not None else None),
+                "step_seconds": number(row.get("cold_step_seconds")),
+                "warm_step_seconds": number(row.get("warm_step_seconds")),
+            }
+        )
     _add_ratios(out)
     return out
 
@@ -100,8 +150,9 @@ def _add_ratios(rows: list[dict]) -> None:
         ok = row["status"] == "ok" and base is not None
         row["memory_over_replay_ratio"] = _ratio(row["step_bytes"], base["step_bytes"]) if ok else None
         row["time_over_replay_ratio"] = _ratio(row["step_seconds"], base["step_seconds"]) if ok else None
-        row["warm_time_over_replay_ratio"] = (_ratio(row.get("warm_step_seconds"), base.get("warm_step_seconds"))
-                                              if ok else None)
+        row["warm_time_over_replay_ratio"] = (
+            _ratio(row.get("warm_step_seconds"), base.get("warm_step_seconds")) if ok else None
+        )
 
 
 def _replay_twin(row: dict, replay: list[dict]) -> dict | None:
@@ -122,23 +173,36 @@ def _ratio(a, b):
 def capacity_rows(tables: Tables) -> list[dict]:
     """Every capacity search of the systems on the peers' models, with what it was searched under."""
     models = peer_models(tables)
-    return [{"experiment": experiment, "point": row.get("point"), "model": row.get("model"), "system": row["mode"],
-             "status": row.get("status"), "G": number(row.get("G")),
-             "response_length": number(row.get("response_length")),
-             "ceiling_bytes": number(row.get("ceiling_bytes")) or number(row.get("device_memory_bytes")),
-             "memory_measure": row.get("memory_measure"), "largest_fitting": number(row.get("largest_fitting")),
-             "smallest_oom": number(row.get("smallest_oom")),
-             "search_stopped_on_time_limit": row.get("search_stopped_on_time_limit")}
-            for experiment, row in _all_rows(tables)
-            if row.get("kind") == "capacity" and row.get("model") in models and row.get("mode") in SYSTEMS]
+    return [
+        {
+            "experiment": experiment,
+            "point": row.get("point"),
+            "model": row.get("model"),
+            "system": row["mode"],
+            "status": row.get("status"),
+            "G": number(row.get("G")),
+            "response_length": number(row.get("response_length")),
+            "ceiling_bytes": number(row.get("ceiling_bytes")) or number(row.get("device_memory_bytes")),
+            "memory_measure": row.get("memory_measure"),
+            "largest_fitting": number(row.get("largest_fitting")),
+            "smallest_oom": number(row.get("smallest_oom")),
+            "search_stopped_on_time_limit": row.get("search_stopped_on_time_limit"),
+        }
+        for experiment, row in _all_rows(tables)
+        if row.get("kind") == "capacity" and row.get("model") in models and row.get("mode") in SYSTEMS
+    ]
 
 
 def not_applicable_rows(tables: Tables) -> list[dict]:
     """{model, system, reason} for each peer without a row on a model it does not apply to."""
     ran = {(r.get("model"), r.get("mode")) for _, r in _all_rows(tables)}
     types = {r.get("model"): r.get("model_type") for _, r in _all_rows(tables) if r.get("model_type")}
-    return [{"model": model, "system": peer, "reason": reason} for model in peer_models(tables) for peer in PEER_MODES
-            if (model, peer) not in ran and (reason := not_applicable(peer, str(types.get(model))))]
+    return [
+        {"model": model, "system": peer, "reason": reason}
+        for model in peer_models(tables)
+        for peer in PEER_MODES
+        if (model, peer) not in ran and (reason := not_applicable(peer, str(types.get(model))))
+    ]
 
 
 def _where(row: dict) -> str:
@@ -169,27 +233,42 @@ def peer_sentences(peer: str, rows: list[dict]) -> list[str]:
             memory = [r["memory_over_replay_ratio"] for r in paired]
             time = [r["time_over_replay_ratio"] for r in paired if r["time_over_replay_ratio"] is not None]
             warm = [r["warm_time_over_replay_ratio"] for r in paired if r["warm_time_over_replay_ratio"] is not None]
-            text = (f"On {model}, against replay at the same prompt and G ({_points(len(paired))}): {peer}'s step "
-                    f"memory is {_span(memory)} replay's" + (f" and its step time {_span(time)}" if time else "")
-                    + (f"; its warm step (the median after the first, {_points(len(warm))}) {_span(warm)}" if warm
-                       else "") + ".")
-            for ratio, key, word in (("memory_over_replay_ratio", "step_bytes", "lighter"),
-                                     ("time_over_replay_ratio", "step_seconds", "faster")):
+            text = (
+                f"On {model}, against replay at the same prompt and G ({_points(len(paired))}): {peer}'s step "
+                f"memory is {_span(memory)} replay's"
+                + (f" and its step time {_span(time)}" if time else "")
+                + (f"; its warm step (the median after the first, {_points(len(warm))}) {_span(warm)}" if warm else "")
+                + "."
+            )
+            for ratio, key, word in (
+                ("memory_over_replay_ratio", "step_bytes", "lighter"),
+                ("time_over_replay_ratio", "step_seconds", "faster"),
+            ):
                 better = [r for r in paired if r[ratio] is not None and r[ratio] < 1]
                 best = [r for r in better if all(o[key] is not None and r[key] < o[key] for o in ours[_cell(r)])]
                 if better:
-                    text += (f" It is {word} than replay at {', '.join(_where(r) for r in better)}"
-                             + (f", {word} than every one of our modes measured there at "
-                                f"{', '.join(_where(r) for r in best)}" if best else "") + ".")
+                    text += (
+                        f" It is {word} than replay at {', '.join(_where(r) for r in better)}"
+                        + (
+                            f", {word} than every one of our modes measured there at "
+                            f"{', '.join(_where(r) for r in best)}"
+                            if best
+                            else ""
+                        )
+                        + "."
+                    )
                 else:
                     text += f" It is {word} than replay at none of them."
             out.append(text)
         failed = [r for r in theirs if r["status"] != "ok"]
         if failed:
             fits = [r for r in failed if _replay(ours, r)]
-            out.append(f"On {model}, {peer} did not complete at {', '.join(_where(r) for r in failed)} "
-                       f"({', '.join(sorted({str(r['status']) for r in failed}))})"
-                       + (f", where replay did at {', '.join(_where(r) for r in fits)}" if fits else "") + ".")
+            out.append(
+                f"On {model}, {peer} did not complete at {', '.join(_where(r) for r in failed)} "
+                f"({', '.join(sorted({str(r['status']) for r in failed}))})"
+                + (f", where replay did at {', '.join(_where(r) for r in fits)}" if fits else "")
+                + "."
+            )
     return out
 
 
@@ -210,18 +289,25 @@ def capacity_sentences(rows: list[dict]) -> list[str]:
         if not any(r["system"] in PEER_MODES for r in members):
             continue
         searches = [r["system"] for r in members]  # a system searched twice is told apart by its point
-        reach = [f"{r['system']}" + (f" ({r['experiment']}/{r['point']})" if searches.count(r["system"]) > 1 else "")
-                 + f" {_reach(r)}" for r in sorted(members, key=lambda r: SYSTEMS.index(r["system"]))]
-        out.append(f"Largest prompt whose G={int(g)} step fits under {format_bytes(ceiling)} on {model} "
-                   f"(responses of {int(length)} tokens): " + "; ".join(reach) + ".")
+        reach = [
+            f"{r['system']}"
+            + (f" ({r['experiment']}/{r['point']})" if searches.count(r["system"]) > 1 else "")
+            + f" {_reach(r)}"
+            for r in sorted(members, key=lambda r: SYSTEMS.index(r["system"]))
+        ]
+        out.append(
+            f"Largest prompt whose G={int(g)} step fits under {format_bytes(ceiling)} on {model} "
+            f"(responses of {int(length)} tokens): " + "; ".join(reach) + "."
+        )
     return out
 
 
 def _reach(row: dict) -> str:
     largest = row["largest_fitting"]
     if largest is None:
-        return "none of the probed lengths" + (f" (the shortest, {int(row['smallest_oom']):,}, ran out)"
-                                               if row["smallest_oom"] else "")
+        return "none of the probed lengths" + (
+            f" (the shortest, {int(row['smallest_oom']):,}, ran out)" if row["smallest_oom"] else ""
+        )
     limit = " (its search stopped on its time limit there)" if row["search_stopped_on_time_limit"] else ""
     return f"{int(largest):,} positions{limit}"
 
@@ -238,6 +324,7 @@ def sentences(steps: list[dict], capacity: list[dict], skipped: list[dict]) -> d
 
 
 # ------------------------------------------------------------------------------------------ figures
+
 
 def _longest(rows, key):
     values = [r[key] for r in rows if r[key] is not None]
@@ -269,25 +356,44 @@ def _plot(rows: list[dict], key: str, ceiling: dict | None, searched: dict):
     for line, model in zip(axes, models):
         mine = [r for r in rows if r["model"] == model]
         g_top, p_top = _longest(mine, "G"), _longest(mine, "prompt_length")
-        for ax, x_key, fixed_key, fixed in ((line[0], "prompt_length", "G", g_top),
-                                            (line[1], "G", "prompt_length", p_top)):
+        for ax, x_key, fixed_key, fixed in (
+            (line[0], "prompt_length", "G", g_top),
+            (line[1], "G", "prompt_length", p_top),
+        ):
             cut = [r for r in mine if r[fixed_key] == fixed]
             for system in SYSTEMS:
-                ok = sorted((r for r in cut if r["system"] == system and r["status"] == "ok" and r[key] is not None),
-                            key=lambda r: r[x_key])
+                ok = sorted(
+                    (r for r in cut if r["system"] == system and r["status"] == "ok" and r[key] is not None),
+                    key=lambda r: r[x_key],
+                )
                 if ok:
-                    ax.plot([r[x_key] for r in ok], [r[key] / (axis.scale if axis else 1) for r in ok], marker="o",
-                            label=system, color=draw.MODE_COLORS.get(system),
-                            linestyle="--" if system in PEER_MODES else "-")
+                    ax.plot(
+                        [r[x_key] for r in ok],
+                        [r[key] / (axis.scale if axis else 1) for r in ok],
+                        marker="o",
+                        label=system,
+                        color=draw.MODE_COLORS.get(system),
+                        linestyle="--" if system in PEER_MODES else "-",
+                    )
             for r in cut:
                 if r["status"] != "ok":
                     draw.mark_failed(ax, r[x_key], r, axis.scale if axis else 1.0, value_key=key if memory else None)
             if device:
-                ax.axhline(device / axis.scale, color="black", linestyle="--", linewidth=1,
-                           label=textwrap.fill(f"ceiling: {ceiling['label']}", 44))
+                ax.axhline(
+                    device / axis.scale,
+                    color="black",
+                    linestyle="--",
+                    linewidth=1,
+                    label=textwrap.fill(f"ceiling: {ceiling['label']}", 44),
+                )
             for value in sorted(searched.get(model, ())):
-                ax.axhline(value / axis.scale, color="black", linestyle=":", linewidth=1,
-                           label=f"capacity search ceiling {format_bytes(value)}")
+                ax.axhline(
+                    value / axis.scale,
+                    color="black",
+                    linestyle=":",
+                    linewidth=1,
+                    label=f"capacity search ceiling {format_bytes(value)}",
+                )
             ax.set_xscale("log", base=2)
             xs = sorted({r[x_key] for r in cut if r[x_key] is not None})
             ax.set_xticks(xs, [f"{int(x):,}" for x in xs])
@@ -306,6 +412,7 @@ def _plot(rows: list[dict], key: str, ceiling: dict | None, searched: dict):
 
 # ------------------------------------------------------------------------------------------- page
 
+
 def view(tables: Tables) -> dict | None:
     """What the page's Peers section shows (None: no peer ran)."""
     steps = step_rows(tables)
@@ -315,6 +422,10 @@ def view(tables: Tables) -> dict | None:
     skipped = not_applicable_rows(tables)
     order = {s: i for i, s in enumerate(SYSTEMS)}
     steps.sort(key=lambda r: (str(r["model"]), r["G"] or 0, r["prompt_length"] or 0, order[r["system"]]))
-    return {"sentences": sentences(steps, capacity, skipped), "capacity_sentences": capacity_sentences(capacity),
-            "steps": steps, "capacity": capacity, "not_applicable": skipped}
-
+    return {
+        "sentences": sentences(steps, capacity, skipped),
+        "capacity_sentences": capacity_sentences(capacity),
+        "steps": steps,
+        "capacity": capacity,
+        "not_applicable": skipped,
+    }

@@ -41,21 +41,63 @@ from longstraw.report.store import MANIFEST, Tables, read_tables
 from longstraw.results import STATUSES, atomic_path, write_text_atomic
 
 VERSION_KEYS = ("torch", "transformers", "peft", "bitsandbytes", "fla-core")
-RECORDED_COLUMNS = ["file", "point", "kind", "status", "device", "date", "commit", "model", "prompt_length", "mode",
-                    "G", "peak_memory_bytes", "seconds_per_member", "wall_seconds", "error"]
+RECORDED_COLUMNS = [
+    "file",
+    "point",
+    "kind",
+    "status",
+    "device",
+    "date",
+    "commit",
+    "model",
+    "prompt_length",
+    "mode",
+    "G",
+    "peak_memory_bytes",
+    "seconds_per_member",
+    "wall_seconds",
+    "error",
+]
 # A kind this package does not know: its numeric metrics, a dozen at most, none of these.
-GENERIC_SKIP = {"experiment", "point", "kind", "status", "error", "commit", "date", "device", "family", "dtype",
-                "torch_version", "transformers_version", "device_memory_bytes", "report_error", "model",
-                "model_type", "prompt_length", "lora_r", "nf4", "peak_rss_bytes", "wall_seconds"}
+GENERIC_SKIP = {
+    "experiment",
+    "point",
+    "kind",
+    "status",
+    "error",
+    "commit",
+    "date",
+    "device",
+    "family",
+    "dtype",
+    "torch_version",
+    "transformers_version",
+    "device_memory_bytes",
+    "report_error",
+    "model",
+    "model_type",
+    "prompt_length",
+    "lora_r",
+    "nf4",
+    "peak_rss_bytes",
+    "wall_seconds",
+}
 # A grid key and the derived column that repeats it: show the grid key only.
-GRID_ALIASES = {"prompt.length": "prompt_length", "responses.count": "G", "responses.length": "response_length",
-                "model.preset": "model", "optimizer.lr": "lr", "cp_size": "cp_size"}
+GRID_ALIASES = {
+    "prompt.length": "prompt_length",
+    "responses.count": "G",
+    "responses.length": "response_length",
+    "model.preset": "model",
+    "optimizer.lr": "lr",
+    "cp_size": "cp_size",
+}
 MET_TEXT = {True: "yes", False: "missed", None: "not measured"}
 MESSAGE_COLUMNS = ("error", "report_error")
 SHORT_MESSAGE = 60  # characters of a message a row shows (a line of its cell); the whole opens below it
 
 
 # ------------------------------------------------------------------------------------- table views
+
 
 def _present(rows: list[dict], column: str) -> bool:
     return any(not is_missing(r.get(column)) for r in rows)
@@ -65,7 +107,7 @@ def short_message(text: str) -> tuple[str, str | None]:
     """(what a row shows, the whole message or None): a failed point's row stays one line, its first
     line cut to SHORT_MESSAGE characters; the whole message opens below it (<details>)."""
     first = text.strip().splitlines()[0] if text.strip() else text
-    short = first if len(first) <= SHORT_MESSAGE else first[:SHORT_MESSAGE - 1].rstrip() + "…"
+    short = first if len(first) <= SHORT_MESSAGE else first[: SHORT_MESSAGE - 1].rstrip() + "…"
     return short, (text if short != text else None)
 
 
@@ -74,24 +116,38 @@ def table_view(rows: list[dict], columns: list[str], links: dict | None = None) 
     (`data-value`, so a reader or a test can check it against the result JSON), a CSS class, for
     the point's cell a link to its result file (`links`: {point: path relative to the page}), and
     for a long message the whole of it (`full`). `csv` / `all_columns`: set by `with_csv`."""
-    columns = [c for i, c in enumerate(columns) if c not in columns[:i] and (c in ("point", "status")
-                                                                             or _present(rows, c))]
+    columns = [
+        c for i, c in enumerate(columns) if c not in columns[:i] and (c in ("point", "status") or _present(rows, c))
+    ]
     view_rows = []
     for row in rows:
         cells = []
         for column in columns:
             value = row.get(column)
             numeric = exact_value(value)
-            css = "num" if numeric is not None else ("status status-" + str(value) if column == "status"
-                                                     else "message" if column in MESSAGE_COLUMNS else "")
+            css = (
+                "num"
+                if numeric is not None
+                else (
+                    "status status-" + str(value)
+                    if column == "status"
+                    else "message"
+                    if column in MESSAGE_COLUMNS
+                    else ""
+                )
+            )
             href = (links or {}).get(str(row.get("point"))) if column == "point" else None
             text, full = format_value(column, value), None
             if column in MESSAGE_COLUMNS and not is_missing(value):
                 text, full = short_message(text)
             cells.append({"key": column, "text": text, "full": full, "value": numeric, "css": css, "href": href})
         view_rows.append({"point": str(row.get("point")), "status": str(row.get("status")), "cells": cells})
-    return {"columns": [{"key": c, "label": column_label(c)} for c in columns], "rows": view_rows, "csv": "",
-            "all_columns": 0}
+    return {
+        "columns": [{"key": c, "label": column_label(c)} for c in columns],
+        "rows": view_rows,
+        "csv": "",
+        "all_columns": 0,
+    }
 
 
 def with_csv(view: dict, rows: list[dict], csv: str) -> dict:
@@ -108,14 +164,18 @@ def shown_columns(kind: str, rows: list[dict], grid: list[str]) -> list[str]:
     chosen = kinds.part(kind, "SHOWN")
     if chosen is None:  # a kind added later: its numeric metrics, a dozen at most
         keys = dict.fromkeys(k for r in rows for k in r)
-        numeric = [c for c in keys if c not in GENERIC_SKIP and c not in grid
-                   and any(exact_value(r.get(c)) is not None for r in rows)]
+        numeric = [
+            c
+            for c in keys
+            if c not in GENERIC_SKIP and c not in grid and any(exact_value(r.get(c)) is not None for r in rows)
+        ]
         chosen = ["model", "prompt_length"] + numeric[:12] + ["peak_rss_bytes", "wall_seconds"]
     repeated = {GRID_ALIASES[k] for k in grid if k in GRID_ALIASES}
     return ["point", *grid, "status", *(c for c in chosen if c not in repeated), "error", "report_error"]
 
 
 # ---------------------------------------------------------------------------------- section pieces
+
 
 def _distinct(values) -> list:
     return sorted({v for v in values if not is_missing(v)}, key=str)
@@ -135,8 +195,9 @@ def _commits(files: list[dict]) -> str:
     commits = list(dict.fromkeys(str(f["commit"]) for f in by_date if not is_missing(f.get("commit"))))
     if len(commits) <= 3:
         return _tally([f.get("commit") for f in files], "not recorded")
-    return (f"{len(commits)} commits, from {commits[0]} to {commits[-1]} by date; each experiment's section lists "
-            "its own")
+    return (
+        f"{len(commits)} commits, from {commits[0]} to {commits[-1]} by date; each experiment's section lists its own"
+    )
 
 
 def provenance_facts(files: list[dict]) -> list[dict]:
@@ -146,8 +207,10 @@ def provenance_facts(files: list[dict]) -> list[dict]:
     facts = [
         {"key": "device", "value": _tally([f.get("device") for f in files], "not recorded")},
         {"key": "commit", "value": _commits(files)},
-        {"key": "date", "value": (dates[0] if len(dates) == 1 else f"{dates[0]} to {dates[-1]}") if dates
-         else "not recorded"},
+        {
+            "key": "date",
+            "value": (dates[0] if len(dates) == 1 else f"{dates[0]} to {dates[-1]}") if dates else "not recorded",
+        },
         {"key": "python", "value": _tally([f.get("python") for f in files], "not recorded")},
     ]
     for key in VERSION_KEYS:
@@ -174,12 +237,21 @@ def commands(profile: str, experiment: str, files: list[dict]) -> dict:
     return {
         "pipeline": f"snakemake --cores all --config profile={profile}",
         "experiment": (f"snakemake --cores all --config profile={profile} --force " + " ".join(targets))
-        if targets else "",
-        "points": [{"point": str(f.get("point")),
-                    "command": point_command(f"experiments/{experiment}.yaml", f.get("profile") or profile,
-                                             str(f.get("point")), target,
-                                             int(number(as_dict(f.get("config")).get("cp_size")) or 1))}
-                   for f, target in zip(files, targets)],
+        if targets
+        else "",
+        "points": [
+            {
+                "point": str(f.get("point")),
+                "command": point_command(
+                    f"experiments/{experiment}.yaml",
+                    f.get("profile") or profile,
+                    str(f.get("point")),
+                    target,
+                    int(number(as_dict(f.get("config")).get("cp_size")) or 1),
+                ),
+            }
+            for f, target in zip(files, targets)
+        ],
     }
 
 
@@ -189,8 +261,9 @@ def kind_tables(rows: list[dict], grid: list[str], links: dict | None = None, cs
     out = []
     for kind in dict.fromkeys(str(r.get("kind")) for r in rows):
         mine = [r for r in rows if str(r.get("kind")) == kind]
-        out.append({"kind": kind, "view": with_csv(table_view(mine, shown_columns(kind, mine, grid), links), mine,
-                                                   csv)})
+        out.append(
+            {"kind": kind, "view": with_csv(table_view(mine, shown_columns(kind, mine, grid), links), mine, csv)}
+        )
     return out
 
 
@@ -199,8 +272,12 @@ def extra_specs(rows: list[dict]) -> list[tuple]:
     kinds may use one suffix (a sweep's and a learning run's `steps`), and an experiment's table of
     that name is the one its own kind wrote."""
     present = {str(r.get("kind")) for r in rows}
-    return [(suffix, spec) for kind in kinds.KINDS if kind in present
-            for suffix, spec in kinds.part(kind, "EXTRA_TABLES").items()]
+    return [
+        (suffix, spec)
+        for kind in kinds.KINDS
+        if kind in present
+        for suffix, spec in kinds.part(kind, "EXTRA_TABLES").items()
+    ]
 
 
 def extra_tables(tables: Tables, name: str, rows: list[dict], links: dict | None = None) -> list[dict]:
@@ -212,8 +289,14 @@ def extra_tables(tables: Tables, name: str, rows: list[dict], links: dict | None
         if df is not None and len(df):
             mine = records(df)
             note = spec.note(mine) if callable(spec.note) else spec.note
-            out.append({"title": spec.title, "id": f"table-{name}-{spec.key or suffix}", "note": note,
-                        "view": with_csv(table_view(mine, spec.columns, links), mine, f"tables/{name}.{suffix}.csv")})
+            out.append(
+                {
+                    "title": spec.title,
+                    "id": f"table-{name}-{spec.key or suffix}",
+                    "note": note,
+                    "view": with_csv(table_view(mine, spec.columns, links), mine, f"tables/{name}.{suffix}.csv"),
+                }
+            )
     return out
 
 
@@ -223,8 +306,16 @@ def section_notes(rows: list[dict], grid: list[str] = ()) -> list[str]:
     return [note for row in rows for note in kinds.part(row.get("kind"), "notes")(row, list(grid))] + weights
 
 
-def experiment_section(name: str, tables: Tables, files: list[dict], figures: list[dict], profile: str,
-                       described: dict, paper_rows: list[dict], links: dict | None = None) -> dict:
+def experiment_section(
+    name: str,
+    tables: Tables,
+    files: list[dict],
+    figures: list[dict],
+    profile: str,
+    described: dict,
+    paper_rows: list[dict],
+    links: dict | None = None,
+) -> dict:
     """`links`: {point: its result file, relative to the page}."""
     df = tables.frame(name)
     rows = records(df) if df is not None else []
@@ -243,13 +334,23 @@ def experiment_section(name: str, tables: Tables, files: list[dict], figures: li
         "extra_tables": extra_tables(tables, name, rows, links),
         "notes": section_notes(rows, grid),
         "paper": [r for r in paper_rows if r["experiment"] == name],
-        "failures": [{"point": str(f.get("point")), "status": f.get("status"),
-                      "error": f.get("error") or "no message recorded",
-                      "peak": format_value("peak_allocated_bytes", f.get("peak_allocated_bytes"))
-                      if f.get("peak_allocated_bytes") is not None else ""}
-                     for f in files if f.get("status") != "ok"],
-        "unrecorded": [r["point"] for r in (records(tables.frame("unrecorded")) if "unrecorded" in tables.names
-                                            else []) if r["experiment"] == name],
+        "failures": [
+            {
+                "point": str(f.get("point")),
+                "status": f.get("status"),
+                "error": f.get("error") or "no message recorded",
+                "peak": format_value("peak_allocated_bytes", f.get("peak_allocated_bytes"))
+                if f.get("peak_allocated_bytes") is not None
+                else "",
+            }
+            for f in files
+            if f.get("status") != "ok"
+        ],
+        "unrecorded": [
+            r["point"]
+            for r in (records(tables.frame("unrecorded")) if "unrecorded" in tables.names else [])
+            if r["experiment"] == name
+        ],
         "commands": commands(profile, name, files),
         "provenance": provenance_facts(files) if files else [],
         "empty": not files,
@@ -268,8 +369,15 @@ def recorded_section(recorded: Tables | None, out_dir, results_dir) -> dict:
     into the local tables."""
     if recorded is None or not recorded.manifest.get("results_found", True):
         where = recorded.manifest["results_dir"] if recorded is not None else None
-        return {"dir": str(where or ""), "view": None, "count": 0, "notes": [], "link": "", "same": False,
-                "missing": f"no recorded results folder at {where}" if where else "no recorded results given"}
+        return {
+            "dir": str(where or ""),
+            "view": None,
+            "count": 0,
+            "notes": [],
+            "link": "",
+            "same": False,
+            "missing": f"no recorded results folder at {where}" if where else "no recorded results given",
+        }
     where = recorded.manifest["results_dir"]
     folder = Path(where)
     files = records(recorded.frame("files"))
@@ -277,11 +385,18 @@ def recorded_section(recorded: Tables | None, out_dir, results_dir) -> dict:
     rows = [{**by_file.get(f["result_file"], {}), "file": f["result_file"]} for f in files]
     notes = sorted({f["commit_source"] for f in files if f.get("commit_source")})
     same = Path(results_dir).resolve() == folder.resolve()  # the recorded results' own report
-    return {"dir": where, "view": table_view(rows, RECORDED_COLUMNS) if rows else None,
-            "count": len(rows), "counts_text": _counts_text(status_counts(files)), "notes": notes, "missing": "",
-            "link": recorded_report_link(folder, Path(out_dir)), "same": same,
-            "command": f"longstraw report --profile {folder.name} --results {where} "
-                       f"--out reports/recorded-{folder.name} --recorded {where}"}
+    return {
+        "dir": where,
+        "view": table_view(rows, RECORDED_COLUMNS) if rows else None,
+        "count": len(rows),
+        "counts_text": _counts_text(status_counts(files)),
+        "notes": notes,
+        "missing": "",
+        "link": recorded_report_link(folder, Path(out_dir)),
+        "same": same,
+        "command": f"longstraw report --profile {folder.name} --results {where} "
+        f"--out reports/recorded-{folder.name} --recorded {where}",
+    }
 
 
 def targets_view(tables: Tables) -> dict | None:
@@ -290,31 +405,48 @@ def targets_view(tables: Tables) -> dict | None:
     if state is None:
         return None
     rows = records(tables.frame("targets")) if tables.frame("targets") is not None else []
-    return {"error": state.get("error", ""), "rows": [{**r, "met": MET_TEXT.get(r.get("met"), str(r.get("met")))}
-                                                       for r in rows]}
+    return {
+        "error": state.get("error", ""),
+        "rows": [{**r, "met": MET_TEXT.get(r.get("met"), str(r.get("met")))} for r in rows],
+    }
 
 
 # -------------------------------------------------------------------------------------------- page
 
+
 def environment() -> jinja2.Environment:
     """The page's templates, shipped with the package (`longstraw/report/templates/`)."""
-    return jinja2.Environment(loader=jinja2.PackageLoader("longstraw.report", "templates"),
-                              autoescape=jinja2.select_autoescape(["html"]), undefined=jinja2.StrictUndefined,
-                              trim_blocks=True, lstrip_blocks=True)
+    return jinja2.Environment(
+        loader=jinja2.PackageLoader("longstraw.report", "templates"),
+        autoescape=jinja2.select_autoescape(["html"]),
+        undefined=jinja2.StrictUndefined,
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
 
 
 def figure_entries(figures_dir, out_dir) -> list[dict]:
     """The figures the figures stage drew (its manifest), each with its path relative to the page."""
     figures_dir = Path(figures_dir)
     manifest = json.loads((figures_dir / MANIFEST).read_text())
-    return [{"src": Path(os.path.relpath(figures_dir / f["file"], out_dir)).as_posix(), "caption": f["caption"],
-             "alt": f["key"], "experiment": f["experiment"]} for f in manifest["figures"]]
+    return [
+        {
+            "src": Path(os.path.relpath(figures_dir / f["file"], out_dir)).as_posix(),
+            "caption": f["caption"],
+            "alt": f["key"],
+            "experiment": f["experiment"],
+        }
+        for f in manifest["figures"]
+    ]
 
 
 def result_links(files: list[dict], results_dir, out_dir) -> dict[str, str]:
     """{point: its result JSON, relative to the page} for an experiment's files."""
-    return {str(f.get("point")): Path(os.path.relpath(Path(results_dir) / f["result_file"], out_dir)).as_posix()
-            for f in files if not is_missing(f.get("result_file"))}
+    return {
+        str(f.get("point")): Path(os.path.relpath(Path(results_dir) / f["result_file"], out_dir)).as_posix()
+        for f in files
+        if not is_missing(f.get("result_file"))
+    }
 
 
 def experiment_rows(tables: Tables) -> dict[str, list[dict]]:
@@ -346,25 +478,42 @@ def build_context(tables: Tables, figures: list[dict], out_dir, recorded: Tables
     files = records(tables.frame("files"))
     paper = load_paper()
     paper_entries = {e.get("name"): e for e in paper.get("experiments") or [] if isinstance(e, dict)}
-    experiment_files = {r["experiment"]: {"title": r.get("title"), "what": r.get("description")}
-                        for r in records(tables.frame("experiments"))}
+    experiment_files = {
+        r["experiment"]: {"title": r.get("title"), "what": r.get("description")}
+        for r in records(tables.frame("experiments"))
+    }
     frames = {name: tables.frame(name) for name in manifest["experiments"]}
     names = experiment_order(set(frames) | set(paper_entries))
-    described = {name: {**paper_entries.get(name, {}),
-                        **{k: v for k, v in experiment_files.get(name, {}).items() if v}} for name in names}
+    described = {
+        name: {**paper_entries.get(name, {}), **{k: v for k, v in experiment_files.get(name, {}).items() if v}}
+        for name in names
+    }
     rows_by_experiment = experiment_rows(tables)
     figures_beside = compare_figures(paper, rows_by_experiment, ceiling)
     by_experiment: dict[str, list[dict]] = {}
     for f in files:
         by_experiment.setdefault(str(f.get("experiment")), []).append(f)
-    sections = [experiment_section(name, tables, by_experiment.get(name, []), figures, profile, described[name],
-                                   figures_beside, result_links(by_experiment.get(name, []), results_dir, out_dir))
-                for name in names]
+    sections = [
+        experiment_section(
+            name,
+            tables,
+            by_experiment.get(name, []),
+            figures,
+            profile,
+            described[name],
+            figures_beside,
+            result_links(by_experiment.get(name, []), results_dir, out_dir),
+        )
+        for name in names
+    ]
     # the validation points' paths, their experiments in file order (as their points were read)
     validation = kinds.module("validation")
-    path_rows = [row for name in by_experiment
-                 if tables.frame(f"{name}.{validation.PATHS}") is not None
-                 for row in records(tables.frame(f"{name}.{validation.PATHS}"))]
+    path_rows = [
+        row
+        for name in by_experiment
+        if tables.frame(f"{name}.{validation.PATHS}") is not None
+        for row in records(tables.frame(f"{name}.{validation.PATHS}"))
+    ]
     paths = all_paths(rows_by_experiment, path_rows)
     counts = status_counts(files)
     return {
@@ -373,10 +522,20 @@ def build_context(tables: Tables, figures: list[dict], out_dir, recorded: Tables
         "generated": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "log_span": LOG_SPAN,
         "summary": {
-            "total": len(files), "counts": counts, "counts_text": _counts_text(counts),
+            "total": len(files),
+            "counts": counts,
+            "counts_text": _counts_text(counts),
             "kinds": ", ".join(f"{n} {k}" for k, n in sorted(Counter(str(f.get("kind")) for f in files).items())),
-            "experiments": [{"name": s["name"], "anchor": s["anchor"], "title": s["title"],
-                             "total": sum(s["counts"].values()), **s["counts"]} for s in sections],
+            "experiments": [
+                {
+                    "name": s["name"],
+                    "anchor": s["anchor"],
+                    "title": s["title"],
+                    "total": sum(s["counts"].values()),
+                    **s["counts"],
+                }
+                for s in sections
+            ],
             "provenance": provenance_facts(files),
             "ceiling": f"{ceiling['label']}: {ceiling_reason(ceiling)}",
             "cpu": ceiling.get("source") != "cuda_total_memory",
@@ -384,13 +543,18 @@ def build_context(tables: Tables, figures: list[dict], out_dir, recorded: Tables
             "recorded_claims": recorded_claims(paper, recorded, results_dir),
         },
         "targets": targets_view(tables),
-        "paper": {"missing": paper.get("missing", ""),
-                  "scale": scale_rows(paper, [r for df in frames.values() for r in records(df)], ceiling),
-                  "figures": figures_beside,
-                  "summary_figures": [f for f in figures if f["experiment"] == SUMMARY]},
-        "validation": {"levels": levels_table(paths, paper.get("standing") or {}), "paths": paths,
-                       "rules": number_rules(paths),
-                       "paper_paths": paper_paths(paper)},
+        "paper": {
+            "missing": paper.get("missing", ""),
+            "scale": scale_rows(paper, [r for df in frames.values() for r in records(df)], ceiling),
+            "figures": figures_beside,
+            "summary_figures": [f for f in figures if f["experiment"] == SUMMARY],
+        },
+        "validation": {
+            "levels": levels_table(paths, paper.get("standing") or {}),
+            "paths": paths,
+            "rules": number_rules(paths),
+            "paper_paths": paper_paths(paper),
+        },
         "experiments": sections,
         "peers": peers_section(tables, figures),
         "recorded": recorded_section(recorded, out_dir, results_dir),
@@ -402,9 +566,12 @@ def peers_section(tables: Tables, figures: list[dict]) -> dict | None:
     found = peers.view(tables)
     if found is None:
         return None
-    return {**found, "figures": [f for f in figures if f["experiment"] == peers.FIGURES],
-            "step_view": table_view(found["steps"], peers.STEP_COLUMNS),
-            "capacity_view": table_view(found["capacity"], peers.CAPACITY_COLUMNS) if found["capacity"] else None}
+    return {
+        **found,
+        "figures": [f for f in figures if f["experiment"] == peers.FIGURES],
+        "step_view": table_view(found["steps"], peers.STEP_COLUMNS),
+        "capacity_view": table_view(found["capacity"], peers.CAPACITY_COLUMNS) if found["capacity"] else None,
+    }
 
 
 def copy_tables(tables: Tables, folder: Path) -> None:

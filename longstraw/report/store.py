@@ -75,8 +75,10 @@ def write_table(df: pd.DataFrame, path) -> dict:
     """Write one table as CSV atomically; returns its manifest entry (file, rows, columns)."""
     path = Path(path)
     columns = [{"name": str(c), "dtype": str(df[c].dtype), "cells": _cells(df[c])} for c in df.columns]
-    encoded = pd.DataFrame({c["name"]: [_encode(v, c["cells"]) for v in df[name]]
-                            for c, name in zip(columns, df.columns)}, columns=[c["name"] for c in columns])
+    encoded = pd.DataFrame(
+        {c["name"]: [_encode(v, c["cells"]) for v in df[name]] for c, name in zip(columns, df.columns)},
+        columns=[c["name"] for c in columns],
+    )
     with atomic_path(path) as tmp:
         encoded.to_csv(tmp, index=False)
     return {"file": path.name, "rows": len(df), "columns": columns}

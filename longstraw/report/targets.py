@@ -94,8 +94,13 @@ def capture_attention_rate(root: Path) -> dict:
         return _missing(target, goal, f"no ok {SWEEP} with kernel rates")
     capture, rates = sweep["metrics"]["capture"], sweep["metrics"]["kernel_rates"]
     ours, sdpa = capture["capture_attention"]["tflops_per_second"], rates["causal_sdpa"]["tflops_per_second"]
-    return _row(target, goal, f"{ours:.0f} vs {sdpa:.0f} TFLOP/s ({ours / sdpa:.0%}) over {capture['positions']:,} "
-                f"positions", ours / sdpa >= CAPTURE_RATE_FLOOR, SWEEP)
+    return _row(
+        target,
+        goal,
+        f"{ours:.0f} vs {sdpa:.0f} TFLOP/s ({ours / sdpa:.0%}) over {capture['positions']:,} positions",
+        ours / sdpa >= CAPTURE_RATE_FLOOR,
+        SWEEP,
+    )
 
 
 def capture_transients(root: Path) -> list[dict]:
@@ -111,9 +116,15 @@ def capture_transients(root: Path) -> list[dict]:
             continue
         share = capture["transient_bytes"] / capture["resident_bytes"]
         chunk = result["config"]["capture"].get("chunk_size")
-        rows.append(_row(f"capture transient at {capture['positions']:,} positions (chunk {chunk})", goal,
-                         f"{_gb(capture['transient_bytes'])} of {_gb(capture['resident_bytes'])} ({share:.1%})",
-                         share <= TRANSIENT_LIMIT, relative))
+        rows.append(
+            _row(
+                f"capture transient at {capture['positions']:,} positions (chunk {chunk})",
+                goal,
+                f"{_gb(capture['transient_bytes'])} of {_gb(capture['resident_bytes'])} ({share:.1%})",
+                share <= TRANSIENT_LIMIT,
+                relative,
+            )
+        )
     return rows or [_missing("capture transient at >= 1,048,576 positions", goal, "no capture that long")]
 
 
@@ -161,16 +172,24 @@ def baselines(root: Path) -> list[dict]:
     if largest is None or longest is None:
         capacity = _missing(capacity_target, capacity_goal, "naive or replay has no fitting length")
     elif first_failing is None:
-        capacity = _row(capacity_target, capacity_goal,
-                        f"not established: naive fitted every probe up to {largest:,} positions and no probe ran out "
-                        f"of memory (searches stop on their time limit); replay completed {longest[0]:,} positions",
-                        None, ", ".join(files + [longest[1]]))
+        capacity = _row(
+            capacity_target,
+            capacity_goal,
+            f"not established: naive fitted every probe up to {largest:,} positions and no probe ran out "
+            f"of memory (searches stop on their time limit); replay completed {longest[0]:,} positions",
+            None,
+            ", ".join(files + [longest[1]]),
+        )
     else:
         ratio = longest[0] / first_failing
-        capacity = _row(capacity_target, capacity_goal,
-                        f"replay {longest[0]:,} (completed; its own limit not reached) vs naive < {first_failing:,} "
-                        f"(out of memory; largest fitting {largest:,}): > {ratio:.1f}x", ratio >= CAPACITY_RATIO,
-                        ", ".join(files + [longest[1]]))
+        capacity = _row(
+            capacity_target,
+            capacity_goal,
+            f"replay {longest[0]:,} (completed; its own limit not reached) vs naive < {first_failing:,} "
+            f"(out of memory; largest fitting {largest:,}): > {ratio:.1f}x",
+            ratio >= CAPACITY_RATIO,
+            ", ".join(files + [longest[1]]),
+        )
     naive = _load(root, NAIVE)
     metrics = naive["metrics"] if naive else {}
     timed = metrics.get("largest_fitting")
@@ -180,8 +199,14 @@ def baselines(root: Path) -> list[dict]:
         speed = _missing(speed_target, speed_goal, f"no naive step and replay comparison step at one length in {NAIVE}")
     else:
         t_naive, t_replay = _step_seconds(at_timed["step_phases"]), _step_seconds(replay["step_phases"])
-        speed = _row(speed_target, speed_goal, f"naive {t_naive:.1f} s vs replay {t_replay:.1f} s (capture included) "
-                     f"at {timed:,} positions: {t_naive / t_replay:.1f}x", t_naive / t_replay >= STEP_SPEEDUP, NAIVE)
+        speed = _row(
+            speed_target,
+            speed_goal,
+            f"naive {t_naive:.1f} s vs replay {t_replay:.1f} s (capture included) "
+            f"at {timed:,} positions: {t_naive / t_replay:.1f}x",
+            t_naive / t_replay >= STEP_SPEEDUP,
+            NAIVE,
+        )
     return [capacity, speed]
 
 
@@ -196,8 +221,13 @@ def replay_floor(root: Path) -> dict:
     floor = floor_for(sweep)
     per_member = step["phases"]["replay"]["seconds"] / step["count"]
     parts = ", ".join(f"{k} {v:.3f} s" for k, v in floor["parts_seconds"].items())
-    return _row(target, goal, f"{per_member:.3f} s vs floor {floor['seconds']:.3f} s ({parts}): "
-                f"{per_member / floor['seconds']:.2f}x", per_member / floor["seconds"] <= FLOOR_RATIO_LIMIT, SWEEP)
+    return _row(
+        target,
+        goal,
+        f"{per_member:.3f} s vs floor {floor['seconds']:.3f} s ({parts}): {per_member / floor['seconds']:.2f}x",
+        per_member / floor["seconds"] <= FLOOR_RATIO_LIMIT,
+        SWEEP,
+    )
 
 
 def floor_for(sweep: dict) -> dict:
@@ -205,9 +235,14 @@ def floor_for(sweep: dict) -> dict:
     from longstraw.measure.flops import linear_parameters, replay_floor_seconds
 
     config, model = _shapes(sweep["config"])
-    return replay_floor_seconds(config, linear_parameters(model), sweep["metrics"]["trainable_parameters"],
-                                sweep["config"]["responses"]["length"], sweep["metrics"]["capture"]["positions"],
-                                sweep["metrics"]["kernel_rates"])
+    return replay_floor_seconds(
+        config,
+        linear_parameters(model),
+        sweep["metrics"]["trainable_parameters"],
+        sweep["config"]["responses"]["length"],
+        sweep["metrics"]["capture"]["positions"],
+        sweep["metrics"]["kernel_rates"],
+    )
 
 
 def _shapes(cfg: dict):
@@ -233,10 +268,15 @@ def capture_floor_27b(root: Path) -> dict:
     parts = ", ".join(f"{k} {v:.0f} s" for k, v in floor["parts_seconds"].items())
     # outside attention: norms, gates, Gated DeltaNet, the NF4 weights' dequantisation, none of it in the floor
     rest = capture["capture_seconds"] - capture["capture_attention"]["seconds"]
-    return _row(target, goal, f"{capture['capture_seconds']:.0f} s vs floor {floor['seconds']:.0f} s ({parts}; "
-                f"attention ran at {capture['capture_attention']['tflops_per_second']:.0f} TFLOP/s): {ratio:.2f}x; "
-                f"outside attention {rest:.0f} s, {rest / floor['parts_seconds']['linear']:.2f}x the linear floor",
-                ratio <= CAPTURE_FLOOR_LIMIT, CAPTURE_27B)
+    return _row(
+        target,
+        goal,
+        f"{capture['capture_seconds']:.0f} s vs floor {floor['seconds']:.0f} s ({parts}; "
+        f"attention ran at {capture['capture_attention']['tflops_per_second']:.0f} TFLOP/s): {ratio:.2f}x; "
+        f"outside attention {rest:.0f} s, {rest / floor['parts_seconds']['linear']:.2f}x the linear floor",
+        ratio <= CAPTURE_FLOOR_LIMIT,
+        CAPTURE_27B,
+    )
 
 
 def one_command_27b(root: Path) -> dict:
@@ -247,8 +287,12 @@ def one_command_27b(root: Path) -> dict:
         return _missing(target, goal, f"no {CAPTURE_27B}")
     steps = {s["count"]: s["status"] for s in result["metrics"].get("steps", []) if s["mode"] == "replay"}
     done = ", ".join(f"G={g} {status}" for g, status in sorted(steps.items())) or "no step"
-    met = (result["status"] == "ok" and steps.get(2) == "ok" and steps.get(8) == "ok"
-           and result["wall_seconds"] <= COMMAND_SECONDS)
+    met = (
+        result["status"] == "ok"
+        and steps.get(2) == "ok"
+        and steps.get(8) == "ok"
+        and result["wall_seconds"] <= COMMAND_SECONDS
+    )
     return _row(target, goal, f"{result['status']} in {result['wall_seconds']:.0f} s ({done})", met, CAPTURE_27B)
 
 
@@ -259,8 +303,13 @@ def replay_transient_27b(root: Path) -> dict:
     if not steps:
         return _missing(target, goal, f"no ok {REPLAY_27B} with a replay transient")
     worst = max(s["replay_transient_bytes"] for s in steps)
-    return _row(target, goal, f"{_gb(worst)} (graph {_gb(max(s['graph_bytes_peak'] for s in steps))})",
-                worst <= REPLAY_TRANSIENT_27B_LIMIT, REPLAY_27B)
+    return _row(
+        target,
+        goal,
+        f"{_gb(worst)} (graph {_gb(max(s['graph_bytes_peak'] for s in steps))})",
+        worst <= REPLAY_TRANSIENT_27B_LIMIT,
+        REPLAY_27B,
+    )
 
 
 def checkpoint_cost_27b(root: Path) -> dict:
@@ -273,8 +322,13 @@ def checkpoint_cost_27b(root: Path) -> dict:
     if not all(steps):
         return _missing(target, goal, f"ok {REPLAY_27B} and {PLAIN_REPLAY_27B}, each with a G=2 replay step")
     checkpointed, plain = (s[0]["phases"]["replay"]["seconds"] for s in steps)
-    return _row(target, goal, f"{checkpointed / plain:.2f}x ({checkpointed:.2f} s / {plain:.2f} s)",
-                checkpointed / plain <= CHECKPOINT_COST_LIMIT, f"{REPLAY_27B}, {PLAIN_REPLAY_27B}")
+    return _row(
+        target,
+        goal,
+        f"{checkpointed / plain:.2f}x ({checkpointed:.2f} s / {plain:.2f} s)",
+        checkpointed / plain <= CHECKPOINT_COST_LIMIT,
+        f"{REPLAY_27B}, {PLAIN_REPLAY_27B}",
+    )
 
 
 WARM_POINT = "peers/warm-dense-1b_mode-{mode}_length-{length}_count-8.json"
@@ -292,10 +346,17 @@ def replay_against_prefix_grouper(root: Path) -> list[dict]:
         results = {mode: _load(root, path) for mode, path in files.items()}
         evidence = ", ".join(files.values())
         # (what, goal, figure of a result, the ratio's limit, whether the limit itself misses)
-        checks = [("warm step", f"<= {WARM_RATIO_LIMIT}x", lambda r: step_columns(r)["warm_step_seconds"],
-                   WARM_RATIO_LIMIT, False),
-                  ("cold step", "< 1x", lambda r: step_columns(r)["cold_step_seconds"], 1.0, True),
-                  ("peak memory", "<= 1x", lambda r: r["metrics"]["peak_allocated_bytes"], 1.0, False)]
+        checks = [
+            (
+                "warm step",
+                f"<= {WARM_RATIO_LIMIT}x",
+                lambda r: step_columns(r)["warm_step_seconds"],
+                WARM_RATIO_LIMIT,
+                False,
+            ),
+            ("cold step", "< 1x", lambda r: step_columns(r)["cold_step_seconds"], 1.0, True),
+            ("peak memory", "<= 1x", lambda r: r["metrics"]["peak_allocated_bytes"], 1.0, False),
+        ]
         complete = all(r is not None and len(r["metrics"].get("cycles", [])) >= 2 for r in results.values())
         for what, goal, figure, limit, strict in checks:
             target = f"replay over PrefixGrouper, {what}, dense-1b, G=8, {length:,} positions"
@@ -305,8 +366,9 @@ def replay_against_prefix_grouper(root: Path) -> list[dict]:
             ours, theirs = figure(results["replay"]), figure(results["prefix_grouper"])
             ratio = ours / theirs
             shown = f"{_gb(ours)} / {_gb(theirs)}" if what == "peak memory" else f"{ours:.3f} s / {theirs:.3f} s"
-            rows.append(_row(target, goal, f"{ratio:.2f}x ({shown})", ratio < limit if strict else ratio <= limit,
-                             evidence))
+            rows.append(
+                _row(target, goal, f"{ratio:.2f}x ({shown})", ratio < limit if strict else ratio <= limit, evidence)
+            )
     return rows
 
 
@@ -326,11 +388,15 @@ def step_floor(result: dict, ceilings: dict) -> dict:
     rates = {**ceilings["attention"][f"head_dim_{head_dim(config)}"], "gemm": ceilings["linear"]["gemm"]}
     positions, linear = cfg["prompt"]["length"] - 1, linear_parameters(model)
     capture = capture_floor_seconds(config, linear, positions, rates)
-    member = replay_floor_seconds(config, linear, result["metrics"]["trainable_parameters"],
-                                  cfg["responses"]["length"], positions, rates)
+    member = replay_floor_seconds(
+        config, linear, result["metrics"]["trainable_parameters"], cfg["responses"]["length"], positions, rates
+    )
     count = cfg["responses"]["count"]
-    return {"seconds": capture["seconds"] + count * member["seconds"], "capture_seconds": capture["seconds"],
-            "replay_seconds": count * member["seconds"]}
+    return {
+        "seconds": capture["seconds"] + count * member["seconds"],
+        "capture_seconds": capture["seconds"],
+        "replay_seconds": count * member["seconds"],
+    }
 
 
 def replay_against_trl_hybrid(root: Path) -> list[dict]:
@@ -341,18 +407,32 @@ def replay_against_trl_hybrid(root: Path) -> list[dict]:
     speed = ("replay over TRL, warm step, hybrid-1b, G=2, 32,768 positions", f">= {TRL_SPEEDUP_LIMIT:.0f}x faster")
     floor = ("replay's warm step over its FLOP floor, hybrid-1b, G=2, 32,768 positions", f"<= {FLOOR_RATIO_LIMIT}x")
     if not complete:
-        return [_missing(*speed, f"ok {', '.join(files.values())}, at least 2 cycles each"),
-                _missing(*floor, f"ok {files['replay']}, at least 2 cycles")]
+        return [
+            _missing(*speed, f"ok {', '.join(files.values())}, at least 2 cycles each"),
+            _missing(*floor, f"ok {files['replay']}, at least 2 cycles"),
+        ]
     ours, theirs = (step_columns(results[m])["warm_step_seconds"] for m in ("replay", "trl"))
-    rows = [_row(*speed, f"{theirs / ours:.1f}x ({theirs:.2f} s / {ours:.3f} s)", theirs / ours >= TRL_SPEEDUP_LIMIT,
-                 ", ".join(files.values()))]
+    rows = [
+        _row(
+            *speed,
+            f"{theirs / ours:.1f}x ({theirs:.2f} s / {ours:.3f} s)",
+            theirs / ours >= TRL_SPEEDUP_LIMIT,
+            ", ".join(files.values()),
+        )
+    ]
     ceilings_path = root / CEILINGS
     if not ceilings_path.is_file():
         return rows + [_missing(*floor, f"no {CEILINGS} (the box's kernel rates)")]
     bound = step_floor(results["replay"], json.loads(ceilings_path.read_text()))
-    rows.append(_row(*floor, f"{ours / bound['seconds']:.1f}x ({ours:.3f} s / {bound['seconds']:.3f} s: capture "
-                     f"{bound['capture_seconds']:.3f} s, replay {bound['replay_seconds']:.3f} s)",
-                     ours / bound["seconds"] <= FLOOR_RATIO_LIMIT, f"{files['replay']}, {CEILINGS}"))
+    rows.append(
+        _row(
+            *floor,
+            f"{ours / bound['seconds']:.1f}x ({ours:.3f} s / {bound['seconds']:.3f} s: capture "
+            f"{bound['capture_seconds']:.3f} s, replay {bound['replay_seconds']:.3f} s)",
+            ours / bound["seconds"] <= FLOOR_RATIO_LIMIT,
+            f"{files['replay']}, {CEILINGS}",
+        )
+    )
     return rows
 
 
@@ -377,8 +457,15 @@ def members_as_a_schedule(root: Path) -> list[dict]:
     else:
         peaks = [r["metrics"]["peak_allocated_bytes"] for r in results]
         spread = max(peaks) / min(peaks)
-        rows.append(_row(target, goal, f"{spread:.3f} ({', '.join(_gb(p) for p in peaks)})",
-                         spread <= SCHEDULE_PEAK_SPREAD, ", ".join(files)))
+        rows.append(
+            _row(
+                target,
+                goal,
+                f"{spread:.3f} ({', '.join(_gb(p) for p in peaks)})",
+                spread <= SCHEDULE_PEAK_SPREAD,
+                ", ".join(files),
+            )
+        )
     target, goal = "time per member against k (2, 4, 8) at G=8, dense-1b, 32,768 positions", "falls as k grows"
     files = [SCHEDULE_POINT.format(count=8, k=k) for k in (2, 4, 8)]
     results = [_load(root, f) for f in files]
@@ -387,15 +474,34 @@ def members_as_a_schedule(root: Path) -> list[dict]:
     else:
         seconds = [_last_replay_seconds_per_member(r) for r in results]
         falling = all(a > b for a, b in zip(seconds, seconds[1:]))
-        rows.append(_row(target, goal, " > ".join(f"{s * 1e3:.1f} ms" for s in seconds) if falling
-                         else ", ".join(f"{s * 1e3:.1f} ms" for s in seconds), falling, ", ".join(files)))
+        rows.append(
+            _row(
+                target,
+                goal,
+                " > ".join(f"{s * 1e3:.1f} ms" for s in seconds)
+                if falling
+                else ", ".join(f"{s * 1e3:.1f} ms" for s in seconds),
+                falling,
+                ", ".join(files),
+            )
+        )
     return rows
 
 
 def evaluate_targets(results_dir) -> list[dict]:
     root = Path(results_dir)
     root = root / "points" if (root / "points").is_dir() else root
-    return [peak_growth(root), capture_attention_rate(root), *capture_transients(root), *baselines(root),
-            replay_floor(root), capture_floor_27b(root), one_command_27b(root), replay_transient_27b(root),
-            checkpoint_cost_27b(root),
-            *replay_against_prefix_grouper(root), *replay_against_trl_hybrid(root), *members_as_a_schedule(root)]
+    return [
+        peak_growth(root),
+        capture_attention_rate(root),
+        *capture_transients(root),
+        *baselines(root),
+        replay_floor(root),
+        capture_floor_27b(root),
+        one_command_27b(root),
+        replay_transient_27b(root),
+        checkpoint_cost_27b(root),
+        *replay_against_prefix_grouper(root),
+        *replay_against_trl_hybrid(root),
+        *members_as_a_schedule(root),
+    ]

@@ -1,9 +1,28 @@
 """What a captured prompt leaves behind: per-layer entries (`pages`) and the `ResidentState`
 that holds them (`resident`)."""
 
-from longstraw.state.pages import (AttentionPages, DecodePages, IndexQueries, LatentDecodePages, LatentPages,
-                                   RecurrentState, attend_latent_pages, chain_host_pages)
+from longstraw.state.pages import (
+    AttentionPages,
+    DecodePages,
+    IndexQueries,
+    LatentDecodePages,
+    LatentPages,
+    RecurrentState,
+    attend_latent_pages,
+    chain_host_pages,
+)
 from longstraw.state.resident import ModelBinding, ResidentState, prompt_digest
 
-__all__ = ["AttentionPages", "DecodePages", "IndexQueries", "LatentDecodePages", "LatentPages", "ModelBinding",
-           "RecurrentState", "ResidentState", "attend_latent_pages", "chain_host_pages", "prompt_digest"]
+__all__ = [
+    "AttentionPages",
+    "DecodePages",
+    "IndexQueries",
+    "LatentDecodePages",
+    "LatentPages",
+    "ModelBinding",
+    "RecurrentState",
+    "ResidentState",
+    "attend_latent_pages",
+    "chain_host_pages",
+    "prompt_digest",
+]

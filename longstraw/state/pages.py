@@ -32,8 +32,15 @@ def attend_pages(pages, q_BHTD, k_BKTD, v_BKTD, scale: float, append: bool):
     `append()` attends this way (attention pages, the exact mode's recompute pages)."""
     k_prefix_BKPD, v_prefix_BKPD = pages.filled()
     with timed_attention(q_BHTD, k_prefix_BKPD.shape[2]) if append else nullcontext():
-        out_BHTD = paged_attention(q_BHTD, k_prefix_BKPD, v_prefix_BKPD, k_BKTD, v_BKTD, scale=scale,
-                                   capture=append and not torch.is_grad_enabled())
+        out_BHTD = paged_attention(
+            q_BHTD,
+            k_prefix_BKPD,
+            v_prefix_BKPD,
+            k_BKTD,
+            v_BKTD,
+            scale=scale,
+            capture=append and not torch.is_grad_enabled(),
+        )
     if append:  # pages copy detached values; the exact mode's recompute keeps the graph
         pages.append(k_BKTD, v_BKTD)
     return out_BHTD
@@ -151,8 +158,17 @@ class IndexQueries:
         return self.topk < visible
 
 
-def attend_latent_pages(pages, q_1HTE, live_11TE, *, rank: int, scale: float, append: bool,
-                        index: IndexQueries | None = None, selection=None):
+def attend_latent_pages(
+    pages,
+    q_1HTE,
+    live_11TE,
+    *,
+    rank: int,
+    scale: float,
+    append: bool,
+    index: IndexQueries | None = None,
+    selection=None,
+):
     """(attention-weighted latents [1, H, T, C], the top-k selection used or None when dense) of the
     live absorbed queries over `pages.on_device()` and their own causal entries. An index layer
     (`index`) selects its own top k over [pages ‖ live] when that drops positions; an IndexShare layer
@@ -162,10 +178,14 @@ def attend_latent_pages(pages, q_1HTE, live_11TE, *, rank: int, scale: float, ap
     T = q_1HTE.shape[2]
     pages_11PE, index_pages_1PI = pages.on_device()  # host pages: this layer's, streamed (the next one's starts)
     if index is not None:
-        selection = select_topk(index.q_THI, index.w_TH, index_pages_1PI[0], index.key_TI, topk=index.topk,
-                                scale=index.scale) if index.selects(pages_11PE.shape[2] + T) else None
-    out_1HTC = latent_attention(q_1HTE, pages_11PE, live_11TE, rank=rank, scale=scale, selection_TK=selection,
-                                resident_11PE=pages.filled()[0])
+        selection = (
+            select_topk(index.q_THI, index.w_TH, index_pages_1PI[0], index.key_TI, topk=index.topk, scale=index.scale)
+            if index.selects(pages_11PE.shape[2] + T)
+            else None
+        )
+    out_1HTC = latent_attention(
+        q_1HTE, pages_11PE, live_11TE, rank=rank, scale=scale, selection_TK=selection, resident_11PE=pages.filled()[0]
+    )
     del pages_11PE, index_pages_1PI  # a streamed copy lives for this layer only
     if append:
         pages.append(live_11TE, None if index is None else index.key_TI[None])
@@ -193,8 +213,11 @@ class LatentPages:
     @classmethod
     def allocate(cls, positions, kv_lora_rank, rope_dim, index_dim, dtype, device, host=False):
         device = torch.device(device)
-        where = dict(dtype=dtype, device="cpu", pin_memory=device.type == "cuda") if host else dict(dtype=dtype,
-                                                                                                     device=device)
+        where = (
+            dict(dtype=dtype, device="cpu", pin_memory=device.type == "cuda")
+            if host
+            else dict(dtype=dtype, device=device)
+        )
         kv = torch.empty(1, 1, positions, kv_lora_rank + rope_dim, **where)
         index = torch.empty(1, positions, index_dim, **where) if index_dim else None
         return cls(kv, index, kv_lora_rank, compute_device=device if host else None)
@@ -248,19 +271,25 @@ class LatentPages:
 
     attend = attend_latent_pages
 
-    def attend_decode(self, q_BH1E, own: "LatentPages", *, rank: int, scale: float, index: IndexQueries | None = None,
-                      selection=None):
+    def attend_decode(
+        self, q_BH1E, own: "LatentPages", *, rank: int, scale: float, index: IndexQueries | None = None, selection=None
+    ):
         """One decoding step of B sequences on these shared pages ((attention-weighted latents [B, H, 1, C],
         the selection [B, k] or None)): each sequence's query over the pages and its `own` entries (the
         current one appended); an index layer selects over [pages ‖ own] (`select_topk_decode`)."""
         shared_11PE, shared_index_1PI = self.on_device()
         own_B1NE, own_index_BNI = own.filled()
         if index is not None:
-            selection = select_topk_decode(index.q_THI, index.w_TH, shared_index_1PI[0], own_index_BNI,
-                                           topk=index.topk, scale=index.scale) \
-                if index.selects(self.length + own.length) else None
-        out_BH1C = latent_decode_attention(q_BH1E, shared_11PE, own_B1NE, rank=rank, scale=scale,
-                                           selection_BK=selection)
+            selection = (
+                select_topk_decode(
+                    index.q_THI, index.w_TH, shared_index_1PI[0], own_index_BNI, topk=index.topk, scale=index.scale
+                )
+                if index.selects(self.length + own.length)
+                else None
+            )
+        out_BH1C = latent_decode_attention(
+            q_BH1E, shared_11PE, own_B1NE, rank=rank, scale=scale, selection_BK=selection
+        )
         return out_BH1C, selection
 
     @property
@@ -300,8 +329,11 @@ class LatentDecodePages:
     def allocate(cls, shared: LatentPages, batch: int, capacity: int):
         device = shared.compute_device or shared.kv_11PE.device  # host-resident prompt: own entries on the device
         kv = torch.empty(batch, 1, capacity, shared.kv_11PE.shape[3], dtype=shared.kv_11PE.dtype, device=device)
-        index = None if shared.index_1PI is None else torch.empty(
-            batch, capacity, shared.index_1PI.shape[2], dtype=shared.index_1PI.dtype, device=device)
+        index = (
+            None
+            if shared.index_1PI is None
+            else torch.empty(batch, capacity, shared.index_1PI.shape[2], dtype=shared.index_1PI.dtype, device=device)
+        )
         return cls(shared, LatentPages(kv, index, shared.kv_lora_rank))
 
     @property

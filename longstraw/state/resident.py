@@ -39,9 +39,11 @@ class ModelBinding:
         if self.frozen != other.frozen:
             return "the model's frozen weights changed since the capture"
         if self.trainable != other.trainable:
-            return ("the trainable weights were written since the capture (an optimizer step or load_state_dict "
-                    "outside grpo_step), so the state is stale; capture the prompt again, or declare the reuse on "
-                    "purpose with longstraw.core.transaction.reuse_state(model, state) (prefix reuse)")
+            return (
+                "the trainable weights were written since the capture (an optimizer step or load_state_dict "
+                "outside grpo_step), so the state is stale; capture the prompt again, or declare the reuse on "
+                "purpose with longstraw.core.transaction.reuse_state(model, state) (prefix reuse)"
+            )
         return None
 
 
@@ -55,14 +57,17 @@ def prompt_digest(ids: torch.Tensor) -> str:
     """A digest of a prompt's token ids (a state is bound to the prompt it covers)."""
     return hashlib.sha256(ids.detach().to("cpu", torch.int64).contiguous().numpy().tobytes()).hexdigest()[:32]
 
+
 def check_positions(positions: int, tokens: int, limit: int | None, what: str) -> None:
     """Refuse `tokens` tokens after a prompt whose resident state covers `positions` (the prompt minus its last
     token) when they need more than `limit` positions (None: no limit)."""
     if limit is not None and positions + tokens > limit:
-        raise ValueError(f"{what}: {tokens} tokens after the prompt's {positions + 1} need {positions + tokens} "
-                         f"positions (the last token is only predicted), past the model's max_position_embeddings "
-                         f"({limit}); capture with beyond_max_positions=True (config: capture.beyond_max_positions) "
-                         "to go past it")
+        raise ValueError(
+            f"{what}: {tokens} tokens after the prompt's {positions + 1} need {positions + tokens} "
+            f"positions (the last token is only predicted), past the model's max_position_embeddings "
+            f"({limit}); capture with beyond_max_positions=True (config: capture.beyond_max_positions) "
+            "to go past it"
+        )
 
 
 _FINGERPRINT_CHUNK = 1 << 24
@@ -115,8 +120,10 @@ class ResidentState:
         if prompt_ids.numel() != self.positions + 1:
             raise ValueError(f"the state covers a prompt of {self.positions + 1} tokens; got {prompt_ids.numel()}")
         if self.prompt is not None and prompt_digest(prompt_ids) != self.prompt:
-            raise ValueError(f"the state was captured from another prompt of {prompt_ids.numel()} tokens (their "
-                             "token ids differ); capture this prompt")
+            raise ValueError(
+                f"the state was captured from another prompt of {prompt_ids.numel()} tokens (their "
+                "token ids differ); capture this prompt"
+            )
 
     @property
     def nbytes(self) -> int:
@@ -133,8 +140,12 @@ class ResidentState:
     @property
     def device_nbytes(self) -> int:
         """Resident bytes on the compute device (host-resident pages excluded)."""
-        return sum(t.numel() * t.element_size() for layer in self.layers for t in layer.tensors()
-                   if t.device.type == self.device.type)
+        return sum(
+            t.numel() * t.element_size()
+            for layer in self.layers
+            for t in layer.tensors()
+            if t.device.type == self.device.type
+        )
 
     @property
     def local_positions(self) -> int:
@@ -170,8 +181,10 @@ class ResidentState:
     def backward_prefix(self) -> None:
         """Exact mode: add the prompt-side gradient to the parameters' .grad (after all replays)."""
         if self.prefix_trace is None:
-            raise RuntimeError("backward_prefix needs a state captured with capture(..., prefix_grad=True); "
-                               "this one gives the conditional-response gradient only")
+            raise RuntimeError(
+                "backward_prefix needs a state captured with capture(..., prefix_grad=True); "
+                "this one gives the conditional-response gradient only"
+            )
         self.prefix_trace.backward(self)
 
 

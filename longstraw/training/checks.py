@@ -31,8 +31,9 @@ def check_task_builds(spec: dict, lengths, facts: ModelFacts, where: str) -> Non
             build_task(settings, facts.vocab_size)
         except (ValueError, TypeError) as exc:
             at = "" if length is None else f" at length {length:,}"
-            raise ConfigError(f"{where}: {exc} (the task{at}, against the vocabulary of {facts.vocab_size} of "
-                              f"{facts.what})") from None
+            raise ConfigError(
+                f"{where}: {exc} (the task{at}, against the vocabulary of {facts.vocab_size} of {facts.what})"
+            ) from None
 
 
 def policy_facts(model_cfg, source: str) -> ModelFacts:
@@ -57,12 +58,16 @@ def check_train_inputs(cfg, source: str) -> ModelFacts:
         limit, new = facts.max_positions, cfg.sampling.max_new_tokens
         if isinstance(length, int) and limit and not cfg.capture.beyond_max_positions:
             if length > limit:
-                raise ConfigError(f"{source}: task.length: {length:,} positions, more than the {limit:,} the model "
-                                  f"was configured for ({facts.what}: max_position_embeddings); set "
-                                  "capture.beyond_max_positions: true to run it anyway")
+                raise ConfigError(
+                    f"{source}: task.length: {length:,} positions, more than the {limit:,} the model "
+                    f"was configured for ({facts.what}: max_position_embeddings); set "
+                    "capture.beyond_max_positions: true to run it anyway"
+                )
             if length + new > limit:
-                raise ConfigError(f"{source}: sampling.max_new_tokens: {new:,} response tokens after a prompt of "
-                                  f"{length:,} (task.length) run to position {length + new:,}, past the {limit:,} the "
-                                  f"model was configured for ({facts.what}: max_position_embeddings); set "
-                                  "capture.beyond_max_positions: true to run them anyway")
+                raise ConfigError(
+                    f"{source}: sampling.max_new_tokens: {new:,} response tokens after a prompt of "
+                    f"{length:,} (task.length) run to position {length + new:,}, past the {limit:,} the "
+                    f"model was configured for ({facts.what}: max_position_embeddings); set "
+                    "capture.beyond_max_positions: true to run them anyway"
+                )
     return facts

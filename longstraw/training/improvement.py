@@ -34,7 +34,12 @@ def paired_gain(trained: dict[int, float], untrained: dict[int, float], sigmas: 
     d = [trained[p] - untrained[p] for p in prompts]
     n, mean = len(d), sum(d) / len(d)
     se = math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1) / n)
-    return {"gain": mean, "standard_error": se, "prompts": n, "sigmas": sigmas,
-            "trained_mean": sum(trained[p] for p in prompts) / n,
-            "untrained_mean": sum(untrained[p] for p in prompts) / n,
-            "reached": mean > sigmas * se and mean > 0}
+    return {
+        "gain": mean,
+        "standard_error": se,
+        "prompts": n,
+        "sigmas": sigmas,
+        "trained_mean": sum(trained[p] for p in prompts) / n,
+        "untrained_mean": sum(untrained[p] for p in prompts) / n,
+        "reached": mean > sigmas * se and mean > 0,
+    }

@@ -67,11 +67,24 @@ def greedy_success(model, task, example, chunk_size: int | None = None, beyond_m
     from longstraw.core.transaction import capture
 
     device = next(model.parameters()).device
-    state = capture(model, example.prompt_ids.to(device), chunk_size=chunk_size, progress=False,
-                    beyond_max_positions=beyond_max_positions)
-    rollouts = sample(model, state, SamplingConfig(
-        num_samples=1, max_new_tokens=example.info.get("max_new_tokens", len(example.answer)), temperature=0.0,
-        seed=None, stop_ids=tuple(getattr(task, "stop_ids", ()))))
+    state = capture(
+        model,
+        example.prompt_ids.to(device),
+        chunk_size=chunk_size,
+        progress=False,
+        beyond_max_positions=beyond_max_positions,
+    )
+    rollouts = sample(
+        model,
+        state,
+        SamplingConfig(
+            num_samples=1,
+            max_new_tokens=example.info.get("max_new_tokens", len(example.answer)),
+            temperature=0.0,
+            seed=None,
+            stop_ids=tuple(getattr(task, "stop_ids", ())),
+        ),
+    )
     return float(task.reward(example, rollouts.responses[0].cpu()))
 
 
@@ -82,13 +95,27 @@ def forward_successes(model, task, examples, batch_tokens: int = 65536) -> list[
         raise ValueError("method='forward' needs exact-match rewards (partial=False); use method='capture'")
     device = next(model.parameters()).device
     per_batch = max(1, batch_tokens // (examples[0].prompt_ids.numel() + len(examples[0].answer)))
-    return [reward for start in range(0, len(examples), per_batch)
-            for reward in teacher_forced_rewards(model, task, examples[start:start + per_batch], device)]
+    return [
+        reward
+        for start in range(0, len(examples), per_batch)
+        for reward in teacher_forced_rewards(model, task, examples[start : start + per_batch], device)
+    ]
 
 
-def length_curve(model, task_spec: dict, lengths, depths=None, examples: int = 64, *,
-                 seed_base: int = CURVE_SEED_BASE, chunk_size: int | None = None, method: str = "capture",
-                 progress: bool = True, beyond_max_positions: bool = False, on_row=None) -> dict:
+def length_curve(
+    model,
+    task_spec: dict,
+    lengths,
+    depths=None,
+    examples: int = 64,
+    *,
+    seed_base: int = CURVE_SEED_BASE,
+    chunk_size: int | None = None,
+    method: str = "capture",
+    progress: bool = True,
+    beyond_max_positions: bool = False,
+    on_row=None,
+) -> dict:
     """Rows {length, depth, success, n, stderr, rewards} per cell, the task's chance, and timing;
     `on_row(rows)` after each cell (so a run cut off at its time limit keeps the cells it finished).
 
@@ -104,7 +131,7 @@ def length_curve(model, task_spec: dict, lengths, depths=None, examples: int = 6
     rows, start = [], time.perf_counter()
     for length in lengths:
         task = build_task({**task_spec, "length": int(length)}, vocab)
-        for depth in (depths if depths else [None]):
+        for depth in depths if depths else [None]:
             t = time.perf_counter()
             cell = [example_at_depth(task, seed_base + i, depth) for i in range(examples)]
             if method == "capture":
@@ -112,15 +139,30 @@ def length_curve(model, task_spec: dict, lengths, depths=None, examples: int = 6
             else:
                 rewards = forward_successes(model, task, cell)
             p = sum(rewards) / len(rewards)
-            row = {"length": int(length), "depth": depth, "success": p, "n": len(rewards), "method": method,
-                   "stderr": math.sqrt(p * (1 - p) / len(rewards)), "seconds": time.perf_counter() - t,
-                   "rewards": rewards}
+            row = {
+                "length": int(length),
+                "depth": depth,
+                "success": p,
+                "n": len(rewards),
+                "method": method,
+                "stderr": math.sqrt(p * (1 - p) / len(rewards)),
+                "seconds": time.perf_counter() - t,
+                "rewards": rewards,
+            }
             rows.append(row)
             if on_row is not None:
                 on_row(rows)
             if progress:
-                print(f"length_curve: length {length:>9,} depth {'random' if depth is None else depth}: "
-                      f"success {p:.3f} +- {row['stderr']:.3f} (n={len(rewards)}, {row['seconds']:.1f} s)",
-                      file=sys.stderr, flush=True)
-    return {"task": dict(task_spec), "chance": chance_level(build_task({**task_spec, "length": int(lengths[0])}, vocab)),
-            "rows": rows, "seed_base": seed_base, "seconds": time.perf_counter() - start}
+                print(
+                    f"length_curve: length {length:>9,} depth {'random' if depth is None else depth}: "
+                    f"success {p:.3f} +- {row['stderr']:.3f} (n={len(rewards)}, {row['seconds']:.1f} s)",
+                    file=sys.stderr,
+                    flush=True,
+                )
+    return {
+        "task": dict(task_spec),
+        "chance": chance_level(build_task({**task_spec, "length": int(lengths[0])}, vocab)),
+        "rows": rows,
+        "seed_base": seed_base,
+        "seconds": time.perf_counter() - start,
+    }

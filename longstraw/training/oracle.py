@@ -68,8 +68,9 @@ def _loss_and_grads(model, state, responses, old, ref, advantages, weights, conf
         loss.backward()
         total += float(loss.detach())
         logps.append(logp.detach())
-    grads = torch.cat([p.grad.detach().flatten().float() if p.grad is not None else torch.zeros(p.numel())
-                       for p in params])
+    grads = torch.cat(
+        [p.grad.detach().flatten().float() if p.grad is not None else torch.zeros(p.numel()) for p in params]
+    )
     return total, grads, torch.cat(logps)
 
 
@@ -77,13 +78,18 @@ def _drift(logp_stale, logp_fresh) -> dict:
     """How far the stale state's log-probs are from the fresh one's, on the same tokens."""
     d = logp_fresh - logp_stale
     nll_stale, nll_fresh = float(-logp_stale.mean()), float(-logp_fresh.mean())
-    return {"loss_stale": nll_stale, "loss_fresh": nll_fresh,
-            "relative_loss_drift": abs(nll_stale - nll_fresh) / abs(nll_fresh),
-            "mean_abs_logprob_diff": float(d.abs().mean()), "kl_k3": float((d.exp() - d - 1).mean())}
+    return {
+        "loss_stale": nll_stale,
+        "loss_fresh": nll_fresh,
+        "relative_loss_drift": abs(nll_stale - nll_fresh) / abs(nll_fresh),
+        "mean_abs_logprob_diff": float(d.abs().mean()),
+        "kl_k3": float((d.exp() - d - 1).mean()),
+    }
 
 
-def numerical_floor(model, prompt_ids, stale, responses, params, perturbation: float, seed: int,
-                    capture_kwargs: dict) -> dict:
+def numerical_floor(
+    model, prompt_ids, stale, responses, params, perturbation: float, seed: int, capture_kwargs: dict
+) -> dict:
     """The drift a fresh capture shows when the parameters have not really moved: the trainable
     parameters get a random perturbation of L2 norm `perturbation` (far below one optimizer step's),
     the prompt is captured again, and its log-probs on `responses` are compared with `stale`'s; then
@@ -105,8 +111,7 @@ def numerical_floor(model, prompt_ids, stale, responses, params, perturbation: f
         for p, s in zip(params, saved):
             p.copy_(s)
         reuse_state(model, stale)  # back at the weights it serves
-    return {"perturbation_norm": perturbation, "changed_fraction": changed,
-            **_drift(logp_stale, logp_fresh)}
+    return {"perturbation_norm": perturbation, "changed_fraction": changed, **_drift(logp_stale, logp_fresh)}
 
 
 def step_sampling(num_samples: int, max_new_tokens: int, seed: int, step: int) -> SamplingConfig:
@@ -120,9 +125,21 @@ class OracleResult:
     floor: dict  # `numerical_floor` at step 0 (empty when not measured)
 
 
-def staleness_oracle(model, prompt_ids, optimizer, config: grpo.GRPOConfig, *, steps: int = 8,
-                     num_samples: int = 4, max_new_tokens: int = 32, seed: int = 0, capture_kwargs=None,
-                     reward=None, floor_perturbation: float | None = None, progress=None) -> OracleResult:
+def staleness_oracle(
+    model,
+    prompt_ids,
+    optimizer,
+    config: grpo.GRPOConfig,
+    *,
+    steps: int = 8,
+    num_samples: int = 4,
+    max_new_tokens: int = 32,
+    seed: int = 0,
+    capture_kwargs=None,
+    reward=None,
+    floor_perturbation: float | None = None,
+    progress=None,
+) -> OracleResult:
     """`reward(responses) -> list[float]`: the task's rewards of a group; None draws them uniform at
     random (seeded), which gives every step a non-zero advantage on a model no task reward moves.
     `floor_perturbation`: the parameter perturbation's L2 norm for `numerical_floor` (None: none)."""
@@ -138,8 +155,11 @@ def staleness_oracle(model, prompt_ids, optimizer, config: grpo.GRPOConfig, *, s
     for step in range(steps + 1):
         rollouts = sample(model, stale, step_sampling(num_samples, max_new_tokens, seed, step))
         responses, old = rollouts.responses, rollouts.logprobs
-        rewards = (torch.tensor(reward(responses), dtype=torch.float32) if reward is not None else
-                   torch.rand(num_samples, generator=torch.Generator().manual_seed(seed * 7919 + step)))
+        rewards = (
+            torch.tensor(reward(responses), dtype=torch.float32)
+            if reward is not None
+            else torch.rand(num_samples, generator=torch.Generator().manual_seed(seed * 7919 + step))
+        )
         advantages = grpo.group_advantages(rewards, config.scale_rewards, num_generations=num_samples)
         weights = grpo.token_weights([int(r.numel()) for r in responses], config)
         ref = None
@@ -147,25 +167,28 @@ def staleness_oracle(model, prompt_ids, optimizer, config: grpo.GRPOConfig, *, s
             with reference_policy(model):
                 ref = [score(model, ref_state, y) for y in responses]
         if step == 0 and floor_perturbation is not None:
-            floor = numerical_floor(model, prompt_ids, stale, responses, params, floor_perturbation, seed,
-                                    capture_kwargs)
+            floor = numerical_floor(
+                model, prompt_ids, stale, responses, params, floor_perturbation, seed, capture_kwargs
+            )
         fresh = capture(model, prompt_ids, **capture_kwargs)
         group = (responses, old, ref, advantages, weights, config, params)
         loss_fresh, grad_fresh, logp_fresh = _loss_and_grads(model, fresh, *group)
         optimizer.zero_grad(set_to_none=True)
         del fresh
         loss_stale, grad_stale, logp_stale = _loss_and_grads(model, stale, *group)
-        rows.append({
-            "step": step,
-            "param_drift": parameter_drift(params, at_capture),
-            **_drift(logp_stale, logp_fresh),
-            "grpo_loss_stale": loss_stale,
-            "grpo_loss_fresh": loss_fresh,
-            "grad_cosine": float(torch.nn.functional.cosine_similarity(grad_stale, grad_fresh, dim=0)),
-            "grad_norm_stale": float(grad_stale.norm()),
-            "response_tokens": [int(r.numel()) for r in responses],
-            "reward_mean": float(rewards.mean()),
-        })
+        rows.append(
+            {
+                "step": step,
+                "param_drift": parameter_drift(params, at_capture),
+                **_drift(logp_stale, logp_fresh),
+                "grpo_loss_stale": loss_stale,
+                "grpo_loss_fresh": loss_fresh,
+                "grad_cosine": float(torch.nn.functional.cosine_similarity(grad_stale, grad_fresh, dim=0)),
+                "grad_norm_stale": float(grad_stale.norm()),
+                "response_tokens": [int(r.numel()) for r in responses],
+                "reward_mean": float(rewards.mean()),
+            }
+        )
         before = [p.detach().clone() for p in params]
         optimizer.step()  # on the stale gradient, as prefix reuse trains
         optimizer.zero_grad(set_to_none=True)

@@ -54,7 +54,6 @@ EVAL_SEED_BASE = 2**62
 CURVE_SEED_BASE = 2**62 + 2**40
 
 
-
 def lr_factor(step: int, cfg: PretrainConfig) -> float:
     """Linear warm-up to 1, then cosine down to `min_lr_ratio` at the last step."""
     if step < cfg.warmup_steps:
@@ -68,8 +67,11 @@ def stage_at(cfg: PretrainConfig, step: int) -> tuple[dict, list[int], float]:
     for stage in cfg.stages:
         if step < stage["until"]:
             overrides = {k: v for k, v in stage.items() if k not in ("until", "lengths", "aux_fraction")}
-            return ({**cfg.task, **overrides}, stage.get("lengths", cfg.lengths),
-                    stage.get("aux_fraction", cfg.aux_fraction))
+            return (
+                {**cfg.task, **overrides},
+                stage.get("lengths", cfg.lengths),
+                stage.get("aux_fraction", cfg.aux_fraction),
+            )
     return cfg.task, cfg.lengths, cfg.aux_fraction
 
 
@@ -108,7 +110,7 @@ def batch_of(examples) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     full_BT = torch.cat([ids_BT, answers_BM[:, -1:]], dim=1)
     targets_BT = torch.full_like(ids_BT, -100)
     P = examples[0].prompt_ids.numel()
-    targets_BT[:, P - 1:] = answers_BM
+    targets_BT[:, P - 1 :] = answers_BM
     for b, e in enumerate(examples):
         positions = torch.as_tensor(e.info.get("supervised", ()), dtype=torch.long)
         targets_BT[b, positions] = full_BT[b, positions + 1]
@@ -144,8 +146,16 @@ def teacher_forced_rewards(model, task, examples, device, autocast=None) -> list
     return [float(task.reward(e, greedy_BM[b])) for b, e in enumerate(examples)]
 
 
-def evaluate(model, bank: TaskBank, lengths, examples: int, batch_size: int, device, autocast=None,
-             seed_base: int = EVAL_SEED_BASE) -> dict[int, float]:
+def evaluate(
+    model,
+    bank: TaskBank,
+    lengths,
+    examples: int,
+    batch_size: int,
+    device,
+    autocast=None,
+    seed_base: int = EVAL_SEED_BASE,
+) -> dict[int, float]:
     """Greedy exact-match accuracy per prompt length on held-out seeds `seed_base + i`
     (`teacher_forced_rewards`)."""
     was_training = model.training
@@ -179,8 +189,9 @@ def pretrain(cfg: PretrainConfig) -> dict:
     device = torch.device(cfg.device)
     if cfg.init is not None:
         if not (Path(cfg.init) / "config.json").is_file():
-            raise ValueError(f"init: {cfg.init} is not a checkpoint folder (no config.json); run the point that "
-                             "writes it first")
+            raise ValueError(
+                f"init: {cfg.init} is not a checkpoint folder (no config.json); run the point that writes it first"
+            )
         model = load_pretrained(cfg.init, dtype=DTYPES[cfg.dtype], device=device, **cfg.model_overrides)
     else:
         model = build_model(cfg.model, seed=cfg.seed, dtype=DTYPES[cfg.dtype], device=device, **cfg.model_overrides)
@@ -195,9 +206,12 @@ def pretrain(cfg: PretrainConfig) -> dict:
     eval_lengths = cfg.eval_lengths or cfg.lengths
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]  # norms, biases, GDN A_log / dt_bias
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                                   {"params": no_decay, "weight_decay": 0.0}],
-                                  lr=cfg.lr, betas=tuple(cfg.betas), fused=device.type == "cuda")
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr,
+        betas=tuple(cfg.betas),
+        fused=device.type == "cuda",
+    )
     rng = random.Random(cfg.seed)
     steps, evals, next_example, tokens, train_seconds = [], [], 0, 0, 0.0
 
@@ -207,8 +221,9 @@ def pretrain(cfg: PretrainConfig) -> dict:
         evals.append({"step": step, "accuracy": acc, "n": cfg.eval_examples, "seconds": time.perf_counter() - t})
         return acc
 
-    bar = tqdm(range(cfg.steps), desc="pretrain", unit="step", file=sys.stderr, disable=not cfg.progress,
-               dynamic_ncols=True)
+    bar = tqdm(
+        range(cfg.steps), desc="pretrain", unit="step", file=sys.stderr, disable=not cfg.progress, dynamic_ncols=True
+    )
     acc = {}
     for step in bar:
         if cfg.time_limit_seconds is not None and train_seconds >= cfg.time_limit_seconds:
@@ -234,13 +249,26 @@ def pretrain(cfg: PretrainConfig) -> dict:
         synchronize(device)
         train_seconds += time.perf_counter() - t
         tokens += ids_BT.numel()
-        steps.append({"step": step, "length": length, "batch": batch, "aux": aux, "loss": loss.item(),
-                      "answer_loss": answer_loss.item(), "grad_norm": grad_norm.item(),
-                      "lr": optimizer.param_groups[0]["lr"]})
+        steps.append(
+            {
+                "step": step,
+                "length": length,
+                "batch": batch,
+                "aux": aux,
+                "loss": loss.item(),
+                "answer_loss": answer_loss.item(),
+                "grad_norm": grad_norm.item(),
+                "lr": optimizer.param_groups[0]["lr"],
+            }
+        )
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
             acc = run_eval(step + 1)
-        bar.set_postfix(loss=f"{answer_loss.item():.3f}", L=length,
-                        acc=" ".join(f"{a:.2f}" for a in acc.values()) or "-", refresh=False)
+        bar.set_postfix(
+            loss=f"{answer_loss.item():.3f}",
+            L=length,
+            acc=" ".join(f"{a:.2f}" for a in acc.values()) or "-",
+            refresh=False,
+        )
     bar.close()
     steps_done = len(steps)
     run_eval(steps_done)
@@ -252,8 +280,11 @@ def pretrain(cfg: PretrainConfig) -> dict:
         "model_config": model.config.to_dict(),
         "parameters": sum(p.numel() for p in model.parameters()),
         "chance": chance_level(task),
-        "seeds": {"train": [cfg.seed * TRAIN_SEED_STRIDE, cfg.seed * TRAIN_SEED_STRIDE + next_example],
-                  "eval_base": EVAL_SEED_BASE, "curve_base": CURVE_SEED_BASE},
+        "seeds": {
+            "train": [cfg.seed * TRAIN_SEED_STRIDE, cfg.seed * TRAIN_SEED_STRIDE + next_example],
+            "eval_base": EVAL_SEED_BASE,
+            "curve_base": CURVE_SEED_BASE,
+        },
         "steps": steps,
         "steps_done": steps_done,
         "stopped_by_time_limit": steps_done < cfg.steps,

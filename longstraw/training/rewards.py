@@ -116,8 +116,10 @@ def load_reward_func(spec: str) -> RewardFunc:
     elif "." in spec:
         module, _, attr = spec.rpartition(".")
     else:
-        raise ValueError(f"reward function {spec!r}: expected 'package.module:function' (or "
-                         "'package.module.function', 'file.py:function')")
+        raise ValueError(
+            f"reward function {spec!r}: expected 'package.module:function' (or "
+            "'package.module.function', 'file.py:function')"
+        )
     if not module or not attr:
         raise ValueError(f"reward function {spec!r}: expected 'package.module:function'")
     try:
@@ -140,8 +142,10 @@ def load_reward_funcs(specs: list[str]) -> list[RewardFunc]:
     seen = {}
     for f in funcs:
         if f.name in seen:
-            raise ValueError(f"reward_funcs: {seen[f.name]!r} and {f.spec!r} are both named {f.name!r}; their "
-                             f"metrics (rewards/{f.name}/mean) would collide")
+            raise ValueError(
+                f"reward_funcs: {seen[f.name]!r} and {f.spec!r} are both named {f.name!r}; their "
+                f"metrics (rewards/{f.name}/mean) would collide"
+            )
         seen[f.name] = f.spec
     return funcs
 
@@ -151,11 +155,14 @@ def _values(func: RewardFunc, out, count: int, where: str) -> list[float]:
     try:
         out = list(out)
     except TypeError:
-        raise ValueError(f"{where}: reward function {func.spec!r} returned {type(out).__name__}, not a list of "
-                         f"{count} rewards") from None
+        raise ValueError(
+            f"{where}: reward function {func.spec!r} returned {type(out).__name__}, not a list of {count} rewards"
+        ) from None
     if len(out) != count:
-        raise ValueError(f"{where}: reward function {func.spec!r} returned {len(out)} rewards for {count} "
-                         "completions (one per completion, None where it does not apply)")
+        raise ValueError(
+            f"{where}: reward function {func.spec!r} returned {len(out)} rewards for {count} "
+            "completions (one per completion, None where it does not apply)"
+        )
     values = []
     for i, value in enumerate(out):
         if isinstance(value, torch.Tensor) and value.numel() == 1:
@@ -165,8 +172,10 @@ def _values(func: RewardFunc, out, count: int, where: str) -> list[float]:
         elif isinstance(value, numbers.Real) and not math.isinf(float(value)):
             values.append(float(value))  # a NaN is None, as in TRL's tensor
         else:
-            raise ValueError(f"{where}: reward function {func.spec!r} returned {value!r} for completion {i} "
-                             "(rewards are finite numbers, or None where the function does not apply)")
+            raise ValueError(
+                f"{where}: reward function {func.spec!r} returned {value!r} for completion {i} "
+                "(rewards are finite numbers, or None where the function does not apply)"
+            )
     return values
 
 
@@ -196,9 +205,18 @@ class Scored:
     extra: dict = field(default_factory=dict)  # log_extra columns
 
 
-def score_group(funcs: list[RewardFunc], weights, prompts: list, completions: list, completion_ids: list,
-                columns: dict, *, scale_rewards="group", state: StepState | None = None,
-                where: str = "rewards") -> Scored:
+def score_group(
+    funcs: list[RewardFunc],
+    weights,
+    prompts: list,
+    completions: list,
+    completion_ids: list,
+    columns: dict,
+    *,
+    scale_rewards="group",
+    state: StepState | None = None,
+    where: str = "rewards",
+) -> Scored:
     """Call every reward function on one group and combine as TRL does (see the module's docstring)."""
     count = len(completions)
     logged, extra = {}, {}
@@ -209,8 +227,13 @@ def score_group(funcs: list[RewardFunc], weights, prompts: list, completions: li
     def log_extra(column, values):
         extra.setdefault(str(column), []).extend(list(values))
 
-    kwargs = {**columns, "completion_ids": completion_ids, "trainer_state": state or StepState(),
-              "log_metric": log_metric, "log_extra": log_extra}
+    kwargs = {
+        **columns,
+        "completion_ids": completion_ids,
+        "trainer_state": state or StepState(),
+        "log_metric": log_metric,
+        "log_extra": log_extra,
+    }
     per_func = {}
     for f in funcs:
         try:
@@ -224,11 +247,21 @@ def score_group(funcs: list[RewardFunc], weights, prompts: list, completions: li
     rewards[torch.isnan(matrix).all(dim=1)] = math.nan
     unscorable = int(torch.isnan(rewards).sum())
     if unscorable:  # as TRL warns: these completions get advantage 0; a wholly unscorable group changes nothing
-        warnings.warn(f"{where}: every reward function returned None for {unscorable} of {count} completions: their "
-                      "advantage is 0" + ("; no completion of the group was scored, so the step moves the policy "
-                                          "only through a KL term" if unscorable == count else ""), stacklevel=2)
-    metrics = {"reward": _finite_or_none(nanmean(rewards)), "reward_std": _finite_or_none(nanstd(rewards)),
-               "unscorable": unscorable}
+        warnings.warn(
+            f"{where}: every reward function returned None for {unscorable} of {count} completions: their "
+            "advantage is 0"
+            + (
+                "; no completion of the group was scored, so the step moves the policy only through a KL term"
+                if unscorable == count
+                else ""
+            ),
+            stacklevel=2,
+        )
+    metrics = {
+        "reward": _finite_or_none(nanmean(rewards)),
+        "reward_std": _finite_or_none(nanstd(rewards)),
+        "unscorable": unscorable,
+    }
     for i, f in enumerate(funcs):
         metrics[f"rewards/{f.name}/mean"] = _finite_or_none(nanmean(matrix[:, i]))
         metrics[f"rewards/{f.name}/std"] = _finite_or_none(nanstd(matrix[:, i]))
@@ -241,6 +274,7 @@ def score_group(funcs: list[RewardFunc], weights, prompts: list, completions: li
 
 
 # ---- stock reward functions over decoded text (standard or conversational completions)
+
 
 def completion_text(completion) -> str:
     """A completion's text: the string itself, or the last message's content (TRL's conversational form)."""

@@ -52,8 +52,9 @@ class SamplingConfig:
 
     def __post_init__(self):
         if self.num_samples < 1 or self.max_new_tokens < 1:
-            raise ValueError(f"num_samples and max_new_tokens must be >= 1, got {self.num_samples}, "
-                             f"{self.max_new_tokens}")
+            raise ValueError(
+                f"num_samples and max_new_tokens must be >= 1, got {self.num_samples}, {self.max_new_tokens}"
+            )
         if self.temperature < 0 or not 0 < self.top_p <= 1:
             raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {self.temperature}, {self.top_p}")
 

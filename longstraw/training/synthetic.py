@@ -48,10 +48,13 @@ class MultiQueryRetrieval(KeyValueRetrieval):
         # its marker; any other dropped marker frees one filler token too)
         # a needle is KEY k VAL v_1..v_m END: m + 4 tokens (kv_retrieval's own check counts m + 3)
         if self.length - tail - 1 < self.num_needles * (self.value_length + 4) + 3:
-            raise ValueError(f"length {self.length} cannot hold {self.num_needles} needles and {self.num_queries} "
-                             f"queries of value length {self.value_length}")
-        self._base = KeyValueRetrieval(self.vocab_size, self.length - tail, self.num_needles, self.value_length,
-                                       self.depths, self.partial)
+            raise ValueError(
+                f"length {self.length} cannot hold {self.num_needles} needles and {self.num_queries} "
+                f"queries of value length {self.value_length}"
+            )
+        self._base = KeyValueRetrieval(
+            self.vocab_size, self.length - tail, self.num_needles, self.value_length, self.depths, self.partial
+        )
         self.keys, self.values, self.filler = self._base.keys, self._base.values, self._base.filler
 
     def make(self, seed: int) -> Example:
@@ -62,11 +65,11 @@ class MultiQueryRetrieval(KeyValueRetrieval):
         needles = {}  # key -> value tokens, read back from the haystack
         for p in range(len(body) - self.value_length - 2):
             if body[p] == KEY and body[p + 2] == VAL:
-                needles[body[p + 1]] = tuple(body[p + 3:p + 3 + self.value_length])
+                needles[body[p + 1]] = tuple(body[p + 3 : p + 3 + self.value_length])
         rng = torch.Generator().manual_seed(seed ^ 0x3A5E)
         others = [k for k in needles if k != first.info["key"]]
         order = [first.info["key"]] + [others[i] for i in torch.randperm(len(others), generator=rng).tolist()]
-        order = order[:self.num_queries]
+        order = order[: self.num_queries]
         marked = (torch.rand(self.num_queries, generator=rng) < self.answer_marker).tolist()
         pad = [self.filler[int(i)] for i in torch.randint(len(self.filler), (marked.count(False),), generator=rng)]
         tokens, supervised = pad + body, []
@@ -75,8 +78,9 @@ class MultiQueryRetrieval(KeyValueRetrieval):
             if i < len(order) - 1:
                 supervised += range(len(tokens) - 1, len(tokens) - 1 + self.value_length)
                 tokens += list(needles[k])
-        return Example(torch.tensor(tokens), needles[order[-1]],
-                       {"key": order[-1], "supervised": supervised, "marked": marked[-1]})
+        return Example(
+            torch.tensor(tokens), needles[order[-1]], {"key": order[-1], "supervised": supervised, "marked": marked[-1]}
+        )
 
 
 register_task("mqar", MultiQueryRetrieval)
@@ -99,16 +103,19 @@ class Periodic:
 
         self.ids = range(FIRST_FREE, self.vocab_size)
         if len(self.ids) < 2 or min(self.periods) < 1 or self.length <= max(self.periods):
-            raise ValueError(f"periodic: need free ids, periods >= 1 and length > max period, got "
-                             f"{self.vocab_size}, {self.periods}, {self.length}")
+            raise ValueError(
+                f"periodic: need free ids, periods >= 1 and length > max period, got "
+                f"{self.vocab_size}, {self.periods}, {self.length}"
+            )
 
     def make(self, seed: int) -> Example:
         rng = torch.Generator().manual_seed(seed)
         p = self.periods[int(torch.randint(len(self.periods), (1,), generator=rng))]
         cycle = [self.ids[int(i)] for i in torch.randint(len(self.ids), (p,), generator=rng)]
         tokens = [cycle[i % p] for i in range(self.length + 1)]
-        return Example(torch.tensor(tokens[:-1]), (tokens[-1],), {"period": p,
-                                                                  "supervised": list(range(p - 1, self.length - 1))})
+        return Example(
+            torch.tensor(tokens[:-1]), (tokens[-1],), {"period": p, "supervised": list(range(p - 1, self.length - 1))}
+        )
 
     def reward(self, example: Example, response_ids) -> float:
         return float(int(response_ids[0]) == example.answer[0])

@@ -54,8 +54,9 @@ def _split_vocab(vocab_size: int, parts: int) -> list[range]:
     """Equal ranges above the reserved ids: keys, values, filler (and more if asked)."""
     span = (vocab_size - FIRST_FREE) // parts
     if span < 2:
-        raise ValueError(f"vocab_size {vocab_size} is too small for the task's token layout (needs > "
-                         f"{FIRST_FREE + 2 * parts})")
+        raise ValueError(
+            f"vocab_size {vocab_size} is too small for the task's token layout (needs > {FIRST_FREE + 2 * parts})"
+        )
     return [range(FIRST_FREE + i * span, FIRST_FREE + (i + 1) * span) for i in range(parts)]
 
 
@@ -80,10 +81,13 @@ class KeyValueRetrieval:
         self.keys, self.values, self.filler = _split_vocab(self.vocab_size, 3)
         needle = self.num_needles * (self.value_length + 3)
         if self.length < needle + 3:
-            raise ValueError(f"length {self.length} cannot hold {self.num_needles} needles of value length "
-                             f"{self.value_length} plus the query")
-        if self.depths is not None and (len(self.depths) != self.num_needles
-                                        or not all(0 <= d <= 1 for d in self.depths)):
+            raise ValueError(
+                f"length {self.length} cannot hold {self.num_needles} needles of value length "
+                f"{self.value_length} plus the query"
+            )
+        if self.depths is not None and (
+            len(self.depths) != self.num_needles or not all(0 <= d <= 1 for d in self.depths)
+        ):
             raise ValueError(f"depths must be {self.num_needles} fractions in [0, 1], got {self.depths}")
 
     def make(self, seed: int) -> Example:
@@ -141,12 +145,18 @@ def chance_level(task) -> dict:
     if isinstance(task, KeyValueRetrieval):
         copy = 1.0 / task.num_needles
         blind = 1.0 / len(task.values) ** task.value_length
-        return {"value": max(copy, blind), "copy_one_needle": copy, "blind_guess": blind,
-                "rule": "max(1/num_needles, 1/|values|^value_length): the queried needle is uniform among the "
-                        "needles, so ignoring the query key gives 1/num_needles"}
+        return {
+            "value": max(copy, blind),
+            "copy_one_needle": copy,
+            "blind_guess": blind,
+            "rule": "max(1/num_needles, 1/|values|^value_length): the queried needle is uniform among the "
+            "needles, so ignoring the query key gives 1/num_needles",
+        }
     if isinstance(task, Counting):
-        return {"value": 1.0 / (task.max_count - task.min_count + 1),
-                "rule": "1/(max_count - min_count + 1): counts are uniform"}
+        return {
+            "value": 1.0 / (task.max_count - task.min_count + 1),
+            "rule": "1/(max_count - min_count + 1): counts are uniform",
+        }
     return {"value": None, "rule": f"unknown for {type(task).__name__}"}
 
 

@@ -55,8 +55,11 @@ class TextExample:
 
 
 def _is_messages(prompt) -> bool:
-    return isinstance(prompt, list) and bool(prompt) and all(
-        isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m for m in prompt)
+    return (
+        isinstance(prompt, list)
+        and bool(prompt)
+        and all(isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m for m in prompt)
+    )
 
 
 def check_prompt(prompt, where: str) -> None:
@@ -66,8 +69,10 @@ def check_prompt(prompt, where: str) -> None:
             raise ValueError(f"{where}: the prompt is an empty string")
         return
     if not _is_messages(prompt):
-        raise ValueError(f"{where}: the prompt must be a string (standard format) or a non-empty list of "
-                         f"{{'role': ..., 'content': ...}} messages (conversational format), got {prompt!r:.200}")
+        raise ValueError(
+            f"{where}: the prompt must be a string (standard format) or a non-empty list of "
+            f"{{'role': ..., 'content': ...}} messages (conversational format), got {prompt!r:.200}"
+        )
 
 
 def read_jsonl(path: Path, source: str = "dataset.path") -> list[dict]:
@@ -96,8 +101,10 @@ def _datasets_module(source: str):
     try:
         import datasets
     except ImportError:
-        raise ValueError(f"{source}: needs the `datasets` package (pip install datasets), which is not "
-                         "installed; a local JSONL file (dataset.path: FILE.jsonl) needs nothing") from None
+        raise ValueError(
+            f"{source}: needs the `datasets` package (pip install datasets), which is not "
+            "installed; a local JSONL file (dataset.path: FILE.jsonl) needs nothing"
+        ) from None
     return datasets
 
 
@@ -111,8 +118,10 @@ def load_rows(cfg, source: str = "dataset"):
             return read_jsonl(path, f"{source}.path")
         builder = DATASET_BUILDERS.get(path.suffix)
         if builder is None:
-            raise ValueError(f"{source}.path: {path}: no datasets loader for {path.suffix!r} files "
-                             f"(known: {sorted(DATASET_BUILDERS)})")
+            raise ValueError(
+                f"{source}.path: {path}: no datasets loader for {path.suffix!r} files "
+                f"(known: {sorted(DATASET_BUILDERS)})"
+            )
         datasets = _datasets_module(f"{source}.path ({path.suffix} file)")
         rows = datasets.load_dataset(builder, data_files=str(path), split=cfg.split)
         where = f"{source}.path: {path}"
@@ -121,8 +130,10 @@ def load_rows(cfg, source: str = "dataset"):
         try:
             rows = datasets.load_dataset(cfg.name, cfg.config, split=cfg.split)
         except Exception as exc:
-            raise ValueError(f"{source}.name: cannot load {cfg.name!r} (config {cfg.config!r}, split "
-                             f"{cfg.split!r}): {type(exc).__name__}: {exc}") from None
+            raise ValueError(
+                f"{source}.name: cannot load {cfg.name!r} (config {cfg.config!r}, split "
+                f"{cfg.split!r}): {type(exc).__name__}: {exc}"
+            ) from None
         where = f"{source}.name: {cfg.name}"
     if len(rows) == 0:
         raise ValueError(f"{where}: the split {cfg.split!r} holds no rows")
@@ -143,8 +154,10 @@ def load_tokenizer(cfg, source: str = "tokenizer"):
     """`transformers.AutoTokenizer` from the local folder (`tokenizer.path`, else `model.path`)."""
     path = (cfg.tokenizer.path if cfg.tokenizer and cfg.tokenizer.path else None) or cfg.model.path
     if path is None:
-        raise ValueError(f"{source}.path: a text dataset needs a tokenizer; give tokenizer.path (or model.path, "
-                         "a checkpoint saved with its tokenizer)")
+        raise ValueError(
+            f"{source}.path: a text dataset needs a tokenizer; give tokenizer.path (or model.path, "
+            "a checkpoint saved with its tokenizer)"
+        )
     key = f"{source}.path" if cfg.tokenizer and cfg.tokenizer.path else "model.path"
     if not Path(path).is_dir():
         raise ValueError(f"{key}: no tokenizer folder {path}")
@@ -185,9 +198,18 @@ def model_limits(model_cfg) -> tuple[int, int | None]:
 class TextTask:
     """A text dataset's prompts and the reward functions over their completions."""
 
-    def __init__(self, rows, tokenizer, reward_funcs: list[RewardFunc], reward_weights=None, *,
-                 chat_template_kwargs: dict | None = None, wrap_text_prompts: bool = False,
-                 scale_rewards="group", source: str = "text task"):
+    def __init__(
+        self,
+        rows,
+        tokenizer,
+        reward_funcs: list[RewardFunc],
+        reward_weights=None,
+        *,
+        chat_template_kwargs: dict | None = None,
+        wrap_text_prompts: bool = False,
+        scale_rewards="group",
+        source: str = "text task",
+    ):
         self.rows, self.tokenizer, self.reward_funcs = rows, tokenizer, reward_funcs
         self.reward_weights = list(reward_weights) if reward_weights is not None else [1.0] * len(reward_funcs)
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
@@ -197,8 +219,10 @@ class TextTask:
         self.columns = _columns(rows)
         reserved = [c for c in self.columns if c in RESERVED_KWARGS]
         if reserved:
-            raise ValueError(f"{source}: dataset column {reserved[0]!r} has the name of a keyword the trainer passes "
-                             f"to reward functions ({', '.join(RESERVED_KWARGS)}); rename it")
+            raise ValueError(
+                f"{source}: dataset column {reserved[0]!r} has the name of a keyword the trainer passes "
+                f"to reward functions ({', '.join(RESERVED_KWARGS)}); rename it"
+            )
         eos = tokenizer.eos_token_id
         self.stop_ids = () if eos is None else (int(eos),)
         pad = tokenizer.pad_token_id
@@ -214,29 +238,46 @@ class TextTask:
         tokenizer, key = load_tokenizer(cfg, f"{source}: tokenizer")
         vocab, limit = model_limits(cfg.model)
         if len(tokenizer) > vocab:
-            raise ValueError(f"{source}: {key}: the tokenizer has {len(tokenizer)} tokens but the model's vocabulary "
-                             f"has {vocab} (vocab_size); its ids would index past the embeddings")
+            raise ValueError(
+                f"{source}: {key}: the tokenizer has {len(tokenizer)} tokens but the model's vocabulary "
+                f"has {vocab} (vocab_size); its ids would index past the embeddings"
+            )
         t = cfg.tokenizer
-        task = cls(rows, tokenizer, funcs, cfg.reward_weights,
-                   chat_template_kwargs=t.chat_template_kwargs if t else None,
-                   wrap_text_prompts=bool(t and t.wrap_text_prompts), scale_rewards=cfg.grpo.scale_rewards,
-                   source=f"{source}: dataset")
+        task = cls(
+            rows,
+            tokenizer,
+            funcs,
+            cfg.reward_weights,
+            chat_template_kwargs=t.chat_template_kwargs if t else None,
+            wrap_text_prompts=bool(t and t.wrap_text_prompts),
+            scale_rewards=cfg.grpo.scale_rewards,
+            source=f"{source}: dataset",
+        )
         if isinstance(rows, list):  # a JSONL file, read whole: every row's prompt is known
             if any(task._messages(row["prompt"]) is not None for row in rows) and not tokenizer.chat_template:
                 first = next(i for i, row in enumerate(rows) if task._messages(row["prompt"]) is not None)
-                raise ValueError(f"{source}: {key}: the tokenizer has no chat template, and row {first}'s prompt is a "
-                                 "list of messages (TRL's conversational format) that needs one; set "
-                                 "tokenizer.chat_template")
+                raise ValueError(
+                    f"{source}: {key}: the tokenizer has no chat template, and row {first}'s prompt is a "
+                    "list of messages (TRL's conversational format) that needs one; set "
+                    "tokenizer.chat_template"
+                )
             # every row tokenized once, here: one too short to capture or too long for the model is named now
-            task.tokenize_rows(None if cfg.capture.beyond_max_positions else limit, cfg.sampling.max_new_tokens,
-                               f"{source}: dataset.path: {cfg.dataset.path}")
+            task.tokenize_rows(
+                None if cfg.capture.beyond_max_positions else limit,
+                cfg.sampling.max_new_tokens,
+                f"{source}: dataset.path: {cfg.dataset.path}",
+            )
         example = task.example(0)
         if cfg.check_reward_funcs:
             G = cfg.sampling.num_samples
             with warnings.catch_warnings():  # empty completions may well be unscorable: no warning for the check
                 warnings.simplefilter("ignore")
-                task.score(example, [torch.zeros(0, dtype=torch.long)] * G, where=f"{source}: reward_funcs (a check "
-                           f"call on row 0 with {G} empty completions; check_reward_funcs: false skips it)")
+                task.score(
+                    example,
+                    [torch.zeros(0, dtype=torch.long)] * G,
+                    where=f"{source}: reward_funcs (a check "
+                    f"call on row 0 with {G} empty completions; check_reward_funcs: false skips it)",
+                )
         return task
 
     def __len__(self) -> int:
@@ -254,10 +295,13 @@ class TextTask:
         if messages is None:
             return list(self.tokenizer(prompt)["input_ids"])
         if not self.tokenizer.chat_template:
-            raise ValueError(f"{where}: a conversational prompt needs the tokenizer's chat template, and it has "
-                             "none; set tokenizer.chat_template")
-        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                 return_dict=True, **self.chat_template_kwargs)
+            raise ValueError(
+                f"{where}: a conversational prompt needs the tokenizer's chat template, and it has "
+                "none; set tokenizer.chat_template"
+            )
+        out = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=True, **self.chat_template_kwargs
+        )
         ids = out["input_ids"]
         return list(ids[0] if ids and isinstance(ids[0], list) else ids)
 
@@ -279,14 +323,18 @@ class TextTask:
             if n < 2:
                 raise ValueError(f"{where} row {i}: the prompt is {n} token(s); a capture needs at least 2")
             if limit and n > limit:
-                raise ValueError(f"{where} row {i}: the prompt is {n:,} tokens, more than the {limit:,} positions the "
-                                 "model was configured for (max_position_embeddings); set "
-                                 "capture.beyond_max_positions: true to run it anyway")
+                raise ValueError(
+                    f"{where} row {i}: the prompt is {n:,} tokens, more than the {limit:,} positions the "
+                    "model was configured for (max_position_embeddings); set "
+                    "capture.beyond_max_positions: true to run it anyway"
+                )
             if limit and n + max_new_tokens > limit:
-                raise ValueError(f"{where} row {i}: the prompt's {n:,} tokens and up to {max_new_tokens:,} sampled "
-                                 f"(sampling.max_new_tokens) run past the {limit:,} positions the model was "
-                                 "configured for (max_position_embeddings); set capture.beyond_max_positions: true "
-                                 "to run them anyway")
+                raise ValueError(
+                    f"{where} row {i}: the prompt's {n:,} tokens and up to {max_new_tokens:,} sampled "
+                    f"(sampling.max_new_tokens) run past the {limit:,} positions the model was "
+                    "configured for (max_position_embeddings); set capture.beyond_max_positions: true "
+                    "to run them anyway"
+                )
         self._ids = ids
 
     def example(self, index: int) -> TextExample:
@@ -313,15 +361,31 @@ class TextTask:
             return [[{"role": "assistant", "content": t}] for t in texts]
         return texts
 
-    def score(self, example: TextExample, response_ids, *, step: int = 0, max_steps: int = 0, epoch: float = 0.0,
-              where: str | None = None) -> tuple[Scored, list]:
+    def score(
+        self,
+        example: TextExample,
+        response_ids,
+        *,
+        step: int = 0,
+        max_steps: int = 0,
+        epoch: float = 0.0,
+        where: str | None = None,
+    ) -> tuple[Scored, list]:
         """(Scored, completions): every reward function on the group's decoded completions."""
         G = len(response_ids)
         completions = self.decode(example, response_ids)
         columns = {c: [v] * G for c, v in example.columns.items()}
-        scored = score_group(self.reward_funcs, self.reward_weights, [example.prompt] * G, completions,
-                             [[int(t) for t in r] for r in response_ids], columns, scale_rewards=self.scale_rewards,
-                             state=StepState(step, max_steps, epoch), where=where or f"step {step}")
+        scored = score_group(
+            self.reward_funcs,
+            self.reward_weights,
+            [example.prompt] * G,
+            completions,
+            [[int(t) for t in r] for r in response_ids],
+            columns,
+            scale_rewards=self.scale_rewards,
+            state=StepState(step, max_steps, epoch),
+            where=where or f"step {step}",
+        )
         return scored, completions
 
 
@@ -330,12 +394,15 @@ def completion_metrics(lengths: list[int], finished: list[bool]) -> dict:
     the share that ran to the length limit without a stop token."""
     t = torch.tensor(lengths, dtype=torch.float64)
     done = torch.tensor([length for length, f in zip(lengths, finished) if f] or [0], dtype=torch.float64)
-    return {"completions/mean_length": float(t.mean()), "completions/min_length": float(t.min()),
-            "completions/max_length": float(t.max()),
-            "completions/clipped_ratio": sum(not f for f in finished) / max(len(finished), 1),
-            "completions/mean_terminated_length": float(done.mean()),
-            "completions/min_terminated_length": float(done.min()),
-            "completions/max_terminated_length": float(done.max())}
+    return {
+        "completions/mean_length": float(t.mean()),
+        "completions/min_length": float(t.min()),
+        "completions/max_length": float(t.max()),
+        "completions/clipped_ratio": sum(not f for f in finished) / max(len(finished), 1),
+        "completions/mean_terminated_length": float(done.mean()),
+        "completions/min_terminated_length": float(done.min()),
+        "completions/max_terminated_length": float(done.max()),
+    }
 
 
 def json_safe(value):

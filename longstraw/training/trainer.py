@@ -74,8 +74,15 @@ from longstraw.training.text_tasks import TextTask, completion_metrics, json_saf
 
 
 # what a step's record keeps of `grpo_step`'s metrics about memory (with its phases), beside the training metrics
-TRANSACTION_KEYS = ("graph_bytes_peak", "resident_bytes", "predicted_resident_bytes", "prompt_positions",
-                    "state_unchanged", "state_age", "members_replayed")
+TRANSACTION_KEYS = (
+    "graph_bytes_peak",
+    "resident_bytes",
+    "predicted_resident_bytes",
+    "prompt_positions",
+    "state_unchanged",
+    "state_age",
+    "members_replayed",
+)
 
 
 def _schedule(cfg, steps: int):
@@ -113,8 +120,13 @@ def resolve(raw, source: str = "train config") -> TrainConfig:
 def checkpointed_steps(out: Path) -> list[int]:
     """The steps of the complete checkpoints under `out`, newest first."""
     folder = Path(out) / "checkpoints"
-    return sorted((int(p.name.split("-")[1]) for p in folder.glob("step-*") if p.name.split("-")[1].isdigit()),
-                  reverse=True) if folder.is_dir() else []
+    return (
+        sorted(
+            (int(p.name.split("-")[1]) for p in folder.glob("step-*") if p.name.split("-")[1].isdigit()), reverse=True
+        )
+        if folder.is_dir()
+        else []
+    )
 
 
 def check_not_replacing(out: Path) -> None:
@@ -123,9 +135,11 @@ def check_not_replacing(out: Path) -> None:
     metrics = Path(out) / "metrics.jsonl"
     count = len(metrics.read_text().splitlines()) if metrics.is_file() else 0
     if count and not checkpointed_steps(out):
-        raise ValueError(f"{out}: holds an earlier run's records ({count} steps in metrics.jsonl) and no checkpoint "
-                         "to resume from, so this run would replace them; choose another output.dir, or start over "
-                         "on purpose with --no-resume")
+        raise ValueError(
+            f"{out}: holds an earlier run's records ({count} steps in metrics.jsonl) and no checkpoint "
+            "to resume from, so this run would replace them; choose another output.dir, or start over "
+            "on purpose with --no-resume"
+        )
 
 
 class Trainer:
@@ -143,15 +157,20 @@ class Trainer:
         vocab = self.model.get_input_embeddings().weight.shape[0]
         self.task = build_task(cfg.task, vocab) if self.text is None else None
         if self.text is not None and len(self.text.tokenizer) > vocab:
-            raise ValueError(f"{source}: the tokenizer has {len(self.text.tokenizer)} tokens but the model's "
-                             f"embeddings have {vocab} rows")
+            raise ValueError(
+                f"{source}: the tokenizer has {len(self.text.tokenizer)} tokens but the model's "
+                f"embeddings have {vocab} rows"
+            )
         self.params = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
         self.optimizer = build_optimizer(self.params.values(), cfg.optimizer)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _schedule(cfg.schedule, cfg.steps))
         self.exact = cfg.gradient == "exact"
-        self.options = StepOptions(max_grad_norm=cfg.max_grad_norm, prefix_grad=self.exact,
-                                   checkpoint_layers=cfg.replay.checkpoint_layers,
-                                   micro_batch=cfg.replay.micro_batch)
+        self.options = StepOptions(
+            max_grad_norm=cfg.max_grad_norm,
+            prefix_grad=self.exact,
+            checkpoint_layers=cfg.replay.checkpoint_layers,
+            micro_batch=cfg.replay.micro_batch,
+        )
         self.out = Path(cfg.output.dir)
         self.state = self.capture_step = self.capture_params = None
         self.ref_state = self.ref_prompt = None
@@ -198,8 +217,9 @@ class Trainer:
         if params is not None:
             current = {n: p.detach().clone() for n, p in self.params.items()}
             self._load_params(params)
-        self.state = capture(self.model, self._example(step).prompt_ids.to(self.device), prefix_grad=self.exact,
-                             **self._capture_kwargs())
+        self.state = capture(
+            self.model, self._example(step).prompt_ids.to(self.device), prefix_grad=self.exact, **self._capture_kwargs()
+        )
         self.capture_step = step
         self.capture_params = {n: p.detach().clone() for n, p in self.params.items()}
         if current is not None:
@@ -212,8 +232,9 @@ class Trainer:
         if self.cfg.grpo.beta > 0 and self.ref_prompt != prompt:
             self.ref_state = None  # free the previous prompt's first
             with recorder.phase("ref_capture"), reference_policy(self.model):
-                self.ref_state = capture(self.model, self._example(step).prompt_ids.to(self.device),
-                                         **self._capture_kwargs())
+                self.ref_state = capture(
+                    self.model, self._example(step).prompt_ids.to(self.device), **self._capture_kwargs()
+                )
             self.ref_prompt = prompt
         return self.ref_state
 
@@ -227,11 +248,17 @@ class Trainer:
         """(the rewards, NaN where unscorable; TRL's advantages; the record's text metrics) for one group
         of a text prompt."""
         epoch = (step // self.cfg.steps_per_prompt) / len(self.text)
-        scored, completions = self.text.score(example, rollouts.responses, step=step, max_steps=self.cfg.steps,
-                                              epoch=epoch)
-        record = {**scored.metrics, "reward_mean": scored.metrics["reward"], "rewards": json_safe(scored.rewards),
-                  "rewards_per_func": json_safe(scored.per_func), "completions": completions,
-                  "dataset_index": example.index}
+        scored, completions = self.text.score(
+            example, rollouts.responses, step=step, max_steps=self.cfg.steps, epoch=epoch
+        )
+        record = {
+            **scored.metrics,
+            "reward_mean": scored.metrics["reward"],
+            "rewards": json_safe(scored.rewards),
+            "rewards_per_func": json_safe(scored.per_func),
+            "completions": completions,
+            "dataset_index": example.index,
+        }
         if scored.extra:
             record["completion_extra"] = scored.extra
         return scored.rewards, scored.advantages, record
@@ -240,8 +267,10 @@ class Trainer:
         rewards = [self.task.reward(example, r) for r in responses]
         bad = [r for r in rewards if not isinstance(r, (int, float)) or isinstance(r, bool) or not math.isfinite(r)]
         if bad:
-            raise ValueError(f"step {step}: the task's reward function returned {bad[0]!r} (rewards must be finite "
-                             f"numbers); all rewards of the group: {rewards}")
+            raise ValueError(
+                f"step {step}: the task's reward function returned {bad[0]!r} (rewards must be finite "
+                f"numbers); all rewards of the group: {rewards}"
+            )
         return [float(r) for r in rewards]
 
     def train_step(self, step: int) -> dict:
@@ -256,12 +285,24 @@ class Trainer:
             with recorder.phase("capture"):
                 self._capture(step)
         s = self.cfg.sampling
-        stops = dict(stop_ids=self.text.stop_ids, pad_id=self.text.pad_id) if self.text is not None else \
-            dict(stop_ids=tuple(getattr(self.task, "stop_ids", ())))  # a task over a real tokenizer stops at EOS
+        stops = (
+            dict(stop_ids=self.text.stop_ids, pad_id=self.text.pad_id)
+            if self.text is not None
+            else dict(stop_ids=tuple(getattr(self.task, "stop_ids", ())))
+        )  # a task over a real tokenizer stops at EOS
         with recorder.phase("sampling"):
-            rollouts = sample(self.model, self.state, SamplingConfig(
-                num_samples=s.num_samples, max_new_tokens=s.max_new_tokens, temperature=s.temperature,
-                top_p=s.top_p, seed=self.cfg.seed * 1_000_003 + step, **stops))
+            rollouts = sample(
+                self.model,
+                self.state,
+                SamplingConfig(
+                    num_samples=s.num_samples,
+                    max_new_tokens=s.max_new_tokens,
+                    temperature=s.temperature,
+                    top_p=s.top_p,
+                    seed=self.cfg.seed * 1_000_003 + step,
+                    **stops,
+                ),
+            )
         if self.text is None:
             rewards, advantages = self._rewards(step, example, rollouts.responses), None
             text = {"reward": float(torch.tensor(rewards).mean())}
@@ -269,9 +310,19 @@ class Trainer:
             with recorder.phase("rewards"):
                 rewards, advantages, text = self._text_rewards(step, example, rollouts)
         ref_state = self._reference_state(step, recorder)
-        result = grpo_step(self.model, example.prompt_ids.to(self.device), rollouts.responses, rewards,
-                           self.optimizer, self.cfg.grpo, self.options, state=self.state,
-                           ref_state=ref_state, sampler_logps=rollouts.logprobs, advantages=advantages)
+        result = grpo_step(
+            self.model,
+            example.prompt_ids.to(self.device),
+            rollouts.responses,
+            rewards,
+            self.optimizer,
+            self.cfg.grpo,
+            self.options,
+            state=self.state,
+            ref_state=ref_state,
+            sampler_logps=rollouts.logprobs,
+            advantages=advantages,
+        )
         metrics = result.metrics
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
@@ -280,14 +331,28 @@ class Trainer:
         if ref_state is not None:
             transaction["ref_resident_bytes"] = ref_state.nbytes
         lengths = completion_metrics(metrics["response_tokens"], rollouts.finished)
-        return {"step": step, "prompt": step // self.cfg.steps_per_prompt, "refreshed": refreshed,
-                "state_age": step - self.capture_step, "drift_before": drift, "lr": lr,
-                "reward_mean": metrics["reward_mean"], "reward_std": float(torch.tensor(rewards).std()),
-                "rewards": rewards, **text, "advantages": metrics["advantages"], **lengths,
-                "loss": metrics["loss"], "grad_norm": metrics["grad_norm"], **metrics["stats"],
-                "logp_mismatch": metrics["logp_mismatch"], "logp_mismatch_sampler": metrics["logp_mismatch_sampler"],
-                "response_tokens": metrics["response_tokens"], "transaction": transaction,
-                "seconds": time.perf_counter() - start}
+        return {
+            "step": step,
+            "prompt": step // self.cfg.steps_per_prompt,
+            "refreshed": refreshed,
+            "state_age": step - self.capture_step,
+            "drift_before": drift,
+            "lr": lr,
+            "reward_mean": metrics["reward_mean"],
+            "reward_std": float(torch.tensor(rewards).std()),
+            "rewards": rewards,
+            **text,
+            "advantages": metrics["advantages"],
+            **lengths,
+            "loss": metrics["loss"],
+            "grad_norm": metrics["grad_norm"],
+            **metrics["stats"],
+            "logp_mismatch": metrics["logp_mismatch"],
+            "logp_mismatch_sampler": metrics["logp_mismatch_sampler"],
+            "response_tokens": metrics["response_tokens"],
+            "transaction": transaction,
+            "seconds": time.perf_counter() - start,
+        }
 
     # ---- checkpoints
     def _checkpoint_dir(self, step: int) -> Path:
@@ -300,12 +365,18 @@ class Trainer:
         tmp.mkdir(parents=True)
         if hasattr(self.model, "save_pretrained"):
             self.model.save_pretrained(tmp / "adapter")
-        torch.save({"steps_done": steps_done, "params": {n: p.detach().cpu() for n, p in self.params.items()},
-                    "capture_step": self.capture_step,
-                    "capture_params": {n: t.cpu() for n, t in (self.capture_params or {}).items()},
-                    "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                    "config": json.dumps(to_mapping(self.cfg), sort_keys=True)},
-                   tmp / "trainer.pt")
+        torch.save(
+            {
+                "steps_done": steps_done,
+                "params": {n: p.detach().cpu() for n, p in self.params.items()},
+                "capture_step": self.capture_step,
+                "capture_params": {n: t.cpu() for n, t in (self.capture_params or {}).items()},
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "config": json.dumps(to_mapping(self.cfg), sort_keys=True),
+            },
+            tmp / "trainer.pt",
+        )
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)  # a checkpoint exists complete or not at all
 
@@ -336,9 +407,11 @@ class Trainer:
         changes = self._config_changes(saved)
         if changes and not allow_config_change:
             listed = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changes.items())
-            raise ValueError(f"{self.out}: the config differs from the checkpoint's at step {done[0]} ({listed}); "
-                             "resume with the same config, start over (--no-resume), or apply the change "
-                             "(--allow-config-change)")
+            raise ValueError(
+                f"{self.out}: the config differs from the checkpoint's at step {done[0]} ({listed}); "
+                "resume with the same config, start over (--no-resume), or apply the change "
+                "(--allow-config-change)"
+            )
         self.optimizer.load_state_dict(saved["optimizer"])
         self.scheduler.load_state_dict(saved["scheduler"])
         if changes:
@@ -370,17 +443,21 @@ class Trainer:
             return []
         lines = path.read_text().splitlines()
         if len(lines) < first:
-            raise ValueError(f"{path}: {len(lines)} step records, but the newest checkpoint is at step {first}: the "
-                             f"records of steps {len(lines)} to {first - 1} are missing; restore the file, or start "
-                             "over with --no-resume")
+            raise ValueError(
+                f"{path}: {len(lines)} step records, but the newest checkpoint is at step {first}: the "
+                f"records of steps {len(lines)} to {first - 1} are missing; restore the file, or start "
+                "over with --no-resume"
+            )
         for index, line in enumerate(lines[:first]):
             try:
                 step = json.loads(line).get("step")
             except (ValueError, AttributeError):
                 step = None
             if step != index:
-                raise ValueError(f"{path}: line {index + 1} is not the record of step {index}; restore the file, or "
-                                 "start over with --no-resume")
+                raise ValueError(
+                    f"{path}: line {index + 1} is not the record of step {index}; restore the file, or "
+                    "start over with --no-resume"
+                )
         return lines[:first]
 
     # ---- the loop
@@ -397,8 +474,15 @@ class Trainer:
                 shutil.rmtree(self.out / "checkpoints", ignore_errors=True)
             write_text_atomic(metrics_path, "".join(line + "\n" for line in lines))
         every, steps = self.cfg.output.checkpoint_every, self.cfg.steps
-        bar = tqdm(range(first, steps), desc="train", unit="step", file=sys.stderr, initial=first, total=steps,
-                   disable=not self.writes)
+        bar = tqdm(
+            range(first, steps),
+            desc="train",
+            unit="step",
+            file=sys.stderr,
+            initial=first,
+            total=steps,
+            disable=not self.writes,
+        )
         for count, step in enumerate(bar):
             if stop_after is not None and count >= stop_after:
                 break
@@ -407,8 +491,11 @@ class Trainer:
             if self.writes:
                 _append_line(metrics_path, json.dumps(records[-1]))
             reward = records[-1]["reward_mean"]
-            bar.set_postfix(reward="-" if reward is None else f"{reward:.3f}", loss=f"{records[-1]['loss']:.4f}",
-                            refreshed=records[-1]["refreshed"])
+            bar.set_postfix(
+                reward="-" if reward is None else f"{reward:.3f}",
+                loss=f"{records[-1]['loss']:.4f}",
+                refreshed=records[-1]["refreshed"],
+            )
             if self.writes and every and ((step + 1) % every == 0 or step + 1 == steps):
                 self.save_checkpoint(step + 1)
         bar.close()

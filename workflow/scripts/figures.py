@@ -1,4 +1,5 @@
 """Snakemake script: tables -> figures + manifest (logic in longstraw.report.figures)."""
+
 import contextlib
 
 from longstraw.report.figures import make_figures

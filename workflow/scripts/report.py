@@ -1,4 +1,5 @@
 """Snakemake script: tables + figures -> the HTML report (logic in longstraw.report.render)."""
+
 import contextlib
 
 from longstraw.report.render import render

@@ -1,4 +1,5 @@
 """Snakemake script: result files -> CSV tables + manifest (logic in longstraw.report.aggregate)."""
+
 import contextlib
 
 from longstraw.report.aggregate import write_all

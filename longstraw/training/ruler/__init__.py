@@ -52,8 +52,20 @@ from longstraw.training.ruler.rewards import string_match_all, string_match_part
 from longstraw.training.ruler.tasks import Example, make_example
 from longstraw.training.ruler.wheel import RULER_WHEEL, find_wheel
 
-__all__ = ["TASKS", "TaskSpec", "Example", "make_example", "rows", "write_jsonl", "write_rows", "reward_func",
-           "string_match_all", "string_match_part", "find_wheel", "RULER_WHEEL"]
+__all__ = [
+    "TASKS",
+    "TaskSpec",
+    "Example",
+    "make_example",
+    "rows",
+    "write_jsonl",
+    "write_rows",
+    "reward_func",
+    "string_match_all",
+    "string_match_part",
+    "find_wheel",
+    "RULER_WHEEL",
+]
 
 
 def rows(task: str, tokenizer, length: int, count: int, *, seed: int = 0, **options) -> list[dict]:

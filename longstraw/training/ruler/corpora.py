@@ -25,7 +25,7 @@ def split_sentences(text: str) -> list[str]:
     for m in _BOUNDARY.finditer(text):
         if _NOT_AN_END.search(text, max(0, m.start() - 6), m.start()):
             continue
-        out.append(text[start:m.start()])
+        out.append(text[start : m.start()])
         start = m.end()
     out.append(text[start:])
     return [s for s in out if s]
@@ -80,8 +80,14 @@ def _squad(path: Path) -> QACorpus:
             gold = index[p["context"]]
             for qa in p["qas"]:
                 if not qa["is_impossible"]:
-                    questions.append(Question(qa["question"], tuple(a["text"] for a in qa["answers"]), (gold,),
-                                              tuple(i for i in article_docs if i != gold)))
+                    questions.append(
+                        Question(
+                            qa["question"],
+                            tuple(a["text"] for a in qa["answers"]),
+                            (gold,),
+                            tuple(i for i in article_docs if i != gold),
+                        )
+                    )
     return QACorpus(tuple(questions), tuple(docs))
 
 
@@ -111,5 +117,6 @@ def key_words() -> tuple[tuple[str, ...], tuple[str, ...]]:
         read = lambda name: tuple(sorted({w.strip() for w in (assets / name).read_text().splitlines() if w.strip()}))  # noqa: E731
         return read("adjectivelist.txt"), read("nounlist.txt")
     except ModuleNotFoundError:
-        raise ModuleNotFoundError("RULER's word keys are wonderwords' adjective-noun pairs; pip install "
-                                  "wonderwords") from None
+        raise ModuleNotFoundError(
+            "RULER's word keys are wonderwords' adjective-noun pairs; pip install wonderwords"
+        ) from None

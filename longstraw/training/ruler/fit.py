@@ -95,8 +95,10 @@ def _picks(pool: list[tuple[str, int]], need: int, m: int, most: int = 20):
                 break
             out_by = {counts[i]: i for i in sorted(chosen)}
             in_by = {counts[i]: i for i in range(len(pool)) if i not in chosen}
-            change, o, i = min(((ci - co, o, i) for co, o in out_by.items() for ci, i in in_by.items()),
-                               key=lambda t: (abs(gap - t[0]), t[1], t[2]))
+            change, o, i = min(
+                ((ci - co, o, i) for co, o in out_by.items() for ci, i in in_by.items()),
+                key=lambda t: (abs(gap - t[0]), t[1], t[2]),
+            )
             if abs(gap - change) >= abs(gap):
                 break
             chosen.remove(o)
@@ -132,7 +134,7 @@ def solve(hay: Haystack, cum: list[int], want: int, lowest: int = 0, avoid=()) -
 def place(needles: list[Needle], cum: list[int], layout: Layout) -> list[int]:
     """Each needle's slot: the haystack item it goes before (the item count: the end), the boundary
     whose share of the haystack's tokens is nearest its depth."""
-    bounds = cum[:layout.m + 1]
+    bounds = cum[: layout.m + 1]
     for c in layout.counts:
         bounds.append(bounds[-1] + c)
     total = bounds[-1]
@@ -186,14 +188,26 @@ def _edges(counter: Counter, sep: str, before: str, after: str, first: list[str]
         return 0
     if len(first) == 1:
         item = first[0]
-        return counter.count(before + item + after) - counter.count(before) - counter.count(after) - counter.count(sep + item)
+        return (
+            counter.count(before + item + after)
+            - counter.count(before)
+            - counter.count(after)
+            - counter.count(sep + item)
+        )
     head, last = first
-    return (counter.count(before + head) - counter.count(before) - counter.count(sep + head)
-            + counter.count(sep + last + after) - counter.count(sep + last) - counter.count(after))
+    return (
+        counter.count(before + head)
+        - counter.count(before)
+        - counter.count(sep + head)
+        + counter.count(sep + last + after)
+        - counter.count(sep + last)
+        - counter.count(after)
+    )
 
 
-def _refit(counter, hay, cum, layout, needles, slots, before, after, target, text, measured, starts, span,
-           special_tokens):
+def _refit(
+    counter, hay, cum, layout, needles, slots, before, after, target, text, measured, starts, span, special_tokens
+):
     """(a layout whose prompt has `target` tokens, the counts), after a whole-prompt tokenization that
     disagreed with the plan. Only the end of the haystack changes: the tokens before a point near it are
     the tokenization's, the text after it is tokenized again for each layout tried (a probe). First
@@ -253,8 +267,9 @@ def _cut_search(hay: Haystack, m: int, probe, target: int):
     return None
 
 
-def assemble(counter: Counter, hay: Haystack, needles: list[Needle], before: str, after: str, target: int,
-             special_tokens: bool) -> Assembled:
+def assemble(
+    counter: Counter, hay: Haystack, needles: list[Needle], before: str, after: str, target: int, special_tokens: bool
+) -> Assembled:
     """The counted string before + context + after with exactly `target` tokens (see the module)."""
     fixed = counter.count(before) + counter.count(after)
     if special_tokens:
@@ -284,8 +299,22 @@ def assemble(counter: Counter, hay: Haystack, needles: list[Needle], before: str
     for _ in range(ROUNDS):
         if measured.length == target:
             break
-        refit, cum = _refit(counter, hay, cum, layout, needles, slots, before, after, target, text, measured,
-                            starts, span, special_tokens)
+        refit, cum = _refit(
+            counter,
+            hay,
+            cum,
+            layout,
+            needles,
+            slots,
+            before,
+            after,
+            target,
+            text,
+            measured,
+            starts,
+            span,
+            special_tokens,
+        )
         if refit == layout:  # nothing nearer: the prompt stays as measured
             break
         layout = refit

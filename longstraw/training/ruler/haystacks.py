@@ -65,8 +65,10 @@ class Haystack:
             if cum[-1] > budget:
                 return cum
             if n == self.size:
-                raise ValueError(f"{self.describe()} hold {cum[-1]:,} tokens of this tokenizer, fewer than the "
-                                 f"{budget:,} this prompt needs")
+                raise ValueError(
+                    f"{self.describe()} hold {cum[-1]:,} tokens of this tokenizer, fewer than the "
+                    f"{budget:,} this prompt needs"
+                )
             n += int((budget - cum[-1]) / max(cum[-1] / n, 1) * 1.05) + 16
 
     def describe(self) -> str:
@@ -77,8 +79,11 @@ class Haystack:
         """Unit m cut short: where a word or a punctuation mark ends (the last one but one), or (`fine`)
         after any character."""
         text = self.unit(m)
-        cuts = range(1, len(text)) if fine else [i for i in range(1, len(text)) if text[i] == " "
-                                                  or text[i] in _MARKS or text[i - 1] in _MARKS]
+        cuts = (
+            range(1, len(text))
+            if fine
+            else [i for i in range(1, len(text)) if text[i] == " " or text[i] in _MARKS or text[i - 1] in _MARKS]
+        )
         heads = [h for h in dict.fromkeys(text[:i].rstrip() for i in cuts) if h.strip()]
         return [(h, c + self.item_cost) for h, c in zip(heads, self.counter.counts([self.lead + h for h in heads]))]
 
@@ -249,10 +254,10 @@ class Documents(Haystack):
         return self.docs[self.order[i]]
 
     def _count_more(self, start, stop):
-        return [c + self.item_cost for c in self.doc_counts(self.order[start:min(stop, len(self.order))])]
+        return [c + self.item_cost for c in self.doc_counts(self.order[start : min(stop, len(self.order))])]
 
     def pool(self, m):
-        ids = self.order[m:m + 128]  # unused while the haystack has m units (their counts vary widely)
+        ids = self.order[m : m + 128]  # unused while the haystack has m units (their counts vary widely)
         return [(self.docs[i], c + self.item_cost) for i, c in zip(ids, self.doc_counts(ids))]
 
     def decorate(self, items):
@@ -261,7 +266,7 @@ class Documents(Haystack):
 
 def draw_number(rng: random.Random) -> str:
     """niah.py: a 7-digit number."""
-    return str(rng.randint(10 ** 6, 10 ** 7 - 1))
+    return str(rng.randint(10**6, 10**7 - 1))
 
 
 def draw_uuid(rng: random.Random) -> str:

@@ -58,8 +58,9 @@ class RulerTask:
     def loaded(self):
         tokenizer = _tokenizer(self.tokenizer)
         if len(tokenizer) > self.vocab_size:
-            raise ValueError(f"tokenizer {self.tokenizer} has {len(tokenizer)} tokens, more than the model's "
-                             f"{self.vocab_size}")
+            raise ValueError(
+                f"tokenizer {self.tokenizer} has {len(tokenizer)} tokens, more than the model's {self.vocab_size}"
+            )
         return tokenizer
 
     @property
@@ -75,9 +76,17 @@ class RulerTask:
         made = make_example(self.task, tokenizer, self.length, seed, depth=depth, chat=self.chat)
         ids = tokenizer(made.prompt)["input_ids"]
         answer = tokenizer(" " + ", ".join(made.answer), add_special_tokens=False)["input_ids"]
-        return Example(torch.tensor(ids), tuple(answer), {
-            "depth": made.depth, "references": list(made.answer), "task": self.task, "seed": seed,
-            "max_new_tokens": len(answer) + ANSWER_SLACK})
+        return Example(
+            torch.tensor(ids),
+            tuple(answer),
+            {
+                "depth": made.depth,
+                "references": list(made.answer),
+                "task": self.task,
+                "seed": seed,
+                "max_new_tokens": len(answer) + ANSWER_SLACK,
+            },
+        )
 
     def reward(self, example: Example, response_ids) -> float:
         text = self.loaded.decode([int(t) for t in response_ids], skip_special_tokens=True)

@@ -9,11 +9,32 @@ from dataclasses import dataclass, field
 from numbers import Real
 
 from longstraw.training.ruler.corpora import qa_corpus
-from longstraw.training.ruler.haystacks import (DRAW, VT_SENTENCES, Distractors, Documents, Essays, Haystack, Repeat,
-                                               vt_noise, vt_split_noise)
+from longstraw.training.ruler.haystacks import (
+    DRAW,
+    VT_SENTENCES,
+    Distractors,
+    Documents,
+    Essays,
+    Haystack,
+    Repeat,
+    vt_noise,
+    vt_split_noise,
+)
 from longstraw.training.ruler.fit import Needle, assemble
-from longstraw.training.ruler.formats import (DEPTH_GRID, NEEDLE, QA_PREFIX, QA_TEMPLATE, TASKS, VT_NOISE, VT_PREFIX,
-                                              VT_TEMPLATE, TaskSpec, join_query, niah_template, split_template)
+from longstraw.training.ruler.formats import (
+    DEPTH_GRID,
+    NEEDLE,
+    QA_PREFIX,
+    QA_TEMPLATE,
+    TASKS,
+    VT_NOISE,
+    VT_PREFIX,
+    VT_TEMPLATE,
+    TaskSpec,
+    join_query,
+    niah_template,
+    split_template,
+)
 from longstraw.training.ruler.tokens import Counter, frame
 
 
@@ -37,8 +58,15 @@ class Example:
 
     def row(self) -> dict:
         """The text trainer's dataset row (longstraw.training.text_tasks)."""
-        return {"prompt": self.prompt, "answer": self.answer, "task": self.task, "length": self.length,
-                "depth": self.depth, "depths": self.depths, "seed": self.seed}
+        return {
+            "prompt": self.prompt,
+            "answer": self.answer,
+            "task": self.task,
+            "length": self.length,
+            "depth": self.depth,
+            "depths": self.depths,
+            "seed": self.seed,
+        }
 
 
 @dataclass
@@ -73,8 +101,9 @@ def _depths(depth, count: int, rng: random.Random, ordered: bool = False) -> lis
         if ordered:  # the rest of the chain after it
             return [first] + sorted(rng.uniform(first, 1.0) for _ in range(count - 1))
         rest = [g for g in DEPTH_GRID if g != first]
-        return [first] + (rng.sample(rest, count - 1) if count - 1 <= len(rest) else
-                          [rng.random() for _ in range(count - 1)])
+        return [first] + (
+            rng.sample(rest, count - 1) if count - 1 <= len(rest) else [rng.random() for _ in range(count - 1)]
+        )
     depths = [float(d) for d in depth]
     if len(depths) != count or not all(0.0 <= d <= 1.0 for d in depths):
         raise ValueError(f"depth: expected one number in [0, 1] or {count} of them (one per needle), got {depth!r}")
@@ -99,7 +128,7 @@ def niah(spec: TaskSpec, seed: int, depth, counter: Counter, where) -> Parts:
     type_v = a["type_needle_v"]
     keys = _distinct(DRAW[a["type_needle_k"]], num_k, rng)
     values = _distinct(DRAW[type_v], num_k * num_v, rng)
-    values = [values[i * num_v:(i + 1) * num_v] for i in range(num_k)]
+    values = [values[i * num_v : (i + 1) * num_v] for i in range(num_k)]
     texts = [NEEDLE.format(type_needle_v=type_v, key=k, value=v) for k, vs in zip(keys, values) for v in vs]
     depths = _depths(depth, len(texts), _rng(spec.name, seed, "depth"))
     template, prefix, named = niah_template(type_v, singular=num_q * num_v == 1)
@@ -111,13 +140,20 @@ def niah(spec: TaskSpec, seed: int, depth, counter: Counter, where) -> Parts:
     elif kind == "repeat":
         hay = Repeat(counter)
     elif kind == "needle":
-        hay = Distractors(counter, DRAW[a["type_needle_k"]], DRAW[type_v], type_v,
-                                    _rng(spec.name, seed, "haystack"), taken=set(keys))
+        hay = Distractors(
+            counter, DRAW[a["type_needle_k"]], DRAW[type_v], type_v, _rng(spec.name, seed, "haystack"), taken=set(keys)
+        )
     else:
         raise ValueError(f"{spec.name}: unknown haystack {kind!r}")
-    return Parts(head, tail, prefix.format(type_needle_v=named, query=query), hay,
-                 [Needle(t, d) for t, d in zip(texts, depths)], [v for vs in values[:num_q] for v in vs],
-                 list(range(num_q * num_v)))
+    return Parts(
+        head,
+        tail,
+        prefix.format(type_needle_v=named, query=query),
+        hay,
+        [Needle(t, d) for t, d in zip(texts, depths)],
+        [v for vs in values[:num_q] for v in vs],
+        list(range(num_q * num_v)),
+    )
 
 
 def _chains(rng: random.Random, num_chains: int, num_hops: int, letters: int):
@@ -127,7 +163,7 @@ def _chains(rng: random.Random, num_chains: int, num_hops: int, letters: int):
     values = _distinct(lambda r: str(r.randint(10000, 99998)), num_chains, rng)
     chains = []
     for c in range(num_chains):
-        v = names[c * (num_hops + 1):(c + 1) * (num_hops + 1)]
+        v = names[c * (num_hops + 1) : (c + 1) * (num_hops + 1)]
         chains.append((v, [f"VAR {v[0]} = {values[c]}"] + [f"VAR {v[j + 1]} = VAR {v[j]} " for j in range(num_hops)]))
     return chains, values
 
@@ -152,8 +188,9 @@ def _vt_shot(counter: Counter, rng: random.Random, num_chains: int, num_hops: in
     chains, values = _chains(rng, num_chains, hops, letters=3)
 
     def shot(noises, context_rng):
-        prompt = (VT_TEMPLATE.format(context=_vt_context(context_rng, noises, chains), query=values[0])
-                  + VT_PREFIX.format(num_v=hops + 1, query=values[0]))
+        prompt = VT_TEMPLATE.format(
+            context=_vt_context(context_rng, noises, chains), query=values[0]
+        ) + VT_PREFIX.format(num_v=hops + 1, query=values[0])
         return prompt, f"{prompt} {chains[0][0]}"  # RULER measures it with the answer list's repr after it
 
     noises = 5
@@ -175,8 +212,9 @@ def vt(spec: TaskSpec, seed: int, depth, counter: Counter, where) -> Parts:
     if depth is not None and not isinstance(depth, Real):  # one depth per statement, chain after chain
         depths = _depths(depth, per_chain * num_chains, depth_rng)
         if any(depths[i] > depths[i + 1] for i in range(len(depths) - 1) if (i + 1) % per_chain):
-            raise ValueError(f"{spec.name}: a chain's depths must not decrease (its statements come in order), "
-                             f"got {depths}")
+            raise ValueError(
+                f"{spec.name}: a chain's depths must not decrease (its statements come in order), got {depths}"
+            )
     else:
         depths = _depths(depth, per_chain, depth_rng, ordered=True)
         for _ in chains[1:]:
@@ -185,8 +223,15 @@ def vt(spec: TaskSpec, seed: int, depth, counter: Counter, where) -> Parts:
     head, tail = split_template(VT_TEMPLATE, query=values[0])
     prefix = VT_PREFIX.format(num_v=num_hops + 1, query=values[0])
     # variable_tracking.py puts the example before the task: " " + example + "\n\n"
-    return Parts(" " + shot + "\n\n" + head, tail, prefix, vt_noise(counter),
-                 [Needle(t, d) for t, d in zip(texts, depths)], list(chains[0][0]), list(range(num_hops + 1)))
+    return Parts(
+        " " + shot + "\n\n" + head,
+        tail,
+        prefix,
+        vt_noise(counter),
+        [Needle(t, d) for t, d in zip(texts, depths)],
+        list(chains[0][0]),
+        list(range(num_hops + 1)),
+    )
 
 
 def qa(spec: TaskSpec, seed: int, depth, counter: Counter, where) -> Parts:
@@ -200,16 +245,25 @@ def qa(spec: TaskSpec, seed: int, depth, counter: Counter, where) -> Parts:
     depths = _depths(depth, len(question.gold), _rng(spec.name, seed, "depth"))
     needles = [Needle(corpus.documents[i], d) for i, d in zip(question.gold, depths)]
     head, tail = split_template(QA_TEMPLATE, query=question.query)
-    hay = Documents(counter, corpus, dataset, _rng(spec.name, seed, "haystack"), question.gold,
-                              question.related)
+    hay = Documents(counter, corpus, dataset, _rng(spec.name, seed, "haystack"), question.gold, question.related)
     return Parts(head, tail, QA_PREFIX, hay, needles, list(question.outputs), list(range(len(needles))))
 
 
 BUILDERS = {"niah": niah, "variable_tracking": vt, "qa": qa}
 
 
-def make_example(task: str, tokenizer, length: int, seed: int, *, depth=None, chat: bool = False,
-                 messages: bool = False, chat_template_kwargs: dict | None = None, wheel=None) -> Example:
+def make_example(
+    task: str,
+    tokenizer,
+    length: int,
+    seed: int,
+    *,
+    depth=None,
+    chat: bool = False,
+    messages: bool = False,
+    chat_template_kwargs: dict | None = None,
+    wheel=None,
+) -> Example:
     """One example of `task` (a name of TASKS) whose prompt is exactly `length` tokens of `tokenizer`.
 
     seed: the example (its keys, values, question, depths and haystack; the same seed gives the same
@@ -231,13 +285,27 @@ def make_example(task: str, tokenizer, length: int, seed: int, *, depth=None, ch
     before, after = fr.wrap(parts.head, parts.tail, parts.prefix)
     if spec.kind == "variable_tracking":
         noise = counter.count(" " + VT_NOISE)
-        room = length - counter.count(before) - counter.count(after) - sum(
-            counter.counts([" " + n.text for n in parts.needles]))
+        room = (
+            length
+            - counter.count(before)
+            - counter.count(after)
+            - sum(counter.counts([" " + n.text for n in parts.needles]))
+        )
         if room < noise * (len(parts.answering) + 1):  # RULER's rule: no more noise lines than statements
             parts.hay = vt_split_noise(counter)
     built = assemble(counter, parts.hay, parts.needles, before, after, length, fr.special_tokens)
-    context = built.text[built.context[0]:built.context[1]]
+    context = built.text[built.context[0] : built.context[1]]
     content = parts.head + context + parts.tail + (parts.prefix if mode == "messages" else "")
-    return Example(task, seed, fr.prompt(built.text, content), parts.answer, built.length,
-                   [n.depth for n in parts.needles], built.text, built.context, built.needles,
-                   built.haystack_tokens, parts.answering)
+    return Example(
+        task,
+        seed,
+        fr.prompt(built.text, content),
+        parts.answer,
+        built.length,
+        [n.depth for n in parts.needles],
+        built.text,
+        built.context,
+        built.needles,
+        built.haystack_tokens,
+        parts.answering,
+    )

@@ -29,7 +29,7 @@ class Counter:
         with_special = list(tokenizer("a")["input_ids"])
         plain = list(tokenizer("a", add_special_tokens=False)["input_ids"])
         # how many special tokens `tokenizer(text)` puts before and after the text's own
-        start = next((i for i in range(len(with_special)) if with_special[i:i + len(plain)] == plain), 0)
+        start = next((i for i in range(len(with_special)) if with_special[i : i + len(plain)] == plain), 0)
         self.special_before, self.special_after = start, len(with_special) - start - len(plain)
 
     def counts(self, texts: list[str]) -> list[int]:
@@ -48,8 +48,10 @@ class Counter:
         ends = None
         if fast:
             offsets = out["offset_mapping"]
-            body = offsets[self.special_before if special_tokens else 0:
-                           len(offsets) - (self.special_after if special_tokens else 0)]
+            body = offsets[
+                self.special_before if special_tokens else 0 : len(offsets)
+                - (self.special_after if special_tokens else 0)
+            ]
             ends = [e for _, e in body]
         return Measured(len(out["input_ids"]), ends, self.special_before if special_tokens else 0)
 
@@ -117,8 +119,9 @@ def frame(tokenizer, mode: str = "text", chat_template_kwargs: dict | None = Non
     kwargs = dict(chat_template_kwargs or {})
 
     def render(content):
-        return tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
-                                             tokenize=False, **kwargs)
+        return tokenizer.apply_chat_template(
+            [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False, **kwargs
+        )
 
     rendered = render(_SENTINEL)
     if rendered.count(_SENTINEL) != 1:
@@ -130,5 +133,5 @@ def frame(tokenizer, mode: str = "text", chat_template_kwargs: dict | None = Non
     counter = Counter(tokenizer)
     bos = getattr(tokenizer, "bos_token", None)
     if counter.special_before and bos and before.startswith(bos):
-        before = before[len(bos):]  # `tokenizer(prompt)` adds the BOS itself: once, not twice
+        before = before[len(bos) :]  # `tokenizer(prompt)` adds the BOS itself: once, not twice
     return Frame("chat", before, after, trims, special_tokens=True)

