@@ -15,8 +15,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from longstraw import capture
 from longstraw.config.sections import LoraConfig, ModelConfig
-from longstraw.models.policy import build_policy
 from longstraw.measure.provenance import provenance
+from longstraw.models.policy import build_policy
 from longstraw.results import write_json_atomic
 
 

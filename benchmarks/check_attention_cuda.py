@@ -118,10 +118,11 @@ def bench(kernel, B, H, Hk, R, P, D):
             result["fwd_ms"] = t_fwd * 1e3
             result["fwd_tflops"] = fwd_flop / t_fwd / 1e12
         result["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
-        del out, inputs, leaves
+        out = inputs = leaves = None  # this shape's tensors freed before the next
         torch.cuda.empty_cache()
     print(
-        f"bench [{kernel}] P={P} R={R} H={H} Hk={Hk} D={D}: fwd {result['fwd_ms']:.1f} ms = {result['fwd_tflops']:.0f} TFLOP/s, "
+        f"bench [{kernel}] P={P} R={R} H={H} Hk={Hk} D={D}: "
+        f"fwd {result['fwd_ms']:.1f} ms = {result['fwd_tflops']:.0f} TFLOP/s, "
         f"bwd {result['bwd_ms']:.1f} ms = {result['bwd_tflops']:.0f} TFLOP/s, "
         f"bwd with prefix grads {result['bwd_prefix_grad_ms']:.1f} ms = {result['bwd_prefix_grad_tflops']:.0f} TFLOP/s",
         flush=True,

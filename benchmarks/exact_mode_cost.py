@@ -18,9 +18,9 @@ import time
 import torch
 
 from longstraw import capture, replay
-from longstraw.models.lora import apply_lora
 from longstraw.measure.memory import synchronize
 from longstraw.models import build_model
+from longstraw.models.lora import apply_lora
 
 
 def _timed(fn, device):

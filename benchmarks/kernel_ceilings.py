@@ -112,10 +112,11 @@ def print_report(report: dict) -> None:
     for row in report["results"]:
         floor = row["capture_floor"]
         if floor:
+            parts = ", ".join(f"{k} {v:.1f} s" for k, v in floor["parts_seconds"].items())
             print(
                 f"{row['point']}: capture {row['capture_seconds']:.1f} s over {row['positions']:,} positions, "
-                f"floor {floor['seconds']:.1f} s ({', '.join(f'{k} {v:.1f} s' for k, v in floor['parts_seconds'].items())}"
-                f"): {row['capture_seconds'] / floor['seconds']:.2f}x; weights built in {row['weights_seconds']:.1f} s"
+                f"floor {floor['seconds']:.1f} s ({parts}): {row['capture_seconds'] / floor['seconds']:.2f}x; "
+                f"weights built in {row['weights_seconds']:.1f} s"
             )
         for step in row["steps"]:
             if step["status"] != "ok":

@@ -97,7 +97,7 @@ def measure(cfg, device) -> dict:
         out[f"profile_member_lora_{adapters}"] = member_profile(model, held.pop("state"), responses[0], device)
         if adapters == "float32":
             out.update(prefix_grouper_steps(model, point, prompt, responses, rewards, device))
-        del model
+        model = None  # freed before the next adapter dtype's
     out["replays"] = rows
     return out
 

@@ -6,7 +6,6 @@ the ranks they spawn on N threads (forked ranks on one: tests/tolerances.py)."""
 
 import pytest
 import torch
-
 from tolerances import install_fixed_threads
 
 

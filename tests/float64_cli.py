@@ -5,6 +5,7 @@ patches do not reach: `python -m float64_cli tiny-llama run POINT.yaml --out R.j
 import sys
 
 from float64_reference import float64_gdn_states, hf_float64_for
+
 from longstraw.cli import main
 
 if __name__ == "__main__":

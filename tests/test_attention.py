@@ -5,10 +5,10 @@ import math
 
 import pytest
 import torch
+from tolerances import EPS_BF16, close
 
 import longstraw.kernels.paged_attention as attention
 from longstraw.kernels.paged_attention import paged_attention, reference_attention
-from tolerances import EPS_BF16, close
 
 pytestmark = pytest.mark.numerics  # kernel numerics against references, under tolerances
 

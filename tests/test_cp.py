@@ -12,18 +12,18 @@ import sys
 
 import pytest
 import torch
+from float64_reference import float64_gdn_states, hf_float64, hf_float64_for
+from tolerances import TOL64, close, logprob_tolerance, max_abs, within
 
-from longstraw.core.hf_reference import global_relative_error, max_relative_error
 from longstraw import capture, replay
-from longstraw.core import grpo
 from longstraw.config import PointConfig
+from longstraw.core import grpo
+from longstraw.core.hf_reference import global_relative_error, max_relative_error
+from longstraw.core.step import StepOptions, grpo_step
 from longstraw.cp import context_parallel, shard_bounds
 from longstraw.cp.launch import run_ranks
 from longstraw.harness.runner import run_point
 from longstraw.models import build_model
-from longstraw.core.step import StepOptions, grpo_step
-from float64_reference import float64_gdn_states, hf_float64, hf_float64_for
-from tolerances import TOL64, close, logprob_tolerance, max_abs, within
 
 PRESETS = ["tiny-llama", "tiny-qwen3_5"]  # dense GQA; hybrid Gated DeltaNet + attention
 PROMPT_LEN = 24  # 23 resident positions: divisible by neither 2 nor 3
@@ -235,11 +235,14 @@ def test_sharded_replay_logprobs_and_gradients_equal_single_process(sharded, sam
 
 def test_resident_bytes_are_sharded(sharded):
     world, ranks, single = sharded
-    pages = lambda res: sum(
-        sum(t.numel() * t.element_size() for t in layer)  # noqa: E731
-        for kind, layer in zip(res["kinds"], res["layers"])
-        if kind.endswith("Pages")
-    )
+
+    def pages(res):
+        return sum(
+            sum(t.numel() * t.element_size() for t in layer)
+            for kind, layer in zip(res["kinds"], res["layers"])
+            if kind.endswith("Pages")
+        )
+
     assert sum(pages(r) for r in ranks) == pages(single) > 0
     for r in ranks:
         assert r["nbytes"] == r["predicted"]

@@ -12,17 +12,17 @@ from contextlib import nullcontext
 
 import pytest
 import torch
-
-from longstraw import capture, replay
-from longstraw.core import grpo
-from longstraw.core.step import StepOptions, grpo_step
-from longstraw.core.hf_reference import global_relative_error, max_relative_error
-from longstraw.cp import context_parallel, shard_bounds
-from longstraw.cp.launch import run_ranks
-from longstraw.models import build_model
 from float64_reference import float64_gdn_states, hf_float64, to_float64
 from test_mla import DROP_TOPK, _model
 from tolerances import TOL64, above, float32_tolerance, within
+
+from longstraw import capture, replay
+from longstraw.core import grpo
+from longstraw.core.hf_reference import global_relative_error, max_relative_error
+from longstraw.core.step import StepOptions, grpo_step
+from longstraw.cp import context_parallel, shard_bounds
+from longstraw.cp.launch import run_ranks
+from longstraw.models import build_model
 
 PROMPT_LEN = 24  # 23 resident positions: divisible by neither 2 nor 3
 CHUNK = 4  # several chunks per shard: the reverse recompute crosses chunk and shard boundaries

@@ -12,14 +12,14 @@ import os
 
 import pytest
 import torch
+from float64_reference import float64_gdn_states, float64_model, hf_float64
+from tolerances import TOL64, logprob_tolerance, max_abs, within
 
 from longstraw import capture, replay
 from longstraw.core.hf_reference import global_relative_error, max_relative_error
 from longstraw.cp import context_parallel, shard_bounds
 from longstraw.cp.group import CPGroup
 from longstraw.cp.launch import run_ranks
-from float64_reference import float64_gdn_states, float64_model, hf_float64
-from tolerances import TOL64, logprob_tolerance, max_abs, within
 
 CHUNK = 4  # several capture chunks per shard
 # (preset, world, prompt tokens): 23 positions are divisible by neither 2 nor 3; 5 positions over 3 ranks

@@ -13,6 +13,9 @@ import os
 
 import pytest
 import torch
+from float64_reference import hf_float64, to_float64
+from test_mla import DROP_TOPK, _model
+from tolerances import TOL64, close, logprob_tolerance, max_abs, within
 
 from longstraw import capture, replay
 from longstraw.core.hf_reference import max_relative_error
@@ -20,9 +23,6 @@ from longstraw.cp import context_parallel, shard_bounds
 from longstraw.cp.launch import run_ranks
 from longstraw.kernels.dsa_topk import index_scores, key_positions, ranked_keys, select_topk
 from longstraw.training.rollout import SamplingConfig, sample
-from float64_reference import hf_float64, to_float64
-from test_mla import DROP_TOPK, _model
-from tolerances import TOL64, close, logprob_tolerance, max_abs, within
 
 PROMPT_LEN = 24  # 23 resident positions: divisible by neither 2 nor 3
 CHUNK = 4

@@ -16,12 +16,12 @@ import time
 import psutil  # a dependency of peft and snakemake
 import pytest
 import torch
+from float64_reference import hf_float64_for
+from tolerances import TOL64, fixed_threads, within
 
 from longstraw.cp import group
 from longstraw.cp.launch import free_port
 from longstraw.harness.runner import run_point
-from float64_reference import hf_float64_for
-from tolerances import TOL64, fixed_threads, within
 
 # float64, HF's float32 casts included (float64_reference; the workers run `-m float64_cli`): the sharded step is
 # the single-process one in another order (in float32 it measured ~2e-7 relative apart)

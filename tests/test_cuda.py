@@ -6,6 +6,7 @@ from contextlib import nullcontext
 import pytest
 import torch
 
+from longstraw import capture, replay
 from longstraw.core.hf_reference import (
     grads_of,
     hf_conditional_logprobs,
@@ -13,7 +14,6 @@ from longstraw.core.hf_reference import (
     hf_torch_gdn_kernels,
     max_relative_error,
 )
-from longstraw import capture, replay
 from longstraw.models import TINY_PRESETS, build_model
 
 pytestmark = pytest.mark.cuda

@@ -141,8 +141,8 @@ def test_naive_steps_run_hfs_torch_gdn_kernel_in_forward_and_backward(monkeypatc
     baseline swaps in HF's plain torch kernel for its whole step (scoped, not process-wide)."""
     import sys
 
-    from longstraw.core.step import StepOptions, grpo_step
     from longstraw.config import GRPOConfig
+    from longstraw.core.step import StepOptions, grpo_step
     from longstraw.models import build_model
 
     model = build_model("tiny-qwen3_5")

@@ -5,10 +5,10 @@ import pytest
 import torch
 import transformers
 
-from longstraw.measure import flops
 from longstraw.families import adapter_for
-from longstraw.models.lora import apply_lora, trainable_parameters
+from longstraw.measure import flops
 from longstraw.models import build_model, make_config
+from longstraw.models.lora import apply_lora, trainable_parameters
 
 
 def test_attention_flop_counts_by_hand():

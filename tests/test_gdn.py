@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tolerances import EPS_BF16, close, float32_tolerance
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
 from longstraw.kernels.gdn import (
@@ -12,7 +13,6 @@ from longstraw.kernels.gdn import (
     chunk_gated_delta_rule_forward,
     recurrent_gated_delta_rule,
 )
-from tolerances import EPS_BF16, close, float32_tolerance
 
 # HF's hub-kernel wrappers are thin; call the pure-torch references underneath when exposed.
 HF_RECURRENT = getattr(hf.torch_recurrent_gated_delta_rule, "__wrapped__", hf.torch_recurrent_gated_delta_rule)

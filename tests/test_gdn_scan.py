@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tolerances import float32_tolerance, within
 
 from longstraw.kernels.gdn import _l2norm, chunk_gated_delta_rule, recurrent_gated_delta_rule
 from longstraw.kernels.gdn_scan import apply_transition, identity_transition, incoming_states, shard_transition
-from tolerances import float32_tolerance, within
 
 pytestmark = pytest.mark.numerics
 

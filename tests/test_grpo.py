@@ -5,6 +5,8 @@ import math
 
 import pytest
 import torch
+from grpo_reference import batch_loss
+from tolerances import float32_tolerance
 
 from longstraw.core.grpo import (
     GRPOConfig,
@@ -17,8 +19,6 @@ from longstraw.core.grpo import (
     summarize_stats,
     token_weights,
 )
-from grpo_reference import batch_loss
-from tolerances import float32_tolerance
 
 LN2 = math.log(2.0)
 

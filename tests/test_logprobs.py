@@ -4,9 +4,9 @@ logsumexp against log_softmax, measured <= 4.8e-7, 4 EPS32, on every kernel path
 
 import pytest
 import torch
+from tolerances import EPS32, SAFETY, close, logprob_tolerance, max_abs, within
 
 from longstraw.kernels.logprobs import reference_token_logprobs, token_logprobs
-from tolerances import EPS32, SAFETY, close, logprob_tolerance, max_abs, within
 
 VOCAB = 50
 # the gradients are float64 from float32 log-softmax gradients (softmax - onehot, each within EPS32 of itself

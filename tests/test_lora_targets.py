@@ -6,7 +6,9 @@ import typing
 
 import pytest
 import torch
+from float64_reference import float64_gdn_states, float64_model, has_gdn, hf_float64
 from peft.tuners.lora import LoraLayer
+from tolerances import float64_residue_tolerance, within
 
 from longstraw import capture, replay
 from longstraw.config import resolve_point
@@ -15,8 +17,6 @@ from longstraw.core.hf_reference import global_relative_error, hf_full_logprobs,
 from longstraw.models import build_model
 from longstraw.models.lora import TARGET_SETS, apply_lora, trainable_parameters
 from longstraw.models.policy import build_policy
-from float64_reference import float64_gdn_states, float64_model, has_gdn, hf_float64
-from tolerances import float64_residue_tolerance, within
 
 R = 4
 PREFIX = "base_model.model."

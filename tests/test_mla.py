@@ -10,19 +10,27 @@ sequence length, so every visible key is selected whatever the scores, or give t
 
 import pytest
 import torch
-
-from longstraw.core.hf_reference import grads_of, hf_conditional_logprobs, hf_full_logprobs, max_relative_error
-from longstraw import capture, replay, score
-from longstraw.kernels.dsa_topk import block_scores, index_scores, reference_select_topk, select_topk
-from longstraw.models.lora import apply_lora
-from longstraw.kernels.latent_attention import latent_attention, reference_mla_attention
-from longstraw.models import TINY_MLA_PRESETS, build_model
-from longstraw.training.rollout import SamplingConfig, _decode_entries, sample
-from transformers import DynamicCache, GenerationConfig
 from float64_reference import hf_float64, to_float64
 from state_asserts import assert_same_state
-from tolerances import TOL64, above, close, float32_tolerance, float64_residue_tolerance, logprob_tolerance
-from tolerances import max_abs, within
+from tolerances import (
+    TOL64,
+    above,
+    close,
+    float32_tolerance,
+    float64_residue_tolerance,
+    logprob_tolerance,
+    max_abs,
+    within,
+)
+from transformers import DynamicCache, GenerationConfig
+
+from longstraw import capture, replay, score
+from longstraw.core.hf_reference import grads_of, hf_conditional_logprobs, hf_full_logprobs, max_relative_error
+from longstraw.kernels.dsa_topk import block_scores, index_scores, reference_select_topk, select_topk
+from longstraw.kernels.latent_attention import latent_attention, reference_mla_attention
+from longstraw.models import TINY_MLA_PRESETS, build_model
+from longstraw.models.lora import apply_lora
+from longstraw.training.rollout import SamplingConfig, _decode_entries, sample
 
 PROMPT_LEN, RESPONSE_LEN = 23, 7  # prompt spans three 8-position capture chunks
 DROP_TOPK = 6  # far below the 29 positions a response token sees: top-k drops most of them

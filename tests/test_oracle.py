@@ -6,15 +6,14 @@ import types
 
 import pytest
 import torch
+from tolerances import float32_tolerance, logprob_tolerance, within
 
 from longstraw.core import grpo
 from longstraw.harness.runner import run_point
-from longstraw.models.lora import apply_lora
-from longstraw.models import build_model
 from longstraw.kinds.staleness import refresh_interval
+from longstraw.models import build_model
+from longstraw.models.lora import apply_lora, trainable_parameters
 from longstraw.training.oracle import staleness_oracle
-from longstraw.models.lora import trainable_parameters
-from tolerances import float32_tolerance, logprob_tolerance, within
 
 
 def _run(lr, steps=3, dtype=torch.float32, floor_perturbation=None):

@@ -8,20 +8,21 @@ import contextlib
 import pytest
 import torch
 
+from longstraw import capture
 from longstraw.core import grpo
 from longstraw.core.hf_reference import global_relative_error
 from longstraw.core.step import StepOptions, grpo_step, reference_policy
-from longstraw import capture
 from longstraw.models import build_model
 from longstraw.models.lora import apply_lora
 
 pytest.importorskip("trl", reason='the peers extra is not installed: pip install -e ".[peers]"')
 pytest.importorskip("prefix_grouper", reason='the peers extra is not installed: pip install -e ".[peers]"')
 
-from longstraw.peers import PeerNotApplicable, build_peer  # noqa: E402
-from grpo_reference import GradientRecorder  # noqa: E402
 from float64_reference import float64_gdn_states, has_gdn, hf_float64, to_float64  # noqa: E402
+from grpo_reference import GradientRecorder  # noqa: E402
 from tolerances import above, float64_residue_tolerance, within  # noqa: E402
+
+from longstraw.peers import PeerNotApplicable, build_peer  # noqa: E402
 
 
 def _policy(preset, dtype=torch.float32):

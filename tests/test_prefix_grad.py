@@ -6,13 +6,13 @@ compute one gradient in other orders; in float32 they measured up to 1.1e-5 apar
 
 import pytest
 import torch
-
-from longstraw.core.hf_reference import global_relative_error, hf_full_logprobs, max_relative_error
-from longstraw import capture, replay
-from longstraw.models.lora import apply_lora
-from longstraw.models import TINY_PRESETS, build_model
 from float64_reference import float64_gdn_states, float64_model, has_gdn, hf_float64
 from tolerances import above, float32_tolerance, float64_residue_tolerance, within
+
+from longstraw import capture, replay
+from longstraw.core.hf_reference import global_relative_error, hf_full_logprobs, max_relative_error
+from longstraw.models import TINY_PRESETS, build_model
+from longstraw.models.lora import apply_lora
 
 PROMPT_TERM = 0.05  # the conditional gradient alone is this far off the full-sequence one (measured >= 0.13)
 

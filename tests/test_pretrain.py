@@ -9,10 +9,10 @@ import math
 import pytest
 import torch
 
-from longstraw.training import tasks
+from longstraw.config import from_mapping
 from longstraw.models import load_pretrained
+from longstraw.training import tasks
 from longstraw.training.length_curve import example_at_depth, length_curve
-from longstraw.training.tasks import chance_level
 from longstraw.training.pretrain import (
     EVAL_SEED_BASE,
     TRAIN_SEED_STRIDE,
@@ -23,7 +23,7 @@ from longstraw.training.pretrain import (
     pretrain,
 )
 from longstraw.training.synthetic import MultiQueryRetrieval
-from longstraw.config import from_mapping
+from longstraw.training.tasks import chance_level
 
 COUNTING = {"name": "counting", "min_count": 0, "max_count": 3}
 

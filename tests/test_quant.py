@@ -11,14 +11,14 @@ try:
 except Exception as exc:  # not installed, or a broken build (missing native library)
     pytest.skip(f"bitsandbytes is not importable ({exc!r}): NF4/QLoRA tests skipped", allow_module_level=True)
 
-from longstraw.core.hf_reference import grads_of, hf_conditional_logprobs, hf_full_logprobs, max_relative_error  # noqa: E402
-from longstraw import capture, replay  # noqa: E402
-from longstraw.models.lora import apply_lora  # noqa: E402
-from longstraw.models import TINY_PRESETS, build_model  # noqa: E402
-from longstraw.models.quant import quantize_nf4  # noqa: E402
 from float64_reference import has_gdn, hf_float64, to_float64  # noqa: E402
-from tolerances import close, float32_tolerance, float64_residue_tolerance, logprob_tolerance  # noqa: E402
-from tolerances import max_abs, relative, within  # noqa: E402
+from tolerances import close, float32_tolerance, float64_residue_tolerance, logprob_tolerance, max_abs, relative, within  # noqa: E402  # noqa: E402
+
+from longstraw import capture, replay  # noqa: E402
+from longstraw.core.hf_reference import grads_of, hf_conditional_logprobs, hf_full_logprobs, max_relative_error  # noqa: E402
+from longstraw.models import TINY_PRESETS, build_model  # noqa: E402
+from longstraw.models.lora import apply_lora  # noqa: E402
+from longstraw.models.quant import quantize_nf4  # noqa: E402
 
 
 def _quant_state_tensors(qs):

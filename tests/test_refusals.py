@@ -776,7 +776,8 @@ def test_a_cuda_index_beyond_the_device_count_is_refused(monkeypatch):
                     "task": {"name": "kv_retrieval", "num_needles": 8},
                 }
             },
-            r"responses.task: length 16 cannot hold 8 needles .* \(the task at length 16, against the vocabulary of 256",
+            r"responses.task: length 16 cannot hold 8 needles .* "
+            r"\(the task at length 16, against the vocabulary of 256",
         ),
         (
             {

@@ -2,14 +2,14 @@
 
 import pytest
 import torch
-
-from longstraw.core.hf_reference import grads_of, hf_conditional_logprobs, hf_full_logprobs, max_relative_error
-from longstraw import capture, replay
-from longstraw.models.lora import apply_lora
-from longstraw.models import TINY_PRESETS, build_model
 from float64_reference import float64_gdn_states, float64_model, has_gdn, hf_float64
 from state_asserts import assert_same_state
 from tolerances import TOL64, float64_residue_tolerance, logprob_tolerance, max_abs, within
+
+from longstraw import capture, replay
+from longstraw.core.hf_reference import grads_of, hf_conditional_logprobs, hf_full_logprobs, max_relative_error
+from longstraw.models import TINY_PRESETS, build_model
+from longstraw.models.lora import apply_lora
 
 PROMPT_LEN = 37  # spans several 8-position capture chunks and is a multiple of none
 

@@ -4,15 +4,20 @@ smaller live autograd graph."""
 
 import pytest
 import torch
+from float64_reference import float64_gdn_states, float64_model, has_gdn, hf_float64
+from tolerances import float64_residue_tolerance, logprob_tolerance, max_abs, within
 
 from longstraw import capture, replay
-from longstraw.core.hf_reference import global_relative_error, grads_of, hf_conditional_logprobs, hf_full_logprobs
-from longstraw.core.hf_reference import max_relative_error
+from longstraw.core.hf_reference import (
+    global_relative_error,
+    grads_of,
+    hf_conditional_logprobs,
+    hf_full_logprobs,
+    max_relative_error,
+)
 from longstraw.measure.memory import GraphBytesMeter
 from longstraw.models import TINY_MLA_PRESETS, TINY_PRESETS, build_model
 from longstraw.models.lora import apply_lora
-from float64_reference import float64_gdn_states, float64_model, has_gdn, hf_float64
-from tolerances import float64_residue_tolerance, logprob_tolerance, max_abs, within
 
 PRESETS = TINY_PRESETS + TINY_MLA_PRESETS
 

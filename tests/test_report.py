@@ -24,7 +24,8 @@ import pytest
 from longstraw import cli
 from longstraw.cp.launch import run_ranks
 from longstraw.harness.runner import run_point
-from longstraw.kinds.staleness import columns as staleness_columns, refresh_interval
+from longstraw.kinds.staleness import columns as staleness_columns
+from longstraw.kinds.staleness import refresh_interval
 from longstraw.report import aggregate, render
 from longstraw.report.build import build_report
 from longstraw.report.figures import make_figures
@@ -910,7 +911,6 @@ def test_cpu_report_links_the_recorded_report(built, tmp_path):
     # the summary's claims carry the recorded GPU value beside this run's: the G=2 replay peak of the recorded
     # hybrid sweep, read from its result file by hand
     import json
-
     import re
 
     table = page.read_text().split('id="summary-claims"')[1].split("</table>")[0]

@@ -3,14 +3,14 @@ tokens), its log-probs against graph-free rescoring, and the prompt pages shared
 
 import pytest
 import torch
+from float64_reference import float64_gdn_states, float64_model, hf_float64
+from tolerances import logprob_tolerance, max_abs, within
 from transformers import GenerationConfig
 
 from longstraw import capture, score
 from longstraw.models import TINY_PRESETS, build_model
-from longstraw.training.rollout import SamplingConfig, _decode_entries, sample
 from longstraw.state import AttentionPages
-from float64_reference import float64_gdn_states, float64_model, hf_float64
-from tolerances import logprob_tolerance, max_abs, within
+from longstraw.training.rollout import SamplingConfig, _decode_entries, sample
 
 STOP = tuple(range(3, 256, 9))  # ~11% of the vocabulary: rows stop at different steps
 SETTINGS = [(0.0, 1.0), (1.0, 1.0), (0.7, 0.8)]  # greedy, plain sampling, temperature + top-p

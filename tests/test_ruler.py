@@ -464,7 +464,10 @@ def _ruler_tree(wheel, folder: Path) -> dict:
     try:
         import punkt  # noqa: F401
 
-        split = "import punkt\ndef sent_tokenize(text, language='english'):\n    return punkt.sent_tokenize(text, language)\n"
+        split = (
+            "import punkt\ndef sent_tokenize(text, language='english'):\n"
+            "    return punkt.sent_tokenize(text, language)\n"
+        )
     except ImportError:
         split = (
             "from longstraw.training.ruler.corpora import split_sentences\n"

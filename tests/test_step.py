@@ -2,20 +2,20 @@
 
 import pytest
 import torch
+from float64_reference import float64_gdn_states, float64_model, hf_float64
+from grpo_reference import GradientRecorder, batch_loss
+from tolerances import TOL64, above, float32_tolerance, float64_residue_tolerance, logprob_tolerance, within
 
+from longstraw import capture
+from longstraw.core import grpo
 from longstraw.core.hf_reference import (
     global_relative_error,
     hf_conditional_logprobs,
     hf_full_logprobs,
     max_relative_error,
 )
-from longstraw import capture
-from longstraw.core import grpo
-from longstraw.models import build_model
 from longstraw.core.step import StepOptions, grpo_step
-from grpo_reference import GradientRecorder, batch_loss
-from float64_reference import float64_gdn_states, float64_model, hf_float64
-from tolerances import TOL64, above, float32_tolerance, float64_residue_tolerance, logprob_tolerance, within
+from longstraw.models import build_model
 
 PROMPT_TERM = 1e-2  # the conditional gradient alone is this far off the full-sequence one (measured 0.24)
 

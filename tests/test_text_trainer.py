@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from tolerances import float32_tolerance
 
 # rewards, their statistics and advantages in float32 against float64 sums: a few float32 operations (<= 8
@@ -190,7 +189,8 @@ def _trl_rewards_and_advantages(per_func: list[list], weights: list[float]):
 
 # ---- the trainer end to end
 def test_trains_from_a_local_checkpoint_tokenizer_jsonl_and_reward_functions(fixture, tmp_path, monkeypatch):
-    from longstraw.training import rewards, trainer as trainer_module
+    from longstraw.training import rewards
+    from longstraw.training import trainer as trainer_module
     from longstraw.training.trainer import Trainer
 
     stops = []

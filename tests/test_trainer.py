@@ -2,19 +2,19 @@
 recomputed every step), and resume after an interruption reproducing the uninterrupted run."""
 
 import copy
-import math
 import json
+import math
 
 import pytest
 import torch
-from transformers import GenerationConfig
-
-from longstraw.core.hf_reference import hf_conditional_logprobs, hf_full_logprobs
-from longstraw.core import grpo
-from longstraw.training import tasks
-from longstraw.training.trainer import Trainer
 from float64_reference import hf_float64
 from tolerances import close
+from transformers import GenerationConfig
+
+from longstraw.core import grpo
+from longstraw.core.hf_reference import hf_conditional_logprobs, hf_full_logprobs
+from longstraw.training import tasks
+from longstraw.training.trainer import Trainer
 
 
 class _ParityTask:

@@ -15,7 +15,7 @@ import yaml
 from longstraw import capture, cli, replay, score
 from longstraw.config import GRPOConfig
 from longstraw.config.typed import ConfigError
-from longstraw.core.step import StepOptions, grpo_step
+from longstraw.core.step import grpo_step
 from longstraw.core.transaction import reuse_state
 from longstraw.harness import runner
 from longstraw.models import build_model
@@ -382,8 +382,9 @@ def none_for_all(completions, **kwargs):
 
 
 def test_a_group_no_reward_function_scored_warns_and_is_counted(tmp_path, capsys):
-    from longstraw.training.rewards import load_reward_funcs, score_group
     from test_text_trainer import _config, make_fixture
+
+    from longstraw.training.rewards import load_reward_funcs, score_group
 
     funcs = load_reward_funcs(["test_trust:none_for_all"])
     with pytest.warns(UserWarning, match="returned None for 4 of 4 completions.*no completion of the group"):

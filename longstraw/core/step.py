@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 import torch
 
 from longstraw.core import grpo
-from longstraw.core.hf_reference import hf_torch_gdn_kernels
 from longstraw.core.exact import clear_page_gradients
+from longstraw.core.hf_reference import hf_torch_gdn_kernels
 from longstraw.core.transaction import (
     capture,
     check_deterministic,
@@ -255,7 +255,7 @@ def grpo_step(
 
     metrics = {
         "mode": mode,
-        "loss": float(sum(float(l.detach()) for l in losses)),
+        "loss": float(sum(float(loss.detach()) for loss in losses)),
         "grad_norm": grad_norm,
         "reward_mean": float(rewards.nanmean()),  # NaN rewards (unscorable, with given advantages) left out
         "advantages": [float(a) for a in advantages],
@@ -382,7 +382,7 @@ def _replay_and_backward(
                     logps.append(replay(model, state, y, checkpoint_layers=checkpoint_layers))
                     losses.append(member_losses([i], logps[-1:])[0])
                 torch.stack(losses).sum().backward()
-            return [l.detach() for l in losses], [lp.detach() for lp in logps], meter, 1
+            return [loss.detach() for loss in losses], [lp.detach() for lp in logps], meter, 1
         if mode == "naive":
             with hf_checkpointing(model):
                 for i, y in enumerate(responses):
@@ -407,7 +407,7 @@ def _replay_and_backward(
                 )
                 losses_k = member_losses(members, logps_k)
                 torch.stack(losses_k).sum().backward()
-            losses += [l.detach() for l in losses_k]
+            losses += [loss.detach() for loss in losses_k]
             logps += [lp.detach() for lp in logps_k]
             del logps_k, losses_k
             if options.micro_batch == "auto" and start == 0:

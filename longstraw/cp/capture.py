@@ -27,12 +27,12 @@ from __future__ import annotations
 
 import torch
 
-from longstraw.families import adapter_for
 from longstraw.cp.balanced_attention import balanced_capture_attention
 from longstraw.cp.gdn_shards import enter_gdn_layer
 from longstraw.cp.group import CPGroup, shard_bounds
 from longstraw.cp.latent_capture import capture_latent_layer
 from longstraw.cp.shards import ShardedResidentState, ShardLatentPages, ShardPages
+from longstraw.families import adapter_for
 from longstraw.measure.memory import synchronize
 from longstraw.measure.progress import CaptureProgress
 from longstraw.state import AttentionPages, LatentPages, RecurrentState

@@ -56,10 +56,10 @@ Calibration (`calibrate`; files under experiments/recorded/h200, `CALIBRATION`, 
   do not explain (communication and waiting included), so the calibrated model reproduces that point.
 Checks (`checks`, each predicted without the number it is checked against): the single-GPU captures
 at the other length (hybrid-1b 2,097,152: +1.5%; the 27B shape 524,288: +3.8%), and the 2-rank
-captures from the single-GPU calibration alone (eta 1, delta 0: leave-one-out): -7.6% at 2,097,152, +5.1% at 4,456,448 (recorded
-before the capture went chunk by chunk through attention layers). `STATED_ERROR` bounds that
-leave-one-out error. No balanced capture is recorded yet: its rows add unmeasured inputs (eta 1, rho,
-the bandwidths) to the same terms.
+captures from the single-GPU calibration alone (eta 1, delta 0: leave-one-out): -7.6% at
+2,097,152, +5.1% at 4,456,448 (recorded before the capture went chunk by chunk through attention
+layers). `STATED_ERROR` bounds that leave-one-out error. No balanced capture is recorded yet: its rows
+add unmeasured inputs (eta 1, rho, the bandwidths) to the same terms.
 """
 
 from __future__ import annotations

@@ -35,7 +35,6 @@ from longstraw.families.base import FamilyAdapter
 from longstraw.kernels.latent_attention import absorb_query, expand_output, split_kv_b
 from longstraw.state import IndexQueries, LatentDecodePages, LatentPages
 
-
 _INDEXER_ROTARY = {"glm_moe_dsa": "apply_rotary_pos_emb_interleave", "deepseek_v32": "apply_rotary_pos_emb"}
 
 

@@ -28,8 +28,8 @@ from pathlib import Path
 from longstraw.config import ConfigError, PointConfig
 from longstraw.config.pretrain import PretrainConfig
 from longstraw.models.checks import ModelFacts, check_device, check_override_keys, checkpoint_facts, preset_facts
-from longstraw.models.real import REAL_CHECKPOINTS, real_checkpoint_of
 from longstraw.models.presets import MLA_MODEL_TYPES
+from longstraw.models.real import REAL_CHECKPOINTS, real_checkpoint_of
 from longstraw.training.checks import check_task_builds
 
 BEYOND = "set capture.beyond_max_positions: true to run it anyway"

@@ -17,13 +17,13 @@ from longstraw import kinds
 from longstraw.config import PointConfig, to_mapping
 from longstraw.core.determinism import deterministic_mode
 from longstraw.cp import context_parallel
+from longstraw.harness.inputs import check_ready
+from longstraw.harness.plan import resolve
 from longstraw.kernels.paged_attention import forward_kernel
 from longstraw.kinds.common import Progress
 from longstraw.measure.memory import peak_rss_bytes, process_peak_allocated_bytes
 from longstraw.measure.provenance import provenance
 from longstraw.models.real import checkpoint_provenance
-from longstraw.harness.inputs import check_ready
-from longstraw.harness.plan import resolve
 
 
 def run_point(raw, source: str = "config", on_progress=None, work_dir=None) -> dict:

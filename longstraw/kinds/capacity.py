@@ -36,7 +36,6 @@ import dataclasses
 import tempfile
 import time
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 from longstraw.config import PointConfig

@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from longstraw.config import PointConfig, to_mapping
-from longstraw.results import write_text_atomic
 from longstraw.kinds.columns import ExtraTable, as_dict, number, point_parts, rows_of_points
+from longstraw.results import write_text_atomic
 
 if TYPE_CHECKING:
     from longstraw.kinds.common import Progress

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import statistics
 import textwrap
-
 from typing import TYPE_CHECKING
 
 from longstraw.config import PointConfig

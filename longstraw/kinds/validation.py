@@ -23,7 +23,8 @@ level gives {level, reached (True / False; None: not run), tolerance, evidence (
   are also compared with the reference computed on a float32 copy of the model (g32), and the level is
   reached when ||g - g32|| / ||g32|| <= max(2e-2, 2 x ||g_ref - g32|| / ||g32||), i.e. our path is
   no further from float32 than twice HF's own low-precision path (NF4 models, which have no float32
-  copy, and points where HF's float32 pass runs out of memory keep the fixed 2e-2, and say so). Whole vector, not per parameter: HF's own one-pass and cache paths
+  copy, and points where HF's float32 pass runs out of memory keep the fixed 2e-2, and say so). Whole
+  vector, not per parameter: HF's own one-pass and cache paths
   differ by ~1% on Gated DeltaNet's tiny decay-parameter gradients (`hf_reference.global_relative_error`).
 - V3 full-sequence parity: the same gradient against HF one-pass autograd over p + y
   (`hf_full_logprobs`). Exact mode: reached within the same tolerance. Response-only mode drops the
@@ -47,7 +48,6 @@ import dataclasses
 import math
 import tempfile
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 from longstraw.config import PointConfig
@@ -309,9 +309,8 @@ def execute(model, prompt, responses, rewards, cfg: PointConfig, mode: str, devi
 
 
 def policy_improvement(cfg: PointConfig, scale: dict, progress: Progress) -> dict:
-    from longstraw.training.trainer import Trainer
-
     from longstraw.training.improvement import SIGMAS, paired_gain, per_prompt_means
+    from longstraw.training.trainer import Trainer
 
     window = cfg.validation.window
     runs = {}

@@ -32,10 +32,10 @@ from longstraw import kinds
 from longstraw.kinds.columns import as_dict, number
 from longstraw.plotting.ceiling import ceiling_reason
 from longstraw.plotting.formatting import LOG_SPAN, column_label, exact_value, format_value, is_missing, is_nested
-from longstraw.report.aggregate import experiment_order, grid_columns, records, status_counts
-from longstraw.report.levels import all_paths, levels_table, number_rules, paper_paths
 from longstraw.report import peers
+from longstraw.report.aggregate import experiment_order, grid_columns, records, status_counts
 from longstraw.report.figures import SUMMARY
+from longstraw.report.levels import all_paths, levels_table, number_rules, paper_paths
 from longstraw.report.paper import claim_rows, compare_figures, load_paper, scale_rows
 from longstraw.report.store import MANIFEST, Tables, read_tables
 from longstraw.results import STATUSES, atomic_path, write_text_atomic

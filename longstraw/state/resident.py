@@ -78,7 +78,8 @@ class ResidentState:
     """What `capture` keeps of a prompt: per-layer pages covering `positions` prompt positions.
 
     `positions` is the prompt length minus one: replay recomputes the last prompt token together
-    with the response, so every response token has a full autograd path. `last_token` is that token, `model_type` names the family.
+    with the response, so every response token has a full autograd path. `last_token` is that token,
+    `model_type` names the family.
     """
 
     layers: list

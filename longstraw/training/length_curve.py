@@ -63,8 +63,8 @@ def example_at_depth(task, seed: int, depth: float | None):
 def greedy_success(model, task, example, chunk_size: int | None = None, beyond_max_positions: bool = False) -> float:
     """Capture the prompt, decode len(answer) tokens greedily from the resident state (or the example's
     `max_new_tokens`, up to the task's `stop_ids`), score them."""
-    from longstraw.training.rollout import SamplingConfig, sample
     from longstraw.core.transaction import capture
+    from longstraw.training.rollout import SamplingConfig, sample
 
     device = next(model.parameters()).device
     state = capture(

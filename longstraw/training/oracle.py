@@ -43,9 +43,9 @@ from dataclasses import dataclass
 import torch
 
 from longstraw.core import grpo
-from longstraw.training.rollout import SamplingConfig, sample
 from longstraw.core.step import reference_policy
 from longstraw.core.transaction import capture, replay, reuse_state, score
+from longstraw.training.rollout import SamplingConfig, sample
 
 
 def parameter_drift(params, at_capture) -> float:

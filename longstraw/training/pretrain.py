@@ -36,8 +36,8 @@ import contextlib
 import dataclasses
 import json
 import math
-import shutil
 import random
+import shutil
 import sys
 import time
 from pathlib import Path

@@ -72,7 +72,6 @@ from longstraw.training.rollout import SamplingConfig, sample
 from longstraw.training.tasks import build_task, check_task_spec
 from longstraw.training.text_tasks import TextTask, completion_metrics, json_safe
 
-
 # what a step's record keeps of `grpo_step`'s metrics about memory (with its phases), beside the training metrics
 TRANSACTION_KEYS = (
     "graph_bytes_peak",

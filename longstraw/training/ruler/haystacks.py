@@ -19,7 +19,6 @@ from longstraw.training.ruler.corpora import QACorpus, essay_sentences, key_word
 from longstraw.training.ruler.formats import DOCUMENT, NEEDLE, REPEAT_HAYSTACK, VT_NOISE
 from longstraw.training.ruler.tokens import Counter
 
-
 _MARKS = set(".,;:!?")
 
 

@@ -21,10 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
+from longstraw.training.example import Example
 from longstraw.training.ruler.formats import TASKS
 from longstraw.training.ruler.rewards import string_match_all, string_match_part
 from longstraw.training.ruler.tasks import make_example
-from longstraw.training.example import Example
 
 METRICS = {"string_match_all": string_match_all, "string_match_part": string_match_part}
 ANSWER_SLACK = 4  # greedy tokens past the references' own (a closing period, a stop token)

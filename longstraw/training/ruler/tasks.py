@@ -9,17 +9,6 @@ from dataclasses import dataclass, field
 from numbers import Real
 
 from longstraw.training.ruler.corpora import qa_corpus
-from longstraw.training.ruler.haystacks import (
-    DRAW,
-    VT_SENTENCES,
-    Distractors,
-    Documents,
-    Essays,
-    Haystack,
-    Repeat,
-    vt_noise,
-    vt_split_noise,
-)
 from longstraw.training.ruler.fit import Needle, assemble
 from longstraw.training.ruler.formats import (
     DEPTH_GRID,
@@ -34,6 +23,17 @@ from longstraw.training.ruler.formats import (
     join_query,
     niah_template,
     split_template,
+)
+from longstraw.training.ruler.haystacks import (
+    DRAW,
+    VT_SENTENCES,
+    Distractors,
+    Documents,
+    Essays,
+    Haystack,
+    Repeat,
+    vt_noise,
+    vt_split_noise,
 )
 from longstraw.training.ruler.tokens import Counter, frame
 
