@@ -25,13 +25,12 @@ forward plus its attention backward. Chunks are the capture's own (`chunk_size`)
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from longstraw.families import adapter_for
-from longstraw.state import AttentionPages, LatentPages, RecurrentState, ResidentState
-from longstraw.state.pages import attend_latent_pages, attend_pages
+from longstraw.state import ResidentState
 
 
 @dataclass
@@ -45,89 +44,14 @@ class PrefixTrace:
         backward_prefix(state)
 
 
-@dataclass
-class RecomputePages:
-    """An attention layer while one prompt chunk is recomputed under autograd."""
-
-    prefix_k: torch.Tensor
-    prefix_v: torch.Tensor
-    live: list = field(default_factory=list)
-
-    def filled(self):
-        return self.prefix_k, self.prefix_v
-
-    def append(self, k_BKTD, v_BKTD):
-        self.live = [k_BKTD, v_BKTD]
-
-    attend = attend_pages
-
-    @property
-    def prefix_leaves(self):
-        return self.prefix_k, self.prefix_v
-
-
-@dataclass
-class RecomputeLatent:
-    """An MLA layer while one prompt chunk is recomputed: a grad-tracking leaf over the latent pages
-    before the chunk, the index pages before it (read only), the chunk's own entries with their graph."""
-
-    prefix_kv: torch.Tensor
-    prefix_index: torch.Tensor | None
-    chunk_start: int  # the chunk's first position (the MLA adapter keys IndexShare selections by it)
-    live: list = field(default_factory=list)
-
-    def filled(self):
-        return self.prefix_kv, self.prefix_index
-
-    on_device = filled  # exact mode keeps its pages on the device
-    attend = attend_latent_pages
-
-    def append(self, kv_11TE, index_1TI):
-        self.live = [kv_11TE]
-
-    @property
-    def prefix_leaves(self):
-        return (self.prefix_kv,)
-
-
-class RecomputeRecurrent(RecurrentState):
-    """A GDN layer while one prompt chunk is recomputed: starts from grad-tracking leaves, keeps its
-    end state (with its graph) in `final` instead of writing it back."""
-
-    keep_final = True
-    final: tuple = ()
-
-
-def _leaves(*tensors):
-    return tuple(t.detach().requires_grad_() for t in tensors)
-
-
 def enable(state: ResidentState, model, ids: torch.Tensor, chunk: int, checkpoints: dict) -> None:
     """Turn a fresh capture into an exact-mode state (leaves over the state, the prompt kept)."""
+    missing = sorted({type(e).__name__ for e in state.layers if not hasattr(e, "enable_prefix_grad")})
+    if missing:
+        raise NotImplementedError(f"prefix_grad=True: no prompt-side gradient for {', '.join(missing)} layers")
     for entry in state.layers:
-        if isinstance(entry, AttentionPages):
-            entry.leaves = _leaves(entry.k_BKPD[:, :, : entry.length], entry.v_BKPD[:, :, : entry.length])
-        elif isinstance(entry, LatentPages):
-            entry.leaves = _leaves(entry.kv_11PE[:, :, : entry.length])
-        elif isinstance(entry, RecurrentState):
-            entry.leaves = _leaves(entry.conv_BCK1, entry.recurrent_BHDV)
-        else:
-            raise NotImplementedError(f"prefix_grad=True: no prompt-side gradient for {type(entry).__name__} layers")
+        entry.enable_prefix_grad()
     state.prefix_trace = PrefixTrace(model, ids[: state.positions], chunk, checkpoints)
-
-
-def _recompute_entry(entry, layer: int, start: int, checkpoints: dict):
-    if isinstance(entry, AttentionPages):
-        return RecomputePages(
-            *(t[:, :, :start].detach().requires_grad_(start > 0) for t in (entry.k_BKPD, entry.v_BKPD))
-        )
-    if isinstance(entry, LatentPages):
-        index = None if entry.index_1PI is None else entry.index_1PI[:, :start]
-        return RecomputeLatent(entry.kv_11PE[:, :, :start].detach().requires_grad_(start > 0), index, start)
-    conv, recurrent = checkpoints[(layer, start)]
-    recompute = RecomputeRecurrent(conv, recurrent)
-    recompute.leaves = _leaves(conv, recurrent)
-    return recompute
 
 
 def page_gradients(state: ResidentState) -> list[list[torch.Tensor]]:
@@ -169,24 +93,16 @@ def recompute_chunks(adapter, trace: PrefixTrace, entries, grads, starts: range,
             stop = min(start + trace.chunk, end)
             h = adapter.embed(trace.ids[None, start:stop])
             pe = adapter.position_embeddings(h, start)
-            recomputes = [_recompute_entry(entry, i, start, trace.checkpoints) for i, entry in enumerate(entries)]
+            recomputes = [
+                entry.for_prefix_recompute(start, trace.checkpoints.get((i, start))) for i, entry in enumerate(entries)
+            ]
             for i, recompute in enumerate(recomputes):
                 h = adapter.layer_forward(i, h, pe, recompute, capturing=True)
             outputs, seeds = [], []
-            for recompute, pair in zip(recomputes, grads):
-                if isinstance(recompute, (RecomputePages, RecomputeLatent)):  # chunk's pages <- their gradients
-                    outputs += recompute.live
-                    seeds += [g[:, :, start:stop] for g in pair]
-                else:  # the GDN state at this chunk's end <- the gradient of the next chunk's start
-                    outputs += recompute.final
-                    seeds += pair
+            for recompute, pair in zip(recomputes, grads):  # pages <- their rows; a GDN end state <- the next start's
+                chunk_outputs, chunk_seeds = recompute.chunk_outputs(pair, start, stop)
+                outputs += chunk_outputs
+                seeds += chunk_seeds
             torch.autograd.backward(outputs, seeds)
-            for i, recompute in enumerate(recomputes):
-                if isinstance(recompute, (RecomputePages, RecomputeLatent)):
-                    for grad, leaf in zip(grads[i], recompute.prefix_leaves):
-                        if leaf.grad is not None:  # None where nothing read them (the last layer)
-                            grad[:, :, :start] += leaf.grad
-                else:
-                    grads[i][:] = [
-                        leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in recompute.leaves
-                    ]
+            for recompute, pair in zip(recomputes, grads):
+                recompute.carry_gradients(pair, start)

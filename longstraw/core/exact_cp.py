@@ -37,7 +37,6 @@ from longstraw.core.exact import PrefixTrace, clear_page_gradients, page_gradien
 from longstraw.cp.balanced_attention import gather_shards
 from longstraw.cp.group import shard_bounds
 from longstraw.families import adapter_for
-from longstraw.state import AttentionPages, LatentPages, RecurrentState
 
 
 @dataclass
@@ -78,18 +77,9 @@ def backward_prefix_sharded(state) -> None:
 
 def _through_shard_end(entry, cp, bounds, end: int):
     """An entry whose pages cover every position before `end` (earlier shards' pages gathered once):
-    what the recompute of this rank's chunks reads. GDN layers: the entry itself (the recompute reads
-    its chunk checkpoints)."""
-    if isinstance(entry, AttentionPages):
-        k, v = (t[:, :, :end] for t in gather_shards(cp, bounds, *(t[:, :, : entry.length] for t in entry.tensors())))
-        return AttentionPages(k, v, end)
-    if isinstance(entry, LatentPages):
-        kv, index = entry.kv_11PE[:, :, : entry.length], entry.index_1PI
-        gathered = gather_shards(cp, bounds, kv, *([] if index is None else [index[:, None, : entry.length]]))
-        return LatentPages(
-            gathered[0][:, :, :end], None if index is None else gathered[1][:, 0, :end], entry.kv_lora_rank, end
-        )
-    return entry
+    what the recompute of this rank's chunks reads (`entry.gathered_through`; a GDN layer's is the entry
+    itself, its recompute reads the chunk checkpoints)."""
+    return entry.gathered_through(end, lambda *tensors: gather_shards(cp, bounds, *tensors))
 
 
 def _own_gradients(state, entries, start: int, end: int):
@@ -97,7 +87,7 @@ def _own_gradients(state, entries, start: int, end: int):
     buffers over every position before `end` (zeros elsewhere), and the GDN final states' gradients."""
     grads = []
     for entry, own in zip(entries, page_gradients(state)):
-        if isinstance(entry, RecurrentState):
+        if not entry.positional_gradients:  # a GDN final state's: passed on as it is
             grads.append(own)
             continue
         whole = [torch.zeros(*g.shape[:2], end, g.shape[3], dtype=g.dtype, device=g.device) for g in own]
@@ -110,7 +100,7 @@ def _own_gradients(state, entries, start: int, end: int):
 def _flat(grads, entries):
     """Every layer's gradients in one list, each with whether it is a page gradient (summed over the
     shards that read the page) or a GDN state's (passed on)."""
-    return [(g, not isinstance(e, RecurrentState)) for pair, e in zip(grads, entries) for g in pair]
+    return [(g, e.positional_gradients) for pair, e in zip(grads, entries) for g in pair]
 
 
 def _sum_prompt_terms(cp, params, conditional) -> None:

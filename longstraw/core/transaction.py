@@ -27,7 +27,7 @@ from longstraw.kernels.paged_attention import ForwardMemo
 from longstraw.measure.memory import synchronize
 from longstraw.measure.progress import CaptureProgress
 from longstraw.models.quant import merged_lora_for_capture, merged_weights_kept
-from longstraw.state import RecurrentState, ResidentState, chain_host_pages, prompt_digest
+from longstraw.state import ResidentState, chain_host_pages, prompt_digest
 
 DEFAULT_CHUNK = {"cpu": 2048, "cuda": 16384}
 
@@ -146,8 +146,8 @@ def capture(
     checkpoints = {} if prefix_grad else None
 
     def forward_layer(i, h, pe, entry, start):
-        if checkpoints is not None and isinstance(entry, RecurrentState):
-            checkpoints[(i, start)] = (entry.conv_BCK1.clone(), entry.recurrent_BHDV.clone())
+        if checkpoints is not None and (saved := entry.chunk_checkpoint()) is not None:
+            checkpoints[(i, start)] = saved
         return adapter.layer_forward(i, h, pe, entry, capturing=True)
 
     progress_bar = CaptureProgress(

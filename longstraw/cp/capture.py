@@ -35,7 +35,6 @@ from longstraw.cp.shards import ShardedResidentState, ShardLatentPages, ShardPag
 from longstraw.families import adapter_for
 from longstraw.measure.memory import synchronize
 from longstraw.measure.progress import CaptureProgress
-from longstraw.state import AttentionPages, LatentPages, RecurrentState
 
 
 def capture_sharded(
@@ -56,19 +55,18 @@ def capture_sharded(
         raise ValueError(f"the model is on {device} but this context-parallel rank runs on {cp.device}")
     bounds = tuple(shard_bounds(positions, cp.world))
     start, end = bounds[cp.rank]
-    layers = []
+    forms = ShardForms(cp, bounds)
+    layers, capture_layers = [], []
     for i in range(adapter.num_layers):
         entry = adapter.allocate_entry(i, end - start, dtype, device)
-        if isinstance(entry, AttentionPages):
-            entry = ShardPages(entry.k_BKPD, entry.v_BKPD, cp=cp, bounds=bounds)
-        elif isinstance(entry, LatentPages):
-            entry = ShardLatentPages(entry.kv_11PE, entry.index_1PI, entry.kv_lora_rank, cp=cp, bounds=bounds)
-        elif not isinstance(entry, RecurrentState):
+        if not hasattr(entry, "for_shard"):
             raise ValueError(
                 f"{adapter.config.model_type!r} keeps {type(entry).__name__} entries, which have no "
                 "context-parallel form"
             )
+        entry, capture_layer = entry.for_shard(forms)
         layers.append(entry)
+        capture_layers.append(capture_layer)
     per_position, constant = adapter.predicted_bytes(dtype)
     state = ShardedResidentState(
         layers=layers,
@@ -89,38 +87,67 @@ def capture_sharded(
     )
     with torch.no_grad(), adapter.selected():
         h = adapter.embed(ids[None, start:end])
-        for i, entry in enumerate(layers):
-            if isinstance(entry, ShardPages):
-                _attention_layer(adapter, i, h, entry, start, chunk)
-            elif isinstance(entry, ShardLatentPages):
-                h[:] = capture_latent_layer(adapter, i, h, entry, cp, bounds, chunk)
-            else:
-                enter_gdn_layer(adapter, i, h, entry, cp, bounds, chunk)  # GDN: the state at this shard's start
-                for c0 in range(0, end - start, chunk):
-                    if checkpoints is not None:
-                        checkpoints[(i, start + c0)] = (entry.conv_BCK1.clone(), entry.recurrent_BHDV.clone())
-                    h_c = h[:, c0 : c0 + chunk]
-                    h[:, c0 : c0 + chunk] = adapter.layer_forward(
-                        i, h_c, adapter.position_embeddings(h_c, start + c0), entry, capturing=True
-                    )
-                    progress_bar.advance_to(i * (end - start) + c0 + h_c.shape[1])
+        for i, (entry, capture_layer) in enumerate(zip(layers, capture_layers)):
+            capture_layer(adapter, i, h, entry, forms, chunk, checkpoints, progress_bar)
             progress_bar.advance_to((i + 1) * (end - start))
         progress_bar.close()
         del h
-        for entry in (e for e in layers if isinstance(e, RecurrentState)):
+        for entry in forms.replicated:  # the GDN states at the prompt's end, the last rank's
             cp.broadcast_(entry.tensors(), cp.world - 1)
     synchronize(device)
     cp.resident_bytes = state.nbytes
     return state
 
 
-def _attention_layer(adapter, i: int, h, pages: ShardPages, start: int, chunk: int) -> None:
+class ShardForms:
+    """The context-parallel form of each kind of resident entry, with how a capture runs its layer over the
+    rank's shard (`entry.for_shard(forms)` picks its own: attention pages, latent pages or a recurrent state)."""
+
+    def __init__(self, cp: CPGroup, bounds: tuple):
+        self.cp, self.bounds = cp, bounds
+        self.replicated = []  # entries every rank holds whole (the last rank's broadcast after the capture)
+
+    def pages(self, entry):
+        return ShardPages(entry.k_BKPD, entry.v_BKPD, cp=self.cp, bounds=self.bounds), _attention_layer
+
+    def latent(self, entry):
+        shard = ShardLatentPages(entry.kv_11PE, entry.index_1PI, entry.kv_lora_rank, cp=self.cp, bounds=self.bounds)
+        return shard, _latent_layer
+
+    def recurrent(self, entry):
+        self.replicated.append(entry)
+        return entry, _gdn_layer
+
+
+def _latent_layer(adapter, i: int, h, pages, forms: ShardForms, chunk: int, checkpoints, progress_bar) -> None:
+    h[:] = capture_latent_layer(adapter, i, h, pages, forms.cp, forms.bounds, chunk)
+
+
+def _gdn_layer(adapter, i: int, h, entry, forms: ShardForms, chunk: int, checkpoints, progress_bar) -> None:
+    """A GDN layer over the shard (in place), from the state at this shard's start; exact mode keeps its state
+    at each chunk start (`checkpoints`)."""
+    cp, bounds = forms.cp, forms.bounds
+    start, end = bounds[cp.rank]
+    enter_gdn_layer(adapter, i, h, entry, cp, bounds, chunk)  # GDN: the state at this shard's start
+    for c0 in range(0, end - start, chunk):
+        if checkpoints is not None:
+            checkpoints[(i, start + c0)] = entry.chunk_checkpoint()
+        h_c = h[:, c0 : c0 + chunk]
+        h[:, c0 : c0 + chunk] = adapter.layer_forward(
+            i, h_c, adapter.position_embeddings(h_c, start + c0), entry, capturing=True
+        )
+        progress_bar.advance_to(i * (end - start) + c0 + h_c.shape[1])
+
+
+def _attention_layer(
+    adapter, i: int, h, pages: ShardPages, forms: ShardForms, chunk: int, checkpoints, progress_bar
+) -> None:
     """One attention layer over the rank's shard `h` (in place), in two passes of its chunks: the first
     keeps their queries and appends their K/V (its output unused), then the shard's attention outputs
     come from `balanced_capture_attention` (the work spread over the ranks), and the second pass runs
     the layer on them. The second pass recomputes the layer's projections: cheap beside long-prompt
     attention."""
-    layer, shard = adapter.layers[i], h.shape[1]
+    layer, shard, start = adapter.layers[i], h.shape[1], forms.bounds[forms.cp.rank][0]
     pages.phase = "collect"
     for c0 in range(0, shard, chunk):
         h_c = h[:, c0 : c0 + chunk]

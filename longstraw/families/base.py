@@ -4,7 +4,9 @@ An adapter wraps one HF causal LM (peft-wrapped or not). The core (`longstraw.co
 calls: `embed`, `position_embeddings`, `layer_forward`, `final_hidden`, `lm_head`,
 `allocate_entry`, `predicted_bytes`, `binding`. A family implements `allocate_entry(i, ...)` (which
 resident entry layer i keeps), `mix(i, x, pe, entry, capturing)` (its token mixing) and
-`predicted_bytes`; everything per-token (norms, MLP / MoE) runs through the HF modules.
+`predicted_bytes`; everything per-token (norms, MLP / MoE) runs through the HF modules. The entries it
+allocates implement `longstraw.state.pages.ResidentEntry` (decoding, exact mode's leaves and recompute, the
+context-parallel form; `tests/test_entry_contract.py`), so core, cp and training never branch on their type.
 """
 
 from __future__ import annotations

@@ -10,13 +10,17 @@ its tensors and knows its byte count; the family adapters decide which entry a l
   and on DSA index layers the indexer's key per position.
 - `LatentDecodePages`: while sampling, an MLA layer's shared prompt latent pages plus per-sequence entries.
 
-The core only relies on `tensors()` (for bytes and fingerprint) and `snapshot()/restore()`.
+An entry owns its behaviour (`ResidentEntry` below is the contract, `tests/test_entry_contract.py` checks every
+entry against it): the core, context parallelism and sampling call these methods and never branch on an
+entry's type. The exact mode's recompute entries (`RecomputePages`, `RecomputeLatent`, `RecomputeRecurrent`)
+live here beside the entries they are made from.
 """
 
 from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass, field
+from typing import Callable, Protocol
 
 import torch
 
@@ -24,6 +28,55 @@ from longstraw.kernels.dsa_topk import select_topk, select_topk_decode
 from longstraw.kernels.latent_attention import latent_attention, latent_decode_attention
 from longstraw.kernels.paged_attention import decode_attention, paged_attention
 from longstraw.measure.timing import timed_attention
+
+
+class ResidentEntry(Protocol):
+    """What a layer's resident entry does for the core, context parallelism and sampling (a family's entry
+    implements all of it). How the live tokens mix over it is the family's: attention entries `attend` for the
+    shared attention layer (`families/attention_layer.py`), a GDN layer's mixer reads its state's `inputs()`."""
+
+    # its exact-mode leaves' gradients are per prompt position (context-parallel ranks sum them over the shards)
+    # or a state passed on (the same on every rank)
+    positional_gradients: bool
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors it holds (resident bytes, fingerprint, snapshot)."""
+
+    def for_decoding(self, batch: int, capacity: int):
+        """The entry `batch` sampled sequences decode on, each with room for `capacity` new tokens."""
+
+    def chunk_checkpoint(self):
+        """What exact mode keeps at each capture chunk's start to recompute from (None: the pages are the record)."""
+
+    def enable_prefix_grad(self) -> None:
+        """Exact mode: grad-tracking leaves over what replays read, whose gradients `backward_prefix` consumes."""
+
+    def for_prefix_recompute(self, start: int, checkpoint):
+        """Exact mode's recompute entry for the prompt chunk at `start` (`checkpoint`: `chunk_checkpoint()` there)."""
+
+    def gathered_through(self, end: int, gather: Callable):
+        """The entry over every prompt position before `end`, this shard's tensors joined with the earlier
+        shards' (`gather` concatenates every rank's tensors along positions): a context-parallel recompute's."""
+
+    def for_shard(self, forms):
+        """Its context-parallel form: the one of `forms.pages`, `forms.latent`, `forms.recurrent` that fits
+        (`longstraw.cp.capture`), so a new kind of entry names its own form or has none."""
+
+
+def _leaves(*tensors):
+    return tuple(t.detach().requires_grad_() for t in tensors)
+
+
+def _page_chunk_outputs(self, grads, start: int, stop: int):
+    """(outputs, seeds) of a recomputed chunk's backward: its live pages and their rows of the page gradients."""
+    return self.live, [g[:, :, start:stop] for g in grads]
+
+
+def _carry_page_gradients(self, grads, start: int) -> None:
+    """Add what reached the pages before the chunk into `grads` (consumed when their chunk comes up)."""
+    for grad, leaf in zip(grads, self.prefix_leaves):
+        if leaf.grad is not None:  # None where nothing read them (the last layer)
+            grad[:, :, :start] += leaf.grad
 
 
 def attend_pages(pages, q_BHTD, k_BKTD, v_BKTD, scale: float, append: bool):
@@ -86,6 +139,26 @@ class AttentionPages:
         return self
 
     attend = attend_pages
+    positional_gradients = True
+
+    def for_decoding(self, batch: int, capacity: int) -> "DecodePages":
+        return DecodePages.allocate(self, batch, capacity)
+
+    def chunk_checkpoint(self):
+        return None
+
+    def enable_prefix_grad(self) -> None:
+        self.leaves = _leaves(self.k_BKPD[:, :, : self.length], self.v_BKPD[:, :, : self.length])
+
+    def for_prefix_recompute(self, start: int, checkpoint=None) -> "RecomputePages":
+        return RecomputePages(*(t[:, :, :start].detach().requires_grad_(start > 0) for t in (self.k_BKPD, self.v_BKPD)))
+
+    def gathered_through(self, end: int, gather: Callable) -> "AttentionPages":
+        k, v = (t[:, :, :end] for t in gather(*(t[:, :, : self.length] for t in self.tensors())))
+        return AttentionPages(k, v, end)
+
+    def for_shard(self, forms):
+        return forms.pages(self)
 
     def attend_decode(self, q_BHTD, own: "AttentionPages", scale: float):
         """One decoding step: each sequence's query over these shared pages and its `own` pages."""
@@ -140,6 +213,68 @@ class RecurrentState:
         return RecurrentState(conv.repeat(batch, 1, 1), recurrent.repeat(batch, 1, 1, 1))
 
     for_members = repeated  # replay never writes it
+    positional_gradients = False
+
+    def for_decoding(self, batch: int, capacity: int) -> "RecurrentState":
+        return self.repeated(batch)
+
+    def chunk_checkpoint(self):
+        return self.conv_BCK1.clone(), self.recurrent_BHDV.clone()
+
+    def enable_prefix_grad(self) -> None:
+        self.leaves = _leaves(self.conv_BCK1, self.recurrent_BHDV)
+
+    def for_prefix_recompute(self, start: int, checkpoint) -> "RecomputeRecurrent":
+        conv, recurrent = checkpoint
+        recompute = RecomputeRecurrent(conv, recurrent)
+        recompute.leaves = _leaves(conv, recurrent)
+        return recompute
+
+    def gathered_through(self, end: int, gather: Callable) -> "RecurrentState":
+        return self  # its recompute starts from the chunk checkpoints, which each rank keeps for its own chunks
+
+    def for_shard(self, forms):
+        return forms.recurrent(self)
+
+
+@dataclass
+class RecomputePages:
+    """An attention layer while exact mode recomputes one prompt chunk under autograd: the pages before the
+    chunk as grad-tracking leaves, the chunk's own K/V (`live`) with their graph."""
+
+    prefix_k: torch.Tensor
+    prefix_v: torch.Tensor
+    live: list = field(default_factory=list)
+
+    def filled(self):
+        return self.prefix_k, self.prefix_v
+
+    def append(self, k_BKTD, v_BKTD):
+        self.live = [k_BKTD, v_BKTD]
+
+    attend = attend_pages
+    chunk_outputs = _page_chunk_outputs
+    carry_gradients = _carry_page_gradients
+
+    @property
+    def prefix_leaves(self):
+        return self.prefix_k, self.prefix_v
+
+
+class RecomputeRecurrent(RecurrentState):
+    """A GDN layer while one prompt chunk is recomputed: starts from grad-tracking leaves, keeps its
+    end state (with its graph) in `final` instead of writing it back."""
+
+    keep_final = True
+    final: tuple = ()
+
+    def chunk_outputs(self, grads, start: int, stop: int):
+        """(outputs, seeds): the state at the chunk's end and the gradient of the next chunk's start."""
+        return list(self.final), list(grads)
+
+    def carry_gradients(self, grads, start: int) -> None:
+        """`grads` becomes the gradient of the state at the chunk's start (the seed of the chunk before)."""
+        grads[:] = [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in self.leaves]
 
 
 @dataclass
@@ -270,6 +405,30 @@ class LatentPages:
         return [self.kv_11PE] + ([] if self.index_1PI is None else [self.index_1PI])
 
     attend = attend_latent_pages
+    positional_gradients = True
+
+    def for_decoding(self, batch: int, capacity: int) -> "LatentDecodePages":
+        return LatentDecodePages.allocate(self, batch, capacity)
+
+    def chunk_checkpoint(self):
+        return None
+
+    def enable_prefix_grad(self) -> None:
+        self.leaves = _leaves(self.kv_11PE[:, :, : self.length])  # the index keys get none (no-grad indexer)
+
+    def for_prefix_recompute(self, start: int, checkpoint=None) -> "RecomputeLatent":
+        index = None if self.index_1PI is None else self.index_1PI[:, :start]
+        return RecomputeLatent(self.kv_11PE[:, :, :start].detach().requires_grad_(start > 0), index, start)
+
+    def gathered_through(self, end: int, gather: Callable) -> "LatentPages":
+        kv, index = self.kv_11PE[:, :, : self.length], self.index_1PI
+        gathered = gather(kv, *([] if index is None else [index[:, None, : self.length]]))
+        return LatentPages(
+            gathered[0][:, :, :end], None if index is None else gathered[1][:, 0, :end], self.kv_lora_rank, end
+        )
+
+    def for_shard(self, forms):
+        return forms.latent(self)
 
     def attend_decode(
         self, q_BH1E, own: "LatentPages", *, rank: int, scale: float, index: IndexQueries | None = None, selection=None
@@ -296,6 +455,32 @@ class LatentPages:
     def chunk_start(self) -> int:
         """The first position of the chunk the next mix call brings (IndexShare keys its selections by it)."""
         return self.length
+
+
+@dataclass
+class RecomputeLatent:
+    """An MLA layer while one prompt chunk is recomputed: a grad-tracking leaf over the latent pages
+    before the chunk, the index pages before it (read only), the chunk's own entries with their graph."""
+
+    prefix_kv: torch.Tensor
+    prefix_index: torch.Tensor | None
+    chunk_start: int  # the chunk's first position (the MLA adapter keys IndexShare selections by it)
+    live: list = field(default_factory=list)
+
+    def filled(self):
+        return self.prefix_kv, self.prefix_index
+
+    on_device = filled  # exact mode keeps its pages on the device
+    attend = attend_latent_pages
+    chunk_outputs = _page_chunk_outputs
+    carry_gradients = _carry_page_gradients
+
+    def append(self, kv_11TE, index_1TI):
+        self.live = [kv_11TE]
+
+    @property
+    def prefix_leaves(self):
+        return (self.prefix_kv,)
 
 
 _COPY_STREAMS: dict = {}  # one host-to-device copy stream per CUDA device

@@ -30,14 +30,7 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopP
 
 from longstraw.core.transaction import check_deterministic, check_state
 from longstraw.families import adapter_for
-from longstraw.state import (
-    AttentionPages,
-    DecodePages,
-    LatentDecodePages,
-    LatentPages,
-    RecurrentState,
-    ResidentState,
-)
+from longstraw.state import ResidentState
 
 
 @dataclass(frozen=True)
@@ -67,17 +60,11 @@ class Rollouts:
 
 
 def _decode_entries(state: ResidentState, batch: int, capacity: int) -> list:
-    entries = []
-    for entry in state.layers:
-        if isinstance(entry, AttentionPages):
-            entries.append(DecodePages.allocate(entry, batch, capacity))
-        elif isinstance(entry, LatentPages):
-            entries.append(LatentDecodePages.allocate(entry, batch, capacity))
-        elif isinstance(entry, RecurrentState):
-            entries.append(entry.repeated(batch))
-        else:
-            raise TypeError(f"sampling does not support resident entries of type {type(entry).__name__}")
-    return entries
+    """Each layer's entry as `batch` sequences decode on it (`entry.for_decoding`), refused before any step."""
+    missing = sorted({type(e).__name__ for e in state.layers if not hasattr(e, "for_decoding")})
+    if missing:
+        raise TypeError(f"sampling does not support resident entries of type {', '.join(missing)}")
+    return [entry.for_decoding(batch, capacity) for entry in state.layers]
 
 
 def _next_tokens(logits_GV: torch.Tensor, config: SamplingConfig, generator) -> torch.Tensor:
