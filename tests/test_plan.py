@@ -95,3 +95,21 @@ def test_repository_experiments_plan_for_both_profiles():
     for profile in plan.PROFILES:
         experiments = plan.plan(REPO / "experiments", profile)
         assert {"g_sweep", "operating_points", "baselines", "architectures"} <= set(experiments)
+
+
+def test_the_kinds_are_listed_once_and_each_has_its_module():
+    """`KINDS` is the one list: the schema's enum and the config's type are made from it, and every kind in it
+    has its module with a `run`, while no other module of `longstraw/kinds` runs points."""
+    import importlib
+    import typing
+
+    from longstraw.config.point import KINDS, PointConfig
+
+    assert plan.schema()["properties"]["kind"]["enum"] == list(KINDS)
+    assert typing.get_args(typing.get_type_hints(PointConfig)["kind"]) == KINDS
+    runs = {
+        path.stem: callable(getattr(importlib.import_module(f"longstraw.kinds.{path.stem}"), "run", None))
+        for path in (REPO / "longstraw" / "kinds").glob("*.py")
+        if path.stem != "__init__"
+    }
+    assert {name for name, has_run in runs.items() if has_run} == set(KINDS)

@@ -1966,3 +1966,22 @@ def test_a_step_point_of_several_cycles_shows_its_cold_and_its_warm_step():
     assert row["warm_step_seconds"] == pytest.approx(1.1)
     one = columns({**point, "metrics": {"cycles": [cycle(2.0, 1.0)]}})
     assert one["cold_step_seconds"] == pytest.approx(3.0) and one["warm_step_seconds"] is None
+
+
+def test_a_drift_axis_is_log_only_where_its_values_span_a_decade():
+    """Staleness' panels: a KL flat to 3% (1.14e-2 to 1.18e-2) is drawn on a linear axis from zero, so it looks
+    flat; drifts over three decades, or a paper band that reaches two decades below a flat line, get a log axis."""
+    import matplotlib.pyplot as plt
+
+    from longstraw.plotting.draw import scale_by_span
+
+    fig, axes = plt.subplots(1, 3)
+    flat, wide, banded = axes
+    flat.plot([1, 2, 3], [1.14e-2, 1.16e-2, 1.18e-2])
+    wide.plot([1, 2, 3], [1e-4, 1e-3, 1e-1])
+    banded.plot([1, 2, 3], [0.5, 0.5, 0.5])
+    assert scale_by_span(flat) is False and flat.get_yscale() == "linear" and flat.get_ylim()[0] == 0
+    assert flat.get_ylim()[1] >= 1.18e-2
+    assert scale_by_span(wide) is True and wide.get_yscale() == "log"
+    assert scale_by_span(banded, also=[5e-3, 2e-2]) is True
+    plt.close(fig)

@@ -194,9 +194,7 @@ class LearningConfig:
 @dataclass
 class PointConfig:
     name: str = "unnamed"
-    kind: Literal[
-        "step", "capture", "capacity", "sweep", "staleness", "validation", "pretrain", "length_curve", "learning"
-    ] = "step"
+    kind: Literal[KINDS] = "step"  # Literal of a tuple: one value per kind
     cp_size: int = bounded(1, min=1)  # context-parallel ranks; > 1 runs under `torchrun --nproc-per-node cp_size`
     # bitwise-reproducible capture, scoring and replay (`longstraw.core.determinism`), at a cost in time
     deterministic: bool = False

@@ -27,7 +27,7 @@ from pathlib import Path
 import jsonschema
 
 from longstraw.config import ConfigError, PointConfig, resolve_point
-from longstraw.config.point import trainer_mapping
+from longstraw.config.point import KINDS, trainer_mapping
 from longstraw.config.train import resolve_train
 from longstraw.config.yaml_input import load_yaml_file, load_yaml_text
 from longstraw.harness.inputs import built_models, check_planned_paths, check_point_inputs
@@ -42,9 +42,12 @@ class NotApplicable(ConfigError):
 
 
 def schema() -> dict:
-    return load_yaml_text(
+    """The experiment files' schema, its `kind` enum the config's `KINDS` (the one list of kinds)."""
+    loaded = load_yaml_text(
         resources.files("longstraw.harness").joinpath("experiment.schema.yaml").read_text(), "experiment.schema.yaml"
     )
+    loaded["properties"]["kind"]["enum"] = list(KINDS)
+    return loaded
 
 
 def load_experiment(path) -> dict:

@@ -718,20 +718,22 @@ def plot_drift(points: list[dict], drift: list[dict], grid, title: str, bands=()
     for band in bands:
         _draw_band(loss_ax, band)
     panels = (
-        (loss_ax, "relative loss drift (%)", "loss drift per step, log scale"),
+        (loss_ax, "relative loss drift (%)", "loss drift per step"),
         (logp_ax, "mean |Δ log p| (nats per token)", "mean |Δ log p|, stale against fresh"),
         (kl_ax, "KL k3 (nats per token)", "KL(stale || fresh), k3 estimate"),
         (cos_ax, "1 − cos(g_stale, g_fresh)", "1 − gradient cosine"),
     )
-    for ax, ylabel, name in panels:
-        ax.set_yscale("log")
+    scales = {}
+    for ax, ylabel, name in panels:  # log only where the values span a decade (`draw.scale_by_span`)
+        shaded = [100 * b[k] for b in bands for k in ("low", "high")] if ax is loss_ax else ()
+        scales[ax] = " (log scale)" if draw.scale_by_span(ax, shaded) else ""
         ax.set_xlabel("step since the capture")
         ax.set_ylabel(ylabel)
-        ax.set_title(name, fontsize=9)
+        ax.set_title(name + scales[ax], fontsize=9)
     positions = sorted({p["prompt_positions"] for p in points if p.get("prompt_positions")})
     paper_where = "; ".join(f"paper at {b['positions']:,} positions" for b in bands if b.get("positions"))
     loss_ax.set_title(
-        "relative loss drift per step (log scale)\nours at "
+        f"relative loss drift per step{scales[loss_ax]}\nours at "
         + (", ".join(f"{n:,}" for n in positions) or "?")
         + " positions"
         + (f"; {paper_where}" if paper_where else ""),

@@ -77,6 +77,20 @@ def log_scale(values) -> bool:
     return bool(positive) and max(positive) > LOG_SPAN * statistics.median(positive)
 
 
+def scale_by_span(ax, also=()) -> bool:
+    """A y axis of drifts or divergences: log when what is drawn on it (its lines, and `also`: values drawn
+    otherwise, e.g. a shaded band) spans at least a decade, else linear from zero, so that a series flat to 3%
+    looks flat instead of filling a zoomed log axis. True: log."""
+    drawn = [y for line in ax.get_lines() for y in line.get_ydata()] + list(also)
+    values = [float(y) for y in drawn if y is not None and float(y) > 0]
+    log = bool(values) and max(values) >= 10 * min(values)
+    if log:
+        ax.set_yscale("log")
+    else:
+        ax.set_ylim(bottom=0, top=max(values, default=1.0) * 1.15)
+    return log
+
+
 class PlainLogFormatter(LogFormatter):
     """Log ticks as plain numbers (0.5, 20, 100), not 5x10^-1; minor ticks labelled where the range
     is short, as LogFormatter chooses."""
