@@ -317,3 +317,15 @@ def test_a_peer_is_compared_with_the_replay_point_named_as_its_own():
     assert orphan["time_over_replay_ratio"] is None and rows[0]["time_over_replay_ratio"] is None
     text = " ".join(section.peer_sentences("prefix_grouper", rows))
     assert "(1 point): prefix_grouper's step memory is 1.20x replay's and its step time 1.50x; its warm step" in text
+
+
+def test_prefix_grouper_applies_to_exactly_the_attention_only_family():
+    """`peers.ATTENTION_ONLY` is written out (the report imports it without torch); it must stay the dense
+    family's model types, every other family carrying state PrefixGrouper cannot split."""
+    from longstraw.families import supported_model_types
+    from longstraw.families.dense import DenseAdapter
+    from longstraw.peers import ATTENTION_ONLY, not_applicable
+
+    assert set(ATTENTION_ONLY) == set(DenseAdapter.model_types)
+    for model_type in supported_model_types():
+        assert (not_applicable("prefix_grouper", model_type) is None) == (model_type in DenseAdapter.model_types)

@@ -23,7 +23,8 @@ PEER_MODES = ("trl", "prefix_grouper")
 # mode -> the distribution it needs (pinned in pyproject's `peers` extra) and its import name
 REQUIREMENTS = {"trl": ("trl==1.16.0", "trl"), "prefix_grouper": ("prefix-grouper==0.0.1.post1", "prefix_grouper")}
 INSTALL = 'pip install -e ".[peers]"'
-# model types whose sequence mixing is attention only (the families of `longstraw.models.presets.FAMILY_NAMES`)
+# model types whose sequence mixing is attention only: the dense family's (`DenseAdapter.model_types`; written out
+# because the report imports this without torch, and tests/test_peers.py ties the two)
 ATTENTION_ONLY = ("llama", "qwen3", "glm4_moe")
 DIFFERENCES = {
     "trl": "TRL's GRPOTrainer puts the prompt in every one of the G rows and runs one checkpointed forward and "
