@@ -939,6 +939,15 @@ def test_recorded_h200_results_render(tmp_path):
     for src in parsed.images:
         assert (tmp_path / src).read_bytes()[:8] == PNG_SIGNATURE
     assert "Every result file in" in page.read_text()  # the recorded folder is this report's own
+    # one section per subject: the validation and peers experiments' points sit inside Validation and Peers
+    html = page.read_text()
+    subjects = [
+        re.split(r"[:(]", re.sub(r"<[^>]+>", "", h))[0].strip().lower() for h in re.findall(r"<h2>(.*?)</h2>", html)
+    ]
+    assert len(subjects) == len(set(subjects)), subjects
+    for name in ("validation", "peers"):
+        section = html[html.index(f'<section id="{name}">') :]
+        assert section.index(f'id="experiment-{name}"') < section.index("</section>")
 
 
 def test_recorded_context_parallel_sweeps_show_every_ranks_peak(tmp_path):

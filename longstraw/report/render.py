@@ -5,8 +5,9 @@ page comes from a table the tables stage wrote (`aggregate`).
 
 Sections: summary (what ran, statuses, device, versions, commit, date); on a GPU profile, the
 targets (`longstraw.report.targets`, evaluated by the tables stage); the paper's figures beside
-ours with the scale difference; the four validation levels; the peers beside our modes (`peers`, where a
-peer ran); one section per experiment (the
+ours with the scale difference; the four validation levels, with the validation experiment's points; the
+peers beside our modes (`peers`, where a peer ran), with the peers experiment's points; one section per other
+experiment (the
 paper's figures for it beside ours, figures, a table per kind straight from the aggregated data
 with every status, the kinds' own tables (a sweep's steps, a capacity search's comparison steps
 and probes, a staleness oracle's steps), the kinds' notes (e.g. a staleness point's refresh
@@ -516,6 +517,13 @@ def build_context(tables: Tables, figures: list[dict], out_dir, recorded: Tables
     ]
     paths = all_paths(rows_by_experiment, path_rows)
     counts = status_counts(files)
+    peer_view = peers_section(tables, figures)
+    # the validation and peers experiments' points go inside the page's Validation and Peers sections: one
+    # section per subject, which the summary's links reach
+    for section in sections:
+        section["merged"] = section["name"] == "validation" or (section["name"] == "peers" and peer_view is not None)
+        if section["merged"]:
+            section["anchor"] = section["name"]
     return {
         "profile": profile,
         "results_dir": results_dir,
@@ -556,7 +564,7 @@ def build_context(tables: Tables, figures: list[dict], out_dir, recorded: Tables
             "paper_paths": paper_paths(paper),
         },
         "experiments": sections,
-        "peers": peers_section(tables, figures),
+        "peers": peer_view,
         "recorded": recorded_section(recorded, out_dir, results_dir),
     }
 
