@@ -146,3 +146,23 @@ def test_core_cp_and_training_never_branch_on_an_entry_type():
                     if named & names:
                         found.append(f"{path.relative_to(PACKAGE)}:{node.lineno}")
     assert not found, "isinstance on a resident entry type: " + ", ".join(found)
+
+
+def test_an_entry_without_a_part_of_the_contract_is_refused_before_any_work():
+    """Exact mode and sampling name the entry type and the method it lacks, before touching any entry."""
+    from types import SimpleNamespace
+
+    from longstraw.core import exact
+    from longstraw.training.rollout import _decode_entries
+
+    class WindowPages:  # a new family's entry that implements only part of the contract
+        def tensors(self):
+            return []
+
+    touched = RecurrentState(torch.zeros(1, 2, 3), torch.zeros(1, 1, 2, 2))
+    state = SimpleNamespace(layers=[touched, WindowPages()], positions=4)
+    with pytest.raises(ValueError, match=r"prefix_grad=True .*: WindowPages entries have no enable_prefix_grad\(\)"):
+        exact.enable(state, None, torch.arange(5), 2, {})
+    assert touched.leaves is None  # refused before any entry was enabled
+    with pytest.raises(ValueError, match=r"sampling: WindowPages entries have no for_decoding\(\)"):
+        _decode_entries(state, 2, 3)

@@ -31,6 +31,7 @@ import torch
 
 from longstraw.families import adapter_for
 from longstraw.state import ResidentState
+from longstraw.state.pages import check_entries_implement
 
 
 @dataclass
@@ -46,9 +47,7 @@ class PrefixTrace:
 
 def enable(state: ResidentState, model, ids: torch.Tensor, chunk: int, checkpoints: dict) -> None:
     """Turn a fresh capture into an exact-mode state (leaves over the state, the prompt kept)."""
-    missing = sorted({type(e).__name__ for e in state.layers if not hasattr(e, "enable_prefix_grad")})
-    if missing:
-        raise NotImplementedError(f"prefix_grad=True: no prompt-side gradient for {', '.join(missing)} layers")
+    check_entries_implement(state.layers, "enable_prefix_grad", "prefix_grad=True (the prompt-side gradient)")
     for entry in state.layers:
         entry.enable_prefix_grad()
     state.prefix_trace = PrefixTrace(model, ids[: state.positions], chunk, checkpoints)

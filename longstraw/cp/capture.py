@@ -35,6 +35,7 @@ from longstraw.cp.shards import ShardedResidentState, ShardLatentPages, ShardPag
 from longstraw.families import adapter_for
 from longstraw.measure.memory import synchronize
 from longstraw.measure.progress import CaptureProgress
+from longstraw.state.pages import check_entries_implement
 
 
 def capture_sharded(
@@ -56,17 +57,9 @@ def capture_sharded(
     bounds = tuple(shard_bounds(positions, cp.world))
     start, end = bounds[cp.rank]
     forms = ShardForms(cp, bounds)
-    layers, capture_layers = [], []
-    for i in range(adapter.num_layers):
-        entry = adapter.allocate_entry(i, end - start, dtype, device)
-        if not hasattr(entry, "for_shard"):
-            raise ValueError(
-                f"{adapter.config.model_type!r} keeps {type(entry).__name__} entries, which have no "
-                "context-parallel form"
-            )
-        entry, capture_layer = entry.for_shard(forms)
-        layers.append(entry)
-        capture_layers.append(capture_layer)
+    entries = [adapter.allocate_entry(i, end - start, dtype, device) for i in range(adapter.num_layers)]
+    check_entries_implement(entries, "for_shard", f"a context-parallel capture of {adapter.config.model_type!r}")
+    layers, capture_layers = map(list, zip(*(entry.for_shard(forms) for entry in entries)))
     per_position, constant = adapter.predicted_bytes(dtype)
     state = ShardedResidentState(
         layers=layers,

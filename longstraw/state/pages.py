@@ -63,6 +63,14 @@ class ResidentEntry(Protocol):
         (`longstraw.cp.capture`), so a new kind of entry names its own form or has none."""
 
 
+def check_entries_implement(entries, method: str, purpose: str) -> None:
+    """Refuse, before any work, entries lacking `method` of the contract (a family's entry that does not
+    implement that part): one message naming their types and what needed it."""
+    missing = sorted({type(e).__name__ for e in entries if not hasattr(e, method)})
+    if missing:
+        raise ValueError(f"{purpose}: {', '.join(missing)} entries have no {method}() (ResidentEntry, state/pages.py)")
+
+
 def _leaves(*tensors):
     return tuple(t.detach().requires_grad_() for t in tensors)
 

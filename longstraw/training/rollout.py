@@ -31,6 +31,7 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopP
 from longstraw.core.transaction import check_deterministic, check_state
 from longstraw.families import adapter_for
 from longstraw.state import ResidentState
+from longstraw.state.pages import check_entries_implement
 
 
 @dataclass(frozen=True)
@@ -61,9 +62,7 @@ class Rollouts:
 
 def _decode_entries(state: ResidentState, batch: int, capacity: int) -> list:
     """Each layer's entry as `batch` sequences decode on it (`entry.for_decoding`), refused before any step."""
-    missing = sorted({type(e).__name__ for e in state.layers if not hasattr(e, "for_decoding")})
-    if missing:
-        raise TypeError(f"sampling does not support resident entries of type {', '.join(missing)}")
+    check_entries_implement(state.layers, "for_decoding", "sampling")
     return [entry.for_decoding(batch, capacity) for entry in state.layers]
 
 
