@@ -45,7 +45,7 @@ CAPTURE_27B = "architectures/qwen3.6-27b-shape-nf4-1048576.json"
 REPLAY_27B = "architectures/qwen3.6-27b-shape-nf4-65536-replay-checkpointed.json"
 PLAIN_REPLAY_27B = "architectures/qwen3.6-27b-shape-nf4-65536-replay-plain.json"
 CHECKPOINT_COST_LIMIT = 1.3  # issue 32: checkpointed replay at most 1.3x plain on the 27B shape at 65,536
-CAPTURE_FLOOR_LIMIT = 1.3
+CAPTURE_FLOOR_LIMIT = 1.15  # issue 32: the 27B shape's capture at 1,048,576 within 1.15x its floor
 COMMAND_SECONDS = 600  # one device command's limit
 REPLAY_TRANSIENT_27B_LIMIT = 8e9
 
@@ -313,21 +313,24 @@ def replay_transient_27b(root: Path) -> dict:
 
 
 def checkpoint_cost_27b(root: Path) -> dict:
-    """Issue 32: the replay phase of the G=2 step under whole-layer checkpointing over the plain one (each a
-    point's one step, in its own process)."""
+    """Issue 32: the replay phase of a G=2 step under whole-layer checkpointing over the plain one, each point in
+    its own process. A point that ran two G=2 steps on its state is read warm (its last such step), with the
+    first, cold, beside it; a point with one step is read cold."""
     target = "27B shape replay, checkpointed over plain, G=2 x 1,024 at 65,536 positions"
-    goal = f"<= {CHECKPOINT_COST_LIMIT}x"
+    goal = f"<= {CHECKPOINT_COST_LIMIT}x, warm where measured"
     results = [_load(root, path) for path in (REPLAY_27B, PLAIN_REPLAY_27B)]
     steps = [[s for s in _steps(r, "replay") if s["status"] == "ok" and s["count"] == 2] if r else [] for r in results]
     if not all(steps):
         return _missing(target, goal, f"ok {REPLAY_27B} and {PLAIN_REPLAY_27B}, each with a G=2 replay step")
-    checkpointed, plain = (s[0]["phases"]["replay"]["seconds"] for s in steps)
+    (cold_checkpointed, cold_plain), (checkpointed, plain) = (
+        [s[index]["phases"]["replay"]["seconds"] for s in steps] for index in (0, -1)
+    )
+    warm = all(len(s) > 1 for s in steps)
+    measured = f"{checkpointed / plain:.2f}x {'warm' if warm else 'cold'} ({checkpointed:.2f} s / {plain:.2f} s)"
+    if warm:
+        measured += f"; cold {cold_checkpointed / cold_plain:.2f}x ({cold_checkpointed:.2f} s / {cold_plain:.2f} s)"
     return _row(
-        target,
-        goal,
-        f"{checkpointed / plain:.2f}x ({checkpointed:.2f} s / {plain:.2f} s)",
-        checkpointed / plain <= CHECKPOINT_COST_LIMIT,
-        f"{REPLAY_27B}, {PLAIN_REPLAY_27B}",
+        target, goal, measured, checkpointed / plain <= CHECKPOINT_COST_LIMIT, f"{REPLAY_27B}, {PLAIN_REPLAY_27B}"
     )
 
 
