@@ -91,7 +91,8 @@ class SweepConfig:
 class MeasureConfig:
     kernel_rates: bool = False  # also time torch's SDPA and our attention/GEMM kernels on this device
     sdpa_positions: int = bounded(1 << 20, min=1)  # the causal SDPA rate's length (27B heads: 25 s at 1M)
-    # CUDA: which allocation sites hold the memory at each sweep step's peak (allocator history; slows the step)
+    # CUDA: which allocation sites hold the memory at a sweep step's peak (allocator history; slows the step, so a
+    # group size repeated in the sweep is traced on its first step only)
     allocation_sites: bool = False
 
 

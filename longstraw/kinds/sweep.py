@@ -1,8 +1,9 @@
 """Kind `sweep`: one capture serving a series of steps, `sweep.replay` then `sweep.hold_all` group
 sizes in order, each mode stopping at its first out-of-memory step (recorded with the peak it
-reached). Capture is measured as in `capture` (attention time and rate included), and with
-`measure.kernel_rates` the run also times torch's causal SDPA and the attention and GEMM kernels
-on this device, so ratios against them come from one run.
+reached); a group size listed twice runs twice on the one state, cold then warm. Capture is
+measured as in `capture` (attention time and rate included), and with `measure.kernel_rates` the
+run also times torch's causal SDPA and the attention and GEMM kernels on this device, so ratios
+against them come from one run.
 
 Report: one row per point (its one capture, and a summary of the steps it served), one row per
 step in a table of its own (`steps`, read beside step points' rows by the paper's figures and
@@ -69,8 +70,10 @@ def run(cfg: PointConfig, device, progress: Progress) -> dict:
     progress.partial(out)
     optimizer = optimizer_for(model, cfg)
     for mode in ("replay", "hold_all"):
-        for count in getattr(cfg.sweep, mode):
-            step = _step(model, prompt, state, optimizer, cfg, mode, count, vocab, device)
+        for index, count in enumerate(getattr(cfg.sweep, mode)):
+            # the allocator's stack traces slow every allocation: a G repeated is traced once, its later steps timed
+            traced = cfg.measure.allocation_sites and count not in getattr(cfg.sweep, mode)[:index]
+            step = _step(model, prompt, state, optimizer, cfg, mode, count, vocab, device, traced)
             out["steps"].append(step)
             peak = step.get("peak_allocated_bytes")
             if getattr(state, "cp", None) is None or state.cp.rank == 0:  # one line per step, not per rank
@@ -83,8 +86,9 @@ def run(cfg: PointConfig, device, progress: Progress) -> dict:
     return out
 
 
-def _step(model, prompt, state, optimizer, cfg, mode: str, count: int, vocab: int, device) -> dict:
-    """One step of the sweep on the shared state; an out-of-memory step is recorded with its peak."""
+def _step(model, prompt, state, optimizer, cfg, mode: str, count: int, vocab: int, device, traced: bool) -> dict:
+    """One step of the sweep on the shared state, its allocation sites `traced`; an out-of-memory step is recorded
+    with its peak."""
     import torch
 
     from longstraw.core.step import StepOptions, grpo_step
@@ -93,7 +97,7 @@ def _step(model, prompt, state, optimizer, cfg, mode: str, count: int, vocab: in
 
     responses, rewards = seeded_group(cfg, count, vocab, device)
     step = {"mode": mode, "count": count}
-    sites = AllocationSites(device, enabled=cfg.measure.allocation_sites)
+    sites = AllocationSites(device, enabled=traced)
     before = current_memory(device)
     try:
         options = StepOptions(
