@@ -280,20 +280,13 @@ def _scan_chunks(state_BHDV, u0_BHNCV, w_BHNCD, attn_BHNCC, q_from_start_BHNCD, 
     The chunks are taken with ``unbind`` (its backward is one ``stack``): indexing chunk ``n`` would give
     every chunk a backward that writes a zero gradient the size of the whole input."""
     starts_BHDV, writes_BHCV = [], []
-    B, H, D, V = state_BHDV.shape
     for u0_BHCV, w_BHCD, k_to_end_BHCD, decay_BH in zip(
         u0_BHNCV.unbind(2), w_BHNCD.unbind(2), k_to_end_BHNCD.unbind(2), chunk_decay_BHN.unbind(2)
     ):
         starts_BHDV.append(state_BHDV)
-        # u = u0 - w S and S <- decay S + k_end^T u, each one fused batched multiply-add (the loop's launches
-        # are most of a replay's GDN kernels at chunk 64)
-        flat_state_XDV = state_BHDV.reshape(B * H, D, V)
-        u_XCV = torch.baddbmm(u0_BHCV.reshape(B * H, -1, V), w_BHCD.reshape(B * H, -1, D), flat_state_XDV, alpha=-1)
-        u_BHCV = u_XCV.view(B, H, -1, V)
+        u_BHCV = u0_BHCV - w_BHCD @ state_BHDV
         writes_BHCV.append(u_BHCV)
-        state_BHDV = torch.baddbmm(
-            flat_state_XDV * decay_BH.reshape(B * H, 1, 1), k_to_end_BHCD.reshape(B * H, -1, D).transpose(1, 2), u_XCV
-        ).view(B, H, D, V)
+        state_BHDV = state_BHDV * decay_BH[..., None, None] + k_to_end_BHCD.transpose(-1, -2) @ u_BHCV
     starts_BHNDV, writes_BHNCV = torch.stack(starts_BHDV, dim=2), torch.stack(writes_BHCV, dim=2)
     return q_from_start_BHNCD @ starts_BHNDV + attn_BHNCC @ writes_BHNCV, state_BHDV
 
