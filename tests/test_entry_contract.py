@@ -11,13 +11,15 @@ import torch
 from longstraw import capture
 from longstraw.models import build_model
 from longstraw.state import AttentionPages, LatentPages, RecurrentState
-from longstraw.state.pages import ResidentEntry
+from longstraw.state.pages import ResidentEntry, WindowKV
 
 PACKAGE = Path(__file__).resolve().parents[1] / "longstraw"
 CONTRACT = sorted(n for n in {*vars(ResidentEntry), *ResidentEntry.__annotations__} if not n.startswith("_"))
-# one preset per family: dense attention, Gated DeltaNet + attention, MLA with DSA index layers
-FAMILIES = ["tiny-llama", "tiny-qwen3_5", "tiny-glm_moe_dsa"]
+# one preset per family: dense attention, Gated DeltaNet + attention, MLA with DSA index layers, sliding-window +
+# global attention (window 16: the 41-token prompt crosses two windows)
+FAMILIES = ["tiny-llama", "tiny-qwen3_5", "tiny-glm_moe_dsa", "tiny-gemma3"]
 CHUNK = 16
+STATES = (RecurrentState, WindowKV)  # entries that pass a state on, not pages per prompt position
 
 
 def _captured(preset, prefix_grad=False):
@@ -70,13 +72,17 @@ def test_every_entry_implements_the_whole_contract(state):
         assert not missing, f"{type(entry).__name__} lacks {missing}"
 
 
-def test_each_entry_names_its_own_context_parallel_form(state):
+def test_each_entry_names_its_own_context_parallel_form_or_refuses_one(state):
     expected = {AttentionPages: "pages", LatentPages: "latent", RecurrentState: "recurrent"}
     for entry in state.layers:
         forms = RecordingForms()
-        assert entry.for_shard(forms) == f"{expected[type(entry)]}-form"
-        assert forms.asked == [expected[type(entry)]]
-        assert entry.positional_gradients is (type(entry) is not RecurrentState)
+        if isinstance(entry, WindowKV):  # no context-parallel form: refused, before any form is asked for
+            with pytest.raises(ValueError, match="WindowKV .* has no context-parallel form"):
+                entry.for_shard(forms)
+        else:
+            assert entry.for_shard(forms) == f"{expected[type(entry)]}-form"
+        assert forms.asked == ([] if isinstance(entry, WindowKV) else [expected[type(entry)]])
+        assert entry.positional_gradients is not isinstance(entry, STATES)
 
 
 def test_decoding_reads_the_prompt_entry_in_place_and_repeats_a_recurrent_state(state):
@@ -92,10 +98,10 @@ def test_decoding_reads_the_prompt_entry_in_place_and_repeats_a_recurrent_state(
             ]
 
 
-def test_a_chunk_checkpoint_is_a_copy_of_a_recurrent_state_and_nothing_for_pages(state):
+def test_a_chunk_checkpoint_is_a_copy_of_a_passed_on_state_and_nothing_for_pages(state):
     for entry in state.layers:
         saved = entry.chunk_checkpoint()
-        if isinstance(entry, RecurrentState):
+        if isinstance(entry, STATES):  # a window: the K/V it keeps (a full one here)
             assert [torch.equal(a, b) for a, b in zip(saved, entry.tensors())] == [True, True]
             assert all(a.data_ptr() != b.data_ptr() for a, b in zip(saved, entry.tensors()))
         else:
@@ -105,7 +111,7 @@ def test_a_chunk_checkpoint_is_a_copy_of_a_recurrent_state_and_nothing_for_pages
 def test_one_shard_gathered_through_its_end_is_the_entry_itself(state):
     for entry in state.layers:
         gathered = entry.gathered_through(entry.length if hasattr(entry, "length") else 0, lambda *t: t)
-        if isinstance(entry, RecurrentState):
+        if isinstance(entry, STATES):
             assert gathered is entry
         else:
             assert gathered.length == entry.length
@@ -124,6 +130,11 @@ def test_prefix_grad_leaves_and_recompute_entries_read_the_pages_before_the_chun
             assert (i, CHUNK) in checkpoints
             assert all(torch.equal(a, b) for a, b in zip(recompute.inputs(), checkpoints[(i, CHUNK)]))
             assert recompute.keep_final
+        elif isinstance(entry, WindowKV):  # the window kept at the chunk's start, as grad-tracking leaves
+            window = checkpoints[(i, CHUNK)]
+            assert window[0].shape[2] == entry.window - 1 == CHUNK - 1  # the chunk before filled the window
+            for leaf, kept in zip(recompute.filled(), window):
+                assert leaf.requires_grad and leaf.grad_fn is None and torch.equal(leaf, kept)
         else:  # the pages before the chunk, as grad-tracking leaves
             prefix = recompute.filled()[:1] if isinstance(entry, LatentPages) else recompute.filled()
             full = entry.tensors()[:1] if isinstance(entry, LatentPages) else entry.tensors()
@@ -132,7 +143,7 @@ def test_prefix_grad_leaves_and_recompute_entries_read_the_pages_before_the_chun
 
 
 def test_core_cp_and_training_never_branch_on_an_entry_type():
-    names = {"AttentionPages", "LatentPages", "RecurrentState"}
+    names = {"AttentionPages", "LatentPages", "RecurrentState", "WindowKV", "WindowDecodeKV", "RecomputeWindow"}
     found = []
     for folder in ("core", "cp", "training"):
         for path in sorted((PACKAGE / folder).rglob("*.py")):
@@ -155,14 +166,14 @@ def test_an_entry_without_a_part_of_the_contract_is_refused_before_any_work():
     from longstraw.core import exact
     from longstraw.training.rollout import _decode_entries
 
-    class WindowPages:  # a new family's entry that implements only part of the contract
+    class HalfDoneEntry:  # a new family's entry that implements only part of the contract
         def tensors(self):
             return []
 
     touched = RecurrentState(torch.zeros(1, 2, 3), torch.zeros(1, 1, 2, 2))
-    state = SimpleNamespace(layers=[touched, WindowPages()], positions=4)
-    with pytest.raises(ValueError, match=r"prefix_grad=True .*: WindowPages entries have no enable_prefix_grad\(\)"):
+    state = SimpleNamespace(layers=[touched, HalfDoneEntry()], positions=4)
+    with pytest.raises(ValueError, match=r"prefix_grad=True .*: HalfDoneEntry entries have no enable_prefix_grad\(\)"):
         exact.enable(state, None, torch.arange(5), 2, {})
     assert touched.leaves is None  # refused before any entry was enabled
-    with pytest.raises(ValueError, match=r"sampling: WindowPages entries have no for_decoding\(\)"):
+    with pytest.raises(ValueError, match=r"sampling: HalfDoneEntry entries have no for_decoding\(\)"):
         _decode_entries(state, 2, 3)

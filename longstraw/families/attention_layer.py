@@ -5,7 +5,8 @@ o_proj) and then call `ALL_ATTENTION_FUNCTIONS[config._attn_implementation]`. We
 more implementation, "longstraw", that hands the live queries and K/V to the layer's resident
 entry (`entry.attend`: pages, decoding pages, a context-parallel shard), which attends over what
 it holds plus the live keys and, during capture, appends the live K/V in place. The entry reaches
-it as a keyword argument that HF forwards untouched; no HF cache is used.
+it as a keyword argument that HF forwards untouched; no HF cache is used. A sliding-window layer's
+entry applies the window itself (its `window` must be the layer's).
 """
 
 from __future__ import annotations
@@ -31,8 +32,12 @@ def _longstraw_attention(
 ):
     if longstraw_pages is None:
         raise RuntimeError("longstraw attention called without resident pages (use longstraw.capture/replay)")
-    if kwargs.get("sliding_window") is not None or getattr(module, "sliding_window", None):
-        raise ValueError("sliding-window attention layers are not supported by the longstraw adapters")
+    window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None)
+    if window and getattr(longstraw_pages, "window", None) != window:  # the entry applies the window, or none does
+        raise ValueError(
+            f"a sliding-window attention layer (window {window}) on {type(longstraw_pages).__name__} entries, "
+            "which attend over every position; its family must give it a window entry (state.pages.WindowKV)"
+        )
     scale = scaling if scaling is not None else query_BHTD.shape[-1] ** -0.5
     out_BHTD = longstraw_pages.attend(query_BHTD, key_BKTD, value_BKTD, scale, longstraw_append)
     return out_BHTD.transpose(1, 2).contiguous(), None

@@ -197,14 +197,17 @@ def decode_partial(
     return out_BHTD, lse_BHT
 
 
-def reference_attention(q, k_prefix, v_prefix, k_live, v_live, scale):
-    """Dense reference: concatenate K/V, repeat kv heads, full prefix + causal live mask, softmax."""
+def reference_attention(q, k_prefix, v_prefix, k_live, v_live, scale, window=None):
+    """Dense reference: concatenate K/V, repeat kv heads, full prefix + causal live mask, softmax. With
+    `window` (`window_attention`'s reference): query r (position P + r) sees only keys j > P + r - window."""
     G = q.shape[1] // k_live.shape[1]
     R, P = q.shape[2], k_prefix.shape[2]
     k = torch.cat([k_prefix, k_live], dim=2).repeat_interleave(G, dim=1)
     v = torch.cat([v_prefix, v_live], dim=2).repeat_interleave(G, dim=1)
     allowed_RT = torch.ones(R, P + R, dtype=torch.bool, device=q.device)
     allowed_RT[:, P:] = torch.ones(R, R, dtype=torch.bool, device=q.device).tril()
+    if window is not None:
+        allowed_RT &= torch.ones(R, P + R, dtype=torch.bool, device=q.device).triu(P - window + 1)
     scores = (q @ k.transpose(-1, -2)) * scale
     scores = scores.masked_fill(~allowed_RT, float("-inf"))
     return torch.softmax(scores, dim=-1) @ v

@@ -23,6 +23,7 @@ MODEL_CLASSES = {
     "glm_moe_dsa": ("GlmMoeDsaConfig", "GlmMoeDsaForCausalLM"),
     "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM"),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
 }
 
 # model_type -> its family, as the report names it; the MLA family's types follow from it
@@ -36,6 +37,7 @@ FAMILY_NAMES = {
     "glm_moe_dsa": "MLA + DSA + MoE",
     "deepseek_v32": "MLA + DSA + MoE",
     "deepseek_v3": "MLA + MoE",
+    "gemma3": "sliding-window + global attention",
 }
 MLA_MODEL_TYPES = tuple(t for t, family in FAMILY_NAMES.items() if family.startswith("MLA"))
 
@@ -137,6 +139,27 @@ PRESETS = {
     ),
     "tiny-deepseek_v32": Preset("deepseek_v32", dict(_TINY_MLA, **_TINY_DSA), "MLA + DSA indexer on every layer, MoE"),
     "tiny-deepseek_v3": Preset("deepseek_v3", dict(_TINY_MLA), "MLA without indexer (dense attention), MoE"),
+    # Gemma 3 in miniature: sliding-window layers around a global one (the real 5 : 1 pattern shortened, a sliding
+    # layer after the global one too), 1 KV head, window 16 so a ~100-token prompt crosses several windows, the
+    # local and global rotaries Gemma 3 (4B and up) has (theta 1e4; theta 1e6 with linear scaling 8), and a
+    # query_pre_attn_scalar that is not head_dim (a default 1/sqrt(head_dim) scale would show)
+    "tiny-gemma3": Preset(
+        "gemma3",
+        dict(
+            _TINY_COMMON,
+            num_key_value_heads=1,
+            num_hidden_layers=4,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+            sliding_window=16,
+            query_pre_attn_scalar=24,
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+            },
+            tie_word_embeddings=True,
+        ),
+        "3 sliding-window (16) : 1 global attention layers, Gemma 3's sandwich norms and two rotaries, 1 KV head",
+    ),
     "tiny-qwen3_next": Preset(
         "qwen3_next", dict(_TINY_COMMON, **_TINY_GDN, **_TINY_MOE, decoder_sparse_step=1), "3 GDN : 1 attention, MoE"
     ),

@@ -6,14 +6,16 @@ its tensors and knows its byte count; the family adapters decide which entry a l
 - `AttentionPages`: K/V pages preallocated to the prompt length, written in place by capture.
 - `RecurrentState`: Gated DeltaNet conv state (last K-1 conv inputs) and recurrent state.
 - `DecodePages`: while sampling, an attention layer's shared prompt pages plus per-sequence pages.
+- `WindowKV`: a sliding-window attention layer's K/V of the last `window - 1` positions only (constant size).
+- `WindowDecodeKV`: while sampling, a sliding-window layer's shared prompt window plus a per-sequence ring.
 - `LatentPages`: an MLA layer's compressed latent + rotary key per position (never per-head K/V),
   and on DSA index layers the indexer's key per position.
 - `LatentDecodePages`: while sampling, an MLA layer's shared prompt latent pages plus per-sequence entries.
 
 An entry owns its behaviour (`ResidentEntry` below is the contract, `tests/test_entry_contract.py` checks every
 entry against it): the core, context parallelism and sampling call these methods and never branch on an
-entry's type. The exact mode's recompute entries (`RecomputePages`, `RecomputeLatent`, `RecomputeRecurrent`)
-live here beside the entries they are made from.
+entry's type. The exact mode's recompute entries (`RecomputePages`, `RecomputeLatent`, `RecomputeRecurrent`,
+`RecomputeWindow`) live here beside the entries they are made from.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 from longstraw.kernels.dsa_topk import select_topk, select_topk_decode
 from longstraw.kernels.latent_attention import latent_attention, latent_decode_attention
 from longstraw.kernels.paged_attention import decode_attention, paged_attention
+from longstraw.kernels.window_attention import window_attention
 from longstraw.measure.timing import timed_attention
 
 
@@ -269,6 +272,11 @@ class RecomputePages:
         return self.prefix_k, self.prefix_v
 
 
+def _carry_state_gradients(self, grads, start: int) -> None:
+    """`grads` becomes the gradient of the state at the chunk's start (the seed of the chunk before)."""
+    grads[:] = [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in self.leaves]
+
+
 class RecomputeRecurrent(RecurrentState):
     """A GDN layer while one prompt chunk is recomputed: starts from grad-tracking leaves, keeps its
     end state (with its graph) in `final` instead of writing it back."""
@@ -280,9 +288,160 @@ class RecomputeRecurrent(RecurrentState):
         """(outputs, seeds): the state at the chunk's end and the gradient of the next chunk's start."""
         return list(self.final), list(grads)
 
-    def carry_gradients(self, grads, start: int) -> None:
-        """`grads` becomes the gradient of the state at the chunk's start (the seed of the chunk before)."""
-        grads[:] = [leaf.grad if leaf.grad is not None else torch.zeros_like(leaf) for leaf in self.leaves]
+    carry_gradients = _carry_state_gradients
+
+
+def _last_positions(t_BKND, n: int):
+    """The last `n` positions of `t_BKND` (all of them when it has fewer)."""
+    return t_BKND[:, :, max(t_BKND.shape[2] - n, 0) :]
+
+
+def attend_window(pages, q_BHTD, k_BKTD, v_BKTD, scale: float, append: bool):
+    """The live queries over `pages.filled()` (the positions just before them) and their own keys, within
+    `pages.window` (`kernels.window_attention`); a capture (`append`) then keeps the live K/V. Not timed
+    (`timed_attention` rates a capture's causal attention over its whole prefix). Any entry with `window`,
+    `filled()` and `append()` attends this way (window K/V, the exact mode's recompute window)."""
+    out_BHTD = window_attention(q_BHTD, *pages.filled(), k_BKTD, v_BKTD, scale=scale, window=pages.window)
+    if append:
+        pages.append(k_BKTD, v_BKTD)
+    return out_BHTD
+
+
+@dataclass
+class WindowKV:
+    """K/V of one sliding-window attention layer: of the positions before the next query, the last
+    `window - 1` (every key a later query can see: `kernels.window_attention`), oldest first, in buffers of
+    that size whatever the prompt's length (zeros past `length` while fewer positions have come)."""
+
+    k_BKWD: torch.Tensor
+    v_BKWD: torch.Tensor
+    window: int
+    length: int = 0
+    leaves: tuple | None = None  # exact mode: grad-tracking leaves over the kept K/V (see AttentionPages)
+
+    @classmethod
+    def allocate(cls, num_kv_heads, window, head_dim, dtype, device):
+        shape = (1, num_kv_heads, window - 1, head_dim)
+        k, v = (torch.zeros(shape, dtype=dtype, device=device) for _ in range(2))
+        return cls(k, v, window)
+
+    def filled(self):
+        """The kept K/V, oldest first (views, no copy); the grad-tracking leaves in exact mode."""
+        if self.leaves is not None:
+            return self.leaves
+        return self.k_BKWD[:, :, : self.length], self.v_BKWD[:, :, : self.length]
+
+    def append(self, k_BKTD, v_BKTD):
+        """Keep the last `window - 1` of the kept positions and a chunk's: the same whatever the chunking."""
+        for buffer, live in ((self.k_BKWD, k_BKTD), (self.v_BKWD, v_BKTD)):
+            kept = _last_positions(torch.cat([buffer[:, :, : self.length], live.detach()], dim=2), buffer.shape[2])
+            buffer[:, :, : kept.shape[2]].copy_(kept)
+        self.length = kept.shape[2]
+
+    def tensors(self):
+        return [self.k_BKWD, self.v_BKWD]
+
+    def for_members(self, members: int) -> "WindowKV":
+        """The window as `members` replayed sequences read it: in place (every member's queries over it)."""
+        return self
+
+    attend = attend_window
+    # its leaves' gradients are of the window at the prompt's end: a state passed on, like a GDN state's
+    positional_gradients = False
+
+    def for_decoding(self, batch: int, capacity: int) -> "WindowDecodeKV":
+        return WindowDecodeKV.allocate(self, batch, capacity)
+
+    def chunk_checkpoint(self):
+        """The kept K/V at a chunk's start: what its recompute attends over (later chunks overwrite it)."""
+        return tuple(t.clone() for t in self.filled())
+
+    def enable_prefix_grad(self) -> None:
+        self.leaves = _leaves(*self.filled())
+
+    def for_prefix_recompute(self, start: int, checkpoint) -> "RecomputeWindow":
+        return RecomputeWindow(*_leaves(*checkpoint), self.window)
+
+    def gathered_through(self, end: int, gather: Callable) -> "WindowKV":
+        return self  # never sharded (for_shard refuses); its recompute starts from the chunk checkpoints
+
+    def for_shard(self, forms):
+        raise ValueError(
+            "a context-parallel capture: WindowKV (sliding-window layers) has no context-parallel form yet "
+            "(each shard would start from the last window - 1 K/V of the shard before it); capture without cp"
+        )
+
+
+@dataclass
+class WindowDecodeKV:
+    """One sliding-window layer while B sequences decode on one captured prompt: the prompt's `shared` window
+    (batch 1, read by every sequence, never copied) and each sequence's own K/V in a ring of
+    min(capacity, window) slots. A step's query sees the newest `window` keys: every own key the ring holds
+    and, while that is fewer than `window`, the prompt's last ones."""
+
+    shared: WindowKV
+    own_k_BKSD: torch.Tensor
+    own_v_BKSD: torch.Tensor
+    generated: int = 0
+
+    @classmethod
+    def allocate(cls, shared: WindowKV, batch: int, capacity: int):
+        _, K, _, D = shared.k_BKWD.shape
+        slots = min(capacity, shared.window)
+        return cls(shared, *(t.new_empty(batch, K, slots, D) for t in (shared.k_BKWD, shared.v_BKWD)))
+
+    @property
+    def window(self) -> int:
+        return self.shared.window
+
+    def tensors(self):
+        return self.shared.tensors() + [self.own_k_BKSD, self.own_v_BKSD]
+
+    def attend(self, q_BHTD, k_BKTD, v_BKTD, scale: float, append: bool = True):
+        """A decoding step: the new token's K/V take the ring's oldest slot, then it attends (the ring's order
+        does not matter: a softmax over a set of keys)."""
+        slots = self.own_k_BKSD.shape[2]
+        slot = self.generated % slots
+        self.own_k_BKSD[:, :, slot : slot + 1].copy_(k_BKTD)
+        self.own_v_BKSD[:, :, slot : slot + 1].copy_(v_BKTD)
+        self.generated += 1
+        own = min(self.generated, slots)
+        shared = (_last_positions(t, max(self.window - self.generated, 0)) for t in self.shared.filled())
+        return decode_attention(q_BHTD, *shared, self.own_k_BKSD[:, :, :own], self.own_v_BKSD[:, :, :own], scale=scale)
+
+
+@dataclass
+class RecomputeWindow:
+    """A sliding-window layer while exact mode recomputes one prompt chunk: the K/V kept at the chunk's start
+    (its checkpoint) as grad-tracking leaves, the chunk's own K/V (`live`) with their graph. Like a GDN state
+    it passes a state on: the window kept at the chunk's end, whose gradient the next chunk's leaves (or, for
+    the last chunk, the replays) hold."""
+
+    prefix_k: torch.Tensor
+    prefix_v: torch.Tensor
+    window: int
+    live: list = field(default_factory=list)
+
+    def filled(self):
+        return self.prefix_k, self.prefix_v
+
+    def append(self, k_BKTD, v_BKTD):
+        self.live = [k_BKTD, v_BKTD]
+
+    attend = attend_window
+
+    @property
+    def leaves(self):
+        return self.prefix_k, self.prefix_v
+
+    def chunk_outputs(self, grads, start: int, stop: int):
+        """(outputs, seeds): the window kept at the chunk's end, with its graph, and its gradient."""
+        ends = [
+            _last_positions(torch.cat([p, live], dim=2), self.window - 1) for p, live in zip(self.leaves, self.live)
+        ]
+        return ends, list(grads)
+
+    carry_gradients = _carry_state_gradients
 
 
 @dataclass
