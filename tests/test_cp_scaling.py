@@ -3,6 +3,7 @@ H200 files it reads, and its held-out 2-rank prediction within the error it stat
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -12,20 +13,21 @@ from longstraw.kinds import sweep
 from longstraw.measure.flops import attention_forward_flops
 
 INF = float("inf")
+RECORDED = Path(__file__).resolve().parents[1] / "experiments" / "recorded" / "h200"
 
 
 def _load(relative):
-    return json.loads((scaling.RECORDED / relative).read_text())
+    return json.loads((RECORDED / relative).read_text())
 
 
 @pytest.fixture(scope="module")
 def calibration():
-    return scaling.calibrate()
+    return scaling.calibrate(RECORDED)
 
 
 @pytest.fixture(scope="module")
 def rows():
-    return scaling.table_rows()
+    return scaling.table_rows(RECORDED)
 
 
 def _tiny(layer_types, heads=1, head_dim=1):
@@ -216,14 +218,14 @@ def test_the_calibrated_model_reproduces_its_calibration_points(calibration, row
 
 def test_held_out_two_rank_point_within_the_stated_error():
     """The 2-rank capture predicted from the single-GPU captures alone (nothing of any 2-rank run)."""
-    held_out = scaling.calibrate(cp=False)
+    held_out = scaling.calibrate(RECORDED, cp=False)
     assert held_out.pipeline_attention_efficiency == 1.0 and held_out.pipeline_residual == 0.0
     for file in (scaling.CP_CALIBRATION, "context_parallel/positions-4456448-cycles-8.json"):
         result = _load(file)
         measured = result["metrics"]["capture"]["capture_seconds"]
         predicted = scaling.predict("hybrid-1b", result["config"]["prompt"]["length"], 2, "pipeline", held_out)
         assert abs(predicted["capture_seconds"] / measured - 1) <= scaling.STATED_ERROR, file
-    checks = {r["point"]: r for r in scaling.checks()}
+    checks = {r["point"]: r for r in scaling.checks(RECORDED)}
     point = checks["context_parallel/positions-2097152"]
     assert point["relative_error"] == pytest.approx(-0.076, abs=5e-4)  # the error the docs state
     assert abs(point["relative_error"]) <= scaling.STATED_ERROR
@@ -238,9 +240,9 @@ def test_held_out_two_rank_point_within_the_stated_error():
 def test_table_rows(rows):
     measured = [r for r in rows if r["source"] == "measured"]
     predicted = [r for r in rows if r["source"] == "predicted"]
-    assert [r["result_file"] for r in measured] == [f"experiments/recorded/h200/{f}" for _, f, _ in scaling.MEASURED]
+    assert [r["result_file"] for r in measured] == [f for _, f, _ in scaling.MEASURED]
     for row in measured:
-        result = json.loads((scaling.REPO / row["result_file"]).read_text())
+        result = json.loads((RECORDED / row["result_file"]).read_text())
         capture = result["metrics"].get("capture")
         if capture is not None:
             assert row["capture_seconds"] == capture["capture_seconds"]
@@ -268,7 +270,7 @@ def test_table_rows(rows):
         if schedule == "balanced":
             assert row["capture_seconds"] < by[(model, length, ranks, "pipeline")]["capture_seconds"]
     # its attention term is 1/N of the single-GPU attention at the calibrated rate
-    calibration = scaling.calibrate()
+    calibration = scaling.calibrate(RECORDED)
     shape, rates = scaling.Shape.of("qwen3.6-27b-shape"), calibration.rates["qwen3.6-27b-shape"]
     row = by[("qwen3.6-27b-shape", 2_097_152, 8, "balanced")]
     full = shape.attention_layers * shape.attention_flops(2_097_151, 0) * rates.attention_seconds_per_flop
@@ -276,9 +278,9 @@ def test_table_rows(rows):
 
 
 def test_sweep_tables_carry_the_scaling_table_beside_h200_cp_points(rows):
-    cp = _load(scaling.CP_CALIBRATION)
+    cp = {**_load(scaling.CP_CALIBRATION), "results_dir": str(RECORDED)}  # as the report loads it
     assert sweep.tables([cp])["cp_scaling"] == rows
-    single = _load("g_sweep/sweep.json")
+    single = {**_load("g_sweep/sweep.json"), "results_dir": str(RECORDED)}
     assert "cp_scaling" not in sweep.tables([single])
     note = sweep.scaling_note(rows)
     assert "-7.6%" in note and "62.4 s" in note and "67.6 s" in note and "\u00b112%" in note

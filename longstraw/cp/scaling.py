@@ -73,8 +73,6 @@ from longstraw.measure.flops import attention_forward_flops
 from longstraw.models.presets import PRESETS
 
 SCHEDULES = ("pipeline", "balanced")
-REPO = Path(__file__).resolve().parents[2]
-RECORDED = REPO / "experiments" / "recorded" / "h200"
 # nominal, not measured here: NVLink on an H200 node (450 GB/s each way per GPU, taken at 400) and one
 # 400 Gb/s NIC per GPU between nodes
 INTRA_NODE_BYTES_PER_SECOND = 400e9
@@ -87,13 +85,13 @@ BF16, FP32 = 2, 4
 STATED_ERROR = 0.12
 TEN_MINUTES = 600.0
 
-# model -> its single-GPU capture that gives s and c (under RECORDED)
+# model -> its single-GPU capture that gives s and c (under the records folder, experiments/recorded/h200 in a clone)
 CALIBRATION = {
     "hybrid-1b": "operating_points/positions-4456448-cycles-8.json",
     "qwen3.6-27b-shape": "architectures/qwen3.6-27b-shape-nf4-1048576.json",
 }
 CP_CALIBRATION = "context_parallel/positions-2097152.json"  # hybrid-1b, 2 ranks, pipeline: eta and the residual
-# the measured rows: (role, result file under RECORDED, what it is used for)
+# the measured rows: (role, result file under the records folder, what it is used for)
 MEASURED = [
     (
         "calibration",
@@ -337,7 +335,7 @@ def model_of(result: dict) -> str:
     return result["config"]["model"]["preset"]
 
 
-def calibrate(root=RECORDED, cp: bool = True) -> Calibration:
+def calibrate(root, cp: bool = True) -> Calibration:
     """The model's inputs from the recorded files under `root` (`CALIBRATION`, `CP_CALIBRATION`);
     `cp=False`: single-GPU captures only (eta 1, no residual)."""
     root = Path(root)
@@ -484,14 +482,7 @@ def predict(
 # ------------------------------------------------------------------------------------------ table
 
 
-def _rel(path: Path) -> str:
-    try:
-        return path.resolve().relative_to(REPO).as_posix()
-    except ValueError:
-        return path.as_posix()
-
-
-def measured_row(result: dict, role: str, use: str, file: Path, held_out: Calibration) -> dict:
+def measured_row(result: dict, role: str, use: str, file: str, held_out: Calibration) -> dict:
     """A recorded capture, with the model's prediction of it from a calibration that did not see it
     (single-GPU rows: the calibrated rates; 2-rank rows: the model without any 2-rank run)."""
     ranks = int(result["config"].get("cp_size") or 1)
@@ -502,7 +493,7 @@ def measured_row(result: dict, role: str, use: str, file: Path, held_out: Calibr
         seconds, positions = evidence["capture_seconds"], result["config"]["prompt"]["length"] - 1
     row = {
         "source": "measured",
-        "point": f"{file.parent.name}/{file.stem}",
+        "point": file.removesuffix(".json"),
         "model": model_of(result),
         "prompt_length": result["config"]["prompt"]["length"],
         "cp_size": ranks,
@@ -510,7 +501,7 @@ def measured_row(result: dict, role: str, use: str, file: Path, held_out: Calibr
         "capture_seconds": seconds,
         "role": role,
         "basis": use,
-        "result_file": _rel(file),
+        "result_file": file,
         "commit": str(result["provenance"].get("commit", ""))[:7],
         "status": result.get("status"),
     }
@@ -571,20 +562,20 @@ def predictions(calibration: Calibration | None = None) -> list[dict]:
     ]
 
 
-def measured(root=RECORDED) -> list[dict]:
+def measured(root) -> list[dict]:
     """The recorded captures the model was calibrated and checked on (`MEASURED`), each with the model's
     held-out prediction of it."""
     root = Path(root)
     held_out = calibrate(root, cp=False)
-    return [measured_row(load(root / file), role, use, root / file, held_out) for role, file, use in MEASURED]
+    return [measured_row(load(root / file), role, use, file, held_out) for role, file, use in MEASURED]
 
 
-def table_rows(root=RECORDED) -> list[dict]:
+def table_rows(root) -> list[dict]:
     """Measured rows, then predicted rows (`source` says which)."""
     return measured(root) + predictions(calibrate(root))
 
 
-def checks(root=RECORDED) -> list[dict]:
+def checks(root) -> list[dict]:
     """The held-out checks: each measured row the model did not see, with its relative error."""
     return [
         {**row, "relative_error": row["model_over_measured_ratio"] - 1}

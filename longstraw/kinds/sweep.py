@@ -344,8 +344,9 @@ def _step_row(point, index: int, step: dict, identity: dict) -> dict:
 def tables(points: list[dict]) -> dict[str, list[dict]]:
     """A sweep's steps; beside context-parallel H200 points, the CP scaling model's table too."""
     out = {"steps": rows_of_points(points, step_rows)}
-    if any(_h200_cp(p) for p in points):
-        out["cp_scaling"] = scaling_rows()
+    records = {p["results_dir"] for p in points if _h200_cp(p) and "results_dir" in p}
+    if len(records) == 1:
+        out["cp_scaling"] = scaling_rows(records.pop())
     return out
 
 
@@ -354,13 +355,13 @@ def _h200_cp(point: dict) -> bool:
     return (number(cfg.get("cp_size")) or 1) > 1 and "H200" in str(as_dict(point.get("provenance")).get("device"))
 
 
-def scaling_rows() -> list[dict]:
-    """Measured and predicted capture times over ranks (`longstraw.cp.scaling`, calibrated on the recorded
-    H200 files; it imports torch, as the GPU targets do, so only here)."""
+def scaling_rows(records) -> list[dict]:
+    """Measured and predicted capture times over ranks (`longstraw.cp.scaling`, calibrated on the H200 files in the
+    folder `records`; it imports torch, as the GPU targets do, so only here)."""
     try:
         from longstraw.cp.scaling import table_rows
 
-        return table_rows()
+        return table_rows(records)
     except (OSError, KeyError, ValueError) as exc:
         return [
             {

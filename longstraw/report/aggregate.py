@@ -52,7 +52,8 @@ GENERAL_TABLES = ("points", "files", "experiments", "targets", "unrecorded")
 
 def load_points(results_dir) -> list[dict]:
     """Every result JSON under `results_dir` (its `points/` folder when there is one), sorted by path;
-    `result_file`: the file's path relative to `results_dir`.
+    `result_file`: the file's path relative to `results_dir`, and `results_dir` itself (what a kind reads beside its
+    points: the CP scaling model calibrates on the records folder its H200 points came from).
 
     A file that cannot be parsed becomes an `error` point naming the file, so it shows in the report."""
     root = Path(results_dir)
@@ -64,6 +65,7 @@ def load_points(results_dir) -> list[dict]:
         if not path.name.startswith("."):
             point = load_point(path, base)
             point["result_file"] = path.relative_to(root).as_posix()
+            point["results_dir"] = str(root)
             points.append(point)
     return points
 

@@ -6,12 +6,16 @@ import sys
 from importlib import resources
 from pathlib import Path
 
+from snakemake_interface_executor_plugins.settings import DeploymentMethod
+
 from longstraw.harness.plan import launcher, needs, plan, real_checkpoints_needed
 from longstraw.models.real import MANIFEST, REAL_CHECKPOINTS
 
 PROFILE = config["profile"]
 RECORDED = config["recorded"]  # experiments/recorded/<RECORDED>/ -> reports/recorded-<RECORDED>/
-PYTHON = sys.executable
+# under `--sdm conda` a rule's shell runs in the environment, whose `python` is on its PATH; otherwise the
+# interpreter running snakemake (its venv)
+PYTHON = "python" if DeploymentMethod.CONDA in workflow.deployment_settings.deployment_method else sys.executable
 PLAN = plan("experiments", PROFILE)
 EXPERIMENT_FILES = sorted(str(p) for p in Path("experiments").glob("*.yaml"))
 # package data: a rule that reads them reruns when they change
@@ -19,7 +23,7 @@ SCHEMA = str(resources.files("longstraw.harness") / "experiment.schema.yaml")
 TEMPLATES = sorted(str(p) for p in (resources.files("longstraw.report") / "templates").iterdir()
                    if p.name.endswith(".html"))
 PAPER = str(resources.files("longstraw.report") / "paper.yaml")
-CONDA_ENV = "../envs/longstraw.yml"
+CONDA_ENV = "../../environment.yml"  # relative to this rule file
 
 
 wildcard_constraints:
