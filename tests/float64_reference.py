@@ -6,7 +6,7 @@ gated norm and the eager attention softmax cast to `torch.float32` and back, so 
 float64 model is still only float32-accurate there, and so is ours, which runs HF's norms and MLPs.
 Inside `hf_float64(model)`, the `torch` that the model's `transformers` modeling modules see answers
 float64 for `float32` (and `float`), and the few modules that cast with the `.float()` method instead
-(Gemma 3's RMS norm: `_METHOD_CASTS`) compute in their input's precision when it is wider; nothing else
+(Gemma 3's RMS norm and rotary: `_METHOD_CASTS`) compute in their input's precision when it is wider; nothing else
 changes, and everything is restored on exit:
 
     net = float64_model("tiny-qwen3_5", seed=1)
@@ -50,9 +50,20 @@ def _gemma_norm_in_input_precision(self, x):
     return (self._norm(x.to(dtype)) * (1.0 + self.weight.to(dtype))).type_as(x)
 
 
+def _gemma_rotary_in_float64(self, x, position_ids, layer_type):
+    """Gemma3RotaryEmbedding.forward (default and linear rope: the inverse frequencies set at init) in float64.
+    transformers 5.17 casts one operand with `.float()` and the other with `torch.float`, which the proxy turns
+    into float64, so its matmul meets two dtypes; later versions multiply elementwise, which promotes."""
+    inv_freq = getattr(self, f"{layer_type}_inv_freq").to(device=x.device, dtype=torch.float64)
+    freqs = position_ids[..., None].to(torch.float64) * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    scaling = getattr(self, f"{layer_type}_attention_scaling")
+    return (emb.cos() * scaling).to(x.dtype), (emb.sin() * scaling).to(x.dtype)
+
+
 # classes whose forward casts with `.float()`, which the torch proxy cannot see (measured on tiny-gemma3, LoRA
-# conditional gradient: 5.0e-7 from HF with Gemma's float32 norms, 2.6e-8 with them lifted)
-_METHOD_CASTS = {"Gemma3RMSNorm": _gemma_norm_in_input_precision}
+# conditional gradient: 5.0e-7 from HF with Gemma's float32 norms, 2.6e-8 with them lifted), or mixes the two
+_METHOD_CASTS = {"Gemma3RMSNorm": _gemma_norm_in_input_precision, "Gemma3RotaryEmbedding": _gemma_rotary_in_float64}
 
 
 @contextmanager
