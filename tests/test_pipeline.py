@@ -66,7 +66,8 @@ def _snakemake(workdir, *args, **kwargs):
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     root = tmp_path_factory.mktemp("pipeline")
-    shutil.copy(REPO / "Snakefile", root)
+    for top in ("Snakefile", "environment.yml"):  # the rules name the conda environment: snakemake reads it
+        shutil.copy(REPO / top, root)
     for folder in ("workflow", "config", "profiles"):
         shutil.copytree(REPO / folder, root / folder)
     experiments = root / "experiments"
@@ -94,13 +95,14 @@ def completed(workdir):
     )
     deadline = time.time() + 240
     while time.time() < deadline and len(list(logs.rglob("*.log"))) < 2:
+        assert first.poll() is None, "the first run ended before its second point started"
         time.sleep(0.2)
     os.killpg(first.pid, signal.SIGINT)
     first.wait(timeout=60)
     done_before = {p: p.stat().st_mtime_ns for p in points.rglob("*.json")}
     assert 0 < len(done_before) < 5, "the interruption should leave some points done and some missing"
     planned = _snakemake(workdir, "-n")
-    assert planned.returncode == 0, planned.stderr
+    assert planned.returncode == 0, planned.stdout[-3000:] + planned.stderr
     rerun = _snakemake(workdir)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     return {"done_before": done_before, "planned": planned.stdout + planned.stderr}
