@@ -6,11 +6,13 @@ and a recorded GPU result; every number a table shows is then compared with the 
 came from. The page and the figures are also rendered from the tables alone, the results gone.
 """
 
+import base64
 import copy
 import json
 import math
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -26,7 +28,7 @@ from longstraw.cp.launch import run_ranks
 from longstraw.harness.runner import run_point
 from longstraw.kinds.staleness import columns as staleness_columns
 from longstraw.kinds.staleness import refresh_interval
-from longstraw.report import aggregate, render
+from longstraw.report import aggregate, browser, render
 from longstraw.report.build import build_report
 from longstraw.report.figures import make_figures
 from longstraw.report.store import read_tables
@@ -182,27 +184,32 @@ def built(tmp_path_factory):
 
 
 class _Tables(HTMLParser):
-    """Tables by id: rows of {"attrs": tr attributes, "cells": [{column, value, text}]}, plus every img src and id."""
+    """Tables by id: rows of {"attrs": tr attributes, "cells": [{column, value, text}]} (a wide table's later parts,
+    `data-part-of`, joined to its rows, their repeated point cell left out), plus every image's file (`data-file`;
+    its `src` must be its embedded PNG) and every id."""
 
     def __init__(self):
         super().__init__()
         self.tables, self.images, self.ids = {}, [], set()
-        self._table, self._row, self._cell = None, None, None
+        self._table, self._row, self._cell, self._part = None, None, None, None
 
     def handle_starttag(self, tag, attrs):
         attrs = dict(attrs)
         if "id" in attrs:
             self.ids.add(attrs["id"])
         if tag == "img":
-            self.images.append(attrs["src"])
+            assert attrs["src"].startswith("data:image/png;base64,"), attrs["src"][:60]
+            self.images.append(attrs["data-file"])
         elif tag == "table":
-            self._table = self.tables.setdefault(attrs.get("id", f"anonymous-{len(self.tables)}"), [])
+            self._part = iter(self.tables[attrs["data-part-of"]]) if "data-part-of" in attrs else None
+            self._table = [] if self._part else self.tables.setdefault(attrs.get("id", f"anon-{len(self.tables)}"), [])
         elif tag == "tr" and self._table is not None and "data-point" in attrs:
-            self._row = {"attrs": attrs, "cells": []}
+            self._row = next(self._part) if self._part else {"attrs": attrs, "cells": []}
             self._table.append(self._row)
         elif tag == "td" and self._row is not None:
             self._cell = {"column": attrs.get("data-column"), "value": attrs.get("data-value"), "text": ""}
-            self._row["cells"].append(self._cell)
+            if not (self._part and self._cell["column"] == "point"):
+                self._row["cells"].append(self._cell)
 
     def handle_endtag(self, tag):
         if tag == "td":
@@ -921,11 +928,22 @@ def test_cpu_report_links_the_recorded_report(built, tmp_path):
     peak = max(p["peak_allocated_bytes"] for p in g2["phases"].values())
     assert f"{peak / 2**30:,.3f} GiB ({peak / 1e9:,.3f} GB)" in row[3]
     assert row[2] != row[3] and "GB" in row[2]  # this run's (CPU) value beside it
+    # each names the model and the prompt length it was measured on, from the results
+    assert row[3].endswith(
+        f"; {sweep['config']['model']['preset']} at {sweep['config']['prompt']['length']:,} positions"
+    )
+    assert row[2].endswith("; tiny-qwen3_5 at 40 positions")
 
 
-def test_recorded_h200_results_render(tmp_path):
+@pytest.fixture(scope="module")
+def recorded_page(tmp_path_factory):
+    """The committed recorded GPU results' own report."""
     recorded = REPO / "experiments" / "recorded" / "h200"
-    page = build_report(recorded, tmp_path, "h200", recorded_dir=recorded)
+    return build_report(recorded, tmp_path_factory.mktemp("recorded-h200"), "h200", recorded_dir=recorded)
+
+
+def test_recorded_h200_results_render(recorded_page):
+    recorded, page = REPO / "experiments" / "recorded" / "h200", recorded_page
     parsed = _parse(page.read_text())
     experiments = {p.parent.name for p in recorded.glob("*/*.json")}
     for experiment in experiments:
@@ -937,7 +955,7 @@ def test_recorded_h200_results_render(tmp_path):
             len(p["metrics"]["steps"]) for p in points if p["experiment"] == experiment and p.get("kind") == "sweep"
         )
     for src in parsed.images:
-        assert (tmp_path / src).read_bytes()[:8] == PNG_SIGNATURE
+        assert (page.parent / src).read_bytes()[:8] == PNG_SIGNATURE
     assert "Every result file in" in page.read_text()  # the recorded folder is this report's own
     # one section per subject: the validation and peers experiments' points sit inside Validation and Peers
     html = page.read_text()
@@ -950,11 +968,11 @@ def test_recorded_h200_results_render(tmp_path):
         assert section.index(f'id="experiment-{name}"') < section.index("</section>")
 
 
-def test_recorded_context_parallel_sweeps_show_every_ranks_peak(tmp_path):
+def test_recorded_context_parallel_sweeps_show_every_ranks_peak(recorded_page):
     """The recorded CP sweeps: each step row's per-rank peak is the largest of its ranks' (from the
     JSON), the point row's the largest rank's run peak; the scale table says how many ranks."""
     recorded = REPO / "experiments" / "recorded" / "h200"
-    page = build_report(recorded, tmp_path, "h200", recorded_dir=recorded).read_text()
+    page = recorded_page.read_text()
     parsed = _parse(page)
     points = sorted(
         (p for p in aggregate.load_points(recorded) if p["experiment"] == "context_parallel"), key=lambda p: p["point"]
@@ -971,6 +989,32 @@ def test_recorded_context_parallel_sweeps_show_every_ranks_peak(tmp_path):
             r["peak_allocated_bytes"] for r in point["cp"]["ranks"]
         )
     assert "context parallel over 2 ranks" in page
+
+
+@pytest.mark.skipif(browser.chromium() is None, reason="no Chromium on PATH (.ci/run installs Debian's chromium)")
+@pytest.mark.parametrize("page", ["built", "recorded_page"])
+def test_a_page_reads_in_minutes_in_headless_chromium(page, request, tmp_path):
+    """Issue 34, measured as a reader's browser lays the page out at 1,400 px: under 25,000 px tall (long tables
+    summarised or folded, the rest of a section under one line), the page never wider than the window and no
+    table wider than the page (a table scrolled inside a box would count as wider), every section named once, and
+    every image embedded: the page copied alone shows them all. `built`: the tests' CPU page; `recorded_page`: the
+    committed GPU records' page, the longest (141,557 px in the issue)."""
+    built = request.getfixturevalue(page)
+    source = built["page"] if isinstance(built, dict) else built
+    alone = tmp_path / "index.html"
+    shutil.copyfile(source, alone)
+    facts = browser.measure(alone, width=1400)
+    print(f"{page}: {facts['height']:,} px tall at 1,400 px")
+    assert facts["height"] < 25_000
+    assert facts["width"] <= facts["viewport"]
+    assert [t["id"] for t in facts["tables"] if t["left"] < 0 or t["right"] > facts["viewport"]] == []
+    assert len(facts["h2"]) == len(set(facts["h2"])), facts["h2"]
+    assert facts["images"] and [i for i in facts["images"] if not i["src"].startswith("data:image/png")] == []
+    assert all(i["loaded"] for i in facts["images"])
+    # each embedded image is its PNG file's bytes
+    html = Path(source).read_text()
+    for src, file in re.findall(r'<img src="data:image/png;base64,([^"]+)"[^>]*data-file="([^"]+)"', html):
+        assert base64.b64decode(src) == (Path(source).parent / file).read_bytes(), file
 
 
 def _mla_sweep(hybrid: dict) -> dict:
@@ -1385,7 +1429,7 @@ def test_memory_against_length_gathers_every_single_rank_step_and_oom(gpu_built,
     cpu_rows = memory_vs_length.memory_rows(read_tables(built["out"] / "tables"))
     assert cpu_rows and not [r for r in cpu_rows if r["experiment"] == "context_parallel"]
 
-    # drawn: one line per mode through the largest peak at each length, the oom step as a cross
+    # drawn: one line per setting and mode through the largest peak at each length, the oom step as a cross
     paper = memory_points(load_paper())
     assert [(p["positions"], p["bytes"]) for p in paper] == [(2097152, 97.711e9), (4456448, 83.894e9)]
     fig = memory_vs_length.plot_memory_vs_length(rows, {"bytes": 140 * GIB}, paper)
@@ -1395,8 +1439,13 @@ def test_memory_against_length_gathers_every_single_rank_step_and_oom(gpu_built,
     assert list(lines["replay"].get_ydata()) == [pytest.approx(25 + 2 / GIB, rel=1e-12)]
     hold_all = lines["hold_all"]
     assert list(hold_all.get_xdata()) == [1 << 20] and list(hold_all.get_ydata()) == [30.0]
-    crosses = [line for line in ax.lines if line.get_marker() == "X"]
+    crosses = [line for line in ax.lines if line.get_marker() == "X" and len(line.get_xdata())]
     assert [(list(c.get_xdata()), list(c.get_ydata())) for c in crosses] == [([1 << 20], [139.0])]
+    # the legend's cross is an empty line (it moves no limit), in no mode's colour
+    [key] = [line for line in ax.lines if line.get_marker() == "X" and not len(line.get_xdata())]
+    assert key.get_label() == "OOM (colour: its mode)" and key.get_color() == "white"
+    # drawn for the page's width (12 inches at 110 dpi: 1,320 px), not shrunk to it
+    assert fig.get_size_inches()[0] == memory_vs_length.WIDTH == 12
     diamonds = [line for line in ax.lines if line.get_marker() == "D"]
     assert [list(d.get_xdata()) for d in diamonds] == [[2097152], [4456448]]
 
@@ -1580,7 +1629,7 @@ def _line(ax, marker):
 def test_g_sweep_figure_axes_marks_and_legend():
     """Linear sizes from 0 with GB on the right; the paper's 97.711 GB at 97.711 on the GB axis; the
     OOM step at its recorded peak on the left, on the x axis of the graph panel (no graph peak); one
-    legend beside both panels saying colour is the mode, line style the model."""
+    legend beside both panels saying colour is the mode (a shade per model), line style the model."""
     from longstraw.kinds.step import plot_g_sweep_memory
 
     def row(model, mode, g, status="ok", peak=None, graph=None):
@@ -1627,9 +1676,12 @@ def test_g_sweep_figure_axes_marks_and_legend():
         for line in graph_ax.lines
         if line.get_label().startswith("replay")
     }
-    assert styles["replay, m"][0] != styles["replay, n"][0] and styles["replay, m"][1] == styles["replay, n"][1]
+    # two lines of one mode differ in colour (a shade of the mode's) and in style
+    assert styles["replay, m"][0] != styles["replay, n"][0] and styles["replay, m"][1] != styles["replay, n"][1]
     legend = graph_ax.get_legend()
-    assert peak_ax.get_legend() is None and legend.get_title().get_text() == "colour: mode, line style: model"
+    assert peak_ax.get_legend() is None
+    assert legend.get_title().get_text() == "colour: mode (a shade per model), line style: model"
+    assert legend.handlelength >= 4  # long enough to show a dashed line's dashes
     assert "replay, n" in [t.get_text() for t in legend.get_texts()] and "paper" in [
         t.get_text() for t in legend.get_texts()
     ]
@@ -1806,7 +1858,8 @@ def test_a_failed_points_row_is_one_line_with_the_whole_message_below(built):
     """The error point's message (214 characters) shows its first 60 in the row; the whole of it is in
     the cell's <details>, closed."""
     message = built["files"][("g_sweep", "no_such_mode-G2")]["error"]
-    row = built["html"].split('<tr data-point="no_such_mode-G2"')[1].split("</tr>")[0]
+    rows = [r.split("</tr>")[0] for r in built["html"].split('<tr data-point="no_such_mode-G2"')[1:]]
+    row = next(r for r in rows if '<td data-column="error"' in r)  # a wide table's part that holds the error
     cell = row.split('<td data-column="error" class="message">')[1].split("</td>")[0]
     summary = html_unescape(re.search(r"<summary>(.*?)</summary>", cell).group(1))
     assert len(summary) <= 60 and message.startswith(summary.rstrip("…")) and "<details>" in cell
@@ -1896,12 +1949,21 @@ def test_a_staleness_record_from_before_the_setting_was_recorded_reads_it_from_i
     assert setting_label(recorded_setting({"model": {"dtype": "float32", "lora": None}})) == "float32 weights"
 
 
-def test_a_point_label_leaves_out_nested_settings_read_back_as_json_text():
-    from longstraw.plotting.draw import point_label
+def test_point_labels_name_what_differs_between_the_points():
+    """The recorded 2M operating points: two share cycles=2 beta=0 L=2097152 and differ only inside their
+    nested `responses` (JSON text in the tables); each bar's label tells it from the others."""
+    from longstraw.plotting.draw import point_labels
 
-    row = {"responses": '{"count": 4, "length": 32}', "prompt.length": 2097152, "cycles": 2, "point": "p"}
-    assert point_label(row, ["cycles", "responses", "prompt.length"]) == "cycles=2 L=2097152"
-    assert point_label({"responses": {"count": 4}, "point": "p"}, ["responses"]) == "p"
+    grid = ["cycles", "grpo.beta", "prompt.length", "responses"]
+    rows = [
+        {"point": "seeded", "cycles": 2, "grpo.beta": 0, "prompt.length": 2097152, "responses": '{"count": 4}'},
+        {"point": "rollouts", "cycles": 2, "grpo.beta": 0, "prompt.length": 2097152, "responses": '{"count": 8}'},
+        {"point": "long", "prompt.length": 4456448},
+    ]
+    assert point_labels(rows, grid) == ["L=2097152 G=4", "L=2097152 G=8", "L=4456448"]
+    # settings that do not tell two rows apart: their names
+    assert point_labels(rows[:1] + rows[:1], grid) == ["seeded", "seeded"]
+    assert point_labels([{"responses": {"count": 4}, "point": "p"}], ["responses"]) == ["p"]
 
 
 @pytest.mark.parametrize(
@@ -1994,3 +2056,62 @@ def test_a_drift_axis_is_log_only_where_its_values_span_a_decade():
     assert scale_by_span(wide) is True and wide.get_yscale() == "log"
     assert scale_by_span(banded, also=[5e-3, 2e-2]) is True
     plt.close(fig)
+
+
+def test_the_memory_figure_draws_one_line_per_setting():
+    """Two experiments' replay points on one model, each at two lengths: two lines, never one zig-zagging
+    through both settings (the recorded qwen3.6-27b-shape points went 74 -> 94 -> 84 GiB)."""
+    from longstraw.report import memory_vs_length
+
+    def row(experiment, setting, length, gib):
+        return {
+            "experiment": experiment,
+            "point": f"{setting}-{length}",
+            "model": "m",
+            "mode": "replay",
+            "prompt_length": length,
+            "peak_bytes": gib * GIB,
+            "status": "ok",
+            "source": "step",
+            "search_ceiling": None,
+            "setting": (experiment, "step", setting),
+        }
+
+    rows = [row("a", "plain", 1024, 74), row("a", "plain", 4096, 84), row("b", "checkpointed", 2048, 94)]
+    fig = memory_vs_length.plot_memory_vs_length(rows, {"bytes": 140 * GIB}, [])
+    [ax] = [a for a in fig.axes if a.get_title() == "m"]
+    drawn = sorted(
+        (list(line.get_xdata()), list(line.get_ydata())) for line in ax.lines if line.get_label() == "replay"
+    )
+    assert drawn == [([1024, 4096], [74.0, 84.0]), ([2048], [94.0])]
+    _close_figures()
+
+
+def test_a_claim_of_several_points_names_their_scale_and_the_label_claims_none(staleness_built):
+    """The staleness claim: the paper's 1M positions in the paper's cell, not in the claim's label; ours says how
+    many points and the model and length they ran at."""
+    table = staleness_built["html"].split('id="summary-claims"')[1].split("</table>")[0]
+    rows = [re.findall(r"<td>(.*?)</td>", row, re.S) for row in table.split("<tr>")[2:]]
+    [row] = [r for r in rows if r[0].startswith("loss drift of a reused capture against a fresh-prefix oracle")]
+    assert "1M" not in row[0] and "at 1M positions" in row[1]
+    assert row[2] == "5 points (small-qwen3_5 at 2,048 positions): see the section"
+
+
+def test_a_long_run_shows_its_ends_a_repeated_column_is_named_and_a_wide_table_is_split():
+    from longstraw.report import shorten
+
+    curve = [{"point": "a", "step": i, "answer_loss": 1 / (i + 1), "loss": 1 / (i + 1)} for i in range(40)]
+    short = [{"point": "b", "step": i, "answer_loss": 0.5, "loss": 0.25} for i in range(3)]
+    shown, chosen = shorten.run_ends(curve + short)
+    assert [(r["point"], r["step"]) for r in shown] == [("a", 0), ("a", 39), ("b", 0), ("b", 1), ("b", 2)]
+    assert chosen == "a run (point) of more than 16 rows shows its first and last"
+    assert shorten.run_ends(short) == (short, "")
+    assert shorten.repeated_columns(curve, ["point", "step", "answer_loss", "loss"]) == {"loss": "answer_loss"}
+    assert shorten.repeated_columns(curve + short, ["point", "step", "answer_loss", "loss"]) == {}
+    view = render.table_view(shown, ["point", "step", "answer_loss", "loss"], every=curve)
+    assert [c["key"] for c in view["columns"]] == ["point", "step", "answer_loss"]
+    assert view["repeats"] == [{"column": "loss", "twin": "answer_loss"}] and view["all_rows"] == 40
+    columns = ["point"] + [f"c{i}" for i in range(23)]
+    parts = shorten.column_parts(columns)
+    assert len(parts) == 2 and all(p[0] == 0 and len(p) <= shorten.WIDE for p in parts)
+    assert sorted({i for p in parts for i in p}) == list(range(24))

@@ -110,12 +110,12 @@ def figures(data, ceiling: dict, marks=()):
 def _capture_labels(rows, grid) -> list[str]:
     """Model type and prompt length per bar; the model's name instead where two bars share a type
     (a preset and a real model's shape of one family)."""
-    from longstraw.plotting.draw import point_label
+    from longstraw.plotting.draw import point_labels
 
     types = [r.get("model_type") for r in rows]
     labels = []
-    for row in rows:
-        label = row.get("model_type") or point_label(row, grid)
+    for row, named in zip(rows, point_labels(rows, grid)):
+        label = row.get("model_type") or named
         if types.count(row.get("model_type")) > 1 and row.get("model"):
             label = row["model"]
         labels.append(

@@ -642,7 +642,7 @@ def plot_drift(points: list[dict], drift: list[dict], grid, title: str, bands=()
 
     fig, axes = draw.plt.subplots(2, 3, figsize=(16, 10))
     (loss_ax, logp_ax, kl_ax), (cos_ax, param_ax, vs_ax) = axes
-    labels = {str(r.get("point")): draw.point_label(r, grid) for r in points}
+    labels = dict(zip((str(r.get("point")) for r in points), draw.point_labels(points, grid)))
     drawn = [p for p in points if any(d.get("point") == p.get("point") and d.get("step") is not None for d in drift)]
     for i, point in enumerate(drawn):
         name, color = str(point.get("point")), draw.POINT_COLORS[i % len(draw.POINT_COLORS)]

@@ -177,8 +177,8 @@ CAPTIONS = {
     "and predicted (bottom). Left axes binary units (GiB), right axes decimal (GB, as the "
     "paper writes); a point that did not complete is marked on the x axis where it has no "
     "value.",
-    "g_sweep_memory": "Peak memory against the group size G; colour: the mode, line style: the model. Replay "
-    "should stay flat in G, hold_all grows with G. An out-of-memory point recorded no graph "
+    "g_sweep_memory": "Peak memory against the group size G; colour: the mode (a shade per model), line style: "
+    "the model. Replay should stay flat in G, hold_all grows with G. An out-of-memory point recorded no graph "
     "peak: it is marked on the x axis of that panel.",
     "time_per_member": "Seconds per replayed response (replay phase seconds / replays).",
     "phase_seconds": "Where a point's time goes: seconds per phase, summed over its cycles.",
@@ -278,7 +278,7 @@ def plot_memory_vs_ceiling(rows, grid, ceiling, cuda: bool, title: str):
 
     measure = "peak_allocated_bytes" if cuda else "peak_rss_bytes"
     phases = [p for p in STEP_PHASES if any(r.get(f"{p}_{measure}") is not None for r in rows)]
-    labels = [draw.point_label(r, grid) for r in rows]
+    labels = draw.point_labels(rows, grid)
     # + 3 inches for the legends beside the axes
     width = min(18, max(9, 5 + 0.75 * len(rows) * max(1, len(phases)) / 3)) + 3
     fig, (top, bottom) = draw.plt.subplots(2, 1, figsize=(width, 8.5))
@@ -352,17 +352,19 @@ def plot_memory_vs_ceiling(rows, grid, ceiling, cuda: bool, title: str):
 
 
 def by_mode(rows):
-    """{line label: (mode, line style, rows)}: one line per mode, and per model where the rows hold
-    several (e.g. two sweeps of one experiment on different models), each model its own line style."""
-    from longstraw.plotting.draw import LINE_STYLES
+    """{line label: (colour, line style, rows)}: one line per mode, and per model where the rows hold
+    several (e.g. two sweeps of one experiment on different models), each model its own line style and its
+    own shade of the mode's colour, so two lines of one mode differ in colour too."""
+    from longstraw.plotting.draw import LINE_STYLES, MODE_COLORS, shade
 
     models = list(dict.fromkeys(str(row.get("model")) for row in rows))
     lines: dict[str, tuple[str, str, list[dict]]] = {}
     for row in rows:
         mode, model = str(row.get("mode")), str(row.get("model"))
         label = mode if len(models) == 1 else f"{mode}, {model}"
-        style = LINE_STYLES[models.index(model) % len(LINE_STYLES)]
-        lines.setdefault(label, (mode, style, []))[2].append(row)
+        which = models.index(model)
+        color = shade(MODE_COLORS.get(mode, "#4c72b0"), which)
+        lines.setdefault(label, (color, LINE_STYLES[which % len(LINE_STYLES)], []))[2].append(row)
     return lines
 
 
@@ -411,7 +413,7 @@ def plot_g_sweep_memory(rows, ceiling, cuda: bool, title: str, marks=()):
         axis = draw.memory_axis(
             [r.get(key) for r in rows] + ([m["bytes"] for m in marks] if peak else []) + drawn_ceiling
         )
-        for label, (mode, style, members) in by_mode(rows).items():
+        for label, (color, style, members) in by_mode(rows).items():
             ok = sorted((r for r in draw.ok(members) if r.get(key) is not None), key=lambda r: r["G"])
             if ok:
                 ax.plot(
@@ -419,7 +421,7 @@ def plot_g_sweep_memory(rows, ceiling, cuda: bool, title: str, marks=()):
                     [r[key] / axis.scale for r in ok],
                     marker="o",
                     label=label,
-                    color=draw.MODE_COLORS.get(mode),
+                    color=color,
                     linestyle=style,
                 )
         for row in draw.failed(rows):  # an oom step recorded its peak, never its graph: that one on the axis
@@ -439,8 +441,9 @@ def plot_g_sweep_memory(rows, ceiling, cuda: bool, title: str, marks=()):
     draw.legend_outside(
         axes[-1],
         *draw.shared_legend(axes),
-        title="colour: mode, line style: model" if several else "colour: mode",
+        title="colour: mode (a shade per model), line style: model" if several else "colour: mode",
         title_fontsize=7,
+        handlelength=4,  # long enough to show a dashed line's dashes
     )
     fig.suptitle(f"{title}: peak memory against G", fontsize=10)
     return fig
@@ -453,7 +456,7 @@ def plot_time_per_member(rows, grid, title: str):
     lines = len(gs) > 1
     fig, ax = draw.plt.subplots(figsize=(10, 4.5) if lines else (min(16, max(6, 4 + 0.7 * len(rows))), 4.5))
     if lines:
-        for label, (mode, style, members) in by_mode(rows).items():
+        for label, (color, style, members) in by_mode(rows).items():
             ok = sorted((r for r in draw.ok(members) if r.get("seconds_per_member") is not None), key=lambda r: r["G"])
             if ok:
                 ax.plot(
@@ -461,7 +464,7 @@ def plot_time_per_member(rows, grid, title: str):
                     [r["seconds_per_member"] for r in ok],
                     marker="o",
                     label=label,
-                    color=draw.MODE_COLORS.get(mode),
+                    color=color,
                     linestyle=style,
                 )
         for row in draw.failed(rows):
@@ -470,7 +473,7 @@ def plot_time_per_member(rows, grid, title: str):
         ax.set_xscale("log", base=2)
         ax.set_xticks(sorted(gs), [str(g) for g in sorted(gs)])
         ax.set_xlabel("G (responses per prompt)")
-        draw.legend_outside(ax)
+        draw.legend_outside(ax, handlelength=4)  # long enough to show a dashed line's dashes
     else:
         ax.bar(
             range(len(rows)),
@@ -478,7 +481,7 @@ def plot_time_per_member(rows, grid, title: str):
             color=[draw.MODE_COLORS.get(str(r.get("mode")), "#4c72b0") for r in rows],
         )
         draw.mark_failed_bars(ax, rows)
-        ax.set_xticks(range(len(rows)), [draw.point_label(r, grid) for r in rows], rotation=30, ha="right", fontsize=8)
+        ax.set_xticks(range(len(rows)), draw.point_labels(rows, grid), rotation=30, ha="right", fontsize=8)
         draw.bar_slots(ax, len(rows))
     ax.set_ylim(bottom=0)
     ax.set_ylabel("seconds per replayed member (s)")
@@ -497,7 +500,7 @@ def plot_phase_seconds(rows, grid, title: str):
         ax.bar(range(len(rows)), heights, bottom=base, label=phase, color=draw.PHASE_COLORS.get(phase))
         base = [b + h for b, h in zip(base, heights)]
     draw.mark_failed_bars(ax, rows)
-    ax.set_xticks(range(len(rows)), [draw.point_label(r, grid) for r in rows], rotation=30, ha="right", fontsize=8)
+    ax.set_xticks(range(len(rows)), draw.point_labels(rows, grid), rotation=30, ha="right", fontsize=8)
     draw.bar_slots(ax, len(rows))
     ax.set_ylabel("seconds (s), summed over cycles")
     ax.set_title(f"{title}: seconds per phase", fontsize=10)

@@ -244,7 +244,7 @@ EXTRA_TABLES["cp_scaling"] = ExtraTable(
 
 CAPTIONS = {
     "sweep_memory": "Peak allocated memory of each sweep step against G (left) and its autograd graph peak "
-    "(right); colour: the mode, line style: the model. The OOM step is drawn at the peak it "
+    "(right); colour: the mode (a shade per model), line style: the model. The OOM step is drawn at the peak it "
     "reached on the left and, having no graph peak, on the x axis on the right; the device "
     "ceiling and the paper's per-rank figures (GB, read off the right-hand axis) beside ours.",
     "step_phase_peaks": "Per-phase peak memory of one sweep point: its weights and its one capture, then each step "

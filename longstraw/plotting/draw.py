@@ -10,6 +10,7 @@ CPU; each figure says which, and where its ceiling comes from (`longstraw.plotti
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 import sys
@@ -51,6 +52,14 @@ PAPER_COLOR = "#8172b3"
 FAILED_COLORS = {"oom": "#d62728", "error": "#ff7f0e"}
 POINT_COLORS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#937860", "#da8bc3", "#8c8c8c", "#ccb974", "#64b5cd")
 SHORT_KEYS = {"responses.count": "G", "prompt.length": "L", "model.preset": "", "responses.length": "R"}
+
+
+def shade(color: str, which: int) -> str:
+    """The `which`-th shade of a colour, for lines of one mode on several models: the colour itself, then darker,
+    lighter, darker still."""
+    mix = ((0.0, 0.0), (0.0, 0.45), (1.0, 0.45), (0.0, 0.7))[which % 4]  # (towards, how far)
+    rgb = matplotlib.colors.to_rgb(color)
+    return matplotlib.colors.to_hex([c + (mix[0] - c) * mix[1] for c in rgb])
 
 
 def unit(values) -> tuple[float, str]:
@@ -109,22 +118,24 @@ class MemoryAxis:
     log: bool
     low: float | None = None
 
-    def finish(self, ax, what: str = "") -> None:
+    def finish(self, ax, what: str = "", left: bool = True, right: bool = True) -> None:
         """Log (said in the label) or linear from zero; the binary unit on the left, the decimal one
-        (GB) on the right, so the paper's GB figures read off the same axis."""
+        (GB) on the right, so the paper's GB figures read off the same axis. `left` / `right` False: that
+        side unlabelled (panels in a row that share the axis, labelled at the row's ends)."""
         if self.log:
             ax.set_yscale("log")
             if self.low:  # bars rise from 0, off a log axis: start it a decade below the smallest
                 ax.set_ylim(bottom=10 ** math.floor(math.log10(self.low / self.scale)))
         else:
             ax.set_ylim(bottom=0)
-        ax.set_ylabel(
-            f"{what} ({self.unit}{', log scale' if self.log else ''})"
-            if what
-            else self.unit + (" (log scale)" if self.log else "")
-        )
+        if left:
+            ax.set_ylabel(
+                f"{what} ({self.unit}{', log scale' if self.log else ''})"
+                if what
+                else self.unit + (" (log scale)" if self.log else "")
+            )
         axes = [ax]
-        if self.unit in DECIMAL_UNITS:
+        if self.unit in DECIMAL_UNITS and right:
             decimal, name = DECIMAL_UNITS[self.unit]
             factor = self.scale / decimal
             right = ax.secondary_yaxis("right", functions=(lambda y: y * factor, lambda y: y / factor))
@@ -142,17 +153,37 @@ def memory_axis(values) -> MemoryAxis:
     return MemoryAxis(*unit(values), log_scale(values), min(_positive(values), default=None))
 
 
-def point_label(row: dict, grid: list[str]) -> str:
-    parts = []
+def _settings(row: dict, grid: list[str]) -> dict:
+    """A row's scalar settings by key; a nested one (a dict, or the tables' JSON text of one) by the keys inside
+    it (`responses.count`), a list left out."""
+    out = {}
+
+    def add(key, value):
+        if isinstance(value, str) and is_nested(value):
+            value = json.loads(value)
+        if isinstance(value, dict):
+            for inner, v in value.items():
+                add(f"{key}.{inner}", v)
+        elif value is not None and not isinstance(value, list):
+            out[key] = value
+
     for key in grid:
-        value = row.get(key)
-        # nested settings (also as the tables' JSON text) and paths make unreadable legends: the point's name
-        # says them
-        if value is None or is_nested(value) or len(str(value)) > 32:
-            continue
-        short = SHORT_KEYS.get(key, key.rsplit(".", 1)[-1])
-        parts.append(f"{short}={value}" if short else str(value))
-    return " ".join(parts) if parts else str(row.get("point"))
+        add(key, row.get(key))
+    return out
+
+
+def point_labels(rows: list[dict], grid: list[str]) -> list[str]:
+    """Each row's label: the settings whose values differ among the rows that have them (short keys: G, L, R),
+    values of more than 32 characters left out; the point's name where that does not tell a row from the
+    others (or says nothing)."""
+    settings = [_settings(r, grid) for r in rows]
+    keys = list(dict.fromkeys(k for s in settings for k in s))
+    differ = [k for k in keys if len({str(s[k]) for s in settings if k in s}) > 1]
+    labels = []
+    for setting in settings:
+        parts = [(SHORT_KEYS.get(k, k.rsplit(".", 1)[-1]), setting[k]) for k in differ if k in setting]
+        labels.append(" ".join(f"{short}={v}" if short else str(v) for short, v in parts if len(str(v)) <= 32))
+    return [label if label and labels.count(label) == 1 else str(r.get("point")) for label, r in zip(labels, rows)]
 
 
 def ok(rows):

@@ -1,6 +1,6 @@
 """The figures stage: tables (CSV, `store`) -> one PNG per figure and `manifest.json` listing them
-(file, experiment, caption), which the page reads. Which figures an experiment gets follows from
-its data, not its name: every kind draws what its rows support (`kinds.<kind>.figures`), so a
+(file, experiment, caption, and the kind that drew it), which the page reads. Which figures an experiment
+gets follows from its data, not its name: every kind draws what its rows support (`kinds.<kind>.figures`), so a
 later experiment with step / capture / capacity / sweep / staleness points gets the same figures.
 
 oom and error points are drawn as red / orange markers with a label, never dropped silently.
@@ -61,25 +61,36 @@ def make_figures(tables_dir, out_dir, marks: dict | None = None) -> dict[str, Pa
         key = f"{SUMMARY}/{memory_vs_length.FIGURE}"
         drawn[key] = save_png(fig, out_dir / f"{SUMMARY}.{memory_vs_length.FIGURE}.png")
         entries.append(
-            {"key": key, "experiment": SUMMARY, "file": drawn[key].name, "caption": memory_vs_length.CAPTION}
+            {
+                "key": key,
+                "experiment": SUMMARY,
+                "file": drawn[key].name,
+                "caption": memory_vs_length.CAPTION,
+            }
         )
     for figure, fig in peers.figures(tables, ceiling):  # the Peers section's, across experiments
         key = f"{peers.FIGURES}/{figure}"
         drawn[key] = save_png(fig, out_dir / f"{peers.FIGURES}.{figure}.png")
         entries.append(
-            {"key": key, "experiment": peers.FIGURES, "file": drawn[key].name, "caption": peers.CAPTIONS[figure]}
+            {
+                "key": key,
+                "experiment": peers.FIGURES,
+                "file": drawn[key].name,
+                "caption": peers.CAPTIONS[figure],
+            }
         )
     for name in tables.manifest["experiments"]:
         data = experiment_data(tables, name)
-        for module in kinds.modules():
-            captions = kinds.part(module, "CAPTIONS")
-            for figure, fig in kinds.part(module, "figures")(data, ceiling, marks.get(name, ())):
+        for kind in kinds.KINDS:
+            captions = kinds.part(kind, "CAPTIONS")
+            for figure, fig in kinds.part(kind, "figures")(data, ceiling, marks.get(name, ())):
                 key = f"{name}/{figure}"
                 drawn[key] = save_png(fig, out_dir / f"{name}.{figure}.png")
                 entries.append(
                     {
                         "key": key,
                         "experiment": name,
+                        "kind": kind,
                         "file": drawn[key].name,
                         "caption": captions.get(figure.split(".", 1)[0], ""),
                     }

@@ -15,20 +15,25 @@ from __future__ import annotations
 import math
 
 from longstraw.kinds.columns import number
-from longstraw.report.aggregate import records
+from longstraw.report.aggregate import grid_columns, records
 from longstraw.report.store import Tables
 
 FIGURE = "memory_vs_length"
 CAPTION = (
-    "Peak memory against prompt length (log axis) per model, one line per mode through the largest "
-    "peak measured at each length over the step points and sweep steps of every experiment; coloured "
-    "dashed lines: a capacity search's probes (on CPU their measure is RSS growth over the weights). "
-    "Crosses: out of memory at that length (drawn at the peak the run reached, else at the ceiling). "
-    "Black dashed: the ceiling; black dotted: a capacity search's own (on CPU an emulated one). "
-    "Diamonds: the paper's operating points (Qwen3.6-27B over 8 GPUs, per rank), on every panel for "
-    "scale; read their GB off the right-hand axis. Context-parallel points (per-rank peaks) are in their "
-    "own section."
+    "Peak memory against prompt length (log axis) per model, one line per setting (an experiment's points "
+    "that differ in prompt length only; colour: the mode) through the largest peak measured at each length "
+    "over the step points and sweep steps of every experiment; coloured dashed lines: a capacity search's "
+    "probes (on CPU their measure is RSS growth over the weights). Crosses: out of memory at that length "
+    "(drawn at the peak the run reached, else at the ceiling), in the colour of their mode. Black dashed: the "
+    "ceiling; black dotted: a capacity search's own (on CPU an emulated one). Diamonds: the paper's "
+    "operating points (Qwen3.6-27B over 8 GPUs, per rank), on every panel for scale; read their GB off the "
+    "right-hand axis. Context-parallel points (per-rank peaks) are in their own section."
 )
+WIDTH = 12.0  # inches at the figures' 110 dpi: the page's width at 1,400 px, so it is shown at the size drawn
+PANEL_HEIGHT = 2.9  # inches per row of panels
+COLUMNS = 3
+# grid keys that do not make a setting of their own: the x axis, and the mode (the line's colour)
+NOT_SETTINGS = ("prompt.length", "mode")
 
 
 def _rows(tables: Tables, name: str) -> list[dict]:
@@ -41,12 +46,13 @@ def _single_rank(row: dict) -> bool:
 
 
 def memory_rows(tables: Tables) -> list[dict]:
-    """{experiment, point, model, mode, prompt_length, peak_bytes, status, source} for every
-    single-rank measurement of a step's peak at a prompt length, in any experiment."""
+    """{experiment, point, model, mode, prompt_length, peak_bytes, status, source, search_ceiling, setting} for
+    every single-rank measurement of a step's peak at a prompt length, in any experiment."""
     out = []
     for experiment in tables.manifest["experiments"]:
         points = _rows(tables, experiment)
         by_point = {r.get("point"): r for r in points}
+        grid = [k for k in grid_columns(tables.frame(experiment).columns) if k not in NOT_SETTINGS]
 
         def add(row, point, peak, source):
             length = number(row.get("prompt_length"))
@@ -63,6 +69,8 @@ def memory_rows(tables: Tables) -> list[dict]:
                     "status": row.get("status"),
                     "source": source,
                     "search_ceiling": number(row.get("ceiling_bytes")) if source == "capacity probe" else None,
+                    # what the points of one line share: the experiment and its settings but the length
+                    "setting": (experiment, source, *(str(point.get(k)) for k in grid)),
                 }
             )
 
@@ -78,18 +86,49 @@ def memory_rows(tables: Tables) -> list[dict]:
     return out
 
 
+def _failures(ax, rows: list[dict], scale: float, ceiling_bytes) -> None:
+    """A cross in the mode's colour at every point that did not complete (at the peak it reached, else at the
+    ceiling); the legend says what a cross is, so no label crowds the panel or leaves it."""
+    from longstraw.plotting import draw
+
+    statuses = {}
+    for r in draw.failed(rows):
+        y = r["peak_bytes"] if r["peak_bytes"] is not None else ceiling_bytes
+        if y is not None:
+            statuses[str(r["status"]).upper()] = True
+            ax.plot(
+                [r["prompt_length"]],
+                [y / scale],
+                marker="X",
+                markersize=9,
+                linestyle="none",
+                color=draw.MODE_COLORS.get(r["mode"], "#c44e52"),
+                markeredgecolor="black",
+            )
+    for status in statuses:  # the legend's cross, in no mode's colour (an empty line: it moves no limit)
+        ax.plot(
+            [],
+            [],
+            marker="X",
+            markersize=9,
+            linestyle="none",
+            color="white",
+            markeredgecolor="black",
+            label=f"{status} (colour: its mode)",
+        )
+
+
 def plot_memory_vs_length(rows: list[dict], ceiling: dict, paper_points=()):
-    """One panel per model; None without rows."""
+    """One panel per model, COLUMNS to a row, WIDTH inches wide; None without rows."""
     from longstraw.plotting import draw
     from longstraw.plotting.formatting import format_bytes
 
     models = list(dict.fromkeys(r["model"] for r in rows if r.get("model")))
     if not models:
         return None
-    cols = min(3, len(models))
+    cols = min(COLUMNS, len(models))
     lines = math.ceil(len(models) / cols)
-    # + 2.5 inches for the legend beside the panels
-    fig, axes = draw.plt.subplots(lines, cols, figsize=(6.2 * cols + 2.5, 4.6 * lines), squeeze=False)
+    fig, axes = draw.plt.subplots(lines, cols, figsize=(WIDTH, PANEL_HEIGHT * lines + 0.5), squeeze=False, sharey=True)
     for ax in axes.flat[len(models) :]:
         ax.set_visible(False)
     ceiling_bytes = number((ceiling or {}).get("bytes"))
@@ -97,20 +136,17 @@ def plot_memory_vs_length(rows: list[dict], ceiling: dict, paper_points=()):
     # one axis for every panel: sizes far apart (a CPU run's MiB beside the paper's tens of GB) go log
     axis = draw.memory_axis(values + ([ceiling_bytes] if ceiling_bytes else []))
     scale = axis.scale
-    for ax, model in zip(axes.flat, models):
+    for index, (ax, model) in enumerate(zip(axes.flat, models)):
         mine = [r for r in rows if r["model"] == model]
-        # capacity probes apart from steps: on CPU they measure RSS growth over the weights, not the peak
-        for mode, probe in dict.fromkeys((r["mode"], r["source"] == "capacity probe") for r in mine):
-            ok = [
-                r
-                for r in draw.ok(mine)
-                if r["mode"] == mode and (r["source"] == "capacity probe") == probe and r["peak_bytes"] is not None
-            ]
+        for line in dict.fromkeys((r["setting"], r["mode"]) for r in mine):
+            ok = [r for r in draw.ok(mine) if (r["setting"], r["mode"]) == line and r["peak_bytes"] is not None]
             peaks = {}
             for r in ok:
                 peaks[r["prompt_length"]] = max(peaks.get(r["prompt_length"], 0), r["peak_bytes"])
             xs = sorted(peaks)
             if xs:
+                mode, probe = ok[0]["mode"], ok[0]["source"] == "capacity probe"
+                # capacity probes apart from steps: on CPU they measure RSS growth over the weights, not the peak
                 ax.plot(
                     xs,
                     [peaks[x] / scale for x in xs],
@@ -120,25 +156,7 @@ def plot_memory_vs_length(rows: list[dict], ceiling: dict, paper_points=()):
                     color=draw.MODE_COLORS.get(mode),
                     label=f"{mode}, capacity search" if probe else str(mode),
                 )
-        for r in draw.failed(mine):
-            y = r["peak_bytes"] if r["peak_bytes"] is not None else ceiling_bytes
-            if y is not None:
-                ax.plot(
-                    [r["prompt_length"]],
-                    [y / scale],
-                    marker="X",
-                    markersize=10,
-                    linestyle="none",
-                    color=draw.MODE_COLORS.get(r["mode"], "#c44e52"),
-                    markeredgecolor="black",
-                )
-                ax.annotate(
-                    f"{str(r['status']).upper()} {r['mode']}",
-                    (r["prompt_length"], y / scale),
-                    textcoords="offset points",
-                    xytext=(4, 4),
-                    fontsize=7,
-                )
+        _failures(ax, mine, scale, ceiling_bytes)
         if ceiling_bytes:
             ax.axhline(
                 ceiling_bytes / scale,
@@ -161,20 +179,24 @@ def plot_memory_vs_length(rows: list[dict], ceiling: dict, paper_points=()):
                 [point["positions"]],
                 [point["bytes"] / scale],
                 marker="D",
-                markersize=8,
+                markersize=7,
                 linestyle="none",
                 markerfacecolor="none",
                 markeredgecolor=draw.PAPER_COLOR,
-                markeredgewidth=1.6,
+                markeredgewidth=1.4,
                 label="paper (per rank)" if i == 0 else None,
             )
         ax.set_xscale("log", base=2)
-        ax.set_xlabel("prompt length (positions, log scale)")
-        axis.finish(ax)
-        ax.set_title(str(model), fontsize=9)
-    # one legend beside the panels (the modes, ceilings and paper marks are the same kinds of line in each)
+        ax.set_xlabel("prompt length (positions)", fontsize=8)
+        # one axis for all: its unit on the first column's left and the last column's right only
+        axis.finish(ax, left=index % cols == 0, right=index % cols == cols - 1 or index == len(models) - 1)
+        for one in [ax, *ax.child_axes]:
+            one.tick_params(labelsize=7)
+            one.yaxis.label.set_size(8)
+        ax.set_title(str(model), fontsize=8)
     visible = list(axes.flat[: len(models)])
-    draw.legend_outside(axes.flat[cols - 1], *draw.shared_legend(visible))
-    fig.suptitle("peak memory against prompt length, up to the ceiling", fontsize=10)
+    # one legend beside the panels (the modes, ceilings and paper marks are the same kinds of line in each)
+    draw.legend_outside(axes.flat[cols - 1], *draw.shared_legend(visible), fontsize=6.5)
+    fig.suptitle("peak memory against prompt length, up to the ceiling", fontsize=9)
     fig.tight_layout()
     return fig

@@ -101,6 +101,35 @@ def _points(rows) -> str:
     return ", ".join(dict.fromkeys(str(r.get("point")) for r in rows))
 
 
+def _length(row: dict):
+    """The prompt length a row ran at: the setting, else the positions the capture held."""
+    for key in ("prompt_length", "prompt_positions"):
+        if isinstance(row.get(key), (int, float)) and not isinstance(row.get(key), bool):
+            return int(row[key])
+    return None
+
+
+def scale_text(rows: list[dict], lengths: bool = True) -> str:
+    """Which of our models a value was measured on and at which prompt lengths ("hybrid-1b at 2,097,152
+    positions"; `lengths` False: the models only), from its rows: the paper's claims are at 27B and millions of
+    positions, ours may not be."""
+    at: dict[str, set] = {}
+    for row in rows:
+        if not is_missing(row.get("model")):
+            at.setdefault(str(row["model"]), set()).update({n for n in [_length(row)] if n is not None and lengths})
+    parts = [
+        f"{model} at {' and '.join(f'{n:,}' for n in sorted(ns))} positions" if ns else model
+        for model, ns in at.items()
+    ]
+    return "; ".join(parts)
+
+
+def _on(text: str, rows: list[dict], column: str = "") -> str:
+    """`text` with the models and lengths of its `rows` (the models only where the value is a length)."""
+    scale = scale_text(rows, lengths=column not in ("prompt_length", "prompt_positions"))
+    return f"{text}; {scale}" if scale else text
+
+
 def ours_value(spec: dict | None, rows: list[dict], ceiling: dict) -> dict:
     """{"text", "value" (exact number or None), "points"} for one figure."""
     if not spec:
@@ -129,7 +158,7 @@ def ours_value(spec: dict | None, rows: list[dict], ceiling: dict) -> dict:
             }
         a, b = max(r[column] for r in start), max(r[column] for r in end)
         return {
-            "text": _signed(column, b - a),
+            "text": _on(_signed(column, b - a), start + end),
             "value": exact_value(b - a),
             "points": f"{_points(start)} -> {_points(end)}",
         }
@@ -142,7 +171,8 @@ def ours_value(spec: dict | None, rows: list[dict], ceiling: dict) -> dict:
     measures = sorted({str(r["peak_memory_measure"]) for r in chosen if r.get("peak_memory_measure")})
     if column == "peak_memory_bytes" and measures:  # say what was measured: CUDA allocated or CPU RSS
         text += f", {' / '.join(measures)}"
-    return {"text": text, "value": exact_value(value), "points": _points(chosen)}
+    at = [r for r in chosen if r[column] == value]  # the rows the value is read from
+    return {"text": _on(text, at, column), "value": exact_value(value), "points": _points(chosen)}
 
 
 def _missing_text(rows, where) -> str:
@@ -205,6 +235,8 @@ def per_point_rows(figure: dict, rows: list[dict]) -> list[dict]:
                 value = exact_value(mine[0][column]) if len(mine) == 1 else None
         out.append(
             {
+                "model": point.get("model"),
+                "prompt_length": _length(point),
                 "experiment": experiment,
                 "quantity": f"{figure.get('quantity', '')}: {name}{_describe(point, spec.get('describe'))}",
                 "paper": figure.get("paper", ""),
@@ -265,15 +297,16 @@ def compare_figures(paper: dict, rows_by_experiment: dict[str, list[dict]], ceil
 
 def claim_rows(paper: dict, compared: list[dict]) -> list[dict]:
     """One row per figure the paper states, for the page's summary: the paper's number, ours (the
-    one value, or how many points answer it), and where to read it (the experiment's section, else
-    the comparison table)."""
+    one value, or how many points answer it, with the models and lengths they ran at), and where to read
+    it (the experiment's section, else the comparison table)."""
     out = []
     for claim, figure in enumerate(paper.get("figures") or []):
         mine = [r for r in compared if r.get("claim") == claim]
+        scale = scale_text(mine)  # a point's own row (`per_point`) names its model; a value's text already does
         if len(mine) == 1:
-            ours = mine[0]["ours"]
+            ours = f"{mine[0]['ours']}; {scale}" if scale else mine[0]["ours"]
         else:
-            ours = f"{len(mine)} points: see the section" if mine else NOT_MEASURED
+            ours = f"{len(mine)} points{f' ({scale})' if scale else ''}: see the section" if mine else NOT_MEASURED
         experiment = str(figure.get("experiment"))
         section = bool(mine) and mine[0]["has_section"]
         out.append(

@@ -348,7 +348,8 @@ def _plot(rows: list[dict], key: str, ceiling: dict | None, searched: dict):
     from longstraw.plotting import draw
 
     models = list(dict.fromkeys(r["model"] for r in rows))
-    fig, axes = draw.plt.subplots(len(models), 2, figsize=(13.5, 4.2 * len(models)), squeeze=False)
+    # the page's width at 1,400 px (12 inches at 110 dpi): shown at the size drawn
+    fig, axes = draw.plt.subplots(len(models), 2, figsize=(12, 0.5 + 3.3 * len(models)), squeeze=False)
     memory = key == "step_bytes"
     device = (ceiling or {}).get("bytes") if memory else None
     values = [r[key] for r in rows] + ([device] if device else []) + [v for s in searched.values() for v in s]

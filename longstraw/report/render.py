@@ -1,28 +1,32 @@
 """The page stage: one profile's tables (CSV, `store`) and figures (their manifest) -> `<out>/index.html`,
-with the tables copied to `<out>/tables/` and the figures in `<out>/figures/`, all referenced by
-relative paths (open the file, no server needed). It reads no result file: every number on the
-page comes from a table the tables stage wrote (`aggregate`).
+with the tables copied to `<out>/tables/` and the figures in `<out>/figures/`. Every figure is embedded in the
+page (a data URI, linking its PNG), so the file alone shows them; tables and result files are linked by
+relative paths (no server needed). It reads no result file: every number on the page comes from a table the
+tables stage wrote (`aggregate`).
 
-Sections: summary (what ran, statuses, device, versions, commit, date); on a GPU profile, the
-targets (`longstraw.report.targets`, evaluated by the tables stage); the paper's figures beside
-ours with the scale difference; the four validation levels, with the validation experiment's points; the
-peers beside our modes (`peers`, where a peer ran), with the peers experiment's points; one section per other
-experiment (the
-paper's figures for it beside ours, figures, a table per kind straight from the aggregated data
-with every status, the kinds' own tables (a sweep's steps, a capacity search's comparison steps
-and probes, a staleness oracle's steps), the kinds' notes (e.g. a staleness point's refresh
-interval in a sentence), failures with their messages, the commands that reproduce it,
-provenance); recorded GPU results (the recorded results' own tables), shown as recorded and never
-mixed into the local tables, with a link to their own report where it was rendered
-(`reports/recorded-<device>/`, beside this one). Every file is written atomically.
+Sections: summary (what ran, statuses, device, versions, commit, date, the paper's claims beside ours with
+the model and length each of ours ran at); on a GPU profile, the targets (`longstraw.report.targets`,
+evaluated by the tables stage); the paper's figures beside ours with the scale difference; the four
+validation levels, with the validation experiment's points; the peers beside our modes (`peers`, where a
+peer ran), with the peers experiment's points; one section per other experiment: the paper's figures for it
+beside ours, its points' statuses, the figure of the kind most of its points are (`lead_figure`) and its
+failures with their messages, then, one click away, its other figures, the kinds' notes (e.g. a staleness
+point's refresh interval in a sentence), a table per kind straight from the aggregated data with every
+status, the kinds' own tables (a sweep's steps, a capacity search's comparison steps and probes, a staleness
+oracle's steps), the commands that reproduce it and provenance; recorded GPU results (the recorded results'
+own tables), shown as recorded and never mixed into the local tables, with a link to their own report where
+it was rendered (`reports/recorded-<device>/`, beside this one). What of a long or wide table shows:
+`shorten`; a table of more than `shorten.LONG` rows opens on a click. Every file is written atomically.
 """
 
 from __future__ import annotations
 
+import base64
 import datetime
 import json
 import os
 import shutil
+import struct
 from collections import Counter
 from pathlib import Path
 
@@ -33,7 +37,7 @@ from longstraw import kinds
 from longstraw.kinds.columns import as_dict, number
 from longstraw.plotting.ceiling import ceiling_reason
 from longstraw.plotting.formatting import LOG_SPAN, column_label, exact_value, format_value, is_missing, is_nested
-from longstraw.report import peers
+from longstraw.report import peers, shorten
 from longstraw.report.aggregate import experiment_order, grid_columns, records, status_counts
 from longstraw.report.figures import SUMMARY
 from longstraw.report.levels import all_paths, levels_table, number_rules, paper_paths
@@ -94,6 +98,9 @@ GRID_ALIASES = {
 }
 MET_TEXT = {True: "yes", False: "missed", None: "not measured"}
 MESSAGE_COLUMNS = ("error", "report_error")
+# A figure may be drawn down to this fraction of its size so that two sit side by side; never larger than drawn.
+FIGURE_MIN_SCALE = 0.85
+BRIEF = 240  # characters of a claim's cell the summary shows at once; the rest opens below it
 SHORT_MESSAGE = 60  # characters of a message a row shows (a line of its cell); the whole opens below it
 
 
@@ -112,14 +119,32 @@ def short_message(text: str) -> tuple[str, str | None]:
     return short, (text if short != text else None)
 
 
-def table_view(rows: list[dict], columns: list[str], links: dict | None = None) -> dict:
+def brief(text: str) -> tuple[str, str]:
+    """(what a claim's cell shows, the rest, "" for none): the whole up to BRIEF characters, else its first
+    sentence (or its first BRIEF characters, at a word)."""
+    if len(text) <= BRIEF:
+        return text, ""
+    end = text.find(". ") + 1
+    end = end if 0 < end <= BRIEF else text.rfind(" ", 0, BRIEF)
+    return (text[:end], text[end:].strip()) if end > 0 else (text, "")
+
+
+def table_view(
+    rows: list[dict], columns: list[str], links: dict | None = None, every: list[dict] | None = None
+) -> dict:
     """What a template needs to draw a table: labels, and per cell the text, the exact number
     (`data-value`, so a reader or a test can check it against the result JSON), a CSS class, for
     the point's cell a link to its result file (`links`: {point: path relative to the page}), and
-    for a long message the whole of it (`full`). `csv` / `all_columns`: set by `with_csv`."""
+    for a long message the whole of it (`full`). `every`: the whole table where `rows` are the part of it
+    the page shows (`shorten.run_ends`). A column equal to an earlier one in every row is left out and
+    named (`repeats`); a wide table is drawn in `parts` (`shorten.column_parts`). `csv` / `all_columns`: set by
+    `with_csv`."""
+    every = rows if every is None else every
     columns = [
-        c for i, c in enumerate(columns) if c not in columns[:i] and (c in ("point", "status") or _present(rows, c))
+        c for i, c in enumerate(columns) if c not in columns[:i] and (c in ("point", "status") or _present(every, c))
     ]
+    repeats = shorten.repeated_columns(every, columns)
+    columns = [c for c in columns if c not in repeats]
     view_rows = []
     for row in rows:
         cells = []
@@ -146,6 +171,10 @@ def table_view(rows: list[dict], columns: list[str], links: dict | None = None) 
     return {
         "columns": [{"key": c, "label": column_label(c)} for c in columns],
         "rows": view_rows,
+        "all_rows": len(every),
+        "chosen": "",
+        "repeats": [{"column": column_label(c), "twin": column_label(t)} for c, t in repeats.items()],
+        "parts": shorten.column_parts(columns),
         "csv": "",
         "all_columns": 0,
     }
@@ -290,12 +319,14 @@ def extra_tables(tables: Tables, name: str, rows: list[dict], links: dict | None
         if df is not None and len(df):
             mine = records(df)
             note = spec.note(mine) if callable(spec.note) else spec.note
+            shown, chosen = shorten.run_ends(mine)
+            view = with_csv(table_view(shown, spec.columns, links, every=mine), mine, f"tables/{name}.{suffix}.csv")
             out.append(
                 {
                     "title": spec.title,
                     "id": f"table-{name}-{spec.key or suffix}",
                     "note": note,
-                    "view": with_csv(table_view(mine, spec.columns, links), mine, f"tables/{name}.{suffix}.csv"),
+                    "view": {**view, "chosen": chosen},
                 }
             )
     return out
@@ -305,6 +336,27 @@ def section_notes(rows: list[dict], grid: list[str] = ()) -> list[str]:
     """What a row cannot say in one cell, row by row (`kinds.<kind>.notes`), and where real weights came from."""
     weights = [w for w in dict.fromkeys(row.get("weights") for row in rows) if w]
     return [note for row in rows for note in kinds.part(row.get("kind"), "notes")(row, list(grid))] + weights
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}{'s' if n != 1 else ''}"
+
+
+def lead_figure(figures: list[dict], files: list[dict]) -> dict | None:
+    """The figure a section opens with: the first one the kind of most of its points draws (the kinds in their
+    order on a tie), else its first."""
+    counts = Counter(str(f.get("kind")) for f in files)
+    for kind in sorted(kinds.KINDS, key=lambda k: -counts[k]):
+        mine = [f for f in figures if f.get("kind") == kind]
+        if mine:
+            return mine[0]
+    return figures[0] if figures else None
+
+
+def more_line(figures: int, tables: int, notes: int) -> str:
+    """The line that opens the rest of a section: what it holds."""
+    held = [_count(n, what) for n, what in ((figures, "more figure"), (tables, "table"), (notes, "note")) if n]
+    return "More: " + ", ".join(held + ["the commands that reproduce each point, provenance"])
 
 
 def experiment_section(
@@ -323,6 +375,11 @@ def experiment_section(
     grid = grid_columns(df.columns) if df is not None else []
     titles = _distinct(f.get("experiment_title") for f in files)
     counts = status_counts(files)
+    drawn = [f for f in figures if f["experiment"] == name]
+    lead = lead_figure(drawn, files)
+    point_tables = kind_tables(rows, grid, links, f"tables/{name}.csv")
+    own_tables = extra_tables(tables, name, rows, links)
+    notes = section_notes(rows, grid)
     return {
         "name": name,
         "anchor": f"experiment-{name}",
@@ -330,10 +387,12 @@ def experiment_section(
         "what": described.get("what", ""),
         "counts": counts,
         "counts_text": _counts_text(counts),
-        "figures": [f for f in figures if f["experiment"] == name],
-        "tables": kind_tables(rows, grid, links, f"tables/{name}.csv"),
-        "extra_tables": extra_tables(tables, name, rows, links),
-        "notes": section_notes(rows, grid),
+        "figures": [f for f in drawn if f is lead],
+        "more_figures": [f for f in drawn if f is not lead],
+        "tables": point_tables,
+        "extra_tables": own_tables,
+        "notes": notes,
+        "more": more_line(len(drawn) - (lead is not None), len(point_tables) + len(own_tables), len(notes)),
         "paper": [r for r in paper_rows if r["experiment"] == name],
         "failures": [
             {
@@ -417,28 +476,46 @@ def targets_view(tables: Tables) -> dict | None:
 
 def environment() -> jinja2.Environment:
     """The page's templates, shipped with the package (`longstraw/report/templates/`)."""
-    return jinja2.Environment(
+    env = jinja2.Environment(
         loader=jinja2.PackageLoader("longstraw.report", "templates"),
         autoescape=jinja2.select_autoescape(["html"]),
         undefined=jinja2.StrictUndefined,
         trim_blocks=True,
         lstrip_blocks=True,
     )
+    env.filters["brief"] = brief
+    return env
+
+
+def png_size(data: bytes) -> tuple[int, int]:
+    """(width, height) in pixels, from a PNG's header chunk."""
+    return struct.unpack(">II", data[16:24])
 
 
 def figure_entries(figures_dir, out_dir) -> list[dict]:
-    """The figures the figures stage drew (its manifest), each with its path relative to the page."""
+    """The figures the figures stage drew (its manifest), each embedded in the page as a data URI (the page
+    copied alone still shows it), with its file's path relative to the page (the image links it) and its size
+    in pixels (the page lays it out at that size, never larger)."""
     figures_dir = Path(figures_dir)
     manifest = json.loads((figures_dir / MANIFEST).read_text())
-    return [
-        {
-            "src": Path(os.path.relpath(figures_dir / f["file"], out_dir)).as_posix(),
-            "caption": f["caption"],
-            "alt": f["key"],
-            "experiment": f["experiment"],
-        }
-        for f in manifest["figures"]
-    ]
+    out = []
+    for f in manifest["figures"]:
+        data = (figures_dir / f["file"]).read_bytes()
+        width, height = png_size(data)
+        out.append(
+            {
+                "src": "data:image/png;base64," + base64.b64encode(data).decode("ascii"),
+                "file": Path(os.path.relpath(figures_dir / f["file"], out_dir)).as_posix(),
+                "width": width,
+                "height": height,
+                "basis": int(width * FIGURE_MIN_SCALE),
+                "caption": f["caption"],
+                "alt": f["key"],
+                "kind": f.get("kind"),
+                "experiment": f["experiment"],
+            }
+        )
+    return out
 
 
 def result_links(files: list[dict], results_dir, out_dir) -> dict[str, str]:
@@ -529,6 +606,7 @@ def build_context(tables: Tables, figures: list[dict], out_dir, recorded: Tables
         "results_dir": results_dir,
         "generated": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "log_span": LOG_SPAN,
+        "long_table": shorten.LONG,
         "summary": {
             "total": len(files),
             "counts": counts,

@@ -40,3 +40,23 @@ rule report:
         CONDA_ENV
     script:
         "../scripts/report.py"
+
+
+# The README's screenshots of both reports (docs/report*.png, longstraw.report.screenshots), in headless
+# Chromium. Not part of the default target, so that a machine without Chromium still runs the pipeline:
+# `snakemake screenshots` takes them.
+rule screenshots:
+    input:
+        profile=f"reports/{PROFILE}/index.html",
+        recorded=f"reports/recorded-{RECORDED}/index.html",
+    output:
+        expand("docs/report{name}{shot}.png", name=["", f"-{RECORDED}"], shot=["", "-memory"]),
+    log:
+        "logs/screenshots.log",
+    params:
+        pages=lambda wildcards, input: {"report": input.profile, f"report-{RECORDED}": input.recorded},
+        out=lambda wildcards, output: folder(output[0]),
+    conda:
+        CONDA_ENV
+    script:
+        "../scripts/screenshots.py"
