@@ -295,8 +295,10 @@ def test_cuda_backend_matches_math_in_bf16(B, H, Hk, R, P, D, block_size, prefix
         assert err <= 2e-2 * max(1.0, b.float().abs().max().item()), err
 
 
-def test_cuda_path_plumbing_with_emulated_kernel_on_cpu(monkeypatch):
-    """Fold/repeat/merge/accumulate logic of the CUDA path, with a float32 stand-in for the kernel."""
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_cuda_path_plumbing_with_emulated_kernel_on_cpu(monkeypatch, with_sinks):
+    """Fold/repeat/merge/accumulate logic of the CUDA path, with a float32 stand-in for the kernel; with attention
+    sinks (gpt-oss) merged into its partials and their gradient, against `reference_attention`'s sink column."""
 
     def fwd(q, k, v, scale, causal=False):
         s = (q.float() @ k.float().transpose(-1, -2)) * scale
@@ -337,15 +339,18 @@ def test_cuda_path_plumbing_with_emulated_kernel_on_cpu(monkeypatch):
         q, kp, vp, kl, vl, (k_pages, v_pages) = make_inputs(
             B, H, Hk, R, P, D, dtype=torch.bfloat16, prefix_grad=True, shared=shared
         )
-        out = attention._PagedAttention.apply(q, kp, vp, kl, vl, 0.3, bs, kernel, None)
-        leaves = [q, kl, vl, k_pages, v_pages]
+        sinks = (1 + torch.randn(H, dtype=torch.float64)).bfloat16().requires_grad_() if with_sinks else None
+        out = attention._PagedAttention.apply(q, kp, vp, kl, vl, 0.3, bs, kernel, None, sinks)
+        leaves = [q, kl, vl, k_pages, v_pages] + ([sinks] if with_sinks else [])
         dout = torch.randn(out.shape, dtype=torch.float64)
         got = grads_of(out, leaves, dout.to(out.dtype))
         leaves64 = [t.detach().double().requires_grad_() for t in leaves]
-        q64, kl64, vl64, kpg64, vpg64 = leaves64
-        ref = dense_reference(
-            q64, kpg64[:, :, :P].expand(B, -1, -1, -1), vpg64[:, :, :P].expand(B, -1, -1, -1), kl64, vl64, 0.3
-        )
+        q64, kl64, vl64, kpg64, vpg64 = leaves64[:5]
+        prefix64 = (kpg64[:, :, :P].expand(B, -1, -1, -1), vpg64[:, :, :P].expand(B, -1, -1, -1))
+        if with_sinks:
+            ref = reference_attention(q64, *prefix64, kl64, vl64, 0.3, sinks=leaves64[5])
+        else:
+            ref = dense_reference(q64, *prefix64, kl64, vl64, 0.3)
         # each block's partial output (and gradient) leaves the stand-in kernel in bf16: the output merges them
         # by convex weights (one rounding, then the result's); a query's gradient adds one rounded partial per
         # block, then rounds the sum

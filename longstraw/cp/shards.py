@@ -43,8 +43,9 @@ class ShardPages(AttentionPages):
     cursor: int = 0
     scale: float | None = None
 
-    def attend(self, q_BHTD, k_BKTD, v_BKTD, scale: float, append: bool):
+    def attend(self, q_BHTD, k_BKTD, v_BKTD, scale: float, append: bool, sinks=None):
         """Replay: the response over every rank's pages. Capture (`append`): see `phase`."""
+        _refuse_sinks(sinks)
         if not append:
             return sharded_attention(q_BHTD, k_BKTD, v_BKTD, self, scale)
         T = q_BHTD.shape[2]
@@ -62,8 +63,18 @@ class ShardPages(AttentionPages):
             "a context-parallel capture runs attention layers in collect/provide passes (longstraw.cp.capture)"
         )
 
-    def attend_decode(self, q_BHTD, own: AttentionPages, scale: float):
+    def attend_decode(self, q_BHTD, own: AttentionPages, scale: float, sinks=None):
+        _refuse_sinks(sinks)
         return sharded_decode_attention(q_BHTD, self, own, scale)
+
+
+def _refuse_sinks(sinks) -> None:
+    # a capture meets it at its first attention layer, before any rank is reached
+    if sinks is not None:
+        raise ValueError(
+            "a context-parallel capture: attention sinks (gpt-oss) have no context-parallel form yet "
+            "(balanced_attention and sharded_attention merge no sink); capture without cp"
+        )
 
 
 @dataclass

@@ -6,7 +6,7 @@ from longstraw.families.base import FamilyAdapter, unwrap_causal_lm
 from longstraw.families.dense import DenseAdapter
 from longstraw.families.hybrid import HybridAdapter
 from longstraw.families.mla import MlaAdapter
-from longstraw.families.sliding import SlidingWindowAdapter
+from longstraw.families.sliding import Gemma3Adapter, GptOssAdapter
 
 _ADAPTERS: dict[str, type[FamilyAdapter]] = {}
 
@@ -17,7 +17,7 @@ def register_adapter(cls: type[FamilyAdapter]) -> type[FamilyAdapter]:
     return cls
 
 
-for _cls in (DenseAdapter, HybridAdapter, MlaAdapter, SlidingWindowAdapter):
+for _cls in (DenseAdapter, HybridAdapter, MlaAdapter, Gemma3Adapter, GptOssAdapter):
     register_adapter(_cls)
 
 

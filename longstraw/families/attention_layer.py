@@ -6,7 +6,8 @@ more implementation, "longstraw", that hands the live queries and K/V to the lay
 entry (`entry.attend`: pages, decoding pages, a context-parallel shard), which attends over what
 it holds plus the live keys and, during capture, appends the live K/V in place. The entry reaches
 it as a keyword argument that HF forwards untouched; no HF cache is used. A sliding-window layer's
-entry applies the window itself (its `window` must be the layer's).
+entry applies the window itself (its `window` must be the layer's). A layer with attention sinks
+(gpt-oss) hands them to every attention implementation as `s_aux`; they go on to the entry's attention.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ def _longstraw_attention(
     dropout=0.0,
     longstraw_pages=None,
     longstraw_append: bool = False,
+    s_aux=None,
     **kwargs,
 ):
     if longstraw_pages is None:
@@ -39,7 +41,7 @@ def _longstraw_attention(
             "which attend over every position; its family must give it a window entry (state.pages.WindowKV)"
         )
     scale = scaling if scaling is not None else query_BHTD.shape[-1] ** -0.5
-    out_BHTD = longstraw_pages.attend(query_BHTD, key_BKTD, value_BKTD, scale, longstraw_append)
+    out_BHTD = longstraw_pages.attend(query_BHTD, key_BKTD, value_BKTD, scale, longstraw_append, sinks=s_aux)
     return out_BHTD.transpose(1, 2).contiguous(), None
 
 

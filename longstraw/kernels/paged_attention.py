@@ -16,6 +16,13 @@ GQA follows HF's ``repeat_kv``: query head h reads kv head ``h // G`` with ``G =
 Prefix blocks fold the query group into the query length (q viewed as [B, Hk, G*R, D]), so
 K/V are never repeated; the small causal live block is folded (math) or repeated (cuda).
 
+Attention sinks (gpt-oss): ``sinks`` gives one learned logit per query head. HF's eager attention appends it
+as one more column of the scores, softmaxes and drops it: one more key of score ``sinks[h]`` and value 0, so
+it is one more block with ``(out_b, lse_b) = (0, sinks[h])`` merged into the running result
+(``merge_sinks_``). The backward is the same one fed the global out and lse (which include it): a value-0
+key adds nothing to dq, dk or dv. The sinks' own gradient is ``-sum_rows exp(sinks[h] - lse) * delta``
+(``sink_gradient``: the sink column's ``dS = P * (dP - delta)`` with ``dP = dO . 0``).
+
 Backends: ``"math"`` is plain torch (any device, any float dtype, float64 computed in float64).
 ``"cuda"`` (alias ``"flash"``) runs each block through ``aten._scaled_dot_product_flash_attention``
 and its ``_backward`` op fed the global out/lse (CUDA, fp16/bf16, D == Dv, D % 8 == 0, D <= 256;
@@ -58,6 +65,7 @@ __all__ = [
     "paged_attention",
     "decode_attention",
     "reference_attention",
+    "check_sinks",
     "ForwardMemo",
     "forward_kernel",
     "MATH_BLOCK_SIZE",
@@ -108,21 +116,24 @@ def paged_attention(
     backend: str = "auto",
     prefix_again=None,
     capture: bool = False,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of ``q`` over all prefix keys and the causal live keys; returns [B, H, R, Dv].
 
-    ``capture=True`` marks a capture chunk: graph-free, which is checked.
+    ``capture=True`` marks a capture chunk: graph-free, which is checked. ``sinks`` ([H], optional): one
+    attention-sink logit per query head (module doc); its gradient is computed when it requires grad.
 
     ``prefix_again``, when given, returns the prefix (k, v) anew for the backward, and the graph
     keeps no reference to the prefix given here: pages streamed from host memory then live on the
     device for the forward only (the prefix must not require grad)."""
     _validate(q_BHRD, k_prefix_BKPD, v_prefix_BKPD, k_live_BKRD, v_live_BKRD, scale, block_size, backend)
+    check_sinks(sinks, q_BHRD, "paged_attention")
     if prefix_again is not None and (k_prefix_BKPD.requires_grad or v_prefix_BKPD.requires_grad):
         raise ValueError(
             "prefix_again brings the prefix back for the backward: a prefix that requires grad "
             "(exact mode) must stay referenced"
         )
-    inputs = (q_BHRD, k_prefix_BKPD, v_prefix_BKPD, k_live_BKRD, v_live_BKRD)
+    inputs = (q_BHRD, k_prefix_BKPD, v_prefix_BKPD, k_live_BKRD, v_live_BKRD) + (() if sinks is None else (sinks,))
     if capture and torch.is_grad_enabled() and any(t.requires_grad for t in inputs):
         raise ValueError("paged_attention: capture=True is graph-free, but an input requires grad")
     kernel, block_size = kernel_and_block(backend, q_BHRD, v_live_BKRD.shape[-1], block_size)
@@ -136,12 +147,21 @@ def paged_attention(
         int(block_size),
         kernel,
         prefix_again,
+        sinks,
     )
 
 
 @torch.no_grad()
 def decode_attention(
-    q_BHTD, k_shared_1KPD, v_shared_1KPD, k_own_BKND, v_own_BKND, *, scale: float, block_size: int | None = None
+    q_BHTD,
+    k_shared_1KPD,
+    v_shared_1KPD,
+    k_own_BKND,
+    v_own_BKND,
+    *,
+    scale: float,
+    block_size: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One decoding step of B sequences that share one prefix: each query (T == 1) attends the
     shared prefix pages (batch 1, never copied per sequence) and its own sequence's keys so far,
@@ -151,7 +171,7 @@ def decode_attention(
     ([1, K, B * G, D]), as replay folds the group, so the prefix is read once for all sequences.
     """
     return decode_partial(
-        q_BHTD, k_shared_1KPD, v_shared_1KPD, k_own_BKND, v_own_BKND, scale=scale, block_size=block_size
+        q_BHTD, k_shared_1KPD, v_shared_1KPD, k_own_BKND, v_own_BKND, scale=scale, block_size=block_size, sinks=sinks
     )[0].to(q_BHTD.dtype)
 
 
@@ -165,9 +185,10 @@ def decode_partial(
     *,
     scale: float,
     block_size: int | None = None,
+    sinks: torch.Tensor | None = None,
 ):
     """`decode_attention`'s (out, lse) in the accumulation dtype, before the cast; without own keys
-    (None) the rows start from (0, -inf): a partial over the shared pages only."""
+    (None) the rows start from (0, -inf): a partial over the shared pages only. `sinks`: as `paged_attention`."""
     B, H, T, D = q_BHTD.shape
     K, Dv = k_shared_1KPD.shape[1], v_shared_1KPD.shape[3]
     if T != 1:
@@ -183,6 +204,9 @@ def decode_partial(
     else:
         out_BHTD, lse_BHT = block_fwd(q_in, _repeat_kv(k_own_BKND, G), _repeat_kv(v_own_BKND, G), scale)
         out_BHTD, lse_BHT = out_BHTD.to(acc).contiguous(), lse_BHT.to(acc).contiguous()
+    if sinks is not None:
+        check_sinks(sinks, q_BHTD, "decode_attention")
+        merge_sinks_(out_BHTD, lse_BHT, sinks)
     P = k_shared_1KPD.shape[2]
     if P:
         q_1KMD = _fold(q_in.reshape(B, K, G, D))
@@ -197,9 +221,11 @@ def decode_partial(
     return out_BHTD, lse_BHT
 
 
-def reference_attention(q, k_prefix, v_prefix, k_live, v_live, scale, window=None):
+def reference_attention(q, k_prefix, v_prefix, k_live, v_live, scale, window=None, sinks=None):
     """Dense reference: concatenate K/V, repeat kv heads, full prefix + causal live mask, softmax. With
-    `window` (`window_attention`'s reference): query r (position P + r) sees only keys j > P + r - window."""
+    `window` (`window_attention`'s reference): query r (position P + r) sees only keys j > P + r - window.
+    With `sinks` ([H]), as HF's eager attention: each head's sink logit one more column of the scores,
+    dropped after the softmax."""
     G = q.shape[1] // k_live.shape[1]
     R, P = q.shape[2], k_prefix.shape[2]
     k = torch.cat([k_prefix, k_live], dim=2).repeat_interleave(G, dim=1)
@@ -210,7 +236,10 @@ def reference_attention(q, k_prefix, v_prefix, k_live, v_live, scale, window=Non
         allowed_RT &= torch.ones(R, P + R, dtype=torch.bool, device=q.device).triu(P - window + 1)
     scores = (q @ k.transpose(-1, -2)) * scale
     scores = scores.masked_fill(~allowed_RT, float("-inf"))
-    return torch.softmax(scores, dim=-1) @ v
+    if sinks is None:
+        return torch.softmax(scores, dim=-1) @ v
+    column = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    return torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1] @ v
 
 
 # ----------------------------------------------------------------------------------------------
@@ -273,6 +302,20 @@ def _validate(q, k_prefix, v_prefix, k_live, v_live, scale, block_size, backend)
         raise ValueError(f"paged_attention: backend must be one of {_BACKENDS}, got {backend!r}")
     if backend in ("cuda", "flash", "cudnn") and q.device.type != "cuda":
         raise ValueError(f"paged_attention: backend={backend!r} needs CUDA tensors, got device {q.device}")
+
+
+def check_sinks(sinks, q_BHRD, what: str) -> None:
+    """Refuse `sinks` that are not one floating-point logit per query head of `q_BHRD`, on its device."""
+    if sinks is None:
+        return
+    H = q_BHRD.shape[1]
+    if not isinstance(sinks, torch.Tensor) or sinks.shape != (H,) or not sinks.is_floating_point():
+        got = (
+            f"{sinks.dtype} of shape {tuple(sinks.shape)}" if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+        )
+        raise ValueError(f"{what}: sinks must be one floating-point logit per query head ({H},), got {got}")
+    if sinks.device != q_BHRD.device:
+        raise ValueError(f"{what}: sinks are on {sinks.device}, the queries on {q_BHRD.device}")
 
 
 def kernel_and_block(backend: str, q_BHRD, Dv: int, block_size: int | None) -> tuple[str, int]:
@@ -423,6 +466,22 @@ def lse_merge_(out_BKMD, lse_BKM, out_b_BKMD, lse_b_BKM):
     lse_BKM.copy_(lse_new_BKM)
 
 
+def merge_sinks_(out_BHRD, lse_BHR, sinks_H):
+    """Merge attention sinks into a running (out, lse) in place: per head one more key of score sinks[h] and
+    value 0 (HF's sink column, which its softmax takes and then drops)."""
+    zero = torch.zeros((), dtype=out_BHRD.dtype, device=out_BHRD.device)
+    lse_merge_(out_BHRD, lse_BHR, zero.expand_as(out_BHRD), sinks_H.to(lse_BHR.dtype)[:, None].expand_as(lse_BHR))
+
+
+def sink_gradient(dout_BHRD, out_BHRD, lse_BHR, sinks_H):
+    """[H]: the gradient of the sinks, given the output's gradient and the GLOBAL out and lse (which include
+    them): the sink column's dS = P * (dP - delta) with P = exp(sinks[h] - lse) and dP = dO . 0, summed over
+    the rows."""
+    acc = lse_BHR.dtype
+    delta_BHR = (dout_BHRD.to(acc) * out_BHRD.to(acc)).sum(-1)
+    return -(torch.exp(sinks_H.to(acc)[:, None] - lse_BHR) * delta_BHR).sum((0, 2))
+
+
 def _shares_prefix(B: int, k_BKPD) -> bool:
     """Whether B > 1 sequences attend one prompt's pages (batch 1): their rows are then folded over it."""
     return B > 1 and k_BKPD.shape[0] == 1
@@ -453,9 +512,10 @@ def _acc_dtype(dtype):
 # ----------------------------------------------------------------------------------------------
 
 
-def attention_partial(q_BHRD, k_BKPD, v_BKPD, k_live_BKRD, v_live_BKRD, scale, block_size, kernel):
+def attention_partial(q_BHRD, k_BKPD, v_BKPD, k_live_BKRD, v_live_BKRD, scale, block_size, kernel, sinks=None):
     """One partial result ``(out_BHRD, lse_BHR)`` in the accumulation dtype: ``q`` over the prefix
-    blocks and, when ``k_live_BKRD`` is given, the causal live block, merged block by block.
+    blocks and, when ``k_live_BKRD`` is given, the causal live block, merged block by block (and the
+    ``sinks``, when given).
     Rows with no keys at all come out as (0, -inf), which a later merge ignores. For the
     CUDA kernels ``q_BHRD`` must be contiguous (q, out and dO share one layout)."""
     B, H, R, D = q_BHRD.shape
@@ -480,6 +540,8 @@ def attention_partial(q_BHRD, k_BKPD, v_BKPD, k_live_BKRD, v_live_BKRD, scale, b
         allowed_MR = _causal_allowed_MR(G, R, q_BHRD.device)
         o_BKMD, l_BKM = _math_block_fwd(q_BKMD, k_live_BKRD, v_live_BKRD, scale, allowed_MR)
         out_BHRD, lse_BHR = o_BKMD.view(B, H, R, Dv), l_BKM.view(B, H, R)
+    if sinks is not None:
+        merge_sinks_(out_BHRD, lse_BHR, sinks)
 
     out_BKMD, lse_BKM = out_BHRD.view(B, K, M, Dv), lse_BHR.view(B, K, M)
     if _shares_prefix(B, k_BKPD) and P:  # B sequences over one prompt's pages: their rows folded, the pages read once
@@ -626,18 +688,20 @@ _ACTIVE_MEMO: ContextVar[tuple[ForwardMemo, bool] | None] = ContextVar("paged_at
 
 class _PagedAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q_BHRD, k_BKPD, v_BKPD, k_BKRD, v_BKRD, scale, block_size, kernel, prefix_again):
+    def forward(ctx, q_BHRD, k_BKPD, v_BKPD, k_BKRD, v_BKRD, scale, block_size, kernel, prefix_again, sinks):
         if kernel != "math":
             q_BHRD = q_BHRD.contiguous()  # one layout for q, out and dO (cudnn needs it; small)
         memo, reuse = _ACTIVE_MEMO.get() or (None, False)
         if reuse:
             out_BHRD, lse_BHR = memo.take(q_BHRD)
         else:
-            out_BHRD, lse_BHR = attention_partial(q_BHRD, k_BKPD, v_BKPD, k_BKRD, v_BKRD, scale, block_size, kernel)
+            out_BHRD, lse_BHR = attention_partial(
+                q_BHRD, k_BKPD, v_BKPD, k_BKRD, v_BKRD, scale, block_size, kernel, sinks
+            )
             out_BHRD = out_BHRD.to(q_BHRD.dtype)
             if memo is not None:
                 memo.keep(q_BHRD, out_BHRD, lse_BHR)
-        ctx.save_for_backward(q_BHRD, k_BKRD, v_BKRD, out_BHRD, lse_BHR)
+        ctx.save_for_backward(q_BHRD, k_BKRD, v_BKRD, out_BHRD, lse_BHR, sinks)
         # references only: no copy, no version check (see module doc); or none, and fetched again
         ctx.prefix = prefix_again or (k_BKPD, v_BKPD)
         ctx.scale, ctx.block_size, ctx.kernel = scale, block_size, kernel
@@ -646,12 +710,14 @@ class _PagedAttention(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout_BHRD):
-        q_BHRD, k_BKRD, v_BKRD, out_BHRD, lse_BHR = ctx.saved_tensors
+        q_BHRD, k_BKRD, v_BKRD, out_BHRD, lse_BHR, sinks = ctx.saved_tensors
         prefix = ctx.prefix() if callable(ctx.prefix) else ctx.prefix
         dq, dk_p, dv_p, dk_l, dv_l = attention_partial_backward(
             dout_BHRD, q_BHRD, *prefix, k_BKRD, v_BKRD, out_BHRD, lse_BHR, ctx.scale, ctx.block_size, ctx.kernel,
             ctx.needs_input_grad[:5],
         )  # fmt: skip
+        # the blocks above were recomputed against the lse that holds the sinks; the sinks' own gradient:
+        dsinks = sink_gradient(dout_BHRD, out_BHRD, lse_BHR, sinks).to(sinks.dtype) if ctx.needs_input_grad[9] else None
         return (
             dq.to(q_BHRD.dtype) if dq is not None else None,
             dk_p,
@@ -662,6 +728,7 @@ class _PagedAttention(torch.autograd.Function):
             None,
             None,
             None,
+            dsinks,
         )
 
 

@@ -24,6 +24,7 @@ MODEL_CLASSES = {
     "deepseek_v32": ("DeepseekV32Config", "DeepseekV32ForCausalLM"),
     "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
 }
 
 # model_type -> its family, as the report names it; the MLA family's types follow from it
@@ -38,6 +39,7 @@ FAMILY_NAMES = {
     "deepseek_v32": "MLA + DSA + MoE",
     "deepseek_v3": "MLA + MoE",
     "gemma3": "sliding-window + global attention",
+    "gpt_oss": "sliding-window + global attention with sinks, routed MoE",
 }
 MLA_MODEL_TYPES = tuple(t for t, family in FAMILY_NAMES.items() if family.startswith("MLA"))
 
@@ -102,6 +104,17 @@ class Preset:
     init_on_device: bool = False
 
 
+# gpt-oss's rotary as its released checkpoints set it (transformers' GptOssConfig default)
+_GPT_OSS_ROPE = {
+    "rope_type": "yarn",
+    "rope_theta": 150_000.0,
+    "factor": 32.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 4096,
+}
+
 # what the GPU-scale 1B presets share: width, depth and an 8M-position range
 _GPU_1B = dict(
     vocab_size=32768,
@@ -159,6 +172,25 @@ PRESETS = {
             tie_word_embeddings=True,
         ),
         "3 sliding-window (16) : 1 global attention layers, Gemma 3's sandwich norms and two rotaries, 1 KV head",
+    ),
+    # gpt-oss in miniature: its pattern (sliding-window and full attention alternating, a sliding layer first), window
+    # 8 so a 40-token prompt crosses several windows, 4 routed experts of which each token takes 2, 2 KV heads for
+    # 4 query heads, and its yarn rotary (the released models' settings). Sinks, router and experts draw their
+    # initial weights from HF's own init (the sinks ~N(0, 0.02): a key of score ~0, which matters)
+    "tiny-gpt-oss": Preset(
+        "gpt_oss",
+        dict(
+            _TINY_COMMON,
+            intermediate_size=32,
+            num_hidden_layers=4,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            sliding_window=8,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+            max_position_embeddings=131072,
+            rope_parameters=dict(_GPT_OSS_ROPE),
+        ),
+        "2 sliding-window (8) : 2 full attention layers alternating, attention sinks, MoE 2 of 4, yarn rotary",
     ),
     "tiny-qwen3_next": Preset(
         "qwen3_next", dict(_TINY_COMMON, **_TINY_GDN, **_TINY_MOE, decoder_sparse_step=1), "3 GDN : 1 attention, MoE"
@@ -274,6 +306,32 @@ PRESETS = {
             tie_word_embeddings=False,
         ),
         "GPU: Qwen3.6-27B text shape, 64 layers (48 GDN + 16 attention), hidden 5120",
+        init_on_device=True,
+    ),
+    # The real gpt-oss-20b shape (20.9B parameters), random weights: 24 layers alternating sliding
+    # window (128) and full attention, 64 query heads x 64 on 8 KV heads with sinks, routed MoE 4 of 32 experts.
+    # Resident bytes per position (bf16): 12 full layers x 8 KV heads x 64 x 2 (K and V) x 2 = 24,576, next to
+    # ~39 GiB of bf16 weights (its routed experts are 3-D parameters, which NF4 leaves as they are).
+    "gpt-oss-20b-shape": Preset(
+        "gpt_oss",
+        dict(
+            vocab_size=201088,
+            hidden_size=2880,
+            intermediate_size=2880,
+            num_hidden_layers=24,
+            layer_types=["sliding_attention", "full_attention"] * 12,
+            sliding_window=128,
+            num_attention_heads=64,
+            num_key_value_heads=8,
+            head_dim=64,
+            num_local_experts=32,
+            num_experts_per_tok=4,
+            max_position_embeddings=131072,
+            rope_parameters=dict(_GPT_OSS_ROPE),
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=False,
+        ),
+        "GPU: gpt-oss-20b shape, 24 layers (12 sliding-window + 12 full attention, sinks), MoE 4 of 32, hidden 2880",
         init_on_device=True,
     ),
     # Learning presets (longstraw.training): small vocabularies suited to the synthetic tasks (vocab 256: 61 keys,

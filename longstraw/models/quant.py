@@ -39,6 +39,11 @@ bitsandbytes 0.50.2 quirks handled here:
   backend's pure-torch `quantize_4bit` runs), so we wrap the weight and move it to its own device.
 * on CPUs with AVX512-BF16, `Linear4bit.forward` in eval mode without grad repacks the weight
   into a CPU-only layout and crashes; `support_avx512bf16_for_cpu = False` is set on each module.
+* `Linear4bit.forward` writes a bias of another dtype than the compute dtype back into the parameter in the
+  compute dtype (`bias.data = ...`: gpt-oss's projections have biases), which moves its storage (a resident
+  state's binding then refuses the model) and its precision; the few-row path calls bnb's `matmul_4bit` on a
+  cast copy instead, what that forward computes without the write (its CPU repack is off, its compute dtype
+  fixed, as above).
 * peft wraps a `Linear4bit` with its 4-bit LoRA layer (`peft.tuners.lora.bnb.Linear4bit`) only
   if `model.is_loaded_in_4bit` is true (otherwise it falls back to its plain `lora.Linear`); we set it.
 
@@ -94,11 +99,14 @@ def dequantizing_linear4bit_class():
 
     class DequantizingLinear4bit(bnb.nn.Linear4bit):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            if x.numel() < DEQUANTIZE_MIN_ROWS * x.shape[-1]:
-                return super().forward(x)
             fix_4bit_weight_quant_state_from_module(self)
-            bias = None if self.bias is None else self.bias.to(self.compute_dtype)
-            return DequantizedMatmul.apply(x.to(self.compute_dtype), self.weight, bias).to(x.dtype)
+            bias = None if self.bias is None else self.bias.to(self.compute_dtype)  # a copy: see the module doc
+            x_c = x.to(self.compute_dtype)
+            if x.numel() < DEQUANTIZE_MIN_ROWS * x.shape[-1]:
+                out = bnb.matmul_4bit(x_c, self.weight, bias=bias, quant_state=self.weight.quant_state)
+            else:
+                out = DequantizedMatmul.apply(x_c, self.weight, bias)
+            return out.to(x.dtype)
 
     return DequantizingLinear4bit
 

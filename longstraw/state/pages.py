@@ -90,10 +90,11 @@ def _carry_page_gradients(self, grads, start: int) -> None:
             grad[:, :, :start] += leaf.grad
 
 
-def attend_pages(pages, q_BHTD, k_BKTD, v_BKTD, scale: float, append: bool):
-    """The live queries over `pages.filled()` and their own causal keys ([B, H, T, Dv]); a capture
-    (`append`) then writes the live K/V after the filled part. Any entry with `filled()` and
-    `append()` attends this way (attention pages, the exact mode's recompute pages)."""
+def attend_pages(pages, q_BHTD, k_BKTD, v_BKTD, scale: float, append: bool, sinks=None):
+    """The live queries over `pages.filled()` and their own causal keys ([B, H, T, Dv]), and the layer's
+    attention `sinks` when it has them; a capture (`append`) then writes the live K/V after the filled part.
+    Any entry with `filled()` and `append()` attends this way (attention pages, the exact mode's recompute
+    pages)."""
     k_prefix_BKPD, v_prefix_BKPD = pages.filled()
     with timed_attention(q_BHTD, k_prefix_BKPD.shape[2]) if append else nullcontext():
         out_BHTD = paged_attention(
@@ -104,6 +105,7 @@ def attend_pages(pages, q_BHTD, k_BKTD, v_BKTD, scale: float, append: bool):
             v_BKTD,
             scale=scale,
             capture=append and not torch.is_grad_enabled(),
+            sinks=sinks,
         )
     if append:  # pages copy detached values; the exact mode's recompute keeps the graph
         pages.append(k_BKTD, v_BKTD)
@@ -171,9 +173,9 @@ class AttentionPages:
     def for_shard(self, forms):
         return forms.pages(self)
 
-    def attend_decode(self, q_BHTD, own: "AttentionPages", scale: float):
+    def attend_decode(self, q_BHTD, own: "AttentionPages", scale: float, sinks=None):
         """One decoding step: each sequence's query over these shared pages and its `own` pages."""
-        return decode_attention(q_BHTD, *self.filled(), *own.filled(), scale=scale)
+        return decode_attention(q_BHTD, *self.filled(), *own.filled(), scale=scale, sinks=sinks)
 
 
 @dataclass
@@ -195,10 +197,10 @@ class DecodePages:
     def tensors(self):
         return self.shared.tensors() + self.own.tensors()
 
-    def attend(self, q_BHTD, k_BKTD, v_BKTD, scale: float, append: bool = True):
+    def attend(self, q_BHTD, k_BKTD, v_BKTD, scale: float, append: bool = True, sinks=None):
         """A decoding step: the new token's K/V join each sequence's own pages, then it attends."""
         self.own.append(k_BKTD, v_BKTD)
-        return self.shared.attend_decode(q_BHTD, self.own, scale)
+        return self.shared.attend_decode(q_BHTD, self.own, scale, sinks)
 
 
 @dataclass
@@ -296,12 +298,13 @@ def _last_positions(t_BKND, n: int):
     return t_BKND[:, :, max(t_BKND.shape[2] - n, 0) :]
 
 
-def attend_window(pages, q_BHTD, k_BKTD, v_BKTD, scale: float, append: bool):
+def attend_window(pages, q_BHTD, k_BKTD, v_BKTD, scale: float, append: bool, sinks=None):
     """The live queries over `pages.filled()` (the positions just before them) and their own keys, within
-    `pages.window` (`kernels.window_attention`); a capture (`append`) then keeps the live K/V. Not timed
-    (`timed_attention` rates a capture's causal attention over its whole prefix). Any entry with `window`,
-    `filled()` and `append()` attends this way (window K/V, the exact mode's recompute window)."""
-    out_BHTD = window_attention(q_BHTD, *pages.filled(), k_BKTD, v_BKTD, scale=scale, window=pages.window)
+    `pages.window` (`kernels.window_attention`), and the layer's attention `sinks` when it has them; a capture
+    (`append`) then keeps the live K/V. Not timed (`timed_attention` rates a capture's causal attention over its
+    whole prefix). Any entry with `window`, `filled()` and `append()` attends this way (window K/V, the exact
+    mode's recompute window)."""
+    out_BHTD = window_attention(q_BHTD, *pages.filled(), k_BKTD, v_BKTD, scale=scale, window=pages.window, sinks=sinks)
     if append:
         pages.append(k_BKTD, v_BKTD)
     return out_BHTD
@@ -397,7 +400,7 @@ class WindowDecodeKV:
     def tensors(self):
         return self.shared.tensors() + [self.own_k_BKSD, self.own_v_BKSD]
 
-    def attend(self, q_BHTD, k_BKTD, v_BKTD, scale: float, append: bool = True):
+    def attend(self, q_BHTD, k_BKTD, v_BKTD, scale: float, append: bool = True, sinks=None):
         """A decoding step: the new token's K/V take the ring's oldest slot, then it attends (the ring's order
         does not matter: a softmax over a set of keys)."""
         slots = self.own_k_BKSD.shape[2]
@@ -407,7 +410,8 @@ class WindowDecodeKV:
         self.generated += 1
         own = min(self.generated, slots)
         shared = (_last_positions(t, max(self.window - self.generated, 0)) for t in self.shared.filled())
-        return decode_attention(q_BHTD, *shared, self.own_k_BKSD[:, :, :own], self.own_v_BKSD[:, :, :own], scale=scale)
+        own_kv = (self.own_k_BKSD[:, :, :own], self.own_v_BKSD[:, :, :own])
+        return decode_attention(q_BHTD, *shared, *own_kv, scale=scale, sinks=sinks)
 
 
 @dataclass
