@@ -113,3 +113,53 @@ def test_the_kinds_are_listed_once_and_each_has_its_module():
         if path.stem != "__init__"
     }
     assert {name for name, has_run in runs.items() if has_run} == set(KINDS)
+
+
+def test_a_point_holds_its_own_kinds_section_and_no_other(tmp_path):
+    """Issue 33: a point's config holds the shared sections and its kind's; a base's section of another kind
+    (written for the experiment's kind) is left out of a point of another kind, and one a point's own `set`
+    gives is refused, naming it."""
+    from longstraw.config import ConfigError
+    from longstraw.config.point import KIND_SECTIONS, point_mapping
+
+    text = EXPERIMENT.replace("kind: step", "kind: sweep").replace(
+        "base: {grpo: {beta: 0.0}}", "base: {grpo: {beta: 0.0}, sweep: {replay: [2, 4], hold_all: []}}"
+    )
+    points = plan.plan(_write(tmp_path, text).parent, "cpu")["demo"]["points"]
+    swept, long = points["mode-replay_count-1"]["config"], points["long"]["config"]
+    assert swept.sweep.replay == [2, 4] and long.kind == "capture" and long.sweep is None
+    assert [s for s in KIND_SECTIONS if getattr(swept, s) is not None] == ["sweep"]
+    recorded = point_mapping(swept)
+    assert recorded["sweep"] == {"replay": [2, 4], "hold_all": []}
+    assert set(recorded) & set(KIND_SECTIONS) == {"sweep"} and "sweep" not in point_mapping(long)
+    assert plan.resolve_point(recorded) == swept  # the recorded mapping resolves to the same config
+    # a section of another kind in the point's own settings: refused when the plan is made
+    refused = text.replace("set: {prompt.length: 128, kind: capture}", "set: {kind: capture, sweep.replay: [8]}")
+    with pytest.raises(ConfigError, match=r"point long\]: sweep: a section of kind sweep; this point is kind capture"):
+        plan.plan(_write(tmp_path, refused).parent, "cpu")
+    # a kind's own section defaults when the file gives none
+    assert plan.resolve({"kind": "staleness", "model": {"preset": "tiny-llama"}}).staleness.steps == 8
+
+
+def test_committed_records_load_with_their_own_kinds_section_only():
+    """Records written before a point held only its kind's section carry every kind's (their defaults): they
+    load in today's shape, each with its own kind's section only."""
+    import json
+
+    from longstraw.config.point import KIND_SECTIONS
+    from longstraw.report.aggregate import load_points
+
+    records = REPO / "experiments" / "recorded"
+    old = 0
+    for path in sorted(records.rglob("*.json")):
+        raw = json.loads(path.read_text())
+        if not isinstance(raw.get("config"), dict):
+            continue
+        old += sum(s in raw["config"] for s in KIND_SECTIONS if s != raw.get("kind")) > 0
+    assert old > 0  # the committed records are of the old shape: the conversion is exercised
+    loaded = [p for p in load_points(records / "h200") if isinstance(p.get("config"), dict)]
+    assert loaded
+    for point in loaded:
+        assert set(point["config"]) & set(KIND_SECTIONS) <= {point.get("kind")}, point["result_file"]
+        if point.get("kind") in KIND_SECTIONS:
+            assert isinstance(point["config"][point["kind"]], dict), point["result_file"]

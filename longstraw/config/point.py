@@ -20,6 +20,8 @@ from longstraw.config.sections import CaptureConfig, ModelConfig, OptimizerConfi
 from longstraw.config.typed import ConfigError, bounded, from_mapping, to_mapping
 
 KINDS = ("step", "capture", "capacity", "sweep", "staleness", "validation", "pretrain", "length_curve", "learning")
+# the kinds with a section of their own, named after the kind: a point holds its own kind's and no other
+KIND_SECTIONS = ("capacity", "sweep", "staleness", "validation", "pretrain", "length_curve", "learning")
 # ours (`longstraw.core.step`), then the peers (`longstraw.peers`, the optional extra `.[peers]`)
 MODES = ("replay", "hold_all", "naive", "trl", "prefix_grouper")
 VALIDATION_MODES = ("response-only", "exact")
@@ -212,14 +214,45 @@ class PointConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     capture: CaptureConfig = field(default_factory=CaptureConfig)
     replay: ReplayConfig = field(default_factory=ReplayConfig)
-    capacity: CapacityConfig = field(default_factory=CapacityConfig)
-    sweep: SweepConfig = field(default_factory=SweepConfig)
     measure: MeasureConfig = field(default_factory=MeasureConfig)
-    staleness: StalenessConfig = field(default_factory=StalenessConfig)
-    validation: ValidationConfig = field(default_factory=ValidationConfig)
-    pretrain: PretrainConfig = field(default_factory=PretrainConfig)  # kind pretrain (its own model settings)
-    length_curve: LengthCurveConfig = field(default_factory=LengthCurveConfig)
-    learning: LearningConfig = field(default_factory=LearningConfig)
+    # the kinds' own sections (KIND_SECTIONS): the point's kind's is set (its defaults where the file gives
+    # none), every other one is None
+    capacity: Optional[CapacityConfig] = None
+    sweep: Optional[SweepConfig] = None
+    staleness: Optional[StalenessConfig] = None
+    validation: Optional[ValidationConfig] = None
+    pretrain: Optional[PretrainConfig] = None
+    length_curve: Optional[LengthCurveConfig] = None
+    learning: Optional[LearningConfig] = None
+
+    def __post_init__(self):
+        others = [s for s in KIND_SECTIONS if s != self.kind and getattr(self, s) is not None]
+        if others:
+            raise ValueError(f"{others[0]}: a section of kind {others[0]}; this point is kind {self.kind}")
+        if self.kind in KIND_SECTIONS and getattr(self, self.kind) is None:
+            setattr(self, self.kind, SECTION_TYPES[self.kind]())
+
+
+SECTION_TYPES = {
+    "capacity": CapacityConfig,
+    "sweep": SweepConfig,
+    "staleness": StalenessConfig,
+    "validation": ValidationConfig,
+    "pretrain": PretrainConfig,
+    "length_curve": LengthCurveConfig,
+    "learning": LearningConfig,
+}
+
+
+def point_mapping(cfg: PointConfig) -> dict:
+    """The plain nested dict a result records: the shared sections and the point's own kind's."""
+    return {k: v for k, v in to_mapping(cfg).items() if not (k in KIND_SECTIONS and v is None)}
+
+
+def recorded_config(mapping: dict, kind: str) -> dict:
+    """A recorded result's config in today's shape: records before each point held only its own kind's section
+    carried every kind's (their defaults); those of other kinds are dropped."""
+    return {k: v for k, v in mapping.items() if k not in KIND_SECTIONS or k == kind}
 
 
 def resolve_point(raw, source: str = "config") -> PointConfig:

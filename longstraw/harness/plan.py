@@ -26,12 +26,13 @@ from pathlib import Path
 
 import jsonschema
 
+from longstraw import kinds
 from longstraw.config import ConfigError, PointConfig, resolve_point
-from longstraw.config.point import KINDS, trainer_mapping
-from longstraw.config.train import resolve_train
+from longstraw.config.point import KIND_SECTIONS, KINDS
 from longstraw.config.yaml_input import load_yaml_file, load_yaml_text
 from longstraw.harness.inputs import built_models, check_planned_paths, check_point_inputs
-from longstraw.models.presets import PRESETS, check_preset
+from longstraw.kinds.checks import check_named_preset, check_task
+from longstraw.models.presets import PRESETS
 from longstraw.peers import PEER_MODES, PeerNotApplicable, check_peer
 
 PROFILES = ("cpu", "h200")
@@ -67,26 +68,9 @@ def load_experiment(path) -> dict:
 def resolve(raw, source: str = "config") -> PointConfig:
     """A point config, typed and checked through to the names it uses, before any work."""
     cfg = raw if isinstance(raw, PointConfig) else resolve_point(raw, source)
-    named = ([] if cfg.model.path else [("model.preset", cfg.model.preset)]) + [
-        (f"validation.presets[{i}]", name) for i, name in enumerate(cfg.validation.presets)
-    ]
-    if cfg.kind == "pretrain":
-        named.append(("pretrain.model", cfg.pretrain.model))
-    for key, name in named:
-        try:
-            check_preset(name)
-        except ValueError as exc:
-            raise ConfigError(f"{source}: {key}: {exc}") from None
-    for key, spec, active in (
-        ("pretrain.task", cfg.pretrain.task, cfg.kind == "pretrain"),
-        ("length_curve.task", cfg.length_curve.task, cfg.kind == "length_curve"),
-        ("learning.task", cfg.learning.task, cfg.kind == "learning"),
-    ):
-        if active:
-            import longstraw.training.synthetic  # noqa: F401  (registers the training tasks: mqar, periodic)
-            from longstraw.training.tasks import check_task_spec
-
-            check_task_spec({**spec, "length": cfg.prompt.length}, f"{source}: {key}")
+    if not cfg.model.path:
+        check_named_preset(cfg.model.preset, f"{source}: model.preset")
+    kinds.part(cfg.kind, "check")(cfg, source)  # the kind's own section (kinds/<kind>.py)
     _check_peer_modes(cfg, source)
     if cfg.responses.source == "rollouts":
         if cfg.kind != "step" or cfg.mode != "replay":
@@ -94,30 +78,7 @@ def resolve(raw, source: str = "config") -> PointConfig:
                 f"{source}: responses.source: rollouts are the trainer's cycles (kind step, mode "
                 f"replay), not kind {cfg.kind!r} with mode {cfg.mode!r}"
             )
-        from longstraw.training.tasks import check_task_spec
-
-        check_task_spec({**cfg.responses.task, "length": cfg.prompt.length}, f"{source}: responses.task")
-    if cfg.kind == "staleness" and cfg.staleness.task:
-        from longstraw.training.tasks import check_task_spec
-
-        check_task_spec({**cfg.staleness.task, "length": cfg.prompt.length}, f"{source}: staleness.task")
-    if cfg.kind == "validation" and "V4" in cfg.validation.levels:
-        from longstraw.training.tasks import check_task_spec
-
-        train = resolve_train(trainer_mapping(cfg, cfg.optimizer.lr, "unused"), f"{source}: validation.train")
-        check_task_spec(train.task, f"{source}: validation.train.task")
-        window = cfg.validation.window
-        if window > train.steps:
-            raise ConfigError(
-                f"{source}: validation.window: {window} is more than the trainer's "
-                f"{train.steps} steps (validation.train.steps)"
-            )
-        prompts = len({step // train.steps_per_prompt for step in range(train.steps - window, train.steps)})
-        if prompts < 2:  # V4 pairs prompts: one cannot give a standard error
-            raise ConfigError(
-                f"{source}: validation.window: the last {window} steps visit {prompts} prompt "
-                f"({train.steps_per_prompt} steps per prompt); V4 needs at least 2"
-            )
+        check_task(cfg.responses.task, cfg.prompt.length, f"{source}: responses.task")
     check_point_inputs(cfg, source)  # models, checkpoints, lengths, tasks against the model (harness/inputs.py)
     return cfg
 
@@ -203,6 +164,7 @@ def expand(
         for dotted, value in assignment.items():
             set_dotted(config, dotted, value, where)
         config["name"] = f"{experiment['name']}/{name}"
+        _drop_others_sections(config, assignment)
         try:
             points[name] = {"config": resolve(config, where), "grid": assignment}
         except NotApplicable as exc:
@@ -211,6 +173,17 @@ def expand(
             if not_applicable is not None:
                 not_applicable[name] = str(exc)
     return points
+
+
+def _drop_others_sections(config: dict, assignment: dict) -> None:
+    """A point of another kind than its experiment's (`set: {kind: step}` in a capacity experiment) leaves out
+    the sections of other kinds its bases hold (written for the experiment's kind); one its own `set` gives
+    is kept, and refused when resolved."""
+    kind = config.get("kind")
+    for section in KIND_SECTIONS:
+        given = any(key == section or key.startswith(f"{section}.") for key in assignment)
+        if section != kind and section in config and not given:
+            del config[section]
 
 
 def plan(experiments_dir, profile: str) -> dict[str, dict]:

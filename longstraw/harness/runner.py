@@ -14,7 +14,7 @@ import traceback
 import torch
 
 from longstraw import kinds
-from longstraw.config import PointConfig, to_mapping
+from longstraw.config import PointConfig, point_mapping
 from longstraw.core.determinism import deterministic_mode
 from longstraw.cp import context_parallel
 from longstraw.harness.inputs import check_ready
@@ -42,7 +42,7 @@ def run_point(raw, source: str = "config", on_progress=None, work_dir=None) -> d
     cp = _context_parallel(cfg, source)
     if cp is not None and cp.rank != 0:
         on_progress = None  # rank 0 writes the result
-    result = {"name": cfg.name, "kind": cfg.kind, "config": to_mapping(cfg), "provenance": provenance(device)}
+    result = {"name": cfg.name, "kind": cfg.kind, "config": point_mapping(cfg), "provenance": provenance(device)}
     if cfg.model.path and (checkpoint := checkpoint_provenance(cfg.model.path)) is not None:
         result["provenance"]["checkpoint"] = checkpoint  # real weights: where they came from, their hash
     start = time.perf_counter()

@@ -1,6 +1,10 @@
 """Experiment kinds: one module per kind (`KINDS`, named in the experiment schema) owns everything
 about a point of that kind, how it runs and how it is reported.
 
+Plan half (`longstraw.harness.plan.resolve`, before any work):
+- `check(cfg, source)`: the kind's own section checked through to the names and tasks it uses (a
+  `ConfigError` naming the source and key); the settings every kind shares are the plan's.
+
 Run half (imports torch inside `run`, so reporting stays free of torch):
 - `run(cfg, device, progress) -> metrics`: the point's measurement (`longstraw.harness.runner`).
 
@@ -25,6 +29,7 @@ import types
 from longstraw.config.point import KINDS
 
 _EMPTY = {
+    "check": lambda cfg, source: None,
     "columns": lambda point: {},
     "tables": lambda points: {},
     "notes": lambda row, grid: [],
@@ -46,6 +51,6 @@ def modules() -> list:
 
 
 def part(kind_or_module, name: str):
-    """One part of a kind's report half (see the module doc), or its empty default."""
+    """One part of a kind (see the module doc), or its empty default."""
     mod = kind_or_module if isinstance(kind_or_module, types.ModuleType) else module(kind_or_module)
     return getattr(mod, name, _EMPTY[name]) if mod is not None else _EMPTY[name]

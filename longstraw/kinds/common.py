@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from longstraw.config import PointConfig, to_mapping
+from longstraw.config import PointConfig, point_mapping
 from longstraw.core.transaction import capture
 from longstraw.families.base import unwrap_causal_lm
 from longstraw.measure.memory import PhaseRecorder
@@ -127,7 +127,7 @@ def run_point_in_fresh_process(config: PointConfig, workdir) -> dict:
     """
     name = config.name.replace("/", "_")
     spec, out = Path(workdir) / f"{name}.yaml", Path(workdir) / f"{name}.json"
-    spec.write_text(json.dumps(to_mapping(config)))  # JSON is valid YAML
+    spec.write_text(json.dumps(point_mapping(config)))  # JSON is valid YAML
     proc = subprocess.run(
         [sys.executable, "-m", "longstraw", "run", str(spec), "--out", str(out)], capture_output=True, text=True
     )

@@ -25,9 +25,15 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from longstraw.config import PointConfig, to_mapping
+from longstraw.config import PointConfig, point_mapping
+from longstraw.kinds.checks import check_task
 from longstraw.kinds.columns import ExtraTable, as_dict, number, point_parts, rows_of_points
 from longstraw.results import write_text_atomic
+
+
+def check(cfg: PointConfig, source: str) -> None:
+    check_task(cfg.learning.task, cfg.prompt.length, f"{source}: learning.task")
+
 
 if TYPE_CHECKING:
     from longstraw.kinds.common import Progress
@@ -118,7 +124,7 @@ def work_folder(cfg: PointConfig, work_dir):
         return
     work = Path(work_dir)
     work.mkdir(parents=True, exist_ok=True)
-    config = json.dumps(to_mapping(cfg), sort_keys=True)
+    config = json.dumps(point_mapping(cfg), sort_keys=True)
     marker = work / "config.json"
     if marker.is_file() and marker.read_text() != config:
         raise ValueError(f"{work}: holds the runs of another config of this point; remove the folder to start over")

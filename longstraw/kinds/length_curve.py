@@ -13,7 +13,13 @@ import math
 from typing import TYPE_CHECKING
 
 from longstraw.config import PointConfig
+from longstraw.kinds.checks import check_task
 from longstraw.kinds.columns import ExtraTable, as_dict, number, point_parts, rows_of_points
+
+
+def check(cfg: PointConfig, source: str) -> None:
+    check_task(cfg.length_curve.task, cfg.prompt.length, f"{source}: length_curve.task")
+
 
 if TYPE_CHECKING:
     from longstraw.kinds.common import Progress

@@ -12,7 +12,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from longstraw.config import PointConfig
+from longstraw.kinds.checks import check_named_preset, check_task
 from longstraw.kinds.columns import ExtraTable, as_dict, number, point_parts, rows_of_points
+
+
+def check(cfg: PointConfig, source: str) -> None:
+    """Its model a preset this package has, its task one it can build."""
+    check_named_preset(cfg.pretrain.model, f"{source}: pretrain.model")
+    check_task(cfg.pretrain.task, cfg.prompt.length, f"{source}: pretrain.task")
+
 
 if TYPE_CHECKING:
     from longstraw.kinds.common import Progress

@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from longstraw.config import PointConfig
+from longstraw.kinds.checks import check_task
 from longstraw.kinds.columns import (
     ExtraTable,
     as_dict,
@@ -26,6 +27,13 @@ from longstraw.kinds.columns import (
     rows_of_points,
     status_of,
 )
+
+
+def check(cfg: PointConfig, source: str) -> None:
+    """A task's spec, where the prompt and rewards are a task's (else a seeded prompt, random rewards)."""
+    if cfg.staleness.task:
+        check_task(cfg.staleness.task, cfg.prompt.length, f"{source}: staleness.task")
+
 
 if TYPE_CHECKING:
     from longstraw.kinds.common import Progress

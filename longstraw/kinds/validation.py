@@ -52,6 +52,9 @@ from typing import TYPE_CHECKING
 
 from longstraw.config import PointConfig
 from longstraw.config.point import VALIDATION_LEVELS, VALIDATION_MODES, trainer_mapping
+from longstraw.config.train import resolve_train
+from longstraw.config.typed import ConfigError
+from longstraw.kinds.checks import check_named_preset
 from longstraw.kinds.columns import as_dict, family_of, model_type_of
 from longstraw.models.presets import PRESETS
 
@@ -67,6 +70,31 @@ V1_TOLERANCE = (
     "finite loss and gradient norm, resident fingerprint unchanged after all replays; CUDA: every "
     "phase's peak allocated bytes below the device's total memory (CPU: completed, no ceiling)"
 )
+
+
+def check(cfg: PointConfig, source: str) -> None:
+    """Its presets ones this package has; with V4, a trainer config that resolves, a task it can build, and a
+    window of at least two prompts within the trainer's steps (V4 pairs prompts)."""
+    for i, name in enumerate(cfg.validation.presets):
+        check_named_preset(name, f"{source}: validation.presets[{i}]")
+    if "V4" not in cfg.validation.levels:
+        return
+    train = resolve_train(trainer_mapping(cfg, cfg.optimizer.lr, "unused"), f"{source}: validation.train")
+    from longstraw.training.tasks import check_task_spec
+
+    check_task_spec(train.task, f"{source}: validation.train.task")
+    window = cfg.validation.window
+    if window > train.steps:
+        raise ConfigError(
+            f"{source}: validation.window: {window} is more than the trainer's "
+            f"{train.steps} steps (validation.train.steps)"
+        )
+    prompts = len({step // train.steps_per_prompt for step in range(train.steps - window, train.steps)})
+    if prompts < 2:  # V4 pairs prompts: one cannot give a standard error
+        raise ConfigError(
+            f"{source}: validation.window: the last {window} steps visit {prompts} prompt "
+            f"({train.steps_per_prompt} steps per prompt); V4 needs at least 2"
+        )
 
 
 def level(name: str, reached, tolerance: str, evidence: dict, scale: dict, note: str = "") -> dict:

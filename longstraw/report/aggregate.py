@@ -35,6 +35,7 @@ import pandas as pd
 import yaml
 
 from longstraw import kinds
+from longstraw.config import recorded_config
 from longstraw.kinds.columns import as_dict, common_columns, number, point_parts, scalar
 from longstraw.plotting.ceiling import memory_ceiling
 from longstraw.report.store import write_tables
@@ -82,6 +83,8 @@ def load_point(path, base=None) -> dict:
     parts = path.relative_to(base).parts if base is not None else (path.name,)
     point.setdefault("experiment", parts[0] if len(parts) > 1 else point.get("name") or "unnamed")
     point.setdefault("point", path.stem)
+    if isinstance(point.get("config"), dict):
+        point["config"] = recorded_config(point["config"], point.get("kind"))
     if point.get("status") not in STATUSES:
         point["error"] = point.get("error") or f"result has no valid status (got {point.get('status')!r})"
         point["status"] = "error"
