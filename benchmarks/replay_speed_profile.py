@@ -58,14 +58,14 @@ def measure(cfg, device) -> dict:
     out = {
         "point": cfg.name,
         "prompt_length": cfg.prompt.length,
-        "G": cfg.responses.count,
+        "G": cfg.grpo.num_generations,
         "response_length": cfg.responses.length,
     }
     rows = []
     for adapters, kernels in (("float32", ("cudnn", "flash")), ("model", ("cudnn",))):
         point = replace(cfg, model=replace(cfg.model, lora=replace(cfg.model.lora, dtype=adapters)))
         model, vocab, prompt = policy_and_prompt(point, PhaseRecorder(device))
-        responses, rewards = seeded_group(point, point.responses.count, vocab, device)
+        responses, rewards = seeded_group(point, point.grpo.num_generations, vocab, device)
         G, held = len(responses), {}
 
         def fresh_capture():

@@ -1,7 +1,7 @@
 """Command line (also `python -m longstraw`).
 
     longstraw run experiments/examples/step_cpu.yaml --out results/step.json
-    longstraw run experiments/examples/step_cpu.yaml --out r.json --set mode=hold_all --set responses.count=8
+    longstraw run experiments/examples/step_cpu.yaml --out r.json --set mode=hold_all --set grpo.num_generations=8
     longstraw plan --profile cpu
     longstraw point experiments/g_sweep.yaml --profile cpu --point mode-replay_count-8 --out r.json
     longstraw train experiments/examples/train_cpu.yaml [--no-resume] [--set steps=20]
@@ -43,7 +43,7 @@ from pathlib import Path
 
 import yaml
 
-SET_HELP = "override a config key, e.g. --set responses.count=8 (repeatable; the value is read as YAML)"
+SET_HELP = "override a config key, e.g. --set grpo.num_generations=8 (repeatable; the value is read as YAML)"
 OVERWRITE_HELP = "replace a finished result already at --out (without it, only a failed or cut-off one is replaced)"
 
 

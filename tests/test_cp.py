@@ -300,7 +300,8 @@ def _point_config(cp_size):
         "cp_size": cp_size,
         "model": {"preset": "tiny-qwen3_5", "dtype": "float64"},
         "prompt": {"length": PROMPT_LEN},
-        "responses": {"count": 2, "length": 5},
+        "grpo": {"num_generations": 2},
+        "responses": {"length": 5},
         "capture": {"chunk_size": CHUNK},
     }
 
@@ -434,7 +435,8 @@ def _train_config(out_dir, cp_size):
         "steps": 2,
         "steps_per_prompt": 2,
         "seed": 3,
-        "sampling": {"num_samples": 3, "max_new_tokens": 4},
+        "grpo": {"num_generations": 3},
+        "sampling": {"max_new_tokens": 4},
         "optimizer": {"lr": 1e-2},
         "refresh": {"policy": "every", "every": 2},
         "capture": {"chunk_size": 8},

@@ -37,7 +37,8 @@ def _config(cp_size):
         "cp_size": cp_size,
         "model": {"preset": PRESET, "lora": {"r": 4, "init_random": True}, "dtype": "float64"},
         "prompt": {"length": 24},
-        "responses": {"count": 2, "length": 5},
+        "grpo": {"num_generations": 2},
+        "responses": {"length": 5},
         "capture": {"chunk_size": 4},
     }
 

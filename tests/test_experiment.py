@@ -16,7 +16,8 @@ POINT = {
     "kind": "step",
     "model": {"preset": "tiny-llama"},
     "prompt": {"length": 40},
-    "responses": {"count": 2, "length": 5},
+    "grpo": {"num_generations": 2},
+    "responses": {"length": 5},
     "capture": {"chunk_size": 16},
     "cycles": 2,
 }

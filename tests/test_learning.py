@@ -77,7 +77,6 @@ def test_learning_point_runs_the_same_prompts_and_reports_the_paired_gain(checkp
                 "task": TASK,
                 "steps": 4,
                 "window": 2,
-                "num_samples": 3,
                 "gradients": ["response-only", "exact"],
             },
         }
@@ -124,9 +123,9 @@ def test_a_learning_point_cut_off_goes_on_from_its_work_folder(checkpoint, tmp_p
         "model": {"path": checkpoint},
         "prompt": {"length": 32},
         "responses": {"length": 4},
-        "grpo": {"beta": 0.0},
+        "grpo": {"num_generations": 4, "beta": 0.0},
         "optimizer": {"lr": 1e-2},
-        "learning": {"task": task, "steps": 5, "window": 2, "num_samples": 4},
+        "learning": {"task": task, "steps": 5, "window": 2},
     }
     whole = run_point(point)["metrics"]["runs"]
     monkeypatch.setattr(learning, "RESUME_EVERY", 2)

@@ -116,7 +116,8 @@ def test_staleness_point_records_rows_and_interval():
             "kind": "staleness",
             "model": {"preset": "tiny-llama", "lora": {"r": 4}},
             "prompt": {"length": 100},
-            "responses": {"count": 2, "length": 4},
+            "grpo": {"num_generations": 2},
+            "responses": {"length": 4},
             "capture": {"chunk_size": 32},
             "staleness": {"steps": 2, "threshold": 0.5},
         }
@@ -153,7 +154,8 @@ def test_a_staleness_record_says_what_was_trained_in_which_precision(model, expe
             "model": {"preset": "tiny-llama", **model},
             "optimizer": {"master_weights": masters},
             "prompt": {"length": 40},
-            "responses": {"count": 2, "length": 2},
+            "grpo": {"num_generations": 2},
+            "responses": {"length": 2},
             "capture": {"chunk_size": 16},
             "staleness": {"steps": 1},
         }
@@ -189,7 +191,8 @@ def _search_config(tries: int):
             "kind": "staleness",
             "model": {"preset": "tiny-llama"},
             "prompt": {"length": 24, "seed": 10},
-            "responses": {"count": 8, "length": 2},
+            "grpo": {"num_generations": 8},
+            "responses": {"length": 2},
             "capture": {"chunk_size": 8},
             "staleness": {"prompt_search": tries},
         }

@@ -118,7 +118,7 @@ def _peer_experiment(mode_list, explicit=None):
         "kind": "step",
         "profiles": {
             "cpu": {
-                "base": {"model": {"preset": "tiny-qwen3_5"}, "prompt": {"length": 16}, "responses": {"count": 2}},
+                "base": {"model": {"preset": "tiny-qwen3_5"}, "prompt": {"length": 16}, "grpo": {"num_generations": 2}},
                 "grid": {"model.preset": ["tiny-llama", "tiny-qwen3_5"], "mode": mode_list},
                 **({"points": [explicit]} if explicit else {}),
             }
@@ -172,8 +172,8 @@ def test_a_peer_point_runs_through_the_step_kind(tmp_path):
         "mode": "trl",
         "model": {"preset": "tiny-llama"},
         "prompt": {"length": 32},
-        "responses": {"count": 2, "length": 4},
-        "grpo": {"beta": 0.0},
+        "responses": {"length": 4},
+        "grpo": {"num_generations": 2, "beta": 0.0},
     }
     result = run_point(raw)
     assert result["status"] == "ok", result.get("error")
@@ -275,7 +275,8 @@ def test_a_cuda_step_that_ran_out_counts_its_peak_at_the_oom(tmp_path):
         "mode": "trl",
         "model": {"preset": "hybrid-1b", "device": "cuda", "dtype": "bfloat16"},
         "prompt": {"length": 32768},
-        "responses": {"count": 8, "length": 2048},
+        "grpo": {"num_generations": 8},
+        "responses": {"length": 2048},
     }
     result = {
         "experiment": "peers",

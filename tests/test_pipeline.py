@@ -36,7 +36,8 @@ profiles:
     base:
       model: {preset: tiny-llama}
       prompt: {length: 48}
-      responses: {count: 2, length: 6}
+      responses: {length: 6}
+      grpo: {num_generations: 2}
       capture: {chunk_size: 16}
     grid: {mode: [replay, hold_all]}
     points:

@@ -16,7 +16,7 @@ base: {grpo: {beta: 0.0}}
 profiles:
   cpu:
     base: {model: {preset: tiny-llama}, prompt: {length: 64}}
-    grid: {mode: [replay, naive], responses.count: [1, 2]}
+    grid: {mode: [replay, naive], grpo.num_generations: [1, 2]}
     points:
       - {name: long, set: {prompt.length: 128, kind: capture}}
 """
@@ -38,9 +38,9 @@ def test_grid_and_points_expand_with_profile_settings(tmp_path):
         "mode-replay_count-2",
     ]
     point = points["mode-naive_count-2"]
-    assert point["grid"] == {"mode": "naive", "responses.count": 2}
+    assert point["grid"] == {"mode": "naive", "grpo.num_generations": 2}
     config = point["config"]
-    assert (config.mode, config.responses.count, config.prompt.length) == ("naive", 2, 64)
+    assert (config.mode, config.grpo.num_generations, config.prompt.length) == ("naive", 2, 64)
     assert config.grpo.beta == 0.0 and config.grpo.epsilon == 0.2  # defaults fill the rest
     assert config.grpo.num_generations == 2  # the group size is the point's
     assert points["long"]["config"].kind == "capture" and points["long"]["config"].prompt.length == 128
@@ -68,7 +68,7 @@ def test_profile_without_settings_has_no_points(tmp_path):
         (EXPERIMENT.replace("grid:", "gird:"), r"profiles.cpu: Additional properties .*'gird'"),
         (EXPERIMENT.replace("prompt: {length: 64}", "prompt: {lenght: 64}"), r"point .*: prompt.lenght: unknown key"),
         (EXPERIMENT.replace("kind: step", "kind: stepp"), r"kind: 'stepp' is not one of"),
-        (EXPERIMENT.replace("responses.count: [1, 2]", "responsez.count: [1]"), r"responsez: unknown key"),
+        (EXPERIMENT.replace("grpo.num_generations: [1, 2]", "grpoz.num_generations: [1]"), r"grpoz: unknown key"),
         (
             EXPERIMENT.replace("title: Demo", "title: Demo\ntitle: Other"),
             r": key 'title' appears twice \(lines 3 and 4\)",
@@ -163,3 +163,34 @@ def test_committed_records_load_with_their_own_kinds_section_only():
         assert set(point["config"]) & set(KIND_SECTIONS) <= {point.get("kind")}, point["result_file"]
         if point.get("kind") in KIND_SECTIONS:
             assert isinstance(point["config"][point["kind"]], dict), point["result_file"]
+
+
+def test_committed_records_read_the_group_size_under_its_one_name():
+    """Records written before the group size had one name spelt it responses.count (and a learning point's runs
+    learning.num_samples), in their configs and grids: they load with it at grpo.num_generations, its value kept."""
+    import json
+
+    from longstraw.report.aggregate import load_point
+
+    records = REPO / "experiments" / "recorded" / "h200"
+    seen = {"responses.count": 0, "learning.num_samples": 0, "grid": 0}
+    for path in sorted(records.rglob("*.json")):
+        raw = json.loads(path.read_text())
+        config = raw.get("config")
+        if not isinstance(config, dict):
+            continue
+        if raw.get("kind") == "learning" and "num_samples" in config.get("learning", {}):
+            expected, seen["learning.num_samples"] = config["learning"]["num_samples"], seen["learning.num_samples"] + 1
+        elif "count" in config.get("responses", {}):
+            expected, seen["responses.count"] = config["responses"]["count"], seen["responses.count"] + 1
+        else:
+            continue
+        point = load_point(path, records)
+        assert point["config"]["grpo"]["num_generations"] == expected, path
+        assert "count" not in point["config"]["responses"], path
+        assert "num_samples" not in point["config"].get("learning", {}), path
+        if "responses.count" in raw.get("grid", {}):
+            seen["grid"] += 1
+            assert point["grid"]["grpo.num_generations"] == raw["grid"]["responses.count"], path
+        assert "responses.count" not in point.get("grid", {}), path
+    assert all(seen.values()), seen  # each old spelling is among the committed records: the conversion is exercised

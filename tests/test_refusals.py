@@ -59,8 +59,9 @@ def _base(key, value):
             r"mode: must be one of \['replay', 'hold_all', 'naive', 'trl', 'prefix_grouper'\], got 'bogus'",
         ),
         ("prompt.length", 0, r"prompt.length: must be >= 1, got 0"),
-        ("responses.count", "two", r"responses.count: expected an integer, got 'two'"),
-        ("responses.count", -2, r"responses.count: must be >= 1, got -2"),
+        ("grpo.num_generations", "two", r"grpo.num_generations: expected an integer, got 'two'"),
+        ("grpo.num_generations", -2, r"grpo: num_generations must be an int >= 1, got -2"),
+        ("responses.count", 2, r"responses.count: the group size is grpo.num_generations \(TRL's name\)"),
         ("kind", "bogus", r"kind: must be one of \['step'"),  # inside a profile's base
         ("cycles", 0, r"cycles: must be >= 1, got 0"),
         ("capture.chunk_size", 0, r"capture.chunk_size: must be >= 1, got 0"),
@@ -91,8 +92,8 @@ def _train_config(tmp_path, **changes):
         "task": {"name": "kv_retrieval", "length": 24},
         "steps": 2,
         "steps_per_prompt": 1,
-        "sampling": {"num_samples": 2, "max_new_tokens": 2},
-        "grpo": {"beta": 0.0},
+        "sampling": {"max_new_tokens": 2},
+        "grpo": {"num_generations": 2, "beta": 0.0},
         "schedule": {"name": "constant"},
         "capture": {"chunk_size": 8},
         "output": {"dir": str(tmp_path / "run"), "checkpoint_every": 1},
@@ -139,10 +140,12 @@ def test_train_refuses_an_unwritable_output_dir_before_any_work(tmp_path, capsys
 
 def test_a_set_through_a_value_is_refused(tmp_path, capsys):
     spec = tmp_path / "point.yaml"
-    spec.write_text(yaml.safe_dump({"model": {"preset": "tiny-llama"}, "responses": {"count": 2}}))
-    assert cli.main(["run", str(spec), "--out", str(tmp_path / "r.json"), "--set", "responses.count.x=1"]) == 2
+    spec.write_text(yaml.safe_dump({"model": {"preset": "tiny-llama"}, "grpo": {"num_generations": 2}}))
+    assert cli.main(["run", str(spec), "--out", str(tmp_path / "r.json"), "--set", "grpo.num_generations.x=1"]) == 2
     err = capsys.readouterr().err
-    assert "responses.count is 2, not a mapping: cannot set responses.count.x" in err and "Traceback" not in err
+    assert (
+        "grpo.num_generations is 2, not a mapping: cannot set grpo.num_generations.x" in err and "Traceback" not in err
+    )
 
 
 def test_run_refuses_an_unwritable_out_before_running(tmp_path, capsys, monkeypatch):
@@ -346,7 +349,12 @@ def _run_refused(tmp_path, capsys, config, *extra, one_line: bool = True) -> str
     return err
 
 
-POINT = {"model": {"preset": "tiny-llama"}, "prompt": {"length": 16}, "responses": {"count": 2, "length": 4}}
+POINT = {
+    "model": {"preset": "tiny-llama"},
+    "prompt": {"length": 16},
+    "grpo": {"num_generations": 2},
+    "responses": {"length": 4},
+}
 
 
 # ---- 1. a key given twice
@@ -363,11 +371,11 @@ def test_a_repeated_key_in_an_experiment_file_is_refused_naming_both_lines(tmp_p
 
 def test_a_repeated_key_in_a_point_config_or_a_set_value_is_refused(tmp_path, capsys, nothing_built):
     err = _run_refused(
-        tmp_path, capsys, "model: {preset: tiny-llama}\nresponses:\n  count: 2\n  length: 4\n  count: 8\n"
+        tmp_path, capsys, "model: {preset: tiny-llama}\nresponses:\n  length: 2\n  seed: 4\n  length: 8\n"
     )
-    assert "point.yaml: responses: key 'count' appears twice (lines 3 and 5)" in err
-    err = _run_refused(tmp_path, capsys, POINT, "--set", "responses={count: 2, count: 8}")
-    assert "point.yaml (--set responses={count: 2, count: 8}): key 'count' appears twice (both on line 1)" in err
+    assert "point.yaml: responses: key 'length' appears twice (lines 3 and 5)" in err
+    err = _run_refused(tmp_path, capsys, POINT, "--set", "responses={length: 2, length: 8}")
+    assert "point.yaml (--set responses={length: 2, length: 8}): key 'length' appears twice (both on line 1)" in err
     err = _run_refused(tmp_path, capsys, "model: {preset: tiny-llama\n", one_line=False)  # YAML's own message
     assert "point.yaml: not valid YAML: " in err and 'in "' in err
 
@@ -645,7 +653,8 @@ def test_a_text_row_too_short_or_too_long_is_named_when_the_task_is_set_up(tmp_p
             "dataset": {"path": str(data)},
             "reward_funcs": ["longstraw.training.rewards:contains_answer"],
             "check_reward_funcs": False,
-            "sampling": {"num_samples": 2, "max_new_tokens": 4},
+            "grpo": {"num_generations": 2},
+            "sampling": {"max_new_tokens": 4},
             "output": {"dir": str(tmp_path / "run")},
         }
 
@@ -729,7 +738,10 @@ def test_a_cuda_index_beyond_the_device_count_is_refused(monkeypatch):
             },
             r"responses.probe_members: for CUDA capacity searches",
         ),
-        ({"responses.probe_members": 3}, r"responses.probe_members: 3 members of a group of 2 \(responses.count\)"),
+        (
+            {"responses.probe_members": 3},
+            r"responses.probe_members: 3 members of a group of 2 \(grpo.num_generations\)",
+        ),
         (
             {"responses.probe_members": 1, "mode": "hold_all"},
             r"responses.probe_members: a partial step is a memory probe",
@@ -770,7 +782,6 @@ def test_a_cuda_index_beyond_the_device_count_is_refused(monkeypatch):
         (
             {
                 "responses": {
-                    "count": 2,
                     "length": 2,
                     "source": "rollouts",
                     "task": {"name": "kv_retrieval", "num_needles": 8},
@@ -796,7 +807,7 @@ def test_the_plan_refuses_settings_a_point_would_refuse_only_after_building_its_
 ):
     def change(experiment):
         base = experiment["profiles"]["cpu"]["base"]
-        base["prompt"]["length"], base["responses"] = 16, {"count": 2, "length": 4}
+        base["prompt"]["length"], base["responses"], base["grpo"] = 16, {"length": 4}, {"num_generations": 2}
         for key, value in json.loads(json.dumps(settings).replace("PATH", str(checkpoint))).items():
             plan.set_dotted(base, key, value)
 

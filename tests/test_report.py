@@ -39,7 +39,8 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 TINY = {
     "model": {"preset": "tiny-llama"},
     "prompt": {"length": 40},
-    "responses": {"count": 2, "length": 5},
+    "grpo": {"num_generations": 2},
+    "responses": {"length": 5},
     "capture": {"chunk_size": 16},
 }
 
@@ -108,10 +109,11 @@ def built(tmp_path_factory):
                 **TINY,
                 "kind": "step",
                 "mode": mode,
-                "responses": {"count": g, "length": 5},
+                "grpo": {**TINY["grpo"], "num_generations": g},
+                "responses": {"length": 5},
                 "model": {"preset": "tiny-qwen3_5"},
             }
-            points[("g_sweep", f"{mode}-G{g}")] = (run_point(cfg), {"mode": mode, "responses.count": g})
+            points[("g_sweep", f"{mode}-G{g}")] = (run_point(cfg), {"mode": mode, "grpo.num_generations": g})
     # a real context-parallel point: rank 0's result of 2 forked ranks (gloo)
     points[("context_parallel", "cp_size-2")] = (run_ranks(_cp_step, 2, start_method="fork")[0], {"cp_size": 2})
     cycles = run_point({**TINY, "kind": "step", "cycles": 2})
@@ -135,11 +137,11 @@ def built(tmp_path_factory):
         patch.setattr("longstraw.harness.plan.check_point_inputs", lambda cfg, source: None)
         error = run_point({**TINY, "kind": "step", "prompt": {"length": 70000}})
     assert error["status"] == "error" and "max_position_embeddings" in error["error"]
-    points[("g_sweep", "no_such_mode-G2")] = (error, {"mode": "no_such_mode", "responses.count": 2})
+    points[("g_sweep", "no_such_mode-G2")] = (error, {"mode": "no_such_mode", "grpo.num_generations": 2})
     base = points[("g_sweep", "replay-G2")][0]
     oom = {k: v for k, v in base.items() if k != "metrics"}
     oom.update(status="oom", error="CUDA out of memory. Tried to allocate 2.00 GiB", peak_allocated_bytes=987654321)
-    points[("g_sweep", "hold_all-G8")] = (oom, {"mode": "hold_all", "responses.count": 8})
+    points[("g_sweep", "hold_all-G8")] = (oom, {"mode": "hold_all", "grpo.num_generations": 8})
     for mode, largest in (("replay", 256), ("naive", None)):
         points[("baselines", f"capacity-{mode}")] = (_capacity(base, mode, largest), {"mode": mode})
     later = {
@@ -242,9 +244,9 @@ def _replays(r):
 
 
 STEP_EXPECTED = {
-    "responses.count": lambda r: r["grid"]["responses.count"],
+    "grpo.num_generations": lambda r: r["grid"]["grpo.num_generations"],
     "prompt_length": lambda r: r["config"]["prompt"]["length"],
-    "G": lambda r: r["config"]["responses"]["count"],
+    "G": lambda r: r["config"]["grpo"]["num_generations"],
     "response_length": lambda r: r["config"]["responses"]["length"],
     "cycles": lambda r: r["config"]["cycles"],
     "replays": _replays,
@@ -652,7 +654,8 @@ def _sweep_point(steps: list, preset: str = "hybrid-1b", trainable: int = 5_000_
             "kind": "sweep",
             "mode": "replay",
             "prompt": {"length": 1 << 20},
-            "responses": {"count": 4, "length": 64},
+            "grpo": {"num_generations": 4},
+            "responses": {"length": 64},
             "model": {"preset": preset, "device": "cuda", "dtype": "bfloat16", "lora": {"r": 16}, "nf4": False},
         },
         "metrics": {
@@ -1117,7 +1120,8 @@ def _staleness_point(lr: float, drifts=None, status: str = "ok", record_interval
         "kind": "staleness",
         "model": {"preset": "small-qwen3_5", "device": "cpu", "dtype": "float32", "lora": {"r": 8}},
         "prompt": {"length": 2048},
-        "responses": {"count": 3, "length": 16},
+        "grpo": {"num_generations": 3},
+        "responses": {"length": 16},
         "optimizer": {"lr": lr},
         "staleness": {"steps": 8, "threshold": 1e-3},
     }
@@ -1188,7 +1192,7 @@ def _after_capture(result) -> list[dict]:
 STALENESS_EXPECTED = {
     "optimizer.lr": lambda r: r["config"]["optimizer"]["lr"],
     "prompt_positions": lambda r: r["metrics"]["prompt_positions"],
-    "G": lambda r: r["config"]["responses"]["count"],
+    "G": lambda r: r["config"]["grpo"]["num_generations"],
     "response_length": lambda r: r["config"]["responses"]["length"],
     "steps": lambda r: r["config"]["staleness"]["steps"],
     "drift_threshold": lambda r: r["metrics"]["threshold"],
@@ -1950,20 +1954,23 @@ def test_a_staleness_record_from_before_the_setting_was_recorded_reads_it_from_i
 
 
 def test_point_labels_name_what_differs_between_the_points():
-    """The recorded 2M operating points: two share cycles=2 beta=0 L=2097152 and differ only inside their
-    nested `responses` (JSON text in the tables); each bar's label tells it from the others."""
+    """The recorded 2M operating points: two share cycles=2 beta=0 L=2097152 and differ in their group size and
+    inside their nested `responses` (JSON text in the tables); each bar's label tells it from the others."""
     from longstraw.plotting.draw import point_labels
 
-    grid = ["cycles", "grpo.beta", "prompt.length", "responses"]
+    grid = ["cycles", "grpo.beta", "prompt.length", "grpo.num_generations", "responses"]
+    seeded, rollouts = '{"length": 32}', '{"length": 32, "source": "rollouts"}'
     rows = [
-        {"point": "seeded", "cycles": 2, "grpo.beta": 0, "prompt.length": 2097152, "responses": '{"count": 4}'},
-        {"point": "rollouts", "cycles": 2, "grpo.beta": 0, "prompt.length": 2097152, "responses": '{"count": 8}'},
-        {"point": "long", "prompt.length": 4456448},
+        {"point": "seeded", "cycles": 2, "grpo.beta": 0, "prompt.length": 2097152, "responses": seeded},
+        {"point": "rollouts", "cycles": 2, "grpo.beta": 0, "prompt.length": 2097152, "responses": rollouts},
+        {"point": "long", "prompt.length": 4456448, "grpo.num_generations": 8},
     ]
-    assert point_labels(rows, grid) == ["L=2097152 G=4", "L=2097152 G=8", "L=4456448"]
+    assert point_labels(rows, grid) == ["seeded", "rollouts", "L=4456448"]  # two labels alike: the names
+    rows[0]["grpo.num_generations"], rows[1]["grpo.num_generations"] = 4, 8
+    assert point_labels(rows, grid) == ["L=2097152 G=4", "L=2097152 G=8", "L=4456448 G=8"]
     # settings that do not tell two rows apart: their names
     assert point_labels(rows[:1] + rows[:1], grid) == ["seeded", "seeded"]
-    assert point_labels([{"responses": {"count": 4}, "point": "p"}], ["responses"]) == ["p"]
+    assert point_labels([{"responses": {"length": 4}, "point": "p"}], ["responses"]) == ["p"]
 
 
 @pytest.mark.parametrize(
@@ -1988,7 +1995,8 @@ def test_a_planned_point_without_a_result_is_listed_in_its_section(tmp_path):
     experiments.mkdir()
     (experiments / "gaps.yaml").write_text(
         "name: gaps\ntitle: two points, one recorded\nkind: step\nprofiles:\n  cpu:\n"
-        "    base: {model: {preset: tiny-llama}, prompt: {length: 16}, responses: {count: 2, length: 4}}\n"
+        "    base: {model: {preset: tiny-llama}, prompt: {length: 16}, grpo: {num_generations: 2},\n"
+        "           responses: {length: 4}}\n"
         "    grid: {mode: [replay, naive]}\n"
     )
 
@@ -2000,7 +2008,8 @@ def test_a_planned_point_without_a_result_is_listed_in_its_section(tmp_path):
                 "mode": mode,
                 "model": {"preset": "tiny-llama"},
                 "prompt": {"length": 16},
-                "responses": {"count": 2, "length": 4},
+                "grpo": {"num_generations": 2},
+                "responses": {"length": 4},
             }
         )
         result.update(experiment="gaps", point=f"mode-{mode}", grid={"mode": mode})
@@ -2029,7 +2038,7 @@ def test_a_step_point_of_several_cycles_shows_its_cold_and_its_warm_step():
 
     point = {
         "status": "ok",
-        "config": {"mode": "replay", "cycles": 4, "responses": {"count": 2, "length": 4}},
+        "config": {"mode": "replay", "cycles": 4, "grpo": {"num_generations": 2}, "responses": {"length": 4}},
         "metrics": {"cycles": [cycle(2.0, 1.0), cycle(1.1), cycle(0.9), cycle(1.4)]},
     }
     row = columns(point)

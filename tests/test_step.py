@@ -126,7 +126,7 @@ def test_a_step_point_replays_its_members_in_the_batches_its_config_sets():
     # the config reaches the step (its gradient is test_members_replayed_in_batches_give_the_serial_gradient's)
     from longstraw.harness.runner import run_point
 
-    point = {**_cycles_point("seeded"), "cycles": 1, "grpo": {"beta": 0.0}}
+    point = {**_cycles_point("seeded"), "cycles": 1, "grpo": {"num_generations": 3, "beta": 0.0}}
     serial = run_point(point)["metrics"]["cycles"][0]
     batched = run_point({**point, "replay": {"micro_batch": "auto"}})["metrics"]["cycles"][0]
     assert serial["micro_batch"] == 1 and batched["micro_batch"] == 1  # auto off CUDA without a budget: 1
@@ -353,10 +353,10 @@ def _cycles_point(source, **responses):
         "cycles": 3,
         "model": {"preset": "tiny-qwen3_5", "lora": {"r": 4, "init_random": True}},
         "prompt": {"length": 96},
-        "grpo": {"beta": 0.04},
+        "grpo": {"num_generations": 3, "beta": 0.04},
         "optimizer": {"lr": 1e-2},
         "capture": {"chunk_size": 32},
-        "responses": {"count": 3, "length": 5, "source": source, **responses},
+        "responses": {"length": 5, "source": source, **responses},
     }
 
 
@@ -441,7 +441,8 @@ def test_a_step_point_replays_under_checkpointing_when_its_config_says_so():
         "kind": "step",
         "model": {"preset": "tiny-qwen3_5", "lora": {"r": 4, "init_random": True}},
         "prompt": {"length": 96},
-        "responses": {"count": 3, "length": 24},
+        "grpo": {"num_generations": 3},
+        "responses": {"length": 24},
         "capture": {"chunk_size": 32},
     }
     plain = run_point(point)

@@ -257,7 +257,8 @@ def test_the_hybrid_trl_targets_read_warm_steps_and_the_boxs_kernel_rates(tmp_pa
         "mode": "replay",
         "model": {"preset": "hybrid-1b", "overrides": {}},
         "prompt": {"length": 32768},
-        "responses": {"count": 2, "length": 2048},
+        "grpo": {"num_generations": 2},
+        "responses": {"length": 2048},
     }
     replay = {**_warm("replay", [40.0, 1.0, 1.2], 5e9), "config": config}  # warm: the median of 1.0 and 1.2
     replay["metrics"]["trainable_parameters"] = 10**7

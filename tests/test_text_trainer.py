@@ -376,8 +376,14 @@ def test_trl_names_are_the_sectioned_settings():
     sectioned = resolve_train(
         {
             "optimizer": {"lr": 3e-4},
-            "sampling": {"num_samples": 6, "max_new_tokens": 12, "temperature": 0.7, "top_p": 0.9},
-            "grpo": {"beta": 0.0, "epsilon": 0.3, "loss_type": "grpo", "max_completion_length": 12},
+            "sampling": {"max_new_tokens": 12, "temperature": 0.7, "top_p": 0.9},
+            "grpo": {
+                "num_generations": 6,
+                "beta": 0.0,
+                "epsilon": 0.3,
+                "loss_type": "grpo",
+                "max_completion_length": 12,
+            },
             "steps": 5,
         }
     )
@@ -385,8 +391,10 @@ def test_trl_names_are_the_sectioned_settings():
     assert resolve_train({"learning_rate": 1e-3, "optimizer": {"lr": 1e-3}}).optimizer.lr == 1e-3
     with pytest.raises(ConfigError, match=r"learning_rate: TRL's name for optimizer.lr, which says 0.001"):
         resolve_train({"learning_rate": 1e-5, "optimizer": {"lr": 1e-3}})
-    with pytest.raises(ConfigError, match=r"num_generations: TRL's name for sampling.num_samples"):
-        resolve_train({"num_generations": 8, "sampling": {"num_samples": 4}})
+    with pytest.raises(ConfigError, match=r"num_generations: TRL's name for grpo.num_generations"):
+        resolve_train({"num_generations": 8, "grpo": {"num_generations": 4}})
+    with pytest.raises(ConfigError, match=r"sampling.num_samples: the group size is grpo.num_generations"):
+        resolve_train({"sampling": {"num_samples": 4}})
 
 
 def test_bad_text_configs_are_named_before_any_model_work(fixture, tmp_path, monkeypatch):

@@ -29,7 +29,8 @@ POINT = {
     "kind": "step",
     "model": {"preset": "tiny-llama"},
     "prompt": {"length": 16},
-    "responses": {"count": 2, "length": 3},
+    "grpo": {"num_generations": 2},
+    "responses": {"length": 3},
 }
 
 
@@ -91,11 +92,11 @@ def test_a_finished_result_is_not_replaced_unless_asked(tmp_path, monkeypatch, c
     assert json.loads(first)["status"] == "ok"
     with monkeypatch.context() as patched:
         _no_point_runs(patched)
-        assert cli.main(["run", str(config), "--out", str(out), "--set", "responses.count=4"]) == 2
+        assert cli.main(["run", str(config), "--out", str(out), "--set", "grpo.num_generations=4"]) == 2
     assert "already exists and is not a failed result" in capsys.readouterr().err
     assert out.read_text() == first
-    assert cli.main(["run", str(config), "--out", str(out), "--set", "responses.count=4", "--overwrite"]) == 0
-    assert json.loads(out.read_text())["config"]["responses"]["count"] == 4
+    assert cli.main(["run", str(config), "--out", str(out), "--set", "grpo.num_generations=4", "--overwrite"]) == 0
+    assert json.loads(out.read_text())["config"]["grpo"]["num_generations"] == 4
     # a failed point's result is what a rerun is for: replaced without asking
     out.write_text(json.dumps({"status": "error", "error": "RuntimeError: boom"}))
     assert cli.main(["run", str(config), "--out", str(out)]) == 0
@@ -118,8 +119,8 @@ TRAIN = {
     "task": {"name": "kv_retrieval", "length": 64, "num_needles": 2, "value_length": 1},
     "steps": 3,
     "steps_per_prompt": 1,
-    "sampling": {"num_samples": 2, "max_new_tokens": 2},
-    "grpo": {"beta": 0.0},
+    "sampling": {"max_new_tokens": 2},
+    "grpo": {"num_generations": 2, "beta": 0.0},
     "optimizer": {"lr": 1e-3},
 }
 

@@ -25,7 +25,8 @@ def _config(preset="tiny-llama", dtype="float32", **validation_settings):
             "kind": "validation",
             "model": {"preset": preset, "dtype": dtype},
             "prompt": {"length": 40},
-            "responses": {"count": 2, "length": 6},
+            "grpo": {"num_generations": 2},
+            "responses": {"length": 6},
             "capture": {"chunk_size": 16},
             "validation": validation_settings,
         }
@@ -138,7 +139,8 @@ def test_bfloat16_paths_record_their_float32_anchor():
             "kind": "validation",
             "model": {"preset": "tiny-llama", "dtype": "bfloat16"},
             "prompt": {"length": 40},
-            "responses": {"count": 2, "length": 6},
+            "grpo": {"num_generations": 2},
+            "responses": {"length": 6},
             "capture": {"chunk_size": 16},
             "validation": {"modes": ["exact"], "levels": ["V2", "V3"]},
         }
@@ -168,7 +170,8 @@ def test_a_float32_anchor_that_runs_out_of_memory_falls_back_to_the_fixed_tolera
             "kind": "validation",
             "model": {"preset": "tiny-llama", "dtype": "bfloat16"},
             "prompt": {"length": 40},
-            "responses": {"count": 2, "length": 6},
+            "grpo": {"num_generations": 2},
+            "responses": {"length": 6},
             "capture": {"chunk_size": 16},
             "validation": {"modes": ["exact"], "levels": ["V2", "V3"]},
         }
@@ -197,7 +200,8 @@ def test_v4_is_the_paired_gain_over_the_lr0_run_on_the_last_window():
                     "task": {"name": "kv_retrieval", "length": 16},
                     "steps": 3,
                     "steps_per_prompt": 1,
-                    "sampling": {"num_samples": 4, "max_new_tokens": 1},
+                    "grpo": {"num_generations": 4},
+                    "sampling": {"max_new_tokens": 1},
                 },
             },
         }
@@ -253,7 +257,8 @@ def test_validate_cli_writes_json_and_a_summary_line(tmp_path, capsys):
             {
                 "model": {"preset": "tiny-llama"},
                 "prompt": {"length": 20},
-                "responses": {"count": 2, "length": 4},
+                "grpo": {"num_generations": 2},
+                "responses": {"length": 4},
                 "capture": {"chunk_size": 8},
                 "validation": {"levels": ["V1", "V2"]},
             }

@@ -71,23 +71,24 @@ class GRPOConfig:
             raise ValueError("max_completion_length is required when loss_type='dr_grpo'")
 
 
-def grouped_objective(raw: dict, section: str, key: str, default_size: int, source: str) -> dict:
-    """`raw` (a point or trainer mapping) with `grpo.num_generations` set to the group size that
-    `raw[section][key]` states (`default_size` when unset); a mapping that states both must agree.
-    The objective's defaults there: beta 0.04 (a KL term towards the reference)."""
+GROUP_SIZE = 4  # grpo.num_generations where a point or a train config gives none
+# spellings of the group size before it had one name, TRL's `num_generations`: refused, naming it
+OLD_GROUP_SIZES = (("responses", "count"), ("sampling", "num_samples"), ("learning", "num_samples"))
+
+
+def grouped_objective(raw: dict, default_size: int, source: str) -> dict:
+    """`raw` (a point or trainer mapping) with the objective's defaults where it gives none: the group size
+    `grpo.num_generations` (TRL's name, the one name it has) `default_size`, beta 0.04 (a KL term towards the
+    reference). A group size under an old name is refused, naming the new one."""
     from longstraw.config.typed import ConfigError
 
+    for section, key in OLD_GROUP_SIZES:
+        if isinstance(raw.get(section), dict) and key in raw[section]:
+            raise ConfigError(
+                f"{source}: {section}.{key}: the group size is grpo.num_generations (TRL's name); "
+                f"{section}.{key} is no longer read"
+            )
     grpo = raw.get("grpo")
     if grpo is not None and not isinstance(grpo, dict):
         raise ConfigError(f"{source}: grpo: expected a mapping, got {grpo!r}")
-    group = raw.get(section)
-    size = group.get(key, default_size) if isinstance(group, dict) else default_size
-    grpo = {"beta": 0.04, **(grpo or {})}
-    if "num_generations" in grpo and grpo["num_generations"] != size:
-        raise ConfigError(
-            f"{source}: grpo.num_generations: the group size is {section}.{key} ({size!r}); "
-            f"got {grpo['num_generations']!r}"
-        )
-    if isinstance(size, int) and not isinstance(size, bool) and size >= 1:
-        grpo["num_generations"] = size  # (an invalid size is reported at its own key)
-    return {**raw, "grpo": grpo}
+    return {**raw, "grpo": {"beta": 0.04, "num_generations": default_size, **(grpo or {})}}

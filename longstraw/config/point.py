@@ -1,7 +1,7 @@
 """An experiment point's config: what one `longstraw run` measures (kinds: `longstraw.kinds`).
 
     cfg = resolve_point(yaml.safe_load(open("experiments/examples/step_cpu.yaml")), "step_cpu.yaml")
-    cfg.responses.count, cfg.model.preset, to_mapping(cfg)     # typed; the plain dict results record
+    cfg.grpo.num_generations, cfg.model.preset, to_mapping(cfg)     # typed; the plain dict results record
 
 A point is resolved once, when the plan is made (`longstraw.harness.plan`), and carried to the
 point as its resolved mapping; resolving that mapping again gives the same config.
@@ -14,7 +14,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
-from longstraw.config.grpo import GRPOConfig, grouped_objective
+from longstraw.config.grpo import GROUP_SIZE, OLD_GROUP_SIZES, GRPOConfig, grouped_objective
 from longstraw.config.pretrain import PretrainConfig
 from longstraw.config.sections import CaptureConfig, ModelConfig, OptimizerConfig, ReplayConfig
 from longstraw.config.typed import ConfigError, bounded, from_mapping, to_mapping
@@ -40,13 +40,13 @@ class PromptConfig:
 
 @dataclass
 class ResponsesConfig:
-    """G seeded random responses of `length` tokens; `probe_members: k` replays only the first k.
+    """G (`grpo.num_generations`) seeded random responses of `length` tokens; `probe_members: k` replays only the
+    first k.
 
     `source: rollouts` (kind step): the responses are the GRPO trainer's instead, every cycle sampled from
     the resident state (at most `length` tokens) and rewarded by `task`, whose example (length
     prompt.length, from the trainer's seed prompt.seed) is the prompt."""
 
-    count: int = bounded(4, min=1)
     length: int = bounded(32, min=1)
     seed: int = 1
     probe_members: Optional[int] = bounded(None, min=1)
@@ -181,7 +181,6 @@ class LearningConfig:
     steps: int = bounded(16, min=2)
     steps_per_prompt: int = bounded(1, min=1)
     seed: int = 0
-    num_samples: int = bounded(8, min=2)  # G
     temperature: float = bounded(1.0, min=0.0)
     gradients: list[Literal["response-only", "exact"]] = field(default_factory=lambda: ["response-only"])
     window: int = bounded(8, min=2)  # the last `window` steps' prompts are compared
@@ -209,8 +208,8 @@ class PointConfig:
     # kind step, replay/hold_all: capture the prompt anew every cycle (warm steps as a peer runs them: the prompt
     # each step), instead of one capture serving every cycle (prefix reuse)
     recapture: bool = False
-    # num_generations is the group size, responses.count (a sweep sets it per step)
-    grpo: GRPOConfig = field(default_factory=lambda: GRPOConfig(beta=0.04))
+    # num_generations is the group size G (a sweep sets it per step; a learning point's runs sample G each step)
+    grpo: GRPOConfig = field(default_factory=lambda: GRPOConfig(num_generations=GROUP_SIZE, beta=0.04))
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     capture: CaptureConfig = field(default_factory=CaptureConfig)
     replay: ReplayConfig = field(default_factory=ReplayConfig)
@@ -250,30 +249,46 @@ def point_mapping(cfg: PointConfig) -> dict:
 
 
 def recorded_config(mapping: dict, kind: str) -> dict:
-    """A recorded result's config in today's shape: records before each point held only its own kind's section
-    carried every kind's (their defaults); those of other kinds are dropped."""
-    return {k: v for k, v in mapping.items() if k not in KIND_SECTIONS or k == kind}
+    """A recorded result's config in today's shape. Records before each point held only its own kind's section
+    carried every kind's (their defaults): those of other kinds are dropped. Records before the group size had
+    one name spelt it `responses.count` (which `grpo.num_generations` followed) or, for a learning point,
+    `learning.num_samples`: it moves to `grpo.num_generations`."""
+    out = {k: v for k, v in mapping.items() if k not in KIND_SECTIONS or k == kind}
+    size = None
+    for section, key in OLD_GROUP_SIZES:  # responses.count, then a learning point's own, which wins
+        if isinstance(out.get(section), dict) and key in out[section]:
+            size = out[section][key]
+            out[section] = {k: v for k, v in out[section].items() if k != key}
+    if size is not None and isinstance(out.get("grpo"), dict):
+        out["grpo"] = {**out["grpo"], "num_generations": size}
+    return out
+
+
+def recorded_grid(grid: dict) -> dict:
+    """A recorded result's grid values under today's keys: the group size's old key, `responses.count`, or its
+    place in a `responses` mapping the grid set, becomes `grpo.num_generations`."""
+    out = {("grpo.num_generations" if k == "responses.count" else k): v for k, v in grid.items()}
+    responses = out.get("responses")
+    if isinstance(responses, dict) and "count" in responses:
+        out["responses"] = {k: v for k, v in responses.items() if k != "count"}
+        out["grpo.num_generations"] = responses["count"]
+    return out
 
 
 def resolve_point(raw, source: str = "config") -> PointConfig:
     """A point config from its mapping: defaults filled in, every value checked (`ConfigError` names
-    the source and key). The group size is the point's: `grpo.num_generations` follows
-    `responses.count`."""
+    the source and key). The group size is `grpo.num_generations`."""
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: the experiment config must be a mapping, got {type(raw).__name__}")
-    return from_mapping(
-        PointConfig, grouped_objective(raw, "responses", "count", ResponsesConfig.count, source), source
-    )
+    return from_mapping(PointConfig, grouped_objective(raw, GROUP_SIZE, source), source)
 
 
 def trainer_sections(cfg: PointConfig, out_dir) -> dict:
-    """What a trainer run inside a point takes from the point: its model, objective (less the group
-    size, which is the trainer's sampling's), capture and replay settings and CP size; writing under
-    `out_dir`, no checkpoints."""
-    grpo = {k: v for k, v in to_mapping(cfg.grpo).items() if k != "num_generations"}
+    """What a trainer run inside a point takes from the point: its model, objective (its group size too),
+    capture and replay settings and CP size; writing under `out_dir`, no checkpoints."""
     return {
         "model": to_mapping(cfg.model),
-        "grpo": grpo,
+        "grpo": to_mapping(cfg.grpo),
         "capture": to_mapping(cfg.capture),
         "replay": to_mapping(cfg.replay),
         "cp_size": cfg.cp_size,
@@ -286,7 +301,9 @@ def trainer_mapping(cfg: PointConfig, lr: float, out_dir) -> dict:
     """The trainer's config for a validation point's V4: `trainer_sections` and `lr`, then
     `validation.train` (task, steps, sampling, ...)."""
     train = copy.deepcopy(cfg.validation.train)
-    merged = {**trainer_sections(cfg, out_dir), **train}
+    sections = trainer_sections(cfg, out_dir)
+    merged = {**sections, **train}
+    merged["grpo"] = {**sections["grpo"], **train.get("grpo", {})}  # the trainer's own group size, the point's rest
     merged["optimizer"] = {**train.get("optimizer", {}), "lr": lr}
     merged["output"] = {"dir": str(out_dir), "checkpoint_every": 0}
     return merged
@@ -303,7 +320,7 @@ def cycles_mapping(cfg: PointConfig, out_dir) -> dict:
         "steps": cfg.cycles,
         "steps_per_prompt": cfg.cycles,
         "seed": cfg.prompt.seed,
-        "sampling": {"num_samples": r.count, "max_new_tokens": r.length},
+        "sampling": {"max_new_tokens": r.length},
         "optimizer": to_mapping(cfg.optimizer),
         "refresh": {"policy": "never"},
     }

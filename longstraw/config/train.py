@@ -12,16 +12,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
-from longstraw.config.grpo import GRPOConfig, grouped_objective
+from longstraw.config.grpo import GROUP_SIZE, GRPOConfig, grouped_objective
 from longstraw.config.sections import CaptureConfig, ModelConfig, OptimizerConfig, ReplayConfig
 from longstraw.config.typed import ConfigError, bounded, from_mapping
 
 
 @dataclass
 class SamplingSettings:
-    """Rollouts from the resident state (`longstraw.training.rollout`); num_samples is the group size G."""
+    """Rollouts from the resident state (`longstraw.training.rollout`): grpo.num_generations of them per step."""
 
-    num_samples: int = bounded(4, min=1)
     max_new_tokens: int = bounded(8, min=1)
     temperature: float = bounded(1.0, min=0.0)
     top_p: float = bounded(1.0, gt=0.0, max=1.0)
@@ -97,8 +96,8 @@ class TrainConfig:
     seed: int = 0
     cp_size: int = bounded(1, min=1)
     sampling: SamplingSettings = field(default_factory=SamplingSettings)
-    # num_generations is the group size, sampling.num_samples
-    grpo: GRPOConfig = field(default_factory=lambda: GRPOConfig(beta=0.04))
+    # num_generations is the group size G: responses sampled per step
+    grpo: GRPOConfig = field(default_factory=lambda: GRPOConfig(num_generations=GROUP_SIZE, beta=0.04))
     optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(weight_decay=0.0))
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     max_grad_norm: Optional[float] = bounded(1.0, gt=0)
@@ -155,7 +154,7 @@ class TrainConfig:
 # TRL `GRPOConfig` (and TRL script) names -> the key paths here that hold the same setting. TRL's
 # `max_completion_length` is both the generation limit and the length dr_grpo normalises by.
 TRL_NAMES = {
-    "num_generations": [("sampling", "num_samples")],
+    "num_generations": [("grpo", "num_generations")],
     "max_completion_length": [("sampling", "max_new_tokens"), ("grpo", "max_completion_length")],
     "temperature": [("sampling", "temperature")],
     "top_p": [("sampling", "top_p")],
@@ -222,12 +221,10 @@ def apply_trl_names(raw: dict, source: str = "train config") -> dict:
 def resolve_train(raw, source: str = "train config") -> TrainConfig:
     """A trainer config from its mapping: TRL's flat names moved to their sections (`TRL_NAMES`),
     defaults filled in, every value checked (`ConfigError` names the source and key);
-    `grpo.num_generations` follows `sampling.num_samples`; with a `dataset` there is no task."""
+    the group size is `grpo.num_generations`; with a `dataset` there is no task."""
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: the train config must be a mapping, got {type(raw).__name__}")
     raw = apply_trl_names(raw, source)
     if raw.get("dataset") is not None:
         raw.setdefault("task", None)
-    return from_mapping(
-        TrainConfig, grouped_objective(raw, "sampling", "num_samples", SamplingSettings.num_samples, source), source
-    )
+    return from_mapping(TrainConfig, grouped_objective(raw, GROUP_SIZE, source), source)

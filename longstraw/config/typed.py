@@ -6,7 +6,7 @@ Every field's type comes from its annotation: int, float, bool, str, `Literal[..
 `list[X]`, `dict` (free-form, passed through as given) and nested dataclasses. Ranges come from
 the field's metadata (`bounded(min=1)`, `bounded(gt=0)`, `bounded(max=1)`, `bounded(pattern=...)`).
 An unknown key, a wrong type, a value out of range or outside its choices raises `ConfigError`
-naming the source and the key path (`source: responses.count: must be >= 1, got -2`); a
+naming the source and the key path (`source: responses.length: must be >= 1, got -2`); a
 dataclass's own `__post_init__` checks (relations between fields) are reported the same way.
 """
 

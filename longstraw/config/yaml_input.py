@@ -3,7 +3,7 @@ with one rule more than `yaml.safe_load`: a key given twice in one mapping is re
 file, the key's path and both lines (`yaml.safe_load` keeps the last one silently).
 
     data = load_yaml_file("experiments/g_sweep.yaml")
-    value = load_yaml_text("8", "point.yaml (--set responses.count=8)")
+    value = load_yaml_text("8", "point.yaml (--set grpo.num_generations=8)")
 
 Invalid YAML raises `ConfigError` too: `SOURCE: not valid YAML: ...`. A mapping that merges
 another (`<<: *base`) may still replace the merged keys: only the keys written in the mapping

@@ -220,10 +220,10 @@ def check_settings(cfg: PointConfig, source: str) -> None:
                 f"{source}: responses.probe_members: for CUDA capacity searches; on CPU the measured "
                 "peak RSS grows over members, so a partial step would read low"
             )
-        if r.probe_members > r.count:
+        if r.probe_members > cfg.grpo.num_generations:
             raise ConfigError(
                 f"{source}: responses.probe_members: {r.probe_members} members of a group of "
-                f"{r.count} (responses.count); a partial step replays 1 to G of them"
+                f"{cfg.grpo.num_generations} (grpo.num_generations); a partial step replays 1 to G of them"
             )
         if cfg.mode == "hold_all":
             raise ConfigError(

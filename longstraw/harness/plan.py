@@ -130,8 +130,13 @@ def _deep_merge(a: dict, b: dict) -> dict:
     return out
 
 
+# a grid key's part of a point's name, where it is not the key's last part: the group size names a point as it
+# did before it had one name (`count-8`), so that recorded results keep their names
+NAME_PARTS = {"grpo.num_generations": "count"}
+
+
 def _grid_name(assignment: dict) -> str:
-    parts = [f"{key.rsplit('.', 1)[-1]}-{value}" for key, value in assignment.items()]
+    parts = [f"{NAME_PARTS.get(key, key.rsplit('.', 1)[-1])}-{value}" for key, value in assignment.items()]
     return re.sub(r"[^A-Za-z0-9_.-]", "-", "_".join(parts)) or "default"
 
 

@@ -238,7 +238,7 @@ def columns(point: dict) -> dict:
     responses = as_dict(cfg.get("responses"))
     return {
         "mode": metrics.get("mode", cfg.get("mode")),
-        "G": responses.get("count"),
+        "G": as_dict(cfg.get("grpo")).get("num_generations"),
         "response_length": responses.get("length"),
         "ceiling_bytes": number(metrics.get("ceiling_bytes")),
         "memory_measure": metrics.get("memory_measure"),

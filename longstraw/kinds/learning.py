@@ -55,7 +55,6 @@ def trainer_mapping(cfg: PointConfig, lr: float, gradient: str, out_dir, length:
         "steps_per_prompt": s.steps_per_prompt,
         "seed": s.seed,
         "sampling": {
-            "num_samples": s.num_samples,
             "max_new_tokens": cfg.responses.length,
             "temperature": s.temperature,
         },
@@ -234,7 +233,7 @@ def columns(point: dict) -> dict:
         "lr": number(as_dict(cfg.get("optimizer")).get("lr")),
         "steps": settings.get("steps"),
         "window": settings.get("window"),
-        "G": settings.get("num_samples"),
+        "G": as_dict(cfg.get("grpo")).get("num_generations"),
     }
     probe = as_dict(metrics.get("probe"))
     if probe:  # the base model's greedy success per probed length, and where it trained

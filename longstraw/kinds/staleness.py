@@ -86,7 +86,7 @@ def run(cfg: PointConfig, device, progress: Progress) -> dict:
             optimizer,
             cfg.grpo,
             steps=cfg.staleness.steps,
-            num_samples=cfg.responses.count,
+            num_samples=cfg.grpo.num_generations,
             max_new_tokens=cfg.responses.length,
             seed=cfg.responses.seed,
             capture_kwargs=capture_kwargs(cfg),
@@ -166,7 +166,7 @@ def learnable_example(model, task, cfg: PointConfig, device) -> tuple[object, di
         example = task.make(seed)
         state = capture(model, example.prompt_ids.to(device), **capture_kwargs(cfg))
         responses = sample(
-            model, state, step_sampling(cfg.responses.count, cfg.responses.length, cfg.responses.seed, step=0)
+            model, state, step_sampling(cfg.grpo.num_generations, cfg.responses.length, cfg.responses.seed, step=0)
         ).responses
         del state
         rewards = [float(task.reward(example, y)) for y in responses]
@@ -461,7 +461,7 @@ def columns(point: dict) -> dict:
         "setting": setting_label(as_dict(metrics.get("setting")) or recorded_setting(cfg)),
         "update_changed_fraction": number(first_update.get("update_changed_fraction")),
         "prompt_positions": number(metrics.get("prompt_positions")),
-        "G": responses.get("count"),
+        "G": as_dict(cfg.get("grpo")).get("num_generations"),
         "response_length": responses.get("length"),
         "steps": settings.get("steps"),
         "steps_measured": max((r["step"] for r in rows), default=None) if rows else None,

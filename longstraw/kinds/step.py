@@ -36,7 +36,7 @@ def run(cfg: PointConfig, device, progress: Progress) -> dict:
         return run_rollouts(cfg, device, progress)
     recorder = PhaseRecorder(device)
     model, vocab, prompt = policy_and_prompt(cfg, recorder)
-    responses, rewards = seeded_group(cfg, cfg.responses.count, vocab, device)
+    responses, rewards = seeded_group(cfg, cfg.grpo.num_generations, vocab, device)
     optimizer = optimizer_for(model, cfg)
     if cfg.mode in PEER_MODES:
         return run_peer(cfg, model, prompt, responses, rewards, optimizer, recorder)
@@ -201,7 +201,7 @@ def columns(point: dict) -> dict:
         "mode": cfg.get("mode"),
         "source": responses.get("source", "seeded"),
         "reward_mean": sum(rewards) / len(rewards) if rewards else None,
-        "G": responses.get("count"),
+        "G": as_dict(cfg.get("grpo")).get("num_generations"),
         "response_length": responses.get("length"),
         "cycles": cfg.get("cycles"),
         "replays": replays,

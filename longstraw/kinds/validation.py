@@ -367,7 +367,7 @@ def policy_improvement(cfg: PointConfig, scale: dict, progress: Progress) -> dic
         evidence,
         {**scale, "prompt_positions": task.get("length")},
         f"trainer on {task.get('name')} ({', '.join(f'{k}={v}' for k, v in task.items() if k != 'name')}), "
-        f"{trainer.cfg.sampling.num_samples} responses per step",
+        f"{trainer.cfg.grpo.num_generations} responses per step",
     )
 
 
@@ -383,7 +383,7 @@ def validate_path(cfg: PointConfig, mode: str, device, progress: Progress) -> di
     model = build_policy(cfg.model)
     vocab = model.get_input_embeddings().weight.shape[0]
     prompt = seeded_tokens(cfg.prompt.length, cfg.prompt.seed, vocab, device)
-    responses, rewards = seeded_group(cfg, cfg.responses.count, vocab, device)
+    responses, rewards = seeded_group(cfg, cfg.grpo.num_generations, vocab, device)
     model_name = cfg.model.path or cfg.model.preset
     scale = {
         "prompt_positions": int(prompt.numel()),

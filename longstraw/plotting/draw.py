@@ -51,7 +51,7 @@ LINE_STYLES = ("-", "--", ":", "-.")  # one per model where a figure's lines spa
 PAPER_COLOR = "#8172b3"
 FAILED_COLORS = {"oom": "#d62728", "error": "#ff7f0e"}
 POINT_COLORS = ("#4c72b0", "#dd8452", "#55a868", "#c44e52", "#937860", "#da8bc3", "#8c8c8c", "#ccb974", "#64b5cd")
-SHORT_KEYS = {"responses.count": "G", "prompt.length": "L", "model.preset": "", "responses.length": "R"}
+SHORT_KEYS = {"grpo.num_generations": "G", "prompt.length": "L", "model.preset": "", "responses.length": "R"}
 
 
 def shade(color: str, which: int) -> str:
@@ -155,7 +155,7 @@ def memory_axis(values) -> MemoryAxis:
 
 def _settings(row: dict, grid: list[str]) -> dict:
     """A row's scalar settings by key; a nested one (a dict, or the tables' JSON text of one) by the keys inside
-    it (`responses.count`), a list left out."""
+    it (`grpo.num_generations`), a list left out."""
     out = {}
 
     def add(key, value):

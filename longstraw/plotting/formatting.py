@@ -24,7 +24,7 @@ _POSITION_COLUMNS = {
 }
 _COUNT_COLUMNS = {
     "G",
-    "responses.count",
+    "grpo.num_generations",
     "cycles",
     "replays",
     "trainable_parameters",

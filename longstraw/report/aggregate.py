@@ -35,7 +35,7 @@ import pandas as pd
 import yaml
 
 from longstraw import kinds
-from longstraw.config import recorded_config
+from longstraw.config import recorded_config, recorded_grid
 from longstraw.kinds.columns import as_dict, common_columns, number, point_parts, scalar
 from longstraw.plotting.ceiling import memory_ceiling
 from longstraw.report.store import write_tables
@@ -85,6 +85,8 @@ def load_point(path, base=None) -> dict:
     point.setdefault("point", path.stem)
     if isinstance(point.get("config"), dict):
         point["config"] = recorded_config(point["config"], point.get("kind"))
+    if isinstance(point.get("grid"), dict):
+        point["grid"] = recorded_grid(point["grid"])
     if point.get("status") not in STATUSES:
         point["error"] = point.get("error") or f"result has no valid status (got {point.get('status')!r})"
         point["status"] = "error"

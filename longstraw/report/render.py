@@ -90,7 +90,7 @@ GENERIC_SKIP = {
 # A grid key and the derived column that repeats it: show the grid key only.
 GRID_ALIASES = {
     "prompt.length": "prompt_length",
-    "responses.count": "G",
+    "grpo.num_generations": "G",
     "responses.length": "response_length",
     "model.preset": "model",
     "optimizer.lr": "lr",

@@ -419,7 +419,7 @@ def step_floor(result: dict, ceilings: dict) -> dict:
     member = replay_floor_seconds(
         config, linear, result["metrics"]["trainable_parameters"], cfg["responses"]["length"], positions, rates
     )
-    count = cfg["responses"]["count"]
+    count = cfg["grpo"]["num_generations"]
     return {
         "seconds": capture["seconds"] + count * member["seconds"],
         "capture_seconds": capture["seconds"],

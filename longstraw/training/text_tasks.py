@@ -269,7 +269,7 @@ class TextTask:
             )
         example = task.example(0)
         if cfg.check_reward_funcs:
-            G = cfg.sampling.num_samples
+            G = cfg.grpo.num_generations
             with warnings.catch_warnings():  # empty completions may well be unscorable: no warning for the check
                 warnings.simplefilter("ignore")
                 task.score(
