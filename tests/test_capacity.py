@@ -1,5 +1,6 @@
 """The capacity search (doubling, bisection, time limit, comparison steps) on a fake probe: the
-search logic is what is tested here; real probes run in the pipeline test and on the GPU."""
+search logic is what is tested here; one real probe at the end, and whole searches in the default pipeline
+(baselines) and on the GPU."""
 
 import pytest
 import torch
@@ -110,3 +111,22 @@ def test_comparison_steps_run_all_members(fake, monkeypatch):
     point.responses.probe_members = 1
     _search(point)
     assert ("naive", 1) in seen and ("replay", None) in seen
+
+
+def test_a_real_probe_is_a_step_point_run_in_a_fresh_process(tmp_path):
+    """What the search's probes run: the capacity point as a step at the probed length, in a process of its
+    own, its result recording a step's config (no capacity section: a step holds none)."""
+    point = resolve_point(
+        {
+            "name": "cap",
+            "kind": "capacity",
+            "model": {"preset": "tiny-llama", "device": "cpu"},
+            "grpo": {"num_generations": 2},
+            "responses": {"length": 4},
+            "capacity": {"min_length": 32, "max_length": 64, "granularity": 32, "ceiling_bytes": 1 << 30},
+        }
+    )
+    result = capacity._probe(point, 48, tmp_path)
+    assert result["status"] == "ok", result.get("error")
+    assert result["kind"] == "step" and result["config"]["prompt"]["length"] == 48
+    assert "capacity" not in result["config"] and result["config"]["grpo"]["num_generations"] == 2

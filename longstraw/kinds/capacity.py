@@ -39,7 +39,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from longstraw.config import PointConfig
-from longstraw.config.point import CapacityConfig
 from longstraw.kinds.columns import (
     ExtraTable,
     as_dict,
@@ -64,7 +63,7 @@ def _probe(point: PointConfig, length: int, workdir: Path) -> dict:
         kind="step",
         name=f"{point.name}_probe_{length}",
         prompt=dataclasses.replace(point.prompt, length=length),
-        capacity=CapacityConfig(),
+        capacity=None,  # a step holds no capacity section
     )
     return run_point_in_fresh_process(config, workdir)
 
