@@ -106,7 +106,13 @@ def test_the_kinds_are_listed_once_and_each_has_its_module():
     from longstraw.config.point import KINDS, PointConfig
 
     assert plan.schema()["properties"]["kind"]["enum"] == list(KINDS)
-    assert typing.get_args(typing.get_type_hints(PointConfig)["kind"]) == KINDS
+    hints = typing.get_type_hints(PointConfig)
+    assert typing.get_args(hints["kind"]) == KINDS
+    # each kind section is a kind's, and the config's field of that name holds its type or None
+    from longstraw.config.point import SECTION_TYPES
+
+    assert set(SECTION_TYPES) <= set(KINDS)
+    assert all(typing.get_args(hints[k]) == (t, type(None)) for k, t in SECTION_TYPES.items())
     runs = {
         path.stem: callable(getattr(importlib.import_module(f"longstraw.kinds.{path.stem}"), "run", None))
         for path in (REPO / "longstraw" / "kinds").glob("*.py")

@@ -20,8 +20,6 @@ from longstraw.config.sections import CaptureConfig, ModelConfig, OptimizerConfi
 from longstraw.config.typed import ConfigError, bounded, from_mapping, to_mapping
 
 KINDS = ("step", "capture", "capacity", "sweep", "staleness", "validation", "pretrain", "length_curve", "learning")
-# the kinds with a section of their own, named after the kind: a point holds its own kind's and no other
-KIND_SECTIONS = ("capacity", "sweep", "staleness", "validation", "pretrain", "length_curve", "learning")
 # ours (`longstraw.core.step`), then the peers (`longstraw.peers`, the optional extra `.[peers]`)
 MODES = ("replay", "hold_all", "naive", "trl", "prefix_grouper")
 VALIDATION_MODES = ("response-only", "exact")
@@ -193,6 +191,20 @@ class LearningConfig:
             raise ValueError("gradients: at least one gradient mode")
 
 
+# the kinds with a section of their own, named after the kind, and its type: a point holds its own kind's and no
+# other
+SECTION_TYPES = {
+    "capacity": CapacityConfig,
+    "sweep": SweepConfig,
+    "staleness": StalenessConfig,
+    "validation": ValidationConfig,
+    "pretrain": PretrainConfig,
+    "length_curve": LengthCurveConfig,
+    "learning": LearningConfig,
+}
+KIND_SECTIONS = tuple(SECTION_TYPES)
+
+
 @dataclass
 class PointConfig:
     name: str = "unnamed"
@@ -230,17 +242,6 @@ class PointConfig:
             raise ValueError(f"{others[0]}: a section of kind {others[0]}; this point is kind {self.kind}")
         if self.kind in KIND_SECTIONS and getattr(self, self.kind) is None:
             setattr(self, self.kind, SECTION_TYPES[self.kind]())
-
-
-SECTION_TYPES = {
-    "capacity": CapacityConfig,
-    "sweep": SweepConfig,
-    "staleness": StalenessConfig,
-    "validation": ValidationConfig,
-    "pretrain": PretrainConfig,
-    "length_curve": LengthCurveConfig,
-    "learning": LearningConfig,
-}
 
 
 def point_mapping(cfg: PointConfig) -> dict:
