@@ -7,10 +7,15 @@ import torch
 from tolerances import EPS_BF16, close, float32_tolerance
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
+from longstraw.kernels import gdn
 from longstraw.kernels.gdn import (
     causal_conv1d,
     chunk_gated_delta_rule,
     chunk_gated_delta_rule_forward,
+    differentiable_rule,
+    fla_available,
+    fla_backward_trusted,
+    gated_delta_rule,
     recurrent_gated_delta_rule,
 )
 
@@ -69,8 +74,8 @@ def grads_of(fn, inputs, seed=1, **kwargs):
     xs = leaves(inputs)
     out_BTHV, state_BHDV = fn(*xs, **kwargs)
     gen = torch.Generator().manual_seed(seed)
-    w_out = torch.randn(out_BTHV.shape, generator=gen, dtype=torch.float64).to(out_BTHV.dtype)
-    w_state = torch.randn(state_BHDV.shape, generator=gen, dtype=torch.float64).to(state_BHDV.dtype)
+    w_out = torch.randn(out_BTHV.shape, generator=gen, dtype=torch.float64).to(out_BTHV.device, out_BTHV.dtype)
+    w_state = torch.randn(state_BHDV.shape, generator=gen, dtype=torch.float64).to(state_BHDV.device, state_BHDV.dtype)
     loss = (out_BTHV * w_out).sum() + (state_BHDV * w_state).sum()
     wrt = [x for x in xs if x is not None]
     return out_BTHV.detach(), state_BHDV.detach(), torch.autograd.grad(loss, wrt)
@@ -213,6 +218,85 @@ def test_forward_cuda_matches_reference():
     o_r, s_r = recurrent_gated_delta_rule(q.double(), k.double(), v.double(), g.double(), beta.double(), s0.double())
     torch.testing.assert_close(o_f.double(), o_r, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(s_f.double(), s_r, rtol=2e-2, atol=2e-2)
+
+
+# ------------------------------------------------------------------------------------
+# The differentiable rule replay runs: fla's kernels where checked, the torch chunk rule otherwise
+# ------------------------------------------------------------------------------------
+
+
+def test_differentiable_rule_off_cuda_is_the_torch_chunk_rule_bit_for_bit():
+    inputs = make_gdn_inputs(T=70, dtype=torch.float32)
+    for rule in ("auto", "torch"):
+        with differentiable_rule(rule):
+            ours = grads_of(gated_delta_rule, inputs)
+        reference = grads_of(chunk_gated_delta_rule, inputs)
+        assert all(
+            torch.equal(a, b) for a, b in zip((ours[0], ours[1], *ours[2]), (reference[0], reference[1], *reference[2]))
+        )
+    with pytest.raises(ValueError, match="must be one of"):
+        with differentiable_rule("fla"):
+            pass
+
+
+class _HalveGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 0.5
+
+
+def _stand_in_for_fla(halve: str | None):
+    """fla's call signature over the torch chunk rule; `halve` names an input whose gradient comes back halved
+    (a miscompiled backward, as fla #640's was off by about half)."""
+
+    def chunk(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel):
+        assert output_final_state and use_qk_l2norm_in_kernel and scale == q.shape[-1] ** -0.5
+        named = dict(q=q, k=k, v=v, g=g, beta=beta)
+        if halve:
+            named[halve] = _HalveGradient.apply(named[halve])
+        return chunk_gated_delta_rule(*named.values(), initial_state)
+
+    return chunk
+
+
+@pytest.mark.parametrize("halve", [None, "g", "beta", "k"])
+def test_the_fla_backward_check_refuses_a_wrong_gradient(monkeypatch, halve):
+    monkeypatch.setattr(gdn, "_load_fla", lambda: (_stand_in_for_fla(halve), (0, 6, 0)))
+    fla_backward_trusted.cache_clear()
+    try:
+        if halve is None:
+            assert fla_backward_trusted(2, 4, 16, 8, torch.float32, "cpu")
+        else:
+            with pytest.warns(UserWarning, match=f"d{halve} "):
+                assert not fla_backward_trusted(2, 4, 16, 8, torch.float32, "cpu")
+    finally:
+        fla_backward_trusted.cache_clear()
+
+
+@pytest.mark.cuda
+def test_fla_differentiable_rule_matches_the_recurrence_on_cuda_at_hybrid_1bs_head_shape():
+    """hybrid-1b's GDN heads (16 q/k heads, 32 value heads, dims 128) in bf16, two sequences of 300 tokens from a
+    state: `gated_delta_rule` runs fla's kernels here (its backward passed this process's check) and its output
+    and every gradient match the float64 token-by-token recurrence on the same bf16 values within bf16's rounding
+    of the kernel's intermediates (norm-wise; fla #640's miscompile was off by about half)."""
+    if not fla_available():
+        pytest.skip("fla is not importable")
+    inputs = make_gdn_inputs(T=300, Hk=16, Hv=32, Dk=128, Dv=128, dtype=torch.float64)
+    bf16 = [t.to(torch.bfloat16).cuda() if i in (0, 1, 2, 4) else t.float().cuda() for i, t in enumerate(inputs)]
+    assert fla_backward_trusted(16, 32, 128, 128, torch.bfloat16, str(bf16[0].device))
+    ours = grads_of(gated_delta_rule, bf16)
+    reference = grads_of(recurrent_gated_delta_rule, [t.double() for t in bf16])
+    for name, a, b in zip(
+        ("out", "state", "dq", "dk", "dv", "dg", "dbeta", "dstate"),
+        (ours[0], ours[1], *ours[2]),
+        (reference[0], reference[1], *reference[2]),
+    ):
+        error = ((a.double() - b).norm() / b.norm()).item()
+        assert error < gdn.FLA_BACKWARD_TOLERANCE, (name, error)
 
 
 # ------------------------------------------------------------------------------------

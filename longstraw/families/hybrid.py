@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from longstraw.families.attention_layer import attention_mix
 from longstraw.families.base import FamilyAdapter
 from longstraw.families.dense import allocate_attention_pages, attention_page_bytes
-from longstraw.kernels.gdn import causal_conv1d, chunk_gated_delta_rule, chunk_gated_delta_rule_forward
+from longstraw.kernels.gdn import causal_conv1d, chunk_gated_delta_rule_forward, gated_delta_rule
 from longstraw.state import RecurrentState
 
 
@@ -82,7 +82,7 @@ def gdn_mix(module, project, x_BTH, state: RecurrentState, write_state: bool):
     B, T, _ = x_BTH.shape
     conv_in, recurrent_in = state.inputs()
     q, k, v, g, beta, z, conv_state = gdn_rule_inputs(module, project, x_BTH, conv_in)
-    rule = chunk_gated_delta_rule_forward if write_state and not state.keep_final else chunk_gated_delta_rule
+    rule = chunk_gated_delta_rule_forward if write_state and not state.keep_final else gated_delta_rule
     core_BTHV, recurrent = rule(q, k, v, g, beta, recurrent_in)
     if state.keep_final:
         state.final = (conv_state, recurrent)

@@ -50,14 +50,25 @@ last ``K-1`` inputs of the previous call (HF's cache keeps ``K`` columns; take
 
 ``chunk_gated_delta_rule_forward`` is the no-grad fast path for the capture: it
 calls fla's Triton ``chunk_gated_delta_rule`` on CUDA when fla is importable and
-the pure-torch chunk kernel otherwise.  fla's backward is never used: its
-outputs are produced under ``torch.no_grad()``.
+the pure-torch chunk kernel otherwise.
+
+``gated_delta_rule`` is the differentiable rule replay, scoring and exact mode run:
+fla's chunk kernels forward and backward on CUDA where this process has checked
+fla's backward against ``chunk_gated_delta_rule`` at the layer's head shape
+(``fla_backward_trusted``), the torch chunk rule otherwise (CPU, float64,
+deterministic mode, a failed check, ``differentiable_rule("torch")``).  fla 0.6.0
+refuses its gated backward outright on Hopper with Triton 3.4-3.7.0 (fla #640: a
+miscompile of 64-wide key tiles in ``chunk_bwd_dqkwg``; Hopper's tiling takes
+128-wide ones for head dim 128); the check lifts that refusal for itself and
+keeps fla's backward only if its gradients agree with the torch rule's.
 """
 
 from __future__ import annotations
 
 import functools
 import re
+import warnings
+from contextlib import contextmanager
 from typing import Callable
 
 import torch
@@ -68,7 +79,10 @@ __all__ = [
     "chunk_gated_delta_rule",
     "recurrent_gated_delta_rule",
     "chunk_gated_delta_rule_forward",
+    "differentiable_rule",
     "fla_available",
+    "fla_backward_trusted",
+    "gated_delta_rule",
 ]
 
 L2NORM_EPS = 1e-6
@@ -438,3 +452,118 @@ def chunk_gated_delta_rule_forward(
     return chunk_gated_delta_rule(
         q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_BHDV, chunk_size=chunk_size, l2norm_qk=l2norm_qk
     )
+
+
+# --------------------------------------------------------------------------------------
+# Differentiable fast path (replay): fla forward and backward, where checked
+# --------------------------------------------------------------------------------------
+
+RULES = ("auto", "torch")  # "auto": fla's kernels where `fla_backward_trusted`, else the torch chunk rule
+# a process-wide setting, not a ContextVar: a checkpointed replay's recompute runs in autograd's device thread
+_rule = ["auto"]
+
+
+@contextmanager
+def differentiable_rule(name: str):
+    """Within the block, `gated_delta_rule` runs `name`: "auto" or "torch" (the chunk rule everywhere)."""
+    if name not in RULES:
+        raise ValueError(f"differentiable GDN rule must be one of {RULES}, got {name!r}")
+    before, _rule[0] = _rule[0], name
+    try:
+        yield
+    finally:
+        _rule[0] = before
+
+
+# fla keeps its chunk kernels' intermediates in the inputs' 16-bit dtype, so its gradients differ from the float32
+# rule's by bf16 rounding (about 1e-2 relative); the miscompile fla #640 describes is off by about 0.5 to 15
+FLA_BACKWARD_TOLERANCE = 5e-2
+_CHECK_TOKENS = 3 * 64 + 29  # three whole 64-token chunks and a ragged tail
+
+
+def _lift_hopper_refusal() -> None:
+    """fla 0.6.0's `chunk_bwd_dqkwg` raises for gated input on Hopper with Triton in [3.4, 3.7.1); the flag it
+    reads is the only thing changed. Whether its result is right here is what `fla_backward_trusted` checks."""
+    try:
+        import fla.ops.common.chunk_o as chunk_o
+    except Exception:
+        return
+    if hasattr(chunk_o, "TRITON_ABOVE_3_7_1"):
+        chunk_o.TRITON_ABOVE_3_7_1 = True
+
+
+def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+@functools.lru_cache(maxsize=None)
+def fla_backward_trusted(hk: int, hv: int, dk: int, dv: int, dtype: torch.dtype, device: str) -> bool:
+    """Whether fla's chunk rule, forward and backward, gives the torch chunk rule's output and gradients (q, k, v,
+    g, beta, the initial state; a loss on the output and on the final state) within FLA_BACKWARD_TOLERANCE, at
+    this head shape and input dtype on this device: random inputs, two sequences of `_CHECK_TOKENS`. Once per
+    process and shape; a disagreement or an error is warned of once and the torch rule kept."""
+    fla_chunk, fla_version = _load_fla()
+    if fla_chunk is None:
+        return False
+    _lift_hopper_refusal()
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def rand(*shape, dt=dtype):
+        return torch.randn(*shape, generator=gen, device=device, dtype=torch.float32).to(dt)
+
+    B, T = 2, _CHECK_TOKENS
+    inputs = [
+        rand(B, T, hk, dk),
+        rand(B, T, hk, dk),
+        rand(B, T, hv, dv),
+        -torch.rand(B, T, hv, generator=gen, device=device) * 0.5,  # log decays in (-0.5, 0]
+        torch.rand(B, T, hv, generator=gen, device=device).to(dtype),
+        rand(B, hv, dk, dv, dt=torch.float32) * 0.1,
+    ]
+    out_weight, state_weight = rand(B, T, hv, dv, dt=torch.float32), rand(B, hv, dk, dv, dt=torch.float32)
+
+    def run(rule):
+        leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
+        out, final = rule(*leaves)
+        ((out.float() * out_weight).sum() + (final.float() * state_weight).sum()).backward()
+        return [out.detach()] + [leaf.grad for leaf in leaves]
+
+    try:
+        with torch.enable_grad():  # the first call may come from a no-grad pass (scoring, a checkpointed forward)
+            ours = run(lambda *a: _fla_forward(fla_chunk, fla_version, *a))
+            reference = run(chunk_gated_delta_rule)
+        errors = [_relative_error(a, b) for a, b in zip(ours, reference)]
+    except Exception as exc:  # fla's backward refused or failed to compile here
+        warnings.warn(f"fla's GDN backward unusable here ({type(exc).__name__}: {exc}); replay runs the torch rule")
+        return False
+    if max(errors) > FLA_BACKWARD_TOLERANCE:
+        names = ("out", "dq", "dk", "dv", "dg", "dbeta", "dstate")
+        worst = ", ".join(f"{n} {e:.2g}" for n, e in zip(names, errors) if e > FLA_BACKWARD_TOLERANCE)
+        warnings.warn(
+            f"fla's GDN backward disagrees with the torch rule here (relative errors {worst}); replay runs the torch rule"
+        )
+        return False
+    return True
+
+
+def _fla_differentiable(q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_BHDV) -> bool:
+    if _rule[0] == "torch" or not q_BTHD.is_cuda or q_BTHD.shape[1] == 0:
+        return False
+    if _compute_dtype(q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_BHDV) != torch.float32:
+        return False
+    if torch.are_deterministic_algorithms_enabled() or _load_fla()[0] is None:
+        return False
+    Hk, Dk = q_BTHD.shape[2:]
+    Hv, Dv = v_BTHV.shape[2:]
+    return fla_backward_trusted(Hk, Hv, Dk, Dv, q_BTHD.dtype, str(q_BTHD.device))
+
+
+def gated_delta_rule(q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_BHDV=None):
+    """The differentiable gated delta rule (q/k l2-normalised): `chunk_gated_delta_rule`'s arguments and results.
+    fla's chunk kernels forward and backward on CUDA where `fla_backward_trusted` at this shape (and not in
+    deterministic mode, nor under `differentiable_rule("torch")`); the torch chunk rule otherwise."""
+    _check_shapes(q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_BHDV)
+    if _fla_differentiable(q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_BHDV):
+        fla_chunk, fla_version = _load_fla()
+        return _fla_forward(fla_chunk, fla_version, q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_BHDV)
+    return chunk_gated_delta_rule(q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_BHDV)

@@ -11,7 +11,8 @@ from longstraw.measure.memory import synchronize
 
 def kernel_profile(fn, device, top: int = 12) -> dict:
     """Run `fn()` once under torch.profiler (CPU and CUDA activity): the kernels it launched, their summed
-    device time, the wall, the fraction of the wall the device was busy, and the `top` ops by device time."""
+        device time, the wall, the fraction of the wall the device was busy, the `top` ops by device time (an op's time
+    includes its children's) and the `top` kernels by their own summed time."""
     from torch.profiler import ProfilerActivity, profile
 
     synchronize(device)
@@ -23,10 +24,17 @@ def kernel_profile(fn, device, top: int = 12) -> dict:
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     kernel_seconds = sum(e.device_time for e in kernels) / 1e6
     ops = sorted(prof.key_averages(), key=lambda e: e.device_time_total, reverse=True)[:top]
+    by_kernel: dict[str, list] = {}
+    for e in kernels:
+        calls_seconds = by_kernel.setdefault(e.name[:90], [0, 0.0])
+        calls_seconds[0] += 1
+        calls_seconds[1] += e.device_time / 1e6
+    top_kernels = sorted(by_kernel.items(), key=lambda item: item[1][1], reverse=True)[:top]
     return {
         "wall_seconds": wall,
         "kernels": len(kernels),
         "kernel_seconds": kernel_seconds,
         "busy_fraction": kernel_seconds / wall if wall else None,
         "top": [{"name": e.key[:90], "calls": e.count, "seconds": e.device_time_total / 1e6} for e in ops],
+        "top_kernels": [{"name": n, "calls": c, "seconds": t} for n, (c, t) in top_kernels],
     }

@@ -1,0 +1,106 @@
+"""Where hybrid-1b's warm replay step goes (issue 32's FLOP-floor target), under each differentiable GDN rule.
+
+    python benchmarks/hybrid_step_profile.py [--point warm-hybrid-1b_mode-replay_length-32768_count-2] --out F
+
+For the named `experiments/peers.yaml` h200 point (its model, prompt, G responses, k and checkpointing): for each
+rule of `gated_delta_rule` ("auto": fla's chunk kernels forward and backward where checked on this device;
+"torch": the torch chunk rule), the capture's and the G members' replay's first and warm seconds, and each warm
+phase once under torch.profiler (kernels, busy fraction, top kernels by device time); and whether fla's backward
+passed its check here. The last stdout line is one JSON object, also written to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+
+from longstraw.core.transaction import capture, replay_members
+from longstraw.families.base import unwrap_causal_lm
+from longstraw.harness.plan import expand, load_experiment
+from longstraw.kernels.gdn import differentiable_rule, fla_backward_trusted
+from longstraw.kinds.common import compute_dtype, policy_and_prompt, seeded_group
+from longstraw.measure.kernel_profile import kernel_profile
+from longstraw.measure.memory import PhaseRecorder, synchronize
+from longstraw.measure.provenance import provenance
+from longstraw.results import write_json_atomic
+
+
+def seconds_of(fn, device, repeats: int = 3) -> list[float]:
+    out = []
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        out.append(time.perf_counter() - start)
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--point", default="warm-hybrid-1b_mode-replay_length-32768_count-2")
+    parser.add_argument("--rules", nargs="+", default=["auto", "torch"])
+    parser.add_argument("--profile", default="h200")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    cfg = expand(load_experiment("experiments/peers.yaml"), args.profile)[args.point]["config"]
+    device = torch.device(cfg.model.device)
+    model, vocab, prompt = policy_and_prompt(cfg, PhaseRecorder(device))
+    responses, _ = seeded_group(cfg, cfg.grpo.num_generations, vocab, device)
+    k, checkpointed = cfg.replay.micro_batch, cfg.replay.checkpoint_layers
+    config = unwrap_causal_lm(model).config
+    gdn = getattr(config, "linear_num_key_heads", None)
+    out = {
+        "point": args.point,
+        "k": k,
+        "checkpoint_layers": checkpointed,
+        "fla_backward_trusted": gdn is not None
+        and fla_backward_trusted(
+            config.linear_num_key_heads,
+            config.linear_num_value_heads,
+            config.linear_key_head_dim,
+            config.linear_value_head_dim,
+            compute_dtype(cfg),
+            str(device),
+        ),
+        "rules": {},
+    }
+    held = {}
+
+    def fresh_capture():
+        held.pop("state", None)
+        held["state"] = capture(model, prompt, **cfg.capture.kwargs())
+
+    def replay_group():
+        for start in range(0, len(responses), k):
+            logps = replay_members(model, held["state"], responses[start : start + k], checkpoint_layers=checkpointed)
+            torch.stack([lp.sum() for lp in logps]).sum().backward()
+        for p in model.parameters():
+            p.grad = None
+
+    for rule in args.rules:
+        with differentiable_rule(rule):
+            row = {
+                "capture_seconds": seconds_of(fresh_capture, device),
+                "replay_seconds": seconds_of(replay_group, device),
+            }
+            row["capture_profile"] = kernel_profile(fresh_capture, device, top=20)
+            row["replay_profile"] = kernel_profile(replay_group, device, top=20)
+        out["rules"][rule] = row
+        print(
+            f"{rule}: capture {[round(s, 3) for s in row['capture_seconds']]} s, replay "
+            f"{[round(s, 3) for s in row['replay_seconds']]} s; busy capture "
+            f"{row['capture_profile']['busy_fraction']:.2f}, replay {row['replay_profile']['busy_fraction']:.2f}",
+            flush=True,
+        )
+    out["provenance"] = provenance(device)
+    write_json_atomic(args.out, out)
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
