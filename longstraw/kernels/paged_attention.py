@@ -362,27 +362,33 @@ def _pick_kernel(backend: str, q_BHRD: torch.Tensor, Dv: int) -> str:
 
 
 def _math_block_fwd(q_BKMD, k_BKND, v_BKND, scale, allowed_MN=None):
-    """q_BKMD already in the accumulation dtype; returns (out acc dtype, lse acc dtype)."""
-    s_BKMN = (q_BKMD @ k_BKND.to(q_BKMD.dtype).transpose(-1, -2)) * scale
+    """q_BKMD already in the accumulation dtype; returns (out acc dtype, lse acc dtype). The scores are the one
+    [M, N] tensor made: scaled through q, their row max taken out and exponentiated in place (one pass each over
+    M x N, which is where plain torch spends its time on CPU). A row with no allowed key gives (0, -inf)."""
+    s_BKMN = (q_BKMD * scale) @ k_BKND.to(q_BKMD.dtype).transpose(-1, -2)
     if allowed_MN is not None:
         s_BKMN.masked_fill_(~allowed_MN, float("-inf"))
-    lse_BKM = torch.logsumexp(s_BKMN, dim=-1)
-    p_BKMN = torch.exp(s_BKMN - lse_BKM.unsqueeze(-1))
-    return p_BKMN @ v_BKND.to(q_BKMD.dtype), lse_BKM
+    max_BKM1 = s_BKMN.amax(dim=-1, keepdim=True)
+    max_BKM1.masked_fill_(max_BKM1 == float("-inf"), 0.0)  # a row with no keys: exp(-inf - 0) = 0 throughout
+    p_BKMN = s_BKMN.sub_(max_BKM1).exp_()
+    sum_BKM1 = p_BKMN.sum(dim=-1, keepdim=True)
+    out_BKMD = (p_BKMN @ v_BKND.to(q_BKMD.dtype)).div_(sum_BKM1.clamp_min(torch.finfo(sum_BKM1.dtype).tiny))
+    return out_BKMD, (max_BKM1 + sum_BKM1.log()).squeeze(-1)
 
 
 def _math_block_bwd(do_BKMD, q_BKMD, k_BKND, v_BKND, lse_BKM, delta_BKM, scale, need_kv, allowed_MN=None):
-    """Recompute one block against the global lse/delta. q, dO, lse, delta in the acc dtype."""
+    """Recompute one block against the global lse/delta. q, dO, lse, delta in the acc dtype. As the forward, one
+    [M, N] tensor for the probabilities and one for dS, each made and then changed in place."""
     k_BKND, v_BKND = k_BKND.to(q_BKMD.dtype), v_BKND.to(q_BKMD.dtype)
-    s_BKMN = (q_BKMD @ k_BKND.transpose(-1, -2)) * scale
+    s_BKMN = (q_BKMD * scale) @ k_BKND.transpose(-1, -2)
     if allowed_MN is not None:
         s_BKMN.masked_fill_(~allowed_MN, float("-inf"))
-    p_BKMN = torch.exp(s_BKMN - lse_BKM.unsqueeze(-1))
-    ds_BKMN = p_BKMN * (do_BKMD @ v_BKND.transpose(-1, -2) - delta_BKM.unsqueeze(-1))
-    dq_BKMD = (ds_BKMN @ k_BKND) * scale
+    p_BKMN = s_BKMN.sub_(lse_BKM.unsqueeze(-1)).exp_()
+    ds_BKMN = (do_BKMD @ v_BKND.transpose(-1, -2)).sub_(delta_BKM.unsqueeze(-1)).mul_(p_BKMN)
+    dq_BKMD = (ds_BKMN @ k_BKND).mul_(scale)
     if not need_kv:
         return dq_BKMD, None, None
-    dk_BKND = (ds_BKMN.transpose(-1, -2) @ q_BKMD) * scale
+    dk_BKND = (ds_BKMN.transpose(-1, -2) @ q_BKMD).mul_(scale)
     dv_BKND = p_BKMN.transpose(-1, -2) @ do_BKMD
     return dq_BKMD, dk_BKND, dv_BKND
 
