@@ -277,6 +277,26 @@ def test_the_fla_backward_check_refuses_a_wrong_gradient(monkeypatch, halve):
         fla_backward_trusted.cache_clear()
 
 
+def test_the_fla_backward_check_runs_inside_a_checkpointed_layer(monkeypatch):
+    """The first GDN call of a process may come inside a checkpointed layer's forward (no grad, saved-tensor hooks
+    that recompute the layer): the check runs there and the layer's backward still gives the plain gradient."""
+    monkeypatch.setattr(gdn, "_load_fla", lambda: (_stand_in_for_fla(None), (0, 6, 0)))
+    fla_backward_trusted.cache_clear()
+    x = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
+    checks = []
+
+    def layer(x):
+        checks.append(fla_backward_trusted(2, 4, 16, 8, torch.float32, "cpu"))
+        return (x.sin() * x).sum()
+
+    try:
+        torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False).backward()
+    finally:
+        fla_backward_trusted.cache_clear()
+    assert checks == [True, True]  # the forward, then the recompute (answered from the cache)
+    torch.testing.assert_close(x.grad, x.detach().sin() + x.detach() * x.detach().cos(), rtol=0, atol=1e-12)
+
+
 @pytest.mark.cuda
 def test_fla_differentiable_rule_matches_the_recurrence_on_cuda_at_hybrid_1bs_head_shape():
     """hybrid-1b's GDN heads (16 q/k heads, 32 value heads, dims 128) in bf16, two sequences of 300 tokens from a

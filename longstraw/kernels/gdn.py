@@ -528,8 +528,10 @@ def fla_backward_trusted(hk: int, hv: int, dk: int, dv: int, dtype: torch.dtype,
         ((out.float() * out_weight).sum() + (final.float() * state_weight).sum()).backward()
         return [out.detach()] + [leaf.grad for leaf in leaves]
 
+    # the first call may come from inside a no-grad pass (scoring) or a checkpointed layer, whose saved-tensor hooks
+    # would take the check's tensors and recompute the layer in its backward: grad on, hooks that keep them as they are
     try:
-        with torch.enable_grad():  # the first call may come from a no-grad pass (scoring, a checkpointed forward)
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
             ours = run(lambda *a: _fla_forward(fla_chunk, fla_version, *a))
             reference = run(chunk_gated_delta_rule)
         errors = [_relative_error(a, b) for a, b in zip(ours, reference)]
