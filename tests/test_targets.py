@@ -269,6 +269,13 @@ def test_the_hybrid_trl_targets_read_warm_steps_and_the_boxs_kernel_rates(tmp_pa
     rows = {row["target"]: row for row in evaluate_targets(root)}
     assert rows[speed]["met"] is True and rows[speed]["measured"].startswith("40.0x")  # 44 / 1.1
     assert rows[floor]["met"] is None  # no kernel rates beside the points
+    # the uncheckpointed variant, faster warm (median of 0.5 and 0.6), decides; a slower one would not
+    _write(root, point.format("replay-uncheckpointed"), {**replay, **_warm("replay", [9.0, 0.5, 0.6], 8e9)})
+    rows = {row["target"]: row for row in evaluate_targets(root)}
+    assert rows[speed]["measured"].startswith("80.0x") and "replay-uncheckpointed" in rows[speed]["measured"]
+    _write(root, point.format("replay-uncheckpointed"), {**replay, **_warm("replay", [9.0, 1.5, 1.6], 8e9)})
+    rows = {row["target"]: row for row in evaluate_targets(root)}
+    assert rows[speed]["measured"].startswith("40.0x")
     rate = {"tflops_per_second": 1e6}  # a million TFLOP/s: a floor of microseconds, so 1.1 s is far above it
     _write(
         tmp_path,

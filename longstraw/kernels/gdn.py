@@ -542,7 +542,8 @@ def fla_backward_trusted(hk: int, hv: int, dk: int, dv: int, dtype: torch.dtype,
         names = ("out", "dq", "dk", "dv", "dg", "dbeta", "dstate")
         worst = ", ".join(f"{n} {e:.2g}" for n, e in zip(names, errors) if e > FLA_BACKWARD_TOLERANCE)
         warnings.warn(
-            f"fla's GDN backward disagrees with the torch rule here (relative errors {worst}); replay runs the torch rule"
+            f"fla's GDN backward disagrees with the torch rule here (relative errors {worst}); "
+            "replay runs the torch rule"
         )
         return False
     return True
