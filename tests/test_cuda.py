@@ -1,13 +1,16 @@
 """CUDA paths (skipped without a GPU): flash attention forward/backward and fla capture inside
 the full replay, in bf16, against HF's own forward and cache reference on the same GPU."""
 
+import copy
 from contextlib import nullcontext
 
 import pytest
 import torch
+from tolerances import EPS_BF16, max_abs
 
 from longstraw import capture, replay
 from longstraw.core.hf_reference import (
+    global_relative_error,
     grads_of,
     hf_conditional_logprobs,
     hf_full_logprobs,
@@ -24,22 +27,37 @@ def _ids(n, seed):
 
 
 @pytest.mark.parametrize("preset", TINY_PRESETS)
-def test_bf16_replay_matches_hf_on_cuda(preset):
+def test_bf16_replay_is_as_close_to_float32_as_hfs_own_bf16_on_cuda(preset):
+    """Replay in bf16 on the CUDA kernels (flash / cuDNN attention, fla's GDN rule where checked) against HF's
+    forward and autograd on a float32 copy of the same weights, judged by HF's own bf16 error on the same inputs:
+    ours within twice HF's (the log-probs' largest error, floored at one bf16 rounding of the largest log-prob; the
+    whole gradient's norm-wise error). Per parameter the gradients differ from HF's by more than their rounding
+    where HF's own bf16 ones do (gpt-oss's router bias: HF 0.21 of it, ours 0.02): the per-parameter check bounds
+    gross faults only, at a quarter, half the size of fla #640's miscompile. Exactness per parameter is the float64
+    CPU tests' job."""
     # head_dim 64 so the flash kernels (head dim multiple of 8) take the attention
     model = build_model(preset, seed=1, dtype=torch.bfloat16, device="cuda", head_dim=64)
+    reference = copy.deepcopy(model).float()
     prompt, response = _ids(300, 0), _ids(40, 1)
-    state = capture(model, prompt, chunk_size=64)
-    with torch.no_grad():
-        ours = replay(model, state, response)
-        expected = hf_full_logprobs(model, prompt, response)
-    assert (ours - expected).abs().max() < 0.1
     weights = torch.linspace(-1.0, 2.0, 40, device="cuda")
+    state = capture(model, prompt, chunk_size=64)
     before = state.fingerprint()
+    with torch.no_grad():
+        ours = replay(model, state, response).double()
+        with hf_torch_gdn_kernels(model):
+            hf = hf_full_logprobs(model, prompt, response).double()
+        with hf_torch_gdn_kernels(reference):
+            exact = hf_full_logprobs(reference, prompt, response).double()
+    floor = EPS_BF16 * float(exact.abs().max())
+    assert max_abs(ours, exact) <= 2 * max(max_abs(hf, exact), floor)
     g_ours = grads_of(model, (replay(model, state, response) * weights).sum())
     assert state.fingerprint() == before
     with hf_torch_gdn_kernels(model):
-        g_ref = grads_of(model, (hf_conditional_logprobs(model, prompt, response) * weights).sum())
-    assert max_relative_error(g_ours, g_ref) < 0.1
+        g_hf = grads_of(model, (hf_conditional_logprobs(model, prompt, response) * weights).sum())
+    with hf_torch_gdn_kernels(reference):
+        g_exact = grads_of(reference, (hf_conditional_logprobs(reference, prompt, response) * weights).sum())
+    assert global_relative_error(g_ours, g_exact) <= 2 * global_relative_error(g_hf, g_exact)
+    assert max_relative_error(g_ours, g_exact) < 0.25
 
 
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3_5"])

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tolerances import EPS_BF16, close, float32_tolerance
+from tolerances import EPS_BF16, close, float32_tolerance, relative
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
 from longstraw.kernels import gdn
+from longstraw.kernels.causal_conv import causal_conv1d, causal_conv1d_channels_last
 from longstraw.kernels.gdn import (
-    causal_conv1d,
     chunk_gated_delta_rule,
     chunk_gated_delta_rule_forward,
     differentiable_rule,
@@ -397,6 +397,59 @@ def test_conv_bf16_dtypes():
     assert y.dtype == torch.bfloat16 and s.dtype == torch.bfloat16
     expected = HF_CONV_FN(x, w.float(), b.float(), activation="silu")
     close(y, expected, rtol=BF16_RTOL, atol=BF16_RTOL * float(expected.float().abs().max()), what="bf16 conv")
+
+
+def _hf_conv_from_state(x_BCT, state_BCK1, w, b, activation="silu"):
+    """HF's conv over [state, x] with the state's outputs dropped: the conv continued from `state`."""
+    return HF_CONV_FN(torch.cat([state_BCK1, x_BCT], dim=-1), w, b, activation=activation)[..., state_BCK1.shape[-1] :]
+
+
+@pytest.mark.parametrize("T", [1, 2, 9])
+def test_conv_channels_last_off_cuda_matches_hf(T):
+    x, w, b = make_conv_inputs(T=T)
+    s0 = torch.randn(2, 5, 3, dtype=x.dtype)
+    y_BTC, s1 = causal_conv1d_channels_last(x.transpose(1, 2).contiguous(), s0, w, b, "silu")
+    torch.testing.assert_close(y_BTC.transpose(1, 2), _hf_conv_from_state(x, s0, w, b))
+    torch.testing.assert_close(s1, torch.cat([s0, x], dim=-1)[..., -3:])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("T", [1, 2, 3, 300])
+def test_conv_channels_last_on_cuda_matches_hf_in_float64(T):
+    """fla's Triton conv (hybrid-1b's 8,192 channels, K=4) in bf16 from a state, forward and backward (x, weight,
+    bias and state; a loss on the output and on the new state) against HF's conv in float64 on the same bf16 values.
+    fla sums in float32 and rounds the output once to bf16 (half of EPS_BF16 norm-wise); its backward also reads the
+    pre-activation rounded to bf16 and rounds each gradient once: BF16_RTOL norm-wise covers both roundings."""
+    from longstraw.kernels.causal_conv import _load_fla_conv
+
+    if _load_fla_conv() is None:
+        pytest.skip("fla is not importable")
+    gen = torch.Generator().manual_seed(0)
+    C, K = 8192, 4
+    x, s0, w, b = (
+        torch.randn(*shape, generator=gen, dtype=torch.float64).to(torch.bfloat16).cuda()
+        for shape in ((2, T, C), (2, C, K - 1), (C, K), (C,))
+    )
+    out_weight = torch.randn(2, T, C, generator=gen, dtype=torch.float64).cuda()
+    state_weight = torch.randn(2, C, K - 1, generator=gen, dtype=torch.float64).cuda()
+
+    def run(conv, *inputs):
+        leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
+        y, s1 = conv(*leaves)
+        ((y.double() * out_weight).sum() + (s1.double() * state_weight).sum()).backward()
+        return [y.detach(), s1.detach()] + [leaf.grad for leaf in leaves]
+
+    ours = run(lambda *a: causal_conv1d_channels_last(*a, activation="silu"), x, s0, w, b)
+    reference = run(
+        lambda x_, s_, w_, b_: (
+            _hf_conv_from_state(x_.transpose(1, 2), s_, w_, b_).transpose(1, 2),
+            torch.cat([s_, x_.transpose(1, 2)], dim=-1)[..., -(K - 1) :],
+        ),
+        *(t.double() for t in (x, s0, w, b)),
+    )
+    for name, a, e in zip(("y", "state", "dx", "dstate", "dweight", "dbias"), ours, reference):
+        assert a.dtype == torch.bfloat16, name
+        assert relative(a, e) <= BF16_RTOL, (name, relative(a, e))
 
 
 # ------------------------------------------------------------------------------------

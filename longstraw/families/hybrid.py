@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from longstraw.families.attention_layer import attention_mix
 from longstraw.families.base import FamilyAdapter
 from longstraw.families.dense import allocate_attention_pages, attention_page_bytes
-from longstraw.kernels.gdn import causal_conv1d, chunk_gated_delta_rule_forward, gated_delta_rule
+from longstraw.kernels.causal_conv import causal_conv1d_channels_last
+from longstraw.kernels.gdn import chunk_gated_delta_rule_forward, gated_delta_rule
 from longstraw.state import RecurrentState
 
 
@@ -58,14 +59,10 @@ def gdn_rule_inputs(module, project, x_BTH, conv_in):
     (q, k, v, g, beta, z, conv_state), `z` the output gate and `conv_state` the conv's new state."""
     B, T, _ = x_BTH.shape
     mixed_BTC, z, b, a = project(module, x_BTH)
-    conv_BCT, conv_state = causal_conv1d(
-        mixed_BTC.transpose(1, 2),
-        conv_in,
-        module.conv1d.weight.squeeze(1),
-        module.conv1d.bias,
-        activation=module.activation,
+    conv_BTC, conv_state = causal_conv1d_channels_last(
+        mixed_BTC, conv_in, module.conv1d.weight.squeeze(1), module.conv1d.bias, activation=module.activation
     )
-    q, k, v = torch.split(conv_BCT.transpose(1, 2), [module.key_dim, module.key_dim, module.value_dim], dim=-1)
+    q, k, v = torch.split(conv_BTC, [module.key_dim, module.key_dim, module.value_dim], dim=-1)
     q = q.reshape(B, T, -1, module.head_k_dim)
     k = k.reshape(B, T, -1, module.head_k_dim)
     v = v.reshape(B, T, -1, module.head_v_dim)

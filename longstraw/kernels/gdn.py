@@ -44,9 +44,7 @@ with ``use_qk_l2norm_in_kernel=True, output_final_state=True``):
   (k = 0, beta = 0, g = 0 leave the state untouched); padded outputs are dropped.
 * No variable-length packing (``cu_seqlens``) and no padding masks.
 
-``causal_conv1d`` is the depthwise causal conv of the layer, continuing from the
-last ``K-1`` inputs of the previous call (HF's cache keeps ``K`` columns; take
-``[..., 1:]`` of such a cache to get ours).
+The layer's depthwise causal conv is in ``causal_conv``.
 
 ``chunk_gated_delta_rule_forward`` is the no-grad fast path for the capture: it
 calls fla's Triton ``chunk_gated_delta_rule`` on CUDA when fla is importable and
@@ -75,7 +73,6 @@ import torch
 import torch.nn.functional as F
 
 __all__ = [
-    "causal_conv1d",
     "chunk_gated_delta_rule",
     "recurrent_gated_delta_rule",
     "chunk_gated_delta_rule_forward",
@@ -86,60 +83,6 @@ __all__ = [
 ]
 
 L2NORM_EPS = 1e-6
-
-# --------------------------------------------------------------------------------------
-# Depthwise causal conv
-# --------------------------------------------------------------------------------------
-
-_ACTIVATIONS: dict[str | None, Callable[[torch.Tensor], torch.Tensor]] = {
-    None: lambda y: y,
-    "silu": F.silu,
-    "swish": F.silu,
-}
-
-
-def causal_conv1d(
-    x_BCT: torch.Tensor,
-    conv_state_BCK1: torch.Tensor | None,
-    weight_CK: torch.Tensor,
-    bias_C: torch.Tensor | None = None,
-    activation: str | None = "silu",
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Depthwise causal conv that continues from the previous ``K-1`` inputs.
-
-    Args:
-        x_BCT: new inputs ``[B, C, T]``.
-        conv_state_BCK1: the last ``K-1`` inputs seen before ``x`` (``[B, C, K-1]``);
-            zeros (or ``None``) means the start of the sequence.
-        weight_CK: per-channel filters ``[C, K]`` (``conv1d.weight.squeeze(1)``).
-        bias_C: optional per-channel bias.
-        activation: ``"silu"`` / ``"swish"`` / ``None``.
-
-    Returns:
-        ``(y_BCT, new_state_BCK1)``: ``y`` in ``x``'s dtype (conv in the weight's
-        dtype, as HF), and the last ``K-1`` inputs of ``cat(state, x)`` in ``x``'s
-        dtype (valid also for ``T < K-1``).  Differentiable w.r.t. ``x``, the
-        weight, the bias and the state; no input is modified.
-    """
-    if activation not in _ACTIVATIONS:
-        raise ValueError(f"unsupported activation {activation!r}")
-    B, C, T = x_BCT.shape
-    C_w, K = weight_CK.shape
-    if C_w != C:
-        raise ValueError(f"weight has {C_w} channels, x has {C}")
-    if conv_state_BCK1 is None:
-        conv_state_BCK1 = x_BCT.new_zeros(B, C, K - 1)
-    if tuple(conv_state_BCK1.shape) != (B, C, K - 1):
-        raise ValueError(f"conv_state must be {(B, C, K - 1)}, got {tuple(conv_state_BCK1.shape)}")
-    xs_BCL = torch.cat([conv_state_BCK1.to(x_BCT.dtype), x_BCT], dim=-1)  # L = K-1+T
-    if T == 0:
-        y_BCT = x_BCT.new_zeros(B, C, 0)
-    else:
-        y_BCT = F.conv1d(xs_BCL.to(weight_CK.dtype), weight_CK.unsqueeze(1), bias_C, groups=C)
-        y_BCT = _ACTIVATIONS[activation](y_BCT).to(x_BCT.dtype)
-    new_state_BCK1 = xs_BCL[..., xs_BCL.shape[-1] - (K - 1) :]
-    return y_BCT, new_state_BCK1
-
 
 # --------------------------------------------------------------------------------------
 # Shared input preparation

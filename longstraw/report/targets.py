@@ -427,9 +427,28 @@ def step_floor(result: dict, ceilings: dict) -> dict:
     }
 
 
-# replay's variants the hybrid targets read, each with TRL's float32 adapters: with and without whole-layer
+# replay's variants the hybrid TRL target reads, each with TRL's float32 adapters: with and without whole-layer
 # checkpointing (at G=2 and 32,768 both fit many times over); the faster warm step is the verdict's
 HYBRID_REPLAY_VARIANTS = ("replay", "replay-uncheckpointed")
+# the floor is replay's own: there the variants with bf16 adapters (float32 masters in the optimizer) count too
+HYBRID_FLOOR_VARIANTS = (*HYBRID_REPLAY_VARIANTS, "replay-bf16lora", "replay-uncheckpointed-bf16lora")
+
+
+def _warm_variants(root: Path, modes) -> dict[str, dict]:
+    """{mode: result} of the hybrid warm points present with at least two cycles (a warm step)."""
+    variants = {}
+    for mode in modes:
+        result = _load(root, HYBRID_WARM_POINT.format(mode=mode))
+        if result is not None and len(result["metrics"].get("cycles", [])) >= 2:
+            variants[mode] = result
+    return variants
+
+
+def _fastest_warm(variants: dict[str, dict]) -> tuple[str, float, str]:
+    """(mode, warm step seconds) of the fastest variant, and each variant's warm step as text."""
+    warm = {mode: step_columns(r)["warm_step_seconds"] for mode, r in variants.items()}
+    fastest = min(warm, key=warm.get)
+    return fastest, warm[fastest], "; ".join(f"{mode} {seconds:.3f} s" for mode, seconds in warm.items())
 
 
 def replay_against_trl_hybrid(root: Path) -> list[dict]:
@@ -438,21 +457,15 @@ def replay_against_trl_hybrid(root: Path) -> list[dict]:
     floor = ("replay's warm step over its FLOP floor, hybrid-1b, G=2, 32,768 positions", f"<= {FLOOR_RATIO_LIMIT}x")
     trl_file = HYBRID_WARM_POINT.format(mode="trl")
     trl = _load(root, trl_file)
-    variants = {}
-    for mode in HYBRID_REPLAY_VARIANTS:
-        result = _load(root, HYBRID_WARM_POINT.format(mode=mode))
-        if result is not None and len(result["metrics"].get("cycles", [])) >= 2:
-            variants[mode] = result
+    variants = _warm_variants(root, HYBRID_REPLAY_VARIANTS)
     if trl is None or len(trl["metrics"].get("cycles", [])) < 2 or not variants:
         files = ", ".join(HYBRID_WARM_POINT.format(mode=m) for m in (*HYBRID_REPLAY_VARIANTS, "trl"))
         return [
             _missing(*speed, f"ok {trl_file} and one of the replay points ({files}), at least 2 cycles each"),
             _missing(*floor, "ok replay point, at least 2 cycles"),
         ]
-    warm = {mode: step_columns(r)["warm_step_seconds"] for mode, r in variants.items()}
-    fastest = min(warm, key=warm.get)
-    ours, theirs = warm[fastest], step_columns(trl)["warm_step_seconds"]
-    each = "; ".join(f"{mode} {seconds:.3f} s" for mode, seconds in warm.items())
+    fastest, ours, each = _fastest_warm(variants)
+    theirs = step_columns(trl)["warm_step_seconds"]
     files = ", ".join(HYBRID_WARM_POINT.format(mode=m) for m in variants)
     rows = [
         _row(
@@ -465,12 +478,14 @@ def replay_against_trl_hybrid(root: Path) -> list[dict]:
     ceilings_path = root / CEILINGS
     if not ceilings_path.is_file():
         return rows + [_missing(*floor, f"no {CEILINGS} (the box's kernel rates)")]
+    variants = _warm_variants(root, HYBRID_FLOOR_VARIANTS)
+    fastest, ours, each = _fastest_warm(variants)
     bound = step_floor(variants[fastest], json.loads(ceilings_path.read_text()))
     rows.append(
         _row(
             *floor,
             f"{ours / bound['seconds']:.1f}x ({ours:.3f} s, {fastest} / {bound['seconds']:.3f} s: capture "
-            f"{bound['capture_seconds']:.3f} s, replay {bound['replay_seconds']:.3f} s)",
+            f"{bound['capture_seconds']:.3f} s, replay {bound['replay_seconds']:.3f} s; {each})",
             ours / bound["seconds"] <= FLOOR_RATIO_LIMIT,
             f"{HYBRID_WARM_POINT.format(mode=fastest)}, {CEILINGS}",
         )

@@ -1,0 +1,113 @@
+"""The depthwise causal conv of a Gated DeltaNet layer, continuing from the previous call's last ``K-1`` inputs.
+
+``causal_conv1d`` is the plain reference, channels first (``[B, C, T]``), as HF's conv runs; HF's cache keeps
+``K`` columns, so ``[..., 1:]`` of such a cache is the state here. ``causal_conv1d_channels_last`` takes and
+returns ``[B, T, C]``, the layout the layer's projections make, and on CUDA runs fla's Triton conv (one pass
+that reads the state and writes the output, forward and backward; no transposes, no concatenation). Elsewhere
+(CPU, float64, no fla) it is the reference on transposed views.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+_ACTIVATIONS: dict[str | None, Callable[[torch.Tensor], torch.Tensor]] = {
+    None: lambda y: y,
+    "silu": F.silu,
+    "swish": F.silu,
+}
+
+
+def causal_conv1d(
+    x_BCT: torch.Tensor,
+    conv_state_BCK1: torch.Tensor | None,
+    weight_CK: torch.Tensor,
+    bias_C: torch.Tensor | None = None,
+    activation: str | None = "silu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv that continues from the previous ``K-1`` inputs.
+
+    Args:
+        x_BCT: new inputs ``[B, C, T]``.
+        conv_state_BCK1: the last ``K-1`` inputs seen before ``x`` (``[B, C, K-1]``);
+            zeros (or ``None``) means the start of the sequence.
+        weight_CK: per-channel filters ``[C, K]`` (``conv1d.weight.squeeze(1)``).
+        bias_C: optional per-channel bias.
+        activation: ``"silu"`` / ``"swish"`` / ``None``.
+
+    Returns:
+        ``(y_BCT, new_state_BCK1)``: ``y`` in ``x``'s dtype (conv in the weight's
+        dtype, as HF), and the last ``K-1`` inputs of ``cat(state, x)`` in ``x``'s
+        dtype (valid also for ``T < K-1``).  Differentiable w.r.t. ``x``, the
+        weight, the bias and the state; no input is modified.
+    """
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"unsupported activation {activation!r}")
+    B, C, T = x_BCT.shape
+    C_w, K = weight_CK.shape
+    if C_w != C:
+        raise ValueError(f"weight has {C_w} channels, x has {C}")
+    if conv_state_BCK1 is None:
+        conv_state_BCK1 = x_BCT.new_zeros(B, C, K - 1)
+    if tuple(conv_state_BCK1.shape) != (B, C, K - 1):
+        raise ValueError(f"conv_state must be {(B, C, K - 1)}, got {tuple(conv_state_BCK1.shape)}")
+    xs_BCL = torch.cat([conv_state_BCK1.to(x_BCT.dtype), x_BCT], dim=-1)  # L = K-1+T
+    if T == 0:
+        y_BCT = x_BCT.new_zeros(B, C, 0)
+    else:
+        y_BCT = F.conv1d(xs_BCL.to(weight_CK.dtype), weight_CK.unsqueeze(1), bias_C, groups=C)
+        y_BCT = _ACTIVATIONS[activation](y_BCT).to(x_BCT.dtype)
+    new_state_BCK1 = xs_BCL[..., xs_BCL.shape[-1] - (K - 1) :]
+    return y_BCT, new_state_BCK1
+
+
+@functools.lru_cache(maxsize=1)
+def _load_fla_conv() -> Callable | None:
+    """fla's Triton `causal_conv1d` ([B, T, C] in and out, a [B, C, K] state), or None when fla does not import."""
+    try:
+        from fla.modules.causal_conv1d.ops import causal_conv1d as fla_conv
+    except Exception:  # ImportError, or triton / driver trouble at import time
+        return None
+    return fla_conv
+
+
+def _fla_conv_usable(x_BTC: torch.Tensor, weight_CK: torch.Tensor) -> bool:
+    return (
+        x_BTC.is_cuda
+        and x_BTC.shape[1] > 0
+        and torch.float64 not in (x_BTC.dtype, weight_CK.dtype)
+        and _load_fla_conv() is not None
+    )
+
+
+def causal_conv1d_channels_last(
+    x_BTC: torch.Tensor,
+    conv_state_BCK1: torch.Tensor | None,
+    weight_CK: torch.Tensor,
+    bias_C: torch.Tensor | None = None,
+    activation: str | None = "silu",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`causal_conv1d` for ``x_BTC`` ``[B, T, C]``: ``(y_BTC, new_state_BCK1)``, the same arguments and results
+    otherwise (the state stays ``[B, C, K-1]``). fla's Triton conv on CUDA (float32 sums, the output rounded once
+    to ``x``'s dtype), the reference elsewhere."""
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"unsupported activation {activation!r}")
+    if not _fla_conv_usable(x_BTC, weight_CK):
+        y_BCT, state_BCK1 = causal_conv1d(x_BTC.transpose(1, 2), conv_state_BCK1, weight_CK, bias_C, activation)
+        return y_BCT.transpose(1, 2), state_BCK1
+    B, T, C = x_BTC.shape
+    if weight_CK.shape[0] != C:
+        raise ValueError(f"weight has {weight_CK.shape[0]} channels, x has {C}")
+    K = weight_CK.shape[1]
+    if conv_state_BCK1 is not None and tuple(conv_state_BCK1.shape) != (B, C, K - 1):
+        raise ValueError(f"conv_state must be {(B, C, K - 1)}, got {tuple(conv_state_BCK1.shape)}")
+    # fla's state holds the last K inputs, of which the conv reads the newest K-1: ours with an unread oldest column
+    initial_BCK = None if conv_state_BCK1 is None else F.pad(conv_state_BCK1.to(x_BTC.dtype), (1, 0))
+    y_BTC, final_BCK = _load_fla_conv()(
+        x_BTC, weight_CK, bias_C, initial_state=initial_BCK, output_final_state=True, activation=activation
+    )
+    return y_BTC, final_BCK[..., 1:]
