@@ -421,17 +421,17 @@ def test_decode_attention_matches_dense_reference(device):
 
 
 def test_the_forward_kernel_setting_is_checked_and_restored():
-    before = attention._forward_kernel[0]
+    before = attention._forward_kernel.value
     with pytest.raises(ValueError, match="forward kernel must be one of"):
         with attention.forward_kernel("cudnn_blocks"):
             pass
     with attention.forward_kernel("flash"):
-        assert attention._forward_kernel[0] == "flash"
+        assert attention._forward_kernel.value == "flash"
         with pytest.raises(RuntimeError):
             with attention.forward_kernel("cudnn"):
                 raise RuntimeError("inside")
-        assert attention._forward_kernel[0] == "flash"
-    assert attention._forward_kernel[0] == before
+        assert attention._forward_kernel.value == "flash"
+    assert attention._forward_kernel.value == before
 
 
 @pytest.mark.cuda

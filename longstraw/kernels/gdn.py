@@ -66,11 +66,12 @@ from __future__ import annotations
 import functools
 import re
 import warnings
-from contextlib import contextmanager
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
+
+from longstraw.kernels.process_setting import ProcessSetting
 
 __all__ = [
     "chunk_gated_delta_rule",
@@ -402,20 +403,12 @@ def chunk_gated_delta_rule_forward(
 # --------------------------------------------------------------------------------------
 
 RULES = ("auto", "torch")  # "auto": fla's kernels where `fla_backward_trusted`, else the torch chunk rule
-# a process-wide setting, not a ContextVar: a checkpointed replay's recompute runs in autograd's device thread
-_rule = ["auto"]
+_rule = ProcessSetting("differentiable GDN rule", RULES, "auto")
 
 
-@contextmanager
 def differentiable_rule(name: str):
     """Within the block, `gated_delta_rule` runs `name`: "auto" or "torch" (the chunk rule everywhere)."""
-    if name not in RULES:
-        raise ValueError(f"differentiable GDN rule must be one of {RULES}, got {name!r}")
-    before, _rule[0] = _rule[0], name
-    try:
-        yield
-    finally:
-        _rule[0] = before
+    return _rule.within(name)
 
 
 # fla keeps its chunk kernels' intermediates in the inputs' 16-bit dtype, so its gradients differ from the float32
@@ -493,7 +486,7 @@ def fla_backward_trusted(hk: int, hv: int, dk: int, dv: int, dtype: torch.dtype,
 
 
 def _fla_differentiable(q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_BHDV) -> bool:
-    if _rule[0] == "torch" or not q_BTHD.is_cuda or q_BTHD.shape[1] == 0:
+    if _rule.value == "torch" or not q_BTHD.is_cuda or q_BTHD.shape[1] == 0:
         return False
     if _compute_dtype(q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_BHDV) != torch.float32:
         return False

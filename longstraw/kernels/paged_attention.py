@@ -61,6 +61,8 @@ from contextvars import ContextVar
 
 import torch
 
+from longstraw.kernels.process_setting import ProcessSetting
+
 __all__ = [
     "paged_attention",
     "decode_attention",
@@ -86,22 +88,14 @@ def _kernel_from_environment() -> str:
     return name
 
 
-# a process-wide setting, not a ContextVar: a checkpointed replay's recompute runs in autograd's device thread
-_forward_kernel = [_kernel_from_environment()]
+_forward_kernel = ProcessSetting("forward kernel", FORWARD_KERNELS, _kernel_from_environment())
 
 
-@contextmanager
 def forward_kernel(name: str):
     """Within the block, "auto" runs `name` on CUDA: "cudnn" (cuDNN's kernels on blocks of at least
     CUDNN_MIN_ROWS; fastest in steady state, but each new shape builds a plan, 0.5-1.1 s on the H200, in the
     first call that meets it) or "flash" (no plan builds: a process's first step pays none)."""
-    if name not in FORWARD_KERNELS:
-        raise ValueError(f"forward kernel must be one of {FORWARD_KERNELS}, got {name!r}")
-    before, _forward_kernel[0] = _forward_kernel[0], name
-    try:
-        yield
-    finally:
-        _forward_kernel[0] = before
+    return _forward_kernel.within(name)
 
 
 def paged_attention(
@@ -347,7 +341,7 @@ def _pick_kernel(backend: str, q_BHRD: torch.Tensor, Dv: int) -> str:
     flash_ok = D <= 256 and torch.backends.cuda.is_flash_attention_available()
     if (
         backend == "auto"
-        and _forward_kernel[0] == "cudnn"
+        and _forward_kernel.value == "cudnn"
         and cudnn_ok
         and flash_ok
         and D <= CUDNN_BLOCKS_MAX_HEAD_DIM
