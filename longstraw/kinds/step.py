@@ -14,6 +14,7 @@ member, seconds per phase."""
 
 from __future__ import annotations
 
+import gc
 import statistics
 import textwrap
 from typing import TYPE_CHECKING
@@ -38,6 +39,10 @@ def run(cfg: PointConfig, device, progress: Progress) -> dict:
     model, vocab, prompt = policy_and_prompt(cfg, recorder)
     responses, rewards = seeded_group(cfg, cfg.grpo.num_generations, vocab, device)
     optimizer = optimizer_for(model, cfg)
+    # what is built so far (the model, the libraries' objects) out of the collector's reach: a full collection
+    # inside a timed phase would otherwise walk all of it (vLLM freezes after start-up alike)
+    gc.collect()
+    gc.freeze()
     if cfg.mode in PEER_MODES:
         return run_peer(cfg, model, prompt, responses, rewards, optimizer, recorder)
     options = StepOptions(
@@ -52,6 +57,7 @@ def run(cfg: PointConfig, device, progress: Progress) -> dict:
         step = grpo_step(model, prompt, responses, rewards, optimizer, cfg.grpo, options, state=state)
         state = None if cfg.recapture else step.state
         cycles.append(step.metrics)
+        del step  # with recapture, the next capture starts with this step's state freed, not held beside it
     return {
         "weights": recorder.phases["weights"],
         "trainable_parameters": trainable_parameters(model),
