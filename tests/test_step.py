@@ -420,6 +420,32 @@ def test_a_recapturing_step_point_captures_every_cycle_and_reuses_no_state():
     assert [c["state_age"] for c in fresh["metrics"]["cycles"]] == [0, 0, 0]
 
 
+def test_a_recapturing_step_point_frees_each_cycles_state_before_the_next_capture(monkeypatch):
+    """With `recapture`, the state a cycle captured is gone when the next cycle starts (its capture would otherwise
+    be measured with two states resident); without it, the one state serves every cycle."""
+    import weakref
+
+    import longstraw.core.step as core_step
+    from longstraw.harness.runner import run_point
+
+    real, previous, alive_at_entry = core_step.grpo_step, [], []
+
+    def watched(*args, **kwargs):
+        alive_at_entry.append(bool(previous) and previous[-1]() is not None)
+        step = real(*args, **kwargs)
+        previous.append(weakref.ref(step.state))
+        return step
+
+    monkeypatch.setattr(core_step, "grpo_step", watched)
+    result = run_point({**_cycles_point("seeded"), "recapture": True})
+    assert result["status"] == "ok", result.get("error")
+    assert alive_at_entry == [False, False, False]
+    previous.clear()
+    alive_at_entry.clear()
+    assert run_point(_cycles_point("seeded"))["status"] == "ok"
+    assert alive_at_entry == [False, True, True]
+
+
 @pytest.mark.parametrize(
     "change",
     [{"mode": "naive"}, {"kind": "capacity"}, {"responses": {"source": "rollouts", "task": {"name": "kv_retrieval"}}}],
