@@ -420,6 +420,34 @@ def test_a_recapturing_step_point_captures_every_cycle_and_reuses_no_state():
     assert [c["state_age"] for c in fresh["metrics"]["cycles"]] == [0, 0, 0]
 
 
+def test_the_collector_is_frozen_within_a_step_point_and_thawed_after_it(monkeypatch):
+    """A step point's cycles run with what was built before them frozen out of the collector (no full collection
+    walks the model inside a timed phase); after the point, or its failure, nothing stays frozen."""
+    import gc
+
+    import longstraw.core.step as core_step
+    from longstraw.harness.runner import run_point
+
+    real, frozen = core_step.grpo_step, []
+
+    def watched(*args, **kwargs):
+        frozen.append(gc.get_freeze_count())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(core_step, "grpo_step", watched)
+    assert gc.get_freeze_count() == 0
+    assert run_point(_cycles_point("seeded"))["status"] == "ok"
+    assert len(frozen) == 3 and min(frozen) > 1000  # the model, torch's and transformers' objects
+    assert gc.get_freeze_count() == 0
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("a step that fails")
+
+    monkeypatch.setattr(core_step, "grpo_step", failing)
+    assert run_point(_cycles_point("seeded"))["status"] == "error"
+    assert gc.get_freeze_count() == 0
+
+
 def test_a_recapturing_step_point_frees_each_cycles_state_before_the_next_capture(monkeypatch):
     """With `recapture`, the state a cycle captured is gone when the next cycle starts (its capture would otherwise
     be measured with two states resident); without it, the one state serves every cycle."""

@@ -14,7 +14,6 @@ member, seconds per phase."""
 
 from __future__ import annotations
 
-import gc
 import statistics
 import textwrap
 from typing import TYPE_CHECKING
@@ -30,6 +29,7 @@ if TYPE_CHECKING:
 def run(cfg: PointConfig, device, progress: Progress) -> dict:
     from longstraw.core.step import StepOptions, grpo_step
     from longstraw.kinds.common import capture_kwargs, optimizer_for, policy_and_prompt, seeded_group
+    from longstraw.measure.collector import collector_frozen
     from longstraw.measure.memory import PhaseRecorder
     from longstraw.models.lora import trainable_parameters
 
@@ -39,25 +39,22 @@ def run(cfg: PointConfig, device, progress: Progress) -> dict:
     model, vocab, prompt = policy_and_prompt(cfg, recorder)
     responses, rewards = seeded_group(cfg, cfg.grpo.num_generations, vocab, device)
     optimizer = optimizer_for(model, cfg)
-    # what is built so far (the model, the libraries' objects) out of the collector's reach: a full collection
-    # inside a timed phase would otherwise walk all of it (vLLM freezes after start-up alike)
-    gc.collect()
-    gc.freeze()
-    if cfg.mode in PEER_MODES:
-        return run_peer(cfg, model, prompt, responses, rewards, optimizer, recorder)
-    options = StepOptions(
-        mode=cfg.mode,
-        capture=capture_kwargs(cfg),
-        members=cfg.responses.probe_members,
-        checkpoint_layers=cfg.replay.checkpoint_layers,
-        micro_batch=cfg.replay.micro_batch,
-    )
-    state, cycles = None, []
-    for _ in range(cfg.cycles):
-        step = grpo_step(model, prompt, responses, rewards, optimizer, cfg.grpo, options, state=state)
-        state = None if cfg.recapture else step.state
-        cycles.append(step.metrics)
-        del step  # with recapture, the next capture starts with this step's state freed, not held beside it
+    with collector_frozen():
+        if cfg.mode in PEER_MODES:
+            return run_peer(cfg, model, prompt, responses, rewards, optimizer, recorder)
+        options = StepOptions(
+            mode=cfg.mode,
+            capture=capture_kwargs(cfg),
+            members=cfg.responses.probe_members,
+            checkpoint_layers=cfg.replay.checkpoint_layers,
+            micro_batch=cfg.replay.micro_batch,
+        )
+        state, cycles = None, []
+        for _ in range(cfg.cycles):
+            step = grpo_step(model, prompt, responses, rewards, optimizer, cfg.grpo, options, state=state)
+            state = None if cfg.recapture else step.state
+            cycles.append(step.metrics)
+            del step  # with recapture, the next capture starts with this step's state freed, not held beside it
     return {
         "weights": recorder.phases["weights"],
         "trainable_parameters": trainable_parameters(model),
