@@ -413,6 +413,23 @@ def test_conv_channels_last_off_cuda_matches_hf(T):
     torch.testing.assert_close(s1, torch.cat([s0, x], dim=-1)[..., -3:])
 
 
+@pytest.mark.parametrize("channels_last", [False, True])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"activation": "gelu"}, "unsupported activation 'gelu'"),
+        ({"weight": torch.zeros(4, 4, dtype=torch.float64)}, "weight has 4 channels, x has 5"),
+        ({"state": torch.zeros(2, 5, 2, dtype=torch.float64)}, r"conv_state must be \(2, 5, 3\), got \(2, 5, 2\)"),
+    ],
+)
+def test_conv_refuses_a_bad_activation_filter_or_state(channels_last, change, message):
+    x, w, b = make_conv_inputs()
+    args = {"state": torch.zeros(2, 5, 3, dtype=x.dtype), "weight": w, "activation": "silu", **change}
+    conv = causal_conv1d_channels_last if channels_last else causal_conv1d
+    with pytest.raises(ValueError, match=message):
+        conv(x.transpose(1, 2) if channels_last else x, args["state"], args["weight"], b, args["activation"])
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("T", [1, 2, 3, 300])
 def test_conv_channels_last_on_cuda_matches_hf_in_float64(T):

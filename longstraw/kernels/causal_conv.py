@@ -22,6 +22,18 @@ _ACTIVATIONS: dict[str | None, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
+def _kernel_size(activation, B: int, C: int, weight_CK: torch.Tensor, conv_state_BCK1: torch.Tensor | None) -> int:
+    """The filters' length K, once the activation, the filters' channels and the state's shape are checked."""
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"unsupported activation {activation!r}")
+    C_w, K = weight_CK.shape
+    if C_w != C:
+        raise ValueError(f"weight has {C_w} channels, x has {C}")
+    if conv_state_BCK1 is not None and tuple(conv_state_BCK1.shape) != (B, C, K - 1):
+        raise ValueError(f"conv_state must be {(B, C, K - 1)}, got {tuple(conv_state_BCK1.shape)}")
+    return K
+
+
 def causal_conv1d(
     x_BCT: torch.Tensor,
     conv_state_BCK1: torch.Tensor | None,
@@ -45,16 +57,10 @@ def causal_conv1d(
         dtype (valid also for ``T < K-1``).  Differentiable w.r.t. ``x``, the
         weight, the bias and the state; no input is modified.
     """
-    if activation not in _ACTIVATIONS:
-        raise ValueError(f"unsupported activation {activation!r}")
     B, C, T = x_BCT.shape
-    C_w, K = weight_CK.shape
-    if C_w != C:
-        raise ValueError(f"weight has {C_w} channels, x has {C}")
+    K = _kernel_size(activation, B, C, weight_CK, conv_state_BCK1)
     if conv_state_BCK1 is None:
         conv_state_BCK1 = x_BCT.new_zeros(B, C, K - 1)
-    if tuple(conv_state_BCK1.shape) != (B, C, K - 1):
-        raise ValueError(f"conv_state must be {(B, C, K - 1)}, got {tuple(conv_state_BCK1.shape)}")
     xs_BCL = torch.cat([conv_state_BCK1.to(x_BCT.dtype), x_BCT], dim=-1)  # L = K-1+T
     if T == 0:
         y_BCT = x_BCT.new_zeros(B, C, 0)
@@ -94,17 +100,11 @@ def causal_conv1d_channels_last(
     """`causal_conv1d` for ``x_BTC`` ``[B, T, C]``: ``(y_BTC, new_state_BCK1)``, the same arguments and results
     otherwise (the state stays ``[B, C, K-1]``). fla's Triton conv on CUDA (float32 sums, the output rounded once
     to ``x``'s dtype), the reference elsewhere."""
-    if activation not in _ACTIVATIONS:
-        raise ValueError(f"unsupported activation {activation!r}")
     if not _fla_conv_usable(x_BTC, weight_CK):
         y_BCT, state_BCK1 = causal_conv1d(x_BTC.transpose(1, 2), conv_state_BCK1, weight_CK, bias_C, activation)
         return y_BCT.transpose(1, 2), state_BCK1
     B, T, C = x_BTC.shape
-    if weight_CK.shape[0] != C:
-        raise ValueError(f"weight has {weight_CK.shape[0]} channels, x has {C}")
-    K = weight_CK.shape[1]
-    if conv_state_BCK1 is not None and tuple(conv_state_BCK1.shape) != (B, C, K - 1):
-        raise ValueError(f"conv_state must be {(B, C, K - 1)}, got {tuple(conv_state_BCK1.shape)}")
+    _kernel_size(activation, B, C, weight_CK, conv_state_BCK1)
     # fla's state holds the last K inputs, of which the conv reads the newest K-1: ours with an unread oldest column
     initial_BCK = None if conv_state_BCK1 is None else F.pad(conv_state_BCK1.to(x_BTC.dtype), (1, 0))
     y_BTC, final_BCK = _load_fla_conv()(

@@ -457,7 +457,8 @@ def replay_against_trl_hybrid(root: Path) -> list[dict]:
     floor = ("replay's warm step over its FLOP floor, hybrid-1b, G=2, 32,768 positions", f"<= {FLOOR_RATIO_LIMIT}x")
     trl_file = HYBRID_WARM_POINT.format(mode="trl")
     trl = _load(root, trl_file)
-    variants = _warm_variants(root, HYBRID_REPLAY_VARIANTS)
+    every = _warm_variants(root, HYBRID_FLOOR_VARIANTS)
+    variants = {mode: result for mode, result in every.items() if mode in HYBRID_REPLAY_VARIANTS}
     if trl is None or len(trl["metrics"].get("cycles", [])) < 2 or not variants:
         files = ", ".join(HYBRID_WARM_POINT.format(mode=m) for m in (*HYBRID_REPLAY_VARIANTS, "trl"))
         return [
@@ -478,9 +479,8 @@ def replay_against_trl_hybrid(root: Path) -> list[dict]:
     ceilings_path = root / CEILINGS
     if not ceilings_path.is_file():
         return rows + [_missing(*floor, f"no {CEILINGS} (the box's kernel rates)")]
-    variants = _warm_variants(root, HYBRID_FLOOR_VARIANTS)
-    fastest, ours, each = _fastest_warm(variants)
-    bound = step_floor(variants[fastest], json.loads(ceilings_path.read_text()))
+    fastest, ours, each = _fastest_warm(every)
+    bound = step_floor(every[fastest], json.loads(ceilings_path.read_text()))
     rows.append(
         _row(
             *floor,
