@@ -1,12 +1,14 @@
 """Where hybrid-1b's warm replay step goes (issue 32's FLOP-floor target), under each differentiable GDN rule.
 
-    python benchmarks/hybrid_step_profile.py [--point warm-hybrid-1b_mode-replay_length-32768_count-2] --out F
+    python benchmarks/hybrid_step_profile.py [--point warm-hybrid-1b_mode-replay_length-32768_count-2] \
+        [--chunk-sizes 8192 32768] --out F
 
 For the named `experiments/peers.yaml` h200 point (its model, prompt, G responses, k and checkpointing): for each
 rule of `gated_delta_rule` ("auto": fla's chunk kernels forward and backward where checked on this device;
-"torch": the torch chunk rule), the capture's and the G members' replay's first and warm seconds, and each warm
-phase once under torch.profiler (kernels, busy fraction, top kernels by device time); and whether fla's backward
-passed its check here. The last stdout line is one JSON object, also written to --out.
+"torch": the torch chunk rule), the capture's (at the point's chunk size and at each of --chunk-sizes) and the G
+members' replay's first and warm seconds, and each warm phase once under torch.profiler (kernels, busy fraction,
+top kernels by device time and by launches); and whether fla's backward passed its check here. The last stdout
+line is one JSON object, also written to --out.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--point", default="warm-hybrid-1b_mode-replay_length-32768_count-2")
     parser.add_argument("--rules", nargs="+", default=["auto", "torch"])
+    parser.add_argument("--chunk-sizes", nargs="*", type=int, default=[], help="capture chunk sizes to compare")
     parser.add_argument("--profile", default="h200")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -70,9 +73,9 @@ def main() -> int:
     }
     held = {}
 
-    def fresh_capture():
+    def fresh_capture(**override):
         held.pop("state", None)
-        held["state"] = capture(model, prompt, **cfg.capture.kwargs())
+        held["state"] = capture(model, prompt, **{**cfg.capture.kwargs(), **override})
 
     def replay_group():
         for start in range(0, len(responses), k):
@@ -89,6 +92,12 @@ def main() -> int:
             }
             row["capture_profile"] = kernel_profile(fresh_capture, device, top=20)
             row["replay_profile"] = kernel_profile(replay_group, device, top=20)
+            for chunk in args.chunk_sizes:
+                row[f"capture_chunk_{chunk}"] = {
+                    "seconds": seconds_of(lambda: fresh_capture(chunk_size=chunk), device),
+                    "profile": kernel_profile(lambda: fresh_capture(chunk_size=chunk), device, top=20),
+                }
+                print(f"{rule}: capture at chunk {chunk}: {row[f'capture_chunk_{chunk}']['seconds']}", flush=True)
         out["rules"][rule] = row
         print(
             f"{rule}: capture {[round(s, 3) for s in row['capture_seconds']]} s, replay "

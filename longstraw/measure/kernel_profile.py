@@ -11,8 +11,9 @@ from longstraw.measure.memory import synchronize
 
 def kernel_profile(fn, device, top: int = 12) -> dict:
     """Run `fn()` once under torch.profiler (CPU and CUDA activity): the kernels it launched, their summed
-        device time, the wall, the fraction of the wall the device was busy, the `top` ops by device time (an op's time
-    includes its children's) and the `top` kernels by their own summed time."""
+    device time, the wall, the fraction of the wall the device was busy, the `top` ops by device time (an op's time
+    includes its children's), the `top` kernels by their own summed time and by their launches (where a
+    launch-bound call's host time goes)."""
     from torch.profiler import ProfilerActivity, profile
 
     synchronize(device)
@@ -30,6 +31,7 @@ def kernel_profile(fn, device, top: int = 12) -> dict:
         calls_seconds[0] += 1
         calls_seconds[1] += e.device_time / 1e6
     top_kernels = sorted(by_kernel.items(), key=lambda item: item[1][1], reverse=True)[:top]
+    most_launched = sorted(by_kernel.items(), key=lambda item: item[1][0], reverse=True)[:top]
     return {
         "wall_seconds": wall,
         "kernels": len(kernels),
@@ -37,4 +39,5 @@ def kernel_profile(fn, device, top: int = 12) -> dict:
         "busy_fraction": kernel_seconds / wall if wall else None,
         "top": [{"name": e.key[:90], "calls": e.count, "seconds": e.device_time_total / 1e6} for e in ops],
         "top_kernels": [{"name": n, "calls": c, "seconds": t} for n, (c, t) in top_kernels],
+        "most_launched": [{"name": n, "calls": c, "seconds": t} for n, (c, t) in most_launched],
     }
