@@ -1,11 +1,12 @@
 """Where hybrid-1b's warm replay step goes (issue 32's FLOP-floor target), under each differentiable GDN rule.
 
     python benchmarks/hybrid_step_profile.py [--point warm-hybrid-1b_mode-replay_length-32768_count-2] \
-        [--chunk-sizes 8192 32768] --out F
+        [--norms fused hf] [--chunk-sizes 8192 32768] --out F
 
 For the named `experiments/peers.yaml` h200 point (its model, prompt, G responses, k and checkpointing): for each
 rule of `gated_delta_rule` ("auto": fla's chunk kernels forward and backward where checked on this device;
-"torch": the torch chunk rule), the capture's (at the point's chunk size and at each of --chunk-sizes) and the G
+"torch": the torch chunk rule) and with the layers' norms fused (fla's kernels, as the package runs them on CUDA)
+or HF's (--norms fused hf), the capture's (at the point's chunk size and at each of --chunk-sizes) and the G
 members' replay's first and warm seconds, and each warm phase once under torch.profiler (kernels, busy fraction,
 top kernels by device time and by launches); and whether fla's backward passed its check here. The last stdout
 line is one JSON object, also written to --out.
@@ -14,14 +15,18 @@ line is one JSON object, also written to --out.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
+from unittest import mock
 
 import torch
 
 from longstraw.core.transaction import capture, replay_members
 from longstraw.families.base import unwrap_causal_lm
 from longstraw.harness.plan import expand, load_experiment
+from longstraw.kernels import gated_rms_norm as gated_rms_norm_module
+from longstraw.kernels import rms_norm as rms_norm_module
 from longstraw.kernels.gdn import differentiable_rule, fla_backward_trusted
 from longstraw.kinds.common import compute_dtype, policy_and_prompt, seeded_group
 from longstraw.measure.kernel_profile import kernel_profile
@@ -41,10 +46,38 @@ def seconds_of(fn, device, repeats: int = 3) -> list[float]:
     return out
 
 
+@contextlib.contextmanager
+def norms_as(norms: str):
+    """ "fused": the layers' norms as the package runs them (fla's fused kernels on CUDA); "hf": HF's modules."""
+    if norms == "fused":
+        yield
+        return
+    with (
+        mock.patch.object(rms_norm_module, "_fla_usable", return_value=False),
+        mock.patch.object(gated_rms_norm_module, "_fla_norm_usable", return_value=False),
+    ):
+        yield
+
+
+def measure(fresh_capture, replay_group, device, chunk_sizes) -> dict:
+    """First and warm seconds of the capture and the members' replay, each profiled once warm; and the capture at
+    each of `chunk_sizes`."""
+    row = {"capture_seconds": seconds_of(fresh_capture, device), "replay_seconds": seconds_of(replay_group, device)}
+    row["capture_profile"] = kernel_profile(fresh_capture, device, top=20)
+    row["replay_profile"] = kernel_profile(replay_group, device, top=20)
+    for chunk in chunk_sizes:
+        row[f"capture_chunk_{chunk}"] = {
+            "seconds": seconds_of(lambda: fresh_capture(chunk_size=chunk), device),
+            "profile": kernel_profile(lambda: fresh_capture(chunk_size=chunk), device, top=20),
+        }
+    return row
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--point", default="warm-hybrid-1b_mode-replay_length-32768_count-2")
     parser.add_argument("--rules", nargs="+", default=["auto", "torch"])
+    parser.add_argument("--norms", nargs="+", default=["fused"], choices=["fused", "hf"])
     parser.add_argument("--chunk-sizes", nargs="*", type=int, default=[], help="capture chunk sizes to compare")
     parser.add_argument("--profile", default="h200")
     parser.add_argument("--out", required=True)
@@ -85,26 +118,19 @@ def main() -> int:
             p.grad = None
 
     for rule in args.rules:
-        with differentiable_rule(rule):
-            row = {
-                "capture_seconds": seconds_of(fresh_capture, device),
-                "replay_seconds": seconds_of(replay_group, device),
-            }
-            row["capture_profile"] = kernel_profile(fresh_capture, device, top=20)
-            row["replay_profile"] = kernel_profile(replay_group, device, top=20)
-            for chunk in args.chunk_sizes:
-                row[f"capture_chunk_{chunk}"] = {
-                    "seconds": seconds_of(lambda: fresh_capture(chunk_size=chunk), device),
-                    "profile": kernel_profile(lambda: fresh_capture(chunk_size=chunk), device, top=20),
-                }
-                print(f"{rule}: capture at chunk {chunk}: {row[f'capture_chunk_{chunk}']['seconds']}", flush=True)
-        out["rules"][rule] = row
-        print(
-            f"{rule}: capture {[round(s, 3) for s in row['capture_seconds']]} s, replay "
-            f"{[round(s, 3) for s in row['replay_seconds']]} s; busy capture "
-            f"{row['capture_profile']['busy_fraction']:.2f}, replay {row['replay_profile']['busy_fraction']:.2f}",
-            flush=True,
-        )
+        for norms in args.norms:
+            with differentiable_rule(rule), norms_as(norms):
+                row = measure(fresh_capture, replay_group, device, args.chunk_sizes)
+            name = rule if norms == "fused" else f"{rule}, HF norms"
+            out["rules"][name] = row
+            print(
+                f"{name}: capture {[round(s, 3) for s in row['capture_seconds']]} s, replay "
+                f"{[round(s, 3) for s in row['replay_seconds']]} s; busy capture "
+                f"{row['capture_profile']['busy_fraction']:.2f}, replay {row['replay_profile']['busy_fraction']:.2f}; "
+                f"kernels capture {row['capture_profile']['kernels']}, replay {row['replay_profile']['kernels']}"
+                + "".join(f"; capture at chunk {c}: {row[f'capture_chunk_{c}']['seconds']}" for c in args.chunk_sizes),
+                flush=True,
+            )
     out["provenance"] = provenance(device)
     write_json_atomic(args.out, out)
     print(json.dumps(out))

@@ -33,6 +33,7 @@ from longstraw.cp.group import CPGroup, shard_bounds
 from longstraw.cp.latent_capture import capture_latent_layer
 from longstraw.cp.shards import ShardedResidentState, ShardLatentPages, ShardPages
 from longstraw.families import adapter_for
+from longstraw.kernels.rms_norm import rms_norm
 from longstraw.measure.memory import synchronize
 from longstraw.measure.progress import CaptureProgress
 from longstraw.state.pages import check_entries_implement
@@ -144,7 +145,7 @@ def _attention_layer(
     pages.phase = "collect"
     for c0 in range(0, shard, chunk):
         h_c = h[:, c0 : c0 + chunk]
-        adapter.mix(i, layer.input_layernorm(h_c), adapter.position_embeddings(h_c, start + c0), pages, True)
+        adapter.mix(i, rms_norm(layer.input_layernorm, h_c), adapter.position_embeddings(h_c, start + c0), pages, True)
     pages.outputs = balanced_capture_attention(
         pages.queries, *pages.filled(), pages.cp, pages.bounds, pages.scale, chunk
     )

@@ -44,6 +44,7 @@ from longstraw.cp.group import CPGroup
 from longstraw.families.hybrid import gdn_rule_inputs
 from longstraw.kernels.gdn_scan import incoming_states, shard_transition
 from longstraw.kernels.nf4_linear import DEQUANTIZE_MIN_ROWS
+from longstraw.kernels.rms_norm import rms_norm
 from longstraw.state import RecurrentState
 
 
@@ -71,7 +72,7 @@ def previous_conv_inputs(layer, module, project, h_BTH, conv_BCK1, cp: CPGroup, 
     if K1 == 0:
         return conv_BCK1.new_zeros(conv_BCK1.shape)
     rows = min(h_BTH.shape[1], max(K1, DEQUANTIZE_MIN_ROWS))
-    mixed_BTC = project(module, layer.input_layernorm(h_BTH[:, -rows:]))[0]
+    mixed_BTC = project(module, rms_norm(layer.input_layernorm, h_BTH[:, -rows:]))[0]
     tail_BCT = mixed_BTC[:, -K1:].transpose(1, 2).to(conv_BCK1.dtype)
     if min(e - s for s, e in bounds) >= K1:  # the previous shard alone holds the K-1 positions
         received = conv_BCK1.new_zeros(conv_BCK1.shape)
@@ -89,7 +90,7 @@ def shard_transition_of_layer(layer, module, project, h_BTH, conv_in, chunk: int
     `chunk` positions at a time, as the capture runs the layer."""
     transition, conv = None, conv_in
     for c0 in range(0, h_BTH.shape[1], chunk):
-        x_BTH = layer.input_layernorm(h_BTH[:, c0 : c0 + chunk])
+        x_BTH = rms_norm(layer.input_layernorm, h_BTH[:, c0 : c0 + chunk])
         q, k, v, g, beta, _, conv = gdn_rule_inputs(module, project, x_BTH, conv)
         transition = shard_transition(q, k, v, g, beta, transition)
     return transition

@@ -25,6 +25,7 @@ import torch
 from longstraw.cp.balanced_attention import gather_shards, zigzag_map
 from longstraw.cp.group import CPGroup
 from longstraw.families.mla import mla_page_entries
+from longstraw.kernels.rms_norm import rms_norm
 from longstraw.state import LatentPages
 
 
@@ -34,7 +35,9 @@ def capture_latent_layer(adapter, i: int, h_1SH, pages, cp: CPGroup, bounds, chu
     layer, attn, start = adapter.layers[i], adapter.attns[i], bounds[cp.rank][0]
     for c0 in range(0, h_1SH.shape[1], chunk):
         h_c = h_1SH[:, c0 : c0 + chunk]
-        pages.append(*mla_page_entries(attn, layer.input_layernorm(h_c), adapter.position_embeddings(h_c, start + c0)))
+        pages.append(
+            *mla_page_entries(attn, rms_norm(layer.input_layernorm, h_c), adapter.position_embeddings(h_c, start + c0))
+        )
     kv_11NE, index_1NI = pages.filled()
     gathered = gather_shards(cp, bounds, kv_11NE, *([] if index_1NI is None else [index_1NI[:, None]]))
     whole = LatentPages(gathered[0], gathered[1][:, 0] if index_1NI is not None else None, pages.kv_lora_rank)

@@ -17,6 +17,7 @@ from contextlib import nullcontext
 import torch
 
 from longstraw.families.attention_layer import IMPLEMENTATION, longstraw_attention_selected
+from longstraw.kernels.rms_norm import rms_norm
 from longstraw.state import ModelBinding
 
 # config fields that size a resident entry (absent ones read None)
@@ -132,17 +133,17 @@ class FamilyAdapter:
     def layer_forward(self, layer_idx: int, h_BTH, position_embeddings, entry, capturing: bool):
         """Pre-norm residual block, as every supported HF decoder layer computes it."""
         layer = self.layers[layer_idx]
-        mixed = self.mix(layer_idx, layer.input_layernorm(h_BTH), position_embeddings, entry, capturing)
+        mixed = self.mix(layer_idx, rms_norm(layer.input_layernorm, h_BTH), position_embeddings, entry, capturing)
         h_BTH = h_BTH + mixed
         return h_BTH + self._mlp(layer, h_BTH)
 
     @staticmethod
     def _mlp(layer, h_BTH):
-        out = layer.mlp(layer.post_attention_layernorm(h_BTH))
+        out = layer.mlp(rms_norm(layer.post_attention_layernorm, h_BTH))
         return out[0] if isinstance(out, tuple) else out  # some MoE blocks also return router logits
 
     def final_hidden(self, h_BTH):
-        return self.decoder.norm(h_BTH)
+        return rms_norm(self.decoder.norm, h_BTH)
 
     @property
     def lm_head(self):

@@ -20,6 +20,7 @@ from longstraw.families.attention_layer import attention_mix
 from longstraw.families.base import FamilyAdapter
 from longstraw.families.dense import allocate_attention_pages, attention_page_bytes
 from longstraw.kernels.causal_conv import causal_conv1d_channels_last
+from longstraw.kernels.gated_rms_norm import gated_rms_norm
 from longstraw.kernels.gdn import chunk_gated_delta_rule_forward, gated_delta_rule
 from longstraw.state import RecurrentState
 
@@ -86,7 +87,7 @@ def gdn_mix(module, project, x_BTH, state: RecurrentState, write_state: bool):
     elif write_state:
         state.conv_BCK1.copy_(conv_state)
         state.recurrent_BHDV.copy_(recurrent)
-    core = module.norm(core_BTHV.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
+    core = gated_rms_norm(module.norm, core_BTHV.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
     return module.out_proj(core.reshape(B, T, -1))
 
 

@@ -1,0 +1,51 @@
+"""A decoder layer's RMSNorm: HF's own module, or on CUDA fla's fused Triton kernel where the module's formula is known.
+
+HF's RMSNorms upcast to float32 and run half a dozen elementwise launches each way over float32 copies of the whole
+hidden state (a capture's chunk, a member batch's rows); fla's kernel is one launch forward and one backward. The
+classes of `ONE_PLUS_WEIGHT` (Qwen3.5, Qwen3-Next: the hybrid family) compute y = (1 + w) x / rms(x) in float32
+and round once, as fla's kernel does given the weight 1 + w in float32. Every other class (llama's rounds
+x / rms(x) to the input's dtype before the weight: not measured here yet), and CPU, float64 or no fla, runs the
+module itself, the plain reference.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable
+
+import torch
+
+ONE_PLUS_WEIGHT = frozenset({"Qwen3NextRMSNorm", "Qwen3_5RMSNorm", "Qwen3_5MoeRMSNorm"})
+
+
+@functools.lru_cache(maxsize=1)
+def _load_fla_rms_norm() -> Callable | None:
+    """fla's `rms_norm` (x, weight, bias, residual, eps), or None when fla does not import."""
+    try:
+        from fla.modules.layernorm import rms_norm
+    except Exception:  # ImportError, or triton / driver trouble at import time
+        return None
+    return rms_norm
+
+
+def one_plus_weight(module) -> torch.Tensor:
+    """The w of y = w x / rms(x) for a module of `ONE_PLUS_WEIGHT`: 1 + its weight, in float32 (differentiable)."""
+    return 1.0 + module.weight.float()
+
+
+def _fla_usable(module, x: torch.Tensor) -> bool:
+    return (
+        x.is_cuda
+        and x.numel() > 0
+        and type(module).__name__ in ONE_PLUS_WEIGHT
+        and torch.float64 not in (x.dtype, module.weight.dtype)
+        and _load_fla_rms_norm() is not None
+    )
+
+
+def rms_norm(module, x: torch.Tensor) -> torch.Tensor:
+    """`module(x)` for an HF RMSNorm `module` over x's last dimension, in x's dtype, differentiable in x and the
+    weight: fla's fused kernel on CUDA for a class of `ONE_PLUS_WEIGHT`, the module itself otherwise."""
+    if not _fla_usable(module, x):
+        return module(x)
+    return _load_fla_rms_norm()(x, one_plus_weight(module), None, eps=module.eps)
