@@ -93,8 +93,9 @@ def test_learning_point_runs_the_same_prompts_and_reports_the_paired_gain(checkp
 
 
 class _EvenShare:
-    """The counting task's prompts with a dense reward (the share of even ids in the response), so that every
-    group's rewards differ and every step updates, whatever the checkpoint answers on this CPU's kernels."""
+    """The counting task's prompts with a dense reward (the share of even ids in the response). Sampled at a high
+    temperature (the pretrained checkpoint is so sure of its answers that at temperature 1 an AMD EPYC's kernels
+    drew one response G times in every group), a group's rewards differ and its step updates on any CPU."""
 
     def __init__(self, vocab_size, **settings):
         from longstraw.training.tasks import Counting
@@ -125,7 +126,7 @@ def test_a_learning_point_cut_off_goes_on_from_its_work_folder(checkpoint, tmp_p
         "responses": {"length": 4},
         "grpo": {"num_generations": 4, "beta": 0.0},
         "optimizer": {"lr": 1e-2},
-        "learning": {"task": task, "steps": 5, "window": 2},
+        "learning": {"task": task, "steps": 5, "window": 2, "temperature": 10.0},
     }
     whole = run_point(point)["metrics"]["runs"]
     monkeypatch.setattr(learning, "RESUME_EVERY", 2)
