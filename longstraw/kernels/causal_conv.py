@@ -15,6 +15,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from longstraw.kernels.fla_import import fla_function
+
 _ACTIVATIONS: dict[str | None, Callable[[torch.Tensor], torch.Tensor]] = {
     None: lambda y: y,
     "silu": F.silu,
@@ -71,14 +73,8 @@ def causal_conv1d(
     return y_BCT, new_state_BCK1
 
 
-@functools.lru_cache(maxsize=1)
-def _load_fla_conv() -> Callable | None:
-    """fla's Triton `causal_conv1d` ([B, T, C] in and out, a [B, C, K] state), or None when fla does not import."""
-    try:
-        from fla.modules.causal_conv1d.ops import causal_conv1d as fla_conv
-    except Exception:  # ImportError, or triton / driver trouble at import time
-        return None
-    return fla_conv
+# fla's Triton `causal_conv1d` ([B, T, C] in and out, a [B, C, K] state), or None when fla does not import
+_load_fla_conv = functools.partial(fla_function, "fla.modules.causal_conv1d.ops", "causal_conv1d")
 
 
 def _fla_conv_usable(x_BTC: torch.Tensor, weight_CK: torch.Tensor) -> bool:

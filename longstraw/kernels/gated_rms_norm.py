@@ -10,19 +10,13 @@ float32 rounded once. Elsewhere (CPU, float64, no fla) it calls the module.
 from __future__ import annotations
 
 import functools
-from typing import Callable
 
 import torch
 
+from longstraw.kernels.fla_import import fla_function
 
-@functools.lru_cache(maxsize=1)
-def _load_fla_norm() -> Callable | None:
-    """fla's `rms_norm_gated` (x, g, weight, bias, activation, ..., eps), or None when fla does not import."""
-    try:
-        from fla.modules.fused_norm_gate import rms_norm_gated
-    except Exception:  # ImportError, or triton / driver trouble at import time
-        return None
-    return rms_norm_gated
+# fla's `rms_norm_gated` (x, g, weight, bias, activation, ..., eps), or None when fla does not import
+_load_fla_norm = functools.partial(fla_function, "fla.modules.norm.fused_norm_gate", "rms_norm_gated")
 
 
 def _fla_norm_usable(module, x_ND: torch.Tensor) -> bool:

@@ -11,21 +11,16 @@ module itself, the plain reference.
 from __future__ import annotations
 
 import functools
-from typing import Callable
 
 import torch
+
+from longstraw.kernels.fla_import import fla_function
 
 ONE_PLUS_WEIGHT = frozenset({"Qwen3NextRMSNorm", "Qwen3_5RMSNorm", "Qwen3_5MoeRMSNorm"})
 
 
-@functools.lru_cache(maxsize=1)
-def _load_fla_rms_norm() -> Callable | None:
-    """fla's `rms_norm` (x, weight, bias, residual, eps), or None when fla does not import."""
-    try:
-        from fla.modules.layernorm import rms_norm
-    except Exception:  # ImportError, or triton / driver trouble at import time
-        return None
-    return rms_norm
+# fla's `rms_norm` (x, weight, bias, residual, eps), or None when fla does not import
+_load_fla_rms_norm = functools.partial(fla_function, "fla.modules.norm.layernorm", "rms_norm")
 
 
 def one_plus_weight(module) -> torch.Tensor:
