@@ -17,14 +17,15 @@ RATES = {
 NAIVE_CAPACITY = {"kind": "capacity", "config": {"mode": "naive"}}
 
 
-def _step(mode, count, peak, replay_seconds=1.0, status="ok"):
-    return {
+def _step(mode, count, peak, replay_seconds=1.0, status="ok", transient=None):
+    step = {
         "mode": mode,
         "count": count,
         "status": status,
         "peak_allocated_bytes": peak,
         "phases": {"replay": {"seconds": replay_seconds}},
     }
+    return step if transient is None else {**step, "replay_transient_bytes": transient}
 
 
 def _sweep(positions, transient, steps, rates=RATES, attention_rate=400.0):
@@ -108,6 +109,25 @@ def test_verdicts_follow_the_goals(tmp_path):
         verdicts["G=8 step time, naive over replay, at the longest length naive's full step was timed"] is False
     )  # 3x
     assert verdicts["replay time per member at 2,097,152 positions"] is False  # 1000 s per member
+
+
+PEAK_GROWTH = "peak(G=8) - peak(G=2), replay, 2,097,152 positions"
+
+
+def test_peak_growth_reads_the_last_g2_step_and_names_a_first_steps_missing_held_memory(tmp_path):
+    # cold G=2 (the first step: 4e8 less held when it began), G=8: 0.5% over the cold step's peak, missed and named
+    cold, warm, g8 = (
+        _step("replay", 2, 10**11, transient=10**10),
+        _step("replay", 2, 10**11 + 4 * 10**8, transient=10**10),
+        _step("replay", 8, 10**11 + 5 * 10**8, transient=10**10 + 10**8),
+    )
+    _write(tmp_path, "g_sweep/sweep.json", _sweep(2_097_151, transient=10**8, steps=[cold, g8]))
+    row = next(r for r in evaluate_targets(tmp_path) if r["target"] == PEAK_GROWTH)
+    assert row["met"] is False and "the G=8 step began holding 0.400 GB more" in row["measured"]
+    # with a warm G=2 step after the cold one, the G=8 peak is read against it: 0.1%, met, nothing to name
+    _write(tmp_path, "g_sweep/sweep.json", _sweep(2_097_151, transient=10**8, steps=[cold, warm, g8]))
+    row = next(r for r in evaluate_targets(tmp_path) if r["target"] == PEAK_GROWTH)
+    assert row["met"] is True and row["measured"] == "0.100 GB of 100.500 GB (0.100%)"
 
 
 def test_unmeasured_figures_are_not_guessed(tmp_path):

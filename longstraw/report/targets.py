@@ -86,7 +86,17 @@ def peak_growth(root: Path) -> dict:
         return _missing(target, goal, "the sweep has no ok replay step at G=2 and G=8")
     p2, p8 = by_g[2]["peak_allocated_bytes"], by_g[8]["peak_allocated_bytes"]
     share = (p8 - p2) / p8
-    return _row(target, goal, f"{_gb(p8 - p2)} of {_gb(p8)} ({share:.3%})", share <= PEAK_GROWTH_LIMIT, SWEEP)
+    measured = f"{_gb(p8 - p2)} of {_gb(p8)} ({share:.3%})"
+    transients = [by_g[g].get("replay_transient_bytes") for g in (2, 8)]
+    if by_g[2] is sweep["metrics"]["steps"][0] and None not in transients:
+        # the steps share one state and optimizer: a later step holds what the earlier ones left (the optimizer's
+        # state, created by the first step's update), so a first G=2 step's peak is read against less held memory
+        held = (p8 - transients[1]) - (p2 - transients[0])
+        measured += (
+            f"; the G=2 step is the sweep's first: the G=8 step began holding {_gb(held)} more (the optimizer's "
+            "state among it), which a second G=2 step would hold too"
+        )
+    return _row(target, goal, measured, share <= PEAK_GROWTH_LIMIT, SWEEP)
 
 
 def capture_attention_rate(root: Path) -> dict:
