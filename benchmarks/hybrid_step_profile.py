@@ -9,7 +9,8 @@ rule of `gated_delta_rule` ("auto": fla's chunk kernels forward and backward whe
 or HF's (--norms fused hf), the capture's (at the point's chunk size and at each of --chunk-sizes) and the G
 members' replay's first and warm seconds, and each warm phase once under torch.profiler (kernels, busy fraction,
 top kernels by device time and by launches); and whether fla's backward passed its check here. The last stdout
-line is one JSON object, also written to --out.
+line is one JSON object, also written to --out. The point comes from `experiments/peers.yaml`'s plan, which refuses
+its peer points where the peers are not installed: on the GPU box carry `.whl_peers` (docs/gpu.md).
 """
 
 from __future__ import annotations
