@@ -63,7 +63,10 @@ def gdn_rule_inputs(module, project, x_BTH, conv_in):
     conv_BTC, conv_state = causal_conv1d_channels_last(
         mixed_BTC, conv_in, module.conv1d.weight.squeeze(1), module.conv1d.bias, activation=module.activation
     )
-    q, k, v = torch.split(conv_BTC, [module.key_dim, module.key_dim, module.value_dim], dim=-1)
+    # q, k and v as tensors of their own, so the conv's output is freed before the rule runs (fla's kernels copy
+    # strided inputs anyway, and capture's transient peaks inside the rule)
+    q, k, v = (t.contiguous() for t in torch.split(conv_BTC, [module.key_dim, module.key_dim, module.value_dim], -1))
+    del conv_BTC
     q = q.reshape(B, T, -1, module.head_k_dim)
     k = k.reshape(B, T, -1, module.head_k_dim)
     v = v.reshape(B, T, -1, module.head_v_dim)
