@@ -9,6 +9,7 @@ from unittest import mock
 from peft import LoraConfig, get_peft_model
 from peft.tuners.lora import LoraLayer
 
+from longstraw.models.lora_linear import adopt_in_place_lora
 from longstraw.models.quant import adopt_lora_layers
 
 # Projection names across the supported families: attention (q/k/v/o), MLA (q_a/q_b, kv_a/kv_b) and
@@ -87,6 +88,7 @@ def apply_lora(
             if "lora_" in name:
                 param.data = param.data.to(dtype)
     adopt_lora_layers(model)  # LoRA over NF4: the capture's merged path (longstraw.models.quant)
+    adopt_in_place_lora(model)  # LoRA over nn.Linear: the update added in place (longstraw.models.lora_linear)
     return model
 
 

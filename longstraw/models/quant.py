@@ -62,6 +62,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from longstraw.kernels.nf4_linear import DEQUANTIZE_MIN_ROWS, DequantizedMatmul, merged_weight
+from longstraw.models.lora_linear import single_plain_adapter
 
 _merging = False  # inside merged_lora_for_capture()
 _kept: dict | None = None  # inside merged_weights_kept(): each layer's merged weight, built once
@@ -119,7 +120,7 @@ def merging_lora_class():
 
     class MergingLoraLinear4bit(LoraLinear4bit):
         def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-            adapter = self._single_plain_adapter()
+            adapter = single_plain_adapter(self)
             if (
                 not _merging
                 or torch.is_grad_enabled()
@@ -144,16 +145,6 @@ def merging_lora_class():
                     _kept[self] = weight
             bias = None if base.bias is None else base.bias.to(base.compute_dtype)
             return F.linear(x.to(base.compute_dtype), weight, bias).to(x.dtype)
-
-        def _single_plain_adapter(self) -> str | None:
-            """The one active vanilla LoRA adapter without dropout, or None (then peft's forward runs)."""
-            if self.disable_adapters or self.merged or len(self.active_adapters) != 1:
-                return None
-            name = self.active_adapters[0]
-            if name not in self.lora_A or name in self.lora_variant:
-                return None
-            dropout = self.lora_dropout[name]
-            return name if isinstance(dropout, nn.Identity) or not dropout.training or dropout.p == 0 else None
 
     return MergingLoraLinear4bit
 
