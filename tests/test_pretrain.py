@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from longstraw.config import from_mapping
-from longstraw.models import load_pretrained
+from longstraw.models import build_model, load_pretrained
 from longstraw.training import tasks
 from longstraw.training.length_curve import example_at_depth, length_curve
 from longstraw.training.pretrain import (
@@ -18,6 +18,7 @@ from longstraw.training.pretrain import (
     TRAIN_SEED_STRIDE,
     PretrainConfig,
     TaskBank,
+    forward_losses,
     lr_factor,
     make_batch,
     pretrain,
@@ -221,8 +222,17 @@ def test_a_continuation_starts_from_its_init_checkpoint_and_stops_at_its_time_li
     continued = load_pretrained(str(tmp_path / "next" / "checkpoint"), dtype=torch.float32)
     for name, p in continued.named_parameters():
         assert torch.equal(p.detach(), saved[name]), name
-    # the first step's loss is the trained checkpoint's (well below a random model's ln 4 on counting 0-3)
-    assert curve["steps"][0]["answer_loss"] < 0.5 * math.log(4)
+    # the first step's loss is the checkpoint's own on that batch (seed 1's first 8 examples), not a fresh model's
+    ids_BT, answers_BM, targets_BT, _ = make_batch(
+        TaskBank(COUNTING, continued.config.vocab_size)(16, COUNTING), range(TRAIN_SEED_STRIDE, TRAIN_SEED_STRIDE + 8)
+    )
+    with torch.no_grad():
+        _, checkpoint_loss = forward_losses(continued, ids_BT, answers_BM, targets_BT, "answer")
+        _, fresh_loss = forward_losses(
+            build_model("learn-tiny-hybrid", seed=1), ids_BT, answers_BM, targets_BT, "answer"
+        )
+    assert curve["steps"][0]["answer_loss"] == pytest.approx(checkpoint_loss.item(), rel=1e-5)
+    assert abs(fresh_loss.item() - checkpoint_loss.item()) > 0.5
 
 
 def test_a_continuation_refuses_a_missing_init_and_overrides():
