@@ -211,30 +211,31 @@ SCALING_COLUMNS = [
 
 
 def scaling_note(rows: list[dict]) -> str:
-    """What calibrated the CP scaling model and its error on the 2-rank point, from the table's rows."""
-    point = next(
-        (
-            r
-            for r in rows
-            if r.get("source") == "measured"
-            and r.get("cp_size") == 2
-            and "calibration" in str(r.get("role"))
-            and number(r.get("model_seconds")) is not None
-        ),
-        None,
-    )
-    if point is None:
+    """What calibrated the CP scaling model and its leave-one-out error on each 2-rank point, from the table's rows."""
+    two_rank = [
+        r
+        for r in rows
+        if r.get("source") == "measured" and r.get("cp_size") == 2 and number(r.get("model_seconds")) is not None
+    ]
+    calibrating = next((r for r in two_rank if "calibration" in str(r.get("role"))), None)
+    if calibrating is None:
         return ""
-    error = point["model_over_measured_ratio"] - 1
-    stated = f", stated error \u00b1{point['stated_error']:.0%}" if number(point.get("stated_error")) else ""
+
+    def held_out(r):
+        stated = f", stated error \u00b1{r['stated_error']:.0%}" if number(r.get("stated_error")) else ""
+        return (
+            f"{r['point']} ({r['schedule']}) at {r['model_seconds']:.1f} s against {r['capture_seconds']:.1f} s "
+            f"measured ({r['model_over_measured_ratio'] - 1:+.1%}{stated})"
+        )
+
     return (
         f"Measured rows are recorded captures (result_file). Predicted rows come from longstraw.cp.scaling, "
         f"calibrated on the measured rows whose role says calibration: per-rank rates from the single-GPU "
         f"captures (attention seconds per FLOP from their AttentionTimer, the rest per position, split over "
         f"ranks) and, for the pipeline only, the 2-rank run's rank-0 attention rate and residual "
-        f"({point['point']}); calibrated without that run the model predicts it at {point['model_seconds']:.1f} s "
-        f"against {point['capture_seconds']:.1f} s measured ({error:+.1%}{stated}). No balanced capture is "
-        f"recorded yet."
+        f"({calibrating['point']}). Calibrated without any 2-rank run the model predicts "
+        + "; ".join(held_out(r) for r in two_rank if "check" in str(r.get("role")))
+        + "."
     )
 
 
