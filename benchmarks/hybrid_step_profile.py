@@ -120,6 +120,8 @@ def main() -> int:
 
     for rule in args.rules:
         for norms in args.norms:
+            # a box without a Triton cache autotunes fla's kernels inside the first timings (minutes): say where it is
+            print(f"rule {rule}, {norms} norms: 3 captures, 3 replays, one of each profiled", flush=True)
             with differentiable_rule(rule), norms_as(norms):
                 row = measure(fresh_capture, replay_group, device, args.chunk_sizes)
             name = rule if norms == "fused" else f"{rule}, HF norms"
