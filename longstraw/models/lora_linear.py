@@ -10,8 +10,8 @@ fewer passes over [rows, out], with autograd as well as without.
 The products are peft's: with a power-of-two scaling (peft's default alpha = 2r gives 2) the output and every
 gradient are bit-identical to peft's, as scaling by a power of two commutes with rounding; otherwise they differ
 by the rounding of the scaling's product. Whatever else peft's layer does (adapters disabled or merged, several
-active, a variant such as DoRA, dropout that is active, mixed-batch arguments, a base other than `nn.Linear`)
-runs peft's own forward.
+active, a variant such as DoRA, dropout that is active, mixed-batch arguments) runs peft's own forward; a layer
+whose base is not an `nn.Linear` is not adopted.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def in_place_lora_class():
     class InPlaceLoraLinear(LoraLinear):
         def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
             adapter = single_plain_adapter(self)
-            if adapter is None or args or kwargs or type(self.base_layer) is not nn.Linear:
+            if adapter is None or args or kwargs:
                 return super().forward(x, *args, **kwargs)
             lora_A, lora_B = self.lora_A[adapter], self.lora_B[adapter]
             result = self.base_layer(x)
@@ -51,10 +51,10 @@ def in_place_lora_class():
 
 
 def adopt_in_place_lora(model) -> None:
-    """Give peft's LoRA linear layers (exactly that class: not its subclasses, not 4-bit ones) the in-place
-    update of this module, in place."""
+    """Give peft's LoRA linear layers over an `nn.Linear` (exactly those classes: not subclasses, not 4-bit
+    layers) the in-place update of this module, in place."""
     from peft.tuners.lora.layer import Linear as LoraLinear
 
     for module in model.modules():
-        if type(module) is LoraLinear:
+        if type(module) is LoraLinear and type(module.base_layer) is nn.Linear:
             module.__class__ = in_place_lora_class()
