@@ -1,16 +1,17 @@
 """Where hybrid-1b's warm replay step goes (issue 32's FLOP-floor target), under each differentiable GDN rule.
 
     python benchmarks/hybrid_step_profile.py [--point warm-hybrid-1b_mode-replay_length-32768_count-2] \
-        [--norms fused hf] [--chunk-sizes 8192 32768] --out F
+        [--norms fused hf] [--chunk-sizes 8192 32768] [--top 20] --out F
 
 For the named `experiments/peers.yaml` h200 point (its model, prompt, G responses, k and checkpointing): for each
 rule of `gated_delta_rule` ("auto": fla's chunk kernels forward and backward where checked on this device;
 "torch": the torch chunk rule) and with the layers' norms fused (fla's kernels, as the package runs them on CUDA)
 or HF's (--norms fused hf), the capture's (at the point's chunk size and at each of --chunk-sizes) and the G
 members' replay's first and warm seconds, and each warm phase once under torch.profiler (kernels, busy fraction,
-top kernels by device time and by launches); and whether fla's backward passed its check here. The last stdout
-line is one JSON object, also written to --out. The point comes from `experiments/peers.yaml`'s plan, which refuses
-its peer points where the peers are not installed: on the GPU box carry `.whl_peers` (docs/gpu.md).
+the `--top` ops and kernels by device time and by launches); and whether fla's backward passed its check here.
+The last stdout line is one JSON object, also written to --out. The point comes from `experiments/peers.yaml`'s
+plan, which refuses its peer points where the peers are not installed: on the GPU box carry `.whl_peers`
+(docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -60,16 +61,16 @@ def norms_as(norms: str):
         yield
 
 
-def measure(fresh_capture, replay_group, device, chunk_sizes) -> dict:
+def measure(fresh_capture, replay_group, device, chunk_sizes, top: int) -> dict:
     """First and warm seconds of the capture and the members' replay, each profiled once warm; and the capture at
     each of `chunk_sizes`."""
     row = {"capture_seconds": seconds_of(fresh_capture, device), "replay_seconds": seconds_of(replay_group, device)}
-    row["capture_profile"] = kernel_profile(fresh_capture, device, top=20)
-    row["replay_profile"] = kernel_profile(replay_group, device, top=20)
+    row["capture_profile"] = kernel_profile(fresh_capture, device, top=top)
+    row["replay_profile"] = kernel_profile(replay_group, device, top=top)
     for chunk in chunk_sizes:
         row[f"capture_chunk_{chunk}"] = {
             "seconds": seconds_of(lambda: fresh_capture(chunk_size=chunk), device),
-            "profile": kernel_profile(lambda: fresh_capture(chunk_size=chunk), device, top=20),
+            "profile": kernel_profile(lambda: fresh_capture(chunk_size=chunk), device, top=top),
         }
     return row
 
@@ -80,6 +81,7 @@ def main() -> int:
     parser.add_argument("--rules", nargs="+", default=["auto", "torch"])
     parser.add_argument("--norms", nargs="+", default=["fused"], choices=["fused", "hf"])
     parser.add_argument("--chunk-sizes", nargs="*", type=int, default=[], help="capture chunk sizes to compare")
+    parser.add_argument("--top", type=int, default=20, help="ops and kernels listed per profile")
     parser.add_argument("--profile", default="h200")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -123,7 +125,7 @@ def main() -> int:
             # a box without a Triton cache autotunes fla's kernels inside the first timings (minutes): say where it is
             print(f"rule {rule}, {norms} norms: 3 captures, 3 replays, one of each profiled", flush=True)
             with differentiable_rule(rule), norms_as(norms):
-                row = measure(fresh_capture, replay_group, device, args.chunk_sizes)
+                row = measure(fresh_capture, replay_group, device, args.chunk_sizes, args.top)
             name = rule if norms == "fused" else f"{rule}, HF norms"
             out["rules"][name] = row
             print(

@@ -1,13 +1,14 @@
-"""LoRA's update added in place (`longstraw.models.lora_linear`), against peft's own `Linear.forward` on the same
-module: bit-identical output and gradients for a power-of-two scaling (peft's default alpha = 2r), within the
-scaling's rounding otherwise (float64), peft's own path wherever peft does more, and one [rows, out] temporary
-instead of peft's four."""
+"""LoRA's update in `longstraw.models.lora_linear`, against peft's own `Linear.forward` on the same module and
+against the layer's definition in float64: the in-place path (adapters of another dtype than the base) bit-identical
+to peft at a power-of-two scaling (peft's default alpha = 2r); the fused path (adapters in the base's dtype) within
+its roundings of the definition, with peft's products in float64; peft's own path wherever peft does more; three
+forward and five backward kernels where peft launches seven and nine; and fewer [rows, out] temporaries."""
 
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 from peft.tuners.lora.layer import Linear as LoraLinear
-from tolerances import TOL64
+from tolerances import EPS32, EPS_BF16, SAFETY, TOL64
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -48,12 +49,9 @@ def _run(forward, layer, x, grad_out):
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
-@pytest.mark.parametrize(
-    "base_dtype, adapter_dtype",
-    [(torch.bfloat16, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32)],
-)
-def test_in_place_update_is_peft_bit_for_bit_at_a_power_of_two_scaling(base_dtype, adapter_dtype, device):
-    _, layer = _layer(base_dtype=base_dtype, adapter_dtype=adapter_dtype, device=device)
+def test_in_place_update_is_peft_bit_for_bit_at_a_power_of_two_scaling(device):
+    base_dtype = torch.bfloat16
+    _, layer = _layer(base_dtype=base_dtype, adapter_dtype=torch.float32, device=device)  # peft's default adapters
     assert type(layer) is in_place_lora_class() and layer.scaling["default"] == 2.0
     x = torch.randn(2, ROWS // 2, IN, dtype=base_dtype, device=device)
     grad_out = torch.randn(2, ROWS // 2, OUT, dtype=base_dtype, device=device)
@@ -66,14 +64,62 @@ def test_in_place_update_is_peft_bit_for_bit_at_a_power_of_two_scaling(base_dtyp
         assert torch.equal(layer(x), LoraLinear.forward(layer, x))
 
 
-def test_in_place_update_at_another_scaling_differs_by_rounding_only():
-    _, layer = _layer(alpha=3, base_dtype=torch.float64, adapter_dtype=torch.float64)  # scaling 0.75
-    x = torch.randn(ROWS, IN, dtype=torch.float64)
-    grad_out = torch.randn(ROWS, OUT, dtype=torch.float64)
+@pytest.mark.numerics
+@pytest.mark.parametrize("alpha", [2 * R, 3])  # scaling 2 and 0.75
+def test_both_paths_are_peft_in_float64(alpha):
+    for adapter_dtype in (torch.float64, torch.float32):  # fused, in place
+        _, layer = _layer(alpha=alpha, base_dtype=torch.float64, adapter_dtype=adapter_dtype)
+        x = torch.randn(2, ROWS // 2, IN, dtype=torch.float64)
+        grad_out = torch.randn(2, ROWS // 2, OUT, dtype=torch.float64)
+        ours, ours_grads = _run(lambda m, t: m(t), layer, x, grad_out)
+        peft, peft_grads = _run(LoraLinear.forward, layer, x, grad_out)
+        # float32 adapters: x is cast to float32 by both, so the in-place path is held to float32 against peft
+        tol = TOL64 if adapter_dtype == torch.float64 else SAFETY * IN * EPS32
+        for a, b in zip([ours] + ours_grads, [peft] + peft_grads):
+            assert ((a - b).norm() / b.norm()).item() < tol
+
+
+def _definition_and_bounds(layer, x, grad_out, dtype):
+    """The layer's output and the gradients of x, lora_A and lora_B in float64 from the same (rounded) values, and
+    elementwise bounds on a computation in `dtype` that accumulates in float32 and rounds each stored product once:
+    the base's output, lora_A's output and gy B are rounded before they are used (u = half `dtype`'s epsilon, times
+    what each feeds), each result rounds once (u |result|), and a float32 sum of K terms errs by at most K EPS32
+    times the sum of their magnitudes. Times SAFETY."""
+    f = lambda t: t.detach().double()  # noqa: E731
+    W, b = f(layer.base_layer.weight), f(layer.base_layer.bias)
+    A, B = f(layer.lora_A["default"].weight), f(layer.lora_B["default"].weight)
+    s, X, G = layer.scaling["default"], f(x).reshape(-1, IN), f(grad_out).reshape(-1, OUT)
+    u = (EPS_BF16 if dtype == torch.bfloat16 else EPS32) / 2
+    acc = lambda k: k * EPS32  # noqa: E731
+    a, t = X @ A.T, G @ B
+    y = X @ W.T + b + s * a @ B.T
+    gx, gA, gB = G @ W + s * t @ A, s * t.T @ X, s * G.T @ a
+    aX, aW, aA, aB, aG = X.abs(), W.abs(), A.abs(), B.abs(), G.abs()
+    y_bound = (u + acc(IN)) * (aX @ aW.T + b.abs()) + s * (u + acc(IN) + acc(R)) * (aX @ aA.T) @ aB.T + u * y.abs()
+    gx_bound = (u + acc(OUT)) * aG @ aW + s * (u + acc(OUT) + acc(R)) * (aG @ aB) @ aA + u * gx.abs()
+    gA_bound = s * (u + acc(OUT) + acc(ROWS)) * (aG @ aB).T @ aX + u * gA.abs()
+    gB_bound = s * (u + acc(IN) + acc(ROWS)) * aG.T @ (aX @ aA.T) + u * gB.abs()
+    bounds = [SAFETY * bound for bound in (y_bound, gx_bound, gA_bound, gB_bound)]
+    wrong = [y - s * a @ B.T, gx - s * t @ A, 2 * gA, 2 * gB]  # the update dropped, the scaling applied twice
+    return [y, gx, gA, gB], bounds, wrong
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_fused_update_is_the_definition_within_its_roundings(dtype, device):
+    _, layer = _layer(base_dtype=dtype, adapter_dtype=dtype, device=device)
+    x = torch.randn(2, ROWS // 2, IN, dtype=dtype, device=device)
+    grad_out = torch.randn(2, ROWS // 2, OUT, dtype=dtype, device=device)
     ours, ours_grads = _run(lambda m, t: m(t), layer, x, grad_out)
-    peft, peft_grads = _run(LoraLinear.forward, layer, x, grad_out)
-    for a, b in zip([ours] + ours_grads, [peft] + peft_grads):
-        assert ((a - b).norm() / b.norm()).item() < TOL64
+    exact, bounds, wrong = _definition_and_bounds(layer, x, grad_out, dtype)
+    names = ("output", "x", "lora_A", "lora_B")
+    for name, value, reference, bound, mistake in zip(names, [ours] + ours_grads, exact, bounds, wrong):
+        error = (value.double().reshape(reference.shape) - reference).abs()
+        assert value.dtype == dtype and (error <= bound).all(), f"{name}: {(error / bound).max().item():.3g} of bound"
+        assert ((mistake - reference).abs() > bound).any(), f"{name}: the bound cannot tell a wrong update"
+    with torch.no_grad():
+        assert torch.equal(layer(x), ours)
 
 
 def test_what_peft_does_more_runs_peft():
@@ -105,16 +151,56 @@ class _Allocations(TorchDispatchMode):
         return out
 
 
-def test_update_makes_one_rows_by_out_temporary_where_peft_makes_four():
-    _, layer = _layer()
+def test_updates_make_fewer_rows_by_out_temporaries_than_peft():
     x = torch.randn(ROWS, IN, dtype=torch.bfloat16)
-    with torch.no_grad():
-        with _Allocations(ROWS * OUT) as ours:
-            layer(x)
-        with _Allocations(ROWS * OUT) as peft:
-            LoraLinear.forward(layer, x)
-    assert ours.count == 2  # the base's result and lora_B's output
-    assert peft.count == 5  # and the scaled copy, the float32 sum, its bf16 cast
+    counts = {}
+    for adapter_dtype in (torch.float32, torch.bfloat16):
+        _, layer = _layer(adapter_dtype=adapter_dtype)
+        with torch.no_grad():
+            with _Allocations(ROWS * OUT) as ours:
+                layer(x)
+            with _Allocations(ROWS * OUT) as peft:
+                LoraLinear.forward(layer, x)
+        counts[adapter_dtype] = ours.count, peft.count
+    assert counts[torch.float32] == (2, 5)  # in place: the base's result and lora_B's output; peft: and the scaled
+    # copy, the float32 sum, its bf16 cast
+    assert counts[torch.bfloat16] == (1, 4)  # fused: the base's result only; peft: lora_B's output, the scaled copy,
+    # the sum
+
+
+class _Ops(TorchDispatchMode):
+    """The names of the dispatched ops that are not views (each a kernel, or a tensor's allocation)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view:
+            self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("x_requires_grad", [True, False])
+def test_fused_update_is_three_gemms_forward_and_five_backward(x_requires_grad):
+    _, layer = _layer(base_dtype=torch.bfloat16, adapter_dtype=torch.bfloat16)
+    x = torch.randn(2, ROWS // 2, IN, dtype=torch.bfloat16, requires_grad=x_requires_grad)
+    grad_out = torch.randn(2, ROWS // 2, OUT, dtype=torch.bfloat16)
+    ops = {}
+    for name, forward in (("ours", lambda m, t: m(t)), ("peft", LoraLinear.forward)):
+        with _Ops() as forward_ops:
+            out = forward(layer, x)
+        with _Ops() as backward_ops:
+            out.backward(grad_out)
+        ops[name] = forward_ops.names, backward_ops.names
+        for p in layer.parameters():
+            p.grad = None
+    forward_ops, backward_ops = ops["ours"]
+    assert forward_ops == ["addmm", "mm", "addmm_"]  # the base (bias in it), lora_A, lora_B accumulating
+    # gy B, then gy W accumulating its product with A (only when x needs it), and the adapters' two
+    assert backward_ops == ["mm", "mm", "addmm_", "addmm", "addmm"] if x_requires_grad else ["mm", "addmm", "addmm"]
+    # peft: two views that copy, the scaling and the sum forward; the scaling and the sum of x's two gradients back
+    assert len(ops["peft"][0]) == 7 and len(ops["peft"][1]) > len(backward_ops)
 
 
 def test_apply_lora_adopts_every_plain_lora_linear():

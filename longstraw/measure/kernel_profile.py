@@ -12,8 +12,8 @@ from longstraw.measure.memory import synchronize
 def kernel_profile(fn, device, top: int = 12) -> dict:
     """Run `fn()` once under torch.profiler (CPU and CUDA activity): the kernels it launched, their summed
     device time, the wall, the fraction of the wall the device was busy, the `top` ops by device time (an op's time
-    includes its children's), the `top` kernels by their own summed time and by their launches (where a
-    launch-bound call's host time goes)."""
+    includes its children's) and by their own kernels' time (`top_self`: which op launched the time), the `top`
+    kernels by their own summed time and by their launches (where a launch-bound call's host time goes)."""
     from torch.profiler import ProfilerActivity, profile
 
     synchronize(device)
@@ -24,7 +24,9 @@ def kernel_profile(fn, device, top: int = 12) -> dict:
         wall = time.perf_counter() - start
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     kernel_seconds = sum(e.device_time for e in kernels) / 1e6
-    ops = sorted(prof.key_averages(), key=lambda e: e.device_time_total, reverse=True)[:top]
+    averages = prof.key_averages()
+    ops = sorted(averages, key=lambda e: e.device_time_total, reverse=True)[:top]
+    own = sorted(averages, key=lambda e: e.self_device_time_total, reverse=True)[:top]
     by_kernel: dict[str, list] = {}
     for e in kernels:
         calls_seconds = by_kernel.setdefault(e.name[:90], [0, 0.0])
@@ -38,6 +40,11 @@ def kernel_profile(fn, device, top: int = 12) -> dict:
         "kernel_seconds": kernel_seconds,
         "busy_fraction": kernel_seconds / wall if wall else None,
         "top": [{"name": e.key[:90], "calls": e.count, "seconds": e.device_time_total / 1e6} for e in ops],
+        "top_self": [
+            {"name": e.key[:90], "calls": e.count, "seconds": e.self_device_time_total / 1e6}
+            for e in own
+            if e.self_device_time_total > 0
+        ],
         "top_kernels": [{"name": n, "calls": c, "seconds": t} for n, (c, t) in top_kernels],
         "most_launched": [{"name": n, "calls": c, "seconds": t} for n, (c, t) in most_launched],
     }
