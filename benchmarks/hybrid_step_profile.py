@@ -1,17 +1,18 @@
 """Where hybrid-1b's warm replay step goes (issue 32's FLOP-floor target), under each differentiable GDN rule.
 
     python benchmarks/hybrid_step_profile.py [--point warm-hybrid-1b_mode-replay_length-32768_count-2] \
-        [--norms fused hf] [--chunk-sizes 8192 32768] [--top 20] --out F
+        [--norms fused hf] [--chunk-sizes 8192 32768] [--top 20] [--sources] --out F
 
 For the named `experiments/peers.yaml` h200 point (its model, prompt, G responses, k and checkpointing): for each
 rule of `gated_delta_rule` ("auto": fla's chunk kernels forward and backward where checked on this device;
 "torch": the torch chunk rule) and with the layers' norms fused (fla's kernels, as the package runs them on CUDA)
 or HF's (--norms fused hf), the capture's (at the point's chunk size and at each of --chunk-sizes) and the G
 members' replay's first and warm seconds, and each warm phase once under torch.profiler (kernels, busy fraction,
-the `--top` ops and kernels by device time and by launches); and whether fla's backward passed its check here.
-The last stdout line is one JSON object, also written to --out. The point comes from `experiments/peers.yaml`'s
-plan, which refuses its peer points where the peers are not installed: on the GPU box carry `.whl_peers`
-(docs/gpu.md).
+the `--top` ops and kernels by device time and by launches; with --sources, the source lines and backward nodes
+that launched them: `longstraw.measure.kernel_profile.launch_sources`); and whether fla's backward passed its
+check here. The last stdout line is one JSON object, also written to --out. The point comes from
+`experiments/peers.yaml`'s plan, which refuses its peer points where the peers are not installed: on the GPU box
+carry `.whl_peers` (docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from longstraw.kernels import gated_rms_norm as gated_rms_norm_module
 from longstraw.kernels import rms_norm as rms_norm_module
 from longstraw.kernels.gdn import differentiable_rule, fla_backward_trusted
 from longstraw.kinds.common import compute_dtype, policy_and_prompt, seeded_group
-from longstraw.measure.kernel_profile import kernel_profile
+from longstraw.measure.kernel_profile import kernel_profile, launch_sources
 from longstraw.measure.memory import PhaseRecorder, synchronize
 from longstraw.measure.provenance import provenance
 from longstraw.results import write_json_atomic
@@ -61,12 +62,15 @@ def norms_as(norms: str):
         yield
 
 
-def measure(fresh_capture, replay_group, device, chunk_sizes, top: int) -> dict:
+def measure(fresh_capture, replay_group, device, chunk_sizes, top: int, sources: bool) -> dict:
     """First and warm seconds of the capture and the members' replay, each profiled once warm; and the capture at
     each of `chunk_sizes`."""
     row = {"capture_seconds": seconds_of(fresh_capture, device), "replay_seconds": seconds_of(replay_group, device)}
     row["capture_profile"] = kernel_profile(fresh_capture, device, top=top)
     row["replay_profile"] = kernel_profile(replay_group, device, top=top)
+    if sources:
+        row["capture_sources"] = launch_sources(fresh_capture, device, top=top)
+        row["replay_sources"] = launch_sources(replay_group, device, top=top)
     for chunk in chunk_sizes:
         row[f"capture_chunk_{chunk}"] = {
             "seconds": seconds_of(lambda: fresh_capture(chunk_size=chunk), device),
@@ -82,6 +86,7 @@ def main() -> int:
     parser.add_argument("--norms", nargs="+", default=["fused"], choices=["fused", "hf"])
     parser.add_argument("--chunk-sizes", nargs="*", type=int, default=[], help="capture chunk sizes to compare")
     parser.add_argument("--top", type=int, default=20, help="ops and kernels listed per profile")
+    parser.add_argument("--sources", action="store_true", help="where each phase's launches come from")
     parser.add_argument("--profile", default="h200")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -125,7 +130,7 @@ def main() -> int:
             # a box without a Triton cache autotunes fla's kernels inside the first timings (minutes): say where it is
             print(f"rule {rule}, {norms} norms: 3 captures, 3 replays, one of each profiled", flush=True)
             with differentiable_rule(rule), norms_as(norms):
-                row = measure(fresh_capture, replay_group, device, args.chunk_sizes, args.top)
+                row = measure(fresh_capture, replay_group, device, args.chunk_sizes, args.top, args.sources)
             name = rule if norms == "fused" else f"{rule}, HF norms"
             out["rules"][name] = row
             print(

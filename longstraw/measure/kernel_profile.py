@@ -48,3 +48,48 @@ def kernel_profile(fn, device, top: int = 12) -> dict:
         "top_kernels": [{"name": n, "calls": c, "seconds": t} for n, (c, t) in top_kernels],
         "most_launched": [{"name": n, "calls": c, "seconds": t} for n, (c, t) in most_launched],
     }
+
+
+# the frames that name a launch's source: the first (innermost) frame in one of these packages
+SOURCE_PACKAGES = ("longstraw/", "transformers/", "peft/", "fla/")
+
+
+def launch_sources(fn, device, top: int = 40) -> list[dict]:
+    """Run `fn()` once under torch.profiler with Python stacks: every op that launched device work itself (on a
+    CPU device: every op), its count and own time summed by where it came from, the innermost frame in
+    `SOURCE_PACKAGES` ("file(line): function"), or for the backward's ops the autograd node that ran them
+    ("backward: MulBackward0"); the `top` sources by launches, each with its ops' names."""
+    from torch._C._profiler import _ExperimentalConfig
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    synchronize(device)
+    # verbose: without it this torch records no Python frames for ops
+    with profile(activities=activities, with_stack=True, experimental_config=_ExperimentalConfig(verbose=True)) as p:
+        fn()
+        synchronize(device)
+    sources: dict[str, dict] = {}
+    for event in p.events():
+        if event.device_type != torch.autograd.DeviceType.CPU or not event.name.startswith("aten::"):
+            continue
+        own = event.self_device_time_total if device.type == "cuda" else event.self_cpu_time_total
+        if own <= 0:
+            continue
+        row = sources.setdefault(_source(event), {"launches": 0, "seconds": 0.0, "ops": {}})
+        row["launches"] += 1
+        row["seconds"] += own / 1e6
+        row["ops"][event.name] = row["ops"].get(event.name, 0) + 1
+    ranked = sorted(sources.items(), key=lambda item: item[1]["launches"], reverse=True)[:top]
+    return [{"source": name, **row} for name, row in ranked]
+
+
+def _source(event) -> str:
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name.startswith("autograd::engine::evaluate_function: "):
+            return "backward: " + parent.name.split(": ", 1)[1]
+        parent = parent.cpu_parent
+    for frame in event.stack or ():
+        if any(package in frame for package in SOURCE_PACKAGES):
+            return frame.split("site-packages/")[-1]
+    return "elsewhere"

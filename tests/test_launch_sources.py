@@ -1,0 +1,25 @@
+"""`longstraw.measure.kernel_profile.launch_sources` names the code that launched each op: the source line of a
+forward op, the autograd node of a backward one."""
+
+import torch
+
+from longstraw.measure.kernel_profile import launch_sources
+from longstraw.models.lora_linear import fused_lora_linear
+
+
+def test_ops_are_attributed_to_their_source_line_and_backward_node():
+    torch.manual_seed(0)
+    x = torch.randn(8, 16, requires_grad=True)
+    weight, lora_A, lora_B = torch.randn(12, 16), torch.randn(4, 16, requires_grad=True), torch.randn(12, 4)
+    lora_B.requires_grad_(True)
+
+    def step():
+        fused_lora_linear(x, weight, None, lora_A, lora_B, 2.0).sum().backward()
+
+    sources = {row["source"]: row for row in launch_sources(step, torch.device("cpu"), top=100)}
+    forward = [row for name, row in sources.items() if "longstraw/models/lora_linear.py" in name]
+    assert any("aten::addmm_" in row["ops"] and "_lora_forward" in name for name, row in sources.items())
+    assert sum(row["ops"].get("aten::addmm_", 0) for row in forward) == 1  # lora_B's GEMM accumulating, once
+    backward = sources["backward: _FusedLoraLinearBackward"]["ops"]
+    assert backward.get("aten::addmm_") == 1 and backward.get("aten::addmm") == 2  # x's sum, the adapters' two
+    assert all(row["launches"] > 0 and row["seconds"] >= 0 for row in sources.values())
