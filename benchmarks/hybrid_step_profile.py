@@ -1,18 +1,20 @@
 """Where hybrid-1b's warm replay step goes (issue 32's FLOP-floor target), under each differentiable GDN rule.
 
     python benchmarks/hybrid_step_profile.py [--point warm-hybrid-1b_mode-replay_length-32768_count-2] \
-        [--norms fused hf] [--chunk-sizes 8192 32768] [--top 20] [--sources] --out F
+        [--norms fused hf] [--lora fused in-place] [--repeats 3] [--chunk-sizes 8192 32768] [--top 20] \
+        [--sources] --out F
 
 For the named `experiments/peers.yaml` h200 point (its model, prompt, G responses, k and checkpointing): for each
 rule of `gated_delta_rule` ("auto": fla's chunk kernels forward and backward where checked on this device;
-"torch": the torch chunk rule) and with the layers' norms fused (fla's kernels, as the package runs them on CUDA)
-or HF's (--norms fused hf), the capture's (at the point's chunk size and at each of --chunk-sizes) and the G
-members' replay's first and warm seconds, and each warm phase once under torch.profiler (kernels, busy fraction,
-the `--top` ops and kernels by device time and by launches; with --sources, the source lines and backward nodes
-that launched them: `longstraw.measure.kernel_profile.launch_sources`); and whether fla's backward passed its
-check here. The last stdout line is one JSON object, also written to --out. The point comes from
-`experiments/peers.yaml`'s plan, which refuses its peer points where the peers are not installed: on the GPU box
-carry `.whl_peers` (docs/gpu.md).
+"torch": the torch chunk rule), with the layers' norms fused (fla's kernels, as the package runs them on CUDA) or
+HF's (--norms fused hf), and with LoRA's update fused into lora_B's GEMM where the adapters have the base's dtype
+(as the package runs it) or added in place (--lora fused in-place; `longstraw.models.lora_linear`): the capture's
+(at the point's chunk size and at each of --chunk-sizes) and the G members' replay's seconds, --repeats of each,
+and each phase once more under torch.profiler (kernels, busy fraction, the `--top` ops and kernels by device time
+and by launches; with --sources, the source lines and backward nodes that launched them:
+`longstraw.measure.kernel_profile.launch_sources`); and whether fla's backward passed its check here. The last
+stdout line is one JSON object, also written to --out. The point comes from `experiments/peers.yaml`'s plan, which
+refuses its peer points where the peers are not installed: on the GPU box carry `.whl_peers` (docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -35,10 +37,11 @@ from longstraw.kinds.common import compute_dtype, policy_and_prompt, seeded_grou
 from longstraw.measure.kernel_profile import kernel_profile, launch_sources
 from longstraw.measure.memory import PhaseRecorder, synchronize
 from longstraw.measure.provenance import provenance
+from longstraw.models import lora_linear
 from longstraw.results import write_json_atomic
 
 
-def seconds_of(fn, device, repeats: int = 3) -> list[float]:
+def seconds_of(fn, device, repeats: int) -> list[float]:
     out = []
     for _ in range(repeats):
         synchronize(device)
@@ -62,10 +65,20 @@ def norms_as(norms: str):
         yield
 
 
-def measure(fresh_capture, replay_group, device, chunk_sizes, top: int, sources: bool) -> dict:
+def lora_as(lora: str):
+    """ "fused": LoRA as the package runs it; "in-place": the update added in place even where it could be fused."""
+    return (
+        contextlib.nullcontext() if lora == "fused" else mock.patch.object(lora_linear, "fusable", return_value=False)
+    )
+
+
+def measure(fresh_capture, replay_group, device, chunk_sizes, top: int, sources: bool, repeats: int) -> dict:
     """First and warm seconds of the capture and the members' replay, each profiled once warm; and the capture at
     each of `chunk_sizes`."""
-    row = {"capture_seconds": seconds_of(fresh_capture, device), "replay_seconds": seconds_of(replay_group, device)}
+    row = {
+        "capture_seconds": seconds_of(fresh_capture, device, repeats),
+        "replay_seconds": seconds_of(replay_group, device, repeats),
+    }
     row["capture_profile"] = kernel_profile(fresh_capture, device, top=top)
     row["replay_profile"] = kernel_profile(replay_group, device, top=top)
     if sources:
@@ -73,7 +86,7 @@ def measure(fresh_capture, replay_group, device, chunk_sizes, top: int, sources:
         row["replay_sources"] = launch_sources(replay_group, device, top=top)
     for chunk in chunk_sizes:
         row[f"capture_chunk_{chunk}"] = {
-            "seconds": seconds_of(lambda: fresh_capture(chunk_size=chunk), device),
+            "seconds": seconds_of(lambda: fresh_capture(chunk_size=chunk), device, repeats),
             "profile": kernel_profile(lambda: fresh_capture(chunk_size=chunk), device, top=top),
         }
     return row
@@ -84,6 +97,8 @@ def main() -> int:
     parser.add_argument("--point", default="warm-hybrid-1b_mode-replay_length-32768_count-2")
     parser.add_argument("--rules", nargs="+", default=["auto", "torch"])
     parser.add_argument("--norms", nargs="+", default=["fused"], choices=["fused", "hf"])
+    parser.add_argument("--lora", nargs="+", default=["fused"], choices=["fused", "in-place"])
+    parser.add_argument("--repeats", type=int, default=3, help="timed captures and replays of each setting")
     parser.add_argument("--chunk-sizes", nargs="*", type=int, default=[], help="capture chunk sizes to compare")
     parser.add_argument("--top", type=int, default=20, help="ops and kernels listed per profile")
     parser.add_argument("--sources", action="store_true", help="where each phase's launches come from")
@@ -127,20 +142,28 @@ def main() -> int:
 
     for rule in args.rules:
         for norms in args.norms:
-            # a box without a Triton cache autotunes fla's kernels inside the first timings (minutes): say where it is
-            print(f"rule {rule}, {norms} norms: 3 captures, 3 replays, one of each profiled", flush=True)
-            with differentiable_rule(rule), norms_as(norms):
-                row = measure(fresh_capture, replay_group, device, args.chunk_sizes, args.top, args.sources)
-            name = rule if norms == "fused" else f"{rule}, HF norms"
-            out["rules"][name] = row
-            print(
-                f"{name}: capture {[round(s, 3) for s in row['capture_seconds']]} s, replay "
-                f"{[round(s, 3) for s in row['replay_seconds']]} s; busy capture "
-                f"{row['capture_profile']['busy_fraction']:.2f}, replay {row['replay_profile']['busy_fraction']:.2f}; "
-                f"kernels capture {row['capture_profile']['kernels']}, replay {row['replay_profile']['kernels']}"
-                + "".join(f"; capture at chunk {c}: {row[f'capture_chunk_{c}']['seconds']}" for c in args.chunk_sizes),
-                flush=True,
-            )
+            for lora in args.lora:
+                # a box without a Triton cache autotunes fla's kernels inside the first timings (minutes): say so
+                print(f"rule {rule}, {norms} norms, LoRA {lora}: {args.repeats} captures and replays", flush=True)
+                with differentiable_rule(rule), norms_as(norms), lora_as(lora):
+                    row = measure(
+                        fresh_capture, replay_group, device, args.chunk_sizes, args.top, args.sources, args.repeats
+                    )
+                name = (
+                    rule + (", HF norms" if norms == "hf" else "") + (", LoRA in place" if lora == "in-place" else "")
+                )
+                out["rules"][name] = row
+                print(
+                    f"{name}: capture {[round(s, 3) for s in row['capture_seconds']]} s, replay "
+                    f"{[round(s, 3) for s in row['replay_seconds']]} s; busy capture "
+                    f"{row['capture_profile']['busy_fraction']:.2f}, replay "
+                    f"{row['replay_profile']['busy_fraction']:.2f}; kernels capture "
+                    f"{row['capture_profile']['kernels']}, replay {row['replay_profile']['kernels']}"
+                    + "".join(
+                        f"; capture at chunk {c}: {row[f'capture_chunk_{c}']['seconds']}" for c in args.chunk_sizes
+                    ),
+                    flush=True,
+                )
     out["provenance"] = provenance(device)
     write_json_atomic(args.out, out)
     print(json.dumps(out))
