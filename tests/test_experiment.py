@@ -30,7 +30,7 @@ def test_step_point_reuses_one_capture_across_cycles():
     assert len(cycles) == 2
     assert "capture" in cycles[0]["phases"] and "capture" not in cycles[1]["phases"]
     assert all(c["state_unchanged"] for c in cycles)
-    assert {"commit", "device", "date", "versions"} <= set(result["provenance"])
+    assert {"commit", "device", "host_cpu", "date", "versions"} <= set(result["provenance"])
 
 
 def test_capture_point_reports_resident_bytes_against_prediction():

@@ -122,6 +122,18 @@ def test_fused_update_is_the_definition_within_its_roundings(dtype, device):
         assert torch.equal(layer(x), ours)
 
 
+def test_a_trainable_base_takes_the_in_place_path_and_gets_its_gradient():
+    _, layer = _layer(base_dtype=torch.float64, adapter_dtype=torch.float64)
+    layer.base_layer.weight.requires_grad_(True)
+    x = torch.randn(ROWS, IN, dtype=torch.float64)
+    grads = []
+    for forward in (lambda m, t: m(t), LoraLinear.forward):
+        layer.base_layer.weight.grad = None
+        forward(layer, x).square().sum().backward()
+        grads.append(layer.base_layer.weight.grad)
+    assert grads[0] is not None and torch.equal(grads[0], grads[1])
+
+
 def test_what_peft_does_more_runs_peft():
     model, layer = _layer(dropout=0.5, base_dtype=torch.float32)
     x = torch.randn(ROWS, IN)

@@ -51,10 +51,23 @@ def device_name(device) -> str:
     return f"cpu ({platform.processor() or platform.machine()})"
 
 
+def host_cpu() -> str | None:
+    """The host's processor model (Linux's /proc/cpuinfo, else `platform.processor()`): a launch-bound phase runs
+    at its speed, and boxes of one GPU kind have come with hosts of other speeds."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
 def provenance(device) -> dict:
     return {
         "commit": git_commit(),
         "device": device_name(device),
+        "host_cpu": host_cpu(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "python": platform.python_version(),
         "versions": {p: _version(p) for p in ("torch", "transformers", "peft", "bitsandbytes", "fla-core")},

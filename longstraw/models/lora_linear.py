@@ -18,9 +18,9 @@ Two paths here, both with peft's `Linear.forward` as their reference:
   lora_B's output is added into the base's result in place: one temporary, and two fewer passes over [rows, out].
   Bit-identical to peft at a power-of-two scaling.
 
-Whatever else peft's layer does (adapters disabled or merged, several active, a variant such as DoRA, dropout
-that is active, a bias on lora_B, mixed-batch arguments) runs peft's own forward; a layer whose base is not an
-`nn.Linear` is not adopted.
+A trainable base, a bias on lora_B or autocast take the in-place path. Whatever else peft's layer does (adapters
+disabled or merged, several active, a variant such as DoRA, dropout that is active, mixed-batch arguments) runs
+peft's own forward; a layer whose base is not an `nn.Linear` is not adopted.
 """
 
 from __future__ import annotations
