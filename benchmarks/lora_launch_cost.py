@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from unittest import mock
 
 import torch
 from peft import LoraConfig, get_peft_model
 from torch import nn
 
+from longstraw.measure.timing import seconds_per_call
 from longstraw.models import lora_linear
 from longstraw.models.lora_linear import adopt_in_place_lora
 
@@ -29,17 +29,6 @@ def layer(device):
     model.to(device=device, dtype=torch.bfloat16)
     adopt_in_place_lora(model)
     return model.base_model.model[0]
-
-
-def per_call(fn, calls: int, device) -> float:
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize(device)
-    return (time.perf_counter() - start) / calls
 
 
 def main() -> int:
@@ -66,8 +55,10 @@ def main() -> int:
         for path in ("fused", "in-place"):
             patch = mock.patch.object(lora_linear, "fusable", return_value=False) if path == "in-place" else None
             with patch or mock.patch.object(lora_linear, "fusable", wraps=lora_linear.fusable):
-                row[f"{path}_forward_seconds"] = per_call(forward, args.calls, device)
-                row[f"{path}_forward_backward_seconds"] = per_call(forward_backward, args.calls, device)
+                row[f"{path}_forward_seconds"] = seconds_per_call(forward, device, args.calls, warmup=10)
+                row[f"{path}_forward_backward_seconds"] = seconds_per_call(
+                    forward_backward, device, args.calls, warmup=10
+                )
         for phase in ("forward", "forward_backward"):
             ratio = row[f"fused_{phase}_seconds"] / row[f"in-place_{phase}_seconds"]
             print(

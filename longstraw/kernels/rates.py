@@ -19,8 +19,6 @@ Each is timed after one warm-up call, with device syncs around the timed calls.
 
 from __future__ import annotations
 
-import time
-
 import torch
 import torch.nn.functional as F
 
@@ -33,16 +31,7 @@ from longstraw.kernels.paged_attention import (
     _flash_block_fwd,
 )
 from longstraw.measure.flops import BACKWARD_OVER_FORWARD, attention_forward_flops, head_dim
-
-
-def _timed(fn, device, repeats: int) -> float:
-    fn()
-    torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    torch.cuda.synchronize(device)
-    return (time.perf_counter() - start) / repeats
+from longstraw.measure.timing import seconds_per_call
 
 
 def _rate(flops: int, seconds: float, **shape) -> dict:
@@ -51,7 +40,7 @@ def _rate(flops: int, seconds: float, **shape) -> dict:
 
 def causal_sdpa_rate(heads: int, head_dim: int, positions: int, dtype, device) -> dict:
     q, k, v = (torch.randn(1, heads, positions, head_dim, dtype=dtype, device=device) for _ in range(3))
-    seconds = _timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), device, repeats=1)
+    seconds = seconds_per_call(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), device, repeats=1)
     return _rate(
         attention_forward_flops(heads, head_dim, positions, 0),
         seconds,
@@ -80,18 +69,20 @@ def block_rates(
     flops = 4 * kv_heads * rows * keys * head_dim
     shape = {"kv_heads": kv_heads, "rows": rows, "keys": keys, "head_dim": head_dim}
     rates = {
-        "flash_forward": _rate(flops, _timed(lambda: _flash_block_fwd(q, k, v, scale), device, repeats), **shape),
+        "flash_forward": _rate(
+            flops, seconds_per_call(lambda: _flash_block_fwd(q, k, v, scale), device, repeats), **shape
+        ),
         "flash_backward": _rate(
             int(BACKWARD_OVER_FORWARD * flops),
-            _timed(lambda: _flash_block_bwd(do, q, k, v, out, lse, scale), device, repeats),
+            seconds_per_call(lambda: _flash_block_bwd(do, q, k, v, out, lse, scale), device, repeats),
             **shape,
         ),
     }
     if head_dim <= CUDNN_BLOCKS_MAX_HEAD_DIM and (torch.backends.cudnn.version() or 0) >= 90000:
         rates["cudnn_forward"] = _rate(
-            flops, _timed(lambda: _cudnn_block_fwd(q, k, v, scale), device, repeats), **shape
+            flops, seconds_per_call(lambda: _cudnn_block_fwd(q, k, v, scale), device, repeats), **shape
         )
-        seconds = _timed(lambda: _cudnn_block_bwd(do, q, k, v, out, lse, scale), device, repeats)
+        seconds = seconds_per_call(lambda: _cudnn_block_bwd(do, q, k, v, out, lse, scale), device, repeats)
         dq_flash, dq_cudnn = (
             bwd(do, q, k, v, out, lse, scale)[0].float() for bwd in (_flash_block_bwd, _cudnn_block_bwd)
         )
@@ -106,7 +97,7 @@ def block_rates(
 
 def gemm_rate(dtype, device, n: int = 8192, repeats: int = 8) -> dict:
     a, b = (torch.randn(n, n, dtype=dtype, device=device) for _ in range(2))
-    return _rate(2 * n**3, _timed(lambda: a @ b, device, repeats), n=n)
+    return _rate(2 * n**3, seconds_per_call(lambda: a @ b, device, repeats), n=n)
 
 
 def nf4_linear_rates(model, rows: int, dtype, device, repeats: int = 8) -> dict | None:
@@ -126,11 +117,13 @@ def nf4_linear_rates(model, rows: int, dtype, device, repeats: int = 8) -> dict 
     shape = {"rows": rows, "in_features": layer.in_features, "out_features": layer.out_features}
     with torch.no_grad():
         return {
-            "as_captured": _rate(flops, _timed(lambda: layer(x), device, repeats), **shape),
+            "as_captured": _rate(flops, seconds_per_call(lambda: layer(x), device, repeats), **shape),
             "bitsandbytes_fused": _rate(
-                flops, _timed(lambda: bnb.nn.Linear4bit.forward(layer, x), device, repeats), **shape
+                flops, seconds_per_call(lambda: bnb.nn.Linear4bit.forward(layer, x), device, repeats), **shape
             ),
-            "bf16_dequantised_weight": _rate(flops, _timed(lambda: F.linear(x, weight), device, repeats), **shape),
+            "bf16_dequantised_weight": _rate(
+                flops, seconds_per_call(lambda: F.linear(x, weight), device, repeats), **shape
+            ),
         }
 
 

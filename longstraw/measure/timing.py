@@ -1,4 +1,5 @@
-"""The capture attention rate: seconds and FLOPs spent inside paged attention while a timer is active."""
+"""Timers: the capture attention rate (seconds and FLOPs spent inside paged attention while a timer is active), and
+a call's mean seconds over repeats."""
 
 from __future__ import annotations
 
@@ -9,6 +10,19 @@ import torch
 
 from longstraw.measure.flops import attention_forward_flops
 from longstraw.measure.memory import synchronize
+
+
+def seconds_per_call(fn, device, repeats: int, warmup: int = 1) -> float:
+    """Mean wall seconds of `fn()` over `repeats` calls after `warmup` untimed ones, the device synchronised before
+    and after the timed calls but not between them (where each call's kernels are small, that is the host's time)."""
+    for _ in range(warmup):
+        fn()
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    synchronize(device)
+    return (time.perf_counter() - start) / repeats
 
 
 class AttentionTimer:
