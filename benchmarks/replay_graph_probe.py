@@ -87,7 +87,7 @@ def main() -> int:
         )
         result["graph_over_eager"] = min(result["graph_seconds"]) / min(result["eager_seconds"])
     except Exception as error:  # the probe's finding: what stops a capture
-        result["graph_error"] = "".join(traceback.format_exception_only(error)).strip()[-2000:]
+        result["graph_error"] = "".join(traceback.format_exception(error)).strip()[-3000:]
     result["provenance"] = provenance(device)
     print(
         f"eager {[round(s, 4) for s in result['eager_seconds']]} s; "
@@ -96,7 +96,7 @@ def main() -> int:
             f"graph / eager {result['graph_over_eager']:.2f}, "
             f"gradients' largest relative difference {result['graph_gradient_max_relative_difference']:.2e}"
             if "graph_seconds" in result
-            else f"graph capture failed: {result['graph_error']}"
+            else f"graph capture failed:\n{result['graph_error']}"
         ),
         flush=True,
     )

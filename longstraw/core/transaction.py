@@ -274,7 +274,9 @@ def replay_members(
     inputs_BR = torch.stack(
         [
             torch.nn.functional.pad(
-                torch.cat([t.new_tensor([state.last_token]), t[:-1]]), (0, longest - t.numel()), value=state.last_token
+                torch.cat([t.new_full((1,), state.last_token), t[:-1]]),
+                (0, longest - t.numel()),
+                value=state.last_token,
             )
             for t in targets
         ]
