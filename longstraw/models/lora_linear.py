@@ -12,8 +12,8 @@ Two paths here, both with peft's `Linear.forward` as their reference:
   lora_B's GEMM accumulates `scaling * (x A^T) B^T` into the base's output (cuBLAS's beta = 1, alpha = scaling)
   and the backward is five GEMMs, the scaling and the input gradient's sum inside them: 3 + 5 kernels, and the
   update rounded once where peft rounds it, scales it and rounds the sum. A power-of-two scaling (peft's
-  default alpha = 2r gives 2) commutes with rounding, so the adapters' gradients are peft's products; the output
-  and the input gradient are the same sums, rounded once fewer.
+  default alpha = 2r gives 2) commutes with rounding, so the adapters' gradients are the GEMMs peft runs, on the
+  same operands; the output and the input gradient are the same sums, rounded once fewer.
 - adapters of another dtype (peft's float32 default): the scaling multiplies lora_A's [rows, r] output and
   lora_B's output is added into the base's result in place: one temporary, and two fewer passes over [rows, out].
   Bit-identical to peft at a power-of-two scaling.
