@@ -14,13 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 
 import torch
 
 from longstraw.kernels.gdn import chunk_gated_delta_rule, chunk_gated_delta_rule_forward
 from longstraw.measure.kernel_profile import kernel_profile
-from longstraw.measure.memory import synchronize
+from longstraw.measure.timing import seconds_each
 
 
 def rule_inputs(batch, tokens, hk, hv, dk, dv, device, dtype, seed=0):
@@ -38,14 +37,7 @@ def rule_inputs(batch, tokens, hk, hv, dk, dv, device, dtype, seed=0):
 
 def median_seconds(fn, device, repeats):
     fn()  # warm-up
-    seconds = []
-    for _ in range(repeats):
-        synchronize(device)
-        start = time.perf_counter()
-        fn()
-        synchronize(device)
-        seconds.append(time.perf_counter() - start)
-    return statistics.median(seconds)
+    return statistics.median(seconds_each(fn, device, repeats))
 
 
 def main() -> None:

@@ -22,34 +22,23 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import time
 from unittest import mock
 
 import torch
 
 from longstraw.core.transaction import capture, replay_members
 from longstraw.families.base import unwrap_causal_lm
-from longstraw.harness.plan import expand, load_experiment
+from longstraw.harness.plan import point_config
 from longstraw.kernels import gated_rms_norm as gated_rms_norm_module
 from longstraw.kernels import rms_norm as rms_norm_module
 from longstraw.kernels.gdn import differentiable_rule, fla_backward_trusted
 from longstraw.kinds.common import compute_dtype, policy_and_prompt, seeded_group
 from longstraw.measure.kernel_profile import kernel_profile, launch_sources
-from longstraw.measure.memory import PhaseRecorder, synchronize
+from longstraw.measure.memory import PhaseRecorder
 from longstraw.measure.provenance import provenance
+from longstraw.measure.timing import seconds_each
 from longstraw.models import lora_linear
 from longstraw.results import write_json_atomic
-
-
-def seconds_of(fn, device, repeats: int) -> list[float]:
-    out = []
-    for _ in range(repeats):
-        synchronize(device)
-        start = time.perf_counter()
-        fn()
-        synchronize(device)
-        out.append(time.perf_counter() - start)
-    return out
 
 
 @contextlib.contextmanager
@@ -76,8 +65,8 @@ def measure(fresh_capture, replay_group, device, chunk_sizes, top: int, sources:
     """First and warm seconds of the capture and the members' replay, each profiled once warm; and the capture at
     each of `chunk_sizes`."""
     row = {
-        "capture_seconds": seconds_of(fresh_capture, device, repeats),
-        "replay_seconds": seconds_of(replay_group, device, repeats),
+        "capture_seconds": seconds_each(fresh_capture, device, repeats),
+        "replay_seconds": seconds_each(replay_group, device, repeats),
     }
     row["capture_profile"] = kernel_profile(fresh_capture, device, top=top)
     row["replay_profile"] = kernel_profile(replay_group, device, top=top)
@@ -86,7 +75,7 @@ def measure(fresh_capture, replay_group, device, chunk_sizes, top: int, sources:
         row["replay_sources"] = launch_sources(replay_group, device, top=top)
     for chunk in chunk_sizes:
         row[f"capture_chunk_{chunk}"] = {
-            "seconds": seconds_of(lambda: fresh_capture(chunk_size=chunk), device, repeats),
+            "seconds": seconds_each(lambda: fresh_capture(chunk_size=chunk), device, repeats),
             "profile": kernel_profile(lambda: fresh_capture(chunk_size=chunk), device, top=top),
         }
     return row
@@ -105,7 +94,7 @@ def main() -> int:
     parser.add_argument("--profile", default="h200")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    cfg = expand(load_experiment("experiments/peers.yaml"), args.profile)[args.point]["config"]
+    cfg = point_config("experiments/peers.yaml", args.profile, args.point)
     device = torch.device(cfg.model.device)
     model, vocab, prompt = policy_and_prompt(cfg, PhaseRecorder(device))
     responses, _ = seeded_group(cfg, cfg.grpo.num_generations, vocab, device)

@@ -17,16 +17,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 import traceback
 
 import torch
 
 from longstraw.core.transaction import capture, replay_members
-from longstraw.harness.plan import expand, load_experiment
+from longstraw.harness.plan import point_config
 from longstraw.kinds.common import policy_and_prompt, seeded_group
-from longstraw.measure.memory import PhaseRecorder, synchronize
+from longstraw.measure.memory import PhaseRecorder
 from longstraw.measure.provenance import provenance
+from longstraw.measure.timing import seconds_each
 from longstraw.results import write_json_atomic
 
 
@@ -37,7 +37,7 @@ def main() -> int:
     parser.add_argument("--profile", default="h200")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    cfg = expand(load_experiment("experiments/peers.yaml"), args.profile)[args.point]["config"]
+    cfg = point_config("experiments/peers.yaml", args.profile, args.point)
     device = torch.device(cfg.model.device)
     model, vocab, prompt = policy_and_prompt(cfg, PhaseRecorder(device))
     responses, _ = seeded_group(cfg, cfg.grpo.num_generations, vocab, device)
@@ -57,21 +57,11 @@ def main() -> int:
             p.grad = None
         members()
 
-    def timed(fn):
-        out = []
-        for _ in range(args.repeats):
-            synchronize(device)
-            start = time.perf_counter()
-            fn()
-            synchronize(device)
-            out.append(time.perf_counter() - start)
-        return out
-
     def largest_relative_difference(grads, reference):
         return max(float((g - r).norm() / r.norm().clamp_min(1e-30)) for g, r in zip(grads, reference))
 
     eager()
-    result = {"point": args.point, "k": k, "eager_seconds": timed(eager)}
+    result = {"point": args.point, "k": k, "eager_seconds": seconds_each(eager, device, args.repeats)}
     eager_grads = [p.grad.clone() for p in params]
     eager()  # the same batches again: how far eager runs differ from each other (atomics in the backward kernels)
     result["eager_repeat_gradient_max_relative_difference"] = largest_relative_difference(
@@ -89,7 +79,7 @@ def main() -> int:
             p.grad = None
         with torch.cuda.graph(graph):
             members()
-        result["graph_seconds"] = timed(graph.replay)
+        result["graph_seconds"] = seconds_each(graph.replay, device, args.repeats)
         result["graph_gradient_max_relative_difference"] = largest_relative_difference(
             [p.grad for p in params], eager_grads
         )

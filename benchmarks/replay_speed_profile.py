@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from dataclasses import replace
 
 import torch
@@ -25,18 +24,13 @@ from longstraw.harness.plan import expand, load_experiment
 from longstraw.kernels.paged_attention import forward_kernel
 from longstraw.kinds.common import optimizer_for, policy_and_prompt, seeded_group
 from longstraw.measure.kernel_profile import kernel_profile
-from longstraw.measure.memory import PhaseRecorder, synchronize
+from longstraw.measure.memory import PhaseRecorder
+from longstraw.measure.timing import seconds_each
 
 
 def timed(fn, device, repeats: int = 1):
     """(first seconds, median of the next `repeats - 1`, or None) of `fn()`, synchronised."""
-    seconds = []
-    for _ in range(repeats):
-        synchronize(device)
-        start = time.perf_counter()
-        fn()
-        synchronize(device)
-        seconds.append(time.perf_counter() - start)
+    seconds = seconds_each(fn, device, repeats)
     return seconds[0], (statistics.median(seconds[1:]) if len(seconds) > 1 else None)
 
 

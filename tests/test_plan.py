@@ -54,6 +54,14 @@ def test_a_profiles_base_may_set_the_kind(tmp_path):
     assert points["long"]["config"].kind == "capture"  # a point's own setting still wins
 
 
+def test_one_point_by_name_or_an_error_naming_the_file_and_its_points(tmp_path):
+    path = _write(tmp_path, EXPERIMENT)
+    config = plan.point_config(path, "cpu", "long")
+    assert (config.kind, config.prompt.length) == ("capture", 128)
+    with pytest.raises(ValueError, match=r"demo.yaml: profile 'cpu' has no point 'lnog'.*'long'"):
+        plan.point_config(path, "cpu", "lnog")
+
+
 def test_profile_without_settings_has_no_points(tmp_path):
     assert plan.plan(_write(tmp_path, EXPERIMENT).parent, "h200") == {}
 

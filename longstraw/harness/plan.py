@@ -180,6 +180,15 @@ def expand(
     return points
 
 
+def point_config(path, profile: str, name: str) -> PointConfig:
+    """The resolved config of the point `name` of the experiment file `path` in `profile`; a ValueError names the
+    file and the profile's points when there is no such point."""
+    points = expand(load_experiment(path), profile)
+    if name not in points:
+        raise ValueError(f"{path}: profile {profile!r} has no point {name!r}; it has {sorted(points) or 'none'}")
+    return points[name]["config"]
+
+
 def _drop_others_sections(config: dict, assignment: dict) -> None:
     """A point of another kind than its experiment's (`set: {kind: step}` in a capacity experiment) leaves out
     the sections of other kinds its bases hold (written for the experiment's kind); one its own `set` gives

@@ -1,5 +1,5 @@
 """Timers: the capture attention rate (seconds and FLOPs spent inside paged attention while a timer is active), and
-a call's mean seconds over repeats."""
+a call's seconds over repeats (each call's, or their mean)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,19 @@ def seconds_per_call(fn, device, repeats: int, warmup: int = 1) -> float:
         fn()
     synchronize(device)
     return (time.perf_counter() - start) / repeats
+
+
+def seconds_each(fn, device, repeats: int) -> list[float]:
+    """The wall seconds of each of `repeats` calls of `fn()`, the device synchronised around every call (the first
+    call is cold where nothing ran before it: callers read it apart or warm up first)."""
+    seconds = []
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        seconds.append(time.perf_counter() - start)
+    return seconds
 
 
 class AttentionTimer:
