@@ -80,6 +80,9 @@ class ReplayConfig:
     # members replayed together, one graph and one backward per batch of k (mode replay); "auto": the first
     # member alone, then as many as its graph bytes fit half the device's free memory (`StepOptions`)
     micro_batch: int | Literal["auto"] = bounded(1, min=1)
+    # the members, their losses and their backward as one CUDA graph recorded on the first step and launched on
+    # later ones (`longstraw.core.member_graphs`): kind step, mode replay, on CUDA, with a given micro_batch
+    cuda_graph: bool = False
 
 
 @dataclass

@@ -30,6 +30,7 @@ import torch
 from longstraw.core import grpo
 from longstraw.core.exact import clear_page_gradients
 from longstraw.core.hf_reference import hf_torch_gdn_kernels
+from longstraw.core.member_graphs import MemberGraphs, state_layout
 from longstraw.core.transaction import (
     capture,
     check_deterministic,
@@ -157,6 +158,7 @@ def grpo_step(
     old_logps=None,
     sampler_logps=None,
     advantages=None,
+    graphs: MemberGraphs | None = None,
 ) -> StepResult:
     """Run one transaction and the optimizer step.
 
@@ -182,7 +184,11 @@ def grpo_step(
 
     `options.members=k` scores and replays only the first k responses (advantages and token
     weights still come from all G): one member at a time is live in the serial modes, so every
-    member of equal length reaches the same peak. The metrics say so."""
+    member of equal length reaches the same peak. The metrics say so.
+
+    `graphs` (a `MemberGraphs` the caller keeps across steps; mode replay on CUDA): the members, their losses
+    and their backward run as one CUDA graph, recorded on the first step of a signature (phase
+    `graph_record`) and launched on later ones (`longstraw.core.member_graphs`)."""
     mode, members = options.mode, options.members
     rewards, advantages, weights = group_objective(responses, rewards, config, advantages)
     if members is not None and not (mode != "hold_all" and 1 <= members <= len(responses)):
@@ -198,6 +204,8 @@ def grpo_step(
         raise ValueError("prefix_grad=True needs a state captured with capture(..., prefix_grad=True)")
     adapter = adapter_for(model)
     check_step_inputs(adapter, prompt_ids, responses, options, state, ref_state, old_logps, sampler_logps)
+    if graphs is not None:
+        check_graphs(graphs, adapter, options, state)
     if len(responses) == 1:
         warnings.warn(
             "a group of one response has zero advantage: the step leaves the policy unchanged "
@@ -238,7 +246,19 @@ def grpo_step(
                 with recorder.phase("ref_scoring"), reference_policy(model):
                     ref = [scorer(y, ref_state) for y in responses]
             losses, logps, meter, k = _replay_and_backward(
-                model, prompt_ids, state, responses, old, ref, advantages, weights, config, mode, recorder, options
+                model,
+                prompt_ids,
+                state,
+                responses,
+                old,
+                ref,
+                advantages,
+                weights,
+                config,
+                mode,
+                recorder,
+                options,
+                graphs,
             )
         if options.prefix_grad:
             with recorder.phase("prefix_backward"):
@@ -262,10 +282,11 @@ def grpo_step(
         "members_replayed": len(responses),
         "micro_batch": k,
         "response_tokens": [int(r.numel()) for r in responses],
-        "graph_bytes_peak": meter.peak,
+        "graph_bytes_peak": meter.peak or (graphs.graph_bytes if graphs is not None else 0),
         "old_policy": old_policy,
         "logp_mismatch": None if old_policy == "current" else logp_mismatch(logps, old),
         **({"logp_mismatch_sampler": logp_mismatch(logps, sampler_logps)} if sampler_logps is not None else {}),
+        **({"member_graph_records": graphs.records} if graphs is not None else {}),
         "phases": recorder.phases,
         "stats": grpo.summarize_stats(
             [
@@ -285,6 +306,27 @@ def grpo_step(
     if ref_state is not None:
         reuse_state(model, ref_state)  # the reference's capture: the adapter's update does not reach it
     return StepResult(metrics, state)
+
+
+def check_graphs(graphs, adapter, options: StepOptions, state) -> None:
+    """Refuse, before any work, a step whose members cannot run as a recorded CUDA graph."""
+    if not isinstance(graphs, MemberGraphs):
+        raise TypeError(f"graphs must be a MemberGraphs kept across steps, got {type(graphs).__name__}")
+    problems = [
+        f"the model is on {adapter.device}, not a CUDA device" if adapter.device.type != "cuda" else None,
+        f"mode {options.mode!r} (mode replay only)" if options.mode != "replay" else None,
+        "micro_batch 'auto' (its k comes from an eager first member; give k)"
+        if options.micro_batch == "auto"
+        else None,
+        "prefix_grad (the exact mode)" if options.prefix_grad else None,
+        "a context-parallel capture" if options.capture.get("cp") is not None else None,
+        "host_pages (a graph reads device memory)" if options.capture.get("host_pages") else None,
+    ]
+    problems = [p for p in problems if p]
+    if problems:
+        raise ValueError("replay.cuda_graph: the members cannot run as a CUDA graph here: " + "; ".join(problems))
+    if state is not None:
+        state_layout(state)  # refuses entries a graph cannot read
 
 
 def old_source(old_logps, options: StepOptions) -> str:
@@ -359,11 +401,24 @@ def undone_on_failure(model, state: ResidentState | None = None):
 
 
 def _replay_and_backward(
-    model, prompt_ids, state, responses, old, ref, advantages, weights, config, mode, recorder, options: StepOptions
+    model,
+    prompt_ids,
+    state,
+    responses,
+    old,
+    ref,
+    advantages,
+    weights,
+    config,
+    mode,
+    recorder,
+    options: StepOptions,
+    graphs: MemberGraphs | None = None,
 ):
-    """Each response's loss and its gradient: replay (one graph per batch of `options.micro_batch` members),
-    hold_all (all G graphs, one backward) or naive (HF's checkpointed forward over prompt + response, one
-    at a time). Returns (detached losses, detached log-probs, the graph-bytes meter, the batch size used)."""
+    """Each response's loss and its gradient: replay (one graph per batch of `options.micro_batch` members;
+    with `graphs`, all batches as one recorded CUDA graph), hold_all (all G graphs, one backward) or naive
+    (HF's checkpointed forward over prompt + response, one at a time). Returns (detached losses, detached
+    log-probs, the graph-bytes meter, the batch size used)."""
     exclude = list(model.parameters()) + ([t for e in state.layers for t in e.tensors()] if state else [])
     meter = GraphBytesMeter(exclude=exclude)
     losses, logps = [], []
@@ -395,6 +450,31 @@ def _replay_and_backward(
                     del logp, loss
             return losses, logps, meter, 1
         k, start = (1 if options.micro_batch == "auto" else options.micro_batch), 0
+        if graphs is not None:
+            batches = [range(s, min(s + k, len(responses))) for s in range(0, len(responses), k)]
+            adapter = adapter_for(model)
+            signature = graphs.signature_of(
+                adapter, state, responses, batches, old, ref, weights, config, checkpoint_layers
+            )
+            if signature != graphs.signature:
+                with recorder.phase("graph_record"):
+                    graphs.record(
+                        signature,
+                        adapter,
+                        state,
+                        responses,
+                        batches,
+                        old,
+                        ref,
+                        advantages,
+                        weights,
+                        config,
+                        checkpoint_layers,
+                        meter,
+                    )
+            with recorder.phase("replay"):
+                losses, logps = graphs.launch(state, responses, old, ref, advantages)
+            return losses, logps, meter, k
         while start < len(responses):
             members = range(start, min(start + k, len(responses)))
             with recorder.phase("replay"):

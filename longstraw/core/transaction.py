@@ -256,10 +256,10 @@ def replay_members(
 ) -> list[torch.Tensor]:
     """`replay` of k responses as one batch: one float32 [R_i] tensor per response, under one graph.
 
-    The responses are right-padded to the longest (a pad comes after every token of its row, so causally
-    no real token reads it) and each layer's entry is read as k sequences share it (`members_view`:
-    attention pages are read in place, the rows of the k members folded over them as decoding folds its
-    samples; a GDN state is repeated). One response is `replay` exactly: no padding, the entries as they are.
+    The responses are right-padded to the longest (`member_inputs`) and each layer's entry is read as k
+    sequences share it (`members_view`: attention pages are read in place, the rows of the k members folded
+    over them as decoding folds its samples; a GDN state is repeated). One response is `replay` exactly: no
+    padding, the entries as they are.
     `ids_checked=True`: the caller has checked the ids against the vocabulary (`grpo_step` does, once for the
     group), so the batch runs without that check's host sync."""
     adapter = adapter_for(model)
@@ -270,8 +270,23 @@ def replay_members(
         check_vocabulary(every_target, "response_ids", adapter)  # one host sync for the k members
     lengths = [t.numel() for t in targets]
     state.check_positions(max(lengths), "response_ids")
-    longest = max(lengths)
-    inputs_BR = torch.stack(
+    return replay_inputs(
+        adapter,
+        state,
+        member_inputs(state, targets),
+        every_target,
+        lengths,
+        rows_per_chunk=rows_per_chunk,
+        checkpoint_layers=checkpoint_layers,
+    )
+
+
+def member_inputs(state: ResidentState, targets) -> torch.Tensor:
+    """[k, longest] replay inputs of k checked responses: the prompt's last token, then each response without
+    its last token, right-padded to the longest (a pad comes after every token of its row, so causally no real
+    token reads it)."""
+    longest = max(t.numel() for t in targets)
+    return torch.stack(
         [
             torch.nn.functional.pad(
                 torch.cat([t.new_full((1,), state.last_token), t[:-1]]),
@@ -281,7 +296,21 @@ def replay_members(
             for t in targets
         ]
     )
-    entries = state.layers if len(targets) == 1 else [members_view(e, len(targets)) for e in state.layers]
+
+
+def replay_inputs(
+    adapter,
+    state: ResidentState,
+    inputs_BR,
+    every_target,
+    lengths: list[int],
+    *,
+    rows_per_chunk: int | None = None,
+    checkpoint_layers: bool = False,
+) -> list[torch.Tensor]:
+    """`replay_members` on prepared inputs (`member_inputs`) and the members' targets, concatenated: the
+    layers and the log-probs, nothing checked and no host sync (what a CUDA graph records: `member_graphs`)."""
+    entries = state.layers if len(lengths) == 1 else [members_view(e, len(lengths)) for e in state.layers]
     with adapter.selected():
         h = adapter.embed(inputs_BR)
         pe = adapter.position_embeddings(h, state.positions)
@@ -292,7 +321,7 @@ def replay_members(
             for i, entry in enumerate(entries):
                 h = adapter.layer_forward(i, h, pe, entry, capturing=False)
         h = adapter.final_hidden(h)
-    rows = h[0] if len(targets) == 1 else torch.cat([h[i, :n] for i, n in enumerate(lengths)])
+    rows = h[0] if len(lengths) == 1 else torch.cat([h[i, :n] for i, n in enumerate(lengths)])
     kwargs = {"rows_per_chunk": rows_per_chunk} if rows_per_chunk else {}
     return list(token_logprobs(rows, adapter.lm_head, every_target, **kwargs).split(lengths))
 

@@ -209,6 +209,21 @@ def check_settings(cfg: PointConfig, source: str) -> None:
             f"{source}: replay.micro_batch: batches of replayed members are mode replay's on one "
             f"process; this point has mode {cfg.mode!r}, cp_size {cfg.cp_size}"
         )
+    if cfg.replay.cuda_graph:
+        problems = [
+            f"kind {cfg.kind!r} (kind step only)" if cfg.kind != "step" else None,
+            f"mode {cfg.mode!r} (mode replay only)" if cfg.mode != "replay" else None,
+            f"device {cfg.model.device!r} (a CUDA device only)" if cpu else None,
+            "replay.micro_batch 'auto' (give k)" if cfg.replay.micro_batch == "auto" else None,
+            f"cp_size {cfg.cp_size} (one process only)" if cfg.cp_size > 1 else None,
+            "capture.host_pages (a graph reads device memory)" if cfg.capture.host_pages else None,
+            "responses.source 'rollouts' (sampled lengths change every step)" if r.source == "rollouts" else None,
+        ]
+        if any(problems):
+            raise ConfigError(
+                f"{source}: replay.cuda_graph: the members cannot run as one recorded CUDA graph at this point: "
+                + "; ".join(p for p in problems if p)
+            )
     if cfg.kind == "capacity" and cpu and cfg.capacity.ceiling_bytes is None:
         raise ConfigError(
             f"{source}: capacity.ceiling_bytes: a capacity search on CPU needs an emulated memory "

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
 
 def run(cfg: PointConfig, device, progress: Progress) -> dict:
+    from longstraw.core.member_graphs import MemberGraphs
     from longstraw.core.step import StepOptions, grpo_step
     from longstraw.kinds.common import capture_kwargs, optimizer_for, policy_and_prompt, seeded_group
     from longstraw.measure.collector import collector_frozen
@@ -49,9 +50,12 @@ def run(cfg: PointConfig, device, progress: Progress) -> dict:
             checkpoint_layers=cfg.replay.checkpoint_layers,
             micro_batch=cfg.replay.micro_batch,
         )
+        graphs = MemberGraphs() if cfg.replay.cuda_graph else None
         state, cycles = None, []
         for _ in range(cfg.cycles):
-            step = grpo_step(model, prompt, responses, rewards, optimizer, cfg.grpo, options, state=state)
+            step = grpo_step(
+                model, prompt, responses, rewards, optimizer, cfg.grpo, options, state=state, graphs=graphs
+            )
             state = None if cfg.recapture else step.state
             cycles.append(step.metrics)
             del step  # with recapture, the next capture starts with this step's state freed, not held beside it

@@ -438,10 +438,17 @@ def step_floor(result: dict, ceilings: dict) -> dict:
 
 
 # replay's variants the hybrid TRL target reads, each with TRL's float32 adapters: with and without whole-layer
-# checkpointing (at G=2 and 32,768 both fit many times over); the faster warm step is the verdict's
-HYBRID_REPLAY_VARIANTS = ("replay", "replay-uncheckpointed")
+# checkpointing (at G=2 and 32,768 both fit many times over), the members eager or as one CUDA graph
+# (`replay.cuda_graph`); the faster warm step is the verdict's
+HYBRID_REPLAY_VARIANTS = ("replay", "replay-uncheckpointed", "replay-uncheckpointed-graph")
 # the floor is replay's own: there the variants with bf16 adapters (float32 masters in the optimizer) count too
-HYBRID_FLOOR_VARIANTS = (*HYBRID_REPLAY_VARIANTS, "replay-bf16lora", "replay-uncheckpointed-bf16lora")
+HYBRID_FLOOR_VARIANTS = (
+    *HYBRID_REPLAY_VARIANTS,
+    "replay-bf16lora",
+    "replay-uncheckpointed-bf16lora",
+    "replay-bf16lora-graph",
+    "replay-uncheckpointed-bf16lora-graph",
+)
 
 
 def _warm_variants(root: Path, modes) -> dict[str, dict]:
