@@ -50,7 +50,9 @@ def test_graphed_steps_give_each_steps_own_eager_gradient(preset, checkpoint_lay
             (eager, expected), (graphed, grads) = runs["eager"], runs["graphed"]
             assert graphed["member_graph_records"] == [1, 1, 2][n]
             assert ("graph_record" in graphed["phases"]) == (n != 1)
-            assert graphed["graph_bytes_peak"] == eager["graph_bytes_peak"] > 0
+            # the same saved tensors, but the advantages: each member's scalar read from the graph's buffer of G
+            assert abs(graphed["graph_bytes_peak"] - eager["graph_bytes_peak"]) <= 8 * len(lengths)
+            assert eager["graph_bytes_peak"] > 0
             within(max_relative_error(grads, expected), TOL64, f"step {n}: max relative gradient error")
             within(abs(graphed["loss"] - eager["loss"]), TOL64 * max(abs(eager["loss"]), 1.0), f"step {n}: loss")
 

@@ -123,3 +123,13 @@ def test_checkpointed_recompute_reuses_the_forwards_prefix_attention(preset, mon
 
     attention_layers = sum(isinstance(e, AttentionPages) for e in state.layers)
     assert attention_layers > 0 and passes[False] == attention_layers and passes[True] == attention_layers
+
+
+def test_a_tensor_excluded_after_the_meter_starts_is_not_graph_memory():
+    # x * w saves both operands for the backward (both need a gradient): x (4 x 3 floats, 48 bytes) counts, w (12
+    # bytes) no longer once excluded
+    x, w = torch.ones(4, 3, requires_grad=True), torch.ones(3, requires_grad=True)
+    with GraphBytesMeter() as meter:
+        meter.exclude([w])
+        (x * w).sum().backward()
+    assert meter.peak == x.numel() * x.element_size()

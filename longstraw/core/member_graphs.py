@@ -6,8 +6,8 @@ Warm members are launch-bound on a small model: hybrid-1b's two members at 32,76
 forward, their GRPO losses and the backward once; a later step copies its inputs in and launches the graph.
 
 What a graph reads and writes lives at fixed addresses, so it keeps:
-- the resident state it was recorded on: a later step's state of the same layout is copied into it (one more
-  resident state's memory while a step's own capture is alive);
+- its own copy of the resident state, into which each step copies its state (one more resident state's memory:
+  graphs are for prompts whose state is small beside the members' graphs; the caller's state is never written);
 - buffers for the members' inputs and targets, the advantages and any given old or reference log-probs;
 - the trainable parameters, which the optimizer updates in place;
 - the gradients, written into tensors of the graph's memory pool that each step hands to `.grad` (so a
@@ -23,6 +23,7 @@ step and be slower than eager replay; a point with fixed lengths (the step kind'
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import torch
@@ -56,9 +57,8 @@ class MemberGraphs:
     def launch(self, state, responses, old, ref, advantages):
         """Copy the step's inputs into the graph's buffers and launch it: each member's detached loss and
         log-probs; the group's gradient is left in the parameters' `.grad`."""
-        if state is not self.state:
-            for kept, fresh in zip(state_tensors(self.state), state_tensors(state), strict=True):
-                kept.copy_(fresh)
+        for kept, fresh in zip(state_tensors(self.state), state_tensors(state), strict=True):
+            kept.copy_(fresh)
         for b, inputs, targets in zip(self.batches, self.inputs, self.targets):
             members = [responses[i].reshape(-1) for i in b]
             inputs.copy_(member_inputs(state, members))
@@ -93,7 +93,8 @@ class MemberGraphs:
         members' autograd graph, which a launch (no Python) cannot measure."""
         self.signature = self.graph = None  # the old graph's pool is freed before the new one records
         device = adapter.device
-        self.state, self.batches = state, [list(b) for b in batches]
+        self.state, self.batches = own_copy(state), [list(b) for b in batches]
+        meter.exclude(state_tensors(self.state))  # resident, as the step's own state is
         self.inputs = [member_inputs(state, [responses[i].reshape(-1) for i in b]) for b in batches]
         self.targets = [torch.cat([responses[i].reshape(-1) for i in b]).long() for b in batches]
         self.advantages = advantages.to(device=device, dtype=torch.float32).clone()
@@ -124,22 +125,45 @@ class MemberGraphs:
             return losses, logps
 
         # torch's whole-network recipe: warm up on a side stream (lazy initialisation, autotuning), then record
-        # with no gradient held, so the backward allocates the gradients in the graph's pool
-        side = torch.cuda.Stream(device)
-        side.wait_stream(torch.cuda.current_stream(device))
-        for p in params:
-            p.grad = None
-        with torch.cuda.stream(side):
-            members()
-        torch.cuda.current_stream(device).wait_stream(side)
-        for p in params:
-            p.grad = None
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self.losses, self.logps = members()
+        # with no gradient held, so the backward allocates the gradients in the graph's pool; the gradients held
+        # before (none or zeros: `undone_on_failure`) are put back whatever happens
+        held = [p.grad for p in params]
+        try:
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            for p in params:
+                p.grad = None
+            with torch.cuda.stream(side):
+                members()
+            torch.cuda.current_stream(device).wait_stream(side)
+            for p in params:
+                p.grad = None
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self.losses, self.logps = members()
+            self.grads = [(p, p.grad) for p in params if p.grad is not None]
+        finally:
+            for p, grad in zip(params, held):
+                p.grad = grad
         self.graph, self.signature, self.records = graph, signature, self.records + 1
         self.graph_bytes = meter.peak
-        self.grads = [(p, p.grad) for p in params if p.grad is not None]
+
+
+def own_copy(state):
+    """`state` with its entries' tensors cloned: what a graph reads, apart from the caller's state."""
+    kept = copy.copy(state)
+    kept.layers = [
+        dataclasses.replace(
+            entry,
+            **{
+                f.name: getattr(entry, f.name).clone()
+                for f in dataclasses.fields(entry)
+                if isinstance(getattr(entry, f.name), torch.Tensor)
+            },
+        )
+        for entry in state.layers
+    ]
+    return kept
 
 
 def state_tensors(state) -> list[torch.Tensor]:

@@ -151,6 +151,7 @@ STEP_PHASES = (
     "sampling",
     "old_scoring",
     "ref_scoring",
+    "graph_record",
     "replay",
     "forward_backward",
     "optimizer_step",

@@ -39,10 +39,15 @@ class GraphBytesMeter:
 
     def __init__(self, exclude=()):
         self.excluded = {_storage_key(t) for t in exclude}
+
         self.live: dict = {}  # storage key -> [refcount, bytes]
         self.current = 0
         self.peak = 0
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def exclude(self, tensors) -> None:
+        """Count these tensors' storages as not graph memory from now on (a resident state's copy)."""
+        self.excluded |= {_storage_key(t) for t in tensors}
 
     def _pack(self, t: torch.Tensor):
         key = _storage_key(t)

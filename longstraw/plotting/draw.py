@@ -36,6 +36,7 @@ PHASE_COLORS = {
     "sampling": "#da8bc3",
     "old_scoring": "#8c8c8c",
     "ref_scoring": "#bcbcbc",
+    "graph_record": "#c44e52",
     "replay": "#dd8452",
     "forward_backward": "#ccb974",
     "optimizer_step": "#55a868",
