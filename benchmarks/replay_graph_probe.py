@@ -9,8 +9,8 @@ batches of k) replayed forward and backward eagerly, --repeats times; then the s
 torch's whole-network capture does) and replayed --repeats times. Prints the eager and graph seconds, their ratio,
 and how far the graph's LoRA gradients are from the eager ones (largest relative difference), beside how far two eager
 runs are from each other; or, where capture fails,
-the error that stopped it. A probe: the package does not replay through graphs, and a trainer would need the state
-in buffers that outlive a step and response lengths bucketed. The last stdout line is one JSON object (--out).
+the error that stopped it. The probe that led to `longstraw.core.member_graphs` (a step's members as one graph kept
+across steps, `replay.cuda_graph`); it times one batch on one capture. The last stdout line is one JSON object (--out).
 """
 
 from __future__ import annotations
