@@ -79,6 +79,7 @@ __all__ = [
     "per_token_loss",
     "token_weights",
     "response_loss",
+    "GroupObjective",
     "ResponseStats",
     "response_stats",
     "summarize_stats",
@@ -274,6 +275,24 @@ def response_loss(
     if not _is_real(weight) or not math.isfinite(weight) or weight < 0:
         raise ValueError(f"weight must be a finite scalar >= 0, got {weight!r}")
     return per_token_loss(logp_R, old_logp_R, ref_logp_R, advantage, config).sum() * float(weight)
+
+
+@dataclass(frozen=True)
+class GroupObjective:
+    """What each member's loss reads besides its own log-probs, fixed before the replays: the old policy's
+    log-probs (one ``[R_i]`` tensor per member, or ``None``: on-policy), the reference's (``None`` without a
+    reference), the advantages ``[G]``, the token weights ``[G]`` (:func:`token_weights`) and the settings."""
+
+    old: Sequence[Optional[torch.Tensor]]
+    ref: Optional[Sequence[torch.Tensor]]
+    advantages: torch.Tensor
+    weights: torch.Tensor
+    config: GRPOConfig
+
+    def member_loss(self, i: int, logp_R: torch.Tensor) -> torch.Tensor:
+        """Member ``i``'s contribution to the group loss (:func:`response_loss`)."""
+        ref = None if self.ref is None else self.ref[i]
+        return response_loss(logp_R, self.old[i], ref, self.advantages[i], self.weights[i], self.config)
 
 
 # --------------------------------------------------------------------------------------

@@ -41,30 +41,40 @@ class MemberGraphs:
         self.records = 0  # graphs recorded so far (each new signature records one)
         self.graph_bytes = 0  # the members' autograd graph peak, measured while recording (a launch runs no Python)
 
-    def signature_of(self, adapter, state, responses, batches, old, ref, weights, config, checkpoint_layers):
-        """What a recorded graph is valid for (see the module doc); `record` when it differs from `signature`."""
-        return (
+    def run(
+        self, adapter, state, responses, batches, objective: grpo.GroupObjective, checkpoint_layers, recorder, meter
+    ):
+        """The step's members (`batches` of response indices) through the graph: each member's detached loss and
+        log-probs, the group's gradient left in the parameters' `.grad`. A new signature records first (phase
+        `graph_record`; `meter`, the step's `GraphBytesMeter`, active around this call, measures the members'
+        autograd graph then); the launch is phase `replay`."""
+        signature = (
             id(adapter.model),
             state_layout(state),
             tuple(tuple(responses[i].numel() for i in b) for b in batches),
             bool(checkpoint_layers),
-            config,
-            tuple(float(w) for w in weights),
-            tuple(o is None for o in old),
-            ref is None,
+            objective.config,
+            tuple(float(w) for w in objective.weights),
+            tuple(o is None for o in objective.old),
+            objective.ref is None,
         )
+        if signature != self.signature:
+            with recorder.phase("graph_record"):
+                self._record(signature, adapter, state, responses, batches, objective, checkpoint_layers, meter)
+        with recorder.phase("replay"):
+            return self._launch(state, responses, objective)
 
-    def launch(self, state, responses, old, ref, advantages):
-        """Copy the step's inputs into the graph's buffers and launch it: each member's detached loss and
-        log-probs; the group's gradient is left in the parameters' `.grad`."""
+    def _launch(self, state, responses, objective):
+        """Copy the step's inputs into the graph's buffers and launch it."""
         for kept, fresh in zip(state_tensors(self.state), state_tensors(state), strict=True):
             kept.copy_(fresh)
         for b, inputs, targets in zip(self.batches, self.inputs, self.targets):
             members = [responses[i].reshape(-1) for i in b]
             inputs.copy_(member_inputs(state, members))
             targets.copy_(torch.cat(members))
-        self.advantages.copy_(advantages)
-        for buffers, given in ((self.old, old), (self.ref or [], ref or [])):
+        kept = self.objective
+        kept.advantages.copy_(objective.advantages)
+        for buffers, given in ((kept.old, objective.old), (kept.ref or [], objective.ref or [])):
             for buffer, lp in zip(buffers, given):
                 if buffer is not None:
                     buffer.copy_(lp.detach())
@@ -73,52 +83,30 @@ class MemberGraphs:
             p.grad = g
         return [loss.clone() for loss in self.losses], [lp.clone() for lp in self.logps]
 
-    def record(
-        self,
-        signature,
-        adapter,
-        state,
-        responses,
-        batches,
-        old,
-        ref,
-        advantages,
-        weights,
-        config,
-        checkpoint_layers,
-        meter,
-    ):
+    def _record(self, signature, adapter, state, responses, batches, objective, checkpoint_layers, meter):
         """Warm the members up on a side stream, then record them, their losses and their backward into a new
-        graph for `signature`. `meter`: the step's `GraphBytesMeter`, active around this call; its peak is the
-        members' autograd graph, which a launch (no Python) cannot measure."""
+        graph for `signature`, reading buffers of its own (the state, the ids, the objective's tensors)."""
         self.signature = self.graph = None  # the old graph's pool is freed before the new one records
-        device = adapter.device
         self.state, self.batches = own_copy(state), [list(b) for b in batches]
         meter.exclude(state_tensors(self.state))  # resident, as the step's own state is
         self.inputs = [member_inputs(state, [responses[i].reshape(-1) for i in b]) for b in batches]
         self.targets = [torch.cat([responses[i].reshape(-1) for i in b]).long() for b in batches]
-        self.advantages = advantages.to(device=device, dtype=torch.float32).clone()
-        self.old = [None if o is None else o.detach().clone() for o in old]
-        self.ref = None if ref is None else [r.detach().clone() for r in ref]
+        self.objective = dataclasses.replace(
+            objective,
+            old=[None if o is None else o.detach().clone() for o in objective.old],
+            ref=None if objective.ref is None else [r.detach().clone() for r in objective.ref],
+            advantages=objective.advantages.to(device=adapter.device, dtype=torch.float32).clone(),
+        )
         params = [p for p in adapter.model.parameters() if p.requires_grad]
 
         def members():
             losses, logps = [], []
             for b, inputs, targets in zip(self.batches, self.inputs, self.targets):
+                lengths = [responses[i].numel() for i in b]
                 logps_b = replay_inputs(
-                    adapter,
-                    self.state,
-                    inputs,
-                    targets,
-                    [responses[i].numel() for i in b],
-                    checkpoint_layers=checkpoint_layers,
+                    adapter, self.state, inputs, targets, lengths, checkpoint_layers=checkpoint_layers
                 )
-                losses_b = [
-                    grpo.response_loss(
-                        lp, self.old[i], self.ref and self.ref[i], self.advantages[i], float(weights[i]), config
-                    )
-                    for i, lp in zip(b, logps_b)
-                ]
+                losses_b = [self.objective.member_loss(i, lp) for i, lp in zip(b, logps_b)]
                 torch.stack(losses_b).sum().backward()
                 losses += [loss.detach() for loss in losses_b]
                 logps += [lp.detach() for lp in logps_b]
@@ -127,7 +115,7 @@ class MemberGraphs:
         # torch's whole-network recipe: warm up on a side stream (lazy initialisation, autotuning), then record
         # with no gradient held, so the backward allocates the gradients in the graph's pool; the gradients held
         # before (none or zeros: `undone_on_failure`) are put back whatever happens
-        held = [p.grad for p in params]
+        held, device = [p.grad for p in params], adapter.device
         try:
             side = torch.cuda.Stream(device)
             side.wait_stream(torch.cuda.current_stream(device))

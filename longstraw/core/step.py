@@ -245,20 +245,9 @@ def grpo_step(
             if config.beta > 0:
                 with recorder.phase("ref_scoring"), reference_policy(model):
                     ref = [scorer(y, ref_state) for y in responses]
+            objective = grpo.GroupObjective(old, ref, advantages, weights, config)
             losses, logps, meter, k = _replay_and_backward(
-                model,
-                prompt_ids,
-                state,
-                responses,
-                old,
-                ref,
-                advantages,
-                weights,
-                config,
-                mode,
-                recorder,
-                options,
-                graphs,
+                model, prompt_ids, state, responses, objective, mode, recorder, options, graphs
             )
         if options.prefix_grad:
             with recorder.phase("prefix_backward"):
@@ -401,19 +390,7 @@ def undone_on_failure(model, state: ResidentState | None = None):
 
 
 def _replay_and_backward(
-    model,
-    prompt_ids,
-    state,
-    responses,
-    old,
-    ref,
-    advantages,
-    weights,
-    config,
-    mode,
-    recorder,
-    options: StepOptions,
-    graphs: MemberGraphs | None = None,
+    model, prompt_ids, state, responses, objective: grpo.GroupObjective, mode, recorder, options: StepOptions, graphs
 ):
     """Each response's loss and its gradient: replay (one graph per batch of `options.micro_batch` members;
     with `graphs`, all batches as one recorded CUDA graph), hold_all (all G graphs, one backward) or naive
@@ -424,18 +401,12 @@ def _replay_and_backward(
     losses, logps = [], []
     checkpoint_layers = options.checkpoint_layers
 
-    def member_losses(members, logps_k):
-        return [
-            grpo.response_loss(lp, old[i], ref and ref[i], advantages[i], weights[i], config)
-            for i, lp in zip(members, logps_k)
-        ]
-
     with meter:
         if mode == "hold_all":
             with recorder.phase("replay"):
                 for i, y in enumerate(responses):
                     logps.append(replay(model, state, y, checkpoint_layers=checkpoint_layers))
-                    losses.append(member_losses([i], logps[-1:])[0])
+                    losses.append(objective.member_loss(i, logps[-1]))
                 torch.stack(losses).sum().backward()
             return [loss.detach() for loss in losses], [lp.detach() for lp in logps], meter, 1
         if mode == "naive":
@@ -443,7 +414,7 @@ def _replay_and_backward(
                 for i, y in enumerate(responses):
                     with recorder.phase("replay"):
                         logp = naive_logprobs(model, prompt_ids, y)
-                        loss = member_losses([i], [logp])[0]
+                        loss = objective.member_loss(i, logp)
                         loss.backward()
                     losses.append(loss.detach())
                     logps.append(logp.detach())
@@ -452,29 +423,10 @@ def _replay_and_backward(
         k, start = (1 if options.micro_batch == "auto" else options.micro_batch), 0
         if graphs is not None:
             batches = [range(s, min(s + k, len(responses))) for s in range(0, len(responses), k)]
-            adapter = adapter_for(model)
-            signature = graphs.signature_of(
-                adapter, state, responses, batches, old, ref, weights, config, checkpoint_layers
+            run = graphs.run(
+                adapter_for(model), state, responses, batches, objective, checkpoint_layers, recorder, meter
             )
-            if signature != graphs.signature:
-                with recorder.phase("graph_record"):
-                    graphs.record(
-                        signature,
-                        adapter,
-                        state,
-                        responses,
-                        batches,
-                        old,
-                        ref,
-                        advantages,
-                        weights,
-                        config,
-                        checkpoint_layers,
-                        meter,
-                    )
-            with recorder.phase("replay"):
-                losses, logps = graphs.launch(state, responses, old, ref, advantages)
-            return losses, logps, meter, k
+            return (*run, meter, k)
         while start < len(responses):
             members = range(start, min(start + k, len(responses)))
             with recorder.phase("replay"):
@@ -485,7 +437,7 @@ def _replay_and_backward(
                     checkpoint_layers=checkpoint_layers,
                     ids_checked=True,
                 )
-                losses_k = member_losses(members, logps_k)
+                losses_k = [objective.member_loss(i, lp) for i, lp in zip(members, logps_k)]
                 torch.stack(losses_k).sum().backward()
             losses += [loss.detach() for loss in losses_k]
             logps += [lp.detach() for lp in logps_k]
