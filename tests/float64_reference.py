@@ -61,9 +61,33 @@ def _gemma_rotary_in_float64(self, x, position_ids, layer_type):
     return (emb.cos() * scaling).to(x.dtype), (emb.sin() * scaling).to(x.dtype)
 
 
+def _rotary_in_float64(self, x, position_ids):
+    """The default rotary forward (inverse frequencies set at init: default and YaRN rope) in float64. transformers
+    5.17's Llama form (shared by Glm4Moe, GlmMoeDsa, DeepseekV3, DeepseekV32) casts the frequencies with
+    `torch.float`, float64 under the proxy, and the positions with `.float()`, so its matmul meets two dtypes and
+    raises; later versions multiply elementwise, which promotes to float64, the values computed here."""
+    inv_freq = self.inv_freq.to(device=x.device, dtype=torch.float64)
+    freqs = position_ids[..., None].to(torch.float64) * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
+
+
 # classes whose forward casts with `.float()`, which the torch proxy cannot see (measured on tiny-gemma3, LoRA
 # conditional gradient: 5.0e-7 from HF with Gemma's float32 norms, 2.6e-8 with them lifted), or mixes the two
-_METHOD_CASTS = {"Gemma3RMSNorm": _gemma_norm_in_input_precision, "Gemma3RotaryEmbedding": _gemma_rotary_in_float64}
+_METHOD_CASTS = {
+    "Gemma3RMSNorm": _gemma_norm_in_input_precision,
+    "Gemma3RotaryEmbedding": _gemma_rotary_in_float64,
+    **dict.fromkeys(
+        (
+            "LlamaRotaryEmbedding",
+            "Glm4MoeRotaryEmbedding",
+            "GlmMoeDsaRotaryEmbedding",
+            "DeepseekV3RotaryEmbedding",
+            "DeepseekV32RotaryEmbedding",
+        ),
+        _rotary_in_float64,
+    ),
+}
 
 
 @contextmanager

@@ -25,7 +25,13 @@ from tolerances import (
 from transformers import DynamicCache, GenerationConfig
 
 from longstraw import capture, replay, score
-from longstraw.core.hf_reference import grads_of, hf_conditional_logprobs, hf_full_logprobs, max_relative_error
+from longstraw.core.hf_reference import (
+    grads_of,
+    hf_caches_latents,
+    hf_conditional_logprobs,
+    hf_full_logprobs,
+    max_relative_error,
+)
 from longstraw.kernels.dsa_topk import block_scores, index_scores, reference_select_topk, select_topk
 from longstraw.kernels.latent_attention import latent_attention, reference_mla_attention
 from longstraw.models import TINY_MLA_PRESETS, build_model
@@ -50,14 +56,6 @@ def tie_free(model, seed=3):
                 for linear in (module.wq_b, module.wk, module.weights_proj):
                     linear.weight.copy_(torch.randn(linear.weight.shape, generator=g) * 0.5)
     return model
-
-
-def hf_caches_latents(model, prompt) -> bool:
-    """transformers >= 5.23 caches MLA latents; 5.17 caches expanded per-head K/V (DESIGN.md §2)."""
-    cache = DynamicCache(config=model.config)
-    with torch.no_grad():
-        model(input_ids=prompt[None, :2], past_key_values=cache, use_cache=True)
-    return cache.layers[0].keys.shape[1] == 1
 
 
 def _model(preset, topk=None, lora=False):

@@ -11,6 +11,7 @@ from longstraw import capture, replay
 from longstraw.core.hf_reference import (
     global_relative_error,
     grads_of,
+    hf_caches_latents,
     hf_conditional_logprobs,
     hf_full_logprobs,
     max_relative_error,
@@ -44,6 +45,8 @@ def test_checkpointed_replay_gives_hfs_conditional_gradient(preset):
     tol = logprob_tolerance(net.config.vocab_size, float(expected_logp.detach().abs().max()))
     within(max_abs(logp, expected_logp), tol, "log-probs")
     assert len(expected) > 0
+    if preset in TINY_MLA_PRESETS and not hf_caches_latents(net, prompt):  # HF conditions on expanded K/V there
+        ours, expected = ({n: g for n, g in d.items() if "kv_b_proj" not in n} for d in (ours, expected))
     within(max_relative_error(ours, expected), float64_residue_tolerance(has_gdn(net)), "max relative gradient error")
 
 

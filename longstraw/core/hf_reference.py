@@ -37,6 +37,16 @@ def _assigning_recurrent_update(layer):
     layer.update_recurrent_state = types.MethodType(update_recurrent_state, layer)
 
 
+def hf_caches_latents(model, prompt_P) -> bool:
+    """Whether HF's cache holds an MLA model's latents (transformers >= 5.23) or its expanded per-head K/V (5.17,
+    computed without grad in `hf_conditional_logprobs`, so kv_b_proj gets no gradient through the prompt there,
+    while ours, whose state is the latents, expands them under autograd as 5.23 does)."""
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=prompt_P[None, :2], past_key_values=cache, use_cache=True)
+    return cache.layers[0].keys.shape[1] == 1
+
+
 def hf_conditional_logprobs(model, prompt_P, response_R):
     """The conditional-response reference: prompt minus its last token through HF
     without grad into a DynamicCache, then the last prompt token + response on that cache with grad."""
