@@ -1,10 +1,12 @@
 """Kind `step`: G seeded random responses with seeded rewards (a memory/time measurement needs
 shapes, not meaning), `cycles` GRPO steps in the chosen mode; with `replay`/`hold_all` one capture
 serves every cycle, or each cycle captures anew (`recapture`: a cold first step and warm ones, each
-doing what a peer's step does). With `responses.source: rollouts` the cycles are the GRPO trainer's steps on one
-capture instead (`longstraw.training.trainer`): G responses sampled from the resident state, the task's
-rewards, serial replay, the optimizer step; its phases add `sampling` (and `ref_capture`, the
-reference policy's own capture of the prompt, when beta > 0) and its old log-probs come from sampling.
+doing what a peer's step does); with `replay.cuda_graph` the members run as one CUDA graph recorded in the
+first cycle (phase `graph_record`) and launched in the others. With `responses.source: rollouts` the cycles are
+the GRPO trainer's steps on one capture instead (`longstraw.training.trainer`): G responses sampled from the
+resident state, the task's rewards, serial replay, the optimizer step; its phases add `sampling` (and
+`ref_capture`, the reference policy's own capture of the prompt, when beta > 0) and its old log-probs come from
+sampling.
 
 Report: one row per point (mode, G, the peak and its measure, graph and resident bytes, time per
 replayed member, the first step's seconds (cold: cuDNN plans and Triton autotuning inside it) and the
