@@ -39,7 +39,6 @@ class GraphBytesMeter:
 
     def __init__(self, exclude=()):
         self.excluded = {_storage_key(t) for t in exclude}
-
         self.live: dict = {}  # storage key -> [refcount, bytes]
         self.current = 0
         self.peak = 0
