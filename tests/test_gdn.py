@@ -8,7 +8,7 @@ from tolerances import EPS_BF16, close, float32_tolerance, relative
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
 from longstraw.kernels import gdn
-from longstraw.kernels.causal_conv import causal_conv1d, causal_conv1d_channels_last
+from longstraw.kernels.causal_conv import causal_conv1d, causal_conv1d_channels_last, conv_split_normalized
 from longstraw.kernels.gdn import (
     chunk_gated_delta_rule,
     chunk_gated_delta_rule_forward,
@@ -467,6 +467,65 @@ def test_conv_channels_last_on_cuda_matches_hf_in_float64(T):
     for name, a, e in zip(("y", "state", "dx", "dstate", "dweight", "dbias"), ours, reference):
         assert a.dtype == torch.bfloat16, name
         assert relative(a, e) <= BF16_RTOL, (name, relative(a, e))
+
+
+def _split_normalized_reference(x_BTC, s0, w, b, key_dim, head_dim):
+    """HF's conv continued from `s0` in float64, split into q, k, v heads, q and k divided by their l2 norm (HF's
+    `l2norm`, eps 1e-6), and the new state: what `conv_split_normalized` computes."""
+    x64, s64, w64, b64 = (t.double() for t in (x_BTC, s0, w, b))
+    y = _hf_conv_from_state(x64.transpose(1, 2), s64, w64, b64).transpose(1, 2)
+    B, T, C = y.shape
+    q, k, v = (t.reshape(B, T, -1, head_dim) for t in y.split([key_dim, key_dim, C - 2 * key_dim], -1))
+    q, k = (hf.l2norm(t, dim=-1, eps=1e-6) for t in (q, k))
+    state = torch.cat([s64, x64.transpose(1, 2)], dim=-1)[..., -(w.shape[1] - 1) :]
+    return q, k, v, state
+
+
+@pytest.mark.parametrize("T", [1, 2, 9])
+def test_conv_split_normalized_off_cuda_is_hfs_conv_split_and_norm(T):
+    """Off CUDA: the conv, the split into heads and the l2 norm of q and k, as HF computes them, in float64."""
+    gen = torch.Generator().manual_seed(T)
+    key_dim, head_dim, C = 8, 4, 24
+    x, s0, w, b = (
+        torch.randn(*shape, generator=gen, dtype=torch.float64) for shape in ((2, T, C), (2, C, 3), (C, 4), (C,))
+    )
+    ours = conv_split_normalized(x, s0, w, b, key_dim, head_dim, head_dim, "silu")
+    for name, a, e in zip(("q", "k", "v", "state"), ours, _split_normalized_reference(x, s0, w, b, key_dim, head_dim)):
+        assert (a.is_contiguous() or name == "state") and a.shape == e.shape, name
+        torch.testing.assert_close(a, e, rtol=TOL64, atol=TOL64)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("T", [1, 3, 300])
+def test_conv_split_normalized_on_cuda_is_one_rounding_of_the_float64_result(T):
+    """The fused Triton kernel (hybrid-1b's GDN widths: q and k 2,048, v 4,096, heads of 128, K=4) without grad, in
+    bf16 from a state: each output is the float64 conv, split and norm rounded once to bf16. Its float32 work (K
+    products and the bias, SiLU, a sum of 128 squares, a square root) errs by a few EPS32; bound: half a bf16
+    spacing of each value, plus (K + D + 8) EPS32 of the row's largest, times SAFETY. The plain path (the conv
+    rounded to bf16 before the norm: two roundings) is shown beside; flipped taps are outside the bound."""
+    from tolerances import EPS32, SAFETY
+
+    gen = torch.Generator().manual_seed(T)
+    key_dim, D, C, K = 2048, 128, 8192, 4
+    x, s0, w, b = (
+        torch.randn(*shape, generator=gen, dtype=torch.float64).to(torch.bfloat16).cuda()
+        for shape in ((1, T, C), (1, C, K - 1), (C, K), (C,))
+    )
+    with torch.no_grad():
+        ours = conv_split_normalized(x, s0, w, b, key_dim, D, D, "silu")
+    expected = _split_normalized_reference(x, s0, w, b, key_dim, D)
+    flipped = _split_normalized_reference(x, s0, w.flip(-1), b, key_dim, D)
+    with torch.no_grad(), torch.enable_grad():
+        plain = conv_split_normalized(x, s0, w.requires_grad_(True), b, key_dim, D, D, "silu")  # the composition
+    w.requires_grad_(False)
+    for name, a, e, p, f in zip(("q", "k", "v"), ours, expected, plain, flipped):
+        assert a.dtype == torch.bfloat16 and a.is_contiguous() and a.shape == e.shape, name
+        bound = SAFETY * (EPS_BF16 / 2 * e.abs() + (K + D + 8) * EPS32 * e.abs().amax(-1, keepdim=True))
+        error, plain_error = (a.double() - e).abs(), (p.detach().double() - e).abs()
+        assert (error <= bound).all(), f"{name}: {(error / bound).max().item():.3g} of bound (plain path: "
+        f"{(plain_error / bound).max().item():.3g})"
+        assert ((f - e).abs() > bound).any(), f"{name}: the bound cannot tell flipped taps"
+    assert torch.equal(ours[3], expected[3].to(torch.bfloat16))
 
 
 # ------------------------------------------------------------------------------------

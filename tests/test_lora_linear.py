@@ -8,10 +8,11 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 from peft.tuners.lora.layer import Linear as LoraLinear
-from tolerances import EPS32, EPS_BF16, SAFETY, TOL64
+from tolerances import EPS32, EPS_BF16, SAFETY, TOL64, float32_tolerance, relative, within
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from longstraw import capture
 from longstraw.models import build_model
 from longstraw.models.lora import apply_lora
 from longstraw.models.lora_linear import adopt_in_place_lora, in_place_lora_class
@@ -219,3 +220,91 @@ def test_apply_lora_adopts_every_plain_lora_linear():
     model = apply_lora(build_model("tiny-qwen3_5", seed=0), r=4)
     layers = [m for m in model.modules() if isinstance(m, LoraLinear)]
     assert layers and all(type(m) is in_place_lora_class() for m in layers)
+
+
+MERGED_ROWS = 64  # merge_pays at IN 64, OUT 96: rows (64 + 192) >= 2 64 96 from 48 rows on
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("adapter_dtype", [torch.bfloat16, torch.float32])
+def test_a_capture_call_runs_on_the_merged_weight_within_its_roundings(adapter_dtype, device, monkeypatch):
+    """Inside a capture, graph-free, on enough rows: one GEMM on W + s B A rounded once to bf16, within the roundings
+    of that weight and of the GEMM of the layer's definition in float64; a dropped or doubled update is outside."""
+    import longstraw.models.lora_linear as lora_linear
+
+    _, layer = _layer(base_dtype=torch.bfloat16, adapter_dtype=adapter_dtype, device=device)
+    calls = []
+    merged_weight = lora_linear.merged_lora_weight
+    monkeypatch.setattr(lora_linear, "merged_lora_weight", lambda *a: calls.append(a) or merged_weight(*a))
+    x = torch.randn(2, MERGED_ROWS // 2, IN, dtype=torch.bfloat16, device=device)
+    with torch.no_grad(), lora_linear.merged_lora_for_capture():
+        ours = layer(x)
+    assert len(calls) == 1 and ours.dtype == torch.bfloat16
+    f = lambda t: t.detach().double()  # noqa: E731
+    W, b = f(layer.base_layer.weight), f(layer.base_layer.bias)
+    A, B = f(layer.lora_A["default"].weight), f(layer.lora_B["default"].weight)
+    s, X = layer.scaling["default"], f(x).reshape(-1, IN)
+    merged = W + s * B @ A
+    y = X @ merged.T + b
+    u = EPS_BF16 / 2
+    # the merged weight: R products summed in float32 and one rounding to bf16; the GEMM: IN products summed in
+    # float32 over the rounded weight, the bias added, one rounding to bf16
+    weight_error = (u + R * EPS32) * (W.abs() + s * B.abs() @ A.abs())
+    gemm_error = (u + IN * EPS32) * (X.abs() @ (merged.abs() + weight_error).T + b.abs())
+    bound = SAFETY * (gemm_error + X.abs() @ weight_error.T + u * y.abs())
+    error = (ours.double().reshape(y.shape) - y).abs()
+    assert (error <= bound).all(), f"{(error / bound).max().item():.3g} of bound"
+    for wrong in (X @ W.T + b, X @ (W + 2 * s * B @ A).T + b):  # the update dropped, the scaling applied twice
+        assert ((wrong - y).abs() > bound).any(), "the bound cannot tell a wrong update"
+
+
+def test_only_graph_free_many_row_capture_calls_merge(monkeypatch):
+    """Outside a capture, with grad on, or on fewer rows than pay for the merge, the call keeps the unmerged
+    forward (peft's own here, bit for bit); a kept weight is built once for all of a layer's calls."""
+    import longstraw.models.lora_linear as lora_linear
+
+    _, layer = _layer(base_dtype=torch.float32, adapter_dtype=torch.float32)
+    calls = []
+    merged_weight = lora_linear.merged_lora_weight
+    monkeypatch.setattr(lora_linear, "merged_lora_weight", lambda *a: calls.append(a) or merged_weight(*a))
+    many, few = torch.randn(MERGED_ROWS, IN), torch.randn(8, IN)
+    with torch.no_grad():
+        assert torch.equal(layer(many), LoraLinear.forward(layer, many))
+    with lora_linear.merged_lora_for_capture():
+        assert torch.equal(layer(many), LoraLinear.forward(layer, many))  # grad on
+        with torch.no_grad():
+            assert torch.equal(layer(few), LoraLinear.forward(layer, few))
+            assert not calls
+            with lora_linear.merged_weights_kept():
+                layer(many), layer(many)
+            assert len(calls) == 1
+
+
+@pytest.mark.numerics
+def test_a_capture_on_merged_weights_leaves_the_unmerged_forwards_state(monkeypatch):
+    """Every LoRA layer of a capture's full chunks runs merged; the pages and GDN states equal those of the
+    unmerged forward (the merging off) within float32 rounding accumulated over the layers."""
+    import contextlib
+
+    import longstraw.core.transaction as transaction
+    import longstraw.models.lora_linear as lora_linear
+
+    model = apply_lora(build_model("tiny-qwen3_5", seed=0), r=4, init_random=True)
+    layers = [m for m in model.modules() if isinstance(m, LoraLinear)]
+    calls = []
+    merged_weight = lora_linear.merged_lora_weight
+    monkeypatch.setattr(lora_linear, "merged_lora_weight", lambda *a: calls.append(a) or merged_weight(*a))
+    prompt = torch.randint(0, 256, (300,), generator=torch.Generator().manual_seed(0))
+    merged = capture(model, prompt, chunk_size=128, order="chunk")
+    # the two 128-row chunks (every layer pays there) and the 299 - 256 = 43-row tail, where some layers pay
+    expected = sum(2 + lora_linear.merge_pays(43, m.base_layer) for m in layers)
+    assert all(lora_linear.merge_pays(128, m.base_layer) for m in layers) and len(calls) == expected
+    monkeypatch.setattr(transaction, "merged_lora_for_capture", contextlib.nullcontext)
+    unmerged = capture(model, prompt, chunk_size=128, order="chunk")
+    assert len(calls) == expected
+    config = model.get_base_model().config
+    tol = float32_tolerance(config.hidden_size, roundings=config.num_hidden_layers)
+    for a, b in zip(merged.layers, unmerged.layers):
+        for ta, tb in zip(a.tensors(), b.tensors()):
+            within(relative(ta, tb), tol, "state")

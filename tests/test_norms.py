@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from tolerances import EPS_BF16, float32_tolerance, relative
+from tolerances import EPS_BF16, SAFETY, float32_tolerance, relative
 
 from longstraw.kernels import rms_norm as rms_norm_module
+from longstraw.kernels import swiglu as swiglu_module
 from longstraw.kernels.gated_rms_norm import _fla_norm_usable, _load_fla_norm, gated_rms_norm
 from longstraw.kernels.rms_norm import ONE_PLUS_WEIGHT, one_plus_weight, rms_norm
 
@@ -135,3 +136,77 @@ def test_gated_norm_on_cuda_matches_hf_in_float64(rows):
     for name, a, e in zip(("y", "dx", "dz", "dweight"), ours, reference):
         assert a.dtype == torch.bfloat16, name
         assert relative(a, e) <= BF16_RTOL, (name, relative(a, e))
+
+
+# The decoder MLP (longstraw.kernels.swiglu): the fused silu-and-multiply between the module's own projections.
+# Every bf16 stage rounds its output once (at most half EPS_BF16 norm-wise, its float32 GEMM sums far below), and
+# independent roundings add in quadrature. The most feed x's gradient: along HF's path the incoming gradient, the
+# down projection's input gradient, gate, up and silu from the forward, the product's two gradients, silu's, each
+# projection's input gradient and their sum (11; the fused path skips silu's two). SAFETY times that.
+MLP_BF16_RTOL = SAFETY * 11**0.5 * EPS_BF16 / 2
+
+
+def _hf_mlp(hidden_act: str, H: int, I: int, dtype, device="cpu", gen=None) -> torch.nn.Module:
+    """HF's llama MLP, its projections drawn from gen at unit gain (each output ~ its input's scale)."""
+    config = transformers.LlamaConfig(
+        hidden_size=H, intermediate_size=I, hidden_act=hidden_act, num_attention_heads=1, num_key_value_heads=1
+    )
+    mlp = transformers.models.llama.modeling_llama.LlamaMLP(config).to(dtype=dtype, device=device)
+    if gen is not None:
+        with torch.no_grad():
+            for proj in (mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+                fan_in = proj.weight.shape[1]
+                proj.weight.copy_(torch.randn(proj.weight.shape, generator=gen, dtype=torch.float64) / fan_in**0.5)
+    return mlp
+
+
+def _mlp_outputs_and_grads(mlp, fn, x, out_weight):
+    """fn's output and the gradients of sum(output * out_weight) in x and the gate, up and down weights."""
+    leaf = x.detach().clone().requires_grad_(True)
+    projections = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    for proj in projections:
+        proj.weight.grad = None
+    y = fn(leaf)
+    (y.double() * out_weight).sum().backward()
+    return [y.detach(), leaf.grad, *(proj.weight.grad.clone() for proj in projections)]
+
+
+def test_off_cuda_the_mlp_is_hfs_module_bit_for_bit():
+    """On CPU, with SiLU or another activation, mlp_forward is the module itself; and the SiLU class HF's config
+    builds is one the fused path recognises (else it would never run on CUDA)."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, 16, generator=gen)
+    out_weight = torch.randn(2, 5, 16, generator=gen, dtype=torch.float64)
+    for act in ("silu", "gelu"):
+        mlp = _hf_mlp(act, 16, 48, torch.float32, gen=gen)
+        assert isinstance(mlp.act_fn, swiglu_module.SILU_CLASSES) == (act == "silu")
+        for a, e in zip(
+            _mlp_outputs_and_grads(mlp, lambda t: swiglu_module.mlp_forward(mlp, t), x, out_weight),
+            _mlp_outputs_and_grads(mlp, mlp, x, out_weight),
+        ):
+            assert torch.equal(a, e), act
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("rows", [1, 3, 4096])
+def test_mlp_on_cuda_matches_hf_in_float64(rows):
+    """fla's fused swiglu in a llama MLP at llama-1b's sizes in bf16, forward and backward (x and the three
+    weights), against HF's module in float64 on the same bf16 values: within MLP_BF16_RTOL norm-wise, as HF's own
+    bf16 module is (both errors printed: the bound is what bf16 gives, not a vacuous one)."""
+    if swiglu_module._load_fla_swiglu() is None:
+        pytest.skip("fla is not importable")
+    gen = torch.Generator().manual_seed(0)
+    H, I = 2048, 8192
+    mlp = _hf_mlp("silu", H, I, torch.bfloat16, "cuda", gen)
+    (x,) = _bf16_inputs(gen, (2, rows, H))
+    out_weight = torch.randn(2, rows, H, generator=gen, dtype=torch.float64).cuda()
+    assert swiglu_module._fla_usable(mlp, x)  # the fused path, not the module, is what is compared
+    ours = _mlp_outputs_and_grads(mlp, lambda t: swiglu_module.mlp_forward(mlp, t), x, out_weight)
+    hf = _mlp_outputs_and_grads(mlp, mlp, x, out_weight)
+    reference_mlp = _hf_mlp("silu", H, I, torch.float64, "cuda")
+    reference_mlp.load_state_dict(mlp.state_dict())  # the same bf16 values, in float64
+    reference = _mlp_outputs_and_grads(reference_mlp, reference_mlp, x.double(), out_weight)
+    for name, a, h, e in zip(("y", "dx", "dgate", "dup", "ddown"), ours, hf, reference):
+        assert a.dtype == torch.bfloat16, name
+        errors = (name, "fused", relative(a, e), "hf bf16", relative(h, e))
+        assert relative(a, e) <= MLP_BF16_RTOL and relative(h, e) <= MLP_BF16_RTOL, errors

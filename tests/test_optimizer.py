@@ -1,6 +1,7 @@
 """Float32 master weights for bf16 parameters (`longstraw.training.optimizer`), held to torch's own AdamW
 on float32 parameters given the same gradients."""
 
+import pytest
 import torch
 
 from longstraw.config.sections import OptimizerConfig
@@ -64,3 +65,26 @@ def test_masters_are_the_default_exactly_for_low_precision_trainable_parameters(
         build_optimizer([torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))], OptimizerConfig()), lambda s: 0.5
     )
     assert scheduler.get_last_lr() == [0.5e-4]
+
+
+@pytest.mark.cuda
+def test_on_cuda_the_built_optimizer_is_fused_and_its_masters_follow_fused_float32_adamw():
+    """On CUDA `build_optimizer` steps with torch's fused AdamW; the masters (gradients copied in, weights
+    copied back, several tensors at once) take the float32 trajectory of fused AdamW bit for bit."""
+    starts = [torch.linspace(0.5, 2.0, 64, device="cuda"), torch.linspace(-1.0, 1.0, 24, device="cuda")]
+    bf16 = [torch.nn.Parameter(s.to(torch.bfloat16)) for s in starts]
+    reference = [torch.nn.Parameter(s.to(torch.bfloat16).float()) for s in starts]
+    ours = build_optimizer(bf16, OptimizerConfig(lr=1e-4))
+    theirs = torch.optim.AdamW(reference, lr=1e-4, weight_decay=OptimizerConfig().weight_decay, fused=True)
+    assert type(ours) is MasterWeightsAdamW and ours.defaults["fused"]
+    assert build_optimizer([torch.nn.Parameter(starts[0])], OptimizerConfig()).defaults["fused"]
+    for step in range(20):
+        for i, (p, r) in enumerate(zip(bf16, reference)):
+            g = _grads(100 * step + i, p.shape).cuda()
+            p.grad, r.grad = g.clone(), g.float()
+        bf16[1].grad = None if step % 3 == 0 else bf16[1].grad  # a parameter without a gradient is not stepped
+        reference[1].grad = None if step % 3 == 0 else reference[1].grad
+        ours.step(), theirs.step()
+        ours.zero_grad(), theirs.zero_grad()
+    for p, m, r in zip(bf16, ours.masters, reference):
+        assert torch.equal(m, r.detach()) and torch.equal(p.detach(), r.detach().to(torch.bfloat16))

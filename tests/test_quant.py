@@ -246,8 +246,8 @@ def test_capture_runs_lora_over_nf4_merged_and_its_state_matches_the_unmerged_fo
     layers = [m for m in model.modules() if isinstance(m, LoraLinear4bit)]
     assert layers and all(type(m) is quant.merging_lora_class() for m in layers)
     calls = []
-    merged_weight = quant.merged_weight
-    monkeypatch.setattr(quant, "merged_weight", lambda *a: calls.append(a) or merged_weight(*a))
+    merged = quant.merged_lora_weight
+    monkeypatch.setattr(quant, "merged_lora_weight", lambda *a: calls.append(a) or merged(*a))
     prompt = _ids(300, 0)
     merged = capture(model, prompt, chunk_size=128, order="chunk")
     assert len(calls) == 2 * len(layers)  # every LoRA layer in the two 128-row chunks; the 43-row tail: peft
@@ -270,21 +270,22 @@ def test_capture_runs_lora_over_nf4_merged_and_its_state_matches_the_unmerged_fo
 @pytest.mark.numerics
 def test_layer_major_capture_builds_each_merged_weight_once_and_leaves_the_chunk_major_state(monkeypatch):
     """Layer-major capture keeps a layer's merged NF4 + LoRA weights while the layer runs its chunks: one
-    `merged_weight` per LoRA layer for two full chunks (chunk-major builds it per chunk), and the same state."""
+    `merged_lora_weight` per LoRA layer for two full chunks (chunk-major builds it per chunk), and the same state."""
+    import longstraw.models.lora_linear as lora_linear
     import longstraw.models.quant as quant
 
     model = apply_lora(quantize_nf4(build_model("tiny-qwen3_5", seed=0)), r=4, init_random=True)
     layers = [m for m in model.modules() if isinstance(m, LoraLinear4bit)]
     calls = []
-    merged_weight = quant.merged_weight
-    monkeypatch.setattr(quant, "merged_weight", lambda *a: calls.append(a) or merged_weight(*a))
+    merged = quant.merged_lora_weight
+    monkeypatch.setattr(quant, "merged_lora_weight", lambda *a: calls.append(a) or merged(*a))
     prompt = _ids(300, 0)
     by_chunk = capture(model, prompt, chunk_size=128, order="chunk")
     assert len(calls) == 2 * len(layers)
     calls.clear()
     by_layer = capture(model, prompt, chunk_size=128, order="layer")
     assert len(calls) == len(layers)  # once per layer; the 43-row tail takes peft's forward in both orders
-    assert quant._kept is None  # nothing kept once the capture ends
+    assert lora_linear._kept is None  # nothing kept once the capture ends
     # the same weights and the same per-chunk arithmetic in another loop order: float32 rounding at most
     config = model.get_base_model().config
     tol = float32_tolerance(config.hidden_size, roundings=config.num_hidden_layers)

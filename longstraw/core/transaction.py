@@ -26,7 +26,7 @@ from longstraw.kernels.logprobs import token_logprobs
 from longstraw.kernels.paged_attention import ForwardMemo
 from longstraw.measure.memory import synchronize
 from longstraw.measure.progress import CaptureProgress
-from longstraw.models.quant import merged_lora_for_capture, merged_weights_kept
+from longstraw.models.lora_linear import merged_lora_for_capture, merged_weights_kept
 from longstraw.state import ResidentState, chain_host_pages, prompt_digest
 
 DEFAULT_CHUNK = {"cpu": 2048, "cuda": 16384}
@@ -164,7 +164,7 @@ def capture(
         else:
             h_all = adapter.embed(ids[None, :positions])
             for i, entry in enumerate(state.layers):
-                with merged_weights_kept():  # the layer's merged NF4 + LoRA weights, built once for its chunks
+                with merged_weights_kept():  # the layer's merged LoRA weights, built once for its chunks
                     for start in starts:
                         h = h_all[:, start : start + chunk]
                         pe = adapter.position_embeddings(h, start)

@@ -18,6 +18,7 @@ import torch
 
 from longstraw.families.attention_layer import IMPLEMENTATION, longstraw_attention_selected
 from longstraw.kernels.rms_norm import rms_norm
+from longstraw.kernels.swiglu import mlp_forward
 from longstraw.state import ModelBinding
 
 # config fields that size a resident entry (absent ones read None)
@@ -139,7 +140,7 @@ class FamilyAdapter:
 
     @staticmethod
     def _mlp(layer, h_BTH):
-        out = layer.mlp(rms_norm(layer.post_attention_layernorm, h_BTH))
+        out = mlp_forward(layer.mlp, rms_norm(layer.post_attention_layernorm, h_BTH))
         return out[0] if isinstance(out, tuple) else out  # some MoE blocks also return router logits
 
     def final_hidden(self, h_BTH):

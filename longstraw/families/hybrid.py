@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from longstraw.families.attention_layer import attention_mix
 from longstraw.families.base import FamilyAdapter
 from longstraw.families.dense import allocate_attention_pages, attention_page_bytes
-from longstraw.kernels.causal_conv import causal_conv1d_channels_last
+from longstraw.kernels.causal_conv import causal_conv1d_channels_last, conv_split_normalized
 from longstraw.kernels.gated_rms_norm import gated_rms_norm
 from longstraw.kernels.gdn import chunk_gated_delta_rule_forward, gated_delta_rule
 from longstraw.state import RecurrentState
@@ -54,22 +54,29 @@ def recurrent_state_bytes(config, dtype) -> int:
     return conv + recurrent
 
 
-def gdn_rule_inputs(module, project, x_BTH, conv_in):
+def gdn_rule_inputs(module, project, x_BTH, conv_in, normalized: bool = False):
     """What the delta rule of a GDN layer reads, from the layer's (normed) input `x_BTH` and the conv
     state `conv_in` (the last K-1 projected inputs before `x`, or None at the sequence's start):
-    (q, k, v, g, beta, z, conv_state), `z` the output gate and `conv_state` the conv's new state."""
+    (q, k, v, g, beta, z, conv_state), `z` the output gate and `conv_state` the conv's new state.
+    `normalized`: q and k come l2-normalised per head (`conv_split_normalized`: one fused kernel in a capture),
+    for a rule called with `l2norm_qk=False`."""
     B, T, _ = x_BTH.shape
     mixed_BTC, z, b, a = project(module, x_BTH)
-    conv_BTC, conv_state = causal_conv1d_channels_last(
-        mixed_BTC, conv_in, module.conv1d.weight.squeeze(1), module.conv1d.bias, activation=module.activation
-    )
-    # q, k and v as tensors of their own, so the conv's output is freed before the rule runs (fla's kernels copy
-    # strided inputs anyway, and capture's transient peaks inside the rule)
-    q, k, v = (t.contiguous() for t in torch.split(conv_BTC, [module.key_dim, module.key_dim, module.value_dim], -1))
-    del conv_BTC
-    q = q.reshape(B, T, -1, module.head_k_dim)
-    k = k.reshape(B, T, -1, module.head_k_dim)
-    v = v.reshape(B, T, -1, module.head_v_dim)
+    weight, bias = module.conv1d.weight.squeeze(1), module.conv1d.bias
+    if normalized:
+        q, k, v, conv_state = conv_split_normalized(
+            mixed_BTC, conv_in, weight, bias, module.key_dim, module.head_k_dim, module.head_v_dim, module.activation
+        )
+    else:
+        conv_BTC, conv_state = causal_conv1d_channels_last(mixed_BTC, conv_in, weight, bias, module.activation)
+        # q, k and v as tensors of their own, so the conv's output is freed before the rule runs (fla's kernels
+        # copy strided inputs anyway, and capture's transient peaks inside the rule)
+        split = torch.split(conv_BTC, [module.key_dim, module.key_dim, module.value_dim], -1)
+        q, k, v = (t.contiguous() for t in split)
+        del conv_BTC, split
+        q = q.reshape(B, T, -1, module.head_k_dim)
+        k = k.reshape(B, T, -1, module.head_k_dim)
+        v = v.reshape(B, T, -1, module.head_v_dim)
     beta = b.sigmoid()
     g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)
     return q, k, v, g, beta, z, conv_state
@@ -82,9 +89,12 @@ def gdn_mix(module, project, x_BTH, state: RecurrentState, write_state: bool):
     differentiably and leaves the final (conv, recurrent) state, with its graph, in `state.final`."""
     B, T, _ = x_BTH.shape
     conv_in, recurrent_in = state.inputs()
-    q, k, v, g, beta, z, conv_state = gdn_rule_inputs(module, project, x_BTH, conv_in)
-    rule = chunk_gated_delta_rule_forward if write_state and not state.keep_final else gated_delta_rule
-    core_BTHV, recurrent = rule(q, k, v, g, beta, recurrent_in)
+    capturing = write_state and not state.keep_final  # no autograd: q and k normalised with the conv
+    q, k, v, g, beta, z, conv_state = gdn_rule_inputs(module, project, x_BTH, conv_in, normalized=capturing)
+    if capturing:
+        core_BTHV, recurrent = chunk_gated_delta_rule_forward(q, k, v, g, beta, recurrent_in, l2norm_qk=False)
+    else:
+        core_BTHV, recurrent = gated_delta_rule(q, k, v, g, beta, recurrent_in)
     if state.keep_final:
         state.final = (conv_state, recurrent)
     elif write_state:

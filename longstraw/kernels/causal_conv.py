@@ -5,6 +5,10 @@
 returns ``[B, T, C]``, the layout the layer's projections make, and on CUDA runs fla's Triton conv (one pass
 that reads the state and writes the output, forward and backward; no transposes, no concatenation). Elsewhere
 (CPU, float64, no fla) it is the reference on transposed views.
+
+``conv_split_normalized`` is what a Gated DeltaNet capture reads from the conv: q, k and v as tensors of their own,
+q and k l2-normalised per head. On CUDA without grad it is one Triton kernel (``gdn_conv_triton``); elsewhere the
+plain composition: the conv, the split, the norm.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from longstraw.kernels.fla_import import fla_function
+from longstraw.kernels.gdn import L2NORM_EPS
 
 _ACTIVATIONS: dict[str | None, Callable[[torch.Tensor], torch.Tensor]] = {
     None: lambda y: y,
@@ -107,3 +112,42 @@ def causal_conv1d_channels_last(
         x_BTC, weight_CK, bias_C, initial_state=initial_BCK, output_final_state=True, activation=activation
     )
     return y_BTC, final_BCK[..., 1:]
+
+
+def conv_split_normalized(
+    x_BTC: torch.Tensor,
+    conv_state_BCK1: torch.Tensor | None,
+    weight_CK: torch.Tensor,
+    bias_C: torch.Tensor | None,
+    key_dim: int,
+    head_k_dim: int,
+    head_v_dim: int,
+    activation: str | None = "silu",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, k, v, new_state_BCK1): `causal_conv1d_channels_last` of ``x_BTC`` split along its channels into q and k
+    (``key_dim`` each, heads of ``head_k_dim``) and v (the rest, heads of ``head_v_dim``), each contiguous
+    ``[B, T, heads, head dim]``, q and k divided by their l2 norm over each head (float32, as fla's norm, rounded
+    once to x's dtype). One fused Triton kernel on CUDA when nothing needs a gradient (a capture), the plain
+    composition otherwise."""
+    B, T, C = x_BTC.shape
+    K = _kernel_size(activation, B, C, weight_CK, conv_state_BCK1)
+    graph_free = not torch.is_grad_enabled() or not any(
+        t is not None and t.requires_grad for t in (x_BTC, conv_state_BCK1, weight_CK, bias_C)
+    )
+    one_head_dim = head_k_dim == head_v_dim and not head_k_dim & (head_k_dim - 1) and key_dim % head_k_dim == 0
+    if graph_free and one_head_dim and x_BTC.is_cuda and T and torch.float64 not in (x_BTC.dtype, weight_CK.dtype):
+        from longstraw.kernels.gdn_conv_triton import conv_split_normalized_triton
+
+        q, k, v = conv_split_normalized_triton(
+            x_BTC, conv_state_BCK1, weight_CK, bias_C, key_dim, head_k_dim, silu=activation is not None
+        )
+        previous = x_BTC.new_zeros(B, C, K - 1) if conv_state_BCK1 is None else conv_state_BCK1.to(x_BTC.dtype)
+        state = torch.cat([previous, x_BTC[:, max(T - (K - 1), 0) :].transpose(1, 2)], dim=-1)[..., -(K - 1) :]
+        return q, k, v, state
+    y_BTC, state = causal_conv1d_channels_last(x_BTC, conv_state_BCK1, weight_CK, bias_C, activation)
+    q, k, v = torch.split(y_BTC, [key_dim, key_dim, C - 2 * key_dim], dim=-1)
+    q, k = (t.reshape(B, T, -1, head_k_dim) for t in (q, k))
+    wide = torch.promote_types(x_BTC.dtype, torch.float32)  # float32, or float64 for float64 input
+    q, k = (t.to(wide) * torch.rsqrt(t.to(wide).square().sum(-1, keepdim=True) + L2NORM_EPS) for t in (q, k))
+    q, k, v = (t.to(x_BTC.dtype).contiguous() for t in (q, k, v.reshape(B, T, -1, head_v_dim)))
+    return q, k, v, state

@@ -333,7 +333,7 @@ def fla_available() -> bool:
     return _load_fla()[0] is not None
 
 
-def _fla_forward(fla_chunk, fla_version, q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_BHDV):
+def _fla_forward(fla_chunk, fla_version, q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_BHDV, l2norm_qk=True):
     group = v_BTHV.shape[2] // k_BTHD.shape[2]
     if group > 1 and fla_version < _FLA_NATIVE_GVA_VERSION:
         q_BTHD = q_BTHD.repeat_interleave(group, dim=2)
@@ -349,7 +349,7 @@ def _fla_forward(fla_chunk, fla_version, q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH
         scale=q_BTHD.shape[-1] ** -0.5,
         initial_state=initial_state_BHDV,
         output_final_state=True,
-        use_qk_l2norm_in_kernel=True,
+        use_qk_l2norm_in_kernel=l2norm_qk,
     )
     return out_BTHV.to(q_BTHD.dtype), final_state_BHDV.float()
 
@@ -370,7 +370,7 @@ def chunk_gated_delta_rule_forward(
     """No-grad forward for capturing a prompt's state; same results as ``chunk_gated_delta_rule``.
 
     Uses fla's Triton kernel when ``use_fla`` is not False, fla imports, the
-    tensors are on CUDA, ``l2norm_qk`` is set and inputs are not float64;
+    tensors are on CUDA and inputs are not float64 (``l2norm_qk=False``: q and k come normalised);
     otherwise runs ``chunk_gated_delta_rule``; a single token (a decoding step)
     takes ``recurrent_gated_delta_rule`` unless ``use_fla`` is set.
     ``use_fla=True`` raises if fla cannot be used.  The returned tensors carry no
@@ -385,14 +385,15 @@ def chunk_gated_delta_rule_forward(
     usable = (
         fla_chunk is not None
         and q_BTHD.is_cuda
-        and l2norm_qk
         and _compute_dtype(q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_BHDV) == torch.float32
         and q_BTHD.shape[1] > 0
     )
     if use_fla and not usable:
-        raise RuntimeError("fla path requested but unavailable (fla import, CUDA tensors, l2norm_qk, non-float64)")
+        raise RuntimeError("fla path requested but unavailable (fla import, CUDA tensors, non-float64)")
     if usable:
-        return _fla_forward(fla_chunk, fla_version, q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_BHDV)
+        return _fla_forward(
+            fla_chunk, fla_version, q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_BHDV, l2norm_qk
+        )
     return chunk_gated_delta_rule(
         q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_BHDV, chunk_size=chunk_size, l2norm_qk=l2norm_qk
     )

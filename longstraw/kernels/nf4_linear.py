@@ -3,8 +3,7 @@ GEMM in the compute dtype, instead of bitsandbytes' fused 4-bit GEMM. Measured o
 shape, `experiments/recorded/h200-benchmarks/kernel_ceilings.json`): on 16,384 rows 780 TFLOP/s against
 the fused kernel's 703; on 1,024 rows 407 against 447, so the crossover lies between and
 `DEQUANTIZE_MIN_ROWS` is not yet set from it. The reference beside it is bitsandbytes' own
-`matmul_4bit`, which `models.quant` keeps for few-row calls (decoding). `merged_weight` folds a LoRA
-adapter into the dequantised weight for graph-free capture calls."""
+`matmul_4bit`, which `models.quant` keeps for few-row calls (decoding)."""
 
 from __future__ import annotations
 
@@ -29,14 +28,6 @@ class DequantizedMatmul(torch.autograd.Function):
         grad_x = grad_out @ dequantize(ctx.weight, grad_out.dtype) if ctx.needs_input_grad[0] else None
         grad_bias = grad_out.reshape(-1, grad_out.shape[-1]).sum(0) if ctx.needs_input_grad[2] else None
         return grad_x, None, grad_bias
-
-
-def merged_weight(weight, lora_A_RI, lora_B_OR, scaling: float, dtype) -> torch.Tensor:
-    """dequantise(W) + scaling * B @ A in `dtype` (summed in float32): a LoRA layer as one weight, so a
-    graph-free many-row call runs one GEMM instead of the base GEMM plus LoRA's float32 side path."""
-    merged = dequantize(weight, torch.float32)
-    merged.addmm_(lora_B_OR.float(), lora_A_RI.float(), alpha=scaling)
-    return merged.to(dtype)
 
 
 def dequantize(weight, dtype) -> torch.Tensor:

@@ -13,7 +13,8 @@ def kernel_profile(fn, device, top: int = 12) -> dict:
     """Run `fn()` once under torch.profiler (CPU and CUDA activity): the kernels it launched, their summed
     device time, the wall, the fraction of the wall the device was busy, the `top` ops by device time (an op's time
     includes its children's) and by their own kernels' time (`top_self`: which op launched the time), the `top`
-    kernels by their own summed time and by their launches (where a launch-bound call's host time goes)."""
+    kernels by their own summed time and by their launches (where a launch-bound call's host time goes), and where
+    the device waited (`idle`)."""
     from torch.profiler import ProfilerActivity, profile
 
     synchronize(device)
@@ -47,6 +48,28 @@ def kernel_profile(fn, device, top: int = 12) -> dict:
         ],
         "top_kernels": [{"name": n, "calls": c, "seconds": t} for n, (c, t) in top_kernels],
         "most_launched": [{"name": n, "calls": c, "seconds": t} for n, (c, t) in most_launched],
+        "idle": device_idle(kernels, wall, top),
+    }
+
+
+def device_idle(kernels, wall: float, top: int) -> dict:
+    """Where the device waited during a profiled call: before its first kernel and after its last (the wall less
+    the kernels' span: host work the device could not overlap), and the `top` largest gaps between kernels, each
+    with the kernels either side of it."""
+    if not kernels:
+        return {"outside_span_seconds": wall, "between_kernels_seconds": 0.0, "largest_gaps": []}
+    spans = sorted((e.time_range.start, e.time_range.end, e.name[:90]) for e in kernels)
+    first, end, previous = spans[0][0], spans[0][1], spans[0][2]
+    gaps = []
+    for start, stop, name in spans[1:]:
+        if start > end:
+            gaps.append({"seconds": (start - end) / 1e6, "after": previous, "before": name})
+        if stop > end:
+            end, previous = stop, name
+    return {
+        "outside_span_seconds": wall - (end - first) / 1e6,
+        "between_kernels_seconds": sum(g["seconds"] for g in gaps),
+        "largest_gaps": sorted(gaps, key=lambda g: g["seconds"], reverse=True)[:top],
     }
 
 

@@ -21,9 +21,9 @@ dtype and a plain GEMM runs (`DequantizedMatmul`; rates against the fused kernel
 dequantises again instead of keeping it.
 Few-row inputs (decoding) keep bitsandbytes' own path, the reference beside this one.
 
-Capture (`merged_lora_for_capture()`, which `longstraw.capture` enters) goes one step further: a peft
-LoRA layer over a 4-bit base runs as one GEMM on dequantise(W) + scaling * B @ A, instead of the base
-GEMM, peft's defensive clone of its output and LoRA's float32 side path (a float32 copy of the input
+Capture (`models.lora_linear.merged_lora_for_capture()`, which `longstraw.capture` enters) goes one step
+further: a peft LoRA layer over a 4-bit base runs as one GEMM on dequantise(W) + scaling * B @ A, instead of
+the base GEMM, peft's defensive clone of its output and LoRA's float32 side path (a float32 copy of the input
 and of the output per layer): on the 27B shape that side path was 40% of a capture chunk's GPU time.
 A layer-major capture keeps each layer's merged weights while that layer runs its chunks
 (`merged_weights_kept`), so they are built once per layer, not once per chunk. Only graph-free many-row
@@ -55,41 +55,13 @@ its own memory. LoRA parameters get gradients through the frozen 4-bit base as t
 from __future__ import annotations
 
 import functools
-from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from longstraw.kernels.nf4_linear import DEQUANTIZE_MIN_ROWS, DequantizedMatmul, merged_weight
-from longstraw.models.lora_linear import single_plain_adapter
-
-_merging = False  # inside merged_lora_for_capture()
-_kept: dict | None = None  # inside merged_weights_kept(): each layer's merged weight, built once
-
-
-@contextmanager
-def merged_lora_for_capture():
-    """Graph-free many-row calls of LoRA-over-NF4 layers run on the merged weight (see the module doc)."""
-    global _merging
-    previous, _merging = _merging, True
-    try:
-        yield
-    finally:
-        _merging = previous
-
-
-@contextmanager
-def merged_weights_kept():
-    """Inside a capture, build each LoRA-over-NF4 layer's merged weight once and reuse it for every call
-    until the context ends. A layer-major capture enters it per layer: one layer's merged weights are kept
-    while that layer runs all its chunks, instead of being rebuilt (dequantised, summed in float32) per chunk."""
-    global _kept
-    previous, _kept = _kept, {}
-    try:
-        yield
-    finally:
-        _kept = previous
+from longstraw.kernels.nf4_linear import DEQUANTIZE_MIN_ROWS, DequantizedMatmul, dequantize
+from longstraw.models.lora_linear import kept_or_built, merged_lora_weight, merging, single_plain_adapter
 
 
 @functools.cache
@@ -121,28 +93,21 @@ def merging_lora_class():
     class MergingLoraLinear4bit(LoraLinear4bit):
         def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
             adapter = single_plain_adapter(self)
-            if (
-                not _merging
-                or torch.is_grad_enabled()
-                or args
-                or kwargs
-                or adapter is None
-                or x.numel() < DEQUANTIZE_MIN_ROWS * x.shape[-1]
-            ):
+            if not merging() or args or kwargs or adapter is None or x.numel() < DEQUANTIZE_MIN_ROWS * x.shape[-1]:
                 return super().forward(x, *args, **kwargs)
             base = self.base_layer
-            weight = _kept.get(self) if _kept is not None else None
-            if weight is None:
+
+            def build():
                 fix_4bit_weight_quant_state_from_module(base)
-                weight = merged_weight(
-                    base.weight,
+                return merged_lora_weight(
+                    dequantize(base.weight, torch.float32),
                     self.lora_A[adapter].weight,
                     self.lora_B[adapter].weight,
                     self.scaling[adapter],
                     base.compute_dtype,
                 )
-                if _kept is not None:
-                    _kept[self] = weight
+
+            weight = kept_or_built(self, build)
             bias = None if base.bias is None else base.bias.to(base.compute_dtype)
             return F.linear(x.to(base.compute_dtype), weight, bias).to(x.dtype)
 

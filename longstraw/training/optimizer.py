@@ -8,6 +8,10 @@ copy of each low-precision parameter, steps on the copies (the bf16 gradient rea
 them back rounded, so the rounding error no longer accumulates. `master_weights: null` (the default)
 turns it on when a trainable parameter is bf16 or fp16 (full-parameter training of a bf16 model); peft's
 LoRA adapters are float32 already, so an adapter run keeps plain AdamW.
+
+On CUDA the step is torch's fused AdamW (one kernel over all parameters), and the masters' gradients and the
+write-back are one multi-tensor copy each: a LoRA step has a few hundred small tensors, and stepping them one
+kernel at a time took 7-8 ms of a 0.28 s hybrid step on the H200. On CPU AdamW keeps its default loop.
 """
 
 from __future__ import annotations
@@ -30,11 +34,15 @@ class MasterWeightsAdamW(torch.optim.AdamW):
 
     @torch.no_grad()
     def step(self, closure=None):
-        for p, m in self._low():
-            m.grad = None if p.grad is None else p.grad.float()
+        low = self._low()
+        for p, m in low:
+            m.grad = None if p.grad is None else torch.empty_like(m)
+        given = [(p.grad, m.grad) for p, m in low if p.grad is not None]
+        if given:
+            torch._foreach_copy_([g for _, g in given], [g for g, _ in given])  # read in float32
         loss = super().step(closure)
-        for p, m in self._low():
-            p.copy_(m)
+        if low:
+            torch._foreach_copy_([p for p, _ in low], [m for _, m in low])  # written back rounded
         return loss
 
     def zero_grad(self, set_to_none: bool = True):
@@ -58,10 +66,12 @@ class MasterWeightsAdamW(torch.optim.AdamW):
 
 
 def build_optimizer(params, cfg) -> torch.optim.Optimizer:
-    """AdamW over `params` from an `OptimizerConfig` (lr, weight_decay, master_weights)."""
+    """AdamW over `params` from an `OptimizerConfig` (lr, weight_decay, master_weights); fused when every
+    parameter is on CUDA."""
     params = list(params)
     use_masters = cfg.master_weights
     if use_masters is None:
         use_masters = any(p.dtype in LOW_PRECISION for p in params)
     cls = MasterWeightsAdamW if use_masters else torch.optim.AdamW
-    return cls(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    fused = bool(params) and all(p.is_cuda for p in params)
+    return cls(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused or None)
