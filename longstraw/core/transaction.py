@@ -87,7 +87,9 @@ def capture(
     (`longstraw.cp.capture`); `replay` and `score` then take the sharded state unchanged. A prompt
     longer than the model's `max_position_embeddings` is refused unless `beyond_max_positions`."""
     adapter = adapter_for(model)
-    ids = _as_ids(prompt_ids, "prompt_ids", adapter)
+    ids = _shaped_ids(prompt_ids, "prompt_ids", adapter)
+    host_ids = ids.cpu()  # one copy to the host: the vocabulary check, the prompt's digest and its last token
+    check_vocabulary(host_ids, "prompt_ids", adapter)
     check_deterministic(model)
     device, dtype = adapter.device, adapter.compute_dtype
     positions = ids.numel() - 1
@@ -106,7 +108,7 @@ def capture(
             raise ValueError("host_pages=True is not implemented for a context-parallel capture")
         checkpoints = {} if prefix_grad else None  # exact mode: as below, for this rank's shard
         with merged_lora_for_capture():
-            state = _bind(capture_sharded(model, ids, cp, chunk, progress, checkpoints), adapter, ids)
+            state = _bind(capture_sharded(model, ids, cp, chunk, progress, checkpoints), adapter, host_ids)
         state.max_positions = None if beyond_max_positions else (limit or None)
         if prefix_grad:
             exact_cp.enable(state, model, ids, chunk, checkpoints)
@@ -125,7 +127,7 @@ def capture(
     state = ResidentState(
         layers=[adapter.allocate_entry(i, positions, dtype, device, **host) for i in range(adapter.num_layers)],
         positions=positions,
-        last_token=int(ids[-1]),
+        last_token=int(host_ids[-1]),
         model_type=adapter.config.model_type,
         predicted_bytes_per_position=per_position,
         predicted_constant_bytes=constant,
@@ -133,7 +135,6 @@ def capture(
         device=device,
         max_positions=None if beyond_max_positions else (limit or None),
     )
-    _bind(state, adapter, ids)
     chain_host_pages(state.layers)
     if order == "auto":
         budget = memory_budget_bytes if memory_budget_bytes is not None else _default_budget(device)
@@ -172,6 +173,7 @@ def capture(
                 progress_bar.advance_to((i + 1) * positions, label=f"capture layer {i + 1}/{adapter.num_layers}")
             del h_all
     progress_bar.close()
+    _bind(state, adapter, host_ids)  # its walk over the parameters runs while the device works through the capture
     synchronize(device)
     if prefix_grad:
         exact.enable(state, model, ids, chunk, checkpoints)
@@ -203,10 +205,12 @@ def check_deterministic(model) -> None:
     draw their own masks, so the old-policy log-probs would not be the replay's and the on-policy ratio
     would no longer be 1."""
     for name, module in adapter_for(model).lm.named_modules():
+        # HF's attention modules keep attention_dropout as a plain attribute: read from the instance's dict, as
+        # getattr's miss on the other thousand modules of a large model costs milliseconds before every capture
         p = (
             module.p
             if isinstance(module, torch.nn.modules.dropout._DropoutNd)
-            else getattr(module, "attention_dropout", 0.0)
+            else vars(module).get("attention_dropout", 0.0)
         )
         if module.training and isinstance(p, (int, float)) and p > 0:
             raise ValueError(
