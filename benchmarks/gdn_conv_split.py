@@ -18,6 +18,7 @@ import torch
 
 from longstraw.kernels.causal_conv import causal_conv1d_channels_last, conv_split_normalized
 from longstraw.kernels.fla_import import fla_function
+from longstraw.measure.provenance import provenance
 from longstraw.measure.timing import seconds_each
 
 
@@ -65,6 +66,7 @@ def main() -> None:
         "fused_over_composition": seconds["fused"] / seconds["composition"],
         "fused_gb_per_second": moved / seconds["fused"] / 1e9,
         "largest_relative_difference": difference,
+        "provenance": provenance(torch.device("cuda")),
     }
     print(
         f"fused {seconds['fused'] * 1e3:.3f} ms, composition {seconds['composition'] * 1e3:.3f} ms "
