@@ -1,5 +1,5 @@
 """What a Gated DeltaNet capture pays between its projection and its rule: the conv, the q/k/v split and q and k's
-l2 norm, as one fused Triton kernel (`conv_split_normalized` on CUDA without grad) against the composition it
+l2 norm, as one fused Triton kernel (`conv_split_heads` on CUDA without grad) against the composition it
 replaces (fla's conv, three contiguous copies, fla's l2 norm, as the rule ran it), at one layer's capture shape.
 
     python benchmarks/gdn_conv_split.py [--tokens 32768 --key-dim 2048 --value-dim 4096 --head-dim 128]
@@ -16,7 +16,7 @@ import statistics
 
 import torch
 
-from longstraw.kernels.causal_conv import causal_conv1d_channels_last, conv_split_normalized
+from longstraw.kernels.causal_conv import causal_conv1d_channels_last, conv_split_heads
 from longstraw.kernels.fla_import import fla_function
 from longstraw.measure.provenance import provenance
 from longstraw.measure.timing import seconds_each
@@ -49,7 +49,7 @@ def main() -> None:
         for shape in ((1, args.tokens, C), (1, C, K - 1), (C, K), (C,))
     )
     paths = {
-        "fused": lambda: conv_split_normalized(x, state, weight, bias, args.key_dim, args.head_dim, args.head_dim),
+        "fused": lambda: conv_split_heads(x, state, weight, bias, args.key_dim, args.head_dim, args.head_dim),
         "composition": lambda: composition(x, state, weight, bias, args.key_dim, args.head_dim),
     }
     seconds = {}

@@ -8,7 +8,7 @@ from tolerances import EPS_BF16, close, float32_tolerance, relative
 from transformers.models.qwen3_5 import modeling_qwen3_5 as hf
 
 from longstraw.kernels import gdn
-from longstraw.kernels.causal_conv import causal_conv1d, causal_conv1d_channels_last, conv_split_normalized
+from longstraw.kernels.causal_conv import causal_conv1d, causal_conv1d_channels_last, conv_split_heads
 from longstraw.kernels.gdn import (
     chunk_gated_delta_rule,
     chunk_gated_delta_rule_forward,
@@ -471,7 +471,7 @@ def test_conv_channels_last_on_cuda_matches_hf_in_float64(T):
 
 def _split_normalized_reference(x_BTC, s0, w, b, key_dim, head_dim):
     """HF's conv continued from `s0` in float64, split into q, k, v heads, q and k divided by their l2 norm (HF's
-    `l2norm`, eps 1e-6), and the new state: what `conv_split_normalized` computes."""
+    `l2norm`, eps 1e-6), and the new state: what `conv_split_heads` computes."""
     x64, s64, w64, b64 = (t.double() for t in (x_BTC, s0, w, b))
     y = _hf_conv_from_state(x64.transpose(1, 2), s64, w64, b64).transpose(1, 2)
     B, T, C = y.shape
@@ -489,7 +489,7 @@ def test_conv_split_normalized_off_cuda_is_hfs_conv_split_and_norm(T):
     x, s0, w, b = (
         torch.randn(*shape, generator=gen, dtype=torch.float64) for shape in ((2, T, C), (2, C, 3), (C, 4), (C,))
     )
-    ours = conv_split_normalized(x, s0, w, b, key_dim, head_dim, head_dim, "silu")
+    ours = conv_split_heads(x, s0, w, b, key_dim, head_dim, head_dim, "silu")
     for name, a, e in zip(("q", "k", "v", "state"), ours, _split_normalized_reference(x, s0, w, b, key_dim, head_dim)):
         assert (a.is_contiguous() or name == "state") and a.shape == e.shape, name
         torch.testing.assert_close(a, e, rtol=TOL64, atol=TOL64)
@@ -512,11 +512,11 @@ def test_conv_split_normalized_on_cuda_is_one_rounding_of_the_float64_result(T):
         for shape in ((1, T, C), (1, C, K - 1), (C, K), (C,))
     )
     with torch.no_grad():
-        ours = conv_split_normalized(x, s0, w, b, key_dim, D, D, "silu")
+        ours = conv_split_heads(x, s0, w, b, key_dim, D, D, "silu")
     expected = _split_normalized_reference(x, s0, w, b, key_dim, D)
     flipped = _split_normalized_reference(x, s0, w.flip(-1), b, key_dim, D)
     with torch.no_grad(), torch.enable_grad():
-        plain = conv_split_normalized(x, s0, w.requires_grad_(True), b, key_dim, D, D, "silu")  # the composition
+        plain = conv_split_heads(x, s0, w.requires_grad_(True), b, key_dim, D, D, "silu")  # the composition
     w.requires_grad_(False)
     for name, a, e, p, f in zip(("q", "k", "v"), ours, expected, plain, flipped):
         assert a.dtype == torch.bfloat16 and a.is_contiguous() and a.shape == e.shape, name

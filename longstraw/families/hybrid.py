@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from longstraw.families.attention_layer import attention_mix
 from longstraw.families.base import FamilyAdapter
 from longstraw.families.dense import allocate_attention_pages, attention_page_bytes
-from longstraw.kernels.causal_conv import causal_conv1d_channels_last, conv_split_normalized
+from longstraw.kernels.causal_conv import conv_split_heads
 from longstraw.kernels.gated_rms_norm import gated_rms_norm
 from longstraw.kernels.gdn import chunk_gated_delta_rule_forward, gated_delta_rule
 from longstraw.state import RecurrentState
@@ -58,25 +58,22 @@ def gdn_rule_inputs(module, project, x_BTH, conv_in, normalized: bool = False):
     """What the delta rule of a GDN layer reads, from the layer's (normed) input `x_BTH` and the conv
     state `conv_in` (the last K-1 projected inputs before `x`, or None at the sequence's start):
     (q, k, v, g, beta, z, conv_state), `z` the output gate and `conv_state` the conv's new state.
-    `normalized`: q and k come l2-normalised per head (`conv_split_normalized`: one fused kernel in a capture),
+    `normalized`: q and k come l2-normalised per head (`conv_split_heads`: one fused kernel in a capture),
     for a rule called with `l2norm_qk=False`."""
-    B, T, _ = x_BTH.shape
     mixed_BTC, z, b, a = project(module, x_BTH)
-    weight, bias = module.conv1d.weight.squeeze(1), module.conv1d.bias
-    if normalized:
-        q, k, v, conv_state = conv_split_normalized(
-            mixed_BTC, conv_in, weight, bias, module.key_dim, module.head_k_dim, module.head_v_dim, module.activation
-        )
-    else:
-        conv_BTC, conv_state = causal_conv1d_channels_last(mixed_BTC, conv_in, weight, bias, module.activation)
-        # q, k and v as tensors of their own, so the conv's output is freed before the rule runs (fla's kernels
-        # copy strided inputs anyway, and capture's transient peaks inside the rule)
-        split = torch.split(conv_BTC, [module.key_dim, module.key_dim, module.value_dim], -1)
-        q, k, v = (t.contiguous() for t in split)
-        del conv_BTC, split
-        q = q.reshape(B, T, -1, module.head_k_dim)
-        k = k.reshape(B, T, -1, module.head_k_dim)
-        v = v.reshape(B, T, -1, module.head_v_dim)
+    # q, k and v as tensors of their own, so the conv's output is freed before the rule runs (fla's kernels copy
+    # strided inputs anyway, and capture's transient peaks inside the rule)
+    q, k, v, conv_state = conv_split_heads(
+        mixed_BTC,
+        conv_in,
+        module.conv1d.weight.squeeze(1),
+        module.conv1d.bias,
+        module.key_dim,
+        module.head_k_dim,
+        module.head_v_dim,
+        module.activation,
+        l2norm_qk=normalized,
+    )
     beta = b.sigmoid()
     g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)
     return q, k, v, g, beta, z, conv_state

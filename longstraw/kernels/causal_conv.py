@@ -6,9 +6,9 @@ returns ``[B, T, C]``, the layout the layer's projections make, and on CUDA runs
 that reads the state and writes the output, forward and backward; no transposes, no concatenation). Elsewhere
 (CPU, float64, no fla) it is the reference on transposed views.
 
-``conv_split_normalized`` is what a Gated DeltaNet capture reads from the conv: q, k and v as tensors of their own,
-q and k l2-normalised per head. On CUDA without grad it is one Triton kernel (``gdn_conv_triton``); elsewhere the
-plain composition: the conv, the split, the norm.
+``conv_split_heads`` is what a Gated DeltaNet layer's rule reads from the conv: q, k and v as tensors of their own,
+q and k l2-normalised per head in a capture. A capture's call on CUDA is one Triton kernel (``gdn_conv_triton``);
+the plain composition (the conv, the split, the norm) is its reference and runs everywhere else.
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def causal_conv1d_channels_last(
     return y_BTC, final_BCK[..., 1:]
 
 
-def conv_split_normalized(
+def conv_split_heads(
     x_BTC: torch.Tensor,
     conv_state_BCK1: torch.Tensor | None,
     weight_CK: torch.Tensor,
@@ -123,19 +123,21 @@ def conv_split_normalized(
     head_k_dim: int,
     head_v_dim: int,
     activation: str | None = "silu",
+    l2norm_qk: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q, k, v, new_state_BCK1): `causal_conv1d_channels_last` of ``x_BTC`` split along its channels into q and k
     (``key_dim`` each, heads of ``head_k_dim``) and v (the rest, heads of ``head_v_dim``), each contiguous
-    ``[B, T, heads, head dim]``, q and k divided by their l2 norm over each head (float32, as fla's norm, rounded
-    once to x's dtype). One fused Triton kernel on CUDA when nothing needs a gradient (a capture), the plain
-    composition otherwise."""
+    ``[B, T, heads, head dim]``; with ``l2norm_qk`` q and k divided by their l2 norm over each head (float32, as
+    fla's norm, rounded once to x's dtype). A capture's call (normalised, nothing needing a gradient) is one fused
+    Triton kernel on CUDA; every other call, scoring's and replay's included, the plain composition."""
     B, T, C = x_BTC.shape
     K = _kernel_size(activation, B, C, weight_CK, conv_state_BCK1)
     graph_free = not torch.is_grad_enabled() or not any(
         t is not None and t.requires_grad for t in (x_BTC, conv_state_BCK1, weight_CK, bias_C)
     )
     one_head_dim = head_k_dim == head_v_dim and not head_k_dim & (head_k_dim - 1) and key_dim % head_k_dim == 0
-    if graph_free and one_head_dim and x_BTC.is_cuda and T and torch.float64 not in (x_BTC.dtype, weight_CK.dtype):
+    fused = l2norm_qk and graph_free and one_head_dim and x_BTC.is_cuda and T
+    if fused and torch.float64 not in (x_BTC.dtype, weight_CK.dtype):
         from longstraw.kernels.gdn_conv_triton import conv_split_normalized_triton
 
         q, k, v = conv_split_normalized_triton(
@@ -146,8 +148,10 @@ def conv_split_normalized(
         return q, k, v, state
     y_BTC, state = causal_conv1d_channels_last(x_BTC, conv_state_BCK1, weight_CK, bias_C, activation)
     q, k, v = torch.split(y_BTC, [key_dim, key_dim, C - 2 * key_dim], dim=-1)
+    del y_BTC  # freed once q, k and v are copied out (a capture's transient peaks inside the rule that follows)
     q, k = (t.reshape(B, T, -1, head_k_dim) for t in (q, k))
-    wide = torch.promote_types(x_BTC.dtype, torch.float32)  # float32, or float64 for float64 input
-    q, k = (t.to(wide) * torch.rsqrt(t.to(wide).square().sum(-1, keepdim=True) + L2NORM_EPS) for t in (q, k))
+    if l2norm_qk:
+        wide = torch.promote_types(x_BTC.dtype, torch.float32)  # float32, or float64 for float64 input
+        q, k = (t.to(wide) * torch.rsqrt(t.to(wide).square().sum(-1, keepdim=True) + L2NORM_EPS) for t in (q, k))
     q, k, v = (t.to(x_BTC.dtype).contiguous() for t in (q, k, v.reshape(B, T, -1, head_v_dim)))
     return q, k, v, state

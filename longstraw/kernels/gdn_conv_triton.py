@@ -3,7 +3,7 @@
     q_BTHD, k_BTHD, v_BTHV = conv_split_normalized_triton(x_BTC, state_BCK1, weight_CK, bias_C, key_dim, head_dim)
 
 The layer's projection makes q, k and v side by side in one [B, T, C] tensor; fla's rule reads each as a tensor of
-its own, so the plain path (`longstraw.kernels.causal_conv.conv_split_normalized` off CUDA) runs the conv, copies the
+its own, so the plain path (`longstraw.kernels.causal_conv.conv_split_heads` off CUDA) runs the conv, copies the
 three slices out (strided reads: 8 ms of a 32,768-row hybrid-1b capture) and normalises q and k in two more passes.
 Here each program convolves one head's channels over a block of rows in float32 (the state's columns before the
 first row), applies SiLU, normalises the row over the head if it is a q or k head, rounds once and writes it to q, k
@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-L2NORM_EPS = 1e-6  # as fla's l2norm and `longstraw.kernels.gdn`
+from longstraw.kernels.gdn import L2NORM_EPS
 
 
 # rows per program and warps, tuned per shape on the first call (as fla tunes its conv): at 4 warps and 64 rows the
