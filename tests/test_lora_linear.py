@@ -8,7 +8,7 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 from peft.tuners.lora.layer import Linear as LoraLinear
-from tolerances import EPS32, EPS_BF16, SAFETY, TOL64, float32_tolerance, relative, within
+from tolerances import EPS32, EPS_BF16, SAFETY, TOL64, relative, within
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -284,13 +284,16 @@ def test_only_graph_free_many_row_capture_calls_merge(monkeypatch):
 @pytest.mark.numerics
 def test_a_capture_on_merged_weights_leaves_the_unmerged_forwards_state(monkeypatch):
     """Every LoRA layer of a capture's full chunks runs merged; the pages and GDN states equal those of the
-    unmerged forward (the merging off) within float32 rounding accumulated over the layers."""
+    unmerged forward (the merging off). In float64, adapters too: the two differ by the order of the same sums
+    (TOL64), so the check does not hang on a CPU's float32 kernels."""
     import contextlib
 
     import longstraw.core.transaction as transaction
     import longstraw.models.lora_linear as lora_linear
 
-    model = apply_lora(build_model("tiny-qwen3_5", seed=0), r=4, init_random=True)
+    model = apply_lora(
+        build_model("tiny-qwen3_5", seed=0, dtype=torch.float64), r=4, init_random=True, dtype=torch.float64
+    )
     layers = [m for m in model.modules() if isinstance(m, LoraLinear)]
     calls = []
     merged_weight = lora_linear.merged_lora_weight
@@ -303,8 +306,10 @@ def test_a_capture_on_merged_weights_leaves_the_unmerged_forwards_state(monkeypa
     monkeypatch.setattr(transaction, "merged_lora_for_capture", contextlib.nullcontext)
     unmerged = capture(model, prompt, chunk_size=128, order="chunk")
     assert len(calls) == expected
-    config = model.get_base_model().config
-    tol = float32_tolerance(config.hidden_size, roundings=config.num_hidden_layers)
     for a, b in zip(merged.layers, unmerged.layers):
         for ta, tb in zip(a.tensors(), b.tensors()):
-            within(relative(ta, tb), tol, "state")
+            assert ta.dtype in (
+                torch.float64,
+                torch.float32,
+            )  # float64 pages; GDN's recurrent state is float32 by design
+            within(relative(ta, tb), TOL64, "state")
