@@ -308,8 +308,7 @@ def test_a_capture_on_merged_weights_leaves_the_unmerged_forwards_state(monkeypa
     assert len(calls) == expected
     for a, b in zip(merged.layers, unmerged.layers):
         for ta, tb in zip(a.tensors(), b.tensors()):
-            assert ta.dtype in (
-                torch.float64,
-                torch.float32,
-            )  # float64 pages; GDN's recurrent state is float32 by design
-            within(relative(ta, tb), TOL64, "state")
+            # float64 pages and conv states; GDN's recurrent state is kept in float32 whatever the compute dtype, so
+            # there the float64 values are rounded once more (one float32 rounding apart at most)
+            tol = TOL64 if ta.dtype == torch.float64 else SAFETY * EPS32
+            within(relative(ta, tb), tol, "state")
