@@ -1,11 +1,16 @@
-"""What a Gated DeltaNet capture pays between its projection and its rule: the conv, the q/k/v split and q and k's
-l2 norm, as one fused Triton kernel (`conv_split_heads` on CUDA without grad) against the composition it
-replaces (fla's conv, three contiguous copies, fla's l2 norm, as the rule ran it), at one layer's capture shape.
+"""What a Gated DeltaNet layer pays around its conv, in capture and in replay, at hybrid-1b's widths (CUDA).
 
-    python benchmarks/gdn_conv_split.py [--tokens 32768 --key-dim 2048 --value-dim 4096 --head-dim 128]
+Capture (no grad): the conv, the q/k/v split and q and k's l2 norm as one fused Triton kernel (`conv_split_heads`)
+against the composition it replaced (fla's conv, three contiguous copies, fla's l2 norm) and against fla's conv
+alone (what the bytes cost at a rate a conv reaches here). Replay: the conv forward and backward with x alone
+needing a gradient, through `causal_conv1d_channels_last` (fla's forward, the input-gradient Triton pass) against
+fla's own autograd function (its backward recomputes the conv and reduces the filters' and the state's gradients).
 
-The defaults are hybrid-1b's GDN layer. Prints each path's median seconds, the ratio and the GB/s the fused kernel
-moves (its input once, its output once); the last stdout line is one JSON object.
+    python benchmarks/gdn_conv_split.py [--tokens 32768 --key-dim 2048 --value-dim 4096 --head-dim 128] \
+        [--replay-rows 2 2048]
+
+Prints each path's median seconds, the ratios and the GB/s each forward moves (its input once, its output once);
+the last stdout line is one JSON object.
 """
 
 from __future__ import annotations
@@ -32,12 +37,45 @@ def composition(x, state, weight, bias, key_dim, head_dim):
     return q, k, v.reshape(B, T, -1, head_dim), new_state
 
 
+def replay_paths(rows: list[int], C: int, K: int, gen) -> dict:
+    """Forward and backward of the conv with x alone needing a gradient (a loss on y), as replay runs it and as
+    fla's autograd function ran it."""
+    x, state, weight, bias = (
+        torch.randn(*shape, generator=gen).to(device="cuda", dtype=torch.bfloat16)
+        for shape in ((*rows, C), (rows[0], C, K - 1), (C, K), (C,))
+    )
+    fla_conv = fla_function("fla.modules.causal_conv1d.ops", "causal_conv1d")
+    initial = torch.nn.functional.pad(state, (1, 0))
+    grad = torch.randn_like(x)
+
+    def through(conv):
+        def run():
+            leaf = x.detach().requires_grad_(True)
+            conv(leaf)[0].backward(grad)
+            return leaf.grad
+
+        return run
+
+    return {
+        "replay": through(lambda leaf: causal_conv1d_channels_last(leaf, state, weight, bias, "silu")),
+        "fla": through(
+            lambda leaf: fla_conv(leaf, weight, bias, initial_state=initial, output_final_state=True, activation="silu")
+        ),
+    }
+
+
+def median_seconds(fn, repeats: int) -> float:
+    fn()  # compile, autotune and warm up
+    return statistics.median(seconds_each(fn, torch.device("cuda"), repeats))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=32768)
     parser.add_argument("--key-dim", type=int, default=2048)
     parser.add_argument("--value-dim", type=int, default=4096)
     parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--replay-rows", type=int, nargs=2, default=[2, 2048], help="members x rows of a replay")
     parser.add_argument("--repeats", type=int, default=20)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -51,27 +89,40 @@ def main() -> None:
     paths = {
         "fused": lambda: conv_split_heads(x, state, weight, bias, args.key_dim, args.head_dim, args.head_dim),
         "composition": lambda: composition(x, state, weight, bias, args.key_dim, args.head_dim),
+        "fla_conv_alone": lambda: causal_conv1d_channels_last(x, state, weight, bias, "silu"),
     }
-    seconds = {}
     with torch.no_grad():
-        for name, fn in paths.items():
-            fn()  # compile and warm up
-            seconds[name] = statistics.median(seconds_each(fn, torch.device("cuda"), args.repeats))
+        seconds = {name: median_seconds(fn, args.repeats) for name, fn in paths.items()}
         fused, plain = paths["fused"](), paths["composition"]()
     difference = max(((a.float() - b.float()).abs().max() / b.float().abs().max()).item() for a, b in zip(fused, plain))
+    replay = replay_paths(args.replay_rows, C, K, gen)
+    replay_seconds = {name: median_seconds(fn, args.repeats) for name, fn in replay.items()}
+    ours, theirs = (replay[name]().float() for name in ("replay", "fla"))
+    replay_difference = ((ours - theirs).abs().max() / theirs.abs().max()).item()
     moved = 2 * x.numel() * x.element_size()
     result = {
         "shape": {"tokens": args.tokens, "channels": C, "key_dim": args.key_dim, "head_dim": args.head_dim},
         "seconds": seconds,
         "fused_over_composition": seconds["fused"] / seconds["composition"],
-        "fused_gb_per_second": moved / seconds["fused"] / 1e9,
+        "fused_over_fla_conv_alone": seconds["fused"] / seconds["fla_conv_alone"],
+        "gb_per_second": {name: moved / s / 1e9 for name, s in seconds.items()},
         "largest_relative_difference": difference,
+        "replay": {
+            "rows": args.replay_rows,
+            "forward_backward_seconds": replay_seconds,
+            "replay_over_fla": replay_seconds["replay"] / replay_seconds["fla"],
+            "dx_largest_relative_difference": replay_difference,
+        },
         "provenance": provenance(torch.device("cuda")),
     }
     print(
-        f"fused {seconds['fused'] * 1e3:.3f} ms, composition {seconds['composition'] * 1e3:.3f} ms "
-        f"({result['fused_over_composition']:.2f}x); fused moves {result['fused_gb_per_second']:.0f} GB/s; "
-        f"largest difference {difference:.2g} of the largest value"
+        f"capture: fused {seconds['fused'] * 1e3:.3f} ms ({result['gb_per_second']['fused']:.0f} GB/s), composition "
+        f"{seconds['composition'] * 1e3:.3f} ms ({result['fused_over_composition']:.2f}x), fla's conv alone "
+        f"{seconds['fla_conv_alone'] * 1e3:.3f} ms ({result['gb_per_second']['fla_conv_alone']:.0f} GB/s; fused "
+        f"{result['fused_over_fla_conv_alone']:.2f}x); largest difference {difference:.2g} of the largest value\n"
+        f"replay {args.replay_rows}: forward+backward {replay_seconds['replay'] * 1e3:.3f} ms against fla's "
+        f"{replay_seconds['fla'] * 1e3:.3f} ms ({result['replay']['replay_over_fla']:.2f}x); dx differs by "
+        f"{replay_difference:.2g} of the largest"
     )
     print(json.dumps(result))
 

@@ -469,6 +469,51 @@ def test_conv_channels_last_on_cuda_matches_hf_in_float64(T):
         assert relative(a, e) <= BF16_RTOL, (name, relative(a, e))
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("T", [1, 3, 300])
+def test_conv_input_gradient_on_cuda_is_one_rounding_of_the_float64_gradient(T):
+    """Replay's conv backward (frozen filters and bias, a captured state, the new state unused) at hybrid-1b's 8,192
+    channels, K=4, bf16: one Triton pass for dx (`conv_input_grad_triton`, which must run) against HF's conv in
+    float64 on the same bf16 values. It recomputes the pre-activation and SiLU's derivative in float32 (a few EPS32
+    of each of the K terms) and rounds dx once: half a bf16 spacing of each value plus (8 K + 16) EPS32 of the
+    largest, times SAFETY. Flipped taps fall outside the bound."""
+    from unittest import mock
+
+    from tolerances import EPS32, SAFETY
+
+    from longstraw.kernels import gdn_conv_triton
+    from longstraw.kernels.causal_conv import _load_fla_conv
+
+    if _load_fla_conv() is None:
+        pytest.skip("fla is not importable")
+    gen = torch.Generator().manual_seed(T)
+    C, K = 8192, 4
+    x, s0, w, b = (
+        torch.randn(*shape, generator=gen, dtype=torch.float64).to(torch.bfloat16).cuda()
+        for shape in ((2, T, C), (2, C, K - 1), (C, K), (C,))
+    )
+    out_weight = torch.randn(2, T, C, generator=gen, dtype=torch.float64).cuda()
+
+    def dx(conv, x_, *rest):
+        leaf = x_.detach().clone().requires_grad_(True)
+        (conv(leaf, *rest)[0].double() * out_weight).sum().backward()
+        return leaf.grad
+
+    def hf(x_, s_, w_, b_):
+        return (_hf_conv_from_state(x_.transpose(1, 2), s_, w_, b_).transpose(1, 2),)
+
+    with mock.patch.object(
+        gdn_conv_triton, "conv_input_grad_triton", wraps=gdn_conv_triton.conv_input_grad_triton
+    ) as kernel:
+        ours = dx(lambda *a: causal_conv1d_channels_last(*a, activation="silu"), x, s0, w, b)
+    assert kernel.call_count == 1 and ours.dtype == torch.bfloat16
+    expected, flipped = (dx(hf, *(t.double() for t in (x, s0, taps, b))) for taps in (w, w.flip(-1)))
+    bound = SAFETY * (EPS_BF16 / 2 * expected.abs() + (8 * K + 16) * EPS32 * expected.abs().max())
+    error = (ours.double() - expected).abs()
+    assert (error <= bound).all(), f"{(error / bound).max().item():.3g} of bound"
+    assert ((flipped - expected).abs() > bound).any(), "the bound cannot tell flipped taps"
+
+
 def _split_normalized_reference(x_BTC, s0, w, b, key_dim, head_dim):
     """HF's conv continued from `s0` in float64, split into q, k, v heads, q and k divided by their l2 norm (HF's
     `l2norm`, eps 1e-6), and the new state: what `conv_split_heads` computes."""

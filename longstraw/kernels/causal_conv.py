@@ -100,18 +100,56 @@ def causal_conv1d_channels_last(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`causal_conv1d` for ``x_BTC`` ``[B, T, C]``: ``(y_BTC, new_state_BCK1)``, the same arguments and results
     otherwise (the state stays ``[B, C, K-1]``). fla's Triton conv on CUDA (float32 sums, the output rounded once
-    to ``x``'s dtype), the reference elsewhere."""
+    to ``x``'s dtype; the backward `_ChannelsLastConv`'s), the reference elsewhere."""
     if not _fla_conv_usable(x_BTC, weight_CK):
         y_BCT, state_BCK1 = causal_conv1d(x_BTC.transpose(1, 2), conv_state_BCK1, weight_CK, bias_C, activation)
         return y_BCT.transpose(1, 2), state_BCK1
     B, T, C = x_BTC.shape
     _kernel_size(activation, B, C, weight_CK, conv_state_BCK1)
+    return _ChannelsLastConv.apply(x_BTC, conv_state_BCK1, weight_CK, bias_C, activation)
+
+
+def _fla_conv(x_BTC, conv_state_BCK1, weight_CK, bias_C, activation):
     # fla's state holds the last K inputs, of which the conv reads the newest K-1: ours with an unread oldest column
     initial_BCK = None if conv_state_BCK1 is None else F.pad(conv_state_BCK1.to(x_BTC.dtype), (1, 0))
     y_BTC, final_BCK = _load_fla_conv()(
         x_BTC, weight_CK, bias_C, initial_state=initial_BCK, output_final_state=True, activation=activation
     )
     return y_BTC, final_BCK[..., 1:]
+
+
+class _ChannelsLastConv(torch.autograd.Function):
+    """fla's conv forward. Backward: when x alone needs a gradient and the new state's is unused (replay: frozen
+    filters, a captured state), one Triton pass for dx (`gdn_conv_triton.conv_input_grad_triton`); fla's backward
+    would recompute the conv in a pass of its own and reduce the filters', the bias's and the state's gradients
+    besides (4 of a hybrid-1b member pair's 77 ms). Otherwise fla's backward, through a recompute of its forward."""
+
+    @staticmethod
+    def forward(ctx, x_BTC, conv_state_BCK1, weight_CK, bias_C, activation):
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(x_BTC, conv_state_BCK1, weight_CK, bias_C)
+        ctx.activation = activation
+        return _fla_conv(x_BTC, conv_state_BCK1, weight_CK, bias_C, activation)
+
+    @staticmethod
+    def backward(ctx, dy_BTC, dstate_BCK1):
+        inputs = ctx.saved_tensors
+        if dy_BTC is None and dstate_BCK1 is None:
+            return None, None, None, None, None
+        if dstate_BCK1 is None and not any(ctx.needs_input_grad[1:4]) and inputs[0].shape[-1] % 64 == 0:
+            from longstraw.kernels.gdn_conv_triton import conv_input_grad_triton
+
+            silu = ctx.activation is not None
+            return conv_input_grad_triton(*inputs, dy_BTC, silu), None, None, None, None
+        with torch.enable_grad():
+            leaves = [
+                None if t is None else t.detach().requires_grad_(need) for t, need in zip(inputs, ctx.needs_input_grad)
+            ]
+            outputs = _fla_conv(*leaves, ctx.activation)
+            used, grads = zip(*[(out, g) for out, g in zip(outputs, (dy_BTC, dstate_BCK1)) if g is not None])
+            wanted = [t for t in leaves if t is not None and t.requires_grad]
+            grads = iter(torch.autograd.grad(used, wanted, grads, allow_unused=True))
+        return (*(next(grads) if t is not None and t.requires_grad else None for t in leaves), None)
 
 
 def conv_split_heads(
