@@ -1,16 +1,16 @@
-"""What a Gated DeltaNet layer pays around its conv, in capture and in replay, at hybrid-1b's widths (CUDA).
+"""What a Gated DeltaNet layer pays between its projection and its rule, in capture and in replay, at hybrid-1b's
+widths (CUDA): the conv, SiLU, the q/k/v split and q and k's l2 norm.
 
-Capture (no grad): the conv, the q/k/v split and q and k's l2 norm as one fused Triton kernel (`conv_split_heads`)
-against the composition it replaced (fla's conv, three contiguous copies, fla's l2 norm) and against fla's conv
-alone (what the bytes cost at a rate a conv reaches here). Replay: the conv forward and backward with x alone
-needing a gradient, through `causal_conv1d_channels_last` (fla's forward, the input-gradient Triton pass) against
-fla's own autograd function (its backward recomputes the conv and reduces the filters' and the state's gradients).
+Capture (no grad): one fused Triton launch (`conv_split_heads`) against the composition it replaced (fla's conv,
+three contiguous copies, fla's l2 norm) and against fla's conv alone (what the bytes cost at a rate a conv reaches
+here). Replay (x alone needing a gradient): the fused forward and backward against the composition under autograd
+(fla's conv and its backward, the copies, fla's l2 norm and its backward, as fla's rule ran it).
 
     python benchmarks/gdn_conv_split.py [--tokens 32768 --key-dim 2048 --value-dim 4096 --head-dim 128] \
         [--replay-rows 2 2048]
 
-Prints each path's median seconds, the ratios and the GB/s each forward moves (its input once, its output once);
-the last stdout line is one JSON object.
+Prints each path's median seconds, the ratios and the GB/s each capture path moves (its input once, its output
+once); the last stdout line is one JSON object.
 """
 
 from __future__ import annotations
@@ -28,40 +28,39 @@ from longstraw.measure.timing import seconds_each
 
 
 def composition(x, state, weight, bias, key_dim, head_dim):
-    """The capture's path before the fused kernel: fla's conv, the slices copied out, fla's l2 norm on q and k."""
-    l2norm = fla_function("fla.modules.norm.l2norm", "l2norm_fwd")
+    """The path before the fused kernel: fla's conv, the slices copied out, fla's l2 norm on q and k (with autograd
+    where x needs a gradient, as fla's rule ran it)."""
+    l2norm = fla_function("fla.modules.norm.l2norm", "l2norm")
     y, new_state = causal_conv1d_channels_last(x, state, weight, bias, "silu")
     B, T, _ = y.shape
     q, k, v = (t.contiguous() for t in torch.split(y, [key_dim, key_dim, y.shape[-1] - 2 * key_dim], -1))
-    q, k = (l2norm(t.reshape(B, T, -1, head_dim))[0] for t in (q, k))
+    q, k = (l2norm(t.reshape(B, T, -1, head_dim)) for t in (q, k))
     return q, k, v.reshape(B, T, -1, head_dim), new_state
 
 
-def replay_paths(rows: list[int], C: int, K: int, gen) -> dict:
-    """Forward and backward of the conv with x alone needing a gradient (a loss on y), as replay runs it and as
-    fla's autograd function ran it."""
+def replay_paths(rows: list[int], C: int, key_dim: int, head_dim: int, gen) -> dict:
+    """Forward and backward with x alone needing a gradient (a loss on q, k and v), fused and composed."""
     x, state, weight, bias = (
         torch.randn(*shape, generator=gen).to(device="cuda", dtype=torch.bfloat16)
-        for shape in ((*rows, C), (rows[0], C, K - 1), (C, K), (C,))
+        for shape in ((*rows, C), (rows[0], C, 3), (C, 4), (C,))
     )
-    fla_conv = fla_function("fla.modules.causal_conv1d.ops", "causal_conv1d")
-    initial = torch.nn.functional.pad(state, (1, 0))
-    grad = torch.randn_like(x)
+    grads = [
+        torch.randn(*rows, width // head_dim, head_dim, generator=gen).to("cuda", torch.bfloat16)
+        for width in (key_dim, key_dim, C - 2 * key_dim)
+    ]
 
-    def through(conv):
+    def through(split):
         def run():
             leaf = x.detach().requires_grad_(True)
-            conv(leaf)[0].backward(grad)
+            torch.autograd.backward(split(leaf, state, weight, bias, key_dim, head_dim)[:3], grads)
             return leaf.grad
 
         return run
 
-    return {
-        "replay": through(lambda leaf: causal_conv1d_channels_last(leaf, state, weight, bias, "silu")),
-        "fla": through(
-            lambda leaf: fla_conv(leaf, weight, bias, initial_state=initial, output_final_state=True, activation="silu")
-        ),
-    }
+    def fused(x, state, weight, bias, key_dim, head_dim):
+        return conv_split_heads(x, state, weight, bias, key_dim, head_dim, head_dim)
+
+    return {"fused": through(fused), "composition": through(composition)}
 
 
 def median_seconds(fn, repeats: int) -> float:
@@ -95,9 +94,9 @@ def main() -> None:
         seconds = {name: median_seconds(fn, args.repeats) for name, fn in paths.items()}
         fused, plain = paths["fused"](), paths["composition"]()
     difference = max(((a.float() - b.float()).abs().max() / b.float().abs().max()).item() for a, b in zip(fused, plain))
-    replay = replay_paths(args.replay_rows, C, K, gen)
+    replay = replay_paths(args.replay_rows, C, args.key_dim, args.head_dim, gen)
     replay_seconds = {name: median_seconds(fn, args.repeats) for name, fn in replay.items()}
-    ours, theirs = (replay[name]().float() for name in ("replay", "fla"))
+    ours, theirs = (replay[name]().float() for name in ("fused", "composition"))
     replay_difference = ((ours - theirs).abs().max() / theirs.abs().max()).item()
     moved = 2 * x.numel() * x.element_size()
     result = {
@@ -110,7 +109,7 @@ def main() -> None:
         "replay": {
             "rows": args.replay_rows,
             "forward_backward_seconds": replay_seconds,
-            "replay_over_fla": replay_seconds["replay"] / replay_seconds["fla"],
+            "fused_over_composition": replay_seconds["fused"] / replay_seconds["composition"],
             "dx_largest_relative_difference": replay_difference,
         },
         "provenance": provenance(torch.device("cuda")),
@@ -120,9 +119,9 @@ def main() -> None:
         f"{seconds['composition'] * 1e3:.3f} ms ({result['fused_over_composition']:.2f}x), fla's conv alone "
         f"{seconds['fla_conv_alone'] * 1e3:.3f} ms ({result['gb_per_second']['fla_conv_alone']:.0f} GB/s; fused "
         f"{result['fused_over_fla_conv_alone']:.2f}x); largest difference {difference:.2g} of the largest value\n"
-        f"replay {args.replay_rows}: forward+backward {replay_seconds['replay'] * 1e3:.3f} ms against fla's "
-        f"{replay_seconds['fla'] * 1e3:.3f} ms ({result['replay']['replay_over_fla']:.2f}x); dx differs by "
-        f"{replay_difference:.2g} of the largest"
+        f"replay {args.replay_rows}: forward+backward fused {replay_seconds['fused'] * 1e3:.3f} ms, composition "
+        f"{replay_seconds['composition'] * 1e3:.3f} ms ({result['replay']['fused_over_composition']:.2f}x); dx "
+        f"differs by {replay_difference:.2g} of the largest"
     )
     print(json.dumps(result))
 

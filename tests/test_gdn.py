@@ -469,51 +469,6 @@ def test_conv_channels_last_on_cuda_matches_hf_in_float64(T):
         assert relative(a, e) <= BF16_RTOL, (name, relative(a, e))
 
 
-@pytest.mark.cuda
-@pytest.mark.parametrize("T", [1, 3, 300])
-def test_conv_input_gradient_on_cuda_is_one_rounding_of_the_float64_gradient(T):
-    """Replay's conv backward (frozen filters and bias, a captured state, the new state unused) at hybrid-1b's 8,192
-    channels, K=4, bf16: one Triton pass for dx (`conv_input_grad_triton`, which must run) against HF's conv in
-    float64 on the same bf16 values. It recomputes the pre-activation and SiLU's derivative in float32 (a few EPS32
-    of each of the K terms) and rounds dx once: half a bf16 spacing of each value plus (8 K + 16) EPS32 of the
-    largest, times SAFETY. Flipped taps fall outside the bound."""
-    from unittest import mock
-
-    from tolerances import EPS32, SAFETY
-
-    from longstraw.kernels import gdn_conv_triton
-    from longstraw.kernels.causal_conv import _load_fla_conv
-
-    if _load_fla_conv() is None:
-        pytest.skip("fla is not importable")
-    gen = torch.Generator().manual_seed(T)
-    C, K = 8192, 4
-    x, s0, w, b = (
-        torch.randn(*shape, generator=gen, dtype=torch.float64).to(torch.bfloat16).cuda()
-        for shape in ((2, T, C), (2, C, K - 1), (C, K), (C,))
-    )
-    out_weight = torch.randn(2, T, C, generator=gen, dtype=torch.float64).cuda()
-
-    def dx(conv, x_, *rest):
-        leaf = x_.detach().clone().requires_grad_(True)
-        (conv(leaf, *rest)[0].double() * out_weight).sum().backward()
-        return leaf.grad
-
-    def hf(x_, s_, w_, b_):
-        return (_hf_conv_from_state(x_.transpose(1, 2), s_, w_, b_).transpose(1, 2),)
-
-    with mock.patch.object(
-        gdn_conv_triton, "conv_input_grad_triton", wraps=gdn_conv_triton.conv_input_grad_triton
-    ) as kernel:
-        ours = dx(lambda *a: causal_conv1d_channels_last(*a, activation="silu"), x, s0, w, b)
-    assert kernel.call_count == 1 and ours.dtype == torch.bfloat16
-    expected, flipped = (dx(hf, *(t.double() for t in (x, s0, taps, b))) for taps in (w, w.flip(-1)))
-    bound = SAFETY * (EPS_BF16 / 2 * expected.abs() + (8 * K + 16) * EPS32 * expected.abs().max())
-    error = (ours.double() - expected).abs()
-    assert (error <= bound).all(), f"{(error / bound).max().item():.3g} of bound"
-    assert ((flipped - expected).abs() > bound).any(), "the bound cannot tell flipped taps"
-
-
 def _split_normalized_reference(x_BTC, s0, w, b, key_dim, head_dim):
     """HF's conv continued from `s0` in float64, split into q, k, v heads, q and k divided by their l2 norm (HF's
     `l2norm`, eps 1e-6), and the new state: what `conv_split_heads` computes."""
@@ -571,6 +526,58 @@ def test_conv_split_normalized_on_cuda_is_one_rounding_of_the_float64_result(T):
         f"{(plain_error / bound).max().item():.3g})"
         assert ((f - e).abs() > bound).any(), f"{name}: the bound cannot tell flipped taps"
     assert torch.equal(ours[3], expected[3].to(torch.bfloat16))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("T", [1, 3, 300])
+def test_conv_split_normalized_gradient_on_cuda_is_one_rounding_of_the_float64_gradient(T):
+    """Replay's call (x alone needing a gradient: frozen filters and bias, a captured state) at hybrid-1b's GDN
+    widths, bf16: the fused backward (`conv_split_normalized_backward_triton`, which must run) against autograd
+    through HF's conv and l2 norm in float64, on the same bf16 values and a loss on q, k and v whose weights bf16
+    holds exactly (so the incoming gradients are not rounded). It recomputes the pre-activations and the norms in
+    float32: per tap a sum of 128 squares and of 128 products (a few (D + 16) EPS32 of the largest), K taps, dx
+    rounded once; bound half a bf16 spacing of each value plus (K (D + 16) + 8) EPS32 of the largest, times SAFETY.
+    The plain path's error is shown beside; flipped taps fall outside the bound."""
+    from unittest import mock
+
+    from tolerances import EPS32, SAFETY
+
+    from longstraw.kernels import gdn_conv_triton
+
+    gen = torch.Generator().manual_seed(T)
+    key_dim, D, C, K = 2048, 128, 8192, 4
+    x, s0, w, b = (
+        torch.randn(*shape, generator=gen, dtype=torch.float64).to(torch.bfloat16).cuda()
+        for shape in ((1, T, C), (1, C, K - 1), (C, K), (C,))
+    )
+    loss_weights = [
+        torch.randn(1, T, heads, D, generator=gen, dtype=torch.float64).to(torch.bfloat16).double().cuda()
+        for heads in (key_dim // D, key_dim // D, (C - 2 * key_dim) // D)
+    ]
+
+    def dx(split, x_, *rest):
+        leaf = x_.detach().clone().requires_grad_(True)
+        sum((t.double() * weight).sum() for t, weight in zip(split(leaf, *rest)[:3], loss_weights)).backward()
+        return leaf.grad
+
+    def ours(x_, s_, w_, b_):
+        return conv_split_heads(x_, s_, w_, b_, key_dim, D, D, "silu")
+
+    def reference(x_, s_, w_, b_):
+        return _split_normalized_reference(x_, s_, w_, b_, key_dim, D)
+
+    backward = gdn_conv_triton.conv_split_normalized_backward_triton
+    with mock.patch.object(gdn_conv_triton, "conv_split_normalized_backward_triton", wraps=backward) as kernel:
+        fused = dx(ours, x, s0, w, b)
+    assert kernel.call_count == 1 and fused.dtype == torch.bfloat16
+    plain = dx(ours, x, s0, w.clone().requires_grad_(True), b)  # a filter needing a gradient: the composition
+    expected, flipped = (dx(reference, *(t.double() for t in (x, s0, taps, b))) for taps in (w, w.flip(-1)))
+    bound = SAFETY * (EPS_BF16 / 2 * expected.abs() + (K * (D + 16) + 8) * EPS32 * expected.abs().max())
+    error, plain_error = (fused.double() - expected).abs(), (plain.double() - expected).abs()
+    assert (error <= bound).all(), (
+        f"{(error / bound).max().item():.3g} of bound (plain path: {(plain_error / bound).max().item():.3g})"
+    )
+    assert ((flipped - expected).abs() > bound).any(), "the bound cannot tell flipped taps"
 
 
 # ------------------------------------------------------------------------------------

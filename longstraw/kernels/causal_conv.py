@@ -100,56 +100,18 @@ def causal_conv1d_channels_last(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`causal_conv1d` for ``x_BTC`` ``[B, T, C]``: ``(y_BTC, new_state_BCK1)``, the same arguments and results
     otherwise (the state stays ``[B, C, K-1]``). fla's Triton conv on CUDA (float32 sums, the output rounded once
-    to ``x``'s dtype; the backward `_ChannelsLastConv`'s), the reference elsewhere."""
+    to ``x``'s dtype), the reference elsewhere."""
     if not _fla_conv_usable(x_BTC, weight_CK):
         y_BCT, state_BCK1 = causal_conv1d(x_BTC.transpose(1, 2), conv_state_BCK1, weight_CK, bias_C, activation)
         return y_BCT.transpose(1, 2), state_BCK1
     B, T, C = x_BTC.shape
     _kernel_size(activation, B, C, weight_CK, conv_state_BCK1)
-    return _ChannelsLastConv.apply(x_BTC, conv_state_BCK1, weight_CK, bias_C, activation)
-
-
-def _fla_conv(x_BTC, conv_state_BCK1, weight_CK, bias_C, activation):
     # fla's state holds the last K inputs, of which the conv reads the newest K-1: ours with an unread oldest column
     initial_BCK = None if conv_state_BCK1 is None else F.pad(conv_state_BCK1.to(x_BTC.dtype), (1, 0))
     y_BTC, final_BCK = _load_fla_conv()(
         x_BTC, weight_CK, bias_C, initial_state=initial_BCK, output_final_state=True, activation=activation
     )
     return y_BTC, final_BCK[..., 1:]
-
-
-class _ChannelsLastConv(torch.autograd.Function):
-    """fla's conv forward. Backward: when x alone needs a gradient and the new state's is unused (replay: frozen
-    filters, a captured state), one Triton pass for dx (`gdn_conv_triton.conv_input_grad_triton`); fla's backward
-    would recompute the conv in a pass of its own and reduce the filters', the bias's and the state's gradients
-    besides (4 of a hybrid-1b member pair's 77 ms). Otherwise fla's backward, through a recompute of its forward."""
-
-    @staticmethod
-    def forward(ctx, x_BTC, conv_state_BCK1, weight_CK, bias_C, activation):
-        ctx.set_materialize_grads(False)
-        ctx.save_for_backward(x_BTC, conv_state_BCK1, weight_CK, bias_C)
-        ctx.activation = activation
-        return _fla_conv(x_BTC, conv_state_BCK1, weight_CK, bias_C, activation)
-
-    @staticmethod
-    def backward(ctx, dy_BTC, dstate_BCK1):
-        inputs = ctx.saved_tensors
-        if dy_BTC is None and dstate_BCK1 is None:
-            return None, None, None, None, None
-        if dstate_BCK1 is None and not any(ctx.needs_input_grad[1:4]) and inputs[0].shape[-1] % 64 == 0:
-            from longstraw.kernels.gdn_conv_triton import conv_input_grad_triton
-
-            silu = ctx.activation is not None
-            return conv_input_grad_triton(*inputs, dy_BTC, silu), None, None, None, None
-        with torch.enable_grad():
-            leaves = [
-                None if t is None else t.detach().requires_grad_(need) for t, need in zip(inputs, ctx.needs_input_grad)
-            ]
-            outputs = _fla_conv(*leaves, ctx.activation)
-            used, grads = zip(*[(out, g) for out, g in zip(outputs, (dy_BTC, dstate_BCK1)) if g is not None])
-            wanted = [t for t in leaves if t is not None and t.requires_grad]
-            grads = iter(torch.autograd.grad(used, wanted, grads, allow_unused=True))
-        return (*(next(grads) if t is not None and t.requires_grad else None for t in leaves), None)
 
 
 def conv_split_heads(
@@ -166,20 +128,21 @@ def conv_split_heads(
     """(q, k, v, new_state_BCK1): `causal_conv1d_channels_last` of ``x_BTC`` split along its channels into q and k
     (``key_dim`` each, heads of ``head_k_dim``) and v (the rest, heads of ``head_v_dim``), each contiguous
     ``[B, T, heads, head dim]``; with ``l2norm_qk`` q and k divided by their l2 norm over each head (float32, as
-    fla's norm, rounded once to x's dtype). A capture's call (normalised, nothing needing a gradient) is one fused
-    Triton kernel on CUDA; every other call, scoring's and replay's included, the plain composition."""
+    fla's norm, rounded once to x's dtype). A normalised call on CUDA with nothing but x needing a gradient (capture,
+    scoring, replay) is one fused Triton launch forward and one backward (`gdn_conv_triton.ConvSplitNormalized`);
+    every other call (a state or filter needing a gradient, CPU, float64) the plain composition."""
     B, T, C = x_BTC.shape
     K = _kernel_size(activation, B, C, weight_CK, conv_state_BCK1)
-    graph_free = not torch.is_grad_enabled() or not any(
-        t is not None and t.requires_grad for t in (x_BTC, conv_state_BCK1, weight_CK, bias_C)
+    only_x = not torch.is_grad_enabled() or not any(
+        t is not None and t.requires_grad for t in (conv_state_BCK1, weight_CK, bias_C)
     )
     one_head_dim = head_k_dim == head_v_dim and not head_k_dim & (head_k_dim - 1) and key_dim % head_k_dim == 0
-    fused = l2norm_qk and graph_free and one_head_dim and x_BTC.is_cuda and T
+    fused = l2norm_qk and only_x and one_head_dim and x_BTC.is_cuda and T
     if fused and torch.float64 not in (x_BTC.dtype, weight_CK.dtype):
-        from longstraw.kernels.gdn_conv_triton import conv_split_normalized_triton
+        from longstraw.kernels.gdn_conv_triton import ConvSplitNormalized
 
-        q, k, v = conv_split_normalized_triton(
-            x_BTC, conv_state_BCK1, weight_CK, bias_C, key_dim, head_k_dim, silu=activation is not None
+        q, k, v = ConvSplitNormalized.apply(
+            x_BTC, conv_state_BCK1, weight_CK, bias_C, key_dim, head_k_dim, activation is not None
         )
         previous = x_BTC.new_zeros(B, C, K - 1) if conv_state_BCK1 is None else conv_state_BCK1.to(x_BTC.dtype)
         state = torch.cat([previous, x_BTC[:, max(T - (K - 1), 0) :].transpose(1, 2)], dim=-1)[..., -(K - 1) :]

@@ -498,12 +498,14 @@ def _fla_differentiable(q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_B
     return fla_backward_trusted(Hk, Hv, Dk, Dv, q_BTHD.dtype, str(q_BTHD.device))
 
 
-def gated_delta_rule(q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_BHDV=None):
-    """The differentiable gated delta rule (q/k l2-normalised): `chunk_gated_delta_rule`'s arguments and results.
-    fla's chunk kernels forward and backward on CUDA where `fla_backward_trusted` at this shape (and not in
-    deterministic mode, nor under `differentiable_rule("torch")`); the torch chunk rule otherwise."""
+def gated_delta_rule(q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_BHDV=None, *, l2norm_qk: bool = True):
+    """The differentiable gated delta rule: `chunk_gated_delta_rule`'s arguments and results (`l2norm_qk=False`: q
+    and k come normalised). fla's chunk kernels forward and backward on CUDA where `fla_backward_trusted` at this
+    shape (and not in deterministic mode, nor under `differentiable_rule("torch")`); the torch chunk rule
+    otherwise."""
     _check_shapes(q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_BHDV)
-    if _fla_differentiable(q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_BHDV):
+    inputs = (q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_BHDV)
+    if _fla_differentiable(*inputs):
         fla_chunk, fla_version = _load_fla()
-        return _fla_forward(fla_chunk, fla_version, q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_BHDV)
-    return chunk_gated_delta_rule(q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_BHDV)
+        return _fla_forward(fla_chunk, fla_version, *inputs, l2norm_qk=l2norm_qk)
+    return chunk_gated_delta_rule(*inputs, l2norm_qk=l2norm_qk)

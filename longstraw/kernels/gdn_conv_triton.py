@@ -1,20 +1,18 @@
-"""A Gated DeltaNet layer's causal conv as Triton kernels (CUDA): capture's fused forward, replay's input gradient.
+"""A Gated DeltaNet layer's causal conv, SiLU, q/k/v split and q/k l2 norm as Triton kernels (CUDA), forward and
+backward in x.
 
-    q_BTHD, k_BTHD, v_BTHV = conv_split_normalized_triton(x_BTC, state_BCK1, weight_CK, bias_C, key_dim, head_dim)
-    dx_BTC = conv_input_grad_triton(x_BTC, state_BCK1, weight_CK, bias_C, dy_BTC, silu)
+    q_BTHD, k_BTHD, v_BTHV = ConvSplitNormalized.apply(x_BTC, state_BCK1, weight_CK, bias_C, key_dim, head_dim, silu)
 
 The layer's projection makes q, k and v side by side in one [B, T, C] tensor; fla's rule reads each as a tensor of
 its own, so the plain path (`longstraw.kernels.causal_conv.conv_split_heads` off CUDA) runs the conv, copies the
-three slices out (strided reads: 8 ms of a 32,768-row hybrid-1b capture) and normalises q and k in two more passes.
-`conv_split_normalized_triton` is one launch: each program convolves one head's channels over a block of rows in
-float32 (the state's columns before the first row), applies SiLU, normalises the row over the head if it is a q or
-k head, rounds once and writes it to q, k or v, each a contiguous tensor. Only the forward exists: capture runs it
-without grad.
-
-`conv_input_grad_triton` is the conv's backward for x alone (replay: the filters are frozen and the captured state
-needs no gradient). fla's backward recomputes the conv in a pass of its own and reduces the filters', the bias's
-and the state's gradients besides; here each program recomputes the K pre-activations its rows' gradient reads and
-writes dx, one pass over x and dy.
+three slices out (strided reads: 8 ms of a 32,768-row hybrid-1b capture) and normalises q and k in two more passes,
+each with a backward of its own under autograd. `conv_split_normalized_triton` is one launch: each program
+convolves one head's channels over a block of rows in float32 (the state's columns before the first row), applies
+SiLU, normalises the row over the head if it is a q or k head, rounds once and writes it to q, k or v, each a
+contiguous tensor. `conv_split_normalized_backward_triton` is the gradient in x alone (the filters frozen, the state
+a captured one: replay), one launch: each program recomputes the K pre-activations and norms its rows feed and
+takes q's, k's and v's gradients back through the norm, SiLU and the taps; fla's conv backward would also recompute
+the conv in a pass of its own and reduce the filters', the bias's and the state's gradients.
 """
 
 from __future__ import annotations
@@ -72,6 +70,14 @@ def _store_rows(out_ptr, values, i_b, rows, columns, T, WIDTH: tl.constexpr):
         out_ptr + (i_b * T + rows[:, None]) * WIDTH + columns[None, :],
         values.to(out_ptr.dtype.element_ty),
         mask=(rows < T)[:, None],
+    )
+
+
+@triton.jit
+def _load_rows(ptr, i_b, rows, columns, T, WIDTH: tl.constexpr):
+    """float32 [rows, columns] of a [B, T, WIDTH] tensor, zeros at rows at or past T."""
+    return tl.load(ptr + (i_b * T + rows[:, None]) * WIDTH + columns[None, :], mask=(rows < T)[:, None], other=0.0).to(
+        tl.float32
     )
 
 
@@ -167,93 +173,123 @@ def conv_split_normalized_triton(
     return q, k, v
 
 
+@triton.jit
+def _silu_grad(dy, pre, SILU: tl.constexpr):
+    """The gradient at the pre-activation `pre` from the gradient `dy` of SiLU(pre) (of pre itself without SiLU)."""
+    if SILU:
+        gate = tl.sigmoid(pre)
+        dy = dy * gate * (1 + pre * (1 - gate))
+    return dy
+
+
 @triton.autotune(
-    configs=[triton.Config({"BT": bt, "BD": bd}, num_warps=w) for bt in (32, 64) for bd in (64, 128) for w in (4, 8)],
-    key=["C", "K"],
+    configs=[triton.Config({"BT": bt}, num_warps=w) for bt in (16, 32, 64) for w in (4, 8)],
+    key=["C", "KEY_DIM", "D", "K"],
 )
 @triton.jit
-def _conv_input_grad_kernel(
+def _conv_split_normalized_backward_kernel(
     x_ptr,
     state_ptr,
     w_ptr,
     b_ptr,
-    dy_ptr,
+    dq_ptr,
+    dk_ptr,
+    dv_ptr,
     dx_ptr,
     T,
     C: tl.constexpr,
+    KEY_DIM: tl.constexpr,
     K: tl.constexpr,
+    D: tl.constexpr,
     HAS_STATE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SILU: tl.constexpr,
+    EPS: tl.constexpr,
     BT: tl.constexpr,
-    BD: tl.constexpr,
 ):
-    """dx over BD channels and BT rows: row t feeds outputs t .. t + K - 1 (tap K - 1 - m for output t + m), so
-    dx[t] = sum_m w[K - 1 - m] * dpre[t + m], dpre = dy times SiLU's derivative at the recomputed pre-activation."""
-    i_d, i_t, i_b = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
+    """dx of head `program_id(0)` over BT rows: row t feeds outputs t .. t + K - 1; for each, the pre-activation and
+    (q and k) the row's norm are recomputed, and the output's gradient taken back through the norm
+    (dy = (dn - n (n . dn)) / |y|) and SiLU."""
+    i_h, i_t, i_b = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
     rows = i_t * BT + tl.arange(0, BT)
-    channels = i_d * BD + tl.arange(0, BD)
-    dx = tl.zeros((BT, BD), dtype=tl.float32)
+    channels = i_h * D + tl.arange(0, D)
+    columns = tl.arange(0, D)
+    dx = tl.zeros((BT, D), dtype=tl.float32)
     for m in tl.static_range(K):
         out_rows = rows + m
-        dpre = tl.load(
-            dy_ptr + (i_b * T + out_rows[:, None]) * C + channels[None, :], mask=(out_rows < T)[:, None], other=0.0
-        ).to(tl.float32)
-        if SILU:
-            pre = _pre_activation(
-                x_ptr,
-                state_ptr,
-                w_ptr,
-                b_ptr,
-                i_b,
-                i_t * BT + m,
-                out_rows,
-                channels,
-                T,
-                C,
-                K,
-                HAS_STATE,
-                HAS_BIAS,
-                BT,
-                BD,
-            )
-            gate = tl.sigmoid(pre)
-            dpre = dpre * gate * (1 + pre * (1 - gate))
-        dx += dpre * tl.load(w_ptr + channels * K + (K - 1 - m)).to(tl.float32)[None, :]
+        pre = _pre_activation(
+            x_ptr, state_ptr, w_ptr, b_ptr, i_b, i_t * BT + m, out_rows, channels, T, C, K, HAS_STATE, HAS_BIAS, BT, D
+        )
+        if i_h * D < 2 * KEY_DIM:
+            if i_h * D < KEY_DIM:
+                dn = _load_rows(dq_ptr, i_b, out_rows, i_h * D + columns, T, KEY_DIM)
+            else:
+                dn = _load_rows(dk_ptr, i_b, out_rows, i_h * D - KEY_DIM + columns, T, KEY_DIM)
+            y = pre
+            if SILU:
+                y = pre * tl.sigmoid(pre)
+            inverse = 1 / tl.sqrt(tl.sum(y * y, axis=1) + EPS)
+            n = y * inverse[:, None]
+            dy = (dn - n * tl.sum(n * dn, axis=1)[:, None]) * inverse[:, None]
+        else:
+            dy = _load_rows(dv_ptr, i_b, out_rows, i_h * D - 2 * KEY_DIM + columns, T, C - 2 * KEY_DIM)
+        dx += _silu_grad(dy, pre, SILU) * tl.load(w_ptr + channels * K + (K - 1 - m)).to(tl.float32)[None, :]
     _store_rows(dx_ptr, dx, i_b, rows, channels, T, C)
 
 
-def conv_input_grad_triton(
+def conv_split_normalized_backward_triton(
     x_BTC: torch.Tensor,
     state_BCK1: torch.Tensor | None,
     weight_CK: torch.Tensor,
     bias_C: torch.Tensor | None,
-    dy_BTC: torch.Tensor,
+    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    key_dim: int,
+    head_dim: int,
     silu: bool,
 ) -> torch.Tensor:
-    """The gradient of the causal conv's output (SiLU'd if `silu`) with respect to its input `x_BTC`, for the
-    output's gradient `dy_BTC`: float32 sums, rounded once to x's dtype."""
+    """dx of `conv_split_normalized_triton` for the gradients of its q, k and v: float32 sums, rounded once to x's
+    dtype."""
     B, T, C = x_BTC.shape
-    K = weight_CK.shape[1]
-    if C % 64:
-        raise ValueError(f"the conv's input-gradient kernel needs channels in multiples of 64, got {C}")
-    x_BTC, dy_BTC, weight_CK = x_BTC.contiguous(), dy_BTC.contiguous(), weight_CK.contiguous()
+    dq, dk, dv = (g.contiguous() for g in grads)
     state = None if state_BCK1 is None else state_BCK1.to(x_BTC.dtype).contiguous()
     dx = torch.empty_like(x_BTC)
     if T:
-        grid = lambda meta: (triton.cdiv(C, meta["BD"]), triton.cdiv(T, meta["BT"]), B)  # noqa: E731
-        _conv_input_grad_kernel[grid](
+        grid = lambda meta: (C // head_dim, triton.cdiv(T, meta["BT"]), B)  # noqa: E731
+        _conv_split_normalized_backward_kernel[grid](
             x_BTC,
             state,
             weight_CK,
             bias_C,
-            dy_BTC,
+            dq,
+            dk,
+            dv,
             dx,
             T,
             C=C,
-            K=K,
+            KEY_DIM=key_dim,
+            K=weight_CK.shape[1],
+            D=head_dim,
             HAS_STATE=state is not None,
             HAS_BIAS=bias_C is not None,
             SILU=silu,
+            EPS=L2NORM_EPS,
         )
     return dx
+
+
+class ConvSplitNormalized(torch.autograd.Function):
+    """`conv_split_normalized_triton` differentiable in x alone (replay: frozen filters, a captured state): the
+    backward is one launch, `conv_split_normalized_backward_triton`."""
+
+    @staticmethod
+    def forward(ctx, x_BTC, state_BCK1, weight_CK, bias_C, key_dim: int, head_dim: int, silu: bool):
+        x_BTC, weight_CK = x_BTC.contiguous(), weight_CK.contiguous()
+        ctx.save_for_backward(x_BTC, state_BCK1, weight_CK, bias_C)
+        ctx.shape = (key_dim, head_dim, silu)
+        return conv_split_normalized_triton(x_BTC, state_BCK1, weight_CK, bias_C, key_dim, head_dim, silu)
+
+    @staticmethod
+    def backward(ctx, dq, dk, dv):
+        x_BTC, state_BCK1, weight_CK, bias_C = ctx.saved_tensors
+        dx = conv_split_normalized_backward_triton(x_BTC, state_BCK1, weight_CK, bias_C, (dq, dk, dv), *ctx.shape)
+        return dx, None, None, None, None, None, None
