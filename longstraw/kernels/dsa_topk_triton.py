@@ -18,7 +18,7 @@ import triton.language as tl
 
 @triton.jit
 def _index_scores_kernel(
-    q_ptr, w_ptr, k_ptr, out_ptr, T, N, H, I: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr
+    q_ptr, w_ptr, k_ptr, out_ptr, T, N, H: tl.constexpr, I: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr
 ):
     pid_t, pid_n = tl.program_id(0), tl.program_id(1)
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -47,6 +47,6 @@ def fused_index_scores(q_THI: torch.Tensor, w_TH: torch.Tensor, k_NI: torch.Tens
     BLOCK_T, BLOCK_N = 64, 128
     grid = (triton.cdiv(T, BLOCK_T), triton.cdiv(N, BLOCK_N))
     _index_scores_kernel[grid](
-        q_THI, w_TH, k_NI, out_TN, T, N, H, I=I, BLOCK_T=BLOCK_T, BLOCK_N=BLOCK_N, num_warps=4, num_stages=2
+        q_THI, w_TH, k_NI, out_TN, T, N, H=H, I=I, BLOCK_T=BLOCK_T, BLOCK_N=BLOCK_N, num_warps=4, num_stages=2
     )
     return out_TN

@@ -81,9 +81,30 @@ def _load_rows(ptr, i_b, rows, columns, T, WIDTH: tl.constexpr):
     )
 
 
-# rows per program and warps, tuned per shape on the first call (as fla tunes its conv)
+def _launch(x_BTC, state_BCK1, weight_CK, bias_C, key_dim: int, head_dim: int, silu: bool):
+    """What both kernels take besides their outputs: x, the state (in x's dtype) and the filters contiguous, the
+    grid (one program per head and block of rows) and the shape's constexprs."""
+    B, T, C = x_BTC.shape
+    state = None if state_BCK1 is None else state_BCK1.to(x_BTC.dtype).contiguous()
+    shape = {
+        "C": C,
+        "KEY_DIM": key_dim,
+        "K": weight_CK.shape[1],
+        "D": head_dim,
+        "HAS_STATE": state is not None,
+        "HAS_BIAS": bias_C is not None,
+        "SILU": silu,
+        "EPS": L2NORM_EPS,
+    }
+    grid = lambda meta: (C // head_dim, triton.cdiv(T, meta["BT"]), B)  # noqa: E731
+    return x_BTC.contiguous(), state, weight_CK.contiguous(), grid, shape
+
+
+# rows per program and warps, tuned per shape on the first call (as fla tunes its conv); the sm_90 build at
+# hybrid-1b's widths spills nothing at 32 rows or at 64 with 8 warps, 164 bytes at 64 with 4, kilobytes at 128
+# (dropped): `benchmarks/triton_build_report.py`, Triton 3.6 as on the H200 box
 @triton.autotune(
-    configs=[triton.Config({"BT": bt}, num_warps=w) for bt in (32, 64, 128) for w in (4, 8)],
+    configs=[triton.Config({"BT": bt}, num_warps=w) for bt in (32, 64) for w in (4, 8)],
     key=["C", "KEY_DIM", "D", "K"],
 )
 @triton.jit
@@ -107,9 +128,9 @@ def _conv_split_normalized_kernel(
     BT: tl.constexpr,
 ):
     """Head `program_id(0)` (q's heads, then k's, then v's) over BT rows of one sequence, into q, k or v. The head
-    is the fastest index, so the programs running together read whole rows of x (with the row block first they
-    read 256 bytes of each of thousands of rows at once, and the kernel moved half of fla's conv's bytes per
-    second). Row strides are constexpr, so loads and stores vectorise."""
+    is the fastest index, so the programs running together read whole rows of x, as fla's conv's do (with the row
+    block fastest, 79b4eaa's order, they read 256 bytes of each of thousands of rows at once, and the kernel moved
+    1,047 GB/s, under half of fla's conv's rate). Row strides are constexpr, so loads and stores vectorise."""
     i_h, i_t, i_b = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
     rows = i_t * BT + tl.arange(0, BT)
     channels = i_h * D + tl.arange(0, D)
@@ -141,35 +162,15 @@ def conv_split_normalized_triton(
     """(q [B, T, key_dim / head_dim, head_dim] and k, both l2-normalised per head, v [B, T, -, head_dim]) of the
     causal conv of `x_BTC` continuing from `state_BCK1` (SiLU if `silu`), in x's dtype, contiguous: one launch."""
     B, T, C = x_BTC.shape
-    K = weight_CK.shape[1]
     if head_dim & (head_dim - 1) or key_dim % head_dim or (C - 2 * key_dim) % head_dim:
         raise ValueError(f"the fused conv needs a power-of-two head dim dividing q/k/v's widths, got {head_dim}")
-    x_BTC, weight_CK = x_BTC.contiguous(), weight_CK.contiguous()
-    state = None if state_BCK1 is None else state_BCK1.to(x_BTC.dtype).contiguous()
     q, k, v = (
         torch.empty(B, T, width // head_dim, head_dim, dtype=x_BTC.dtype, device=x_BTC.device)
         for width in (key_dim, key_dim, C - 2 * key_dim)
     )
     if T:
-        grid = lambda meta: (C // head_dim, triton.cdiv(T, meta["BT"]), B)  # noqa: E731
-        _conv_split_normalized_kernel[grid](
-            x_BTC,
-            state,
-            weight_CK,
-            bias_C,
-            q,
-            k,
-            v,
-            T,
-            C=C,
-            KEY_DIM=key_dim,
-            K=K,
-            D=head_dim,
-            HAS_STATE=state is not None,
-            HAS_BIAS=bias_C is not None,
-            SILU=silu,
-            EPS=L2NORM_EPS,
-        )
+        x_BTC, state, weight_CK, grid, shape = _launch(x_BTC, state_BCK1, weight_CK, bias_C, key_dim, head_dim, silu)
+        _conv_split_normalized_kernel[grid](x_BTC, state, weight_CK, bias_C, q, k, v, T, **shape)
     return q, k, v
 
 
@@ -182,8 +183,10 @@ def _silu_grad(dy, pre, SILU: tl.constexpr):
     return dy
 
 
+# the backward keeps K pre-activations' loads in flight: its sm_90 build spills nothing at 16 rows with 8 warps, about
+# 600 bytes at 16 with 4 and at 32 with 8, kilobytes beyond (dropped; `benchmarks/triton_build_report.py`)
 @triton.autotune(
-    configs=[triton.Config({"BT": bt}, num_warps=w) for bt in (16, 32, 64) for w in (4, 8)],
+    configs=[triton.Config({"BT": bt}, num_warps=w) for bt, w in ((16, 4), (16, 8), (32, 8))],
     key=["C", "KEY_DIM", "D", "K"],
 )
 @triton.jit
@@ -249,30 +252,12 @@ def conv_split_normalized_backward_triton(
 ) -> torch.Tensor:
     """dx of `conv_split_normalized_triton` for the gradients of its q, k and v: float32 sums, rounded once to x's
     dtype."""
-    B, T, C = x_BTC.shape
     dq, dk, dv = (g.contiguous() for g in grads)
-    state = None if state_BCK1 is None else state_BCK1.to(x_BTC.dtype).contiguous()
     dx = torch.empty_like(x_BTC)
-    if T:
-        grid = lambda meta: (C // head_dim, triton.cdiv(T, meta["BT"]), B)  # noqa: E731
+    if x_BTC.shape[1]:
+        x_BTC, state, weight_CK, grid, shape = _launch(x_BTC, state_BCK1, weight_CK, bias_C, key_dim, head_dim, silu)
         _conv_split_normalized_backward_kernel[grid](
-            x_BTC,
-            state,
-            weight_CK,
-            bias_C,
-            dq,
-            dk,
-            dv,
-            dx,
-            T,
-            C=C,
-            KEY_DIM=key_dim,
-            K=weight_CK.shape[1],
-            D=head_dim,
-            HAS_STATE=state is not None,
-            HAS_BIAS=bias_C is not None,
-            SILU=silu,
-            EPS=L2NORM_EPS,
+            x_BTC, state, weight_CK, bias_C, dq, dk, dv, dx, x_BTC.shape[1], **shape
         )
     return dx
 

@@ -1,0 +1,157 @@
+"""The package's Triton kernels, run by Triton's interpreter on this CPU, against plain references in float64.
+
+The kernels serve CUDA only (`kernels/*_triton.py`); their CUDA tests (`-m cuda`) need a GPU. Triton's interpreter
+(TRITON_INTERPRET=1, set before triton is imported, so in a process of its own) runs the same kernel source on numpy
+arrays, in float32 where the GPU computes in float32: their arithmetic is checked on every CI machine, at small
+shapes that reach every branch (a state and none, a ragged last block, the q, k and v heads, a vocabulary past one
+block). The interpreter runs no autotuner, so each autotuned kernel gets its first configuration. Speed is not
+interpreted: `benchmarks/gdn_conv_split.py` measures it on the GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from tolerances import EPS32, SAFETY
+
+from longstraw.kernels.causal_conv import conv_split_heads
+
+pytestmark = pytest.mark.numerics
+
+KEY_DIM, HEAD_DIM, CHANNELS, TAPS = 128, 64, 512, 4  # q and k 2 heads each, v 4 heads
+VOCAB, HIDDEN = 300, 32
+INDEX_HEADS, INDEX_DIM = 3, 32
+
+# runs in the interpreter's process: every kernel on the saved inputs, outputs saved for the test to compare
+KERNELS = """
+import sys
+import torch
+from longstraw.kernels import dsa_topk_triton, gdn_conv_triton, logprobs_triton
+
+conv = gdn_conv_triton
+for autotuned in (conv._conv_split_normalized_kernel, conv._conv_split_normalized_backward_kernel):
+    autotuned.configs = autotuned.configs[:1]
+inputs, out = torch.load(sys.argv[1]), {}
+for name, (x, state, weight, bias, grads) in inputs["conv"].items():
+    leaf = x.clone().requires_grad_(True)
+    q, k, v = gdn_conv_triton.ConvSplitNormalized.apply(leaf, state, weight, bias, %(key_dim)d, %(head_dim)d, True)
+    torch.autograd.backward((q, k, v), grads)
+    out[name] = (q, k, v, leaf.grad)
+hidden, weight, targets, grad = inputs["logprobs"]
+leaf = hidden.clone().requires_grad_(True)
+logp = logprobs_triton.FusedTokenLogprobs.apply(leaf, weight, targets)
+logp.backward(grad)
+out["logprobs"] = (logp, leaf.grad)
+out["index_scores"] = dsa_topk_triton.fused_index_scores(*inputs["index_scores"])
+torch.save(out, sys.argv[2])
+""" % {"key_dim": KEY_DIM, "head_dim": HEAD_DIM}
+
+
+def _conv_inputs(gen, rows: int, with_state: bool):
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).float()
+
+    grads = tuple(randn(2, rows, width // HEAD_DIM, HEAD_DIM) for width in (KEY_DIM, KEY_DIM, CHANNELS - 2 * KEY_DIM))
+    state = randn(2, CHANNELS, TAPS - 1) if with_state else None
+    return randn(2, rows, CHANNELS), state, randn(CHANNELS, TAPS), randn(CHANNELS), grads
+
+
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory):
+    """(inputs, outputs) of every kernel, run in a process with TRITON_INTERPRET=1."""
+    pytest.importorskip("triton")
+    gen = torch.Generator().manual_seed(0)
+    inputs = {
+        # 70 rows: two 32-row blocks and a ragged one; the state read by the first block, or zeros
+        "conv": {"state": _conv_inputs(gen, 70, True), "no state": _conv_inputs(gen, 5, False)},
+        "logprobs": (
+            torch.randn(7, HIDDEN, generator=gen),
+            torch.randn(VOCAB, HIDDEN, generator=gen) / HIDDEN**0.5,
+            torch.randint(0, VOCAB, (7,), generator=gen),
+            torch.randn(7, generator=gen),
+        ),
+        # float32 queries and keys of bf16 values: the interpreter's dot reads bf16 operands as their raw bits
+        "index_scores": (
+            torch.randn(5, INDEX_HEADS, INDEX_DIM, generator=gen).bfloat16().float(),
+            torch.rand(5, INDEX_HEADS, generator=gen),
+            torch.randn(130, INDEX_DIM, generator=gen).bfloat16().float(),
+        ),
+    }
+    folder = tmp_path_factory.mktemp("interpreted")
+    torch.save(inputs, folder / "inputs.pt")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", KERNELS, str(folder / "inputs.pt"), str(folder / "outputs.pt")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return inputs, torch.load(folder / "outputs.pt")
+
+
+def _reference_conv(x, state, weight, bias, grads):
+    """q, k, v and dx of HF-form conv, SiLU, split and l2 norm (`conv_split_heads` on CPU) in float64."""
+    leaf = x.double().requires_grad_(True)
+    q, k, v, _ = conv_split_heads(
+        leaf, None if state is None else state.double(), weight.double(), bias.double(), KEY_DIM, HEAD_DIM, HEAD_DIM
+    )
+    torch.autograd.backward((q, k, v), [g.double() for g in grads])
+    return q.detach(), k.detach(), v.detach(), leaf.grad
+
+
+@pytest.mark.parametrize("case", ["state", "no state"])
+def test_interpreted_gdn_conv_split_forward_and_backward_are_float32_roundings_of_float64(interpreted, case):
+    """`ConvSplitNormalized` in float32: q, k and v each row of a head within (K + D + 8) EPS32 of the head row's
+    largest value (K products and the bias, SiLU, a sum of D squares, a square root), dx within (K (D + 16) + 8)
+    EPS32 of its largest (per tap a recomputed pre-activation, norm and projection), times SAFETY. Flipped taps
+    fall outside both bounds."""
+    inputs, outputs = interpreted
+    x, state, weight, bias, grads = inputs["conv"][case]
+    expected = _reference_conv(x, state, weight, bias, grads)
+    flipped = _reference_conv(x, state, weight.flip(-1), bias, grads)
+    for name, ours, e, f in zip(("q", "k", "v", "dx"), outputs[case], expected, flipped):
+        scale = e.abs().amax(-1, keepdim=True) if name != "dx" else e.abs().max()
+        terms = TAPS + HEAD_DIM + 8 if name != "dx" else TAPS * (HEAD_DIM + 16) + 8
+        bound = SAFETY * terms * EPS32 * scale
+        error = (ours.double() - e).abs()
+        assert ours.shape == e.shape and (error <= bound).all(), f"{name}: {(error / bound).max().item():.3g} of bound"
+        assert ((f - e).abs() > bound).any(), f"{name}: the bound cannot tell flipped taps"
+
+
+def test_interpreted_fused_logprobs_are_float32_roundings_of_float64(interpreted):
+    """`FusedTokenLogprobs` with a float32 head: log-probs within (H + sqrt(V) + 8) EPS32 of the largest |logit|
+    (the logits' GEMM of H products, the online sum of V exponentials, its log), the hidden rows' gradient within
+    (H + V + 8) EPS32 of its largest, times SAFETY. A log-prob of the wrong target falls outside."""
+    inputs, outputs = interpreted
+    hidden, weight, targets, grad = inputs["logprobs"]
+    leaf = hidden.double().requires_grad_(True)
+    logp_TV = torch.log_softmax(leaf @ weight.double().t(), dim=-1)
+    expected = logp_TV.gather(-1, targets[:, None]).squeeze(-1)
+    expected.backward(grad.double())
+    ours, ours_grad = outputs["logprobs"]
+    logit_scale = (hidden.double() @ weight.double().t()).abs().max()
+    bound = SAFETY * (HIDDEN + VOCAB**0.5 + 8) * EPS32 * logit_scale
+    assert ((ours.double() - expected.detach()).abs() <= bound).all()
+    wrong = logp_TV.gather(-1, ((targets + 1) % VOCAB)[:, None]).squeeze(-1).detach()
+    assert ((wrong - expected.detach()).abs() > bound).any()
+    grad_bound = SAFETY * (HIDDEN + VOCAB + 8) * EPS32 * leaf.grad.abs().max()
+    assert ((ours_grad.double() - leaf.grad).abs() <= grad_bound).all()
+
+
+def test_interpreted_index_scores_are_float32_sums_of_exact_products(interpreted):
+    """`fused_index_scores`: bf16 products are exact in float32, so each score is sum_h w relu(q . k) within
+    (I + H + 2) EPS32 of the sum of its terms' magnitudes, times SAFETY; a score without the ReLU falls outside."""
+    inputs, outputs = interpreted
+    q, w, k = (t.double() for t in inputs["index_scores"])
+    dots_THN = torch.einsum("thi,ni->thn", q, k)
+    expected = (dots_THN.relu() * w[..., None]).sum(1)
+    magnitude = (torch.einsum("thi,ni->thn", q.abs(), k.abs()) * w[..., None]).sum(1)
+    bound = SAFETY * (INDEX_DIM + INDEX_HEADS + 2) * EPS32 * magnitude
+    assert ((outputs["index_scores"].double() - expected).abs() <= bound).all()
+    assert (((dots_THN * w[..., None]).sum(1) - expected).abs() > bound).any()
