@@ -7,8 +7,9 @@ that reads the state and writes the output, forward and backward; no transposes,
 (CPU, float64, no fla) it is the reference on transposed views.
 
 ``conv_split_heads`` is what a Gated DeltaNet layer's rule reads from the conv: q, k and v as tensors of their own,
-q and k l2-normalised per head in a capture. A capture's call on CUDA is one Triton kernel (``gdn_conv_triton``);
-the plain composition (the conv, the split, the norm) is its reference and runs everywhere else.
+q and k l2-normalised per head. On CUDA, with nothing but x needing a gradient (capture, scoring, replay), it is one
+Triton launch each way (``gdn_conv_triton``); the plain composition (the conv, the split, the norm) is its reference
+and runs everywhere else.
 """
 
 from __future__ import annotations
