@@ -92,5 +92,5 @@ def shard_transition_of_layer(layer, module, project, h_BTH, conv_in, chunk: int
     for c0 in range(0, h_BTH.shape[1], chunk):
         x_BTH = rms_norm(layer.input_layernorm, h_BTH[:, c0 : c0 + chunk])
         q, k, v, g, beta, _, conv = gdn_rule_inputs(module, project, x_BTH, conv)
-        transition = shard_transition(q, k, v, g, beta, transition)
+        transition = shard_transition(q, k, v, g, beta, transition, l2norm_qk=False)  # normalised with the conv
     return transition

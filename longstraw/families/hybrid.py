@@ -54,12 +54,12 @@ def recurrent_state_bytes(config, dtype) -> int:
     return conv + recurrent
 
 
-def gdn_rule_inputs(module, project, x_BTH, conv_in, normalized: bool = False):
+def gdn_rule_inputs(module, project, x_BTH, conv_in):
     """What the delta rule of a GDN layer reads, from the layer's (normed) input `x_BTH` and the conv
     state `conv_in` (the last K-1 projected inputs before `x`, or None at the sequence's start):
-    (q, k, v, g, beta, z, conv_state), `z` the output gate and `conv_state` the conv's new state.
-    `normalized`: q and k come l2-normalised per head (`conv_split_heads`: one fused kernel each way on CUDA), for
-    a rule called with `l2norm_qk=False`."""
+    (q, k, v, g, beta, z, conv_state), `z` the output gate and `conv_state` the conv's new state. q and k come
+    l2-normalised per head with the conv (`conv_split_heads`: one fused kernel each way on CUDA), for a rule called
+    with `l2norm_qk=False`."""
     mixed_BTC, z, b, a = project(module, x_BTH)
     # q, k and v as tensors of their own, so the conv's output is freed before the rule runs (fla's kernels copy
     # strided inputs anyway, and capture's transient peaks inside the rule)
@@ -72,7 +72,6 @@ def gdn_rule_inputs(module, project, x_BTH, conv_in, normalized: bool = False):
         module.head_k_dim,
         module.head_v_dim,
         module.activation,
-        l2norm_qk=normalized,
     )
     beta = b.sigmoid()
     g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)
@@ -86,8 +85,7 @@ def gdn_mix(module, project, x_BTH, state: RecurrentState, write_state: bool):
     differentiably and leaves the final (conv, recurrent) state, with its graph, in `state.final`."""
     B, T, _ = x_BTH.shape
     conv_in, recurrent_in = state.inputs()
-    # q and k normalised with the conv (one fused kernel each way on CUDA), so the rule skips its own norm
-    q, k, v, g, beta, z, conv_state = gdn_rule_inputs(module, project, x_BTH, conv_in, normalized=True)
+    q, k, v, g, beta, z, conv_state = gdn_rule_inputs(module, project, x_BTH, conv_in)  # q and k normalised
     if write_state and not state.keep_final:  # capture: no autograd
         core_BTHV, recurrent = chunk_gated_delta_rule_forward(q, k, v, g, beta, recurrent_in, l2norm_qk=False)
     else:

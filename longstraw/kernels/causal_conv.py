@@ -124,21 +124,20 @@ def conv_split_heads(
     head_k_dim: int,
     head_v_dim: int,
     activation: str | None = "silu",
-    l2norm_qk: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(q, k, v, new_state_BCK1): `causal_conv1d_channels_last` of ``x_BTC`` split along its channels into q and k
     (``key_dim`` each, heads of ``head_k_dim``) and v (the rest, heads of ``head_v_dim``), each contiguous
-    ``[B, T, heads, head dim]``; with ``l2norm_qk`` q and k divided by their l2 norm over each head (float32, as
-    fla's norm, rounded once to x's dtype). A normalised call on CUDA with nothing but x needing a gradient (capture,
-    scoring, replay) is one fused Triton launch forward and one backward (`gdn_conv_triton.ConvSplitNormalized`);
-    every other call (a state or filter needing a gradient, CPU, float64) the plain composition."""
+    ``[B, T, heads, head dim]``, q and k divided by their l2 norm over each head (float32, as fla's norm, rounded
+    once to x's dtype). On CUDA with nothing but x needing a gradient (capture, scoring, replay, a sharded capture's
+    transition) one fused Triton launch forward and one backward (`gdn_conv_triton.ConvSplitNormalized`); every other
+    call (a state or filter needing a gradient, CPU, float64) the plain composition."""
     B, T, C = x_BTC.shape
     K = _kernel_size(activation, B, C, weight_CK, conv_state_BCK1)
     only_x = not torch.is_grad_enabled() or not any(
         t is not None and t.requires_grad for t in (conv_state_BCK1, weight_CK, bias_C)
     )
     one_head_dim = head_k_dim == head_v_dim and not head_k_dim & (head_k_dim - 1) and key_dim % head_k_dim == 0
-    fused = l2norm_qk and only_x and one_head_dim and x_BTC.is_cuda and T
+    fused = only_x and one_head_dim and x_BTC.is_cuda and T
     if fused and torch.float64 not in (x_BTC.dtype, weight_CK.dtype):
         from longstraw.kernels.gdn_conv_triton import ConvSplitNormalized
 
@@ -152,8 +151,7 @@ def conv_split_heads(
     q, k, v = torch.split(y_BTC, [key_dim, key_dim, C - 2 * key_dim], dim=-1)
     del y_BTC  # freed once q, k and v are copied out (a capture's transient peaks inside the rule that follows)
     q, k = (t.reshape(B, T, -1, head_k_dim) for t in (q, k))
-    if l2norm_qk:
-        wide = torch.promote_types(x_BTC.dtype, torch.float32)  # float32, or float64 for float64 input
-        q, k = (t.to(wide) * torch.rsqrt(t.to(wide).square().sum(-1, keepdim=True) + L2NORM_EPS) for t in (q, k))
+    wide = torch.promote_types(x_BTC.dtype, torch.float32)  # float32, or float64 for float64 input
+    q, k = (t.to(wide) * torch.rsqrt(t.to(wide).square().sum(-1, keepdim=True) + L2NORM_EPS) for t in (q, k))
     q, k, v = (t.to(x_BTC.dtype).contiguous() for t in (q, k, v.reshape(B, T, -1, head_v_dim)))
     return q, k, v, state
