@@ -266,22 +266,41 @@ def _stand_in_for_fla(halve: str | None):
 @pytest.mark.parametrize("halve", [None, "g", "beta", "k"])
 def test_the_fla_backward_check_refuses_a_wrong_gradient(monkeypatch, halve):
     monkeypatch.setattr(gdn, "_load_fla", lambda: (_stand_in_for_fla(halve), (0, 6, 0)))
-    fla_backward_trusted.cache_clear()
-    try:
-        if halve is None:
-            assert fla_backward_trusted(2, 4, 16, 8, torch.float32, "cpu")
-        else:
-            with pytest.warns(UserWarning, match=f"d{halve} "):
-                assert not fla_backward_trusted(2, 4, 16, 8, torch.float32, "cpu")
-    finally:
-        fla_backward_trusted.cache_clear()
+    monkeypatch.setattr(gdn, "_trusted", {})
+    if halve is None:
+        assert fla_backward_trusted(2, 4, 16, 8, torch.float32, "cpu")
+    else:
+        with pytest.warns(UserWarning, match=f"d{halve} "):
+            assert not fla_backward_trusted(2, 4, 16, 8, torch.float32, "cpu")
+
+
+def test_the_fla_backward_check_runs_at_its_first_callers_size_once_per_head_shape(monkeypatch):
+    """fla's autotuner keeps its first call's choice whatever the length, so the check (whose backward is the first
+    a process runs) takes its first caller's batch and whole 64-token chunks (3 to 128 of them, and a ragged tail
+    of 29); a later caller of the same heads is answered without a second check."""
+    seen = []
+    stand_in = _stand_in_for_fla(None)
+
+    def recording(q, *rest, **named):
+        seen.append(tuple(q.shape[:2]))
+        return stand_in(q, *rest, **named)
+
+    monkeypatch.setattr(gdn, "_load_fla", lambda: (recording, (0, 6, 0)))
+    monkeypatch.setattr(gdn, "_trusted", {})
+    assert fla_backward_trusted(2, 4, 16, 8, torch.float32, "cpu", 3, 300)
+    assert seen == [(3, 4 * 64 + 29)]
+    assert fla_backward_trusted(2, 4, 16, 8, torch.float32, "cpu", 1, 5000)
+    assert seen == [(3, 4 * 64 + 29)]
+    assert fla_backward_trusted(2, 2, 16, 8, torch.float32, "cpu", 1, 10)
+    assert fla_backward_trusted(1, 2, 16, 8, torch.float32, "cpu", 2, 1_000_000)
+    assert seen == [(3, 4 * 64 + 29), (1, 3 * 64 + 29), (2, 128 * 64 + 29)]
 
 
 def test_the_fla_backward_check_runs_inside_a_checkpointed_layer(monkeypatch):
     """The first GDN call of a process may come inside a checkpointed layer's forward (no grad, saved-tensor hooks
     that recompute the layer): the check runs there and the layer's backward still gives the plain gradient."""
     monkeypatch.setattr(gdn, "_load_fla", lambda: (_stand_in_for_fla(None), (0, 6, 0)))
-    fla_backward_trusted.cache_clear()
+    monkeypatch.setattr(gdn, "_trusted", {})
     x = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
     checks = []
 
@@ -289,10 +308,7 @@ def test_the_fla_backward_check_runs_inside_a_checkpointed_layer(monkeypatch):
         checks.append(fla_backward_trusted(2, 4, 16, 8, torch.float32, "cpu"))
         return (x.sin() * x).sum()
 
-    try:
-        torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False).backward()
-    finally:
-        fla_backward_trusted.cache_clear()
+    torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False).backward()
     assert checks == [True, True]  # the forward, then the recompute (answered from the cache)
     torch.testing.assert_close(x.grad, x.detach().sin() + x.detach() * x.detach().cos(), rtol=0, atol=1e-12)
 

@@ -415,7 +415,14 @@ def differentiable_rule(name: str):
 # fla keeps its chunk kernels' intermediates in the inputs' 16-bit dtype, so its gradients differ from the float32
 # rule's by bf16 rounding (about 1e-2 relative); the miscompile fla #640 describes is off by about 0.5 to 15
 FLA_BACKWARD_TOLERANCE = 5e-2
-_CHECK_TOKENS = 3 * 64 + 29  # three whole 64-token chunks and a ragged tail
+
+
+def _check_tokens(tokens: int) -> int:
+    """The check's sequence length for a first caller of `tokens`: its whole 64-token chunks (at least three, at most
+    8,192 tokens) and a ragged tail of 29. fla's autotuner keys its choices on the heads and dims, not the length,
+    and keeps the first call's choice for the process (and, with TRITON_CACHE_AUTOTUNING, for every later one): a
+    check far shorter than the caller would tune the backward kernels for the wrong size."""
+    return min(max(tokens // 64, 3), 128) * 64 + 29
 
 
 def _lift_hopper_refusal() -> None:
@@ -433,12 +440,24 @@ def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
 
 
-@functools.lru_cache(maxsize=None)
-def fla_backward_trusted(hk: int, hv: int, dk: int, dv: int, dtype: torch.dtype, device: str) -> bool:
+_trusted: dict[tuple, bool] = {}
+
+
+def fla_backward_trusted(
+    hk: int, hv: int, dk: int, dv: int, dtype: torch.dtype, device: str, batch: int = 2, tokens: int = 0
+) -> bool:
     """Whether fla's chunk rule, forward and backward, gives the torch chunk rule's output and gradients (q, k, v,
     g, beta, the initial state; a loss on the output and on the final state) within FLA_BACKWARD_TOLERANCE, at
-    this head shape and input dtype on this device: random inputs, two sequences of `_CHECK_TOKENS`. Once per
-    process and shape; a disagreement or an error is warned of once and the torch rule kept."""
+    this head shape and input dtype on this device: random inputs, `batch` sequences of `_check_tokens(tokens)`,
+    the first caller's batch and length. Once per process and shape; a disagreement or an error is warned of once
+    and the torch rule kept."""
+    key = (hk, hv, dk, dv, dtype, device)
+    if key not in _trusted:
+        _trusted[key] = _check_fla_backward(*key, batch, _check_tokens(tokens))
+    return _trusted[key]
+
+
+def _check_fla_backward(hk, hv, dk, dv, dtype, device, B: int, T: int) -> bool:
     fla_chunk, fla_version = _load_fla()
     if fla_chunk is None:
         return False
@@ -448,7 +467,6 @@ def fla_backward_trusted(hk: int, hv: int, dk: int, dv: int, dtype: torch.dtype,
     def rand(*shape, dt=dtype):
         return torch.randn(*shape, generator=gen, device=device, dtype=torch.float32).to(dt)
 
-    B, T = 2, _CHECK_TOKENS
     inputs = [
         rand(B, T, hk, dk),
         rand(B, T, hk, dk),
@@ -495,7 +513,8 @@ def _fla_differentiable(q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_B
         return False
     Hk, Dk = q_BTHD.shape[2:]
     Hv, Dv = v_BTHV.shape[2:]
-    return fla_backward_trusted(Hk, Hv, Dk, Dv, q_BTHD.dtype, str(q_BTHD.device))
+    B, T = q_BTHD.shape[:2]
+    return fla_backward_trusted(Hk, Hv, Dk, Dv, q_BTHD.dtype, str(q_BTHD.device), B, T)
 
 
 def gated_delta_rule(q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_BHDV=None, *, l2norm_qk: bool = True):
