@@ -15,7 +15,7 @@
 adds the pipeline's keys (experiment, point, profile, grid, command). A config is checked (types,
 ranges, names) and the output path tested before any work: a folder there is refused, and so is a
 file that is not a failed result unless `--overwrite` (a finished result is never replaced silently).
-Result JSONs are written atomically (a `sweep` also keeps OUT.partial, rewritten after each finished
+Result JSONs are written atomically (a `step` or `sweep` also keeps OUT.partial, rewritten after each finished
 step and removed when the result is written; a `learning` point keeps its runs' checkpoints in OUT.work,
 so the same command run again after a cut goes on from them, removed once a result other than an error is
 written); one that cannot be written at the end is kept in the

@@ -23,12 +23,20 @@ POINT = {
 }
 
 
-def test_step_point_reuses_one_capture_across_cycles():
-    result = runner.run_point(POINT)
+def test_step_point_reuses_one_capture_across_cycles_and_reports_each(capsys):
+    partials = []
+    result = runner.run_point(POINT, on_progress=partials.append)
     assert result["status"] == "ok", result.get("error")
     cycles = result["metrics"]["cycles"]
     assert len(cycles) == 2
     assert "capture" in cycles[0]["phases"] and "capture" not in cycles[1]["phases"]
+    # each finished step is said (its phases' seconds) and left as the partial result a cut-off run keeps
+    assert [p["status"] for p in partials] == ["partial", "partial"]
+    assert [p["metrics"]["cycles"] for p in partials] == [cycles[:1], cycles]
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith(("set up", "cycle "))]
+    assert lines[0].startswith("set up (weights ") and len(lines) == 3
+    assert lines[1].startswith(f"cycle 0: capture {cycles[0]['phases']['capture']['seconds']:.3f} s, ")
+    assert lines[2].startswith("cycle 1: ") and f"replay {cycles[1]['phases']['replay']['seconds']:.3f} s" in lines[2]
     assert all(c["state_unchanged"] for c in cycles)
     assert {"commit", "device", "host_cpu", "date", "versions"} <= set(result["provenance"])
 

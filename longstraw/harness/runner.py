@@ -31,7 +31,7 @@ def run_point(raw, source: str = "config", on_progress=None, work_dir=None) -> d
     A bad config, a device this machine lacks or a missing or cut checkpoint raises ValueError before
     anything runs.
 
-    `on_progress(partial_result)` is called after each finished step of a `sweep`, `staleness` or
+    `on_progress(partial_result)` is called after each finished step of a `step`, `sweep`, `staleness` or
     `learning` point and each cell of a `length_curve`, so a run cut off later still leaves what it measured.
     `work_dir` is the point's resumable work (`Progress.work_dir`): a learning point run again with the same
     `work_dir` goes on from its runs' last checkpoints.

@@ -44,7 +44,7 @@ def run(cfg: PointConfig, device, progress: Progress) -> dict:
     optimizer = optimizer_for(model, cfg)
     with collector_frozen():
         if cfg.mode in PEER_MODES:
-            return run_peer(cfg, model, prompt, responses, rewards, optimizer, recorder)
+            return run_peer(cfg, model, prompt, responses, rewards, optimizer, recorder, progress)
         options = StepOptions(
             mode=cfg.mode,
             capture=capture_kwargs(cfg),
@@ -54,6 +54,7 @@ def run(cfg: PointConfig, device, progress: Progress) -> dict:
         )
         graphs = MemberGraphs() if cfg.replay.cuda_graph else None
         state, cycles = None, []
+        announce_cycles(progress, recorder)
         for _ in range(cfg.cycles):
             step = grpo_step(
                 model, prompt, responses, rewards, optimizer, cfg.grpo, options, state=state, graphs=graphs
@@ -61,6 +62,7 @@ def run(cfg: PointConfig, device, progress: Progress) -> dict:
             state = None if cfg.recapture else step.state
             cycles.append(step.metrics)
             del step  # with recapture, the next capture starts with this step's state freed, not held beside it
+            report_cycle(progress, cycles)
     return {
         "weights": recorder.phases["weights"],
         "trainable_parameters": trainable_parameters(model),
@@ -100,7 +102,7 @@ def run_rollouts(cfg: PointConfig, device, progress: Progress) -> dict:
     }
 
 
-def run_peer(cfg: PointConfig, model, prompt, responses, rewards, optimizer, recorder) -> dict:
+def run_peer(cfg: PointConfig, model, prompt, responses, rewards, optimizer, recorder, progress: Progress) -> dict:
     """`cycles` steps of a peer (`longstraw.peers`) on the same model, prompt, group and optimizer; its setup
     (imports, TRL's trainer) is the `peer_setup` phase, outside the steps."""
     from longstraw.models.lora import trainable_parameters
@@ -108,7 +110,11 @@ def run_peer(cfg: PointConfig, model, prompt, responses, rewards, optimizer, rec
 
     with recorder.phase("peer_setup"):
         peer = build_peer(cfg.mode, model, cfg.grpo, max_response_length=cfg.responses.length)
-    cycles = [peer.step(prompt, responses, rewards, optimizer) for _ in range(cfg.cycles)]
+    announce_cycles(progress, recorder)
+    cycles = []
+    for _ in range(cfg.cycles):
+        cycles.append(peer.step(prompt, responses, rewards, optimizer))
+        report_cycle(progress, cycles)
     return {
         "weights": recorder.phases["weights"],
         "peer_setup": recorder.phases["peer_setup"],
@@ -119,6 +125,28 @@ def run_peer(cfg: PointConfig, model, prompt, responses, rewards, optimizer, rec
 
 
 ROLLOUT_KEYS = ("reward_mean", "rewards", "loss", "grad_norm", "response_tokens")
+
+
+def announce_cycles(progress: Progress, recorder) -> None:
+    """Said before the first step, which can run for minutes on a box that has not built this shape's attention
+    plans or tuned its Triton kernels."""
+    set_up = ", ".join(f"{name} {rec['seconds']:.1f} s" for name, rec in recorder.phases.items())
+    progress.line(f"set up ({set_up}); cycle 0 builds what its kernels need (cuDNN plans, Triton autotuning)")
+
+
+def report_cycle(progress: Progress, cycles: list) -> None:
+    """A finished step's line (each phase's seconds, their sum, the peak) and the cycles so far as the partial
+    result, so that a point cut off by its time limit still leaves the steps it finished."""
+    phases = cycles[-1]["phases"]
+    seconds = {name: rec["seconds"] for name, rec in phases.items()}
+    peaks = [rec["peak_allocated_bytes"] for rec in phases.values() if "peak_allocated_bytes" in rec]  # CUDA only
+    progress.line(
+        f"cycle {len(cycles) - 1}: "
+        + ", ".join(f"{name} {s:.3f} s" for name, s in seconds.items())
+        + f" (step {sum(seconds.values()):.3f} s)"
+        + (f", peak {max(peaks) / 1e9:.2f} GB" if peaks else "")
+    )
+    progress.partial({"cycles": list(cycles), **summary(cycles)})
 
 
 def summary(cycles: list) -> dict:
