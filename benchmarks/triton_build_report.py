@@ -3,11 +3,11 @@ machine: Triton compiles to PTX without a GPU and its bundled ptxas assembles it
 
     python benchmarks/triton_build_report.py [--arch 90] [--out F]
 
-For each configuration an autotuned kernel offers (the GDN conv forward and backward, at hybrid-1b's widths), with
-the pointer arguments 16-byte aligned as Triton's JIT specialises them: ptxas's registers per thread and spill
-bytes, and how many of the global loads and stores are 16-byte vectors. A spilling configuration still runs (its
-spills go to L1), but the autotuner's candidates are chosen from these (`kernels/gdn_conv_triton.py`). The last
-stdout line is one JSON object, also written to --out.
+For each configuration an autotuned kernel offers (the GDN conv forward and the backward's two kernels, at
+hybrid-1b's widths), with the pointer arguments 16-byte aligned as Triton's JIT specialises them: ptxas's registers
+per thread and spill bytes, and how many of the global loads and stores are 16-byte vectors. A spilling
+configuration still runs (its spills go to L1), but the autotuner's candidates are chosen from these
+(`kernels/gdn_conv_triton.py`). The last stdout line is one JSON object, also written to --out.
 """
 
 from __future__ import annotations
@@ -28,16 +28,18 @@ from longstraw.results import write_json_atomic
 
 # hybrid-1b's GDN layer: q and k 2,048 channels each (heads of 128), v 4,096, 4 taps, a state and a bias, SiLU
 GDN_SHAPE = {"C": 8192, "KEY_DIM": 2048, "K": 4, "D": 128, "HAS_STATE": True, "HAS_BIAS": True, "SILU": True}
+POINTERS = {"dpre_ptr": "*fp32"}  # the backward's float32 intermediate; every other tensor is bf16
 KERNELS = {
     "gdn conv forward": gdn_conv_triton._conv_split_normalized_kernel,
-    "gdn conv backward": gdn_conv_triton._conv_split_normalized_backward_kernel,
+    "gdn conv backward, pre-activations' gradient": gdn_conv_triton._pre_activation_gradient_kernel,
+    "gdn conv backward, the taps' transpose": gdn_conv_triton._conv_input_gradient_kernel,
 }
 
 
 def build(autotuned, config: triton.Config, arch: int) -> dict:
     fn = autotuned.fn
-    constexprs = {**GDN_SHAPE, "EPS": 1e-6, **config.kwargs}
-    signature = {name: "constexpr" if name in constexprs else "*bf16" for name in fn.arg_names}
+    constexprs = {name: v for name, v in {**GDN_SHAPE, "EPS": 1e-6, **config.kwargs}.items() if name in fn.arg_names}
+    signature = {name: "constexpr" if name in constexprs else POINTERS.get(name, "*bf16") for name in fn.arg_names}
     signature["T"] = "i32"
     aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if name.endswith("_ptr")}
     source = ASTSource(

@@ -33,7 +33,9 @@ import torch
 from longstraw.kernels import dsa_topk_triton, gdn_conv_triton, logprobs_triton
 
 conv = gdn_conv_triton
-for autotuned in (conv._conv_split_normalized_kernel, conv._conv_split_normalized_backward_kernel):
+for autotuned in (
+    conv._conv_split_normalized_kernel, conv._pre_activation_gradient_kernel, conv._conv_input_gradient_kernel
+):
     autotuned.configs = autotuned.configs[:1]
 inputs, out = torch.load(sys.argv[1]), {}
 for name, (x, state, weight, bias, grads) in inputs["conv"].items():
@@ -66,7 +68,8 @@ def interpreted(tmp_path_factory):
     pytest.importorskip("triton")
     gen = torch.Generator().manual_seed(0)
     inputs = {
-        # 70 rows: two 32-row blocks and a ragged one; the state read by the first block, or zeros
+        # 70 rows: whole blocks (of 16 or 32 rows, the kernels' first configurations) and a ragged one; the state
+        # read by the first block, or zeros
         "conv": {"state": _conv_inputs(gen, 70, True), "no state": _conv_inputs(gen, 5, False)},
         "logprobs": (
             torch.randn(7, HIDDEN, generator=gen),
@@ -109,8 +112,8 @@ def _reference_conv(x, state, weight, bias, grads):
 def test_interpreted_gdn_conv_split_forward_and_backward_are_float32_roundings_of_float64(interpreted, case):
     """`ConvSplitNormalized` in float32: q, k and v each row of a head within (K + D + 8) EPS32 of the head row's
     largest value (K products and the bias, SiLU, a sum of D squares, a square root), dx within (K (D + 16) + 8)
-    EPS32 of its largest (per tap a recomputed pre-activation, norm and projection), times SAFETY. Flipped taps
-    fall outside both bounds."""
+    EPS32 of its largest (per tap a pre-activation's gradient: the pre-activation, norm and projection recomputed),
+    times SAFETY. Flipped taps fall outside both bounds."""
     inputs, outputs = interpreted
     x, state, weight, bias, grads = inputs["conv"][case]
     expected = _reference_conv(x, state, weight, bias, grads)

@@ -10,9 +10,10 @@ each with a backward of its own under autograd. `conv_split_normalized_triton` i
 convolves one head's channels over a block of rows in float32 (the state's columns before the first row), applies
 SiLU, normalises the row over the head if it is a q or k head, rounds once and writes it to q, k or v, each a
 contiguous tensor. `conv_split_normalized_backward_triton` is the gradient in x alone (the filters frozen, the state
-a captured one: replay), one launch: each program recomputes the K pre-activations and norms its rows feed and
-takes q's, k's and v's gradients back through the norm, SiLU and the taps; fla's conv backward would also recompute
-the conv in a pass of its own and reduce the filters', the bias's and the state's gradients.
+a captured one: replay), two launches: one recomputes the pre-activations and norms as the forward does and takes
+q's, k's and v's gradients back through the norm and SiLU into a float32 tensor, the other runs the taps' transpose
+over it; fla's conv backward would also recompute the conv in a pass of its own and reduce the filters', the bias's
+and the state's gradients.
 """
 
 from __future__ import annotations
@@ -183,14 +184,13 @@ def _silu_grad(dy, pre, SILU: tl.constexpr):
     return dy
 
 
-# the backward keeps K pre-activations' loads in flight: its sm_90 build spills nothing at 16 rows with 8 warps, about
-# 600 bytes at 16 with 4 and at 32 with 8, kilobytes beyond (dropped; `benchmarks/triton_build_report.py`)
+# the pre-activations' gradient holds one tile and one loaded gradient more than the forward: tuned as the forward is
 @triton.autotune(
-    configs=[triton.Config({"BT": bt}, num_warps=w) for bt, w in ((16, 4), (16, 8), (32, 8))],
+    configs=[triton.Config({"BT": bt}, num_warps=w) for bt in (16, 32) for w in (4, 8)],
     key=["C", "KEY_DIM", "D", "K"],
 )
 @triton.jit
-def _conv_split_normalized_backward_kernel(
+def _pre_activation_gradient_kernel(
     x_ptr,
     state_ptr,
     w_ptr,
@@ -198,7 +198,7 @@ def _conv_split_normalized_backward_kernel(
     dq_ptr,
     dk_ptr,
     dv_ptr,
-    dx_ptr,
+    dpre_ptr,
     T,
     C: tl.constexpr,
     KEY_DIM: tl.constexpr,
@@ -210,33 +210,50 @@ def _conv_split_normalized_backward_kernel(
     EPS: tl.constexpr,
     BT: tl.constexpr,
 ):
-    """dx of head `program_id(0)` over BT rows: row t feeds outputs t .. t + K - 1; for each, the pre-activation and
-    (q and k) the row's norm are recomputed, and the output's gradient taken back through the norm
-    (dy = (dn - n (n . dn)) / |y|) and SiLU."""
+    """float32 gradient at the conv's output (before SiLU) of head `program_id(0)` over BT rows: the pre-activation
+    and (q and k) the row's norm recomputed as the forward computes them, the output's gradient taken back through
+    the norm (dy = (dn - n (n . dn)) / |y|) and SiLU. The forward's grid and row order."""
     i_h, i_t, i_b = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
     rows = i_t * BT + tl.arange(0, BT)
     channels = i_h * D + tl.arange(0, D)
     columns = tl.arange(0, D)
+    pre = _pre_activation(
+        x_ptr, state_ptr, w_ptr, b_ptr, i_b, i_t * BT, rows, channels, T, C, K, HAS_STATE, HAS_BIAS, BT, D
+    )
+    if i_h * D < 2 * KEY_DIM:
+        if i_h * D < KEY_DIM:
+            dn = _load_rows(dq_ptr, i_b, rows, i_h * D + columns, T, KEY_DIM)
+        else:
+            dn = _load_rows(dk_ptr, i_b, rows, i_h * D - KEY_DIM + columns, T, KEY_DIM)
+        y = pre
+        if SILU:
+            y = pre * tl.sigmoid(pre)
+        inverse = 1 / tl.sqrt(tl.sum(y * y, axis=1) + EPS)
+        n = y * inverse[:, None]
+        dy = (dn - n * tl.sum(n * dn, axis=1)[:, None]) * inverse[:, None]
+    else:
+        dy = _load_rows(dv_ptr, i_b, rows, i_h * D - 2 * KEY_DIM + columns, T, C - 2 * KEY_DIM)
+    _store_rows(dpre_ptr, _silu_grad(dy, pre, SILU), i_b, rows, channels, T, C)
+
+
+@triton.autotune(
+    configs=[triton.Config({"BT": bt}, num_warps=w) for bt, w in ((16, 4), (16, 8), (32, 8), (64, 8))],
+    key=["C", "D", "K"],
+)
+@triton.jit
+def _conv_input_gradient_kernel(
+    dpre_ptr, w_ptr, dx_ptr, T, C: tl.constexpr, K: tl.constexpr, D: tl.constexpr, BT: tl.constexpr
+):
+    """dx of D channels over BT rows from the float32 pre-activations' gradient: row t feeds outputs t .. t + K - 1,
+    through taps K - 1 .. 0 (the conv's transpose; outputs at or past T read as zeros), summed in float32 and
+    rounded once."""
+    i_c, i_t, i_b = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
+    rows = i_t * BT + tl.arange(0, BT)
+    channels = i_c * D + tl.arange(0, D)
     dx = tl.zeros((BT, D), dtype=tl.float32)
     for m in tl.static_range(K):
-        out_rows = rows + m
-        pre = _pre_activation(
-            x_ptr, state_ptr, w_ptr, b_ptr, i_b, i_t * BT + m, out_rows, channels, T, C, K, HAS_STATE, HAS_BIAS, BT, D
-        )
-        if i_h * D < 2 * KEY_DIM:
-            if i_h * D < KEY_DIM:
-                dn = _load_rows(dq_ptr, i_b, out_rows, i_h * D + columns, T, KEY_DIM)
-            else:
-                dn = _load_rows(dk_ptr, i_b, out_rows, i_h * D - KEY_DIM + columns, T, KEY_DIM)
-            y = pre
-            if SILU:
-                y = pre * tl.sigmoid(pre)
-            inverse = 1 / tl.sqrt(tl.sum(y * y, axis=1) + EPS)
-            n = y * inverse[:, None]
-            dy = (dn - n * tl.sum(n * dn, axis=1)[:, None]) * inverse[:, None]
-        else:
-            dy = _load_rows(dv_ptr, i_b, out_rows, i_h * D - 2 * KEY_DIM + columns, T, C - 2 * KEY_DIM)
-        dx += _silu_grad(dy, pre, SILU) * tl.load(w_ptr + channels * K + (K - 1 - m)).to(tl.float32)[None, :]
+        dpre = _load_rows(dpre_ptr, i_b, rows + m, channels, T, C)
+        dx += dpre * tl.load(w_ptr + channels * K + (K - 1 - m)).to(tl.float32)[None, :]
     _store_rows(dx_ptr, dx, i_b, rows, channels, T, C)
 
 
@@ -250,21 +267,26 @@ def conv_split_normalized_backward_triton(
     head_dim: int,
     silu: bool,
 ) -> torch.Tensor:
-    """dx of `conv_split_normalized_triton` for the gradients of its q, k and v: float32 sums, rounded once to x's
-    dtype."""
+    """dx of `conv_split_normalized_triton` for the gradients of its q, k and v, in two launches: the float32
+    gradient at the conv's output, then the conv's transpose over it, summed in float32 and rounded once to x's
+    dtype. (One launch that recomputed, for each row, the K pre-activations and norms it feeds held K tiles at once:
+    226 registers a thread, one program an SM, and took 0.67 ms a layer for 4,096 rows at hybrid-1b's widths on the
+    H200, as long as the forward takes for 32,768.)"""
     dq, dk, dv = (g.contiguous() for g in grads)
     dx = torch.empty_like(x_BTC)
     if x_BTC.shape[1]:
         x_BTC, state, weight_CK, grid, shape = _launch(x_BTC, state_BCK1, weight_CK, bias_C, key_dim, head_dim, silu)
-        _conv_split_normalized_backward_kernel[grid](
-            x_BTC, state, weight_CK, bias_C, dq, dk, dv, dx, x_BTC.shape[1], **shape
+        dpre = torch.empty(x_BTC.shape, dtype=torch.float32, device=x_BTC.device)
+        _pre_activation_gradient_kernel[grid](
+            x_BTC, state, weight_CK, bias_C, dq, dk, dv, dpre, x_BTC.shape[1], **shape
         )
+        _conv_input_gradient_kernel[grid](dpre, weight_CK, dx, x_BTC.shape[1], C=shape["C"], K=shape["K"], D=head_dim)
     return dx
 
 
 class ConvSplitNormalized(torch.autograd.Function):
     """`conv_split_normalized_triton` differentiable in x alone (replay: frozen filters, a captured state): the
-    backward is one launch, `conv_split_normalized_backward_triton`."""
+    backward is `conv_split_normalized_backward_triton`."""
 
     @staticmethod
     def forward(ctx, x_BTC, state_BCK1, weight_CK, bias_C, key_dim: int, head_dim: int, silu: bool):
