@@ -90,3 +90,32 @@ def test_replay_gradient_equals_conditional_response_reference(preset, prompt_le
         expected = grads_of(net, (hf_conditional_logprobs(net, prompt, response) * weights).sum())
     assert len(expected) > 0 and all(g.dtype == torch.float64 for g in expected.values())
     within(max_relative_error(ours, expected), float64_residue_tolerance(has_gdn(net)), "max relative gradient error")
+
+
+@pytest.mark.parametrize("preset", TINY_PRESETS)
+def test_the_paged_attention_is_selected_on_every_attention_config_the_model_holds(preset):
+    """`selected()` reads the configs of the model, the decoder and each layer's `self_attn`, not of every module
+    (a walk that cost each capture and replay call milliseconds of host time): for every family, with LoRA, those
+    are all the attention configs any module holds (the walk, as the reference), each dispatching to the paged
+    implementation inside the block and to its own again after it. The last attention layer gets a config of its
+    own (the tiny presets share one), as a model whose layers hold their own would."""
+    import copy
+
+    from longstraw.families import adapter_for
+    from longstraw.families.attention_layer import IMPLEMENTATION
+
+    adapter = adapter_for(apply_lora(build_model(preset, seed=0), r=4))
+    last = [layer.self_attn for layer in adapter.layers if hasattr(layer, "self_attn")][-1]
+    last.config = copy.copy(last.config)
+    every = {
+        id(m.config): m.config
+        for m in adapter.lm.modules()
+        if hasattr(getattr(m, "config", None), "_attn_implementation_internal")
+    }
+    own = {key: config._attn_implementation_internal for key, config in every.items()}
+    assert id(last.config) in every and IMPLEMENTATION not in own.values()
+    with adapter.selected():
+        assert {key: config._attn_implementation_internal for key, config in every.items()} == dict.fromkeys(
+            every, IMPLEMENTATION
+        )
+    assert {key: config._attn_implementation_internal for key, config in every.items()} == own

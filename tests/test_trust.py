@@ -349,6 +349,34 @@ def test_lora_dropout_is_refused_in_the_config_and_on_the_model():
     assert torch.equal(score(model, state, _ids(4, 1)), score(model, state, _ids(4, 1)))
 
 
+def test_a_step_checks_dropout_once_and_a_capture_after_a_refused_step_still_refuses(monkeypatch):
+    """A step checks its policy before any work and its own capture does not walk the modules again; a step
+    refused for dropout leaves no capture that skips the check."""
+    from longstraw.core import step, transaction
+
+    model = apply_lora(build_model("tiny-llama", seed=0), r=4, dropout=0.1)
+    args = ([_ids(3, 1), _ids(2, 2)], [1.0, 0.0])
+    sgd = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    with pytest.raises(ValueError, match=r"dropout p=0.1 is active"):
+        grpo_step(model, _ids(12, 0), *args, sgd, GRPOConfig(num_generations=2))
+    with pytest.raises(ValueError, match=r"dropout p=0.1 is active"):
+        capture(model, _ids(12, 0))
+    model.eval()
+    checks = []
+    counted = transaction.check_deterministic
+
+    def counting(m):
+        checks.append(m)
+        counted(m)
+
+    monkeypatch.setattr(transaction, "check_deterministic", counting)
+    monkeypatch.setattr(step, "check_deterministic", counting)
+    grpo_step(model, _ids(12, 0), *args, sgd, GRPOConfig(num_generations=2))
+    assert checks == [model]  # the step's own, before its capture
+    capture(model, _ids(12, 0))
+    assert checks == [model, model]  # a capture of its own checks again
+
+
 def test_a_state_is_refused_after_its_weights_were_replaced_unless_reused_on_purpose():
     model = build_model("tiny-llama", seed=0)  # full fine-tuning: every weight trainable
     other = build_model("tiny-llama", seed=1)

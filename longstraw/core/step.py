@@ -37,6 +37,7 @@ from longstraw.core.transaction import (
     check_members_entry,
     check_state,
     check_vocabulary,
+    deterministic_checked,
     replay,
     replay_members,
     reuse_state,
@@ -224,7 +225,7 @@ def grpo_step(
                     return naive_logprobs(model, prompt_ids, y)
         else:
             if state is None:
-                with recorder.phase("capture"):
+                with recorder.phase("capture"), deterministic_checked(model):  # check_step_inputs checked
                     state = capture(model, prompt_ids, prefix_grad=options.prefix_grad, **options.capture)
                 if options.micro_batch != 1:
                     check_members(state)
