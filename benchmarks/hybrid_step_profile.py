@@ -11,8 +11,9 @@ HF's (--norms fused hf), and with LoRA's update fused into lora_B's GEMM where t
 (as the package runs it) or added in place (--lora fused in-place; `longstraw.models.lora_linear`): the capture's
 (at the point's chunk size and at each of --chunk-sizes) and the G members' replay's seconds, --repeats of each,
 and each phase once more under torch.profiler (kernels, busy fraction, the `--top` ops and kernels by device time
-and by launches; with --sources, the source lines and backward nodes that launched them:
-`longstraw.measure.kernel_profile.launch_sources`); and whether fla's backward passed its check here. The last
+and by launches, their seconds by kind (`kernel_kind`: gemm, attention, the GDN rule, conv, norm ...); with
+--sources, the source lines and backward nodes that launched them: `longstraw.measure.kernel_profile.launch_sources`);
+and whether fla's backward passed its check here. The last
 stdout line is one JSON object, also written to --out. The point comes from `experiments/peers.yaml`'s plan, which
 refuses its peer points where the peers are not installed: on the GPU box carry `.whl_peers` (docs/gpu.md).
 """
@@ -133,6 +134,9 @@ def main() -> int:
                     rule + (", HF norms" if norms == "hf" else "") + (", LoRA in place" if lora == "in-place" else "")
                 )
                 out["rules"][name] = row
+                for phase in ("capture", "replay"):
+                    kinds = row[f"{phase}_profile"]["by_kind"]
+                    print(f"{name}, {phase} by kind: " + ", ".join(f"{k} {t * 1e3:.1f} ms" for k, t in kinds.items()))
                 print(
                     f"{name}: capture {[round(s, 3) for s in row['capture_seconds']]} s, replay "
                     f"{[round(s, 3) for s in row['replay_seconds']]} s; busy capture "

@@ -8,13 +8,42 @@ import torch
 
 from longstraw.measure.memory import synchronize
 
+# (kind, substrings of a kernel's name): the first kind with a substring in the name; the rest is "other"
+# (elementwise work, reductions, gathers). Names as cuBLAS, cuDNN, torch's flash, fla and our Triton kernels give them.
+KERNEL_KINDS = (
+    ("gemm", ("nvjet", "gemm", "cutlass", "splitKreduce")),
+    ("attention", ("sdpa", "fmha", "flash_fwd", "flash_bwd")),
+    (
+        "gated_delta_rule",
+        (
+            "gated_delta_rule",
+            "chunk_fwd_kernel_o",
+            "recompute_w_u",
+            "prepare_wy_repr",
+            "chunk_bwd_kernel",
+            "chunk_local_cumsum",
+        ),
+    ),
+    ("conv", ("_conv_", "conv1d", "_pre_activation_gradient")),
+    ("norm", ("layer_norm", "rms_norm", "l2norm")),
+    ("swiglu", ("swiglu",)),
+    ("log_probs", ("_logsumexp_target", "_logprob_grad")),
+    ("dsa_index", ("_index_scores",)),
+    ("copy_fill", ("Memcpy", "Memset", "copy_kernel", "FillFunctor", "CatArrayBatchedCopy")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    """What a kernel does, by its name (`KERNEL_KINDS`): so that profiles from different commits compare by kind."""
+    return next((kind for kind, marks in KERNEL_KINDS if any(mark in name for mark in marks)), "other")
+
 
 def kernel_profile(fn, device, top: int = 12) -> dict:
     """Run `fn()` once under torch.profiler (CPU and CUDA activity): the kernels it launched, their summed
     device time, the wall, the fraction of the wall the device was busy, the `top` ops by device time (an op's time
     includes its children's) and by their own kernels' time (`top_self`: which op launched the time), the `top`
     kernels by their own summed time and by their launches (where a launch-bound call's host time goes), and where
-    the device waited (`idle`)."""
+    the device waited (`idle`), and the kernels' seconds summed by `kernel_kind` (`by_kind`)."""
     from torch.profiler import ProfilerActivity, profile
 
     synchronize(device)
@@ -33,6 +62,10 @@ def kernel_profile(fn, device, top: int = 12) -> dict:
         calls_seconds = by_kernel.setdefault(e.name[:90], [0, 0.0])
         calls_seconds[0] += 1
         calls_seconds[1] += e.device_time / 1e6
+    by_kind: dict[str, float] = {}
+    for e in kernels:
+        kind = kernel_kind(e.name)
+        by_kind[kind] = by_kind.get(kind, 0.0) + e.device_time / 1e6
     top_kernels = sorted(by_kernel.items(), key=lambda item: item[1][1], reverse=True)[:top]
     most_launched = sorted(by_kernel.items(), key=lambda item: item[1][0], reverse=True)[:top]
     return {
@@ -49,6 +82,7 @@ def kernel_profile(fn, device, top: int = 12) -> dict:
         "top_kernels": [{"name": n, "calls": c, "seconds": t} for n, (c, t) in top_kernels],
         "most_launched": [{"name": n, "calls": c, "seconds": t} for n, (c, t) in most_launched],
         "idle": device_idle(kernels, wall, top),
+        "by_kind": dict(sorted(by_kind.items(), key=lambda item: item[1], reverse=True)),
     }
 
 
