@@ -68,8 +68,8 @@ def interpreted(tmp_path_factory):
     pytest.importorskip("triton")
     gen = torch.Generator().manual_seed(0)
     inputs = {
-        # 70 rows: whole blocks (of 16 or 32 rows, the kernels' first configurations) and a ragged one; the state
-        # read by the first block, or zeros
+        # 70 rows: whole blocks (of 16 rows, each kernel's first configuration) and a ragged one; the state read by
+        # the first block, or zeros
         "conv": {"state": _conv_inputs(gen, 70, True), "no state": _conv_inputs(gen, 5, False)},
         "logprobs": (
             torch.randn(7, HIDDEN, generator=gen),

@@ -103,9 +103,10 @@ def _launch(x_BTC, state_BCK1, weight_CK, bias_C, key_dim: int, head_dim: int, s
 
 # rows per program and warps, tuned per shape on the first call (as fla tunes its conv); the sm_90 build at
 # hybrid-1b's widths spills nothing at 32 rows or at 64 with 8 warps, 164 bytes at 64 with 4, kilobytes at 128
-# (dropped): `benchmarks/triton_build_report.py`, Triton 3.6 as on the H200 box
+# (dropped): `benchmarks/triton_build_report.py`, Triton 3.6 as on the H200 box. 16 rows hold 74-96 registers
+# where 32 hold 128-144 (Triton 3.8): more programs an SM, for the autotuner to weigh against re-read rows
 @triton.autotune(
-    configs=[triton.Config({"BT": bt}, num_warps=w) for bt in (32, 64) for w in (4, 8)],
+    configs=[triton.Config({"BT": bt}, num_warps=w) for bt in (16, 32, 64) for w in (4, 8)],
     key=["C", "KEY_DIM", "D", "K"],
 )
 @triton.jit
