@@ -66,6 +66,12 @@ def _pre_activation(
 
 
 @triton.jit
+def _inverse_norm(y, EPS: tl.constexpr):
+    """1 / |row| of each row of `y` (float32), as fla's l2 norm computes it: forward and backward read the same."""
+    return 1 / tl.sqrt(tl.sum(y * y, axis=1) + EPS)
+
+
+@triton.jit
 def _store_rows(out_ptr, values, i_b, rows, columns, T, WIDTH: tl.constexpr):
     tl.store(
         out_ptr + (i_b * T + rows[:, None]) * WIDTH + columns[None, :],
@@ -143,7 +149,7 @@ def _conv_split_normalized_kernel(
         acc = acc * tl.sigmoid(acc)
     columns = tl.arange(0, D)
     if i_h * D < 2 * KEY_DIM:  # q and k: each row of the head divided by its l2 norm, as fla's l2 norm
-        acc = acc * (1 / tl.sqrt(tl.sum(acc * acc, axis=1) + EPS))[:, None]
+        acc = acc * _inverse_norm(acc, EPS)[:, None]
         if i_h * D < KEY_DIM:
             _store_rows(q_ptr, acc, i_b, rows, i_h * D + columns, T, KEY_DIM)
         else:
@@ -229,7 +235,7 @@ def _pre_activation_gradient_kernel(
         y = pre
         if SILU:
             y = pre * tl.sigmoid(pre)
-        inverse = 1 / tl.sqrt(tl.sum(y * y, axis=1) + EPS)
+        inverse = _inverse_norm(y, EPS)
         n = y * inverse[:, None]
         dy = (dn - n * tl.sum(n * dn, axis=1)[:, None]) * inverse[:, None]
     else:

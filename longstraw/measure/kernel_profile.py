@@ -58,12 +58,11 @@ def kernel_profile(fn, device, top: int = 12) -> dict:
     ops = sorted(averages, key=lambda e: e.device_time_total, reverse=True)[:top]
     own = sorted(averages, key=lambda e: e.self_device_time_total, reverse=True)[:top]
     by_kernel: dict[str, list] = {}
+    by_kind: dict[str, float] = {}
     for e in kernels:
         calls_seconds = by_kernel.setdefault(e.name[:90], [0, 0.0])
         calls_seconds[0] += 1
         calls_seconds[1] += e.device_time / 1e6
-    by_kind: dict[str, float] = {}
-    for e in kernels:
         kind = kernel_kind(e.name)
         by_kind[kind] = by_kind.get(kind, 0.0) + e.device_time / 1e6
     top_kernels = sorted(by_kernel.items(), key=lambda item: item[1][1], reverse=True)[:top]
