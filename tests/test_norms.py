@@ -210,3 +210,39 @@ def test_mlp_on_cuda_matches_hf_in_float64(rows):
         assert a.dtype == torch.bfloat16, name
         errors = (name, "fused", relative(a, e), "hf bf16", relative(h, e))
         assert relative(a, e) <= MLP_BF16_RTOL and relative(h, e) <= MLP_BF16_RTOL, errors
+
+
+def test_fused_norms_selected_routes_a_one_plus_weight_norm_and_restores_it(monkeypatch):
+    """Inside the block a swapped norm takes `rms_norm`'s fused path where it is usable (a stand-in kernel here), its
+    class's own forward where not (no recursion into the swapped one), and nested blocks swap once; on exit the
+    module is its class again. Other classes are not touched."""
+    from longstraw.kernels.rms_norm import fused_norms_selected
+
+    norm = _hf_norm("Qwen3_5RMSNorm", 16, torch.float32)
+    llama = transformers.models.llama.modeling_llama.LlamaRMSNorm(16)
+    x = torch.randn(3, 16, generator=torch.Generator().manual_seed(0))
+    calls = []
+    monkeypatch.setattr(rms_norm_module, "_load_fla_rms_norm", lambda: lambda *a, **kw: calls.append(a) or a[0] * 2)
+    with fused_norms_selected([norm, llama]):
+        assert torch.equal(norm(x), norm.__class__.forward(norm, x)) and not calls  # CPU: the class's forward
+        monkeypatch.setattr(rms_norm_module, "_fla_usable", lambda module, t: True)
+        with fused_norms_selected([norm]):
+            assert torch.equal(norm(x), x * 2) and torch.equal(calls[-1][1], one_plus_weight(norm))
+        assert torch.equal(norm(x), x * 2)  # the inner block left the outer swap in place
+        assert "forward" not in vars(llama)
+    assert "forward" not in vars(norm) and torch.equal(norm(x), norm.__class__.forward(norm, x))
+
+
+def test_the_paged_attention_selection_swaps_the_attention_norms_and_a_peers_does_not():
+    from longstraw.families import adapter_for
+    from longstraw.models import build_model
+
+    adapter = adapter_for(build_model("tiny-qwen3_5", seed=0))
+    attention = [layer.self_attn for layer in adapter.layers if hasattr(layer, "self_attn")]
+    norms = [m for a in attention for m in (a.q_norm, a.k_norm)]
+    assert norms and adapter._attention_norms == norms
+    with adapter.selected():
+        assert all("forward" in vars(m) for m in norms)
+    with adapter.selected("sdpa"):
+        assert not any("forward" in vars(m) for m in norms)
+    assert not any("forward" in vars(m) for m in norms)

@@ -12,12 +12,12 @@ context-parallel form; `tests/test_entry_contract.py`), so core, cp and training
 from __future__ import annotations
 
 import functools
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import torch
 
 from longstraw.families.attention_layer import IMPLEMENTATION, longstraw_attention_selected
-from longstraw.kernels.rms_norm import rms_norm
+from longstraw.kernels.rms_norm import fused_norms_selected, rms_norm
 from longstraw.kernels.swiglu import mlp_forward
 from longstraw.state import ModelBinding
 
@@ -89,11 +89,22 @@ class FamilyAdapter:
     def device(self):
         return self.lm.get_input_embeddings().weight.device
 
+    @contextmanager
     def selected(self, implementation: str = IMPLEMENTATION):
         """Context in which the HF attention modules dispatch to the paged implementation (or another
-        registered attention `implementation`)."""
+        registered attention `implementation`); with the paged one, their q and k norms compute as the decoder's
+        do (`fused_norms_selected`: a peer's implementation keeps HF's)."""
         configs = self._attention_configs
-        return longstraw_attention_selected(configs, implementation) if configs else nullcontext()
+        norms = self._attention_norms if implementation == IMPLEMENTATION else []
+        with longstraw_attention_selected(configs, implementation) if configs else nullcontext():
+            with fused_norms_selected(norms):
+                yield
+
+    @functools.cached_property
+    def _attention_norms(self) -> list:
+        """The norms HF's attention modules call themselves (q_norm, k_norm)."""
+        attention = [layer.self_attn for layer in self.layers if hasattr(layer, "self_attn")]
+        return [getattr(a, name) for a in attention for name in ("q_norm", "k_norm") if hasattr(a, name)]
 
     @functools.cached_property
     def _attention_configs(self) -> list:
