@@ -71,7 +71,6 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from longstraw.kernels.gdn_split_scan import split_scan_forward, split_scan_parts
 from longstraw.kernels.process_setting import ProcessSetting
 
 __all__ = [
@@ -391,12 +390,6 @@ def chunk_gated_delta_rule_forward(
     )
     if use_fla and not usable:
         raise RuntimeError("fla path requested but unavailable (fla import, CUDA tensors, non-float64)")
-    if usable and q_BTHD.shape[0] == 1 and not l2norm_qk and split_scan_parts() is not None:  # one long prompt
-        initial = None if initial_state_BHDV is None else initial_state_BHDV.float()
-        out_BTHV, final_state_BHDV = split_scan_forward(
-            q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial, q_BTHD.shape[-1] ** -0.5
-        )
-        return out_BTHV.to(q_BTHD.dtype), final_state_BHDV
     if usable:
         return _fla_forward(
             fla_chunk, fla_version, q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_BHDV, l2norm_qk
