@@ -11,7 +11,7 @@ from tolerances import EPS_BF16, SAFETY, float32_tolerance, relative
 from longstraw.kernels import rms_norm as rms_norm_module
 from longstraw.kernels import swiglu as swiglu_module
 from longstraw.kernels.gated_rms_norm import _fla_norm_usable, _load_fla_norm, gated_rms_norm
-from longstraw.kernels.rms_norm import ONE_PLUS_WEIGHT, one_plus_weight, rms_norm
+from longstraw.kernels.rms_norm import ONE_PLUS_WEIGHT, fused_norms_selected, one_plus_weight, rms_norm
 
 pytestmark = pytest.mark.numerics
 
@@ -216,8 +216,6 @@ def test_fused_norms_selected_routes_a_one_plus_weight_norm_and_restores_it(monk
     """Inside the block a swapped norm takes `rms_norm`'s fused path where it is usable (a stand-in kernel here), its
     class's own forward where not (no recursion into the swapped one), and nested blocks swap once; on exit the
     module is its class again. Other classes are not touched."""
-    from longstraw.kernels.rms_norm import fused_norms_selected
-
     norm = _hf_norm("Qwen3_5RMSNorm", 16, torch.float32)
     llama = transformers.models.llama.modeling_llama.LlamaRMSNorm(16)
     x = torch.randn(3, 16, generator=torch.Generator().manual_seed(0))
