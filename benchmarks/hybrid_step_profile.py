@@ -9,7 +9,8 @@ rule of `gated_delta_rule` ("auto": fla's chunk kernels forward and backward whe
 "torch": the torch chunk rule), with the layers' norms fused (fla's kernels, as the package runs them on CUDA) or
 HF's (--norms fused hf), and with LoRA's update fused into lora_B's GEMM where the adapters have the base's dtype
 (as the package runs it) or added in place (--lora fused in-place; `longstraw.models.lora_linear`): the capture's
-(at the point's chunk size and at each of --chunk-sizes) and the G members' replay's seconds, --repeats of each,
+(at the point's chunk size and at each of --chunk-sizes; the dropout check made once before, as a step makes it) and
+the G members' replay's seconds, --repeats of each,
 and each phase once more under torch.profiler (kernels, busy fraction, the `--top` ops and kernels by device time
 and by launches, their seconds by kind (`kernel_kind`: gemm, attention, the GDN rule, conv, norm ...); with
 --sources, the source lines and backward nodes that launched them: `longstraw.measure.kernel_profile.launch_sources`);
@@ -27,7 +28,7 @@ from unittest import mock
 
 import torch
 
-from longstraw.core.transaction import capture, replay_members
+from longstraw.core.transaction import capture, check_deterministic, deterministic_checked, replay_members
 from longstraw.families.base import unwrap_causal_lm
 from longstraw.harness.plan import point_config
 from longstraw.kernels import gated_rms_norm as gated_rms_norm_module
@@ -110,9 +111,12 @@ def main() -> int:
     }
     held = {}
 
+    check_deterministic(model)  # once, as a step checks before its work; its captures then skip the module walk
+
     def fresh_capture(**override):
         held.pop("state", None)
-        held["state"] = capture(model, prompt, **{**cfg.capture.kwargs(), **override})
+        with deterministic_checked(model):
+            held["state"] = capture(model, prompt, **{**cfg.capture.kwargs(), **override})
 
     def replay_group():
         for start in range(0, len(responses), k):
