@@ -278,7 +278,7 @@ def conv_split_normalized_backward_triton(
     gradient at the conv's output, then the conv's transpose over it, summed in float32 and rounded once to x's
     dtype. (One launch that recomputed, for each row, the K pre-activations and norms it feeds held K tiles at once:
     226 registers a thread, one program an SM, and took 0.67 ms a layer for 4,096 rows at hybrid-1b's widths on the
-    H200, as long as the forward takes for 32,768.)"""
+    H200, as long as the forward takes for 32,768; the two launches take about 0.18 ms.)"""
     dq, dk, dv = (g.contiguous() for g in grads)
     dx = torch.empty_like(x_BTC)
     if x_BTC.shape[1]:
