@@ -11,7 +11,7 @@ from tolerances import EPS_BF16, SAFETY, float32_tolerance, relative
 from longstraw.kernels import rms_norm as rms_norm_module
 from longstraw.kernels import swiglu as swiglu_module
 from longstraw.kernels.gated_rms_norm import _fla_norm_usable, _load_fla_norm, gated_rms_norm
-from longstraw.kernels.rms_norm import ONE_PLUS_WEIGHT, fused_norms_selected, one_plus_weight, rms_norm
+from longstraw.kernels.rms_norm import ONE_PLUS_WEIGHT, add_rms_norm, fused_norms_selected, one_plus_weight, rms_norm
 
 pytestmark = pytest.mark.numerics
 
@@ -190,23 +190,186 @@ def test_off_cuda_the_mlp_is_hfs_module_bit_for_bit():
 @pytest.mark.cuda
 @pytest.mark.parametrize("rows", [1, 3, 4096])
 def test_mlp_on_cuda_matches_hf_in_float64(rows):
-    """fla's fused swiglu in a llama MLP at llama-1b's sizes in bf16, forward and backward (x and the three
-    weights), against HF's module in float64 on the same bf16 values: within MLP_BF16_RTOL norm-wise, as HF's own
-    bf16 module is (both errors printed: the bound is what bf16 gives, not a vacuous one)."""
-    if swiglu_module._load_fla_swiglu() is None:
-        pytest.skip("fla is not importable")
+    """The fused swiglu (`swiglu_triton`) in a llama MLP at llama-1b's sizes in bf16, forward and backward (x and the
+    three weights), against HF's module in float64 on the same bf16 values: within MLP_BF16_RTOL norm-wise, as HF's
+    own bf16 module is (both errors printed: the bound is what bf16 gives, not a vacuous one)."""
+    if swiglu_module._load_swiglu() is None:
+        pytest.skip("Triton is not importable")
     gen = torch.Generator().manual_seed(0)
     H, I = 2048, 8192
     mlp = _hf_mlp("silu", H, I, torch.bfloat16, "cuda", gen)
     (x,) = _bf16_inputs(gen, (2, rows, H))
     out_weight = torch.randn(2, rows, H, generator=gen, dtype=torch.float64).cuda()
-    assert swiglu_module._fla_usable(mlp, x)  # the fused path, not the module, is what is compared
+    assert swiglu_module._fused_usable(mlp, x)  # the fused path, not the module, is what is compared
     ours = _mlp_outputs_and_grads(mlp, lambda t: swiglu_module.mlp_forward(mlp, t), x, out_weight)
     hf = _mlp_outputs_and_grads(mlp, mlp, x, out_weight)
     reference_mlp = _hf_mlp("silu", H, I, torch.float64, "cuda")
     reference_mlp.load_state_dict(mlp.state_dict())  # the same bf16 values, in float64
     reference = _mlp_outputs_and_grads(reference_mlp, reference_mlp, x.double(), out_weight)
     for name, a, h, e in zip(("y", "dx", "dgate", "dup", "ddown"), ours, hf, reference):
+        assert a.dtype == torch.bfloat16, name
+        errors = (name, "fused", relative(a, e), "hf bf16", relative(h, e))
+        assert relative(a, e) <= MLP_BF16_RTOL and relative(h, e) <= MLP_BF16_RTOL, errors
+
+
+# A pre-norm block's sums (`add_rms_norm`, `mlp_forward(..., residual=)`): the sum inside the next norm's kernel and
+# inside the down projection's GEMM.
+
+
+def _sum_and_norm_outputs_and_grads(norm, fn, x, residual, out_weights):
+    """fn's normed output and sum, and the gradients of sum(normed w0) + sum(sum w1) in x, the residual and the
+    norm's weight."""
+    leaves = [t.detach().clone().requires_grad_(True) for t in (x, residual)]
+    norm.weight.grad = None
+    normed, total = fn(*leaves)
+    ((normed.double() * out_weights[0]).sum() + (total.double() * out_weights[1]).sum()).backward()
+    return [normed.detach(), total.detach(), *(leaf.grad for leaf in leaves), norm.weight.grad.clone()]
+
+
+def _reference_sum_and_norm(norm):
+    """HF's block: the residual plus the mixer's output, then the module on the sum."""
+
+    def block(x, residual):
+        total = residual + x
+        return norm(total), total
+
+    return block
+
+
+def test_add_rms_norm_off_cuda_is_hfs_sum_then_module_bit_for_bit():
+    gen = torch.Generator().manual_seed(0)
+    x, residual = (torch.randn(50, 32, generator=gen) for _ in range(2))
+    out_weights = [torch.randn(50, 32, generator=gen, dtype=torch.float64) for _ in range(2)]
+    norm = _hf_norm("Qwen3_5RMSNorm", 32, torch.float32)
+    ours = _sum_and_norm_outputs_and_grads(norm, lambda a, r: add_rms_norm(norm, a, r), x, residual, out_weights)
+    hf = _sum_and_norm_outputs_and_grads(norm, _reference_sum_and_norm(norm), x, residual, out_weights)
+    for a, e in zip(ours, hf):
+        assert torch.equal(a, e)
+
+
+def test_add_rms_norm_hands_the_residual_to_the_kernel_where_usable(monkeypatch):
+    """Where the fused norm applies, one call of it takes x, 1 + w, the residual, the module's eps and prenorm, and
+    its (norm, sum) is the result (a stand-in kernel with fla's signature and semantics, in float64: the sum of x
+    and the residual, its norm times the weight), equal to HF's block: the sum exactly, the rest within the float32
+    roundings of HF's module (it computes in float32 whatever the input: as in the formula test above)."""
+    calls = []
+
+    def stand_in(x, weight, bias, residual=None, eps=1e-5, prenorm=False):
+        calls.append({"weight": weight, "residual": residual is not None, "eps": eps, "prenorm": prenorm})
+        total = x + residual
+        return total * torch.rsqrt(total.square().mean(-1, keepdim=True) + eps) * weight, total
+
+    monkeypatch.setattr(rms_norm_module, "_load_fla_rms_norm", lambda: stand_in)
+    monkeypatch.setattr(rms_norm_module, "_fla_usable", lambda module, t: True)
+    gen = torch.Generator().manual_seed(0)
+    x, residual = (torch.randn(5, 32, generator=gen, dtype=torch.float64) for _ in range(2))
+    out_weights = [torch.randn(5, 32, generator=gen, dtype=torch.float64) for _ in range(2)]
+    norm = _hf_norm("Qwen3_5RMSNorm", 32, torch.float64)
+    norm.eps = 1e-3  # not fla's default: the module's must be the one passed
+    ours = _sum_and_norm_outputs_and_grads(norm, lambda a, r: add_rms_norm(norm, a, r), x, residual, out_weights)
+    assert len(calls) == 1 and calls[0]["residual"] and calls[0]["prenorm"] and calls[0]["eps"] == 1e-3
+    assert torch.equal(calls[0]["weight"], one_plus_weight(norm))
+    hf = _sum_and_norm_outputs_and_grads(norm, _reference_sum_and_norm(norm), x, residual, out_weights)
+    assert torch.equal(ours[1], hf[1])
+    for name, a, e in zip(("normed", "dx", "dresidual", "dweight"), ours[:1] + ours[2:], hf[:1] + hf[2:]):
+        assert relative(a, e) <= float32_tolerance(32, roundings=5), name
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("rows", [1, 3, 4096])
+def test_add_rms_norm_on_cuda_matches_hf_in_float64(rows):
+    """fla's RMSNorm with the residual sum inside (prenorm) at hybrid-1b's hidden size in bf16, forward and backward
+    (x, the residual, the weight), against HF's sum and module in float64 on the same bf16 values: the sum rounds
+    once and the norm reads it unrounded, within BF16_RTOL norm-wise."""
+    if rms_norm_module._load_fla_rms_norm() is None:
+        pytest.skip("fla is not importable")
+    gen = torch.Generator().manual_seed(0)
+    D = 2048
+    norm = _hf_norm("Qwen3_5RMSNorm", D, torch.bfloat16, "cuda")
+    x, residual = _bf16_inputs(gen, (2, rows, D), (2, rows, D))
+    out_weights = [torch.randn(2, rows, D, generator=gen, dtype=torch.float64).cuda() for _ in range(2)]
+    assert rms_norm_module._fla_usable(norm, x)  # the fused path, not the module, is what is compared
+    ours = _sum_and_norm_outputs_and_grads(norm, lambda a, r: add_rms_norm(norm, a, r), x, residual, out_weights)
+    reference_norm = _hf_norm("Qwen3_5RMSNorm", D, torch.float64, "cuda")
+    with torch.no_grad():
+        reference_norm.weight.copy_(norm.weight.double())
+    reference = _sum_and_norm_outputs_and_grads(
+        reference_norm, _reference_sum_and_norm(reference_norm), x.double(), residual.double(), out_weights
+    )
+    for name, a, e in zip(("normed", "sum", "dx", "dresidual", "dweight"), ours, reference):
+        assert a.dtype == torch.bfloat16, name
+        assert relative(a, e) <= BF16_RTOL, (name, relative(a, e))
+
+
+def _mlp_with_residual_outputs_and_grads(mlp, fn, x, residual, out_weight):
+    """fn(x, residual)'s output and the gradients of sum(output * out_weight) in x, the residual and the gate, up
+    and down weights."""
+    x_leaf, residual_leaf = (t.detach().clone().requires_grad_(True) for t in (x, residual))
+    projections = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    for proj in projections:
+        proj.weight.grad = None
+    y = fn(x_leaf, residual_leaf)
+    (y.double() * out_weight).sum().backward()
+    return [y.detach(), x_leaf.grad, residual_leaf.grad, *(proj.weight.grad.clone() for proj in projections)]
+
+
+def test_mlp_residual_goes_into_a_plain_down_projections_gemm(monkeypatch):
+    """On the fused path (taken here with torch's silu-and-multiply standing in for the kernel, in float64), a plain
+    bias-free down projection adds the residual in one addmm; one with a bias adds it after. Both equal HF's residual
+    plus module within float64 reordering, forward and backward; off the fused path it is that sum bit for bit."""
+    gen = torch.Generator().manual_seed(0)
+    mlp = _hf_mlp("silu", 16, 48, torch.float64, gen=gen)
+    x, residual = (torch.randn(2, 5, 16, generator=gen, dtype=torch.float64) for _ in range(2))
+    out_weight = torch.randn(2, 5, 16, generator=gen, dtype=torch.float64)
+
+    def hf(t, r):
+        return r + mlp(t)
+
+    def ours(t, r):
+        return swiglu_module.mlp_forward(mlp, t, residual=r)
+
+    for a, e in zip(*(_mlp_with_residual_outputs_and_grads(mlp, fn, x, residual, out_weight) for fn in (ours, hf))):
+        assert torch.equal(a, e)  # CPU: the module, then the sum
+    addmm_calls = []
+    monkeypatch.setattr(swiglu_module, "_fused_usable", lambda mlp, t: True)
+    monkeypatch.setattr(swiglu_module, "_load_swiglu", lambda: lambda gate, up: torch.nn.functional.silu(gate) * up)
+    monkeypatch.setattr(torch, "addmm", lambda *a, _addmm=torch.addmm: addmm_calls.append(a) or _addmm(*a))
+    for bias in (False, True):
+        if bias:
+            mlp.down_proj.bias = torch.nn.Parameter(torch.randn(16, generator=gen, dtype=torch.float64))
+        expected = _mlp_with_residual_outputs_and_grads(mlp, hf, x, residual, out_weight)
+        fused = _mlp_with_residual_outputs_and_grads(mlp, ours, x, residual, out_weight)
+        assert len(addmm_calls) == 1  # the bias-free projection's, and none for the one with a bias
+        for name, a, e in zip(("y", "dx", "dresidual", "dgate", "dup", "ddown"), fused, expected):
+            assert relative(a, e) <= 1e-12, (bias, name)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("rows", [1, 4096])
+def test_mlp_with_residual_on_cuda_matches_hf_in_float64(rows):
+    """The fused MLP with the residual added in the down projection's GEMM (bf16, llama-1b's sizes), forward and
+    backward (x, the residual, the three weights), against HF's residual plus module in float64 on the same bf16
+    values: within MLP_BF16_RTOL norm-wise, as HF's own bf16 sum is."""
+    if swiglu_module._load_swiglu() is None:
+        pytest.skip("Triton is not importable")
+    gen = torch.Generator().manual_seed(0)
+    H, I = 2048, 8192
+    mlp = _hf_mlp("silu", H, I, torch.bfloat16, "cuda", gen)
+    x, residual = _bf16_inputs(gen, (2, rows, H), (2, rows, H))
+    out_weight = torch.randn(2, rows, H, generator=gen, dtype=torch.float64).cuda()
+    assert swiglu_module._fused_usable(mlp, x) and type(mlp.down_proj) is torch.nn.Linear
+
+    def ours(t, r):
+        return swiglu_module.mlp_forward(mlp, t, residual=r)
+
+    reference_mlp = _hf_mlp("silu", H, I, torch.float64, "cuda")
+    reference_mlp.load_state_dict(mlp.state_dict())  # the same bf16 values, in float64
+    fused = _mlp_with_residual_outputs_and_grads(mlp, ours, x, residual, out_weight)
+    hf = _mlp_with_residual_outputs_and_grads(mlp, lambda t, r: r + mlp(t), x, residual, out_weight)
+    reference = _mlp_with_residual_outputs_and_grads(
+        reference_mlp, lambda t, r: r + reference_mlp(t), x.double(), residual.double(), out_weight
+    )
+    for name, a, h, e in zip(("y", "dx", "dresidual", "dgate", "dup", "ddown"), fused, hf, reference):
         assert a.dtype == torch.bfloat16, name
         errors = (name, "fused", relative(a, e), "hf bf16", relative(h, e))
         assert relative(a, e) <= MLP_BF16_RTOL and relative(h, e) <= MLP_BF16_RTOL, errors

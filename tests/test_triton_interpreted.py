@@ -5,7 +5,7 @@ The kernels serve CUDA only (`kernels/*_triton.py`); their CUDA tests (`-m cuda`
 arrays, in float32 where the GPU computes in float32: their arithmetic is checked on every CI machine, at small
 shapes that reach every branch (a state and none, a ragged last block, the q, k and v heads, a vocabulary past one
 block). The interpreter runs no autotuner, so each autotuned kernel gets its first configuration. Speed is not
-interpreted: `benchmarks/gdn_conv_split.py` measures it on the GPU.
+interpreted: `benchmarks/gdn_conv_split.py` and `benchmarks/swiglu_rate.py` measure it on the GPU.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ INDEX_HEADS, INDEX_DIM = 3, 32
 KERNELS = """
 import sys
 import torch
-from longstraw.kernels import dsa_topk_triton, gdn_conv_triton, logprobs_triton
+from longstraw.kernels import dsa_topk_triton, gdn_conv_triton, logprobs_triton, swiglu_triton
 
 conv = gdn_conv_triton
 for autotuned in (
@@ -49,6 +49,10 @@ logp = logprobs_triton.FusedTokenLogprobs.apply(leaf, weight, targets)
 logp.backward(grad)
 out["logprobs"] = (logp, leaf.grad)
 out["index_scores"] = dsa_topk_triton.fused_index_scores(*inputs["index_scores"])
+gate, up, grad = (t.clone().requires_grad_(i < 2) for i, t in enumerate(inputs["swiglu"]))
+product = swiglu_triton.SwiGLU.apply(gate, up)
+product.backward(grad)
+out["swiglu"] = (product, gate.grad, up.grad)
 torch.save(out, sys.argv[2])
 """ % {"key_dim": KEY_DIM, "head_dim": HEAD_DIM}
 
@@ -83,6 +87,8 @@ def interpreted(tmp_path_factory):
             torch.rand(5, INDEX_HEADS, generator=gen),
             torch.randn(130, INDEX_DIM, generator=gen).bfloat16().float(),
         ),
+        # gate, up and the product's gradient: two blocks of SWIGLU_BLOCK elements, the second ragged
+        "swiglu": tuple(3 * torch.randn(3, 1500, generator=gen) for _ in range(3)),
     }
     folder = tmp_path_factory.mktemp("interpreted")
     torch.save(inputs, folder / "inputs.pt")
@@ -166,3 +172,32 @@ def test_interpreted_index_scores_are_float32_sums_of_exact_products(interpreted
     bound = SAFETY * (INDEX_DIM + INDEX_HEADS + 2) * EPS32 * magnitude
     assert ((outputs["index_scores"].double() - expected).abs() <= bound).all()
     assert (((dots_THN * w[..., None]).sum(1) - expected).abs() > bound).any()
+
+
+def _reference_swiglu(gate, up, grad, silu=lambda g: g * torch.sigmoid(g)):
+    """silu(gate) * up and its gradients in gate and up, in float64 by autograd."""
+    gate, up = (t.double().requires_grad_(True) for t in (gate, up))
+    product = silu(gate) * up
+    product.backward(grad.double())
+    return product.detach(), gate.grad, up.grad
+
+
+def test_interpreted_swiglu_forward_and_backward_are_float32_roundings_of_float64(interpreted):
+    """`SwiGLU` in float32, elementwise against float64 autograd. The product and d up are products of sigmoid(g) (an
+    exp, a sum and a quotient: 4 roundings) and two or three factors: 8 EPS32 of their value. d gate is dout up
+    sigmoid(g) (1 + g (1 - sigmoid(g))), whose bracket cancels near g = -1.28: 8 EPS32 of dout up sigmoid(g) (1 +
+    |g (1 - sigmoid(g))|), the magnitudes of its terms. Times SAFETY. silu's derivative without its second term,
+    and gate and up swapped, fall outside the bounds."""
+    inputs, outputs = interpreted
+    gate, up, grad = (t.double() for t in inputs["swiglu"])
+    expected = _reference_swiglu(gate, up, grad)
+    sigmoid = torch.sigmoid(gate)
+    terms = (grad * up * sigmoid).abs() * (1 + (gate * (1 - sigmoid)).abs())
+    bounds = [SAFETY * 8 * EPS32 * scale for scale in (expected[0].abs(), terms, expected[2].abs())]
+    for name, ours, e, bound in zip(("product", "d gate", "d up"), outputs["swiglu"], expected, bounds):
+        error = (ours.double() - e).abs()
+        assert ours.shape == e.shape and (error <= bound).all(), f"{name}: {(error / bound).max().item():.3g} of bound"
+    swapped = _reference_swiglu(up, gate, grad)
+    assert ((swapped[0] - expected[0]).abs() > bounds[0]).any()
+    first_term_only = grad * up * sigmoid  # d silu / dg taken as sigmoid(g) alone
+    assert ((first_term_only - expected[1]).abs() > bounds[1]).any()

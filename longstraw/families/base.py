@@ -17,7 +17,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 
 from longstraw.families.attention_layer import IMPLEMENTATION, longstraw_attention_selected
-from longstraw.kernels.rms_norm import fused_norms_selected, rms_norm
+from longstraw.kernels.rms_norm import add_rms_norm, fused_norms_selected, rms_norm
 from longstraw.kernels.swiglu import mlp_forward
 from longstraw.state import ModelBinding
 
@@ -150,16 +150,13 @@ class FamilyAdapter:
         return rotary(h_BTH, positions)
 
     def layer_forward(self, layer_idx: int, h_BTH, position_embeddings, entry, capturing: bool):
-        """Pre-norm residual block, as every supported HF decoder layer computes it."""
+        """Pre-norm residual block, as every supported HF decoder layer computes it: h + mix(norm(h)), and that plus
+        mlp(norm(that)). On CUDA the first sum runs inside the second norm's kernel and the last inside the MLP's
+        down projection where they apply (`add_rms_norm`, `mlp_forward`): no pass of its own over the rows."""
         layer = self.layers[layer_idx]
         mixed = self.mix(layer_idx, rms_norm(layer.input_layernorm, h_BTH), position_embeddings, entry, capturing)
-        h_BTH = h_BTH + mixed
-        return h_BTH + self._mlp(layer, h_BTH)
-
-    @staticmethod
-    def _mlp(layer, h_BTH):
-        out = mlp_forward(layer.mlp, rms_norm(layer.post_attention_layernorm, h_BTH))
-        return out[0] if isinstance(out, tuple) else out  # some MoE blocks also return router logits
+        normed, h_BTH = add_rms_norm(layer.post_attention_layernorm, mixed, h_BTH)
+        return mlp_forward(layer.mlp, normed, residual=h_BTH)
 
     def final_hidden(self, h_BTH):
         return rms_norm(self.decoder.norm, h_BTH)

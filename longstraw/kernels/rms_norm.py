@@ -50,6 +50,18 @@ def _fla_rms_norm(module, x: torch.Tensor) -> torch.Tensor:
     return _load_fla_rms_norm()(x, one_plus_weight(module), None, eps=module.eps)
 
 
+def add_rms_norm(module, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`rms_norm(module, residual + x)`, residual + x), differentiable in both: a pre-norm block's residual sum and
+    the next norm. Where `rms_norm` runs fla's kernel, the sum runs inside it (fla's `prenorm`: one pass reads x and
+    the residual and writes the norm and the sum, rounded to the residual's dtype; backward, the norm's input
+    gradient and the sum's arrive in one kernel), and the norm reads the float32 sum, HF's module the rounded one:
+    the two differ within the dtype's rounding. Otherwise the sum, then `rms_norm`."""
+    if not _fla_usable(module, x) or x.dtype != residual.dtype:
+        total = residual + x
+        return rms_norm(module, total), total
+    return _load_fla_rms_norm()(x, one_plus_weight(module), None, residual=residual, eps=module.eps, prenorm=True)
+
+
 def _fused_forward(module, x: torch.Tensor) -> torch.Tensor:
     """`rms_norm` as a module's own forward: the class's forward (not `module(x)`, the swapped one) otherwise."""
     return _fla_rms_norm(module, x) if _fla_usable(module, x) else type(module).forward(module, x)

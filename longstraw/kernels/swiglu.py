@@ -1,9 +1,9 @@
-"""A decoder layer's gated MLP, down(silu(gate(x)) * up(x)): on CUDA with fla's fused Triton `swiglu`, else HF's module.
+"""A decoder layer's gated MLP, down(silu(gate(x)) * up(x)): on CUDA with a fused silu-and-multiply, else HF's module.
 
 HF's MLP runs silu and the product as two elementwise passes over the [rows, intermediate] activations, each way;
-fla's kernel is one launch forward and one backward. The projections stay the module's own calls (they may be peft
-LoRA layers). Any other MLP (another activation, an MoE block), CPU, float64 or no fla runs the module itself, the
-plain reference.
+`swiglu_triton.SwiGLU` is one launch forward and one backward. The projections stay the module's own calls (they may
+be peft LoRA layers). Any other MLP (another activation, an MoE block), CPU, float64 or no Triton runs the module
+itself, the plain reference.
 """
 
 from __future__ import annotations
@@ -13,31 +13,47 @@ import functools
 import torch
 from transformers.activations import ACT2FN
 
-from longstraw.kernels.fla_import import fla_function
-
 # the classes an HF config's hidden_act "silu" builds (transformers' own SiLUActivation in 5.x), and torch's
 SILU_CLASSES = (torch.nn.SiLU, type(ACT2FN["silu"]))
 
-# fla's `swiglu` (gate, up) -> silu(gate) * up, differentiable in both; None when fla does not import
-_load_fla_swiglu = functools.partial(fla_function, "fla.modules.activations", "swiglu")
+
+@functools.cache
+def _load_swiglu():
+    """`swiglu_triton.SwiGLU.apply` (gate, up) -> silu(gate) * up, or None when Triton does not import."""
+    try:
+        from longstraw.kernels.swiglu_triton import SwiGLU
+    except Exception:  # no Triton, or driver trouble at import time
+        return None
+    return SwiGLU.apply
 
 
-def _fla_usable(mlp, x: torch.Tensor) -> bool:
+def _fused_usable(mlp, x: torch.Tensor) -> bool:
     return (
         x.is_cuda
         and x.numel() > 0
         and x.dtype != torch.float64
         and all(hasattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj"))
         and isinstance(getattr(mlp, "act_fn", None), SILU_CLASSES)
-        and _load_fla_swiglu() is not None
+        and _load_swiglu() is not None
     )
 
 
-def mlp_forward(mlp, x: torch.Tensor):
-    """`mlp(x)`, differentiable in x and the weights: fla's fused silu-and-multiply between the module's own
-    projections on CUDA for a SiLU-gated MLP, the module itself otherwise (what it returns, a tuple too)."""
-    if not _fla_usable(mlp, x):
-        return mlp(x)
-    # fla computes silu(gate) * up in float32 from the bf16 projections and rounds once; HF's F.silu(gate) * up
-    # rounds silu's output to bf16 first: the two differ within bf16 rounding
-    return mlp.down_proj(_load_fla_swiglu()(mlp.gate_proj(x), mlp.up_proj(x)))
+def mlp_forward(mlp, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """`mlp(x)` (the first of what it returns, for an MoE block that also returns router logits), plus `residual`
+    if given, differentiable in x, the residual and the weights: the fused silu-and-multiply between the module's
+    own projections on CUDA for a SiLU-gated MLP, the module itself otherwise. On the fused path a plain bias-free
+    down projection (not a LoRA or quantised layer) takes the residual into its GEMM (cuBLAS's beta = 1: the sum
+    rounds once, where HF rounds the projection and then the sum)."""
+    if not _fused_usable(mlp, x):
+        out = mlp(x)
+        out = out[0] if isinstance(out, tuple) else out
+        return out if residual is None else residual + out
+    # the kernel computes silu(gate) * up in float32 from the bf16 projections and rounds once; HF's
+    # F.silu(gate) * up rounds silu's output to bf16 first: the two differ within bf16 rounding
+    product = _load_swiglu()(mlp.gate_proj(x), mlp.up_proj(x))
+    down = mlp.down_proj
+    if residual is None or type(down) is not torch.nn.Linear or down.bias is not None:
+        out = down(product)
+        return out if residual is None else residual + out
+    rows = residual.reshape(-1, residual.shape[-1])
+    return torch.addmm(rows, product.reshape(-1, product.shape[-1]), down.weight.t()).view_as(residual)
