@@ -16,6 +16,7 @@ import sys
 
 import pytest
 import torch
+from test_rotary import rotate_half_formula
 from tolerances import EPS32, SAFETY
 
 from longstraw.kernels.causal_conv import conv_split_heads
@@ -30,7 +31,7 @@ INDEX_HEADS, INDEX_DIM = 3, 32
 KERNELS = """
 import sys
 import torch
-from longstraw.kernels import dsa_topk_triton, gdn_conv_triton, logprobs_triton, swiglu_triton
+from longstraw.kernels import dsa_topk_triton, gdn_conv_triton, logprobs_triton, rotary_triton, swiglu_triton
 
 conv = gdn_conv_triton
 for autotuned in (
@@ -53,6 +54,11 @@ gate, up, grad = (t.clone().requires_grad_(i < 2) for i, t in enumerate(inputs["
 product = swiglu_triton.SwiGLU.apply(gate, up)
 product.backward(grad)
 out["swiglu"] = (product, gate.grad, up.grad)
+for name, (x, cos, sin, grad) in inputs["rotary"].items():
+    leaf = x.clone().requires_grad_(True)  # [B, T, H, D], rotated as HF's [B, H, T, D] view of it
+    rotated = rotary_triton.Rotary.apply(leaf.transpose(1, 2), cos, sin)
+    rotated.backward(grad)
+    out[name] = (rotated, leaf.grad)
 torch.save(out, sys.argv[2])
 """ % {"key_dim": KEY_DIM, "head_dim": HEAD_DIM}
 
@@ -89,6 +95,19 @@ def interpreted(tmp_path_factory):
         ),
         # gate, up and the product's gradient: two blocks of SWIGLU_BLOCK elements, the second ragged
         "swiglu": tuple(3 * torch.randn(3, 1500, generator=gen) for _ in range(3)),
+        # x [B, T, H, D], cos and sin of a third of D (the batch's own, or one for all), the output's gradient: 37
+        # positions, a block of 32 and a ragged one; D = 24 masks the columns of a 32-wide block
+        "rotary": {
+            name: (
+                torch.randn(2, 37, 3, 24, generator=gen),
+                *(f(angles) for f in (torch.cos, torch.sin)),
+                torch.randn(2, 3, 37, 24, generator=gen),
+            )
+            for name, angles in (
+                ("rotary per batch", 6.3 * torch.rand(2, 37, 8, generator=gen)),
+                ("rotary shared", 6.3 * torch.rand(1, 37, 8, generator=gen)),
+            )
+        },
     }
     folder = tmp_path_factory.mktemp("interpreted")
     torch.save(inputs, folder / "inputs.pt")
@@ -201,3 +220,35 @@ def test_interpreted_swiglu_forward_and_backward_are_float32_roundings_of_float6
     assert ((swapped[0] - expected[0]).abs() > bounds[0]).any()
     first_term_only = grad * up * sigmoid  # d silu / dg taken as sigmoid(g) alone
     assert ((first_term_only - expected[1]).abs() > bounds[1]).any()
+
+
+def _rotation_terms(x, cos, sin, partner_sine: bool):
+    """Per feature of x [B, H, T, D] the magnitudes of the rotation's two terms, |x_c cos_c| + |x_p sin|, p the
+    feature's partner (c + R/2 or c - R/2) and the sine the feature's own (forward) or the partner's (the
+    transpose); |x_c| beyond R."""
+    R, h = cos.shape[-1], cos.shape[-1] // 2
+    cos, sin = cos[:, None].abs(), sin[:, None].abs()
+    swap = lambda t: torch.cat([t[..., h:R], t[..., :h]], dim=-1)  # noqa: E731
+    rotated = x[..., :R].abs() * cos + swap(x[..., :R]).abs() * (swap(sin) if partner_sine else sin)
+    return torch.cat([rotated, x[..., R:].abs()], dim=-1)
+
+
+@pytest.mark.parametrize("case", ["rotary per batch", "rotary shared"])
+def test_interpreted_rotary_forward_and_backward_are_float32_roundings_of_float64(interpreted, case):
+    """`Rotary` in float32 against the rotate-half formula in float64 (autograd for the gradient): each rotated
+    feature is two products and a sum (3 EPS32 of |x cos| + |x' sin|, its terms' magnitudes), a passed one exact;
+    the gradient alike. Times SAFETY. The gradient comes back laid out as the input ([B, T, H, D] contiguous); a
+    rotation with the sine's sign flipped falls outside the bound."""
+    inputs, outputs = interpreted
+    x, cos, sin, grad = (t.double() for t in inputs["rotary"][case])
+    leaf = x.clone().requires_grad_(True)
+    expected = rotate_half_formula(leaf.transpose(1, 2), cos, sin)
+    expected.backward(grad)
+    rotated, dx = outputs[case]
+    bound = SAFETY * 3 * EPS32 * _rotation_terms(x.transpose(1, 2), cos, sin, partner_sine=False)
+    assert ((rotated.double() - expected.detach()).abs() <= bound).all()
+    grad_bound = SAFETY * 3 * EPS32 * _rotation_terms(grad, cos, sin, partner_sine=True).transpose(1, 2)
+    assert ((dx.double() - leaf.grad).abs() <= grad_bound).all()
+    assert dx.is_contiguous()
+    flipped = rotate_half_formula(x.transpose(1, 2), cos, -sin)
+    assert ((flipped - expected.detach()).abs() > bound).any()

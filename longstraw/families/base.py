@@ -18,6 +18,7 @@ import torch
 
 from longstraw.families.attention_layer import IMPLEMENTATION, longstraw_attention_selected
 from longstraw.kernels.rms_norm import add_rms_norm, fused_norms_selected, rms_norm
+from longstraw.kernels.rotary import fused_rotary_selected
 from longstraw.kernels.swiglu import mlp_forward
 from longstraw.state import ModelBinding
 
@@ -93,12 +94,14 @@ class FamilyAdapter:
     def selected(self, implementation: str = IMPLEMENTATION):
         """Context in which the HF attention modules dispatch to the paged implementation (or another
         registered attention `implementation`); with the paged one, their q and k norms compute as the decoder's
-        do (`fused_norms_selected`: a peer's implementation keeps HF's)."""
+        do and their rotary embedding in one launch each for q and k (`fused_norms_selected`,
+        `fused_rotary_selected`: a peer's implementation keeps HF's)."""
         configs = self._attention_configs
-        norms = self._attention_norms if implementation == IMPLEMENTATION else []
+        paged = implementation == IMPLEMENTATION
         with longstraw_attention_selected(configs, implementation) if configs else nullcontext():
-            with fused_norms_selected(norms):
-                yield
+            with fused_norms_selected(self._attention_norms if paged else []):
+                with fused_rotary_selected(self._attention_modules if paged else []):
+                    yield
 
     @functools.cached_property
     def _attention_modules(self) -> list:
