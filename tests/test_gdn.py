@@ -220,6 +220,29 @@ def test_forward_cuda_matches_reference():
     torch.testing.assert_close(s_f.double(), s_r, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.cuda
+def test_fused_capture_scan_on_cuda_is_as_close_to_the_recurrence_as_flas_forward():
+    """The capture's fused scan (`capture_scan("fused")`: fla's intra-chunk kernels, then the scan with each chunk's
+    output inside it) at hybrid-1b's head shape (16 q/k heads, 32 value heads, dims 128) in bf16 from a state, 1,000
+    tokens (a ragged last chunk), q and k with unit rows: output and final state against the float64 token-by-token
+    rule, norm-wise, within twice fla's own forward's error plus one bf16 rounding (the two round the states and the
+    corrected values to bf16 where the same products read them)."""
+    if not fla_available():
+        pytest.skip("fla is not importable")
+    q, k, v, g, beta, s0 = make_gdn_inputs(T=1000, Hk=16, Hv=32, Dk=128, Dv=128, dtype=torch.float64)
+    q, k = (torch.nn.functional.normalize(t, dim=-1) for t in (q, k))
+    bf16 = [t.to(torch.bfloat16).cuda() for t in (q, k, v)] + [g.float().cuda(), beta.to(torch.bfloat16).cuda()]
+    state = s0.float().cuda()
+    reference = recurrent_gated_delta_rule(*(t.double() for t in bf16), state.double(), l2norm_qk=False)
+    errors = {}
+    for scan in gdn.CAPTURE_SCANS:
+        with gdn.capture_scan(scan):
+            out, final = chunk_gated_delta_rule_forward(*bf16, state, l2norm_qk=False)
+        errors[scan] = [relative(a, b) for a, b in zip((out, final), reference)]
+    for i, name in enumerate(("output", "state")):
+        assert errors["fused"][i] <= 2 * errors["fla"][i] + EPS_BF16, (name, errors)
+
+
 # ------------------------------------------------------------------------------------
 # The differentiable rule replay runs: fla's kernels where checked, the torch chunk rule otherwise
 # ------------------------------------------------------------------------------------

@@ -5,11 +5,12 @@ The kernels serve CUDA only (`kernels/*_triton.py`); their CUDA tests (`-m cuda`
 arrays, in float32 where the GPU computes in float32: their arithmetic is checked on every CI machine, at small
 shapes that reach every branch (a state and none, a ragged last block, the q, k and v heads, a vocabulary past one
 block). The interpreter runs no autotuner, so each autotuned kernel gets its first configuration. Speed is not
-interpreted: `benchmarks/gdn_conv_split.py` and `benchmarks/swiglu_rate.py` measure it on the GPU.
+interpreted: `benchmarks/gdn_conv_split.py`, `gdn_capture_scan.py` and `swiglu_rate.py` measure it on the GPU.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -17,7 +18,7 @@ import sys
 import pytest
 import torch
 from test_rotary import rotate_half_formula
-from tolerances import EPS32, SAFETY
+from tolerances import EPS32, SAFETY, close, float32_tolerance
 
 from longstraw.kernels.causal_conv import conv_split_heads
 
@@ -26,16 +27,63 @@ pytestmark = pytest.mark.numerics
 KEY_DIM, HEAD_DIM, CHANNELS, TAPS = 128, 64, 512, 4  # q and k 2 heads each, v 4 heads
 VOCAB, HIDDEN = 300, 32
 INDEX_HEADS, INDEX_DIM = 3, 32
+SCAN_CHUNK = 64
+
+
+def _gdn_rule_inputs(with_state: bool):
+    """q and k [2, 150, 2, 32] with unit rows (as the conv's norm leaves them), v [2, 150, 4, 64], log decays in
+    (-0.2, 0), beta in (0, 1) and a state or none, in float64: 150 tokens, two whole chunks and a ragged one, two
+    value heads a q/k head, two 32-wide value blocks."""
+    gen = torch.Generator().manual_seed(1)
+    q, k = (
+        torch.nn.functional.normalize(torch.randn(2, 150, 2, 32, generator=gen, dtype=torch.float64), dim=-1)
+        for _ in range(2)
+    )
+    v = torch.randn(2, 150, 4, 64, generator=gen, dtype=torch.float64)
+    g = -0.2 * torch.rand(2, 150, 4, generator=gen, dtype=torch.float64)
+    beta = torch.rand(2, 150, 4, generator=gen, dtype=torch.float64)
+    state = 0.5 * torch.randn(2, 4, 32, 64, generator=gen, dtype=torch.float64) if with_state else None
+    return q, k, v, g, beta, state
+
+
+GDN_RULE_INPUTS = {"gdn scan from a state": _gdn_rule_inputs(True), "gdn scan from zeros": _gdn_rule_inputs(False)}
+
+
+def _scan_inputs(q, k, v, g, beta, state):
+    """((q, k, w, u, the within-chunk log2 decay, the state) in float32, as fla's intra-chunk kernels hand them to the
+    scan), computed in float64 from the UT transform: per chunk, with G the cumulative log decay and the value head's
+    keys, (I + tril(beta K K^T exp(G_i - G_j), -1)) [U | W] = [beta V | beta exp(G) K]."""
+    group = v.shape[2] // k.shape[2]
+    keys = k.repeat_interleave(group, dim=2)
+    w, u, decay = torch.empty_like(keys), torch.empty_like(v), torch.empty_like(g)
+    for start in range(0, v.shape[1], SCAN_CHUNK):
+        rows = slice(start, start + SCAN_CHUNK)
+        G = g[:, rows].cumsum(1).transpose(1, 2)  # [N, HV, C]
+        K_ = keys[:, rows].transpose(1, 2)  # [N, HV, C, K]
+        b = beta[:, rows].transpose(1, 2)
+        strict = torch.tril((K_ @ K_.transpose(-1, -2)) * (G[..., :, None] - G[..., None, :]).exp(), -1)
+        A = torch.eye(G.shape[-1], dtype=torch.float64) + b[..., None] * strict
+        solved = torch.linalg.solve(
+            A, torch.cat([b[..., None] * v[:, rows].transpose(1, 2), (b * G.exp())[..., None] * K_], -1)
+        )
+        u[:, rows], w[:, rows] = (t.transpose(1, 2) for t in solved.split([v.shape[-1], K_.shape[-1]], -1))
+        decay[:, rows] = G.transpose(1, 2) / math.log(2)
+    return tuple(None if t is None else t.float() for t in (q, k, w, u, decay, state))
+
 
 # runs in the interpreter's process: every kernel on the saved inputs, outputs saved for the test to compare
 KERNELS = """
 import sys
 import torch
-from longstraw.kernels import dsa_topk_triton, gdn_conv_triton, logprobs_triton, rotary_triton, swiglu_triton
+from longstraw.kernels import dsa_topk_triton, gdn_conv_triton, gdn_scan_triton, logprobs_triton
+from longstraw.kernels import rotary_triton, swiglu_triton
 
 conv = gdn_conv_triton
 for autotuned in (
-    conv._conv_split_normalized_kernel, conv._pre_activation_gradient_kernel, conv._conv_input_gradient_kernel
+    conv._conv_split_normalized_kernel,
+    conv._pre_activation_gradient_kernel,
+    conv._conv_input_gradient_kernel,
+    gdn_scan_triton._scan_output_kernel,
 ):
     autotuned.configs = autotuned.configs[:1]
 inputs, out = torch.load(sys.argv[1]), {}
@@ -59,6 +107,8 @@ for name, (x, cos, sin, grad) in inputs["rotary"].items():
     rotated = rotary_triton.Rotary.apply(leaf.transpose(1, 2), cos, sin)
     rotated.backward(grad)
     out[name] = (rotated, leaf.grad)
+for name, (q, k, w, u, g_log2, state) in inputs["gdn scan"].items():
+    out[name] = gdn_scan_triton.chunk_scan_output_triton(q, k, w, u, g_log2, state, q.shape[-1] ** -0.5)
 torch.save(out, sys.argv[2])
 """ % {"key_dim": KEY_DIM, "head_dim": HEAD_DIM}
 
@@ -108,6 +158,9 @@ def interpreted(tmp_path_factory):
                 ("rotary shared", 6.3 * torch.rand(1, 37, 8, generator=gen)),
             )
         },
+        # the fused scan's inputs (fla's intra-chunk results, computed here in float64) for the rule's own inputs,
+        # with a state and without
+        "gdn scan": {name: _scan_inputs(*GDN_RULE_INPUTS[name]) for name in GDN_RULE_INPUTS},
     }
     folder = tmp_path_factory.mktemp("interpreted")
     torch.save(inputs, folder / "inputs.pt")
@@ -252,3 +305,24 @@ def test_interpreted_rotary_forward_and_backward_are_float32_roundings_of_float6
     assert dx.is_contiguous()
     flipped = rotate_half_formula(x.transpose(1, 2), cos, -sin)
     assert ((flipped - expected.detach()).abs() > bound).any()
+
+
+@pytest.mark.parametrize("case", ["gdn scan from a state", "gdn scan from zeros"])
+def test_interpreted_fused_gdn_scan_is_the_token_by_token_rule_in_float32(interpreted, case):
+    """`chunk_scan_output_triton` (the scan with each chunk's output inside it) in float32, fed the UT transform's W
+    and U, against the float64 token-by-token rule (`recurrent_gated_delta_rule`) on the same q, k, v, g and beta:
+    output and final state within float32_tolerance(T, K + C) of their largest entries (T steps, each reductions of
+    the key dim and the chunk's C positions, in another order). A scan that drops the state (or the decay) falls
+    outside."""
+    from longstraw.kernels.gdn import recurrent_gated_delta_rule
+
+    inputs, outputs = interpreted
+    q, k, v, g, beta, state = GDN_RULE_INPUTS[case]
+    expected = recurrent_gated_delta_rule(q, k, v, g, beta, state, l2norm_qk=False)
+    tol = float32_tolerance(q.shape[1], q.shape[-1] + SCAN_CHUNK)
+    for name, ours, e in zip(("output", "state"), outputs[case], expected):
+        assert ours.dtype == torch.float32 and ours.shape == e.shape, name
+        close(ours.double(), e, rtol=tol, atol=tol * float(e.abs().max()), what=f"{case}: {name}")
+    wrong = recurrent_gated_delta_rule(q, k, v, g * (0.5 if state is None else 1), beta, None, l2norm_qk=False)
+    scale = float(expected[0].abs().max())
+    assert ((wrong[0] - expected[0]).abs() > tol * scale + tol * expected[0].abs()).any()

@@ -46,9 +46,11 @@ with ``use_qk_l2norm_in_kernel=True, output_final_state=True``):
 
 The layer's depthwise causal conv is in ``causal_conv``.
 
-``chunk_gated_delta_rule_forward`` is the no-grad fast path for the capture: it
-calls fla's Triton ``chunk_gated_delta_rule`` on CUDA when fla is importable and
-the pure-torch chunk kernel otherwise.
+``chunk_gated_delta_rule_forward`` is the no-grad fast path for the capture: on CUDA
+when fla is importable, fla's intra-chunk kernels and then one scan that computes
+each chunk's output inside it (``gdn_scan_triton``; ``capture_scan("fla")`` runs
+fla's whole ``chunk_gated_delta_rule`` instead), the pure-torch chunk kernel
+otherwise.
 
 ``gated_delta_rule`` is the differentiable rule replay, scoring and exact mode run:
 fla's chunk kernels forward and backward on CUDA where this process has checked
@@ -76,6 +78,7 @@ from longstraw.kernels.process_setting import ProcessSetting
 __all__ = [
     "chunk_gated_delta_rule",
     "recurrent_gated_delta_rule",
+    "capture_scan",
     "chunk_gated_delta_rule_forward",
     "differentiable_rule",
     "fla_available",
@@ -333,6 +336,53 @@ def fla_available() -> bool:
     return _load_fla()[0] is not None
 
 
+# the capture's scan: "fused" computes each chunk's output inside fla's state scan (`gdn_scan_triton`: fla's
+# intra-chunk kernels, then one scan that writes only the output and the final state), "fla" runs fla's whole
+# forward (its scan writes every chunk's state for its output kernel to read back)
+CAPTURE_SCANS = ("fused", "fla")
+_capture_scan = ProcessSetting("capture GDN scan", CAPTURE_SCANS, "fused")
+
+
+def capture_scan(name: str):
+    """Within the block, `chunk_gated_delta_rule_forward`'s fla path runs `name`: "fused" or "fla"."""
+    return _capture_scan.within(name)
+
+
+def _fused_scan_usable(q_BTHD, v_BTHV, l2norm_qk: bool) -> bool:
+    K, V = q_BTHD.shape[-1], v_BTHV.shape[-1]
+    return (
+        _capture_scan.value == "fused"
+        and not l2norm_qk
+        and not K & (K - 1)
+        and not V & (V - 1)
+        and 32 <= V
+        and K <= 128
+        and _load_fused_scan() is not None
+    )
+
+
+@functools.cache
+def _load_fused_scan() -> Callable | None:
+    """fla's chunk forward with its scan and output kernels as one (`gdn_scan_triton`), or None when fla's
+    intra-chunk functions or Triton do not import."""
+    try:
+        from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
+        from fla.ops.utils import chunk_local_cumsum
+        from fla.ops.utils.constant import RCP_LN2
+
+        from longstraw.kernels.gdn_scan_triton import chunk_scan_output_triton
+    except Exception:  # no fla, another fla layout, or Triton / driver trouble at import time
+        return None
+
+    def forward(q, k, v, g, beta, initial_state, scale):
+        q, k, v, beta = (t.contiguous() for t in (q, k, v, beta))
+        g = chunk_local_cumsum(g.float().contiguous(), chunk_size=64, scale=RCP_LN2)  # log2 decay within chunks
+        w, u, _ = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=g, beta=beta, chunk_size=64)
+        return chunk_scan_output_triton(q, k, w, u, g, initial_state, scale, chunk_size=64)
+
+    return forward
+
+
 def _fla_forward(fla_chunk, fla_version, q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_BHDV, l2norm_qk=True):
     group = v_BTHV.shape[2] // k_BTHD.shape[2]
     if group > 1 and fla_version < _FLA_NATIVE_GVA_VERSION:
@@ -390,6 +440,12 @@ def chunk_gated_delta_rule_forward(
     )
     if use_fla and not usable:
         raise RuntimeError("fla path requested but unavailable (fla import, CUDA tensors, non-float64)")
+    if usable and fla_version >= _FLA_NATIVE_GVA_VERSION and _fused_scan_usable(q_BTHD, v_BTHV, l2norm_qk):
+        # no autograd here (torch.no_grad): the fused scan has no backward, `gated_delta_rule` never takes it
+        out_BTHV, final_state_BHDV = _load_fused_scan()(
+            q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_BHDV, q_BTHD.shape[-1] ** -0.5
+        )
+        return out_BTHV.to(q_BTHD.dtype), final_state_BHDV
     if usable:
         return _fla_forward(
             fla_chunk, fla_version, q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_BHDV, l2norm_qk
