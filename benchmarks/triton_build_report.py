@@ -1,13 +1,15 @@
-"""Registers, spills and vector loads of the package's autotuned Triton kernels as built for the H200 (sm_90), on any
-machine: Triton compiles to PTX without a GPU and its bundled ptxas assembles it (no CUDA driver needed).
+"""Registers, spills and vector loads of the package's Triton kernels as built for the H200 (sm_90), on any machine:
+Triton compiles to PTX without a GPU and its bundled ptxas assembles it (no CUDA driver needed).
 
     python benchmarks/triton_build_report.py [--arch 90] [--out F]
 
-For each configuration an autotuned kernel offers (the GDN conv forward and the backward's two kernels, at
-hybrid-1b's widths), with the pointer arguments 16-byte aligned as Triton's JIT specialises them: ptxas's registers
+For each configuration a kernel is launched with (every one an autotuned kernel offers: the GDN conv forward and the
+backward's two kernels, the capture's GDN scan; the one the SwiGLU and rotary kernels are launched with), at
+hybrid-1b's widths, with the pointer arguments 16-byte aligned as Triton's JIT specialises them: ptxas's registers
 per thread and spill bytes, and how many of the global loads and stores are 16-byte vectors. A spilling
 configuration still runs (its spills go to L1), but the autotuner's candidates are chosen from these
-(`kernels/gdn_conv_triton.py`). The last stdout line is one JSON object, also written to --out.
+(`kernels/gdn_conv_triton.py`). A kernel that does not build for sm_90 fails here, before a GPU runs it. The last
+stdout line is one JSON object, also written to --out.
 """
 
 from __future__ import annotations
@@ -17,38 +19,124 @@ import json
 import re
 import subprocess
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from longstraw.kernels import gdn_conv_triton
+from longstraw.kernels import gdn_conv_triton, gdn_scan_triton, rotary_triton, swiglu_triton
 from longstraw.results import write_json_atomic
 
 # hybrid-1b's GDN layer: q and k 2,048 channels each (heads of 128), v 4,096, 4 taps, a state and a bias, SiLU
 GDN_SHAPE = {"C": 8192, "KEY_DIM": 2048, "K": 4, "D": 128, "HAS_STATE": True, "HAS_BIAS": True, "SILU": True}
-POINTERS = {"dpre_ptr": "*fp32"}  # the backward's float32 intermediate; every other tensor is bf16
+# its rule: 16 q/k heads, 32 value heads, head dims 128, chunks of 64, from a state
+GDN_SCAN_SHAPE = {"H": 16, "HV": 32, "K": 128, "V": 128, "BT": 64, "HAS_INITIAL_STATE": True}
+# its attention layers' heads of 128, a quarter rotated
+ROTARY_SHAPE = {"D": 128, "R": 32, "BD": 128, "ROWS": rotary_triton.ROWS}
+
+
+@dataclass
+class Kernel:
+    """A jitted kernel, its shape's constexprs, the launch configurations to build and the argument types other than
+    a bf16 pointer (scalars are 32-bit integers unless named), and the integers that are multiples of 16 at
+    hybrid-1b's shapes (the JIT specialises on it, and a masked or strided access vectorises by it)."""
+
+    fn: object
+    shape: dict
+    configs: list
+    types: dict = field(default_factory=dict)
+    scalars: tuple = ()
+    multiples_of_16: tuple = ()
+
+
+def _configs(autotuned) -> list:
+    return [{**c.kwargs, "num_warps": c.num_warps, "num_stages": c.num_stages} for c in autotuned.configs]
+
+
+def _fixed(**config) -> list:
+    return [{"num_stages": 3, **config}]
+
+
 KERNELS = {
-    "gdn conv forward": gdn_conv_triton._conv_split_normalized_kernel,
-    "gdn conv backward, pre-activations' gradient": gdn_conv_triton._pre_activation_gradient_kernel,
-    "gdn conv backward, the taps' transpose": gdn_conv_triton._conv_input_gradient_kernel,
+    "gdn conv forward": Kernel(
+        gdn_conv_triton._conv_split_normalized_kernel.fn,
+        {**GDN_SHAPE, "EPS": 1e-6},
+        _configs(gdn_conv_triton._conv_split_normalized_kernel),
+        scalars=("T",),
+    ),
+    "gdn conv backward, pre-activations' gradient": Kernel(
+        gdn_conv_triton._pre_activation_gradient_kernel.fn,
+        {**GDN_SHAPE, "EPS": 1e-6},
+        _configs(gdn_conv_triton._pre_activation_gradient_kernel),
+        {"dpre_ptr": "*fp32"},  # the backward's float32 intermediate
+        scalars=("T",),
+    ),
+    "gdn conv backward, the taps' transpose": Kernel(
+        gdn_conv_triton._conv_input_gradient_kernel.fn,
+        {**GDN_SHAPE, "EPS": 1e-6},
+        _configs(gdn_conv_triton._conv_input_gradient_kernel),
+        {"dpre_ptr": "*fp32"},
+        scalars=("T",),
+    ),
+    "gdn capture scan": Kernel(
+        gdn_scan_triton._scan_output_kernel.fn,
+        GDN_SCAN_SHAPE,
+        _configs(gdn_scan_triton._scan_output_kernel),
+        {"g_ptr": "*fp32", "h0_ptr": "*fp32", "ht_ptr": "*fp32", "scale": "fp32"},
+        scalars=("T",),
+    ),
+    "swiglu forward": Kernel(
+        swiglu_triton._swiglu_forward_kernel,
+        {"BLOCK": swiglu_triton.BLOCK},
+        _fixed(num_warps=swiglu_triton.WARPS),
+        scalars=("n",),
+        multiples_of_16=("n",),  # rows x 5,632 elements
+    ),
+    "swiglu backward": Kernel(
+        swiglu_triton._swiglu_backward_kernel,
+        {"BLOCK": swiglu_triton.BLOCK},
+        _fixed(num_warps=swiglu_triton.WARPS),
+        scalars=("n",),
+        multiples_of_16=("n",),  # rows x 5,632 elements
+    ),
+    **{
+        f"rotary {'backward' if transposed else 'forward'}": Kernel(
+            rotary_triton._rotary_kernel,
+            {**ROTARY_SHAPE, "TRANSPOSED": transposed},
+            _fixed(num_warps=4),
+            scalars=("T", "H", "x_sb", "x_sh", "x_st", "c_sb", "c_st", "o_sb", "o_sh", "o_st"),
+            # every stride (of [B, T, H, D] memory seen as [B, H, T, D], D = 128, and of [1, T, 32] angles)
+            multiples_of_16=("x_sb", "x_sh", "x_st", "c_sb", "c_st", "o_sb", "o_sh", "o_st"),
+        )
+        for transposed in (False, True)
+    },
 }
 
 
-def build(autotuned, config: triton.Config, arch: int) -> dict:
-    fn = autotuned.fn
-    constexprs = {name: v for name, v in {**GDN_SHAPE, "EPS": 1e-6, **config.kwargs}.items() if name in fn.arg_names}
-    signature = {name: "constexpr" if name in constexprs else POINTERS.get(name, "*bf16") for name in fn.arg_names}
-    signature["T"] = "i32"
-    aligned = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if name.endswith("_ptr")}
+def build(kernel: Kernel, config: dict, arch: int) -> dict:
+    fn = kernel.fn
+    launch = {"num_warps": config["num_warps"], "num_stages": config["num_stages"]}
+    constexprs = {name: v for name, v in {**kernel.shape, **config}.items() if name in fn.arg_names}
+    signature = {
+        name: "constexpr"
+        if name in constexprs
+        else kernel.types.get(name, "i32" if name in kernel.scalars else "*bf16")
+        for name in fn.arg_names
+    }
+    aligned = {
+        (i,): [["tt.divisibility", 16]]
+        for i, name in enumerate(fn.arg_names)
+        if signature[name].startswith("*") or name in kernel.multiples_of_16
+    }
     source = ASTSource(
         fn=fn,
         signature=signature,
         constexprs={(fn.arg_names.index(name),): value for name, value in constexprs.items()},
         attrs=aligned,
     )
-    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options={"num_warps": config.num_warps})
+    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=launch)
     ptx = compiled.asm["ptx"]
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / "kernel.ptx"
@@ -62,7 +150,7 @@ def build(autotuned, config: triton.Config, arch: int) -> dict:
         ).stderr
     number = lambda pattern: int(re.search(pattern, report).group(1))  # noqa: E731
     return {
-        "config": {**config.kwargs, "num_warps": config.num_warps},
+        "config": {k: v for k, v in config.items()},
         "registers": number(r"Used (\d+) registers"),
         "spill_store_bytes": number(r"(\d+) bytes spill stores"),
         "spill_load_bytes": number(r"(\d+) bytes spill loads"),
@@ -78,9 +166,10 @@ def main() -> None:
     parser.add_argument("--arch", type=int, default=90)
     parser.add_argument("--out")
     args = parser.parse_args()
-    result = {"arch": f"sm_{args.arch}", "triton": triton.__version__, "shape": GDN_SHAPE, "kernels": {}}
-    for name, autotuned in KERNELS.items():
-        rows = result["kernels"][name] = [build(autotuned, config, args.arch) for config in autotuned.configs]
+    shapes = {"gdn conv": GDN_SHAPE, "gdn scan": GDN_SCAN_SHAPE, "rotary": ROTARY_SHAPE}
+    result = {"arch": f"sm_{args.arch}", "triton": triton.__version__, "shapes": shapes, "kernels": {}}
+    for name, kernel in KERNELS.items():
+        rows = result["kernels"][name] = [build(kernel, config, args.arch) for config in kernel.configs]
         for row in rows:
             print(
                 f"{name} {row['config']}: {row['registers']} registers, spills {row['spill_store_bytes']} B stored "

@@ -55,7 +55,7 @@ def _scan_output_kernel(
     [N, T, H, K] (value head h reads q/k head h // (HV / H)), w [N, T, HV, K], u and o [N, T, HV, V], g [N, T, HV]
     (float32), the states [N, HV, K, V] (float32)."""
     pid = tl.program_id(0).to(tl.int64)
-    NV: tl.constexpr = V // BV
+    NV = V // BV
     i_v, i_nh = pid % NV, pid // NV
     i_n, i_h = i_nh // HV, i_nh % HV
     i_qk = i_h // (HV // H)

@@ -48,7 +48,7 @@ def _rotary_kernel(
     i_b, i_h = i_bh // H, i_bh % H
     rows = i_t * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BD)
-    half: tl.constexpr = R // 2
+    half = R // 2
     partner = tl.where(cols < half, cols + half, tl.where(cols < R, cols - half, cols))
     rotated = cols < R
     mask = (rows < T)[:, None] & (cols < D)[None, :]
