@@ -22,6 +22,7 @@ KERNEL_KINDS = (
             "prepare_wy_repr",
             "chunk_bwd_kernel",
             "chunk_local_cumsum",
+            "_scan_output_kernel",
         ),
     ),
     ("conv", ("_conv_", "conv1d", "_pre_activation_gradient")),
