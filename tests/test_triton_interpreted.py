@@ -326,3 +326,46 @@ def test_interpreted_fused_gdn_scan_is_the_token_by_token_rule_in_float32(interp
     wrong = recurrent_gated_delta_rule(q, k, v, g * (0.5 if state is None else 1), beta, None, l2norm_qk=False)
     scale = float(expected[0].abs().max())
     assert ((wrong[0] - expected[0]).abs() > tol * scale + tol * expected[0].abs()).any()
+
+
+# runs in the interpreter's process: the capture's fused GDN forward as `chunk_gated_delta_rule_forward` calls it,
+# fla's interpreted intra-chunk kernels included (each autotuned kernel of fla's and ours at its first configuration)
+FUSED_SCAN_WITH_FLA = """
+import sys
+import torch
+from triton.runtime.autotuner import Autotuner
+from longstraw.kernels import gdn
+forward = gdn._load_fused_scan()
+for name, module in list(sys.modules.items()):
+    if name.startswith(("fla.", "longstraw.")) and module is not None:
+        for found in list(vars(module).values()):
+            for _ in range(4):  # a heuristics wrapper around an autotuner around the jitted function
+                if isinstance(found, Autotuner):
+                    found.configs = found.configs[:1]
+                found = getattr(found, "fn", None)
+q, k, v, g, beta, state = torch.load(sys.argv[1])
+torch.save(forward(q, k, v, g, beta, state, q.shape[-1] ** -0.5), sys.argv[2])
+"""
+
+
+def test_interpreted_fused_gdn_forward_with_flas_intra_chunk_kernels_is_the_rule(tmp_path):
+    """Where fla imports: `gdn._load_fused_scan()`'s forward (fla's chunk_local_cumsum and intra-chunk kernels, then
+    the fused scan), interpreted in float32, against the float64 token-by-token rule on the same inputs, within the
+    fused scan's own bound above. It checks what the scan takes from fla: the names, the log2 decay, w and u."""
+    pytest.importorskip("fla")
+    q, k, v, g, beta, state = GDN_RULE_INPUTS["gdn scan from a state"]
+    torch.save([t.float() for t in (q, k, v, g, beta, state)], tmp_path / "inputs.pt")
+    done = subprocess.run(
+        [sys.executable, "-c", FUSED_SCAN_WITH_FLA, str(tmp_path / "inputs.pt"), str(tmp_path / "outputs.pt")],
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    from longstraw.kernels.gdn import recurrent_gated_delta_rule
+
+    expected = recurrent_gated_delta_rule(q, k, v, g, beta, state, l2norm_qk=False)
+    tol = float32_tolerance(q.shape[1], q.shape[-1] + SCAN_CHUNK)
+    for name, ours, e in zip(("output", "state"), torch.load(tmp_path / "outputs.pt"), expected):
+        close(ours.double(), e, rtol=tol, atol=tol * float(e.abs().max()), what=f"with fla's kernels: {name}")
