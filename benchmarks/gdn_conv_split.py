@@ -22,7 +22,7 @@ import statistics
 import torch
 
 from longstraw.kernels.causal_conv import causal_conv1d_channels_last, conv_split_heads
-from longstraw.kernels.fla_import import fla_function
+from longstraw.kernels.optional_import import optional_function
 from longstraw.measure.provenance import provenance
 from longstraw.measure.timing import seconds_each
 
@@ -30,7 +30,7 @@ from longstraw.measure.timing import seconds_each
 def composition(x, state, weight, bias, key_dim, head_dim):
     """The path before the fused kernel: fla's conv, the slices copied out, fla's l2 norm on q and k (with autograd
     where x needs a gradient, as fla's rule ran it)."""
-    l2norm = fla_function("fla.modules.norm.l2norm", "l2norm")
+    l2norm = optional_function("fla.modules.norm.l2norm", "l2norm")
     y, new_state = causal_conv1d_channels_last(x, state, weight, bias, "silu")
     B, T, _ = y.shape
     q, k, v = (t.contiguous() for t in torch.split(y, [key_dim, key_dim, y.shape[-1] - 2 * key_dim], -1))

@@ -16,14 +16,14 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from longstraw.kernels.fla_import import fla_function
+from longstraw.kernels.optional_import import optional_function
 from longstraw.kernels.swiglu_triton import SwiGLU
 from longstraw.measure.provenance import provenance
 from longstraw.measure.timing import seconds_each
 
 
 def paths() -> dict:
-    fla_swiglu = fla_function("fla.modules.activations", "swiglu")
+    fla_swiglu = optional_function("fla.modules.activations", "swiglu")
     found = {"ours": SwiGLU.apply, "torch": lambda gate, up: F.silu(gate) * up}
     if fla_swiglu is not None:
         found["fla"] = fla_swiglu

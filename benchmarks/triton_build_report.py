@@ -87,20 +87,19 @@ KERNELS = {
         {"g_ptr": "*fp32", "h0_ptr": "*fp32", "ht_ptr": "*fp32", "scale": "fp32"},
         scalars=("T",),
     ),
-    "swiglu forward": Kernel(
-        swiglu_triton._swiglu_forward_kernel,
-        {"BLOCK": swiglu_triton.BLOCK},
-        _fixed(num_warps=swiglu_triton.WARPS),
-        scalars=("n",),
-        multiples_of_16=("n",),  # rows x 5,632 elements
-    ),
-    "swiglu backward": Kernel(
-        swiglu_triton._swiglu_backward_kernel,
-        {"BLOCK": swiglu_triton.BLOCK},
-        _fixed(num_warps=swiglu_triton.WARPS),
-        scalars=("n",),
-        multiples_of_16=("n",),  # rows x 5,632 elements
-    ),
+    **{
+        f"swiglu {direction}": Kernel(
+            fn,
+            {"BLOCK": swiglu_triton.BLOCK},
+            _fixed(num_warps=swiglu_triton.WARPS),
+            scalars=("n",),
+            multiples_of_16=("n",),  # rows x 5,632 elements
+        )
+        for direction, fn in (
+            ("forward", swiglu_triton._swiglu_forward_kernel),
+            ("backward", swiglu_triton._swiglu_backward_kernel),
+        )
+    },
     **{
         f"rotary {'backward' if transposed else 'forward'}": Kernel(
             rotary_triton._rotary_kernel,

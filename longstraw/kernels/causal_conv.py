@@ -20,8 +20,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from longstraw.kernels.fla_import import fla_function
 from longstraw.kernels.gdn import L2NORM_EPS
+from longstraw.kernels.optional_import import optional_function
 
 _ACTIVATIONS: dict[str | None, Callable[[torch.Tensor], torch.Tensor]] = {
     None: lambda y: y,
@@ -80,7 +80,7 @@ def causal_conv1d(
 
 
 # fla's Triton `causal_conv1d` ([B, T, C] in and out, a [B, C, K] state), or None when fla does not import
-_load_fla_conv = functools.partial(fla_function, "fla.modules.causal_conv1d.ops", "causal_conv1d")
+_load_fla_conv = functools.partial(optional_function, "fla.modules.causal_conv1d.ops", "causal_conv1d")
 
 
 def _fla_conv_usable(x_BTC: torch.Tensor, weight_CK: torch.Tensor) -> bool:

@@ -13,10 +13,10 @@ import functools
 
 import torch
 
-from longstraw.kernels.fla_import import fla_function
+from longstraw.kernels.optional_import import optional_function
 
 # fla's `rms_norm_gated` (x, g, weight, bias, activation, ..., eps), or None when fla does not import
-_load_fla_norm = functools.partial(fla_function, "fla.modules.norm.fused_norm_gate", "rms_norm_gated")
+_load_fla_norm = functools.partial(optional_function, "fla.modules.norm.fused_norm_gate", "rms_norm_gated")
 
 
 def _fla_norm_usable(module, x_ND: torch.Tensor) -> bool:

@@ -16,13 +16,13 @@ from contextlib import contextmanager
 
 import torch
 
-from longstraw.kernels.fla_import import fla_function
+from longstraw.kernels.optional_import import optional_function
 
 ONE_PLUS_WEIGHT = frozenset({"Qwen3NextRMSNorm", "Qwen3_5RMSNorm", "Qwen3_5MoeRMSNorm"})
 
 
 # fla's `rms_norm` (x, weight, bias, residual, eps), or None when fla does not import
-_load_fla_rms_norm = functools.partial(fla_function, "fla.modules.norm.layernorm", "rms_norm")
+_load_fla_rms_norm = functools.partial(optional_function, "fla.modules.norm.layernorm", "rms_norm")
 
 
 def one_plus_weight(module) -> torch.Tensor:

@@ -16,19 +16,15 @@ from contextlib import contextmanager
 
 import torch
 
+from longstraw.kernels.optional_import import optional_function
+
 # model types whose HF modeling file's apply_rotary_pos_emb is the rotate-half form with partial rotation
 ROTATE_HALF_MODELS = ("llama", "qwen3", "qwen3_next", "qwen3_5", "qwen3_5_moe", "gemma3")
 _MODELING_FILES = frozenset(f"transformers.models.{m}.modeling_{m}" for m in ROTATE_HALF_MODELS)
 
 
-@functools.cache
-def _load_rotary():
-    """`rotary_triton.Rotary.apply` (x, cos, sin), or None when Triton does not import."""
-    try:
-        from longstraw.kernels.rotary_triton import Rotary
-    except Exception:  # no Triton, or driver trouble at import time
-        return None
-    return Rotary.apply
+# `rotary_triton.rotary` (x, cos, sin), or None when Triton does not import
+_load_rotary = functools.partial(optional_function, "longstraw.kernels.rotary_triton", "rotary")
 
 
 def _fused_usable(q, k, cos, sin, unsqueeze_dim) -> bool:

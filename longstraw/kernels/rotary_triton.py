@@ -115,3 +115,6 @@ class Rotary(torch.autograd.Function):
         like = dict(dtype=dout_BHTD.dtype, device=dout_BHTD.device)
         dx = torch.empty(B, T, H, D, **like).transpose(1, 2) if ctx.heads_inside else torch.empty(B, H, T, D, **like)
         return rotate_triton(dout_BHTD, cos_BTR, sin_BTR, dx, transposed=True), None, None
+
+
+rotary = Rotary.apply

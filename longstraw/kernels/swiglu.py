@@ -13,18 +13,14 @@ import functools
 import torch
 from transformers.activations import ACT2FN
 
+from longstraw.kernels.optional_import import optional_function
+
 # the classes an HF config's hidden_act "silu" builds (transformers' own SiLUActivation in 5.x), and torch's
 SILU_CLASSES = (torch.nn.SiLU, type(ACT2FN["silu"]))
 
 
-@functools.cache
-def _load_swiglu():
-    """`swiglu_triton.SwiGLU.apply` (gate, up) -> silu(gate) * up, or None when Triton does not import."""
-    try:
-        from longstraw.kernels.swiglu_triton import SwiGLU
-    except Exception:  # no Triton, or driver trouble at import time
-        return None
-    return SwiGLU.apply
+# `swiglu_triton.swiglu` (gate, up) -> silu(gate) * up, or None when Triton does not import
+_load_swiglu = functools.partial(optional_function, "longstraw.kernels.swiglu_triton", "swiglu")
 
 
 def _fused_usable(mlp, x: torch.Tensor) -> bool:

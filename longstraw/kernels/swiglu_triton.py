@@ -82,3 +82,6 @@ class SwiGLU(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
         return swiglu_backward_triton(*ctx.saved_tensors, dout)
+
+
+swiglu = SwiGLU.apply
