@@ -35,10 +35,6 @@ def inputs(tokens: int, hk: int, hv: int, dk: int, dv: int, gen) -> list[torch.T
     return [t.to("cuda", torch.bfloat16) for t in (q, k, v)] + [g.cuda(), beta.to("cuda", torch.bfloat16), state.cuda()]
 
 
-def relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=32768, help="a capture's rows (hybrid-1b's prompt)")
@@ -64,8 +60,8 @@ def main() -> None:
             result[scan] = {
                 "seconds": seconds,
                 "first_call_seconds": first,
-                "output_from_float32_rule": relative(out, reference[0]),
-                "state_from_float32_rule": relative(final, reference[1]),
+                "output_from_float32_rule": gdn._relative_error(out, reference[0]),
+                "state_from_float32_rule": gdn._relative_error(final, reference[1]),
             }
     result["fused_over_fla"] = result["fused"]["seconds"] / result["fla"]["seconds"]
     result["provenance"] = provenance(torch.device("cuda"))

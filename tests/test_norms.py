@@ -160,15 +160,15 @@ def _hf_mlp(hidden_act: str, H: int, I: int, dtype, device="cpu", gen=None) -> t
     return mlp
 
 
-def _mlp_outputs_and_grads(mlp, fn, x, out_weight):
-    """fn's output and the gradients of sum(output * out_weight) in x and the gate, up and down weights."""
-    leaf = x.detach().clone().requires_grad_(True)
+def _mlp_outputs_and_grads(mlp, fn, inputs, out_weight):
+    """fn's output and the gradients of sum(output * out_weight) in the inputs and the gate, up and down weights."""
+    leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
     projections = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
     for proj in projections:
         proj.weight.grad = None
-    y = fn(leaf)
+    y = fn(*leaves)
     (y.double() * out_weight).sum().backward()
-    return [y.detach(), leaf.grad, *(proj.weight.grad.clone() for proj in projections)]
+    return [y.detach(), *(leaf.grad for leaf in leaves), *(proj.weight.grad.clone() for proj in projections)]
 
 
 def test_off_cuda_the_mlp_is_hfs_module_bit_for_bit():
@@ -181,8 +181,8 @@ def test_off_cuda_the_mlp_is_hfs_module_bit_for_bit():
         mlp = _hf_mlp(act, 16, 48, torch.float32, gen=gen)
         assert isinstance(mlp.act_fn, swiglu_module.SILU_CLASSES) == (act == "silu")
         for a, e in zip(
-            _mlp_outputs_and_grads(mlp, lambda t: swiglu_module.mlp_forward(mlp, t), x, out_weight),
-            _mlp_outputs_and_grads(mlp, mlp, x, out_weight),
+            _mlp_outputs_and_grads(mlp, lambda t: swiglu_module.mlp_forward(mlp, t), [x], out_weight),
+            _mlp_outputs_and_grads(mlp, mlp, [x], out_weight),
         ):
             assert torch.equal(a, e), act
 
@@ -201,11 +201,11 @@ def test_mlp_on_cuda_matches_hf_in_float64(rows):
     (x,) = _bf16_inputs(gen, (2, rows, H))
     out_weight = torch.randn(2, rows, H, generator=gen, dtype=torch.float64).cuda()
     assert swiglu_module._fused_usable(mlp, x)  # the fused path, not the module, is what is compared
-    ours = _mlp_outputs_and_grads(mlp, lambda t: swiglu_module.mlp_forward(mlp, t), x, out_weight)
-    hf = _mlp_outputs_and_grads(mlp, mlp, x, out_weight)
+    ours = _mlp_outputs_and_grads(mlp, lambda t: swiglu_module.mlp_forward(mlp, t), [x], out_weight)
+    hf = _mlp_outputs_and_grads(mlp, mlp, [x], out_weight)
     reference_mlp = _hf_mlp("silu", H, I, torch.float64, "cuda")
     reference_mlp.load_state_dict(mlp.state_dict())  # the same bf16 values, in float64
-    reference = _mlp_outputs_and_grads(reference_mlp, reference_mlp, x.double(), out_weight)
+    reference = _mlp_outputs_and_grads(reference_mlp, reference_mlp, [x.double()], out_weight)
     for name, a, h, e in zip(("y", "dx", "dgate", "dup", "ddown"), ours, hf, reference):
         assert a.dtype == torch.bfloat16, name
         errors = (name, "fused", relative(a, e), "hf bf16", relative(h, e))
@@ -301,18 +301,6 @@ def test_add_rms_norm_on_cuda_matches_hf_in_float64(rows):
         assert relative(a, e) <= BF16_RTOL, (name, relative(a, e))
 
 
-def _mlp_with_residual_outputs_and_grads(mlp, fn, x, residual, out_weight):
-    """fn(x, residual)'s output and the gradients of sum(output * out_weight) in x, the residual and the gate, up
-    and down weights."""
-    x_leaf, residual_leaf = (t.detach().clone().requires_grad_(True) for t in (x, residual))
-    projections = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-    for proj in projections:
-        proj.weight.grad = None
-    y = fn(x_leaf, residual_leaf)
-    (y.double() * out_weight).sum().backward()
-    return [y.detach(), x_leaf.grad, residual_leaf.grad, *(proj.weight.grad.clone() for proj in projections)]
-
-
 def test_mlp_residual_goes_into_a_plain_down_projections_gemm(monkeypatch):
     """On the fused path (taken here with torch's silu-and-multiply standing in for the kernel, in float64), a plain
     bias-free down projection adds the residual in one addmm; one with a bias adds it after. Both equal HF's residual
@@ -328,7 +316,7 @@ def test_mlp_residual_goes_into_a_plain_down_projections_gemm(monkeypatch):
     def ours(t, r):
         return swiglu_module.mlp_forward(mlp, t, residual=r)
 
-    for a, e in zip(*(_mlp_with_residual_outputs_and_grads(mlp, fn, x, residual, out_weight) for fn in (ours, hf))):
+    for a, e in zip(*(_mlp_outputs_and_grads(mlp, fn, [x, residual], out_weight) for fn in (ours, hf))):
         assert torch.equal(a, e)  # CPU: the module, then the sum
     addmm_calls = []
     monkeypatch.setattr(swiglu_module, "_fused_usable", lambda mlp, t: True)
@@ -337,8 +325,8 @@ def test_mlp_residual_goes_into_a_plain_down_projections_gemm(monkeypatch):
     for bias in (False, True):
         if bias:
             mlp.down_proj.bias = torch.nn.Parameter(torch.randn(16, generator=gen, dtype=torch.float64))
-        expected = _mlp_with_residual_outputs_and_grads(mlp, hf, x, residual, out_weight)
-        fused = _mlp_with_residual_outputs_and_grads(mlp, ours, x, residual, out_weight)
+        expected = _mlp_outputs_and_grads(mlp, hf, [x, residual], out_weight)
+        fused = _mlp_outputs_and_grads(mlp, ours, [x, residual], out_weight)
         assert len(addmm_calls) == 1  # the bias-free projection's, and none for the one with a bias
         for name, a, e in zip(("y", "dx", "dresidual", "dgate", "dup", "ddown"), fused, expected):
             assert relative(a, e) <= 1e-12, (bias, name)
@@ -364,10 +352,10 @@ def test_mlp_with_residual_on_cuda_matches_hf_in_float64(rows):
 
     reference_mlp = _hf_mlp("silu", H, I, torch.float64, "cuda")
     reference_mlp.load_state_dict(mlp.state_dict())  # the same bf16 values, in float64
-    fused = _mlp_with_residual_outputs_and_grads(mlp, ours, x, residual, out_weight)
-    hf = _mlp_with_residual_outputs_and_grads(mlp, lambda t, r: r + mlp(t), x, residual, out_weight)
-    reference = _mlp_with_residual_outputs_and_grads(
-        reference_mlp, lambda t, r: r + reference_mlp(t), x.double(), residual.double(), out_weight
+    fused = _mlp_outputs_and_grads(mlp, ours, [x, residual], out_weight)
+    hf = _mlp_outputs_and_grads(mlp, lambda t, r: r + mlp(t), [x, residual], out_weight)
+    reference = _mlp_outputs_and_grads(
+        reference_mlp, lambda t, r: r + reference_mlp(t), [x.double(), residual.double()], out_weight
     )
     for name, a, h, e in zip(("y", "dx", "dresidual", "dgate", "dup", "ddown"), fused, hf, reference):
         assert a.dtype == torch.bfloat16, name

@@ -43,13 +43,12 @@ def mlp_forward(mlp, x: torch.Tensor, residual: torch.Tensor | None = None) -> t
     if not _fused_usable(mlp, x):
         out = mlp(x)
         out = out[0] if isinstance(out, tuple) else out
-        return out if residual is None else residual + out
-    # the kernel computes silu(gate) * up in float32 from the bf16 projections and rounds once; HF's
-    # F.silu(gate) * up rounds silu's output to bf16 first: the two differ within bf16 rounding
-    product = _load_swiglu()(mlp.gate_proj(x), mlp.up_proj(x))
-    down = mlp.down_proj
-    if residual is None or type(down) is not torch.nn.Linear or down.bias is not None:
+    else:
+        # the kernel computes silu(gate) * up in float32 from the bf16 projections and rounds once; HF's
+        # F.silu(gate) * up rounds silu's output to bf16 first: the two differ within bf16 rounding
+        product, down = _load_swiglu()(mlp.gate_proj(x), mlp.up_proj(x)), mlp.down_proj
+        if residual is not None and type(down) is torch.nn.Linear and down.bias is None:
+            rows = residual.reshape(-1, residual.shape[-1])
+            return torch.addmm(rows, product.reshape(-1, product.shape[-1]), down.weight.t()).view_as(residual)
         out = down(product)
-        return out if residual is None else residual + out
-    rows = residual.reshape(-1, residual.shape[-1])
-    return torch.addmm(rows, product.reshape(-1, product.shape[-1]), down.weight.t()).view_as(residual)
+    return out if residual is None else residual + out
