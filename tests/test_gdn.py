@@ -220,16 +220,32 @@ def test_forward_cuda_matches_reference():
     torch.testing.assert_close(s_f.double(), s_r, rtol=2e-2, atol=2e-2)
 
 
+def test_the_fused_scan_tunes_no_value_block_wider_than_the_head():
+    """A candidate whose value block is wider than the head launches no program (V // BV = 0): it would write
+    nothing and be timed the fastest. The autotuner is offered only blocks within the head."""
+    pytest.importorskip("triton")
+    from longstraw.kernels import gdn_scan_triton
+
+    kernel = gdn_scan_triton._scan_output_kernel
+    for head_dim in (16, 32, 64, 128):
+        kept = kernel.early_config_prune(kernel.configs, {}, V=head_dim)
+        assert kept and all(config.kwargs["BV"] <= head_dim for config in kept), head_dim
+    assert {config.kwargs["BV"] for config in kernel.configs} - {16, 32, 64} == set()  # the loop above saw them all
+    assert len(kernel.early_config_prune(kernel.configs, {}, V=128)) == len(kernel.configs)
+
+
 @pytest.mark.cuda
-def test_fused_capture_scan_on_cuda_is_as_close_to_the_recurrence_as_flas_forward():
+@pytest.mark.parametrize("value_dim", [128, 32])
+def test_fused_capture_scan_on_cuda_is_as_close_to_the_recurrence_as_flas_forward(value_dim):
     """The capture's fused scan (`capture_scan("fused")`: fla's intra-chunk kernels, then the scan with each chunk's
-    output inside it) at hybrid-1b's head shape (16 q/k heads, 32 value heads, dims 128) in bf16 from a state, 1,000
-    tokens (a ragged last chunk), q and k with unit rows: output and final state against the float64 token-by-token
-    rule, norm-wise, within twice fla's own forward's error plus one bf16 rounding (the two round the states and the
-    corrected values to bf16 where the same products read them)."""
+    output inside it) at hybrid-1b's head shape (16 q/k heads, 32 value heads, dims 128; and value heads of 32,
+    narrower than a tuning candidate's block) in bf16 from a state, 1,000 tokens (a ragged last chunk), q and k with
+    unit rows: output and final state against the float64 token-by-token rule, norm-wise, within twice fla's own
+    forward's error plus one bf16 rounding (the two round the states and the corrected values to bf16 where the same
+    products read them)."""
     if not fla_available():
         pytest.skip("fla is not importable")
-    q, k, v, g, beta, s0 = make_gdn_inputs(T=1000, Hk=16, Hv=32, Dk=128, Dv=128, dtype=torch.float64)
+    q, k, v, g, beta, s0 = make_gdn_inputs(T=1000, Hk=16, Hv=32, Dk=128, Dv=value_dim, dtype=torch.float64)
     q, k = (torch.nn.functional.normalize(t, dim=-1) for t in (q, k))
     bf16 = [t.to(torch.bfloat16).cuda() for t in (q, k, v)] + [g.float().cuda(), beta.to(torch.bfloat16).cuda()]
     state = s0.float().cuda()
