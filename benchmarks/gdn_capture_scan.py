@@ -4,8 +4,9 @@ kernel reads them back), no grad, from a state, q and k with unit rows as the co
 
     python benchmarks/gdn_capture_scan.py [--tokens 32768 --heads 16 32 --head-dims 128 128 --repeats 20]
 
-Prints each scan's median seconds, first-call seconds (compiling and tuning), their ratio, and how far each is from
-the float32 torch chunk rule (norm-wise, output and final state); the last stdout line is one JSON object.
+Prints each scan's median seconds, first-call seconds (compiling and tuning), their ratio, how far each is from the
+float32 torch chunk rule (norm-wise, output and final state) and the configuration the fused scan's autotuner chose
+(each candidate's time); the last stdout line is one JSON object.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import time
 
 import torch
 
-from longstraw.kernels import gdn
+from longstraw.kernels import gdn, gdn_scan_triton
+from longstraw.measure.autotuned import autotuned_choice
 from longstraw.measure.provenance import provenance
 from longstraw.measure.timing import seconds_each
 
@@ -63,6 +65,7 @@ def main() -> None:
                 "output_from_float32_rule": gdn._relative_error(out, reference[0]),
                 "state_from_float32_rule": gdn._relative_error(final, reference[1]),
             }
+    result["fused"]["autotuned"] = autotuned_choice(gdn_scan_triton._scan_output_kernel)
     result["fused_over_fla"] = result["fused"]["seconds"] / result["fla"]["seconds"]
     result["provenance"] = provenance(torch.device("cuda"))
     for scan in gdn.CAPTURE_SCANS:
@@ -71,7 +74,7 @@ def main() -> None:
             f"{scan}: {r['seconds'] * 1e3:.3f} ms (first call {r['first_call_seconds']:.1f} s), from the float32 rule: "
             f"output {r['output_from_float32_rule']:.2e}, state {r['state_from_float32_rule']:.2e}"
         )
-    print(f"fused over fla: {result['fused_over_fla']:.3f}x")
+    print(f"fused over fla: {result['fused_over_fla']:.3f}x; the scan's configuration: {result['fused']['autotuned']}")
     print(json.dumps(result))
 
 

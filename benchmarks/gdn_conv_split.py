@@ -9,8 +9,9 @@ here). Replay (x alone needing a gradient): the fused forward and backward again
     python benchmarks/gdn_conv_split.py [--tokens 32768 --key-dim 2048 --value-dim 4096 --head-dim 128] \
         [--replay-rows 2 2048]
 
-Prints each path's median seconds, the ratios and the GB/s each capture path moves (its input once, its output
-once); the last stdout line is one JSON object.
+Prints each path's median seconds, the ratios, the GB/s each capture path moves (its input once, its output once)
+and the configurations the fused kernels' autotuners chose (each candidate's time in the JSON); the last stdout line
+is one JSON object.
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ import statistics
 
 import torch
 
+from longstraw.kernels import gdn_conv_triton
 from longstraw.kernels.causal_conv import causal_conv1d_channels_last, conv_split_heads
 from longstraw.kernels.optional_import import optional_function
+from longstraw.measure.autotuned import autotuned_choice
 from longstraw.measure.provenance import provenance
 from longstraw.measure.timing import seconds_each
 
@@ -93,9 +96,15 @@ def main() -> None:
     with torch.no_grad():
         seconds = {name: median_seconds(fn, args.repeats) for name, fn in paths.items()}
         fused, plain = paths["fused"](), paths["composition"]()
+    forward_tuned = autotuned_choice(gdn_conv_triton._conv_split_normalized_kernel)
     difference = max(((a.float() - b.float()).abs().max() / b.float().abs().max()).item() for a, b in zip(fused, plain))
     replay = replay_paths(args.replay_rows, C, args.key_dim, args.head_dim, gen)
     replay_seconds = {name: median_seconds(fn, args.repeats) for name, fn in replay.items()}
+    tuned = {
+        "forward": forward_tuned,
+        "pre_activation_gradient": autotuned_choice(gdn_conv_triton._pre_activation_gradient_kernel),
+        "input_gradient": autotuned_choice(gdn_conv_triton._conv_input_gradient_kernel),
+    }
     ours, theirs = (replay[name]().float() for name in ("fused", "composition"))
     replay_difference = ((ours - theirs).abs().max() / theirs.abs().max()).item()
     moved = 2 * x.numel() * x.element_size()
@@ -112,6 +121,7 @@ def main() -> None:
             "fused_over_composition": replay_seconds["fused"] / replay_seconds["composition"],
             "dx_largest_relative_difference": replay_difference,
         },
+        "autotuned": tuned,
         "provenance": provenance(torch.device("cuda")),
     }
     print(
@@ -121,7 +131,8 @@ def main() -> None:
         f"{result['fused_over_fla_conv_alone']:.2f}x); largest difference {difference:.2g} of the largest value\n"
         f"replay {args.replay_rows}: forward+backward fused {replay_seconds['fused'] * 1e3:.3f} ms, composition "
         f"{replay_seconds['composition'] * 1e3:.3f} ms ({result['replay']['fused_over_composition']:.2f}x); dx "
-        f"differs by {replay_difference:.2g} of the largest"
+        f"differs by {replay_difference:.2g} of the largest\n"
+        + "\n".join(f"{name}: {choice and choice['chosen']}" for name, choice in tuned.items())
     )
     print(json.dumps(result))
 

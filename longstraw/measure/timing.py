@@ -1,5 +1,5 @@
 """Timers: the capture attention rate (seconds and FLOPs spent inside paged attention while a timer is active), and
-a call's seconds over repeats (each call's, or their mean)."""
+a call's seconds over repeats (each call's, their mean, or a CUDA graph's replays')."""
 
 from __future__ import annotations
 
@@ -23,6 +23,30 @@ def seconds_per_call(fn, device, repeats: int, warmup: int = 1) -> float:
         fn()
     synchronize(device)
     return (time.perf_counter() - start) / repeats
+
+
+def graph_replay_seconds(fn, repeats: int, warmup: int = 3) -> float:
+    """Mean device seconds of `fn()` recorded once as a CUDA graph and replayed `repeats` times back to back (CUDA
+    events around the replays): work that runs inside a graph, as replay's members do, without the host's launch
+    and autograd time between its kernels. `fn` runs `warmup` times first on a side stream (compiling, autotuning
+    and allocating outside the recording, as torch's graph recipe asks)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / repeats
 
 
 def seconds_each(fn, device, repeats: int) -> list[float]:
