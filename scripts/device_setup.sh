@@ -11,7 +11,7 @@
 # - the real model (docs/gpu.md §6): links results/h200/checkpoints/smollm2-135m-instruct to the checkpoint
 #   that real_model_checkpoint built under /tmp on this box (kept while the box is held), and points the wheel
 #   cache (RULER's data) at /tmp/longstraw/wheels.
-# It defines device_point, device_points, warm_libraries, save_triton_cache, real_model_stash and
+# It defines device_point, device_points, device_points_at, warm_libraries, save_triton_cache, real_model_stash and
 # real_model_checkpoint, and switches no shell options on (no set -e/pipefail).
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     .whl/*.whl $(ls .whl_bnb/*.whl .whl_peers/*.whl 2>/dev/null) || return 1
@@ -103,6 +103,22 @@ device_points() {
         [ "$status" -ne 0 ] && grep -v "^\s*$" "$folder/${experiment}__${point}.log" | tail -12 >&2
         tar czf "$archive.tmp" --exclude="*.work" -C "$folder" . && mv "$archive.tmp" "$archive"  # not the work folders: checkpoints
     done
+}
+
+# Points with an earlier commit's package, for an A/B on one box (timings compare on the same card only): here
+#   git archive <sha> | gzip > .cache_device/tree_<sha>.tgz      (the full sha; carry .cache_device)
+# there, after device_setup.sh,
+#   device_points_at <sha> EXPERIMENT BUDGET CAP POINT...
+# unpacks that tree under /tmp (once) and runs device_points from it, its results recording that commit; give each
+# round its own OUT and TMPDIR, as for device_points.
+device_points_at() {
+    if [ $# -lt 5 ]; then echo "usage: device_points_at SHA EXPERIMENT BUDGET CAP POINT..." >&2; return 2; fi
+    local sha=$1 tree=/tmp/tree_$1
+    shift
+    if [ ! -d "$tree" ]; then
+        mkdir -p "$tree" && tar xzf ".cache_device/tree_$sha.tgz" -C "$tree" || { rm -rf "$tree"; return 1; }
+    fi
+    (cd "$tree" && LONGSTRAW_COMMIT=$sha PYTHONPATH=/tmp/site:$tree device_points "$@")
 }
 
 # Read the CUDA libraries (cuDNN's engines, cuBLAS, torch's flash kernels) once in a throwaway process, so that
