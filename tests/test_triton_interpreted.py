@@ -33,7 +33,7 @@ SCAN_CHUNK = 64
 def _gdn_rule_inputs(with_state: bool):
     """q and k [2, 150, 2, 32] with unit rows (as the conv's norm leaves them), v [2, 150, 4, 64], log decays in
     (-0.2, 0), beta in (0, 1) and a state or none, in float64: 150 tokens, two whole chunks and a ragged one, two
-    value heads a q/k head, four 16-wide value blocks (the scan's first configuration)."""
+    value heads a q/k head, two 32-wide value blocks."""
     gen = torch.Generator().manual_seed(1)
     q, k = (
         torch.nn.functional.normalize(torch.randn(2, 150, 2, 32, generator=gen, dtype=torch.float64), dim=-1)
@@ -128,9 +128,8 @@ def interpreted(tmp_path_factory):
     pytest.importorskip("triton")
     gen = torch.Generator().manual_seed(0)
     inputs = {
-        # 70 rows: whole blocks (of 16 rows, each kernel's first configuration) and a ragged one, the forward's
-        # second program (4 blocks a program) ending in blocks wholly past the rows; the state read by the first
-        # block, or zeros
+        # 70 rows: whole blocks (of 16 rows, each kernel's first configuration) and a ragged one; the state read by
+        # the first block, or zeros
         "conv": {"state": _conv_inputs(gen, 70, True), "no state": _conv_inputs(gen, 5, False)},
         "logprobs": (
             torch.randn(7, HIDDEN, generator=gen),

@@ -355,7 +355,7 @@ def _fused_scan_usable(q_BTHD, v_BTHV, l2norm_qk: bool) -> bool:
         and not l2norm_qk
         and not K & (K - 1)
         and not V & (V - 1)
-        and 16 <= V
+        and 32 <= V
         and K <= 128
         and _load_fused_scan() is not None
     )

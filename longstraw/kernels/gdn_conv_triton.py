@@ -59,7 +59,7 @@ def _pre_activation(
                     other=0.0,
                 )
                 xv += sv.to(tl.float32)
-        acc += xv * tl.load(w_ptr + j * C + channels).to(tl.float32)[None, :]
+        acc += xv * tl.load(w_ptr + channels * K + j).to(tl.float32)[None, :]
     if HAS_BIAS:
         acc += tl.load(b_ptr + channels).to(tl.float32)[None, :]
     return acc
@@ -89,10 +89,8 @@ def _load_rows(ptr, i_b, rows, columns, T, WIDTH: tl.constexpr):
 
 
 def _launch(x_BTC, state_BCK1, weight_CK, bias_C, key_dim: int, head_dim: int, silu: bool):
-    """What the kernels take besides their outputs: x and the state (in x's dtype) contiguous, the filters tap by tap
-    ([K, C]: a tap's weights for a program's channels are one contiguous run, loaded as vectors; [C, K] rows made
-    them strided scalar loads, in every program), the grid (one program per head and block of rows) and the shape's
-    constexprs."""
+    """What both kernels take besides their outputs: x, the state (in x's dtype) and the filters contiguous, the
+    grid (one program per head and block of rows) and the shape's constexprs."""
     B, T, C = x_BTC.shape
     state = None if state_BCK1 is None else state_BCK1.to(x_BTC.dtype).contiguous()
     shape = {
@@ -105,21 +103,16 @@ def _launch(x_BTC, state_BCK1, weight_CK, bias_C, key_dim: int, head_dim: int, s
         "SILU": silu,
         "EPS": L2NORM_EPS,
     }
-    grid = lambda meta: (C // head_dim, triton.cdiv(T, meta["BT"] * meta.get("BLOCKS", 1)), B)  # noqa: E731
-    return x_BTC.contiguous(), state, weight_CK.t().contiguous(), grid, shape
+    grid = lambda meta: (C // head_dim, triton.cdiv(T, meta["BT"]), B)  # noqa: E731
+    return x_BTC.contiguous(), state, weight_CK.contiguous(), grid, shape
 
 
-# rows per block, blocks per program and warps, tuned per shape on the first call (as fla tunes its conv); the sm_90
-# build at hybrid-1b's widths spills nothing at 32 rows or at 64 with 8 warps, 164 bytes at 64 with 4, kilobytes at
-# 128 (dropped): `benchmarks/triton_build_report.py`, Triton 3.6 as on the H200 box. 16 rows hold 74-96 registers
-# where 32 hold 128-144 (Triton 3.8): more programs an SM, for the autotuner to weigh against re-read rows. One
-# block a program moved 1.6 TB/s on the H200 (8.3 ms of a capture, 0.7 ms a layer): each program's few kilobytes
-# pay its index arithmetic, filter loads and start; four blocks in a loop share those and let the pipeliner issue
-# the next block's loads early, in more registers: 16 rows 172-255 and 32 at 8 warps 255, no spills; 32 at 4
-# warps and 64 spill 0.7-16 kB (dropped). The first configuration (the interpreter's) loops.
+# rows per program and warps, tuned per shape on the first call (as fla tunes its conv); the sm_90 build at
+# hybrid-1b's widths spills nothing at 32 rows or at 64 with 8 warps, 164 bytes at 64 with 4, kilobytes at 128
+# (dropped): `benchmarks/triton_build_report.py`, Triton 3.6 as on the H200 box. 16 rows hold 74-96 registers
+# where 32 hold 128-144 (Triton 3.8): more programs an SM, for the autotuner to weigh against re-read rows
 @triton.autotune(
-    configs=[triton.Config({"BT": bt, "BLOCKS": 4}, num_warps=w) for bt, w in ((16, 4), (16, 8), (32, 8))]
-    + [triton.Config({"BT": bt, "BLOCKS": 1}, num_warps=w) for bt in (16, 32, 64) for w in (4, 8)],
+    configs=[triton.Config({"BT": bt}, num_warps=w) for bt in (16, 32, 64) for w in (4, 8)],
     key=["C", "KEY_DIM", "D", "K"],
 )
 @triton.jit
@@ -141,32 +134,28 @@ def _conv_split_normalized_kernel(
     SILU: tl.constexpr,
     EPS: tl.constexpr,
     BT: tl.constexpr,
-    BLOCKS: tl.constexpr,
 ):
-    """Head `program_id(0)` (q's heads, then k's, then v's) over BLOCKS blocks of BT rows of one sequence, into q, k
-    or v. The head is the fastest index, so the programs running together read whole rows of x, as fla's conv's do
-    (with the row block fastest, 79b4eaa's order, they read 256 bytes of each of thousands of rows at once, and the
-    kernel moved 1,047 GB/s, under half of fla's conv's rate). Row strides are constexpr, so loads and stores
-    vectorise."""
+    """Head `program_id(0)` (q's heads, then k's, then v's) over BT rows of one sequence, into q, k or v. The head
+    is the fastest index, so the programs running together read whole rows of x, as fla's conv's do (with the row
+    block fastest, 79b4eaa's order, they read 256 bytes of each of thousands of rows at once, and the kernel moved
+    1,047 GB/s, under half of fla's conv's rate). Row strides are constexpr, so loads and stores vectorise."""
     i_h, i_t, i_b = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
+    rows = i_t * BT + tl.arange(0, BT)
+    channels = i_h * D + tl.arange(0, D)
+    acc = _pre_activation(
+        x_ptr, state_ptr, w_ptr, b_ptr, i_b, i_t * BT, rows, channels, T, C, K, HAS_STATE, HAS_BIAS, BT, D
+    )
+    if SILU:
+        acc = acc * tl.sigmoid(acc)
     columns = tl.arange(0, D)
-    channels = i_h * D + columns
-    for block in tl.range(BLOCKS):
-        first = (i_t * BLOCKS + block) * BT
-        rows = first + tl.arange(0, BT)
-        acc = _pre_activation(
-            x_ptr, state_ptr, w_ptr, b_ptr, i_b, first, rows, channels, T, C, K, HAS_STATE, HAS_BIAS, BT, D
-        )
-        if SILU:
-            acc = acc * tl.sigmoid(acc)
-        if i_h * D < 2 * KEY_DIM:  # q and k: each row of the head divided by its l2 norm, as fla's l2 norm
-            acc = acc * _inverse_norm(acc, EPS)[:, None]
-            if i_h * D < KEY_DIM:
-                _store_rows(q_ptr, acc, i_b, rows, i_h * D + columns, T, KEY_DIM)
-            else:
-                _store_rows(k_ptr, acc, i_b, rows, i_h * D - KEY_DIM + columns, T, KEY_DIM)
+    if i_h * D < 2 * KEY_DIM:  # q and k: each row of the head divided by its l2 norm, as fla's l2 norm
+        acc = acc * _inverse_norm(acc, EPS)[:, None]
+        if i_h * D < KEY_DIM:
+            _store_rows(q_ptr, acc, i_b, rows, i_h * D + columns, T, KEY_DIM)
         else:
-            _store_rows(v_ptr, acc, i_b, rows, i_h * D - 2 * KEY_DIM + columns, T, C - 2 * KEY_DIM)
+            _store_rows(k_ptr, acc, i_b, rows, i_h * D - KEY_DIM + columns, T, KEY_DIM)
+    else:
+        _store_rows(v_ptr, acc, i_b, rows, i_h * D - 2 * KEY_DIM + columns, T, C - 2 * KEY_DIM)
 
 
 def conv_split_normalized_triton(
@@ -188,8 +177,8 @@ def conv_split_normalized_triton(
         for width in (key_dim, key_dim, C - 2 * key_dim)
     )
     if T:
-        x_BTC, state, weight_KC, grid, shape = _launch(x_BTC, state_BCK1, weight_CK, bias_C, key_dim, head_dim, silu)
-        _conv_split_normalized_kernel[grid](x_BTC, state, weight_KC, bias_C, q, k, v, T, **shape)
+        x_BTC, state, weight_CK, grid, shape = _launch(x_BTC, state_BCK1, weight_CK, bias_C, key_dim, head_dim, silu)
+        _conv_split_normalized_kernel[grid](x_BTC, state, weight_CK, bias_C, q, k, v, T, **shape)
     return q, k, v
 
 
@@ -271,7 +260,7 @@ def _conv_input_gradient_kernel(
     dx = tl.zeros((BT, D), dtype=tl.float32)
     for m in tl.static_range(K):
         dpre = _load_rows(dpre_ptr, i_b, rows + m, channels, T, C)
-        dx += dpre * tl.load(w_ptr + (K - 1 - m) * C + channels).to(tl.float32)[None, :]
+        dx += dpre * tl.load(w_ptr + channels * K + (K - 1 - m)).to(tl.float32)[None, :]
     _store_rows(dx_ptr, dx, i_b, rows, channels, T, C)
 
 
@@ -293,12 +282,12 @@ def conv_split_normalized_backward_triton(
     dq, dk, dv = (g.contiguous() for g in grads)
     dx = torch.empty_like(x_BTC)
     if x_BTC.shape[1]:
-        x_BTC, state, weight_KC, grid, shape = _launch(x_BTC, state_BCK1, weight_CK, bias_C, key_dim, head_dim, silu)
+        x_BTC, state, weight_CK, grid, shape = _launch(x_BTC, state_BCK1, weight_CK, bias_C, key_dim, head_dim, silu)
         dpre = torch.empty(x_BTC.shape, dtype=torch.float32, device=x_BTC.device)
         _pre_activation_gradient_kernel[grid](
-            x_BTC, state, weight_KC, bias_C, dq, dk, dv, dpre, x_BTC.shape[1], **shape
+            x_BTC, state, weight_CK, bias_C, dq, dk, dv, dpre, x_BTC.shape[1], **shape
         )
-        _conv_input_gradient_kernel[grid](dpre, weight_KC, dx, x_BTC.shape[1], C=shape["C"], K=shape["K"], D=head_dim)
+        _conv_input_gradient_kernel[grid](dpre, weight_CK, dx, x_BTC.shape[1], C=shape["C"], K=shape["K"], D=head_dim)
     return dx
 
 

@@ -29,22 +29,15 @@ import triton.language as tl
 
 def _blocks_within_head(configs, named_args, **kwargs):
     """The configurations whose value block fits the head: one wider than V would launch no program (V // BV = 0)
-    and write nothing, the fastest candidate the autotuner could meet."""
+    and write nothing, the fastest candidate the autotuner could meet (at value heads of 32)."""
     head_dim = {**named_args, **kwargs}["V"]
     return [config for config in configs if config.kwargs["BV"] <= head_dim]
 
 
-# At 32-wide value blocks hybrid-1b's 32 value heads give 128 programs, under one an SM: each runs its chunks in
-# sequence with nothing beside it to hide a product's latency. 16-wide blocks double the programs (each re-reads
-# the chunk's q, k and w, from L2 mostly). The sm_90 builds (`benchmarks/triton_build_report.py`): none of these
-# spills but 64-wide blocks (44-100 B); 16-wide blocks at 2 warps spilled 0.5-1.5 kB (dropped), 64-wide at 4 warps
-# 40-192 B (dropped)
+# On an H100 at hybrid-1b's capture shape the autotuner chose 32-wide blocks, 4 warps, 3 stages (1.18 ms a layer);
+# 16-wide blocks (twice the programs) took 1.41-1.98 ms and 64-wide 2.18-2.34: `benchmarks/gdn_capture_scan.py`
 @triton.autotune(
-    configs=[
-        triton.Config({"BV": bv}, num_warps=w, num_stages=s)
-        for bv, w in ((16, 4), (32, 4), (32, 8), (64, 8))
-        for s in (2, 3)
-    ],
+    configs=[triton.Config({"BV": bv}, num_warps=w, num_stages=s) for bv in (32, 64) for w in (4, 8) for s in (2, 3)],
     key=["H", "HV", "K", "V", "BT"],
     prune_configs_by={"early_config_prune": _blocks_within_head},
 )
@@ -127,8 +120,8 @@ def chunk_scan_output_triton(
     `initial_state_NHKV` (zeros if None), `g_NTH` the within-chunk cumulative log2 decay. K and V powers of two."""
     N, T, H, K = q_NTHK.shape
     HV, V = u_NTHV.shape[2:]
-    if K & (K - 1) or V & (V - 1) or V < 16 or HV % H or k_NTHK.shape != q_NTHK.shape:
-        raise ValueError(f"the fused scan needs power-of-two head dims (V >= 16) and HV a multiple of H, got {K}, {V}")
+    if K & (K - 1) or V & (V - 1) or V < 32 or HV % H or k_NTHK.shape != q_NTHK.shape:
+        raise ValueError(f"the fused scan needs power-of-two head dims (V >= 32) and HV a multiple of H, got {K}, {V}")
     q, k, w, u = (t.contiguous() for t in (q_NTHK, k_NTHK, w_NTHK, u_NTHV))
     o = torch.empty_like(u)
     final = torch.empty(N, HV, K, V, dtype=torch.float32, device=u.device)
