@@ -59,7 +59,7 @@ def _pre_activation(
                     other=0.0,
                 )
                 xv += sv.to(tl.float32)
-        acc += xv * tl.load(w_ptr + channels * K + j).to(tl.float32)[None, :]
+        acc += xv * tl.load(w_ptr + j * C + channels).to(tl.float32)[None, :]
     if HAS_BIAS:
         acc += tl.load(b_ptr + channels).to(tl.float32)[None, :]
     return acc
@@ -89,8 +89,10 @@ def _load_rows(ptr, i_b, rows, columns, T, WIDTH: tl.constexpr):
 
 
 def _launch(x_BTC, state_BCK1, weight_CK, bias_C, key_dim: int, head_dim: int, silu: bool):
-    """What both kernels take besides their outputs: x, the state (in x's dtype) and the filters contiguous, the
-    grid (one program per head and block of rows) and the shape's constexprs."""
+    """What the kernels take besides their outputs: x and the state (in x's dtype) contiguous, the filters tap by tap
+    ([K, C]: a tap's weights for a program's channels are one contiguous run; from [C, K] rows the taps' transpose
+    kernel loaded them as strided scalars: at 16 rows and 8 warps 8 of its 40 loads were 16-byte vectors in the sm_90
+    build, 12 of 12 now), the grid (one program per head and block of rows) and the shape's constexprs."""
     B, T, C = x_BTC.shape
     state = None if state_BCK1 is None else state_BCK1.to(x_BTC.dtype).contiguous()
     shape = {
@@ -104,7 +106,7 @@ def _launch(x_BTC, state_BCK1, weight_CK, bias_C, key_dim: int, head_dim: int, s
         "EPS": L2NORM_EPS,
     }
     grid = lambda meta: (C // head_dim, triton.cdiv(T, meta["BT"]), B)  # noqa: E731
-    return x_BTC.contiguous(), state, weight_CK.contiguous(), grid, shape
+    return x_BTC.contiguous(), state, weight_CK.t().contiguous(), grid, shape
 
 
 # rows per program and warps, tuned per shape on the first call (as fla tunes its conv); the sm_90 build at
@@ -177,8 +179,8 @@ def conv_split_normalized_triton(
         for width in (key_dim, key_dim, C - 2 * key_dim)
     )
     if T:
-        x_BTC, state, weight_CK, grid, shape = _launch(x_BTC, state_BCK1, weight_CK, bias_C, key_dim, head_dim, silu)
-        _conv_split_normalized_kernel[grid](x_BTC, state, weight_CK, bias_C, q, k, v, T, **shape)
+        x_BTC, state, weight_KC, grid, shape = _launch(x_BTC, state_BCK1, weight_CK, bias_C, key_dim, head_dim, silu)
+        _conv_split_normalized_kernel[grid](x_BTC, state, weight_KC, bias_C, q, k, v, T, **shape)
     return q, k, v
 
 
@@ -260,7 +262,7 @@ def _conv_input_gradient_kernel(
     dx = tl.zeros((BT, D), dtype=tl.float32)
     for m in tl.static_range(K):
         dpre = _load_rows(dpre_ptr, i_b, rows + m, channels, T, C)
-        dx += dpre * tl.load(w_ptr + channels * K + (K - 1 - m)).to(tl.float32)[None, :]
+        dx += dpre * tl.load(w_ptr + (K - 1 - m) * C + channels).to(tl.float32)[None, :]
     _store_rows(dx_ptr, dx, i_b, rows, channels, T, C)
 
 
@@ -282,12 +284,12 @@ def conv_split_normalized_backward_triton(
     dq, dk, dv = (g.contiguous() for g in grads)
     dx = torch.empty_like(x_BTC)
     if x_BTC.shape[1]:
-        x_BTC, state, weight_CK, grid, shape = _launch(x_BTC, state_BCK1, weight_CK, bias_C, key_dim, head_dim, silu)
+        x_BTC, state, weight_KC, grid, shape = _launch(x_BTC, state_BCK1, weight_CK, bias_C, key_dim, head_dim, silu)
         dpre = torch.empty(x_BTC.shape, dtype=torch.float32, device=x_BTC.device)
         _pre_activation_gradient_kernel[grid](
-            x_BTC, state, weight_CK, bias_C, dq, dk, dv, dpre, x_BTC.shape[1], **shape
+            x_BTC, state, weight_KC, bias_C, dq, dk, dv, dpre, x_BTC.shape[1], **shape
         )
-        _conv_input_gradient_kernel[grid](dpre, weight_CK, dx, x_BTC.shape[1], C=shape["C"], K=shape["K"], D=head_dim)
+        _conv_input_gradient_kernel[grid](dpre, weight_KC, dx, x_BTC.shape[1], C=shape["C"], K=shape["K"], D=head_dim)
     return dx
 
 
