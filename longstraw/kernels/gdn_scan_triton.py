@@ -35,7 +35,8 @@ def _blocks_within_head(configs, named_args, **kwargs):
 
 
 # On an H100 at hybrid-1b's capture shape the autotuner chose 32-wide blocks, 4 warps, 3 stages (1.18 ms a layer);
-# 16-wide blocks (twice the programs) took 1.41-1.98 ms and 64-wide 2.18-2.34: `benchmarks/gdn_capture_scan.py`
+# 16-wide blocks (twice the programs; tried, dropped) took 1.41-1.98 ms, 64-wide at 8 warps 2.18-2.34:
+# `benchmarks/gdn_capture_scan.py` at ddce8bc
 @triton.autotune(
     configs=[triton.Config({"BV": bv}, num_warps=w, num_stages=s) for bv in (32, 64) for w in (4, 8) for s in (2, 3)],
     key=["H", "HV", "K", "V", "BT"],
