@@ -37,13 +37,6 @@ def median_seconds(fn, repeats: int) -> float:
     return statistics.median(seconds_each(fn, torch.device("cuda"), repeats))
 
 
-def seconds_as_members_run(fn, repeats: int) -> float:
-    """Device seconds of forward and backward replayed as a CUDA graph, as a member's step runs them: timed call by
-    call from the host, a ~0.1 ms pass also counts autograd's host time (torch's C++ autograd then looks faster
-    than a Python autograd.Function)."""
-    return graph_replay_seconds(fn, repeats)
-
-
 def measure(rows: int, columns: int, repeats: int, backward: bool, gen) -> dict:
     gate, up, grad = (torch.randn(rows, columns, generator=gen).to("cuda", torch.bfloat16) for _ in range(3))
     if backward:
@@ -54,7 +47,9 @@ def measure(rows: int, columns: int, repeats: int, backward: bool, gen) -> dict:
             runs[name] = lambda fn=fn: torch.autograd.grad(fn(gate, up), (gate, up), grad)
         else:
             runs[name] = lambda fn=fn: fn(gate, up)
-    timer = seconds_as_members_run if backward else median_seconds
+    # a member's pass runs inside a CUDA graph: timed call by call, a ~0.1 ms pass would also count autograd's host
+    # time (torch's C++ autograd then looks faster than a Python autograd.Function)
+    timer = graph_replay_seconds if backward else median_seconds
     with torch.set_grad_enabled(backward):
         seconds = {name: timer(run, repeats) for name, run in runs.items()}
     moved = gate.numel() * gate.element_size() * (3 + 5 if backward else 3)

@@ -223,6 +223,11 @@ CAPTIONS = {
 }
 
 
+def cycle_seconds(cycle: dict) -> float:
+    """A step cycle's seconds: the sum of its phases' (a phase without seconds counts none)."""
+    return sum(number(as_dict(r).get("seconds")) or 0.0 for r in as_dict(cycle.get("phases")).values())
+
+
 def columns(point: dict) -> dict:
     cfg, metrics = point_parts(point)
     responses = as_dict(cfg.get("responses"))
@@ -263,9 +268,7 @@ def columns(point: dict) -> dict:
     if replays and number(replay.get("seconds")) is not None:
         cols["seconds_per_member"] = replay["seconds"] / replays
     if cycles:
-        per_cycle = [
-            sum(number(as_dict(r).get("seconds")) or 0.0 for r in as_dict(c.get("phases")).values()) for c in cycles
-        ]
+        per_cycle = [cycle_seconds(c) for c in cycles]
         cols["cycle_seconds_mean"] = sum(per_cycle) / len(per_cycle)
         # cold: the process's first step (cuDNN plans, Triton autotuning inside it); warm: the median of the rest
         cols["cold_step_seconds"] = per_cycle[0]
