@@ -227,10 +227,10 @@ def test_the_fused_scan_tunes_no_value_block_wider_than_the_head():
     from longstraw.kernels import gdn_scan_triton
 
     kernel = gdn_scan_triton._scan_output_kernel
-    for head_dim in (32, 64, 128):
+    for head_dim in (16, 32, 64, 128):
         kept = kernel.early_config_prune(kernel.configs, {}, V=head_dim)
         assert kept and all(config.kwargs["BV"] <= head_dim for config in kept), head_dim
-    assert {config.kwargs["BV"] for config in kernel.configs} - {32, 64} == set()  # the loop above saw them all
+    assert {config.kwargs["BV"] for config in kernel.configs} - {16, 32, 64} == set()  # the loop above saw them all
     assert len(kernel.early_config_prune(kernel.configs, {}, V=128)) == len(kernel.configs)
 
 

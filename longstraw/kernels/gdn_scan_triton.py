@@ -16,8 +16,12 @@ nothing but the output and the final state is written. With G the within-chunk c
     O  = scale (diag(2^G) Q S + (Q K^T * 2^(G_i - G_j), j <= i) V')
     S  = 2^(G_last) S + K^T (V' * 2^(G_last - G))
 
-as fla's two kernels compute it, operand for operand (S and V' rounded to the inputs' dtype where they enter a
-product, as fla stores them). The reference is the token-by-token rule in `longstraw.kernels.gdn`.
+as fla's two kernels compute it, operand for operand (S, V' and the masked scores rounded to the inputs' dtype
+where they enter a product, as fla stores them). The scores P = Q K^T * 2^(G_i - G_j) (j <= i) do not depend on the
+state: a first kernel computes every chunk's at once (`_chunk_scores_kernel`, one program a chunk and value head) and
+the scan reads them: four products a chunk in the sequential loop instead of five, and the one left out is the
+largest (BT x BT x K), which each of a head's value-block programs computed again.
+The reference is the token-by-token rule in `longstraw.kernels.gdn`.
 """
 
 from __future__ import annotations
@@ -34,11 +38,46 @@ def _blocks_within_head(configs, named_args, **kwargs):
     return [config for config in configs if config.kwargs["BV"] <= head_dim]
 
 
-# On an H100 at hybrid-1b's capture shape the autotuner chose 32-wide blocks, 4 warps, 3 stages (1.18 ms a layer);
-# 16-wide blocks (twice the programs; tried, dropped) took 1.41-1.98 ms, 64-wide at 8 warps 2.18-2.34:
-# `benchmarks/gdn_capture_scan.py` at ddce8bc
+@triton.jit
+def _chunk_scores_kernel(
+    q_ptr,
+    k_ptr,
+    g_ptr,
+    p_ptr,
+    T,
+    H: tl.constexpr,
+    HV: tl.constexpr,
+    K: tl.constexpr,
+    BT: tl.constexpr,
+):
+    """Chunk `program_id(0)` of value head i_h of sequence i_n: P = Q K^T * 2^(G_i - G_j) where j <= i (zeros above
+    the diagonal and at rows or columns past T), rounded to q's dtype, into p [N, HV, NT, BT, BT]."""
+    i_t, i_nh = tl.program_id(0).to(tl.int64), tl.program_id(1).to(tl.int64)
+    i_n, i_h = i_nh // HV, i_nh % HV
+    i_qk = i_h // (HV // H)
+    keys = tl.arange(0, K)
+    in_chunk = tl.arange(0, BT)
+    rows = i_t * BT + in_chunk
+    valid = rows < T
+    tokens = i_n * T + rows
+    q = tl.load(q_ptr + (tokens[:, None] * H + i_qk) * K + keys[None, :], mask=valid[:, None], other=0.0)
+    k_t = tl.load(k_ptr + (tokens[None, :] * H + i_qk) * K + keys[:, None], mask=valid[None, :], other=0.0)
+    g = tl.load(g_ptr + tokens * HV + i_h, mask=valid, other=0.0)
+    scores = tl.dot(q, k_t) * tl.exp2(g[:, None] - g[None, :])
+    keep = (in_chunk[:, None] >= in_chunk[None, :]) & valid[:, None] & valid[None, :]
+    scores = tl.where(keep, scores, 0.0)
+    at = ((i_nh * tl.num_programs(0) + i_t) * BT + in_chunk[:, None]) * BT + in_chunk[None, :]
+    tl.store(p_ptr + at, scores.to(p_ptr.dtype.element_ty))
+
+
+# On an H100 at hybrid-1b's capture shape, with the scores computed inside the scan, the autotuner chose 32-wide
+# blocks, 4 warps, 3 stages (1.18 ms a layer); 16-wide blocks (twice the programs, each computing the scores again)
+# took 1.41-1.98 ms, 64-wide at 8 warps 2.18-2.34: `benchmarks/gdn_capture_scan.py` at ddce8bc. Without the scores
+# on the sequential path, 16-wide blocks (two programs an SM) are offered again
 @triton.autotune(
-    configs=[triton.Config({"BV": bv}, num_warps=w, num_stages=s) for bv in (32, 64) for w in (4, 8) for s in (2, 3)],
+    configs=[
+        triton.Config({"BV": bv}, num_warps=w, num_stages=s) for bv in (16, 32, 64) for w in (4, 8) for s in (2, 3)
+    ],
     key=["H", "HV", "K", "V", "BT"],
     prune_configs_by={"early_config_prune": _blocks_within_head},
 )
@@ -46,6 +85,7 @@ def _blocks_within_head(configs, named_args, **kwargs):
 def _scan_output_kernel(
     q_ptr,
     k_ptr,
+    p_ptr,
     w_ptr,
     u_ptr,
     g_ptr,
@@ -63,8 +103,8 @@ def _scan_output_kernel(
     HAS_INITIAL_STATE: tl.constexpr,
 ):
     """Value columns [i_v BV, (i_v + 1) BV) of value head i_h of sequence i_n, through every chunk. q and k
-    [N, T, H, K] (value head h reads q/k head h // (HV / H)), w [N, T, HV, K], u and o [N, T, HV, V], g [N, T, HV]
-    (float32), the states [N, HV, K, V] (float32)."""
+    [N, T, H, K] (value head h reads q/k head h // (HV / H)), p [N, HV, NT, BT, BT] (`_chunk_scores_kernel`),
+    w [N, T, HV, K], u and o [N, T, HV, V], g [N, T, HV] (float32), the states [N, HV, K, V] (float32)."""
     pid = tl.program_id(0).to(tl.int64)
     NV = V // BV
     i_v, i_nh = pid % NV, pid // NV
@@ -74,7 +114,7 @@ def _scan_output_kernel(
     keys = tl.arange(0, K)
     values = i_v * BV + tl.arange(0, BV)
     in_chunk = tl.arange(0, BT)
-    causal = in_chunk[:, None] >= in_chunk[None, :]
+    scores_at = (i_nh * tl.cdiv(T, BT) * BT + in_chunk[:, None]) * BT + in_chunk[None, :]
 
     state = tl.zeros([K, BV], dtype=tl.float32)
     state_at = (i_nh * K + keys[:, None]) * V + values[None, :]
@@ -95,9 +135,8 @@ def _scan_output_kernel(
         state_in = state.to(dtype)
         corrected = u.to(tl.float32) - tl.dot(w, state_in)  # V' = U - W S
         corrected_in = corrected.to(dtype)
-        scores = tl.dot(q, k_t) * tl.exp2(g[:, None] - g[None, :])
-        scores = tl.where(causal & valid[:, None] & valid[None, :], scores, 0.0)
-        out = tl.dot(q, state_in) * tl.exp2(g)[:, None] + tl.dot(scores.to(dtype), corrected_in)
+        scores = tl.load(p_ptr + scores_at + i_t * BT * BT)
+        out = tl.dot(q, state_in) * tl.exp2(g)[:, None] + tl.dot(scores, corrected_in)
         o_at = (tokens[:, None] * HV + i_h) * V + values[None, :]
         tl.store(o_ptr + o_at, (out * scale).to(o_ptr.dtype.element_ty), mask=valid[:, None])
 
@@ -127,8 +166,12 @@ def chunk_scan_output_triton(
     o = torch.empty_like(u)
     final = torch.empty(N, HV, K, V, dtype=torch.float32, device=u.device)
     initial = None if initial_state_NHKV is None else initial_state_NHKV.float().contiguous()
+    g = g_NTH.float().contiguous()
+    chunks = triton.cdiv(T, chunk_size)
+    scores = torch.empty(N, HV, chunks, chunk_size, chunk_size, dtype=w.dtype, device=u.device)
+    _chunk_scores_kernel[(chunks, N * HV)](q, k, g, scores, T, H=H, HV=HV, K=K, BT=chunk_size, num_warps=4)
     _scan_output_kernel[lambda meta: (V // meta["BV"] * N * HV,)](
-        q, k, w, u, g_NTH.float().contiguous(), initial, o, final, scale, T,
+        q, k, scores, w, u, g, initial, o, final, scale, T,
         H=H, HV=HV, K=K, V=V, BT=chunk_size, HAS_INITIAL_STATE=initial is not None,
     )  # fmt: skip
     return o, final

@@ -23,6 +23,7 @@ KERNEL_KINDS = (
             "chunk_bwd_kernel",
             "chunk_local_cumsum",
             "_scan_output_kernel",
+            "_chunk_scores_kernel",
         ),
     ),
     ("conv", ("_conv_", "conv1d", "_pre_activation_gradient")),
