@@ -147,10 +147,14 @@ def capture(
     starts = range(0, positions, chunk)
     # exact mode: each GDN layer's state at every chunk boundary, for the reverse recompute
     checkpoints = {} if prefix_grad else None
+    last = adapter.num_layers - 1
 
     def forward_layer(i, h, pe, entry, start):
+        """The layer's output, or None for the last layer: nothing reads its output, so only its entry is written."""
         if checkpoints is not None and (saved := entry.chunk_checkpoint()) is not None:
             checkpoints[(i, start)] = saved
+        if i == last:
+            return adapter.layer_state_forward(i, h, pe, entry)
         return adapter.layer_forward(i, h, pe, entry, capturing=True)
 
     progress_bar = CaptureProgress(
@@ -171,7 +175,9 @@ def capture(
                     for start in starts:
                         h = h_all[:, start : start + chunk]
                         pe = adapter.position_embeddings(h, start)
-                        h_all[:, start : start + chunk] = forward_layer(i, h, pe, entry, start)
+                        out = forward_layer(i, h, pe, entry, start)
+                        if out is not None:
+                            h_all[:, start : start + chunk] = out
                 progress_bar.advance_to((i + 1) * positions, label=f"capture layer {i + 1}/{adapter.num_layers}")
             del h_all
     progress_bar.close()

@@ -20,7 +20,7 @@ from longstraw.families.attention_layer import IMPLEMENTATION, longstraw_attenti
 from longstraw.kernels.rms_norm import add_rms_norm, fused_norms_selected, rms_norm
 from longstraw.kernels.rotary import fused_rotary_selected
 from longstraw.kernels.swiglu import mlp_forward
-from longstraw.state import ModelBinding
+from longstraw.state import ModelBinding, attention_output_unused
 
 # config fields that size a resident entry (absent ones read None)
 _SHAPE_KEYS = (
@@ -152,14 +152,26 @@ class FamilyAdapter:
             positions = positions[None].expand(3, -1, -1)
         return rotary(h_BTH, positions)
 
+    def mixer_input(self, layer_idx: int, h_BTH):
+        """What a layer's mixer reads: its input norm of the residual stream."""
+        return rms_norm(self.layers[layer_idx].input_layernorm, h_BTH)
+
     def layer_forward(self, layer_idx: int, h_BTH, position_embeddings, entry, capturing: bool):
         """Pre-norm residual block, as every supported HF decoder layer computes it: h + mix(norm(h)), and that plus
         mlp(norm(that)). On CUDA the first sum runs inside the second norm's kernel and the last inside the MLP's
         down projection where they apply (`add_rms_norm`, `mlp_forward`): no pass of its own over the rows."""
         layer = self.layers[layer_idx]
-        mixed = self.mix(layer_idx, rms_norm(layer.input_layernorm, h_BTH), position_embeddings, entry, capturing)
+        mixed = self.mix(layer_idx, self.mixer_input(layer_idx, h_BTH), position_embeddings, entry, capturing)
         normed, h_BTH = add_rms_norm(layer.post_attention_layernorm, mixed, h_BTH)
         return mlp_forward(layer.mlp, normed, residual=h_BTH)
+
+    def layer_state_forward(self, layer_idx: int, h_BTH, position_embeddings, entry) -> None:
+        """A capture's last layer: only what its entry keeps. Its output feeds no later layer and capture computes
+        no logits (the last prompt token is replayed), so the MLP and whatever follows the mixer do not run, and
+        attention pages take the chunk's K/V without attending (`attention_output_unused`). A recurrent layer's
+        mixer still runs whole: its state comes out of the same scan as its output."""
+        with attention_output_unused():
+            self.mix(layer_idx, self.mixer_input(layer_idx, h_BTH), position_embeddings, entry, capturing=True)
 
     def final_hidden(self, h_BTH):
         return rms_norm(self.decoder.norm, h_BTH)

@@ -128,10 +128,13 @@ class Gemma3Adapter(SlidingWindowAdapter):
     def mix(self, layer_idx, x_BTH, position_embeddings, entry, capturing):
         return super().mix(layer_idx, x_BTH, position_embeddings[self.layer_types[layer_idx]], entry, capturing)
 
+    def mixer_input(self, layer_idx, h_BTH):
+        return self.layers[layer_idx].input_layernorm(h_BTH)
+
     def layer_forward(self, layer_idx, h_BTH, position_embeddings, entry, capturing):
         """Gemma3DecoderLayer's block: sandwich norms around the attention and the MLP."""
         layer = self.layers[layer_idx]
-        mixed = self.mix(layer_idx, layer.input_layernorm(h_BTH), position_embeddings, entry, capturing)
+        mixed = self.mix(layer_idx, self.mixer_input(layer_idx, h_BTH), position_embeddings, entry, capturing)
         h_BTH = h_BTH + layer.post_attention_layernorm(mixed)
         return h_BTH + layer.post_feedforward_layernorm(layer.mlp(layer.pre_feedforward_layernorm(h_BTH)))
 

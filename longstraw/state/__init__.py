@@ -9,6 +9,7 @@ from longstraw.state.pages import (
     LatentPages,
     RecurrentState,
     attend_latent_pages,
+    attention_output_unused,
     chain_host_pages,
 )
 from longstraw.state.resident import ModelBinding, ResidentState, prompt_digest
@@ -23,6 +24,7 @@ __all__ = [
     "RecurrentState",
     "ResidentState",
     "attend_latent_pages",
+    "attention_output_unused",
     "chain_host_pages",
     "prompt_digest",
 ]

@@ -20,7 +20,8 @@ entry's type. The exact mode's recompute entries (`RecomputePages`, `RecomputeLa
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
@@ -90,11 +91,28 @@ def _carry_page_gradients(self, grads, start: int) -> None:
             grad[:, :, :start] += leaf.grad
 
 
+_OUTPUT_UNUSED: ContextVar[bool] = ContextVar("attention_output_unused", default=False)
+
+
+@contextmanager
+def attention_output_unused():
+    """Within the block a capture's attention (`attend_pages` with `append`) only writes the live K/V and gives
+    back zeros: for a layer whose output nothing reads (a capture's last layer; `FamilyAdapter.layer_state_forward`)."""
+    token = _OUTPUT_UNUSED.set(True)
+    try:
+        yield
+    finally:
+        _OUTPUT_UNUSED.reset(token)
+
+
 def attend_pages(pages, q_BHTD, k_BKTD, v_BKTD, scale: float, append: bool, sinks=None):
     """The live queries over `pages.filled()` and their own causal keys ([B, H, T, Dv]), and the layer's
     attention `sinks` when it has them; a capture (`append`) then writes the live K/V after the filled part.
     Any entry with `filled()` and `append()` attends this way (attention pages, the exact mode's recompute
-    pages)."""
+    pages). Within `attention_output_unused()` a capture appends and returns zeros."""
+    if append and _OUTPUT_UNUSED.get():
+        pages.append(k_BKTD, v_BKTD)
+        return q_BHTD.new_zeros(*q_BHTD.shape[:3], v_BKTD.shape[-1])
     k_prefix_BKPD, v_prefix_BKPD = pages.filled()
     with timed_attention(q_BHTD, k_prefix_BKPD.shape[2]) if append else nullcontext():
         out_BHTD = paged_attention(
