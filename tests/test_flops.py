@@ -46,19 +46,28 @@ def test_replay_floor_divides_each_part_by_its_own_rate():
     assert floor["seconds"] == pytest.approx(10752 / 8e12 + 26880 / 16e12 + linear_flops / 4e12)
 
 
-def test_capture_floor_counts_causal_attention_and_linears_without_the_lm_head():
-    config = make_config("tiny-llama")  # 2 attention layers of 4 heads x 16; LM head 64 x 256
+def test_capture_floor_leaves_out_the_lm_head_and_the_last_layers_attention_and_mlp():
+    # tiny-llama: 2 attention layers of 4 heads x 16; per layer q 64x64, k and v 64x32, o 64x64, MLP 3 x 64x128;
+    # LM head 64 x 256. Capture attends and runs the MLP in the first layer only, the projections in both
+    model = build_model("tiny-llama")
+    config = model.config
+    capture_linear = 2 * (4096 + 2048 + 2048 + 4096) + 3 * 8192
+    assert flops.capture_linear_parameters(model, config) == capture_linear
+    assert flops.capture_linear_parameters(apply_lora(model, r=4), config) == capture_linear
     rates = {
         "cudnn_forward": {"tflops_per_second": 2.0},
         "flash_forward": {"tflops_per_second": 1.0},
         "gemm": {"tflops_per_second": 4.0},
     }
-    linear = 2 * (4096 + 2048 + 2048 + 4096 + 3 * 8192) + 256 * 64
-    floor = flops.capture_floor_seconds(config, linear, 10, rates)
-    attention = 2 * 4 * 4 * 16 * 55  # 10 tokens: 55 causal pairs per head
-    assert floor["flops"] == {"attention": attention, "linear": 2 * (linear - 256 * 64) * 10}
+    floor = flops.capture_floor_seconds(config, capture_linear, 10, rates)
+    attention = 4 * 4 * 16 * 55  # one layer; 10 tokens: 55 causal pairs per head
+    assert floor["flops"] == {"attention": attention, "linear": 2 * capture_linear * 10}
     assert floor["attention_kernel"] == "cudnn_forward"
-    assert floor["seconds"] == pytest.approx(attention / 2e12 + 2 * (linear - 16384) * 10 / 4e12)
+    assert floor["seconds"] == pytest.approx(attention / 2e12 + 2 * capture_linear * 10 / 4e12)
+    # tiny-qwen3_5: its one attention layer is the last: capture runs no attention at all
+    hybrid = make_config("tiny-qwen3_5")
+    assert hybrid.layer_types[-1] == "full_attention" and flops.attention_layers(hybrid) == 1
+    assert flops.capture_flops(hybrid, 0, 10)["attention"] == 0
 
 
 def _meta(name):

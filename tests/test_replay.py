@@ -119,3 +119,36 @@ def test_the_paged_attention_is_selected_on_every_attention_config_the_model_hol
             every, IMPLEMENTATION
         )
     assert {key: config._attn_implementation_internal for key, config in every.items()} == own
+
+
+@pytest.mark.parametrize("preset", TINY_PRESETS)
+def test_capture_runs_neither_the_last_layers_mlp_nor_its_attention(preset, monkeypatch):
+    """Nothing reads a capture's last layer's output (no later layer, no logits: the last prompt token is replayed),
+    so capture leaves out its MLP and, where its entry is attention pages, its attention (the pages still take the
+    K/V: the log-probs test above replays over them against HF). The layer before it runs both, counted by the same
+    hooks; a replay runs the last layer's MLP."""
+    import longstraw.state.pages as pages
+    from longstraw.families import adapter_for
+    from longstraw.state import AttentionPages
+
+    model = build_model(preset, seed=0)
+    layers = adapter_for(model).layers
+    calls = {"last": 0, "before": 0, "attention": 0}
+    for name, layer in (("last", layers[-1]), ("before", layers[-2])):
+        for module in layer.mlp.modules():
+            module.register_forward_hook(lambda *_, name=name: calls.__setitem__(name, calls[name] + 1))
+    attend = pages.paged_attention
+    monkeypatch.setattr(
+        pages,
+        "paged_attention",
+        lambda *a, **k: calls.__setitem__("attention", calls["attention"] + 1) or attend(*a, **k),
+    )
+    chunks = 5  # 37 prompt tokens: 36 positions in chunks of 8
+    state = capture(model, _ids(PROMPT_LEN, 6), chunk_size=8, order="chunk")
+    paged = sum(type(entry) is AttentionPages for entry in state.layers[:-1])
+    assert calls["last"] == 0 and calls["before"] > 0, calls
+    assert calls["attention"] == chunks * paged, (calls, paged)
+    if type(state.layers[-1]) is AttentionPages:
+        assert state.layers[-1].length == state.positions
+    replay(model, state, _ids(3, 7))
+    assert calls["last"] > 0

@@ -61,10 +61,11 @@ def run(cfg: PointConfig, device, progress: Progress) -> dict:
     out["capture"], state = measure_capture(model, prompt, cfg, recorder)
     out["capture"]["phase"] = recorder.phases["capture"]
     if "kernel_rates" in out:
-        from longstraw.measure.flops import capture_floor_seconds, linear_parameters
+        from longstraw.measure.flops import capture_floor_seconds, capture_linear_parameters
 
+        config = model_config(model)
         out["capture"]["floor"] = capture_floor_seconds(
-            model_config(model), linear_parameters(model), state.positions, out["kernel_rates"]
+            config, capture_linear_parameters(model, config), state.positions, out["kernel_rates"]
         )
     out["steps"] = []
     progress.partial(out)

@@ -10,6 +10,8 @@ is a lower bound, and the measured time over it shows what they cost.
 
 from __future__ import annotations
 
+import re
+
 BACKWARD_OVER_FORWARD = 2.5
 
 
@@ -78,20 +80,38 @@ def replay_floor_seconds(
     }
 
 
-def capture_flops(config, linear_params: int, positions: int) -> dict:
-    """A capture's FLOPs: every attention layer's causal forward over the whole prompt, and the linear
-    work of `positions` tokens (the LM head aside: capture computes no logits)."""
-    attention = attention_layers(config) * attention_forward_flops(
+def _layer_index(module_name: str) -> int | None:
+    found = re.search(r"(?:^|\.)layers\.(\d+)\.", module_name)
+    return int(found.group(1)) if found else None
+
+
+def capture_linear_parameters(model, config) -> int:
+    """The weights a capture multiplies every position by: `linear_parameters` less the LM head (capture computes
+    no logits) and the last decoder layer's MLP (nothing reads that layer's output, so capture runs only what its
+    entry keeps: `FamilyAdapter.layer_state_forward`)."""
+    import torch
+
+    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "lora_" not in n]
+    last = max(i for n, _ in linears if (i := _layer_index(n)) is not None)
+    last_mlp = sum(m.in_features * m.out_features for n, m in linears if _layer_index(n) == last and ".mlp." in n)
+    return linear_parameters(model) - config.hidden_size * config.vocab_size - last_mlp
+
+
+def capture_flops(config, capture_linear_params: int, positions: int) -> dict:
+    """A capture's FLOPs: each attention layer's causal forward over the whole prompt but the last layer's (its
+    pages take the K/V, nothing reads its output), and `capture_linear_parameters`' work on `positions` tokens."""
+    types = getattr(config, "layer_types", None)
+    last_attends = types[-1] == "full_attention" if types else True
+    attention = (attention_layers(config) - last_attends) * attention_forward_flops(
         config.num_attention_heads, head_dim(config), positions, 0
     )
-    lm_head = config.hidden_size * config.vocab_size
-    return {"attention": attention, "linear": 2 * (linear_params - lm_head) * positions}
+    return {"attention": attention, "linear": 2 * capture_linear_params * positions}
 
 
-def capture_floor_seconds(config, linear_params: int, positions: int, rates: dict) -> dict:
+def capture_floor_seconds(config, capture_linear_params: int, positions: int, rates: dict) -> dict:
     """A capture's FLOP floor at measured rates: attention at the forward kernel capture takes (cuDNN's
     when measured, else flash's), the linear work at the GEMM rate."""
-    flops = capture_flops(config, linear_params, positions)
+    flops = capture_flops(config, capture_linear_params, positions)
     kernel = "cudnn_forward" if "cudnn_forward" in rates else "flash_forward"
     parts = {
         "attention": flops["attention"] / (rates[kernel]["tflops_per_second"] * 1e12),

@@ -419,13 +419,19 @@ def step_floor(result: dict, ceilings: dict) -> dict:
     """The FLOP floor of a replay step point (its capture and G members) at the box's measured kernel rates
     (`kernel_ceilings.json`: cuDNN's attention rates at the model's head dim, the bf16 GEMM rate). A lower bound:
     no recompute under checkpointing, no Gated DeltaNet, norm or elementwise work."""
-    from longstraw.measure.flops import capture_floor_seconds, head_dim, linear_parameters, replay_floor_seconds
+    from longstraw.measure.flops import (
+        capture_floor_seconds,
+        capture_linear_parameters,
+        head_dim,
+        linear_parameters,
+        replay_floor_seconds,
+    )
 
     cfg = result["config"]
     config, model = _shapes(cfg)
     rates = {**ceilings["attention"][f"head_dim_{head_dim(config)}"], "gemm": ceilings["linear"]["gemm"]}
     positions, linear = cfg["prompt"]["length"] - 1, linear_parameters(model)
-    capture = capture_floor_seconds(config, linear, positions, rates)
+    capture = capture_floor_seconds(config, capture_linear_parameters(model, config), positions, rates)
     member = replay_floor_seconds(
         config, linear, result["metrics"]["trainable_parameters"], cfg["responses"]["length"], positions, rates
     )
