@@ -85,7 +85,7 @@ KERNELS = {
         GDN_SCAN_SHAPE,
         _configs(gdn_scan_triton._scan_output_kernel),
         {"g_ptr": "*fp32", "h0_ptr": "*fp32", "ht_ptr": "*fp32", "scale": "fp32"},
-        scalars=("T",),
+        scalars=("T", "CHUNKS_LOG2"),
     ),
     **{
         f"swiglu {direction}": Kernel(

@@ -234,6 +234,17 @@ def test_the_fused_scan_tunes_no_value_block_wider_than_the_head():
     assert len(kernel.early_config_prune(kernel.configs, {}, V=128)) == len(kernel.configs)
 
 
+def test_the_fused_scan_tunes_short_and_long_sequences_apart():
+    """The scan's configurations rank by how many chunks a program walks: its autotuner keys on the chunk count's
+    power of two (rounded up): a capture of 32,768 tokens does not take the choice made at 1,000 (the CUDA tests)."""
+    pytest.importorskip("triton")
+    from longstraw.kernels import gdn_scan_triton
+
+    assert "CHUNKS_LOG2" in gdn_scan_triton._scan_output_kernel.keys
+    buckets = {tokens: gdn_scan_triton.chunks_log2(tokens, 64) for tokens in (1, 64, 65, 128, 1000, 32768, 32769)}
+    assert buckets == {1: 0, 64: 0, 65: 1, 128: 1, 1000: 4, 32768: 9, 32769: 10}
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("value_dim", [128, 32])
 def test_fused_capture_scan_on_cuda_is_as_close_to_the_recurrence_as_flas_forward(value_dim):

@@ -70,6 +70,14 @@ def _chunk_scores_kernel(
     tl.store(p_ptr + at, scores.to(p_ptr.dtype.element_ty))
 
 
+def chunks_log2(tokens: int, chunk_size: int) -> int:
+    """The scan's length key for its autotuner: the chunk count's power of two, rounded up. How the configurations
+    rank depends on how many chunks each program walks: on an H200, tuned at 1,000 tokens (the CUDA tests) the scan
+    kept 64-wide blocks for a 32,768-token capture, 2 ms a step slower than tuned there. So short and long sequences
+    tune apart, once for each power of two."""
+    return max(0, (triton.cdiv(tokens, chunk_size) - 1).bit_length())
+
+
 # On an H100 at hybrid-1b's capture shape, with the scores computed inside the scan, the autotuner chose 32-wide
 # blocks, 4 warps, 3 stages (1.18 ms a layer); 16-wide blocks (twice the programs, each computing the scores again)
 # took 1.41-1.98 ms, 64-wide at 8 warps 2.18-2.34: `benchmarks/gdn_capture_scan.py` at ddce8bc. Without the scores
@@ -78,10 +86,10 @@ def _chunk_scores_kernel(
     configs=[
         triton.Config({"BV": bv}, num_warps=w, num_stages=s) for bv in (16, 32, 64) for w in (4, 8) for s in (2, 3)
     ],
-    key=["H", "HV", "K", "V", "BT"],
+    key=["H", "HV", "K", "V", "BT", "CHUNKS_LOG2"],
     prune_configs_by={"early_config_prune": _blocks_within_head},
 )
-@triton.jit(do_not_specialize=["T"])
+@triton.jit(do_not_specialize=["T", "CHUNKS_LOG2"])
 def _scan_output_kernel(
     q_ptr,
     k_ptr,
@@ -94,6 +102,7 @@ def _scan_output_kernel(
     ht_ptr,
     scale,
     T,
+    CHUNKS_LOG2,  # read by the autotuner only (`chunks_log2`)
     H: tl.constexpr,
     HV: tl.constexpr,
     K: tl.constexpr,
@@ -171,7 +180,7 @@ def chunk_scan_output_triton(
     scores = torch.empty(N, HV, chunks, chunk_size, chunk_size, dtype=w.dtype, device=u.device)
     _chunk_scores_kernel[(chunks, N * HV)](q, k, g, scores, T, H=H, HV=HV, K=K, BT=chunk_size, num_warps=4)
     _scan_output_kernel[lambda meta: (V // meta["BV"] * N * HV,)](
-        q, k, scores, w, u, g, initial, o, final, scale, T,
+        q, k, scores, w, u, g, initial, o, final, scale, T, chunks_log2(T, chunk_size),
         H=H, HV=HV, K=K, V=V, BT=chunk_size, HAS_INITIAL_STATE=initial is not None,
     )  # fmt: skip
     return o, final
