@@ -64,21 +64,21 @@ KERNELS = {
         gdn_conv_triton._conv_split_normalized_kernel.fn,
         {**GDN_SHAPE, "EPS": 1e-6},
         _configs(gdn_conv_triton._conv_split_normalized_kernel),
-        scalars=("T",),
+        scalars=("T", "ROWS_LOG2"),
     ),
     "gdn conv backward, pre-activations' gradient": Kernel(
         gdn_conv_triton._pre_activation_gradient_kernel.fn,
         {**GDN_SHAPE, "EPS": 1e-6},
         _configs(gdn_conv_triton._pre_activation_gradient_kernel),
         {"dpre_ptr": "*fp32"},  # the backward's float32 intermediate
-        scalars=("T",),
+        scalars=("T", "ROWS_LOG2"),
     ),
     "gdn conv backward, the taps' transpose": Kernel(
         gdn_conv_triton._conv_input_gradient_kernel.fn,
         {**GDN_SHAPE, "EPS": 1e-6},
         _configs(gdn_conv_triton._conv_input_gradient_kernel),
         {"dpre_ptr": "*fp32"},
-        scalars=("T",),
+        scalars=("T", "ROWS_LOG2"),
     ),
     "gdn capture scan": Kernel(
         gdn_scan_triton._scan_output_kernel.fn,

@@ -234,15 +234,24 @@ def test_the_fused_scan_tunes_no_value_block_wider_than_the_head():
     assert len(kernel.early_config_prune(kernel.configs, {}, V=128)) == len(kernel.configs)
 
 
-def test_the_fused_scan_tunes_short_and_long_sequences_apart():
-    """The scan's configurations rank by how many chunks a program walks: its autotuner keys on the chunk count's
-    power of two (rounded up): a capture of 32,768 tokens does not take the choice made at 1,000 (the CUDA tests)."""
+def test_the_gdn_kernels_tune_short_and_long_sequences_apart():
+    """How the capture scan's and the conv's configurations rank depends on how much work each program gets: their
+    autotuners key on a power of two of the length (`log2_bucket`: of the chunk count, of the rows), so a capture of
+    32,768 tokens does not take the choice made at 1,000 (the CUDA tests) or a member's at 4,096."""
     pytest.importorskip("triton")
-    from longstraw.kernels import gdn_scan_triton
+    from longstraw.kernels import gdn_conv_triton, gdn_scan_triton
+    from longstraw.kernels.tuning import log2_bucket
 
     assert "CHUNKS_LOG2" in gdn_scan_triton._scan_output_kernel.keys
-    buckets = {tokens: gdn_scan_triton.chunks_log2(tokens, 64) for tokens in (1, 64, 65, 128, 1000, 32768, 32769)}
-    assert buckets == {1: 0, 64: 0, 65: 1, 128: 1, 1000: 4, 32768: 9, 32769: 10}
+    conv = gdn_conv_triton
+    for kernel in (
+        conv._conv_split_normalized_kernel,
+        conv._pre_activation_gradient_kernel,
+        conv._conv_input_gradient_kernel,
+    ):
+        assert "ROWS_LOG2" in kernel.keys
+    buckets = {count: log2_bucket(count) for count in (0, 1, 2, 16, 17, 512, 513)}
+    assert buckets == {0: 0, 1: 0, 2: 1, 16: 4, 17: 5, 512: 9, 513: 10}
 
 
 @pytest.mark.cuda

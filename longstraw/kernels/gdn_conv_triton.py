@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from longstraw.kernels.gdn import L2NORM_EPS
+from longstraw.kernels.tuning import log2_bucket
 
 
 @triton.jit
@@ -115,9 +116,9 @@ def _launch(x_BTC, state_BCK1, weight_CK, bias_C, key_dim: int, head_dim: int, s
 # where 32 hold 128-144 (Triton 3.8): more programs an SM, for the autotuner to weigh against re-read rows
 @triton.autotune(
     configs=[triton.Config({"BT": bt}, num_warps=w) for bt in (16, 32, 64) for w in (4, 8)],
-    key=["C", "KEY_DIM", "D", "K"],
+    key=["C", "KEY_DIM", "D", "K", "ROWS_LOG2"],
 )
-@triton.jit
+@triton.jit(do_not_specialize=["ROWS_LOG2"])
 def _conv_split_normalized_kernel(
     x_ptr,
     state_ptr,
@@ -127,6 +128,7 @@ def _conv_split_normalized_kernel(
     k_ptr,
     v_ptr,
     T,
+    ROWS_LOG2,  # read by the autotuner only: `log2_bucket` of the rows
     C: tl.constexpr,
     KEY_DIM: tl.constexpr,
     K: tl.constexpr,
@@ -180,7 +182,7 @@ def conv_split_normalized_triton(
     )
     if T:
         x_BTC, state, weight_KC, grid, shape = _launch(x_BTC, state_BCK1, weight_CK, bias_C, key_dim, head_dim, silu)
-        _conv_split_normalized_kernel[grid](x_BTC, state, weight_KC, bias_C, q, k, v, T, **shape)
+        _conv_split_normalized_kernel[grid](x_BTC, state, weight_KC, bias_C, q, k, v, T, log2_bucket(T), **shape)
     return q, k, v
 
 
@@ -196,9 +198,9 @@ def _silu_grad(dy, pre, SILU: tl.constexpr):
 # the pre-activations' gradient holds one tile and one loaded gradient more than the forward: tuned as the forward is
 @triton.autotune(
     configs=[triton.Config({"BT": bt}, num_warps=w) for bt in (16, 32) for w in (4, 8)],
-    key=["C", "KEY_DIM", "D", "K"],
+    key=["C", "KEY_DIM", "D", "K", "ROWS_LOG2"],
 )
-@triton.jit
+@triton.jit(do_not_specialize=["ROWS_LOG2"])
 def _pre_activation_gradient_kernel(
     x_ptr,
     state_ptr,
@@ -209,6 +211,7 @@ def _pre_activation_gradient_kernel(
     dv_ptr,
     dpre_ptr,
     T,
+    ROWS_LOG2,  # read by the autotuner only: `log2_bucket` of the rows
     C: tl.constexpr,
     KEY_DIM: tl.constexpr,
     K: tl.constexpr,
@@ -247,11 +250,11 @@ def _pre_activation_gradient_kernel(
 
 @triton.autotune(
     configs=[triton.Config({"BT": bt}, num_warps=w) for bt, w in ((16, 4), (16, 8), (32, 8), (64, 8))],
-    key=["C", "D", "K"],
+    key=["C", "D", "K", "ROWS_LOG2"],
 )
-@triton.jit
+@triton.jit(do_not_specialize=["ROWS_LOG2"])
 def _conv_input_gradient_kernel(
-    dpre_ptr, w_ptr, dx_ptr, T, C: tl.constexpr, K: tl.constexpr, D: tl.constexpr, BT: tl.constexpr
+    dpre_ptr, w_ptr, dx_ptr, T, ROWS_LOG2, C: tl.constexpr, K: tl.constexpr, D: tl.constexpr, BT: tl.constexpr
 ):
     """dx of D channels over BT rows from the float32 pre-activations' gradient: row t feeds outputs t .. t + K - 1,
     through taps K - 1 .. 0 (the conv's transpose; outputs at or past T read as zeros), summed in float32 and
@@ -286,10 +289,13 @@ def conv_split_normalized_backward_triton(
     if x_BTC.shape[1]:
         x_BTC, state, weight_KC, grid, shape = _launch(x_BTC, state_BCK1, weight_CK, bias_C, key_dim, head_dim, silu)
         dpre = torch.empty(x_BTC.shape, dtype=torch.float32, device=x_BTC.device)
+        T = x_BTC.shape[1]
         _pre_activation_gradient_kernel[grid](
-            x_BTC, state, weight_KC, bias_C, dq, dk, dv, dpre, x_BTC.shape[1], **shape
+            x_BTC, state, weight_KC, bias_C, dq, dk, dv, dpre, T, log2_bucket(T), **shape
         )
-        _conv_input_gradient_kernel[grid](dpre, weight_KC, dx, x_BTC.shape[1], C=shape["C"], K=shape["K"], D=head_dim)
+        _conv_input_gradient_kernel[grid](
+            dpre, weight_KC, dx, T, log2_bucket(T), C=shape["C"], K=shape["K"], D=head_dim
+        )
     return dx
 
 

@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from longstraw.kernels.tuning import log2_bucket
+
 
 def _blocks_within_head(configs, named_args, **kwargs):
     """The configurations whose value block fits the head: one wider than V would launch no program (V // BV = 0)
@@ -70,14 +72,6 @@ def _chunk_scores_kernel(
     tl.store(p_ptr + at, scores.to(p_ptr.dtype.element_ty))
 
 
-def chunks_log2(tokens: int, chunk_size: int) -> int:
-    """The scan's length key for its autotuner: the chunk count's power of two, rounded up. How the configurations
-    rank depends on how many chunks each program walks: on an H200, tuned at 1,000 tokens (the CUDA tests) the scan
-    kept 64-wide blocks for a 32,768-token capture, 2 ms a step slower than tuned there. So short and long sequences
-    tune apart, once for each power of two."""
-    return max(0, (triton.cdiv(tokens, chunk_size) - 1).bit_length())
-
-
 # On an H100 at hybrid-1b's capture shape, with the scores computed inside the scan, the autotuner chose 32-wide
 # blocks, 4 warps, 3 stages (1.18 ms a layer); 16-wide blocks (twice the programs, each computing the scores again)
 # took 1.41-1.98 ms, 64-wide at 8 warps 2.18-2.34: `benchmarks/gdn_capture_scan.py` at ddce8bc. Without the scores
@@ -102,7 +96,7 @@ def _scan_output_kernel(
     ht_ptr,
     scale,
     T,
-    CHUNKS_LOG2,  # read by the autotuner only (`chunks_log2`)
+    CHUNKS_LOG2,  # read by the autotuner only: `log2_bucket` of the chunk count
     H: tl.constexpr,
     HV: tl.constexpr,
     K: tl.constexpr,
@@ -180,7 +174,7 @@ def chunk_scan_output_triton(
     scores = torch.empty(N, HV, chunks, chunk_size, chunk_size, dtype=w.dtype, device=u.device)
     _chunk_scores_kernel[(chunks, N * HV)](q, k, g, scores, T, H=H, HV=HV, K=K, BT=chunk_size, num_warps=4)
     _scan_output_kernel[lambda meta: (V // meta["BV"] * N * HV,)](
-        q, k, scores, w, u, g, initial, o, final, scale, T, chunks_log2(T, chunk_size),
+        q, k, scores, w, u, g, initial, o, final, scale, T, log2_bucket(chunks),
         H=H, HV=HV, K=K, V=V, BT=chunk_size, HAS_INITIAL_STATE=initial is not None,
     )  # fmt: skip
     return o, final
