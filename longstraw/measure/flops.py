@@ -38,15 +38,20 @@ def replay_attention_flops(config, response_length: int, prefix: int) -> tuple[i
     return forward, int(BACKWARD_OVER_FORWARD * forward)
 
 
-def linear_parameters(model) -> int:
-    """Weights that multiply every token: every nn.Linear (NF4 ones included) except LoRA's own."""
+def _weights_by_module(model) -> dict[str, int]:
+    """{name: in x out} of every nn.Linear (NF4 ones included) except LoRA's own."""
     import torch
 
-    return sum(
-        m.in_features * m.out_features
+    return {
+        name: m.in_features * m.out_features
         for name, m in model.named_modules()
         if isinstance(m, torch.nn.Linear) and "lora_" not in name
-    )
+    }
+
+
+def linear_parameters(model) -> int:
+    """Weights that multiply every token: every nn.Linear (NF4 ones included) except LoRA's own."""
+    return sum(_weights_by_module(model).values())
 
 
 def replay_linear_flops(linear_params: int, response_length: int, lora_parameters: int) -> tuple[int, int]:
@@ -89,12 +94,10 @@ def capture_linear_parameters(model, config) -> int:
     """The weights a capture multiplies every position by: `linear_parameters` less the LM head (capture computes
     no logits) and the last decoder layer's MLP (nothing reads that layer's output, so capture runs only what its
     entry keeps: `FamilyAdapter.layer_state_forward`)."""
-    import torch
-
-    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and "lora_" not in n]
-    last = max(i for n, _ in linears if (i := _layer_index(n)) is not None)
-    last_mlp = sum(m.in_features * m.out_features for n, m in linears if _layer_index(n) == last and ".mlp." in n)
-    return linear_parameters(model) - config.hidden_size * config.vocab_size - last_mlp
+    weights = _weights_by_module(model)
+    last = max(i for name in weights if (i := _layer_index(name)) is not None)
+    last_mlp = sum(w for name, w in weights.items() if _layer_index(name) == last and ".mlp." in name)
+    return sum(weights.values()) - config.hidden_size * config.vocab_size - last_mlp
 
 
 def capture_flops(config, capture_linear_params: int, positions: int) -> dict:
