@@ -88,3 +88,44 @@ def test_on_cuda_the_built_optimizer_is_fused_and_its_masters_follow_fused_float
         ours.zero_grad(), theirs.zero_grad()
     for p, m, r in zip(bf16, ours.masters, reference):
         assert torch.equal(m, r.detach()) and torch.equal(p.detach(), r.detach().to(torch.bfloat16))
+
+
+def test_fused_steps_after_the_first_skip_torchs_step_and_keep_its_trajectory_bit_for_bit(monkeypatch):
+    """Fused (on CPU here, as on CUDA) the masters take torch's fused float32 AdamW trajectory bit for bit through
+    what changes between steps: a parameter without a gradient (not stepped, its moments untouched), a scheduler's
+    learning rate, a state loaded from a state dict. Once every stepped parameter has a state, the step calls the
+    fused kernel itself: torch's own `AdamW.step` runs only for the first step and a parameter's first gradient."""
+    starts = [torch.linspace(0.5, 2.0, 64), torch.linspace(-1.0, 1.0, 24).reshape(4, 6), torch.ones(3)]
+    bf16 = [torch.nn.Parameter(s.to(torch.bfloat16)) for s in starts]
+    reference = [torch.nn.Parameter(s.to(torch.bfloat16).float()) for s in starts]
+    ours = MasterWeightsAdamW(bf16, lr=1e-3, weight_decay=0.1, fused=True)
+    theirs = torch.optim.AdamW(reference, lr=1e-3, weight_decay=0.1, fused=True)
+    schedules = [torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1 / (1 + s)) for o in (ours, theirs)]
+    torch_steps = []
+    plain_step = torch.optim.AdamW.step
+    monkeypatch.setattr(
+        torch.optim.AdamW, "step", lambda self, *a: torch_steps.append((self, step)) or plain_step(self, *a)
+    )
+    for step in range(12):
+        for i, (p, r) in enumerate(zip(bf16, reference)):
+            g = _grads(100 * step + i, p.shape)
+            p.grad, r.grad = g.clone(), g.float()
+        for params in (bf16, reference):
+            params[1].grad = None if step % 3 == 0 else params[1].grad  # not stepped at all on those steps
+            params[2].grad = None if step < 5 else params[2].grad  # its first gradient at step 5
+        ours.step(), theirs.step()
+        ours.zero_grad(), theirs.zero_grad()
+        for schedule in schedules:
+            schedule.step()
+        if step == 7:  # a resumed run: the state (and the masters) from a state dict, into a fresh optimizer
+            saved = ours.state_dict()
+            ours = MasterWeightsAdamW(bf16, lr=1e-3, weight_decay=0.1, fused=True)
+            ours.load_state_dict(saved)
+            schedules[0] = torch.optim.lr_scheduler.LambdaLR(ours, lambda s: 1 / (1 + s), last_epoch=step)
+        assert all(torch.equal(m, r.detach()) for m, r in zip(ours.masters, reference)), step
+    assert all(torch.equal(p.detach(), r.detach().to(torch.bfloat16)) for p, r in zip(bf16, reference))
+    # torch's step: the first, the second parameter's first gradient (step 1), the third's (step 5); not after loading
+    assert [step for o, step in torch_steps if isinstance(o, MasterWeightsAdamW)] == [0, 1, 5]
+    assert all(p.grad is None for p in bf16)
+    with pytest.raises(ValueError, match="closure"):
+        ours.step(lambda: 0.0)
