@@ -29,9 +29,8 @@ from triton.compiler import ASTSource
 from longstraw.kernels import gdn_conv_triton, gdn_scan_triton, rotary_triton, swiglu_triton
 from longstraw.results import write_json_atomic
 
-# hybrid-1b's GDN layer: q and k 2,048 channels each (heads of 128), v 4,096, 4 taps (a halo of 4 rows), a state and
-# a bias, SiLU
-GDN_SHAPE = {"C": 8192, "KEY_DIM": 2048, "K": 4, "D": 128, "HAS_STATE": True, "HAS_BIAS": True, "SILU": True, "HALO": 4}
+# hybrid-1b's GDN layer: q and k 2,048 channels each (heads of 128), v 4,096, 4 taps, a state and a bias, SiLU
+GDN_SHAPE = {"C": 8192, "KEY_DIM": 2048, "K": 4, "D": 128, "HAS_STATE": True, "HAS_BIAS": True, "SILU": True}
 # its rule: 16 q/k heads, 32 value heads, head dims 128, chunks of 64, from a state
 GDN_SCAN_SHAPE = {"H": 16, "HV": 32, "K": 128, "V": 128, "BT": 64, "HAS_INITIAL_STATE": True}
 # its attention layers' heads of 128, a quarter rotated

@@ -43,39 +43,23 @@ def _pre_activation(
     HAS_BIAS: tl.constexpr,
     BT: tl.constexpr,
     D: tl.constexpr,
-    HALO: tl.constexpr,
 ):
-    """float32 [BT, D]: the conv (and bias) at `rows` (BT consecutive rows, the first of them `first`) and `channels`;
-    rows at or past T read as zeros. Before row 0 it reads the state's columns, the oldest first. Each row is loaded
-    once: the block's rows and the HALO (a power of two, at least K - 1) rows before them, and each tap takes its
-    rows out of those two tiles (`tl.gather`: through registers or shared memory, not global memory again)."""
-    x = tl.load(x_ptr + (i_b * T + rows[:, None]) * C + channels[None, :], mask=(rows < T)[:, None], other=0.0).to(
-        tl.float32
-    )
-    before = first - HALO + tl.arange(0, HALO)
-    halo = tl.load(
-        x_ptr + (i_b * T + before[:, None]) * C + channels[None, :],
-        mask=((before >= 0) & (before < T))[:, None],
-        other=0.0,
-    ).to(tl.float32)
-    if HAS_STATE:
-        if first < K - 1:
-            halo += tl.load(
-                state_ptr + (i_b * C + channels[None, :]) * (K - 1) + (before + (K - 1))[:, None],
-                mask=((before < 0) & (before >= 1 - K))[:, None],
-                other=0.0,
-            ).to(tl.float32)
-    in_block = tl.arange(0, BT)
+    """float32 [BT, D]: the conv (and bias) at `rows` (the first of them `first`) and `channels`; rows at or past
+    T read as zeros. Before row 0 it reads the state's columns, the oldest first."""
     acc = tl.zeros((BT, D), dtype=tl.float32)
     for j in tl.static_range(K):  # tap j reads the input K - 1 - j rows back
-        if j == K - 1:
-            xv = x
-        else:
-            back = in_block - (K - 1 - j)  # the row read, within the block (negative: within the halo)
-            from_block = tl.gather(x, tl.broadcast_to(tl.maximum(back, 0)[:, None], (BT, D)), 0)
-            at = tl.minimum(tl.maximum(back + HALO, 0), HALO - 1)
-            from_halo = tl.gather(halo, tl.broadcast_to(at[:, None], (BT, D)), 0)
-            xv = tl.where((back >= 0)[:, None], from_block, from_halo)
+        src = rows - (K - 1) + j
+        xv = tl.load(
+            x_ptr + (i_b * T + src[:, None]) * C + channels[None, :], mask=((src >= 0) & (src < T))[:, None], other=0.0
+        ).to(tl.float32)
+        if HAS_STATE:
+            if first < K - 1:
+                sv = tl.load(
+                    state_ptr + (i_b * C + channels[None, :]) * (K - 1) + (src + (K - 1))[:, None],
+                    mask=((src < 0) & (rows < T))[:, None],
+                    other=0.0,
+                )
+                xv += sv.to(tl.float32)
         acc += xv * tl.load(w_ptr + j * C + channels).to(tl.float32)[None, :]
     if HAS_BIAS:
         acc += tl.load(b_ptr + channels).to(tl.float32)[None, :]
@@ -121,17 +105,17 @@ def _launch(x_BTC, state_BCK1, weight_CK, bias_C, key_dim: int, head_dim: int, s
         "HAS_BIAS": bias_C is not None,
         "SILU": silu,
         "EPS": L2NORM_EPS,
-        "HALO": triton.next_power_of_2(max(weight_CK.shape[1] - 1, 1)),
     }
     grid = lambda meta: (C // head_dim, triton.cdiv(T, meta["BT"]), B)  # noqa: E731
     return x_BTC.contiguous(), state, weight_CK.t().contiguous(), grid, shape
 
 
 # rows per program and warps, tuned per shape on the first call (as fla tunes its conv); the sm_90 build at
-# hybrid-1b's widths (Triton 3.8, `benchmarks/triton_build_report.py`) spills nothing but at 64 rows with 4 warps
-# (dropped); 16 rows hold 63-118 registers, 32 rows 106-182: more programs an SM against more halo rows re-read
+# hybrid-1b's widths spills nothing at 32 rows or at 64 with 8 warps, 164 bytes at 64 with 4, kilobytes at 128
+# (dropped): `benchmarks/triton_build_report.py`, Triton 3.6 as on the H200 box. 16 rows hold 74-96 registers
+# where 32 hold 128-144 (Triton 3.8): more programs an SM, for the autotuner to weigh against re-read rows
 @triton.autotune(
-    configs=[triton.Config({"BT": bt}, num_warps=w) for bt, w in ((16, 4), (16, 8), (32, 4), (32, 8), (64, 8))],
+    configs=[triton.Config({"BT": bt}, num_warps=w) for bt in (16, 32, 64) for w in (4, 8)],
     key=["C", "KEY_DIM", "D", "K", "ROWS_LOG2"],
 )
 @triton.jit(do_not_specialize=["ROWS_LOG2"])
@@ -153,7 +137,6 @@ def _conv_split_normalized_kernel(
     HAS_BIAS: tl.constexpr,
     SILU: tl.constexpr,
     EPS: tl.constexpr,
-    HALO: tl.constexpr,
     BT: tl.constexpr,
 ):
     """Head `program_id(0)` (q's heads, then k's, then v's) over BT rows of one sequence, into q, k or v. The head
@@ -164,7 +147,7 @@ def _conv_split_normalized_kernel(
     rows = i_t * BT + tl.arange(0, BT)
     channels = i_h * D + tl.arange(0, D)
     acc = _pre_activation(
-        x_ptr, state_ptr, w_ptr, b_ptr, i_b, i_t * BT, rows, channels, T, C, K, HAS_STATE, HAS_BIAS, BT, D, HALO
+        x_ptr, state_ptr, w_ptr, b_ptr, i_b, i_t * BT, rows, channels, T, C, K, HAS_STATE, HAS_BIAS, BT, D
     )
     if SILU:
         acc = acc * tl.sigmoid(acc)
@@ -237,7 +220,6 @@ def _pre_activation_gradient_kernel(
     HAS_BIAS: tl.constexpr,
     SILU: tl.constexpr,
     EPS: tl.constexpr,
-    HALO: tl.constexpr,
     BT: tl.constexpr,
 ):
     """float32 gradient at the conv's output (before SiLU) of head `program_id(0)` over BT rows: the pre-activation
@@ -248,7 +230,7 @@ def _pre_activation_gradient_kernel(
     channels = i_h * D + tl.arange(0, D)
     columns = tl.arange(0, D)
     pre = _pre_activation(
-        x_ptr, state_ptr, w_ptr, b_ptr, i_b, i_t * BT, rows, channels, T, C, K, HAS_STATE, HAS_BIAS, BT, D, HALO
+        x_ptr, state_ptr, w_ptr, b_ptr, i_b, i_t * BT, rows, channels, T, C, K, HAS_STATE, HAS_BIAS, BT, D
     )
     if i_h * D < 2 * KEY_DIM:
         if i_h * D < KEY_DIM:
