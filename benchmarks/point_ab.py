@@ -5,8 +5,9 @@
 The folder holds the point's result JSONs as `device_points` and `device_points_at` wrote them (docs/gpu.md, "An A/B
 on one box"), any number of rounds a commit. A round's first cycle is its process's cold step (compiling, tuning,
 cuDNN plans) and is left out; the warm cycles of every round of a commit are pooled. Prints, per commit, the number
-of warm cycles and the median step, capture and replay seconds, and each median's difference from the base commit's;
-refuses a folder whose results came from different devices or points. The last stdout line is one JSON object.
+of warm cycles and the median step, capture, replay and optimizer step seconds, and each median's difference from the
+base commit's; refuses a folder whose results came from different devices or points. The last stdout line is one
+JSON object.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 
 from longstraw.kinds.step import cycle_seconds
 
-PHASES = ("capture", "replay")
+PHASES = ("capture", "replay", "optimizer_step")
 
 
 def warm_cycles(result: dict) -> list[dict]:
@@ -73,7 +74,7 @@ def main() -> None:
         print(
             f"  {commit}: {row['warm_cycles']} warm cycles, median step {row['step']:.4f} s ({change['step']:+.4f}), "
             f"capture {row['capture']:.4f} ({change['capture']:+.4f}), replay {row['replay']:.4f} "
-            f"({change['replay']:+.4f})"
+            f"({change['replay']:+.4f}), optimizer step {row['optimizer_step']:.4f} ({change['optimizer_step']:+.4f})"
         )
     print(json.dumps(summary))
 
