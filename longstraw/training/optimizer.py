@@ -13,8 +13,9 @@ On CUDA the step is torch's fused AdamW (one kernel over all parameters), and th
 write-back are one multi-tensor copy each: a LoRA step has a few hundred small tensors, and stepping them one
 kernel at a time took 7-8 ms of a 0.28 s hybrid step on the H200. On CPU AdamW keeps its default loop.
 
-What is left of such a step is the host's: hybrid-1b's 152 adapter tensors took 2.9 ms of host time on the GPU
-box's CPU for 0.26 ms of kernels (`benchmarks/optimizer_step_host.py`), in a 0.21 s step. So the masters' gradients
+What is left of such a step is the host's: hybrid-1b's 152 adapter tensors took 2.9 ms of host time on an H100
+box's CPU for 0.26 ms of kernels, in a 0.21 s step (`benchmarks/optimizer_step_host.py` times the path below against
+torch's own step). So the masters' gradients
 are allocated once and kept (4 bytes per low-precision trainable element between steps: 24 MB for hybrid-1b's
 LoRA), and a fused step whose state exists calls torch's fused kernel itself (`_fused_step`): the same kernel on
 the same lists that `torch.optim.AdamW.step` builds per step (its `_init_group` and dispatch); torch's own step
@@ -59,8 +60,8 @@ class MasterWeightsAdamW(torch.optim.AdamW):
     def _fused_ready(self) -> bool:
         """Whether `_fused_step` takes this step: every group fused with its defaults otherwise (no amsgrad,
         maximize, capturable or differentiable; scalar lr and betas), every parameter with a gradient already
-        stepped once (its state exists) and all of them on one device."""
-        devices = set()
+        stepped once (its state exists) and all of them of one device and dtype (as one call of the kernel takes)."""
+        placements = set()
         for group in self.param_groups:
             if not group["fused"] or any(group[flag] for flag in _NOT_FAST):
                 return False
@@ -70,8 +71,8 @@ class MasterWeightsAdamW(torch.optim.AdamW):
                 if m.grad is not None:
                     if not self.state.get(m):
                         return False
-                    devices.add(m.device)
-        return len(devices) <= 1
+                    placements.add((m.device, m.dtype))
+        return len(placements) <= 1
 
     def _fused_step(self) -> bool:
         """torch's fused AdamW kernel on each group's parameters with gradients, as `torch.optim.AdamW.step` calls
