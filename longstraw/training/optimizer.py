@@ -15,11 +15,11 @@ kernel at a time took 7-8 ms of a 0.28 s hybrid step on the H200. On CPU AdamW k
 
 What is left of such a step is the host's: hybrid-1b's 152 adapter tensors took 2.9 ms of host time on an H100
 box's CPU for 0.26 ms of kernels, in a 0.21 s step (`benchmarks/optimizer_step_host.py` times the path below against
-torch's own step). So the masters' gradients
-are allocated once and kept (4 bytes per low-precision trainable element between steps: 24 MB for hybrid-1b's
-LoRA), and a fused step whose state exists calls torch's fused kernel itself (`_fused_step`): the same kernel on
-the same lists that `torch.optim.AdamW.step` builds per step (its `_init_group` and dispatch); torch's own step
-remains the reference, and takes every step the fast path does not (the first, a state or group it does not know).
+torch's own step). So the masters' gradients are allocated once and kept (4 bytes per low-precision trainable
+element between steps: 24 MB for hybrid-1b's LoRA), and a fused step whose state exists calls torch's fused kernel
+itself (`_fused_groups`): the same kernel on the same lists that `torch.optim.AdamW.step` builds per step (its
+`_init_group` and dispatch); torch's own step remains the reference, and takes every step the fast path does not
+(the first, a state or group it does not know).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
-_NOT_FAST = ("amsgrad", "maximize", "capturable", "differentiable")  # AdamW's options `_fused_step` leaves to torch
+_NOT_FAST = ("amsgrad", "maximize", "capturable", "differentiable")  # options `_fused_groups` leaves to torch
 
 
 class MasterWeightsAdamW(torch.optim.AdamW):
@@ -37,10 +37,12 @@ class MasterWeightsAdamW(torch.optim.AdamW):
         self.model_params = list(params)
         self.masters = [p.detach().float().clone() if p.dtype in LOW_PRECISION else p for p in self.model_params]
         super().__init__(self.masters, **kwargs)
-        self._master_grads = [torch.empty_like(m) for _, m in self._low()]  # kept: see the module doc
+        self._pairs = [(p, m) for p, m in zip(self.model_params, self.masters) if m is not p]
+        self._master_grads = [torch.empty_like(m) for _, m in self._pairs]  # kept: see the module doc
 
     def _low(self):
-        return [(p, m) for p, m in zip(self.model_params, self.masters) if m is not p]
+        """(model parameter, its float32 master) of each low-precision parameter."""
+        return self._pairs
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -52,41 +54,12 @@ class MasterWeightsAdamW(torch.optim.AdamW):
         given = [(p.grad, m.grad) for p, m in low if p.grad is not None]
         if given:
             torch._foreach_copy_([g for _, g in given], [g for g, _ in given])  # read in float32
-        if not self._fused_step():
+        groups = self._fused_groups()
+        if groups is None:
             super().step()
-        if low:
-            torch._foreach_copy_([p for p, _ in low], [m for _, m in low])  # written back rounded
-
-    def _fused_ready(self) -> bool:
-        """Whether `_fused_step` takes this step: every group fused with its defaults otherwise (no amsgrad,
-        maximize, capturable or differentiable; scalar lr and betas), every parameter with a gradient already
-        stepped once (its state exists) and all of them of one device and dtype (as one call of the kernel takes)."""
-        placements = set()
-        for group in self.param_groups:
-            if not group["fused"] or any(group[flag] for flag in _NOT_FAST):
-                return False
-            if any(isinstance(x, torch.Tensor) for x in (group["lr"], *group["betas"])):
-                return False
-            for m in group["params"]:
-                if m.grad is not None:
-                    if not self.state.get(m):
-                        return False
-                    placements.add((m.device, m.dtype))
-        return len(placements) <= 1
-
-    def _fused_step(self) -> bool:
-        """torch's fused AdamW kernel on each group's parameters with gradients, as `torch.optim.AdamW.step` calls
-        it (the steps counted first, then one `_fused_adamw_`), without rebuilding its lists in Python; False where
-        `_fused_ready` says no (torch's own step then runs)."""
-        if not self._fused_ready():
-            return False
-        for group in self.param_groups:
-            stepped = [m for m in group["params"] if m.grad is not None]
-            if not stepped:
-                continue
-            states = [self.state[m] for m in stepped]
+        for group, stepped, states in groups or ():
             steps = [s["step"] for s in states]
-            torch._foreach_add_(steps, 1)
+            torch._foreach_add_(steps, 1)  # as torch's fused AdamW counts the steps first
             beta1, beta2 = group["betas"]
             torch._fused_adamw_(
                 stepped,
@@ -105,7 +78,28 @@ class MasterWeightsAdamW(torch.optim.AdamW):
                 grad_scale=None,
                 found_inf=None,
             )
-        return True
+        if low:
+            torch._foreach_copy_([p for p, _ in low], [m for _, m in low])  # written back rounded
+
+    def _fused_groups(self) -> list | None:
+        """(group, its parameters with a gradient, their states) of each group, for torch's fused AdamW kernel called
+        as `torch.optim.AdamW.step` calls it; None where torch's own step must run: a group not fused or with an option
+        the kernel call here leaves out (amsgrad, maximize, capturable, differentiable; a tensor lr or betas), a
+        parameter with a gradient and no state yet, or parameters of more than one device and dtype."""
+        groups, placements = [], set()
+        for group in self.param_groups:
+            if not group["fused"] or any(group[flag] for flag in _NOT_FAST):
+                return None
+            if any(isinstance(x, torch.Tensor) for x in (group["lr"], *group["betas"])):
+                return None
+            stepped = [m for m in group["params"] if m.grad is not None]
+            states = [self.state.get(m) for m in stepped]
+            if not all(states):
+                return None
+            placements.update((m.device, m.dtype) for m in stepped)
+            if stepped:
+                groups.append((group, stepped, states))
+        return groups if len(placements) <= 1 else None
 
     def zero_grad(self, set_to_none: bool = True):
         """The model's gradients (None, or zeros); the masters' kept gradients are overwritten by the next step."""
