@@ -34,8 +34,7 @@ def _pre_activation(
     b_ptr,
     i_b,
     first,
-    rows,
-    channels,
+    channel0,
     T,
     C: tl.constexpr,
     K: tl.constexpr,
@@ -44,26 +43,50 @@ def _pre_activation(
     BT: tl.constexpr,
     D: tl.constexpr,
 ):
-    """float32 [BT, D]: the conv (and bias) at `rows` (the first of them `first`) and `channels`; rows at or past
-    T read as zeros. Before row 0 it reads the state's columns, the oldest first."""
+    """float32 [BT, D]: the conv (and bias) at rows `first` .. `first + BT - 1` and channels `channel0` .. `channel0 +
+    D - 1`; rows at or past T read as zeros. Before row 0 it reads the state's columns, the oldest first.
+
+    The kernel is bound by instructions, not bytes (its sm_90 build issued ~2.5 warp instructions an element, most
+    of them 64-bit addresses and masks): one 64-bit address a program, the tile's offsets in 32 bits, and no masks
+    where every tap's rows lie inside x, which is every block but the first and a partial last one."""
+    rows = tl.arange(0, BT)
+    columns = tl.arange(0, D)
+    block = x_ptr + (i_b * T + first) * C + channel0
+    tile = rows[:, None] * C + columns[None, :]
     acc = tl.zeros((BT, D), dtype=tl.float32)
-    for j in tl.static_range(K):  # tap j reads the input K - 1 - j rows back
-        src = rows - (K - 1) + j
-        xv = tl.load(
-            x_ptr + (i_b * T + src[:, None]) * C + channels[None, :], mask=((src >= 0) & (src < T))[:, None], other=0.0
-        ).to(tl.float32)
-        if HAS_STATE:
-            if first < K - 1:
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + channel0 + columns).to(tl.float32)[None, :]
+    if (first >= K - 1) & (first + BT <= T):
+        for j in tl.static_range(K):  # tap j reads the input K - 1 - j rows back
+            xv = tl.load(block + tile - (K - 1 - j) * C).to(tl.float32)
+            acc += xv * tl.load(w_ptr + j * C + channel0 + columns).to(tl.float32)[None, :]
+    else:
+        for j in tl.static_range(K):
+            src = first + rows - (K - 1) + j
+            xv = tl.load(block + tile - (K - 1 - j) * C, mask=((src >= 0) & (src < T))[:, None], other=0.0).to(
+                tl.float32
+            )
+            if HAS_STATE:
                 sv = tl.load(
-                    state_ptr + (i_b * C + channels[None, :]) * (K - 1) + (src + (K - 1))[:, None],
-                    mask=((src < 0) & (rows < T))[:, None],
+                    state_ptr + (i_b * C + channel0 + columns[None, :]) * (K - 1) + (src + (K - 1))[:, None],
+                    mask=((src < 0) & (src + (K - 1 - j) < T))[:, None],
                     other=0.0,
                 )
                 xv += sv.to(tl.float32)
-        acc += xv * tl.load(w_ptr + j * C + channels).to(tl.float32)[None, :]
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + channels).to(tl.float32)[None, :]
+            acc += xv * tl.load(w_ptr + j * C + channel0 + columns).to(tl.float32)[None, :]
     return acc
+
+
+@triton.jit
+def _exp_neg(y):
+    """e^-y in float32 through `exp2`, which builds to the flush-to-zero ex2: `exp`'s build guards denormal results
+    with a compare and two multiplies an element, a fifth of the conv's instructions when it ran SiLU through it."""
+    return tl.exp2(y * -1.4426950408889634)  # log2(e)
+
+
+@triton.jit
+def _silu(y):
+    return y / (1 + _exp_neg(y))
 
 
 @triton.jit
@@ -73,20 +96,31 @@ def _inverse_norm(y, EPS: tl.constexpr):
 
 
 @triton.jit
-def _store_rows(out_ptr, values, i_b, rows, columns, T, WIDTH: tl.constexpr):
-    tl.store(
-        out_ptr + (i_b * T + rows[:, None]) * WIDTH + columns[None, :],
-        values.to(out_ptr.dtype.element_ty),
-        mask=(rows < T)[:, None],
-    )
+def _store_rows(out_ptr, values, i_b, first, column0, T, WIDTH: tl.constexpr, BT: tl.constexpr, D: tl.constexpr):
+    """`values` [BT, D] into rows `first` .. of a [B, T, WIDTH] tensor from column `column0`, rows at or past T
+    left out (masked only in a partial last block)."""
+    rows, columns = tl.arange(0, BT), tl.arange(0, D)
+    block = out_ptr + (i_b * T + first) * WIDTH + column0
+    tile = rows[:, None] * WIDTH + columns[None, :]
+    values = values.to(out_ptr.dtype.element_ty)
+    if first + BT <= T:
+        tl.store(block + tile, values)
+    else:
+        tl.store(block + tile, values, mask=(first + rows < T)[:, None])
 
 
 @triton.jit
-def _load_rows(ptr, i_b, rows, columns, T, WIDTH: tl.constexpr):
-    """float32 [rows, columns] of a [B, T, WIDTH] tensor, zeros at rows at or past T."""
-    return tl.load(ptr + (i_b * T + rows[:, None]) * WIDTH + columns[None, :], mask=(rows < T)[:, None], other=0.0).to(
-        tl.float32
-    )
+def _load_rows(ptr, i_b, first, column0, T, WIDTH: tl.constexpr, BT: tl.constexpr, D: tl.constexpr):
+    """float32 [BT, D] of rows `first` .. of a [B, T, WIDTH] tensor from column `column0`, zeros at rows at or past
+    T (masked only where the block reaches past T)."""
+    rows, columns = tl.arange(0, BT), tl.arange(0, D)
+    block = ptr + (i_b * T + first) * WIDTH + column0
+    tile = rows[:, None] * WIDTH + columns[None, :]
+    if first + BT <= T:
+        values = tl.load(block + tile)
+    else:
+        values = tl.load(block + tile, mask=(first + rows < T)[:, None], other=0.0)
+    return values.to(tl.float32)
 
 
 def _launch(x_BTC, state_BCK1, weight_CK, bias_C, key_dim: int, head_dim: int, silu: bool):
@@ -111,9 +145,9 @@ def _launch(x_BTC, state_BCK1, weight_CK, bias_C, key_dim: int, head_dim: int, s
 
 
 # rows per program and warps, tuned per shape on the first call (as fla tunes its conv); the sm_90 build at
-# hybrid-1b's widths spills nothing at 32 rows or at 64 with 8 warps, 164 bytes at 64 with 4, kilobytes at 128
-# (dropped): `benchmarks/triton_build_report.py`, Triton 3.6 as on the H200 box. 16 rows hold 74-96 registers
-# where 32 hold 128-144 (Triton 3.8): more programs an SM, for the autotuner to weigh against re-read rows
+# hybrid-1b's widths (`benchmarks/triton_build_report.py`, Triton 3.6 as on the H200 box) spills nothing but at 64
+# rows with 4 warps (776 bytes; kilobytes at 128, dropped). With the unmasked taps' loads all issued at once, 16
+# rows hold 98-128 registers and 32 hold 194-216: fewer programs an SM, for the autotuner to weigh
 @triton.autotune(
     configs=[triton.Config({"BT": bt}, num_warps=w) for bt in (16, 32, 64) for w in (4, 8)],
     key=["C", "KEY_DIM", "D", "K", "ROWS_LOG2"],
@@ -143,23 +177,19 @@ def _conv_split_normalized_kernel(
     is the fastest index, so the programs running together read whole rows of x, as fla's conv's do (with the row
     block fastest, 79b4eaa's order, they read 256 bytes of each of thousands of rows at once, and the kernel moved
     1,047 GB/s, under half of fla's conv's rate). Row strides are constexpr, so loads and stores vectorise."""
-    i_h, i_t, i_b = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
-    rows = i_t * BT + tl.arange(0, BT)
-    channels = i_h * D + tl.arange(0, D)
-    acc = _pre_activation(
-        x_ptr, state_ptr, w_ptr, b_ptr, i_b, i_t * BT, rows, channels, T, C, K, HAS_STATE, HAS_BIAS, BT, D
-    )
+    i_h, i_b = tl.program_id(0), tl.program_id(2).to(tl.int64)
+    first = tl.program_id(1).to(tl.int64) * BT
+    acc = _pre_activation(x_ptr, state_ptr, w_ptr, b_ptr, i_b, first, i_h * D, T, C, K, HAS_STATE, HAS_BIAS, BT, D)
     if SILU:
-        acc = acc * tl.sigmoid(acc)
-    columns = tl.arange(0, D)
+        acc = _silu(acc)
     if i_h * D < 2 * KEY_DIM:  # q and k: each row of the head divided by its l2 norm, as fla's l2 norm
         acc = acc * _inverse_norm(acc, EPS)[:, None]
         if i_h * D < KEY_DIM:
-            _store_rows(q_ptr, acc, i_b, rows, i_h * D + columns, T, KEY_DIM)
+            _store_rows(q_ptr, acc, i_b, first, i_h * D, T, KEY_DIM, BT, D)
         else:
-            _store_rows(k_ptr, acc, i_b, rows, i_h * D - KEY_DIM + columns, T, KEY_DIM)
+            _store_rows(k_ptr, acc, i_b, first, i_h * D - KEY_DIM, T, KEY_DIM, BT, D)
     else:
-        _store_rows(v_ptr, acc, i_b, rows, i_h * D - 2 * KEY_DIM + columns, T, C - 2 * KEY_DIM)
+        _store_rows(v_ptr, acc, i_b, first, i_h * D - 2 * KEY_DIM, T, C - 2 * KEY_DIM, BT, D)
 
 
 def conv_split_normalized_triton(
@@ -190,7 +220,7 @@ def conv_split_normalized_triton(
 def _silu_grad(dy, pre, SILU: tl.constexpr):
     """The gradient at the pre-activation `pre` from the gradient `dy` of SiLU(pre) (of pre itself without SiLU)."""
     if SILU:
-        gate = tl.sigmoid(pre)
+        gate = 1 / (1 + _exp_neg(pre))
         dy = dy * gate * (1 + pre * (1 - gate))
     return dy
 
@@ -225,27 +255,23 @@ def _pre_activation_gradient_kernel(
     """float32 gradient at the conv's output (before SiLU) of head `program_id(0)` over BT rows: the pre-activation
     and (q and k) the row's norm recomputed as the forward computes them, the output's gradient taken back through
     the norm (dy = (dn - n (n . dn)) / |y|) and SiLU. The forward's grid and row order."""
-    i_h, i_t, i_b = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
-    rows = i_t * BT + tl.arange(0, BT)
-    channels = i_h * D + tl.arange(0, D)
-    columns = tl.arange(0, D)
-    pre = _pre_activation(
-        x_ptr, state_ptr, w_ptr, b_ptr, i_b, i_t * BT, rows, channels, T, C, K, HAS_STATE, HAS_BIAS, BT, D
-    )
+    i_h, i_b = tl.program_id(0), tl.program_id(2).to(tl.int64)
+    first = tl.program_id(1).to(tl.int64) * BT
+    pre = _pre_activation(x_ptr, state_ptr, w_ptr, b_ptr, i_b, first, i_h * D, T, C, K, HAS_STATE, HAS_BIAS, BT, D)
     if i_h * D < 2 * KEY_DIM:
         if i_h * D < KEY_DIM:
-            dn = _load_rows(dq_ptr, i_b, rows, i_h * D + columns, T, KEY_DIM)
+            dn = _load_rows(dq_ptr, i_b, first, i_h * D, T, KEY_DIM, BT, D)
         else:
-            dn = _load_rows(dk_ptr, i_b, rows, i_h * D - KEY_DIM + columns, T, KEY_DIM)
+            dn = _load_rows(dk_ptr, i_b, first, i_h * D - KEY_DIM, T, KEY_DIM, BT, D)
         y = pre
         if SILU:
-            y = pre * tl.sigmoid(pre)
+            y = _silu(pre)
         inverse = _inverse_norm(y, EPS)
         n = y * inverse[:, None]
         dy = (dn - n * tl.sum(n * dn, axis=1)[:, None]) * inverse[:, None]
     else:
-        dy = _load_rows(dv_ptr, i_b, rows, i_h * D - 2 * KEY_DIM + columns, T, C - 2 * KEY_DIM)
-    _store_rows(dpre_ptr, _silu_grad(dy, pre, SILU), i_b, rows, channels, T, C)
+        dy = _load_rows(dv_ptr, i_b, first, i_h * D - 2 * KEY_DIM, T, C - 2 * KEY_DIM, BT, D)
+    _store_rows(dpre_ptr, _silu_grad(dy, pre, SILU), i_b, first, i_h * D, T, C, BT, D)
 
 
 @triton.autotune(
@@ -259,14 +285,14 @@ def _conv_input_gradient_kernel(
     """dx of D channels over BT rows from the float32 pre-activations' gradient: row t feeds outputs t .. t + K - 1,
     through taps K - 1 .. 0 (the conv's transpose; outputs at or past T read as zeros), summed in float32 and
     rounded once."""
-    i_c, i_t, i_b = tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
-    rows = i_t * BT + tl.arange(0, BT)
-    channels = i_c * D + tl.arange(0, D)
+    i_c, i_b = tl.program_id(0), tl.program_id(2).to(tl.int64)
+    first = tl.program_id(1).to(tl.int64) * BT
+    columns = tl.arange(0, D)
     dx = tl.zeros((BT, D), dtype=tl.float32)
     for m in tl.static_range(K):
-        dpre = _load_rows(dpre_ptr, i_b, rows + m, channels, T, C)
-        dx += dpre * tl.load(w_ptr + (K - 1 - m) * C + channels).to(tl.float32)[None, :]
-    _store_rows(dx_ptr, dx, i_b, rows, channels, T, C)
+        dpre = _load_rows(dpre_ptr, i_b, first + m, i_c * D, T, C, BT, D)
+        dx += dpre * tl.load(w_ptr + (K - 1 - m) * C + i_c * D + columns).to(tl.float32)[None, :]
+    _store_rows(dx_ptr, dx, i_b, first, i_c * D, T, C, BT, D)
 
 
 def conv_split_normalized_backward_triton(
