@@ -392,6 +392,33 @@ def test_auto_takes_cudnn_blocks_and_matches_math(P, D):
         assert (a.double() - b).abs().max() <= 2e-2 * max(1.0, b.abs().max().item())
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("R", [64, 512])  # 64 keys: under CUDNN_MIN_ROWS, flash's block; 512: cuDNN's
+def test_a_capture_chunk_with_no_prefix_is_one_causal_call_on_q_as_hf_lays_it_out(R):
+    """A capture's chunk with no prefix (the whole prompt, when it fits one) is one causal block call on q as HF's
+    attention hands it over ([B, H, T, D] over [B, T, H, D] memory), its output in q's dtype: against the float64
+    dense reference within the bound of the test above, as the general path's forward (its float32 partial rounded
+    back) is."""
+    from unittest import mock
+
+    g = torch.Generator(device="cuda").manual_seed(R)
+
+    def t(*shape):
+        return torch.randn(*shape, generator=g, device="cuda", dtype=torch.bfloat16)
+
+    D = 128
+    q = t(1, R, 8, D).transpose(1, 2)  # HF's layout
+    kl, vl = t(1, 2, R, D), t(1, 2, R, D)
+    empty = kl[:, :, :0]
+    with torch.no_grad(), mock.patch.object(attention, "_causal_capture", wraps=attention._causal_capture) as fast:
+        captured = paged_attention(q, empty, empty, kl, vl, scale=D**-0.5, capture=True)
+        general = paged_attention(q, empty, empty, kl, vl, scale=D**-0.5)
+    assert fast.call_count == 1 and captured.dtype == torch.bfloat16 and captured.shape == (1, 8, R, D)
+    expected = reference_attention(q.double(), empty.double(), empty.double(), kl.double(), vl.double(), D**-0.5)
+    assert (captured.double() - expected).abs().max() < 2e-2
+    assert (general.double() - expected).abs().max() < 2e-2
+
+
 def test_capture_flag_refuses_inputs_that_need_a_gradient():
     q = torch.randn(1, 2, 4, 8, requires_grad=True)
     k = torch.randn(1, 1, 4, 8)

@@ -112,7 +112,8 @@ def attend_pages(pages, q_BHTD, k_BKTD, v_BKTD, scale: float, append: bool, sink
     pages). Within `attention_output_unused()` a capture appends and returns zeros."""
     if append and _OUTPUT_UNUSED.get():
         pages.append(k_BKTD, v_BKTD)
-        return q_BHTD.new_zeros(*q_BHTD.shape[:3], v_BKTD.shape[-1])
+        B, H, T, _ = q_BHTD.shape  # zeros in HF's [B, T, H, D] memory: its transpose back is not a copy
+        return q_BHTD.new_zeros(B, T, H, v_BKTD.shape[-1]).transpose(1, 2)
     k_prefix_BKPD, v_prefix_BKPD = pages.filled()
     with timed_attention(q_BHTD, k_prefix_BKPD.shape[2]) if append else nullcontext():
         out_BHTD = paged_attention(
