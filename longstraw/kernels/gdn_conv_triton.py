@@ -287,12 +287,40 @@ def _conv_input_gradient_kernel(
     rounded once."""
     i_c, i_b = tl.program_id(0), tl.program_id(2).to(tl.int64)
     first = tl.program_id(1).to(tl.int64) * BT
-    columns = tl.arange(0, D)
+    if first + BT + K - 1 <= T:  # one branch for all taps, so their loads are issued together
+        dx = _transposed_taps(dpre_ptr, w_ptr, i_b, first, i_c * D, T, C, K, BT, D, False)
+    else:
+        dx = _transposed_taps(dpre_ptr, w_ptr, i_b, first, i_c * D, T, C, K, BT, D, True)
+    _store_rows(dx_ptr, dx, i_b, first, i_c * D, T, C, BT, D)
+
+
+@triton.jit
+def _transposed_taps(
+    dpre_ptr,
+    w_ptr,
+    i_b,
+    first,
+    column0,
+    T,
+    C: tl.constexpr,
+    K: tl.constexpr,
+    BT: tl.constexpr,
+    D: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """float32 [BT, D]: rows `first` .. of the taps' transpose over the pre-activations' gradient; MASKED where
+    outputs at or past T are read (as zeros)."""
+    rows, columns = tl.arange(0, BT), tl.arange(0, D)
+    block = dpre_ptr + (i_b * T + first) * C + column0
+    tile = rows[:, None] * C + columns[None, :]
     dx = tl.zeros((BT, D), dtype=tl.float32)
     for m in tl.static_range(K):
-        dpre = _load_rows(dpre_ptr, i_b, first + m, i_c * D, T, C, BT, D)
-        dx += dpre * tl.load(w_ptr + (K - 1 - m) * C + i_c * D + columns).to(tl.float32)[None, :]
-    _store_rows(dx_ptr, dx, i_b, first, i_c * D, T, C, BT, D)
+        if MASKED:
+            dpre = tl.load(block + tile + m * C, mask=(first + m + rows < T)[:, None], other=0.0)
+        else:
+            dpre = tl.load(block + tile + m * C)
+        dx += dpre.to(tl.float32) * tl.load(w_ptr + (K - 1 - m) * C + column0 + columns).to(tl.float32)[None, :]
+    return dx
 
 
 def conv_split_normalized_backward_triton(
