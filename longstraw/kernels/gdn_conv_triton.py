@@ -46,9 +46,11 @@ def _pre_activation(
     """float32 [BT, D]: the conv (and bias) at rows `first` .. `first + BT - 1` and channels `channel0` .. `channel0 +
     D - 1`; rows at or past T read as zeros. Before row 0 it reads the state's columns, the oldest first.
 
-    The kernel is bound by instructions, not bytes (its sm_90 build issued ~2.5 warp instructions an element, most
-    of them 64-bit addresses and masks): one 64-bit address a program, the tile's offsets in 32 bits, and no masks
-    where every tap's rows lie inside x, which is every block but the first and a partial last one."""
+    Its bytes do not bind the conv (as fast on an H100 as on the H200); its instructions did, most of them 64-bit
+    addresses and masks for every tap (`benchmarks/triton_build_report.py` lists them): one 64-bit address a program,
+    the tile's offsets in 32 bits, and no masks where every tap's rows lie inside x, which is every block but the
+    first and a partial last one (`benchmarks/gdn_conv_split.py` on an H100: the capture's call 0.91x the time, a
+    replay's forward and backward 0.77x)."""
     rows = tl.arange(0, BT)
     columns = tl.arange(0, D)
     block = x_ptr + (i_b * T + first) * C + channel0
@@ -80,7 +82,7 @@ def _pre_activation(
 @triton.jit
 def _exp_neg(y):
     """e^-y in float32 through `exp2`, which builds to the flush-to-zero ex2: `exp`'s build guards denormal results
-    with a compare and two multiplies an element, a fifth of the conv's instructions when it ran SiLU through it."""
+    with a compare and two multiplies an element, about a fifth of the conv's when it took SiLU through it."""
     return tl.exp2(y * -1.4426950408889634)  # log2(e)
 
 
