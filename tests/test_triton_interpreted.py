@@ -50,13 +50,12 @@ GDN_RULE_INPUTS = {"gdn scan from a state": _gdn_rule_inputs(True), "gdn scan fr
 
 
 def _scan_inputs(q, k, v, g, beta, state):
-    """((q, k, A, v, beta, the within-chunk log2 decay, the state) in float32, as fla's triangular solve hands them
-    to the scan), A computed in float64: per chunk, with G the cumulative log decay and the value head's keys,
-    (I + tril(beta K K^T exp(G_i - G_j), -1))^-1, row t of a chunk at its token t (fla's layout; zeros past T)."""
+    """((q, k, w, u, the within-chunk log2 decay, the state) in float32, as fla's intra-chunk kernels hand them to the
+    scan), computed in float64 from the UT transform: per chunk, with G the cumulative log decay and the value head's
+    keys, (I + tril(beta K K^T exp(G_i - G_j), -1)) [U | W] = [beta V | beta exp(G) K]."""
     group = v.shape[2] // k.shape[2]
     keys = k.repeat_interleave(group, dim=2)
-    solved = torch.zeros(*v.shape[:3], SCAN_CHUNK, dtype=torch.float64)
-    decay = torch.empty_like(g)
+    w, u, decay = torch.empty_like(keys), torch.empty_like(v), torch.empty_like(g)
     for start in range(0, v.shape[1], SCAN_CHUNK):
         rows = slice(start, start + SCAN_CHUNK)
         G = g[:, rows].cumsum(1).transpose(1, 2)  # [N, HV, C]
@@ -64,9 +63,12 @@ def _scan_inputs(q, k, v, g, beta, state):
         b = beta[:, rows].transpose(1, 2)
         strict = torch.tril((K_ @ K_.transpose(-1, -2)) * (G[..., :, None] - G[..., None, :]).exp(), -1)
         A = torch.eye(G.shape[-1], dtype=torch.float64) + b[..., None] * strict
-        solved[:, rows, :, : G.shape[-1]] = torch.linalg.inv(A).transpose(1, 2)
+        solved = torch.linalg.solve(
+            A, torch.cat([b[..., None] * v[:, rows].transpose(1, 2), (b * G.exp())[..., None] * K_], -1)
+        )
+        u[:, rows], w[:, rows] = (t.transpose(1, 2) for t in solved.split([v.shape[-1], K_.shape[-1]], -1))
         decay[:, rows] = G.transpose(1, 2) / math.log(2)
-    return tuple(None if t is None else t.float() for t in (q, k, solved, v, beta, decay, state))
+    return tuple(None if t is None else t.float() for t in (q, k, w, u, decay, state))
 
 
 # runs in the interpreter's process: every kernel on the saved inputs, outputs saved for the test to compare
@@ -105,8 +107,8 @@ for name, (x, cos, sin, grad) in inputs["rotary"].items():
     rotated = rotary_triton.Rotary.apply(leaf.transpose(1, 2), cos, sin)
     rotated.backward(grad)
     out[name] = (rotated, leaf.grad)
-for name, (q, k, A, v, beta, g_log2, state) in inputs["gdn scan"].items():
-    out[name] = gdn_scan_triton.chunk_scan_output_triton(q, k, A, v, beta, g_log2, state, q.shape[-1] ** -0.5)
+for name, (q, k, w, u, g_log2, state) in inputs["gdn scan"].items():
+    out[name] = gdn_scan_triton.chunk_scan_output_triton(q, k, w, u, g_log2, state, q.shape[-1] ** -0.5)
 torch.save(out, sys.argv[2])
 """ % {"key_dim": KEY_DIM, "head_dim": HEAD_DIM}
 
@@ -307,11 +309,11 @@ def test_interpreted_rotary_forward_and_backward_are_float32_roundings_of_float6
 
 @pytest.mark.parametrize("case", ["gdn scan from a state", "gdn scan from zeros"])
 def test_interpreted_fused_gdn_scan_is_the_token_by_token_rule_in_float32(interpreted, case):
-    """`chunk_scan_output_triton` (the scan with each chunk's WY representation and output inside it) in float32, fed
-    the UT transform's solved A, against the float64 token-by-token rule (`recurrent_gated_delta_rule`) on the same
-    q, k, v, g and beta: output and final state within float32_tolerance(T, K + C) of their largest entries (T steps,
-    each reductions of the key dim and the chunk's C positions, in another order). A scan that drops the state (or
-    the decay) falls outside."""
+    """`chunk_scan_output_triton` (the scan with each chunk's output inside it) in float32, fed the UT transform's W
+    and U, against the float64 token-by-token rule (`recurrent_gated_delta_rule`) on the same q, k, v, g and beta:
+    output and final state within float32_tolerance(T, K + C) of their largest entries (T steps, each reductions of
+    the key dim and the chunk's C positions, in another order). A scan that drops the state (or the decay) falls
+    outside."""
     from longstraw.kernels.gdn import recurrent_gated_delta_rule
 
     inputs, outputs = interpreted
@@ -349,8 +351,7 @@ torch.save(forward(q, k, v, g, beta, state, q.shape[-1] ** -0.5), sys.argv[2])
 def test_interpreted_fused_gdn_forward_with_flas_intra_chunk_kernels_is_the_rule(tmp_path):
     """Where fla imports: `gdn._load_fused_scan()`'s forward (fla's chunk_local_cumsum and intra-chunk kernels, then
     the fused scan), interpreted in float32, against the float64 token-by-token rule on the same inputs, within the
-    fused scan's own bound above. It checks what the scan takes from fla: the names, the log2 decay, the solved A
-    (its kernel launched as fla's `chunk_gated_delta_rule_fwd_intra` launches it) and its layout."""
+    fused scan's own bound above. It checks what the scan takes from fla: the names, the log2 decay, w and u."""
     pytest.importorskip("fla")
     q, k, v, g, beta, state = GDN_RULE_INPUTS["gdn scan from a state"]
     torch.save([t.float() for t in (q, k, v, g, beta, state)], tmp_path / "inputs.pt")

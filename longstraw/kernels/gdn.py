@@ -47,8 +47,8 @@ with ``use_qk_l2norm_in_kernel=True, output_final_state=True``):
 The layer's depthwise causal conv is in ``causal_conv``.
 
 ``chunk_gated_delta_rule_forward`` is the no-grad fast path for the capture: on CUDA
-when fla is importable, fla's triangular solve and then one scan that computes
-each chunk's WY representation and output inside it (``gdn_scan_triton``; ``capture_scan("fla")`` runs
+when fla is importable, fla's intra-chunk kernels and then one scan that computes
+each chunk's output inside it (``gdn_scan_triton``; ``capture_scan("fla")`` runs
 fla's whole ``chunk_gated_delta_rule`` instead), the pure-torch chunk kernel
 otherwise.
 
@@ -337,8 +337,8 @@ def fla_available() -> bool:
 
 
 # the capture's scan: "fused" computes each chunk's output inside fla's state scan (`gdn_scan_triton`: fla's
-# triangular solve, then one scan that computes W, U and each chunk's output and writes only the output and the
-# final state), "fla" runs fla's whole forward (its scan writes every chunk's state for its output kernel to read back)
+# intra-chunk kernels, then one scan that writes only the output and the final state), "fla" runs fla's whole
+# forward (its scan writes every chunk's state for its output kernel to read back)
 CAPTURE_SCANS = ("fused", "fla")
 _capture_scan = ProcessSetting("capture GDN scan", CAPTURE_SCANS, "fused")
 
@@ -363,11 +363,10 @@ def _fused_scan_usable(q_BTHD, v_BTHV, l2norm_qk: bool) -> bool:
 
 @functools.cache
 def _load_fused_scan() -> Callable | None:
-    """fla's chunk forward with its WY pass, scan and output kernels as one (`gdn_scan_triton`), or None when fla's
-    intra-chunk kernels or Triton do not import."""
+    """fla's chunk forward with its scan and output kernels as one (`gdn_scan_triton`), or None when fla's
+    intra-chunk functions or Triton do not import."""
     try:
-        import triton
-        from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_kkt_solve_kernel as solve_kernel
+        from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
         from fla.ops.utils import chunk_local_cumsum
         from fla.ops.utils.constant import RCP_LN2
 
@@ -378,15 +377,8 @@ def _load_fused_scan() -> Callable | None:
     def forward(q, k, v, g, beta, initial_state, scale):
         q, k, v, beta = (t.contiguous() for t in (q, k, v, beta))
         g = chunk_local_cumsum(g.float().contiguous(), chunk_size=64, scale=RCP_LN2)  # log2 decay within chunks
-        # each chunk's (I + tril(beta K K^T 2^(G_i - G_j), -1))^-1, as fla's `chunk_gated_delta_rule_fwd_intra`
-        # launches it for 64-token chunks (its blocks above the diagonal are never written: zeros), without the
-        # `recompute_w_u_fwd` that follows there: the scan computes W and U itself
-        (N, T, H, K), HV = k.shape, v.shape[2]
-        A = torch.zeros(N, T, HV, 64, device=k.device, dtype=k.dtype)
-        solve_kernel[(triton.cdiv(T, 64), N * HV)](
-            k=k, g=g, beta=beta, A=A, cu_seqlens=None, chunk_indices=None, T=T, H=H, HV=HV, K=K, BT=64, BC=16
-        )
-        return chunk_scan_output_triton(q, k, A, v, beta, g, initial_state, scale, chunk_size=64)
+        w, u, _ = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=g, beta=beta, chunk_size=64)
+        return chunk_scan_output_triton(q, k, w, u, g, initial_state, scale, chunk_size=64)
 
     return forward
 

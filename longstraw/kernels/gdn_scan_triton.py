@@ -1,6 +1,6 @@
 """A Gated DeltaNet forward's state scan with the output computed inside it (Triton, CUDA; capture's no-grad path).
 
-    o_BTHV, final_BHKV = chunk_scan_output_triton(q, k, A, v, beta, g, initial_state, scale)
+    o_BTHV, final_BHKV = chunk_scan_output_triton(q, k, w, u, g, initial_state, scale)
 
 fla's chunk forward runs the scan over chunks (`chunk_gated_delta_rule_fwd_h`) and then the output
 (`chunk_fwd_o`) as two kernels: the scan writes every chunk's start state and its delta-corrected values, and the
@@ -9,21 +9,18 @@ output kernel reads them back (at hybrid-1b's capture, 32,768 tokens and 32 valu
 kernels over 12 layers). Here one program per (sequence, value head, block of value columns) carries the state
 through the chunks as fla's scan does and computes each chunk's output where its state and values already are:
 nothing but the output and the final state is written. With G the within-chunk cumulative log2 decay (fla's
-`chunk_local_cumsum` with scale 1 / ln 2), A the chunk's solved (I + tril(beta K K^T 2^(G_i - G_j), -1))^-1 (fla's
-`chunk_gated_delta_rule_fwd_kkt_solve_kernel`) and S the state at the chunk's start, per chunk::
+`chunk_local_cumsum` with scale 1 / ln 2), W and U the chunk's WY representation (fla's
+`chunk_gated_delta_rule_fwd_intra`) and S the state at the chunk's start, per chunk::
 
-    W  = A (K * beta 2^G),  U = A (V * beta)            (the WY representation, fla's `recompute_w_u_fwd`)
     V' = U - W S                                       (the delta rule's corrected values)
     O  = scale (diag(2^G) Q S + (Q K^T * 2^(G_i - G_j), j <= i) V')
     S  = 2^(G_last) S + K^T (V' * 2^(G_last - G))
 
-as fla's kernels compute it, operand for operand (W, S, V' and the masked scores rounded to the inputs' dtype where
-they enter a product, as fla stores them; U stays float32). W and U do not depend on the state: each program
-computes them beside the sequential chain (S -> W S -> V' -> S), where fla's `recompute_w_u_fwd` wrote them (1 GB a
-layer at hybrid-1b's capture: 5.7 ms of an H100's capture) for the scan to read back. The scores P = Q K^T *
-2^(G_i - G_j) (j <= i) do not depend on the state either: a first kernel computes every chunk's at once
-(`_chunk_scores_kernel`, one program a chunk and value head) and the scan reads them, since each of a head's
-value-block programs would compute the same largest product (BT x BT x K) again.
+as fla's two kernels compute it, operand for operand (S, V' and the masked scores rounded to the inputs' dtype
+where they enter a product, as fla stores them). The scores P = Q K^T * 2^(G_i - G_j) (j <= i) do not depend on the
+state: a first kernel computes every chunk's at once (`_chunk_scores_kernel`, one program a chunk and value head) and
+the scan reads them: four products a chunk in the sequential loop instead of five, and the one left out is the
+largest (BT x BT x K), which each of a head's value-block programs computed again.
 The reference is the token-by-token rule in `longstraw.kernels.gdn`.
 """
 
@@ -91,9 +88,8 @@ def _scan_output_kernel(
     q_ptr,
     k_ptr,
     p_ptr,
-    a_ptr,
-    v_ptr,
-    beta_ptr,
+    w_ptr,
+    u_ptr,
     g_ptr,
     h0_ptr,
     o_ptr,
@@ -111,14 +107,13 @@ def _scan_output_kernel(
 ):
     """Value columns [i_v BV, (i_v + 1) BV) of value head i_h of sequence i_n, through every chunk. q and k
     [N, T, H, K] (value head h reads q/k head h // (HV / H)), p [N, HV, NT, BT, BT] (`_chunk_scores_kernel`),
-    a [N, T, HV, BT] (row t: its chunk's row t % BT of A, zeros past T), v and o [N, T, HV, V], beta [N, T, HV],
-    g [N, T, HV] (float32), the states [N, HV, K, V] (float32)."""
+    w [N, T, HV, K], u and o [N, T, HV, V], g [N, T, HV] (float32), the states [N, HV, K, V] (float32)."""
     pid = tl.program_id(0).to(tl.int64)
     NV = V // BV
     i_v, i_nh = pid % NV, pid // NV
     i_n, i_h = i_nh // HV, i_nh % HV
     i_qk = i_h // (HV // H)
-    dtype = v_ptr.dtype.element_ty
+    dtype = w_ptr.dtype.element_ty
     keys = tl.arange(0, K)
     values = i_v * BV + tl.arange(0, BV)
     in_chunk = tl.arange(0, BT)
@@ -134,20 +129,14 @@ def _scan_output_kernel(
         valid = rows < T
         tokens = i_n * T + rows  # row index into the [N * T, ...] tensors
         q = tl.load(q_ptr + (tokens[:, None] * H + i_qk) * K + keys[None, :], mask=valid[:, None], other=0.0)
-        k = tl.load(k_ptr + (tokens[:, None] * H + i_qk) * K + keys[None, :], mask=valid[:, None], other=0.0)
         k_t = tl.load(k_ptr + (tokens[None, :] * H + i_qk) * K + keys[:, None], mask=valid[None, :], other=0.0)
-        a = tl.load(a_ptr + (tokens[:, None] * HV + i_h) * BT + in_chunk[None, :], mask=valid[:, None], other=0.0)
-        v = tl.load(v_ptr + (tokens[:, None] * HV + i_h) * V + values[None, :], mask=valid[:, None], other=0.0)
-        beta = tl.load(beta_ptr + tokens * HV + i_h, mask=valid, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + (tokens[:, None] * HV + i_h) * K + keys[None, :], mask=valid[:, None], other=0.0)
+        u = tl.load(u_ptr + (tokens[:, None] * HV + i_h) * V + values[None, :], mask=valid[:, None], other=0.0)
         g = tl.load(g_ptr + tokens * HV + i_h, mask=valid, other=0.0)
         g_last = tl.load(g_ptr + (i_n * T + tl.minimum((i_t + 1) * BT, T) - 1) * HV + i_h)
 
-        # the WY representation, off the state's chain
-        w = tl.dot(a, (k * (beta * tl.exp2(g))[:, None]).to(dtype)).to(dtype)  # W = A (K * beta 2^G)
-        u = tl.dot(a, (v * beta[:, None]).to(dtype))  # U = A (V * beta)
-
         state_in = state.to(dtype)
-        corrected = u - tl.dot(w, state_in)  # V' = U - W S
+        corrected = u.to(tl.float32) - tl.dot(w, state_in)  # V' = U - W S
         corrected_in = corrected.to(dtype)
         scores = tl.load(p_ptr + scores_at + i_t * BT * BT)
         out = tl.dot(q, state_in) * tl.exp2(g)[:, None] + tl.dot(scores, corrected_in)
@@ -163,33 +152,29 @@ def _scan_output_kernel(
 def chunk_scan_output_triton(
     q_NTHK: torch.Tensor,
     k_NTHK: torch.Tensor,
-    A_NTHC: torch.Tensor,
-    v_NTHV: torch.Tensor,
-    beta_NTH: torch.Tensor,
+    w_NTHK: torch.Tensor,
+    u_NTHV: torch.Tensor,
     g_NTH: torch.Tensor,
     initial_state_NHKV: torch.Tensor | None,
     scale: float,
     chunk_size: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(o [N, T, HV, V] in v's dtype, the final state [N, HV, K, V] in float32) of the chunked scan from
-    `initial_state_NHKV` (zeros if None): `A_NTHC` each chunk's solved lower-triangular matrix row by row (fla's
-    layout, zeros past T), `g_NTH` the within-chunk cumulative log2 decay. K and V powers of two."""
+    """(o [N, T, HV, V] in u's dtype, the final state [N, HV, K, V] in float32) of the chunked scan from
+    `initial_state_NHKV` (zeros if None), `g_NTH` the within-chunk cumulative log2 decay. K and V powers of two."""
     N, T, H, K = q_NTHK.shape
-    HV, V = v_NTHV.shape[2:]
+    HV, V = u_NTHV.shape[2:]
     if K & (K - 1) or V & (V - 1) or V < 32 or HV % H or k_NTHK.shape != q_NTHK.shape:
         raise ValueError(f"the fused scan needs power-of-two head dims (V >= 32) and HV a multiple of H, got {K}, {V}")
-    if A_NTHC.shape != (N, T, HV, chunk_size) or beta_NTH.shape != (N, T, HV):
-        raise ValueError(f"A must be [N, T, HV, {chunk_size}] and beta [N, T, HV], got {tuple(A_NTHC.shape)}")
-    q, k, A, v, beta = (t.contiguous() for t in (q_NTHK, k_NTHK, A_NTHC, v_NTHV, beta_NTH))
-    o = torch.empty_like(v)
-    final = torch.empty(N, HV, K, V, dtype=torch.float32, device=v.device)
+    q, k, w, u = (t.contiguous() for t in (q_NTHK, k_NTHK, w_NTHK, u_NTHV))
+    o = torch.empty_like(u)
+    final = torch.empty(N, HV, K, V, dtype=torch.float32, device=u.device)
     initial = None if initial_state_NHKV is None else initial_state_NHKV.float().contiguous()
     g = g_NTH.float().contiguous()
     chunks = triton.cdiv(T, chunk_size)
-    scores = torch.empty(N, HV, chunks, chunk_size, chunk_size, dtype=v.dtype, device=v.device)
+    scores = torch.empty(N, HV, chunks, chunk_size, chunk_size, dtype=w.dtype, device=u.device)
     _chunk_scores_kernel[(chunks, N * HV)](q, k, g, scores, T, H=H, HV=HV, K=K, BT=chunk_size, num_warps=4)
     _scan_output_kernel[lambda meta: (V // meta["BV"] * N * HV,)](
-        q, k, scores, A, v, beta, g, initial, o, final, scale, T, log2_bucket(chunks),
+        q, k, scores, w, u, g, initial, o, final, scale, T, log2_bucket(chunks),
         H=H, HV=HV, K=K, V=V, BT=chunk_size, HAS_INITIAL_STATE=initial is not None,
     )  # fmt: skip
     return o, final
