@@ -149,11 +149,11 @@ def paged_attention(
 
 def _causal_capture(q_BHRD, k_live_BKRD, v_live_BKRD, scale: float, kernel: str) -> torch.Tensor:
     """A capture chunk with nothing before it (the whole prompt, when it fits one chunk): one causal call of the
-    block kernel and its output as the kernel gives it, in q's dtype and q's layout (HF's [B, T, H, D] memory, whose
-    transpose back the caller then gets without a copy). The general path's float32 partial, which has nothing to
-    merge here, its contiguous q, kept for a backward that a capture never runs, and the output's transpose were
-    0.9 ms of copies in hybrid-1b's 32,768-token capture on an H100 (`hybrid_step_profile_3574e82.json`'s
-    sources)."""
+    block kernel on q as HF hands it over ([B, H, T, D] over [B, T, H, D] memory), its output as the kernel gives it,
+    in q's dtype. The general path's float32 partial, which has nothing to merge here, and its contiguous q, kept for
+    a backward a capture never runs, were 0.5 ms of copies in hybrid-1b's 32,768-token capture on an H100 (the
+    sources of `hybrid_step_profile_3574e82.json`; none in `..._5c581c2.json`). cuDNN writes its output contiguous as
+    [B, H, T, D] whatever q's layout, so the caller's transpose back is still a copy."""
     G = q_BHRD.shape[1] // k_live_BKRD.shape[1]
     block_fwd = _CUDA_KERNELS[kernel][0]
     return block_fwd(q_BHRD, _repeat_kv(k_live_BKRD, G), _repeat_kv(v_live_BKRD, G), scale, causal=True)[0]
