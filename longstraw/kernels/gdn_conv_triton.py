@@ -27,6 +27,14 @@ from longstraw.kernels.tuning import log2_bucket
 
 
 @triton.jit
+def _row_block(ptr, i_b, first, column0, T, WIDTH: tl.constexpr, BT: tl.constexpr, D: tl.constexpr):
+    """Pointers [BT, D] to rows `first` .. of a [B, T, WIDTH] tensor from column `column0`: one 64-bit address a
+    program, the tile's offsets in 32 bits."""
+    rows, columns = tl.arange(0, BT), tl.arange(0, D)
+    return ptr + (i_b * T + first) * WIDTH + column0 + (rows[:, None] * WIDTH + columns[None, :])
+
+
+@triton.jit
 def _pre_activation(
     x_ptr,
     state_ptr,
@@ -53,21 +61,18 @@ def _pre_activation(
     replay's forward and backward 0.77x)."""
     rows = tl.arange(0, BT)
     columns = tl.arange(0, D)
-    block = x_ptr + (i_b * T + first) * C + channel0
-    tile = rows[:, None] * C + columns[None, :]
+    block = _row_block(x_ptr, i_b, first, channel0, T, C, BT, D)
     acc = tl.zeros((BT, D), dtype=tl.float32)
     if HAS_BIAS:
         acc += tl.load(b_ptr + channel0 + columns).to(tl.float32)[None, :]
     if (first >= K - 1) & (first + BT <= T):
         for j in tl.static_range(K):  # tap j reads the input K - 1 - j rows back
-            xv = tl.load(block + tile - (K - 1 - j) * C).to(tl.float32)
+            xv = tl.load(block - (K - 1 - j) * C).to(tl.float32)
             acc += xv * tl.load(w_ptr + j * C + channel0 + columns).to(tl.float32)[None, :]
     else:
         for j in tl.static_range(K):
             src = first + rows - (K - 1) + j
-            xv = tl.load(block + tile - (K - 1 - j) * C, mask=((src >= 0) & (src < T))[:, None], other=0.0).to(
-                tl.float32
-            )
+            xv = tl.load(block - (K - 1 - j) * C, mask=((src >= 0) & (src < T))[:, None], other=0.0).to(tl.float32)
             if HAS_STATE:
                 sv = tl.load(
                     state_ptr + (i_b * C + channel0 + columns[None, :]) * (K - 1) + (src + (K - 1))[:, None],
@@ -109,27 +114,23 @@ def _inverse_norm(y, EPS: tl.constexpr):
 def _store_rows(out_ptr, values, i_b, first, column0, T, WIDTH: tl.constexpr, BT: tl.constexpr, D: tl.constexpr):
     """`values` [BT, D] into rows `first` .. of a [B, T, WIDTH] tensor from column `column0`, rows at or past T
     left out (masked only in a partial last block)."""
-    rows, columns = tl.arange(0, BT), tl.arange(0, D)
-    block = out_ptr + (i_b * T + first) * WIDTH + column0
-    tile = rows[:, None] * WIDTH + columns[None, :]
+    block = _row_block(out_ptr, i_b, first, column0, T, WIDTH, BT, D)
     values = values.to(out_ptr.dtype.element_ty)
     if first + BT <= T:
-        tl.store(block + tile, values)
+        tl.store(block, values)
     else:
-        tl.store(block + tile, values, mask=(first + rows < T)[:, None])
+        tl.store(block, values, mask=(first + tl.arange(0, BT) < T)[:, None])
 
 
 @triton.jit
 def _load_rows(ptr, i_b, first, column0, T, WIDTH: tl.constexpr, BT: tl.constexpr, D: tl.constexpr):
     """float32 [BT, D] of rows `first` .. of a [B, T, WIDTH] tensor from column `column0`, zeros at rows at or past
     T (masked only where the block reaches past T)."""
-    rows, columns = tl.arange(0, BT), tl.arange(0, D)
-    block = ptr + (i_b * T + first) * WIDTH + column0
-    tile = rows[:, None] * WIDTH + columns[None, :]
+    block = _row_block(ptr, i_b, first, column0, T, WIDTH, BT, D)
     if first + BT <= T:
-        values = tl.load(block + tile)
+        values = tl.load(block)
     else:
-        values = tl.load(block + tile, mask=(first + rows < T)[:, None], other=0.0)
+        values = tl.load(block, mask=(first + tl.arange(0, BT) < T)[:, None], other=0.0)
     return values.to(tl.float32)
 
 
@@ -321,15 +322,14 @@ def _transposed_taps(
     """float32 [BT, D]: rows `first` .. of the taps' transpose over the pre-activations' gradient; MASKED where
     outputs at or past T are read (as zeros)."""
     rows, columns = tl.arange(0, BT), tl.arange(0, D)
-    block = dpre_ptr + (i_b * T + first) * C + column0
-    tile = rows[:, None] * C + columns[None, :]
+    block = _row_block(dpre_ptr, i_b, first, column0, T, C, BT, D)
     dx = tl.zeros((BT, D), dtype=tl.float32)
     for m in tl.static_range(K):
         if MASKED:
-            dpre = tl.load(block + tile + m * C, mask=(first + m + rows < T)[:, None], other=0.0)
+            dpre = tl.load(block + m * C, mask=(first + m + rows < T)[:, None], other=0.0)
         else:
-            dpre = tl.load(block + tile + m * C)
-        dx += dpre.to(tl.float32) * tl.load(w_ptr + (K - 1 - m) * C + column0 + columns).to(tl.float32)[None, :]
+            dpre = tl.load(block + m * C)
+        dx += dpre * tl.load(w_ptr + (K - 1 - m) * C + column0 + columns).to(tl.float32)[None, :]
     return dx
 
 
