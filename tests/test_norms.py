@@ -332,6 +332,26 @@ def test_mlp_residual_goes_into_a_plain_down_projections_gemm(monkeypatch):
             assert relative(a, e) <= 1e-12, (bias, name)
 
 
+def test_mlp_residual_without_grad_is_summed_into_the_residual(monkeypatch):
+    """Without grad (a capture), the fused path's bias-free down projection accumulates into the residual's storage:
+    the result is the residual tensor, holding HF's residual plus module within float64 reordering; with grad the
+    residual is left as it was."""
+    gen = torch.Generator().manual_seed(0)
+    mlp = _hf_mlp("silu", 16, 48, torch.float64, gen=gen)
+    x, residual = (torch.randn(2, 5, 16, generator=gen, dtype=torch.float64) for _ in range(2))
+    monkeypatch.setattr(swiglu_module, "_fused_usable", lambda mlp, t: True)
+    monkeypatch.setattr(swiglu_module, "_load_swiglu", lambda: lambda gate, up: torch.nn.functional.silu(gate) * up)
+    with torch.no_grad():
+        expected = residual + mlp(x)
+        given = residual.clone()
+        out = swiglu_module.mlp_forward(mlp, x, residual=given)
+    assert out.data_ptr() == given.data_ptr() and out.shape == given.shape
+    assert relative(out, expected) <= 1e-12
+    kept = residual.clone()
+    swiglu_module.mlp_forward(mlp, x.requires_grad_(True), residual=kept)
+    assert torch.equal(kept, residual)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("rows", [1, 4096])
 def test_mlp_with_residual_on_cuda_matches_hf_in_float64(rows):
@@ -361,6 +381,10 @@ def test_mlp_with_residual_on_cuda_matches_hf_in_float64(rows):
         assert a.dtype == torch.bfloat16, name
         errors = (name, "fused", relative(a, e), "hf bf16", relative(h, e))
         assert relative(a, e) <= MLP_BF16_RTOL and relative(h, e) <= MLP_BF16_RTOL, errors
+    with torch.no_grad():  # the capture's path: the sum into the residual's storage
+        given = residual.clone()
+        summed = ours(x, given)
+    assert summed.data_ptr() == given.data_ptr() and relative(summed, reference[0]) <= MLP_BF16_RTOL
 
 
 def test_fused_norms_selected_routes_a_one_plus_weight_norm_and_restores_it(monkeypatch):
