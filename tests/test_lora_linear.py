@@ -259,6 +259,41 @@ def test_a_capture_call_runs_on_the_merged_weight_within_its_roundings(adapter_d
         assert ((wrong - y).abs() > bound).any(), "the bound cannot tell a wrong update"
 
 
+def test_the_merge_takes_the_triton_pass_only_where_it_applies(monkeypatch):
+    """`merged_lora_weight` hands the merge to `lora_merge_triton` where that applies (a stand-in here) and the weight
+    is already in the result's dtype; an NF4 base's float32 dequantized weight merged into bf16 keeps the addmm."""
+    import longstraw.models.lora_linear as lora_linear
+
+    calls = []
+    monkeypatch.setattr(lora_linear, "_load_merge_usable", lambda: lambda *a: True)
+    monkeypatch.setattr(lora_linear, "_load_merge", lambda: lambda *a: calls.append(a) or "merged in one pass")
+    W, A, B = torch.randn(6, 5), torch.randn(2, 5), torch.randn(6, 2)
+    assert lora_linear.merged_lora_weight(W, A, B, 2.0, torch.float32) == "merged in one pass"
+    assert len(calls) == 1 and calls[0][0] is W and calls[0][1] is A and calls[0][2] is B and calls[0][3] == 2.0
+    merged = lora_linear.merged_lora_weight(W, A, B, 2.0, torch.bfloat16)
+    assert len(calls) == 1 and torch.equal(merged, (W + 2.0 * B @ A).bfloat16())
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("rank", [5, 16])
+def test_the_triton_merge_is_the_merged_weight_within_one_bf16_rounding(rank):
+    """`lora_merge_triton` on CUDA, bf16, ragged 64-wide tiles: W + s B A within one bf16 rounding and the float32
+    sum's (rank + 2) roundings of the float64 value, times SAFETY; the update left out is outside."""
+    import longstraw.models.lora_linear as lora_linear
+    from longstraw.kernels import lora_merge_triton
+
+    gen = torch.Generator().manual_seed(0)
+    W, A, B = (torch.randn(*shape, generator=gen).bfloat16().cuda() for shape in ((200, 130), (rank, 130), (200, rank)))
+    assert lora_merge_triton.merge_usable(W, A, B)
+    ours = lora_linear.merged_lora_weight(W, A, B, 0.5, torch.bfloat16)
+    W64, A64, B64 = (t.double() for t in (W, A, B))
+    expected = W64 + 0.5 * B64 @ A64
+    terms = W64.abs() + 0.5 * B64.abs() @ A64.abs()
+    bound = SAFETY * (EPS_BF16 / 2 * expected.abs() + (rank + 2) * EPS32 * terms)
+    assert ours.dtype == torch.bfloat16 and ((ours.double() - expected).abs() <= bound).all()
+    assert ((W64 - expected).abs() > bound).any()
+
+
 def test_only_graph_free_many_row_capture_calls_merge(monkeypatch):
     """Outside a capture, with grad on, or on fewer rows than pay for the merge, the call keeps the unmerged
     forward (peft's own here, bit for bit); a kept weight is built once for all of a layer's calls."""

@@ -76,7 +76,7 @@ KERNELS = """
 import sys
 import torch
 from longstraw.kernels import dsa_topk_triton, gdn_conv_triton, gdn_scan_triton, logprobs_triton
-from longstraw.kernels import rotary_triton, swiglu_triton
+from longstraw.kernels import lora_merge_triton, rotary_triton, swiglu_triton
 
 conv = gdn_conv_triton
 for autotuned in (
@@ -109,6 +109,8 @@ for name, (x, cos, sin, grad) in inputs["rotary"].items():
     out[name] = (rotated, leaf.grad)
 for name, (q, k, w, u, g_log2, state) in inputs["gdn scan"].items():
     out[name] = gdn_scan_triton.chunk_scan_output_triton(q, k, w, u, g_log2, state, q.shape[-1] ** -0.5)
+for name, (weight, lora_A, lora_B, scaling) in inputs["lora merge"].items():
+    out[name] = lora_merge_triton.merge_lora_triton(weight, lora_A, lora_B, scaling)
 torch.save(out, sys.argv[2])
 """ % {"key_dim": KEY_DIM, "head_dim": HEAD_DIM}
 
@@ -161,6 +163,17 @@ def interpreted(tmp_path_factory):
         # the fused scan's inputs (fla's intra-chunk results, computed here in float64) for the rule's own inputs,
         # with a state and without
         "gdn scan": {name: _scan_inputs(*GDN_RULE_INPUTS[name]) for name in GDN_RULE_INPUTS},
+        # a weight [out, in], lora_A [r, in], lora_B [out, r] and the scaling: ragged 64-wide tiles both ways, a rank
+        # below the dot's 16 (masked) and one of 16
+        "lora merge": {
+            f"lora merge rank {rank}": (
+                torch.randn(out, inner, generator=gen),
+                torch.randn(rank, inner, generator=gen),
+                torch.randn(out, rank, generator=gen),
+                scaling,
+            )
+            for out, inner, rank, scaling in ((70, 90, 5, 2.0), (130, 65, 16, 0.5))
+        },
     }
     folder = tmp_path_factory.mktemp("interpreted")
     torch.save(inputs, folder / "inputs.pt")
@@ -326,6 +339,22 @@ def test_interpreted_fused_gdn_scan_is_the_token_by_token_rule_in_float32(interp
     wrong = recurrent_gated_delta_rule(q, k, v, g * (0.5 if state is None else 1), beta, None, l2norm_qk=False)
     scale = float(expected[0].abs().max())
     assert ((wrong[0] - expected[0]).abs() > tol * scale + tol * expected[0].abs()).any()
+
+
+@pytest.mark.parametrize("case", ["lora merge rank 5", "lora merge rank 16"])
+def test_interpreted_lora_merge_is_a_float32_rounding_of_float64(interpreted, case):
+    """`merge_lora_triton` in float32, elementwise against W + scaling B A in float64: the rank's r products summed
+    and scaled, the sum with W, each rounding within EPS32 of the terms' magnitudes |W| + |scaling| |B| |A|: (r + 2)
+    of them, times SAFETY. The sum without the scaling falls outside."""
+    inputs, outputs = interpreted
+    weight, lora_A, lora_B = (t.double() for t in inputs["lora merge"][case][:3])
+    scaling = inputs["lora merge"][case][3]
+    expected = weight + scaling * lora_B @ lora_A
+    bound = SAFETY * (lora_A.shape[0] + 2) * EPS32 * (weight.abs() + abs(scaling) * lora_B.abs() @ lora_A.abs())
+    ours = outputs[case]
+    assert ours.dtype == torch.float32 and ours.shape == expected.shape
+    assert ((ours.double() - expected).abs() <= bound).all()
+    assert ((weight + lora_B @ lora_A - expected).abs() > bound).any()
 
 
 # runs in the interpreter's process: the capture's fused GDN forward as `chunk_gated_delta_rule_forward` calls it,

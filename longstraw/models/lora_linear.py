@@ -25,7 +25,8 @@ peft's own forward; a layer whose base is not an `nn.Linear` is not adopted.
 Capture (`merged_lora_for_capture()`, which `longstraw.capture` enters) runs a graph-free many-row call on the merged
 weight W + scaling B A instead: one GEMM, where the update's two side GEMMs read the input again and read and
 write the [rows, out] output once more (on a 32,768-row capture of hybrid-1b, 10 ms of LoRA against 0.19 s). It
-pays when rows (in + 2 out) >= 2 in out, the merge's own pass over W (`merge_pays`). Only capture takes it:
+pays when rows (in + 2 out) >= 2 in out, the merge's own pass over W (`merge_pays`: one read and one write, as
+`lora_merge_triton` builds it on CUDA; addmm's copy of W first is the reference). Only capture takes it:
 scoring and replay keep the unmerged forward, so the log-probs GRPO compares come from one computation. The
 merged weight rounds once to the base's dtype; the unmerged sum rounds the base's output and the update instead.
 `models.quant` merges LoRA over NF4 bases the same way, and `merged_weights_kept()` keeps each layer's merged
@@ -40,6 +41,8 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from longstraw.kernels.optional_import import optional_function
 
 
 def single_plain_adapter(layer) -> str | None:
@@ -96,9 +99,19 @@ def kept_or_built(layer, build):
     return weight
 
 
+# `lora_merge_triton`'s merge and its applicability test, or None where Triton does not import
+_load_merge = functools.partial(optional_function, "longstraw.kernels.lora_merge_triton", "merge_lora_triton")
+_load_merge_usable = functools.partial(optional_function, "longstraw.kernels.lora_merge_triton", "merge_usable")
+
+
 def merged_lora_weight(weight, lora_A, lora_B, scaling: float, dtype) -> torch.Tensor:
-    """weight + scaling * lora_B @ lora_A in `dtype`, summed in float32 and rounded once: one GEMM into the weight
-    when the three share a dtype (a GEMM accumulates in float32 and rounds its sum once), else in float32 copies."""
+    """weight + scaling * lora_B @ lora_A in `dtype`, summed in float32 and rounded once: on CUDA with one 16-bit
+    dtype throughout, one Triton pass that reads the weight and writes the sum (`lora_merge_triton`); else one GEMM
+    into a copy of the weight when the three share a dtype (a GEMM accumulates in float32 and rounds its sum once),
+    else in float32 copies."""
+    usable = _load_merge_usable() if weight.dtype == dtype else None
+    if usable is not None and usable(weight, lora_A, lora_B):
+        return _load_merge()(weight, lora_A, lora_B, scaling)
     if not weight.dtype == lora_A.dtype == lora_B.dtype:
         weight, lora_A, lora_B = weight.float(), lora_A.float(), lora_B.float()
     return torch.addmm(weight, lora_B, lora_A, alpha=scaling).to(dtype)
