@@ -5,11 +5,12 @@
         [--sources] --out F
 
 For the named `experiments/peers.yaml` h200 point (its model, prompt, G responses, k and checkpointing): for each
-rule of `gated_delta_rule` ("auto": fla's chunk kernels forward and backward where checked on this device;
-"torch": the torch chunk rule), with the layers' norms fused (fla's kernels, as the package runs them on CUDA) or
-HF's (--norms fused hf), and with LoRA's update fused into lora_B's GEMM where the adapters have the base's dtype
-(as the package runs it) or added in place (--lora fused in-place; `longstraw.models.lora_linear`): the capture's
-(at the point's chunk size and at each of --chunk-sizes; the dropout check made once before, as a step makes it) and
+rule of `gated_delta_rule` ("auto": fla's chunk kernels forward and backward where checked on this device; "fused":
+the capture's fused scan forward with fla's backward there; "torch": the torch chunk rule), with the layers' norms
+fused (fla's kernels, as the package runs them on CUDA) or HF's (--norms fused hf), and with LoRA's update fused
+into lora_B's GEMM where the adapters have the base's dtype (as the package runs it) or added in place (--lora fused
+in-place; `longstraw.models.lora_linear`): the capture's (at the point's chunk size and at each of --chunk-sizes;
+the dropout check made once before, as a step makes it) and
 the G members' replay's seconds, --repeats of each,
 and each phase once more under torch.profiler (kernels, busy fraction, the `--top` ops and kernels by device time
 and by launches, their seconds by kind (`kernel_kind`: gemm, attention, the GDN rule, conv, norm ...); with

@@ -286,7 +286,7 @@ def test_fused_capture_scan_on_cuda_is_as_close_to_the_recurrence_as_flas_forwar
 
 def test_differentiable_rule_off_cuda_is_the_torch_chunk_rule_bit_for_bit():
     inputs = make_gdn_inputs(T=70, dtype=torch.float32)
-    for rule in ("auto", "torch"):
+    for rule in gdn.RULES:
         with differentiable_rule(rule):
             ours = grads_of(gated_delta_rule, inputs)
         reference = grads_of(chunk_gated_delta_rule, inputs)
@@ -370,6 +370,72 @@ def test_the_fla_backward_check_runs_inside_a_checkpointed_layer(monkeypatch):
     torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False).backward()
     assert checks == [True, True]  # the forward, then the recompute (answered from the cache)
     torch.testing.assert_close(x.grad, x.detach().sin() + x.detach() * x.detach().cos(), rtol=0, atol=1e-12)
+
+
+def test_fused_autograd_hands_fla_backward_what_fla_forward_keeps_and_its_gradients_to_the_inputs():
+    """`_fused_autograd` with stand-ins (a forward of fla's results' shapes, a backward returning one constant per
+    gradient): the backward gets contiguous q, k, v and beta, the forward's log2 decay and A, the initial state, the
+    scale, the output's and the final state's gradients and 64-token chunks, by fla's names; each of its results
+    reaches its own input (dbeta is fla's fourth, dg its fifth), in the input's dtype; the output comes in q's."""
+    q, k, v, g, beta, state = make_gdn_inputs(T=7, dtype=torch.float32)
+    q = q.transpose(1, 2).contiguous().transpose(1, 2)  # a strided view, as the projections may hand it over
+    g_log2, A = torch.randn(g.shape, dtype=torch.float64), torch.randn(*g.shape, 64)
+    seen = {}
+
+    def forward(q_, k_, v_, g_, beta_, state_, scale):
+        seen["forward"] = (q_, g_, state_, scale)
+        return v_.double() * 2, state_ * 3, g_log2, A
+
+    def backward(**kwargs):
+        seen["backward"] = kwargs
+        return tuple(torch.full_like(like, value) for like, value in zip((q, k, v, beta, g, state), range(1, 7))) + (
+            None,
+            None,
+        )
+
+    fn = gdn._fused_autograd(forward, backward)
+    xs = leaves((q, k, v, g, beta, state))
+    out, final = fn(*xs, 0.25)
+    assert out.dtype == q.dtype and torch.equal(out, (v * 2).to(q.dtype)) and torch.equal(final, state * 3)
+    d_out, d_final = torch.randn_like(out), torch.randn_like(final)
+    torch.autograd.backward((out, final), (d_out, d_final))
+    got = seen["backward"]
+    assert got["chunk_size"] == 64 and got["scale"] == 0.25 and got["g"] is g_log2 and got["A"] is A
+    for name, leaf in (("q", xs[0]), ("k", xs[1]), ("v", xs[2]), ("beta", xs[4])):
+        assert got[name].is_contiguous() and torch.equal(got[name], leaf.detach()), name
+    assert torch.equal(got["initial_state"], xs[5].detach())
+    assert torch.equal(got["do"], d_out) and torch.equal(got["dht"], d_final)
+    for leaf, value in zip(xs, (1, 2, 3, 5, 4, 6)):  # dq, dk, dv, dg (fla's fifth), dbeta (its fourth), dstate
+        assert leaf.grad.dtype == leaf.dtype and torch.equal(leaf.grad, torch.full_like(leaf, value))
+
+
+@pytest.mark.cuda
+def test_fused_differentiable_rule_has_flas_gradients_on_cuda_at_hybrid_1bs_head_shape():
+    """hybrid-1b's GDN heads in bf16, q and k with unit rows (as the conv leaves them, `l2norm_qk=False`), two
+    sequences of 300 tokens from a state: under `differentiable_rule("fused")` the rule takes the fused scan forward
+    and fla's backward, whose gradients are fla's whole rule's bit for bit (one output gradient, what fla's forward
+    keeps), and whose output and final state are as close to the float64 recurrence as fla's (within
+    FLA_BACKWARD_TOLERANCE norm-wise)."""
+    if not fla_available():
+        pytest.skip("fla is not importable")
+    q, k, v, g, beta, state = make_gdn_inputs(T=300, Hk=16, Hv=32, Dk=128, Dv=128, dtype=torch.float64)
+    q, k = (torch.nn.functional.normalize(t, dim=-1) for t in (q, k))
+    bf16 = [t.to(torch.bfloat16).cuda() for t in (q, k, v)] + [
+        g.float().cuda(),
+        beta.bfloat16().cuda(),
+        state.float().cuda(),
+    ]
+    assert fla_backward_trusted(16, 32, 128, 128, torch.bfloat16, str(bf16[0].device))
+    with differentiable_rule("fused"):
+        assert gdn._fused_differentiable_applies(bf16[0], bf16[2], False, gdn._load_fla()[1])
+        fused = grads_of(gated_delta_rule, bf16, l2norm_qk=False)
+    fla = grads_of(gated_delta_rule, bf16, l2norm_qk=False)
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dstate"), fused[2], fla[2]):
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    reference = grads_of(recurrent_gated_delta_rule, [t.double() for t in bf16], l2norm_qk=False)
+    for name, ours, theirs, e in zip(("out", "state"), fused[:2], fla[:2], reference[:2]):
+        assert relative(ours.double(), e) < gdn.FLA_BACKWARD_TOLERANCE, name
+        assert relative(theirs.double(), e) < gdn.FLA_BACKWARD_TOLERANCE, name
 
 
 @pytest.mark.cuda

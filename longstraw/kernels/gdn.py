@@ -61,6 +61,11 @@ refuses its gated backward outright on Hopper with Triton 3.4-3.7.0 (fla #640: a
 miscompile of 64-wide key tiles in ``chunk_bwd_dqkwg``; Hopper's tiling takes
 128-wide ones for head dim 128); the check lifts that refusal for itself and
 keeps fla's backward only if its gradients agree with the torch rule's.
+``differentiable_rule("fused")`` runs the capture's fused scan forward under
+autograd with fla's backward (the same backward function the check runs), where
+fla's is trusted and the scan fits: the per-chunk states fla's forward writes for
+its output kernel are written by no one, and fla's backward recomputes them as
+it always does.
 """
 
 from __future__ import annotations
@@ -348,23 +353,23 @@ def capture_scan(name: str):
     return _capture_scan.within(name)
 
 
-def _fused_scan_usable(q_BTHD, v_BTHV, l2norm_qk: bool) -> bool:
+def _fused_scan_fits(q_BTHD, v_BTHV, l2norm_qk: bool) -> bool:
+    """Whether the fused scan computes this rule: q and k come normalised, power-of-two head dims (V >= 32, K <=
+    128), and fla's intra-chunk functions and Triton import."""
     K, V = q_BTHD.shape[-1], v_BTHV.shape[-1]
-    return (
-        _capture_scan.value == "fused"
-        and not l2norm_qk
-        and not K & (K - 1)
-        and not V & (V - 1)
-        and 32 <= V
-        and K <= 128
-        and _load_fused_scan() is not None
-    )
+    pow2 = not K & (K - 1) and not V & (V - 1)
+    return not l2norm_qk and pow2 and 32 <= V and K <= 128 and _load_fused_scan() is not None
+
+
+def _fused_scan_usable(q_BTHD, v_BTHV, l2norm_qk: bool) -> bool:
+    return _capture_scan.value == "fused" and _fused_scan_fits(q_BTHD, v_BTHV, l2norm_qk)
 
 
 @functools.cache
 def _load_fused_scan() -> Callable | None:
     """fla's chunk forward with its scan and output kernels as one (`gdn_scan_triton`), or None when fla's
-    intra-chunk functions or Triton do not import."""
+    intra-chunk functions or Triton do not import. It returns the output and the final state, and what fla's
+    backward reads beside the inputs: the within-chunk log2 decay and each chunk's solved A."""
     try:
         from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
         from fla.ops.utils import chunk_local_cumsum
@@ -377,10 +382,58 @@ def _load_fused_scan() -> Callable | None:
     def forward(q, k, v, g, beta, initial_state, scale):
         q, k, v, beta = (t.contiguous() for t in (q, k, v, beta))
         g = chunk_local_cumsum(g.float().contiguous(), chunk_size=64, scale=RCP_LN2)  # log2 decay within chunks
-        w, u, _ = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=g, beta=beta, chunk_size=64)
-        return chunk_scan_output_triton(q, k, w, u, g, initial_state, scale, chunk_size=64)
+        w, u, A = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=g, beta=beta, chunk_size=64)
+        return (*chunk_scan_output_triton(q, k, w, u, g, initial_state, scale, chunk_size=64), g, A)
 
     return forward
+
+
+def _fused_autograd(forward: Callable, backward: Callable) -> Callable:
+    """The `apply` of an autograd function: `forward` the fused scan's (`_load_fused_scan`: the output, the final
+    state, the log2 decay and A), `backward` fla's `chunk_gated_delta_rule_bwd` (its arguments and its first six
+    results: dq, dk, dv, dbeta, dg, the initial state's gradient), fed what fla's forward keeps for it."""
+
+    class FusedForwardFlaBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v, g, beta, initial_state, scale):
+            q, k, v, beta = (t.contiguous() for t in (q, k, v, beta))  # fla's kernels read them contiguous
+            out, final, g_log2, A = forward(q, k, v, g, beta, initial_state, scale)
+            ctx.save_for_backward(q, k, v, g_log2, beta, A, initial_state)
+            ctx.scale, ctx.g_dtype = scale, g.dtype
+            return out.to(q.dtype), final
+
+        @staticmethod
+        def backward(ctx, d_out, d_final):
+            q, k, v, g_log2, beta, A, initial_state = ctx.saved_tensors
+            dq, dk, dv, dbeta, dg, d_initial = backward(
+                q=q, k=k, v=v, g=g_log2, beta=beta, A=A, scale=ctx.scale, initial_state=initial_state,
+                do=d_out.contiguous(), dht=d_final.contiguous(), chunk_size=64,
+            )[:6]  # fmt: skip
+            d_initial = None if initial_state is None else d_initial.to(initial_state.dtype)
+            grads = (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(ctx.g_dtype), dbeta.to(beta.dtype))
+            return *grads, d_initial, None
+
+    return FusedForwardFlaBackward.apply
+
+
+@functools.cache
+def _load_fused_differentiable() -> Callable | None:
+    """`differentiable_rule("fused")`'s function (`_fused_autograd`): the fused scan forward, which writes no chunk's
+    state, and fla's own backward, which recomputes them as it does after fla's forward: for one output gradient,
+    fla's gradients; the output is the fused scan's. None where fla's backward or the fused forward does not import."""
+    forward = _load_fused_scan()
+    try:
+        from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_bwd
+    except Exception:  # no fla, another fla layout
+        return None
+    return None if forward is None else _fused_autograd(forward, chunk_gated_delta_rule_bwd)
+
+
+def _fused_differentiable(q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_BHDV):
+    """The rule (q and k normalised) by `_load_fused_differentiable`'s function, in `_fla_forward`'s dtypes."""
+    initial = None if initial_state_BHDV is None else initial_state_BHDV.float()
+    scale = q_BTHD.shape[-1] ** -0.5
+    return _load_fused_differentiable()(q_BTHD, k_BTHD, v_BTHV, g_BTH.float(), beta_BTH, initial, scale)
 
 
 def _fla_forward(fla_chunk, fla_version, q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_BHDV, l2norm_qk=True):
@@ -441,10 +494,10 @@ def chunk_gated_delta_rule_forward(
     if use_fla and not usable:
         raise RuntimeError("fla path requested but unavailable (fla import, CUDA tensors, non-float64)")
     if usable and fla_version >= _FLA_NATIVE_GVA_VERSION and _fused_scan_usable(q_BTHD, v_BTHV, l2norm_qk):
-        # no autograd here (torch.no_grad): the fused scan has no backward, `gated_delta_rule` never takes it
+        # no autograd here (torch.no_grad): the scan alone, no backward (`differentiable_rule("fused")` has fla's)
         out_BTHV, final_state_BHDV = _load_fused_scan()(
             q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_BHDV, q_BTHD.shape[-1] ** -0.5
-        )
+        )[:2]
         return out_BTHV.to(q_BTHD.dtype), final_state_BHDV
     if usable:
         return _fla_forward(
@@ -459,12 +512,16 @@ def chunk_gated_delta_rule_forward(
 # Differentiable fast path (replay): fla forward and backward, where checked
 # --------------------------------------------------------------------------------------
 
-RULES = ("auto", "torch")  # "auto": fla's kernels where `fla_backward_trusted`, else the torch chunk rule
+# "auto": fla's kernels where `fla_backward_trusted`, else the torch chunk rule; "fused": where fla's are trusted and
+# the fused scan fits (q and k normalised), the capture's fused scan forward with fla's backward
+# (`_load_fused_differentiable`: fla's forward writes every chunk's state for its output kernel, and its backward
+# recomputes them anyway); "torch": the torch chunk rule everywhere
+RULES = ("auto", "fused", "torch")
 _rule = ProcessSetting("differentiable GDN rule", RULES, "auto")
 
 
 def differentiable_rule(name: str):
-    """Within the block, `gated_delta_rule` runs `name`: "auto" or "torch" (the chunk rule everywhere)."""
+    """Within the block, `gated_delta_rule` runs `name`: "auto", "fused" or "torch" (`RULES`)."""
     return _rule.within(name)
 
 
@@ -560,6 +617,15 @@ def _check_fla_backward(hk, hv, dk, dv, dtype, device, B: int, T: int) -> bool:
     return True
 
 
+def _fused_differentiable_applies(q_BTHD, v_BTHV, l2norm_qk: bool, fla_version) -> bool:
+    return (
+        _rule.value == "fused"
+        and fla_version >= _FLA_NATIVE_GVA_VERSION
+        and _fused_scan_fits(q_BTHD, v_BTHV, l2norm_qk)
+        and _load_fused_differentiable() is not None
+    )
+
+
 def _fla_differentiable(q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_BHDV) -> bool:
     if _rule.value == "torch" or not q_BTHD.is_cuda or q_BTHD.shape[1] == 0:
         return False
@@ -576,11 +642,14 @@ def _fla_differentiable(q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_B
 def gated_delta_rule(q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_BHDV=None, *, l2norm_qk: bool = True):
     """The differentiable gated delta rule: `chunk_gated_delta_rule`'s arguments and results (`l2norm_qk=False`: q
     and k come normalised). fla's chunk kernels forward and backward on CUDA where `fla_backward_trusted` at this
-    shape (and not in deterministic mode, nor under `differentiable_rule("torch")`); the torch chunk rule
-    otherwise."""
+    shape (and not in deterministic mode, nor under `differentiable_rule("torch")`), under
+    `differentiable_rule("fused")` the fused scan forward with fla's backward there (where the scan fits); the
+    torch chunk rule otherwise."""
     _check_shapes(q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_BHDV)
     inputs = (q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_BHDV)
     if _fla_differentiable(*inputs):
         fla_chunk, fla_version = _load_fla()
+        if _fused_differentiable_applies(q_BTHD, v_BTHV, l2norm_qk, fla_version):
+            return _fused_differentiable(*inputs)
         return _fla_forward(fla_chunk, fla_version, *inputs, l2norm_qk=l2norm_qk)
     return chunk_gated_delta_rule(*inputs, l2norm_qk=l2norm_qk)
