@@ -383,7 +383,7 @@ def test_fused_autograd_hands_fla_backward_what_fla_forward_keeps_and_its_gradie
     seen = {}
 
     def forward(q_, k_, v_, g_, beta_, state_, scale):
-        seen["forward"] = (q_, g_, state_, scale)
+        seen["forward"] = (q_, scale)
         return v_.double() * 2, state_ * 3, g_log2, A
 
     def backward(**kwargs):
@@ -397,6 +397,7 @@ def test_fused_autograd_hands_fla_backward_what_fla_forward_keeps_and_its_gradie
     xs = leaves((q, k, v, g, beta, state))
     out, final = fn(*xs, 0.25)
     assert out.dtype == q.dtype and torch.equal(out, (v * 2).to(q.dtype)) and torch.equal(final, state * 3)
+    assert seen["forward"][0].is_contiguous() and seen["forward"][1] == 0.25
     d_out, d_final = torch.randn_like(out), torch.randn_like(final)
     torch.autograd.backward((out, final), (d_out, d_final))
     got = seen["backward"]
@@ -427,7 +428,7 @@ def test_fused_differentiable_rule_has_flas_gradients_on_cuda_at_hybrid_1bs_head
     ]
     assert fla_backward_trusted(16, 32, 128, 128, torch.bfloat16, str(bf16[0].device))
     with differentiable_rule("fused"):
-        assert gdn._fused_differentiable_applies(bf16[0], bf16[2], False, gdn._load_fla()[1])
+        assert gdn._fused_differentiable_applies(bf16[0], bf16[2], False)
         fused = grads_of(gated_delta_rule, bf16, l2norm_qk=False)
     fla = grads_of(gated_delta_rule, bf16, l2norm_qk=False)
     for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dstate"), fused[2], fla[2]):

@@ -355,10 +355,11 @@ def capture_scan(name: str):
 
 def _fused_scan_fits(q_BTHD, v_BTHV, l2norm_qk: bool) -> bool:
     """Whether the fused scan computes this rule: q and k come normalised, power-of-two head dims (V >= 32, K <=
-    128), and fla's intra-chunk functions and Triton import."""
+    128), an fla with value heads of their own (fla's intra-chunk functions read k unrepeated) and Triton."""
     K, V = q_BTHD.shape[-1], v_BTHV.shape[-1]
     pow2 = not K & (K - 1) and not V & (V - 1)
-    return not l2norm_qk and pow2 and 32 <= V and K <= 128 and _load_fused_scan() is not None
+    shaped = not l2norm_qk and pow2 and 32 <= V and K <= 128
+    return shaped and _load_fla()[1] >= _FLA_NATIVE_GVA_VERSION and _load_fused_scan() is not None
 
 
 def _fused_scan_usable(q_BTHD, v_BTHV, l2norm_qk: bool) -> bool:
@@ -493,7 +494,7 @@ def chunk_gated_delta_rule_forward(
     )
     if use_fla and not usable:
         raise RuntimeError("fla path requested but unavailable (fla import, CUDA tensors, non-float64)")
-    if usable and fla_version >= _FLA_NATIVE_GVA_VERSION and _fused_scan_usable(q_BTHD, v_BTHV, l2norm_qk):
+    if usable and _fused_scan_usable(q_BTHD, v_BTHV, l2norm_qk):
         # no autograd here (torch.no_grad): the scan alone, no backward (`differentiable_rule("fused")` has fla's)
         out_BTHV, final_state_BHDV = _load_fused_scan()(
             q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_BHDV, q_BTHD.shape[-1] ** -0.5
@@ -617,10 +618,9 @@ def _check_fla_backward(hk, hv, dk, dv, dtype, device, B: int, T: int) -> bool:
     return True
 
 
-def _fused_differentiable_applies(q_BTHD, v_BTHV, l2norm_qk: bool, fla_version) -> bool:
+def _fused_differentiable_applies(q_BTHD, v_BTHV, l2norm_qk: bool) -> bool:
     return (
         _rule.value == "fused"
-        and fla_version >= _FLA_NATIVE_GVA_VERSION
         and _fused_scan_fits(q_BTHD, v_BTHV, l2norm_qk)
         and _load_fused_differentiable() is not None
     )
@@ -649,7 +649,7 @@ def gated_delta_rule(q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_BHDV
     inputs = (q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_BHDV)
     if _fla_differentiable(*inputs):
         fla_chunk, fla_version = _load_fla()
-        if _fused_differentiable_applies(q_BTHD, v_BTHV, l2norm_qk, fla_version):
+        if _fused_differentiable_applies(q_BTHD, v_BTHV, l2norm_qk):
             return _fused_differentiable(*inputs)
         return _fla_forward(fla_chunk, fla_version, *inputs, l2norm_qk=l2norm_qk)
     return chunk_gated_delta_rule(*inputs, l2norm_qk=l2norm_qk)
