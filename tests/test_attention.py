@@ -295,40 +295,48 @@ def test_cuda_backend_matches_math_in_bf16(B, H, Hk, R, P, D, block_size, prefix
         assert err <= 2e-2 * max(1.0, b.float().abs().max().item()), err
 
 
+def _emulated_fwd(q, k, v, scale, causal=False):
+    """A float32 stand-in for a CUDA block forward: (out in q's dtype, lse)."""
+    s = (q.float() @ k.float().transpose(-1, -2)) * scale
+    if causal:
+        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool).tril(), -math.inf)
+    lse = torch.logsumexp(s, -1)
+    return (torch.softmax(s, -1) @ v.float()).to(q.dtype), lse
+
+
+def _emulated_scores_gradient(do, q, k, v, out, lse, scale, causal=False):
+    """(P, dS) of a block recomputed against the global out and lse, in float32."""
+    s = (q.float() @ k.float().transpose(-1, -2)) * scale
+    if causal:
+        s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool).tril(), -math.inf)
+    p = torch.exp(s - lse.unsqueeze(-1))
+    return p, p * (do.float() @ v.float().transpose(-1, -2) - (do.float() * out.float()).sum(-1, keepdim=True))
+
+
+def _emulated_bwd(do, q, k, v, out, lse, scale, causal=False):
+    """A float32 stand-in for a CUDA block backward: (dq, dk, dv) in q's dtype."""
+    p, ds = _emulated_scores_gradient(do, q, k, v, out, lse, scale, causal)
+    return tuple(
+        g.to(q.dtype)
+        for g in (ds @ k.float() * scale, ds.transpose(-1, -2) @ q.float() * scale, p.transpose(-1, -2) @ do.float())
+    )
+
+
+def _emulate_cuda_kernels(monkeypatch):
+    monkeypatch.setitem(attention._CUDA_KERNELS, "flash", (_emulated_fwd, _emulated_bwd))
+    # "cudnn_blocks" dispatches block by block (short blocks and the live block's backward to flash)
+    for name in ("_flash_block_fwd", "_cudnn_block_fwd"):
+        monkeypatch.setattr(attention, name, _emulated_fwd)
+    for name in ("_flash_block_bwd", "_cudnn_block_bwd"):
+        monkeypatch.setattr(attention, name, _emulated_bwd)
+    monkeypatch.setattr(attention, "CUDNN_MIN_ROWS", 5)
+
+
 @pytest.mark.parametrize("with_sinks", [False, True])
 def test_cuda_path_plumbing_with_emulated_kernel_on_cpu(monkeypatch, with_sinks):
     """Fold/repeat/merge/accumulate logic of the CUDA path, with a float32 stand-in for the kernel; with attention
     sinks (gpt-oss) merged into its partials and their gradient, against `reference_attention`'s sink column."""
-
-    def fwd(q, k, v, scale, causal=False):
-        s = (q.float() @ k.float().transpose(-1, -2)) * scale
-        if causal:
-            s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool).tril(), -math.inf)
-        lse = torch.logsumexp(s, -1)
-        return (torch.softmax(s, -1) @ v.float()).to(q.dtype), lse
-
-    def bwd(do, q, k, v, out, lse, scale, causal=False):
-        s = (q.float() @ k.float().transpose(-1, -2)) * scale
-        if causal:
-            s = s.masked_fill(~torch.ones(s.shape[-2:], dtype=torch.bool).tril(), -math.inf)
-        p = torch.exp(s - lse.unsqueeze(-1))
-        ds = p * (do.float() @ v.float().transpose(-1, -2) - (do.float() * out.float()).sum(-1, keepdim=True))
-        return tuple(
-            g.to(q.dtype)
-            for g in (
-                ds @ k.float() * scale,
-                ds.transpose(-1, -2) @ q.float() * scale,
-                p.transpose(-1, -2) @ do.float(),
-            )
-        )
-
-    monkeypatch.setitem(attention._CUDA_KERNELS, "flash", (fwd, bwd))
-    # "cudnn_blocks" dispatches block by block (short blocks and the live block's backward to flash)
-    for name in ("_flash_block_fwd", "_cudnn_block_fwd"):
-        monkeypatch.setattr(attention, name, fwd)
-    for name in ("_flash_block_bwd", "_cudnn_block_bwd"):
-        monkeypatch.setattr(attention, name, bwd)
-    monkeypatch.setattr(attention, "CUDNN_MIN_ROWS", 5)
+    _emulate_cuda_kernels(monkeypatch)
     cases = [
         (1, 8, 2, 6, 0, 8, 4, False),
         (2, 6, 2, 5, 23, 8, 7, False),
@@ -359,6 +367,89 @@ def test_cuda_path_plumbing_with_emulated_kernel_on_cpu(monkeypatch, with_sinks)
         for a, b in zip(got, grads_of(ref, leaves64, dout)):
             rtol = (blocks + 1) * BF16_RTOL
             close(a, b, rtol=rtol, atol=rtol * float(b.detach().abs().max()), what="bf16 gradient")
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_prefix_without_gradient_runs_the_dq_kernel_on_its_blocks_on_cpu(monkeypatch, shared):
+    """The CUDA path's backward with a prefix that takes no gradient (a replay's pages), a float32 stand-in for
+    `attention_dq_triton` and for the block kernels: under "dq" each prefix block goes to the dq kernel, which adds
+    into the float32 accumulator it is handed (the folded rows' when sequences share one prompt's pages) and is fed
+    the global out and lse; the library's backward runs the causal live block only. The gradients equal the dense
+    float64 reference's within bf16 roundings; under "library" the dq kernel is not called and the gradients are the
+    same."""
+    _emulate_cuda_kernels(monkeypatch)
+    calls = []
+
+    def dq_kernel(do, q, k, v, out, lse, scale, dq_acc):
+        assert dq_acc.dtype == torch.float32 and dq_acc.is_contiguous() and out.shape == q.shape
+        calls.append(k.shape[2])
+        dq_acc += _emulated_scores_gradient(do, q, k, v, out, lse, scale)[1] @ k.float() * scale
+
+    monkeypatch.setattr(attention, "_load_dq", lambda: dq_kernel)
+    monkeypatch.setattr(attention, "_load_dq_usable", lambda: lambda q, k: True)
+    B, H, Hk, R, P, D, block = 3, 6, 2, 5, 23, 8, 7
+    q, kp, vp, kl, vl, _ = make_inputs(B, H, Hk, R, P, D, dtype=torch.bfloat16, shared=shared)
+    dout = torch.randn(B, H, R, D, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    got = {}
+    for name in attention.PREFIX_BACKWARD_KERNELS:
+        calls.clear()
+        with attention.prefix_backward_kernel(name):
+            out = attention._PagedAttention.apply(q, kp, vp, kl, vl, 0.3, block, "cudnn_blocks", None, None)
+            got[name] = grads_of(out, [q, kl, vl], dout.to(out.dtype))
+        assert calls == ([7, 7, 7, 2] if name == "dq" else [])
+    leaves64 = [t.detach().double().requires_grad_() for t in (q, kl, vl)]
+    prefix64 = (kp.detach().double().expand(B, -1, -1, -1), vp.detach().double().expand(B, -1, -1, -1))
+    expected = grads_of(dense_reference(leaves64[0], *prefix64, *leaves64[1:], 0.3), leaves64, dout)
+    rtol = (math.ceil(P / block) + 2) * BF16_RTOL  # a rounded partial a block, the sum's rounding
+    for name, grads in got.items():
+        for a, b in zip(grads, expected):
+            close(a, b, rtol=rtol, atol=rtol * float(b.abs().max()), what=f"{name}: bf16 gradient")
+
+
+def test_the_prefix_backward_kernel_setting_is_checked_and_restored():
+    before = attention._prefix_backward_kernel.value
+    with pytest.raises(ValueError, match="prefix backward kernel must be one of"):
+        with attention.prefix_backward_kernel("cudnn"):
+            pass
+    with attention.prefix_backward_kernel("library"):
+        assert attention._prefix_backward_kernel.value == "library"
+    assert attention._prefix_backward_kernel.value == before
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("P", [300, 4096 + 7])
+def test_the_dq_kernel_gives_the_librarys_query_gradient_on_cuda(P, shared):
+    """Replay's backward over pages without gradient ("auto" on 512 queries a sequence, two sequences, bf16, head
+    dim 128): the dq-only kernel's query gradient against the float64 dense reference, no farther from it than the
+    library's (cuDNN's) plus one bf16 rounding; the live K/V gradients do not depend on the choice."""
+    g = torch.Generator(device="cuda").manual_seed(P)
+
+    def t(*shape):
+        return torch.randn(*shape, generator=g, device="cuda", dtype=torch.bfloat16)
+
+    B, D = 2, 128
+    q, kl, vl = t(B, 8, 512, D), t(B, 2, 512, D), t(B, 2, 512, D)
+    pages = 1 if shared else B
+    kp, vp = t(pages, 2, P + 300, D)[:, :, :P], t(pages, 2, P + 300, D)[:, :, :P]
+    dout = t(B, 8, 512, D)
+    assert attention._dq_only(q, kp)
+    got = {}
+    for name in attention.PREFIX_BACKWARD_KERNELS:
+        leaves = [x.clone().requires_grad_() for x in (q, kl, vl)]
+        with attention.prefix_backward_kernel(name):
+            out = paged_attention(leaves[0], kp, vp, *leaves[1:], scale=D**-0.5, block_size=4096)
+            got[name] = torch.autograd.grad(out, leaves, dout)
+    leaves64 = [x.double().requires_grad_() for x in (q, kl, vl)]
+    prefix64 = (kp.double().expand(B, -1, -1, -1), vp.double().expand(B, -1, -1, -1))
+    expected = torch.autograd.grad(
+        reference_attention(leaves64[0], *prefix64, *leaves64[1:], D**-0.5), leaves64, dout.double()
+    )
+    for ours, library, e in zip(got["dq"], got["library"], expected):
+        scale = float(e.abs().max())
+        assert (ours.double() - e).abs().max() <= (library.double() - e).abs().max() + EPS_BF16 * scale
+    for ours, library in zip(got["dq"][1:], got["library"][1:]):
+        assert torch.equal(ours, library)
 
 
 @pytest.mark.cuda

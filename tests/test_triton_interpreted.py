@@ -75,7 +75,7 @@ def _scan_inputs(q, k, v, g, beta, state):
 KERNELS = """
 import sys
 import torch
-from longstraw.kernels import dsa_topk_triton, gdn_conv_triton, gdn_scan_triton, logprobs_triton
+from longstraw.kernels import attention_dq_triton, dsa_topk_triton, gdn_conv_triton, gdn_scan_triton, logprobs_triton
 from longstraw.kernels import lora_merge_triton, rotary_triton, swiglu_triton
 
 conv = gdn_conv_triton
@@ -84,6 +84,7 @@ for autotuned in (
     conv._pre_activation_gradient_kernel,
     conv._conv_input_gradient_kernel,
     gdn_scan_triton._scan_output_kernel,
+    attention_dq_triton._tuned_dq_kernel,
 ):
     autotuned.configs = autotuned.configs[:1]
 inputs, out = torch.load(sys.argv[1]), {}
@@ -111,6 +112,9 @@ for name, (q, k, w, u, g_log2, state) in inputs["gdn scan"].items():
     out[name] = gdn_scan_triton.chunk_scan_output_triton(q, k, w, u, g_log2, state, q.shape[-1] ** -0.5)
 for name, (weight, lora_A, lora_B, scaling) in inputs["lora merge"].items():
     out[name] = lora_merge_triton.merge_lora_triton(weight, lora_A, lora_B, scaling)
+do, q, k_pages, v_pages, keys, attended, lse, dq = inputs["attention dq"]
+attention_dq_triton.attention_dq_triton(do, q, k_pages[:, :, :keys], v_pages[:, :, :keys], attended, lse, 0.25, dq)
+out["attention dq"] = dq
 torch.save(out, sys.argv[2])
 """ % {"key_dim": KEY_DIM, "head_dim": HEAD_DIM}
 
@@ -122,6 +126,28 @@ def _conv_inputs(gen, rows: int, with_state: bool):
     grads = tuple(randn(2, rows, width // HEAD_DIM, HEAD_DIM) for width in (KEY_DIM, KEY_DIM, CHANNELS - 2 * KEY_DIM))
     state = randn(2, CHANNELS, TAPS - 1) if with_state else None
     return randn(2, rows, CHANNELS), state, randn(CHANNELS, TAPS), randn(CHANNELS), grads
+
+
+ATTENTION_SCALE = 0.25
+ATTENTION_KEYS = 150
+
+
+def _attention_dq_inputs(gen):
+    """(dO, q, K pages, V pages, the prefix's keys, the global output and lse, a dq to add into) in float32 for the
+    kernel, and the live K and V that only the global output and lse saw: q and dO [2, 2, 70, 32] (a block of 64 rows
+    and a ragged one), 150 prefix keys read as a view of 170-key pages (two blocks of 64 and a ragged one), 9 live
+    keys. The output and lse are float64 ones rounded, as the forward hands them over in float32 and 16 bits."""
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).float().double()
+
+    q, do, k_pages, v_pages = randn(2, 2, 70, 32), randn(2, 2, 70, 32), randn(2, 2, 170, 32), randn(2, 2, 170, 32)
+    live_k, live_v = randn(2, 2, 9, 32), randn(2, 2, 9, 32)
+    keys = ATTENTION_KEYS
+    scores = torch.cat([q @ k_pages[:, :, :keys].mT, q @ live_k.mT], -1) * ATTENTION_SCALE
+    attended = torch.softmax(scores, -1) @ torch.cat([v_pages[:, :, :keys], live_v], 2)
+    kernel = (do, q, k_pages, v_pages, keys, attended, torch.logsumexp(scores, -1), 0.5 * randn(2, 2, 70, 32))
+    return tuple(t.float() if torch.is_tensor(t) else t for t in kernel), (live_k, live_v)
 
 
 @pytest.fixture(scope="module")
@@ -175,6 +201,7 @@ def interpreted(tmp_path_factory):
             for out, inner, rank, scaling in ((70, 90, 5, 2.0), (130, 65, 16, 0.5))
         },
     }
+    inputs["attention dq"], inputs["attention dq live"] = _attention_dq_inputs(gen)
     folder = tmp_path_factory.mktemp("interpreted")
     torch.save(inputs, folder / "inputs.pt")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
@@ -355,6 +382,36 @@ def test_interpreted_lora_merge_is_a_float32_rounding_of_float64(interpreted, ca
     assert ours.dtype == torch.float32 and ours.shape == expected.shape
     assert ((ours.double() - expected).abs() <= bound).all()
     assert ((weight + lora_B @ lora_A - expected).abs() > bound).any()
+
+
+def _attention_query_gradient(do, q, k, v, live_k, live_v):
+    """dQ in float64 by autograd of softmax attention over the prefix keys k, v and the live ones, the gradient
+    taken through the prefix's scores only (the share of dQ a prefix block adds), or over the prefix alone when
+    live_k is None."""
+    leaf = q.clone().requires_grad_(True)
+    scores = [leaf @ k.mT] + ([] if live_k is None else [q @ live_k.mT])
+    values = torch.cat([v] + ([] if live_v is None else [live_v]), 2)
+    attended = torch.softmax(torch.cat(scores, -1) * ATTENTION_SCALE, -1) @ values
+    (attended * do).sum().backward()
+    return leaf.grad
+
+
+def test_interpreted_attention_dq_is_the_prefix_share_of_the_query_gradient_in_float32(interpreted):
+    """`attention_dq_triton` in float32 (the autotuner's first configuration), added into a nonzero dq: against
+    float64 autograd of softmax attention over the prefix and live keys, the gradient through the prefix's scores,
+    within `float32_tolerance` of the products' lengths (keys, head dim) relative to the largest dQ. Against the
+    gradient of the prefix alone (the lse and output the block's own, not the global ones) it falls outside."""
+    inputs, outputs = interpreted
+    do, q, k_pages, v_pages, keys, _, _, dq = (t.double() if torch.is_tensor(t) else t for t in inputs["attention dq"])
+    live_k, live_v = inputs["attention dq live"]
+    k, v = k_pages[:, :, :keys], v_pages[:, :, :keys]
+    expected = dq + _attention_query_gradient(do, q, k, v, live_k, live_v)
+    ours = outputs["attention dq"]
+    tol = float32_tolerance(keys, q.shape[-1])
+    assert ours.dtype == torch.float32 and ours.shape == expected.shape
+    close(ours.double(), expected, rtol=tol, atol=tol * float(expected.abs().max()), what="attention dq")
+    local = dq + _attention_query_gradient(do, q, k, v, None, None)
+    assert ((local - expected).abs() > tol * expected.abs() + tol * float(expected.abs().max())).any()
 
 
 # runs in the interpreter's process: the capture's fused GDN forward as `chunk_gated_delta_rule_forward` calls it,

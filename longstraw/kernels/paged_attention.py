@@ -10,7 +10,8 @@ Algorithm (ring-attention style, one ``torch.autograd.Function`` with its own ba
 * backward: every block is recomputed against the GLOBAL out and lse:
   ``P = exp(S - lse)``, ``delta = rowsum(dO * O)``, ``dS = P * (dP - delta)``; dq sums over all
   blocks, dk/dv come out per block (live: when needed; prefix: only when the prefix tensors
-  require grad, otherwise the prefix costs only its dq share).
+  require grad, otherwise the prefix costs only its dq share: on CUDA `attention_dq_triton`, three products
+  a block where flash's and cuDNN's backward run five, `prefix_backward_kernel`).
 
 GQA follows HF's ``repeat_kv``: query head h reads kv head ``h // G`` with ``G = H // Hk``.
 Prefix blocks fold the query group into the query length (q viewed as [B, Hk, G*R, D]), so
@@ -54,6 +55,7 @@ N keys in one block, M = G * R folded query rows, D head dim.
 
 from __future__ import annotations
 
+import functools
 import numbers
 import os
 from contextlib import contextmanager
@@ -61,6 +63,7 @@ from contextvars import ContextVar
 
 import torch
 
+from longstraw.kernels.optional_import import optional_function
 from longstraw.kernels.process_setting import ProcessSetting
 
 __all__ = [
@@ -96,6 +99,29 @@ def forward_kernel(name: str):
     CUDNN_MIN_ROWS; fastest in steady state, but each new shape builds a plan, 0.5-1.1 s on the H200, in the
     first call that meets it) or "flash" (no plan builds: a process's first step pays none)."""
     return _forward_kernel.within(name)
+
+
+# a prefix that takes no gradient (replay's pages): "dq" runs `attention_dq_triton` on its blocks, the three
+# products dQ needs; "library" the block kernel's own backward (cuDNN's or flash's), dK and dV computed and dropped
+PREFIX_BACKWARD_KERNELS = ("dq", "library")
+_prefix_backward_kernel = ProcessSetting("prefix backward kernel", PREFIX_BACKWARD_KERNELS, "dq")
+
+
+def prefix_backward_kernel(name: str):
+    """Within the block, a CUDA backward over prefix blocks that take no gradient runs `name`: "dq" or "library"
+    (`PREFIX_BACKWARD_KERNELS`)."""
+    return _prefix_backward_kernel.within(name)
+
+
+_load_dq = functools.partial(optional_function, "longstraw.kernels.attention_dq_triton", "attention_dq_triton")
+_load_dq_usable = functools.partial(optional_function, "longstraw.kernels.attention_dq_triton", "dq_usable")
+
+
+def _dq_only(q_BHRD, k_BKPD) -> bool:
+    """Whether the prefix's blocks run the dq-only kernel: chosen, and it imports and computes these tensors."""
+    if _prefix_backward_kernel.value != "dq" or _load_dq() is None:
+        return False
+    return _load_dq_usable()(q_BHRD, k_BKPD)
 
 
 def paged_attention(
@@ -599,9 +625,19 @@ def attention_partial_backward(
         do_BKMD, q_BKMD, out_BKMD = (x.view(B, K, M, D) for x in (dout_BHRD, q_BHRD, out_BHRD))
 
         rows = (do_BKMD, q_BKMD, out_BKMD, lse_BKM)
+        if not need_prefix and _dq_only(q_BHRD, k_BKPD):
+            dq_kernel = _load_dq()
 
-        def block_bwd(k_BKND, v_BKND, do, q, out, lse):
-            return kernel_bwd(do, q, k_BKND, v_BKND, out, lse, scale)
+            def block_bwd(k_BKND, v_BKND, do, q, out, lse, dq_acc):
+                dq_kernel(do, q, k_BKND, v_BKND, out, lse, scale, dq_acc)
+                return None, None
+
+        else:
+
+            def block_bwd(k_BKND, v_BKND, do, q, out, lse, dq_acc):
+                dq_b, dk_b, dv_b = kernel_bwd(do, q, k_BKND, v_BKND, out, lse, scale)
+                dq_acc += dq_b
+                return dk_b, dv_b
 
         if need_live:
             dq_b, dk_b, dv_b = kernel_bwd(
@@ -618,8 +654,10 @@ def attention_partial_backward(
 
         rows = (do_BKMD, q_BKMD, delta_BKM, lse_BKM)
 
-        def block_bwd(k_BKND, v_BKND, do, q, delta, lse):
-            return _math_block_bwd(do, q, k_BKND, v_BKND, lse, delta, scale, need_prefix)
+        def block_bwd(k_BKND, v_BKND, do, q, delta, lse, dq_acc):
+            dq_b, dk_b, dv_b = _math_block_bwd(do, q, k_BKND, v_BKND, lse, delta, scale, need_prefix)
+            dq_acc += dq_b
+            return dk_b, dv_b
 
         if need_live:
             allowed_MR = _causal_allowed_MR(G, R, q_BHRD.device)
@@ -633,21 +671,18 @@ def attention_partial_backward(
         dv_BKPD = torch.empty(v_BKPD.shape, dtype=v_BKPD.dtype, device=v_BKPD.device)
     if need_q or need_prefix:
         shared = _shares_prefix(B, k_BKPD)  # as the forward folded the B sequences' rows over one prefix
+        dq_acc = dq_BKMD  # float32 and contiguous, as the dq-only kernel adds into it
         if shared:
             rows = tuple(_fold(x) for x in rows)
-            dq_1KFD = torch.zeros(1, K, B * M, D, dtype=acc, device=q_BHRD.device)
+            dq_acc = torch.zeros(1, K, B * M, D, dtype=acc, device=q_BHRD.device)
         for start in range(0, P, block_size):
             blk = slice(start, start + block_size)
-            dq_b, dk_b, dv_b = block_bwd(k_BKPD[:, :, blk], v_BKPD[:, :, blk], *rows)
-            if shared:
-                dq_1KFD += dq_b
-            else:
-                dq_BKMD += dq_b
+            dk_b, dv_b = block_bwd(k_BKPD[:, :, blk], v_BKPD[:, :, blk], *rows, dq_acc)
             if need_prefix:
                 dk_BKPD[:, :, blk] = dk_b
                 dv_BKPD[:, :, blk] = dv_b
         if shared and P:
-            dq_BKMD += _unfold(dq_1KFD, B)
+            dq_BKMD += _unfold(dq_acc, B)
     return (
         dq_BHRD if need_q else None,
         dk_BKPD if need_kp else None,
