@@ -5,9 +5,9 @@
         [--sources] --out F
 
 For the named `experiments/peers.yaml` h200 point (its model, prompt, G responses, k and checkpointing): for each
-rule of `gated_delta_rule` ("auto": fla's chunk kernels forward and backward where checked on this device; "fused":
-the capture's fused scan forward with fla's backward there; "torch": the torch chunk rule), with the layers' norms
-fused (fla's kernels, as the package runs them on CUDA) or HF's (--norms fused hf), and with LoRA's update fused
+rule of `gated_delta_rule` ("auto": fla's chunk kernels forward and backward where checked on this device; "kept":
+fla's kernels with w, the chunk states and corrected values kept from the forward for the backward; "torch": the
+torch chunk rule), with the layers' norms fused (fla's kernels, as the package runs them on CUDA) or HF's (--norms fused hf), and with LoRA's update fused
 into lora_B's GEMM where the adapters have the base's dtype (as the package runs it) or added in place (--lora fused
 in-place; `longstraw.models.lora_linear`): the capture's (at the point's chunk size and at each of --chunk-sizes;
 the dropout check made once before, as a step makes it) and

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 from tolerances import EPS_BF16, close, float32_tolerance, relative
@@ -372,51 +374,79 @@ def test_the_fla_backward_check_runs_inside_a_checkpointed_layer(monkeypatch):
     torch.testing.assert_close(x.grad, x.detach().sin() + x.detach() * x.detach().cos(), rtol=0, atol=1e-12)
 
 
-def test_fused_autograd_hands_fla_backward_what_fla_forward_keeps_and_its_gradients_to_the_inputs():
-    """`_fused_autograd` with stand-ins (a forward of fla's results' shapes, a backward returning one constant per
-    gradient): the backward gets contiguous q, k, v and beta, the forward's log2 decay and A, the initial state, the
-    scale, the output's and the final state's gradients and 64-token chunks, by fla's names; each of its results
-    reaches its own input (dbeta is fla's fourth, dg its fifth), in the input's dtype; the output comes in q's."""
+def test_kept_states_rule_hands_fla_backward_what_its_forward_made_and_its_gradients_to_the_inputs():
+    """`_kept_states_autograd` with stand-ins for fla's functions (each returns tensors of its own): the forward's
+    log2 decay (the cumsum at 1 / ln 2), w, A, the chunk states h and the corrected values reach the backward's
+    functions by fla's names, none recomputed; the dv of `chunk_bwd_dv_local` goes through `bwd_dhu`, whose dv and
+    `dqkwg`'s dw reach `prepare_wy_repr_bwd`; dk sums dqkwg's and the WY's, dg their sum taken back through the
+    reverse cumsum; each gradient reaches its input in the input's dtype, the output comes in q's."""
     q, k, v, g, beta, state = make_gdn_inputs(T=7, dtype=torch.float32)
     q = q.transpose(1, 2).contiguous().transpose(1, 2)  # a strided view, as the projections may hand it over
-    g_log2, A = torch.randn(g.shape, dtype=torch.float64), torch.randn(*g.shape, 64)
-    seen = {}
+    gen = torch.Generator().manual_seed(5)
 
-    def forward(q_, k_, v_, g_, beta_, state_, scale):
-        seen["forward"] = (q_, scale)
-        return v_.double() * 2, state_ * 3, g_log2, A
+    def like(t, dtype=None):
+        return torch.randn(t.shape, generator=gen, dtype=torch.float64).to(dtype or t.dtype)
 
-    def backward(**kwargs):
-        seen["backward"] = kwargs
-        return tuple(torch.full_like(like, value) for like, value in zip((q, k, v, beta, g, state), range(1, 7))) + (
-            None,
-            None,
-        )
+    made, seen = {}, {}
 
-    fn = gdn._fused_autograd(forward, backward)
+    def cumsum(x, chunk_size, scale=None, reverse=False):
+        seen["cumsum reverse" if reverse else "cumsum"] = (x, chunk_size, scale)
+        return x * 10 if reverse else made.setdefault("g_log2", like(g))
+
+    def record(name, *results):  # one result alone, several as a tuple, as fla's functions return them
+        def fn(**kwargs):
+            seen[name] = kwargs
+            made[name] = tuple(like(t) for t in results)
+            made[name + " as made"] = tuple(t.clone() for t in made[name])  # the backward adds into some in place
+            return made[name] if len(results) > 1 else made[name][0]
+
+        return fn
+
+    fla = types.SimpleNamespace(
+        chunk_local_cumsum=cumsum,
+        RCP_LN2=1.4426950408889634,
+        chunk_gated_delta_rule_fwd_intra=record("intra", k.repeat_interleave(2, 2), v, g),
+        chunk_gated_delta_rule_fwd_h=record("fwd_h", state[:, :, :1], v, state),
+        chunk_fwd_o=lambda **kwargs: seen.setdefault("fwd_o", kwargs) and made.setdefault("o", like(v, torch.float64)),
+        chunk_bwd_dv_local=record("dv_local", v),
+        chunk_gated_delta_rule_bwd_dhu=record("dhu", state[:, :, :1], state, v),
+        chunk_bwd_dqkwg=record("dqkwg", q, k, k.repeat_interleave(2, 2), g),
+        prepare_wy_repr_bwd=record("wy", k, v, beta, g),
+    )
     xs = leaves((q, k, v, g, beta, state))
-    out, final = fn(*xs, 0.25)
-    assert out.dtype == q.dtype and torch.equal(out, (v * 2).to(q.dtype)) and torch.equal(final, state * 3)
-    assert seen["forward"][0].is_contiguous() and seen["forward"][1] == 0.25
+    out, final = gdn._kept_states_autograd(fla)(*xs, 0.25)
+    w, u, A = made["intra"]
+    h, v_new, final_made = made["fwd_h"]
+    assert out.dtype == q.dtype and torch.equal(out, made["o"].to(q.dtype)) and final is final_made
+    assert seen["cumsum"][1:] == (64, fla.RCP_LN2) and seen["intra"]["g"] is made["g_log2"]
+    assert seen["intra"]["k"].is_contiguous() and torch.equal(seen["intra"]["k"], k)
+    assert seen["fwd_h"]["w"] is w and seen["fwd_h"]["u"] is u and seen["fwd_h"]["output_final_state"]
+    assert seen["fwd_o"]["v"] is v_new and seen["fwd_o"]["h"] is h and seen["fwd_o"]["scale"] == 0.25
     d_out, d_final = torch.randn_like(out), torch.randn_like(final)
     torch.autograd.backward((out, final), (d_out, d_final))
-    got = seen["backward"]
-    assert got["chunk_size"] == 64 and got["scale"] == 0.25 and got["g"] is g_log2 and got["A"] is A
-    for name, leaf in (("q", xs[0]), ("k", xs[1]), ("v", xs[2]), ("beta", xs[4])):
-        assert got[name].is_contiguous() and torch.equal(got[name], leaf.detach()), name
-    assert torch.equal(got["initial_state"], xs[5].detach())
-    assert torch.equal(got["do"], d_out) and torch.equal(got["dht"], d_final)
-    for leaf, value in zip(xs, (1, 2, 3, 5, 4, 6)):  # dq, dk, dv, dg (fla's fifth), dbeta (its fourth), dstate
-        assert leaf.grad.dtype == leaf.dtype and torch.equal(leaf.grad, torch.full_like(leaf, value))
+    (dv_local,) = made["dv_local"]
+    dh, d_state, dv = made["dhu"]
+    dq, dk, dw, dg = made["dqkwg"]
+    dk_wy, dv_wy, dbeta, dg_wy = made["wy"]
+    _, dk_made, _, dg_made = made["dqkwg as made"]
+    assert torch.equal(seen["dv_local"]["do"], d_out) and torch.equal(seen["dhu"]["dht"], d_final)
+    assert seen["dhu"]["w"] is w and seen["dhu"]["dv"] is dv_local and torch.equal(seen["dhu"]["h0"], state)
+    assert seen["dqkwg"]["h"] is h and seen["dqkwg"]["v"] is v_new and seen["dqkwg"]["w"] is w
+    assert seen["dqkwg"]["dh"] is dh and seen["dqkwg"]["dv"] is dv
+    assert seen["wy"]["A"] is A and seen["wy"]["dw"] is dw and seen["wy"]["du"] is dv
+    assert seen["cumsum reverse"][1] == 64
+    expected = (dq, dk_made + dk_wy, dv_wy, (dg_made + dg_wy) * 10, dbeta, d_state)
+    for leaf, e in zip(xs, expected):
+        assert leaf.grad.dtype == leaf.dtype and torch.equal(leaf.grad, e.to(leaf.dtype))
 
 
 @pytest.mark.cuda
-def test_fused_differentiable_rule_has_flas_gradients_on_cuda_at_hybrid_1bs_head_shape():
+def test_kept_states_rule_has_flas_gradients_on_cuda_at_hybrid_1bs_head_shape():
     """hybrid-1b's GDN heads in bf16, q and k with unit rows (as the conv leaves them, `l2norm_qk=False`), two
-    sequences of 300 tokens from a state: under `differentiable_rule("fused")` the rule takes the fused scan forward
-    and fla's backward, whose gradients are fla's whole rule's bit for bit (one output gradient, what fla's forward
-    keeps), and whose output and final state are as close to the float64 recurrence as fla's (within
-    FLA_BACKWARD_TOLERANCE norm-wise)."""
+    sequences of 300 tokens from a state: under `differentiable_rule("kept")` the rule runs fla's kernels keeping
+    w, the chunk states and the corrected values from its forward; its output is fla's whole rule's bit for bit (the
+    same forward kernels) and its gradients are within one bf16 rounding of fla's (fla's backward recomputes w with
+    another kernel than its forward's), and both are as close to the float64 recurrence (FLA_BACKWARD_TOLERANCE)."""
     if not fla_available():
         pytest.skip("fla is not importable")
     q, k, v, g, beta, state = make_gdn_inputs(T=300, Hk=16, Hv=32, Dk=128, Dv=128, dtype=torch.float64)
@@ -427,16 +457,16 @@ def test_fused_differentiable_rule_has_flas_gradients_on_cuda_at_hybrid_1bs_head
         state.float().cuda(),
     ]
     assert fla_backward_trusted(16, 32, 128, 128, torch.bfloat16, str(bf16[0].device))
-    with differentiable_rule("fused"):
-        assert gdn._fused_differentiable_applies(bf16[0], bf16[2], False)
-        fused = grads_of(gated_delta_rule, bf16, l2norm_qk=False)
+    with differentiable_rule("kept"):
+        assert gdn._kept_states_apply(False) and not gdn._kept_states_apply(True)
+        kept = grads_of(gated_delta_rule, bf16, l2norm_qk=False)
     fla = grads_of(gated_delta_rule, bf16, l2norm_qk=False)
-    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dstate"), fused[2], fla[2]):
-        assert a.dtype == b.dtype and torch.equal(a, b), name
+    assert torch.equal(kept[0], fla[0]) and torch.equal(kept[1], fla[1])
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dstate"), kept[2], fla[2]):
+        assert a.dtype == b.dtype and relative(a.double(), b.double()) <= EPS_BF16, name
     reference = grads_of(recurrent_gated_delta_rule, [t.double() for t in bf16], l2norm_qk=False)
-    for name, ours, theirs, e in zip(("out", "state"), fused[:2], fla[:2], reference[:2]):
+    for name, ours, e in zip(("dq", "dk", "dv", "dg", "dbeta", "dstate"), kept[2], reference[2]):
         assert relative(ours.double(), e) < gdn.FLA_BACKWARD_TOLERANCE, name
-        assert relative(theirs.double(), e) < gdn.FLA_BACKWARD_TOLERANCE, name
 
 
 @pytest.mark.cuda

@@ -61,17 +61,17 @@ refuses its gated backward outright on Hopper with Triton 3.4-3.7.0 (fla #640: a
 miscompile of 64-wide key tiles in ``chunk_bwd_dqkwg``; Hopper's tiling takes
 128-wide ones for head dim 128); the check lifts that refusal for itself and
 keeps fla's backward only if its gradients agree with the torch rule's.
-``differentiable_rule("fused")`` runs the capture's fused scan forward under
-autograd with fla's backward (the same backward function the check runs), where
-fla's is trusted and the scan fits: the per-chunk states fla's forward writes for
-its output kernel are written by no one, and fla's backward recomputes them as
-it always does.
+``differentiable_rule("kept")`` composes fla's forward and backward functions as
+fla does, where fla's is trusted and q and k come normalised, but keeps the WY
+representation's w, the per-chunk states and the corrected values from the
+forward for the backward, which fla's recomputes.
 """
 
 from __future__ import annotations
 
 import functools
 import re
+import types
 import warnings
 from typing import Callable
 
@@ -369,8 +369,7 @@ def _fused_scan_usable(q_BTHD, v_BTHV, l2norm_qk: bool) -> bool:
 @functools.cache
 def _load_fused_scan() -> Callable | None:
     """fla's chunk forward with its scan and output kernels as one (`gdn_scan_triton`), or None when fla's
-    intra-chunk functions or Triton do not import. It returns the output and the final state, and what fla's
-    backward reads beside the inputs: the within-chunk log2 decay and each chunk's solved A."""
+    intra-chunk functions or Triton do not import. It returns the output and the final state."""
     try:
         from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
         from fla.ops.utils import chunk_local_cumsum
@@ -383,58 +382,86 @@ def _load_fused_scan() -> Callable | None:
     def forward(q, k, v, g, beta, initial_state, scale):
         q, k, v, beta = (t.contiguous() for t in (q, k, v, beta))
         g = chunk_local_cumsum(g.float().contiguous(), chunk_size=64, scale=RCP_LN2)  # log2 decay within chunks
-        w, u, A = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=g, beta=beta, chunk_size=64)
-        return (*chunk_scan_output_triton(q, k, w, u, g, initial_state, scale, chunk_size=64), g, A)
+        w, u, _ = chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=g, beta=beta, chunk_size=64)
+        return chunk_scan_output_triton(q, k, w, u, g, initial_state, scale, chunk_size=64)
 
     return forward
 
 
-def _fused_autograd(forward: Callable, backward: Callable) -> Callable:
-    """The `apply` of an autograd function: `forward` the fused scan's (`_load_fused_scan`: the output, the final
-    state, the log2 decay and A), `backward` fla's `chunk_gated_delta_rule_bwd` (its arguments and its first six
-    results: dq, dk, dv, dbeta, dg, the initial state's gradient), fed what fla's forward keeps for it."""
+def _kept_states_autograd(fla) -> Callable:
+    """The `apply` of an autograd function: fla's chunk forward and backward (`fla`: a namespace of its functions by
+    their names) composed as fla's `ChunkGatedDeltaRuleFunction` composes them, with what its backward recomputes
+    kept from the forward instead: the WY representation's w, every chunk's start state h and the corrected values
+    v_new (fla's backward runs `recompute_w_u_fwd` and `chunk_gated_delta_rule_fwd_h` again for them)."""
 
-    class FusedForwardFlaBackward(torch.autograd.Function):
+    class KeptStatesRule(torch.autograd.Function):
         @staticmethod
         def forward(ctx, q, k, v, g, beta, initial_state, scale):
             q, k, v, beta = (t.contiguous() for t in (q, k, v, beta))  # fla's kernels read them contiguous
-            out, final, g_log2, A = forward(q, k, v, g, beta, initial_state, scale)
-            ctx.save_for_backward(q, k, v, g_log2, beta, A, initial_state)
+            g_log2 = fla.chunk_local_cumsum(g.float().contiguous(), chunk_size=64, scale=fla.RCP_LN2)
+            w, u, A = fla.chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=g_log2, beta=beta, chunk_size=64)
+            h, v_new, final = fla.chunk_gated_delta_rule_fwd_h(
+                k=k, w=w, u=u, g=g_log2, initial_state=initial_state, output_final_state=True, chunk_size=64
+            )
+            out = fla.chunk_fwd_o(q=q, k=k, v=v_new, h=h, g=g_log2, scale=scale, chunk_size=64)
+            ctx.save_for_backward(q, k, v, g_log2, beta, A, initial_state, w, h, v_new)
             ctx.scale, ctx.g_dtype = scale, g.dtype
             return out.to(q.dtype), final
 
         @staticmethod
         def backward(ctx, d_out, d_final):
-            q, k, v, g_log2, beta, A, initial_state = ctx.saved_tensors
-            dq, dk, dv, dbeta, dg, d_initial = backward(
-                q=q, k=k, v=v, g=g_log2, beta=beta, A=A, scale=ctx.scale, initial_state=initial_state,
-                do=d_out.contiguous(), dht=d_final.contiguous(), chunk_size=64,
-            )[:6]  # fmt: skip
+            q, k, v, g_log2, beta, A, initial_state, w, h, v_new = ctx.saved_tensors
+            scale, d_out, d_final = ctx.scale, d_out.contiguous(), d_final.contiguous()
+            dv = fla.chunk_bwd_dv_local(q=q, k=k, g=g_log2, do=d_out, scale=scale, chunk_size=64)
+            dh, d_initial, dv = fla.chunk_gated_delta_rule_bwd_dhu(
+                q=q, k=k, w=w, g=g_log2, h0=initial_state, dht=d_final, do=d_out, dv=dv, scale=scale, chunk_size=64
+            )
+            dq, dk, dw, dg = fla.chunk_bwd_dqkwg(
+                q=q, k=k, v=v_new, w=w, g=g_log2, h=h, dv=dv, do=d_out, dh=dh, scale=scale, chunk_size=64
+            )
+            dk_wy, dv, dbeta, dg_wy = fla.prepare_wy_repr_bwd(k=k, v=v, beta=beta, g=g_log2, A=A, dw=dw, du=dv)
+            dk.add_(dk_wy)
+            dg = fla.chunk_local_cumsum(dg.add_(dg_wy), chunk_size=64, reverse=True)
             d_initial = None if initial_state is None else d_initial.to(initial_state.dtype)
             grads = (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(ctx.g_dtype), dbeta.to(beta.dtype))
             return *grads, d_initial, None
 
-    return FusedForwardFlaBackward.apply
+    return KeptStatesRule.apply
 
 
 @functools.cache
-def _load_fused_differentiable() -> Callable | None:
-    """`differentiable_rule("fused")`'s function (`_fused_autograd`): the fused scan forward, which writes no chunk's
-    state, and fla's own backward, which recomputes them as it does after fla's forward: for one output gradient,
-    fla's gradients; the output is the fused scan's. None where fla's backward or the fused forward does not import."""
-    forward = _load_fused_scan()
+def _load_kept_states() -> Callable | None:
+    """`differentiable_rule("kept")`'s function (`_kept_states_autograd` over fla's functions), or None where they do
+    not import."""
     try:
-        from fla.ops.gated_delta_rule.chunk import chunk_gated_delta_rule_bwd
+        from fla.ops.common.chunk_delta_h import chunk_gated_delta_rule_bwd_dhu, chunk_gated_delta_rule_fwd_h
+        from fla.ops.common.chunk_o import chunk_bwd_dqkwg, chunk_bwd_dv_local, chunk_fwd_o
+        from fla.ops.gated_delta_rule.chunk_fwd import chunk_gated_delta_rule_fwd_intra
+        from fla.ops.gated_delta_rule.wy_fast import prepare_wy_repr_bwd
+        from fla.ops.utils import chunk_local_cumsum
+        from fla.ops.utils.constant import RCP_LN2
     except Exception:  # no fla, another fla layout
         return None
-    return None if forward is None else _fused_autograd(forward, chunk_gated_delta_rule_bwd)
+    return _kept_states_autograd(
+        types.SimpleNamespace(
+            chunk_local_cumsum=chunk_local_cumsum,
+            RCP_LN2=RCP_LN2,
+            chunk_gated_delta_rule_fwd_intra=chunk_gated_delta_rule_fwd_intra,
+            chunk_gated_delta_rule_fwd_h=chunk_gated_delta_rule_fwd_h,
+            chunk_fwd_o=chunk_fwd_o,
+            chunk_bwd_dv_local=chunk_bwd_dv_local,
+            chunk_gated_delta_rule_bwd_dhu=chunk_gated_delta_rule_bwd_dhu,
+            chunk_bwd_dqkwg=chunk_bwd_dqkwg,
+            prepare_wy_repr_bwd=prepare_wy_repr_bwd,
+        )
+    )
 
 
-def _fused_differentiable(q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_BHDV):
-    """The rule (q and k normalised) by `_load_fused_differentiable`'s function, in `_fla_forward`'s dtypes."""
+def _kept_states(q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_BHDV):
+    """The rule (q and k normalised) by `_load_kept_states`'s function, in `_fla_forward`'s dtypes."""
     initial = None if initial_state_BHDV is None else initial_state_BHDV.float()
     scale = q_BTHD.shape[-1] ** -0.5
-    return _load_fused_differentiable()(q_BTHD, k_BTHD, v_BTHV, g_BTH.float(), beta_BTH, initial, scale)
+    return _load_kept_states()(q_BTHD, k_BTHD, v_BTHV, g_BTH.float(), beta_BTH, initial, scale)
 
 
 def _fla_forward(fla_chunk, fla_version, q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_BHDV, l2norm_qk=True):
@@ -495,10 +522,10 @@ def chunk_gated_delta_rule_forward(
     if use_fla and not usable:
         raise RuntimeError("fla path requested but unavailable (fla import, CUDA tensors, non-float64)")
     if usable and _fused_scan_usable(q_BTHD, v_BTHV, l2norm_qk):
-        # no autograd here (torch.no_grad): the scan alone, no backward (`differentiable_rule("fused")` has fla's)
+        # no autograd here (torch.no_grad): the scan alone, no backward
         out_BTHV, final_state_BHDV = _load_fused_scan()(
             q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_BHDV, q_BTHD.shape[-1] ** -0.5
-        )[:2]
+        )
         return out_BTHV.to(q_BTHD.dtype), final_state_BHDV
     if usable:
         return _fla_forward(
@@ -513,16 +540,16 @@ def chunk_gated_delta_rule_forward(
 # Differentiable fast path (replay): fla forward and backward, where checked
 # --------------------------------------------------------------------------------------
 
-# "auto": fla's kernels where `fla_backward_trusted`, else the torch chunk rule; "fused": where fla's are trusted and
-# the fused scan fits (q and k normalised), the capture's fused scan forward with fla's backward
-# (`_load_fused_differentiable`: fla's forward writes every chunk's state for its output kernel, and its backward
-# recomputes them anyway); "torch": the torch chunk rule everywhere
-RULES = ("auto", "fused", "torch")
+# "auto": fla's kernels where `fla_backward_trusted`, else the torch chunk rule; "kept": where fla's are trusted and q
+# and k come normalised, fla's kernels with what its backward recomputes kept from the forward (`_load_kept_states`;
+# a member batch's w, chunk states and corrected values, in the inputs' 16-bit dtype); "torch": the torch chunk rule
+# everywhere
+RULES = ("auto", "kept", "torch")
 _rule = ProcessSetting("differentiable GDN rule", RULES, "auto")
 
 
 def differentiable_rule(name: str):
-    """Within the block, `gated_delta_rule` runs `name`: "auto", "fused" or "torch" (`RULES`)."""
+    """Within the block, `gated_delta_rule` runs `name`: "auto", "kept" or "torch" (`RULES`)."""
     return _rule.within(name)
 
 
@@ -618,11 +645,14 @@ def _check_fla_backward(hk, hv, dk, dv, dtype, device, B: int, T: int) -> bool:
     return True
 
 
-def _fused_differentiable_applies(q_BTHD, v_BTHV, l2norm_qk: bool) -> bool:
+def _kept_states_apply(l2norm_qk: bool) -> bool:
+    """Under "kept", with q and k normalised (fla's l2 norm is not composed here) and an fla whose functions read
+    value heads of their own (the q/k heads unrepeated)."""
     return (
-        _rule.value == "fused"
-        and _fused_scan_fits(q_BTHD, v_BTHV, l2norm_qk)
-        and _load_fused_differentiable() is not None
+        _rule.value == "kept"
+        and not l2norm_qk
+        and _load_fla()[1] >= _FLA_NATIVE_GVA_VERSION
+        and _load_kept_states() is not None
     )
 
 
@@ -642,14 +672,13 @@ def _fla_differentiable(q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_B
 def gated_delta_rule(q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_BHDV=None, *, l2norm_qk: bool = True):
     """The differentiable gated delta rule: `chunk_gated_delta_rule`'s arguments and results (`l2norm_qk=False`: q
     and k come normalised). fla's chunk kernels forward and backward on CUDA where `fla_backward_trusted` at this
-    shape (and not in deterministic mode, nor under `differentiable_rule("torch")`), under
-    `differentiable_rule("fused")` the fused scan forward with fla's backward there (where the scan fits); the
-    torch chunk rule otherwise."""
+    shape (and not in deterministic mode, nor under `differentiable_rule("torch")`), composed here keeping what fla's
+    backward recomputes under `differentiable_rule("kept")`; the torch chunk rule otherwise."""
     _check_shapes(q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_BHDV)
     inputs = (q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_BHDV)
     if _fla_differentiable(*inputs):
         fla_chunk, fla_version = _load_fla()
-        if _fused_differentiable_applies(q_BTHD, v_BTHV, l2norm_qk):
-            return _fused_differentiable(*inputs)
+        if _kept_states_apply(l2norm_qk):
+            return _kept_states(*inputs)
         return _fla_forward(fla_chunk, fla_version, *inputs, l2norm_qk=l2norm_qk)
     return chunk_gated_delta_rule(*inputs, l2norm_qk=l2norm_qk)
