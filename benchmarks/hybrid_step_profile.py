@@ -7,18 +7,16 @@
 For the named `experiments/peers.yaml` h200 point (its model, prompt, G responses, k and checkpointing): for each
 rule of `gated_delta_rule` ("auto": fla's chunk kernels forward and backward where checked on this device; "kept":
 fla's kernels with w, the chunk states and corrected values kept from the forward for the backward; "torch": the
-torch chunk rule), with the layers' norms fused (fla's kernels, as the package runs them on CUDA) or HF's (--norms fused hf), and with LoRA's update fused
-into lora_B's GEMM where the adapters have the base's dtype (as the package runs it) or added in place (--lora fused
-in-place; `longstraw.models.lora_linear`): the capture's (at the point's chunk size and at each of --chunk-sizes;
-the dropout check made once before, as a step makes it) and
-the G members' replay's seconds, --repeats of each,
-and each phase once more under torch.profiler (kernels, busy fraction, the `--top` ops and kernels by device time
-and by launches, their seconds by kind (`kernel_kind`: gemm, attention, the GDN rule, conv, norm ...); with
---sources, the source lines and backward nodes that launched them: `longstraw.measure.kernel_profile.launch_sources`);
-and whether fla's backward passed its check here. The last
+torch chunk rule), with the layers' norms fused (fla's kernels, as the package runs them on CUDA) or HF's (--norms
+fused hf), and with LoRA's update fused into lora_B's GEMM where the adapters have the base's dtype (as the package
+runs it) or added in place (--lora fused in-place; `longstraw.models.lora_linear`): the capture's (at the point's
+chunk size and at each of --chunk-sizes; the dropout check made once before, as a step makes it) and the G members'
+replay's seconds, --repeats of each, and each phase once more under torch.profiler (kernels, busy fraction, the
+`--top` ops and kernels by device time and by launches, their seconds by kind (`kernel_kind`: gemm, attention, the
+GDN rule, conv, norm ...); with --sources, the source lines and backward nodes that launched them:
+`longstraw.measure.kernel_profile.launch_sources`); and whether fla's backward passed its check here. The last
 stdout line is one JSON object, also written to --out. The point comes from `experiments/peers.yaml`'s plan, which
-refuses its peer points where the peers are not installed: on the GPU box carry `.whl_peers` (docs/gpu.md).
-"""
+refuses its peer points where the peers are not installed: on the GPU box carry `.whl_peers` (docs/gpu.md). """
 
 from __future__ import annotations
 
