@@ -406,16 +406,6 @@ def test_a_prefix_without_gradient_runs_the_dq_kernel_on_its_blocks_on_cpu(monke
             close(a, b, rtol=rtol, atol=rtol * float(b.abs().max()), what=f"{name}: bf16 gradient")
 
 
-def test_the_prefix_backward_kernel_setting_is_checked_and_restored():
-    before = attention._prefix_backward_kernel.value
-    with pytest.raises(ValueError, match="prefix backward kernel must be one of"):
-        with attention.prefix_backward_kernel("cudnn"):
-            pass
-    with attention.prefix_backward_kernel("library"):
-        assert attention._prefix_backward_kernel.value == "library"
-    assert attention._prefix_backward_kernel.value == before
-
-
 @pytest.mark.cuda
 @pytest.mark.parametrize("shared", [False, True])
 @pytest.mark.parametrize("P", [300, 4096 + 7])
@@ -538,18 +528,32 @@ def test_decode_attention_matches_dense_reference(device):
         attention.decode_attention(t(B, H, 2, D), kp, vp, ko, vo, scale=0.125)
 
 
-def test_the_forward_kernel_setting_is_checked_and_restored():
-    before = attention._forward_kernel.value
-    with pytest.raises(ValueError, match="forward kernel must be one of"):
-        with attention.forward_kernel("cudnn_blocks"):
+@pytest.mark.parametrize(
+    "within, setting, what, unknown, one, other",
+    [
+        (attention.forward_kernel, attention._forward_kernel, "forward kernel", "cudnn_blocks", "flash", "cudnn"),
+        (
+            attention.prefix_backward_kernel,
+            attention._prefix_backward_kernel,
+            "prefix backward kernel",
+            "cudnn",
+            "library",
+            "dq",
+        ),
+    ],
+)
+def test_a_kernel_setting_is_checked_and_restored(within, setting, what, unknown, one, other):
+    before = setting.value
+    with pytest.raises(ValueError, match=f"{what} must be one of"):
+        with within(unknown):
             pass
-    with attention.forward_kernel("flash"):
-        assert attention._forward_kernel.value == "flash"
+    with within(one):
+        assert setting.value == one
         with pytest.raises(RuntimeError):
-            with attention.forward_kernel("cudnn"):
+            with within(other):
                 raise RuntimeError("inside")
-        assert attention._forward_kernel.value == "flash"
-    assert attention._forward_kernel.value == before
+        assert setting.value == one
+    assert setting.value == before
 
 
 @pytest.mark.cuda
