@@ -10,8 +10,8 @@ Algorithm (ring-attention style, one ``torch.autograd.Function`` with its own ba
 * backward: every block is recomputed against the GLOBAL out and lse:
   ``P = exp(S - lse)``, ``delta = rowsum(dO * O)``, ``dS = P * (dP - delta)``; dq sums over all
   blocks, dk/dv come out per block (live: when needed; prefix: only when the prefix tensors
-  require grad, otherwise the prefix costs only its dq share: on CUDA `attention_dq_triton`, three products
-  a block where flash's and cuDNN's backward run five, `prefix_backward_kernel`).
+  require grad, otherwise the prefix costs only its dq share; on CUDA, under `prefix_backward_kernel("dq")`,
+  `attention_dq_triton`: three products a block where flash's and cuDNN's backward run five).
 
 GQA follows HF's ``repeat_kv``: query head h reads kv head ``h // G`` with ``G = H // Hk``.
 Prefix blocks fold the query group into the query length (q viewed as [B, Hk, G*R, D]), so
@@ -102,9 +102,10 @@ def forward_kernel(name: str):
 
 
 # a prefix that takes no gradient (replay's pages): "dq" runs `attention_dq_triton` on its blocks, the three
-# products dQ needs; "library" the block kernel's own backward (cuDNN's or flash's), dK and dV computed and dropped
+# products dQ needs; "library" the block kernel's own backward (cuDNN's or flash's), dK and dV computed and dropped.
+# "library" stays the default until "dq" has run on a GPU: its CUDA test and `benchmarks/attention_dq.py` have not
 PREFIX_BACKWARD_KERNELS = ("dq", "library")
-_prefix_backward_kernel = ProcessSetting("prefix backward kernel", PREFIX_BACKWARD_KERNELS, "dq")
+_prefix_backward_kernel = ProcessSetting("prefix backward kernel", PREFIX_BACKWARD_KERNELS, "library")
 
 
 def prefix_backward_kernel(name: str):
