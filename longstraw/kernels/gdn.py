@@ -398,6 +398,7 @@ def _kept_states_autograd(fla) -> Callable:
         @staticmethod
         def forward(ctx, q, k, v, g, beta, initial_state, scale):
             q, k, v, beta = (t.contiguous() for t in (q, k, v, beta))  # fla's kernels read them contiguous
+            initial_state = None if initial_state is None else initial_state.contiguous()  # a member batch's repeat
             g_log2 = fla.chunk_local_cumsum(g.float().contiguous(), chunk_size=64, scale=fla.RCP_LN2)
             w, u, A = fla.chunk_gated_delta_rule_fwd_intra(k=k, v=v, g=g_log2, beta=beta, chunk_size=64)
             h, v_new, final = fla.chunk_gated_delta_rule_fwd_h(
