@@ -112,9 +112,9 @@ for name, (q, k, w, u, g_log2, state) in inputs["gdn scan"].items():
     out[name] = gdn_scan_triton.chunk_scan_output_triton(q, k, w, u, g_log2, state, q.shape[-1] ** -0.5)
 for name, (weight, lora_A, lora_B, scaling) in inputs["lora merge"].items():
     out[name] = lora_merge_triton.merge_lora_triton(weight, lora_A, lora_B, scaling)
-do, q, k_pages, v_pages, keys, attended, lse, dq = inputs["attention dq"]
-attention_dq_triton.attention_dq_triton(do, q, k_pages[:, :, :keys], v_pages[:, :, :keys], attended, lse, 0.25, dq)
-out["attention dq"] = dq
+for name, ((do, q, k_pages, v_pages, keys, attended, lse, dq), _) in inputs["attention dq"].items():
+    attention_dq_triton.attention_dq_triton(do, q, k_pages[:, :, :keys], v_pages[:, :, :keys], attended, lse, 0.25, dq)
+    out[name] = dq
 torch.save(out, sys.argv[2])
 """ % {"key_dim": KEY_DIM, "head_dim": HEAD_DIM}
 
@@ -132,20 +132,22 @@ ATTENTION_SCALE = 0.25
 ATTENTION_KEYS = 150
 
 
-def _attention_dq_inputs(gen):
+def _attention_dq_inputs(gen, pages: int):
     """(dO, q, K pages, V pages, the prefix's keys, the global output and lse, a dq to add into) in float32 for the
     kernel, and the live K and V that only the global output and lse saw: q and dO [2, 2, 70, 32] (a block of 64 rows
-    and a ragged one), 150 prefix keys read as a view of 170-key pages (two blocks of 64 and a ragged one), 9 live
-    keys. The output and lse are float64 ones rounded, as the forward hands them over in float32 and 16 bits."""
+    and a ragged one), 150 prefix keys read as a view of 170-key pages (two blocks of 64 and a ragged one), the pages
+    each sequence's own (`pages` 2) or one prompt's for both (1), 9 live keys. The output and lse are float64 ones
+    rounded, as the forward hands them over in float32 and 16 bits."""
 
     def randn(*shape):
         return torch.randn(*shape, generator=gen, dtype=torch.float64).float().double()
 
-    q, do, k_pages, v_pages = randn(2, 2, 70, 32), randn(2, 2, 70, 32), randn(2, 2, 170, 32), randn(2, 2, 170, 32)
-    live_k, live_v = randn(2, 2, 9, 32), randn(2, 2, 9, 32)
+    q, do, live_k, live_v = randn(2, 2, 70, 32), randn(2, 2, 70, 32), randn(2, 2, 9, 32), randn(2, 2, 9, 32)
+    k_pages, v_pages = randn(pages, 2, 170, 32), randn(pages, 2, 170, 32)
     keys = ATTENTION_KEYS
-    scores = torch.cat([q @ k_pages[:, :, :keys].mT, q @ live_k.mT], -1) * ATTENTION_SCALE
-    attended = torch.softmax(scores, -1) @ torch.cat([v_pages[:, :, :keys], live_v], 2)
+    k, v = (x[:, :, :keys].expand(2, -1, -1, -1) for x in (k_pages, v_pages))
+    scores = torch.cat([q @ k.mT, q @ live_k.mT], -1) * ATTENTION_SCALE
+    attended = torch.softmax(scores, -1) @ torch.cat([v, live_v], 2)
     kernel = (do, q, k_pages, v_pages, keys, attended, torch.logsumexp(scores, -1), 0.5 * randn(2, 2, 70, 32))
     return tuple(t.float() if torch.is_tensor(t) else t for t in kernel), (live_k, live_v)
 
@@ -201,7 +203,9 @@ def interpreted(tmp_path_factory):
             for out, inner, rank, scaling in ((70, 90, 5, 2.0), (130, 65, 16, 0.5))
         },
     }
-    inputs["attention dq"], inputs["attention dq live"] = _attention_dq_inputs(gen)
+    inputs["attention dq"] = {
+        name: _attention_dq_inputs(gen, pages) for name, pages in (("own pages", 2), ("one prompt's pages", 1))
+    }
     folder = tmp_path_factory.mktemp("interpreted")
     torch.save(inputs, folder / "inputs.pt")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
@@ -396,17 +400,19 @@ def _attention_query_gradient(do, q, k, v, live_k, live_v):
     return leaf.grad
 
 
-def test_interpreted_attention_dq_is_the_prefix_share_of_the_query_gradient_in_float32(interpreted):
+@pytest.mark.parametrize("case", ["own pages", "one prompt's pages"])
+def test_interpreted_attention_dq_is_the_prefix_share_of_the_query_gradient_in_float32(interpreted, case):
     """`attention_dq_triton` in float32 (the autotuner's first configuration), added into a nonzero dq: against
     float64 autograd of softmax attention over the prefix and live keys, the gradient through the prefix's scores,
     within `float32_tolerance` of the products' lengths (keys, head dim) relative to the largest dQ. Against the
-    gradient of the prefix alone (the lse and output the block's own, not the global ones) it falls outside."""
+    gradient of the prefix alone (the lse and output the block's own, not the global ones) it falls outside. The
+    pages are each sequence's own, or one prompt's for both (read through a batch stride of 0)."""
     inputs, outputs = interpreted
-    do, q, k_pages, v_pages, keys, _, _, dq = (t.double() if torch.is_tensor(t) else t for t in inputs["attention dq"])
-    live_k, live_v = inputs["attention dq live"]
-    k, v = k_pages[:, :, :keys], v_pages[:, :, :keys]
+    kernel_inputs, (live_k, live_v) = inputs["attention dq"][case]
+    do, q, k_pages, v_pages, keys, _, _, dq = (t.double() if torch.is_tensor(t) else t for t in kernel_inputs)
+    k, v = (pages[:, :, :keys].expand(q.shape[0], -1, -1, -1) for pages in (k_pages, v_pages))
     expected = dq + _attention_query_gradient(do, q, k, v, live_k, live_v)
-    ours = outputs["attention dq"]
+    ours = outputs[case]
     tol = float32_tolerance(keys, q.shape[-1])
     assert ours.dtype == torch.float32 and ours.shape == expected.shape
     close(ours.double(), expected, rtol=tol, atol=tol * float(expected.abs().max()), what="attention dq")

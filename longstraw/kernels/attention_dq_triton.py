@@ -126,16 +126,18 @@ def dq_usable(q_BKMD: torch.Tensor, k_BKND: torch.Tensor) -> bool:
 
 def attention_dq_triton(do_BKMD, q_BKMD, k_BKND, v_BKND, out_BKMD, lse_BKM, scale: float, dq_BKMD, config=None):
     """Add dQ of one block of keys into `dq_BKMD` (float32, contiguous): q, dO and the global output [B, K, M, D] in
-    k's dtype, k and v [B, K, N, D] (the head dim contiguous), the global lse [B, K, M]. `config` (rows, keys, warps,
+    k's dtype, k and v [B, K, N, D] or [1, K, N, D] (one prompt's pages for the B sequences; the head dim
+    contiguous), the global lse [B, K, M]. `config` (rows, keys, warps,
     stages) runs one of CONFIGS instead of the autotuner's choice (the benchmark's timings)."""
     B, K, M, D = q_BKMD.shape
     N = k_BKND.shape[2]
     rows_fit = all(x.shape == (B, K, M, D) for x in (do_BKMD, out_BKMD, dq_BKMD))
-    if not rows_fit or k_BKND.shape != (B, K, N, D) or v_BKND.shape != (B, K, N, D):
+    pages = k_BKND.shape[0]
+    if not rows_fit or pages not in (1, B) or k_BKND.shape[1:] != (K, N, D) or v_BKND.shape != k_BKND.shape:
         raise ValueError(
             f"attention_dq_triton: q {tuple(q_BKMD.shape)}, dO {tuple(do_BKMD.shape)}, out {tuple(out_BKMD.shape)}, "
             f"dq {tuple(dq_BKMD.shape)}, k {tuple(k_BKND.shape)} and v {tuple(v_BKND.shape)} do not fit [B, K, M, D] "
-            "rows over [B, K, N, D] keys"
+            "rows over [B or 1, K, N, D] keys"
         )
     if dq_BKMD.dtype != torch.float32 or not dq_BKMD.is_contiguous():
         raise ValueError("attention_dq_triton accumulates into a contiguous float32 dq")
@@ -144,7 +146,8 @@ def attention_dq_triton(do_BKMD, q_BKMD, k_BKND, v_BKND, out_BKMD, lse_BKM, scal
     lse = lse_BKM.float().contiguous()
     args = (
         do, q, k, v, lse, out, dq_BKMD, M, N, log2_bucket(M), log2_bucket(N),
-        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), float(scale),
+        k.stride(0) if pages == B else 0, k.stride(1), k.stride(2),
+        v.stride(0) if pages == B else 0, v.stride(1), v.stride(2), float(scale),
     )  # fmt: skip
     if config is None:
         _tuned_dq_kernel[lambda meta: (triton.cdiv(M, meta["BM"]), B * K)](*args, HEADS=K, D=D)

@@ -619,6 +619,7 @@ def attention_partial_backward(
     dq_BHRD = torch.zeros(B, H, R, D, dtype=acc, device=q_BHRD.device)
     dq_BKMD = dq_BHRD.view(B, K, M, D)
     dk_live_BKRD = dv_live_BKRD = dk_BKPD = dv_BKPD = None
+    dq_only = False
 
     if kernel != "math":
         kernel_bwd = _CUDA_KERNELS[kernel][1]
@@ -626,7 +627,8 @@ def attention_partial_backward(
         do_BKMD, q_BKMD, out_BKMD = (x.view(B, K, M, D) for x in (dout_BHRD, q_BHRD, out_BHRD))
 
         rows = (do_BKMD, q_BKMD, out_BKMD, lse_BKM)
-        if not need_prefix and _dq_only(q_BHRD, k_BKPD):
+        dq_only = not need_prefix and _dq_only(q_BHRD, k_BKPD)
+        if dq_only:
             dq_kernel = _load_dq()
 
             def block_bwd(k_BKND, v_BKND, do, q, out, lse, dq_acc):
@@ -671,7 +673,9 @@ def attention_partial_backward(
         dk_BKPD = torch.empty(k_BKPD.shape, dtype=k_BKPD.dtype, device=k_BKPD.device)
         dv_BKPD = torch.empty(v_BKPD.shape, dtype=v_BKPD.dtype, device=v_BKPD.device)
     if need_q or need_prefix:
-        shared = _shares_prefix(B, k_BKPD)  # as the forward folded the B sequences' rows over one prefix
+        # as the forward folded the B sequences' rows over one prefix; the dq kernel reads one prompt's pages for each
+        # sequence's rows itself (its row blocks read every key either way)
+        shared = _shares_prefix(B, k_BKPD) and not dq_only
         dq_acc = dq_BKMD  # float32 and contiguous, as the dq-only kernel adds into it
         if shared:
             rows = tuple(_fold(x) for x in rows)
