@@ -5,7 +5,8 @@ bundled nvdisasm lists the cubin's SASS.
     python benchmarks/triton_build_report.py [--arch 90] [--out F]
 
 For each configuration a kernel is launched with (every one an autotuned kernel offers: the GDN conv forward and the
-backward's two kernels, the capture's GDN scan; the one the SwiGLU and rotary kernels are launched with), at
+backward's two kernels, the capture's GDN scan, the prefix's dq-only backward; the one the SwiGLU and rotary kernels
+are launched with), at
 hybrid-1b's widths, with the pointer arguments 16-byte aligned as Triton's JIT specialises them: ptxas's registers
 per thread and spill bytes, how many of the global loads and stores are 16-byte vectors, and the SASS: its
 instructions (every path, each counted once: what a program runs is fewer where it branches) and the most frequent
@@ -32,7 +33,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from longstraw.kernels import gdn_conv_triton, gdn_scan_triton, rotary_triton, swiglu_triton
+from longstraw.kernels import attention_dq_triton, gdn_conv_triton, gdn_scan_triton, rotary_triton, swiglu_triton
 from longstraw.results import write_json_atomic
 
 # an instruction in nvdisasm's listing: its address comment, an optional predicate, the opcode (before its modifiers)
@@ -43,6 +44,9 @@ GDN_SHAPE = {"C": 8192, "KEY_DIM": 2048, "K": 4, "D": 128, "HAS_STATE": True, "H
 GDN_SCAN_SHAPE = {"H": 16, "HV": 32, "K": 128, "V": 128, "BT": 64, "HAS_INITIAL_STATE": True}
 # its attention layers' heads of 128, a quarter rotated
 ROTARY_SHAPE = {"D": 128, "R": 32, "BD": 128, "ROWS": rotary_triton.ROWS}
+# their prefix backward: 2 K/V heads of 128
+ATTENTION_DQ_SHAPE = {"HEADS": 2, "D": 128}
+ATTENTION_DQ_STRIDES = ("stride_kb", "stride_kh", "stride_kn", "stride_vb", "stride_vh", "stride_vn")
 
 
 @dataclass
@@ -94,6 +98,14 @@ KERNELS = {
         _configs(gdn_scan_triton._scan_output_kernel),
         {"g_ptr": "*fp32", "h0_ptr": "*fp32", "ht_ptr": "*fp32", "scale": "fp32"},
         scalars=("T", "CHUNKS_LOG2"),
+    ),
+    "attention dq": Kernel(
+        attention_dq_triton._dq_kernel,
+        ATTENTION_DQ_SHAPE,
+        _configs(attention_dq_triton._tuned_dq_kernel),
+        {"lse_ptr": "*fp32", "dq_ptr": "*fp32", "scale": "fp32"},
+        scalars=("M", "N", "ROWS_LOG2", "KEYS_LOG2", *ATTENTION_DQ_STRIDES),
+        multiples_of_16=ATTENTION_DQ_STRIDES,  # page strides: multiples of the head dim
     ),
     **{
         f"swiglu {direction}": Kernel(
@@ -177,7 +189,12 @@ def main() -> None:
     parser.add_argument("--arch", type=int, default=90)
     parser.add_argument("--out")
     args = parser.parse_args()
-    shapes = {"gdn conv": GDN_SHAPE, "gdn scan": GDN_SCAN_SHAPE, "rotary": ROTARY_SHAPE}
+    shapes = {
+        "gdn conv": GDN_SHAPE,
+        "gdn scan": GDN_SCAN_SHAPE,
+        "rotary": ROTARY_SHAPE,
+        "attention dq": ATTENTION_DQ_SHAPE,
+    }
     result = {"arch": f"sm_{args.arch}", "triton": triton.__version__, "shapes": shapes, "kernels": {}}
     for name, kernel in KERNELS.items():
         rows = result["kernels"][name] = [build(kernel, config, args.arch) for config in kernel.configs]

@@ -26,14 +26,18 @@ import triton.language as tl
 
 from longstraw.kernels.tuning import log2_bucket
 
-LOG2E = 1.4426950408889634
+LOG2E = tl.constexpr(1.4426950408889634)  # a global a jitted function reads must be a constexpr
 # one program holds [rows, D] blocks of q, dO and the float32 dq in registers: at 256 (Qwen3.6-27B's head dim) that is
 # twice hybrid-1b's, untuned, and those layers keep the library's backward
 MAX_HEAD_DIM = 128
 
-# (rows a program, keys a step, warps, stages); `benchmarks/attention_dq.py` times each on the GPU against cuDNN's
-# whole backward at replay's shapes
-CONFIGS = [(bm, bn, w, s) for bm in (64, 128) for bn in (64, 128) for w in (4, 8) for s in (2, 3)]
+# (rows a program, keys a step, warps, stages): those of rows and keys 64 or 128, 4 or 8 warps and 2 or 3 stages that
+# spill nothing in the sm_90 build at head dim 128 (`benchmarks/triton_build_report.py`, Triton 3.8: 128 x 128 spills
+# 24-32 bytes at 8 warps and kilobytes at 4, 64 x 128 and 128 x 64 at 4 warps 0.3-1.7 KB); `benchmarks/attention_dq.py`
+# times each on the GPU against cuDNN's whole backward at replay's shapes
+CONFIGS = [(64, 64, 4, 2), (64, 64, 4, 3)] + [
+    (bm, bn, 8, s) for bm, bn in ((64, 64), (64, 128), (128, 64)) for s in (2, 3)
+]
 
 
 def _config(bm, bn, w, s):
