@@ -409,16 +409,17 @@ def test_a_prefix_without_gradient_runs_the_dq_kernel_on_its_blocks_on_cpu(monke
 @pytest.mark.cuda
 @pytest.mark.parametrize("shared", [False, True])
 @pytest.mark.parametrize("P", [300, 4096 + 7])
-def test_the_dq_kernel_gives_the_librarys_query_gradient_on_cuda(P, shared):
+@pytest.mark.parametrize("D", [64, 128])
+def test_the_dq_kernel_gives_the_librarys_query_gradient_on_cuda(D, P, shared):
     """Replay's backward over pages without gradient ("auto" on 512 queries a sequence, two sequences, bf16, head
-    dim 128): the dq-only kernel's query gradient against the float64 dense reference, no farther from it than the
-    library's (cuDNN's) plus one bf16 rounding; the live K/V gradients do not depend on the choice."""
+    dims 64 and 128): the dq-only kernel's query gradient against the float64 dense reference, no farther from it
+    than the library's (cuDNN's) plus one bf16 rounding; the live K/V gradients do not depend on the choice."""
     g = torch.Generator(device="cuda").manual_seed(P)
 
     def t(*shape):
         return torch.randn(*shape, generator=g, device="cuda", dtype=torch.bfloat16)
 
-    B, D = 2, 128
+    B = 2
     q, kl, vl = t(B, 8, 512, D), t(B, 2, 512, D), t(B, 2, 512, D)
     pages = 1 if shared else B
     kp, vp = t(pages, 2, P + 300, D)[:, :, :P], t(pages, 2, P + 300, D)[:, :, :P]
