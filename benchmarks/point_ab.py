@@ -3,11 +3,12 @@
     python benchmarks/point_ab.py experiments/recorded/h100-benchmarks/floor_point_ab_2 [--base e237692]
 
 The folder holds the point's result JSONs as `device_points` and `device_points_at` wrote them (docs/gpu.md, "An A/B
-on one box"), any number of rounds a commit. A round's first cycle is its process's cold step (compiling, tuning,
-cuDNN plans) and is left out; the warm cycles of every round of a commit are pooled. Prints, per commit, the number
-of warm cycles and the median step, capture, replay and optimizer step seconds, and each median's difference from the
-base commit's; refuses a folder whose results came from different devices or points. The last stdout line is one
-JSON object.
+on one box"), any number of rounds a commit; a variant of a commit (a setting's default changed on the box,
+LONGSTRAW_VARIANT) counts as one of its own, `c61912c+fused`. A round's first cycle is its process's cold step
+(compiling, tuning, cuDNN plans) and is left out; the warm cycles of every round of a commit are pooled. Prints, per
+commit, the number of warm cycles and the median step, capture, replay and optimizer step seconds, and each median's
+difference from the base commit's; refuses a folder whose results came from different devices or points. The last
+stdout line is one JSON object.
 """
 
 from __future__ import annotations
@@ -21,6 +22,12 @@ from pathlib import Path
 from longstraw.kinds.step import cycle_seconds
 
 PHASES = ("capture", "replay", "optimizer_step")
+
+
+def label(provenance: dict) -> str:
+    """A result's commit, 7 characters, and its variant after a "+" where it has one (a setting changed on the box)."""
+    variant = provenance.get("variant")
+    return provenance["commit"][:7] + (f"+{variant}" if variant else "")
 
 
 def warm_cycles(result: dict) -> list[dict]:
@@ -43,13 +50,17 @@ def compare(folder: Path, base: str | None) -> dict:
             raise SystemExit(f"{folder} mixes {field}: {sorted(values)}; an A/B compares one point on one device")
     pooled = defaultdict(list)
     for result in results:
-        pooled[result["provenance"]["commit"][:7]] += warm_cycles(result)
+        pooled[label(result["provenance"])] += warm_cycles(result)
     medians = {
         commit: {"warm_cycles": len(cycles)}
         | {key: statistics.median(c[key] for c in cycles) for key in ("step", *PHASES)}
         for commit, cycles in pooled.items()
     }
-    base = base[:7] if base else next(iter(medians))
+    if base:
+        commit, _, variant = base.partition("+")
+        base = label({"commit": commit, "variant": variant})
+    else:
+        base = next(iter(medians))
     if base not in medians:
         raise SystemExit(f"base commit {base} has no results in {folder}: {sorted(medians)}")
     for commit, row in medians.items():
@@ -65,7 +76,9 @@ def compare(folder: Path, base: str | None) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("folder", type=Path)
-    parser.add_argument("--base", help="the commit the others are compared with (default: the first by file name)")
+    parser.add_argument(
+        "--base", help="the commit (or commit+variant) the others are compared with (default: the first by file name)"
+    )
     args = parser.parse_args()
     summary = compare(args.folder, args.base)
     print(f"{summary['point']} on {summary['device']}, against {summary['base']}:")

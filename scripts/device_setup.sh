@@ -11,8 +11,8 @@
 # - the real model (docs/gpu.md §6): links results/h200/checkpoints/smollm2-135m-instruct to the checkpoint
 #   that real_model_checkpoint built under /tmp on this box (kept while the box is held), and points the wheel
 #   cache (RULER's data) at /tmp/longstraw/wheels.
-# It defines device_point, device_points, device_points_at, warm_libraries, save_triton_cache, real_model_stash and
-# real_model_checkpoint, and switches no shell options on (no set -e/pipefail).
+# It defines device_point, device_points, device_points_at, device_points_variant, warm_libraries, save_triton_cache,
+# real_model_stash and real_model_checkpoint, and switches no shell options on (no set -e/pipefail).
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     .whl/*.whl $(ls .whl_bnb/*.whl .whl_peers/*.whl 2>/dev/null) || return 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TRITON_CACHE_AUTOTUNING=1 TRITON_CACHE_DIR=$PWD/.triton_cache
@@ -119,6 +119,28 @@ device_points_at() {
         mkdir -p "$tree" && tar xzf ".cache_device/tree_$sha.tgz" -C "$tree" || { rm -rf "$tree"; return 1; }
     fi
     (cd "$tree" && LONGSTRAW_COMMIT=$sha PYTHONPATH=/tmp/site:$tree device_points "$@")
+}
+
+# Points with a process setting's default changed, for an A/B against the tree as it is (no carried tree needed):
+#   device_points_variant NAME FILE SED EXPERIMENT BUDGET CAP POINT...
+# copies this tree (without its caches and wheels) to /tmp/variant_NAME once, runs `sed -i SED FILE` there and refuses
+# if that changed nothing, then runs device_points from it with LONGSTRAW_VARIANT=NAME: its results record this
+# commit and the variant, which `benchmarks/point_ab.py` compares as COMMIT+NAME. Give each round its own OUT and TMPDIR.
+device_points_variant() {
+    if [ $# -lt 7 ]; then echo "usage: device_points_variant NAME FILE SED EXPERIMENT BUDGET CAP POINT..." >&2; return 2; fi
+    local name=$1 file=$2 expression=$3 tree=/tmp/variant_$1
+    shift 3
+    if [ ! -d "$tree" ]; then
+        mkdir -p "$tree" && tar cf - --exclude=./.triton_cache --exclude=./.cache_device --exclude=./.whl \
+            --exclude=./.whl_bnb --exclude=./.whl_peers . | tar xf - -C "$tree" || { rm -rf "$tree"; return 1; }
+        sed -i "$expression" "$tree/$file"
+        if cmp -s "$file" "$tree/$file"; then
+            echo "device_points_variant $name: '$expression' changed nothing in $file" >&2
+            rm -rf "$tree"
+            return 1
+        fi
+    fi
+    (cd "$tree" && LONGSTRAW_VARIANT=$name PYTHONPATH=/tmp/site:$tree device_points "$@")
 }
 
 # Read the CUDA libraries (cuDNN's engines, cuBLAS, torch's flash kernels) once in a throwaway process, so that

@@ -46,6 +46,21 @@ def test_warm_cycles_pooled_over_rounds_against_the_base(tmp_path):
     assert abs(new["difference_from_base"]["optimizer_step"] - (0.005 - 0.01)) < 1e-12
 
 
+def test_a_variant_of_a_commit_is_compared_as_one_of_its_own(tmp_path):
+    """A result whose provenance names a variant (LONGSTRAW_VARIANT: a setting's default changed on the box) pools
+    apart from its commit's plain results, as commit+variant, and can be the base."""
+    plain = _result("aaaaaaa", [(9.0, 9.0, 9.0), (0.16, 0.07, 0.01)])
+    changed = _result("aaaaaaa", [(9.0, 9.0, 9.0), (0.16, 0.05, 0.01)])
+    changed["provenance"]["variant"] = "dq"
+    (tmp_path / "plain.json").write_text(json.dumps(plain))
+    (tmp_path / "changed.json").write_text(json.dumps(changed))
+    done = _run(tmp_path, "--base", "aaaaaaa+dq")
+    assert done.returncode == 0, done.stderr
+    commits = json.loads(done.stdout.strip().splitlines()[-1])["commits"]
+    assert set(commits) == {"aaaaaaa", "aaaaaaa+dq"}
+    assert abs(commits["aaaaaaa"]["difference_from_base"]["replay"] - 0.02) < 1e-12
+
+
 def test_results_from_two_devices_are_refused(tmp_path):
     (tmp_path / "a.json").write_text(json.dumps(_result("aaaaaaa", [(1, 1, 1), (0.1, 0.1, 0.1)])))
     (tmp_path / "b.json").write_text(json.dumps(_result("bbbbbbb", [(1, 1, 1), (0.1, 0.1, 0.1)], "NVIDIA H200")))

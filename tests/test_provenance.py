@@ -76,6 +76,16 @@ def test_longstraw_commit_wins(tmp_path, monkeypatch):
     assert copied.git_commit() == "unknown"
 
 
+def test_a_variant_is_recorded_beside_the_commit(tmp_path, monkeypatch):
+    measure = copy_package(tmp_path / "copy")
+    monkeypatch.delenv("LONGSTRAW_VARIANT", raising=False)
+    assert measure.provenance("cpu")["variant"] is None
+    monkeypatch.setenv("LONGSTRAW_VARIANT", "dq")
+    monkeypatch.setenv("LONGSTRAW_COMMIT", "0123abcd")
+    recorded = measure.provenance("cpu")
+    assert recorded["variant"] == "dq" and recorded["commit"] == "0123abcd"
+
+
 def test_own_repo_records_its_head_and_dirty(tmp_path):
     make_repo(tmp_path / "outer")
     root = tmp_path / "outer" / "checkout"

@@ -1,4 +1,4 @@
-"""Provenance recorded with every result: commit, device, versions, date."""
+"""Provenance recorded with every result: commit (and a variant of it), device, versions, date."""
 
 from __future__ import annotations
 
@@ -63,9 +63,16 @@ def host_cpu() -> str | None:
     return platform.processor() or None
 
 
+def variant() -> str | None:
+    """LONGSTRAW_VARIANT when set: what a run changed from its commit's defaults (an A/B of a process setting run from
+    a copy of the tree with that default changed, docs/gpu.md), else None."""
+    return os.environ.get("LONGSTRAW_VARIANT") or None
+
+
 def provenance(device) -> dict:
     return {
         "commit": git_commit(),
+        "variant": variant(),
         "device": device_name(device),
         "host_cpu": host_cpu(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
