@@ -1,7 +1,7 @@
 """Where hybrid-1b's warm replay step goes (issue 32's FLOP-floor target), under each differentiable GDN rule.
 
     python benchmarks/hybrid_step_profile.py [--point warm-hybrid-1b_mode-replay_length-32768_count-2] \
-        [--norms fused hf] [--lora fused in-place] [--repeats 3] [--chunk-sizes 8192 32768] [--top 20] \
+        [--norms fused hf] [--lora fused in-place merged] [--repeats 3] [--chunk-sizes 8192 32768] [--top 20] \
         [--sources] --out F
 
 For the named `experiments/peers.yaml` h200 point (its model, prompt, G responses, k and checkpointing): for each
@@ -9,14 +9,15 @@ rule of `gated_delta_rule` ("auto": fla's chunk kernels forward and backward whe
 fla's kernels with w, the chunk states and corrected values kept from the forward for the backward; "torch": the
 torch chunk rule), with the layers' norms fused (fla's kernels, as the package runs them on CUDA) or HF's (--norms
 fused hf), and with LoRA's update fused into lora_B's GEMM where the adapters have the base's dtype (as the package
-runs it) or added in place (--lora fused in-place; `longstraw.models.lora_linear`): the capture's (at the point's
-chunk size and at each of --chunk-sizes; the dropout check made once before, as a step makes it) and the G members'
-replay's seconds, --repeats of each, and each phase once more under torch.profiler (kernels, busy fraction, the
-`--top` ops and kernels by device time and by launches, their seconds by kind (`kernel_kind`: gemm, attention, the
-GDN rule, conv, norm ...); with --sources, the source lines and backward nodes that launched them:
-`longstraw.measure.kernel_profile.launch_sources`); and whether fla's backward passed its check here. The last
-stdout line is one JSON object, also written to --out. The point comes from `experiments/peers.yaml`'s plan, which
-refuses its peer points where the peers are not installed: on the GPU box carry `.whl_peers` (docs/gpu.md). """
+runs it), added in place or on the merged weight (--lora fused in-place merged; `longstraw.models.lora_linear`): the
+capture's (at the point's chunk size and at each of --chunk-sizes; the dropout check made once before, as a step
+makes it) and the G members' replay's seconds, --repeats of each, and each phase once more under torch.profiler
+(kernels, busy fraction, the `--top` ops and kernels by device time and by launches, their seconds by kind
+(`kernel_kind`: gemm, attention, the GDN rule, conv, norm ...); with --sources, the source lines and backward nodes
+that launched them: `longstraw.measure.kernel_profile.launch_sources`); and whether fla's backward passed its check
+here. The last stdout line is one JSON object, also written to --out. The point comes from
+`experiments/peers.yaml`'s plan, which refuses its peer points where the peers are not installed: on the GPU box
+carry `.whl_peers` (docs/gpu.md). """
 
 from __future__ import annotations
 
@@ -56,7 +57,10 @@ def norms_as(norms: str):
 
 
 def lora_as(lora: str):
-    """ "fused": LoRA as the package runs it; "in-place": the update added in place even where it could be fused."""
+    """ "fused": LoRA as the package runs it; "in-place": the update added in place even where it could be fused;
+    "merged": under autograd on the merged weight (`lora_linear.lora_update("merged")`)."""
+    if lora == "merged":
+        return lora_linear.lora_update("merged")
     return (
         contextlib.nullcontext() if lora == "fused" else mock.patch.object(lora_linear, "fusable", return_value=False)
     )
@@ -87,7 +91,7 @@ def main() -> int:
     parser.add_argument("--point", default="warm-hybrid-1b_mode-replay_length-32768_count-2")
     parser.add_argument("--rules", nargs="+", default=["auto", "torch"])
     parser.add_argument("--norms", nargs="+", default=["fused"], choices=["fused", "hf"])
-    parser.add_argument("--lora", nargs="+", default=["fused"], choices=["fused", "in-place"])
+    parser.add_argument("--lora", nargs="+", default=["fused"], choices=["fused", "in-place", "merged"])
     parser.add_argument("--repeats", type=int, default=3, help="timed captures and replays of each setting")
     parser.add_argument("--chunk-sizes", nargs="*", type=int, default=[], help="capture chunk sizes to compare")
     parser.add_argument("--top", type=int, default=20, help="ops and kernels listed per profile")
@@ -133,9 +137,8 @@ def main() -> int:
                     row = measure(
                         fresh_capture, replay_group, device, args.chunk_sizes, args.top, args.sources, args.repeats
                     )
-                name = (
-                    rule + (", HF norms" if norms == "hf" else "") + (", LoRA in place" if lora == "in-place" else "")
-                )
+                lora_name = {"fused": "", "in-place": ", LoRA in place", "merged": ", LoRA merged"}[lora]
+                name = rule + (", HF norms" if norms == "hf" else "") + lora_name
                 out["rules"][name] = row
                 for phase in ("capture", "replay"):
                     kinds = row[f"{phase}_profile"]["by_kind"]

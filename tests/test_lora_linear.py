@@ -259,6 +259,65 @@ def test_a_capture_call_runs_on_the_merged_weight_within_its_roundings(adapter_d
         assert ((wrong - y).abs() > bound).any(), "the bound cannot tell a wrong update"
 
 
+@pytest.mark.numerics
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_merged_update_under_autograd_is_the_definition_within_its_roundings(dtype, device, monkeypatch):
+    """`lora_update("merged")` on enough rows (`merged_update_pays`): the output and x's gradient from the merged
+    weight W + s B A rounded once, within that weight's rounding and the GEMMs' (as the capture's merged call, above,
+    and for gx = gy W' alike); lora_A's and lora_B's gradients are the fused update's bit for bit (the same GEMMs on
+    the same operands). A dropped or doubled update is outside the bounds. On fewer rows the fused update runs."""
+    import longstraw.models.lora_linear as lora_linear
+
+    _, layer = _layer(base_dtype=dtype, adapter_dtype=dtype, device=device)
+    calls = []
+    merged_weight = lora_linear.merged_lora_weight
+    monkeypatch.setattr(lora_linear, "merged_lora_weight", lambda *a: calls.append(a) or merged_weight(*a))
+    x = torch.randn(2, MERGED_ROWS // 2, IN, dtype=dtype, device=device)
+    grad_out = torch.randn(2, MERGED_ROWS // 2, OUT, dtype=dtype, device=device)
+    assert lora_linear.merged_update_pays(MERGED_ROWS, IN, OUT) and not lora_linear.merged_update_pays(16, IN, OUT)
+    with lora_linear.lora_update("merged"):
+        ours, ours_grads = _run(lambda m, t: m(t), layer, x, grad_out)
+        assert len(calls) == 1
+        _run(lambda m, t: m(t), layer, x[:, :8], grad_out[:, :8])  # 16 rows: the fused update, no merge
+        assert len(calls) == 1
+    fused, fused_grads = _run(lambda m, t: m(t), layer, x, grad_out)
+    assert torch.equal(ours_grads[1], fused_grads[1]) and torch.equal(ours_grads[2], fused_grads[2])
+    f = lambda t: t.detach().double()  # noqa: E731
+    W, b = f(layer.base_layer.weight), f(layer.base_layer.bias)
+    A, B = f(layer.lora_A["default"].weight), f(layer.lora_B["default"].weight)
+    s, X, G = layer.scaling["default"], f(x).reshape(-1, IN), f(grad_out).reshape(-1, OUT)
+    merged = W + s * B @ A
+    u = (EPS_BF16 if dtype == torch.bfloat16 else EPS32) / 2
+    weight_error = (u + R * EPS32) * (W.abs() + s * B.abs() @ A.abs())  # R products in float32, one rounding
+    y, gx = X @ merged.T + b, G @ merged
+    y_bound = (u + IN * EPS32) * (X.abs() @ (merged.abs() + weight_error).T + b.abs()) + X.abs() @ weight_error.T
+    gx_bound = (u + OUT * EPS32) * (G.abs() @ (merged.abs() + weight_error)) + G.abs() @ weight_error
+    checks = (
+        ("output", ours, y, SAFETY * (y_bound + u * y.abs()), (X @ W.T + b, X @ (W + 2 * s * B @ A).T + b)),
+        ("x", ours_grads[0], gx, SAFETY * (gx_bound + u * gx.abs()), (G @ W, G @ (W + 2 * s * B @ A))),
+    )
+    for name, value, exact, bound, wrongs in checks:
+        error = (value.double().reshape(exact.shape) - exact).abs()
+        assert value.dtype == dtype and (error <= bound).all(), f"{name}: {(error / bound).max().item():.3g} of bound"
+        for wrong in wrongs:  # the update dropped, the scaling applied twice
+            assert ((wrong - exact).abs() > bound).any(), f"{name}: the bound cannot tell a wrong update"
+
+
+@pytest.mark.numerics
+def test_the_merged_update_is_peft_in_float64():
+    import longstraw.models.lora_linear as lora_linear
+
+    _, layer = _layer(base_dtype=torch.float64, adapter_dtype=torch.float64)
+    x = torch.randn(2, MERGED_ROWS // 2, IN, dtype=torch.float64)
+    grad_out = torch.randn(2, MERGED_ROWS // 2, OUT, dtype=torch.float64)
+    with lora_linear.lora_update("merged"):
+        ours, ours_grads = _run(lambda m, t: m(t), layer, x, grad_out)
+    peft, peft_grads = _run(LoraLinear.forward, layer, x, grad_out)
+    for a, b in zip([ours] + ours_grads, [peft] + peft_grads):
+        within(relative(a, b), TOL64, "merged update against peft in float64")
+
+
 def test_the_merge_takes_the_triton_pass_only_where_it_applies(monkeypatch):
     """`merged_lora_weight` hands the merge to `lora_merge_triton` where that applies (a stand-in here) and the weight
     is already in the result's dtype; an NF4 base's float32 dequantized weight merged into bf16 keeps the addmm."""
