@@ -180,10 +180,9 @@ class _MergedLoraLinear(torch.autograd.Function):
 
 
 # the update under autograd where `fusable`: "fused" (`_FusedLoraLinear`: the update accumulated by lora_B's GEMM) or
-# "merged" (`_MergedLoraLinear`, on enough rows: `merged_update_pays`), an A/B setting not yet run on a GPU.
-# Measured on this CPU (tiny- and small-qwen3_5 in bf16, lora_B scaled to updates of 1e-3 to 3e-2 of |W|): a capture on
-# merged weights is as far from the float64 capture as the unmerged one (0.55-0.96% of the pages' norm either way):
-# rounding W + s B A keeps the update on average, as W's own values dither the rounding
+# "merged" (`_MergedLoraLinear`, on enough rows: `merged_update_pays`), an A/B setting not yet run on a GPU. Rounding
+# W + s B A to bf16 keeps a small update on average, as W's own values dither the rounding (tests/test_lora_linear.py:
+# a bf16 capture on merged weights is as far from the float64 one as the unmerged capture)
 LORA_UPDATES = ("fused", "merged")
 _lora_update = ProcessSetting("LoRA update under autograd", LORA_UPDATES, "fused")
 
