@@ -17,7 +17,8 @@ makes it) and the G members' replay's seconds, --repeats of each, and each phase
 that launched them: `longstraw.measure.kernel_profile.launch_sources`); and whether fla's backward passed its check
 here. The last stdout line is one JSON object, also written to --out. The point comes from
 `experiments/peers.yaml`'s plan, which refuses its peer points where the peers are not installed: on the GPU box
-carry `.whl_peers` (docs/gpu.md). """
+carry `.whl_peers` (docs/gpu.md).
+"""
 
 from __future__ import annotations
 
