@@ -14,8 +14,9 @@ K/V head through every key, as a forward does, and computes the three products d
 
 dS is rounded to the keys' dtype where it enters its product, as flash and cuDNN round it; the products accumulate
 in float32 and dQ is added into the caller's float32 accumulator (rows of several blocks sum there). The rows are
-the caller's folded [B, K, M = G R, D] queries (GQA: a K/V head's G query heads are rows of one head), so the pages
-are read once per K/V head and never repeated. The reference is `paged_attention._math_block_bwd`'s dq.
+the caller's [B, K, M = G R, D] queries (GQA: a K/V head's G query heads are rows of one head), so the pages are
+never repeated per query head, and one prompt's pages serve B sequences through a zero batch stride. The reference
+is `paged_attention._math_block_bwd`'s dq.
 """
 
 from __future__ import annotations
@@ -131,8 +132,8 @@ def dq_usable(q_BKMD: torch.Tensor, k_BKND: torch.Tensor) -> bool:
 def attention_dq_triton(do_BKMD, q_BKMD, k_BKND, v_BKND, out_BKMD, lse_BKM, scale: float, dq_BKMD, config=None):
     """Add dQ of one block of keys into `dq_BKMD` (float32, contiguous): q, dO and the global output [B, K, M, D] in
     k's dtype, k and v [B, K, N, D] or [1, K, N, D] (one prompt's pages for the B sequences; the head dim
-    contiguous), the global lse [B, K, M]. `config` (rows, keys, warps,
-    stages) runs one of CONFIGS instead of the autotuner's choice (the benchmark's timings)."""
+    contiguous), the global lse [B, K, M]. `config` (rows, keys, warps, stages) runs one of CONFIGS instead of the
+    autotuner's choice (the benchmark's timings)."""
     B, K, M, D = q_BKMD.shape
     N = k_BKND.shape[2]
     rows_fit = all(x.shape == (B, K, M, D) for x in (do_BKMD, out_BKMD, dq_BKMD))

@@ -131,6 +131,15 @@ def _lora_forward(x2d, weight, bias, lora_A, lora_B, scaling):
     return out.addmm_(a, lora_B.t(), alpha=scaling), a
 
 
+def _adapter_gradients(ctx, gy, t, x2d, a, lora_A, lora_B):
+    """(gA, gB) = (scaling t^T x, scaling gy^T a) with t = gy B and a = x A^T, each a GEMM with the scaling inside
+    (beta = 0 ignores the unread first operand), or None where the adapter takes no gradient."""
+    s = ctx.scaling
+    gA = torch.addmm(lora_A, t.t(), x2d, beta=0, alpha=s) if ctx.needs_input_grad[3] else None
+    gB = torch.addmm(lora_B, gy.t(), a, beta=0, alpha=s) if ctx.needs_input_grad[4] else None
+    return gA, gB
+
+
 class _FusedLoraLinear(torch.autograd.Function):
     """`_lora_forward` under autograd, for a frozen base: the backward is gx = gy W + scaling (gy B) A,
     gA = scaling (gy B)^T x, gB = scaling gy^T (x A^T), five GEMMs (beta = 0 ignores the unread first operand)."""
@@ -148,9 +157,7 @@ class _FusedLoraLinear(torch.autograd.Function):
         s = ctx.scaling
         t = gy @ lora_B  # [rows, r]
         gx = (gy @ weight).addmm_(t, lora_A, alpha=s) if ctx.needs_input_grad[0] else None
-        gA = torch.addmm(lora_A, t.t(), x2d, beta=0, alpha=s) if ctx.needs_input_grad[3] else None
-        gB = torch.addmm(lora_B, gy.t(), a, beta=0, alpha=s) if ctx.needs_input_grad[4] else None
-        return gx, None, None, gA, gB, None
+        return gx, None, None, *_adapter_gradients(ctx, gy, t, x2d, a, lora_A, lora_B), None
 
 
 class _MergedLoraLinear(torch.autograd.Function):
@@ -171,12 +178,8 @@ class _MergedLoraLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gy):
         x2d, a, merged, lora_A, lora_B = ctx.saved_tensors
-        s = ctx.scaling
-        t = gy @ lora_B  # [rows, r]
         gx = gy @ merged if ctx.needs_input_grad[0] else None
-        gA = torch.addmm(lora_A, t.t(), x2d, beta=0, alpha=s) if ctx.needs_input_grad[3] else None
-        gB = torch.addmm(lora_B, gy.t(), a, beta=0, alpha=s) if ctx.needs_input_grad[4] else None
-        return gx, None, None, gA, gB, None
+        return gx, None, None, *_adapter_gradients(ctx, gy, gy @ lora_B, x2d, a, lora_A, lora_B), None
 
 
 # the update under autograd where `fusable`: "fused" (`_FusedLoraLinear`: the update accumulated by lora_B's GEMM) or
@@ -200,8 +203,9 @@ def merged_update_pays(rows: int, in_features: int, out_features: int) -> bool:
 
 
 def fused_lora_linear(x, weight, bias, lora_A, lora_B, scaling: float):
-    """x W^T + b + scaling (x A^T) B^T over x's last dimension, the update accumulated by lora_B's GEMM; the base
-    (`weight`, `bias`) must be frozen and every tensor of one dtype (`fusable`)."""
+    """x W^T + b + scaling (x A^T) B^T over x's last dimension, the update accumulated by lora_B's GEMM (under
+    autograd and `lora_update("merged")`, on the merged weight where the rows pay); the base (`weight`, `bias`) must be
+    frozen and every tensor of one dtype (`fusable`)."""
     x2d = x.reshape(-1, x.shape[-1])
     if torch.is_grad_enabled() and (x.requires_grad or lora_A.requires_grad or lora_B.requires_grad):
         merged = _lora_update.value == "merged" and merged_update_pays(x2d.shape[0], weight.shape[1], weight.shape[0])
