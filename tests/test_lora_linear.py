@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from longstraw import capture
 from longstraw.models import build_model
 from longstraw.models.lora import apply_lora
-from longstraw.models.lora_linear import adopt_in_place_lora, in_place_lora_class
+from longstraw.models.lora_linear import adopt_in_place_lora, in_place_lora_class, lora_update
 
 ROWS, IN, OUT, R = 48, 64, 96, 4
 
@@ -201,7 +201,7 @@ def test_fused_update_is_three_gemms_forward_and_five_backward(x_requires_grad):
     grad_out = torch.randn(2, ROWS // 2, OUT, dtype=torch.bfloat16)
     ops = {}
     for name, forward in (("ours", lambda m, t: m(t)), ("peft", LoraLinear.forward)):
-        with _Ops() as forward_ops:
+        with _Ops() as forward_ops, lora_update("fused"):
             out = forward(layer, x)
         with _Ops() as backward_ops:
             out.backward(grad_out)
@@ -281,7 +281,8 @@ def test_the_merged_update_under_autograd_is_the_definition_within_its_roundings
         assert len(calls) == 1
         _run(lambda m, t: m(t), layer, x[:, :8], grad_out[:, :8])  # 16 rows: the fused update, no merge
         assert len(calls) == 1
-    fused, fused_grads = _run(lambda m, t: m(t), layer, x, grad_out)
+    with lora_linear.lora_update("fused"):
+        fused, fused_grads = _run(lambda m, t: m(t), layer, x, grad_out)
     assert torch.equal(ours_grads[1], fused_grads[1]) and torch.equal(ours_grads[2], fused_grads[2])
     f = lambda t: t.detach().double()  # noqa: E731
     W, b = f(layer.base_layer.weight), f(layer.base_layer.bias)
@@ -302,6 +303,27 @@ def test_the_merged_update_under_autograd_is_the_definition_within_its_roundings
         assert value.dtype == dtype and (error <= bound).all(), f"{name}: {(error / bound).max().item():.3g} of bound"
         for wrong in wrongs:  # the update dropped, the scaling applied twice
             assert ((wrong - exact).abs() > bound).any(), f"{name}: the bound cannot tell a wrong update"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_scoring_under_the_merged_update_runs_replays_forward(dtype, monkeypatch):
+    """Graph-free on enough rows (an old policy's scoring), `lora_update("merged")` computes what the call under
+    autograd computes on those rows, bit for bit: the merged weight's GEMM, so an on-policy ratio stays 1. On fewer
+    rows both run the fused update."""
+    import longstraw.models.lora_linear as lora_linear
+
+    _, layer = _layer(base_dtype=dtype, adapter_dtype=dtype)
+    calls = []
+    merged_weight = lora_linear.merged_lora_weight
+    monkeypatch.setattr(lora_linear, "merged_lora_weight", lambda *a: calls.append(a) or merged_weight(*a))
+    for rows, merges in ((MERGED_ROWS, 2), (16, 0)):
+        x = torch.randn(rows, IN, dtype=dtype)
+        with lora_update("merged"):
+            with torch.no_grad():
+                scored = layer(x)
+            replayed = layer(x.requires_grad_())
+        assert len(calls) == merges and torch.equal(scored, replayed.detach())
+        calls.clear()
 
 
 @pytest.mark.numerics
@@ -392,7 +414,8 @@ def test_the_triton_merge_is_the_merged_weight_within_one_bf16_rounding(rank):
 
 def test_only_graph_free_many_row_capture_calls_merge(monkeypatch):
     """Outside a capture, with grad on, or on fewer rows than pay for the merge, the call keeps the unmerged
-    forward (peft's own here, bit for bit); a kept weight is built once for all of a layer's calls."""
+    forward (peft's own here, bit for bit; under `lora_update("fused")`, as "merged" merges those with enough rows
+    itself); a kept weight is built once for all of a layer's calls."""
     import longstraw.models.lora_linear as lora_linear
 
     _, layer = _layer(base_dtype=torch.float32, adapter_dtype=torch.float32)
@@ -400,6 +423,7 @@ def test_only_graph_free_many_row_capture_calls_merge(monkeypatch):
     merged_weight = lora_linear.merged_lora_weight
     monkeypatch.setattr(lora_linear, "merged_lora_weight", lambda *a: calls.append(a) or merged_weight(*a))
     many, few = torch.randn(MERGED_ROWS, IN), torch.randn(8, IN)
+    monkeypatch.setattr(lora_linear._lora_update, "value", "fused")
     with torch.no_grad():
         assert torch.equal(layer(many), LoraLinear.forward(layer, many))
     with lora_linear.merged_lora_for_capture():
@@ -416,11 +440,14 @@ def test_only_graph_free_many_row_capture_calls_merge(monkeypatch):
 def test_a_capture_on_merged_weights_leaves_the_unmerged_forwards_state(monkeypatch):
     """Every LoRA layer of a capture's full chunks runs merged; the pages and GDN states equal those of the
     unmerged forward (the merging off). In float64, adapters too: the two differ by the order of the same sums
-    (TOL64), so the check does not hang on a CPU's float32 kernels."""
+    (TOL64), so the check does not hang on a CPU's float32 kernels. Under `lora_update("fused")`, so that the
+    unmerged capture's calls do not merge by that setting."""
     import contextlib
 
     import longstraw.core.transaction as transaction
     import longstraw.models.lora_linear as lora_linear
+
+    monkeypatch.setattr(lora_linear._lora_update, "value", "fused")
 
     model = apply_lora(
         build_model("tiny-qwen3_5", seed=0, dtype=torch.float64), r=4, init_random=True, dtype=torch.float64

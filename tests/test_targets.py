@@ -310,7 +310,7 @@ def test_the_hybrid_trl_targets_read_warm_steps_and_the_boxs_kernel_rates(tmp_pa
     _write(root, point.format("replay-uncheckpointed-bf16lora"), bf16lora)
     rows = {row["target"]: row for row in evaluate_targets(root)}
     assert rows[speed]["measured"].startswith("40.0x") and "bf16lora" not in rows[speed]["measured"]
-    assert "0.250 s, replay-uncheckpointed-bf16lora /" in rows[floor]["measured"]
+    assert "0.2500 s, replay-uncheckpointed-bf16lora /" in rows[floor]["measured"]
 
 
 def test_the_27b_checkpoint_cost_target_divides_the_two_points_g2_replay_phases(tmp_path):

@@ -35,7 +35,8 @@ MAX_HEAD_DIM = 128
 # (rows a program, keys a step, warps, stages): those of rows and keys 64 or 128, 4 or 8 warps and 2 or 3 stages that
 # spill nothing in the sm_90 build at head dim 128 (`benchmarks/triton_build_report.py`, Triton 3.8: 128 x 128 spills
 # 24-32 bytes at 8 warps and kilobytes at 4, 64 x 128 and 128 x 64 at 4 warps 0.3-1.7 KB); `benchmarks/attention_dq.py`
-# times each on the GPU against cuDNN's whole backward at replay's shapes
+# times each on the GPU against cuDNN's whole backward at replay's shapes (H200, hybrid-1b's member batch: 1.42 ms for
+# 128 x 64, 8 warps, 3 stages, to 4.18 for 64 x 64, 8 warps, 2 stages; cuDNN 2.55)
 CONFIGS = [(64, 64, 4, 2), (64, 64, 4, 3)] + [
     (bm, bn, 8, s) for bm, bn in ((64, 64), (64, 128), (128, 64)) for s in (2, 3)
 ]

@@ -507,7 +507,7 @@ def replay_against_trl_hybrid(root: Path) -> list[dict]:
     rows.append(
         _row(
             *floor,
-            f"{ours / bound['seconds']:.1f}x ({ours:.3f} s, {fastest} / {bound['seconds']:.3f} s: capture "
+            f"{ours / bound['seconds']:.2f}x ({ours:.4f} s, {fastest} / {bound['seconds']:.3f} s: capture "
             f"{bound['capture_seconds']:.3f} s, replay {bound['replay_seconds']:.3f} s; {each})",
             ours / bound["seconds"] <= FLOOR_RATIO_LIMIT,
             f"{HYBRID_WARM_POINT.format(mode=fastest)}, {CEILINGS}",
