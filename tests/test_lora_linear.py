@@ -309,7 +309,7 @@ def test_the_merged_update_under_autograd_is_the_definition_within_its_roundings
 def test_scoring_under_the_merged_update_runs_replays_forward(dtype, monkeypatch):
     """Graph-free on enough rows (an old policy's scoring), `lora_update("merged")` computes what the call under
     autograd computes on those rows, bit for bit: the merged weight's GEMM, so an on-policy ratio stays 1. On fewer
-    rows both run the fused update."""
+    rows both run the fused update; inside a capture the capture's own rule (`merge_pays`) decides."""
     import longstraw.models.lora_linear as lora_linear
 
     _, layer = _layer(base_dtype=dtype, adapter_dtype=dtype)
@@ -324,6 +324,12 @@ def test_scoring_under_the_merged_update_runs_replays_forward(dtype, monkeypatch
             replayed = layer(x.requires_grad_())
         assert len(calls) == merges and torch.equal(scored, replayed.detach())
         calls.clear()
+    # inside a capture the capture's rule decides: 40 rows pay for the update's merge, not for a kept forward's
+    x = torch.randn(40, IN, dtype=dtype)
+    assert lora_linear.merged_update_pays(40, IN, OUT) and not lora_linear.merge_pays(40, layer.base_layer)
+    with lora_update("merged"), torch.no_grad(), lora_linear.merged_lora_for_capture():
+        layer(x)
+    assert not calls
 
 
 @pytest.mark.numerics

@@ -207,13 +207,13 @@ def merged_update_pays(rows: int, in_features: int, out_features: int) -> bool:
 def fused_lora_linear(x, weight, bias, lora_A, lora_B, scaling: float):
     """x W^T + b + scaling (x A^T) B^T over x's last dimension, the update accumulated by lora_B's GEMM (under
     `lora_update("merged")`, on the merged weight where the rows pay, with or without autograd: scoring an old policy
-    then runs replay's computation); the base (`weight`, `bias`) must be frozen and every tensor of one dtype
-    (`fusable`)."""
+    then runs replay's computation; a capture's calls merge by its own rule, `mergeable`); the base (`weight`, `bias`)
+    must be frozen and every tensor of one dtype (`fusable`)."""
     x2d = x.reshape(-1, x.shape[-1])
     merged = _lora_update.value == "merged" and merged_update_pays(x2d.shape[0], weight.shape[1], weight.shape[0])
     if torch.is_grad_enabled() and (x.requires_grad or lora_A.requires_grad or lora_B.requires_grad):
         out = (_MergedLoraLinear if merged else _FusedLoraLinear).apply(x2d, weight, bias, lora_A, lora_B, scaling)
-    elif merged:
+    elif merged and not merging():
         out = F.linear(x2d, merged_lora_weight(weight, lora_A, lora_B, scaling, x2d.dtype), bias)
     else:
         out, _ = _lora_forward(x2d, weight, bias, lora_A, lora_B, scaling)
