@@ -14,13 +14,16 @@
 `run` executes one point config; `point` executes one point of a pipeline experiment file and
 adds the pipeline's keys (experiment, point, profile, grid, command). A config is checked (types,
 ranges, names) and the output path tested before any work: a folder there is refused, and so is a
-file that is not a failed result unless `--overwrite` (a finished result is never replaced silently).
+file that is not a failed result unless `--overwrite` (a finished result is never replaced silently). The
+path is then held for the run (a lock on .NAME.claim beside it), so a second run given the same --out while
+one runs is refused.
 Result JSONs are written atomically (a `step` or `sweep` also keeps OUT.partial, rewritten after each finished
 step and removed when the result is written; a `learning` point keeps its runs' checkpoints in OUT.work,
 so the same command run again after a cut goes on from them, removed once a result other than an error is
 written); one that cannot be written at the end is kept in the
 temp folder, which stderr names (exit 1). The last stdout line is a one-line JSON summary. Exit status
-of `run`: 0 for ok and oom (an out-of-memory point is a measurement), 1 for error; `point` exits 0
+of `run`: 0 for ok and oom (an out-of-memory point is a measurement), 1 for error and nonfinite (a step
+whose loss or gradient was not finite: its update was skipped); `point` exits 0
 whenever a result was recorded (error included: the report shows it); 2 for a bad config or
 experiment file. `train` runs the GRPO trainer (`longstraw.training.trainer`), resuming from the
 output folder's newest checkpoint. `validate` runs the validation levels (`longstraw.kinds.validation`)
@@ -37,13 +40,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 
 import yaml
 
 SET_HELP = "override a config key, e.g. --set grpo.num_generations=8 (repeatable; the value is read as YAML)"
+FAILED = ("error", "nonfinite")  # statuses that make `run` exit 1
 OVERWRITE_HELP = "replace a finished result already at --out (without it, only a failed or cut-off one is replaced)"
 
 
@@ -200,16 +206,26 @@ def _run_point(config, source: str, out) -> dict:
     return result
 
 
+def _claimed(out, overwrite: bool):
+    """Hold the result path for the run (`results.claimed`: a second run asking for it is refused). A
+    context-parallel rank other than 0 writes no result and holds nothing; its path is checked the same."""
+    from longstraw.results import check_writable, claimed
+
+    if int(os.environ.get("RANK", "0")) != 0:
+        check_writable(out, "--out", overwrite=overwrite)
+        return nullcontext()
+    return claimed(out, "--out", overwrite=overwrite)
+
+
 def _run(args) -> int:
     from longstraw.harness.plan import resolve
-    from longstraw.results import check_writable
 
     cfg = _load_yaml(args.experiment)
     _apply_overrides(cfg, args.set, args.experiment)
     config = resolve(cfg, args.experiment)
-    check_writable(args.out, "--out", overwrite=args.overwrite)
-    result = _run_point(config, args.experiment, args.out)
-    return 1 if not _record(result, args.out) or result["status"] == "error" else 0
+    with _claimed(args.out, args.overwrite):
+        result = _run_point(config, args.experiment, args.out)
+        return 1 if not _record(result, args.out) or result["status"] in FAILED else 0
 
 
 def _train(args) -> int:
@@ -291,15 +307,20 @@ def _validation_points(path: str, profile: str) -> dict:
 
 def _validate(args) -> int:
     from longstraw.harness.inputs import check_ready
-    from longstraw.harness.runner import run_point
-    from longstraw.kinds import validation
-    from longstraw.results import check_writable, write_result
 
     out = args.out or f"results/validation-{args.profile}.json"
     points = _validation_points(args.config, args.profile)
     for config in points.values():  # every point's devices and checkpoints, before the first one runs
         check_ready(config, args.config)
-    check_writable(out, "--out", overwrite=args.overwrite)
+    with _claimed(out, args.overwrite):
+        return _validate_points(args, points, out)
+
+
+def _validate_points(args, points: dict, out) -> int:
+    from longstraw.harness.runner import run_point
+    from longstraw.kinds import validation
+    from longstraw.results import write_result
+
     results = []
     for name, config in points.items():
         print(
@@ -346,7 +367,6 @@ def _plan(args) -> int:
 
 def _point(args) -> int:
     from longstraw.harness import plan
-    from longstraw.results import check_writable
 
     experiment = plan.load_experiment(args.experiment)
     points = plan.expand(experiment, args.profile, source=args.experiment)
@@ -354,18 +374,18 @@ def _point(args) -> int:
         raise ValueError(
             f"{args.experiment}: no point {args.point!r} in profile {args.profile!r}; points: {sorted(points)}"
         )
-    check_writable(args.out, "--out", overwrite=args.overwrite)
     config = points[args.point]["config"]
-    result = _run_point(config, args.experiment, args.out)
-    result.update(
-        experiment=experiment["name"],
-        experiment_title=experiment["title"],
-        point=args.point,
-        profile=args.profile,
-        grid=points[args.point]["grid"],
-        command=plan.point_command(args.experiment, args.profile, args.point, args.out, config.cp_size),
-    )
-    return 0 if _record(result, args.out) else 1
+    with _claimed(args.out, args.overwrite):
+        result = _run_point(config, args.experiment, args.out)
+        result.update(
+            experiment=experiment["name"],
+            experiment_title=experiment["title"],
+            point=args.point,
+            profile=args.profile,
+            grid=points[args.point]["grid"],
+            command=plan.point_command(args.experiment, args.profile, args.point, args.out, config.cp_size),
+        )
+        return 0 if _record(result, args.out) else 1
 
 
 def _fetch_model(args) -> int:

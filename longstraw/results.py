@@ -1,16 +1,24 @@
 """Atomic file writes (temp file in the same folder + rename): an interrupted run leaves either
-the previous file or none, never a half-written result, table, figure or page."""
+the previous file or none, never a half-written result, table, figure or page. JSON is written strict
+(no bare NaN or Infinity: non-finite numbers are the strings "NaN", "Infinity", "-Infinity", which
+`float()` reads back). A run takes its output path when it starts (`claimed`), so a second run asking
+for the same path is refused instead of replacing the first one's result."""
 
 from __future__ import annotations
 
+import fcntl
 import json
+import math
 import os
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
-# partial: a point cut off before its end (a command's time limit); its metrics are the steps it finished
-STATUSES = ("ok", "oom", "error", "partial")
+# partial: a point cut off before its end (a command's time limit); its metrics are the steps it finished;
+# nonfinite: a step's loss or gradient was not finite, so its update was skipped (`skipped_updates`)
+STATUSES = ("ok", "oom", "error", "partial", "nonfinite")
+NON_FINITE = ("NaN", "Infinity", "-Infinity")  # how JSON results write non-finite numbers (float() reads them)
+SKIPPED = "update_skipped"  # a step record's key: why its optimizer step was not applied, when it was not
 
 
 @contextmanager
@@ -22,13 +30,19 @@ def atomic_path(path):
     os.close(fd)
     try:
         yield Path(tmp)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # mkstemp creates 0600; give the file the usual mode
+        usual_mode(tmp, 0o666)  # mkstemp creates 0600
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def usual_mode(path, mode: int) -> None:
+    """Give a file or folder made by `tempfile` (private to its owner) the mode a plain create would: `mode`
+    less the process's umask."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, mode & ~umask)
 
 
 def write_text_atomic(path, text: str) -> Path:
@@ -41,21 +55,50 @@ def write_text_atomic(path, text: str) -> Path:
 
 
 def write_json_atomic(path, obj) -> Path:
-    return write_text_atomic(path, json.dumps(obj, indent=2, sort_keys=True, default=_jsonable) + "\n")
+    return write_text_atomic(path, strict_json(obj, indent=2, sort_keys=True) + "\n")
+
+
+def strict_json(obj, **kwargs) -> str:
+    """`json.dumps` that any JSON parser reads: non-finite numbers as their strings ("NaN", "Infinity",
+    "-Infinity"), tensors and numpy scalars as numbers, sets and tuples as lists, anything else as its str."""
+    return json.dumps(_jsonable(obj), allow_nan=False, default=str, **kwargs)
 
 
 def _jsonable(value):
-    if hasattr(value, "item"):
-        return value.item()
-    if isinstance(value, (set, tuple)):
-        return list(value)
-    return str(value)
+    if isinstance(value, dict):
+        return {k: _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set)):
+        return [_jsonable(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return NON_FINITE[0] if math.isnan(value) else NON_FINITE[1 if value > 0 else 2]
+    if hasattr(value, "item") and not isinstance(value, (int, float, str)):
+        return _jsonable(value.item())
+    return value
+
+
+def skipped_updates(metrics) -> list[str]:
+    """Why each step recorded in `metrics` (at any depth) did not apply its update, in order."""
+    if isinstance(metrics, dict):
+        own = [metrics[SKIPPED]] if metrics.get(SKIPPED) else []
+        return own + [why for v in metrics.values() for why in skipped_updates(v)]
+    if isinstance(metrics, list):
+        return [why for v in metrics for why in skipped_updates(v)]
+    return []
+
+
+def finished_status(metrics) -> dict:
+    """A point's status once its kind returned `metrics`: ok, or nonfinite (with the first step's reason) when a
+    step skipped its update: what it measured is not the training it was asked for."""
+    skipped = skipped_updates(metrics)
+    if not skipped:
+        return {"status": "ok"}
+    return {"status": "nonfinite", "error": f"{len(skipped)} step(s) not applied; the first: {skipped[0]}"}
 
 
 def check_writable(path, what: str = "output", *, overwrite: bool = False) -> None:
     """Refuse, before any work, an output file that could not be written at the end: a folder at the
     path, a folder that cannot be created or written, or (unless `overwrite`) a file already there that
-    is not a failed or cut-off result (status error or partial), since a finished result is never
+    is not a failed or cut-off result (status error, nonfinite or partial), since a finished result is never
     replaced silently. The folder is created; nothing is written to `path`."""
     path = Path(path)
     if path.is_dir():
@@ -69,6 +112,10 @@ def check_writable(path, what: str = "output", *, overwrite: bool = False) -> No
             pass
     except OSError as exc:
         raise ValueError(f"{what}: cannot write to {folder}: {exc.strerror or exc}") from None
+    _check_not_finished(path, what, overwrite)
+
+
+def _check_not_finished(path: Path, what: str, overwrite: bool) -> None:
     if path.exists() and not overwrite and not replaceable(path):
         raise ValueError(
             f"{what}: {path} already exists and is not a failed result; a finished result is not "
@@ -78,12 +125,52 @@ def check_writable(path, what: str = "output", *, overwrite: bool = False) -> No
 
 def replaceable(path) -> bool:
     """Whether the result file at `path` may be written over without asking: a point that failed
-    (status error) or was cut off (status partial), which a rerun is meant to replace."""
+    (status error or nonfinite) or was cut off (status partial), which a rerun is meant to replace."""
     try:
         status = json.loads(Path(path).read_text()).get("status")
     except (OSError, ValueError, AttributeError):
         return False  # unreadable, not JSON, or not a result: someone's file
-    return status in ("error", "partial")
+    return status in ("error", "partial", "nonfinite")
+
+
+@contextmanager
+def claimed(path, what: str = "output", *, overwrite: bool = False):
+    """`check_writable`, then hold `path` for the block: an exclusive lock on `.NAME.claim` beside it, which
+    a second run asking for the same path while this one runs is refused on (the kernel drops the lock
+    when a process dies, so a killed run leaves no stale claim). Once held, the path is checked again: a
+    run that held it until just now may have written a finished result there."""
+    path = Path(path)
+    check_writable(path, what, overwrite=overwrite)
+    claim = path.with_name(f".{path.name}.claim")
+    fd = _lock(claim, what, path)
+    try:
+        _check_not_finished(path, what, overwrite)
+        yield path
+    finally:
+        claim.unlink(missing_ok=True)
+        os.close(fd)
+
+
+def _lock(claim: Path, what: str, path: Path) -> int:
+    """An open descriptor of `claim` holding its exclusive lock; ValueError when another process holds it.
+    A lock taken on a file another run unlinked meanwhile is not the claim: then try again."""
+    while True:
+        fd = os.open(claim, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise ValueError(
+                f"{what}: {path} is being written by another run (it holds {claim}); wait for it, or choose "
+                "another path"
+            ) from None
+        try:
+            same = os.path.samestat(os.fstat(fd), os.stat(claim))
+        except FileNotFoundError:
+            same = False
+        if same:
+            return fd
+        os.close(fd)
 
 
 def write_result(path, result: dict) -> Path:

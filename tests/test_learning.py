@@ -152,8 +152,8 @@ def test_a_learning_point_cut_off_goes_on_from_its_work_folder(checkpoint, tmp_p
         assert [{k: s[k] for k in keys} for s in resumed] == [{k: s[k] for k in keys} for s in steps]
     assert any(s["grad_norm"] > 0 for s in whole["response-only"][2:])  # the resumed steps had updates to redo
     changed = {**point, "optimizer": {"lr": 2e-2}}
-    refused = run_point(changed, work_dir=work)
-    assert refused["status"] == "error" and "another config of this point" in refused["error"]
+    with pytest.raises(ValueError, match=r"optimizer.lr: .* holds the runs of another config of this point"):
+        run_point(changed, work_dir=work)
 
 
 def test_a_point_on_a_checkpoint_waits_for_its_pretrain_point(tmp_path):

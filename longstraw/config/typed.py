@@ -95,17 +95,13 @@ def _convert(hint, value, metadata, source: str, path: str):
         options = [a for a in args if a is not type(None)]
         if len(options) == 1:
             return _convert(options[0], value, metadata, source, path)
-        errors = []
         for option in options:
             try:
                 return _convert(option, value, metadata, source, path)
-            except ConfigError as exc:
-                errors.append(str(exc).split(": ", 2)[-1])
-        raise ConfigError(
-            f"{source}: {path}: none of {[_name(o) for o in options]}"
-            + (" or null" if type(None) in args else "")
-            + f" fits {_shown(value)}"
-        )
+            except ConfigError:
+                pass
+        allowed = [_allowed(a, metadata) for a in args]
+        raise ConfigError(f"{source}: {path}: must be {' or '.join(allowed)}, got {value!r}")
     if origin is Literal:
         if not any(value == a and type(value) is type(a) for a in args):  # True is not 1
             raise ConfigError(f"{source}: {path}: must be one of {list(args)}, got {value!r}")
@@ -154,5 +150,22 @@ def _in_range(value, metadata, source, path):
     return value
 
 
-def _name(hint) -> str:
-    return getattr(hint, "__name__", str(hint))
+def _allowed(hint, metadata) -> str:
+    """What one type admits, in words ("an integer >= 1", "'auto'", "null"): a union's error lists each."""
+    origin = typing.get_origin(hint)
+    if hint is type(None):
+        return "null"
+    if origin is Literal:
+        return " or ".join(repr(a) for a in typing.get_args(hint))
+    if origin is list:
+        return "a list"
+    if hint is dict or origin is dict or dataclasses.is_dataclass(hint):
+        return "a mapping"
+    if hint is bool:
+        return "true or false"
+    if hint in (int, float):
+        ranges = [f"{op} {metadata[key]}" for key, op in (("min", ">="), ("gt", ">"), ("max", "<=")) if key in metadata]
+        return " ".join(["an integer" if hint is int else "a number", *ranges])
+    if hint is str:
+        return f"a string matching {metadata['pattern']!r}" if "pattern" in metadata else "a string"
+    return str(hint)

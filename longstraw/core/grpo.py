@@ -75,6 +75,7 @@ __all__ = [
     "GRPOConfig",
     "normalize_scale_rewards",
     "group_advantages",
+    "reward_tensor",
     "k3_kl",
     "per_token_loss",
     "token_weights",
@@ -112,12 +113,7 @@ def group_advantages(
     reward NaN): it is left out of the mean and std and its advantage is 0; otherwise a NaN is refused.
     """
     mode = normalize_scale_rewards(scale_rewards)
-    device = rewards_G.device if isinstance(rewards_G, torch.Tensor) else None
-    r = torch.as_tensor(
-        rewards_G.detach() if isinstance(rewards_G, torch.Tensor) else rewards_G,
-        dtype=torch.float64,
-        device=device,
-    )
+    r = reward_tensor(rewards_G)
     if r.dim() != 1 or r.numel() == 0:
         raise ValueError(f"rewards must be a non-empty 1-D sequence, got shape {tuple(r.shape)}")
     if num_generations is not None and r.numel() != num_generations:
@@ -131,6 +127,27 @@ def group_advantages(
         std = kept.std() if kept.numel() > 1 else torch.zeros((), dtype=r.dtype, device=r.device)
         adv = adv / (std + STD_EPS)
     return torch.where(scored, adv, 0.0).to(torch.float32)
+
+
+def reward_tensor(rewards, dtype=torch.float64) -> torch.Tensor:
+    """`rewards` as a tensor of `dtype` (a tensor keeps its device), refusing an entry that is not a number
+    (None, a string) with a ValueError naming it."""
+    if isinstance(rewards, torch.Tensor):
+        return rewards.detach().to(dtype)
+    try:
+        return torch.as_tensor(rewards, dtype=dtype)
+    except (TypeError, ValueError, RuntimeError):
+        if not isinstance(rewards, (list, tuple)):
+            raise ValueError(f"rewards must be a sequence of numbers, one per response, got {rewards!r}") from None
+        bad = next((f": rewards[{i}] is {r!r}" for i, r in enumerate(rewards) if not _is_number(r, dtype)), "")
+        raise ValueError(f"rewards must be numbers, one per response, got {list(rewards)!r}{bad}") from None
+
+
+def _is_number(value, dtype) -> bool:
+    try:
+        return torch.as_tensor(value, dtype=dtype).dim() == 0
+    except (TypeError, ValueError, RuntimeError):
+        return False
 
 
 def k3_kl(logp_R: torch.Tensor, ref_logp_R: torch.Tensor) -> torch.Tensor:

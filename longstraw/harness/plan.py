@@ -36,6 +36,8 @@ from longstraw.models.presets import PRESETS
 from longstraw.peers import PEER_MODES, PeerNotApplicable, check_peer
 
 PROFILES = ("cpu", "h200")
+# the tables every report has beside one per experiment (`report.aggregate.GENERAL_TABLES`): no experiment's name
+RESERVED_NAMES = ("points", "files", "experiments", "targets", "unrecorded")
 
 
 class NotApplicable(ConfigError):
@@ -62,11 +64,20 @@ def load_experiment(path) -> dict:
         raise ValueError(f"{path}: {where}: {first.message}")
     if experiment["name"] != path.stem:
         raise ValueError(f"{path}: name: {experiment['name']!r} must equal the file name {path.stem!r}")
+    if experiment["name"] in RESERVED_NAMES:
+        raise ValueError(
+            f"{path}: name: {experiment['name']!r} is the name of a table every report has; rename the file "
+            f"(reserved: {', '.join(RESERVED_NAMES)})"
+        )
     return experiment
 
 
 def resolve(raw, source: str = "config") -> PointConfig:
     """A point config, typed and checked through to the names it uses, before any work."""
+    if raw == {}:  # an empty file: every default would run, unasked
+        raise ConfigError(
+            f"{source}: <top level>: empty; a point config names at least its model (model.preset or model.path)"
+        )
     cfg = raw if isinstance(raw, PointConfig) else resolve_point(raw, source)
     if not cfg.model.path:
         check_named_preset(cfg.model.preset, f"{source}: model.preset")

@@ -1,4 +1,5 @@
-"""One experiment point: its resolved config -> one measured result dict (status ok / oom / error).
+"""One experiment point: its resolved config -> one measured result dict (status ok / oom / error, or
+nonfinite when a step skipped its update).
 
     python -m longstraw run experiments/examples/step_cpu.yaml --out results/step.json
 
@@ -24,6 +25,7 @@ from longstraw.kinds.common import Progress
 from longstraw.measure.memory import peak_rss_bytes, process_peak_allocated_bytes
 from longstraw.measure.provenance import provenance
 from longstraw.models.real import checkpoint_provenance
+from longstraw.results import finished_status
 
 
 def run_point(raw, source: str = "config", on_progress=None, work_dir=None) -> dict:
@@ -34,10 +36,13 @@ def run_point(raw, source: str = "config", on_progress=None, work_dir=None) -> d
     `on_progress(partial_result)` is called after each finished step of a `step`, `sweep`, `staleness` or
     `learning` point and each cell of a `length_curve`, so a run cut off later still leaves what it measured.
     `work_dir` is the point's resumable work (`Progress.work_dir`): a learning point run again with the same
-    `work_dir` goes on from its runs' last checkpoints.
+    `work_dir` goes on from its runs' last checkpoints; one of another config is refused before any work.
     """
     cfg = resolve(raw, source)
     check_ready(cfg, source)  # its devices exist here, its checkpoint is there and whole
+    check_work = getattr(kinds.module(cfg.kind), "check_work", None)  # a kind that resumes from work_dir
+    if check_work is not None and work_dir is not None:
+        check_work(cfg, work_dir, source)
     device = torch.device(cfg.model.device)
     cp = _context_parallel(cfg, source)
     if cp is not None and cp.rank != 0:
@@ -56,7 +61,7 @@ def run_point(raw, source: str = "config", on_progress=None, work_dir=None) -> d
     try:
         with deterministic_mode(cfg.deterministic), forward_kernel(cfg.model.attention_kernel):
             result["metrics"] = kinds.module(cfg.kind).run(cfg, device, Progress(partial, work_dir))
-        result["status"] = "ok"
+        result.update(finished_status(result["metrics"]))  # ok, or nonfinite: a step skipped its update
     except torch.OutOfMemoryError as exc:
         result["status"] = "oom"
         result["error"] = str(exc).splitlines()[0]

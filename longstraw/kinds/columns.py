@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Callable
 
 from longstraw.models.presets import FAMILY_NAMES, PRESETS
-from longstraw.results import STATUSES
+from longstraw.results import NON_FINITE, STATUSES
 
 
 def as_dict(value) -> dict:
@@ -27,6 +27,9 @@ def as_dict(value) -> dict:
 
 
 def number(value):
+    """A cell's number, or None; a non-finite one reads back from the string a result records it as."""
+    if isinstance(value, str):
+        return float(value) if value in NON_FINITE else None
     return value if isinstance(value, numbers.Number) and not isinstance(value, bool) else None
 
 
@@ -38,7 +41,7 @@ def scalar(value):
 
 
 def finite(values) -> bool | None:
-    values = [v for v in values if isinstance(v, numbers.Number)]
+    values = [v for v in map(number, values) if v is not None]
     return all(math.isfinite(v) for v in values) if values else None
 
 

@@ -25,10 +25,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from longstraw.config import PointConfig, point_mapping
+from longstraw.config import ConfigError, PointConfig, point_mapping
 from longstraw.kinds.checks import check_task
 from longstraw.kinds.columns import ExtraTable, as_dict, number, point_parts, rows_of_points
-from longstraw.results import write_text_atomic
+from longstraw.results import SKIPPED, strict_json, write_text_atomic
 
 
 def check(cfg: PointConfig, source: str) -> None:
@@ -73,9 +73,9 @@ RESUME_EVERY = 5  # a run's checkpoint interval in a work folder (steps): what a
 
 
 def run(cfg: PointConfig, device, progress: Progress) -> dict:
-    from longstraw.training.trainer import Trainer, checkpointed_steps
+    from longstraw.training.trainer import Trainer
 
-    keep = ("step", "prompt", "reward_mean", "rewards", "loss", "grad_norm", "response_tokens", "seconds")
+    keep = ("step", "prompt", "reward_mean", "rewards", "loss", "grad_norm", SKIPPED, "response_tokens", "seconds")
     runs, resumed_at, length = {}, {}, cfg.prompt.length
     with work_folder(cfg, progress.work_dir) as (work, resumable):
         probe = None
@@ -88,11 +88,11 @@ def run(cfg: PointConfig, device, progress: Progress) -> dict:
             mapping = trainer_mapping(cfg, lr, gradient, work / name, length)
             mapping["output"]["checkpoint_every"] = RESUME_EVERY if resumable else 0
             trainer = Trainer(mapping, source=f"{cfg.name} [{name}]")
-            resumed_at[name] = (checkpointed_steps(work / name) or [0])[0] if resumable else 0
             runs[name] = [
                 {**{k: step.get(k) for k in keep}, "phase_seconds": seconds_per_phase(step)}
                 for step in trainer.run(resume=resumable)
             ]
+            resumed_at[name] = trainer.resumed_at  # a torn newest checkpoint: the older one it went on from
             progress.line(
                 f"learning {name} (lr {lr:g}): reward per step "
                 + " ".join(f"{s['reward_mean']:.2f}" for s in runs[name])
@@ -122,13 +122,47 @@ def work_folder(cfg: PointConfig, work_dir):
             yield Path(tmp), False
         return
     work = Path(work_dir)
+    check_work(cfg, work, cfg.name)
     work.mkdir(parents=True, exist_ok=True)
-    config = json.dumps(point_mapping(cfg), sort_keys=True)
-    marker = work / "config.json"
-    if marker.is_file() and marker.read_text() != config:
-        raise ValueError(f"{work}: holds the runs of another config of this point; remove the folder to start over")
-    write_text_atomic(marker, config)
+    write_text_atomic(work / WORK_CONFIG, json.dumps(point_mapping(cfg), sort_keys=True))
     yield work, True
+
+
+WORK_CONFIG = "config.json"  # the point config whose runs a work folder holds
+
+
+def check_work(cfg: PointConfig, work_dir, source: str) -> None:
+    """Refuse, before any work (`harness.runner`), a work folder holding the runs of another config of this
+    point, naming the keys that differ; the folder stays as it is."""
+    marker = Path(work_dir) / WORK_CONFIG
+    if not marker.is_file():
+        return
+    now = json.loads(json.dumps(point_mapping(cfg)))  # as the marker records it (tuples as lists)
+    try:
+        before = json.loads(marker.read_text())
+    except ValueError:
+        raise ConfigError(f"{source}: {marker}: unreadable; remove the folder {work_dir} to start over") from None
+    changes = _changed(before, now) if isinstance(before, dict) else {"<top level>": (before, now)}
+    if not changes:
+        return
+    keys = ", ".join(changes)
+    listed = "; ".join(f"{k}: {a!r} there, {b!r} here" for k, (a, b) in changes.items())
+    raise ConfigError(
+        f"{source}: {keys}: {work_dir} holds the runs of another config of this point ({listed}); run that config to "
+        "go on from them, or remove the folder to start over"
+    )
+
+
+def _changed(before: dict, now: dict, path: str = "") -> dict:
+    """{dotted key: (before, now)} where two nested mappings differ."""
+    out = {}
+    for key in sorted(set(before) | set(now), key=str):
+        a, b, at = before.get(key), now.get(key), f"{path}{key}"
+        if isinstance(a, dict) and isinstance(b, dict):
+            out.update(_changed(a, b, f"{at}."))
+        elif a != b:
+            out[at] = (a, b)
+    return out
 
 
 def remembered(path: Path, compute):
@@ -136,7 +170,7 @@ def remembered(path: Path, compute):
     if path.is_file():
         return json.loads(path.read_text())
     value = compute()
-    write_text_atomic(path, json.dumps(value))
+    write_text_atomic(path, strict_json(value))
     return value
 
 

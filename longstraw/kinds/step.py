@@ -124,7 +124,7 @@ def run_peer(cfg: PointConfig, model, prompt, responses, rewards, optimizer, rec
     }
 
 
-ROLLOUT_KEYS = ("reward_mean", "rewards", "loss", "grad_norm", "response_tokens")
+ROLLOUT_KEYS = ("reward_mean", "rewards", "loss", "grad_norm", "update_skipped", "response_tokens")
 
 
 def announce_cycles(progress: Progress, recorder) -> None:

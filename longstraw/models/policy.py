@@ -17,6 +17,7 @@ def build_policy(cfg: ModelConfig):
         model = load_pretrained(cfg.path, dtype=dtype, device=cfg.device, **cfg.overrides)  # over its config.json
     else:
         model = build_model(cfg.preset, seed=cfg.seed, dtype=dtype, device=cfg.device, **cfg.overrides)
+    check_finite_weights(model, f"model.path: {cfg.path}" if cfg.path else f"model.preset: {cfg.preset}")
     if cfg.nf4:
         from longstraw.models.quant import quantize_nf4  # bitsandbytes only where a point asks for NF4
 
@@ -34,3 +35,18 @@ def build_policy(cfg: ModelConfig):
             dtype=dtype if cfg.lora.dtype == "model" else None,
         )
     return model
+
+
+def check_finite_weights(model, source: str) -> None:
+    """Refuse a model whose weights hold NaN or inf, naming them: every log-prob through such a weight is NaN,
+    and a NaN in a frozen weight would otherwise surface later as a state that matches no model."""
+    bad = [
+        name
+        for name, p in model.named_parameters()
+        if p.is_floating_point()
+        and p.numel()
+        and not bool(torch.isfinite(torch.stack(torch.aminmax(p.detach()))).all())
+    ]
+    if bad:
+        listed = ", ".join(bad[:3]) + (f" and {len(bad) - 3} more" if len(bad) > 3 else "")
+        raise ValueError(f"{source}: weights hold non-finite values (NaN or inf): {listed}")

@@ -440,10 +440,14 @@ def build_model(name: str, *, seed: int = 0, dtype=None, device="cpu", **overrid
 
 
 def load_pretrained(path: str, *, dtype=None, device="cpu", **kwargs):
-    """Load a real checkpoint from a local directory (never the hub); bfloat16 unless `dtype`."""
+    """Load a real checkpoint from a local directory (never the hub); bfloat16 unless `dtype`. A folder with
+    a manifest (`longstraw.models.real`) loads only if its weights are the ones the manifest names."""
     import torch
     import transformers
 
+    from longstraw.models.real import verified_manifest
+
+    verified_manifest(path)
     model = transformers.AutoModelForCausalLM.from_pretrained(
         path, dtype=dtype or torch.bfloat16, local_files_only=True, **kwargs
     )

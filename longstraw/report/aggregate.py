@@ -36,6 +36,7 @@ import yaml
 
 from longstraw import kinds
 from longstraw.config import recorded_config, recorded_grid
+from longstraw.harness.plan import RESERVED_NAMES
 from longstraw.kinds.columns import as_dict, common_columns, number, point_parts, scalar
 from longstraw.plotting.ceiling import memory_ceiling
 from longstraw.report.store import write_tables
@@ -45,7 +46,7 @@ EXPERIMENT_ORDER = ("g_sweep", "operating_points", "baselines", "architectures",
 LEADING_COLUMNS = ("point", "kind")
 STATUS_COLUMNS = ("status", "error")
 # Tables of every results folder; an experiment may not take these names.
-GENERAL_TABLES = ("points", "files", "experiments", "targets", "unrecorded")
+GENERAL_TABLES = RESERVED_NAMES  # the tables every report has: the plan refuses an experiment of these names
 
 
 # ---------------------------------------------------------------------------------------- loading

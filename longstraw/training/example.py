@@ -21,3 +21,12 @@ class Task(Protocol):
     def make(self, seed: int) -> Example: ...
 
     def reward(self, example: Example, response_ids) -> float: ...
+
+
+class TaskNotReady(ValueError):
+    """What a task refuses once the files it reads are at hand (`check_ready`); `setting`: the setting of its spec
+    the refusal is about."""
+
+    def __init__(self, setting: str, message: str):
+        super().__init__(f"{setting}: {message}")
+        self.setting, self.detail = setting, message

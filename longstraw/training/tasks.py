@@ -23,7 +23,8 @@ Plugins: `register_task(name, factory)` makes `build_task({"name": name, ...})` 
 `factory(vocab_size=..., **settings)`; any object with `make(seed) -> Example` and
 `reward(example, response_ids) -> float` is a task, so real tokenizers, datasets and reward
 functions plug in as a factory, and a task spec may name one by import path
-(`{"plugin": "package.module:factory", ...}`).
+(`{"plugin": "package.module:factory", ...}`). A factory's `folders` names the settings that are folders the task
+reads (`task_folders`), and a task's `check_ready()` what it checks with them (`check_task_ready`): plans call both.
 """
 
 from __future__ import annotations
@@ -168,6 +169,8 @@ def _ruler(**settings) -> Task:
     return RulerTask(**settings)
 
 
+_ruler.folders = ("tokenizer",)  # the settings naming a folder the task reads (`task_folders`)
+
 TASKS: dict[str, Callable[..., Task]] = {"kv_retrieval": KeyValueRetrieval, "counting": Counting, "ruler": _ruler}
 
 
@@ -211,3 +214,18 @@ def build_task(spec: dict, vocab_size: int) -> Task:
     """A task from its spec: `{"name": registered name | "plugin": "module:factory", **settings}`."""
     factory, settings = _factory(spec)
     return factory(vocab_size=vocab_size, **settings)
+
+
+def task_folders(spec: dict) -> dict[str, str]:
+    """{setting: folder} of the folders a task reads when it runs (a factory's `folders`: a RULER task's
+    tokenizer), which a plan may find not written yet."""
+    factory, settings = _factory(spec)
+    return {key: str(settings[key]) for key in getattr(factory, "folders", ()) if settings.get(key)}
+
+
+def check_task_ready(spec: dict, vocab_size: int) -> None:
+    """What a task can check only with its folders there (`check_ready`, where the task has one: a RULER task's
+    tokenizer), before any work; `example.TaskNotReady` names the setting."""
+    check = getattr(build_task(spec, vocab_size), "check_ready", None)
+    if check is not None:
+        check()

@@ -34,7 +34,8 @@ null for None) and the `dataset_index`; `reward_mean` equals `reward` there.
 Outputs under `output.dir`: `metrics.jsonl` (one JSON object per step), and every
 `checkpoint_every` steps `checkpoints/step-N/` with the peft adapter (`adapter/`) and
 `trainer.pt` (trainable parameters at the step and at the state's capture, optimizer and
-schedule state, the resolved config). Resuming loads the newest checkpoint, recaptures the stale
+schedule state, the resolved config). Resuming loads the newest checkpoint that reads (a torn one, a save or a copy
+cut short, is named on stderr and left in place, and the next older one is loaded), recaptures the stale
 state with the parameters it was captured with, truncates the metrics to that step (rewritten
 atomically; fewer records than the checkpoint's steps are refused), and continues: on CPU the
 resumed run's metrics equal the uninterrupted run's. A folder holding records but no checkpoint
@@ -49,6 +50,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import pickle
 import shutil
 import sys
 import time
@@ -65,11 +67,12 @@ from longstraw.cp import context_parallel
 from longstraw.measure.memory import PhaseRecorder
 from longstraw.models.policy import build_policy
 from longstraw.models.presets import check_preset
-from longstraw.results import check_writable, write_text_atomic
+from longstraw.results import SKIPPED, check_writable, strict_json, write_text_atomic
+from longstraw.training.example import TaskNotReady
 from longstraw.training.optimizer import build_optimizer
 from longstraw.training.oracle import parameter_drift
 from longstraw.training.rollout import SamplingConfig, sample
-from longstraw.training.tasks import build_task, check_task_spec
+from longstraw.training.tasks import build_task, check_task_ready, check_task_spec
 from longstraw.training.text_tasks import TextTask, completion_metrics, json_safe
 
 # what a step's record keeps of `grpo_step`'s metrics about memory (with its phases), beside the training metrics
@@ -111,7 +114,12 @@ def resolve(raw, source: str = "train config") -> TrainConfig:
             raise ValueError(f"{source}: model.preset: {exc}") from None
     if cfg.task is not None:
         check_task_spec(cfg.task, f"{source}: task")
-    check_train_inputs(cfg, source)  # overrides, the checkpoint whole, the device, the task against the model
+    facts = check_train_inputs(cfg, source)  # overrides, the checkpoint whole, the device, the task against the model
+    if cfg.task is not None and facts.vocab_size is not None:
+        try:  # what the task reads from disk (a RULER task's tokenizer), before the model is built
+            check_task_ready(cfg.task, facts.vocab_size)
+        except TaskNotReady as exc:
+            raise ValueError(f"{source}: task.{exc}") from None
     check_writable(Path(cfg.output.dir) / "metrics.jsonl", f"{source}: output.dir", overwrite=True)  # run() guards it
     return cfg
 
@@ -345,6 +353,7 @@ class Trainer:
             **lengths,
             "loss": metrics["loss"],
             "grad_norm": metrics["grad_norm"],
+            SKIPPED: metrics[SKIPPED],  # None, or why the update was not applied (a loss or gradient not finite)
             **metrics["stats"],
             "logp_mismatch": metrics["logp_mismatch"],
             "logp_mismatch_sampler": metrics["logp_mismatch_sampler"],
@@ -398,16 +407,36 @@ class Trainer:
         walk(before, now, "", defaults)
         return changes
 
+    def _newest_intact(self, done: list[int]) -> dict:
+        """The newest checkpoint whose trainer.pt reads. A torn one (a save or a copy cut short) is named on stderr
+        and left in place, and the next older one is tried; none that reads is an error naming each."""
+        torn = []
+        for step in done:
+            file = self._checkpoint_dir(step) / "trainer.pt"
+            try:
+                saved = torch.load(file, map_location=self.device, weights_only=True)
+            except (OSError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as exc:
+                torn.append(f"{file} ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'cut short'})")
+                continue
+            if torn and self.writes:
+                print(
+                    f"longstraw: {'; '.join(torn)}: unreadable, left in place; resuming from step {step}'s checkpoint",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            return saved
+        raise ValueError(f"{self.out}: no checkpoint reads: {'; '.join(torn)}; start over with --no-resume")
+
     def load_latest_checkpoint(self, allow_config_change: bool = False) -> int:
         done = checkpointed_steps(self.out)
         if not done:
             return 0
-        saved = torch.load(self._checkpoint_dir(done[0]) / "trainer.pt", map_location=self.device, weights_only=True)
+        saved = self._newest_intact(done)
         changes = self._config_changes(saved)
         if changes and not allow_config_change:
             listed = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in changes.items())
             raise ValueError(
-                f"{self.out}: the config differs from the checkpoint's at step {done[0]} ({listed}); "
+                f"{self.out}: the config differs from the checkpoint's at step {saved['steps_done']} ({listed}); "
                 "resume with the same config, start over (--no-resume), or apply the change "
                 "(--allow-config-change)"
             )
@@ -462,9 +491,9 @@ class Trainer:
     # ---- the loop
     def run(self, resume: bool = True, stop_after: int | None = None, allow_config_change: bool = False) -> list[dict]:
         """Train to `steps`; `stop_after` ends early after that many steps of this call (tests).
-        Returns every step's metrics, the resumed ones included."""
+        Returns every step's metrics, the resumed ones included; `resumed_at` is the step it went on from."""
         metrics_path = self.out / "metrics.jsonl"
-        first = self.load_latest_checkpoint(allow_config_change) if resume else 0
+        first = self.resumed_at = self.load_latest_checkpoint(allow_config_change) if resume else 0
         lines = self._kept_records(metrics_path, first) if resume else []
         records = [json.loads(line) for line in lines]
         if self.writes:
@@ -488,7 +517,7 @@ class Trainer:
             with deterministic_mode(self.cfg.deterministic):
                 records.append(self.train_step(step))
             if self.writes:
-                _append_line(metrics_path, json.dumps(records[-1]))
+                _append_line(metrics_path, strict_json(records[-1]))
             reward = records[-1]["reward_mean"]
             bar.set_postfix(
                 reward="-" if reward is None else f"{reward:.3f}",

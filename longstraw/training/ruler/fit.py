@@ -267,10 +267,11 @@ def _cut_search(hay: Haystack, m: int, probe, target: int):
     return None
 
 
-def assemble(
+def room(
     counter: Counter, hay: Haystack, needles: list[Needle], before: str, after: str, target: int, special_tokens: bool
-) -> Assembled:
-    """The counted string before + context + after with exactly `target` tokens (see the module)."""
+) -> tuple[int, int, list[int], int]:
+    """(the template's tokens, the needles', the haystack's cumulative counts up to what `target` leaves, the
+    least a prompt takes); `TooShort` when that least is more than `target`."""
     fixed = counter.count(before) + counter.count(after)
     if special_tokens:
         fixed += counter.special_before + counter.special_after
@@ -280,6 +281,14 @@ def assemble(
     least = fixed + needle_tokens + hay.overhead(len(needles))
     if least > target:
         raise TooShort(f"{target:,} tokens is too short: the template and needles alone take {least:,}")
+    return fixed, needle_tokens, cum, least
+
+
+def assemble(
+    counter: Counter, hay: Haystack, needles: list[Needle], before: str, after: str, target: int, special_tokens: bool
+) -> Assembled:
+    """The counted string before + context + after with exactly `target` tokens (see the module)."""
+    fixed, needle_tokens, cum, least = room(counter, hay, needles, before, after, target, special_tokens)
     want, tried, best = target - least, set(), None
     for _ in range(8):  # plan again with what the last plan got wrong (the joins, the number of items)
         layout = solve(hay, cum, want, avoid=tried)

@@ -11,20 +11,24 @@ chat template and RULER's answer prefix after the generation prompt, so the resp
 answer. `Example.answer` holds the ids of the references joined as RULER writes them, and
 `info["max_new_tokens"]` a few more, what a greedy answer gets (`length_curve`); sampling stops at the
 tokenizer's EOS (`stop_ids`). The reward is RULER's metric on the decoded response, not `answer`'s ids.
-The tokenizer loads on first use, so a plan can build the task before its checkpoint exists.
+The tokenizer loads on first use, so a plan can build the task before its checkpoint exists; `check_ready` checks
+what needs it (its folder, vocabulary and chat template, a length that holds the template), where the plan finds it
+or, at the latest, before the point's model is built.
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
-from longstraw.training.example import Example
+from longstraw.training.example import Example, TaskNotReady
+from longstraw.training.ruler.fit import TooShort
 from longstraw.training.ruler.formats import TASKS
 from longstraw.training.ruler.rewards import string_match_all, string_match_part
-from longstraw.training.ruler.tasks import make_example
+from longstraw.training.ruler.tasks import check_length, make_example
 
 METRICS = {"string_match_all": string_match_all, "string_match_part": string_match_part}
 ANSWER_SLACK = 4  # greedy tokens past the references' own (a closing period, a stop token)
@@ -34,7 +38,12 @@ ANSWER_SLACK = 4  # greedy tokens past the references' own (a closing period, a 
 def _tokenizer(path: str):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    if not Path(path).is_dir():  # else transformers takes it for a hub id and says so
+        raise TaskNotReady("tokenizer", f"no tokenizer folder {path}")
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise TaskNotReady("tokenizer", f"{path} holds no tokenizer transformers can load ({exc})") from None
 
 
 @dataclass
@@ -58,10 +67,23 @@ class RulerTask:
     def loaded(self):
         tokenizer = _tokenizer(self.tokenizer)
         if len(tokenizer) > self.vocab_size:
-            raise ValueError(
-                f"tokenizer {self.tokenizer} has {len(tokenizer)} tokens, more than the model's {self.vocab_size}"
+            raise TaskNotReady(
+                "tokenizer",
+                f"{self.tokenizer} has {len(tokenizer)} tokens, more than the model's {self.vocab_size}",
+            )
+        if self.chat and not getattr(tokenizer, "chat_template", None):
+            raise TaskNotReady(
+                "chat", f"true, but the tokenizer in {self.tokenizer} has no chat template; set chat: false"
             )
         return tokenizer
+
+    def check_ready(self) -> None:
+        """What needs the tokenizer, before any work: it loads, fits the model's vocabulary, has the chat template
+        `chat` asks for, and `length` holds one example's template and needles."""
+        try:
+            check_length(self.task, self.loaded, self.length, chat=self.chat)
+        except TooShort as exc:
+            raise TaskNotReady("length", f"{exc} (RULER's {self.task} in this tokenizer)") from None
 
     @property
     def stop_ids(self) -> tuple[int, ...]:

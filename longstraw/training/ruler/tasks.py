@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from numbers import Real
 
 from longstraw.training.ruler.corpora import qa_corpus
-from longstraw.training.ruler.fit import Needle, assemble
+from longstraw.training.ruler.fit import Needle, assemble, room
 from longstraw.training.ruler.formats import (
     DEPTH_GRID,
     NEEDLE,
@@ -252,6 +252,40 @@ def qa(spec: TaskSpec, seed: int, depth, counter: Counter, where) -> Parts:
 BUILDERS = {"niah": niah, "variable_tracking": vt, "qa": qa}
 
 
+def _planned(task: str, tokenizer, length, seed: int, depth, mode: str, chat_template_kwargs, wheel):
+    """(counter, frame, parts, the counted string before the context, after it): one example before its
+    context is assembled."""
+    if task not in TASKS:
+        raise ValueError(f"unknown RULER task {task!r} (known: {', '.join(TASKS)})")
+    if not isinstance(length, int) or length < 1:
+        raise ValueError(f"length must be a positive number of tokens, got {length!r}")
+    spec = TASKS[task]
+    counter = Counter(tokenizer)
+    fr = frame(tokenizer, mode, chat_template_kwargs)
+    parts = BUILDERS[spec.kind](spec, seed, depth, counter, wheel)
+    before, after = fr.wrap(parts.head, parts.tail, parts.prefix)
+    if spec.kind == "variable_tracking":
+        noise = counter.count(" " + VT_NOISE)
+        left = (
+            length
+            - counter.count(before)
+            - counter.count(after)
+            - sum(counter.counts([" " + n.text for n in parts.needles]))
+        )
+        if left < noise * (len(parts.answering) + 1):  # RULER's rule: no more noise lines than statements
+            parts.hay = vt_split_noise(counter)
+    return counter, fr, parts, before, after
+
+
+def check_length(task: str, tokenizer, length: int, seed: int = 0, *, chat: bool = False, wheel=None) -> None:
+    """Refuse (`fit.TooShort`) a length too short for one example's template and needles, as `make_example` would,
+    without assembling its context."""
+    counter, fr, parts, before, after = _planned(
+        task, tokenizer, length, seed, None, "chat" if chat else "text", None, wheel
+    )
+    room(counter, parts.hay, parts.needles, before, after, length, fr.special_tokens)
+
+
 def make_example(
     task: str,
     tokenizer,
@@ -273,29 +307,19 @@ def make_example(
     one user message holding task and answer prefix (the trainer applies the chat template); neither:
     RULER's base template, task then answer prefix. chat_template_kwargs: as the trainer's
     `tokenizer.chat_template_kwargs`. wheel: where the RULER wheel is (`wheel.find_wheel`)."""
-    if task not in TASKS:
-        raise ValueError(f"unknown RULER task {task!r} (known: {', '.join(TASKS)})")
-    if not isinstance(length, int) or length < 1:
-        raise ValueError(f"length must be a positive number of tokens, got {length!r}")
-    spec = TASKS[task]
-    counter = Counter(tokenizer)
-    mode = "messages" if messages else "chat" if chat else "text"
-    fr = frame(tokenizer, mode, chat_template_kwargs)
-    parts = BUILDERS[spec.kind](spec, seed, depth, counter, wheel)
-    before, after = fr.wrap(parts.head, parts.tail, parts.prefix)
-    if spec.kind == "variable_tracking":
-        noise = counter.count(" " + VT_NOISE)
-        room = (
-            length
-            - counter.count(before)
-            - counter.count(after)
-            - sum(counter.counts([" " + n.text for n in parts.needles]))
-        )
-        if room < noise * (len(parts.answering) + 1):  # RULER's rule: no more noise lines than statements
-            parts.hay = vt_split_noise(counter)
+    counter, fr, parts, before, after = _planned(
+        task,
+        tokenizer,
+        length,
+        seed,
+        depth,
+        "messages" if messages else "chat" if chat else "text",
+        chat_template_kwargs,
+        wheel,
+    )
     built = assemble(counter, parts.hay, parts.needles, before, after, length, fr.special_tokens)
     context = built.text[built.context[0] : built.context[1]]
-    content = parts.head + context + parts.tail + (parts.prefix if mode == "messages" else "")
+    content = parts.head + context + parts.tail + (parts.prefix if fr.mode == "messages" else "")
     return Example(
         task,
         seed,
