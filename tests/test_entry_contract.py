@@ -11,7 +11,7 @@ import torch
 from longstraw import capture
 from longstraw.models import build_model
 from longstraw.state import AttentionPages, LatentPages, RecurrentState
-from longstraw.state.pages import ResidentEntry, WindowKV
+from longstraw.state.pages import DecodeClock, ResidentEntry, WindowKV
 
 PACKAGE = Path(__file__).resolve().parents[1] / "longstraw"
 CONTRACT = sorted(n for n in {*vars(ResidentEntry), *ResidentEntry.__annotations__} if not n.startswith("_"))
@@ -88,7 +88,7 @@ def test_each_entry_names_its_own_context_parallel_form_or_refuses_one(state):
 
 def test_decoding_reads_the_prompt_entry_in_place_and_repeats_a_recurrent_state(state):
     for entry in state.layers:
-        decoding = entry.for_decoding(3, 5)
+        decoding = entry.for_decoding(3, DecodeClock.allocate(4, 5, "cpu"))
         if isinstance(entry, RecurrentState):
             for ours, theirs in zip(decoding.tensors(), entry.tensors()):
                 assert ours.shape[0] == 3 and all(torch.equal(row, theirs[0]) for row in ours)
@@ -177,4 +177,4 @@ def test_an_entry_without_a_part_of_the_contract_is_refused_before_any_work():
         exact.enable(state, None, torch.arange(5), 2, {})
     assert touched.leaves is None  # refused before any entry was enabled
     with pytest.raises(ValueError, match=r"sampling: HalfDoneEntry entries have no for_decoding\(\)"):
-        _decode_entries(state, 2, 3)
+        _decode_entries(state, 2, DecodeClock.allocate(4, 3, "cpu"))

@@ -36,6 +36,7 @@ from longstraw.kernels.dsa_topk import block_scores, index_scores, reference_sel
 from longstraw.kernels.latent_attention import latent_attention, reference_mla_attention
 from longstraw.models import TINY_MLA_PRESETS, build_model
 from longstraw.models.lora import apply_lora
+from longstraw.state.pages import DecodeClock
 from longstraw.training.rollout import SamplingConfig, _decode_entries, sample
 
 PROMPT_LEN, RESPONSE_LEN = 23, 7  # prompt spans three 8-position capture chunks
@@ -366,7 +367,7 @@ def test_sampling_from_latent_pages_matches_hf_generate(preset, topk, temperatur
 def test_sequences_share_the_prompt_latent_pages():
     model = _model("tiny-glm_moe_dsa")
     state = capture(model, _ids(PROMPT_LEN, 12), chunk_size=8)
-    for entry, decode in zip(state.layers, _decode_entries(state, batch=8, capacity=4)):
+    for entry, decode in zip(state.layers, _decode_entries(state, 8, DecodeClock.allocate(state.positions, 4, "cpu"))):
         assert decode.shared is entry  # read in place: no per-sequence copy of the prompt
         assert decode.own.kv_11PE.shape[:3] == (8, 1, 4)
         assert (decode.own.index_1PI is None) == (entry.index_1PI is None)

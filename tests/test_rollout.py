@@ -10,6 +10,7 @@ from transformers import GenerationConfig
 from longstraw import capture, score
 from longstraw.models import TINY_PRESETS, build_model
 from longstraw.state import AttentionPages
+from longstraw.state.pages import DecodeClock
 from longstraw.training.rollout import SamplingConfig, _decode_entries, sample
 
 STOP = tuple(range(3, 256, 9))  # ~11% of the vocabulary: rows stop at different steps
@@ -70,11 +71,11 @@ def test_sampling_from_state_matches_hf_generate(preset, temperature, top_p):
 def test_sequences_share_the_prompt_pages():
     model = build_model("tiny-qwen3_5", seed=1)
     state = capture(model, torch.randint(0, 256, (50,), generator=torch.Generator().manual_seed(0)))
-    entries = _decode_entries(state, batch=8, capacity=4)
+    entries = _decode_entries(state, 8, DecodeClock.allocate(state.positions, 4, "cpu"))
     for entry, decode in zip(state.layers, entries):
         if isinstance(entry, AttentionPages):
             assert decode.shared is entry  # read in place: no per-sequence copy of the prompt
-            assert decode.own.k_BKPD.shape[2] == 4
+            assert decode.own.k_BKND.shape[:3] == (8, entry.k_BKPD.shape[1], 4)
         else:
             assert decode.recurrent_BHDV.shape[0] == 8
 

@@ -76,7 +76,8 @@ KERNELS = """
 import sys
 import torch
 from longstraw.kernels import attention_dq_triton, dsa_topk_triton, gdn_conv_triton, gdn_scan_triton, logprobs_triton
-from longstraw.kernels import lora_merge_triton, rotary_triton, swiglu_triton
+from longstraw.kernels import decode_attention_triton, gdn_decode_triton, lora_merge_triton, rms_norm_triton
+from longstraw.kernels import rotary_triton, swiglu_triton
 
 conv = gdn_conv_triton
 for autotuned in (
@@ -115,6 +116,14 @@ for name, (weight, lora_A, lora_B, scaling) in inputs["lora merge"].items():
 for name, ((do, q, k_pages, v_pages, keys, attended, lse, dq), _) in inputs["attention dq"].items():
     attention_dq_triton.attention_dq_triton(do, q, k_pages[:, :, :keys], v_pages[:, :, :keys], attended, lse, 0.25, dq)
     out[name] = dq
+for name, (q, k_shared, v_shared, k_own, v_own, step, sinks) in inputs["decode attention"].items():
+    out[name] = decode_attention_triton.decode_attention_triton(q, k_shared, v_shared, k_own, v_own, step, 0.25, sinks)
+x, residual, weight = inputs["rows norm"]
+out["rows norm"] = rms_norm_triton.rms_norm_rows(x, weight, 1e-5)
+out["rows norm after the sum"] = rms_norm_triton.rms_norm_rows(x, weight, 1e-5, residual=residual)
+q, k, v, g, beta, state = inputs["gdn decode"]
+state = state.clone()
+out["gdn decode"] = gdn_decode_triton.gdn_decode_step(q, k, v, g, beta, state)
 torch.save(out, sys.argv[2])
 """ % {"key_dim": KEY_DIM, "head_dim": HEAD_DIM}
 
@@ -205,6 +214,19 @@ def interpreted(tmp_path_factory):
     }
     inputs["attention dq"] = {
         name: _attention_dq_inputs(gen, pages) for name, pages in (("own pages", 2), ("one prompt's pages", 1))
+    }
+    # rows of 100 features (a masked 128-wide block), in float32: the norm's arithmetic without its roundings to 16 bits
+    inputs["rows norm"] = tuple(torch.randn(*shape, generator=gen) for shape in ((2, 3, 100), (2, 3, 100), (100,)))
+    # one token of 2 sequences: 2 q/k heads, 4 value heads of 40 columns (two 32-wide blocks, the second masked)
+    inputs["gdn decode"] = (
+        *(torch.nn.functional.normalize(torch.randn(2, 1, 2, 32, generator=gen), dim=-1) for _ in range(2)),
+        torch.randn(2, 1, 4, 40, generator=gen),
+        -0.5 * torch.rand(2, 1, 4, generator=gen),
+        torch.rand(2, 1, 4, generator=gen),
+        torch.randn(2, 4, 32, 40, generator=gen),
+    )
+    inputs["decode attention"] = {
+        name: _decode_attention_inputs(gen, sinks) for name, sinks in (("decode", False), ("decode with sinks", True))
     }
     folder = tmp_path_factory.mktemp("interpreted")
     torch.save(inputs, folder / "inputs.pt")
@@ -386,6 +408,89 @@ def test_interpreted_lora_merge_is_a_float32_rounding_of_float64(interpreted, ca
     assert ours.dtype == torch.float32 and ours.shape == expected.shape
     assert ((ours.double() - expected).abs() <= bound).all()
     assert ((weight + lora_B @ lora_A - expected).abs() > bound).any()
+
+
+DECODE_WRITTEN = 67  # own slots written so far (the clock's step + 1) of 80
+
+
+def _decode_attention_inputs(gen, sinks: bool):
+    """(q, the shared pages, the own pages, the step, the sinks or None) in float32 of float64 values for the
+    decoding kernel: 3 sequences x 6 query heads over 2 K/V heads (9 folded rows a head: one masked tile of 16),
+    150 prefix keys read as a view of 170-key pages (on the interpreter's one "multiprocessor": 2 splits of 128 keys,
+    the second ragged), 80 own slots of which the first 67 are written (two blocks of 64, the second ragged); a slot
+    past them holds large values that must not count."""
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).float()
+
+    k_pages, v_pages = randn(1, 2, 170, 32), randn(1, 2, 170, 32)
+    k_own, v_own = randn(3, 2, 80, 32), randn(3, 2, 80, 32)
+    k_own[:, :, DECODE_WRITTEN:], v_own[:, :, DECODE_WRITTEN:] = 30.0, 30.0
+    step = torch.tensor([DECODE_WRITTEN - 1])
+    return randn(3, 6, 1, 32), k_pages[:, :, :150], v_pages[:, :, :150], k_own, v_own, step, randn(6) if sinks else None
+
+
+@pytest.mark.parametrize("case", ["decode", "decode with sinks"])
+def test_interpreted_decode_attention_is_the_softmax_over_prefix_and_written_own_keys(interpreted, case):
+    """`decode_attention_triton` in float32 (two launches: the prefix's splits, then each row's own keys and the
+    merge), against float64 softmax attention of each query over the 150 prefix keys, its sequence's 67 written own
+    keys and, with sinks, one more logit of value 0 (HF's sink column): within `float32_tolerance` of the keys and
+    the head dim, relative to the largest output. Counting the unwritten slots falls outside."""
+    inputs, outputs = interpreted
+    q, k_shared, v_shared, k_own, v_own, step, sinks = inputs["decode attention"][case]
+    q, k_shared, v_shared, k_own, v_own = (t.double() for t in (q, k_shared, v_shared, k_own, v_own))
+
+    def expected(written: int):
+        group = q.shape[1] // k_shared.shape[1]
+        keys = torch.cat([k_shared.expand(3, -1, -1, -1), k_own[:, :, :written]], 2).repeat_interleave(group, 1)
+        values = torch.cat([v_shared.expand(3, -1, -1, -1), v_own[:, :, :written]], 2).repeat_interleave(group, 1)
+        scores = q @ keys.mT * 0.25
+        if sinks is not None:
+            scores = torch.cat([scores, sinks.double().view(1, -1, 1, 1).expand(3, -1, 1, 1)], -1)
+        weights = torch.softmax(scores, -1)
+        return weights[..., : keys.shape[2]] @ values
+
+    ours, reference = outputs[case].double(), expected(DECODE_WRITTEN)
+    tol = float32_tolerance(150 + DECODE_WRITTEN, q.shape[-1])
+    assert outputs[case].shape == reference.shape
+    close(ours, reference, rtol=tol, atol=tol * float(reference.abs().max()), what="decode attention")
+    assert ((expected(80) - reference).abs() > tol * float(reference.abs().max())).any()
+
+
+def test_interpreted_rows_norm_is_the_llama_norm_in_float32(interpreted):
+    """`rms_norm_rows` in float32 against HF's Llama-form formula in float64 (of the rows, and of residual + rows with
+    that sum): a sum of H squares, a square root and two products, within (H + 8) EPS32 of each output, times
+    SAFETY. Without the weight it falls outside."""
+    inputs, outputs = interpreted
+    x, residual, weight = (t.double() for t in inputs["rows norm"])
+
+    def llama(rows):
+        return weight * rows * torch.rsqrt(rows.pow(2).mean(-1, keepdim=True) + 1e-5)
+
+    bound = SAFETY * (x.shape[-1] + 8) * EPS32
+    for ours, rows in ((outputs["rows norm"], x), (outputs["rows norm after the sum"][0], x + residual)):
+        expected = llama(rows)
+        assert ours.dtype == torch.float32 and ((ours.double() - expected).abs() <= bound * expected.abs()).all()
+        assert ((expected / weight - expected).abs() > bound * expected.abs()).any()
+    assert torch.equal(outputs["rows norm after the sum"][1], inputs["rows norm"][0] + inputs["rows norm"][1])
+
+
+def test_interpreted_gdn_decode_step_is_the_recurrent_rule_in_float32(interpreted):
+    """`gdn_decode_step` in float32 against `recurrent_gated_delta_rule` for one token in float64, the output and
+    the state written in place: each a few sums of Dk products over the state, within (4 Dk + 8) EPS32 of the
+    largest state or output value, times SAFETY. The rule without the decay falls outside."""
+    from longstraw.kernels.gdn import recurrent_gated_delta_rule
+
+    inputs, outputs = interpreted
+    q, k, v, g, beta, state = (t.double() for t in inputs["gdn decode"])
+    ours_out, ours_state = outputs["gdn decode"]
+    out, final = recurrent_gated_delta_rule(q, k, v, g, beta, state, l2norm_qk=False)
+    bound = SAFETY * (4 * q.shape[-1] + 8) * EPS32
+    for name, ours, expected in (("out", ours_out, out), ("state", ours_state, final)):
+        scale = float(expected.abs().max())
+        assert ours.shape == expected.shape and ((ours.double() - expected).abs() <= bound * scale).all(), name
+    undecayed, _ = recurrent_gated_delta_rule(q, k, v, torch.zeros_like(g), beta, state, l2norm_qk=False)
+    assert ((undecayed - out).abs() > bound * float(out.abs().max())).any()
 
 
 def _attention_query_gradient(do, q, k, v, live_k, live_v):

@@ -60,7 +60,7 @@ def sharded_decode_attention(q_BHTD, shared, own, scale: float) -> torch.Tensor:
     """One decoding step over a sharded prompt: each rank's `shared` shard (the last rank also takes
     the sequences' `own` keys), merged across ranks as replay merges."""
     cp = shared.cp
-    own_kv = own.filled() if cp.is_last else (None, None)
+    own_kv = own.written() if cp.is_last else (None, None, None)
     out_BHTD, _ = merge_ranks(cp, *decode_partial(q_BHTD, *shared.filled(), *own_kv, scale=scale))
     return out_BHTD.to(q_BHTD.dtype)
 

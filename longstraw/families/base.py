@@ -150,11 +150,15 @@ class FamilyAdapter:
         return self.lm.get_input_embeddings()(ids_BT)
 
     def position_embeddings(self, h_BTH, start: int):
-        positions = torch.arange(start, start + h_BTH.shape[1], device=h_BTH.device)[None]
+        positions_1T = torch.arange(start, start + h_BTH.shape[1], device=h_BTH.device)[None]
+        return self.position_embeddings_at(h_BTH, positions_1T)
+
+    def position_embeddings_at(self, h_BTH, positions_1T):
+        """The rotary's (cos, sin) at the positions of a device tensor (decoding: the clock's, one shape a step)."""
         rotary = self.decoder.rotary_emb
         if hasattr(rotary, "mrope_section"):  # multimodal rotary: text positions on all three axes
-            positions = positions[None].expand(3, -1, -1)
-        return rotary(h_BTH, positions)
+            positions_1T = positions_1T[None].expand(3, -1, -1)
+        return rotary(h_BTH, positions_1T)
 
     def mixer_input(self, layer_idx: int, h_BTH):
         """What a layer's mixer reads: its input norm of the residual stream."""

@@ -86,15 +86,18 @@ def gdn_mix(module, project, x_BTH, state: RecurrentState, write_state: bool):
     B, T, _ = x_BTH.shape
     conv_in, recurrent_in = state.inputs()
     q, k, v, g, beta, z, conv_state = gdn_rule_inputs(module, project, x_BTH, conv_in)  # q and k normalised
-    if write_state and not state.keep_final:  # capture: no autograd
-        core_BTHV, recurrent = chunk_gated_delta_rule_forward(q, k, v, g, beta, recurrent_in, l2norm_qk=False)
+    if write_state and not state.keep_final:  # capture and decoding: no autograd, the state written in place
+        core_BTHV, recurrent = chunk_gated_delta_rule_forward(
+            q, k, v, g, beta, recurrent_in, l2norm_qk=False, final_state_BHDV=state.recurrent_BHDV
+        )
     else:
         core_BTHV, recurrent = gated_delta_rule(q, k, v, g, beta, recurrent_in, l2norm_qk=False)
     if state.keep_final:
         state.final = (conv_state, recurrent)
     elif write_state:
         state.conv_BCK1.copy_(conv_state)
-        state.recurrent_BHDV.copy_(recurrent)
+        if recurrent is not state.recurrent_BHDV:
+            state.recurrent_BHDV.copy_(recurrent)
     core = gated_rms_norm(module.norm, core_BTHV.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
     return module.out_proj(core.reshape(B, T, -1))
 

@@ -78,10 +78,9 @@ class SlidingWindowAdapter(FamilyAdapter):
 class Gemma3Adapter(SlidingWindowAdapter):
     model_types = ("gemma3_text",)
 
-    def position_embeddings(self, h_BTH, start: int):
+    def position_embeddings_at(self, h_BTH, positions_1T):
         """{layer type: (cos, sin)}: the local and global rotaries differ (Gemma3TextModel.forward)."""
-        positions = torch.arange(start, start + h_BTH.shape[1], device=h_BTH.device)[None]
-        return {t: self.decoder.rotary_emb(h_BTH, positions, t) for t in dict.fromkeys(self.layer_types)}
+        return {t: self.decoder.rotary_emb(h_BTH, positions_1T, t) for t in dict.fromkeys(self.layer_types)}
 
     def mix(self, layer_idx, x_BTH, position_embeddings, entry, capturing):
         return super().mix(layer_idx, x_BTH, position_embeddings[self.layer_types[layer_idx]], entry, capturing)

@@ -78,6 +78,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from longstraw.kernels.optional_import import optional_function
 from longstraw.kernels.process_setting import ProcessSetting
 
 __all__ = [
@@ -92,6 +93,11 @@ __all__ = [
 ]
 
 L2NORM_EPS = 1e-6
+# a decoding step's rule in one launch (`gdn_decode_triton`) and its applicability test, or None without Triton
+_load_decode_step = functools.partial(optional_function, "longstraw.kernels.gdn_decode_triton", "gdn_decode_step")
+_load_decode_step_usable = functools.partial(
+    optional_function, "longstraw.kernels.gdn_decode_triton", "decode_step_usable"
+)
 
 # --------------------------------------------------------------------------------------
 # Shared input preparation
@@ -498,18 +504,24 @@ def chunk_gated_delta_rule_forward(
     chunk_size: int = 64,
     l2norm_qk: bool = True,
     use_fla: bool | None = None,
+    final_state_BHDV: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """No-grad forward for capturing a prompt's state; same results as ``chunk_gated_delta_rule``.
 
     Uses fla's Triton kernel when ``use_fla`` is not False, fla imports, the
     tensors are on CUDA and inputs are not float64 (``l2norm_qk=False``: q and k come normalised);
     otherwise runs ``chunk_gated_delta_rule``; a single token (a decoding step)
-    takes ``recurrent_gated_delta_rule`` unless ``use_fla`` is set.
+    takes ``recurrent_gated_delta_rule`` unless ``use_fla`` is set, on CUDA (q and k normalised, a float32
+    state) in one launch (``gdn_decode_triton``) that writes the state into ``final_state_BHDV`` when given (it may
+    be the initial state itself: decoding updates its rows' states in place).
     ``use_fla=True`` raises if fla cannot be used.  The returned tensors carry no
     autograd history (fla's backward is never used).
     """
     _check_shapes(q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_BHDV)
     if q_BTHD.shape[1] == 1 and not use_fla:  # one decoding step: the recurrence itself, as HF decodes
+        usable = _load_decode_step_usable()
+        if not l2norm_qk and usable is not None and usable(q_BTHD, v_BTHV, initial_state_BHDV):
+            return _load_decode_step()(q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_BHDV, final_state_BHDV)
         return recurrent_gated_delta_rule(
             q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_BHDV, l2norm_qk=l2norm_qk
         )

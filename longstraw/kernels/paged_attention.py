@@ -78,6 +78,7 @@ __all__ = [
 ]
 
 MATH_BLOCK_SIZE = 4096
+ONE_SOFTMAX_SCORES = 1 << 24  # a decoding step's scores held whole (64 MB in float32): `_decode_one_softmax`
 CUDA_BLOCK_SIZE = 65536
 CUDNN_MIN_ROWS = 128
 FORWARD_KERNELS = ("cudnn", "flash")  # what "auto" runs on CUDA: cuDNN blocks where they apply, or flash throughout
@@ -116,6 +117,11 @@ def prefix_backward_kernel(name: str):
 
 _load_dq = functools.partial(optional_function, "longstraw.kernels.attention_dq_triton", "attention_dq_triton")
 _load_dq_usable = functools.partial(optional_function, "longstraw.kernels.attention_dq_triton", "dq_usable")
+# a decoding step's attention in two launches (`decode_attention_triton`) and its applicability test
+_load_decode_triton = functools.partial(
+    optional_function, "longstraw.kernels.decode_attention_triton", "decode_attention_triton"
+)
+_load_decode_usable = functools.partial(optional_function, "longstraw.kernels.decode_attention_triton", "decode_usable")
 
 
 def _dq_only(q_BHRD, k_BKPD) -> bool:
@@ -193,6 +199,7 @@ def decode_attention(
     v_shared_1KPD,
     k_own_BKND,
     v_own_BKND,
+    own_step_1=None,
     *,
     scale: float,
     block_size: int | None = None,
@@ -200,14 +207,58 @@ def decode_attention(
 ) -> torch.Tensor:
     """One decoding step of B sequences that share one prefix: each query (T == 1) attends the
     shared prefix pages (batch 1, never copied per sequence) and its own sequence's keys so far,
-    the current token's included. Graph-free; returns [B, H, 1, Dv] in q's dtype.
+    the current token's included (with `own_step_1`, a long [1] on the device: the own slots up to that index, so
+    the step's shapes do not change as the sequences grow). Graph-free; returns [B, H, 1, Dv] in q's dtype.
 
     The shared part folds the B sequences and the query group into one row axis
-    ([1, K, B * G, D]), as replay folds the group, so the prefix is read once for all sequences.
+    ([1, K, B * G, D]), as replay folds the group, so the prefix is read once for all sequences. On CUDA, with
+    `own_step_1`, `decode_attention_triton` computes it in two launches where it applies (`decode_usable`).
     """
+    if own_step_1 is not None and block_size is None:
+        usable = _load_decode_usable()
+        if usable is not None and usable(q_BHTD, k_shared_1KPD, v_shared_1KPD, k_own_BKND):
+            check_sinks(sinks, q_BHTD, "decode_attention")
+            return _load_decode_triton()(
+                q_BHTD, k_shared_1KPD, v_shared_1KPD, k_own_BKND, v_own_BKND, own_step_1, scale, sinks
+            )
+        B, H = q_BHTD.shape[:2]
+        if sinks is None and H * B * (k_shared_1KPD.shape[2] + k_own_BKND.shape[2]) <= ONE_SOFTMAX_SCORES:
+            return _decode_one_softmax(q_BHTD, k_shared_1KPD, v_shared_1KPD, k_own_BKND, v_own_BKND, own_step_1, scale)
     return decode_partial(
-        q_BHTD, k_shared_1KPD, v_shared_1KPD, k_own_BKND, v_own_BKND, scale=scale, block_size=block_size, sinks=sinks
+        q_BHTD,
+        k_shared_1KPD,
+        v_shared_1KPD,
+        k_own_BKND,
+        v_own_BKND,
+        own_step_1,
+        scale=scale,
+        block_size=block_size,
+        sinks=sinks,
     )[0].to(q_BHTD.dtype)
+
+
+def _decode_one_softmax(q_BHTD, k_shared_1KPD, v_shared_1KPD, k_own_BKND, v_own_BKND, own_step_1, scale: float):
+    """`decode_attention` as one softmax a row over the prefix's keys and its sequence's own (the unwritten slots
+    masked), the rows of a K/V head folded over the prefix: some thirty ops a layer where `decode_partial`'s block
+    merges take about eighty (a CPU decoding step is dispatch-bound, so no op runs that changes nothing, such as a
+    cast to the dtype a tensor has). Its scores are held whole (`ONE_SOFTMAX_SCORES` at most)."""
+    B, H, _, D = q_BHTD.shape
+    K, P, N = k_shared_1KPD.shape[1], k_shared_1KPD.shape[2], k_own_BKND.shape[2]
+    G, acc = H // K, _acc_dtype(q_BHTD.dtype)
+
+    def cast(t):
+        return t if t.dtype == acc else t.to(acc)
+
+    q_KBGD = cast(q_BHTD.reshape(B, K, G, D).transpose(0, 1) * scale)
+    shared_KMP = q_KBGD.reshape(K, B * G, D) @ cast(k_shared_1KPD[0]).transpose(1, 2)
+    own_KBGN = torch.einsum("kbgd,bknd->kbgn", q_KBGD, cast(k_own_BKND))
+    scores_KBGS = torch.cat([shared_KMP.view(K, B, G, P), own_KBGN], -1)
+    scores_KBGS[..., P:].masked_fill_(torch.arange(N, device=q_BHTD.device) > own_step_1, float("-inf"))
+    p_KBGS = torch.softmax(scores_KBGS, -1)
+    out_KBGD = (p_KBGS[..., :P].reshape(K, B * G, P) @ cast(v_shared_1KPD[0])).view(K, B, G, -1)
+    out_KBGD += torch.einsum("kbgn,bknd->kbgd", p_KBGS[..., P:], cast(v_own_BKND))
+    out_BHTD = out_KBGD.transpose(0, 1).reshape(B, H, 1, -1)
+    return out_BHTD if out_BHTD.dtype == q_BHTD.dtype else out_BHTD.to(q_BHTD.dtype)
 
 
 @torch.no_grad()
@@ -217,6 +268,7 @@ def decode_partial(
     v_shared_1KPD,
     k_own_BKND=None,
     v_own_BKND=None,
+    own_step_1=None,
     *,
     scale: float,
     block_size: int | None = None,
@@ -236,6 +288,11 @@ def decode_partial(
     if k_own_BKND is None:
         out_BHTD = torch.zeros(B, H, T, Dv, dtype=acc, device=q_BHTD.device)
         lse_BHT = torch.full((B, H, T), float("-inf"), dtype=acc, device=q_BHTD.device)
+    elif own_step_1 is not None:  # every slot, the unwritten ones masked: folded as the prefix is, no repeat
+        written_1N = torch.arange(k_own_BKND.shape[2], device=q_BHTD.device)[None] <= own_step_1
+        q_BKGD = q_BHTD.to(acc).reshape(B, K, G, D)
+        out_BKGD, lse_BKG = _math_block_fwd(q_BKGD, k_own_BKND, v_own_BKND, scale, written_1N)
+        out_BHTD, lse_BHT = out_BKGD.reshape(B, H, T, Dv), lse_BKG.reshape(B, H, T)
     else:
         out_BHTD, lse_BHT = block_fwd(q_in, _repeat_kv(k_own_BKND, G), _repeat_kv(v_own_BKND, G), scale)
         out_BHTD, lse_BHT = out_BHTD.to(acc).contiguous(), lse_BHT.to(acc).contiguous()

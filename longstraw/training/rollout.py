@@ -13,9 +13,19 @@ size) are copied per sequence.
 The captured state itself is never written.
 
 Sampling follows HF `generate` step for step, so the same seed gives the same tokens: float32
-logits, temperature then top-p through HF's own logits warpers, one `torch.multinomial` over all
-G rows per step (finished rows too, then replaced by `pad_id`), stopping when every row has
-emitted a stop id or `max_new_tokens` is reached. `temperature == 0` is greedy.
+logits, temperature then top-p through HF's own logits warpers, one draw over all G rows per step
+(`torch.multinomial`'s own arithmetic for one sample: the argmax of p / q, q ~ Exp(1) from the generator;
+finished rows too, then replaced by `pad_id`), stopping when every row has emitted a stop id or
+`max_new_tokens` is reached. `temperature == 0` is greedy.
+
+The phases, as gpt-fast's `generate.py` has them (the capture is the prefill): `Decoder.step` decodes one token
+for the G rows and keeps everything on the device: the token, its log-prob and which rows finished are written into
+buffers at the clock's step (`state.pages.DecodeClock`), so every step runs the same kernels on the same tensors.
+On CUDA (`SamplingConfig.cuda_graph`) a step is recorded once as a CUDA graph (`DecodeGraph`) and launched per
+token; the host looks at the rows only every `stop_check_every` tokens (one sync), so a few steps may run after
+the last row stopped, each writing pads. LoRA layers decode on their merged weights
+(`models.lora_linear.merged_lora_for_decoding`). `Decoder.step` run eagerly is the plain reference the graph
+records.
 
 The log-probs returned are the policy's (temperature 1, no top-p truncation), i.e. what
 `longstraw.core.transaction.score` recomputes from the state: the old-policy log-probs of GRPO.
@@ -23,6 +33,9 @@ The log-probs returned are the policy's (temperature 1, no top-p truncation), i.
 
 from __future__ import annotations
 
+import sys
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -30,8 +43,10 @@ from transformers.generation.logits_process import TemperatureLogitsWarper, TopP
 
 from longstraw.core.transaction import check_deterministic, check_state
 from longstraw.families import adapter_for
+from longstraw.kernels.rms_norm import decoding_norms
+from longstraw.models.lora_linear import merged_lora_for_decoding
 from longstraw.state import ResidentState
-from longstraw.state.pages import check_entries_implement
+from longstraw.state.pages import DecodeClock, check_entries_implement
 
 
 @dataclass(frozen=True)
@@ -43,6 +58,11 @@ class SamplingConfig:
     stop_ids: tuple[int, ...] = ()
     pad_id: int = 0
     seed: int | None = 0
+    # record a decoding step as a CUDA graph and launch it per token (CUDA, every entry graph-safe); None: on CUDA
+    cuda_graph: bool | None = None
+    # tokens between the host's looks at which rows stopped (one device sync each); None: 1 off CUDA, 16 on it
+    stop_check_every: int | None = None
+    progress: bool = False  # a line on stderr per stop check: tokens so far, rows still going, tokens a second
 
     def __post_init__(self):
         if self.num_samples < 1 or self.max_new_tokens < 1:
@@ -51,6 +71,8 @@ class SamplingConfig:
             )
         if self.temperature < 0 or not 0 < self.top_p <= 1:
             raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {self.temperature}, {self.top_p}")
+        if self.stop_check_every is not None and self.stop_check_every < 1:
+            raise ValueError(f"stop_check_every must be >= 1 (or None), got {self.stop_check_every}")
 
 
 @dataclass
@@ -58,22 +80,134 @@ class Rollouts:
     responses: list[torch.Tensor]
     logprobs: list[torch.Tensor]
     finished: list[bool] = field(default_factory=list)  # ended on a stop id (else: max_new_tokens)
+    graphed: bool = False  # decoded through a recorded CUDA graph
+    steps: int = 0  # decoding steps run (at most max_new_tokens; a few past the last stop between checks)
 
 
-def _decode_entries(state: ResidentState, batch: int, capacity: int) -> list:
+@contextmanager
+def decoding(adapter):
+    """What decoding steps run under: no autograd, the paged attention implementation, LoRA layers on their merged
+    weights (built once), Llama-form norms in one launch (`kernels.rms_norm.decoding_norms`)."""
+    with torch.no_grad(), adapter.selected(), merged_lora_for_decoding(), decoding_norms():
+        yield
+
+
+def _decode_entries(state: ResidentState, batch: int, clock: DecodeClock) -> list:
     """Each layer's entry as `batch` sequences decode on it (`entry.for_decoding`), refused before any step."""
     check_entries_implement(state.layers, "for_decoding", "sampling")
-    return [entry.for_decoding(batch, capacity) for entry in state.layers]
+    return [entry.for_decoding(batch, clock) for entry in state.layers]
 
 
-def _next_tokens(logits_GV: torch.Tensor, config: SamplingConfig, generator) -> torch.Tensor:
-    if config.temperature == 0:
-        return logits_GV.argmax(-1)
-    scores = TemperatureLogitsWarper(config.temperature)(None, logits_GV)
-    if config.top_p < 1:
-        scores = TopPLogitsWarper(config.top_p)(None, scores)
-    probs = torch.softmax(scores, dim=-1)
-    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(1)
+class Decoder:
+    """G rows decoding on one captured prompt: the entries, the clock and the device buffers a step writes."""
+
+    def __init__(self, adapter, state: ResidentState, config: SamplingConfig):
+        G, T, device = config.num_samples, config.max_new_tokens, state.device
+        self.adapter, self.config = adapter, config
+        self.clock = DecodeClock.allocate(state.positions, T, device)
+        self.entries = _decode_entries(state, G, self.clock)
+        self.generator = torch.Generator(device=device).manual_seed(config.seed) if config.seed is not None else None
+        self.warpers = [] if config.temperature == 0 else [TemperatureLogitsWarper(config.temperature)]
+        if config.temperature > 0 and config.top_p < 1:
+            self.warpers.append(TopPLogitsWarper(config.top_p))
+        self.stop_S = torch.tensor(config.stop_ids, dtype=torch.long, device=device)
+        self.tokens_G = torch.full((G,), state.last_token, dtype=torch.long, device=device)
+        self.unfinished_G = torch.ones(G, dtype=torch.bool, device=device)
+        self.finite_1 = torch.ones(1, dtype=torch.bool, device=device)  # every step's logits were finite
+        self.tokens_GT = torch.full((G, T), config.pad_id, dtype=torch.long, device=device)
+        self.logps_GT = torch.zeros(G, T, dtype=torch.float32, device=device)
+
+    @property
+    def graph_safe(self) -> bool:
+        return all(getattr(entry, "graph_safe", False) for entry in self.entries)
+
+    def logits(self) -> torch.Tensor:
+        """The float32 logits [G, V] of the rows' next token: the current one through every layer."""
+        adapter, clock = self.adapter, self.clock
+        h = adapter.embed(self.tokens_G[:, None])
+        pe = adapter.position_embeddings_at(h, clock.positions_11())
+        for i, entry in enumerate(self.entries):
+            h = adapter.layer_forward(i, h, pe, entry, capturing=True)
+        return adapter.lm_head(adapter.final_hidden(h))[:, -1].float()
+
+    def draw(self, logits_GV: torch.Tensor) -> torch.Tensor:
+        """The next token of each row, as HF's `generate` draws it (warpers, then one multinomial draw)."""
+        if self.config.temperature == 0:
+            return logits_GV.argmax(-1)
+        scores = logits_GV
+        for warp in self.warpers:
+            scores = warp(None, scores)
+        probs = torch.softmax(scores, dim=-1)
+        # torch.multinomial's own arithmetic for one sample, without its host-side checks of the probabilities
+        return probs.div_(torch.empty_like(probs).exponential_(1, generator=self.generator)).argmax(-1)
+
+    def step(self) -> None:
+        """Decode one token for every row: its token and log-prob into the buffers at the clock's step, the rows
+        that emitted a stop id marked finished, the clock advanced. No host sync."""
+        logits_GV = self.logits()
+        self.finite_1 &= torch.isfinite(logits_GV).all()
+        next_G = self.draw(logits_GV)
+        logp_G = torch.log_softmax(logits_GV, -1).gather(1, next_G[:, None]).squeeze(1)
+        next_G = torch.where(self.unfinished_G, next_G, self.config.pad_id)
+        self.tokens_GT.index_copy_(1, self.clock.step_1, next_G[:, None])
+        self.logps_GT.index_copy_(1, self.clock.step_1, logp_G[:, None])
+        self.unfinished_G &= ~(next_G[:, None] == self.stop_S).any(1)
+        self.tokens_G.copy_(next_G)
+        self.clock.advance()
+
+    def rollouts(self, steps: int, graphed: bool) -> Rollouts:
+        """Each row's response up to its first stop id (included), or every step's token."""
+        tokens_GT, logps_GT = self.tokens_GT[:, :steps], self.logps_GT[:, :steps]
+        stops_GT = torch.isin(tokens_GT, self.stop_S)
+        responses, logprobs, finished = [], [], []
+        for g in range(tokens_GT.shape[0]):
+            hits = stops_GT[g].nonzero()
+            end = int(hits[0]) + 1 if hits.numel() else steps
+            responses.append(tokens_GT[g, :end].clone())
+            logprobs.append(logps_GT[g, :end].clone())
+            finished.append(bool(hits.numel()))
+        return Rollouts(responses, logprobs, finished, graphed, steps)
+
+
+class DecodeGraph:
+    """`Decoder.step` recorded as one CUDA graph: torch's recipe (a warm-up on a side stream, which is the first
+    real step: lazy initialisation, autotuning and the merged LoRA weights happen there, then the recording, which
+    runs nothing), the sampling generator registered with the graph so each launch draws what the eager step
+    would. Every later token is one launch."""
+
+    def __init__(self, decoder: Decoder):
+        device = decoder.clock.step_1.device
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            decoder.step()
+        torch.cuda.current_stream(device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        if decoder.generator is not None:
+            self.graph.register_generator_state(decoder.generator)
+        with torch.cuda.graph(self.graph):
+            decoder.step()
+
+    def step(self) -> None:
+        self.graph.replay()
+
+
+def _uses_graph(decoder: Decoder, config: SamplingConfig) -> bool:
+    """Whether to record the step: asked (or on CUDA by default) and every decoding entry graph-safe."""
+    on_cuda = decoder.clock.step_1.is_cuda
+    wanted = on_cuda if config.cuda_graph is None else config.cuda_graph
+    if wanted and not on_cuda:
+        raise ValueError("sampling: cuda_graph needs the state on a CUDA device")
+    if wanted and not decoder.graph_safe and config.cuda_graph:
+        kinds = sorted({type(e).__name__ for e in decoder.entries if not getattr(e, "graph_safe", False)})
+        raise ValueError(f"sampling: cuda_graph: {', '.join(kinds)} entries decode by a host-side count")
+    return wanted and decoder.graph_safe
+
+
+def _show_progress(steps: int, config: SamplingConfig, going: int, seconds: float) -> None:
+    rate = steps * config.num_samples / max(seconds, 1e-9)
+    line = f"sampling: {steps}/{config.max_new_tokens} tokens, {going} of {config.num_samples} rows going"
+    print(f"{line}, {rate:.0f} tokens/s", file=sys.stderr, flush=True)
 
 
 @torch.no_grad()
@@ -83,34 +217,25 @@ def sample(model, state: ResidentState, config: SamplingConfig) -> Rollouts:
     check_state(adapter, state)
     state.check_positions(config.max_new_tokens, "sampling max_new_tokens")
     check_deterministic(model)
-    G, device = config.num_samples, state.device
-    generator = torch.Generator(device=device).manual_seed(config.seed) if config.seed is not None else None
-    entries = _decode_entries(state, G, config.max_new_tokens)
-    stop = torch.tensor(config.stop_ids, dtype=torch.long, device=device)
-    tokens_G = torch.full((G,), state.last_token, dtype=torch.long, device=device)
-    unfinished_G = torch.ones(G, dtype=torch.bool, device=device)
-    chosen, logps = [], []
-    with adapter.selected():
-        for step in range(config.max_new_tokens):
-            h = adapter.embed(tokens_G[:, None])
-            pe = adapter.position_embeddings(h, state.positions + step)
-            for i, entry in enumerate(entries):
-                h = adapter.layer_forward(i, h, pe, entry, capturing=True)
-            logits_GV = adapter.lm_head(adapter.final_hidden(h))[:, -1].float()
-            next_G = _next_tokens(logits_GV, config, generator)
-            logps.append(torch.log_softmax(logits_GV, -1).gather(1, next_G[:, None]).squeeze(1))
-            next_G = torch.where(unfinished_G, next_G, torch.full_like(next_G, config.pad_id))
-            chosen.append(next_G)
-            unfinished_G &= ~torch.isin(next_G, stop)
-            if not unfinished_G.any():
+    decoder = Decoder(adapter, state, config)
+    graphed = _uses_graph(decoder, config)
+    every = config.stop_check_every or (16 if decoder.clock.step_1.is_cuda else 1)
+    started, steps = time.perf_counter(), 0
+    with decoding(adapter):
+        if graphed:
+            run = DecodeGraph(decoder).step  # its warm-up was the first step
+            steps = 1
+        else:
+            run = decoder.step
+        while steps < config.max_new_tokens:
+            for _ in range(min(every - steps % every, config.max_new_tokens - steps)):
+                run()
+                steps += 1
+            going = int(decoder.unfinished_G.sum())  # the one sync per `every` tokens
+            if config.progress:
+                _show_progress(steps, config, going, time.perf_counter() - started)
+            if not going:
                 break
-            tokens_G = next_G
-    tokens_GT, logps_GT = torch.stack(chosen, 1), torch.stack(logps, 1)
-    responses, logprobs, finished = [], [], []
-    for g in range(G):
-        hits = torch.isin(tokens_GT[g], stop).nonzero()
-        end = int(hits[0]) + 1 if hits.numel() else tokens_GT.shape[1]
-        responses.append(tokens_GT[g, :end].clone())
-        logprobs.append(logps_GT[g, :end].clone())
-        finished.append(bool(hits.numel()))
-    return Rollouts(responses, logprobs, finished)
+    if not bool(decoder.finite_1):
+        raise ValueError("sampling: the policy's logits are not finite (a non-finite weight or activation)")
+    return decoder.rollouts(steps, graphed)

@@ -1,0 +1,290 @@
+"""Decoding from the resident state against HF's decode and the memory-bandwidth floor, in one run
+
+    python benchmarks/rollout_speed.py --preset smollm2-135m-shape --length 16384 --group 8 --device cuda --out F
+    python benchmarks/rollout_speed.py --preset hybrid-1b --length 1048576 --group 8 --device cuda --hf none --out F
+    python benchmarks/rollout_speed.py --preset smollm2-135m-shape --length 16384 --device cpu --counts-only --out F
+
+One model of the preset (random weights, bf16 on CUDA, float32 on the CPU; LoRA r16 on the attention projections,
+random B, as a policy in training), one random prompt of --length tokens captured, then G rows decoding from it:
+
+- ours, a decoding step eagerly (`training.rollout.Decoder.step`, the plain reference) and through the recorded
+  CUDA graph (`DecodeGraph`): ms a step over --steps steps after two warm-up steps, and whether both give the same
+  tokens from one seed; and one whole `sample()` call of --tokens tokens (its one-off costs: merged LoRA weights,
+  the graph's recording);
+- HF's eager decode on the same policy (peft's LoRA layers unmerged, as a peft model generates): its own forward
+  over the prompt into a `DynamicCache`, repeated to the G rows
+  (`batch_repeat_interleave`), then one token a step;
+- HF's static-cache decode under `torch.compile(mode="reduce-overhead")` (CUDA graphs): the G rows' prompt into a
+  `StaticCache`, then one token a step (the error where it does not compile);
+- the floor: the bytes a step must read (every weight once, the LM head included; the prompt's resident state once
+  for all rows; each row's own pages and, on a GDN layer, its recurrent state read and written), over the device's
+  copy bandwidth measured here (a large device-to-device copy: read + write bytes over its time);
+- operations a step: top-level ATen ops (the CPU's count) and kernel launches (CUDA's: the runtime's launch calls
+  and graph launches), per step and per layer, for ours eagerly, ours graphed and HF's eager step, and for one
+  replayed member (forward and backward of a --member-tokens response, as a step replays it).
+
+Prints each number and the ratios (ours over the floor, over HF compiled, over HF eager); the last stdout line is
+the JSON written to --out, with provenance. --counts-only skips the timings (the operation counts on any device).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import traceback
+
+import torch
+
+from longstraw.core.transaction import capture, replay
+from longstraw.families import adapter_for
+from longstraw.measure.provenance import provenance
+from longstraw.measure.timing import synchronize
+from longstraw.models import build_model
+from longstraw.models.lora import apply_lora
+from longstraw.results import write_json_atomic
+from longstraw.training.rollout import DecodeGraph, Decoder, SamplingConfig, decoding, sample
+
+LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC", "cudaGraphLaunch")
+
+
+def _policy(args, device):
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = build_model(args.preset, seed=0, dtype=dtype, device=device)
+    model = apply_lora(model, r=16, init_random=True)
+    model.to(device)
+    vocab = model.config.vocab_size
+    prompt = torch.randint(0, vocab, (args.length,), generator=torch.Generator().manual_seed(1)).to(device)
+    return model, prompt
+
+
+def _config(args, tokens, cuda_graph=None) -> SamplingConfig:
+    # no stop ids: every row decodes every token, so steps are comparable across systems
+    return SamplingConfig(args.group, tokens, temperature=1.0, seed=0, cuda_graph=cuda_graph)
+
+
+def _per_step(run, steps: int, device) -> float:
+    """Seconds a call of `run` takes, over `steps` calls after two warm-up calls (device synchronised around)."""
+    for _ in range(2):
+        run()
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(steps):
+        run()
+    synchronize(device)
+    return (time.perf_counter() - start) / steps
+
+
+def _ours(model, state, args, device) -> dict:
+    """Ours eagerly and graphed (ms a step), their tokens from one seed, and one whole `sample()` call."""
+    adapter, out = adapter_for(model), {}
+    capacity = args.steps + 4  # the warm-up steps and, graphed, the recording's warm-up step and one launch
+    with decoding(adapter):
+        eager = Decoder(adapter, state, _config(args, capacity, cuda_graph=False))
+        out["eager_step_seconds"] = _per_step(eager.step, args.steps, device)
+        if device.type == "cuda":
+            graphed = Decoder(adapter, state, _config(args, capacity, cuda_graph=True))
+            graph = DecodeGraph(graphed)  # its warm-up is the first step
+            graph.step()
+            out["graph_step_seconds"] = _per_step(graph.step, args.steps - 1, device)
+            steps = min(int(graphed.clock.step_1), int(eager.clock.step_1))  # the steps both decoded
+            same = torch.equal(graphed.tokens_GT[:, :steps], eager.tokens_GT[:, :steps])
+            out["graph_tokens_equal_eager"] = bool(same)
+    synchronize(device)
+    start = time.perf_counter()
+    rollouts = sample(model, state, _config(args, args.tokens))
+    synchronize(device)
+    out["sample_call"] = {
+        "tokens": args.tokens,
+        "seconds": time.perf_counter() - start,
+        "graphed": rollouts.graphed,
+        "steps": rollouts.steps,
+    }
+    return out
+
+
+def _hf_prompt_cache(model, prompt, group: int):
+    """HF's own forward over the prompt minus its last token into a DynamicCache, repeated to `group` rows."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(prompt[None, :-1], past_key_values=cache, use_cache=True, logits_to_keep=1)
+    cache.batch_repeat_interleave(group)
+    return cache
+
+
+def _hf_eager_step(model, prompt, group):
+    """One HF decode step (its forward of the G rows' next token over the growing cache), as a callable."""
+    cache = _hf_prompt_cache(model, prompt, group)
+    tokens = prompt[-1:].expand(group, 1).contiguous()
+
+    def step():
+        with torch.no_grad():
+            logits = model(tokens, past_key_values=cache, use_cache=True).logits
+        tokens.copy_(logits[:, -1].argmax(-1, keepdim=True))
+
+    return step
+
+
+def _hf_compiled_step(model, prompt, args):
+    """HF's static-cache decode under torch.compile (mode reduce-overhead): the G rows' prompt in a StaticCache."""
+    from transformers import StaticCache
+
+    P, G = prompt.numel() - 1, args.group
+    cache = StaticCache(config=model.config, max_cache_len=P + args.steps + 8)
+    with torch.no_grad():
+        model(prompt[None, :-1].expand(G, -1), past_key_values=cache, use_cache=True, logits_to_keep=1)
+    forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    tokens = prompt[-1:].expand(G, 1).contiguous()
+    position = torch.tensor([P], device=prompt.device)
+
+    def step():
+        with torch.no_grad():
+            logits = forward(
+                input_ids=tokens,
+                past_key_values=cache,
+                cache_position=position,
+                position_ids=position[None].expand(G, 1),
+            ).logits
+        tokens.copy_(logits[:, -1].argmax(-1, keepdim=True))
+        position.add_(1)
+
+    return step
+
+
+def _hf(model, prompt, args, device) -> dict:
+    out = {}
+    if args.hf == "none":
+        return {"skipped": "--hf none"}
+    # HF decodes the same policy, peft's LoRA layers unmerged as a peft model generates
+    for name, build in (("eager", lambda: _hf_eager_step(model, prompt, args.group)),) + (
+        (("compiled", lambda: _hf_compiled_step(model, prompt, args)),) if device.type == "cuda" else ()
+    ):
+        try:
+            out[f"{name}_step_seconds"] = _per_step(build(), args.steps, device)
+        except Exception as exc:  # a system that does not run here is a measured result, with its reason
+            out[f"{name}_error"] = f"{type(exc).__name__}: {exc}"[:500]
+            traceback.print_exc()
+    return out
+
+
+def _count(run, device) -> dict:
+    """Top-level ATen ops and kernel launches of one call of `run` (warm: run once before)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    run()
+    synchronize(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        run()
+        synchronize(device)
+    events = prof.events()
+    aten = [e for e in events if e.name.startswith("aten::")]
+    top = [e for e in aten if not _has_aten_parent(e)]
+    launches = sum(1 for e in events if e.name in LAUNCHES)
+    graphs = sum(1 for e in events if e.name == "cudaGraphLaunch")
+    return {"aten_ops": len(top), "kernel_launches": launches - graphs, "graph_launches": graphs}
+
+
+def _has_aten_parent(event) -> bool:
+    parent = event.cpu_parent
+    while parent is not None:
+        if parent.name.startswith("aten::"):
+            return True
+        parent = parent.cpu_parent
+    return False
+
+
+def _counts(model, state, prompt, args, device) -> dict:
+    adapter, layers = adapter_for(model), model.config.num_hidden_layers
+    out = {}
+    with decoding(adapter):
+        eager = Decoder(adapter, state, _config(args, 8, cuda_graph=False))
+        out["ours_eager_step"] = _count(eager.step, device)
+        if device.type == "cuda":
+            graphed = Decoder(adapter, state, _config(args, 8, cuda_graph=True))
+            out["ours_graph_step"] = _count(DecodeGraph(graphed).step, device)
+    response = torch.randint(0, model.config.vocab_size, (args.member_tokens,), device=device)
+
+    def member():
+        replay(model, state, response).sum().backward()
+        model.zero_grad(set_to_none=True)
+
+    out["ours_replayed_member"] = _count(member, device)
+    if args.hf != "none":
+        out["hf_eager_step"] = _count(_hf_eager_step(model, prompt, args.group), device)
+    for counts in out.values():
+        counts["aten_ops_per_layer"] = counts["aten_ops"] / layers
+        counts["kernel_launches_per_layer"] = counts["kernel_launches"] / layers
+    return out
+
+
+def _floor(model, state, args, device) -> dict:
+    """The bytes a decoding step must read, and that over the copy bandwidth measured here."""
+    weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "lora_" not in n)
+    resident = sum(t.numel() * t.element_size() for e in state.layers for t in e.tensors())
+    # a GDN layer's state is repeated per row and read and written each step; attention pages are read once
+    per_row = sum(t.numel() * t.element_size() for e in state.layers if not hasattr(e, "k_BKPD") for t in e.tensors())
+    decode_bytes = weights + resident + per_row * (2 * args.group - 1)
+    out = {"weight_bytes": weights, "resident_bytes": resident, "step_bytes": decode_bytes}
+    if device.type == "cuda":
+        src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+        dst = torch.empty_like(src)
+        seconds = _per_step(lambda: dst.copy_(src), 20, device)
+        out["copy_bandwidth_bytes_per_second"] = 2 * src.numel() / seconds
+        out["floor_seconds"] = decode_bytes / out["copy_bandwidth_bytes_per_second"]
+        del src, dst
+    return out
+
+
+def _ratios(result: dict) -> dict:
+    ours, hf, floor = result.get("ours", {}), result.get("hf", {}), result.get("floor", {})
+    best = ours.get("graph_step_seconds", ours.get("eager_step_seconds"))
+    pairs = {
+        "ours_over_floor": (best, floor.get("floor_seconds")),
+        "ours_over_hf_compiled": (best, hf.get("compiled_step_seconds")),
+        "ours_over_hf_eager": (best, hf.get("eager_step_seconds")),
+        "ours_eager_over_hf_eager": (ours.get("eager_step_seconds"), hf.get("eager_step_seconds")),
+        "graph_speedup_over_eager": (ours.get("eager_step_seconds"), ours.get("graph_step_seconds")),
+    }
+    return {k: a / b for k, (a, b) in pairs.items() if a is not None and b}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="smollm2-135m-shape")
+    parser.add_argument("--length", type=int, default=16384)
+    parser.add_argument("--group", type=int, default=8)
+    parser.add_argument("--tokens", type=int, default=128, help="tokens of the whole sample() call")
+    parser.add_argument("--steps", type=int, default=64, help="timed decoding steps")
+    parser.add_argument("--member-tokens", type=int, default=16)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--hf", choices=("both", "none"), default="both")
+    parser.add_argument("--counts-only", action="store_true")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    model, prompt = _policy(args, device)
+    state = capture(model, prompt)
+    result = {"preset": args.preset, "length": args.length, "group": args.group, "device": str(device)}
+    if device.type == "cuda":
+        result["card"] = torch.cuda.get_device_name(device)
+    result["provenance"] = provenance(device)
+    sections = [("counts", lambda: _counts(model, state, prompt, args, device))]
+    if not args.counts_only:
+        sections += [
+            ("floor", lambda: _floor(model, state, args, device)),
+            ("ours", lambda: _ours(model, state, args, device)),
+            ("hf", lambda: _hf(model, prompt, args, device)),
+        ]
+    for name, measure in sections:  # written after each, so a run cut off at its time limit keeps what it measured
+        result[name] = measure()
+        result["ratios"] = _ratios(result)
+        write_json_atomic(args.out, result)
+        print(json.dumps({name: result[name], "ratios": result["ratios"]}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,142 @@
+"""Decoding on CUDA (skipped without a GPU): the recorded graph against the eager step it records, and the
+decoding kernels (`decode_attention_triton`, `gdn_decode_triton`, `rms_norm_triton`) against their references on
+the device. The eager step itself is held to HF's `generate` on the CPU (tests/test_rollout.py); the kernels'
+arithmetic to float64 in Triton's interpreter (tests/test_triton_interpreted.py)."""
+
+import pytest
+import torch
+from tolerances import EPS_BF16
+
+from longstraw import capture
+from longstraw.families import adapter_for
+from longstraw.kernels.decode_attention_triton import decode_attention_triton, decode_usable
+from longstraw.kernels.gdn import recurrent_gated_delta_rule
+from longstraw.kernels.gdn_decode_triton import gdn_decode_step
+from longstraw.kernels.paged_attention import decode_partial
+from longstraw.kernels.rms_norm_triton import rms_norm_rows
+from longstraw.models import build_model
+from longstraw.models.lora import apply_lora
+from longstraw.training.rollout import DecodeGraph, Decoder, SamplingConfig, decoding, sample
+
+pytestmark = pytest.mark.cuda
+
+
+def _policy(preset: str, dtype):
+    model = build_model(preset, seed=1, dtype=dtype, device="cuda", head_dim=64)
+    return apply_lora(model, r=8, init_random=True).to("cuda")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3_5"])
+@pytest.mark.parametrize("temperature,top_p", [(0.0, 1.0), (1.0, 1.0), (0.7, 0.8)])
+def test_graph_decoding_gives_the_eager_steps_tokens_and_logprobs(preset, temperature, top_p, dtype):
+    """One seed, the same tokens and log-probs through the recorded graph as through the eager step it records
+    (the graph launches the same kernels on the same tensors, and draws from the generator as the eager step
+    does), with stop ids that end rows at different steps; in bf16 the decoding kernels of the step run too."""
+    model = _policy(preset, dtype)
+    prompt = torch.randint(0, 256, (600,), generator=torch.Generator().manual_seed(0)).cuda()
+    state = capture(model, prompt, chunk_size=256)
+    before = state.fingerprint()
+    runs = {}
+    for graph in (False, True):
+        config = SamplingConfig(8, 40, temperature, top_p, stop_ids=tuple(range(3, 256, 11)), seed=5, cuda_graph=graph)
+        runs[graph] = sample(model, state, config)
+    assert runs[True].graphed and not runs[False].graphed
+    for eager, graphed, lp_e, lp_g in zip(
+        runs[False].responses, runs[True].responses, runs[False].logprobs, runs[True].logprobs
+    ):
+        assert torch.equal(eager, graphed)
+        assert torch.equal(lp_e, lp_g)  # one computation: the same kernels on the same values
+    assert runs[True].finished == runs[False].finished
+    assert state.fingerprint() == before
+    if temperature > 0:
+        assert len({tuple(r.tolist()) for r in runs[True].responses}) > 1
+
+
+def test_the_draw_is_torch_multinomials_on_cuda():
+    """`Decoder.draw`'s arithmetic (argmax of p / Exp(1) noise) takes the tokens torch.multinomial takes from the
+    same generator state: what HF's `generate` draws."""
+    probs = torch.softmax(torch.randn(8, 5000, device="cuda"), -1)
+    ours = torch.Generator(device="cuda").manual_seed(7)
+    theirs = torch.Generator(device="cuda").manual_seed(7)
+    for _ in range(5):
+        drawn = probs.clone().div_(torch.empty_like(probs).exponential_(1, generator=ours)).argmax(-1)
+        assert torch.equal(drawn, torch.multinomial(probs, 1, generator=theirs).squeeze(1))
+
+
+@pytest.mark.parametrize("sinks", [False, True])
+@pytest.mark.parametrize("rows,keys", [(3, 5000), (8, 70000)])
+def test_decode_attention_kernel_matches_the_reference_on_cuda(rows, keys, sinks):
+    """Two launches against `decode_partial` (float32 math per block of keys, its lse merges) on the same bf16
+    inputs: B sequences x 2 query heads a K/V head over a prefix read as a view of longer pages and 100 own slots,
+    71 written; within a few bf16 roundings of the largest output (the kernel rounds its output once, and its
+    probabilities once to bf16 for the second product)."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device="cuda").bfloat16()
+
+    q = randn(rows, 6, 1, 128)
+    k_pages, v_pages = randn(1, 3, keys + 64, 128), randn(1, 3, keys + 64, 128)
+    k_own, v_own = randn(rows, 3, 100, 128), randn(rows, 3, 100, 128)
+    step = torch.tensor([70], device="cuda")
+    sink = torch.randn(6, generator=gen, device="cuda") if sinks else None
+    k_shared, v_shared = k_pages[:, :, :keys], v_pages[:, :, :keys]
+    assert decode_usable(q, k_shared, v_shared, k_own)
+    ours = decode_attention_triton(q, k_shared, v_shared, k_own, v_own, step, 0.1, sink).float()
+    reference, _ = decode_partial(q, k_shared, v_shared, k_own, v_own, step, scale=0.1, sinks=sink, block_size=4096)
+    assert ours.shape == reference.shape
+    assert (ours - reference).abs().max() <= 4 * EPS_BF16 * reference.abs().max()
+
+
+def test_gdn_decode_step_is_the_recurrent_rule_on_cuda():
+    """One launch, the state written in place, against the torch recurrence on the same device: float32 both."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k = (
+        torch.nn.functional.normalize(torch.randn(4, 1, 2, 128, generator=gen, device="cuda"), dim=-1) for _ in "qk"
+    )
+    v = torch.randn(4, 1, 8, 128, generator=gen, device="cuda").bfloat16()
+    g = -torch.rand(4, 1, 8, generator=gen, device="cuda")
+    beta = torch.rand(4, 1, 8, generator=gen, device="cuda").bfloat16()
+    state = torch.randn(4, 8, 128, 128, generator=gen, device="cuda")
+    out, final = recurrent_gated_delta_rule(q, k, v, g, beta, state, l2norm_qk=False)
+    written = state.clone()
+    ours, same = gdn_decode_step(q, k, v, g, beta, written)
+    assert same is written
+    assert (written - final).abs().max() <= 1e-4 * final.abs().max()
+    assert (ours.float() - out.float()).abs().max() <= 1e-4 * out.abs().max()
+
+
+def test_rows_norm_is_hfs_llama_norm_within_one_rounding_on_cuda():
+    """`rms_norm_rows` in bf16 against HF's LlamaRMSNorm module on the same rows (and on the residual's sum):
+    the same roundings, so at most one bf16 rounding apart (the row's sum of squares taken in another order)."""
+    model = build_model("tiny-llama", seed=1, dtype=torch.bfloat16, device="cuda")
+    norm = model.model.layers[0].input_layernorm
+    x, residual = (torch.randn(8, 1, norm.weight.numel(), device="cuda").bfloat16() for _ in "xr")
+    with torch.no_grad():
+        assert (rms_norm_rows(x, norm.weight, norm.variance_epsilon).float() - norm(x).float()).abs().max() <= (
+            EPS_BF16 * norm(x).float().abs().max()
+        )
+        y, total = rms_norm_rows(x, norm.weight, norm.variance_epsilon, residual=residual)
+        assert torch.equal(total, residual + x)
+        assert (y.float() - norm(residual + x).float()).abs().max() <= EPS_BF16 * y.float().abs().max()
+
+
+def test_a_graphed_decoding_step_launches_once():
+    """Inside the recorded graph a decoding step is one graph launch; the host launches no kernel of the step, only
+    the two small fills with which a replay hands the sampling generator's seed and offset to the graph."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model = _policy("tiny-qwen3_5", torch.bfloat16)
+    state = capture(model, torch.randint(0, 256, (300,), device="cuda"))
+    adapter = adapter_for(model)
+    with decoding(adapter):
+        graph = DecodeGraph(Decoder(adapter, state, SamplingConfig(4, 8, cuda_graph=True)))
+        graph.step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            graph.step()
+            torch.cuda.synchronize()
+    names = [e.name for e in prof.events()]
+    assert names.count("cudaGraphLaunch") == 1
+    assert len([n for n in names if n in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx")]) <= 2
