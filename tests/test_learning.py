@@ -3,6 +3,7 @@ point and a learning point load it; the learning point's runs share prompts and 
 gain is the paired statistic of its own recorded rewards."""
 
 import pytest
+import torch
 
 from longstraw.harness.plan import needs
 from longstraw.harness.runner import run_point
@@ -61,6 +62,54 @@ def test_length_curve_point_reads_the_checkpoint(checkpoint):
     assert [(r["length"], r["n"]) for r in rows] == [(16, 8), (64, 8)]
     assert partials == [("partial", [16]), ("partial", [16, 64])]
     assert result["metrics"]["chance"]["value"] == 0.25
+
+
+def _greedy_by_hand(model, prompt_ids, steps: int) -> list[int]:
+    """HF's own forward, one argmax at a time over the whole sequence: the reference decode."""
+    ids = prompt_ids[None]
+    with torch.no_grad():
+        for _ in range(steps):
+            ids = torch.cat([ids, model(input_ids=ids, use_cache=False).logits[0, -1].argmax().view(1, 1)], 1)
+    return ids[0, prompt_ids.numel() :].tolist()
+
+
+@pytest.mark.numerics  # which examples a model gets right depends on the kernel path
+def test_a_length_curve_evaluates_a_trained_adapter_beside_its_base(checkpoint, tmp_path):
+    """`length_curve.adapter`: the curve of the checkpoint with a saved LoRA adapter and, on the same held-out
+    examples, without it; each example's reward equals HF's greedy decode of the checkpoint under peft's own
+    `PeftModel.from_pretrained` of that folder, and of the plain checkpoint. The adapter (random, large) changes
+    some answers, so a curve that ignored it could not pass."""
+    from peft import PeftModel
+
+    from longstraw.models import load_pretrained
+    from longstraw.models.lora import apply_lora
+    from longstraw.training.pretrain import CURVE_SEED_BASE
+    from longstraw.training.tasks import build_task
+
+    torch.manual_seed(0)
+    apply_lora(load_pretrained(checkpoint, dtype=torch.float32), r=4, init_random=True).save_pretrained(tmp_path)
+    point = {"name": "held-out", "kind": "length_curve", "model": {"path": checkpoint, "dtype": "float32"}}
+    curve = {"task": TASK, "lengths": [16, 24], "examples": 6, "adapter": str(tmp_path)}
+    result = run_point({**point, "length_curve": curve})
+    assert result["status"] == "ok", result.get("error")
+    base = load_pretrained(checkpoint, dtype=torch.float32)
+    adapted = PeftModel.from_pretrained(load_pretrained(checkpoint, dtype=torch.float32), str(tmp_path))
+    changed = False
+    for key, model in (("rows", adapted), ("base_rows", base)):
+        for row in result["metrics"][key]:
+            task = build_task({**TASK, "length": row["length"]}, model.config.vocab_size)
+            examples = [task.make(CURVE_SEED_BASE + i) for i in range(row["n"])]
+            answers = [_greedy_by_hand(model, e.prompt_ids, len(e.answer)) for e in examples]
+            assert row["rewards"] == [float(a == list(e.answer)) for a, e in zip(answers, examples)], (key, row)
+    for row, base_row in zip(result["metrics"]["rows"], result["metrics"]["base_rows"]):
+        changed |= row["rewards"] != base_row["rewards"]
+    assert changed
+
+
+def test_a_length_curve_refuses_an_adapter_folder_that_is_not_there(tmp_path):
+    point = {"name": "c", "kind": "length_curve", "model": {"preset": "tiny-llama"}}
+    with pytest.raises(ValueError, match=r"length_curve.adapter: no peft adapter folder .* at /nowhere"):
+        run_point({**point, "length_curve": {"task": TASK, "lengths": [16], "adapter": "/nowhere"}})
 
 
 def test_learning_point_runs_the_same_prompts_and_reports_the_paired_gain(checkpoint):

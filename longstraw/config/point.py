@@ -143,6 +143,9 @@ class LengthCurveConfig:
     depths: Optional[list[float]] = None  # the queried needle's depth per cell (None: random, as trained)
     examples: int = bounded(32, min=2)  # held-out examples per (length, depth) cell
     method: Literal["capture", "forward"] = "capture"
+    # a trained LoRA adapter (a peft folder: a trainer checkpoint's `adapter/`): the curve of the model with it and,
+    # beside it on the same held-out examples, of the model without it (the base policy)
+    adapter: Optional[str] = None
 
     def __post_init__(self):
         if not self.lengths or min(self.lengths) < 2:

@@ -1,7 +1,9 @@
 """Kind `length_curve`: where a task-trained model (`model.path`) breaks with prompt length: greedy
 success per (prompt length, needle depth) on held-out examples, each captured and decoded from its
 resident state (`longstraw.training.length_curve`). It tells the length at which GRPO has
-something to improve (success low but not zero).
+something to improve (success low but not zero). With `length_curve.adapter` (a LoRA adapter a GRPO run
+trained) it is a held-out evaluation: the curve with the adapter and, on the same examples, without it (the
+base policy), so what the training changed is read against length.
 
 Report: one row per point (the lengths, the task's chance, the longest length still above chance
 by 3 standard errors); one row per cell in a table of its own; figure: success against prompt
@@ -10,6 +12,7 @@ length (log axis), one line per depth, with standard-error bars and the chance l
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from longstraw.config import PointConfig
@@ -19,6 +22,17 @@ from longstraw.kinds.columns import ExtraTable, as_dict, number, point_parts, ro
 
 def check(cfg: PointConfig, source: str) -> None:
     check_task(cfg.length_curve.task, cfg.prompt.length, f"{source}: length_curve.task")
+    adapter = cfg.length_curve.adapter
+    if adapter is not None:
+        if not (Path(adapter) / "adapter_config.json").is_file():
+            raise ValueError(
+                f"{source}: length_curve.adapter: no peft adapter folder (adapter_config.json) at {adapter}"
+            )
+        if cfg.model.lora is not None:
+            raise ValueError(
+                f"{source}: length_curve.adapter: the model also asks for a new LoRA adapter (model.lora); "
+                "evaluate a trained adapter on the plain model (drop model.lora)"
+            )
 
 
 if TYPE_CHECKING:
@@ -27,15 +41,19 @@ if TYPE_CHECKING:
 
 def run(cfg: PointConfig, device, progress: Progress) -> dict:
     from longstraw.measure.memory import PhaseRecorder
+    from longstraw.models.lora import load_adapter
     from longstraw.models.policy import build_policy
     from longstraw.training.length_curve import length_curve
 
     recorder = PhaseRecorder(device)
+    s = cfg.length_curve
     with recorder.phase("weights"):
         model = build_policy(cfg.model)
-    s = cfg.length_curve
-    with recorder.phase("length_curve"):
-        result = length_curve(
+        if s.adapter is not None:
+            model = load_adapter(model, s.adapter)
+
+    def curve(key: str, done: dict):
+        return length_curve(
             model,
             s.task,
             s.lengths,
@@ -44,8 +62,14 @@ def run(cfg: PointConfig, device, progress: Progress) -> dict:
             method=s.method,
             chunk_size=cfg.capture.chunk_size,
             beyond_max_positions=cfg.capture.beyond_max_positions,
-            on_row=lambda rows: progress.partial({"rows": rows, "task": dict(s.task)}),
+            on_row=lambda rows: progress.partial({**done, key: rows, "task": dict(s.task)}),
         )
+
+    with recorder.phase("length_curve"):
+        result = curve("rows", {})
+    if s.adapter is not None:
+        with recorder.phase("length_curve_base"), model.disable_adapter():
+            result["base_rows"] = curve("base_rows", {"rows": result["rows"]})["rows"]
     return {**result, "phases": recorder.phases}
 
 
@@ -63,17 +87,30 @@ def above_chance(rows: list[dict], chance) -> int | None:
 
 # ------------------------------------------------------------------------------------------- report
 
-SHOWN = ["model", "lengths", "depths", "examples", "chance", "longest_above_chance", "seconds", "wall_seconds"]
+SHOWN = [
+    "model",
+    "adapter",
+    "lengths",
+    "depths",
+    "examples",
+    "chance",
+    "longest_above_chance",
+    "longest_above_chance_base",
+    "seconds",
+    "wall_seconds",
+]
 EXTRA_TABLES = {
     "cells": ExtraTable(
         "Greedy success by prompt length and needle depth",
-        ["point", "length", "depth", "success", "stderr", "n", "seconds"],
-        "Held-out examples, each captured and decoded greedily from its resident state; stderr = sqrt(p (1 - p) / n).",
+        ["point", "policy", "length", "depth", "success", "stderr", "n", "seconds"],
+        "Held-out examples, each captured and decoded greedily from its resident state; stderr = sqrt(p (1 - p) / n). "
+        "policy: the model, the model with a trained adapter, or the base (the same model without it).",
     )
 }
 CAPTIONS = {
     "length_curve": "Greedy success against prompt length (log axis), one line per needle depth, "
-    "standard-error bars; dotted: the task's chance level."
+    "standard-error bars; a trained adapter's point draws its base policy dashed in grey; dotted: the task's "
+    "chance level."
 }
 
 
@@ -81,24 +118,31 @@ def columns(point: dict) -> dict:
     cfg, metrics = point_parts(point)
     settings, rows = as_dict(cfg.get("length_curve")), metrics.get("rows") or []
     chance = number(as_dict(metrics.get("chance")).get("value"))
+    base = metrics.get("base_rows") or []
     return {
+        "adapter": settings.get("adapter"),
         "lengths": " ".join(str(n) for n in settings.get("lengths") or []) or None,
         "depths": " ".join(str(d) for d in settings.get("depths") or []) or "random",
         "examples": settings.get("examples"),
         "chance": chance,
         "longest_above_chance": above_chance(rows, chance) if rows else None,
+        "longest_above_chance_base": above_chance(base, chance) if base else None,
         "seconds": number(metrics.get("seconds")),
     }
 
 
 def tables(points: list[dict]) -> dict:
     def cells(point):
+        config, metrics = point_parts(point)
+        policy = "adapter" if as_dict(config.get("length_curve")).get("adapter") else "model"
         return [
             {
                 "point": point.get("point"),
+                "policy": name,
                 **{k: r.get(k) for k in ("length", "depth", "success", "stderr", "n", "seconds")},
             }
-            for r in point_parts(point)[1].get("rows") or []
+            for name, rows in ((policy, metrics.get("rows")), ("base", metrics.get("base_rows")))
+            for r in rows or []
         ]
 
     return {"cells": rows_of_points([p for p in points if p.get("kind") == "length_curve"], cells)}
@@ -119,19 +163,23 @@ def plot_length_curve(rows, cells, title: str):
     for i, row in enumerate(rows):
         mine = [c for c in cells if c.get("point") == row.get("point")]
         depths = sorted({c.get("depth") for c in mine}, key=lambda d: (d is None, d or 0))
-        for j, depth in enumerate(depths):
-            at = sorted((c for c in mine if c.get("depth") == depth), key=lambda c: c["length"])
-            shift = 1.04 ** (j - (len(depths) - 1) / 2)  # depths side by side on the log axis, not on top
-            ax.errorbar(
-                [c["length"] * shift for c in at],
-                [c["success"] for c in at],
-                yerr=[c["stderr"] for c in at],
-                marker="os^Dv"[j % 5],
-                capsize=3,
-                linestyle=styles[j % len(styles)],
-                color=draw.POINT_COLORS[i % len(draw.POINT_COLORS)],
-                label=f"{row.get('point')}: depth {'random' if depth is None else depth}",
-            )
+        for policy in sorted({c.get("policy") for c in mine}, key=lambda p: p == "base"):
+            base = policy == "base"
+            for j, depth in enumerate(depths):
+                at = [c for c in mine if c.get("depth") == depth and c.get("policy") == policy]
+                at = sorted(at, key=lambda c: c["length"])
+                shift = 1.04 ** (j - (len(depths) - 1) / 2)  # depths side by side on the log axis, not on top
+                name = f"{row.get('point')}{' (base)' if base else ''}"
+                ax.errorbar(
+                    [c["length"] * shift for c in at],
+                    [c["success"] for c in at],
+                    yerr=[c["stderr"] for c in at],
+                    marker="os^Dv"[j % 5],
+                    capsize=3,
+                    linestyle="--" if base else styles[j % len(styles)],
+                    color="#9a9a9a" if base else draw.POINT_COLORS[i % len(draw.POINT_COLORS)],
+                    label=f"{name}: depth {'random' if depth is None else depth}",
+                )
         if row.get("chance") is not None and row["chance"] not in chances:
             chances.add(row["chance"])
             ax.axhline(row["chance"], color="#8c8c8c", linestyle=":", label=f"chance {row['chance']:.2f}")

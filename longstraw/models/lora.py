@@ -92,6 +92,18 @@ def apply_lora(
     return model
 
 
+def load_adapter(model, path: str):
+    """`model` with the trained peft adapter saved at `path` (a trainer checkpoint's `adapter/`), frozen for
+    evaluation, its LoRA layers adopted as `apply_lora`'s are (the capture's merged path, the in-place update)."""
+    from peft import PeftModel
+
+    with _no_v4_moe_remap():  # the adapter names the modules it was trained on, as `apply_lora` wrapped them
+        model = PeftModel.from_pretrained(model, path, is_trainable=False)
+    adopt_lora_layers(model)
+    adopt_in_place_lora(model)
+    return model
+
+
 def _no_v4_moe_remap():
     """peft (0.21) turns the target names `gate_proj`/`up_proj`/`down_proj` on the MoE types transformers 5
     converts checkpoints of (glm4_moe, glm_moe_dsa, deepseek_v3/v32, qwen3_next, ...) into LoRA on the fused
