@@ -196,3 +196,46 @@ def test_exact_gradient_training_steps_on_the_full_sequence_gradient(tmp_path):
     assert runs["exact"]["grad_norm"] != pytest.approx(runs["response-only"]["grad_norm"], rel=1e-3)
     with pytest.raises(ValueError, match="gradient: 'exact' needs a capture with the current parameters"):
         Trainer(_config(tmp_path / "x", gradient="exact", refresh={"policy": "every", "every": 2}))
+
+
+def test_report_to_sends_each_steps_numbers_to_the_backend(tmp_path, monkeypatch):
+    """`report_to: trackio` (TRL's name): each step's finite numbers, as metrics.jsonl records them, logged
+    under the step index, the run opened with its config and finished at the end."""
+    import sys
+    import types
+
+    calls = []
+    fake = types.ModuleType("trackio")
+    fake.init = lambda **kwargs: calls.append(("init", kwargs))
+    fake.log = lambda values, step: calls.append(("log", step, values))
+    fake.finish = lambda: calls.append(("finish",))
+    monkeypatch.setitem(sys.modules, "trackio", fake)
+    monkeypatch.setattr("longstraw.training.watch.installed", lambda package: package == "trackio")
+    Trainer(_config(tmp_path, steps=2, report_to="trackio")).run()
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert calls[0][0] == "init" and calls[0][1]["config"]["report_to"] == "trackio"
+    logged = [c for c in calls if c[0] == "log"]
+    assert [c[1] for c in logged] == [0, 1] and calls[-1] == ("finish",)
+    for (_, _, values), record in zip(logged, records):
+        expected = {
+            k: float(v)
+            for k, v in record.items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        }
+        assert values == expected and {"loss", "reward", "grad_norm"} <= set(values)
+
+
+def test_report_to_a_backend_that_is_not_installed_is_refused_before_the_model(tmp_path, monkeypatch, capsys):
+    import yaml
+
+    from longstraw import cli
+
+    monkeypatch.setattr("longstraw.training.watch.installed", lambda package: False)
+    monkeypatch.setattr(Trainer, "__init__", lambda *a, **k: pytest.fail("the trainer was built"))
+    config = tmp_path / "train.yaml"
+    config.write_text(yaml.safe_dump(_config(tmp_path, report_to="tensorboard")))
+    assert cli.main(["train", str(config)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert (
+        err == f"longstraw: {config}: report_to: 'tensorboard' needs the tensorboard package (pip install tensorboard)"
+    )

@@ -108,6 +108,9 @@ class TrainConfig:
     capture: CaptureConfig = field(default_factory=CaptureConfig)
     replay: ReplayConfig = field(default_factory=ReplayConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+    # where each step's metrics also go, for watching a run live (TRL's `report_to`; `training.watch`): the JSONL
+    # stays the record
+    report_to: Literal["none", "tensorboard", "trackio"] = "none"
     # bitwise-reproducible capture, scoring and replay (`longstraw.core.determinism`), at a cost in time
     deterministic: bool = False
     # text prompts (`longstraw.training.text_tasks`): a dataset, its tokenizer, TRL-style reward functions

@@ -31,7 +31,8 @@ metrics (`reward`, `reward_std`, `rewards/<name>/mean` and `/std`, `frac_reward_
 `completions/mean_length` ...), the decoded `completions`, each function's rewards (`rewards_per_func`,
 null for None) and the `dataset_index`; `reward_mean` equals `reward` there.
 
-Outputs under `output.dir`: `metrics.jsonl` (one JSON object per step), and every
+Outputs under `output.dir`: `metrics.jsonl` (one JSON object per step; with `report_to` its numbers also go to
+tensorboard or trackio, `training.watch`), and every
 `checkpoint_every` steps `checkpoints/step-N/` with the peft adapter (`adapter/`) and
 `trainer.pt` (trainable parameters at the step and at the state's capture, optimizer and
 schedule state, the resolved config). Resuming loads the newest checkpoint that reads (a torn one, a save or a copy
@@ -74,6 +75,7 @@ from longstraw.training.oracle import parameter_drift
 from longstraw.training.rollout import SamplingConfig, sample
 from longstraw.training.tasks import build_task, check_task_ready, check_task_spec
 from longstraw.training.text_tasks import TextTask, completion_metrics, json_safe
+from longstraw.training.watch import check_report_to, open_watch
 
 # what a step's record keeps of `grpo_step`'s metrics about memory (with its phases), beside the training metrics
 TRANSACTION_KEYS = (
@@ -121,6 +123,7 @@ def resolve(raw, source: str = "train config") -> TrainConfig:
         except TaskNotReady as exc:
             raise ValueError(f"{source}: task.{exc}") from None
     check_writable(Path(cfg.output.dir) / "metrics.jsonl", f"{source}: output.dir", overwrite=True)  # run() guards it
+    check_report_to(cfg.report_to, source)
     return cfg
 
 
@@ -511,6 +514,7 @@ class Trainer:
             total=steps,
             disable=not self.writes,
         )
+        watch = open_watch(self.cfg.report_to if self.writes else "none", self.out, self.out.name, to_mapping(self.cfg))
         for count, step in enumerate(bar):
             if stop_after is not None and count >= stop_after:
                 break
@@ -518,6 +522,7 @@ class Trainer:
                 records.append(self.train_step(step))
             if self.writes:
                 _append_line(metrics_path, strict_json(records[-1]))
+                watch.log(step, records[-1])
             reward = records[-1]["reward_mean"]
             bar.set_postfix(
                 reward="-" if reward is None else f"{reward:.3f}",
@@ -527,6 +532,7 @@ class Trainer:
             if self.writes and every and ((step + 1) % every == 0 or step + 1 == steps):
                 self.save_checkpoint(step + 1)
         bar.close()
+        watch.close()
         return records
 
 
