@@ -2124,3 +2124,39 @@ def test_a_long_run_shows_its_ends_a_repeated_column_is_named_and_a_wide_table_i
     parts = shorten.column_parts(columns)
     assert len(parts) == 2 and all(p[0] == 0 and len(p) <= shorten.WIDE for p in parts)
     assert sorted({i for p in parts for i in p}) == list(range(24))
+
+
+def _paired_by_hand(a_steps, b_steps, first_step):
+    """Mean and standard error of per-prompt mean-reward differences (a minus b) over steps from `first_step`."""
+
+    def means(steps):
+        rewards = {}
+        for s in steps:
+            if s["step"] >= first_step:
+                rewards.setdefault(s["prompt"], []).extend(s["rewards"])
+        return {p: sum(r) / len(r) for p, r in rewards.items()}
+
+    a, b = means(a_steps), means(b_steps)
+    d = [a[p] - b[p] for p in sorted(set(a) & set(b))]
+    mean = sum(d) / len(d)
+    return mean, math.sqrt(sum((x - mean) ** 2 for x in d) / (len(d) - 1) / len(d))
+
+
+def test_the_summary_states_where_the_policy_improves_and_the_gradient_gap(recorded_page):
+    """The claims table at the top of the recorded page: per model the longest length with V4 reached (its gains
+    as the records hold them) and the exact-minus-response-only gap of each point that ran both, computed here by
+    hand from the records' per-step rewards."""
+    html = re.sub(r"\s+", " ", recorded_page.read_text())
+    summary = html[: html.index('id="experiment-')]  # the top of the page, before the experiments
+    points = aggregate.load_points(REPO / "experiments" / "recorded" / "h200")
+    learning = [p for p in points if p.get("kind") == "learning" and p["status"] == "ok"]
+    both = [p for p in learning if {"exact", "response-only"} <= set(p["metrics"]["runs"])]
+    assert both
+    for point in both:
+        settings = point["config"]["learning"]
+        runs = point["metrics"]["runs"]
+        gap, se = _paired_by_hand(runs["exact"], runs["response-only"], settings["steps"] - settings["window"])
+        assert f"{gap:+.3f} +- {se:.3f}" in summary, point["point"]
+    real = next(p for p in learning if p["point"] == "v4-niah_single_2-yarn4")
+    gain = real["metrics"]["gains"]["response-only"]
+    assert f"response-only {gain['gain']:+.3f} +- {gain['standard_error']:.3f}" in summary

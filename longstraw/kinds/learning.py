@@ -225,6 +225,16 @@ def gains(runs: dict, first_step: int) -> dict:
     }
 
 
+def gradient_gap(runs: dict, first_step: int) -> dict | None:
+    """The exact run's paired gain over the response-only run (the same prompts and sampling seeds: per prompt,
+    the difference of the two trained runs' mean rewards, the lr-0 run dropping out), or None unless both ran."""
+    from longstraw.training.improvement import paired_gain, per_prompt_means
+
+    if not {"exact", "response-only"} <= set(runs):
+        return None
+    return paired_gain(per_prompt_means(runs["exact"], first_step), per_prompt_means(runs["response-only"], first_step))
+
+
 # ------------------------------------------------------------------------------------------- report
 
 SHOWN = [
@@ -242,6 +252,8 @@ SHOWN = [
     "exact_gain",
     "exact_gain_se",
     "exact_reached",
+    "exact_minus_response_only",
+    "exact_minus_response_only_se",
     "lr0_mean",
     "train_seconds",
     "wall_seconds",
@@ -286,8 +298,13 @@ def columns(point: dict) -> dict:
                 "lr0_mean": number(gain.get("untrained_mean")),
             }
         )
+    runs = as_dict(metrics.get("runs"))
+    steps, window = settings.get("steps"), settings.get("window")
+    gap = gradient_gap(runs, steps - window) if runs and steps is not None and window is not None else None
+    if gap is not None:  # what the exact gradient learned beyond the response-only one, on the same prompts
+        out.update(exact_minus_response_only=gap["gain"], exact_minus_response_only_se=gap["standard_error"])
     # every run's steps, over all the commands a resumed point took (wall_seconds: the last command's)
-    seconds = [number(s.get("seconds")) for run in as_dict(metrics.get("runs")).values() for s in run]
+    seconds = [number(s.get("seconds")) for run in runs.values() for s in run]
     out["train_seconds"] = sum(v for v in seconds if v is not None) if seconds else None
     return out
 

@@ -141,6 +141,8 @@ def ours_value(spec: dict | None, rows: list[dict], ceiling: dict) -> dict:
     ok = [r for r in rows if r.get("status") == "ok" and r.get(column) is not None]
     if not rows:
         return {"text": NOT_MEASURED, "value": None, "points": ""}
+    if op in ESTIMATE_OPS:
+        return ESTIMATE_OPS[op](spec, _point_rows(rows))
     if op == "list":
         values = sorted({r[column] for r in ok})
         return {
@@ -173,6 +175,57 @@ def ours_value(spec: dict | None, rows: list[dict], ceiling: dict) -> dict:
         text += f", {' / '.join(measures)}"
     at = [r for r in chosen if r[column] == value]  # the rows the value is read from
     return {"text": _on(text, at, column), "value": exact_value(value), "points": _points(chosen)}
+
+
+def _estimate(value, se) -> str:
+    """A statistic with its standard error: +0.655 +- 0.044 (14.8 SE)."""
+    ratio = f" ({value / se:.1f} SE)" if se else ""
+    return f"{value:+.3f} +- {se:.3f}{ratio}"
+
+
+def _trained_length(row: dict):
+    """Where a learning row trained: its probe's chosen length, else its prompt length."""
+    chosen = row.get("trained_length")
+    return int(chosen) if isinstance(chosen, (int, float)) and not is_missing(chosen) else _length(row)
+
+
+def longest_reached(spec: dict, rows: list[dict]) -> dict:
+    """`op: longest_reached`: per model, the longest length at which a point reached its statistic in any of
+    `modes` (columns `{mode}_reached`, `{mode}_gain`, `{mode}_gain_se`), with each mode's estimate there (from the
+    point that ran it, reached ones first: the modes may be points of their own)."""
+    modes = spec.get("modes") or []
+    ok = [r for r in rows if r.get("status") == "ok"]
+    longest: dict[str, int] = {}
+    for row in ok:
+        if any(row.get(f"{m}_reached") is True for m in modes):
+            model = str(row.get("model"))
+            longest[model] = max(longest.get(model, 0), _trained_length(row) or 0)
+    parts, used = [], []
+    for model, length in sorted(longest.items()):
+        there = [r for r in ok if str(r.get("model")) == model and (_trained_length(r) or 0) == length]
+        estimates = []
+        for m in modes:
+            ran = [r for r in there if not is_missing(r.get(f"{m}_gain")) and not is_missing(r.get(f"{m}_gain_se"))]
+            if ran:
+                row = max(ran, key=lambda r: r.get(f"{m}_reached") is True)
+                used.append(row)
+                estimates.append(f"{m} {_estimate(row[f'{m}_gain'], row[f'{m}_gain_se'])} ({row.get('point')})")
+        parts.append(f"{model} at {format_number(length)}: {', '.join(estimates)}")
+    return {"text": "; ".join(parts) or "not reached at any length", "value": None, "points": _points(used)}
+
+
+def estimate_list(spec: dict, rows: list[dict]) -> dict:
+    """`op: estimate_list`: every point's `column` with its standard error (column `se`), by model and length."""
+    column, se = spec.get("column"), spec.get("se")
+    found = [r for r in rows if r.get("status") == "ok" and not is_missing(r.get(column)) and not is_missing(r.get(se))]
+    parts = [
+        f"{r.get('model')} at {format_number(_trained_length(r))}: {_estimate(r[column], r[se])} ({r.get('point')})"
+        for r in sorted(found, key=lambda r: (str(r.get("model")), _trained_length(r) or 0))
+    ]
+    return {"text": "; ".join(parts) or "no point ran both", "value": None, "points": _points(found)}
+
+
+ESTIMATE_OPS = {"longest_reached": longest_reached, "estimate_list": estimate_list}
 
 
 def _missing_text(rows, where) -> str:
