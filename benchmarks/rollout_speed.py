@@ -39,7 +39,7 @@ import torch
 from longstraw.core.transaction import capture, replay
 from longstraw.families import adapter_for
 from longstraw.measure.provenance import provenance
-from longstraw.measure.timing import synchronize
+from longstraw.measure.timing import seconds_per_call, synchronize
 from longstraw.models import build_model
 from longstraw.models.lora import apply_lora
 from longstraw.results import write_json_atomic
@@ -63,30 +63,18 @@ def _config(args, tokens, cuda_graph=None) -> SamplingConfig:
     return SamplingConfig(args.group, tokens, temperature=1.0, seed=0, cuda_graph=cuda_graph)
 
 
-def _per_step(run, steps: int, device) -> float:
-    """Seconds a call of `run` takes, over `steps` calls after two warm-up calls (device synchronised around)."""
-    for _ in range(2):
-        run()
-    synchronize(device)
-    start = time.perf_counter()
-    for _ in range(steps):
-        run()
-    synchronize(device)
-    return (time.perf_counter() - start) / steps
-
-
 def _ours(model, state, args, device) -> dict:
     """Ours eagerly and graphed (ms a step), their tokens from one seed, and one whole `sample()` call."""
     adapter, out = adapter_for(model), {}
     capacity = args.steps + 4  # the warm-up steps and, graphed, the recording's warm-up step and one launch
     with decoding(adapter):
         eager = Decoder(adapter, state, _config(args, capacity, cuda_graph=False))
-        out["eager_step_seconds"] = _per_step(eager.step, args.steps, device)
+        out["eager_step_seconds"] = seconds_per_call(eager.step, device, args.steps, warmup=2)
         if device.type == "cuda":
             graphed = Decoder(adapter, state, _config(args, capacity, cuda_graph=True))
             graph = DecodeGraph(graphed)  # its warm-up is the first step
             graph.step()
-            out["graph_step_seconds"] = _per_step(graph.step, args.steps - 1, device)
+            out["graph_step_seconds"] = seconds_per_call(graph.step, device, args.steps - 1, warmup=2)
             steps = min(int(graphed.clock.step_1), int(eager.clock.step_1))  # the steps both decoded
             same = torch.equal(graphed.tokens_GT[:, :steps], eager.tokens_GT[:, :steps])
             out["graph_tokens_equal_eager"] = bool(same)
@@ -162,7 +150,7 @@ def _hf(model, prompt, args, device) -> dict:
         (("compiled", lambda: _hf_compiled_step(model, prompt, args)),) if device.type == "cuda" else ()
     ):
         try:
-            out[f"{name}_step_seconds"] = _per_step(build(), args.steps, device)
+            out[f"{name}_step_seconds"] = seconds_per_call(build(), device, args.steps, warmup=2)
         except Exception as exc:  # a system that does not run here is a measured result, with its reason
             out[f"{name}_error"] = f"{type(exc).__name__}: {exc}"[:500]
             traceback.print_exc()
@@ -231,7 +219,7 @@ def _floor(model, state, args, device) -> dict:
     if device.type == "cuda":
         src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
         dst = torch.empty_like(src)
-        seconds = _per_step(lambda: dst.copy_(src), 20, device)
+        seconds = seconds_per_call(lambda: dst.copy_(src), device, 20, warmup=2)
         out["copy_bandwidth_bytes_per_second"] = 2 * src.numel() / seconds
         out["floor_seconds"] = decode_bytes / out["copy_bandwidth_bytes_per_second"]
         del src, dst

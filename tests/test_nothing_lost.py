@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from test_trust import POINT
 
 from longstraw import capture, cli
 from longstraw.config import GRPOConfig
@@ -28,14 +29,6 @@ from longstraw.models.policy import build_policy
 from longstraw.results import write_result
 
 NAME = "smollm2-135m-instruct"
-POINT = {
-    "name": "p",
-    "kind": "step",
-    "model": {"preset": "tiny-llama"},
-    "prompt": {"length": 16},
-    "grpo": {"num_generations": 2},
-    "responses": {"length": 3},
-}
 
 
 def _strict(text: str):
