@@ -87,7 +87,7 @@ def render(rows: list[dict]) -> str:
         "| date | commit | machine | command | wall | what the log says |",
         "|---|---|---|---|---|---|",
     ]
-    for row in sorted(rows, key=lambda r: r["date"], reverse=True):
+    for row in reversed(rows):  # appended as they were measured
         wall = f"{int(row['seconds'] // 60)} min {row['seconds'] % 60:.0f} s"
         lines.append(
             f"| {row['date']} | {row['commit'][:7]} | {row['machine']} | {row['what']} | {wall} | {describe(row)} |"
