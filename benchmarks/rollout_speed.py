@@ -19,6 +19,7 @@ random B, as a policy in training), one random prompt of --length tokens capture
 - the floor: the bytes a step must read (every weight once, the LM head included; the prompt's resident state once
   for all rows; each row's own pages and, on a GDN layer, its recurrent state read and written), over the device's
   copy bandwidth measured here (a large device-to-device copy: read + write bytes over its time);
+- where a step's device time goes (CUDA): each kernel's launches and summed duration in one eager step;
 - operations a step: top-level ATen ops (the CPU's count) and kernel launches (CUDA's: the runtime's launch calls
   and graph launches), per step and per layer, for ours eagerly, ours graphed and HF's eager step, and for one
   replayed member (forward and backward of a --member-tokens response, as a step replays it).
@@ -175,6 +176,26 @@ def _count(run, device) -> dict:
     return {"aten_ops": len(top), "kernel_launches": launches - graphs, "graph_launches": graphs}
 
 
+def _kernel_times(run, device, top: int = 24) -> dict:
+    """Where one call of `run` spends the device's time: each kernel name's launches and summed duration (warm)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    run()
+    synchronize(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run()
+        synchronize(device)
+    by_name: dict[str, list] = {}
+    for event in prof.events():
+        if event.device_type == DeviceType.CUDA:
+            row = by_name.setdefault(event.name[:100], [0, 0.0])
+            row[0] += 1
+            row[1] += event.time_range.elapsed_us() * 1e-6
+    rows = sorted(([name, n, s] for name, (n, s) in by_name.items()), key=lambda r: -r[2])
+    return {"kernels": sum(r[1] for r in rows), "seconds": sum(r[2] for r in rows), "top": rows[:top]}
+
+
 def _has_aten_parent(event) -> bool:
     parent = event.cpu_parent
     while parent is not None:
@@ -193,6 +214,7 @@ def _counts(model, state, prompt, args, device) -> dict:
         if device.type == "cuda":
             graphed = Decoder(adapter, state, _config(args, 8, cuda_graph=True))
             out["ours_graph_step"] = _count(DecodeGraph(graphed).step, device)
+            out["ours_eager_step_kernel_time"] = _kernel_times(eager.step, device)
     response = torch.randint(0, model.config.vocab_size, (args.member_tokens,), device=device)
 
     def member():
@@ -200,9 +222,13 @@ def _counts(model, state, prompt, args, device) -> dict:
         model.zero_grad(set_to_none=True)
 
     out["ours_replayed_member"] = _count(member, device)
+    if device.type == "cuda":
+        out["ours_replayed_member_kernel_time"] = _kernel_times(member, device)
     if args.hf != "none":
         out["hf_eager_step"] = _count(_hf_eager_step(model, prompt, args.group), device)
-    for counts in out.values():
+    for name, counts in out.items():
+        if name.endswith("kernel_time"):
+            continue
         counts["aten_ops_per_layer"] = counts["aten_ops"] / layers
         counts["kernel_launches_per_layer"] = counts["kernel_launches"] / layers
     return out

@@ -140,3 +140,64 @@ def test_a_graphed_decoding_step_launches_once():
     names = [e.name for e in prof.events()]
     assert names.count("cudaGraphLaunch") == 1
     assert len([n for n in names if n in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx")]) <= 2
+
+
+def test_rope_append_is_hfs_rotary_and_the_pages_append_on_cuda():
+    """`rope_append_triton` against its reference (HF's `apply_rotary_pos_emb`, then `OwnPages.append`) in bf16: q and
+    k within one bf16 rounding (each feature rounded once, where HF rounds the two products and their sum), v copied
+    exactly, only the clock's slot written. (HF's llama rotates every feature; a partial rotation is checked against
+    the formula in tests/test_triton_interpreted.py.)"""
+    from transformers.models.llama.modeling_llama import LlamaAttention
+
+    from longstraw.families.attention_decode import rope_append_reference
+    from longstraw.kernels.rope_append_triton import rope_append_triton, rope_append_usable
+    from longstraw.state.pages import DecodeClock, OwnPages
+
+    B, H, K, D = 8, 9, 3, 64
+    qkv = torch.randn(B, 1, (H + 2 * K) * D, device="cuda").bfloat16()
+    q, k, v = (t.view(B, 1, -1, D) for t in qkv.split([H * D, K * D, K * D], -1))
+    angles = torch.rand(1, 1, D // 2, device="cuda") * 6
+    cos, sin = (f(torch.cat([angles, angles], -1)).bfloat16() for f in (torch.cos, torch.sin))
+    pages = []
+    for _ in range(2):
+        clock = DecodeClock.allocate(100, 12, "cuda")
+        clock.step_1.fill_(5)
+        own_k, own_v = (torch.zeros(B, K, 12, D, device="cuda").bfloat16() for _ in "kv")
+        pages.append(OwnPages(own_k, own_v, clock))
+    assert rope_append_usable(q, k, v, cos, pages[0].k_BKND, pages[0].v_BKND)
+    module = LlamaAttention.__new__(LlamaAttention)  # the reference reads only its modeling file's rotary
+    expected_q = rope_append_reference(module, q, k, v, cos, sin, pages[0])
+    ours_q = rope_append_triton(q, k, v, cos, sin, pages[1].k_BKND, pages[1].v_BKND, pages[1].clock.step_1)
+    assert (ours_q.float() - expected_q.float()).abs().max() <= 2 * EPS_BF16 * expected_q.float().abs().max()
+    assert (pages[1].k_BKND.float() - pages[0].k_BKND.float()).abs().max() <= 2 * EPS_BF16 * k.float().abs().max()
+    assert torch.equal(pages[1].v_BKND, pages[0].v_BKND)
+    assert not pages[1].k_BKND[:, :, :5].any() and not pages[1].k_BKND[:, :, 6:].any()
+
+
+def test_stacked_swiglu_is_silu_times_up_on_cuda():
+    """`swiglu_stacked_triton` on [gate | up] rows against silu(gate) * up in float32, within one bf16 rounding."""
+    from longstraw.kernels.swiglu_triton import swiglu_stacked_triton
+
+    gate_up = torch.randn(8, 1, 2 * 1536, device="cuda").bfloat16()
+    gate, up = gate_up.float().chunk(2, -1)
+    expected = torch.nn.functional.silu(gate) * up
+    out = swiglu_stacked_triton(gate_up)
+    assert out.shape == (8, 1, 1536) and out.dtype == torch.bfloat16
+    assert (out.float() - expected).abs().max() <= EPS_BF16 * expected.abs().max()
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3"])
+def test_stacked_decoding_step_is_the_unstacked_one_on_cuda(preset):
+    """One decoding step's logits with stacked projections and the fused rotary-append against the same step through
+    HF's modules (float32: the stacked GEMM sums each output in another order, the rotary rounds once)."""
+    model = _policy(preset, torch.float32)
+    state = capture(model, torch.randint(0, 256, (400,), device="cuda"))
+    adapter = adapter_for(model)
+    logits = {}
+    for stacked in (False, True):
+        with decoding(adapter, stacked_projections=stacked):
+            decoder = Decoder(adapter, state, SamplingConfig(4, 4, cuda_graph=False))
+            decoder.step()
+            logits[stacked] = decoder.logits()  # the second token, over the own pages the first step wrote
+    scale = float(logits[False].abs().max())
+    assert (logits[True] - logits[False]).abs().max() <= 1e-4 * scale

@@ -77,7 +77,7 @@ import sys
 import torch
 from longstraw.kernels import attention_dq_triton, dsa_topk_triton, gdn_conv_triton, gdn_scan_triton, logprobs_triton
 from longstraw.kernels import decode_attention_triton, gdn_decode_triton, lora_merge_triton, rms_norm_triton
-from longstraw.kernels import rotary_triton, swiglu_triton
+from longstraw.kernels import rope_append_triton, rotary_triton, swiglu_triton
 
 conv = gdn_conv_triton
 for autotuned in (
@@ -104,6 +104,10 @@ gate, up, grad = (t.clone().requires_grad_(i < 2) for i, t in enumerate(inputs["
 product = swiglu_triton.SwiGLU.apply(gate, up)
 product.backward(grad)
 out["swiglu"] = (product, gate.grad, up.grad)
+out["swiglu stacked"] = swiglu_triton.swiglu_stacked_triton(torch.cat(inputs["swiglu"][:2], -1))
+q, k, v, cos, sin, k_own, v_own, step = inputs["rope append"]
+k_own, v_own = k_own.clone(), v_own.clone()
+out["rope append"] = (rope_append_triton.rope_append_triton(q, k, v, cos, sin, k_own, v_own, step), k_own, v_own)
 for name, (x, cos, sin, grad) in inputs["rotary"].items():
     leaf = x.clone().requires_grad_(True)  # [B, T, H, D], rotated as HF's [B, H, T, D] view of it
     rotated = rotary_triton.Rotary.apply(leaf.transpose(1, 2), cos, sin)
@@ -224,6 +228,17 @@ def interpreted(tmp_path_factory):
         -0.5 * torch.rand(2, 1, 4, generator=gen),
         torch.rand(2, 1, 4, generator=gen),
         torch.randn(2, 4, 32, 40, generator=gen),
+    )
+    # one token of 3 sequences: q of 3 heads, k and v of 2 (D = 24, a masked 32-wide block; v 40 wide), rotary on
+    # the first 16 features; own pages of 5 slots, slot 2 written
+    inputs["rope append"] = (
+        torch.randn(3, 1, 3, 24, generator=gen),
+        torch.randn(3, 1, 2, 24, generator=gen),
+        torch.randn(3, 1, 2, 40, generator=gen),
+        *(f(torch.cat([a, a], -1)) for a in [6.3 * torch.rand(1, 1, 8, generator=gen)] for f in (torch.cos, torch.sin)),
+        torch.zeros(3, 2, 5, 24),
+        torch.zeros(3, 2, 5, 40),
+        torch.tensor([2]),
     )
     inputs["decode attention"] = {
         name: _decode_attention_inputs(gen, sinks) for name, sinks in (("decode", False), ("decode with sinks", True))

@@ -16,6 +16,8 @@ from contextlib import contextmanager
 
 from transformers import AttentionInterface
 
+from longstraw.families.attention_decode import decode_attention_mix
+
 IMPLEMENTATION = "longstraw"
 
 
@@ -63,7 +65,12 @@ def longstraw_attention_selected(configs, implementation: str = IMPLEMENTATION):
 
 
 def attention_mix(attn_module, x_BTH, position_embeddings, pages, append: bool):
-    """One attention layer's token mixing over its resident entry + live tokens; appends when capturing."""
+    """One attention layer's token mixing over its resident entry + live tokens; appends when capturing. A decoding
+    step takes `decode_attention_mix` where it applies (stacked projections, one launch for rotary and the append)."""
+    if append:
+        out_BTH = decode_attention_mix(attn_module, x_BTH, position_embeddings, pages)
+        if out_BTH is not None:
+            return out_BTH
     out_BTH, _ = attn_module(
         hidden_states=x_BTH,
         position_embeddings=position_embeddings,

@@ -21,6 +21,7 @@ from longstraw.families.support import support_of
 from longstraw.kernels.rms_norm import add_rms_norm, fused_norms_selected, rms_norm
 from longstraw.kernels.rotary import fused_rotary_selected
 from longstraw.kernels.swiglu import mlp_forward
+from longstraw.models.stacked_projections import stacked_linear
 from longstraw.state import ModelBinding, attention_output_unused
 
 # config fields that size a resident entry (absent ones read None)
@@ -167,11 +168,14 @@ class FamilyAdapter:
     def layer_forward(self, layer_idx: int, h_BTH, position_embeddings, entry, capturing: bool):
         """Pre-norm residual block, as every supported HF decoder layer computes it: h + mix(norm(h)), and that plus
         mlp(norm(that)). On CUDA the first sum runs inside the second norm's kernel and the last inside the MLP's
-        down projection where they apply (`add_rms_norm`, `mlp_forward`): no pass of its own over the rows."""
+        down projection where they apply (`add_rms_norm`, `mlp_forward`): no pass of its own over the rows; a decoding
+        step's gate and up are one stacked GEMM (`models.stacked_projections`)."""
         layer = self.layers[layer_idx]
         mixed = self.mix(layer_idx, self.mixer_input(layer_idx, h_BTH), position_embeddings, entry, capturing)
         normed, h_BTH = add_rms_norm(layer.post_attention_layernorm, mixed, h_BTH)
-        return mlp_forward(layer.mlp, normed, residual=h_BTH)
+        return mlp_forward(
+            layer.mlp, normed, residual=h_BTH, stacked_gate_up=lambda: _stacked_gate_up(layer.mlp, normed)
+        )
 
     def layer_state_forward(self, layer_idx: int, h_BTH, position_embeddings, entry) -> None:
         """A capture's last layer: only what its entry keeps. Its output feeds no later layer and capture computes
@@ -187,6 +191,13 @@ class FamilyAdapter:
     @property
     def lm_head(self):
         return self.lm.get_output_embeddings()
+
+
+def _stacked_gate_up(mlp, x_BTH):
+    """A gated MLP's gate and up outputs from one stacked GEMM while decoding (`stacked_projections`), else None."""
+    if not (hasattr(mlp, "gate_proj") and hasattr(mlp, "up_proj")):
+        return None
+    return stacked_linear((mlp.gate_proj, mlp.up_proj), x_BTH)
 
 
 def sample_positions(numel: int, samples: int, device) -> torch.Tensor:

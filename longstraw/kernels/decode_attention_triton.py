@@ -23,9 +23,13 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_N, WARPS = 64, 4  # keys a loop iteration; the tile is [rows, 64] x [64, head dim]
+# the prefix pass's launch, as `benchmarks/decode_attention_tune.py` measured best on an H100 (G=8 rows over SmolLM2's
+# 16K-position pages and hybrid-1b's 1M): 128 keys a loop iteration ([rows, 128] x [128, head dim] tiles) at 4 warps,
+# one program per multiprocessor. Against 4 programs of 64 keys it took 12.7 us a layer for 14.5 (SmolLM2: fewer
+# partials to write and merge) and 350 us for 364 (hybrid-1b, at the pages' copy bandwidth)
+BLOCK_N, WARPS = 128, 4
+SPLITS_PER_SM = 1
 MAX_ROWS = 128  # B * G rows in one tile (registers: rows x head dim float32 accumulators)
-SPLITS_PER_SM = 4  # programs of the prefix pass per multiprocessor, for enough loads in flight
 LOG2E = 1.4426950408889634
 
 
@@ -140,25 +144,38 @@ def decode_usable(q_BHTD, k_shared_1KPD, v_shared_1KPD, k_own_BKND) -> bool:
     )
 
 
-def _splits(P: int, heads: int, device) -> tuple[int, int]:
-    """(splits, keys per split) of the prefix pass: about SPLITS_PER_SM programs a multiprocessor, a whole number
-    of BLOCK_N keys each."""
+def _splits(P: int, heads: int, device, splits_per_sm: int, block_n: int) -> tuple[int, int]:
+    """(splits, keys per split) of the prefix pass: about `splits_per_sm` programs a multiprocessor, a whole number
+    of `block_n` keys each."""
     processors = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-    wanted = max(1, min(triton.cdiv(P, BLOCK_N), triton.cdiv(SPLITS_PER_SM * processors, heads)))
-    per_split = triton.cdiv(triton.cdiv(P, wanted), BLOCK_N) * BLOCK_N
+    wanted = max(1, min(triton.cdiv(P, block_n), triton.cdiv(splits_per_sm * processors, heads)))
+    per_split = triton.cdiv(triton.cdiv(P, wanted), block_n) * block_n
     return triton.cdiv(P, per_split), per_split
 
 
 def decode_attention_triton(
-    q_BHTD, k_shared_1KPD, v_shared_1KPD, k_own_BKND, v_own_BKND, step_1, scale: float, sinks=None
+    q_BHTD,
+    k_shared_1KPD,
+    v_shared_1KPD,
+    k_own_BKND,
+    v_own_BKND,
+    step_1,
+    scale: float,
+    sinks=None,
+    *,
+    splits_per_sm: int = SPLITS_PER_SM,
+    block_n: int = BLOCK_N,
+    warps: int = WARPS,
+    stages: int | None = None,
 ) -> torch.Tensor:
     """[B, H, 1, Dv] in q's dtype: each row over the shared prefix and its sequence's own keys at slots
-    0..step_1 (see the module doc)."""
+    0..step_1 (see the module doc). The keywords set the prefix pass's launch (`benchmarks/decode_attention_tune.py`
+    times them); the defaults are what it measured best."""
     B, H, _, D = q_BHTD.shape
     K, P, Dv = k_shared_1KPD.shape[1], k_shared_1KPD.shape[2], v_shared_1KPD.shape[3]
     G, rows = H // K, B * (H // K)
     scale_log2 = float(scale) * LOG2E
-    splits, per_split = _splits(P, K, q_BHTD.device) if P else (0, BLOCK_N)
+    splits, per_split = _splits(P, K, q_BHTD.device, splits_per_sm, block_n) if P else (0, block_n)
     partial_o = torch.empty(max(splits, 1), K, rows, Dv, dtype=torch.float32, device=q_BHTD.device)
     partial_l = torch.empty(max(splits, 1), K, rows, dtype=torch.float32, device=q_BHTD.device)
     if splits:
@@ -167,7 +184,8 @@ def decode_attention_triton(
             q_BHTD.stride(0), q_BHTD.stride(1), k_shared_1KPD.stride(1), k_shared_1KPD.stride(2),
             v_shared_1KPD.stride(1), v_shared_1KPD.stride(2),
             P, per_split, rows, G, K, scale_log2,
-            M=max(16, triton.next_power_of_2(rows)), D=D, DV=Dv, BLOCK_N=BLOCK_N, num_warps=WARPS,
+            M=max(16, triton.next_power_of_2(rows)), D=D, DV=Dv, BLOCK_N=block_n, num_warps=warps,
+            **({} if stages is None else {"num_stages": stages}),
         )  # fmt: skip
     out = torch.empty(B, H, 1, Dv, dtype=q_BHTD.dtype, device=q_BHTD.device)
     _own_and_merge[(B * H,)](

@@ -21,6 +21,7 @@ SILU_CLASSES = (torch.nn.SiLU, type(ACT2FN["silu"]))
 
 # `swiglu_triton.swiglu` (gate, up) -> silu(gate) * up, or None when Triton does not import
 _load_swiglu = functools.partial(optional_function, "longstraw.kernels.swiglu_triton", "swiglu")
+_load_swiglu_stacked = functools.partial(optional_function, "longstraw.kernels.swiglu_triton", "swiglu_stacked_triton")
 
 
 def _fused_usable(mlp, x: torch.Tensor) -> bool:
@@ -34,20 +35,27 @@ def _fused_usable(mlp, x: torch.Tensor) -> bool:
     )
 
 
-def mlp_forward(mlp, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+def mlp_forward(mlp, x: torch.Tensor, residual: torch.Tensor | None = None, stacked_gate_up=None) -> torch.Tensor:
     """`mlp(x)` (the first of what it returns, for an MoE block that also returns router logits), plus `residual`
     if given, differentiable in x, the residual and the weights: the fused silu-and-multiply between the module's
     own projections on CUDA for a SiLU-gated MLP, the module itself otherwise. On the fused path a plain bias-free
     down projection (not a LoRA or quantised layer) takes the residual into its GEMM (cuBLAS's beta = 1: the sum
     rounds once, where HF rounds the projection and then the sum); without grad the GEMM accumulates into the
-    residual's own storage, which the result then is: the caller gives the residual away."""
+    residual's own storage, which the result then is: the caller gives the residual away. On the fused path,
+    `stacked_gate_up()` (where given: a decoding step's `models.stacked_projections`) may return the gate and up
+    projections' outputs side by side from one GEMM, in place of the module's two calls (None: it does not apply)."""
     if not _fused_usable(mlp, x):
         out = mlp(x)
         out = out[0] if isinstance(out, tuple) else out
     else:
         # the kernel computes silu(gate) * up in float32 from the bf16 projections and rounds once; HF's
         # F.silu(gate) * up rounds silu's output to bf16 first: the two differ within bf16 rounding
-        product, down = _load_swiglu()(mlp.gate_proj(x), mlp.up_proj(x)), mlp.down_proj
+        gate_up = stacked_gate_up() if stacked_gate_up is not None else None
+        if gate_up is not None:
+            product = _load_swiglu_stacked()(gate_up)
+        else:
+            product = _load_swiglu()(mlp.gate_proj(x), mlp.up_proj(x))
+        down = mlp.down_proj
         if residual is not None and type(down) is torch.nn.Linear and down.bias is None:
             rows, product = residual.reshape(-1, residual.shape[-1]), product.reshape(-1, product.shape[-1])
             if torch.is_grad_enabled():

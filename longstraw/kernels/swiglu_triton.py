@@ -44,6 +44,17 @@ def _swiglu_backward_kernel(gate_ptr, up_ptr, dout_ptr, dgate_ptr, dup_ptr, n, B
     tl.store(dup_ptr + offsets, (dout * gate * sigmoid).to(dup_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _swiglu_stacked_kernel(gate_up_ptr, out_ptr, n, width, BLOCK: tl.constexpr):
+    """Rows of [gate | up] (2 width each) in, rows of silu(gate) * up (width) out."""
+    offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    at = (offsets // width) * 2 * width + offsets % width
+    gate = tl.load(gate_up_ptr + at, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gate_up_ptr + at + width, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offsets, (gate * tl.sigmoid(gate) * up).to(out_ptr.dtype.element_ty), mask=mask)
+
+
 def _grid(n: int) -> tuple[int]:
     return (triton.cdiv(n, BLOCK),)
 
@@ -56,6 +67,17 @@ def swiglu_forward_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(gate)
     if gate.numel():
         _swiglu_forward_kernel[_grid(gate.numel())](gate, up, out, gate.numel(), BLOCK=BLOCK, num_warps=WARPS)
+    return out
+
+
+def swiglu_stacked_triton(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up from one stacked projection's output [..., 2 I] (gate then up on the last axis), graph-free:
+    one launch and no copies of the two halves (a decoding step's `models.stacked_projections`)."""
+    gate_up = gate_up.contiguous()
+    width = gate_up.shape[-1] // 2
+    out = gate_up.new_empty(*gate_up.shape[:-1], width)
+    if out.numel():
+        _swiglu_stacked_kernel[_grid(out.numel())](gate_up, out, out.numel(), width, BLOCK=BLOCK, num_warps=WARPS)
     return out
 
 

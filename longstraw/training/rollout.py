@@ -24,8 +24,9 @@ buffers at the clock's step (`state.pages.DecodeClock`), so every step runs the 
 On CUDA (`SamplingConfig.cuda_graph`) a step is recorded once as a CUDA graph (`DecodeGraph`) and launched per
 token; the host looks at the rows only every `stop_check_every` tokens (one sync), so a few steps may run after
 the last row stopped, each writing pads. LoRA layers decode on their merged weights
-(`models.lora_linear.merged_lora_for_decoding`). `Decoder.step` run eagerly is the plain reference the graph
-records.
+(`models.lora_linear.merged_lora_for_decoding`); on CUDA, an attention layer's q/k/v and an MLP's gate/up are one
+GEMM each and a plain attention layer rotates and appends in one launch (`families.attention_decode`).
+`Decoder.step` run eagerly is the plain reference the graph records.
 
 The log-probs returned are the policy's (temperature 1, no top-p truncation), i.e. what
 `longstraw.core.transaction.score` recomputes from the state: the old-policy log-probs of GRPO.
@@ -45,6 +46,7 @@ from longstraw.core.transaction import check_deterministic, check_state
 from longstraw.families import adapter_for
 from longstraw.kernels.rms_norm import decoding_norms
 from longstraw.models.lora_linear import merged_lora_for_decoding
+from longstraw.models.stacked_projections import stacked_projections_for_decoding
 from longstraw.state import ResidentState
 from longstraw.state.pages import DecodeClock, check_entries_implement
 
@@ -63,6 +65,9 @@ class SamplingConfig:
     # tokens between the host's looks at which rows stopped (one device sync each); None: 1 off CUDA, 16 on it
     stop_check_every: int | None = None
     progress: bool = False  # a line on stderr per stop check: tokens so far, rows still going, tokens a second
+    # q/k/v and gate/up as one GEMM each (`models.stacked_projections`: a copy of those weights while sampling);
+    # None: on CUDA, where a decoding step's GEMMs are latency-bound
+    stacked_projections: bool | None = None
 
     def __post_init__(self):
         if self.num_samples < 1 or self.max_new_tokens < 1:
@@ -85,11 +90,14 @@ class Rollouts:
 
 
 @contextmanager
-def decoding(adapter):
+def decoding(adapter, stacked_projections: bool | None = None):
     """What decoding steps run under: no autograd, the paged attention implementation, LoRA layers on their merged
-    weights (built once), Llama-form norms in one launch (`kernels.rms_norm.decoding_norms`)."""
+    weights (built once), Llama-form norms in one launch (`kernels.rms_norm.decoding_norms`), and (on CUDA unless
+    said otherwise) stacked projections (`models.stacked_projections`)."""
+    stacked = adapter.device.type == "cuda" if stacked_projections is None else stacked_projections
     with torch.no_grad(), adapter.selected(), merged_lora_for_decoding(), decoding_norms():
-        yield
+        with stacked_projections_for_decoding(stacked):
+            yield
 
 
 def _decode_entries(state: ResidentState, batch: int, clock: DecodeClock) -> list:
@@ -221,7 +229,7 @@ def sample(model, state: ResidentState, config: SamplingConfig) -> Rollouts:
     graphed = _uses_graph(decoder, config)
     every = config.stop_check_every or (16 if decoder.clock.step_1.is_cuda else 1)
     started, steps = time.perf_counter(), 0
-    with decoding(adapter):
+    with decoding(adapter, config.stacked_projections):
         if graphed:
             run = DecodeGraph(decoder).step  # its warm-up was the first step
             steps = 1
