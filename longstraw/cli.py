@@ -267,7 +267,7 @@ def _train(args) -> int:
     cfg = resolve(raw, args.config)
     if not args.no_resume:  # before the model is built: a finished run's records are not replaced
         check_not_replacing(Path(cfg.output.dir))
-    trainer = Trainer(cfg, source=args.config)
+    trainer = Trainer(cfg, source=args.config, resolved=True)
     try:
         with forward_kernel(cfg.model.attention_kernel):
             metrics = trainer.run(resume=not args.no_resume, allow_config_change=args.allow_config_change)

@@ -153,8 +153,10 @@ def check_not_replacing(out: Path) -> None:
 
 
 class Trainer:
-    def __init__(self, raw_config, source: str = "train config"):
-        self.cfg = cfg = resolve(raw_config, source)
+    def __init__(self, raw_config, source: str = "train config", *, resolved: bool = False):
+        """`resolved`: `raw_config` is what `resolve` returned for `source` (the CLI resolves first, to guard
+        the output folder before the model is built), so it is not checked again."""
+        self.cfg = cfg = raw_config if resolved else resolve(raw_config, source)
         self.device = torch.device(cfg.model.device)
         # context parallel (`cp_size`): every rank runs this same loop on its shard; rank 0 writes
         self.cp = context_parallel(cfg.cp_size, self.device.type)
