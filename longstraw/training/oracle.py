@@ -167,9 +167,10 @@ def _stale_update(optimizer, params) -> float:
     return changed_fraction(params, before)
 
 
-def step_sampling(num_samples: int, max_new_tokens: int, seed: int, step: int) -> SamplingConfig:
-    """How the oracle samples its group at `step` (a prompt search draws step 0's group the same way)."""
-    return SamplingConfig(num_samples=num_samples, max_new_tokens=max_new_tokens, seed=seed * 1_000_003 + step)
+def step_sampling(num_generations: int, max_new_tokens: int, seed: int, step: int) -> SamplingConfig:
+    """How the oracle samples its group of G = `num_generations` at `step` (a prompt search draws step 0's group
+    the same way)."""
+    return SamplingConfig(num_samples=num_generations, max_new_tokens=max_new_tokens, seed=seed * 1_000_003 + step)
 
 
 @dataclass
