@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from longstraw.config.sections import micro_batch_refusal
 from longstraw.core import grpo
 from longstraw.core.exact import clear_page_gradients
 from longstraw.core.hf_reference import hf_torch_gdn_kernels
@@ -88,10 +89,8 @@ class StepOptions:
         k = self.micro_batch
         if k != "auto" and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
             raise ValueError(f"micro_batch must be a positive integer or 'auto', got {k!r}")
-        if k != 1 and self.mode != "replay":
-            raise ValueError(f"micro_batch={k!r} batches replayed members: mode 'replay' only, not {self.mode!r}")
-        if k != 1 and self.capture.get("cp") is not None:
-            raise ValueError("micro_batch > 1 is not implemented for a context-parallel state")
+        if refusal := micro_batch_refusal(k, self.mode, self.capture.get("cp") is not None):
+            raise ValueError(refusal)
         if self.prefix_grad and self.mode == "naive":
             raise ValueError(
                 "prefix_grad needs a captured state; mode 'naive' already back-propagates through the prompt"
