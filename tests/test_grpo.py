@@ -8,6 +8,7 @@ import torch
 from grpo_reference import batch_loss
 from tolerances import float32_tolerance
 
+from longstraw.config.grpo import GROUP_SIZE
 from longstraw.core.grpo import (
     GRPOConfig,
     ResponseStats,
@@ -45,8 +46,8 @@ def _close(actual, expected, tol=HAND32):
 
 
 def test_config_defaults_and_normalisation():
-    c = GRPOConfig()
-    assert (c.num_generations, c.beta, c.epsilon, c.epsilon_high) == (8, 0.0, 0.2, 0.2)
+    c = GRPOConfig()  # the group size's one default, a point's and a train config's too
+    assert (c.num_generations, c.beta, c.epsilon, c.epsilon_high) == (GROUP_SIZE, 0.0, 0.2, 0.2)
     assert c.loss_type == "dapo" and c.scale_rewards == "group" and c.max_completion_length is None
     assert GRPOConfig(scale_rewards=True).scale_rewards == "group"
     assert GRPOConfig(scale_rewards=False).scale_rewards == "none"
@@ -54,6 +55,14 @@ def test_config_defaults_and_normalisation():
     assert GRPOConfig(epsilon=0.1).epsilon_high == 0.1
     with pytest.raises(dataclasses.FrozenInstanceError):
         c.beta = 1.0
+
+
+def test_the_group_size_has_one_default():
+    from longstraw.config.point import PointConfig
+    from longstraw.config.train import TrainConfig
+
+    sizes = (GRPOConfig().num_generations, PointConfig().grpo.num_generations, TrainConfig().grpo.num_generations)
+    assert sizes == (GROUP_SIZE,) * 3
 
 
 @pytest.mark.parametrize(

@@ -29,6 +29,10 @@ def normalize_scale_rewards(value) -> str:
     )
 
 
+# the group size G, `num_generations`, where none is given: GRPOConfig's, a point's and a train config's alike
+GROUP_SIZE = 4
+
+
 @dataclass(frozen=True)
 class GRPOConfig:
     """GRPO objective settings (a subset of TRL's ``GRPOConfig``, same names and meanings).
@@ -36,10 +40,11 @@ class GRPOConfig:
     ``epsilon_high=None`` means ``epsilon``; after construction ``epsilon_high`` is always a
     float. ``scale_rewards`` accepts ``True``/``False`` and is stored as ``"group"``/``"none"``.
     ``max_completion_length`` is required for ``loss_type="dr_grpo"``; when set, response
-    lengths above it are rejected by :func:`token_weights`.
+    lengths above it are rejected by :func:`token_weights`. ``num_generations`` defaults to the project's one
+    group size default, ``GROUP_SIZE`` (TRL's is 8).
     """
 
-    num_generations: int = 8
+    num_generations: int = GROUP_SIZE
     beta: float = 0.0
     epsilon: float = 0.2
     epsilon_high: Optional[float] = None
@@ -71,7 +76,6 @@ class GRPOConfig:
             raise ValueError("max_completion_length is required when loss_type='dr_grpo'")
 
 
-GROUP_SIZE = 4  # grpo.num_generations where a point or a train config gives none
 # spellings of the group size before it had one name, TRL's `num_generations`: refused, naming it
 OLD_GROUP_SIZES = (("responses", "count"), ("sampling", "num_samples"), ("learning", "num_samples"))
 

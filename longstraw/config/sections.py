@@ -85,6 +85,18 @@ class ReplayConfig:
     cuda_graph: bool = False
 
 
+def micro_batch_refusal(micro_batch, mode: str, context_parallel: bool) -> str | None:
+    """Why members cannot be replayed `micro_batch` at a time here, or None: batches of members are mode
+    replay's, on one process. The one rule a step's options (`StepOptions`) and a point's config are checked by."""
+    if micro_batch == 1:
+        return None
+    if mode != "replay":
+        return f"micro_batch={micro_batch!r} batches replayed members: mode 'replay' only, not {mode!r}"
+    if context_parallel:
+        return "micro_batch > 1 is not implemented for a context-parallel state"
+    return None
+
+
 @dataclass
 class OptimizerConfig:
     """AdamW (torch's default weight decay unless set)."""

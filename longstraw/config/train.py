@@ -97,7 +97,7 @@ class TrainConfig:
     cp_size: int = bounded(1, min=1)
     sampling: SamplingSettings = field(default_factory=SamplingSettings)
     # num_generations is the group size G: responses sampled per step
-    grpo: GRPOConfig = field(default_factory=lambda: GRPOConfig(num_generations=GROUP_SIZE, beta=0.04))
+    grpo: GRPOConfig = field(default_factory=lambda: GRPOConfig(beta=0.04))
     optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(weight_decay=0.0))
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     max_grad_norm: Optional[float] = bounded(1.0, gt=0)

@@ -90,18 +90,7 @@ def _shown(value) -> str:
 def _convert(hint, value, metadata, source: str, path: str):
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        options = [a for a in args if a is not type(None)]
-        if len(options) == 1:
-            return _convert(options[0], value, metadata, source, path)
-        for option in options:
-            try:
-                return _convert(option, value, metadata, source, path)
-            except ConfigError:
-                pass
-        allowed = [_allowed(a, metadata) for a in args]
-        raise ConfigError(f"{source}: {path}: must be {' or '.join(allowed)}, got {value!r}")
+        return _convert_union(args, value, metadata, source, path)
     if origin is Literal:
         if not any(value == a and type(value) is type(a) for a in args):  # True is not 1
             raise ConfigError(f"{source}: {path}: must be one of {list(args)}, got {value!r}")
@@ -116,6 +105,31 @@ def _convert(hint, value, metadata, source: str, path: str):
         return value
     if dataclasses.is_dataclass(hint):
         return from_mapping(hint, value, source, path)
+    if hint in (bool, int, float, str):
+        return _convert_scalar(hint, value, metadata, source, path)
+    if hint is Any:
+        return value
+    raise TypeError(f"{path}: unsupported config type {hint!r}")  # a config class defect, not user input
+
+
+def _convert_union(args, value, metadata, source: str, path: str):
+    """`value` as the first of a union's types that takes it (None where the union allows it)."""
+    if value is None and type(None) in args:
+        return None
+    options = [a for a in args if a is not type(None)]
+    if len(options) == 1:
+        return _convert(options[0], value, metadata, source, path)
+    for option in options:
+        try:
+            return _convert(option, value, metadata, source, path)
+        except ConfigError:
+            pass
+    allowed = [_allowed(a, metadata) for a in args]
+    raise ConfigError(f"{source}: {path}: must be {' or '.join(allowed)}, got {value!r}")
+
+
+def _convert_scalar(hint, value, metadata, source: str, path: str):
+    """`value` checked as a bool, an int or float (within the field's range) or a str (matching its pattern)."""
     if hint is bool:
         if not isinstance(value, bool):
             raise ConfigError(f"{source}: {path}: expected true or false, got {_shown(value)}")
@@ -128,16 +142,12 @@ def _convert(hint, value, metadata, source: str, path: str):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
             raise ConfigError(f"{source}: {path}: expected a number, got {_shown(value)}")
         return _in_range(float(value), metadata, source, path)
-    if hint is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{source}: {path}: expected a string, got {_shown(value)}")
-        pattern = metadata.get("pattern")
-        if pattern and not re.fullmatch(pattern, value):
-            raise ConfigError(f"{source}: {path}: {value!r} does not match {pattern!r}")
-        return value
-    if hint is Any:
-        return value
-    raise TypeError(f"{path}: unsupported config type {hint!r}")  # a config class defect, not user input
+    if not isinstance(value, str):
+        raise ConfigError(f"{source}: {path}: expected a string, got {_shown(value)}")
+    pattern = metadata.get("pattern")
+    if pattern and not re.fullmatch(pattern, value):
+        raise ConfigError(f"{source}: {path}: {value!r} does not match {pattern!r}")
+    return value
 
 
 def _in_range(value, metadata, source, path):

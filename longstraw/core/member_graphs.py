@@ -87,16 +87,7 @@ class MemberGraphs:
         """Warm the members up on a side stream, then record them, their losses and their backward into a new
         graph for `signature`, reading buffers of its own (the state, the ids, the objective's tensors)."""
         self.signature = self.graph = None  # the old graph's pool is freed before the new one records
-        self.state, self.batches = own_copy(state), [list(b) for b in batches]
-        meter.exclude(state_tensors(self.state))  # resident, as the step's own state is
-        self.inputs = [member_inputs(state, [responses[i].reshape(-1) for i in b]) for b in batches]
-        self.targets = [torch.cat([responses[i].reshape(-1) for i in b]).long() for b in batches]
-        self.objective = dataclasses.replace(
-            objective,
-            old=[None if o is None else o.detach().clone() for o in objective.old],
-            ref=None if objective.ref is None else [r.detach().clone() for r in objective.ref],
-            advantages=objective.advantages.to(device=adapter.device, dtype=torch.float32).clone(),
-        )
+        self._own_inputs(adapter, state, responses, batches, objective, meter)
         params = [p for p in adapter.model.parameters() if p.requires_grad]
 
         def members():
@@ -112,10 +103,30 @@ class MemberGraphs:
                 logps += [lp.detach() for lp in logps_b]
             return losses, logps
 
+        graph = self._recorded(members, params, adapter.device)
+        self.graph, self.signature, self.records = graph, signature, self.records + 1
+        self.graph_bytes = meter.peak
+
+    def _own_inputs(self, adapter, state, responses, batches, objective, meter) -> None:
+        """The buffers a graph reads, its own: the state, the batches' ids and targets, the objective's tensors."""
+        self.state, self.batches = own_copy(state), [list(b) for b in batches]
+        meter.exclude(state_tensors(self.state))  # resident, as the step's own state is
+        self.inputs = [member_inputs(state, [responses[i].reshape(-1) for i in b]) for b in batches]
+        self.targets = [torch.cat([responses[i].reshape(-1) for i in b]).long() for b in batches]
+        self.objective = dataclasses.replace(
+            objective,
+            old=[None if o is None else o.detach().clone() for o in objective.old],
+            ref=None if objective.ref is None else [r.detach().clone() for r in objective.ref],
+            advantages=objective.advantages.to(device=adapter.device, dtype=torch.float32).clone(),
+        )
+
+    def _recorded(self, members, params, device) -> torch.cuda.CUDAGraph:
+        """`members` warmed up on a side stream, then recorded into a new graph (its losses, log-probs and
+        gradients kept as the graph's outputs)."""
         # torch's whole-network recipe: warm up on a side stream (lazy initialisation, autotuning), then record
         # with no gradient held, so the backward allocates the gradients in the graph's pool; the gradients held
         # before (none or zeros: `undone_on_failure`) are put back whatever happens
-        held, device = [p.grad for p in params], adapter.device
+        held = [p.grad for p in params]
         try:
             side = torch.cuda.Stream(device)
             side.wait_stream(torch.cuda.current_stream(device))
@@ -133,8 +144,7 @@ class MemberGraphs:
         finally:
             for p, grad in zip(params, held):
                 p.grad = grad
-        self.graph, self.signature, self.records = graph, signature, self.records + 1
-        self.graph_bytes = meter.peak
+        return graph
 
 
 def own_copy(state):

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from longstraw.config.sections import micro_batch_refusal
 from longstraw.core import grpo
 from longstraw.core.exact import clear_page_gradients
 from longstraw.core.hf_reference import hf_torch_gdn_kernels
@@ -88,10 +89,8 @@ class StepOptions:
         k = self.micro_batch
         if k != "auto" and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
             raise ValueError(f"micro_batch must be a positive integer or 'auto', got {k!r}")
-        if k != 1 and self.mode != "replay":
-            raise ValueError(f"micro_batch={k!r} batches replayed members: mode 'replay' only, not {self.mode!r}")
-        if k != 1 and self.capture.get("cp") is not None:
-            raise ValueError("micro_batch > 1 is not implemented for a context-parallel state")
+        if refusal := micro_batch_refusal(k, self.mode, self.capture.get("cp") is not None):
+            raise ValueError(refusal)
         if self.prefix_grad and self.mode == "naive":
             raise ValueError(
                 "prefix_grad needs a captured state; mode 'naive' already back-propagates through the prompt"
@@ -163,149 +162,223 @@ def grpo_step(
     advantages=None,
     graphs: MemberGraphs | None = None,
 ) -> StepResult:
-    """Run one transaction and the optimizer step.
+    """Run one transaction and the optimizer step: check, capture (unless `state`, an earlier capture, is given),
+    score (`group_scores`), replay with a backward, settle the gradient (`settled_gradient`), update, measure.
 
-    `state`: the prompt's resident state from an earlier capture (checked against the model and the
-    prompt), else the step captures it. `old_logps`: the old policy's log-probs from sampling, else
-    scored from the state. Reference log-probs (`config.beta > 0`) are scored with the adapter
-    disabled on `ref_state`, the prompt captured by the reference policy, when given (the trainer
-    keeps one per prompt: the frozen base never makes it stale); without it, on the policy's own
-    state: the reference's response distribution given the policy's prompt state, which saves a
-    second resident state and is what the memory experiments measure.
-
-    `advantages`: the group's advantages when a caller computes them by another rule (the text trainer
-    follows TRL's for unscorable completions, whose reward is NaN); else `group_advantages(rewards)`.
-
-    `metrics["old_policy"]` says where the old log-probs came from: `given` (`old_logps`), `scored` (a
-    graph-free pass, `options.old_policy="score"`) or `current` (the gradient pass's own, detached; no
-    extra pass). `metrics["logp_mismatch"]` is the max and mean |log p_replay - log p_old| over the replayed
-    tokens, before the update (None for `current`): scoring and replay run one attention kernel, so at the
-    on-policy point it measures what remains of the training/inference mismatch (0 when the kernels agree
-    bit for bit).
-    `sampler_logps` (the sampler's own log-probs, from its decoding kernels) are compared the same way
-    (`logp_mismatch_sampler`) and not used otherwise.
-
-    A group whose loss or gradient norm is not finite is not applied: the optimizer does not step (its state
-    and the weights stay as they were), the gradients are dropped, and `metrics["update_skipped"]` says why
-    (None for an applied step).
-
-    `options.members=k` scores and replays only the first k responses (advantages and token
-    weights still come from all G): one member at a time is live in the serial modes, so every
-    member of equal length reaches the same peak. The metrics say so.
-
-    `graphs` (a `MemberGraphs` the caller keeps across steps; mode replay on CUDA): the members, their losses
-    and their backward run as one CUDA graph, recorded on the first step of a signature (phase
-    `graph_record`) and launched on later ones (`longstraw.core.member_graphs`)."""
-    mode, members = options.mode, options.members
+    `advantages`: the group's advantages when a caller computes them by another rule (the text trainer follows
+    TRL's for unscorable completions, whose reward is NaN); else `group_advantages(rewards)`. `graphs` (a
+    `MemberGraphs` the caller keeps across steps; mode replay on CUDA): the members, their losses and their
+    backward run as one CUDA graph, recorded on the first step of a signature (phase `graph_record`) and
+    launched on later ones (`longstraw.core.member_graphs`)."""
     rewards, advantages, weights = group_objective(responses, rewards, config, advantages)
-    if members is not None and not (mode != "hold_all" and 1 <= members <= len(responses)):
+    check_step_states(responses, options, state, ref_state)
+    adapter = adapter_for(model)
+    check_step_inputs(adapter, prompt_ids, responses, options, state, ref_state, old_logps, sampler_logps, graphs)
+    warn_if_one(responses)
+    recorder = PhaseRecorder(adapter.device)
+    responses = responses[: options.members]
+    age = state.age if state is not None else 0
+    with undone_on_failure(model, state):  # a step that raises leaves no gradient for the next one to apply
+        if state is None and options.mode != "naive":
+            state = captured_state(model, prompt_ids, options, recorder)
+        fingerprint = state.fingerprint() if state is not None else None
+        # naive runs HF's own forward: its torch GDN kernel, whose backward works everywhere (fla's fails on Hopper)
+        with hf_torch_gdn_kernels(model) if options.mode == "naive" else nullcontext():
+            scores = group_scores(model, prompt_ids, state, ref_state, responses, old_logps, config, options, recorder)
+            objective = grpo.GroupObjective(scores.old, scores.ref, advantages, weights, config)
+            replayed = _replay_and_backward(model, prompt_ids, state, responses, objective, options, recorder, graphs)
+        update = settled_gradient(model, state, replayed.losses, options, recorder)
+    optimizer_step(optimizer, update, recorder)
+    metrics = step_metrics(
+        options, config, rewards, advantages, responses, scores, replayed, update, sampler_logps, recorder
+    )
+    metrics.update(state_metrics(state, fingerprint, age))
+    hand_back_states(model, state, ref_state)
+    return StepResult(metrics, state)
+
+
+def warn_if_one(responses) -> None:
+    """A group of one changes nothing but through its KL term: say so, at the caller of `grpo_step`."""
+    if len(responses) == 1:
+        warnings.warn(
+            "a group of one response has zero advantage: the step leaves the policy unchanged "
+            "(only a KL term, beta > 0, can move it)",
+            stacklevel=3,
+        )
+
+
+def check_step_states(responses, options: StepOptions, state, ref_state) -> None:
+    """Refuse a partial step outside the serial modes and a given state the options cannot use, before any work.
+
+    `options.members=k` scores and replays only the first k responses (advantages and token weights still come
+    from all G): one member at a time is live in the serial modes, so every member of equal length reaches the
+    same peak. The metrics say so."""
+    members = options.members
+    if members is not None and not (options.mode != "hold_all" and 1 <= members <= len(responses)):
         raise ValueError(
             f"members={members!r}: a partial step is a memory probe of the serial modes (replay, naive) "
             f"and needs 1 <= members <= G={len(responses)}; hold_all's peak depends on all G graphs"
         )
-    if (state is not None or ref_state is not None) and mode == "naive":
+    if (state is not None or ref_state is not None) and options.mode == "naive":
         raise ValueError("mode 'naive' recomputes the prompt per response and takes no captured state")
     if options.micro_batch != 1 and state is not None:
         check_members(state)
     if options.prefix_grad and state is not None and state.prefix_trace is None:
         raise ValueError("prefix_grad=True needs a state captured with capture(..., prefix_grad=True)")
-    adapter = adapter_for(model)
-    check_step_inputs(adapter, prompt_ids, responses, options, state, ref_state, old_logps, sampler_logps)
-    if graphs is not None:
-        check_graphs(graphs, adapter, options, state)
-    if len(responses) == 1:
-        warnings.warn(
-            "a group of one response has zero advantage: the step leaves the policy unchanged "
-            "(only a KL term, beta > 0, can move it)",
-            stacklevel=2,
-        )
-    recorder = PhaseRecorder(adapter.device)
-    responses = responses[:members]
-    age = state.age if state is not None else 0
 
-    with undone_on_failure(model, state):  # a step that raises leaves no gradient for the next one to apply
-        if mode == "naive":
 
-            def scorer(y, scored_state=None):  # naive takes no state: it recomputes the prompt
-                with torch.no_grad():
-                    return naive_logprobs(model, prompt_ids, y)
-        else:
-            if state is None:
-                with recorder.phase("capture"), deterministic_checked(model):  # check_step_inputs checked
-                    state = capture(model, prompt_ids, prefix_grad=options.prefix_grad, **options.capture)
-                if options.micro_batch != 1:
-                    check_members(state)
-            fingerprint = state.fingerprint()
+def captured_state(model, prompt_ids, options: StepOptions, recorder) -> ResidentState:
+    """The prompt's resident state, captured by the step itself (phase `capture`)."""
+    with recorder.phase("capture"), deterministic_checked(model):  # check_step_inputs checked
+        state = capture(model, prompt_ids, prefix_grad=options.prefix_grad, **options.capture)
+    if options.micro_batch != 1:
+        check_members(state)
+    return state
 
-            def scorer(y, scored_state=None):
-                return score(model, state if scored_state is None else scored_state, y)
 
-        # naive runs HF's own forward: its torch GDN kernel, whose backward works everywhere (fla's fails on Hopper)
-        with hf_torch_gdn_kernels(model) if mode == "naive" else nullcontext():
-            old_policy = old_source(old_logps, options)
-            if old_policy == "scored":
-                with recorder.phase("old_scoring"):
-                    old = [scorer(y) for y in responses]
-            else:
-                old = old_logps if old_policy == "given" else [None] * len(responses)
-            ref = None
-            if config.beta > 0:
-                with recorder.phase("ref_scoring"), reference_policy(model):
-                    ref = [scorer(y, ref_state) for y in responses]
-            objective = grpo.GroupObjective(old, ref, advantages, weights, config)
-            losses, logps, meter, k = _replay_and_backward(
-                model, prompt_ids, state, responses, objective, mode, recorder, options, graphs
-            )
-        if options.prefix_grad:
-            with recorder.phase("prefix_backward"):
-                state.backward_prefix()
-        cp = getattr(state, "cp", None)
-        if cp is not None:  # every rank holds the same gradient already; one all-reduce keeps the steps identical
-            cp.average_gradients_([p for p in model.parameters() if p.requires_grad])
-        grad_norm = gradient_norm(model)
-        total_loss = float(sum(float(loss.detach()) for loss in losses))
-        skipped = nonfinite_update(total_loss, grad_norm)
-        if options.max_grad_norm is not None and skipped is None:
-            torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], options.max_grad_norm)
+@dataclass
+class GroupScores:
+    """A group's log-probs scored before the gradient pass: the old policy's (`old`, None per member when they
+    are the gradient pass's own), where they came from (`source`: `metrics["old_policy"]`) and the reference's
+    (`ref`, None when beta is 0)."""
+
+    source: str
+    old: list
+    ref: list | None
+
+
+def group_scores(
+    model, prompt_ids, state, ref_state, responses, old_logps, config: grpo.GRPOConfig, options, recorder
+) -> GroupScores:
+    """The old policy's log-probs: `given` (`old_logps`), `scored` (a graph-free pass, `options.old_policy=
+    "score"`, phase `old_scoring`) or `current` (the gradient pass's own, detached; no extra pass). The
+    reference's (`config.beta > 0`, phase `ref_scoring`) are scored with the adapter disabled on `ref_state`, the
+    prompt captured by the reference policy, when given (the trainer keeps one per prompt: the frozen base never
+    makes it stale); without it, on the policy's own state: the reference's response distribution given the
+    policy's prompt state, which saves a second resident state and is what the memory experiments measure."""
+
+    def scorer(y, scored_state=None):
+        if options.mode == "naive":  # naive takes no state: it recomputes the prompt
+            with torch.no_grad():
+                return naive_logprobs(model, prompt_ids, y)
+        return score(model, state if scored_state is None else scored_state, y)
+
+    source = old_source(old_logps, options)
+    if source == "scored":
+        with recorder.phase("old_scoring"):
+            old = [scorer(y) for y in responses]
+    else:
+        old = old_logps if source == "given" else [None] * len(responses)
+    ref = None
+    if config.beta > 0:
+        with recorder.phase("ref_scoring"), reference_policy(model):
+            ref = [scorer(y, ref_state) for y in responses]
+    return GroupScores(source, old, ref)
+
+
+@dataclass(frozen=True)
+class Update:
+    """The group's settled gradient: the summed loss, the gradient norm (unclipped) and why the update is not
+    applied (`metrics["update_skipped"]`; None for an applied one)."""
+
+    loss: float
+    grad_norm: float
+    skipped: str | None
+
+
+def settled_gradient(model, state, losses, options: StepOptions, recorder) -> Update:
+    """The group's gradient made whole and checked: the exact mode's prompt-side term added (phase
+    `prefix_backward`), a context-parallel group's averaged, its norm taken, then clipped to
+    `options.max_grad_norm`. A group whose loss or gradient norm is not finite is not applied: the optimizer does
+    not step (its state and the weights stay as they were) and the gradients are dropped."""
+    if options.prefix_grad:
+        with recorder.phase("prefix_backward"):
+            state.backward_prefix()
+    cp = getattr(state, "cp", None)
+    if cp is not None:  # every rank holds the same gradient already; one all-reduce keeps the steps identical
+        cp.average_gradients_([p for p in model.parameters() if p.requires_grad])
+    grad_norm = gradient_norm(model)
+    loss = float(sum(float(loss.detach()) for loss in losses))
+    skipped = nonfinite_update(loss, grad_norm)
+    if options.max_grad_norm is not None and skipped is None:
+        torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], options.max_grad_norm)
+    return Update(loss, grad_norm, skipped)
+
+
+def optimizer_step(optimizer, update: Update, recorder) -> None:
+    """Apply the update unless it is skipped, then drop the gradients (phase `optimizer_step`)."""
     with recorder.phase("optimizer_step"):
-        if skipped is None:
+        if update.skipped is None:
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
-    metrics = {
-        "mode": mode,
-        "loss": total_loss,
-        "grad_norm": grad_norm,
-        SKIPPED: skipped,
+
+def step_metrics(
+    options: StepOptions,
+    config,
+    rewards,
+    advantages,
+    responses,
+    scores: GroupScores,
+    replayed: Replayed,
+    update: Update,
+    sampler_logps,
+    recorder,
+) -> dict:
+    """A step's measurements. `logp_mismatch` is the max and mean |log p_replay - log p_old| over the replayed
+    tokens, before the update (None for `current`): scoring and replay run one attention kernel, so at the
+    on-policy point it measures what remains of the training/inference mismatch (0 when the kernels agree bit
+    for bit). `logp_mismatch_sampler` compares the sampler's own log-probs (its decoding kernels differ) the same
+    way; they are not used otherwise."""
+    graphs, old, ref = replayed.graphs, scores.old, scores.ref
+    return {
+        "mode": options.mode,
+        "loss": update.loss,
+        "grad_norm": update.grad_norm,
+        SKIPPED: update.skipped,
         "reward_mean": float(rewards.nanmean()),  # NaN rewards (unscorable, with given advantages) left out
         "advantages": [float(a) for a in advantages],
         "members_replayed": len(responses),
-        "micro_batch": min(k, len(responses)),  # the largest batch that ran, not what was asked
+        "micro_batch": min(replayed.batch, len(responses)),  # the largest batch that ran, not what was asked
         "response_tokens": [int(r.numel()) for r in responses],
-        "graph_bytes_peak": meter.peak or (graphs.graph_bytes if graphs is not None else 0),
-        "old_policy": old_policy,
-        "logp_mismatch": None if old_policy == "current" else logp_mismatch(logps, old),
-        **({"logp_mismatch_sampler": logp_mismatch(logps, sampler_logps)} if sampler_logps is not None else {}),
+        "graph_bytes_peak": replayed.meter.peak or (graphs.graph_bytes if graphs is not None else 0),
+        "old_policy": scores.source,
+        "logp_mismatch": None if scores.source == "current" else logp_mismatch(replayed.logps, old),
+        **(
+            {"logp_mismatch_sampler": logp_mismatch(replayed.logps, sampler_logps)} if sampler_logps is not None else {}
+        ),
         **({"member_graph_records": graphs.records} if graphs is not None else {}),
         "phases": recorder.phases,
         "stats": grpo.summarize_stats(
             [
                 grpo.response_stats(lp.detach(), old[i], ref and ref[i], advantages[i], config)
-                for i, lp in enumerate(logps)
+                for i, lp in enumerate(replayed.logps)
             ]
         ),
     }
+
+
+def state_metrics(state: ResidentState | None, fingerprint: str | None, age: int) -> dict:
+    """What a step measured of its resident state, if it had one (`state_unchanged`: its fingerprint is the one
+    it had before the scoring and the replays; `state_age`: the steps it had served before this one)."""
+    if state is None:
+        return {}
+    return {
+        "resident_bytes": state.nbytes,
+        "predicted_resident_bytes": state.predicted_nbytes,
+        "prompt_positions": state.positions + 1,
+        "state_unchanged": state.fingerprint() == fingerprint,
+        "state_age": age,
+    }
+
+
+def hand_back_states(model, state, ref_state) -> None:
+    """The step's states made ready for the prompt's next step (prefix reuse)."""
     if state is not None:
-        metrics["resident_bytes"] = state.nbytes
-        metrics["predicted_resident_bytes"] = state.predicted_nbytes
-        metrics["prompt_positions"] = state.positions + 1
-        metrics["state_unchanged"] = state.fingerprint() == fingerprint
-        metrics["state_age"] = age
         state.age += 1  # the parameters moved once more since the capture
         reuse_state(model, state)  # it serves the updated weights as a stale prefix (prefix reuse, by design)
     if ref_state is not None:
         reuse_state(model, ref_state)  # the reference's capture: the adapter's update does not reach it
-    return StepResult(metrics, state)
 
 
 def check_graphs(graphs, adapter, options: StepOptions, state) -> None:
@@ -337,10 +410,11 @@ def old_source(old_logps, options: StepOptions) -> str:
 
 
 def check_step_inputs(
-    adapter, prompt_ids, responses, options: StepOptions, state, ref_state, old_logps, sampler_logps
+    adapter, prompt_ids, responses, options: StepOptions, state, ref_state, old_logps, sampler_logps, graphs
 ) -> None:
     """Everything a step can check before any work: the policy deterministic, the states the model's and the
-    prompt's, the responses' ids (one sync) and positions, the given log-probs one [R_i] tensor per response."""
+    prompt's, the responses' ids (one sync) and positions, the given log-probs one [R_i] tensor per response,
+    and `graphs` (`check_graphs`)."""
     check_deterministic(adapter.model)
     for given in (state, ref_state):
         if given is not None:
@@ -361,16 +435,22 @@ def check_step_inputs(
     )
     check_positions(prompt_ids.numel() - 1, max(r.numel() for r in responses), limit, "responses")
     for name, given in (("old_logps", old_logps), ("sampler_logps", sampler_logps)):
-        if given is None:
-            continue
-        if len(given) != len(responses):
-            raise ValueError(f"{name}: {len(responses)} tensors, one per response, got {len(given)}")
-        for i, (lp, r) in enumerate(zip(given, responses)):
-            if not isinstance(lp, torch.Tensor) or lp.shape != r.shape:
-                shape = tuple(lp.shape) if isinstance(lp, torch.Tensor) else type(lp).__name__
-                raise ValueError(
-                    f"{name}[{i}]: one log-prob per token of response {i}, shape {tuple(r.shape)}, got {shape}"
-                )
+        if given is not None:
+            check_given_logps(name, given, responses)
+    if graphs is not None:
+        check_graphs(graphs, adapter, options, state)
+
+
+def check_given_logps(name: str, given, responses) -> None:
+    """Refuse log-probs given for the group that are not one [R_i] tensor per response."""
+    if len(given) != len(responses):
+        raise ValueError(f"{name}: {len(responses)} tensors, one per response, got {len(given)}")
+    for i, (lp, r) in enumerate(zip(given, responses)):
+        if not isinstance(lp, torch.Tensor) or lp.shape != r.shape:
+            shape = tuple(lp.shape) if isinstance(lp, torch.Tensor) else type(lp).__name__
+            raise ValueError(
+                f"{name}[{i}]: one log-prob per token of response {i}, shape {tuple(r.shape)}, got {shape}"
+            )
 
 
 @contextmanager
@@ -400,63 +480,92 @@ def undone_on_failure(model, state: ResidentState | None = None):
         raise
 
 
+@dataclass
+class Replayed:
+    """What the gradient pass left: each member's loss and log-probs (detached), the meter of its graphs' bytes,
+    the largest batch of members that ran together, and the recorded CUDA graphs it ran as (or None)."""
+
+    losses: list
+    logps: list
+    meter: GraphBytesMeter
+    batch: int
+    graphs: MemberGraphs | None
+
+
 def _replay_and_backward(
-    model, prompt_ids, state, responses, objective: grpo.GroupObjective, mode, recorder, options: StepOptions, graphs
-):
-    """Each response's loss and its gradient: replay (one graph per batch of `options.micro_batch` members;
-    with `graphs`, all batches as one recorded CUDA graph), hold_all (all G graphs, one backward) or naive
-    (HF's checkpointed forward over prompt + response, one at a time). Returns (detached losses, detached
-    log-probs, the graph-bytes meter, the batch size used)."""
+    model, prompt_ids, state, responses, objective: grpo.GroupObjective, options: StepOptions, recorder, graphs
+) -> Replayed:
+    """Each response's loss and its gradient, the mode's way (`hold_all_backward`, `naive_backward`,
+    `replay_backward`), under a meter of the graphs' bytes (the parameters and the state's tensors left out)."""
     exclude = list(model.parameters()) + ([t for e in state.layers for t in e.tensors()] if state else [])
     meter = GraphBytesMeter(exclude=exclude)
-    losses, logps = [], []
-    checkpoint_layers = options.checkpoint_layers
-
     with meter:
-        if mode == "hold_all":
+        if options.mode == "hold_all":
+            losses, logps, k = *hold_all_backward(model, state, responses, objective, options, recorder), 1
+        elif options.mode == "naive":
+            losses, logps, k = *naive_backward(model, prompt_ids, responses, objective, recorder), 1
+        else:
+            losses, logps, k = replay_backward(model, state, responses, objective, options, recorder, graphs, meter)
+    return Replayed(losses, logps, meter, k, graphs)
+
+
+def hold_all_backward(model, state, responses, objective, options: StepOptions, recorder):
+    """hold_all: every member's graph alive at once, one backward over their summed losses."""
+    losses, logps = [], []
+    with recorder.phase("replay"):
+        for i, y in enumerate(responses):
+            logps.append(replay(model, state, y, checkpoint_layers=options.checkpoint_layers))
+            losses.append(objective.member_loss(i, logps[-1]))
+        torch.stack(losses).sum().backward()
+    return [loss.detach() for loss in losses], [lp.detach() for lp in logps]
+
+
+def naive_backward(model, prompt_ids, responses, objective, recorder):
+    """naive: HF's checkpointed forward over prompt + response, one member and one backward at a time."""
+    losses, logps = [], []
+    with hf_checkpointing(model):
+        for i, y in enumerate(responses):
             with recorder.phase("replay"):
-                for i, y in enumerate(responses):
-                    logps.append(replay(model, state, y, checkpoint_layers=checkpoint_layers))
-                    losses.append(objective.member_loss(i, logps[-1]))
-                torch.stack(losses).sum().backward()
-            return [loss.detach() for loss in losses], [lp.detach() for lp in logps], meter, 1
-        if mode == "naive":
-            with hf_checkpointing(model):
-                for i, y in enumerate(responses):
-                    with recorder.phase("replay"):
-                        logp = naive_logprobs(model, prompt_ids, y)
-                        loss = objective.member_loss(i, logp)
-                        loss.backward()
-                    losses.append(loss.detach())
-                    logps.append(logp.detach())
-                    del logp, loss
-            return losses, logps, meter, 1
-        k, start = (1 if options.micro_batch == "auto" else options.micro_batch), 0
-        if graphs is not None:
-            batches = [range(s, min(s + k, len(responses))) for s in range(0, len(responses), k)]
-            run = graphs.run(
-                adapter_for(model), state, responses, batches, objective, checkpoint_layers, recorder, meter
+                logp = naive_logprobs(model, prompt_ids, y)
+                loss = objective.member_loss(i, logp)
+                loss.backward()
+            losses.append(loss.detach())
+            logps.append(logp.detach())
+            del logp, loss
+    return losses, logps
+
+
+def replay_backward(model, state, responses, objective, options: StepOptions, recorder, graphs, meter):
+    """replay: one graph and one backward per batch of `options.micro_batch` members (all batches as one
+    recorded CUDA graph with `graphs`); "auto" replays the first member alone and sizes the later batches by
+    its graph bytes. Returns (losses, log-probs, the batch size used)."""
+    k, start = (1 if options.micro_batch == "auto" else options.micro_batch), 0
+    if graphs is not None:
+        batches = [range(s, min(s + k, len(responses))) for s in range(0, len(responses), k)]
+        run = graphs.run(
+            adapter_for(model), state, responses, batches, objective, options.checkpoint_layers, recorder, meter
+        )
+        return (*run, k)
+    losses, logps = [], []
+    while start < len(responses):
+        members = range(start, min(start + k, len(responses)))
+        with recorder.phase("replay"):
+            logps_k = replay_members(
+                model,
+                state,
+                [responses[i] for i in members],  # ids: check_step_inputs
+                checkpoint_layers=options.checkpoint_layers,
+                ids_checked=True,
             )
-            return (*run, meter, k)
-        while start < len(responses):
-            members = range(start, min(start + k, len(responses)))
-            with recorder.phase("replay"):
-                logps_k = replay_members(
-                    model,
-                    state,
-                    [responses[i] for i in members],  # ids: check_step_inputs
-                    checkpoint_layers=checkpoint_layers,
-                    ids_checked=True,
-                )
-                losses_k = [objective.member_loss(i, lp) for i, lp in zip(members, logps_k)]
-                torch.stack(losses_k).sum().backward()
-            losses += [loss.detach() for loss in losses_k]
-            logps += [lp.detach() for lp in logps_k]
-            del logps_k, losses_k
-            if options.micro_batch == "auto" and start == 0:
-                k = members_that_fit(meter.peak, options.member_budget_bytes, state.device, len(responses) - 1)
-            start = members.stop
-    return losses, logps, meter, k
+            losses_k = [objective.member_loss(i, lp) for i, lp in zip(members, logps_k)]
+            torch.stack(losses_k).sum().backward()
+        losses += [loss.detach() for loss in losses_k]
+        logps += [lp.detach() for lp in logps_k]
+        del logps_k, losses_k
+        if options.micro_batch == "auto" and start == 0:
+            k = members_that_fit(meter.peak, options.member_budget_bytes, state.device, len(responses) - 1)
+        start = members.stop
+    return losses, logps, k
 
 
 def members_that_fit(member_bytes: int, budget: int | None, device, remaining: int) -> int:

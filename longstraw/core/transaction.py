@@ -89,33 +89,82 @@ def capture(
     (`longstraw.cp.capture`); `replay` and `score` then take the sharded state unchanged. A prompt
     longer than the model's `max_position_embeddings` is refused unless `beyond_max_positions`."""
     adapter = adapter_for(model)
+    ids, host_ids = _checked_prompt(model, prompt_ids, adapter)
+    chunk = _chunk_length(chunk_size, adapter.device)
+    max_positions = _max_positions(adapter, ids.numel(), beyond_max_positions)
+    if cp is not None:
+        return _capture_sharded(
+            model, adapter, ids, host_ids, chunk, progress, cp, prefix_grad, host_pages, max_positions
+        )
+    state = _allocated_state(adapter, host_ids, host_pages, prefix_grad, max_positions)
+    order = _capture_order(order, adapter, state.positions, memory_budget_bytes)
+    checkpoints = {} if prefix_grad else None  # exact mode: each GDN layer's state at every chunk boundary
+    forward_layer = _capture_layer(adapter, checkpoints)
+    layer_major = order == "layer"
+    progress_bar = CaptureProgress(
+        state.positions * (adapter.num_layers if layer_major else 1), progress, label=f"capture ({order}-major)"
+    )
+    with torch.no_grad(), adapter.selected(), merged_lora_for_capture():
+        (_layer_major if layer_major else _chunk_major)(adapter, ids, state, chunk, forward_layer, progress_bar)
+    progress_bar.close()
+    _bind(state, adapter, host_ids)  # its walk over the parameters runs while the device works through the capture
+    synchronize(adapter.device)
+    if prefix_grad:
+        exact.enable(state, model, ids, chunk, checkpoints)
+    return state
+
+
+def _checked_prompt(model, prompt_ids, adapter) -> tuple[torch.Tensor, torch.Tensor]:
+    """The prompt's ids on the model's device and on the host, checked, and the model checked deterministic
+    (unless the caller just did)."""
     ids = _shaped_ids(prompt_ids, "prompt_ids", adapter)
     host_ids = ids.cpu()  # one copy to the host: the vocabulary check, the prompt's digest and its last token
     check_vocabulary(host_ids, "prompt_ids", adapter)
     if _deterministic_checked.get() is not model:
         check_deterministic(model)
-    device, dtype = adapter.device, adapter.compute_dtype
-    positions = ids.numel() - 1
+    return ids, host_ids
+
+
+def _chunk_length(chunk_size: int | None, device) -> int:
+    """The positions a capture runs at a time: `chunk_size` (checked), else the device type's default."""
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
-    chunk = chunk_size or DEFAULT_CHUNK.get(device.type, 2048)
+    return chunk_size or DEFAULT_CHUNK.get(device.type, 2048)
+
+
+def _max_positions(adapter, tokens: int, beyond_max_positions: bool) -> int | None:
+    """The positions the state may reach (the model's `max_position_embeddings`; None: no limit), refusing a
+    prompt of more `tokens` unless `beyond_max_positions`, which lifts the limit."""
     limit = getattr(adapter.config, "max_position_embeddings", None)
-    if limit and ids.numel() > limit and not beyond_max_positions:
+    if limit and tokens > limit and not beyond_max_positions:
         raise ValueError(
-            f"the prompt has {ids.numel()} tokens but the model was configured for at most {limit} "
+            f"the prompt has {tokens} tokens but the model was configured for at most {limit} "
             "positions (max_position_embeddings); pass beyond_max_positions=True "
             "(config: capture.beyond_max_positions) to capture it anyway"
         )
-    if cp is not None:
-        if host_pages:
-            raise ValueError("host_pages=True is not implemented for a context-parallel capture")
-        checkpoints = {} if prefix_grad else None  # exact mode: as below, for this rank's shard
-        with merged_lora_for_capture():
-            state = _bind(capture_sharded(model, ids, cp, chunk, progress, checkpoints), adapter, host_ids)
-        state.max_positions = None if beyond_max_positions else (limit or None)
-        if prefix_grad:
-            exact_cp.enable(state, model, ids, chunk, checkpoints)
-        return state
+    return None if beyond_max_positions else (limit or None)
+
+
+def _capture_sharded(
+    model, adapter, ids, host_ids, chunk: int, progress, cp, prefix_grad: bool, host_pages: bool, max_positions
+) -> ResidentState:
+    """The context-parallel capture (`longstraw.cp.capture`): this rank's shard of the state."""
+    if host_pages:
+        raise ValueError("host_pages=True is not implemented for a context-parallel capture")
+    checkpoints = {} if prefix_grad else None  # exact mode: as in one process, for this rank's shard
+    with merged_lora_for_capture():
+        state = _bind(capture_sharded(model, ids, cp, chunk, progress, checkpoints), adapter, host_ids)
+    state.max_positions = max_positions
+    if prefix_grad:
+        exact_cp.enable(state, model, ids, chunk, checkpoints)
+    return state
+
+
+def _allocated_state(adapter, host_ids, host_pages: bool, prefix_grad: bool, max_positions) -> ResidentState:
+    """An empty resident state for the prompt `host_ids` (its last token replayed, not captured): each layer's
+    entry allocated, in host memory with `host_pages` (MLA only, not in exact mode)."""
+    device, dtype = adapter.device, adapter.compute_dtype
+    positions = host_ids.numel() - 1
     per_position, constant = adapter.predicted_bytes(dtype)
     host = {}
     if host_pages:
@@ -136,57 +185,66 @@ def capture(
         predicted_constant_bytes=constant,
         dtype=dtype,
         device=device,
-        max_positions=None if beyond_max_positions else (limit or None),
+        max_positions=max_positions,
     )
     chain_host_pages(state.layers)
+    return state
+
+
+def _capture_order(order: str, adapter, positions: int, memory_budget_bytes: int | None) -> str:
+    """`chunk` or `layer`; "auto" takes layer-major when the family runs it and twice the prompt's `[P, hidden]`
+    activations fit the budget (`memory_budget_bytes`, else the device's default)."""
     if order == "auto":
-        budget = memory_budget_bytes if memory_budget_bytes is not None else _default_budget(device)
+        dtype = adapter.compute_dtype
+        budget = memory_budget_bytes if memory_budget_bytes is not None else _default_budget(adapter.device)
         hidden_bytes = positions * adapter.config.hidden_size * torch.empty((), dtype=dtype).element_size()
         order = "layer" if adapter.layer_major_capture and 2 * hidden_bytes <= budget else "chunk"
     if order not in ("chunk", "layer"):
         raise ValueError(f"order must be 'auto', 'chunk' or 'layer', got {order!r}")
-    starts = range(0, positions, chunk)
-    # exact mode: each GDN layer's state at every chunk boundary, for the reverse recompute
-    checkpoints = {} if prefix_grad else None
+    return order
+
+
+def _capture_layer(adapter, checkpoints: dict | None):
+    """`forward_layer(i, h, pe, entry, start)`: one layer of one chunk writing its entry; its output, or None
+    for the last layer (nothing reads its output, so only its entry is written). In exact mode it first saves
+    the entry's chunk checkpoint into `checkpoints`."""
     last = adapter.num_layers - 1
 
     def forward_layer(i, h, pe, entry, start):
-        """The layer's output, or None for the last layer: nothing reads its output, so only its entry is written."""
         if checkpoints is not None and (saved := entry.chunk_checkpoint()) is not None:
             checkpoints[(i, start)] = saved
         if i == last:
             return adapter.layer_state_forward(i, h, pe, entry)
         return adapter.layer_forward(i, h, pe, entry, capturing=True)
 
-    progress_bar = CaptureProgress(
-        positions if order == "chunk" else positions * adapter.num_layers, progress, label=f"capture ({order}-major)"
-    )
-    with torch.no_grad(), adapter.selected(), merged_lora_for_capture():
-        if order == "chunk":
-            for start in starts:
-                h = adapter.embed(ids[None, start : min(start + chunk, positions)])
+    return forward_layer
+
+
+def _chunk_major(adapter, ids, state: ResidentState, chunk: int, forward_layer, progress_bar) -> None:
+    """Each chunk of the prompt through every layer, then the next chunk."""
+    positions = state.positions
+    for start in range(0, positions, chunk):
+        h = adapter.embed(ids[None, start : min(start + chunk, positions)])
+        pe = adapter.position_embeddings(h, start)
+        for i, entry in enumerate(state.layers):
+            h = forward_layer(i, h, pe, entry, start)
+        progress_bar.advance_to(min(start + chunk, positions))
+
+
+def _layer_major(adapter, ids, state: ResidentState, chunk: int, forward_layer, progress_bar) -> None:
+    """Each layer over every chunk of the prompt, then the next layer: the `[P, hidden]` activations held."""
+    positions = state.positions
+    h_all = adapter.embed(ids[None, :positions])
+    for i, entry in enumerate(state.layers):
+        with merged_weights_kept():  # the layer's merged LoRA weights, built once for its chunks
+            for start in range(0, positions, chunk):
+                h = h_all[:, start : start + chunk]
                 pe = adapter.position_embeddings(h, start)
-                for i, entry in enumerate(state.layers):
-                    h = forward_layer(i, h, pe, entry, start)
-                progress_bar.advance_to(min(start + chunk, positions))
-        else:
-            h_all = adapter.embed(ids[None, :positions])
-            for i, entry in enumerate(state.layers):
-                with merged_weights_kept():  # the layer's merged LoRA weights, built once for its chunks
-                    for start in starts:
-                        h = h_all[:, start : start + chunk]
-                        pe = adapter.position_embeddings(h, start)
-                        out = forward_layer(i, h, pe, entry, start)
-                        if out is not None:
-                            h_all[:, start : start + chunk] = out
-                progress_bar.advance_to((i + 1) * positions, label=f"capture layer {i + 1}/{adapter.num_layers}")
-            del h_all
-    progress_bar.close()
-    _bind(state, adapter, host_ids)  # its walk over the parameters runs while the device works through the capture
-    synchronize(device)
-    if prefix_grad:
-        exact.enable(state, model, ids, chunk, checkpoints)
-    return state
+                out = forward_layer(i, h, pe, entry, start)
+                if out is not None:
+                    h_all[:, start : start + chunk] = out
+        progress_bar.advance_to((i + 1) * positions, label=f"capture layer {i + 1}/{adapter.num_layers}")
+    del h_all
 
 
 def _bind(state: ResidentState, adapter, ids) -> ResidentState:

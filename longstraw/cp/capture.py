@@ -46,25 +46,54 @@ def capture_sharded(
     which finishes last, shows the progress bar. `checkpoints` (exact mode) receives each GDN layer's
     state at the start of each of this shard's chunks, keyed (layer, position)."""
     adapter = adapter_for(model)
-    device, dtype = adapter.device, adapter.compute_dtype
     positions = ids.numel() - 1
+    _check_shardable(ids.numel(), cp, adapter.device)
+    bounds = tuple(shard_bounds(positions, cp.world))
+    start, end = bounds[cp.rank]
+    forms = ShardForms(cp, bounds)
+    state, capture_layers = _allocated_shard(adapter, ids, forms, start, end)
+    progress_bar = CaptureProgress(
+        (end - start) * len(state.layers),
+        progress if cp.is_last else False,
+        label=f"capture (rank {cp.rank + 1}/{cp.world}, layer-major)",
+    )
+    with torch.no_grad(), adapter.selected():
+        h = adapter.embed(ids[None, start:end])
+        for i, (entry, capture_layer) in enumerate(zip(state.layers, capture_layers)):
+            capture_layer(adapter, i, h, entry, forms, chunk, checkpoints, progress_bar)
+            progress_bar.advance_to((i + 1) * (end - start))
+        progress_bar.close()
+        del h
+        for entry in forms.replicated:  # the GDN states at the prompt's end, the last rank's
+            cp.broadcast_(entry.tensors(), cp.world - 1)
+    synchronize(adapter.device)
+    cp.resident_bytes = state.nbytes
+    return state
+
+
+def _check_shardable(tokens: int, cp: CPGroup, device) -> None:
+    """Refuse a prompt with fewer resident positions than ranks, or a model on another device than the rank's."""
+    positions = tokens - 1
     if positions < cp.world:
         raise ValueError(
-            f"a prompt of {ids.numel()} tokens leaves {positions} resident positions, fewer than the "
+            f"a prompt of {tokens} tokens leaves {positions} resident positions, fewer than the "
             f"{cp.world} context-parallel ranks; use a longer prompt or a smaller cp_size"
         )
     if device != cp.device:
         raise ValueError(f"the model is on {device} but this context-parallel rank runs on {cp.device}")
-    bounds = tuple(shard_bounds(positions, cp.world))
-    start, end = bounds[cp.rank]
-    forms = ShardForms(cp, bounds)
+
+
+def _allocated_shard(adapter, ids, forms: ShardForms, start: int, end: int) -> tuple[ShardedResidentState, list]:
+    """The rank's empty shard of the state (each layer's entry in its context-parallel form, positions
+    `start:end`) and each layer's capture function."""
+    device, dtype, cp = adapter.device, adapter.compute_dtype, forms.cp
     entries = [adapter.allocate_entry(i, end - start, dtype, device) for i in range(adapter.num_layers)]
     check_entries_implement(entries, "for_shard", f"a context-parallel capture of {adapter.config.model_type!r}")
     layers, capture_layers = map(list, zip(*(entry.for_shard(forms) for entry in entries)))
     per_position, constant = adapter.predicted_bytes(dtype)
     state = ShardedResidentState(
         layers=layers,
-        positions=positions,
+        positions=ids.numel() - 1,
         last_token=int(ids[-1]),
         model_type=adapter.config.model_type,
         predicted_bytes_per_position=per_position,
@@ -74,23 +103,7 @@ def capture_sharded(
         cp=cp,
         shard=(start, end),
     )
-    progress_bar = CaptureProgress(
-        (end - start) * len(layers),
-        progress if cp.is_last else False,
-        label=f"capture (rank {cp.rank + 1}/{cp.world}, layer-major)",
-    )
-    with torch.no_grad(), adapter.selected():
-        h = adapter.embed(ids[None, start:end])
-        for i, (entry, capture_layer) in enumerate(zip(layers, capture_layers)):
-            capture_layer(adapter, i, h, entry, forms, chunk, checkpoints, progress_bar)
-            progress_bar.advance_to((i + 1) * (end - start))
-        progress_bar.close()
-        del h
-        for entry in forms.replicated:  # the GDN states at the prompt's end, the last rank's
-            cp.broadcast_(entry.tensors(), cp.world - 1)
-    synchronize(device)
-    cp.resident_bytes = state.nbytes
-    return state
+    return state, capture_layers
 
 
 class ShardForms:

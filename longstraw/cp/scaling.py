@@ -1,4 +1,4 @@
-"""Context-parallel capture time per rank: a small model calibrated on recorded H200 captures (issue 21, item 2).
+"""Context-parallel capture time per rank: a small model calibrated on recorded H200 captures.
 
     from longstraw.cp.scaling import predict, table_rows
     predict("qwen3.6-27b-shape", 2_097_152, 8, "balanced")["capture_seconds"]   # prompt tokens, ranks
@@ -50,7 +50,7 @@ Capture time (`pipeline_seconds`, `balanced_seconds`) is the last rank to finish
 Calibration (`calibrate`; files under experiments/recorded/h200, `CALIBRATION`, `CP_CALIBRATION`):
 - s, c: hybrid-1b's single-GPU capture of 4,456,448 positions, the 27B shape's of 1,048,576 (each
   model's longest single-GPU capture with an AttentionTimer record);
-- eta = 0.865: the 2-rank hybrid-1b capture of 2,097,152 positions with the pipeline schedule (91927b9,
+- eta = 0.865: the 2-rank hybrid-1b capture of 2,097,152 positions with the pipeline schedule (older code,
   kept beside the records since the capture runs balanced), its rank-0 rate (519 TFLOP/s) over the
   single-GPU 599;
 - delta = +1.9%: that run's capture seconds (67.6 s) over the model with eta, less 1: what the terms do not
@@ -84,7 +84,7 @@ BF16, FP32 = 2, 4
 # a 2-rank capture predicted from single-GPU captures alone (leave-one-out) is within 15%: the recorded ones miss by
 # -6.1% (hybrid-1b, 2,097,152, balanced), -13.1% and +2.1% (hybrid-1b, 2,097,152 and 4,456,448, pipeline, older code
 # than the calibration) and -11.0% (the 27B shape at 524,288 from the single-GPU record of its own code,
-# architectures/qwen3.6-27b-shape-nf4.json as of 97860f0)
+# an earlier version of architectures/qwen3.6-27b-shape-nf4.json)
 STATED_ERROR = 0.15
 TEN_MINUTES = 600.0
 

@@ -519,34 +519,46 @@ def chunk_gated_delta_rule_forward(
     """
     _check_shapes(q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_BHDV)
     if q_BTHD.shape[1] == 1 and not use_fla:  # one decoding step: the recurrence itself, as HF decodes
-        usable = _load_decode_step_usable()
-        if not l2norm_qk and usable is not None and usable(q_BTHD, v_BTHV, initial_state_BHDV):
-            return _load_decode_step()(q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_BHDV, final_state_BHDV)
-        return recurrent_gated_delta_rule(
-            q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_BHDV, l2norm_qk=l2norm_qk
+        return _decode_step_forward(
+            q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_BHDV, l2norm_qk, final_state_BHDV
         )
-    fla_chunk, fla_version = _load_fla() if use_fla is not False else (None, ())
-    usable = (
-        fla_chunk is not None
-        and q_BTHD.is_cuda
-        and _compute_dtype(q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_BHDV) == torch.float32
-        and q_BTHD.shape[1] > 0
-    )
-    if use_fla and not usable:
-        raise RuntimeError("fla path requested but unavailable (fla import, CUDA tensors, non-float64)")
-    if usable and _fused_scan_usable(q_BTHD, v_BTHV, l2norm_qk):
+    fla_chunk, fla_version = _usable_fla(use_fla, q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_BHDV)
+    if fla_chunk is not None and _fused_scan_usable(q_BTHD, v_BTHV, l2norm_qk):
         # no autograd here (torch.no_grad): the scan alone, no backward
         out_BTHV, final_state_BHDV = _load_fused_scan()(
             q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_BHDV, q_BTHD.shape[-1] ** -0.5
         )
         return out_BTHV.to(q_BTHD.dtype), final_state_BHDV
-    if usable:
+    if fla_chunk is not None:
         return _fla_forward(
             fla_chunk, fla_version, q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_BHDV, l2norm_qk
         )
     return chunk_gated_delta_rule(
         q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_BHDV, chunk_size=chunk_size, l2norm_qk=l2norm_qk
     )
+
+
+def _decode_step_forward(q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_BHDV, l2norm_qk, final_state_BHDV):
+    """One decoding step: the fused launch where it runs (q and k normalised), else the recurrence."""
+    usable = _load_decode_step_usable()
+    if not l2norm_qk and usable is not None and usable(q_BTHD, v_BTHV, initial_state_BHDV):
+        return _load_decode_step()(q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_BHDV, final_state_BHDV)
+    return recurrent_gated_delta_rule(q_BTHD, k_BTHD, v_BTHV, g_BTH, beta_BTH, initial_state_BHDV, l2norm_qk=l2norm_qk)
+
+
+def _usable_fla(use_fla, q_BTHD, *tensors) -> tuple:
+    """(fla's chunk kernel, its version) where the no-grad forward may use it (not refused by `use_fla`, CUDA
+    tensors, a float32 compute dtype, a sequence), else (None, ()); `use_fla=True` without it raises."""
+    fla_chunk, fla_version = _load_fla() if use_fla is not False else (None, ())
+    usable = (
+        fla_chunk is not None
+        and q_BTHD.is_cuda
+        and _compute_dtype(q_BTHD, *tensors) == torch.float32
+        and q_BTHD.shape[1] > 0
+    )
+    if use_fla and not usable:
+        raise RuntimeError("fla path requested but unavailable (fla import, CUDA tensors, non-float64)")
+    return (fla_chunk, fla_version) if usable else (None, ())
 
 
 # --------------------------------------------------------------------------------------

@@ -74,7 +74,7 @@ def _chunk_scores_kernel(
 
 # On an H100 at hybrid-1b's capture shape, with the scores computed inside the scan, the autotuner chose 32-wide
 # blocks, 4 warps, 3 stages (1.18 ms a layer); 16-wide blocks (twice the programs, each computing the scores again)
-# took 1.41-1.98 ms, 64-wide at 8 warps 2.18-2.34: `benchmarks/gdn_capture_scan.py` at ddce8bc. Without the scores
+# took 1.41-1.98 ms, 64-wide at 8 warps 2.18-2.34: `benchmarks/gdn_capture_scan.py`. Without the scores
 # on the sequential path, 16-wide blocks (two programs an SM) are offered again
 @triton.autotune(
     configs=[

@@ -5,7 +5,7 @@
 `torch.addmm(W, B, A, alpha=scaling)` copies W into a new output and then runs the GEMM with beta = 1, which reads
 the copy back and writes it again: four passes over the [out, in] weight where one read and one write would do
 (hybrid-1b's capture merges 76 weights; with the MLP's residual copies, since gone too, an H100's capture ran 107
-device-to-device copies, 2.07 ms, at 5c581c2 and 16, 0.07 ms, at d709b82: `hybrid_step_profile_*.json`; this kernel
+device-to-device copies, 2.07 ms, and after both changes 16, 0.07 ms: `hybrid_step_profile_*.json`; this kernel
 0.71 ms there). Here each program reads a tile of W, the tile's rows of B and columns of A, and writes the tile of the
 sum once: B A accumulated in float32 over the rank, the scaled sum with W in float32 and rounded once, as the GEMM
 computes it. The reference is `lora_linear.merged_lora_weight`'s addmm.

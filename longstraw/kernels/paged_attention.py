@@ -340,6 +340,13 @@ def reference_attention(q, k_prefix, v_prefix, k_live, v_live, scale, window=Non
 
 def _validate(q, k_prefix, v_prefix, k_live, v_live, scale, block_size, backend):
     named = {"q": q, "k_prefix": k_prefix, "v_prefix": v_prefix, "k_live": k_live, "v_live": v_live}
+    _check_tensors(named)
+    _check_shapes(named)
+    _check_settings(scale, block_size, backend, q.device)
+
+
+def _check_tensors(named: dict) -> None:
+    """Every input a 4-D floating-point tensor, all of one dtype and on one device."""
     for name, t in named.items():
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"paged_attention: {name} must be a torch.Tensor, got {type(t).__name__}")
@@ -354,6 +361,10 @@ def _validate(q, k_prefix, v_prefix, k_live, v_live, scale, block_size, backend)
         got = ", ".join(f"{n}={t.device}" for n, t in named.items())
         raise ValueError(f"paged_attention: all inputs must be on one device, got {got}")
 
+
+def _check_shapes(named: dict) -> None:
+    """The inputs' batch sizes, kv heads, lengths and head dims agree (the prefix may be one prompt's, batch 1)."""
+    q, k_prefix, v_prefix, k_live, v_live = named.values()
     B, H, R, D = q.shape
     Hk = k_live.shape[1]
     for name, t in named.items():
@@ -384,6 +395,10 @@ def _validate(q, k_prefix, v_prefix, k_live, v_live, scale, block_size, backend)
         raise ValueError(
             f"paged_attention: value head dim mismatch: v_prefix has {v_prefix.shape[3]}, v_live has {v_live.shape[3]}"
         )
+
+
+def _check_settings(scale, block_size, backend, device) -> None:
+    """`scale` a real number, `block_size` a positive int or None, `backend` one that runs on `device`."""
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
         raise TypeError(f"paged_attention: scale must be a real number, got {type(scale).__name__}")
     if block_size is not None and (
@@ -392,8 +407,8 @@ def _validate(q, k_prefix, v_prefix, k_live, v_live, scale, block_size, backend)
         raise ValueError(f"paged_attention: block_size must be a positive int or None, got {block_size!r}")
     if backend not in _BACKENDS:
         raise ValueError(f"paged_attention: backend must be one of {_BACKENDS}, got {backend!r}")
-    if backend in ("cuda", "flash", "cudnn") and q.device.type != "cuda":
-        raise ValueError(f"paged_attention: backend={backend!r} needs CUDA tensors, got device {q.device}")
+    if backend in ("cuda", "flash", "cudnn") and device.type != "cuda":
+        raise ValueError(f"paged_attention: backend={backend!r} needs CUDA tensors, got device {device}")
 
 
 def check_sinks(sinks, q_BHRD, what: str) -> None:
@@ -668,83 +683,20 @@ def attention_partial_backward(
     need_q, need_kp, need_vp, need_kl, need_vl = needs
     need_prefix = need_kp or need_vp
     need_live = k_live_BKRD is not None and (need_q or need_kl or need_vl)
-    B, H, R, D = q_BHRD.shape
-    K, P, Dv = k_BKPD.shape[1], k_BKPD.shape[2], v_BKPD.shape[3]
-    G, M = H // K, H // K * R
-    acc = lse_BHR.dtype
-    lse_BKM = lse_BHR.view(B, K, M)
-    dq_BHRD = torch.zeros(B, H, R, D, dtype=acc, device=q_BHRD.device)
-    dq_BKMD = dq_BHRD.view(B, K, M, D)
-    dk_live_BKRD = dv_live_BKRD = dk_BKPD = dv_BKPD = None
+    live = (k_live_BKRD, v_live_BKRD) if need_live else None
+    dq_BHRD = torch.zeros(q_BHRD.shape, dtype=lse_BHR.dtype, device=q_BHRD.device)
     dq_only = False
-
     if kernel != "math":
-        kernel_bwd = _CUDA_KERNELS[kernel][1]
-        dout_BHRD = dout_BHRD.contiguous()  # q and out are contiguous already
-        do_BKMD, q_BKMD, out_BKMD = (x.view(B, K, M, D) for x in (dout_BHRD, q_BHRD, out_BHRD))
-
-        rows = (do_BKMD, q_BKMD, out_BKMD, lse_BKM)
-        dq_only = not need_prefix and _dq_only(q_BHRD, k_BKPD)
-        if dq_only:
-            dq_kernel = _load_dq()
-
-            def block_bwd(k_BKND, v_BKND, do, q, out, lse, dq_acc):
-                dq_kernel(do, q, k_BKND, v_BKND, out, lse, scale, dq_acc)
-                return None, None
-
-        else:
-
-            def block_bwd(k_BKND, v_BKND, do, q, out, lse, dq_acc):
-                dq_b, dk_b, dv_b = kernel_bwd(do, q, k_BKND, v_BKND, out, lse, scale)
-                dq_acc += dq_b
-                return dk_b, dv_b
-
-        if need_live:
-            dq_b, dk_b, dv_b = kernel_bwd(
-                dout_BHRD, q_BHRD, _repeat_kv(k_live_BKRD, G), _repeat_kv(v_live_BKRD, G), out_BHRD, lse_BHR, scale,
-                causal=True,
-            )  # fmt: skip
-            dq_BHRD += dq_b
-            dk_live_BKRD = dk_b.unflatten(1, (K, G)).sum(2)
-            dv_live_BKRD = dv_b.unflatten(1, (K, G)).sum(2)
+        rows, block_bwd, dq_only, (dk_live_BKRD, dv_live_BKRD) = _library_backward(
+            kernel, dout_BHRD, q_BHRD, out_BHRD, lse_BHR, k_BKPD, live, scale, need_prefix, dq_BHRD
+        )
     else:
-        do_BKMD = dout_BHRD.reshape(B, K, M, Dv).to(acc)
-        q_BKMD = q_BHRD.reshape(B, K, M, D).to(acc)
-        delta_BKM = (do_BKMD * out_BHRD.view(B, K, M, Dv).to(acc)).sum(-1)
-
-        rows = (do_BKMD, q_BKMD, delta_BKM, lse_BKM)
-
-        def block_bwd(k_BKND, v_BKND, do, q, delta, lse, dq_acc):
-            dq_b, dk_b, dv_b = _math_block_bwd(do, q, k_BKND, v_BKND, lse, delta, scale, need_prefix)
-            dq_acc += dq_b
-            return dk_b, dv_b
-
-        if need_live:
-            allowed_MR = _causal_allowed_MR(G, R, q_BHRD.device)
-            dq_b, dk_live_BKRD, dv_live_BKRD = _math_block_bwd(
-                do_BKMD, q_BKMD, k_live_BKRD, v_live_BKRD, lse_BKM, delta_BKM, scale, need_kl or need_vl, allowed_MR
-            )
-            dq_BKMD += dq_b
-
-    if need_prefix:
-        dk_BKPD = torch.empty(k_BKPD.shape, dtype=k_BKPD.dtype, device=k_BKPD.device)
-        dv_BKPD = torch.empty(v_BKPD.shape, dtype=v_BKPD.dtype, device=v_BKPD.device)
+        rows, block_bwd, (dk_live_BKRD, dv_live_BKRD) = _math_backward(
+            dout_BHRD, q_BHRD, out_BHRD, lse_BHR, v_BKPD, live, scale, need_prefix, need_kl or need_vl, dq_BHRD
+        )
+    dk_BKPD = dv_BKPD = None
     if need_q or need_prefix:
-        # as the forward folded the B sequences' rows over one prefix; the dq kernel reads one prompt's pages for each
-        # sequence's rows itself (its row blocks read every key either way)
-        shared = _shares_prefix(B, k_BKPD) and not dq_only
-        dq_acc = dq_BKMD  # float32 and contiguous, as the dq-only kernel adds into it
-        if shared:
-            rows = tuple(_fold(x) for x in rows)
-            dq_acc = torch.zeros(1, K, B * M, D, dtype=acc, device=q_BHRD.device)
-        for start in range(0, P, block_size):
-            blk = slice(start, start + block_size)
-            dk_b, dv_b = block_bwd(k_BKPD[:, :, blk], v_BKPD[:, :, blk], *rows, dq_acc)
-            if need_prefix:
-                dk_BKPD[:, :, blk] = dk_b
-                dv_BKPD[:, :, blk] = dv_b
-        if shared and P:
-            dq_BKMD += _unfold(dq_acc, B)
+        dk_BKPD, dv_BKPD = _prefix_backward(k_BKPD, v_BKPD, rows, block_bwd, dq_BHRD, block_size, need_prefix, dq_only)
     return (
         dq_BHRD if need_q else None,
         dk_BKPD if need_kp else None,
@@ -752,6 +704,102 @@ def attention_partial_backward(
         dk_live_BKRD if need_kl and dk_live_BKRD is not None else None,
         dv_live_BKRD if need_vl and dv_live_BKRD is not None else None,
     )
+
+
+def _library_backward(kernel, dout_BHRD, q_BHRD, out_BHRD, lse_BHR, k_BKPD, live, scale, need_prefix, dq_BHRD):
+    """The CUDA kernels' half of `attention_partial_backward`: the live block's gradients (causal; its dq added
+    into `dq_BHRD`), and the prefix blocks' rows and per-block backward: dQ alone (`_load_dq`) where the prefix
+    takes no gradient and `_dq_only` allows it, else the library's. Returns (rows, block_bwd, dq_only,
+    (dk_live, dv_live))."""
+    B, H, R, D = q_BHRD.shape
+    K = k_BKPD.shape[1]
+    G, M = H // K, H // K * R
+    kernel_bwd = _CUDA_KERNELS[kernel][1]
+    dout_BHRD = dout_BHRD.contiguous()  # q and out are contiguous already
+    do_BKMD, q_BKMD, out_BKMD = (x.view(B, K, M, D) for x in (dout_BHRD, q_BHRD, out_BHRD))
+    rows = (do_BKMD, q_BKMD, out_BKMD, lse_BHR.view(B, K, M))
+    dq_only = not need_prefix and _dq_only(q_BHRD, k_BKPD)
+    if dq_only:
+        dq_kernel = _load_dq()
+
+        def block_bwd(k_BKND, v_BKND, do, q, out, lse, dq_acc):
+            dq_kernel(do, q, k_BKND, v_BKND, out, lse, scale, dq_acc)
+            return None, None
+
+    else:
+
+        def block_bwd(k_BKND, v_BKND, do, q, out, lse, dq_acc):
+            dq_b, dk_b, dv_b = kernel_bwd(do, q, k_BKND, v_BKND, out, lse, scale)
+            dq_acc += dq_b
+            return dk_b, dv_b
+
+    if live is None:
+        return rows, block_bwd, dq_only, (None, None)
+    k_live_BKRD, v_live_BKRD = live
+    dq_b, dk_b, dv_b = kernel_bwd(
+        dout_BHRD, q_BHRD, _repeat_kv(k_live_BKRD, G), _repeat_kv(v_live_BKRD, G), out_BHRD, lse_BHR, scale,
+        causal=True,
+    )  # fmt: skip
+    dq_BHRD += dq_b
+    return rows, block_bwd, dq_only, (dk_b.unflatten(1, (K, G)).sum(2), dv_b.unflatten(1, (K, G)).sum(2))
+
+
+def _math_backward(dout_BHRD, q_BHRD, out_BHRD, lse_BHR, v_BKPD, live, scale, need_prefix, need_live_kv, dq_BHRD):
+    """The math half of `attention_partial_backward`, in the accumulation dtype: the live block's gradients
+    (causal; its dq added into `dq_BHRD`), and the prefix blocks' rows and per-block backward. Returns (rows,
+    block_bwd, (dk_live, dv_live))."""
+    B, H, R, D = q_BHRD.shape
+    K, Dv = v_BKPD.shape[1], v_BKPD.shape[3]
+    G, M = H // K, H // K * R
+    acc = lse_BHR.dtype
+    lse_BKM = lse_BHR.view(B, K, M)
+    do_BKMD = dout_BHRD.reshape(B, K, M, Dv).to(acc)
+    q_BKMD = q_BHRD.reshape(B, K, M, D).to(acc)
+    delta_BKM = (do_BKMD * out_BHRD.view(B, K, M, Dv).to(acc)).sum(-1)
+    rows = (do_BKMD, q_BKMD, delta_BKM, lse_BKM)
+
+    def block_bwd(k_BKND, v_BKND, do, q, delta, lse, dq_acc):
+        dq_b, dk_b, dv_b = _math_block_bwd(do, q, k_BKND, v_BKND, lse, delta, scale, need_prefix)
+        dq_acc += dq_b
+        return dk_b, dv_b
+
+    if live is None:
+        return rows, block_bwd, (None, None)
+    allowed_MR = _causal_allowed_MR(G, R, q_BHRD.device)
+    dq_b, dk_live_BKRD, dv_live_BKRD = _math_block_bwd(
+        do_BKMD, q_BKMD, *live, lse_BKM, delta_BKM, scale, need_live_kv, allowed_MR
+    )
+    dq_BHRD.view(B, K, M, D).add_(dq_b)
+    return rows, block_bwd, (dk_live_BKRD, dv_live_BKRD)
+
+
+def _prefix_backward(k_BKPD, v_BKPD, rows, block_bwd, dq_BHRD, block_size, need_prefix, dq_only):
+    """The prefix's blocks of `attention_partial_backward`, `block_size` keys at a time: their dq added into
+    `dq_BHRD`; returns (dk_prefix, dv_prefix), None unless `need_prefix`."""
+    B, H, R, D = dq_BHRD.shape
+    K, P = k_BKPD.shape[1], k_BKPD.shape[2]
+    M = H // K * R
+    dq_BKMD = dq_BHRD.view(B, K, M, D)
+    dk_BKPD = dv_BKPD = None
+    if need_prefix:
+        dk_BKPD = torch.empty(k_BKPD.shape, dtype=k_BKPD.dtype, device=k_BKPD.device)
+        dv_BKPD = torch.empty(v_BKPD.shape, dtype=v_BKPD.dtype, device=v_BKPD.device)
+    # as the forward folded the B sequences' rows over one prefix; the dq kernel reads one prompt's pages for each
+    # sequence's rows itself (its row blocks read every key either way)
+    shared = _shares_prefix(B, k_BKPD) and not dq_only
+    dq_acc = dq_BKMD  # float32 and contiguous, as the dq-only kernel adds into it
+    if shared:
+        rows = tuple(_fold(x) for x in rows)
+        dq_acc = torch.zeros(1, K, B * M, D, dtype=dq_BHRD.dtype, device=dq_BHRD.device)
+    for start in range(0, P, block_size):
+        blk = slice(start, start + block_size)
+        dk_b, dv_b = block_bwd(k_BKPD[:, :, blk], v_BKPD[:, :, blk], *rows, dq_acc)
+        if need_prefix:
+            dk_BKPD[:, :, blk] = dk_b
+            dv_BKPD[:, :, blk] = dv_b
+    if shared and P:
+        dq_BKMD += _unfold(dq_acc, B)
+    return dk_BKPD, dv_BKPD
 
 
 class ForwardMemo:

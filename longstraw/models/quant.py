@@ -155,6 +155,16 @@ def quantize_nf4(
 
     if any("lora_A" in name for name, _ in model.named_modules()):
         raise ValueError("quantize_nf4 must run before apply_lora (LoRA layers wrap the 4-bit modules)")
+    for parent, child_name in _quantized_linears(model, skip):  # one at a time: the old weight is freed as we go
+        old = getattr(parent, child_name)
+        setattr(parent, child_name, _nf4_linear(bnb, old, compute_dtype, blocksize, double_quant))
+        del old
+    model.is_loaded_in_4bit = True
+    return model
+
+
+def _quantized_linears(model: nn.Module, skip) -> list[tuple[nn.Module, str]]:
+    """(parent, child name) of every plain `nn.Linear` to quantize: not one `skip` names, not a router."""
     num_experts = _expert_count(model)
     targets = []
     for parent_name, parent in model.named_modules():
@@ -167,33 +177,33 @@ def quantize_nf4(
             ):
                 continue
             targets.append((parent, child_name))
-    for parent, child_name in targets:  # one module at a time: the old weight is freed as we go
-        old = getattr(parent, child_name)
-        weight = old.weight.detach()
-        new = dequantizing_linear4bit_class()(
-            old.in_features,
-            old.out_features,
-            bias=old.bias is not None,
-            compute_dtype=compute_dtype or weight.dtype,
-            compress_statistics=double_quant,
-            quant_type="nf4",
-            quant_storage=torch.uint8,
-            device="meta",
-        )
-        new.weight = bnb.nn.Params4bit(
-            weight,
-            requires_grad=False,
-            blocksize=blocksize,
-            compress_statistics=double_quant,
-            quant_type="nf4",
-            quant_storage=torch.uint8,
-            module=new,
-        ).to(weight.device)  # quantises
-        if old.bias is not None:
-            new.bias = old.bias
-        new.support_avx512bf16_for_cpu = False
-        new.train(old.training)
-        setattr(parent, child_name, new)
-        del old, weight
-    model.is_loaded_in_4bit = True
-    return model
+    return targets
+
+
+def _nf4_linear(bnb, old: nn.Linear, compute_dtype, blocksize: int, double_quant: bool) -> nn.Module:
+    """`old` as an NF4 `Linear4bit` (its weight quantized on its device; its bias and training mode kept)."""
+    weight = old.weight.detach()
+    new = dequantizing_linear4bit_class()(
+        old.in_features,
+        old.out_features,
+        bias=old.bias is not None,
+        compute_dtype=compute_dtype or weight.dtype,
+        compress_statistics=double_quant,
+        quant_type="nf4",
+        quant_storage=torch.uint8,
+        device="meta",
+    )
+    new.weight = bnb.nn.Params4bit(
+        weight,
+        requires_grad=False,
+        blocksize=blocksize,
+        compress_statistics=double_quant,
+        quant_type="nf4",
+        quant_storage=torch.uint8,
+        module=new,
+    ).to(weight.device)  # quantises
+    if old.bias is not None:
+        new.bias = old.bias
+    new.support_avx512bf16_for_cpu = False
+    new.train(old.training)
+    return new

@@ -132,30 +132,14 @@ def length_curve(
     for length in lengths:
         task = build_task({**task_spec, "length": int(length)}, vocab)
         for depth in depths if depths else [None]:
-            t = time.perf_counter()
-            cell = [example_at_depth(task, seed_base + i, depth) for i in range(examples)]
-            if method == "capture":
-                rewards = [greedy_success(model, task, example, chunk_size, beyond_max_positions) for example in cell]
-            else:
-                rewards = forward_successes(model, task, cell)
-            p = sum(rewards) / len(rewards)
-            row = {
-                "length": int(length),
-                "depth": depth,
-                "success": p,
-                "n": len(rewards),
-                "method": method,
-                "stderr": math.sqrt(p * (1 - p) / len(rewards)),
-                "seconds": time.perf_counter() - t,
-                "rewards": rewards,
-            }
+            row = _cell(model, task, int(length), depth, examples, seed_base, method, chunk_size, beyond_max_positions)
             rows.append(row)
             if on_row is not None:
                 on_row(rows)
             if progress:
                 print(
                     f"length_curve: length {length:>9,} depth {'random' if depth is None else depth}: "
-                    f"success {p:.3f} +- {row['stderr']:.3f} (n={len(rewards)}, {row['seconds']:.1f} s)",
+                    f"success {row['success']:.3f} +- {row['stderr']:.3f} (n={row['n']}, {row['seconds']:.1f} s)",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -165,4 +149,28 @@ def length_curve(
         "rows": rows,
         "seed_base": seed_base,
         "seconds": time.perf_counter() - start,
+    }
+
+
+def _cell(
+    model, task, length: int, depth, examples: int, seed_base: int, method: str, chunk_size, beyond_max_positions
+) -> dict:
+    """One cell of the curve: the success rate of `examples` examples of one length with the needle at `depth`
+    (None: a random depth each), scored by `method`."""
+    t = time.perf_counter()
+    cell = [example_at_depth(task, seed_base + i, depth) for i in range(examples)]
+    if method == "capture":
+        rewards = [greedy_success(model, task, example, chunk_size, beyond_max_positions) for example in cell]
+    else:
+        rewards = forward_successes(model, task, cell)
+    p = sum(rewards) / len(rewards)
+    return {
+        "length": length,
+        "depth": depth,
+        "success": p,
+        "n": len(rewards),
+        "method": method,
+        "stderr": math.sqrt(p * (1 - p) / len(rewards)),
+        "seconds": time.perf_counter() - t,
+        "rewards": rewards,
     }

@@ -114,9 +114,63 @@ def numerical_floor(
     return {"perturbation_norm": perturbation, "changed_fraction": changed, **_drift(logp_stale, logp_fresh)}
 
 
-def step_sampling(num_samples: int, max_new_tokens: int, seed: int, step: int) -> SamplingConfig:
-    """How the oracle samples its group at `step` (a prompt search draws step 0's group the same way)."""
-    return SamplingConfig(num_samples=num_samples, max_new_tokens=max_new_tokens, seed=seed * 1_000_003 + step)
+def _reference_capture(model, prompt_ids, config: grpo.GRPOConfig, capture_kwargs: dict):
+    """The prompt captured by the reference policy (the adapter disabled) when the objective has a KL term."""
+    if config.beta <= 0:
+        return None
+    with reference_policy(model):
+        return capture(model, prompt_ids, **capture_kwargs)
+
+
+def _group_rewards(reward, responses, seed: int, step: int) -> torch.Tensor:
+    """The group's rewards: `reward(responses)`, else uniform at random, seeded by the step."""
+    if reward is not None:
+        return torch.tensor(reward(responses), dtype=torch.float32)
+    return torch.rand(len(responses), generator=torch.Generator().manual_seed(seed * 7919 + step))
+
+
+def _group(model, rollouts, rewards, ref_state, config: grpo.GRPOConfig, params) -> tuple:
+    """What `_loss_and_grads` takes of a group: (responses, old log-probs, reference log-probs, advantages,
+    token weights, config, params); the old log-probs are the sampler's."""
+    responses = rollouts.responses
+    advantages = grpo.group_advantages(rewards, config.scale_rewards, num_generations=len(responses))
+    weights = grpo.token_weights([int(r.numel()) for r in responses], config)
+    ref = None
+    if ref_state is not None:
+        with reference_policy(model):
+            ref = [score(model, ref_state, y) for y in responses]
+    return responses, rollouts.logprobs, ref, advantages, weights, config, params
+
+
+def _stale_against_fresh(model, prompt_ids, stale, group: tuple, capture_kwargs: dict, optimizer) -> dict:
+    """The group's loss, log-probs and gradient on a fresh capture and on the stale state, compared; the stale
+    state's gradient is left in place for the update."""
+    fresh = capture(model, prompt_ids, **capture_kwargs)
+    loss_fresh, grad_fresh, logp_fresh = _loss_and_grads(model, fresh, *group)
+    optimizer.zero_grad(set_to_none=True)
+    del fresh
+    loss_stale, grad_stale, logp_stale = _loss_and_grads(model, stale, *group)
+    return {
+        **_drift(logp_stale, logp_fresh),
+        "grpo_loss_stale": loss_stale,
+        "grpo_loss_fresh": loss_fresh,
+        "grad_cosine": float(torch.nn.functional.cosine_similarity(grad_stale, grad_fresh, dim=0)),
+        "grad_norm_stale": float(grad_stale.norm()),
+    }
+
+
+def _stale_update(optimizer, params) -> float:
+    """The optimizer step on the stale gradient, as prefix reuse trains; the fraction of parameters it changed."""
+    before = [p.detach().clone() for p in params]
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return changed_fraction(params, before)
+
+
+def step_sampling(num_generations: int, max_new_tokens: int, seed: int, step: int) -> SamplingConfig:
+    """How the oracle samples its group of G = `num_generations` at `step` (a prompt search draws step 0's group
+    the same way)."""
+    return SamplingConfig(num_samples=num_generations, max_new_tokens=max_new_tokens, seed=seed * 1_000_003 + step)
 
 
 @dataclass
@@ -147,54 +201,23 @@ def staleness_oracle(
     params = [p for p in model.parameters() if p.requires_grad]
     stale = capture(model, prompt_ids, **capture_kwargs)
     at_capture = [p.detach().clone() for p in params]
-    ref_state = None
-    if config.beta > 0:
-        with reference_policy(model):
-            ref_state = capture(model, prompt_ids, **capture_kwargs)
+    ref_state = _reference_capture(model, prompt_ids, config, capture_kwargs)
     rows, floor = [], {}
     for step in range(steps + 1):
         rollouts = sample(model, stale, step_sampling(num_samples, max_new_tokens, seed, step))
-        responses, old = rollouts.responses, rollouts.logprobs
-        rewards = (
-            torch.tensor(reward(responses), dtype=torch.float32)
-            if reward is not None
-            else torch.rand(num_samples, generator=torch.Generator().manual_seed(seed * 7919 + step))
-        )
-        advantages = grpo.group_advantages(rewards, config.scale_rewards, num_generations=num_samples)
-        weights = grpo.token_weights([int(r.numel()) for r in responses], config)
-        ref = None
-        if ref_state is not None:
-            with reference_policy(model):
-                ref = [score(model, ref_state, y) for y in responses]
+        rewards = _group_rewards(reward, rollouts.responses, seed, step)
+        group = _group(model, rollouts, rewards, ref_state, config, params)
         if step == 0 and floor_perturbation is not None:
             floor = numerical_floor(
-                model, prompt_ids, stale, responses, params, floor_perturbation, seed, capture_kwargs
+                model, prompt_ids, stale, rollouts.responses, params, floor_perturbation, seed, capture_kwargs
             )
-        fresh = capture(model, prompt_ids, **capture_kwargs)
-        group = (responses, old, ref, advantages, weights, config, params)
-        loss_fresh, grad_fresh, logp_fresh = _loss_and_grads(model, fresh, *group)
-        optimizer.zero_grad(set_to_none=True)
-        del fresh
-        loss_stale, grad_stale, logp_stale = _loss_and_grads(model, stale, *group)
-        rows.append(
-            {
-                "step": step,
-                "param_drift": parameter_drift(params, at_capture),
-                **_drift(logp_stale, logp_fresh),
-                "grpo_loss_stale": loss_stale,
-                "grpo_loss_fresh": loss_fresh,
-                "grad_cosine": float(torch.nn.functional.cosine_similarity(grad_stale, grad_fresh, dim=0)),
-                "grad_norm_stale": float(grad_stale.norm()),
-                "response_tokens": [int(r.numel()) for r in responses],
-                "reward_mean": float(rewards.mean()),
-            }
-        )
-        before = [p.detach().clone() for p in params]
-        optimizer.step()  # on the stale gradient, as prefix reuse trains
-        optimizer.zero_grad(set_to_none=True)
-        rows[-1]["update_changed_fraction"] = changed_fraction(params, before)
+        row = {"step": step, "param_drift": parameter_drift(params, at_capture)}
+        row |= _stale_against_fresh(model, prompt_ids, stale, group, capture_kwargs, optimizer)
+        row |= {"response_tokens": [int(r.numel()) for r in rollouts.responses], "reward_mean": float(rewards.mean())}
+        row["update_changed_fraction"] = _stale_update(optimizer, params)
+        rows.append(row)
         if progress:
-            progress(rows[-1])
+            progress(row)
         reuse_state(model, stale)
         if ref_state is not None:
             reuse_state(model, ref_state)

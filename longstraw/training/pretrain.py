@@ -179,14 +179,36 @@ def _autocast(device, dtype_name):
 
 def pretrain(cfg: PretrainConfig) -> dict:
     """Train, evaluate, and (with `cfg.out`) save the checkpoint and curve.json. Returns the curve."""
-    from longstraw.measure.memory import synchronize
-    from longstraw.measure.provenance import provenance
-    from longstraw.models import build_model, load_pretrained
-    from longstraw.results import write_json_atomic
-    from longstraw.training.tasks import chance_level
-
     wall_start = time.perf_counter()
     device = torch.device(cfg.device)
+    model = _initial_model(cfg, device)
+    with _training_kernels(cfg, model, device):
+        bank = TaskBank(cfg.task, model.config.vocab_size)
+        eval_bank = TaskBank(cfg.eval_task or cfg.task, model.config.vocab_size)
+        run = _train(cfg, model, device, bank, eval_bank)
+    model.eval()
+    curve = _curve(cfg, model, run, eval_bank(cfg.lengths[0]), device, wall_start)
+    if cfg.out is not None:
+        _save(cfg, model, curve, wall_start)
+    return curve | {"model": model}
+
+
+@dataclasses.dataclass
+class _Run:
+    """What the training loop has done so far: the step records, the evaluations, the next training example's
+    index (its seed's offset), the tokens trained on and the seconds the steps took."""
+
+    steps: list = dataclasses.field(default_factory=list)
+    evals: list = dataclasses.field(default_factory=list)
+    next_example: int = 0
+    tokens: int = 0
+    train_seconds: float = 0.0
+
+
+def _initial_model(cfg: PretrainConfig, device):
+    """The model to train, in training mode: `cfg.init`'s checkpoint, else the preset at random init."""
+    from longstraw.models import build_model, load_pretrained
+
     if cfg.init is not None:
         if not (Path(cfg.init) / "config.json").is_file():
             raise ValueError(
@@ -196,29 +218,42 @@ def pretrain(cfg: PretrainConfig) -> dict:
     else:
         model = build_model(cfg.model, seed=cfg.seed, dtype=DTYPES[cfg.dtype], device=device, **cfg.model_overrides)
     model.train()
-    kernels = contextlib.ExitStack()
-    if cfg.hf_torch_gdn if cfg.hf_torch_gdn is not None else device.type == "cuda":
-        from longstraw.core.hf_reference import hf_torch_gdn_kernels
+    return model
 
-        kernels.enter_context(hf_torch_gdn_kernels(model))
-    bank = TaskBank(cfg.task, model.config.vocab_size)
-    eval_bank = TaskBank(cfg.eval_task or cfg.task, model.config.vocab_size)
-    eval_lengths = cfg.eval_lengths or cfg.lengths
+
+def _training_kernels(cfg: PretrainConfig, model, device) -> contextlib.AbstractContextManager:
+    """HF's torch GDN kernels while training (`cfg.hf_torch_gdn`; default: on CUDA), else nothing."""
+    if not (cfg.hf_torch_gdn if cfg.hf_torch_gdn is not None else device.type == "cuda"):
+        return contextlib.nullcontext()
+    from longstraw.core.hf_reference import hf_torch_gdn_kernels
+
+    return hf_torch_gdn_kernels(model)
+
+
+def _optimizer(cfg: PretrainConfig, model, device) -> torch.optim.AdamW:
+    """AdamW with weight decay on the matrices only."""
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]  # norms, biases, GDN A_log / dt_bias
-    optimizer = torch.optim.AdamW(
+    return torch.optim.AdamW(
         [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=cfg.lr,
         betas=tuple(cfg.betas),
         fused=device.type == "cuda",
     )
+
+
+def _train(cfg: PretrainConfig, model, device, bank: TaskBank, eval_bank: TaskBank) -> _Run:
+    """The training steps, until `cfg.steps` or the time limit, evaluating every `cfg.eval_every` steps and once
+    at the end."""
+    optimizer = _optimizer(cfg, model, device)
     rng = random.Random(cfg.seed)
-    steps, evals, next_example, tokens, train_seconds = [], [], 0, 0, 0.0
+    run = _Run()
 
     def run_eval(step):
         t = time.perf_counter()
-        acc = evaluate(model, eval_bank, eval_lengths, cfg.eval_examples, cfg.eval_batch_size, device, cfg.autocast)
-        evals.append({"step": step, "accuracy": acc, "n": cfg.eval_examples, "seconds": time.perf_counter() - t})
+        lengths = cfg.eval_lengths or cfg.lengths
+        acc = evaluate(model, eval_bank, lengths, cfg.eval_examples, cfg.eval_batch_size, device, cfg.autocast)
+        run.evals.append({"step": step, "accuracy": acc, "n": cfg.eval_examples, "seconds": time.perf_counter() - t})
         return acc
 
     bar = tqdm(
@@ -226,84 +261,108 @@ def pretrain(cfg: PretrainConfig) -> dict:
     )
     acc = {}
     for step in bar:
-        if cfg.time_limit_seconds is not None and train_seconds >= cfg.time_limit_seconds:
+        if cfg.time_limit_seconds is not None and run.train_seconds >= cfg.time_limit_seconds:
             break
-        t = time.perf_counter()
-        spec, lengths, aux_fraction = stage_at(cfg, step)
-        length = rng.choice(lengths)
-        aux = cfg.aux_task is not None and rng.random() < aux_fraction
-        spec = cfg.aux_task if aux else spec
-        batch = max(1, cfg.batch_tokens // length) if cfg.batch_tokens else cfg.batch_size
-        seeds = range(cfg.seed * TRAIN_SEED_STRIDE + next_example, cfg.seed * TRAIN_SEED_STRIDE + next_example + batch)
-        next_example += batch
-        ids_BT, answers_BM, targets_BT, _ = make_batch(bank(length, spec), seeds)
-        ids_BT, answers_BM, targets_BT = ids_BT.to(device), answers_BM.to(device), targets_BT.to(device)
-        for group in optimizer.param_groups:
-            group["lr"] = cfg.lr * lr_factor(step, cfg)
-        with _autocast(device, cfg.autocast):
-            loss, answer_loss = forward_losses(model, ids_BT, answers_BM, targets_BT, cfg.loss)
-        loss.backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        synchronize(device)
-        train_seconds += time.perf_counter() - t
-        tokens += ids_BT.numel()
-        steps.append(
-            {
-                "step": step,
-                "length": length,
-                "batch": batch,
-                "aux": aux,
-                "loss": loss.item(),
-                "answer_loss": answer_loss.item(),
-                "grad_norm": grad_norm.item(),
-                "lr": optimizer.param_groups[0]["lr"],
-            }
-        )
+        record = _train_step(cfg, model, optimizer, bank, rng, step, run, device)
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.steps:
             acc = run_eval(step + 1)
         bar.set_postfix(
-            loss=f"{answer_loss.item():.3f}",
-            L=length,
+            loss=f"{record['answer_loss']:.3f}",
+            L=record["length"],
             acc=" ".join(f"{a:.2f}" for a in acc.values()) or "-",
             refresh=False,
         )
     bar.close()
-    steps_done = len(steps)
-    run_eval(steps_done)
-    kernels.close()
-    model.eval()
-    task = eval_bank(cfg.lengths[0])
-    curve = {
+    run_eval(len(run.steps))
+    return run
+
+
+def _train_step(cfg: PretrainConfig, model, optimizer, bank: TaskBank, rng, step: int, run: _Run, device) -> dict:
+    """One optimizer step on the step's batch; its record appended to `run.steps` and returned."""
+    from longstraw.measure.memory import synchronize
+
+    t = time.perf_counter()
+    length, batch, aux, (ids_BT, answers_BM, targets_BT) = _draw_batch(cfg, bank, rng, step, run, device)
+    for group in optimizer.param_groups:
+        group["lr"] = cfg.lr * lr_factor(step, cfg)
+    with _autocast(device, cfg.autocast):
+        loss, answer_loss = forward_losses(model, ids_BT, answers_BM, targets_BT, cfg.loss)
+    loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    synchronize(device)
+    run.train_seconds += time.perf_counter() - t
+    run.tokens += ids_BT.numel()
+    run.steps.append(
+        {
+            "step": step,
+            "length": length,
+            "batch": batch,
+            "aux": aux,
+            "loss": loss.item(),
+            "answer_loss": answer_loss.item(),
+            "grad_norm": grad_norm.item(),
+            "lr": optimizer.param_groups[0]["lr"],
+        }
+    )
+    return run.steps[-1]
+
+
+def _draw_batch(cfg: PretrainConfig, bank: TaskBank, rng, step: int, run: _Run, device):
+    """The step's batch: one length drawn from the stage's, the auxiliary task with the stage's probability,
+    the examples' seeds following the run's last. Returns (length, batch size, aux, (ids, answers, targets))."""
+    spec, lengths, aux_fraction = stage_at(cfg, step)
+    length = rng.choice(lengths)
+    aux = cfg.aux_task is not None and rng.random() < aux_fraction
+    spec = cfg.aux_task if aux else spec
+    batch = max(1, cfg.batch_tokens // length) if cfg.batch_tokens else cfg.batch_size
+    first = cfg.seed * TRAIN_SEED_STRIDE + run.next_example
+    run.next_example += batch
+    ids_BT, answers_BM, targets_BT, _ = make_batch(bank(length, spec), range(first, first + batch))
+    return length, batch, aux, (ids_BT.to(device), answers_BM.to(device), targets_BT.to(device))
+
+
+def _curve(cfg: PretrainConfig, model, run: _Run, task, device, wall_start: float) -> dict:
+    """The run's record (curve.json): its steps, evaluations, seeds, throughput and provenance."""
+    from longstraw.measure.provenance import provenance
+    from longstraw.training.tasks import chance_level
+
+    steps_done = len(run.steps)
+    return {
         "config": dataclasses.asdict(cfg),
         "model_config": model.config.to_dict(),
         "parameters": sum(p.numel() for p in model.parameters()),
         "chance": chance_level(task),
         "seeds": {
-            "train": [cfg.seed * TRAIN_SEED_STRIDE, cfg.seed * TRAIN_SEED_STRIDE + next_example],
+            "train": [cfg.seed * TRAIN_SEED_STRIDE, cfg.seed * TRAIN_SEED_STRIDE + run.next_example],
             "eval_base": EVAL_SEED_BASE,
             "curve_base": CURVE_SEED_BASE,
         },
-        "steps": steps,
+        "steps": run.steps,
         "steps_done": steps_done,
         "stopped_by_time_limit": steps_done < cfg.steps,
-        "evals": evals,
-        "final_accuracy": evals[-1]["accuracy"],
-        "tokens": tokens,
-        "train_seconds": train_seconds,
-        "tokens_per_second": tokens / train_seconds,
+        "evals": run.evals,
+        "final_accuracy": run.evals[-1]["accuracy"],
+        "tokens": run.tokens,
+        "train_seconds": run.train_seconds,
+        "tokens_per_second": run.tokens / run.train_seconds,
         "wall_seconds": time.perf_counter() - wall_start,
         "provenance": provenance(device),
     }
-    if cfg.out is not None:
-        out = Path(cfg.out)
-        partial = out / "checkpoint.partial"
-        shutil.rmtree(partial, ignore_errors=True)
-        model.save_pretrained(partial)
-        shutil.rmtree(out / "checkpoint", ignore_errors=True)
-        partial.rename(out / "checkpoint")
-        curve["checkpoint"] = str(out / "checkpoint")
-        curve["wall_seconds"] = time.perf_counter() - wall_start
-        write_json_atomic(out / "curve.json", curve)
-    return curve | {"model": model}
+
+
+def _save(cfg: PretrainConfig, model, curve: dict, wall_start: float) -> None:
+    """The checkpoint (written beside and renamed into place: there complete or not at all) and curve.json
+    under `cfg.out`; `curve` gains the checkpoint's path and the wall seconds up to now."""
+    from longstraw.results import write_json_atomic
+
+    out = Path(cfg.out)
+    partial = out / "checkpoint.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    model.save_pretrained(partial)
+    shutil.rmtree(out / "checkpoint", ignore_errors=True)
+    partial.rename(out / "checkpoint")
+    curve["checkpoint"] = str(out / "checkpoint")
+    curve["wall_seconds"] = time.perf_counter() - wall_start
+    write_json_atomic(out / "curve.json", curve)

@@ -234,19 +234,33 @@ def score_group(
         "log_metric": log_metric,
         "log_extra": log_extra,
     }
-    per_func = {}
-    for f in funcs:
-        try:
-            out = f.func(prompts=prompts, completions=completions, **kwargs)
-        except Exception as exc:
-            raise ValueError(f"{where}: reward function {f.spec!r} failed: {type(exc).__name__}: {exc}") from exc
-        per_func[f.name] = _values(f, out, count, where)
+    per_func = {f.name: _called(f, prompts, completions, kwargs, count, where) for f in funcs}
     matrix = torch.tensor([per_func[f.name] for f in funcs], dtype=torch.float32).T.reshape(count, len(funcs))
     w = torch.tensor([1.0] * len(funcs) if weights is None else list(weights), dtype=torch.float32)
     rewards = (matrix * w[None]).nansum(dim=1)
     rewards[torch.isnan(matrix).all(dim=1)] = math.nan
     unscorable = int(torch.isnan(rewards).sum())
-    if unscorable:  # as TRL warns: these completions get advantage 0; a wholly unscorable group changes nothing
+    _warn_unscorable(unscorable, count, where)
+    metrics = _group_metrics(funcs, matrix, rewards, unscorable) | {
+        name: sum(values) / len(values) for name, values in logged.items()
+    }
+    advantages = group_advantages(rewards, scale_rewards, nan_unscorable=True)
+    return Scored([float(r) for r in rewards], per_func, advantages.tolist(), metrics, extra)
+
+
+def _called(f: RewardFunc, prompts, completions, kwargs: dict, count: int, where: str) -> list:
+    """One reward function's values for the group (checked by `_values`); its failure named."""
+    try:
+        out = f.func(prompts=prompts, completions=completions, **kwargs)
+    except Exception as exc:
+        raise ValueError(f"{where}: reward function {f.spec!r} failed: {type(exc).__name__}: {exc}") from exc
+    return _values(f, out, count, where)
+
+
+def _warn_unscorable(unscorable: int, count: int, where: str) -> None:
+    """As TRL warns: completions no function scored get advantage 0; a wholly unscorable group changes nothing.
+    The warning names `score_group`'s caller."""
+    if unscorable:
         warnings.warn(
             f"{where}: every reward function returned None for {unscorable} of {count} completions: their "
             "advantage is 0"
@@ -255,8 +269,13 @@ def score_group(
                 if unscorable == count
                 else ""
             ),
-            stacklevel=2,
+            stacklevel=3,
         )
+
+
+def _group_metrics(funcs: list[RewardFunc], matrix: torch.Tensor, rewards: torch.Tensor, unscorable: int) -> dict:
+    """TRL's reward metrics of a group: the combined reward's mean and std, each function's, and whether the
+    group's rewards are all equal (`frac_reward_zero_std`)."""
     metrics = {
         "reward": _finite_or_none(nanmean(rewards)),
         "reward_std": _finite_or_none(nanstd(rewards)),
@@ -265,12 +284,9 @@ def score_group(
     for i, f in enumerate(funcs):
         metrics[f"rewards/{f.name}/mean"] = _finite_or_none(nanmean(matrix[:, i]))
         metrics[f"rewards/{f.name}/std"] = _finite_or_none(nanstd(matrix[:, i]))
-    group_std = nanstd(rewards) if count > 1 else 0.0  # TRL: isclose(std, 0), False for a NaN std
+    group_std = nanstd(rewards) if len(rewards) > 1 else 0.0  # TRL: isclose(std, 0), False for a NaN std
     metrics["frac_reward_zero_std"] = float(math.isfinite(group_std) and math.isclose(group_std, 0.0, abs_tol=1e-8))
-    for name, values in logged.items():
-        metrics[name] = sum(values) / len(values)
-    advantages = group_advantages(rewards, scale_rewards, nan_unscorable=True)
-    return Scored([float(r) for r in rewards], per_func, advantages.tolist(), metrics, extra)
+    return metrics
 
 
 # ---- stock reward functions over decoded text (standard or conversational completions)

@@ -153,8 +153,10 @@ def check_not_replacing(out: Path) -> None:
 
 
 class Trainer:
-    def __init__(self, raw_config, source: str = "train config"):
-        self.cfg = cfg = resolve(raw_config, source)
+    def __init__(self, raw_config, source: str = "train config", *, resolved: bool = False):
+        """`resolved`: `raw_config` is what `resolve` returned for `source` (the CLI resolves first, to guard
+        the output folder before the model is built), so it is not checked again."""
+        self.cfg = cfg = raw_config if resolved else resolve(raw_config, source)
         self.device = torch.device(cfg.model.device)
         # context parallel (`cp_size`): every rank runs this same loop on its shard; rank 0 writes
         self.cp = context_parallel(cfg.cp_size, self.device.type)
@@ -294,6 +296,26 @@ class Trainer:
         if refreshed:
             with recorder.phase("capture"):
                 self._capture(step)
+        rollouts = self._rollouts(step, recorder)
+        rewards, advantages, text = self._group_rewards(step, example, rollouts, recorder)
+        ref_state = self._reference_state(step, recorder)
+        metrics = self._update(example, rollouts, rewards, advantages, ref_state)
+        lr = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        return {
+            "step": step,
+            "prompt": step // self.cfg.steps_per_prompt,
+            "refreshed": refreshed,
+            "state_age": step - self.capture_step,
+            "drift_before": drift,
+            "lr": lr,
+            **group_record(metrics, rewards, text, rollouts.finished),
+            "transaction": transaction_record(metrics, recorder, ref_state),
+            "seconds": time.perf_counter() - start,
+        }
+
+    def _rollouts(self, step: int, recorder: PhaseRecorder):
+        """The step's G responses sampled from the resident state (phase `sampling`)."""
         s = self.cfg.sampling
         stops = (
             dict(stop_ids=self.text.stop_ids, pad_id=self.text.pad_id)
@@ -301,7 +323,7 @@ class Trainer:
             else dict(stop_ids=tuple(getattr(self.task, "stop_ids", ())))
         )  # a task over a real tokenizer stops at EOS
         with recorder.phase("sampling"):
-            rollouts = sample(
+            return sample(
                 self.model,
                 self.state,
                 SamplingConfig(
@@ -313,14 +335,19 @@ class Trainer:
                     **stops,
                 ),
             )
-        if self.text is None:
-            rewards, advantages = self._rewards(step, example, rollouts.responses), None
-            text = {"reward": float(torch.tensor(rewards).mean())}
-        else:
+
+    def _group_rewards(self, step: int, example, rollouts, recorder: PhaseRecorder):
+        """(rewards, advantages or None, the record's reward fields): the task's, or the text rewards' (phase
+        `rewards`, with advantages of their own for unscorable completions)."""
+        if self.text is not None:
             with recorder.phase("rewards"):
-                rewards, advantages, text = self._text_rewards(step, example, rollouts)
-        ref_state = self._reference_state(step, recorder)
-        result = grpo_step(
+                return self._text_rewards(step, example, rollouts)
+        rewards = self._rewards(step, example, rollouts.responses)
+        return rewards, None, {"reward": float(torch.tensor(rewards).mean())}
+
+    def _update(self, example, rollouts, rewards, advantages, ref_state) -> dict:
+        """The group's transaction and optimizer step on the resident state (`grpo_step`); its metrics."""
+        return grpo_step(
             self.model,
             example.prompt_ids.to(self.device),
             rollouts.responses,
@@ -332,38 +359,7 @@ class Trainer:
             ref_state=ref_state,
             sampler_logps=rollouts.logprobs,
             advantages=advantages,
-        )
-        metrics = result.metrics
-        lr = self.scheduler.get_last_lr()[0]
-        self.scheduler.step()
-        transaction = {k: metrics[k] for k in TRANSACTION_KEYS if k in metrics}
-        transaction["phases"] = {**recorder.phases, **metrics["phases"]}
-        if ref_state is not None:
-            transaction["ref_resident_bytes"] = ref_state.nbytes
-        lengths = completion_metrics(metrics["response_tokens"], rollouts.finished)
-        return {
-            "step": step,
-            "prompt": step // self.cfg.steps_per_prompt,
-            "refreshed": refreshed,
-            "state_age": step - self.capture_step,
-            "drift_before": drift,
-            "lr": lr,
-            "reward_mean": metrics["reward_mean"],
-            "reward_std": float(torch.tensor(rewards).std()),
-            "rewards": rewards,
-            **text,
-            "advantages": metrics["advantages"],
-            **lengths,
-            "loss": metrics["loss"],
-            "grad_norm": metrics["grad_norm"],
-            SKIPPED: metrics[SKIPPED],  # None, or why the update was not applied (a loss or gradient not finite)
-            **metrics["stats"],
-            "logp_mismatch": metrics["logp_mismatch"],
-            "logp_mismatch_sampler": metrics["logp_mismatch_sampler"],
-            "response_tokens": metrics["response_tokens"],
-            "transaction": transaction,
-            "seconds": time.perf_counter() - start,
-        }
+        ).metrics
 
     # ---- checkpoints
     def _checkpoint_dir(self, step: int) -> Path:
@@ -534,6 +530,36 @@ class Trainer:
         bar.close()
         watch.close()
         return records
+
+
+def group_record(metrics: dict, rewards: list[float], text: dict, finished) -> dict:
+    """A step record's group and update: the rewards, the completions' lengths, the loss, the gradient, the
+    objective's statistics and the log-prob mismatches."""
+    return {
+        "reward_mean": metrics["reward_mean"],
+        "reward_std": float(torch.tensor(rewards).std()),
+        "rewards": rewards,
+        **text,
+        "advantages": metrics["advantages"],
+        **completion_metrics(metrics["response_tokens"], finished),
+        "loss": metrics["loss"],
+        "grad_norm": metrics["grad_norm"],
+        SKIPPED: metrics[SKIPPED],  # None, or why the update was not applied (a loss or gradient not finite)
+        **metrics["stats"],
+        "logp_mismatch": metrics["logp_mismatch"],
+        "logp_mismatch_sampler": metrics["logp_mismatch_sampler"],
+        "response_tokens": metrics["response_tokens"],
+    }
+
+
+def transaction_record(metrics: dict, recorder: PhaseRecorder, ref_state) -> dict:
+    """A step record's `transaction`: the transaction's memory measurements and every phase's, the trainer's
+    own (capture, sampling, rewards, ref_capture) first."""
+    transaction = {k: metrics[k] for k in TRANSACTION_KEYS if k in metrics}
+    transaction["phases"] = {**recorder.phases, **metrics["phases"]}
+    if ref_state is not None:
+        transaction["ref_resident_bytes"] = ref_state.nbytes
+    return transaction
 
 
 def _append_line(path: Path, line: str) -> None:
