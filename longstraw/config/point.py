@@ -20,12 +20,18 @@ from longstraw.config.sections import CaptureConfig, ModelConfig, OptimizerConfi
 from longstraw.config.typed import ConfigError, bounded, from_mapping, to_mapping
 
 KINDS = ("step", "capture", "capacity", "sweep", "staleness", "validation", "pretrain", "length_curve", "learning")
-# ours (`longstraw.core.step`), then the peers (`longstraw.peers`, the optional extra `.[peers]`)
-MODES = ("replay", "hold_all", "naive", "trl", "prefix_grouper")
+OUR_MODES = ("replay", "hold_all", "naive")  # `longstraw.core.step`
+# the peers' modes: each peer's name, added when it is registered (`longstraw.peers`, above the config)
+PEER_MODES: list[str] = []
 VALIDATION_MODES = ("response-only", "exact")
 VALIDATION_LEVELS = ("V1", "V2", "V3", "V4")
 
-Mode = Literal["replay", "hold_all", "naive", "trl", "prefix_grouper"]
+
+def check_mode(mode: str, key: str) -> None:
+    """Refuse a mode that is neither ours nor a registered peer's (`key`: the field the message names)."""
+    modes = [*OUR_MODES, *PEER_MODES]
+    if mode not in modes:
+        raise ValueError(f"{key}: must be one of {modes}, got {mode!r}")
 
 
 @dataclass
@@ -67,9 +73,11 @@ class CapacityConfig:
     granularity: int = bounded(1024, min=1)
     ceiling_bytes: Optional[int] = bounded(None, min=1)
     time_limit_seconds: Optional[float] = bounded(None, gt=0)
-    compare_modes: list[Mode] = field(default_factory=list)
+    compare_modes: list[str] = field(default_factory=list)
 
     def __post_init__(self):
+        for mode in self.compare_modes:
+            check_mode(mode, "compare_modes")
         if self.min_length > self.max_length:
             raise ValueError(f"min_length {self.min_length} exceeds max_length {self.max_length}")
 
@@ -218,7 +226,7 @@ class PointConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     prompt: PromptConfig = field(default_factory=PromptConfig)
     responses: ResponsesConfig = field(default_factory=ResponsesConfig)
-    mode: Mode = "replay"
+    mode: str = "replay"  # ours or a peer's (`check_mode`)
     cycles: int = bounded(1, min=1)
     # kind step, replay/hold_all: capture the prompt anew every cycle (warm steps as a peer runs them: the prompt
     # each step), instead of one capture serving every cycle (prefix reuse)
@@ -240,6 +248,7 @@ class PointConfig:
     learning: Optional[LearningConfig] = None
 
     def __post_init__(self):
+        check_mode(self.mode, "mode")
         others = [s for s in KIND_SECTIONS if s != self.kind and getattr(self, s) is not None]
         if others:
             raise ValueError(f"{others[0]}: a section of kind {others[0]}; this point is kind {self.kind}")

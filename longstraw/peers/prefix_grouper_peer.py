@@ -72,7 +72,8 @@ class PrefixGrouperPeer:
 
     mode = "prefix_grouper"
 
-    def __init__(self, model, config: grpo.GRPOConfig):
+    def __init__(self, model, config: grpo.GRPOConfig, max_response_length: int):
+        del max_response_length  # the step class's signature (`PeerStep`); one grouped row takes any length
         import prefix_grouper  # noqa: F401  (imported in the setup, not in the first step)
 
         _register()

@@ -27,6 +27,7 @@ from matplotlib.transforms import blended_transform_factory, offset_copy  # noqa
 
 from longstraw.plotting.ceiling import ceiling_reason  # noqa: E402
 from longstraw.plotting.formatting import LOG_SPAN, is_nested  # noqa: E402
+from longstraw.plotting.styles import MODE_COLORS  # noqa: E402, F401  (the figures' one table of mode colours)
 from longstraw.results import atomic_path  # noqa: E402
 
 PHASE_COLORS = {
@@ -40,13 +41,6 @@ PHASE_COLORS = {
     "replay": "#dd8452",
     "forward_backward": "#ccb974",
     "optimizer_step": "#55a868",
-}
-MODE_COLORS = {
-    "replay": "#dd8452",
-    "hold_all": "#4c72b0",
-    "naive": "#c44e52",
-    "trl": "#8172b3",
-    "prefix_grouper": "#55a868",
 }
 LINE_STYLES = ("-", "--", ":", "-.")  # one per model where a figure's lines span several
 PAPER_COLOR = "#8172b3"

@@ -10,7 +10,7 @@ modes on the models a peer ran on, from every experiment's tables.
   autotuning inside it) and, for a point of several cycles, the median of the others (`warm_step_seconds`).
 - Capacity rows (`capacity_rows`): each capacity search's largest fitting prompt, grouped with the searches of
   other systems under the same ceiling, model, G and response length.
-- Sentences (`sentences`): per peer, what it does differently (`peers.DIFFERENCES`), then what was measured
+- Sentences (`sentences`): per peer, what it does differently (its `Peer.difference`), then what was measured
   against its replay point (the point named as its own with "replay" for the peer: the same settings), derived
   from the rows: the range of its memory and time
   over replay's, and every point where it is lighter or faster than replay (or than all of our modes).
@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import textwrap
 
+from longstraw.config.point import OUR_MODES
 from longstraw.kinds.columns import number
-from longstraw.peers import DIFFERENCES, PEER_MODES, not_applicable
+from longstraw.peers import PEER_MODES, not_applicable, peer
 from longstraw.plotting.formatting import format_bytes
 from longstraw.report.aggregate import records
 from longstraw.report.store import Tables
 
-OURS = ("replay", "hold_all", "naive")
-SYSTEMS = OURS + PEER_MODES
 FIGURES = "peers-section"  # the figures' manifest key (not an experiment's name)
 CAPTIONS = {
     "peers_memory": "Step memory per system against prompt length at the largest G measured (left) and against G "
@@ -82,6 +81,16 @@ def _all_rows(tables: Tables):
             yield experiment, row
 
 
+def _systems() -> tuple[str, ...]:
+    """Our modes, then the registered peers."""
+    return OUR_MODES + tuple(PEER_MODES)
+
+
+def _label(system: str) -> str:
+    """A system's name in the sentences and legends: a peer's label, our mode's name."""
+    return peer(system).shown if system in PEER_MODES else system
+
+
 def peer_models(tables: Tables) -> list[str]:
     """The models a peer point ran on, in the order they first appear."""
     return list(
@@ -106,7 +115,7 @@ def step_rows(tables: Tables) -> list[dict]:
         if (
             experiment not in compared
             or row.get("kind") != "step"
-            or row.get("mode") not in SYSTEMS
+            or row.get("mode") not in _systems()
             or (number(row.get("cp_size")) or 1) > 1
             or row.get("source", "seeded") != "seeded"
         ):
@@ -189,7 +198,7 @@ def capacity_rows(tables: Tables) -> list[dict]:
             "search_stopped_on_time_limit": row.get("search_stopped_on_time_limit"),
         }
         for experiment, row in _all_rows(tables)
-        if row.get("kind") == "capacity" and row.get("model") in models and row.get("mode") in SYSTEMS
+        if row.get("kind") == "capacity" and row.get("model") in models and row.get("mode") in _systems()
     ]
 
 
@@ -198,10 +207,10 @@ def not_applicable_rows(tables: Tables) -> list[dict]:
     ran = {(r.get("model"), r.get("mode")) for _, r in _all_rows(tables)}
     types = {r.get("model"): r.get("model_type") for _, r in _all_rows(tables) if r.get("model_type")}
     return [
-        {"model": model, "system": peer, "reason": reason}
+        {"model": model, "system": name, "reason": reason}
         for model in peer_models(tables)
-        for peer in PEER_MODES
-        if (model, peer) not in ran and (reason := not_applicable(peer, str(types.get(model))))
+        for name in PEER_MODES
+        if (model, name) not in ran and (reason := not_applicable(name, str(types.get(model))))
     ]
 
 
@@ -218,58 +227,77 @@ def _span(values) -> str:
     return f"{low:.2f}x" if abs(high - low) < 0.005 else f"{low:.2f}-{high:.2f}x"
 
 
-def peer_sentences(peer: str, rows: list[dict]) -> list[str]:
-    """What was measured for `peer` against our modes, per model, from the step rows."""
+def peer_sentences(name: str, rows: list[dict]) -> list[str]:
+    """What was measured for peer `name` against our modes, per model, from the step rows."""
     out = []
-    for model in dict.fromkeys(r["model"] for r in rows if r["system"] == peer):
+    for model in dict.fromkeys(r["model"] for r in rows if r["system"] == name):
         mine = [r for r in rows if r["model"] == model]
-        theirs = [r for r in mine if r["system"] == peer]
+        theirs = [r for r in mine if r["system"] == name]
+        ours = _ours_by_cell(mine)
         paired = [r for r in theirs if r["memory_over_replay_ratio"] is not None]
-        ours = {}
-        for r in mine:
-            if r["system"] in OURS and r["status"] == "ok":
-                ours.setdefault(_cell(r), []).append(r)
         if paired:
-            memory = [r["memory_over_replay_ratio"] for r in paired]
-            time = [r["time_over_replay_ratio"] for r in paired if r["time_over_replay_ratio"] is not None]
-            warm = [r["warm_time_over_replay_ratio"] for r in paired if r["warm_time_over_replay_ratio"] is not None]
-            text = (
-                f"On {model}, against replay at the same prompt and G ({_points(len(paired))}): {peer}'s step "
-                f"memory is {_span(memory)} replay's"
-                + (f" and its step time {_span(time)}" if time else "")
-                + (f"; its warm step (the median after the first, {_points(len(warm))}) {_span(warm)}" if warm else "")
-                + "."
-            )
-            for ratio, key, word in (
-                ("memory_over_replay_ratio", "step_bytes", "lighter"),
-                ("time_over_replay_ratio", "step_seconds", "faster"),
-            ):
-                better = [r for r in paired if r[ratio] is not None and r[ratio] < 1]
-                best = [r for r in better if all(o[key] is not None and r[key] < o[key] for o in ours[_cell(r)])]
-                if better:
-                    text += (
-                        f" It is {word} than replay at {', '.join(_where(r) for r in better)}"
-                        + (
-                            f", {word} than every one of our modes measured there at "
-                            f"{', '.join(_where(r) for r in best)}"
-                            if best
-                            else ""
-                        )
-                        + "."
-                    )
-                else:
-                    text += f" It is {word} than replay at none of them."
-            out.append(text)
+            out.append(_against_replay(model, name, paired, ours))
         failed = [r for r in theirs if r["status"] != "ok"]
         if failed:
-            fits = [r for r in failed if _replay(ours, r)]
-            out.append(
-                f"On {model}, {peer} did not complete at {', '.join(_where(r) for r in failed)} "
-                f"({', '.join(sorted({str(r['status']) for r in failed}))})"
-                + (f", where replay did at {', '.join(_where(r) for r in fits)}" if fits else "")
-                + "."
-            )
+            out.append(_not_completed(model, name, failed, ours))
     return out
+
+
+def _ours_by_cell(rows: list[dict]) -> dict[tuple, list[dict]]:
+    """Our modes' completed rows, by model, prompt, G and response length."""
+    ours = {}
+    for r in rows:
+        if r["system"] in OUR_MODES and r["status"] == "ok":
+            ours.setdefault(_cell(r), []).append(r)
+    return ours
+
+
+def _against_replay(model: str, name: str, paired: list[dict], ours: dict) -> str:
+    """The span of the peer's memory and time over replay's, then where it is lighter and where faster."""
+    memory = [r["memory_over_replay_ratio"] for r in paired]
+    time = [r["time_over_replay_ratio"] for r in paired if r["time_over_replay_ratio"] is not None]
+    warm = [r["warm_time_over_replay_ratio"] for r in paired if r["warm_time_over_replay_ratio"] is not None]
+    text = (
+        f"On {model}, against replay at the same prompt and G ({_points(len(paired))}): {_label(name)}'s step "
+        f"memory is {_span(memory)} replay's"
+        + (f" and its step time {_span(time)}" if time else "")
+        + (f"; its warm step (the median after the first, {_points(len(warm))}) {_span(warm)}" if warm else "")
+        + "."
+    )
+    for ratio, key, word in (
+        ("memory_over_replay_ratio", "step_bytes", "lighter"),
+        ("time_over_replay_ratio", "step_seconds", "faster"),
+    ):
+        text += " " + _where_better(paired, ours, ratio, key, word)
+    return text
+
+
+def _where_better(paired: list[dict], ours: dict, ratio: str, key: str, word: str) -> str:
+    """Where the peer's `ratio` over replay is below 1, and where it beats every one of our modes too."""
+    better = [r for r in paired if r[ratio] is not None and r[ratio] < 1]
+    if not better:
+        return f"It is {word} than replay at none of them."
+    best = [r for r in better if all(o[key] is not None and r[key] < o[key] for o in ours[_cell(r)])]
+    return (
+        f"It is {word} than replay at {', '.join(_where(r) for r in better)}"
+        + (
+            f", {word} than every one of our modes measured there at {', '.join(_where(r) for r in best)}"
+            if best
+            else ""
+        )
+        + "."
+    )
+
+
+def _not_completed(model: str, name: str, failed: list[dict], ours: dict) -> str:
+    """Where the peer's step did not complete, and where replay's did there."""
+    fits = [r for r in failed if _replay(ours, r)]
+    return (
+        f"On {model}, {_label(name)} did not complete at {', '.join(_where(r) for r in failed)} "
+        f"({', '.join(sorted({str(r['status']) for r in failed}))})"
+        + (f", where replay did at {', '.join(_where(r) for r in fits)}" if fits else "")
+        + "."
+    )
 
 
 def _replay(ours: dict, row: dict) -> dict | None:
@@ -290,10 +318,10 @@ def capacity_sentences(rows: list[dict]) -> list[str]:
             continue
         searches = [r["system"] for r in members]  # a system searched twice is told apart by its point
         reach = [
-            f"{r['system']}"
+            _label(r["system"])
             + (f" ({r['experiment']}/{r['point']})" if searches.count(r["system"]) > 1 else "")
             + f" {_reach(r)}"
-            for r in sorted(members, key=lambda r: SYSTEMS.index(r["system"]))
+            for r in sorted(members, key=lambda r: _systems().index(r["system"]))
         ]
         out.append(
             f"Largest prompt whose G={int(g)} step fits under {format_bytes(ceiling)} on {model} "
@@ -315,11 +343,11 @@ def _reach(row: dict) -> str:
 def sentences(steps: list[dict], capacity: list[dict], skipped: list[dict]) -> dict[str, list[str]]:
     """{peer: [what it does differently, then what was measured]}, for each peer with a row or a reason."""
     out = {}
-    for peer in PEER_MODES:
-        measured = peer_sentences(peer, steps)
-        reasons = [f"Not applicable to {r['model']}: {r['reason']}." for r in skipped if r["system"] == peer]
-        if measured or reasons or any(r["system"] == peer for r in capacity):
-            out[peer] = [DIFFERENCES[peer]] + measured + reasons
+    for name in PEER_MODES:
+        measured = peer_sentences(name, steps)
+        reasons = [f"Not applicable to {r['model']}: {r['reason']}." for r in skipped if r["system"] == name]
+        if measured or reasons or any(r["system"] == name for r in capacity):
+            out[name] = [peer(name).difference] + measured + reasons
     return out
 
 
@@ -345,6 +373,7 @@ def figures(tables: Tables, ceiling: dict):
 
 
 def _plot(rows: list[dict], key: str, ceiling: dict | None, searched: dict):
+    """One panel row per model: `key` against prompt length at its largest G, and against G at its longest prompt."""
     from longstraw.plotting import draw
 
     models = list(dict.fromkeys(r["model"] for r in rows))
@@ -356,59 +385,59 @@ def _plot(rows: list[dict], key: str, ceiling: dict | None, searched: dict):
     axis = draw.memory_axis(values) if memory else None
     for line, model in zip(axes, models):
         mine = [r for r in rows if r["model"] == model]
-        g_top, p_top = _longest(mine, "G"), _longest(mine, "prompt_length")
-        for ax, x_key, fixed_key, fixed in (
-            (line[0], "prompt_length", "G", g_top),
-            (line[1], "G", "prompt_length", p_top),
-        ):
+        for ax, x_key, fixed_key in ((line[0], "prompt_length", "G"), (line[1], "G", "prompt_length")):
+            fixed = _longest(mine, fixed_key)
             cut = [r for r in mine if r[fixed_key] == fixed]
-            for system in SYSTEMS:
-                ok = sorted(
-                    (r for r in cut if r["system"] == system and r["status"] == "ok" and r[key] is not None),
-                    key=lambda r: r[x_key],
-                )
-                if ok:
-                    ax.plot(
-                        [r[x_key] for r in ok],
-                        [r[key] / (axis.scale if axis else 1) for r in ok],
-                        marker="o",
-                        label=system,
-                        color=draw.MODE_COLORS.get(system),
-                        linestyle="--" if system in PEER_MODES else "-",
-                    )
-            for r in cut:
-                if r["status"] != "ok":
-                    draw.mark_failed(ax, r[x_key], r, axis.scale if axis else 1.0, value_key=key if memory else None)
+            scale = axis.scale if axis else 1.0
+            _draw_systems(ax, cut, x_key, key, scale, memory)
             if device:
-                ax.axhline(
-                    device / axis.scale,
-                    color="black",
-                    linestyle="--",
-                    linewidth=1,
-                    label=textwrap.fill(f"ceiling: {ceiling['label']}", 44),
-                )
+                label = textwrap.fill(f"ceiling: {ceiling['label']}", 44)
+                ax.axhline(device / scale, color="black", linestyle="--", linewidth=1, label=label)
             for value in sorted(searched.get(model, ())):
-                ax.axhline(
-                    value / axis.scale,
-                    color="black",
-                    linestyle=":",
-                    linewidth=1,
-                    label=f"capacity search ceiling {format_bytes(value)}",
-                )
-            ax.set_xscale("log", base=2)
-            xs = sorted({r[x_key] for r in cut if r[x_key] is not None})
-            ax.set_xticks(xs, [f"{int(x):,}" for x in xs])
-            ax.set_xlabel("prompt length (positions)" if x_key == "prompt_length" else "G (responses per prompt)")
-            if axis:
-                axis.finish(ax)
-            else:
-                ax.set_ylim(bottom=0)
-                ax.set_ylabel("step seconds (s)")
+                label = f"capacity search ceiling {format_bytes(value)}"
+                ax.axhline(value / scale, color="black", linestyle=":", linewidth=1, label=label)
+            _finish_panel(ax, cut, x_key, axis)
             fixed_text = f"G={int(fixed)}" if fixed_key == "G" else f"P={int(fixed):,}"
             ax.set_title(f"{model}, {fixed_text}", fontsize=9)
     draw.legend_outside(axes[0][1], *draw.shared_legend(list(axes.flat)))
     fig.suptitle("Peers: step memory" if memory else "Peers: step time", fontsize=10)
     return fig
+
+
+def _draw_systems(ax, cut: list[dict], x_key: str, key: str, scale: float, memory: bool) -> None:
+    """One line per system over its completed rows (a peer's dashed), and a marker at each row that did not."""
+    from longstraw.plotting import draw
+
+    for system in _systems():
+        ok = sorted(
+            (r for r in cut if r["system"] == system and r["status"] == "ok" and r[key] is not None),
+            key=lambda r: r[x_key],
+        )
+        if ok:
+            ax.plot(
+                [r[x_key] for r in ok],
+                [r[key] / scale for r in ok],
+                marker="o",
+                label=_label(system),
+                color=draw.MODE_COLORS.get(system),
+                linestyle="--" if system in PEER_MODES else "-",
+            )
+    for r in cut:
+        if r["status"] != "ok":
+            draw.mark_failed(ax, r[x_key], r, scale, value_key=key if memory else None)
+
+
+def _finish_panel(ax, cut: list[dict], x_key: str, axis) -> None:
+    """A log-2 x axis ticked at the measured values; the memory axis's units, or step seconds from zero."""
+    ax.set_xscale("log", base=2)
+    xs = sorted({r[x_key] for r in cut if r[x_key] is not None})
+    ax.set_xticks(xs, [f"{int(x):,}" for x in xs])
+    ax.set_xlabel("prompt length (positions)" if x_key == "prompt_length" else "G (responses per prompt)")
+    if axis:
+        axis.finish(ax)
+    else:
+        ax.set_ylim(bottom=0)
+        ax.set_ylabel("step seconds (s)")
 
 
 # ------------------------------------------------------------------------------------------- page
@@ -421,7 +450,7 @@ def view(tables: Tables) -> dict | None:
     if not any(r["system"] in PEER_MODES for r in steps + capacity):
         return None
     skipped = not_applicable_rows(tables)
-    order = {s: i for i, s in enumerate(SYSTEMS)}
+    order = {s: i for i, s in enumerate(_systems())}
     steps.sort(key=lambda r: (str(r["model"]), r["G"] or 0, r["prompt_length"] or 0, order[r["system"]]))
     return {
         "sentences": sentences(steps, capacity, skipped),
