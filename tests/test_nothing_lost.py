@@ -17,12 +17,12 @@ import yaml
 from test_trust import POINT
 
 from longstraw import capture, cli
+from longstraw.cells import finite, number
 from longstraw.config import GRPOConfig
 from longstraw.config.sections import LoraConfig, ModelConfig
 from longstraw.core.grpo import group_advantages
 from longstraw.core.step import grpo_step
 from longstraw.harness import runner
-from longstraw.kinds.columns import finite, number
 from longstraw.models import build_model, real
 from longstraw.models.lora import apply_lora
 from longstraw.models.policy import build_policy

@@ -38,17 +38,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from longstraw.cells import ExtraTable, as_dict, number, phase_seconds, point_parts, ratio, rows_of_points, status_of
 from longstraw.config import PointConfig
-from longstraw.kinds.columns import (
-    ExtraTable,
-    as_dict,
-    number,
-    phase_seconds,
-    point_parts,
-    ratio,
-    rows_of_points,
-    status_of,
-)
 from longstraw.kinds.step import STEP_PHASES
 
 if TYPE_CHECKING:

@@ -25,9 +25,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from longstraw.cells import ExtraTable, as_dict, number, point_parts, rows_of_points
 from longstraw.config import ConfigError, PointConfig, point_mapping
 from longstraw.kinds.checks import check_task
-from longstraw.kinds.columns import ExtraTable, as_dict, number, point_parts, rows_of_points
 from longstraw.results import SKIPPED, strict_json, write_text_atomic
 
 

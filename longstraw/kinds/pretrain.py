@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from longstraw.cells import ExtraTable, as_dict, number, point_parts, rows_of_points
 from longstraw.config import PointConfig
 from longstraw.kinds.checks import check_named_preset, check_task
-from longstraw.kinds.columns import ExtraTable, as_dict, number, point_parts, rows_of_points
 
 
 def check(cfg: PointConfig, source: str) -> None:

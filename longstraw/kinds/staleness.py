@@ -14,9 +14,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from longstraw.config import PointConfig
-from longstraw.kinds.checks import check_task
-from longstraw.kinds.columns import (
+from longstraw.cells import (
     ExtraTable,
     as_dict,
     finite,
@@ -27,6 +25,8 @@ from longstraw.kinds.columns import (
     rows_of_points,
     status_of,
 )
+from longstraw.config import PointConfig
+from longstraw.kinds.checks import check_task
 
 
 def check(cfg: PointConfig, source: str) -> None:

@@ -20,8 +20,8 @@ import statistics
 import textwrap
 from typing import TYPE_CHECKING
 
+from longstraw.cells import as_dict, finite, is_cuda_point, number, phase_columns, point_parts
 from longstraw.config import PointConfig
-from longstraw.kinds.columns import as_dict, finite, is_cuda_point, number, phase_columns, point_parts
 from longstraw.peers import PEER_MODES
 
 if TYPE_CHECKING:

@@ -15,13 +15,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from longstraw.config import PointConfig
-from longstraw.config.point import with_group
-from longstraw.kinds.capture import capture_columns
-from longstraw.kinds.columns import (
+from longstraw.cells import (
     ExtraTable,
     as_dict,
-    common_columns,
     finite,
     is_cuda_point,
     max_number,
@@ -33,6 +29,10 @@ from longstraw.kinds.columns import (
     rows_of_points,
     status_of,
 )
+from longstraw.config import PointConfig
+from longstraw.config.point import with_group
+from longstraw.kinds.capture import capture_columns
+from longstraw.kinds.columns import common_columns
 from longstraw.kinds.step import STEP_PHASES, plot_g_sweep_memory
 
 if TYPE_CHECKING:

@@ -50,12 +50,13 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from longstraw.cells import as_dict
 from longstraw.config import PointConfig
 from longstraw.config.point import VALIDATION_LEVELS, VALIDATION_MODES, trainer_mapping
 from longstraw.config.train import resolve_train
 from longstraw.config.typed import ConfigError
 from longstraw.kinds.checks import check_named_preset
-from longstraw.kinds.columns import as_dict, family_of, model_type_of
+from longstraw.kinds.columns import family_of, model_type_of
 from longstraw.models.presets import PRESETS
 
 if TYPE_CHECKING:

@@ -35,9 +35,10 @@ import pandas as pd
 import yaml
 
 from longstraw import kinds
+from longstraw.cells import as_dict, number, point_parts, scalar
 from longstraw.config import recorded_config, recorded_grid
 from longstraw.harness.plan import RESERVED_NAMES
-from longstraw.kinds.columns import as_dict, common_columns, number, point_parts, scalar
+from longstraw.kinds.columns import common_columns
 from longstraw.plotting.ceiling import memory_ceiling
 from longstraw.report.store import write_tables
 from longstraw.results import STATUSES

@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 from longstraw import kinds
-from longstraw.kinds.columns import ExperimentData
+from longstraw.cells import ExperimentData
 from longstraw.plotting.draw import save_png
 from longstraw.report import memory_vs_length, peers
 from longstraw.report.aggregate import grid_columns, records

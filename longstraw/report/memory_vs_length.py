@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 
-from longstraw.kinds.columns import number
+from longstraw.cells import number
 from longstraw.report.aggregate import grid_columns, records
 from longstraw.report.store import Tables
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import textwrap
 
-from longstraw.kinds.columns import number
+from longstraw.cells import number
 from longstraw.peers import DIFFERENCES, PEER_MODES, not_applicable
 from longstraw.plotting.formatting import format_bytes
 from longstraw.report.aggregate import records

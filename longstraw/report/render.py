@@ -34,7 +34,7 @@ import jinja2
 import pandas as pd
 
 from longstraw import kinds
-from longstraw.kinds.columns import as_dict, number
+from longstraw.cells import as_dict, number
 from longstraw.plotting.ceiling import ceiling_reason
 from longstraw.plotting.formatting import LOG_SPAN, column_label, exact_value, format_value, is_missing, is_nested
 from longstraw.report import peers, shorten
