@@ -35,12 +35,33 @@ from __future__ import annotations
 import dataclasses
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 from longstraw.cells import ExtraTable, as_dict, number, phase_seconds, point_parts, ratio, rows_of_points, status_of
-from longstraw.config import PointConfig
+from longstraw.config import ConfigError, PointConfig
+from longstraw.config.point import Mode
+from longstraw.config.typed import bounded
+from longstraw.kinds.spec import Kind
 from longstraw.kinds.step import STEP_PHASES
+
+
+@dataclass
+class CapacityConfig:
+    """The largest-prompt search (`longstraw.kinds.capacity`)."""
+
+    min_length: int = bounded(1024, min=2)
+    max_length: int = bounded(1 << 20, min=2)
+    granularity: int = bounded(1024, min=1)
+    ceiling_bytes: Optional[int] = bounded(None, min=1)
+    time_limit_seconds: Optional[float] = bounded(None, gt=0)
+    compare_modes: list[Mode] = field(default_factory=list)
+
+    def __post_init__(self):
+        if self.min_length > self.max_length:
+            raise ValueError(f"min_length {self.min_length} exceeds max_length {self.max_length}")
+
 
 if TYPE_CHECKING:
     from longstraw.kinds.common import Progress
@@ -458,3 +479,47 @@ def plot_capacity_step_time(rows, title: str):
     if phases:
         draw.legend_outside(ax)
     return fig
+
+
+def check(cfg: PointConfig, source: str) -> None:
+    """On CPU: an emulated ceiling, and whole steps (a partial step's peak RSS would read low)."""
+    if cfg.model.device.startswith("cuda"):
+        return
+    if cfg.capacity.ceiling_bytes is None:
+        raise ConfigError(
+            f"{source}: capacity.ceiling_bytes: a capacity search on CPU needs an emulated memory "
+            "ceiling (bytes of peak RSS above the weights)"
+        )
+    if cfg.responses.probe_members is not None:
+        raise ConfigError(
+            f"{source}: responses.probe_members: for CUDA capacity searches; on CPU the measured "
+            "peak RSS grows over members, so a partial step would read low"
+        )
+
+
+def longest_runs(cfg: PointConfig) -> list[tuple[str, int, str | None, int]]:
+    """Its probes are steps at lengths up to max_length, which bounds the search (a search may set it to the
+    model's limit): the bound within the limit, and the first probe's response after its prompt."""
+    c = cfg.capacity
+    return [
+        ("capacity.max_length", c.max_length, None, 0),
+        ("capacity.min_length", c.min_length, "responses.length", cfg.responses.length),
+    ]
+
+
+KIND = Kind(
+    "capacity",
+    run=run,
+    section=CapacityConfig,
+    check=check,
+    modes=lambda cfg: [cfg.mode, *cfg.capacity.compare_modes],
+    longest_runs=longest_runs,
+    shards_state=False,
+    columns=columns,
+    tables=tables,
+    extra_tables=EXTRA_TABLES,
+    shown=SHOWN,
+    notes=notes,
+    figures=figures,
+    captions=CAPTIONS,
+)

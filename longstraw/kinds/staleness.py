@@ -12,7 +12,8 @@ paper's stated band beside them."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional
 
 from longstraw.cells import (
     ExtraTable,
@@ -26,7 +27,25 @@ from longstraw.cells import (
     status_of,
 )
 from longstraw.config import PointConfig
+from longstraw.config.typed import bounded
 from longstraw.kinds.checks import check_task
+from longstraw.kinds.spec import Kind
+
+
+@dataclass
+class StalenessConfig:
+    """The fresh-prefix oracle (`longstraw.training.oracle`)."""
+
+    steps: int = bounded(8, min=1)
+    threshold: float = bounded(1.0e-3, gt=0)
+    # L2 norm of the random parameter perturbation that measures the numerical floor (None: not measured)
+    floor_perturbation: Optional[float] = bounded(None, gt=0)
+    # a task spec: the prompt is its example (seed prompt.seed, length prompt.length) and the rewards are
+    # its rewards; empty: a seeded random prompt and uniform random rewards (a model no task reward moves)
+    task: dict = field(default_factory=dict)
+    # with a task: how many prompt seeds (from prompt.seed on) to try for one whose first group's rewards
+    # differ, so that the first step updates the parameters (1: prompt.seed whatever its rewards)
+    prompt_search: int = bounded(1, min=1)
 
 
 def check(cfg: PointConfig, source: str) -> None:
@@ -767,3 +786,26 @@ def plot_drift(points: list[dict], drift: list[dict], grid, title: str, bands=()
     draw.legend_outside(axes[0][2], *draw.shared_legend(axes.flat))
     fig.suptitle(f"{title}: drift of a reused prompt state against a fresh capture, per step", fontsize=10)
     return fig
+
+
+def tasks(cfg: PointConfig) -> list:
+    """Its task, where the prompt and rewards are a task's."""
+    task = cfg.staleness.task
+    return [("staleness.task", task, [cfg.prompt.length], "prompt.length")] if task else []
+
+
+KIND = Kind(
+    "staleness",
+    run=run,
+    section=StalenessConfig,
+    check=check,
+    tasks=tasks,
+    columns=columns,
+    tables=tables,
+    extra_tables=EXTRA_TABLES,
+    shown=SHOWN,
+    notes=notes,
+    figures=figures,
+    captions=CAPTIONS,
+    contributes={"regime_sentence": regime_sentence, "refresh_interval_sentence": refresh_interval_sentence},
+)

@@ -21,8 +21,28 @@ import textwrap
 from typing import TYPE_CHECKING
 
 from longstraw.cells import as_dict, finite, is_cuda_point, number, phase_columns, point_parts
-from longstraw.config import PointConfig
+from longstraw.config import PointConfig, to_mapping
+from longstraw.config.point import trainer_sections
+from longstraw.kinds.spec import Kind
 from longstraw.peers import PEER_MODES
+
+
+def cycles_mapping(cfg: PointConfig, out_dir) -> dict:
+    """The trainer's config for a step point with `responses.source: rollouts`: `cycles` steps on one
+    prompt and one capture (refresh never), G samples of at most `responses.length` tokens, the point's
+    optimizer."""
+    r = cfg.responses
+    return {
+        **trainer_sections(cfg, out_dir),
+        "task": {**r.task, "length": cfg.prompt.length},
+        "steps": cfg.cycles,
+        "steps_per_prompt": cfg.cycles,
+        "seed": cfg.prompt.seed,
+        "sampling": {"max_new_tokens": r.length},
+        "optimizer": to_mapping(cfg.optimizer),
+        "refresh": {"policy": "never"},
+    }
+
 
 if TYPE_CHECKING:
     from longstraw.kinds.common import Progress
@@ -76,7 +96,6 @@ def run_rollouts(cfg: PointConfig, device, progress: Progress) -> dict:
     transaction's (phases, graph and resident bytes) with the step's rewards, loss and gradient norm."""
     import tempfile
 
-    from longstraw.config.point import cycles_mapping
     from longstraw.measure.memory import PhaseRecorder
     from longstraw.models.lora import trainable_parameters
     from longstraw.training.trainer import Trainer
@@ -548,3 +567,16 @@ def plot_phase_seconds(rows, grid, title: str):
     if phases:  # points that all failed have no phase to label
         draw.legend_outside(ax)
     return fig
+
+
+KIND = Kind(
+    "step",
+    run=run,
+    modes=lambda cfg: [cfg.mode],
+    step_options=True,
+    columns=columns,
+    shown=SHOWN,
+    notes=notes,
+    figures=figures,
+    captions=CAPTIONS,
+)

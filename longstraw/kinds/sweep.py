@@ -13,6 +13,7 @@ capture once then every step, against the ceiling."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from longstraw.cells import (
@@ -33,7 +34,22 @@ from longstraw.config import PointConfig
 from longstraw.config.point import with_group
 from longstraw.kinds.capture import capture_columns
 from longstraw.kinds.columns import common_columns
+from longstraw.kinds.spec import Kind
 from longstraw.kinds.step import STEP_PHASES, plot_g_sweep_memory
+
+
+@dataclass
+class SweepConfig:
+    """One capture serving steps at these group sizes: replay's, then hold_all's."""
+
+    replay: list[int] = field(default_factory=lambda: [2, 8])
+    hold_all: list[int] = field(default_factory=lambda: [2, 4, 8])
+
+    def __post_init__(self):
+        for mode in ("replay", "hold_all"):
+            if any(g < 1 for g in getattr(self, mode)):
+                raise ValueError(f"{mode}: group sizes must be >= 1, got {getattr(self, mode)}")
+
 
 if TYPE_CHECKING:
     from longstraw.kinds.common import Progress
@@ -497,3 +513,17 @@ def plot_step_phase_peaks(row: dict, steps: list[dict], ceiling: dict, title: st
         fontsize=9,
     )
     return fig
+
+
+KIND = Kind(
+    "sweep",
+    run=run,
+    section=SweepConfig,
+    columns=columns,
+    tables=tables,
+    extra_tables=EXTRA_TABLES,
+    shown=SHOWN,
+    notes=notes,
+    figures=figures,
+    captions=CAPTIONS,
+)

@@ -47,16 +47,18 @@ import copy
 import dataclasses
 import math
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal, Optional
 
 from longstraw.cells import as_dict
 from longstraw.config import PointConfig
-from longstraw.config.point import VALIDATION_LEVELS, VALIDATION_MODES, trainer_mapping
+from longstraw.config.point import trainer_sections
 from longstraw.config.train import resolve_train
-from longstraw.config.typed import ConfigError
+from longstraw.config.typed import ConfigError, bounded
 from longstraw.kinds.checks import check_named_preset
 from longstraw.kinds.columns import family_of, model_type_of
+from longstraw.kinds.spec import Built, Kind
 from longstraw.models.presets import PRESETS
 
 if TYPE_CHECKING:
@@ -64,13 +66,48 @@ if TYPE_CHECKING:
 
     from longstraw.kinds.common import Progress
 
-MODES, LEVELS = VALIDATION_MODES, VALIDATION_LEVELS
+MODES = ("response-only", "exact")
+LEVELS = ("V1", "V2", "V3", "V4")
 TOLERANCES = {"float32": 1e-4, "float64": 1e-4, "bfloat16": 2e-2, "float16": 2e-2}
 NOISE_FACTOR = 2.0  # low precision: our error to float32 may be this multiple of HF's own
 V1_TOLERANCE = (
     "finite loss and gradient norm, resident fingerprint unchanged after all replays; CUDA: every "
     "phase's peak allocated bytes below the device's total memory (CPU: completed, no ceiling)"
 )
+
+
+@dataclass
+class ValidationConfig:
+    """The validation levels (`longstraw.kinds.validation`): gradient modes and levels per path;
+    `presets`: the models (empty: `model` alone); `tolerance`: V2/V3's (None: by dtype); `window`:
+    V4's k steps; `train`: V4's trainer settings (a `longstraw train` config without model, grpo
+    and capture, which are the point's)."""
+
+    modes: list[Literal["response-only", "exact"]] = field(default_factory=lambda: ["response-only", "exact"])
+    levels: list[Literal["V1", "V2", "V3", "V4"]] = field(default_factory=lambda: ["V1", "V2", "V3"])
+    presets: list[str] = field(default_factory=list)
+    tolerance: Optional[float] = bounded(None, gt=0)
+    weights_seed: int = 0
+    window: int = bounded(8, min=2)  # V4 pairs the last `window` steps' prompts (at least 2)
+    train: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if not self.modes or not self.levels:
+            raise ValueError("modes and levels must not be empty")
+        if "V4" in self.levels and not self.train:
+            raise ValueError("train: level V4 needs the trainer's settings (task, steps, sampling, ...)")
+
+
+def trainer_mapping(cfg: PointConfig, lr: float, out_dir) -> dict:
+    """The trainer's config for a validation point's V4: `trainer_sections` and `lr`, then
+    `validation.train` (task, steps, sampling, ...)."""
+    train = copy.deepcopy(cfg.validation.train)
+    sections = trainer_sections(cfg, out_dir)
+    merged = {**sections, **train}
+    merged["grpo"] = {**sections["grpo"], **train.get("grpo", {})}  # the trainer's own group size, the point's rest
+    merged["optimizer"] = {**train.get("optimizer", {}), "lr": lr}
+    merged["output"] = {"dir": str(out_dir), "checkpoint_every": 0}
+    return merged
 
 
 def check(cfg: PointConfig, source: str) -> None:
@@ -700,3 +737,58 @@ def tables(points: list[dict]) -> dict[str, list[dict]]:
             }
             rows.append(path_row(point, None, None, "—", "", {"V1": broken}))
     return {PATHS: rows}
+
+
+def v4_train(cfg: PointConfig):
+    """The trainer config of V4 (None without V4)."""
+    if "V4" not in cfg.validation.levels:
+        return None
+    return resolve_train(trainer_mapping(cfg, cfg.optimizer.lr, "unused"), "validation.train")
+
+
+def models(cfg: PointConfig) -> list[Built] | None:
+    """With `validation.presets`, each of them (the point's overrides on each); else the point's model."""
+    if not cfg.validation.presets:
+        return None
+    return [
+        Built(name, None, cfg.model.overrides, f"validation.presets[{i}]", dtype=cfg.model.dtype)
+        for i, name in enumerate(cfg.validation.presets)
+    ]
+
+
+def longest_runs(cfg: PointConfig) -> list:
+    """The point's prompt and responses, and V4's task length and samples."""
+    runs = [("prompt.length", cfg.prompt.length, "responses.length", cfg.responses.length)]
+    train = v4_train(cfg)
+    if train is not None and isinstance(train.task.get("length"), int):
+        runs.append(
+            (
+                "validation.train.task.length",
+                train.task["length"],
+                "validation.train.sampling.max_new_tokens",
+                train.sampling.max_new_tokens,
+            )
+        )
+    return runs
+
+
+def tasks(cfg: PointConfig) -> list:
+    train = v4_train(cfg)
+    if train is None:
+        return []
+    return [("validation.train.task", train.task, [train.task.get("length")], "validation.train.task.length")]
+
+
+KIND = Kind(
+    "validation",
+    run=run,
+    section=ValidationConfig,
+    check=check,
+    models=models,
+    longest_runs=longest_runs,
+    tasks=tasks,
+    exact_key=lambda cfg: "validation.modes" if "exact" in cfg.validation.modes else None,
+    tables=tables,
+    shown=SHOWN,
+    contributes={"levels": LEVELS, "level_state": STATE, "scale_text": scale_text, "paths_table": PATHS},
+)

@@ -1,6 +1,6 @@
 """The figures stage: tables (CSV, `store`) -> one PNG per figure and `manifest.json` listing them
 (file, experiment, caption, and the kind that drew it), which the page reads. Which figures an experiment
-gets follows from its data, not its name: every kind draws what its rows support (`kinds.<kind>.figures`), so a
+gets follows from its data, not its name: every kind draws what its rows support (`Kind.figures`), so a
 later experiment with step / capture / capacity / sweep / staleness points gets the same figures.
 
 oom and error points are drawn as red / orange markers with a label, never dropped silently.
@@ -81,8 +81,8 @@ def make_figures(tables_dir, out_dir, marks: dict | None = None) -> dict[str, Pa
         )
     for name in tables.manifest["experiments"]:
         data = experiment_data(tables, name)
-        for kind in kinds.KINDS:
-            captions = kinds.part(kind, "CAPTIONS")
+        for kind in kinds.names():
+            captions = kinds.part(kind, "captions")
             for figure, fig in kinds.part(kind, "figures")(data, ceiling, marks.get(name, ())):
                 key = f"{name}/{figure}"
                 drawn[key] = save_png(fig, out_dir / f"{name}.{figure}.png")

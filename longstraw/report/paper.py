@@ -12,7 +12,7 @@ steps 1-2, or its refresh interval; `kind` keeps the points of that kind): its v
 matches (a list value matches any of its items), each named by the `label` column, or with
 `format: refresh_interval` the derived refresh interval in a sentence; a point that did not complete
 gets its row with its status. `op: regime` (with `low`, `high`, `positions`) says in one row whether a
-staleness drift range appears and at which learning rate (`kinds.staleness.regime_sentence`).
+staleness drift range appears and at which learning rate (the staleness kind's `regime_sentence`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import yaml
 
-from longstraw.kinds.staleness import refresh_interval_sentence, regime_sentence
+from longstraw import kinds
 from longstraw.plotting.formatting import exact_value, format_bytes, format_number, format_value, is_missing
 
 NOT_MEASURED = "not yet measured"
@@ -269,7 +269,7 @@ def per_point_rows(figure: dict, rows: list[dict]) -> list[dict]:
         if point.get("status") != "ok":
             text = f"no result: status {point.get('status')}" + (f" ({point['error']})" if point.get("error") else "")
         elif spec.get("format") == "refresh_interval":
-            text, value = refresh_interval_sentence(point), exact_value(point.get(column))
+            text, value = kinds.contributed("refresh_interval_sentence")(point), exact_value(point.get(column))
         else:
             mine = [
                 r
@@ -311,7 +311,9 @@ def compare_figures(paper: dict, rows_by_experiment: dict[str, list[dict]], ceil
         rows = rows_by_experiment.get(experiment, [])
         spec = figure.get("ours") or {}
         if spec.get("op") == "regime" and _point_rows(rows):
-            text = regime_sentence(_point_rows(rows), spec["low"], spec["high"], spec.get("positions"))
+            text = kinds.contributed("regime_sentence")(
+                _point_rows(rows), spec["low"], spec["high"], spec.get("positions")
+            )
             out.append(
                 {
                     "experiment": experiment,

@@ -188,10 +188,10 @@ def with_csv(view: dict, rows: list[dict], csv: str) -> dict:
 
 
 def shown_columns(kind: str, rows: list[dict], grid: list[str]) -> list[str]:
-    """The columns a kind's table shows (`kinds.<kind>.SHOWN`), the grid first: its scalar settings
+    """The columns a kind's table shows (`Kind.shown`), the grid first: its scalar settings
     (a nested one, e.g. a sweep's G lists, the point's name says; the CSV has it)."""
     grid = [k for k in grid if not any(is_nested(r.get(k)) for r in rows)]
-    chosen = kinds.part(kind, "SHOWN")
+    chosen = kinds.part(kind, "shown")
     if chosen is None:  # a kind added later: its numeric metrics, a dozen at most
         keys = dict.fromkeys(k for r in rows for k in r)
         numeric = [
@@ -304,15 +304,15 @@ def extra_specs(rows: list[dict]) -> list[tuple]:
     present = {str(r.get("kind")) for r in rows}
     return [
         (suffix, spec)
-        for kind in kinds.KINDS
+        for kind in kinds.names()
         if kind in present
-        for suffix, spec in kinds.part(kind, "EXTRA_TABLES").items()
+        for suffix, spec in kinds.part(kind, "extra_tables").items()
     ]
 
 
 def extra_tables(tables: Tables, name: str, rows: list[dict], links: dict | None = None) -> list[dict]:
     """The kinds' own tables of an experiment (`rows`: its point rows), as the page shows them
-    (`kinds.<kind>.EXTRA_TABLES`), each beside its CSV."""
+    (`Kind.extra_tables`), each beside its CSV."""
     out = []
     for suffix, spec in extra_specs(rows):
         df = tables.frame(f"{name}.{suffix}")
@@ -333,7 +333,7 @@ def extra_tables(tables: Tables, name: str, rows: list[dict], links: dict | None
 
 
 def section_notes(rows: list[dict], grid: list[str] = ()) -> list[str]:
-    """What a row cannot say in one cell, row by row (`kinds.<kind>.notes`), and where real weights came from."""
+    """What a row cannot say in one cell, row by row (`Kind.notes`), and where real weights came from."""
     weights = [w for w in dict.fromkeys(row.get("weights") for row in rows) if w]
     return [note for row in rows for note in kinds.part(row.get("kind"), "notes")(row, list(grid))] + weights
 
@@ -346,7 +346,7 @@ def lead_figure(figures: list[dict], files: list[dict]) -> dict | None:
     """The figure a section opens with: the first one the kind of most of its points draws (the kinds in their
     order on a tie), else its first."""
     counts = Counter(str(f.get("kind")) for f in files)
-    for kind in sorted(kinds.KINDS, key=lambda k: -counts[k]):
+    for kind in sorted(kinds.names(), key=lambda k: -counts[k]):
         mine = [f for f in figures if f.get("kind") == kind]
         if mine:
             return mine[0]
@@ -585,12 +585,12 @@ def build_context(tables: Tables, figures: list[dict], out_dir, recorded: Tables
         for name in names
     ]
     # the validation points' paths, their experiments in file order (as their points were read)
-    validation = kinds.module("validation")
+    suffix = kinds.contributed("paths_table")  # the table of the validation levels' paths
     path_rows = [
         row
         for name in by_experiment
-        if tables.frame(f"{name}.{validation.PATHS}") is not None
-        for row in records(tables.frame(f"{name}.{validation.PATHS}"))
+        if tables.frame(f"{name}.{suffix}") is not None
+        for row in records(tables.frame(f"{name}.{suffix}"))
     ]
     paths = all_paths(rows_by_experiment, path_rows)
     counts = status_counts(files)

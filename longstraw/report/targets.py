@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from longstraw.kinds.step import columns as step_columns
+from longstraw import kinds
 
 SWEEP = "g_sweep/sweep.json"
 NAIVE = "baselines/mode-naive.json"
@@ -369,6 +369,11 @@ def checkpoint_cost_27b(root: Path) -> dict:
     return _row(target, goal, "; ".join(parts), ratio <= CHECKPOINT_COST_LIMIT, evidence)
 
 
+def point_columns(result: dict) -> dict:
+    """A result's cells as its kind reports them (a step point's warm and cold step seconds)."""
+    return kinds.part(result.get("kind"), "columns")(result)
+
+
 WARM_POINT = "peers/warm-dense-1b_mode-{mode}_length-{length}_count-8.json"
 WARM_LENGTHS = (8192, 32768)
 WARM_RATIO_LIMIT = 0.67  # issue 32: replay's warm step at most 0.67x PrefixGrouper's (1.5x faster)
@@ -388,11 +393,11 @@ def replay_against_prefix_grouper(root: Path) -> list[dict]:
             (
                 "warm step",
                 f"<= {WARM_RATIO_LIMIT}x",
-                lambda r: step_columns(r)["warm_step_seconds"],
+                lambda r: point_columns(r)["warm_step_seconds"],
                 WARM_RATIO_LIMIT,
                 False,
             ),
-            ("cold step", "< 1x", lambda r: step_columns(r)["cold_step_seconds"], 1.0, True),
+            ("cold step", "< 1x", lambda r: point_columns(r)["cold_step_seconds"], 1.0, True),
             ("peak memory", "<= 1x", lambda r: r["metrics"]["peak_allocated_bytes"], 1.0, False),
         ]
         complete = all(r is not None and len(r["metrics"].get("cycles", [])) >= 2 for r in results.values())
@@ -469,7 +474,7 @@ def _warm_variants(root: Path, modes) -> dict[str, dict]:
 
 def _fastest_warm(variants: dict[str, dict]) -> tuple[str, float, str]:
     """(mode, warm step seconds) of the fastest variant, and each variant's warm step as text."""
-    warm = {mode: step_columns(r)["warm_step_seconds"] for mode, r in variants.items()}
+    warm = {mode: point_columns(r)["warm_step_seconds"] for mode, r in variants.items()}
     fastest = min(warm, key=warm.get)
     return fastest, warm[fastest], "; ".join(f"{mode} {seconds:.3f} s" for mode, seconds in warm.items())
 
@@ -489,7 +494,7 @@ def replay_against_trl_hybrid(root: Path) -> list[dict]:
             _missing(*floor, "ok replay point, at least 2 cycles"),
         ]
     fastest, ours, each = _fastest_warm(variants)
-    theirs = step_columns(trl)["warm_step_seconds"]
+    theirs = point_columns(trl)["warm_step_seconds"]
     files = ", ".join(HYBRID_WARM_POINT.format(mode=m) for m in variants)
     rows = [
         _row(
