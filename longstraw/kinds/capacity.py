@@ -102,27 +102,6 @@ def run(point: PointConfig, device, progress: Progress) -> dict:
             "grows over members, so a partial step would read low"
         )
     probes: dict[int, dict] = {}
-
-    def fits(length: int) -> bool:
-        result = _probe(point, length, workdir)
-        peak = _measured_bytes(result, device_type)
-        status = result["status"]
-        if status == "ok" and ceiling is not None and peak is not None and peak > ceiling:
-            status = "oom"
-        if status == "error":
-            raise RuntimeError(f"probe at {length} positions failed: {result.get('error')}")
-        probes[length] = {
-            "prompt_length": length,
-            "status": status,
-            "peak_bytes": peak,
-            "seconds": result.get("wall_seconds"),
-            "step_phases": (result.get("metrics") or {}).get("phase_summary"),
-        }
-        progress.line(
-            f"capacity {point.mode}: {length:,} positions -> {status}" + (f" ({peak / 2**20:,.1f} MiB)" if peak else "")
-        )
-        return status == "ok"
-
     started, limit = time.perf_counter(), settings.time_limit_seconds
     stopped_on_time = False
 
@@ -133,38 +112,13 @@ def run(point: PointConfig, device, progress: Progress) -> dict:
 
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
-        low, high, length = None, None, settings.min_length
-        while length <= settings.max_length and not out_of_time():
-            if fits(length):
-                low, length = length, length * 2
-            else:
-                high = length
-                break
-        if low is not None and high is not None:
-            while high - low > settings.granularity and not out_of_time():
-                middle = (low + high) // 2 // settings.granularity * settings.granularity
-                if middle in (low, high):
-                    break
-                low, high = (middle, high) if fits(middle) else (low, middle)
-        # the other modes' G=8 steps at the largest length this mode fitted (step time beside it)
-        comparison = {}
-        for mode in settings.compare_modes if low is not None else []:
-            full_step = dataclasses.replace(
-                point,
-                mode=mode,
-                name=f"{point.name}_{mode}",
-                responses=dataclasses.replace(point.responses, probe_members=None),
-            )
-            result = _probe(full_step, low, workdir)
-            comparison[mode] = {
-                "prompt_length": low,
-                "status": result["status"],
-                "peak_bytes": _measured_bytes(result, device_type),
-                "seconds": result.get("wall_seconds"),
-                "error": result.get("error"),
-                "step_phases": (result.get("metrics") or {}).get("phase_summary"),
-            }
-            progress.line(f"comparison {mode} at {low:,} positions -> {result['status']}")
+
+        def fits(length: int) -> bool:
+            probes[length] = _probe_record(point, length, workdir, device_type, progress)
+            return probes[length]["status"] == "ok"
+
+        low, high = _search(settings, fits, out_of_time)
+        comparison = _compare_modes(point, low, workdir, device_type, progress) if low is not None else {}
     return {
         "mode": point.mode,
         "comparison_at_largest_fitting": comparison,
@@ -179,6 +133,69 @@ def run(point: PointConfig, device, progress: Progress) -> dict:
         "search_capped_at_max_length": high is None and not stopped_on_time,
         "search_stopped_on_time_limit": stopped_on_time,
     }
+
+
+def _probe_record(point: PointConfig, length: int, workdir: Path, device_type: str, progress: Progress) -> dict:
+    """One probe's record: a step at `length` in a fresh process, and whether it fitted under the ceiling."""
+    ceiling = point.capacity.ceiling_bytes
+    result = _probe(point, length, workdir)
+    peak = _measured_bytes(result, device_type)
+    status = result["status"]
+    if status == "ok" and ceiling is not None and peak is not None and peak > ceiling:
+        status = "oom"
+    if status == "error":
+        raise RuntimeError(f"probe at {length} positions failed: {result.get('error')}")
+    progress.line(
+        f"capacity {point.mode}: {length:,} positions -> {status}" + (f" ({peak / 2**20:,.1f} MiB)" if peak else "")
+    )
+    return {
+        "prompt_length": length,
+        "status": status,
+        "peak_bytes": peak,
+        "seconds": result.get("wall_seconds"),
+        "step_phases": (result.get("metrics") or {}).get("phase_summary"),
+    }
+
+
+def _search(settings: CapacityConfig, fits, out_of_time) -> tuple[int | None, int | None]:
+    """(largest fitting, first failing) length: doubling from `min_length`, then bisecting to `granularity`."""
+    low, high, length = None, None, settings.min_length
+    while length <= settings.max_length and not out_of_time():
+        if fits(length):
+            low, length = length, length * 2
+        else:
+            high = length
+            break
+    if low is not None and high is not None:
+        while high - low > settings.granularity and not out_of_time():
+            middle = (low + high) // 2 // settings.granularity * settings.granularity
+            if middle in (low, high):
+                break
+            low, high = (middle, high) if fits(middle) else (low, middle)
+    return low, high
+
+
+def _compare_modes(point: PointConfig, low: int, workdir: Path, device_type: str, progress: Progress) -> dict:
+    """The other modes' whole steps at the largest length this mode fitted (step time beside it)."""
+    comparison = {}
+    for mode in point.capacity.compare_modes:
+        full_step = dataclasses.replace(
+            point,
+            mode=mode,
+            name=f"{point.name}_{mode}",
+            responses=dataclasses.replace(point.responses, probe_members=None),
+        )
+        result = _probe(full_step, low, workdir)
+        comparison[mode] = {
+            "prompt_length": low,
+            "status": result["status"],
+            "peak_bytes": _measured_bytes(result, device_type),
+            "seconds": result.get("wall_seconds"),
+            "error": result.get("error"),
+            "step_phases": (result.get("metrics") or {}).get("phase_summary"),
+        }
+        progress.line(f"comparison {mode} at {low:,} positions -> {result['status']}")
+    return comparison
 
 
 # ------------------------------------------------------------------------------------------- report
