@@ -409,34 +409,7 @@ def plot_capacity(rows, probes: list[dict], title: str):
     if len(set(labels)) < len(labels):  # two points of one mode: name them
         labels = [f"{label}\n{r.get('point')}" for label, r in zip(labels, rows)]
     for i, row in enumerate(rows):
-        largest = row.get("largest_fitting")
-        if row.get("status") != "ok":
-            draw.mark_failed(ax, i, row, value_key=None)
-        elif largest:
-            ax.bar([i], [largest], color=draw.MODE_COLORS.get(str(row.get("mode")), "#4c72b0"), alpha=0.6, width=0.6)
-            # a search cut off by its time limit reached this length; the memory limit lies beyond it
-            stopped = "\nsearch stopped on its time limit" if row.get("search_stopped_on_time_limit") else ""
-            ax.annotate(
-                f"{int(largest):,}{stopped}",
-                (i, largest),
-                textcoords="offset points",
-                xytext=(0, 3),
-                ha="center",
-                fontsize=8,
-            )
-        else:
-            transform = draw.blended_transform_factory(ax.transData, ax.transAxes)
-            ax.text(
-                i,
-                0.05,
-                "no probed length fits",
-                transform=transform,
-                ha="center",
-                fontsize=8,
-                rotation=90,
-                va="bottom",
-                color=draw.FAILED_COLORS["oom"],
-            )
+        _draw_largest(ax, i, row)
         mine = [p for p in probes if p.get("point") == row.get("point") and p.get("prompt_length")]
         for status, marker, color in (("ok", "o", "#2ca02c"), ("oom", "x", draw.FAILED_COLORS["oom"])):
             lengths = [p["prompt_length"] for p in mine if p.get("status") == status]
@@ -462,6 +435,40 @@ def plot_capacity(rows, probes: list[dict], title: str):
     if ax.get_legend_handles_labels()[0]:
         draw.legend_outside(ax)
     return fig
+
+
+def _draw_largest(ax, i: int, row: dict) -> None:
+    """A search's largest fitting length as a bar at slot `i`, or why it has none."""
+    from longstraw.plotting import draw
+
+    largest = row.get("largest_fitting")
+    if row.get("status") != "ok":
+        draw.mark_failed(ax, i, row, value_key=None)
+    elif largest:
+        ax.bar([i], [largest], color=draw.MODE_COLORS.get(str(row.get("mode")), "#4c72b0"), alpha=0.6, width=0.6)
+        # a search cut off by its time limit reached this length; the memory limit lies beyond it
+        stopped = "\nsearch stopped on its time limit" if row.get("search_stopped_on_time_limit") else ""
+        ax.annotate(
+            f"{int(largest):,}{stopped}",
+            (i, largest),
+            textcoords="offset points",
+            xytext=(0, 3),
+            ha="center",
+            fontsize=8,
+        )
+    else:
+        transform = draw.blended_transform_factory(ax.transData, ax.transAxes)
+        ax.text(
+            i,
+            0.05,
+            "no probed length fits",
+            transform=transform,
+            ha="center",
+            fontsize=8,
+            rotation=90,
+            va="bottom",
+            color=draw.FAILED_COLORS["oom"],
+        )
 
 
 def plot_capacity_step_time(rows, title: str):

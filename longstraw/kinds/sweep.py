@@ -447,22 +447,7 @@ def plot_step_phase_peaks(row: dict, steps: list[dict], ceiling: dict, title: st
     axis = draw.memory_axis(values + [ceiling.get("bytes")] + [m["bytes"] for m in marks])
     width = min(20, max(12, 6 + 1.1 * len(groups)))  # 3 inches of it: the legend beside the axes
     fig, (top, bottom) = draw.plt.subplots(2, 1, figsize=(width, 8.5), gridspec_kw={"height_ratios": [2, 1]})
-    labelled = set()
-    for i, (_, peaks, step) in enumerate(groups):
-        present = [(p, v) for p, v in peaks.items() if v is not None]
-        if step is not None and step.get("status") != "ok":
-            draw.mark_failed(top, i, step, axis.scale)  # the peak the allocator reached when it ran out
-            continue
-        bar = 0.8 / max(len(present), 1)
-        for j, (phase, value) in enumerate(present):
-            top.bar(
-                i - 0.4 + bar * (j + 0.5),
-                value / axis.scale,
-                bar,
-                color=draw.PHASE_COLORS.get(phase),
-                label=phase if phase not in labelled else None,
-            )
-            labelled.add(phase)
+    _draw_phase_bars(top, groups, axis)
     stated = draw.ceiling_line(top, ceiling, axis, values)
     for mark in marks:
         top.axhline(
@@ -484,26 +469,55 @@ def plot_step_phase_peaks(row: dict, steps: list[dict], ceiling: dict, title: st
         fontsize=9,
     )
     draw.legend_outside(top)
+    _draw_member_seconds(bottom, row, steps, [g[0] for g in groups])
+    bottom.set_xlim(top.get_xlim())
+    return fig
+
+
+def _draw_phase_bars(ax, groups: list, axis) -> None:
+    """Each group's phase peaks side by side; a step that failed marked at the peak it reached."""
+    from longstraw.plotting import draw
+
+    labelled = set()
+    for i, (_, peaks, step) in enumerate(groups):
+        present = [(p, v) for p, v in peaks.items() if v is not None]
+        if step is not None and step.get("status") != "ok":
+            draw.mark_failed(ax, i, step, axis.scale)  # the peak the allocator reached when it ran out
+            continue
+        bar = 0.8 / max(len(present), 1)
+        for j, (phase, value) in enumerate(present):
+            ax.bar(
+                i - 0.4 + bar * (j + 0.5),
+                value / axis.scale,
+                bar,
+                color=draw.PHASE_COLORS.get(phase),
+                label=phase if phase not in labelled else None,
+            )
+            labelled.add(phase)
+
+
+def _draw_member_seconds(ax, row: dict, steps: list[dict], labels: list[str]) -> None:
+    """Seconds per replayed member of each step, under the peaks (the first slot, the capture's, left empty)."""
+    from longstraw.plotting import draw
 
     per_member = [s.get("seconds_per_member") if s.get("status") == "ok" else None for s in steps]
-    bottom.bar(
-        range(1, len(groups)),
+    ax.bar(
+        range(1, len(labels)),
         [v or 0 for v in per_member],
         color=[draw.MODE_COLORS.get(str(s.get("mode")), "#4c72b0") for s in steps],
         width=0.6,
     )
     for i, (step, value) in enumerate(zip(steps, per_member), 1):
         if value is not None:
-            bottom.annotate(
+            ax.annotate(
                 f"{value:.2f} s", (i, value), textcoords="offset points", xytext=(0, 2), ha="center", fontsize=7
             )
         elif step.get("status") != "ok":
-            draw.mark_failed(bottom, i, step, value_key=None)
-    bottom.set_xlim(top.get_xlim())
-    bottom.set_xticks(range(len(groups)), [g[0] for g in groups], fontsize=8)
-    bottom.set_ylabel("s per member")
+            draw.mark_failed(ax, i, step, value_key=None)
+    ax.set_xticks(range(len(labels)), labels, fontsize=8)
+    ax.set_ylabel("s per member")
     capture = row.get("capture_seconds")
-    bottom.set_title(
+    ax.set_title(
         "seconds per replayed member (replay phase / responses)"
         + (
             f"; the one capture took {capture:,.1f} s for {row.get('positions') or 0:,} positions"
@@ -512,7 +526,6 @@ def plot_step_phase_peaks(row: dict, steps: list[dict], ceiling: dict, title: st
         ),
         fontsize=9,
     )
-    return fig
 
 
 KIND = Kind(
