@@ -462,23 +462,7 @@ def scale_rows(paper: dict, rows: list[dict], ceiling: dict) -> list[dict]:
     ok = [r for r in ran if r.get("status") == "ok"]
     models = sorted({f"{r.get('model')} ({r.get('model_type')})" for r in ran if r.get("model")})
     trainable = [v for v in _distinct(ran, "trainable_parameters") if isinstance(v, int)]
-    lengths = [v for v in _distinct(ok, "prompt_length") if isinstance(v, int)]
     paper_positions = setup.get("positions") or []
-    ratio = (
-        f"; the paper's {max(paper_positions):,} is {max(paper_positions) / max(lengths):,.0f}x ours"
-        if lengths and paper_positions
-        else ""
-    )
-    nf4 = {bool(r.get("nf4")) for r in ran if r.get("nf4") is not None}
-    lora = _distinct(ran, "lora_r")
-    cp_sizes = [v for v in _distinct(ran, "cp_size") if isinstance(v, int) and v > 1]
-    quant = "; ".join(
-        [
-            {frozenset({True}): "NF4", frozenset({True, False}): "NF4 on some points"}.get(frozenset(nf4), "no NF4"),
-            f"LoRA r={', '.join(str(v) for v in lora)}" if lora else "no LoRA (all parameters trainable)",
-            "dtype " + ", ".join(_distinct(ran, "dtype")),
-        ]
-    )
     return [
         {"quantity": "model", "paper": setup.get("model", "not stated"), "ours": "; ".join(models) or "no points"},
         {
@@ -499,22 +483,17 @@ def scale_rows(paper: dict, rows: list[dict], ceiling: dict) -> list[dict]:
         {
             "quantity": "parallelism",
             "paper": setup.get("parallelism", "not stated"),
-            "ours": (
-                f"context parallel over {' or '.join(str(v) for v in cp_sizes)} ranks on the points that set "
-                "cp_size; the others on one device"
-                if cp_sizes
-                else "none (single device)"
-            ),
+            "ours": _our_parallelism(ran),
         },
         {
             "quantity": "quantization",
             "paper": setup.get("quantization", "not stated"),
-            "ours": quant if ran else "no points",
+            "ours": _our_quantization(ran) if ran else "no points",
         },
         {
             "quantity": "prompt positions",
             "paper": " and ".join(f"{p:,}" for p in paper_positions) or "not stated",
-            "ours": (_span(lengths, lambda v: f"{v:,}") + ratio) if lengths else "no ok point",
+            "ours": _our_positions(ok, paper_positions),
         },
         {"quantity": "memory ceiling", "paper": setup.get("ceiling", "not stated"), "ours": ceiling.get("label", "")},
         {
@@ -523,3 +502,39 @@ def scale_rows(paper: dict, rows: list[dict], ceiling: dict) -> list[dict]:
             "ours": "conditional-response (replay mode); hold_all and naive are baselines",
         },
     ]
+
+
+def _our_parallelism(ran: list[dict]) -> str:
+    cp_sizes = [v for v in _distinct(ran, "cp_size") if isinstance(v, int) and v > 1]
+    if not cp_sizes:
+        return "none (single device)"
+    return (
+        f"context parallel over {' or '.join(str(v) for v in cp_sizes)} ranks on the points that set "
+        "cp_size; the others on one device"
+    )
+
+
+def _our_quantization(ran: list[dict]) -> str:
+    """NF4 (on every point, some, or none), LoRA's ranks, the dtypes."""
+    nf4 = {bool(r.get("nf4")) for r in ran if r.get("nf4") is not None}
+    lora = _distinct(ran, "lora_r")
+    return "; ".join(
+        [
+            {frozenset({True}): "NF4", frozenset({True, False}): "NF4 on some points"}.get(frozenset(nf4), "no NF4"),
+            f"LoRA r={', '.join(str(v) for v in lora)}" if lora else "no LoRA (all parameters trainable)",
+            "dtype " + ", ".join(_distinct(ran, "dtype")),
+        ]
+    )
+
+
+def _our_positions(ok: list[dict], paper_positions: list[int]) -> str:
+    """The prompt lengths our ok points ran, and how far the paper's longest is beyond ours."""
+    lengths = [v for v in _distinct(ok, "prompt_length") if isinstance(v, int)]
+    if not lengths:
+        return "no ok point"
+    ratio = (
+        f"; the paper's {max(paper_positions):,} is {max(paper_positions) / max(lengths):,.0f}x ours"
+        if paper_positions
+        else ""
+    )
+    return _span(lengths, lambda v: f"{v:,}") + ratio

@@ -394,18 +394,7 @@ def experiment_section(
         "notes": notes,
         "more": more_line(len(drawn) - (lead is not None), len(point_tables) + len(own_tables), len(notes)),
         "paper": [r for r in paper_rows if r["experiment"] == name],
-        "failures": [
-            {
-                "point": str(f.get("point")),
-                "status": f.get("status"),
-                "error": f.get("error") or "no message recorded",
-                "peak": format_value("peak_allocated_bytes", f.get("peak_allocated_bytes"))
-                if f.get("peak_allocated_bytes") is not None
-                else "",
-            }
-            for f in files
-            if f.get("status") != "ok"
-        ],
+        "failures": failures(files),
         "unrecorded": [
             r["point"]
             for r in (records(tables.frame("unrecorded")) if "unrecorded" in tables.names else [])
@@ -415,6 +404,22 @@ def experiment_section(
         "provenance": provenance_facts(files) if files else [],
         "empty": not files,
     }
+
+
+def failures(files: list[dict]) -> list[dict]:
+    """The points that did not finish ok: their status, error and the peak they reached."""
+    return [
+        {
+            "point": str(f.get("point")),
+            "status": f.get("status"),
+            "error": f.get("error") or "no message recorded",
+            "peak": format_value("peak_allocated_bytes", f.get("peak_allocated_bytes"))
+            if f.get("peak_allocated_bytes") is not None
+            else "",
+        }
+        for f in files
+        if f.get("status") != "ok"
+    ]
 
 
 def recorded_report_link(folder: Path, out_dir: Path) -> str:
@@ -555,45 +560,13 @@ def build_context(tables: Tables, figures: list[dict], out_dir, recorded: Tables
     profile, results_dir, ceiling = manifest["profile"], manifest["results_dir"], manifest["ceiling"]
     files = records(tables.frame("files"))
     paper = load_paper()
-    paper_entries = {e.get("name"): e for e in paper.get("experiments") or [] if isinstance(e, dict)}
-    experiment_files = {
-        r["experiment"]: {"title": r.get("title"), "what": r.get("description")}
-        for r in records(tables.frame("experiments"))
-    }
     frames = {name: tables.frame(name) for name in manifest["experiments"]}
-    names = experiment_order(set(frames) | set(paper_entries))
-    described = {
-        name: {**paper_entries.get(name, {}), **{k: v for k, v in experiment_files.get(name, {}).items() if v}}
-        for name in names
-    }
     rows_by_experiment = experiment_rows(tables)
     figures_beside = compare_figures(paper, rows_by_experiment, ceiling)
     by_experiment: dict[str, list[dict]] = {}
     for f in files:
         by_experiment.setdefault(str(f.get("experiment")), []).append(f)
-    sections = [
-        experiment_section(
-            name,
-            tables,
-            by_experiment.get(name, []),
-            figures,
-            profile,
-            described[name],
-            figures_beside,
-            result_links(by_experiment.get(name, []), results_dir, out_dir),
-        )
-        for name in names
-    ]
-    # the validation points' paths, their experiments in file order (as their points were read)
-    suffix = kinds.contributed("paths_table")  # the table of the validation levels' paths
-    path_rows = [
-        row
-        for name in by_experiment
-        if tables.frame(f"{name}.{suffix}") is not None
-        for row in records(tables.frame(f"{name}.{suffix}"))
-    ]
-    paths = all_paths(rows_by_experiment, path_rows)
-    counts = status_counts(files)
+    sections = experiment_sections(tables, figures, paper, frames, by_experiment, figures_beside, out_dir)
     peer_view = peers_section(tables, figures)
     # the validation and peers experiments' points go inside the page's Validation and Peers sections: one
     # section per subject, which the summary's links reach
@@ -607,27 +580,7 @@ def build_context(tables: Tables, figures: list[dict], out_dir, recorded: Tables
         "generated": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "log_span": LOG_SPAN,
         "long_table": shorten.LONG,
-        "summary": {
-            "total": len(files),
-            "counts": counts,
-            "counts_text": _counts_text(counts),
-            "kinds": ", ".join(f"{n} {k}" for k, n in sorted(Counter(str(f.get("kind")) for f in files).items())),
-            "experiments": [
-                {
-                    "name": s["name"],
-                    "anchor": s["anchor"],
-                    "title": s["title"],
-                    "total": sum(s["counts"].values()),
-                    **s["counts"],
-                }
-                for s in sections
-            ],
-            "provenance": provenance_facts(files),
-            "ceiling": f"{ceiling['label']}: {ceiling_reason(ceiling)}",
-            "cpu": ceiling.get("source") != "cuda_total_memory",
-            "claims": claim_rows(paper, figures_beside),
-            "recorded_claims": recorded_claims(paper, recorded, results_dir),
-        },
+        "summary": summary_view(files, sections, paper, figures_beside, ceiling, recorded, results_dir),
         "targets": targets_view(tables),
         "paper": {
             "missing": paper.get("missing", ""),
@@ -635,15 +588,86 @@ def build_context(tables: Tables, figures: list[dict], out_dir, recorded: Tables
             "figures": figures_beside,
             "summary_figures": [f for f in figures if f["experiment"] == SUMMARY],
         },
-        "validation": {
-            "levels": levels_table(paths, paper.get("standing") or {}),
-            "paths": paths,
-            "rules": number_rules(paths),
-            "paper_paths": paper_paths(paper),
-        },
+        "validation": validation_view(tables, paper, by_experiment, rows_by_experiment),
         "experiments": sections,
         "peers": peer_view,
         "recorded": recorded_section(recorded, out_dir, results_dir),
+    }
+
+
+def experiment_sections(
+    tables: Tables, figures: list[dict], paper: dict, frames: dict, by_experiment: dict, figures_beside, out_dir
+) -> list[dict]:
+    """One section per experiment, the paper's first (an experiment the paper names but no result holds too)."""
+    manifest = tables.manifest
+    paper_entries = {e.get("name"): e for e in paper.get("experiments") or [] if isinstance(e, dict)}
+    experiment_files = {
+        r["experiment"]: {"title": r.get("title"), "what": r.get("description")}
+        for r in records(tables.frame("experiments"))
+    }
+    names = experiment_order(set(frames) | set(paper_entries))
+    described = {
+        name: {**paper_entries.get(name, {}), **{k: v for k, v in experiment_files.get(name, {}).items() if v}}
+        for name in names
+    }
+    return [
+        experiment_section(
+            name,
+            tables,
+            by_experiment.get(name, []),
+            figures,
+            manifest["profile"],
+            described[name],
+            figures_beside,
+            result_links(by_experiment.get(name, []), manifest["results_dir"], out_dir),
+        )
+        for name in names
+    ]
+
+
+def summary_view(
+    files: list[dict], sections: list[dict], paper: dict, figures_beside, ceiling: dict, recorded, results_dir
+) -> dict:
+    """The page's summary: the points' statuses and kinds, each experiment's counts, provenance, claims."""
+    counts = status_counts(files)
+    return {
+        "total": len(files),
+        "counts": counts,
+        "counts_text": _counts_text(counts),
+        "kinds": ", ".join(f"{n} {k}" for k, n in sorted(Counter(str(f.get("kind")) for f in files).items())),
+        "experiments": [
+            {
+                "name": s["name"],
+                "anchor": s["anchor"],
+                "title": s["title"],
+                "total": sum(s["counts"].values()),
+                **s["counts"],
+            }
+            for s in sections
+        ],
+        "provenance": provenance_facts(files),
+        "ceiling": f"{ceiling['label']}: {ceiling_reason(ceiling)}",
+        "cpu": ceiling.get("source") != "cuda_total_memory",
+        "claims": claim_rows(paper, figures_beside),
+        "recorded_claims": recorded_claims(paper, recorded, results_dir),
+    }
+
+
+def validation_view(tables: Tables, paper: dict, by_experiment: dict, rows_by_experiment) -> dict:
+    """The validation levels: every path (the validation points' and the other points' V1), the levels table."""
+    suffix = kinds.contributed("paths_table")  # the table of the validation levels' paths
+    path_rows = [  # their experiments in file order (as their points were read)
+        row
+        for name in by_experiment
+        if tables.frame(f"{name}.{suffix}") is not None
+        for row in records(tables.frame(f"{name}.{suffix}"))
+    ]
+    paths = all_paths(rows_by_experiment, path_rows)
+    return {
+        "levels": levels_table(paths, paper.get("standing") or {}),
+        "paths": paths,
+        "rules": number_rules(paths),
+        "paper_paths": paper_paths(paper),
     }
 
 
