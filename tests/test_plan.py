@@ -142,7 +142,7 @@ def test_the_kinds_are_registered_once_and_each_declares_itself():
 
 
 def test_a_point_holds_its_own_kinds_section_and_no_other(tmp_path):
-    """Issue 33: a point's config holds the shared sections and its kind's; a base's section of another kind
+    """A point's config holds the shared sections and its kind's; a base's section of another kind
     (written for the experiment's kind) is left out of a point of another kind, and one a point's own `set`
     gives is refused, naming it."""
     from longstraw import kinds
