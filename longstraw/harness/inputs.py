@@ -208,6 +208,7 @@ def check_settings(cfg: PointConfig, source: str) -> None:
     """Settings the kinds refuse only once the model is built, refused from the config alone."""
     kind = kinds.get(cfg.kind)
     check_step_options(cfg, kind, source)
+    kind.check_settings(cfg, source)
     check_probe_members(cfg, kind, source)
     if cfg.capture.host_pages and kind.host_pages:
         check_host_pages(cfg, kind, source)

@@ -505,7 +505,7 @@ def plot_capacity_step_time(rows, title: str):
     return fig
 
 
-def check(cfg: PointConfig, source: str) -> None:
+def check_settings(cfg: PointConfig, source: str) -> None:
     """On CPU: an emulated ceiling, and whole steps (a partial step's peak RSS would read low)."""
     if cfg.model.device.startswith("cuda"):
         return
@@ -535,7 +535,7 @@ KIND = Kind(
     "capacity",
     run=run,
     section=CapacityConfig,
-    check=check,
+    check_settings=check_settings,
     modes=lambda cfg: [cfg.mode, *cfg.capacity.compare_modes],
     longest_runs=longest_runs,
     shards_state=False,

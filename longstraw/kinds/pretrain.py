@@ -25,7 +25,6 @@ def check(cfg: PointConfig, source: str) -> None:
     """Its model a preset this package has, its task one it can build."""
     check_named_preset(cfg.pretrain.model, f"{source}: pretrain.model")
     check_task(cfg.pretrain.task, cfg.prompt.length, f"{source}: pretrain.task")
-    check_pretrain_settings(cfg.pretrain, source)
 
 
 def check_pretrain_tasks(p: PretrainConfig, facts: ModelFacts, source: str, prefix: str = "pretrain.") -> None:
@@ -212,6 +211,7 @@ KIND = Kind(
     run=run,
     section=PretrainConfig,
     check=check,
+    check_settings=lambda cfg, source: check_pretrain_settings(cfg.pretrain, source),
     models=models,
     check_model=lambda cfg, facts, source: check_pretrain_tasks(cfg.pretrain, facts, source),
     checkpoint_out=lambda cfg: str(Path(cfg.pretrain.out) / "checkpoint") if cfg.pretrain.out else None,

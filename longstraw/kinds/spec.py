@@ -56,6 +56,9 @@ class Kind:
     # plan half
     section: type | None = None  # its config section's dataclass, at the point's key `name` (None: none)
     check: Callable = _nothing  # `check(cfg, source)`: its own section through to the names and tasks it uses
+    # `check_settings(cfg, source)`: what its run would refuse only once the model is built, refused from the config
+    # alone after the settings every kind shares (`harness/inputs.py: check_settings`)
+    check_settings: Callable = _nothing
     check_work: Callable | None = None  # `check_work(cfg, work_dir, source)`: a kind that resumes from a work folder
     # `modes(cfg) -> [mode]`: the step modes a point runs (its `mode`, a search's compared ones); None: the kind
     # takes no `mode` (no peer, no partial step, micro-batches whatever the mode)
