@@ -7,13 +7,12 @@ from dataclasses import dataclass
 import pytest
 
 from longstraw import kinds
-from longstraw.cells import number, point_parts
 from longstraw.config import ConfigError
 from longstraw.config.typed import bounded
 from longstraw.harness import plan
 from longstraw.harness.runner import run_point
 from longstraw.kinds.spec import Kind
-from longstraw.results import write_result
+from longstraw.results import number, point_parts, write_result
 
 # ------------------------------------------------------------------------ the toy kind, as the recipe writes it
 

@@ -9,7 +9,6 @@ PACKAGE = Path(__file__).resolve().parents[1] / "longstraw"
 # bottom to top; a sub-package may import its own modules and any sub-package of a lower layer
 LAYERS = [
     {"results"},
-    {"cells"},
     {"config", "measure", "plotting", "wheels"},
     {"kernels"},
     {"state", "models"},

@@ -17,7 +17,6 @@ import yaml
 from test_trust import POINT
 
 from longstraw import capture, cli
-from longstraw.cells import finite, number
 from longstraw.config import GRPOConfig
 from longstraw.config.sections import LoraConfig, ModelConfig
 from longstraw.core.grpo import group_advantages
@@ -26,7 +25,7 @@ from longstraw.harness import runner
 from longstraw.models import build_model, real
 from longstraw.models.lora import apply_lora
 from longstraw.models.policy import build_policy
-from longstraw.results import write_result
+from longstraw.results import finite, number, write_result
 
 NAME = "smollm2-135m-instruct"
 

@@ -1983,8 +1983,8 @@ def test_point_labels_name_what_differs_between_the_points():
     ],
 )
 def test_a_checkpoints_row_names_it_by_its_folder(path, name):
-    from longstraw.cells import checkpoint_name
     from longstraw.kinds.columns import common_columns
+    from longstraw.results import checkpoint_name
 
     assert checkpoint_name(path) == name
     assert common_columns({"config": {"model": {"path": path, "preset": "tiny-llama"}}})["model"] == name

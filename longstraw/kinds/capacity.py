@@ -39,12 +39,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
-from longstraw.cells import ExtraTable, as_dict, number, phase_seconds, point_parts, ratio, rows_of_points, status_of
 from longstraw.config import ConfigError, PointConfig
 from longstraw.config.point import Mode
 from longstraw.config.typed import bounded
 from longstraw.kinds.spec import Kind
 from longstraw.kinds.step import STEP_PHASES
+from longstraw.results import (
+    ExtraTable,
+    as_dict,
+    number,
+    phase_seconds,
+    point_parts,
+    ratio,
+    rows_of_points,
+    status_of,
+)
 
 
 @dataclass

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from longstraw.cells import as_dict, is_cuda_point, number, phase_columns, point_parts, ratio
 from longstraw.config import PointConfig
 from longstraw.kinds.spec import Kind
+from longstraw.results import as_dict, is_cuda_point, number, phase_columns, point_parts, ratio
 
 if TYPE_CHECKING:
     from longstraw.kinds.common import Progress

@@ -1,12 +1,12 @@
 """The columns every point's row has, whatever its kind: model, family, prompt, provenance,
-context-parallel ranks (the model's family read from the presets; the cells themselves: `longstraw.cells`)."""
+context-parallel ranks (the model's family read from the presets; the cells themselves: `longstraw.results`)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from longstraw.cells import as_dict, checkpoint_name, cp_columns, number, point_parts, real_weights
 from longstraw.models.presets import FAMILY_NAMES, PRESETS
+from longstraw.results import as_dict, checkpoint_name, cp_columns, number, point_parts, real_weights
 
 
 def model_type_of(point: dict) -> str | None:

@@ -26,12 +26,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Optional
 
-from longstraw.cells import ExtraTable, as_dict, number, point_parts, rows_of_points
 from longstraw.config import ConfigError, PointConfig, point_mapping
 from longstraw.config.typed import bounded
 from longstraw.kinds.checks import check_task
 from longstraw.kinds.spec import Kind
-from longstraw.results import SKIPPED, strict_json, write_text_atomic
+from longstraw.results import (
+    SKIPPED,
+    ExtraTable,
+    as_dict,
+    number,
+    point_parts,
+    rows_of_points,
+    strict_json,
+    write_text_atomic,
+)
 
 
 @dataclass

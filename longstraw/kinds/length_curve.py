@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Optional
 
-from longstraw.cells import ExtraTable, as_dict, number, point_parts, rows_of_points
 from longstraw.config import PointConfig
 from longstraw.config.typed import bounded
 from longstraw.kinds.checks import check_task
 from longstraw.kinds.spec import Kind
+from longstraw.results import ExtraTable, as_dict, number, point_parts, rows_of_points
 
 
 @dataclass

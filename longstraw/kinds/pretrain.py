@@ -12,12 +12,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from longstraw.cells import ExtraTable, as_dict, number, point_parts, rows_of_points
 from longstraw.config import ConfigError, PointConfig
 from longstraw.config.pretrain import PretrainConfig
 from longstraw.kinds.checks import check_named_preset, check_task
 from longstraw.kinds.spec import Built, Kind
 from longstraw.models.checks import ModelFacts
+from longstraw.results import ExtraTable, as_dict, number, point_parts, rows_of_points
 from longstraw.training.checks import check_task_builds
 
 

@@ -80,7 +80,7 @@ class Kind:
     # report half (plain Python; matplotlib only inside `figures`)
     columns: Callable = _no_columns  # `columns(point) -> dict`: its cells of the point's row
     tables: Callable = _no_tables  # `tables(points) -> {suffix: rows}`: tables of its own
-    extra_tables: dict = field(default_factory=dict)  # {suffix: cells.ExtraTable}: how the page shows them
+    extra_tables: dict = field(default_factory=dict)  # {suffix: results.ExtraTable}: how the page shows them
     shown: list | None = None  # the columns the page's table shows, in order (None: all)
     notes: Callable = _no_rows  # `notes(row, grid) -> [sentence]`: what a row cannot say in one cell
     figures: Callable = _no_figures  # `figures(data, ceiling, marks) -> (name, figure)...`

@@ -15,7 +15,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
-from longstraw.cells import (
+from longstraw.config import PointConfig
+from longstraw.config.typed import bounded
+from longstraw.kinds.checks import check_task
+from longstraw.kinds.spec import Kind
+from longstraw.results import (
     ExtraTable,
     as_dict,
     finite,
@@ -26,10 +30,6 @@ from longstraw.cells import (
     rows_of_points,
     status_of,
 )
-from longstraw.config import PointConfig
-from longstraw.config.typed import bounded
-from longstraw.kinds.checks import check_task
-from longstraw.kinds.spec import Kind
 
 
 @dataclass

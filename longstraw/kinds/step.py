@@ -20,11 +20,11 @@ import statistics
 import textwrap
 from typing import TYPE_CHECKING
 
-from longstraw.cells import as_dict, finite, is_cuda_point, number, phase_columns, point_parts
 from longstraw.config import PointConfig, to_mapping
 from longstraw.config.point import trainer_sections
 from longstraw.kinds.spec import Kind
 from longstraw.peers import PEER_MODES
+from longstraw.results import as_dict, finite, is_cuda_point, number, phase_columns, point_parts
 
 
 def cycles_mapping(cfg: PointConfig, out_dir) -> dict:

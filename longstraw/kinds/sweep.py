@@ -16,7 +16,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from longstraw.cells import (
+from longstraw.config import PointConfig
+from longstraw.config.point import with_group
+from longstraw.kinds.capture import capture_columns
+from longstraw.kinds.columns import common_columns
+from longstraw.kinds.spec import Kind
+from longstraw.kinds.step import STEP_PHASES, plot_g_sweep_memory
+from longstraw.results import (
     ExtraTable,
     as_dict,
     finite,
@@ -30,12 +36,6 @@ from longstraw.cells import (
     rows_of_points,
     status_of,
 )
-from longstraw.config import PointConfig
-from longstraw.config.point import with_group
-from longstraw.kinds.capture import capture_columns
-from longstraw.kinds.columns import common_columns
-from longstraw.kinds.spec import Kind
-from longstraw.kinds.step import STEP_PHASES, plot_g_sweep_memory
 
 
 @dataclass

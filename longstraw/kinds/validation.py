@@ -51,7 +51,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Optional
 
-from longstraw.cells import as_dict
 from longstraw.config import PointConfig
 from longstraw.config.point import trainer_sections
 from longstraw.config.train import resolve_train
@@ -60,6 +59,7 @@ from longstraw.kinds.checks import check_named_preset
 from longstraw.kinds.columns import family_of, model_type_of
 from longstraw.kinds.spec import Built, Kind
 from longstraw.models.presets import PRESETS
+from longstraw.results import as_dict
 
 if TYPE_CHECKING:
     import torch

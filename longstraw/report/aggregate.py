@@ -35,12 +35,11 @@ import pandas as pd
 import yaml
 
 from longstraw import kinds
-from longstraw.cells import as_dict, number, point_parts, scalar
 from longstraw.config import recorded_config, recorded_grid
 from longstraw.harness.plan import RESERVED_NAMES
 from longstraw.plotting.ceiling import memory_ceiling
 from longstraw.report.store import write_tables
-from longstraw.results import STATUSES
+from longstraw.results import STATUSES, as_dict, number, point_parts, scalar
 
 EXPERIMENT_ORDER = ("g_sweep", "operating_points", "baselines", "architectures", "staleness")
 LEADING_COLUMNS = ("point", "kind")

@@ -14,13 +14,12 @@ import json
 from pathlib import Path
 
 from longstraw import kinds
-from longstraw.cells import ExperimentData
 from longstraw.plotting.draw import save_png
 from longstraw.report import memory_vs_length, peers
 from longstraw.report.aggregate import grid_columns, records
 from longstraw.report.paper import load_paper, memory_points, reference_marks
 from longstraw.report.store import MANIFEST, Tables, read_tables
-from longstraw.results import write_json_atomic
+from longstraw.results import ExperimentData, write_json_atomic
 
 
 def experiment_data(tables: Tables, name: str) -> ExperimentData:

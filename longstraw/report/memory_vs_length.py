@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import math
 
-from longstraw.cells import number
 from longstraw.report.aggregate import grid_columns, records
 from longstraw.report.store import Tables
+from longstraw.results import number
 
 FIGURE = "memory_vs_length"
 CAPTION = (

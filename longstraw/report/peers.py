@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import textwrap
 
-from longstraw.cells import number
 from longstraw.peers import DIFFERENCES, PEER_MODES, not_applicable
 from longstraw.plotting.formatting import format_bytes
 from longstraw.report.aggregate import records
 from longstraw.report.store import Tables
+from longstraw.results import number
 
 OURS = ("replay", "hold_all", "naive")
 SYSTEMS = OURS + PEER_MODES

@@ -34,7 +34,6 @@ import jinja2
 import pandas as pd
 
 from longstraw import kinds
-from longstraw.cells import as_dict, number
 from longstraw.plotting.ceiling import ceiling_reason
 from longstraw.plotting.formatting import LOG_SPAN, column_label, exact_value, format_value, is_missing, is_nested
 from longstraw.report import peers, shorten
@@ -43,7 +42,7 @@ from longstraw.report.figures import SUMMARY
 from longstraw.report.levels import all_paths, levels_table, number_rules, paper_paths
 from longstraw.report.paper import claim_rows, compare_figures, load_paper, scale_rows
 from longstraw.report.store import MANIFEST, Tables, read_tables
-from longstraw.results import STATUSES, atomic_path, write_text_atomic
+from longstraw.results import STATUSES, as_dict, atomic_path, number, write_text_atomic
 
 VERSION_KEYS = ("torch", "transformers", "peft", "bitsandbytes", "fla-core")
 RECORDED_COLUMNS = [
