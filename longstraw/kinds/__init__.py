@@ -1,7 +1,8 @@
 """Experiment kinds, one registry: each `kinds/<kind>.py` declares its kind as one `Kind`
 (`longstraw.kinds.spec`: its config section, plan-time checks, run and report parts) and is
 registered here, once. The kinds' names, the point config's class (one optional section per kind)
-and the experiment schema's `kind` enum all derive from the registry.
+and the experiment schema's `kind` enum all derive from the registry. The report reaches a kind's parts
+through `part` and `contributed`, and the columns every point's row has through `common_columns`.
 
     kinds.get("step").run(cfg, device, progress)
     kinds.part(row["kind"], "columns")(point)     # a kind this package does not know: the empty part
@@ -12,17 +13,15 @@ from __future__ import annotations
 from longstraw.config.point import PointConfig, point_class, resolve_with
 from longstraw.kinds import capacity, capture, learning, length_curve, pretrain, staleness, step, sweep, validation
 from longstraw.kinds.columns import common_columns
-from longstraw.kinds.spec import UNKNOWN, Built, Kind
+from longstraw.kinds.spec import UNKNOWN, Kind
 
 __all__ = [
-    "Built",
-    "Kind",
     "common_columns",
     "contributed",
     "get",
     "names",
-    "part",
     "names_with",
+    "part",
     "point_config_class",
     "register",
     "resolve_point",
