@@ -15,7 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from longstraw.config import resolve_point
+from longstraw.kinds import resolve_point
 from longstraw.kinds.common import run_point_in_fresh_process
 
 GROUP_SIZES = (1, 2, 4, 8)

@@ -5,8 +5,7 @@ search logic is what is tested here; one real probe at the end, and whole search
 import pytest
 import torch
 
-from longstraw.config import resolve_point
-from longstraw.kinds import capacity
+from longstraw.kinds import capacity, resolve_point
 from longstraw.kinds.common import Progress
 
 FITS_UP_TO = 5000  # the fake device holds prompts up to this length

@@ -5,7 +5,7 @@ import torch
 import transformers
 
 from longstraw import capture, replay
-from longstraw.config import resolve_point
+from longstraw.kinds import resolve_point
 from longstraw.models import build_model
 
 

@@ -1,14 +1,13 @@
 """Experiment points and the CLI: statuses, provenance, atomic result files, clear config errors."""
 
+import dataclasses
 import json
 
 import pytest
 import torch
 
-from longstraw import cli
+from longstraw import cli, kinds
 from longstraw.harness import runner
-from longstraw.kinds import step as step_kind
-from longstraw.kinds import sweep as sweep_kind
 from longstraw.kinds.common import Progress
 
 POINT = {
@@ -48,11 +47,16 @@ def test_capture_point_reports_resident_bytes_against_prediction():
     assert m["resident_bytes"] == m["predicted_resident_bytes"]
 
 
+def _with_run(monkeypatch, name: str, run) -> None:
+    """The registered kind `name` runs `run` instead, for one test."""
+    monkeypatch.setitem(kinds._KINDS, name, dataclasses.replace(kinds.get(name), run=run))
+
+
 def test_out_of_memory_is_recorded_as_a_point(monkeypatch):
     def exhausted(cfg, device, progress):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
-    monkeypatch.setattr(step_kind, "run", exhausted)
+    _with_run(monkeypatch, "step", exhausted)
     result = runner.run_point(POINT)
     assert result["status"] == "oom" and "out of memory" in result["error"]
 
@@ -129,7 +133,7 @@ def test_cli_keeps_a_partial_file_only_while_a_sweep_runs(tmp_path, monkeypatch)
     spec, out = tmp_path / "sweep.yaml", tmp_path / "result.json"
     spec.write_text(json.dumps({**SWEEP, "sweep": {"replay": [2], "hold_all": []}}))
     seen = []
-    real = sweep_kind.run
+    real = kinds.get("sweep").run
 
     def watching(cfg, device, progress):
         def partial(metrics):
@@ -138,7 +142,7 @@ def test_cli_keeps_a_partial_file_only_while_a_sweep_runs(tmp_path, monkeypatch)
 
         return real(cfg, device, Progress(partial))
 
-    monkeypatch.setattr(sweep_kind, "run", watching)
+    _with_run(monkeypatch, "sweep", watching)
     assert cli.main(["run", str(spec), "--out", str(out)]) == 0
     assert seen == ["partial", "partial"]
     assert json.loads(out.read_text())["status"] == "ok"

@@ -1,4 +1,4 @@
-"""docs/extending-peer.md's recipe, followed at test time: a toy peer (its step class below, its registration in a
+"""docs/extending.md's peer recipe, followed at test time: a toy peer (its step class below, its registration in a
 fixture, removed afterwards) is a mode a point config and the plan accept, computes the group's GRPO loss and
 gradient as an independent reference does (HF's padded forward over the whole group, TRL's loss written out in
 tests/grpo_reference.py, autograd; both in float64), and the report names it by its label."""
@@ -9,9 +9,10 @@ from float64_reference import float64_model, hf_float64
 from grpo_reference import GradientRecorder, batch_loss
 from tolerances import TOL64, above, relative, within
 
-from longstraw.config import ConfigError, resolve_point
+from longstraw.config import ConfigError
 from longstraw.core import grpo
 from longstraw.core.hf_reference import global_relative_error
+from longstraw.kinds import resolve_point
 from longstraw.peers import Peer, build_peer, register_peer, unregister_peer
 from longstraw.peers.measured import measured_step
 from longstraw.plotting.styles import MODE_COLORS

@@ -11,9 +11,9 @@ from peft.tuners.lora import LoraLayer
 from tolerances import float64_residue_tolerance, within
 
 from longstraw import capture, replay
-from longstraw.config import resolve_point
 from longstraw.config.sections import LoraConfig, ModelConfig
 from longstraw.core.hf_reference import global_relative_error, hf_full_logprobs, max_relative_error
+from longstraw.kinds import resolve_point
 from longstraw.models import build_model
 from longstraw.models.lora import TARGET_SETS, apply_lora, trainable_parameters
 from longstraw.models.policy import build_policy

@@ -22,11 +22,10 @@ from longstraw.config.sections import LoraConfig, ModelConfig
 from longstraw.core.grpo import group_advantages
 from longstraw.core.step import grpo_step
 from longstraw.harness import runner
-from longstraw.kinds.columns import finite, number
 from longstraw.models import build_model, real
 from longstraw.models.lora import apply_lora
 from longstraw.models.policy import build_policy
-from longstraw.results import write_result
+from longstraw.results import finite, number, write_result
 
 NAME = "smollm2-135m-instruct"
 

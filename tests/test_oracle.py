@@ -184,7 +184,7 @@ class _SeedGatedTask:
 
 
 def _search_config(tries: int):
-    from longstraw.config import resolve_point
+    from longstraw.kinds import resolve_point
 
     return resolve_point(
         {

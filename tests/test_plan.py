@@ -105,36 +105,51 @@ def test_repository_experiments_plan_for_both_profiles():
         assert {"g_sweep", "operating_points", "baselines", "architectures"} <= set(experiments)
 
 
-def test_the_kinds_are_listed_once_and_each_has_its_module():
-    """`KINDS` is the one list: the schema's enum and the config's type are made from it, and every kind in it
-    has its module with a `run`, while no other module of `longstraw/kinds` runs points."""
+def test_the_kinds_are_registered_once_and_each_declares_itself():
+    """The registry is the one list: the schema's enum and the point config's type are made from it, every module of
+    `longstraw/kinds` that declares a `KIND` is registered under its name with a `run`, and no other runs points."""
     import importlib
     import typing
 
-    from longstraw.config.point import KINDS, PointConfig
+    from longstraw import kinds
 
-    assert plan.schema()["properties"]["kind"]["enum"] == list(KINDS)
-    hints = typing.get_type_hints(PointConfig)
-    assert typing.get_args(hints["kind"]) == KINDS
-    # each kind section is a kind's, and the config's field of that name holds its type or None
-    from longstraw.config.point import SECTION_TYPES
-
-    assert set(SECTION_TYPES) <= set(KINDS)
-    assert all(typing.get_args(hints[k]) == (t, type(None)) for k, t in SECTION_TYPES.items())
-    runs = {
-        path.stem: callable(getattr(importlib.import_module(f"longstraw.kinds.{path.stem}"), "run", None))
-        for path in (REPO / "longstraw" / "kinds").glob("*.py")
-        if path.stem != "__init__"
-    }
-    assert {name for name, has_run in runs.items() if has_run} == set(KINDS)
+    expected = (
+        "step",
+        "capture",
+        "capacity",
+        "sweep",
+        "staleness",
+        "validation",
+        "pretrain",
+        "length_curve",
+        "learning",
+    )
+    assert kinds.names() == expected
+    assert plan.schema()["properties"]["kind"]["enum"] == list(expected)
+    hints = typing.get_type_hints(kinds.point_config_class())
+    assert typing.get_args(hints["kind"]) == expected
+    # each kind section is its kind's, and the config's field of that name holds its type or None
+    sections = kinds.sections()
+    assert set(sections) == {"capacity", "sweep", "staleness", "validation", "pretrain", "length_curve", "learning"}
+    assert all(typing.get_args(hints[k]) == (t, type(None)) for k, t in sections.items())
+    declared = {}
+    for path in (REPO / "longstraw" / "kinds").glob("*.py"):
+        module = importlib.import_module(f"longstraw.kinds.{path.stem}")
+        if hasattr(module, "KIND"):
+            declared[path.stem] = module.KIND
+    assert set(declared) == set(expected)
+    assert all(kinds.get(name) is kind and kind.name == name and callable(kind.run) for name, kind in declared.items())
 
 
 def test_a_point_holds_its_own_kinds_section_and_no_other(tmp_path):
-    """Issue 33: a point's config holds the shared sections and its kind's; a base's section of another kind
+    """A point's config holds the shared sections and its kind's; a base's section of another kind
     (written for the experiment's kind) is left out of a point of another kind, and one a point's own `set`
     gives is refused, naming it."""
+    from longstraw import kinds
     from longstraw.config import ConfigError
-    from longstraw.config.point import KIND_SECTIONS, point_mapping
+    from longstraw.config.point import point_mapping
+
+    KIND_SECTIONS = tuple(kinds.sections())
 
     text = EXPERIMENT.replace("kind: step", "kind: sweep").replace(
         "base: {grpo: {beta: 0.0}}", "base: {grpo: {beta: 0.0}, sweep: {replay: [2, 4], hold_all: []}}"
@@ -146,7 +161,7 @@ def test_a_point_holds_its_own_kinds_section_and_no_other(tmp_path):
     recorded = point_mapping(swept)
     assert recorded["sweep"] == {"replay": [2, 4], "hold_all": []}
     assert set(recorded) & set(KIND_SECTIONS) == {"sweep"} and "sweep" not in point_mapping(long)
-    assert plan.resolve_point(recorded) == swept  # the recorded mapping resolves to the same config
+    assert kinds.resolve_point(recorded) == swept  # the recorded mapping resolves to the same config
     # a section of another kind in the point's own settings: refused when the plan is made
     refused = text.replace("set: {prompt.length: 128, kind: capture}", "set: {kind: capture, sweep.replay: [8]}")
     with pytest.raises(ConfigError, match=r"point long\]: sweep: a section of kind sweep; this point is kind capture"):
@@ -160,8 +175,10 @@ def test_committed_records_load_with_their_own_kinds_section_only():
     load in today's shape, each with its own kind's section only."""
     import json
 
-    from longstraw.config.point import KIND_SECTIONS
+    from longstraw import kinds
     from longstraw.report.aggregate import load_points
+
+    KIND_SECTIONS = tuple(kinds.sections())
 
     records = REPO / "experiments" / "recorded"
     old = 0

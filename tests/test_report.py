@@ -339,7 +339,7 @@ def test_reporting_imports_no_torch():
     """The report's stages and every kind's report half import neither torch nor transformers (a
     kind imports what it runs with inside `run`)."""
     code = (
-        "import sys; from longstraw import kinds; import longstraw.report.build, longstraw.cli; kinds.modules(); "
+        "import sys; from longstraw import kinds; import longstraw.report.build, longstraw.cli; kinds.names(); "
         "print(sorted(m for m in ('torch', 'transformers', 'peft') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=True)
@@ -1983,7 +1983,8 @@ def test_point_labels_name_what_differs_between_the_points():
     ],
 )
 def test_a_checkpoints_row_names_it_by_its_folder(path, name):
-    from longstraw.kinds.columns import checkpoint_name, common_columns
+    from longstraw.kinds.columns import common_columns
+    from longstraw.results import checkpoint_name
 
     assert checkpoint_name(path) == name
     assert common_columns({"config": {"model": {"path": path, "preset": "tiny-llama"}}})["model"] == name

@@ -11,10 +11,9 @@ from float64_reference import float64_gdn_states, float64_model, has_gdn, hf_flo
 from tolerances import EPS_BF16, float64_residue_tolerance, within
 
 from longstraw import cli
-from longstraw.config import resolve_point
 from longstraw.core.hf_reference import global_relative_error, hf_conditional_logprobs, hf_full_logprobs
 from longstraw.harness.plan import resolve
-from longstraw.kinds import validation
+from longstraw.kinds import resolve_point, validation
 from longstraw.kinds.common import Progress
 from longstraw.models import build_model
 

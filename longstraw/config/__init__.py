@@ -3,7 +3,7 @@ experiment points (`point`), the GRPO trainer (`train`), their shared sections (
 the objective's settings (`grpo`), and the mapping-to-dataclass machinery (`typed`)."""
 
 from longstraw.config.grpo import GRPOConfig
-from longstraw.config.point import PointConfig, point_mapping, recorded_config, recorded_grid, resolve_point
+from longstraw.config.point import PointConfig, point_mapping, recorded_config, recorded_grid
 from longstraw.config.train import TrainConfig, resolve_train
 from longstraw.config.typed import ConfigError, from_mapping, to_mapping
 
@@ -16,7 +16,6 @@ __all__ = [
     "point_mapping",
     "recorded_config",
     "recorded_grid",
-    "resolve_point",
     "resolve_train",
     "to_mapping",
 ]

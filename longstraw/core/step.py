@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from longstraw.config.point import OUR_MODES
 from longstraw.config.sections import micro_batch_refusal
 from longstraw.core import grpo
 from longstraw.core.exact import clear_page_gradients
@@ -52,7 +53,6 @@ from longstraw.results import SKIPPED
 from longstraw.state import ResidentState
 from longstraw.state.resident import check_positions
 
-MODES = ("replay", "hold_all", "naive")
 OLD_POLICIES = ("current", "score")
 
 
@@ -82,8 +82,8 @@ class StepOptions:
     member_budget_bytes: int | None = None
 
     def __post_init__(self):
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.mode not in OUR_MODES:
+            raise ValueError(f"mode must be one of {OUR_MODES}, got {self.mode!r}")
         if self.old_policy not in OLD_POLICIES:
             raise ValueError(f"old_policy must be one of {OLD_POLICIES}, got {self.old_policy!r}")
         k = self.micro_batch

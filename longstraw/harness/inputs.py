@@ -25,12 +25,14 @@ and whole, and its tasks' folders are there and serve them.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
+from longstraw import kinds
 from longstraw.config import ConfigError, PointConfig
 from longstraw.config.pretrain import PretrainConfig
 from longstraw.families.support import Unsupported, support_of
+from longstraw.kinds.pretrain import check_pretrain_settings, check_pretrain_tasks
+from longstraw.kinds.spec import Built
 from longstraw.models.checks import (
     CONFIG_FILE,
     ModelFacts,
@@ -47,43 +49,15 @@ BEYOND = "set capture.beyond_max_positions: true to run it anyway"
 BEYOND_RESPONSE = "set capture.beyond_max_positions: true to run them anyway"
 
 
-@dataclass(frozen=True)
-class Built:
-    """One model a point builds: a preset (with overrides) or a checkpoint folder, and the keys naming them."""
-
-    preset: str
-    path: str | None
-    overrides: dict
-    preset_key: str = "model.preset"
-    path_key: str = "model.path"
-    overrides_key: str = "model.overrides"
-    dtype: str = "float32"
-    dtype_key: str = "model.dtype"
-
-
 def built_models(cfg: PointConfig) -> list[Built]:
-    """The models a point builds: a pretrain point its `pretrain` section's; a validation point with
-    `validation.presets` each of them (the point's overrides on each); any other the point's `model`."""
-    if cfg.kind == "pretrain":
-        p = cfg.pretrain
-        return [
-            Built(
-                p.model,
-                p.init,
-                p.model_overrides,
-                "pretrain.model",
-                "pretrain.init",
-                "pretrain.model_overrides",
-                p.dtype,
-                "pretrain.dtype",
-            )
-        ]
-    if cfg.kind == "validation" and cfg.validation.presets:
-        return [
-            Built(name, None, cfg.model.overrides, f"validation.presets[{i}]", dtype=cfg.model.dtype)
-            for i, name in enumerate(cfg.validation.presets)
-        ]
-    return [Built(cfg.model.preset, cfg.model.path, cfg.model.overrides, dtype=cfg.model.dtype)]
+    """The models a point builds: its kind's (`Kind.models`: a pretrain point's section's, a validation point's
+    presets), else the point's `model`."""
+    own = kinds.get(cfg.kind).models(cfg)
+    return (
+        own
+        if own is not None
+        else [Built(cfg.model.preset, cfg.model.path, cfg.model.overrides, dtype=cfg.model.dtype)]
+    )
 
 
 def facts_of(built: Built, source: str) -> ModelFacts | None:
@@ -111,10 +85,12 @@ def check_point_inputs(cfg: PointConfig, source: str) -> None:
 
 
 def check_model_fits(cfg: PointConfig, built: Built, facts: ModelFacts, source: str) -> None:
-    """The point's lengths, tasks, capture settings and what its model's family runs against one model's facts."""
+    """The point's lengths, tasks, capture settings and what its model's family runs against one model's facts (a
+    kind with checks of its own for its models, `Kind.check_model`, runs those instead of the lengths and tasks)."""
+    kind = kinds.get(cfg.kind)
     check_family(cfg, built, facts, source)
-    if cfg.kind == "pretrain":
-        check_pretrain_tasks(cfg.pretrain, facts, source)
+    if kind.check_model is not None:
+        kind.check_model(cfg, facts, source)
         return
     if not cfg.capture.beyond_max_positions and facts.max_positions:
         for prompt_key, prompt, response_key, response in longest_runs(cfg):
@@ -122,7 +98,7 @@ def check_model_fits(cfg: PointConfig, built: Built, facts: ModelFacts, source: 
     for key, spec, lengths, _ in point_tasks(cfg):
         check_task_builds(spec, lengths, facts, f"{source}: {key}")
     check_tasks_ready(cfg, facts, source, later=True)
-    if cfg.capture.host_pages and cfg.kind != "length_curve" and facts.model_type not in MLA_MODEL_TYPES:
+    if cfg.capture.host_pages and kind.host_pages and facts.model_type not in MLA_MODEL_TYPES:
         raise ConfigError(
             f"{source}: capture.host_pages: {facts.model_type!r} models keep no host-resident pages "
             f"({facts.what}); the MLA family does: {', '.join(MLA_MODEL_TYPES)}"
@@ -147,64 +123,21 @@ def check_positions(
 
 
 def longest_runs(cfg: PointConfig) -> list[tuple[str, int, str | None, int]]:
-    """(prompt key, the longest prompt, response key, its response's tokens) of what a point runs."""
-    r = cfg.responses.length
-    if cfg.kind == "capacity":
-        # its probes are steps at lengths up to max_length, which bounds the search (a search may set it to the
-        # model's limit): the bound within the limit, and the first probe's response after its prompt
-        c = cfg.capacity
-        return [
-            ("capacity.max_length", c.max_length, None, 0),
-            ("capacity.min_length", c.min_length, "responses.length", r),
-        ]
-    if cfg.kind == "length_curve":  # greedy answers of the task's value length
-        return [("length_curve.lengths", max(cfg.length_curve.lengths), None, 0)]
-    if cfg.kind == "learning" and cfg.learning.probe is not None:  # it trains at one of the probed lengths
-        return [("learning.probe.lengths", max(cfg.learning.probe.lengths), "responses.length", r)]
-    runs = [("prompt.length", cfg.prompt.length, "responses.length", r)]
-    train = v4_train(cfg)
-    if train is not None and isinstance(train.task.get("length"), int):
-        runs.append(
-            (
-                "validation.train.task.length",
-                train.task["length"],
-                "validation.train.sampling.max_new_tokens",
-                train.sampling.max_new_tokens,
-            )
-        )
-    return runs
-
-
-def v4_train(cfg: PointConfig):
-    """The trainer config of a validation point's V4 (None without V4)."""
-    if cfg.kind != "validation" or "V4" not in cfg.validation.levels:
-        return None
-    from longstraw.config.point import trainer_mapping
-    from longstraw.config.train import resolve_train
-
-    return resolve_train(trainer_mapping(cfg, cfg.optimizer.lr, "unused"), "validation.train")
+    """(prompt key, the longest prompt, response key, its response's tokens) of what a point runs: its kind's
+    (`Kind.longest_runs`), else its prompt and responses."""
+    runs = kinds.get(cfg.kind).longest_runs(cfg)
+    return (
+        runs if runs is not None else [("prompt.length", cfg.prompt.length, "responses.length", cfg.responses.length)]
+    )
 
 
 def point_tasks(cfg: PointConfig) -> list[tuple[str, dict, list[int], str]]:
-    """(key, task spec, the prompt lengths it is built at, the key of those lengths) of every task the point builds."""
-    length = cfg.prompt.length
+    """(key, task spec, the prompt lengths it is built at, the key of those lengths) of every task the point builds:
+    its rollouts' and its kind's (`Kind.tasks`)."""
     tasks = []
     if cfg.responses.source == "rollouts":
-        tasks.append(("responses.task", cfg.responses.task, [length], "prompt.length"))
-    if cfg.kind == "staleness" and cfg.staleness.task:
-        tasks.append(("staleness.task", cfg.staleness.task, [length], "prompt.length"))
-    if cfg.kind == "learning":
-        probe = cfg.learning.probe
-        lengths = (list(probe.lengths), "learning.probe.lengths") if probe else ([length], "prompt.length")
-        tasks.append(("learning.task", cfg.learning.task, *lengths))
-    if cfg.kind == "length_curve":
-        tasks.append(
-            ("length_curve.task", cfg.length_curve.task, list(cfg.length_curve.lengths), "length_curve.lengths")
-        )
-    train = v4_train(cfg)
-    if train is not None:
-        tasks.append(("validation.train.task", train.task, [train.task.get("length")], "validation.train.task.length"))
-    return tasks
+        tasks.append(("responses.task", cfg.responses.task, [cfg.prompt.length], "prompt.length"))
+    return tasks + kinds.get(cfg.kind).tasks(cfg)
 
 
 def check_tasks_ready(cfg: PointConfig, facts: ModelFacts, source: str, later: bool) -> None:
@@ -233,15 +166,15 @@ def check_tasks_ready(cfg: PointConfig, facts: ModelFacts, source: str, later: b
 
 
 def check_family(cfg: PointConfig, built: Built, facts: ModelFacts, source: str) -> None:
-    """What the model's family runs (`families.support`): its dtype, context parallelism and config values (a
-    pretraining run runs HF's forward, not the family's: only its dtype counts there)."""
+    """What the model's family runs (`families.support`): its dtype, context parallelism and config values (a kind
+    whose models run HF's forward, not the family's, `Kind.family_forward`: only their dtype counts)."""
     support = support_of(facts.model_type)
     if support is None:
         return  # a type no family runs: the adapter names it
-    pretrain = cfg.kind == "pretrain"
-    settings = {} if pretrain else model_settings(built)
+    family = kinds.get(cfg.kind).family_forward
+    settings = model_settings(built) if family else {}
     try:
-        support.check(facts.model_type, built.dtype, 1 if pretrain else cfg.cp_size, settings)
+        support.check(facts.model_type, built.dtype, cfg.cp_size if family else 1, settings)
     except Unsupported as exc:
         raise ConfigError(f"{source}: {setting_key(built, exc.key)}: {exc}") from None
 
@@ -271,110 +204,83 @@ def setting_key(built: Built, key: str) -> str:
     return f"{built.preset_key}: preset {built.preset}: {key}"
 
 
-def check_pretrain_tasks(p: PretrainConfig, facts: ModelFacts, source: str, prefix: str = "pretrain.") -> None:
-    """A pretraining run's tasks at the lengths it trains and evaluates them (its stages' included);
-    `prefix`: where the pretrain settings sit (a point's `pretrain.` section, or a pretrain config's top level)."""
-    specs = [("task", p.task, p.lengths)]
-    for i, stage in enumerate(p.stages):
-        overrides = {k: v for k, v in stage.items() if k not in ("until", "lengths", "aux_fraction")}
-        specs.append((f"stages[{i}]", {**p.task, **overrides}, stage.get("lengths", p.lengths)))
-    specs.append(("eval_task" if p.eval_task else "task", p.eval_task or p.task, p.eval_lengths or p.lengths))
-    if p.aux_task:
-        specs.append(("aux_task", p.aux_task, p.lengths))
-    for key, spec, lengths in specs:
-        check_task_builds(spec, lengths, facts, f"{source}: {prefix}{key}")
-
-
 def check_settings(cfg: PointConfig, source: str) -> None:
     """Settings the kinds refuse only once the model is built, refused from the config alone."""
+    kind = kinds.get(cfg.kind)
+    check_step_options(cfg, kind, source)
+    kind.check_settings(cfg, source)
+    check_probe_members(cfg, kind, source)
+    if cfg.capture.host_pages and kind.host_pages:
+        check_host_pages(cfg, kind, source)
+
+
+def check_step_options(cfg: PointConfig, kind, source: str) -> None:
+    """`recapture`, `replay.micro_batch` and `replay.cuda_graph` where the point's steps take them."""
     r = cfg.responses
-    cpu = not cfg.model.device.startswith("cuda")
-    if cfg.recapture and not (cfg.kind == "step" and cfg.mode in ("replay", "hold_all") and r.source == "seeded"):
+    if cfg.recapture and not (kind.step_options and cfg.mode in ("replay", "hold_all") and r.source == "seeded"):
         raise ConfigError(
-            f"{source}: recapture: captures a seeded step point's prompt every cycle (kind step, mode "
-            f"replay or hold_all); kind {cfg.kind!r}, mode {cfg.mode!r}, responses.source "
-            f"{r.source!r} has no capture of its own to repeat"
+            f"{source}: recapture: captures a seeded step point's prompt every cycle (kind "
+            f"{' or '.join(kinds.names_with('step_options'))}, mode replay or hold_all); kind {cfg.kind!r}, mode "
+            f"{cfg.mode!r}, responses.source {r.source!r} has no capture of its own to repeat"
         )
-    if cfg.replay.micro_batch != 1 and ((cfg.kind in ("step", "capacity") and cfg.mode != "replay") or cfg.cp_size > 1):
+    if cfg.replay.micro_batch != 1 and ((kind.modes is not None and cfg.mode != "replay") or cfg.cp_size > 1):
         raise ConfigError(
             f"{source}: replay.micro_batch: batches of replayed members are mode replay's on one "
             f"process; this point has mode {cfg.mode!r}, cp_size {cfg.cp_size}"
         )
     if cfg.replay.cuda_graph:
-        problems = [
-            f"kind {cfg.kind!r} (kind step only)" if cfg.kind != "step" else None,
-            f"mode {cfg.mode!r} (mode replay only)" if cfg.mode != "replay" else None,
-            f"device {cfg.model.device!r} (a CUDA device only)" if cpu else None,
-            "replay.micro_batch 'auto' (give k)" if cfg.replay.micro_batch == "auto" else None,
-            f"cp_size {cfg.cp_size} (one process only)" if cfg.cp_size > 1 else None,
-            "capture.host_pages (a graph reads device memory)" if cfg.capture.host_pages else None,
-            "responses.source 'rollouts' (sampled lengths change every step)" if r.source == "rollouts" else None,
-        ]
-        if any(problems):
-            raise ConfigError(
-                f"{source}: replay.cuda_graph: the members cannot run as one recorded CUDA graph at this point: "
-                + "; ".join(p for p in problems if p)
-            )
-    if cfg.kind == "capacity" and cpu and cfg.capacity.ceiling_bytes is None:
+        check_cuda_graph(cfg, kind, source)
+
+
+def check_cuda_graph(cfg: PointConfig, kind, source: str) -> None:
+    only = " or ".join(kinds.names_with("step_options"))
+    problems = [
+        f"kind {cfg.kind!r} (kind {only} only)" if not kind.step_options else None,
+        f"mode {cfg.mode!r} (mode replay only)" if cfg.mode != "replay" else None,
+        f"device {cfg.model.device!r} (a CUDA device only)" if not cfg.model.device.startswith("cuda") else None,
+        "replay.micro_batch 'auto' (give k)" if cfg.replay.micro_batch == "auto" else None,
+        f"cp_size {cfg.cp_size} (one process only)" if cfg.cp_size > 1 else None,
+        "capture.host_pages (a graph reads device memory)" if cfg.capture.host_pages else None,
+        "responses.source 'rollouts' (sampled lengths change every step)"
+        if cfg.responses.source == "rollouts"
+        else None,
+    ]
+    if any(problems):
         raise ConfigError(
-            f"{source}: capacity.ceiling_bytes: a capacity search on CPU needs an emulated memory "
-            "ceiling (bytes of peak RSS above the weights)"
+            f"{source}: replay.cuda_graph: the members cannot run as one recorded CUDA graph at this point: "
+            + "; ".join(p for p in problems if p)
         )
-    if r.probe_members is not None and cfg.kind in ("step", "capacity"):  # the kinds whose steps take it
-        if cfg.kind == "capacity" and cpu:
-            raise ConfigError(
-                f"{source}: responses.probe_members: for CUDA capacity searches; on CPU the measured "
-                "peak RSS grows over members, so a partial step would read low"
-            )
-        if r.probe_members > cfg.grpo.num_generations:
-            raise ConfigError(
-                f"{source}: responses.probe_members: {r.probe_members} members of a group of "
-                f"{cfg.grpo.num_generations} (grpo.num_generations); a partial step replays 1 to G of them"
-            )
-        if cfg.mode == "hold_all":
-            raise ConfigError(
-                f"{source}: responses.probe_members: a partial step is a memory probe of the serial "
-                "modes (replay, naive); hold_all's peak depends on all G graphs"
-            )
-    if cfg.kind == "pretrain":
-        check_pretrain_settings(cfg.pretrain, source)
-    if cfg.capture.host_pages and cfg.kind not in ("pretrain", "length_curve"):
-        exact = (
-            "exact" in cfg.validation.modes
-            if cfg.kind == "validation"
-            else "exact" in cfg.learning.gradients
-            if cfg.kind == "learning"
-            else False
+
+
+def check_probe_members(cfg: PointConfig, kind, source: str) -> None:
+    """A partial step (`responses.probe_members`) of the kinds whose steps take a mode."""
+    k = cfg.responses.probe_members
+    if k is None or kind.modes is None:
+        return
+    if k > cfg.grpo.num_generations:
+        raise ConfigError(
+            f"{source}: responses.probe_members: {k} members of a group of "
+            f"{cfg.grpo.num_generations} (grpo.num_generations); a partial step replays 1 to G of them"
         )
-        if cfg.cp_size > 1:
-            raise ConfigError(
-                f"{source}: capture.host_pages: not implemented for a context-parallel capture (cp_size {cfg.cp_size})"
-            )
-        if exact:
-            raise ConfigError(
-                f"{source}: capture.host_pages: cannot be combined with exact gradients (prefix_grad), "
-                f"which {'validation.modes' if cfg.kind == 'validation' else 'learning.gradients'} asks for"
-            )
+    if cfg.mode == "hold_all":
+        raise ConfigError(
+            f"{source}: responses.probe_members: a partial step is a memory probe of the serial "
+            "modes (replay, naive); hold_all's peak depends on all G graphs"
+        )
 
 
-def check_pretrain_settings(p: PretrainConfig, source: str, prefix: str = "pretrain.", point: bool = True) -> None:
-    """A pretraining config's settings that its run would refuse late: a point's output folder, each
-    curriculum stage's `until`, and its tasks' names and settings."""
-    import longstraw.training.synthetic  # noqa: F401  (registers the training tasks: mqar, periodic)
-    from longstraw.training.tasks import check_task_spec
-
-    if point and not p.out:
-        raise ConfigError(f"{source}: {prefix}out: the folder the checkpoint is written to (OUT/checkpoint)")
-    for i, stage in enumerate(p.stages):
-        until = stage.get("until") if isinstance(stage, dict) else None
-        if isinstance(until, bool) or not isinstance(until, int):
-            raise ConfigError(
-                f"{source}: {prefix}stages[{i}]: a stage is a mapping with an integer 'until' (the step "
-                f"it ends before), got {stage!r}"
-            )
-    for key, spec in (("task", p.task), ("eval_task", p.eval_task), ("aux_task", p.aux_task)):
-        if spec:
-            check_task_spec({**spec, "length": 2}, f"{source}: {prefix}{key}")
+def check_host_pages(cfg: PointConfig, kind, source: str) -> None:
+    """Host-resident pages: one process, and no exact gradients (`Kind.exact_key` names the setting asking)."""
+    if cfg.cp_size > 1:
+        raise ConfigError(
+            f"{source}: capture.host_pages: not implemented for a context-parallel capture (cp_size {cfg.cp_size})"
+        )
+    exact = kind.exact_key(cfg)
+    if exact:
+        raise ConfigError(
+            f"{source}: capture.host_pages: cannot be combined with exact gradients (prefix_grad), "
+            f"which {exact} asks for"
+        )
 
 
 def check_pretrain_config(p: PretrainConfig, source: str) -> None:
@@ -453,14 +359,14 @@ def produced_facts(planned: dict, producers: dict, producer: tuple[str, str], pa
     """The facts of the checkpoint a planned pretrain point writes: its preset's (and overrides'), or,
     when it continues from `init`, that checkpoint's (None when neither can be known yet)."""
     experiment, name = producer
-    p = planned[experiment]["points"][name]["config"].pretrain
+    built = built_models(planned[experiment]["points"][name]["config"])[0]
     try:
-        if p.init is None:
-            facts = preset_facts(p.model, p.model_overrides, "pretrain.model_overrides")
-        elif Path(p.init).exists():
-            facts = checkpoint_facts(p.init, "pretrain.init")
-        elif depth < 8 and str(Path(p.init)) in producers:
-            facts = produced_facts(planned, producers, producers[str(Path(p.init))], p.init, depth + 1)
+        if built.path is None:
+            facts = preset_facts(built.preset, built.overrides, built.overrides_key)
+        elif Path(built.path).exists():
+            facts = checkpoint_facts(built.path, built.path_key)
+        elif depth < 8 and str(Path(built.path)) in producers:
+            facts = produced_facts(planned, producers, producers[str(Path(built.path))], built.path, depth + 1)
         else:
             return None
     except ValueError:
@@ -478,9 +384,9 @@ def check_ready(cfg: PointConfig, source: str) -> None:
     been a planned checkpoint, not written yet)."""
     try:
         check_device(cfg.model.device, "model.device")
-        if cfg.kind == "pretrain":
-            check_device(cfg.pretrain.device, "pretrain.device")
         for built in built_models(cfg):
+            if built.device is not None:
+                check_device(built.device, built.device_key)
             if built.path:
                 checkpoint_facts(built.path, built.path_key, built.overrides, built.overrides_key)
     except ValueError as exc:

@@ -27,8 +27,7 @@ from pathlib import Path
 import jsonschema
 
 from longstraw import kinds
-from longstraw.config import ConfigError, PointConfig, resolve_point
-from longstraw.config.point import KIND_SECTIONS, KINDS
+from longstraw.config import ConfigError, PointConfig
 from longstraw.config.yaml_input import load_yaml_file, load_yaml_text
 from longstraw.harness.inputs import built_models, check_planned_paths, check_point_inputs
 from longstraw.kinds.checks import check_named_preset, check_task
@@ -45,11 +44,11 @@ class NotApplicable(ConfigError):
 
 
 def schema() -> dict:
-    """The experiment files' schema, its `kind` enum the config's `KINDS` (the one list of kinds)."""
+    """The experiment files' schema, its `kind` enum the registered kinds (`longstraw.kinds`)."""
     loaded = load_yaml_text(
         resources.files("longstraw.harness").joinpath("experiment.schema.yaml").read_text(), "experiment.schema.yaml"
     )
-    loaded["properties"]["kind"]["enum"] = list(KINDS)
+    loaded["properties"]["kind"]["enum"] = list(kinds.names())
     return loaded
 
 
@@ -78,16 +77,18 @@ def resolve(raw, source: str = "config") -> PointConfig:
         raise ConfigError(
             f"{source}: <top level>: empty; a point config names at least its model (model.preset or model.path)"
         )
-    cfg = raw if isinstance(raw, PointConfig) else resolve_point(raw, source)
+    cfg = raw if isinstance(raw, PointConfig) else kinds.resolve_point(raw, source)
+    kind = kinds.get(cfg.kind)
     if not cfg.model.path:
         check_named_preset(cfg.model.preset, f"{source}: model.preset")
-    kinds.part(cfg.kind, "check")(cfg, source)  # the kind's own section (kinds/<kind>.py)
+    kind.check(cfg, source)  # the kind's own section (kinds/<kind>.py)
     _check_peer_modes(cfg, source)
     if cfg.responses.source == "rollouts":
-        if cfg.kind != "step" or cfg.mode != "replay":
+        if not kind.step_options or cfg.mode != "replay":
             raise ConfigError(
-                f"{source}: responses.source: rollouts are the trainer's cycles (kind step, mode "
-                f"replay), not kind {cfg.kind!r} with mode {cfg.mode!r}"
+                f"{source}: responses.source: rollouts are the trainer's cycles (kind "
+                f"{' or '.join(kinds.names_with('step_options'))}, mode replay), not kind {cfg.kind!r} with mode "
+                f"{cfg.mode!r}"
             )
         check_task(cfg.responses.task, cfg.prompt.length, f"{source}: responses.task")
     check_point_inputs(cfg, source)  # models, checkpoints, lengths, tasks against the model (harness/inputs.py)
@@ -97,12 +98,12 @@ def resolve(raw, source: str = "config") -> PointConfig:
 def _check_peer_modes(cfg: PointConfig, source: str) -> None:
     """A peer mode (the point's, or a capacity search's compared one) runs a step on its own: the extra
     installed, the peer applicable to the preset's family, no partial or sharded step."""
-    modes = [cfg.mode] if cfg.kind in ("step", "capacity") else []
-    if cfg.kind == "capacity":
-        modes += cfg.capacity.compare_modes
-    peers = [m for m in modes if m in PEER_MODES]
-    if cfg.mode in PEER_MODES and cfg.kind not in ("step", "capacity"):
-        raise ConfigError(f"{source}: mode: peer {cfg.mode!r} runs kind step or capacity, not {cfg.kind!r}")
+    stepped = kinds.get(cfg.kind).modes
+    peers = [m for m in (stepped(cfg) if stepped else []) if m in PEER_MODES]
+    if cfg.mode in PEER_MODES and stepped is None:
+        raise ConfigError(
+            f"{source}: mode: peer {cfg.mode!r} runs kind {' or '.join(kinds.names_with('modes'))}, not {cfg.kind!r}"
+        )
     for mode in peers:
         try:
             check_peer(mode, None if cfg.model.path else PRESETS[cfg.model.preset].model_type)
@@ -205,7 +206,7 @@ def _drop_others_sections(config: dict, assignment: dict) -> None:
     the sections of other kinds its bases hold (written for the experiment's kind); one its own `set` gives
     is kept, and refused when resolved."""
     kind = config.get("kind")
-    for section in KIND_SECTIONS:
+    for section in kinds.sections():
         given = any(key == section or key.startswith(f"{section}.") for key in assignment)
         if section != kind and section in config and not given:
             del config[section]
@@ -242,22 +243,22 @@ def plan(experiments_dir, profile: str) -> dict[str, dict]:
 
 
 def checkpoint_producers(planned: dict) -> dict[str, tuple[str, str]]:
-    """{checkpoint folder: (experiment, point)} of the plan's pretrain points (`pretrain.out`/checkpoint)."""
-    return {
-        str(Path(p["config"].pretrain.out) / "checkpoint"): (experiment, name)
+    """{checkpoint folder: (experiment, point)} of the plan's points that write one (`Kind.checkpoint_out`: a
+    pretrain point's `pretrain.out`/checkpoint)."""
+    written = {
+        (experiment, name): kinds.get(p["config"].kind).checkpoint_out(p["config"])
         for experiment, e in planned.items()
         for name, p in e["points"].items()
-        if p["config"].kind == "pretrain" and p["config"].pretrain.out
     }
+    return {str(Path(folder)): point for point, folder in written.items() if folder}
 
 
 def needs(planned: dict, experiment: str, point: str) -> list[tuple[str, str]]:
     """The (experiment, point) pairs whose results a point needs first: the pretrain point that
-    writes the checkpoint its `model.path` loads (a pretrain point's: its `pretrain.init`)."""
-    cfg = planned[experiment]["points"][point]["config"]
-    path = cfg.model.path if cfg.kind != "pretrain" else cfg.pretrain.init  # pretraining builds its own model
-    producer = checkpoint_producers(planned).get(str(Path(path))) if path else None
-    return [producer] if producer else []
+    writes a checkpoint one of its models loads (`model.path`; a pretrain point's: its `pretrain.init`)."""
+    producers = checkpoint_producers(planned)
+    paths = [b.path for b in built_models(planned[experiment]["points"][point]["config"]) if b.path]
+    return list(dict.fromkeys(producers[str(Path(p))] for p in paths if str(Path(p)) in producers))
 
 
 def real_checkpoints_needed(planned: dict, experiment: str, point: str) -> list[str]:

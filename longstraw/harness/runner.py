@@ -40,9 +40,9 @@ def run_point(raw, source: str = "config", on_progress=None, work_dir=None) -> d
     """
     cfg = resolve(raw, source)
     check_ready(cfg, source)  # its devices exist here, its checkpoint is there and whole
-    check_work = getattr(kinds.module(cfg.kind), "check_work", None)  # a kind that resumes from work_dir
-    if check_work is not None and work_dir is not None:
-        check_work(cfg, work_dir, source)
+    kind = kinds.get(cfg.kind)
+    if kind.check_work is not None and work_dir is not None:  # a kind that resumes from work_dir
+        kind.check_work(cfg, work_dir, source)
     device = torch.device(cfg.model.device)
     cp = _context_parallel(cfg, source)
     if cp is not None and cp.rank != 0:
@@ -60,7 +60,7 @@ def run_point(raw, source: str = "config", on_progress=None, work_dir=None) -> d
 
     try:
         with deterministic_mode(cfg.deterministic), forward_kernel(cfg.model.attention_kernel):
-            result["metrics"] = kinds.module(cfg.kind).run(cfg, device, Progress(partial, work_dir))
+            result["metrics"] = kind.run(cfg, device, Progress(partial, work_dir))
         result.update(finished_status(result["metrics"]))  # ok, or nonfinite: a step skipped its update
     except torch.OutOfMemoryError as exc:
         result["status"] = "oom"
@@ -81,7 +81,7 @@ def run_point(raw, source: str = "config", on_progress=None, work_dir=None) -> d
 def _context_parallel(cfg: PointConfig, source: str):
     """The run's CP group (None for a single process); kinds without a resident state refuse it."""
     cp = context_parallel(cfg.cp_size, torch.device(cfg.model.device).type)
-    if cp is not None and cp.world > 1 and (cfg.kind == "capacity" or cfg.mode == "naive"):
+    if cp is not None and cp.world > 1 and (not kinds.get(cfg.kind).shards_state or cfg.mode == "naive"):
         raise ValueError(
             f"{source}: cp_size={cp.world} shards a captured prompt; kind {cfg.kind!r} with mode "
             f"{cfg.mode!r} has none to shard (capacity probes run as single processes)"

@@ -1,56 +1,90 @@
-"""Experiment kinds: one module per kind (`KINDS`, named in the experiment schema) owns everything
-about a point of that kind, how it runs and how it is reported.
+"""Experiment kinds, one registry: each `kinds/<kind>.py` declares its kind as one `Kind`
+(`longstraw.kinds.spec`: its config section, plan-time checks, run and report parts) and is
+registered here, once. The kinds' names, the point config's class (one optional section per kind)
+and the experiment schema's `kind` enum all derive from the registry. The report reaches a kind's parts
+through `part` and `contributed`, and the columns every point's row has through `common_columns`.
 
-Plan half (`longstraw.harness.plan.resolve`, before any work):
-- `check(cfg, source)`: the kind's own section checked through to the names and tasks it uses (a
-  `ConfigError` naming the source and key); the settings every kind shares are the plan's.
-
-Run half (imports torch inside `run`, so reporting stays free of torch):
-- `run(cfg, device, progress) -> metrics`: the point's measurement (`longstraw.harness.runner`).
-
-Report half (plain Python; matplotlib only inside `figures`):
-- `columns(point) -> dict`: the kind's cells of the point's row in the experiment's table;
-- `tables(points) -> {suffix: rows}`: tables of their own (`<experiment>.<suffix>.csv`), e.g. a
-  sweep's steps, with `EXTRA_TABLES[suffix]` saying how the page shows each (`ExtraTable`);
-- `SHOWN`: the columns the page's table shows, in order (the CSV has them all);
-- `notes(row, grid) -> [sentence]`: what a row cannot say in one cell;
-- `figures(data, ceiling, marks) -> (name, figure)...` with `CAPTIONS[name]`: the figures the
-  experiment's tables support (`columns.ExperimentData`).
-
-A kind without one of these has none (`part` gives the empty default); a kind this package does
-not know (a result from a later version) gets the report's generic table.
+    kinds.get("step").run(cfg, device, progress)
+    kinds.part(row["kind"], "columns")(point)     # a kind this package does not know: the empty part
 """
 
 from __future__ import annotations
 
-import importlib
-import types
+from longstraw.config.point import PointConfig, point_class, resolve_with
+from longstraw.kinds import capacity, capture, learning, length_curve, pretrain, staleness, step, sweep, validation
+from longstraw.kinds.columns import common_columns
+from longstraw.kinds.spec import UNKNOWN, Kind
 
-from longstraw.config.point import KINDS
+__all__ = [
+    "common_columns",
+    "contributed",
+    "get",
+    "names",
+    "names_with",
+    "part",
+    "point_config_class",
+    "register",
+    "resolve_point",
+    "sections",
+    "unregister",
+]
 
-_EMPTY = {
-    "check": lambda cfg, source: None,
-    "columns": lambda point: {},
-    "tables": lambda points: {},
-    "notes": lambda row, grid: [],
-    "figures": lambda data, ceiling, marks: (),
-    "EXTRA_TABLES": {},
-    "SHOWN": None,
-    "CAPTIONS": {},
-}
-
-
-def module(kind):
-    """The kind's module, or None for a kind this package does not know."""
-    return importlib.import_module(f"longstraw.kinds.{kind}") if kind in KINDS else None
-
-
-def modules() -> list:
-    """Every kind's module, in `KINDS` order (the order of a section's tables and figures)."""
-    return [module(kind) for kind in KINDS]
+_KINDS: dict[str, Kind] = {}
 
 
-def part(kind_or_module, name: str):
-    """One part of a kind (see the module doc), or its empty default."""
-    mod = kind_or_module if isinstance(kind_or_module, types.ModuleType) else module(kind_or_module)
-    return getattr(mod, name, _EMPTY[name]) if mod is not None else _EMPTY[name]
+def register(kind: Kind) -> Kind:
+    """Add a kind (its name new): its section joins the point config class (`point_config_class`)."""
+    if kind.name in _KINDS:
+        raise ValueError(f"kind {kind.name!r} is registered already")
+    _KINDS[kind.name] = kind
+    return kind
+
+
+def unregister(name: str) -> None:
+    """Remove a kind registered at run time (a test's)."""
+    del _KINDS[name]
+
+
+for _module in (step, capture, capacity, sweep, staleness, validation, pretrain, length_curve, learning):
+    register(_module.KIND)
+
+
+def names() -> tuple[str, ...]:
+    """Every kind's name, in registration order (the order of a section's tables and figures)."""
+    return tuple(_KINDS)
+
+
+def get(name) -> Kind | None:
+    """The kind, or None for one this package does not know."""
+    return _KINDS.get(name)
+
+
+def part(name, attribute: str):
+    """One part of a kind, or the empty part of a kind this package does not know."""
+    return getattr(_KINDS.get(name, UNKNOWN), attribute)
+
+
+def sections() -> dict[str, type]:
+    """{kind: its section's type} of the kinds with a section of their own."""
+    return {k.name: k.section for k in _KINDS.values() if k.section is not None}
+
+
+def point_config_class() -> type[PointConfig]:
+    """The point config of the registered kinds: the shared settings, `kind` one of `names()`, and one optional
+    section per kind that has one."""
+    return point_class(names(), tuple(sections().items()))
+
+
+def resolve_point(raw, source: str = "config") -> PointConfig:
+    """A point config from its mapping (`config.point.resolve_with`), its kind one of the registered kinds."""
+    return resolve_with(point_config_class(), raw, source)
+
+
+def contributed(name: str):
+    """A part one kind offers other report sections (`Kind.contributes`), or None when no kind offers it."""
+    return next((k.contributes[name] for k in _KINDS.values() if name in k.contributes), None)
+
+
+def names_with(attribute: str) -> list[str]:
+    """The kinds whose `attribute` is set (a message naming the kinds a setting applies to)."""
+    return [k.name for k in _KINDS.values() if getattr(k, attribute) not in (None, False)]

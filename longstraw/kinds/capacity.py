@@ -35,11 +35,16 @@ from __future__ import annotations
 import dataclasses
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
-from longstraw.config import PointConfig
-from longstraw.kinds.columns import (
+from longstraw.config import ConfigError, PointConfig
+from longstraw.config.point import check_mode
+from longstraw.config.typed import bounded
+from longstraw.kinds.spec import Kind
+from longstraw.kinds.step import STEP_PHASES
+from longstraw.results import (
     ExtraTable,
     as_dict,
     number,
@@ -49,7 +54,25 @@ from longstraw.kinds.columns import (
     rows_of_points,
     status_of,
 )
-from longstraw.kinds.step import STEP_PHASES
+
+
+@dataclass
+class CapacityConfig:
+    """The largest-prompt search (`longstraw.kinds.capacity`)."""
+
+    min_length: int = bounded(1024, min=2)
+    max_length: int = bounded(1 << 20, min=2)
+    granularity: int = bounded(1024, min=1)
+    ceiling_bytes: Optional[int] = bounded(None, min=1)
+    time_limit_seconds: Optional[float] = bounded(None, gt=0)
+    compare_modes: list[str] = field(default_factory=list)
+
+    def __post_init__(self):
+        for mode in self.compare_modes:
+            check_mode(mode, "compare_modes")
+        if self.min_length > self.max_length:
+            raise ValueError(f"min_length {self.min_length} exceeds max_length {self.max_length}")
+
 
 if TYPE_CHECKING:
     from longstraw.kinds.common import Progress
@@ -90,27 +113,6 @@ def run(point: PointConfig, device, progress: Progress) -> dict:
             "grows over members, so a partial step would read low"
         )
     probes: dict[int, dict] = {}
-
-    def fits(length: int) -> bool:
-        result = _probe(point, length, workdir)
-        peak = _measured_bytes(result, device_type)
-        status = result["status"]
-        if status == "ok" and ceiling is not None and peak is not None and peak > ceiling:
-            status = "oom"
-        if status == "error":
-            raise RuntimeError(f"probe at {length} positions failed: {result.get('error')}")
-        probes[length] = {
-            "prompt_length": length,
-            "status": status,
-            "peak_bytes": peak,
-            "seconds": result.get("wall_seconds"),
-            "step_phases": (result.get("metrics") or {}).get("phase_summary"),
-        }
-        progress.line(
-            f"capacity {point.mode}: {length:,} positions -> {status}" + (f" ({peak / 2**20:,.1f} MiB)" if peak else "")
-        )
-        return status == "ok"
-
     started, limit = time.perf_counter(), settings.time_limit_seconds
     stopped_on_time = False
 
@@ -121,38 +123,13 @@ def run(point: PointConfig, device, progress: Progress) -> dict:
 
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
-        low, high, length = None, None, settings.min_length
-        while length <= settings.max_length and not out_of_time():
-            if fits(length):
-                low, length = length, length * 2
-            else:
-                high = length
-                break
-        if low is not None and high is not None:
-            while high - low > settings.granularity and not out_of_time():
-                middle = (low + high) // 2 // settings.granularity * settings.granularity
-                if middle in (low, high):
-                    break
-                low, high = (middle, high) if fits(middle) else (low, middle)
-        # the other modes' G=8 steps at the largest length this mode fitted (step time beside it)
-        comparison = {}
-        for mode in settings.compare_modes if low is not None else []:
-            full_step = dataclasses.replace(
-                point,
-                mode=mode,
-                name=f"{point.name}_{mode}",
-                responses=dataclasses.replace(point.responses, probe_members=None),
-            )
-            result = _probe(full_step, low, workdir)
-            comparison[mode] = {
-                "prompt_length": low,
-                "status": result["status"],
-                "peak_bytes": _measured_bytes(result, device_type),
-                "seconds": result.get("wall_seconds"),
-                "error": result.get("error"),
-                "step_phases": (result.get("metrics") or {}).get("phase_summary"),
-            }
-            progress.line(f"comparison {mode} at {low:,} positions -> {result['status']}")
+
+        def fits(length: int) -> bool:
+            probes[length] = _probe_record(point, length, workdir, device_type, progress)
+            return probes[length]["status"] == "ok"
+
+        low, high = _search(settings, fits, out_of_time)
+        comparison = _compare_modes(point, low, workdir, device_type, progress) if low is not None else {}
     return {
         "mode": point.mode,
         "comparison_at_largest_fitting": comparison,
@@ -167,6 +144,69 @@ def run(point: PointConfig, device, progress: Progress) -> dict:
         "search_capped_at_max_length": high is None and not stopped_on_time,
         "search_stopped_on_time_limit": stopped_on_time,
     }
+
+
+def _probe_record(point: PointConfig, length: int, workdir: Path, device_type: str, progress: Progress) -> dict:
+    """One probe's record: a step at `length` in a fresh process, and whether it fitted under the ceiling."""
+    ceiling = point.capacity.ceiling_bytes
+    result = _probe(point, length, workdir)
+    peak = _measured_bytes(result, device_type)
+    status = result["status"]
+    if status == "ok" and ceiling is not None and peak is not None and peak > ceiling:
+        status = "oom"
+    if status == "error":
+        raise RuntimeError(f"probe at {length} positions failed: {result.get('error')}")
+    progress.line(
+        f"capacity {point.mode}: {length:,} positions -> {status}" + (f" ({peak / 2**20:,.1f} MiB)" if peak else "")
+    )
+    return {
+        "prompt_length": length,
+        "status": status,
+        "peak_bytes": peak,
+        "seconds": result.get("wall_seconds"),
+        "step_phases": (result.get("metrics") or {}).get("phase_summary"),
+    }
+
+
+def _search(settings: CapacityConfig, fits, out_of_time) -> tuple[int | None, int | None]:
+    """(largest fitting, first failing) length: doubling from `min_length`, then bisecting to `granularity`."""
+    low, high, length = None, None, settings.min_length
+    while length <= settings.max_length and not out_of_time():
+        if fits(length):
+            low, length = length, length * 2
+        else:
+            high = length
+            break
+    if low is not None and high is not None:
+        while high - low > settings.granularity and not out_of_time():
+            middle = (low + high) // 2 // settings.granularity * settings.granularity
+            if middle in (low, high):
+                break
+            low, high = (middle, high) if fits(middle) else (low, middle)
+    return low, high
+
+
+def _compare_modes(point: PointConfig, low: int, workdir: Path, device_type: str, progress: Progress) -> dict:
+    """The other modes' whole steps at the largest length this mode fitted (step time beside it)."""
+    comparison = {}
+    for mode in point.capacity.compare_modes:
+        full_step = dataclasses.replace(
+            point,
+            mode=mode,
+            name=f"{point.name}_{mode}",
+            responses=dataclasses.replace(point.responses, probe_members=None),
+        )
+        result = _probe(full_step, low, workdir)
+        comparison[mode] = {
+            "prompt_length": low,
+            "status": result["status"],
+            "peak_bytes": _measured_bytes(result, device_type),
+            "seconds": result.get("wall_seconds"),
+            "error": result.get("error"),
+            "step_phases": (result.get("metrics") or {}).get("phase_summary"),
+        }
+        progress.line(f"comparison {mode} at {low:,} positions -> {result['status']}")
+    return comparison
 
 
 # ------------------------------------------------------------------------------------------- report
@@ -380,34 +420,7 @@ def plot_capacity(rows, probes: list[dict], title: str):
     if len(set(labels)) < len(labels):  # two points of one mode: name them
         labels = [f"{label}\n{r.get('point')}" for label, r in zip(labels, rows)]
     for i, row in enumerate(rows):
-        largest = row.get("largest_fitting")
-        if row.get("status") != "ok":
-            draw.mark_failed(ax, i, row, value_key=None)
-        elif largest:
-            ax.bar([i], [largest], color=draw.MODE_COLORS.get(str(row.get("mode")), "#4c72b0"), alpha=0.6, width=0.6)
-            # a search cut off by its time limit reached this length; the memory limit lies beyond it
-            stopped = "\nsearch stopped on its time limit" if row.get("search_stopped_on_time_limit") else ""
-            ax.annotate(
-                f"{int(largest):,}{stopped}",
-                (i, largest),
-                textcoords="offset points",
-                xytext=(0, 3),
-                ha="center",
-                fontsize=8,
-            )
-        else:
-            transform = draw.blended_transform_factory(ax.transData, ax.transAxes)
-            ax.text(
-                i,
-                0.05,
-                "no probed length fits",
-                transform=transform,
-                ha="center",
-                fontsize=8,
-                rotation=90,
-                va="bottom",
-                color=draw.FAILED_COLORS["oom"],
-            )
+        _draw_largest(ax, i, row)
         mine = [p for p in probes if p.get("point") == row.get("point") and p.get("prompt_length")]
         for status, marker, color in (("ok", "o", "#2ca02c"), ("oom", "x", draw.FAILED_COLORS["oom"])):
             lengths = [p["prompt_length"] for p in mine if p.get("status") == status]
@@ -433,6 +446,40 @@ def plot_capacity(rows, probes: list[dict], title: str):
     if ax.get_legend_handles_labels()[0]:
         draw.legend_outside(ax)
     return fig
+
+
+def _draw_largest(ax, i: int, row: dict) -> None:
+    """A search's largest fitting length as a bar at slot `i`, or why it has none."""
+    from longstraw.plotting import draw
+
+    largest = row.get("largest_fitting")
+    if row.get("status") != "ok":
+        draw.mark_failed(ax, i, row, value_key=None)
+    elif largest:
+        ax.bar([i], [largest], color=draw.MODE_COLORS.get(str(row.get("mode")), "#4c72b0"), alpha=0.6, width=0.6)
+        # a search cut off by its time limit reached this length; the memory limit lies beyond it
+        stopped = "\nsearch stopped on its time limit" if row.get("search_stopped_on_time_limit") else ""
+        ax.annotate(
+            f"{int(largest):,}{stopped}",
+            (i, largest),
+            textcoords="offset points",
+            xytext=(0, 3),
+            ha="center",
+            fontsize=8,
+        )
+    else:
+        transform = draw.blended_transform_factory(ax.transData, ax.transAxes)
+        ax.text(
+            i,
+            0.05,
+            "no probed length fits",
+            transform=transform,
+            ha="center",
+            fontsize=8,
+            rotation=90,
+            va="bottom",
+            color=draw.FAILED_COLORS["oom"],
+        )
 
 
 def plot_capacity_step_time(rows, title: str):
@@ -467,3 +514,47 @@ def plot_capacity_step_time(rows, title: str):
     if phases:
         draw.legend_outside(ax)
     return fig
+
+
+def check_settings(cfg: PointConfig, source: str) -> None:
+    """On CPU: an emulated ceiling, and whole steps (a partial step's peak RSS would read low)."""
+    if cfg.model.device.startswith("cuda"):
+        return
+    if cfg.capacity.ceiling_bytes is None:
+        raise ConfigError(
+            f"{source}: capacity.ceiling_bytes: a capacity search on CPU needs an emulated memory "
+            "ceiling (bytes of peak RSS above the weights)"
+        )
+    if cfg.responses.probe_members is not None:
+        raise ConfigError(
+            f"{source}: responses.probe_members: for CUDA capacity searches; on CPU the measured "
+            "peak RSS grows over members, so a partial step would read low"
+        )
+
+
+def longest_runs(cfg: PointConfig) -> list[tuple[str, int, str | None, int]]:
+    """Its probes are steps at lengths up to max_length, which bounds the search (a search may set it to the
+    model's limit): the bound within the limit, and the first probe's response after its prompt."""
+    c = cfg.capacity
+    return [
+        ("capacity.max_length", c.max_length, None, 0),
+        ("capacity.min_length", c.min_length, "responses.length", cfg.responses.length),
+    ]
+
+
+KIND = Kind(
+    "capacity",
+    run=run,
+    section=CapacityConfig,
+    check_settings=check_settings,
+    modes=lambda cfg: [cfg.mode, *cfg.capacity.compare_modes],
+    longest_runs=longest_runs,
+    shards_state=False,
+    columns=columns,
+    tables=tables,
+    extra_tables=EXTRA_TABLES,
+    shown=SHOWN,
+    notes=notes,
+    figures=figures,
+    captions=CAPTIONS,
+)

@@ -12,7 +12,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from longstraw.config import PointConfig
-from longstraw.kinds.columns import as_dict, is_cuda_point, number, phase_columns, point_parts, ratio
+from longstraw.kinds.spec import Kind
+from longstraw.results import as_dict, is_cuda_point, number, phase_columns, point_parts, ratio
 
 if TYPE_CHECKING:
     from longstraw.kinds.common import Progress
@@ -172,3 +173,6 @@ def plot_capture_throughput(rows, grid, title: str):
     ax.set_ylabel("positions per second")
     ax.set_title(f"{title}: capture throughput", fontsize=10)
     return fig
+
+
+KIND = Kind("capture", run=run, columns=columns, shown=SHOWN, figures=figures, captions=CAPTIONS)

@@ -22,13 +22,64 @@ from __future__ import annotations
 import json
 import math
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal, Optional
 
 from longstraw.config import ConfigError, PointConfig, point_mapping
+from longstraw.config.typed import bounded
 from longstraw.kinds.checks import check_task
-from longstraw.kinds.columns import ExtraTable, as_dict, number, point_parts, rows_of_points
-from longstraw.results import SKIPPED, strict_json, write_text_atomic
+from longstraw.kinds.spec import Kind
+from longstraw.results import (
+    SKIPPED,
+    ExtraTable,
+    as_dict,
+    number,
+    point_parts,
+    rows_of_points,
+    strict_json,
+    write_text_atomic,
+)
+
+
+@dataclass
+class LearningProbe:
+    """Train where the base model succeeds sometimes: before training, greedy success of the base policy on
+    `examples` held-out examples at each of `lengths` (longest first); the runs train at the longest length
+    whose success lies in [`success[0]`, `success[1]`] (none: no training, the probe recorded)."""
+
+    lengths: list[int] = field(default_factory=list)
+    examples: int = bounded(16, min=2)
+    success: list[float] = field(default_factory=lambda: [0.1, 0.9])
+
+    def __post_init__(self):
+        if not self.lengths or min(self.lengths) < 2:
+            raise ValueError(f"lengths: a non-empty list of prompt lengths >= 2, got {self.lengths}")
+        if len(self.success) != 2 or not 0 <= self.success[0] <= self.success[1] <= 1:
+            raise ValueError(f"success: [low, high] within [0, 1], got {self.success}")
+
+
+@dataclass
+class LearningConfig:
+    """Does GRPO improve the policy at long context (`longstraw.kinds.learning`)? The trainer from
+    `model.path` on `task` at `prompt.length` positions, once per gradient mode at `optimizer.lr`
+    and once at learning rate 0 (response-only), with the same seeds and prompts; the gain over the
+    lr-0 run on the prompts of the last `window` steps (`longstraw.training.improvement`)."""
+
+    task: dict = field(default_factory=lambda: {"name": "kv_retrieval", "num_needles": 4, "value_length": 2})
+    steps: int = bounded(16, min=2)
+    steps_per_prompt: int = bounded(1, min=1)
+    seed: int = 0
+    temperature: float = bounded(1.0, min=0.0)
+    gradients: list[Literal["response-only", "exact"]] = field(default_factory=lambda: ["response-only"])
+    window: int = bounded(8, min=2)  # the last `window` steps' prompts are compared
+    probe: Optional[LearningProbe] = None  # choose the length from the base model's success (else prompt.length)
+
+    def __post_init__(self):
+        if self.window > self.steps:
+            raise ValueError(f"window: {self.window} is more than the {self.steps} steps")
+        if not self.gradients:
+            raise ValueError("gradients: at least one gradient mode")
 
 
 def check(cfg: PointConfig, source: str) -> None:
@@ -368,3 +419,35 @@ def plot_rewards(rows, steps, title: str):
         ax.legend(fontsize=7)
     fig.tight_layout()
     return fig
+
+
+def longest_runs(cfg: PointConfig) -> list | None:
+    """With a probe, it trains at one of the probed lengths."""
+    probe = cfg.learning.probe
+    if probe is None:
+        return None
+    return [("learning.probe.lengths", max(probe.lengths), "responses.length", cfg.responses.length)]
+
+
+def tasks(cfg: PointConfig) -> list:
+    probe = cfg.learning.probe
+    lengths = (list(probe.lengths), "learning.probe.lengths") if probe else ([cfg.prompt.length], "prompt.length")
+    return [("learning.task", cfg.learning.task, *lengths)]
+
+
+KIND = Kind(
+    "learning",
+    run=run,
+    section=LearningConfig,
+    check=check,
+    check_work=check_work,
+    longest_runs=longest_runs,
+    tasks=tasks,
+    exact_key=lambda cfg: "learning.gradients" if "exact" in cfg.learning.gradients else None,
+    columns=columns,
+    tables=tables,
+    extra_tables=EXTRA_TABLES,
+    shown=SHOWN,
+    figures=figures,
+    captions=CAPTIONS,
+)

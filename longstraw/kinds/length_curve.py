@@ -12,12 +12,35 @@ length (log axis), one line per depth, with standard-error bars and the chance l
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal, Optional
 
 from longstraw.config import PointConfig
+from longstraw.config.typed import bounded
 from longstraw.kinds.checks import check_task
-from longstraw.kinds.columns import ExtraTable, as_dict, number, point_parts, rows_of_points
+from longstraw.kinds.spec import Kind
+from longstraw.results import ExtraTable, as_dict, number, point_parts, rows_of_points
+
+
+@dataclass
+class LengthCurveConfig:
+    """Where a task-trained model (`model.path`) breaks with prompt length (`longstraw.training.length_curve`)."""
+
+    task: dict = field(default_factory=lambda: {"name": "kv_retrieval", "num_needles": 4, "value_length": 2})
+    lengths: list[int] = field(default_factory=lambda: [256, 1024, 4096])
+    depths: Optional[list[float]] = None  # the queried needle's depth per cell (None: random, as trained)
+    examples: int = bounded(32, min=2)  # held-out examples per (length, depth) cell
+    method: Literal["capture", "forward"] = "capture"
+    # a trained LoRA adapter (a peft folder: a trainer checkpoint's `adapter/`): the curve of the model with it and,
+    # beside it on the same held-out examples, of the model without it (the base policy)
+    adapter: Optional[str] = None
+
+    def __post_init__(self):
+        if not self.lengths or min(self.lengths) < 2:
+            raise ValueError(f"lengths: a non-empty list of prompt lengths >= 2, got {self.lengths}")
+        if self.depths is not None and not all(0 <= d <= 1 for d in self.depths):
+            raise ValueError(f"depths: fractions in [0, 1], got {self.depths}")
 
 
 def check(cfg: PointConfig, source: str) -> None:
@@ -193,3 +216,22 @@ def plot_length_curve(rows, cells, title: str):
     ax.legend(fontsize=7)
     fig.tight_layout()
     return fig
+
+
+KIND = Kind(
+    "length_curve",
+    run=run,
+    section=LengthCurveConfig,
+    check=check,
+    longest_runs=lambda cfg: [("length_curve.lengths", max(cfg.length_curve.lengths), None, 0)],  # greedy answers
+    tasks=lambda cfg: [
+        ("length_curve.task", cfg.length_curve.task, list(cfg.length_curve.lengths), "length_curve.lengths")
+    ],
+    host_pages=False,
+    columns=columns,
+    tables=tables,
+    extra_tables=EXTRA_TABLES,
+    shown=SHOWN,
+    figures=figures,
+    captions=CAPTIONS,
+)

@@ -9,17 +9,56 @@ figure: the training loss and the held-out accuracy by length over the steps."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING
 
-from longstraw.config import PointConfig
+from longstraw.config import ConfigError, PointConfig
+from longstraw.config.pretrain import PretrainConfig
 from longstraw.kinds.checks import check_named_preset, check_task
-from longstraw.kinds.columns import ExtraTable, as_dict, number, point_parts, rows_of_points
+from longstraw.kinds.spec import Built, Kind
+from longstraw.models.checks import ModelFacts
+from longstraw.results import ExtraTable, as_dict, number, point_parts, rows_of_points
+from longstraw.training.checks import check_task_builds
 
 
 def check(cfg: PointConfig, source: str) -> None:
     """Its model a preset this package has, its task one it can build."""
     check_named_preset(cfg.pretrain.model, f"{source}: pretrain.model")
     check_task(cfg.pretrain.task, cfg.prompt.length, f"{source}: pretrain.task")
+
+
+def check_pretrain_tasks(p: PretrainConfig, facts: ModelFacts, source: str, prefix: str = "pretrain.") -> None:
+    """A pretraining run's tasks at the lengths it trains and evaluates them (its stages' included);
+    `prefix`: where the pretrain settings sit (a point's `pretrain.` section, or a pretrain config's top level)."""
+    specs = [("task", p.task, p.lengths)]
+    for i, stage in enumerate(p.stages):
+        overrides = {k: v for k, v in stage.items() if k not in ("until", "lengths", "aux_fraction")}
+        specs.append((f"stages[{i}]", {**p.task, **overrides}, stage.get("lengths", p.lengths)))
+    specs.append(("eval_task" if p.eval_task else "task", p.eval_task or p.task, p.eval_lengths or p.lengths))
+    if p.aux_task:
+        specs.append(("aux_task", p.aux_task, p.lengths))
+    for key, spec, lengths in specs:
+        check_task_builds(spec, lengths, facts, f"{source}: {prefix}{key}")
+
+
+def check_pretrain_settings(p: PretrainConfig, source: str, prefix: str = "pretrain.", point: bool = True) -> None:
+    """A pretraining config's settings that its run would refuse late: a point's output folder, each
+    curriculum stage's `until`, and its tasks' names and settings."""
+    import longstraw.training.synthetic  # noqa: F401  (registers the training tasks: mqar, periodic)
+    from longstraw.training.tasks import check_task_spec
+
+    if point and not p.out:
+        raise ConfigError(f"{source}: {prefix}out: the folder the checkpoint is written to (OUT/checkpoint)")
+    for i, stage in enumerate(p.stages):
+        until = stage.get("until") if isinstance(stage, dict) else None
+        if isinstance(until, bool) or not isinstance(until, int):
+            raise ConfigError(
+                f"{source}: {prefix}stages[{i}]: a stage is a mapping with an integer 'until' (the step "
+                f"it ends before), got {stage!r}"
+            )
+    for key, spec in (("task", p.task), ("eval_task", p.eval_task), ("aux_task", p.aux_task)):
+        if spec:
+            check_task_spec({**spec, "length": 2}, f"{source}: {prefix}{key}")
 
 
 if TYPE_CHECKING:
@@ -146,3 +185,42 @@ def plot_curve(rows, losses, evals, title: str):
     acc_ax.legend(fontsize=7)
     fig.tight_layout()
     return fig
+
+
+def models(cfg: PointConfig) -> list[Built]:
+    """Its own model, from its section: pretraining builds it."""
+    p = cfg.pretrain
+    return [
+        Built(
+            p.model,
+            p.init,
+            p.model_overrides,
+            "pretrain.model",
+            "pretrain.init",
+            "pretrain.model_overrides",
+            p.dtype,
+            "pretrain.dtype",
+            p.device,
+            "pretrain.device",
+        )
+    ]
+
+
+KIND = Kind(
+    "pretrain",
+    run=run,
+    section=PretrainConfig,
+    check=check,
+    check_settings=lambda cfg, source: check_pretrain_settings(cfg.pretrain, source),
+    models=models,
+    check_model=lambda cfg, facts, source: check_pretrain_tasks(cfg.pretrain, facts, source),
+    checkpoint_out=lambda cfg: str(Path(cfg.pretrain.out) / "checkpoint") if cfg.pretrain.out else None,
+    family_forward=False,  # pretraining runs HF's forward, not the family's: only its dtype counts
+    host_pages=False,
+    columns=columns,
+    tables=tables,
+    extra_tables=EXTRA_TABLES,
+    shown=SHOWN,
+    figures=figures,
+    captions=CAPTIONS,
+)

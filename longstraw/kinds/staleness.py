@@ -12,11 +12,14 @@ paper's stated band beside them."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional
 
 from longstraw.config import PointConfig
+from longstraw.config.typed import bounded
 from longstraw.kinds.checks import check_task
-from longstraw.kinds.columns import (
+from longstraw.kinds.spec import Kind
+from longstraw.results import (
     ExtraTable,
     as_dict,
     finite,
@@ -27,6 +30,22 @@ from longstraw.kinds.columns import (
     rows_of_points,
     status_of,
 )
+
+
+@dataclass
+class StalenessConfig:
+    """The fresh-prefix oracle (`longstraw.training.oracle`)."""
+
+    steps: int = bounded(8, min=1)
+    threshold: float = bounded(1.0e-3, gt=0)
+    # L2 norm of the random parameter perturbation that measures the numerical floor (None: not measured)
+    floor_perturbation: Optional[float] = bounded(None, gt=0)
+    # a task spec: the prompt is its example (seed prompt.seed, length prompt.length) and the rewards are
+    # its rewards; empty: a seeded random prompt and uniform random rewards (a model no task reward moves)
+    task: dict = field(default_factory=dict)
+    # with a task: how many prompt seeds (from prompt.seed on) to try for one whose first group's rewards
+    # differ, so that the first step updates the parameters (1: prompt.seed whatever its rewards)
+    prompt_search: int = bounded(1, min=1)
 
 
 def check(cfg: PointConfig, source: str) -> None:
@@ -43,21 +62,12 @@ def run(cfg: PointConfig, device, progress: Progress) -> dict:
     from longstraw.kinds.common import capture_kwargs, optimizer_for, policy_and_prompt
     from longstraw.measure.memory import PhaseRecorder
     from longstraw.training.oracle import staleness_oracle
-    from longstraw.training.tasks import build_task
 
     recorder = PhaseRecorder(device)
     model, vocab, prompt = policy_and_prompt(cfg, recorder)
     reward, search = None, {}
     if cfg.staleness.task:
-        task = build_task({**cfg.staleness.task, "length": cfg.prompt.length}, vocab)
-        with recorder.phase("prompt_search"):
-            example, search = learnable_example(model, task, cfg, device)
-        prompt = example.prompt_ids.to(device)
-
-        def task_reward(responses):
-            return [task.reward(example, y) for y in responses]
-
-        reward = task_reward
+        prompt, reward, search = task_prompt(model, vocab, cfg, device, recorder)
     optimizer = optimizer_for(model, cfg)
     threshold, rows, floor = cfg.staleness.threshold, [], {}
     setting = training_setting(model, optimizer)
@@ -96,6 +106,20 @@ def run(cfg: PointConfig, device, progress: Progress) -> dict:
         )
         floor.update(result.floor)
     return metrics()
+
+
+def task_prompt(model, vocab: int, cfg: PointConfig, device, recorder):
+    """(prompt, reward, search record) of a task's point: the example a prompt search finds, and its task's reward."""
+    from longstraw.training.tasks import build_task
+
+    task = build_task({**cfg.staleness.task, "length": cfg.prompt.length}, vocab)
+    with recorder.phase("prompt_search"):
+        example, search = learnable_example(model, task, cfg, device)
+
+    def task_reward(responses):
+        return [task.reward(example, y) for y in responses]
+
+    return example.prompt_ids.to(device), task_reward, search
 
 
 def training_setting(model, optimizer) -> dict:
@@ -443,38 +467,52 @@ def columns(point: dict) -> dict:
     figure), the largest drift and the step it occurred at, the derived refresh interval (where the
     drift first reached the threshold, if it did) and the last step's measures."""
     cfg, metrics = point_parts(point)
-    cuda = is_cuda_point(point)
-    settings, responses = as_dict(cfg.get("staleness")), as_dict(cfg.get("responses"))
     rows = _step_rows(metrics.get("rows"))
-    threshold = number(metrics.get("threshold", settings.get("threshold")))
-    after = [r for r in rows if r["step"] >= 1 and number(r.get("relative_loss_drift")) is not None]
-    largest = max(after, key=lambda r: r["relative_loss_drift"]) if after else {}
-    crossed = next((r["step"] for r in after if threshold is not None and r["relative_loss_drift"] >= threshold), None)
-    by_step = {r["step"]: r for r in rows}
-    peaks = [number(as_dict(p).get("peak_allocated_bytes")) for p in as_dict(metrics.get("phases")).values()]
-    peaks = [v for v in peaks if v is not None]
-    first, last = by_step.get(0, {}), rows[-1] if rows else {}
-    first_update = next(iter(updating_steps(rows)), {})
+    threshold = number(metrics.get("threshold", as_dict(cfg.get("staleness")).get("threshold")))
+    phases = as_dict(metrics.get("phases"))
     cols = {
+        **_setting_columns(cfg, metrics, rows, threshold),
+        **_refresh_columns(metrics, rows, threshold),
+        **_drift_columns(rows),
+        **_memory_columns(point, phases),
+    }
+    cols.update(phase_columns("oracle", as_dict(phases.get("oracle"))))
+    cols.update(phase_columns("weights", as_dict(phases.get("weights"))))
+    if point.get("status") == "ok" and not rows:
+        cols["report_error"] = "no per-step rows in the result (metrics.rows missing or empty)"
+    return cols
+
+
+def _setting_columns(cfg: dict, metrics: dict, rows: list[dict], threshold) -> dict:
+    first_update = next(iter(updating_steps(rows)), {})
+    return {
         "lr": number(as_dict(cfg.get("optimizer")).get("lr")),
         # what is trained and in which precision: the drift means staleness only where an update is not rounded away
         "setting": setting_label(as_dict(metrics.get("setting")) or recorded_setting(cfg)),
         "update_changed_fraction": number(first_update.get("update_changed_fraction")),
         "prompt_positions": number(metrics.get("prompt_positions")),
         "G": as_dict(cfg.get("grpo")).get("num_generations"),
-        "response_length": responses.get("length"),
-        "steps": settings.get("steps"),
+        "response_length": as_dict(cfg.get("responses")).get("length"),
+        "steps": as_dict(cfg.get("staleness")).get("steps"),
         "steps_measured": max((r["step"] for r in rows), default=None) if rows else None,
         "drift_threshold": threshold,
+    }
+
+
+def _refresh_columns(metrics: dict, rows: list[dict], threshold) -> dict:
+    """The refresh interval the rows give, the numerical floor, and the first update's drift."""
+    floor = as_dict(metrics.get("floor"))
+    after = [r for r in rows if r["step"] >= 1 and number(r.get("relative_loss_drift")) is not None]
+    crossed = next((r["step"] for r in after if threshold is not None and r["relative_loss_drift"] >= threshold), None)
+    first_update = next(iter(updating_steps(rows)), {})
+    return {
         # derived from the rows (the evidence), not read from the result: one definition for every record
-        "refresh_interval": refresh_interval(
-            rows, threshold, as_dict(metrics.get("floor")).get("relative_loss_drift", 0.0)
-        ),
+        "refresh_interval": refresh_interval(rows, threshold, floor.get("relative_loss_drift", 0.0)),
         "updates": len(updating_steps(rows)) if rows else None,
         # the drift of a fresh capture after a parameter perturbation far below one step's (the precision's)
-        "floor_relative_loss_drift": number(as_dict(metrics.get("floor")).get("relative_loss_drift")),
-        "floor_mean_abs_logprob_diff": number(as_dict(metrics.get("floor")).get("mean_abs_logprob_diff")),
-        "floor_changed_fraction": number(as_dict(metrics.get("floor")).get("changed_fraction")),
+        "floor_relative_loss_drift": number(floor.get("relative_loss_drift")),
+        "floor_mean_abs_logprob_diff": number(floor.get("mean_abs_logprob_diff")),
+        "floor_changed_fraction": number(floor.get("changed_fraction")),
         "threshold_crossed_at_step": crossed,
         # the drift after the first step that moved the parameters: what the paper's steps 1-2 figure reads
         # when every step updates (a task's zero-advantage groups update nothing)
@@ -485,6 +523,16 @@ def columns(point: dict) -> dict:
         # the task example the oracle ran on (a prompt search tries seeds until a group's rewards differ)
         "prompt_seed": number(metrics.get("prompt_seed")),
         "prompts_tried": number(metrics.get("prompts_tried")),
+    }
+
+
+def _drift_columns(rows: list[dict]) -> dict:
+    """The drift at steps 1 and 2, the largest, step 0's check and the last step's measures."""
+    by_step = {r["step"]: r for r in rows}
+    after = [r for r in rows if r["step"] >= 1 and number(r.get("relative_loss_drift")) is not None]
+    largest = max(after, key=lambda r: r["relative_loss_drift"]) if after else {}
+    first, last = by_step.get(0, {}), rows[-1] if rows else {}
+    return {
         "relative_loss_drift_step1": number(by_step.get(1, {}).get("relative_loss_drift")),
         "relative_loss_drift_step2": number(by_step.get(2, {}).get("relative_loss_drift")),
         "max_relative_loss_drift": number(largest.get("relative_loss_drift")),
@@ -501,19 +549,17 @@ def columns(point: dict) -> dict:
             (r["grad_cosine"] for r in rows if number(r.get("grad_cosine")) is not None), default=None
         ),
         "loss_finite": finite([r.get(k) for r in rows for k in ("loss_stale", "loss_fresh")]),
-        "peak_memory_bytes": number(point.get("peak_rss_bytes"))
-        if not cuda
-        else max(
-            peaks + [point["peak_allocated_bytes"]] if number(point.get("peak_allocated_bytes")) is not None else peaks,
-            default=None,
-        ),
-        "peak_memory_measure": "peak_allocated_bytes" if cuda else "process peak RSS",
     }
-    cols.update(phase_columns("oracle", as_dict(as_dict(metrics.get("phases")).get("oracle"))))
-    cols.update(phase_columns("weights", as_dict(as_dict(metrics.get("phases")).get("weights"))))
-    if point.get("status") == "ok" and not rows:
-        cols["report_error"] = "no per-step rows in the result (metrics.rows missing or empty)"
-    return cols
+
+
+def _memory_columns(point: dict, phases: dict) -> dict:
+    """The peak the ceiling is compared with: the phases' and the point's allocated peak on CUDA, else peak RSS."""
+    if not is_cuda_point(point):
+        return {"peak_memory_bytes": number(point.get("peak_rss_bytes")), "peak_memory_measure": "process peak RSS"}
+    peaks = [v for v in (number(as_dict(p).get("peak_allocated_bytes")) for p in phases.values()) if v is not None]
+    if number(point.get("peak_allocated_bytes")) is not None:
+        peaks.append(point["peak_allocated_bytes"])
+    return {"peak_memory_bytes": max(peaks, default=None), "peak_memory_measure": "peak_allocated_bytes"}
 
 
 def drift_rows(point: dict) -> list[dict]:
@@ -643,13 +689,9 @@ def _draw_band(ax, band: dict) -> None:
 def plot_drift(points: list[dict], drift: list[dict], grid, title: str, bands=()):
     """`points`: the staleness point rows (`columns`); `drift`: their oracle steps (`drift_rows`);
     `bands`: the paper's stated drift ranges (`report.paper.reference_marks`)."""
-    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
-
     from longstraw.plotting import draw
-    from longstraw.plotting.formatting import format_percent
 
     fig, axes = draw.plt.subplots(2, 3, figsize=(16, 10))
-    (loss_ax, logp_ax, kl_ax), (cos_ax, param_ax, vs_ax) = axes
     labels = dict(zip((str(r.get("point")) for r in points), draw.point_labels(points, grid)))
     drawn = [p for p in points if any(d.get("point") == p.get("point") and d.get("step") is not None for d in drift)]
     for i, point in enumerate(drawn):
@@ -660,61 +702,85 @@ def plot_drift(points: list[dict], drift: list[dict], grid, title: str, bands=()
         label = labels.get(name, name)
         if point.get("status") != "ok":
             label += f" ({str(point.get('status')).upper()}: partial)"
-        for ax, key, scale in (
-            (loss_ax, "relative_loss_drift", 100.0),
-            (logp_ax, "mean_abs_logprob_diff", 1.0),
-            (kl_ax, "kl_k3", 1.0),
-            (cos_ax, "one_minus_grad_cosine", 1.0),
-        ):
-            xs, ys = _positive(rows, key, scale)
-            if xs:
-                ax.plot(xs, ys, marker="o", markersize=4, color=color, label=label)
-        # the point's numerical floor (drift under a perturbation far below one step's): read only above it
-        for ax, key, scale in (
-            (loss_ax, "floor_relative_loss_drift", 100.0),
-            (logp_ax, "floor_mean_abs_logprob_diff", 1.0),
-        ):
-            if number(point.get(key)):
-                ax.axhline(
-                    point[key] * scale,
-                    color=color,
-                    linestyle=":",
-                    linewidth=1.2,
-                    label=f"{label}: numerical floor" if ax is loss_ax else None,
-                )
-        xs = [r["step"] for r in rows if r.get("param_drift") is not None]
-        param_ax.plot(
-            xs,
-            [r["param_drift"] for r in rows if r.get("param_drift") is not None],
-            marker="o",
-            markersize=4,
-            color=color,
-            label=label,
-        )
-        pairs = [
-            (r["param_drift"], r["relative_loss_drift"] * 100, r["step"])
-            for r in rows
-            if r["step"] >= 1 and r.get("param_drift") and r.get("relative_loss_drift")
-        ]
-        if pairs:
-            vs_ax.plot([p[0] for p in pairs], [p[1] for p in pairs], marker="o", markersize=4, color=color, label=label)
-            for x, y, step in pairs:
-                vs_ax.annotate(str(step), (x, y), textcoords="offset points", xytext=(3, 3), fontsize=6, color=color)
-    for point in points:  # no rows to draw: say so in the legend, never drop it silently
-        if point not in drawn:
-            status = str(point.get("status") or "error")
-            loss_ax.plot(
-                [],
-                [],
-                marker="X",
-                linestyle="none",
-                markersize=9,
-                color=draw.FAILED_COLORS.get(status, draw.FAILED_COLORS["error"]),
-                label=f"{labels.get(str(point.get('point')))}: "
-                + ("no per-step rows in the result" if status == "ok" else f"{status.upper()}, no steps measured"),
+        _draw_point_drift(axes, point, rows, label, color)
+    _mark_undrawn(axes[0][0], [p for p in points if p not in drawn], labels)
+    _draw_thresholds(axes, points, bands)
+    _label_drift_panels(axes, points, drift, bands)
+    # one legend for every panel (points, floors, threshold, the paper's band), beside them, clear of the lines
+    draw.legend_outside(axes[0][2], *draw.shared_legend(axes.flat))
+    fig.suptitle(f"{title}: drift of a reused prompt state against a fresh capture, per step", fontsize=10)
+    return fig
+
+
+def _draw_point_drift(axes, point: dict, rows: list[dict], label: str, color) -> None:
+    """One point's oracle steps in every panel, and its numerical floor where it was measured."""
+    (loss_ax, logp_ax, kl_ax), (cos_ax, param_ax, vs_ax) = axes
+    for ax, key, scale in (
+        (loss_ax, "relative_loss_drift", 100.0),
+        (logp_ax, "mean_abs_logprob_diff", 1.0),
+        (kl_ax, "kl_k3", 1.0),
+        (cos_ax, "one_minus_grad_cosine", 1.0),
+    ):
+        xs, ys = _positive(rows, key, scale)
+        if xs:
+            ax.plot(xs, ys, marker="o", markersize=4, color=color, label=label)
+    # the point's numerical floor (drift under a perturbation far below one step's): read only above it
+    for ax, key, scale in (
+        (loss_ax, "floor_relative_loss_drift", 100.0),
+        (logp_ax, "floor_mean_abs_logprob_diff", 1.0),
+    ):
+        if number(point.get(key)):
+            ax.axhline(
+                point[key] * scale,
+                color=color,
+                linestyle=":",
+                linewidth=1.2,
+                label=f"{label}: numerical floor" if ax is loss_ax else None,
             )
-    thresholds = sorted({p["drift_threshold"] for p in points if p.get("drift_threshold")})
-    for threshold in thresholds:
+    moved = [r for r in rows if r.get("param_drift") is not None]
+    param_ax.plot(
+        [r["step"] for r in moved],
+        [r["param_drift"] for r in moved],
+        marker="o",
+        markersize=4,
+        color=color,
+        label=label,
+    )
+    pairs = [
+        (r["param_drift"], r["relative_loss_drift"] * 100, r["step"])
+        for r in rows
+        if r["step"] >= 1 and r.get("param_drift") and r.get("relative_loss_drift")
+    ]
+    if pairs:
+        vs_ax.plot([p[0] for p in pairs], [p[1] for p in pairs], marker="o", markersize=4, color=color, label=label)
+        for x, y, step in pairs:
+            vs_ax.annotate(str(step), (x, y), textcoords="offset points", xytext=(3, 3), fontsize=6, color=color)
+
+
+def _mark_undrawn(loss_ax, undrawn: list[dict], labels: dict) -> None:
+    """Points with no rows to draw: said in the legend, never dropped silently."""
+    from longstraw.plotting import draw
+
+    for point in undrawn:
+        status = str(point.get("status") or "error")
+        loss_ax.plot(
+            [],
+            [],
+            marker="X",
+            linestyle="none",
+            markersize=9,
+            color=draw.FAILED_COLORS.get(status, draw.FAILED_COLORS["error"]),
+            label=f"{labels.get(str(point.get('point')))}: "
+            + ("no per-step rows in the result" if status == "ok" else f"{status.upper()}, no steps measured"),
+        )
+
+
+def _draw_thresholds(axes, points: list[dict], bands) -> None:
+    """The refresh thresholds on the loss panels, and the paper's drift bands."""
+    from longstraw.plotting.formatting import format_percent
+
+    loss_ax, vs_ax = axes[0][0], axes[1][2]
+    for threshold in sorted({p["drift_threshold"] for p in points if p.get("drift_threshold")}):
         for ax in (loss_ax, vs_ax):
             ax.axhline(
                 threshold * 100,
@@ -725,6 +791,15 @@ def plot_drift(points: list[dict], drift: list[dict], grid, title: str, bands=()
             )
     for band in bands:
         _draw_band(loss_ax, band)
+
+
+def _label_drift_panels(axes, points: list[dict], drift: list[dict], bands) -> None:
+    """Axes, scales, titles and ticks of the six panels."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    from longstraw.plotting import draw
+
+    (loss_ax, logp_ax, kl_ax), (cos_ax, param_ax, vs_ax) = axes
     panels = (
         (loss_ax, "relative loss drift (%)", "loss drift per step"),
         (logp_ax, "mean |Δ log p| (nats per token)", "mean |Δ log p|, stale against fresh"),
@@ -763,7 +838,26 @@ def plot_drift(points: list[dict], drift: list[dict], grid, title: str, bands=()
     vs_ax.xaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
     vs_ax.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
     vs_ax.xaxis.set_minor_formatter(NullFormatter())
-    # one legend for every panel (points, floors, threshold, the paper's band), beside them, clear of the lines
-    draw.legend_outside(axes[0][2], *draw.shared_legend(axes.flat))
-    fig.suptitle(f"{title}: drift of a reused prompt state against a fresh capture, per step", fontsize=10)
-    return fig
+
+
+def tasks(cfg: PointConfig) -> list:
+    """Its task, where the prompt and rewards are a task's."""
+    task = cfg.staleness.task
+    return [("staleness.task", task, [cfg.prompt.length], "prompt.length")] if task else []
+
+
+KIND = Kind(
+    "staleness",
+    run=run,
+    section=StalenessConfig,
+    check=check,
+    tasks=tasks,
+    columns=columns,
+    tables=tables,
+    extra_tables=EXTRA_TABLES,
+    shown=SHOWN,
+    notes=notes,
+    figures=figures,
+    captions=CAPTIONS,
+    contributes={"regime_sentence": regime_sentence, "refresh_interval_sentence": refresh_interval_sentence},
+)

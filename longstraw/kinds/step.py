@@ -20,9 +20,29 @@ import statistics
 import textwrap
 from typing import TYPE_CHECKING
 
-from longstraw.config import PointConfig
-from longstraw.kinds.columns import as_dict, finite, is_cuda_point, number, phase_columns, point_parts
+from longstraw.config import PointConfig, to_mapping
+from longstraw.config.point import trainer_sections
+from longstraw.kinds.spec import Kind
 from longstraw.peers import PEER_MODES
+from longstraw.results import as_dict, finite, is_cuda_point, number, phase_columns, point_parts
+
+
+def cycles_mapping(cfg: PointConfig, out_dir) -> dict:
+    """The trainer's config for a step point with `responses.source: rollouts`: `cycles` steps on one
+    prompt and one capture (refresh never), G samples of at most `responses.length` tokens, the point's
+    optimizer."""
+    r = cfg.responses
+    return {
+        **trainer_sections(cfg, out_dir),
+        "task": {**r.task, "length": cfg.prompt.length},
+        "steps": cfg.cycles,
+        "steps_per_prompt": cfg.cycles,
+        "seed": cfg.prompt.seed,
+        "sampling": {"max_new_tokens": r.length},
+        "optimizer": to_mapping(cfg.optimizer),
+        "refresh": {"policy": "never"},
+    }
+
 
 if TYPE_CHECKING:
     from longstraw.kinds.common import Progress
@@ -76,7 +96,6 @@ def run_rollouts(cfg: PointConfig, device, progress: Progress) -> dict:
     transaction's (phases, graph and resident bytes) with the step's rewards, loss and gradient norm."""
     import tempfile
 
-    from longstraw.config.point import cycles_mapping
     from longstraw.measure.memory import PhaseRecorder
     from longstraw.models.lora import trainable_parameters
     from longstraw.training.trainer import Trainer
@@ -265,6 +284,18 @@ def columns(point: dict) -> dict:
     cols["loss_last"] = number(losses[-1]) if losses else None
     cols["loss_finite"] = finite(losses)
     cols["grad_norm_finite"] = finite(c.get("grad_norm") for c in cycles)
+    cols.update(_timing_columns(cycles, replays, replay))
+    cols["trainable_parameters"] = metrics.get("trainable_parameters")
+    for name in list(STEP_PHASES) + sorted(set(summary) - set(STEP_PHASES)):
+        cols.update(phase_columns(name, as_dict(summary.get(name))))
+    cols.update(phase_columns("weights", as_dict(metrics.get("weights"))))
+    cols.update(phase_columns("peer_setup", as_dict(metrics.get("peer_setup"))))  # a peer's imports and trainer
+    return cols
+
+
+def _timing_columns(cycles: list[dict], replays: int | None, replay: dict) -> dict:
+    """Seconds per replayed member, and per cycle: the mean, the cold (first) and the warm (median of the rest)."""
+    cols = {}
     if replays and number(replay.get("seconds")) is not None:
         cols["seconds_per_member"] = replay["seconds"] / replays
     if cycles:
@@ -273,11 +304,6 @@ def columns(point: dict) -> dict:
         # cold: the process's first step (cuDNN plans, Triton autotuning inside it); warm: the median of the rest
         cols["cold_step_seconds"] = per_cycle[0]
         cols["warm_step_seconds"] = statistics.median(per_cycle[1:]) if len(per_cycle) > 1 else None
-    cols["trainable_parameters"] = metrics.get("trainable_parameters")
-    for name in list(STEP_PHASES) + sorted(set(summary) - set(STEP_PHASES)):
-        cols.update(phase_columns(name, as_dict(summary.get(name))))
-    cols.update(phase_columns("weights", as_dict(metrics.get("weights"))))
-    cols.update(phase_columns("peer_setup", as_dict(metrics.get("peer_setup"))))  # a peer's imports and trainer
     return cols
 
 
@@ -346,6 +372,13 @@ def plot_memory_vs_ceiling(rows, grid, ceiling, cuda: bool, title: str):
     top.set_xticks(range(len(rows)), labels, rotation=30, ha="right", fontsize=8)
     draw.bar_slots(top, len(rows))
     draw.legend_outside(top)
+    _draw_graph_and_state(bottom, rows, labels, wrap)
+    return fig
+
+
+def _draw_graph_and_state(bottom, rows: list[dict], labels: list[str], wrap: int) -> None:
+    """Per point: the autograd graph's peak and the resident state, measured beside predicted."""
+    from longstraw.plotting import draw
 
     series = [
         ("graph_bytes_peak", "autograd graph peak", "#dd8452"),
@@ -389,7 +422,6 @@ def plot_memory_vs_ceiling(rows, grid, ceiling, cuda: bool, title: str):
     bottom.set_xticks(range(len(rows)), labels, rotation=30, ha="right", fontsize=8)
     draw.bar_slots(bottom, len(rows))
     draw.legend_outside(bottom)
-    return fig
 
 
 def by_mode(rows):
@@ -449,35 +481,7 @@ def plot_g_sweep_memory(rows, ceiling, cuda: bool, title: str, marks=()):
     marks = [m for m in marks if isinstance(m["where"].get("G"), (int, float))]
     fig, axes = draw.plt.subplots(1, 2, figsize=(14, 4.8))
     for ax, (key, name) in zip(axes, panels):
-        peak = key == "peak_memory_bytes"
-        drawn_ceiling = [ceiling.get("bytes")] if peak and cuda else []
-        axis = draw.memory_axis(
-            [r.get(key) for r in rows] + ([m["bytes"] for m in marks] if peak else []) + drawn_ceiling
-        )
-        for label, (color, style, members) in by_mode(rows).items():
-            ok = sorted((r for r in draw.ok(members) if r.get(key) is not None), key=lambda r: r["G"])
-            if ok:
-                ax.plot(
-                    [r["G"] for r in ok],
-                    [r[key] / axis.scale for r in ok],
-                    marker="o",
-                    label=label,
-                    color=color,
-                    linestyle=style,
-                )
-        for row in draw.failed(rows):  # an oom step recorded its peak, never its graph: that one on the axis
-            if row.get("G") is not None:
-                draw.mark_failed(ax, row["G"], row, axis.scale, value_key=key)
-        if drawn_ceiling:
-            name += "\nceiling: " + draw.ceiling_line(ax, ceiling, axis, [r.get(key) for r in draw.ok(rows)])
-        if peak:
-            _draw_paper_points(ax, marks, axis.scale)
-        ax.set_xscale("log", base=2)
-        gs = sorted({r["G"] for r in rows if r.get("G") is not None} | {m["where"]["G"] for m in marks})
-        ax.set_xticks(gs, [str(g) for g in gs])
-        ax.set_xlabel("G (responses per prompt)")
-        axis.finish(ax)
-        ax.set_title("\n".join(textwrap.fill(line, 60) for line in name.split("\n")), fontsize=9)
+        _draw_g_panel(ax, rows, key, name, ceiling, cuda, marks)
     several = len({str(r.get("model")) for r in rows}) > 1
     draw.legend_outside(
         axes[-1],
@@ -488,6 +492,40 @@ def plot_g_sweep_memory(rows, ceiling, cuda: bool, title: str, marks=()):
     )
     fig.suptitle(f"{title}: peak memory against G", fontsize=10)
     return fig
+
+
+def _draw_g_panel(ax, rows: list[dict], key: str, name: str, ceiling: dict, cuda: bool, marks: list[dict]) -> None:
+    """One measure against G, a line per mode (and model), failed steps on the axis; on the peak panel the
+    ceiling (CUDA) and the paper's points."""
+    from longstraw.plotting import draw
+
+    peak = key == "peak_memory_bytes"
+    drawn_ceiling = [ceiling.get("bytes")] if peak and cuda else []
+    axis = draw.memory_axis([r.get(key) for r in rows] + ([m["bytes"] for m in marks] if peak else []) + drawn_ceiling)
+    for label, (color, style, members) in by_mode(rows).items():
+        ok = sorted((r for r in draw.ok(members) if r.get(key) is not None), key=lambda r: r["G"])
+        if ok:
+            ax.plot(
+                [r["G"] for r in ok],
+                [r[key] / axis.scale for r in ok],
+                marker="o",
+                label=label,
+                color=color,
+                linestyle=style,
+            )
+    for row in draw.failed(rows):  # an oom step recorded its peak, never its graph: that one on the axis
+        if row.get("G") is not None:
+            draw.mark_failed(ax, row["G"], row, axis.scale, value_key=key)
+    if drawn_ceiling:
+        name += "\nceiling: " + draw.ceiling_line(ax, ceiling, axis, [r.get(key) for r in draw.ok(rows)])
+    if peak:
+        _draw_paper_points(ax, marks, axis.scale)
+    ax.set_xscale("log", base=2)
+    gs = sorted({r["G"] for r in rows if r.get("G") is not None} | {m["where"]["G"] for m in marks})
+    ax.set_xticks(gs, [str(g) for g in gs])
+    ax.set_xlabel("G (responses per prompt)")
+    axis.finish(ax)
+    ax.set_title("\n".join(textwrap.fill(line, 60) for line in name.split("\n")), fontsize=9)
 
 
 def plot_time_per_member(rows, grid, title: str):
@@ -548,3 +586,16 @@ def plot_phase_seconds(rows, grid, title: str):
     if phases:  # points that all failed have no phase to label
         draw.legend_outside(ax)
     return fig
+
+
+KIND = Kind(
+    "step",
+    run=run,
+    modes=lambda cfg: [cfg.mode],
+    step_options=True,
+    columns=columns,
+    shown=SHOWN,
+    notes=notes,
+    figures=figures,
+    captions=CAPTIONS,
+)

@@ -13,15 +13,18 @@ capture once then every step, against the ceiling."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from longstraw.config import PointConfig
 from longstraw.config.point import with_group
 from longstraw.kinds.capture import capture_columns
-from longstraw.kinds.columns import (
+from longstraw.kinds.columns import common_columns
+from longstraw.kinds.spec import Kind
+from longstraw.kinds.step import STEP_PHASES, plot_g_sweep_memory
+from longstraw.results import (
     ExtraTable,
     as_dict,
-    common_columns,
     finite,
     is_cuda_point,
     max_number,
@@ -33,7 +36,20 @@ from longstraw.kinds.columns import (
     rows_of_points,
     status_of,
 )
-from longstraw.kinds.step import STEP_PHASES, plot_g_sweep_memory
+
+
+@dataclass
+class SweepConfig:
+    """One capture serving steps at these group sizes: replay's, then hold_all's."""
+
+    replay: list[int] = field(default_factory=lambda: [2, 8])
+    hold_all: list[int] = field(default_factory=lambda: [2, 4, 8])
+
+    def __post_init__(self):
+        for mode in ("replay", "hold_all"):
+            if any(g < 1 for g in getattr(self, mode)):
+                raise ValueError(f"{mode}: group sizes must be >= 1, got {getattr(self, mode)}")
+
 
 if TYPE_CHECKING:
     from longstraw.kinds.common import Progress
@@ -431,22 +447,7 @@ def plot_step_phase_peaks(row: dict, steps: list[dict], ceiling: dict, title: st
     axis = draw.memory_axis(values + [ceiling.get("bytes")] + [m["bytes"] for m in marks])
     width = min(20, max(12, 6 + 1.1 * len(groups)))  # 3 inches of it: the legend beside the axes
     fig, (top, bottom) = draw.plt.subplots(2, 1, figsize=(width, 8.5), gridspec_kw={"height_ratios": [2, 1]})
-    labelled = set()
-    for i, (_, peaks, step) in enumerate(groups):
-        present = [(p, v) for p, v in peaks.items() if v is not None]
-        if step is not None and step.get("status") != "ok":
-            draw.mark_failed(top, i, step, axis.scale)  # the peak the allocator reached when it ran out
-            continue
-        bar = 0.8 / max(len(present), 1)
-        for j, (phase, value) in enumerate(present):
-            top.bar(
-                i - 0.4 + bar * (j + 0.5),
-                value / axis.scale,
-                bar,
-                color=draw.PHASE_COLORS.get(phase),
-                label=phase if phase not in labelled else None,
-            )
-            labelled.add(phase)
+    _draw_phase_bars(top, groups, axis)
     stated = draw.ceiling_line(top, ceiling, axis, values)
     for mark in marks:
         top.axhline(
@@ -468,26 +469,55 @@ def plot_step_phase_peaks(row: dict, steps: list[dict], ceiling: dict, title: st
         fontsize=9,
     )
     draw.legend_outside(top)
+    _draw_member_seconds(bottom, row, steps, [g[0] for g in groups])
+    bottom.set_xlim(top.get_xlim())
+    return fig
+
+
+def _draw_phase_bars(ax, groups: list, axis) -> None:
+    """Each group's phase peaks side by side; a step that failed marked at the peak it reached."""
+    from longstraw.plotting import draw
+
+    labelled = set()
+    for i, (_, peaks, step) in enumerate(groups):
+        present = [(p, v) for p, v in peaks.items() if v is not None]
+        if step is not None and step.get("status") != "ok":
+            draw.mark_failed(ax, i, step, axis.scale)  # the peak the allocator reached when it ran out
+            continue
+        bar = 0.8 / max(len(present), 1)
+        for j, (phase, value) in enumerate(present):
+            ax.bar(
+                i - 0.4 + bar * (j + 0.5),
+                value / axis.scale,
+                bar,
+                color=draw.PHASE_COLORS.get(phase),
+                label=phase if phase not in labelled else None,
+            )
+            labelled.add(phase)
+
+
+def _draw_member_seconds(ax, row: dict, steps: list[dict], labels: list[str]) -> None:
+    """Seconds per replayed member of each step, under the peaks (the first slot, the capture's, left empty)."""
+    from longstraw.plotting import draw
 
     per_member = [s.get("seconds_per_member") if s.get("status") == "ok" else None for s in steps]
-    bottom.bar(
-        range(1, len(groups)),
+    ax.bar(
+        range(1, len(labels)),
         [v or 0 for v in per_member],
         color=[draw.MODE_COLORS.get(str(s.get("mode")), "#4c72b0") for s in steps],
         width=0.6,
     )
     for i, (step, value) in enumerate(zip(steps, per_member), 1):
         if value is not None:
-            bottom.annotate(
+            ax.annotate(
                 f"{value:.2f} s", (i, value), textcoords="offset points", xytext=(0, 2), ha="center", fontsize=7
             )
         elif step.get("status") != "ok":
-            draw.mark_failed(bottom, i, step, value_key=None)
-    bottom.set_xlim(top.get_xlim())
-    bottom.set_xticks(range(len(groups)), [g[0] for g in groups], fontsize=8)
-    bottom.set_ylabel("s per member")
+            draw.mark_failed(ax, i, step, value_key=None)
+    ax.set_xticks(range(len(labels)), labels, fontsize=8)
+    ax.set_ylabel("s per member")
     capture = row.get("capture_seconds")
-    bottom.set_title(
+    ax.set_title(
         "seconds per replayed member (replay phase / responses)"
         + (
             f"; the one capture took {capture:,.1f} s for {row.get('positions') or 0:,} positions"
@@ -496,4 +526,17 @@ def plot_step_phase_peaks(row: dict, steps: list[dict], ceiling: dict, title: st
         ),
         fontsize=9,
     )
-    return fig
+
+
+KIND = Kind(
+    "sweep",
+    run=run,
+    section=SweepConfig,
+    columns=columns,
+    tables=tables,
+    extra_tables=EXTRA_TABLES,
+    shown=SHOWN,
+    notes=notes,
+    figures=figures,
+    captions=CAPTIONS,
+)

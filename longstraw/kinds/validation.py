@@ -47,29 +47,67 @@ import copy
 import dataclasses
 import math
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal, Optional
 
 from longstraw.config import PointConfig
-from longstraw.config.point import VALIDATION_LEVELS, VALIDATION_MODES, trainer_mapping
+from longstraw.config.point import trainer_sections
 from longstraw.config.train import resolve_train
-from longstraw.config.typed import ConfigError
+from longstraw.config.typed import ConfigError, bounded
 from longstraw.kinds.checks import check_named_preset
-from longstraw.kinds.columns import as_dict, family_of, model_type_of
+from longstraw.kinds.columns import family_of, model_type_of
+from longstraw.kinds.spec import Built, Kind
 from longstraw.models.presets import PRESETS
+from longstraw.results import as_dict
 
 if TYPE_CHECKING:
     import torch
 
     from longstraw.kinds.common import Progress
 
-MODES, LEVELS = VALIDATION_MODES, VALIDATION_LEVELS
+MODES = ("response-only", "exact")
+LEVELS = ("V1", "V2", "V3", "V4")
 TOLERANCES = {"float32": 1e-4, "float64": 1e-4, "bfloat16": 2e-2, "float16": 2e-2}
 NOISE_FACTOR = 2.0  # low precision: our error to float32 may be this multiple of HF's own
 V1_TOLERANCE = (
     "finite loss and gradient norm, resident fingerprint unchanged after all replays; CUDA: every "
     "phase's peak allocated bytes below the device's total memory (CPU: completed, no ceiling)"
 )
+
+
+@dataclass
+class ValidationConfig:
+    """The validation levels (`longstraw.kinds.validation`): gradient modes and levels per path;
+    `presets`: the models (empty: `model` alone); `tolerance`: V2/V3's (None: by dtype); `window`:
+    V4's k steps; `train`: V4's trainer settings (a `longstraw train` config without model, grpo
+    and capture, which are the point's)."""
+
+    modes: list[Literal["response-only", "exact"]] = field(default_factory=lambda: ["response-only", "exact"])
+    levels: list[Literal["V1", "V2", "V3", "V4"]] = field(default_factory=lambda: ["V1", "V2", "V3"])
+    presets: list[str] = field(default_factory=list)
+    tolerance: Optional[float] = bounded(None, gt=0)
+    weights_seed: int = 0
+    window: int = bounded(8, min=2)  # V4 pairs the last `window` steps' prompts (at least 2)
+    train: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        if not self.modes or not self.levels:
+            raise ValueError("modes and levels must not be empty")
+        if "V4" in self.levels and not self.train:
+            raise ValueError("train: level V4 needs the trainer's settings (task, steps, sampling, ...)")
+
+
+def trainer_mapping(cfg: PointConfig, lr: float, out_dir) -> dict:
+    """The trainer's config for a validation point's V4: `trainer_sections` and `lr`, then
+    `validation.train` (task, steps, sampling, ...)."""
+    train = copy.deepcopy(cfg.validation.train)
+    sections = trainer_sections(cfg, out_dir)
+    merged = {**sections, **train}
+    merged["grpo"] = {**sections["grpo"], **train.get("grpo", {})}  # the trainer's own group size, the point's rest
+    merged["optimizer"] = {**train.get("optimizer", {}), "lr": lr}
+    merged["output"] = {"dir": str(out_dir), "checkpoint_every": 0}
+    return merged
 
 
 def check(cfg: PointConfig, source: str) -> None:
@@ -193,60 +231,23 @@ def float32_copy(model, cfg: PointConfig):
 
 def gradient_levels(model, prompt, responses, cfg: PointConfig, mode: str, scale: dict) -> dict:
     """V2 and V3 (the ones `validation.levels` asks for) for one path."""
-    import torch
-
     from longstraw.core.hf_reference import hf_conditional_logprobs, hf_full_logprobs
     from longstraw.kinds.common import capture_kwargs
-    from longstraw.measure.memory import PhaseRecorder
 
     wanted = cfg.validation.levels
     tol = tolerance(cfg)
     weights = objective_weights(responses, cfg.validation.weights_seed)
     ours = our_gradients(model, prompt, responses, weights, mode, capture_kwargs(cfg))
-    model32 = float32_copy(model, cfg)
-    anchor_wanted = model32 is not None
-    dtype = cfg.model.dtype
-    recorder = PhaseRecorder(prompt.device)  # the references' time and peak: what bounds V2/V3's scale
-
-    def reference_pair(logprobs, anchored=True):
-        """(HF's gradient, HF's on the float32 copy or None); once the float32 pass runs out of memory
-        the anchor is dropped for the rest of the path."""
-        nonlocal model32
-        with recorder.phase(logprobs.__name__):
-            reference = _reference_gradient(model, logprobs, prompt, responses, weights)
-        if model32 is None or not anchored:
-            return reference, None
-        try:
-            with recorder.phase(f"{logprobs.__name__}_float32"):
-                return reference, _reference_gradient(model32, logprobs, prompt, responses, weights)
-        except torch.OutOfMemoryError:  # HF's float32 pass keeps twice the activations: fixed tolerance then
-            pass
-        model32 = None  # (outside the handler: its traceback held the failed graph)
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        return reference, None
-
-    def reference_evidence(logprobs) -> dict:
-        return phase_evidence({n: r for n, r in recorder.phases.items() if n.startswith(logprobs.__name__)})
+    references = _References(model, float32_copy(model, cfg), prompt, responses, weights)
 
     def compared(name, ours_g, logprobs, note):
         """A level reached by parity with HF's `logprobs` path, anchored to float32 where it fits."""
-        reference, reference32 = reference_pair(logprobs)
+        reference, reference32 = references.pair(logprobs)
         reached, evidence = parity(ours_g, reference, tol, reference32)
-        if reference32 is not None:
-            stated = (
-                f"||g - g32|| / ||g32|| <= max({tol:.0e}, {NOISE_FACTOR:g} x ||g_ref - g32|| / ||g32||) over "
-                f"the whole gradient vector; g_ref: HF in {dtype}, g32: HF on a float32 copy"
-            )
-        elif anchor_wanted:
+        if reference32 is None and references.anchor_wanted:
             evidence["float32_anchor"] = "out of memory"
-            stated = (
-                f"||g - g_ref|| / ||g_ref|| <= {tol:.0e} over the whole gradient vector ({dtype}; the float32 "
-                "anchor did not fit in memory)"
-            )
-        else:
-            stated = f"||g - g_ref|| / ||g_ref|| <= {tol:.0e} over the whole gradient vector ({dtype})"
-        return level(name, reached, stated, {**evidence, **reference_evidence(logprobs)}, scale, note)
+        stated = _stated_tolerance(tol, cfg.model.dtype, reference32 is not None, references.anchor_wanted)
+        return level(name, reached, stated, {**evidence, **references.evidence(logprobs)}, scale, note)
 
     out = {}
     if "V2" in wanted:
@@ -260,18 +261,66 @@ def gradient_levels(model, prompt, responses, cfg: PointConfig, mode: str, scale
     if "V3" in wanted and mode == "exact":
         out["V3"] = compared("V3", ours["exact"], hf_full_logprobs, "against HF one-pass autograd over p + y")
     elif "V3" in wanted:  # response-only: the gap alone, not judged
-        full, _ = reference_pair(hf_full_logprobs, anchored=False)
+        full, _ = references.pair(hf_full_logprobs, anchored=False)
         _, evidence = parity(ours["conditional"], full, tol)
         evidence["dropped_term_relative_norm"] = evidence.pop("relative_error")
         out["V3"] = level(
             "V3",
             False,
             "not reachable: response-only drops the prompt-side term by design; the gap is measured",
-            {**evidence, **reference_evidence(hf_full_logprobs)},
+            {**evidence, **references.evidence(hf_full_logprobs)},
             scale,
             "gap to HF one-pass autograd over p + y: cosine and ||g_full - g|| / ||g_full||",
         )
     return out
+
+
+class _References:
+    """HF's reference gradients of one path, each beside HF's on the float32 copy (`model32`) while that fits."""
+
+    def __init__(self, model, model32, prompt, responses, weights):
+        from longstraw.measure.memory import PhaseRecorder
+
+        self.model, self.model32, self.inputs = model, model32, (prompt, responses, weights)
+        self.anchor_wanted = model32 is not None
+        self.recorder = PhaseRecorder(prompt.device)  # the references' time and peak: what bounds V2/V3's scale
+
+    def pair(self, logprobs, anchored=True):
+        """(HF's gradient, HF's on the float32 copy or None); once the float32 pass runs out of memory
+        the anchor is dropped for the rest of the path."""
+        import torch
+
+        with self.recorder.phase(logprobs.__name__):
+            reference = _reference_gradient(self.model, logprobs, *self.inputs)
+        if self.model32 is None or not anchored:
+            return reference, None
+        try:
+            with self.recorder.phase(f"{logprobs.__name__}_float32"):
+                return reference, _reference_gradient(self.model32, logprobs, *self.inputs)
+        except torch.OutOfMemoryError:  # HF's float32 pass keeps twice the activations: fixed tolerance then
+            pass
+        self.model32 = None  # (outside the handler: its traceback held the failed graph)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        return reference, None
+
+    def evidence(self, logprobs) -> dict:
+        return phase_evidence({n: r for n, r in self.recorder.phases.items() if n.startswith(logprobs.__name__)})
+
+
+def _stated_tolerance(tol: float, dtype: str, anchored: bool, anchor_wanted: bool) -> str:
+    """The criterion a V2/V3 comparison was judged by, in words."""
+    if anchored:
+        return (
+            f"||g - g32|| / ||g32|| <= max({tol:.0e}, {NOISE_FACTOR:g} x ||g_ref - g32|| / ||g32||) over "
+            f"the whole gradient vector; g_ref: HF in {dtype}, g32: HF on a float32 copy"
+        )
+    if anchor_wanted:
+        return (
+            f"||g - g_ref|| / ||g_ref|| <= {tol:.0e} over the whole gradient vector ({dtype}; the float32 "
+            "anchor did not fit in memory)"
+        )
+    return f"||g - g_ref|| / ||g_ref|| <= {tol:.0e} over the whole gradient vector ({dtype})"
 
 
 def phase_evidence(phases: dict) -> dict:
@@ -699,3 +748,58 @@ def tables(points: list[dict]) -> dict[str, list[dict]]:
             }
             rows.append(path_row(point, None, None, "—", "", {"V1": broken}))
     return {PATHS: rows}
+
+
+def v4_train(cfg: PointConfig):
+    """The trainer config of V4 (None without V4)."""
+    if "V4" not in cfg.validation.levels:
+        return None
+    return resolve_train(trainer_mapping(cfg, cfg.optimizer.lr, "unused"), "validation.train")
+
+
+def models(cfg: PointConfig) -> list[Built] | None:
+    """With `validation.presets`, each of them (the point's overrides on each); else the point's model."""
+    if not cfg.validation.presets:
+        return None
+    return [
+        Built(name, None, cfg.model.overrides, f"validation.presets[{i}]", dtype=cfg.model.dtype)
+        for i, name in enumerate(cfg.validation.presets)
+    ]
+
+
+def longest_runs(cfg: PointConfig) -> list:
+    """The point's prompt and responses, and V4's task length and samples."""
+    runs = [("prompt.length", cfg.prompt.length, "responses.length", cfg.responses.length)]
+    train = v4_train(cfg)
+    if train is not None and isinstance(train.task.get("length"), int):
+        runs.append(
+            (
+                "validation.train.task.length",
+                train.task["length"],
+                "validation.train.sampling.max_new_tokens",
+                train.sampling.max_new_tokens,
+            )
+        )
+    return runs
+
+
+def tasks(cfg: PointConfig) -> list:
+    train = v4_train(cfg)
+    if train is None:
+        return []
+    return [("validation.train.task", train.task, [train.task.get("length")], "validation.train.task.length")]
+
+
+KIND = Kind(
+    "validation",
+    run=run,
+    section=ValidationConfig,
+    check=check,
+    models=models,
+    longest_runs=longest_runs,
+    tasks=tasks,
+    exact_key=lambda cfg: "validation.modes" if "exact" in cfg.validation.modes else None,
+    tables=tables,
+    shown=SHOWN,
+    contributes={"levels": LEVELS, "level_state": STATE, "scale_text": scale_text, "paths_table": PATHS},
+)

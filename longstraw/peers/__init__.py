@@ -7,7 +7,7 @@ prompt, responses and rewards as ours (`longstraw.core.step`), measured by the s
   the G responses concatenated after it, its attention split into prefix self-attention + suffix attention.
 
 Each is a `Peer` registered below (`registry.py`); adding one is its step's file and its `register_peer` here
-(docs/extending-peer.md). Both come with the optional extra `pip install -e ".[peers]"`. This module imports
+(docs/extending.md). Both come with the optional extra `pip install -e ".[peers]"`. This module imports
 neither the peers nor torch, so a plan checks a peer point (`check_peer`) before any work: the extra
 installed, the peer applicable to the model's family.
 

@@ -9,9 +9,9 @@ point has no metrics, a CPU point has no CUDA peaks, a newer kind has metrics we
 
 Tables (`write_all`):
 - `<experiment>.csv`: one row per point (oom and error rows kept, with their message): identity,
-  grid values, status, the columns every point has (`kinds.columns.common_columns`), its kind's
-  (`kinds.<kind>.columns`), then any other scalar metric, and the result file it came from;
-- `<experiment>.<suffix>.csv`: a kind's tables of its own (`kinds.<kind>.tables`): a sweep's steps,
+  grid values, status, the columns every point has (`kinds.common_columns`), its kind's
+  (`Kind.columns`), then any other scalar metric, and the result file it came from;
+- `<experiment>.<suffix>.csv`: a kind's tables of its own (`Kind.tables`): a sweep's steps,
   a capacity search's probes and comparison steps, the staleness oracle's steps, a validation
   point's paths;
 - `points.csv`: every experiment's rows in one table;
@@ -37,10 +37,9 @@ import yaml
 from longstraw import kinds
 from longstraw.config import recorded_config, recorded_grid
 from longstraw.harness.plan import RESERVED_NAMES
-from longstraw.kinds.columns import as_dict, common_columns, number, point_parts, scalar
 from longstraw.plotting.ceiling import memory_ceiling
 from longstraw.report.store import write_tables
-from longstraw.results import STATUSES
+from longstraw.results import STATUSES, as_dict, number, point_parts, scalar
 
 EXPERIMENT_ORDER = ("g_sweep", "operating_points", "baselines", "architectures", "staleness")
 LEADING_COLUMNS = ("point", "kind")
@@ -85,7 +84,7 @@ def load_point(path, base=None) -> dict:
     point.setdefault("experiment", parts[0] if len(parts) > 1 else point.get("name") or "unnamed")
     point.setdefault("point", path.stem)
     if isinstance(point.get("config"), dict):
-        point["config"] = recorded_config(point["config"], point.get("kind"))
+        point["config"] = recorded_config(point["config"], point.get("kind"), kinds.sections())
     if isinstance(point.get("grid"), dict):
         point["grid"] = recorded_grid(point["grid"])
     if point.get("status") not in STATUSES:
@@ -123,7 +122,7 @@ def point_row(point: dict) -> dict:
     if point.get("status") == "oom" and number(point.get("peak_allocated_bytes")) is not None:
         row["peak_memory_bytes"] = point["peak_allocated_bytes"]  # the peak reached when it ran out
         row["peak_memory_measure"] = "peak_allocated_bytes at OOM"
-    _add(row, common_columns(point))
+    _add(row, kinds.common_columns(point))
     try:
         _add(row, kinds.part(kind, "columns")(point))
     except Exception as exc:  # a malformed result must still render: say so in its row
@@ -200,7 +199,7 @@ def kind_tables(points: list[dict]) -> dict[str, pd.DataFrame]:
     out = {}
     grouped = by_experiment(points)
     for name in experiment_order(grouped):
-        for kind in kinds.KINDS:
+        for kind in kinds.names():
             mine = [p for p in grouped[name] if p.get("kind") == kind]
             for suffix, rows in (kinds.part(kind, "tables")(mine) if mine else {}).items():
                 if rows:

@@ -19,7 +19,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-WIDTH = 1400  # px: the window a reader measured the pages at (issue 34)
+WIDTH = 1400  # px: the window a reader measured the pages at
 NAMES = ("chromium", "chromium-browser")
 _MEASURE = """
 window.addEventListener("load", () => {

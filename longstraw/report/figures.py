@@ -1,6 +1,6 @@
 """The figures stage: tables (CSV, `store`) -> one PNG per figure and `manifest.json` listing them
 (file, experiment, caption, and the kind that drew it), which the page reads. Which figures an experiment
-gets follows from its data, not its name: every kind draws what its rows support (`kinds.<kind>.figures`), so a
+gets follows from its data, not its name: every kind draws what its rows support (`Kind.figures`), so a
 later experiment with step / capture / capacity / sweep / staleness points gets the same figures.
 
 oom and error points are drawn as red / orange markers with a label, never dropped silently.
@@ -14,13 +14,12 @@ import json
 from pathlib import Path
 
 from longstraw import kinds
-from longstraw.kinds.columns import ExperimentData
 from longstraw.plotting.draw import save_png
 from longstraw.report import memory_vs_length, peers
 from longstraw.report.aggregate import grid_columns, records
 from longstraw.report.paper import load_paper, memory_points, reference_marks
 from longstraw.report.store import MANIFEST, Tables, read_tables
-from longstraw.results import write_json_atomic
+from longstraw.results import ExperimentData, write_json_atomic
 
 
 def experiment_data(tables: Tables, name: str) -> ExperimentData:
@@ -56,45 +55,24 @@ def make_figures(tables_dir, out_dir, marks: dict | None = None) -> dict[str, Pa
     paper = load_paper()
     marks = reference_marks(paper) if marks is None else marks
     drawn, entries = {}, []
+
+    def save(experiment: str, figure: str, fig, caption: str, kind: str | None = None) -> None:
+        key = f"{experiment}/{figure}"
+        drawn[key] = save_png(fig, out_dir / f"{experiment}.{figure}.png")
+        entry = {"key": key, "experiment": experiment, **({"kind": kind} if kind else {})}
+        entries.append({**entry, "file": drawn[key].name, "caption": caption})
+
     fig = memory_vs_length.plot_memory_vs_length(memory_vs_length.memory_rows(tables), ceiling, memory_points(paper))
     if fig is not None:
-        key = f"{SUMMARY}/{memory_vs_length.FIGURE}"
-        drawn[key] = save_png(fig, out_dir / f"{SUMMARY}.{memory_vs_length.FIGURE}.png")
-        entries.append(
-            {
-                "key": key,
-                "experiment": SUMMARY,
-                "file": drawn[key].name,
-                "caption": memory_vs_length.CAPTION,
-            }
-        )
+        save(SUMMARY, memory_vs_length.FIGURE, fig, memory_vs_length.CAPTION)
     for figure, fig in peers.figures(tables, ceiling):  # the Peers section's, across experiments
-        key = f"{peers.FIGURES}/{figure}"
-        drawn[key] = save_png(fig, out_dir / f"{peers.FIGURES}.{figure}.png")
-        entries.append(
-            {
-                "key": key,
-                "experiment": peers.FIGURES,
-                "file": drawn[key].name,
-                "caption": peers.CAPTIONS[figure],
-            }
-        )
+        save(peers.FIGURES, figure, fig, peers.CAPTIONS[figure])
     for name in tables.manifest["experiments"]:
         data = experiment_data(tables, name)
-        for kind in kinds.KINDS:
-            captions = kinds.part(kind, "CAPTIONS")
+        for kind in kinds.names():
+            captions = kinds.part(kind, "captions")
             for figure, fig in kinds.part(kind, "figures")(data, ceiling, marks.get(name, ())):
-                key = f"{name}/{figure}"
-                drawn[key] = save_png(fig, out_dir / f"{name}.{figure}.png")
-                entries.append(
-                    {
-                        "key": key,
-                        "experiment": name,
-                        "kind": kind,
-                        "file": drawn[key].name,
-                        "caption": captions.get(figure.split(".", 1)[0], ""),
-                    }
-                )
+                save(name, figure, fig, captions.get(figure.split(".", 1)[0], ""), kind)
     remove_stale_figures(out_dir, drawn.values())
     write_json_atomic(out_dir / MANIFEST, {"tables": str(tables_dir), "figures": entries})
     print(json.dumps({"figures": str(out_dir), "drawn": len(entries)}))

@@ -14,9 +14,13 @@ two paths stand beside ours only as its material states them (`paths` in paper.y
 
 from __future__ import annotations
 
-from longstraw.kinds.validation import LEVELS as LEVEL_NAMES
-from longstraw.kinds.validation import STATE, scale_text
+from longstraw import kinds
 from longstraw.plotting.formatting import format_bytes, is_missing
+
+# the validation kind's vocabulary: its levels (lowest first), a level's states, a path's scale in words
+LEVEL_NAMES = kinds.contributed("levels")
+STATE = kinds.contributed("level_state")
+scale_text = kinds.contributed("scale_text")
 
 LEVELS = [
     dict(zip(("level", "name", "definition"), entry))
@@ -147,7 +151,7 @@ def _order(path: dict) -> tuple:
 
 
 def validation_paths(path_rows: list[dict]) -> list[dict]:
-    """The validation points' paths from their `paths` table rows (`kinds.validation.path_row`)."""
+    """The validation points' paths from their `paths` table rows (the validation kind's `paths` table)."""
     return [
         _row(
             row.get("family"),

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import math
 
-from longstraw.kinds.columns import number
 from longstraw.report.aggregate import grid_columns, records
 from longstraw.report.store import Tables
+from longstraw.results import number
 
 FIGURE = "memory_vs_length"
 CAPTION = (
@@ -121,7 +121,6 @@ def _failures(ax, rows: list[dict], scale: float, ceiling_bytes) -> None:
 def plot_memory_vs_length(rows: list[dict], ceiling: dict, paper_points=()):
     """One panel per model, COLUMNS to a row, WIDTH inches wide; None without rows."""
     from longstraw.plotting import draw
-    from longstraw.plotting.formatting import format_bytes
 
     models = list(dict.fromkeys(r["model"] for r in rows if r.get("model")))
     if not models:
@@ -138,54 +137,10 @@ def plot_memory_vs_length(rows: list[dict], ceiling: dict, paper_points=()):
     scale = axis.scale
     for index, (ax, model) in enumerate(zip(axes.flat, models)):
         mine = [r for r in rows if r["model"] == model]
-        for line in dict.fromkeys((r["setting"], r["mode"]) for r in mine):
-            ok = [r for r in draw.ok(mine) if (r["setting"], r["mode"]) == line and r["peak_bytes"] is not None]
-            peaks = {}
-            for r in ok:
-                peaks[r["prompt_length"]] = max(peaks.get(r["prompt_length"], 0), r["peak_bytes"])
-            xs = sorted(peaks)
-            if xs:
-                mode, probe = ok[0]["mode"], ok[0]["source"] == "capacity probe"
-                # capacity probes apart from steps: on CPU they measure RSS growth over the weights, not the peak
-                ax.plot(
-                    xs,
-                    [peaks[x] / scale for x in xs],
-                    marker="s" if probe else "o",
-                    markersize=4,
-                    linestyle="--" if probe else "-",
-                    color=draw.MODE_COLORS.get(mode),
-                    label=f"{mode}, capacity search" if probe else str(mode),
-                )
+        _draw_mode_lines(ax, mine, scale)
         _failures(ax, mine, scale, ceiling_bytes)
-        if ceiling_bytes:
-            ax.axhline(
-                ceiling_bytes / scale,
-                color="black",
-                linestyle="--",
-                linewidth=1,
-                label=f"ceiling {format_bytes(ceiling_bytes)}",
-            )
-        # a capacity search against a lower, configured ceiling (CPU: an emulated one) draws that one too
-        for value in sorted({r["search_ceiling"] for r in mine if r.get("search_ceiling")}):
-            ax.axhline(
-                value / scale,
-                color="black",
-                linestyle=":",
-                linewidth=1,
-                label=f"capacity search ceiling {format_bytes(value)}",
-            )
-        for i, point in enumerate(paper_points):
-            ax.plot(
-                [point["positions"]],
-                [point["bytes"] / scale],
-                marker="D",
-                markersize=7,
-                linestyle="none",
-                markerfacecolor="none",
-                markeredgecolor=draw.PAPER_COLOR,
-                markeredgewidth=1.4,
-                label="paper (per rank)" if i == 0 else None,
-            )
+        _draw_ceilings(ax, mine, ceiling_bytes, scale)
+        _draw_paper_points(ax, paper_points, scale)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("prompt length (positions)", fontsize=8)
         # one axis for all: its unit on the first column's left and the last column's right only
@@ -200,3 +155,66 @@ def plot_memory_vs_length(rows: list[dict], ceiling: dict, paper_points=()):
     fig.suptitle("peak memory against prompt length, up to the ceiling", fontsize=9)
     fig.tight_layout()
     return fig
+
+
+def _draw_mode_lines(ax, mine: list[dict], scale: float) -> None:
+    """One line per (setting, mode) of a model: the largest peak at each prompt length."""
+    from longstraw.plotting import draw
+
+    for line in dict.fromkeys((r["setting"], r["mode"]) for r in mine):
+        ok = [r for r in draw.ok(mine) if (r["setting"], r["mode"]) == line and r["peak_bytes"] is not None]
+        peaks = {}
+        for r in ok:
+            peaks[r["prompt_length"]] = max(peaks.get(r["prompt_length"], 0), r["peak_bytes"])
+        xs = sorted(peaks)
+        if xs:
+            mode, probe = ok[0]["mode"], ok[0]["source"] == "capacity probe"
+            # capacity probes apart from steps: on CPU they measure RSS growth over the weights, not the peak
+            ax.plot(
+                xs,
+                [peaks[x] / scale for x in xs],
+                marker="s" if probe else "o",
+                markersize=4,
+                linestyle="--" if probe else "-",
+                color=draw.MODE_COLORS.get(mode),
+                label=f"{mode}, capacity search" if probe else str(mode),
+            )
+
+
+def _draw_ceilings(ax, mine: list[dict], ceiling_bytes, scale: float) -> None:
+    """The device's ceiling, and a capacity search's lower, configured one (CPU: an emulated one)."""
+    from longstraw.plotting.formatting import format_bytes
+
+    if ceiling_bytes:
+        ax.axhline(
+            ceiling_bytes / scale,
+            color="black",
+            linestyle="--",
+            linewidth=1,
+            label=f"ceiling {format_bytes(ceiling_bytes)}",
+        )
+    for value in sorted({r["search_ceiling"] for r in mine if r.get("search_ceiling")}):
+        ax.axhline(
+            value / scale,
+            color="black",
+            linestyle=":",
+            linewidth=1,
+            label=f"capacity search ceiling {format_bytes(value)}",
+        )
+
+
+def _draw_paper_points(ax, paper_points, scale: float) -> None:
+    from longstraw.plotting import draw
+
+    for i, point in enumerate(paper_points):
+        ax.plot(
+            [point["positions"]],
+            [point["bytes"] / scale],
+            marker="D",
+            markersize=7,
+            linestyle="none",
+            markerfacecolor="none",
+            markeredgecolor=draw.PAPER_COLOR,
+            markeredgewidth=1.4,
+            label="paper (per rank)" if i == 0 else None,
+        )

@@ -12,7 +12,7 @@ steps 1-2, or its refresh interval; `kind` keeps the points of that kind): its v
 matches (a list value matches any of its items), each named by the `label` column, or with
 `format: refresh_interval` the derived refresh interval in a sentence; a point that did not complete
 gets its row with its status. `op: regime` (with `low`, `high`, `positions`) says in one row whether a
-staleness drift range appears and at which learning rate (`kinds.staleness.regime_sentence`).
+staleness drift range appears and at which learning rate (the staleness kind's `regime_sentence`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import yaml
 
-from longstraw.kinds.staleness import refresh_interval_sentence, regime_sentence
+from longstraw import kinds
 from longstraw.plotting.formatting import exact_value, format_bytes, format_number, format_value, is_missing
 
 NOT_MEASURED = "not yet measured"
@@ -269,7 +269,7 @@ def per_point_rows(figure: dict, rows: list[dict]) -> list[dict]:
         if point.get("status") != "ok":
             text = f"no result: status {point.get('status')}" + (f" ({point['error']})" if point.get("error") else "")
         elif spec.get("format") == "refresh_interval":
-            text, value = refresh_interval_sentence(point), exact_value(point.get(column))
+            text, value = kinds.contributed("refresh_interval_sentence")(point), exact_value(point.get(column))
         else:
             mine = [
                 r
@@ -311,7 +311,9 @@ def compare_figures(paper: dict, rows_by_experiment: dict[str, list[dict]], ceil
         rows = rows_by_experiment.get(experiment, [])
         spec = figure.get("ours") or {}
         if spec.get("op") == "regime" and _point_rows(rows):
-            text = regime_sentence(_point_rows(rows), spec["low"], spec["high"], spec.get("positions"))
+            text = kinds.contributed("regime_sentence")(
+                _point_rows(rows), spec["low"], spec["high"], spec.get("positions")
+            )
             out.append(
                 {
                     "experiment": experiment,
@@ -460,23 +462,7 @@ def scale_rows(paper: dict, rows: list[dict], ceiling: dict) -> list[dict]:
     ok = [r for r in ran if r.get("status") == "ok"]
     models = sorted({f"{r.get('model')} ({r.get('model_type')})" for r in ran if r.get("model")})
     trainable = [v for v in _distinct(ran, "trainable_parameters") if isinstance(v, int)]
-    lengths = [v for v in _distinct(ok, "prompt_length") if isinstance(v, int)]
     paper_positions = setup.get("positions") or []
-    ratio = (
-        f"; the paper's {max(paper_positions):,} is {max(paper_positions) / max(lengths):,.0f}x ours"
-        if lengths and paper_positions
-        else ""
-    )
-    nf4 = {bool(r.get("nf4")) for r in ran if r.get("nf4") is not None}
-    lora = _distinct(ran, "lora_r")
-    cp_sizes = [v for v in _distinct(ran, "cp_size") if isinstance(v, int) and v > 1]
-    quant = "; ".join(
-        [
-            {frozenset({True}): "NF4", frozenset({True, False}): "NF4 on some points"}.get(frozenset(nf4), "no NF4"),
-            f"LoRA r={', '.join(str(v) for v in lora)}" if lora else "no LoRA (all parameters trainable)",
-            "dtype " + ", ".join(_distinct(ran, "dtype")),
-        ]
-    )
     return [
         {"quantity": "model", "paper": setup.get("model", "not stated"), "ours": "; ".join(models) or "no points"},
         {
@@ -497,22 +483,17 @@ def scale_rows(paper: dict, rows: list[dict], ceiling: dict) -> list[dict]:
         {
             "quantity": "parallelism",
             "paper": setup.get("parallelism", "not stated"),
-            "ours": (
-                f"context parallel over {' or '.join(str(v) for v in cp_sizes)} ranks on the points that set "
-                "cp_size; the others on one device"
-                if cp_sizes
-                else "none (single device)"
-            ),
+            "ours": _our_parallelism(ran),
         },
         {
             "quantity": "quantization",
             "paper": setup.get("quantization", "not stated"),
-            "ours": quant if ran else "no points",
+            "ours": _our_quantization(ran) if ran else "no points",
         },
         {
             "quantity": "prompt positions",
             "paper": " and ".join(f"{p:,}" for p in paper_positions) or "not stated",
-            "ours": (_span(lengths, lambda v: f"{v:,}") + ratio) if lengths else "no ok point",
+            "ours": _our_positions(ok, paper_positions),
         },
         {"quantity": "memory ceiling", "paper": setup.get("ceiling", "not stated"), "ours": ceiling.get("label", "")},
         {
@@ -521,3 +502,39 @@ def scale_rows(paper: dict, rows: list[dict], ceiling: dict) -> list[dict]:
             "ours": "conditional-response (replay mode); hold_all and naive are baselines",
         },
     ]
+
+
+def _our_parallelism(ran: list[dict]) -> str:
+    cp_sizes = [v for v in _distinct(ran, "cp_size") if isinstance(v, int) and v > 1]
+    if not cp_sizes:
+        return "none (single device)"
+    return (
+        f"context parallel over {' or '.join(str(v) for v in cp_sizes)} ranks on the points that set "
+        "cp_size; the others on one device"
+    )
+
+
+def _our_quantization(ran: list[dict]) -> str:
+    """NF4 (on every point, some, or none), LoRA's ranks, the dtypes."""
+    nf4 = {bool(r.get("nf4")) for r in ran if r.get("nf4") is not None}
+    lora = _distinct(ran, "lora_r")
+    return "; ".join(
+        [
+            {frozenset({True}): "NF4", frozenset({True, False}): "NF4 on some points"}.get(frozenset(nf4), "no NF4"),
+            f"LoRA r={', '.join(str(v) for v in lora)}" if lora else "no LoRA (all parameters trainable)",
+            "dtype " + ", ".join(_distinct(ran, "dtype")),
+        ]
+    )
+
+
+def _our_positions(ok: list[dict], paper_positions: list[int]) -> str:
+    """The prompt lengths our ok points ran, and how far the paper's longest is beyond ours."""
+    lengths = [v for v in _distinct(ok, "prompt_length") if isinstance(v, int)]
+    if not lengths:
+        return "no ok point"
+    ratio = (
+        f"; the paper's {max(paper_positions):,} is {max(paper_positions) / max(lengths):,.0f}x ours"
+        if paper_positions
+        else ""
+    )
+    return _span(lengths, lambda v: f"{v:,}") + ratio

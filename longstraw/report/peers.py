@@ -22,11 +22,11 @@ from __future__ import annotations
 import textwrap
 
 from longstraw.config.point import OUR_MODES
-from longstraw.kinds.columns import number
 from longstraw.peers import PEER_MODES, not_applicable, peer
 from longstraw.plotting.formatting import format_bytes
 from longstraw.report.aggregate import records
 from longstraw.report.store import Tables
+from longstraw.results import number
 
 FIGURES = "peers-section"  # the figures' manifest key (not an experiment's name)
 CAPTIONS = {

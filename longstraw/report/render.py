@@ -34,7 +34,6 @@ import jinja2
 import pandas as pd
 
 from longstraw import kinds
-from longstraw.kinds.columns import as_dict, number
 from longstraw.plotting.ceiling import ceiling_reason
 from longstraw.plotting.formatting import LOG_SPAN, column_label, exact_value, format_value, is_missing, is_nested
 from longstraw.report import peers, shorten
@@ -43,7 +42,7 @@ from longstraw.report.figures import SUMMARY
 from longstraw.report.levels import all_paths, levels_table, number_rules, paper_paths
 from longstraw.report.paper import claim_rows, compare_figures, load_paper, scale_rows
 from longstraw.report.store import MANIFEST, Tables, read_tables
-from longstraw.results import STATUSES, atomic_path, write_text_atomic
+from longstraw.results import STATUSES, as_dict, atomic_path, number, write_text_atomic
 
 VERSION_KEYS = ("torch", "transformers", "peft", "bitsandbytes", "fla-core")
 RECORDED_COLUMNS = [
@@ -188,10 +187,10 @@ def with_csv(view: dict, rows: list[dict], csv: str) -> dict:
 
 
 def shown_columns(kind: str, rows: list[dict], grid: list[str]) -> list[str]:
-    """The columns a kind's table shows (`kinds.<kind>.SHOWN`), the grid first: its scalar settings
+    """The columns a kind's table shows (`Kind.shown`), the grid first: its scalar settings
     (a nested one, e.g. a sweep's G lists, the point's name says; the CSV has it)."""
     grid = [k for k in grid if not any(is_nested(r.get(k)) for r in rows)]
-    chosen = kinds.part(kind, "SHOWN")
+    chosen = kinds.part(kind, "shown")
     if chosen is None:  # a kind added later: its numeric metrics, a dozen at most
         keys = dict.fromkeys(k for r in rows for k in r)
         numeric = [
@@ -304,15 +303,15 @@ def extra_specs(rows: list[dict]) -> list[tuple]:
     present = {str(r.get("kind")) for r in rows}
     return [
         (suffix, spec)
-        for kind in kinds.KINDS
+        for kind in kinds.names()
         if kind in present
-        for suffix, spec in kinds.part(kind, "EXTRA_TABLES").items()
+        for suffix, spec in kinds.part(kind, "extra_tables").items()
     ]
 
 
 def extra_tables(tables: Tables, name: str, rows: list[dict], links: dict | None = None) -> list[dict]:
     """The kinds' own tables of an experiment (`rows`: its point rows), as the page shows them
-    (`kinds.<kind>.EXTRA_TABLES`), each beside its CSV."""
+    (`Kind.extra_tables`), each beside its CSV."""
     out = []
     for suffix, spec in extra_specs(rows):
         df = tables.frame(f"{name}.{suffix}")
@@ -333,7 +332,7 @@ def extra_tables(tables: Tables, name: str, rows: list[dict], links: dict | None
 
 
 def section_notes(rows: list[dict], grid: list[str] = ()) -> list[str]:
-    """What a row cannot say in one cell, row by row (`kinds.<kind>.notes`), and where real weights came from."""
+    """What a row cannot say in one cell, row by row (`Kind.notes`), and where real weights came from."""
     weights = [w for w in dict.fromkeys(row.get("weights") for row in rows) if w]
     return [note for row in rows for note in kinds.part(row.get("kind"), "notes")(row, list(grid))] + weights
 
@@ -346,7 +345,7 @@ def lead_figure(figures: list[dict], files: list[dict]) -> dict | None:
     """The figure a section opens with: the first one the kind of most of its points draws (the kinds in their
     order on a tie), else its first."""
     counts = Counter(str(f.get("kind")) for f in files)
-    for kind in sorted(kinds.KINDS, key=lambda k: -counts[k]):
+    for kind in sorted(kinds.names(), key=lambda k: -counts[k]):
         mine = [f for f in figures if f.get("kind") == kind]
         if mine:
             return mine[0]
@@ -394,18 +393,7 @@ def experiment_section(
         "notes": notes,
         "more": more_line(len(drawn) - (lead is not None), len(point_tables) + len(own_tables), len(notes)),
         "paper": [r for r in paper_rows if r["experiment"] == name],
-        "failures": [
-            {
-                "point": str(f.get("point")),
-                "status": f.get("status"),
-                "error": f.get("error") or "no message recorded",
-                "peak": format_value("peak_allocated_bytes", f.get("peak_allocated_bytes"))
-                if f.get("peak_allocated_bytes") is not None
-                else "",
-            }
-            for f in files
-            if f.get("status") != "ok"
-        ],
+        "failures": failures(files),
         "unrecorded": [
             r["point"]
             for r in (records(tables.frame("unrecorded")) if "unrecorded" in tables.names else [])
@@ -415,6 +403,22 @@ def experiment_section(
         "provenance": provenance_facts(files) if files else [],
         "empty": not files,
     }
+
+
+def failures(files: list[dict]) -> list[dict]:
+    """The points that did not finish ok: their status, error and the peak they reached."""
+    return [
+        {
+            "point": str(f.get("point")),
+            "status": f.get("status"),
+            "error": f.get("error") or "no message recorded",
+            "peak": format_value("peak_allocated_bytes", f.get("peak_allocated_bytes"))
+            if f.get("peak_allocated_bytes") is not None
+            else "",
+        }
+        for f in files
+        if f.get("status") != "ok"
+    ]
 
 
 def recorded_report_link(folder: Path, out_dir: Path) -> str:
@@ -555,45 +559,13 @@ def build_context(tables: Tables, figures: list[dict], out_dir, recorded: Tables
     profile, results_dir, ceiling = manifest["profile"], manifest["results_dir"], manifest["ceiling"]
     files = records(tables.frame("files"))
     paper = load_paper()
-    paper_entries = {e.get("name"): e for e in paper.get("experiments") or [] if isinstance(e, dict)}
-    experiment_files = {
-        r["experiment"]: {"title": r.get("title"), "what": r.get("description")}
-        for r in records(tables.frame("experiments"))
-    }
     frames = {name: tables.frame(name) for name in manifest["experiments"]}
-    names = experiment_order(set(frames) | set(paper_entries))
-    described = {
-        name: {**paper_entries.get(name, {}), **{k: v for k, v in experiment_files.get(name, {}).items() if v}}
-        for name in names
-    }
     rows_by_experiment = experiment_rows(tables)
     figures_beside = compare_figures(paper, rows_by_experiment, ceiling)
     by_experiment: dict[str, list[dict]] = {}
     for f in files:
         by_experiment.setdefault(str(f.get("experiment")), []).append(f)
-    sections = [
-        experiment_section(
-            name,
-            tables,
-            by_experiment.get(name, []),
-            figures,
-            profile,
-            described[name],
-            figures_beside,
-            result_links(by_experiment.get(name, []), results_dir, out_dir),
-        )
-        for name in names
-    ]
-    # the validation points' paths, their experiments in file order (as their points were read)
-    validation = kinds.module("validation")
-    path_rows = [
-        row
-        for name in by_experiment
-        if tables.frame(f"{name}.{validation.PATHS}") is not None
-        for row in records(tables.frame(f"{name}.{validation.PATHS}"))
-    ]
-    paths = all_paths(rows_by_experiment, path_rows)
-    counts = status_counts(files)
+    sections = experiment_sections(tables, figures, paper, frames, by_experiment, figures_beside, out_dir)
     peer_view = peers_section(tables, figures)
     # the validation and peers experiments' points go inside the page's Validation and Peers sections: one
     # section per subject, which the summary's links reach
@@ -607,27 +579,7 @@ def build_context(tables: Tables, figures: list[dict], out_dir, recorded: Tables
         "generated": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "log_span": LOG_SPAN,
         "long_table": shorten.LONG,
-        "summary": {
-            "total": len(files),
-            "counts": counts,
-            "counts_text": _counts_text(counts),
-            "kinds": ", ".join(f"{n} {k}" for k, n in sorted(Counter(str(f.get("kind")) for f in files).items())),
-            "experiments": [
-                {
-                    "name": s["name"],
-                    "anchor": s["anchor"],
-                    "title": s["title"],
-                    "total": sum(s["counts"].values()),
-                    **s["counts"],
-                }
-                for s in sections
-            ],
-            "provenance": provenance_facts(files),
-            "ceiling": f"{ceiling['label']}: {ceiling_reason(ceiling)}",
-            "cpu": ceiling.get("source") != "cuda_total_memory",
-            "claims": claim_rows(paper, figures_beside),
-            "recorded_claims": recorded_claims(paper, recorded, results_dir),
-        },
+        "summary": summary_view(files, sections, paper, figures_beside, ceiling, recorded, results_dir),
         "targets": targets_view(tables),
         "paper": {
             "missing": paper.get("missing", ""),
@@ -635,15 +587,86 @@ def build_context(tables: Tables, figures: list[dict], out_dir, recorded: Tables
             "figures": figures_beside,
             "summary_figures": [f for f in figures if f["experiment"] == SUMMARY],
         },
-        "validation": {
-            "levels": levels_table(paths, paper.get("standing") or {}),
-            "paths": paths,
-            "rules": number_rules(paths),
-            "paper_paths": paper_paths(paper),
-        },
+        "validation": validation_view(tables, paper, by_experiment, rows_by_experiment),
         "experiments": sections,
         "peers": peer_view,
         "recorded": recorded_section(recorded, out_dir, results_dir),
+    }
+
+
+def experiment_sections(
+    tables: Tables, figures: list[dict], paper: dict, frames: dict, by_experiment: dict, figures_beside, out_dir
+) -> list[dict]:
+    """One section per experiment, the paper's first (an experiment the paper names but no result holds too)."""
+    manifest = tables.manifest
+    paper_entries = {e.get("name"): e for e in paper.get("experiments") or [] if isinstance(e, dict)}
+    experiment_files = {
+        r["experiment"]: {"title": r.get("title"), "what": r.get("description")}
+        for r in records(tables.frame("experiments"))
+    }
+    names = experiment_order(set(frames) | set(paper_entries))
+    described = {
+        name: {**paper_entries.get(name, {}), **{k: v for k, v in experiment_files.get(name, {}).items() if v}}
+        for name in names
+    }
+    return [
+        experiment_section(
+            name,
+            tables,
+            by_experiment.get(name, []),
+            figures,
+            manifest["profile"],
+            described[name],
+            figures_beside,
+            result_links(by_experiment.get(name, []), manifest["results_dir"], out_dir),
+        )
+        for name in names
+    ]
+
+
+def summary_view(
+    files: list[dict], sections: list[dict], paper: dict, figures_beside, ceiling: dict, recorded, results_dir
+) -> dict:
+    """The page's summary: the points' statuses and kinds, each experiment's counts, provenance, claims."""
+    counts = status_counts(files)
+    return {
+        "total": len(files),
+        "counts": counts,
+        "counts_text": _counts_text(counts),
+        "kinds": ", ".join(f"{n} {k}" for k, n in sorted(Counter(str(f.get("kind")) for f in files).items())),
+        "experiments": [
+            {
+                "name": s["name"],
+                "anchor": s["anchor"],
+                "title": s["title"],
+                "total": sum(s["counts"].values()),
+                **s["counts"],
+            }
+            for s in sections
+        ],
+        "provenance": provenance_facts(files),
+        "ceiling": f"{ceiling['label']}: {ceiling_reason(ceiling)}",
+        "cpu": ceiling.get("source") != "cuda_total_memory",
+        "claims": claim_rows(paper, figures_beside),
+        "recorded_claims": recorded_claims(paper, recorded, results_dir),
+    }
+
+
+def validation_view(tables: Tables, paper: dict, by_experiment: dict, rows_by_experiment) -> dict:
+    """The validation levels: every path (the validation points' and the other points' V1), the levels table."""
+    suffix = kinds.contributed("paths_table")  # the table of the validation levels' paths
+    path_rows = [  # their experiments in file order (as their points were read)
+        row
+        for name in by_experiment
+        if tables.frame(f"{name}.{suffix}") is not None
+        for row in records(tables.frame(f"{name}.{suffix}"))
+    ]
+    paths = all_paths(rows_by_experiment, path_rows)
+    return {
+        "levels": levels_table(paths, paper.get("standing") or {}),
+        "paths": paths,
+        "rules": number_rules(paths),
+        "paper_paths": paper_paths(paper),
     }
 
 

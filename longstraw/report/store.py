@@ -32,12 +32,12 @@ def _missing(value) -> bool:
 
 def _cells(series: pd.Series) -> str:
     """How a column's cells are written (see the module doc)."""
-    kind = series.dtype.kind
-    if kind in "iu":
+    dtype = series.dtype.kind  # numpy's one-letter code
+    if dtype in "iu":
         return "int"
-    if kind == "f":
+    if dtype == "f":
         return "float"
-    if kind == "b":
+    if dtype == "b":
         return "bool"
     present = [v for v in series if not _missing(v)]
     return "text" if all(isinstance(v, str) and v for v in present) else "json"

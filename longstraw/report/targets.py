@@ -1,4 +1,4 @@
-"""The H200 targets (issues 4, 20 and 32), evaluated from result JSONs (recorded or freshly run).
+"""The H200 targets, evaluated from result JSONs (recorded or freshly run).
 
     python benchmarks/h200_targets.py                       # experiments/recorded/h200
     python benchmarks/h200_targets.py --results results/h200
@@ -15,13 +15,13 @@ so (`met` is None) instead of guessing. Inputs (layout `<results>/<experiment>/<
   and its single step points;
 - baselines/mode-naive.json (capacity with comparison steps): the step times of the three modes
   at the longest length where naive's full G=8 step was timed;
-- peers/warm-dense-1b_mode-{replay,prefix_grouper}_length-{8192,32768}_count-8.json (issue 32): replay's
+- peers/warm-dense-1b_mode-{replay,prefix_grouper}_length-{8192,32768}_count-8.json: replay's
   warm and cold step and peak over PrefixGrouper's;
-- architectures/qwen3.6-27b-shape-nf4-1048576.json and -65536-replay-checkpointed.json (issue 20): the
+- architectures/qwen3.6-27b-shape-nf4-1048576.json and -65536-replay-checkpointed.json: the
   27B shape's capture against its FLOP floor at that run's rates (a run cut off later, status partial,
   still measured its capture; the part outside attention against the linear floor is shown beside it),
   whether capture and a G=2 and a G=8 step ran in one command, and its replay transient under whole-layer
-  checkpointing; with -65536-replay-plain.json (issue 32) what checkpointing costs the replay phase.
+  checkpointing; with -65536-replay-plain.json what checkpointing costs the replay phase.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from longstraw.kinds.step import columns as step_columns
+from longstraw import kinds
 
 SWEEP = "g_sweep/sweep.json"
 NAIVE = "baselines/mode-naive.json"
@@ -46,8 +46,8 @@ REPLAY_27B = "architectures/qwen3.6-27b-shape-nf4-65536-replay-checkpointed.json
 PLAIN_REPLAY_27B = "architectures/qwen3.6-27b-shape-nf4-65536-replay-plain.json"
 BATCHED_REPLAY_27B = "architectures/qwen3.6-27b-shape-nf4-65536-replay-checkpointed-k2.json"
 BATCHED_PLAIN_27B = "architectures/qwen3.6-27b-shape-nf4-65536-replay-plain-k2.json"
-CHECKPOINT_COST_LIMIT = 1.3  # issue 32: checkpointed replay at most 1.3x plain on the 27B shape at 65,536
-CAPTURE_FLOOR_LIMIT = 1.15  # issue 32: the 27B shape's capture at 1,048,576 within 1.15x its floor
+CHECKPOINT_COST_LIMIT = 1.3  # checkpointed replay at most 1.3x plain on the 27B shape at 65,536
+CAPTURE_FLOOR_LIMIT = 1.15  # the 27B shape's capture at 1,048,576 within 1.15x its floor
 COMMAND_SECONDS = 600  # one device command's limit
 REPLAY_TRANSIENT_27B_LIMIT = 8e9
 
@@ -336,7 +336,7 @@ def _g2_replay_seconds(root: Path, relative: str) -> tuple[float, float | None, 
 
 
 def checkpoint_cost_27b(root: Path) -> dict:
-    """Issue 32: the replay phase of a G=2 step under whole-layer checkpointing over the plain one, each point in its
+    """The replay phase of a G=2 step under whole-layer checkpointing over the plain one, each point in its
     own process, the two members one at a time (k=1) and, where recorded, as one batch (k=2). A point that ran two
     G=2 steps on its state is read warm (the last), its first (cold) beside it. The goal is read on each mode's
     fastest schedule that fits; a schedule that ran out of memory is named."""
@@ -369,13 +369,18 @@ def checkpoint_cost_27b(root: Path) -> dict:
     return _row(target, goal, "; ".join(parts), ratio <= CHECKPOINT_COST_LIMIT, evidence)
 
 
+def point_columns(result: dict) -> dict:
+    """A result's cells as its kind reports them (a step point's warm and cold step seconds)."""
+    return kinds.part(result.get("kind"), "columns")(result)
+
+
 WARM_POINT = "peers/warm-dense-1b_mode-{mode}_length-{length}_count-8.json"
 WARM_LENGTHS = (8192, 32768)
-WARM_RATIO_LIMIT = 0.67  # issue 32: replay's warm step at most 0.67x PrefixGrouper's (1.5x faster)
+WARM_RATIO_LIMIT = 0.67  # replay's warm step at most 0.67x PrefixGrouper's (1.5x faster)
 
 
 def replay_against_prefix_grouper(root: Path) -> list[dict]:
-    """Issue 32, dense-1b, G=8, responses of 2,048: at each length, replay's warm step (the median of its
+    """dense-1b, G=8, responses of 2,048: at each length, replay's warm step (the median of its
     cycles after the first, each from a fresh capture) over PrefixGrouper's, their cold (first) steps, and
     their peaks (one process per system: the two figures of a ratio come from two files)."""
     rows = []
@@ -388,11 +393,11 @@ def replay_against_prefix_grouper(root: Path) -> list[dict]:
             (
                 "warm step",
                 f"<= {WARM_RATIO_LIMIT}x",
-                lambda r: step_columns(r)["warm_step_seconds"],
+                lambda r: point_columns(r)["warm_step_seconds"],
                 WARM_RATIO_LIMIT,
                 False,
             ),
-            ("cold step", "< 1x", lambda r: step_columns(r)["cold_step_seconds"], 1.0, True),
+            ("cold step", "< 1x", lambda r: point_columns(r)["cold_step_seconds"], 1.0, True),
             ("peak memory", "<= 1x", lambda r: r["metrics"]["peak_allocated_bytes"], 1.0, False),
         ]
         complete = all(r is not None and len(r["metrics"].get("cycles", [])) >= 2 for r in results.values())
@@ -411,7 +416,7 @@ def replay_against_prefix_grouper(root: Path) -> list[dict]:
 
 
 HYBRID_WARM_POINT = "peers/warm-hybrid-1b_mode-{mode}_length-32768_count-2.json"
-TRL_SPEEDUP_LIMIT = 10.0  # issue 32: replay's warm step at least 10x faster than TRL's on hybrid-1b
+TRL_SPEEDUP_LIMIT = 10.0  # replay's warm step at least 10x faster than TRL's on hybrid-1b
 CEILINGS = "../h200-benchmarks/kernel_ceilings.json"  # the box's measured kernel rates, beside the recorded points
 
 
@@ -469,13 +474,13 @@ def _warm_variants(root: Path, modes) -> dict[str, dict]:
 
 def _fastest_warm(variants: dict[str, dict]) -> tuple[str, float, str]:
     """(mode, warm step seconds) of the fastest variant, and each variant's warm step as text."""
-    warm = {mode: step_columns(r)["warm_step_seconds"] for mode, r in variants.items()}
+    warm = {mode: point_columns(r)["warm_step_seconds"] for mode, r in variants.items()}
     fastest = min(warm, key=warm.get)
     return fastest, warm[fastest], "; ".join(f"{mode} {seconds:.3f} s" for mode, seconds in warm.items())
 
 
 def replay_against_trl_hybrid(root: Path) -> list[dict]:
-    """Issue 32, hybrid-1b, G=2, 32,768: replay's warm step against TRL's, and against its own FLOP floor."""
+    """hybrid-1b, G=2, 32,768: replay's warm step against TRL's, and against its own FLOP floor."""
     speed = ("replay over TRL, warm step, hybrid-1b, G=2, 32,768 positions", f">= {TRL_SPEEDUP_LIMIT:.0f}x faster")
     floor = ("replay's warm step over its FLOP floor, hybrid-1b, G=2, 32,768 positions", f"<= {FLOOR_RATIO_LIMIT}x")
     trl_file = HYBRID_WARM_POINT.format(mode="trl")
@@ -489,7 +494,7 @@ def replay_against_trl_hybrid(root: Path) -> list[dict]:
             _missing(*floor, "ok replay point, at least 2 cycles"),
         ]
     fastest, ours, each = _fastest_warm(variants)
-    theirs = step_columns(trl)["warm_step_seconds"]
+    theirs = point_columns(trl)["warm_step_seconds"]
     files = ", ".join(HYBRID_WARM_POINT.format(mode=m) for m in variants)
     rows = [
         _row(
@@ -517,7 +522,7 @@ def replay_against_trl_hybrid(root: Path) -> list[dict]:
 
 
 SCHEDULE_POINT = "peers/mb-dense-1b_length-32768_count-{count}_k-{k}.json"
-SCHEDULE_PEAK_SPREAD = 1.05  # issue 32: at one k, the peaks for G = 2, 8, 32 within 5% of each other
+SCHEDULE_PEAK_SPREAD = 1.05  # at one k, the peaks for G = 2, 8, 32 within 5% of each other
 
 
 def _last_replay_seconds_per_member(result: dict) -> float:
@@ -526,7 +531,7 @@ def _last_replay_seconds_per_member(result: dict) -> float:
 
 
 def members_as_a_schedule(root: Path) -> list[dict]:
-    """Issue 32, dense-1b at 32,768: the peak for G = 2, 8, 32 replayed two members at a time (flat in G), and
+    """dense-1b at 32,768: the peak for G = 2, 8, 32 replayed two members at a time (flat in G), and
     the time per member at G=8 for k = 2, 4, 8 (the last cycle's replay phase over its members: warm)."""
     rows = []
     target, goal = "peak memory against G (2, 8, 32) at k=2, dense-1b, 32,768 positions", "max / min <= 1.05"
