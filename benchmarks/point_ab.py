@@ -63,7 +63,7 @@ def compare(folder: Path, base: str | None) -> dict:
         base = next(iter(medians))
     if base not in medians:
         raise SystemExit(f"base commit {base} has no results in {folder}: {sorted(medians)}")
-    for commit, row in medians.items():
+    for row in medians.values():
         row["difference_from_base"] = {key: row[key] - medians[base][key] for key in ("step", *PHASES)}
     return {
         "point": results[0]["point"],

@@ -20,10 +20,10 @@ import math
 import numbers
 import os
 import tempfile
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 # partial: a point cut off before its end (a command's time limit); its metrics are the steps it finished;
 # nonfinite: a step's loss or gradient was not finite, so its update was skipped (`skipped_updates`)

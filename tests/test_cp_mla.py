@@ -200,7 +200,9 @@ def test_sharded_selection_breaks_ties_as_the_single_process():
         assert torch.equal(merged, single)
 
 
-SAMPLING = SamplingConfig(num_samples=4, max_new_tokens=8, temperature=1.0, stop_ids=tuple(range(3, 256, 9)), seed=5)
+SAMPLING = SamplingConfig(
+    num_generations=4, max_new_tokens=8, temperature=1.0, stop_ids=tuple(range(3, 256, 9)), seed=5
+)
 
 
 def _sample(preset, topk, cp=None):

@@ -67,7 +67,7 @@ def test_stacked_decoding_matches_hf_generate(preset, plain, monkeypatch):
     # float64: both sides sample from float32 probabilities of logits that agree to ~EPS64 (test_rollout's argument)
     model = apply_lora(float64_model(preset, seed=1), r=4, init_random=True).double()
     prompt = torch.randint(0, 256, (70,), generator=torch.Generator().manual_seed(0))
-    config = SamplingConfig(num_samples=4, max_new_tokens=8, stop_ids=STOP, seed=3, stacked_projections=True)
+    config = SamplingConfig(num_generations=4, max_new_tokens=8, stop_ids=STOP, seed=3, stacked_projections=True)
     ran = []
     mix = attention_decode.decode_attention_mix
 

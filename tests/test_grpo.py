@@ -60,9 +60,15 @@ def test_config_defaults_and_normalisation():
 def test_the_group_size_has_one_default():
     from longstraw.config.point import PointConfig
     from longstraw.config.train import TrainConfig
+    from longstraw.training.rollout import SamplingConfig
 
-    sizes = (GRPOConfig().num_generations, PointConfig().grpo.num_generations, TrainConfig().grpo.num_generations)
-    assert sizes == (GROUP_SIZE,) * 3
+    sizes = (
+        GRPOConfig().num_generations,
+        PointConfig().grpo.num_generations,
+        TrainConfig().grpo.num_generations,
+        SamplingConfig().num_generations,
+    )
+    assert sizes == (GROUP_SIZE,) * 4
 
 
 @pytest.mark.parametrize(

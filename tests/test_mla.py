@@ -318,7 +318,7 @@ def _hf_generate_with_logprobs(model, prompt, config: SamplingConfig):
     kwargs = (
         dict(do_sample=False)
         if config.temperature == 0
-        else dict(do_sample=True, temperature=config.temperature, top_k=0, num_return_sequences=config.num_samples)
+        else dict(do_sample=True, temperature=config.temperature, top_k=0, num_return_sequences=config.num_generations)
     )
     generation = GenerationConfig(
         max_new_tokens=config.max_new_tokens,
@@ -333,7 +333,7 @@ def _hf_generate_with_logprobs(model, prompt, config: SamplingConfig):
     tokens_GT = out.sequences[:, prompt.numel() :]
     logits_GTV = torch.stack(out.logits, 1).float()
     logps_GT = torch.log_softmax(logits_GTV, -1).gather(2, tokens_GT[..., None]).squeeze(2)
-    return tokens_GT.expand(config.num_samples, -1), logps_GT.expand(config.num_samples, -1)
+    return tokens_GT.expand(config.num_generations, -1), logps_GT.expand(config.num_generations, -1)
 
 
 @pytest.mark.numerics
@@ -344,7 +344,7 @@ def test_sampling_from_latent_pages_matches_hf_generate(preset, topk, temperatur
     # a float32 rounding difference cannot move a token across a sampling boundary; log-probs as in replay's
     model = to_float64(_model(preset, topk))
     prompt = _ids(PROMPT_LEN, 11)
-    config = SamplingConfig(num_samples=4, max_new_tokens=8, temperature=temperature, stop_ids=SAMPLE_STOP, seed=5)
+    config = SamplingConfig(num_generations=4, max_new_tokens=8, temperature=temperature, stop_ids=SAMPLE_STOP, seed=5)
     with hf_float64(model):
         state = capture(model, prompt, chunk_size=8)
         before = state.fingerprint()

@@ -181,7 +181,7 @@ def test_off_cuda_the_mlp_is_hfs_module_bit_for_bit():
         mlp = _hf_mlp(act, 16, 48, torch.float32, gen=gen)
         assert isinstance(mlp.act_fn, swiglu_module.SILU_CLASSES) == (act == "silu")
         for a, e in zip(
-            _mlp_outputs_and_grads(mlp, lambda t: swiglu_module.mlp_forward(mlp, t), [x], out_weight),
+            _mlp_outputs_and_grads(mlp, lambda t, mlp=mlp: swiglu_module.mlp_forward(mlp, t), [x], out_weight),
             _mlp_outputs_and_grads(mlp, mlp, [x], out_weight),
         ):
             assert torch.equal(a, e), act

@@ -75,6 +75,6 @@ def test_greedy_answers_from_the_resident_state_are_sensible(checkpoint, tokeniz
     rollouts = sample(
         model,
         state,
-        SamplingConfig(num_samples=1, max_new_tokens=12, temperature=0.0, stop_ids=(tokenizer.eos_token_id,)),
+        SamplingConfig(num_generations=1, max_new_tokens=12, temperature=0.0, stop_ids=(tokenizer.eos_token_id,)),
     )
     assert "Paris" in tokenizer.decode(rollouts.responses[0])

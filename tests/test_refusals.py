@@ -221,7 +221,7 @@ def test_a_state_refuses_a_model_with_other_layers(shallow, layers):
     for call in (
         lambda: replay(other, state, response),
         lambda: score(other, state, response),
-        lambda: sample(other, state, SamplingConfig(num_samples=2, max_new_tokens=2)),
+        lambda: sample(other, state, SamplingConfig(num_generations=2, max_new_tokens=2)),
     ):
         with pytest.raises(ValueError, match=rf"captured from a 2-layer qwen3 model .* not a {layers}-layer qwen3"):
             call()
@@ -421,7 +421,7 @@ def test_every_preset_setting_and_the_config_classes_own_extras_are_accepted_as_
     from longstraw.models.checks import check_override_keys, config_keys
     from longstraw.models.presets import MODEL_CLASSES, PRESETS
 
-    for name, preset in PRESETS.items():
+    for preset in PRESETS.values():
         check_override_keys(preset.model_type, preset.config)  # every preset's own settings are known keys
     assert set(MODEL_CLASSES) == {p.model_type for p in PRESETS.values()}
     check_override_keys("glm4_moe", {"head_dim": 8, "partial_rotary_factor": 0.25, "num_local_experts": 4})

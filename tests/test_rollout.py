@@ -26,7 +26,7 @@ def _hf_generate(model, prompt, config: SamplingConfig):
             temperature=config.temperature,
             top_p=config.top_p,
             top_k=0,
-            num_return_sequences=config.num_samples,
+            num_return_sequences=config.num_generations,
         )
     )
     generation = GenerationConfig(
@@ -34,7 +34,7 @@ def _hf_generate(model, prompt, config: SamplingConfig):
     )
     torch.manual_seed(config.seed)  # HF samples from the global generator
     out = model.generate(prompt[None], generation_config=generation)[:, prompt.numel() :]
-    return out.expand(config.num_samples, -1)
+    return out.expand(config.num_generations, -1)
 
 
 @pytest.mark.numerics
@@ -46,7 +46,7 @@ def test_sampling_from_state_matches_hf_generate(preset, temperature, top_p):
     model = float64_model(preset, seed=1)
     prompt = torch.randint(0, 256, (90,), generator=torch.Generator().manual_seed(0))
     config = SamplingConfig(
-        num_samples=4, max_new_tokens=10, temperature=temperature, top_p=top_p, stop_ids=STOP, seed=3
+        num_generations=4, max_new_tokens=10, temperature=temperature, top_p=top_p, stop_ids=STOP, seed=3
     )
     with hf_float64(model), float64_gdn_states():
         state = capture(model, prompt, chunk_size=32)
@@ -83,5 +83,5 @@ def test_sequences_share_the_prompt_pages():
 def test_bad_sampling_settings_are_named():
     with pytest.raises(ValueError, match="top_p"):
         SamplingConfig(top_p=0.0)
-    with pytest.raises(ValueError, match="num_samples"):
-        SamplingConfig(num_samples=0)
+    with pytest.raises(ValueError, match="num_generations"):
+        SamplingConfig(num_generations=0)

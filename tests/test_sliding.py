@@ -12,9 +12,9 @@ another shows and the sinks take a large share of each softmax. Everything compa
 """
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Callable
 
 import pytest
 import torch
@@ -318,7 +318,7 @@ def test_sampling_past_a_window_matches_hf_generate(member, model, temperature):
     the sliding layers' view entirely, as HF's sliding cache drops it. Both stop at id 1 (Gemma's EOS, which HF's
     generate takes from the model's generation config)."""
     prompt, stop, n_new = _ids(40, 11), (1,), member.new_tokens
-    config = SamplingConfig(num_samples=3, max_new_tokens=n_new, temperature=temperature, stop_ids=stop, seed=5)
+    config = SamplingConfig(num_generations=3, max_new_tokens=n_new, temperature=temperature, stop_ids=stop, seed=5)
     generation = GenerationConfig(
         max_new_tokens=n_new,
         eos_token_id=list(stop),

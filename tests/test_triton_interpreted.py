@@ -129,7 +129,7 @@ q, k, v, g, beta, state = inputs["gdn decode"]
 state = state.clone()
 out["gdn decode"] = gdn_decode_triton.gdn_decode_step(q, k, v, g, beta, state)
 torch.save(out, sys.argv[2])
-""" % {"key_dim": KEY_DIM, "head_dim": HEAD_DIM}
+""" % {"key_dim": KEY_DIM, "head_dim": HEAD_DIM}  # noqa: UP031 (the code has braces of its own)
 
 
 def _conv_inputs(gen, rows: int, with_state: bool):

@@ -304,7 +304,7 @@ def test_responses_past_the_position_limit_are_refused_in_replay_sampling_and_th
     with pytest.raises(ValueError, match=r"response_ids: 6 tokens after the prompt's 12 need 17 positions.*\(16\)"):
         replay(model, state, _ids(6, 1))
     with pytest.raises(ValueError, match=r"sampling max_new_tokens: 6 tokens .* max_position_embeddings \(16\)"):
-        sample(model, state, SamplingConfig(num_samples=2, max_new_tokens=6))
+        sample(model, state, SamplingConfig(num_generations=2, max_new_tokens=6))
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
     for given in (state, None):
         with pytest.raises(ValueError, match=r"responses: 6 tokens after the prompt's 12 need 17"):
@@ -313,7 +313,7 @@ def test_responses_past_the_position_limit_are_refused_in_replay_sampling_and_th
             )
     beyond = capture(model, prompt, beyond_max_positions=True)  # asked for: allowed
     assert replay(model, beyond, _ids(6, 1)).shape == (6,)
-    assert len(sample(model, beyond, SamplingConfig(num_samples=2, max_new_tokens=6)).responses) == 2
+    assert len(sample(model, beyond, SamplingConfig(num_generations=2, max_new_tokens=6)).responses) == 2
 
 
 def test_response_ids_outside_the_vocabulary_are_refused_before_the_capture(monkeypatch):
@@ -386,7 +386,7 @@ def test_a_state_is_refused_after_its_weights_were_replaced_unless_reused_on_pur
     with pytest.raises(ValueError, match="the trainable weights were written since the capture"):
         replay(model, state, response)
     with pytest.raises(ValueError, match="the trainable weights were written since the capture"):
-        sample(model, state, SamplingConfig(num_samples=1, max_new_tokens=2))
+        sample(model, state, SamplingConfig(num_generations=1, max_new_tokens=2))
     # a stale state on purpose (prefix reuse) replays, and a fresh capture agrees with the new weights
     reuse_state(model, state)
     replay(model, state, response)

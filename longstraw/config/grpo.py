@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Union
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 SCALE_REWARDS = ("group", "none")
@@ -47,10 +46,10 @@ class GRPOConfig:
     num_generations: int = GROUP_SIZE
     beta: float = 0.0
     epsilon: float = 0.2
-    epsilon_high: Optional[float] = None
+    epsilon_high: float | None = None
     loss_type: str = "dapo"
-    scale_rewards: Union[str, bool] = "group"
-    max_completion_length: Optional[int] = None
+    scale_rewards: str | bool = "group"
+    max_completion_length: int | None = None
 
     def __post_init__(self) -> None:
         g = self.num_generations
@@ -80,9 +79,9 @@ class GRPOConfig:
 OLD_GROUP_SIZES = (("responses", "count"), ("sampling", "num_samples"), ("learning", "num_samples"))
 
 
-def grouped_objective(raw: dict, default_size: int, source: str) -> dict:
+def grouped_objective(raw: dict, source: str) -> dict:
     """`raw` (a point or trainer mapping) with the objective's defaults where it gives none: the group size
-    `grpo.num_generations` (TRL's name, the one name it has) `default_size`, beta 0.04 (a KL term towards the
+    `grpo.num_generations` (TRL's name, the one name it has) `GROUP_SIZE`, beta 0.04 (a KL term towards the
     reference). A group size under an old name is refused, naming the new one."""
     from longstraw.config.typed import ConfigError
 
@@ -95,4 +94,4 @@ def grouped_objective(raw: dict, default_size: int, source: str) -> dict:
     grpo = raw.get("grpo")
     if grpo is not None and not isinstance(grpo, dict):
         raise ConfigError(f"{source}: grpo: expected a mapping, got {grpo!r}")
-    return {**raw, "grpo": {"beta": 0.04, "num_generations": default_size, **(grpo or {})}}
+    return {**raw, "grpo": {"beta": 0.04, **(grpo or {})}}

@@ -14,9 +14,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Literal
 
-from longstraw.config.grpo import GROUP_SIZE, OLD_GROUP_SIZES, GRPOConfig, grouped_objective
+from longstraw.config.grpo import OLD_GROUP_SIZES, GRPOConfig, grouped_objective
 from longstraw.config.sections import CaptureConfig, ModelConfig, OptimizerConfig, ReplayConfig
 from longstraw.config.typed import ConfigError, bounded, from_mapping, to_mapping
 
@@ -51,7 +51,7 @@ class ResponsesConfig:
 
     length: int = bounded(32, min=1)
     seed: int = 1
-    probe_members: Optional[int] = bounded(None, min=1)
+    probe_members: int | None = bounded(None, min=1)
     source: Literal["seeded", "rollouts"] = "seeded"
     task: dict = field(default_factory=dict)
 
@@ -87,7 +87,7 @@ class PointConfig:
     # each step), instead of one capture serving every cycle (prefix reuse)
     recapture: bool = False
     # num_generations is the group size G (a sweep sets it per step; a learning point's runs sample G each step)
-    grpo: GRPOConfig = field(default_factory=lambda: GRPOConfig(num_generations=GROUP_SIZE, beta=0.04))
+    grpo: GRPOConfig = field(default_factory=lambda: GRPOConfig(beta=0.04))
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     capture: CaptureConfig = field(default_factory=CaptureConfig)
     replay: ReplayConfig = field(default_factory=ReplayConfig)
@@ -111,7 +111,7 @@ def point_class(kinds: tuple[str, ...], sections: tuple[tuple[str, type], ...]) 
             setattr(self, self.kind, own[self.kind]())
 
     fields = [("kind", Literal[kinds], field(default="step"))]  # Literal of a tuple: one value per kind
-    fields += [(name, Optional[section], field(default=None)) for name, section in sections]
+    fields += [(name, section | None, field(default=None)) for name, section in sections]
     namespace = {"__post_init__": __post_init__, "SECTIONS": tuple(own), "__module__": __name__}
     return dataclasses.make_dataclass("PointConfig", fields, bases=(PointConfig,), namespace=namespace)
 
@@ -154,7 +154,7 @@ def resolve_with(cls: type[PointConfig], raw, source: str = "config") -> PointCo
     (`ConfigError` names the source and key). The group size is `grpo.num_generations`."""
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: the experiment config must be a mapping, got {type(raw).__name__}")
-    return from_mapping(cls, grouped_objective(raw, GROUP_SIZE, source), source)
+    return from_mapping(cls, grouped_objective(raw, source), source)
 
 
 def trainer_sections(cfg: PointConfig, out_dir) -> dict:
@@ -171,6 +171,6 @@ def trainer_sections(cfg: PointConfig, out_dir) -> dict:
     }
 
 
-def with_group(cfg: GRPOConfig, count: int) -> GRPOConfig:
-    """The objective for a group of `count` responses."""
-    return dataclasses.replace(cfg, num_generations=count)
+def with_group(cfg: GRPOConfig, num_generations: int) -> GRPOConfig:
+    """The objective for a group of `num_generations` responses."""
+    return dataclasses.replace(cfg, num_generations=num_generations)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Literal
 
 from longstraw.config.typed import bounded
 
@@ -17,7 +17,7 @@ class LoraConfig:
     """A peft LoRA adapter (`longstraw.models.lora.apply_lora`)."""
 
     r: int = bounded(16, min=1)
-    alpha: Optional[int] = bounded(None, min=1)
+    alpha: int | None = bounded(None, min=1)
     dropout: float = bounded(0.0, min=0.0, max=1.0)  # only 0 runs (see __post_init__)
     # randomise LoRA's B too: peft's zero-B adapter gives the A matrices zero gradient (tests want every path)
     init_random: bool = False
@@ -41,11 +41,11 @@ class ModelConfig:
     """The policy: a named preset (random weights from `seed`) or a local checkpoint (`path`)."""
 
     preset: str = "tiny-qwen3_5"
-    path: Optional[str] = None
+    path: str | None = None
     dtype: Dtype = "float32"
     device: str = bounded("cpu", pattern=DEVICE_PATTERN)
     seed: int = 0
-    lora: Optional[LoraConfig] = None
+    lora: LoraConfig | None = None
     nf4: bool = False
     overrides: dict = field(
         default_factory=dict
@@ -59,9 +59,9 @@ class ModelConfig:
 class CaptureConfig:
     """`longstraw.capture` settings; unset ones keep capture's defaults."""
 
-    chunk_size: Optional[int] = bounded(None, min=1)
+    chunk_size: int | None = bounded(None, min=1)
     order: Literal["auto", "chunk", "layer"] = "auto"
-    memory_budget_bytes: Optional[int] = bounded(None, min=0)
+    memory_budget_bytes: int | None = bounded(None, min=0)
     host_pages: bool = False
     # a prompt longer than the model's max_position_embeddings is refused unless this is set
     beyond_max_positions: bool = False
@@ -105,4 +105,4 @@ class OptimizerConfig:
     weight_decay: float = bounded(0.01, min=0.0)
     # float32 master weights for bf16/fp16 trainable parameters (`longstraw.training.optimizer`); null: on
     # exactly when a trainable parameter is low precision (full-parameter training of a bf16 model)
-    master_weights: Optional[bool] = None
+    master_weights: bool | None = None

@@ -10,9 +10,9 @@ is what the resolved config (and a checkpoint) records. Giving both with differe
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Literal
 
-from longstraw.config.grpo import GROUP_SIZE, GRPOConfig, grouped_objective
+from longstraw.config.grpo import GRPOConfig, grouped_objective
 from longstraw.config.sections import CaptureConfig, ModelConfig, OptimizerConfig, ReplayConfig
 from longstraw.config.typed import ConfigError, bounded, from_mapping
 
@@ -39,7 +39,7 @@ class RefreshConfig:
 
     policy: Literal["every", "adaptive", "never"] = "every"
     every: int = bounded(1, min=1)
-    threshold: Optional[float] = bounded(None, min=0.0)
+    threshold: float | None = bounded(None, min=0.0)
 
     def __post_init__(self):
         if self.policy == "adaptive" and self.threshold is None:
@@ -56,9 +56,9 @@ class OutputConfig:
 class TokenizerConfig:
     """The tokenizer of a text dataset's prompts and completions (a local folder; no hub access)."""
 
-    path: Optional[str] = None  # default: model.path (a checkpoint saved with its tokenizer)
+    path: str | None = None  # default: model.path (a checkpoint saved with its tokenizer)
     # a Jinja chat template replacing the tokenizer's own (TRL: `chat_template_path`)
-    chat_template: Optional[str] = None
+    chat_template: str | None = None
     # extra keyword arguments of `apply_chat_template` (TRL's `chat_template_kwargs`, e.g. enable_thinking)
     chat_template_kwargs: dict = field(default_factory=dict)
     # a string prompt becomes one user message and goes through the chat template (TRL: tokenized as is)
@@ -71,9 +71,9 @@ class DatasetConfig:
     file (`path`: JSONL read here; other suffixes, or `loader: datasets`, through HF `datasets`) or a
     HF `datasets` name (`name`, `config`, `split`)."""
 
-    path: Optional[str] = None
-    name: Optional[str] = None  # TRL script: dataset_name
-    config: Optional[str] = None  # TRL script: dataset_config
+    path: str | None = None
+    name: str | None = None  # TRL script: dataset_name
+    config: str | None = None  # TRL script: dataset_config
     split: str = "train"  # TRL script: dataset_train_split
     loader: Literal["auto", "jsonl", "datasets"] = "auto"
     # a new seeded order of the rows each pass over the dataset (TRL: shuffle_dataset, on by default)
@@ -90,7 +90,7 @@ class DatasetConfig:
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     # a synthetic token task (`longstraw.training.tasks`); unset (null) when `dataset` gives the prompts
-    task: Optional[dict] = field(default_factory=lambda: {"name": "kv_retrieval", "length": 1024})
+    task: dict | None = field(default_factory=lambda: {"name": "kv_retrieval", "length": 1024})
     steps: int = bounded(8, min=1)
     steps_per_prompt: int = bounded(4, min=1)
     seed: int = 0
@@ -100,7 +100,7 @@ class TrainConfig:
     grpo: GRPOConfig = field(default_factory=lambda: GRPOConfig(beta=0.04))
     optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(weight_decay=0.0))
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
-    max_grad_norm: Optional[float] = bounded(1.0, gt=0)
+    max_grad_norm: float | None = bounded(1.0, gt=0)
     # "exact": the full-sequence gradient (capture with prefix_grad, backward_prefix each step); the
     # prompt-side term needs the current parameters' capture, so the state is captured every step
     gradient: Literal["response-only", "exact"] = "response-only"
@@ -115,10 +115,10 @@ class TrainConfig:
     deterministic: bool = False
     # text prompts (`longstraw.training.text_tasks`): a dataset, its tokenizer, TRL-style reward functions
     # (`package.module:function`, `package.module.function` or `file.py:function`) and their weights
-    tokenizer: Optional[TokenizerConfig] = None
-    dataset: Optional[DatasetConfig] = None
+    tokenizer: TokenizerConfig | None = None
+    dataset: DatasetConfig | None = None
     reward_funcs: list[str] = field(default_factory=list)
-    reward_weights: Optional[list[float]] = None  # default: 1.0 each
+    reward_weights: list[float] | None = None  # default: 1.0 each
     # call each reward function once on the first prompt with G empty completions before any model work
     # (a function that fails, or returns the wrong number of rewards, is named before the run starts)
     check_reward_funcs: bool = True
@@ -230,4 +230,4 @@ def resolve_train(raw, source: str = "train config") -> TrainConfig:
     raw = apply_trl_names(raw, source)
     if raw.get("dataset") is not None:
         raw.setdefault("task", None)
-    return from_mapping(TrainConfig, grouped_objective(raw, GROUP_SIZE, source), source)
+    return from_mapping(TrainConfig, grouped_objective(raw, source), source)

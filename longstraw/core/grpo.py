@@ -62,8 +62,8 @@ bias (unlike ``"grpo"``) and needs no ``max_completion_length`` (unlike ``"dr_gr
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence, Union
 
 import torch
 
@@ -89,7 +89,7 @@ __all__ = [
 
 STD_EPS = 1e-4  # TRL: advantages / (std_rewards + 1e-4)
 
-Advantage = Union[float, int, torch.Tensor]
+Advantage = float | int | torch.Tensor
 
 
 # --------------------------------------------------------------------------------------
@@ -99,9 +99,9 @@ Advantage = Union[float, int, torch.Tensor]
 
 def group_advantages(
     rewards_G,
-    scale_rewards: Union[str, bool] = "group",
+    scale_rewards: str | bool = "group",
     *,
-    num_generations: Optional[int] = None,
+    num_generations: int | None = None,
     nan_unscorable: bool = False,
 ) -> torch.Tensor:
     """Group-relative advantages, float32, shape ``[G]``, on the rewards' device.
@@ -199,8 +199,8 @@ def _advantage_value(advantage: Advantage, device, dtype):
 
 def per_token_loss(
     logp_R: torch.Tensor,
-    old_logp_R: Optional[torch.Tensor],
-    ref_logp_R: Optional[torch.Tensor],
+    old_logp_R: torch.Tensor | None,
+    ref_logp_R: torch.Tensor | None,
     advantage: Advantage,
     config: GRPOConfig,
 ) -> torch.Tensor:
@@ -274,10 +274,10 @@ def token_weights(lengths_G: Sequence[int], config: GRPOConfig) -> torch.Tensor:
 
 def response_loss(
     logp_R: torch.Tensor,
-    old_logp_R: Optional[torch.Tensor],
-    ref_logp_R: Optional[torch.Tensor],
+    old_logp_R: torch.Tensor | None,
+    ref_logp_R: torch.Tensor | None,
     advantage: Advantage,
-    weight: Union[float, torch.Tensor],
+    weight: float | torch.Tensor,
     config: GRPOConfig,
 ) -> torch.Tensor:
     """One response's contribution to the group loss: ``weight * per_token_loss(...).sum()``.
@@ -300,8 +300,8 @@ class GroupObjective:
     log-probs (one ``[R_i]`` tensor per member, or ``None``: on-policy), the reference's (``None`` without a
     reference), the advantages ``[G]``, the token weights ``[G]`` (:func:`token_weights`) and the settings."""
 
-    old: Sequence[Optional[torch.Tensor]]
-    ref: Optional[Sequence[torch.Tensor]]
+    old: Sequence[torch.Tensor | None]
+    ref: Sequence[torch.Tensor] | None
     advantages: torch.Tensor
     weights: torch.Tensor
     config: GRPOConfig
@@ -329,14 +329,14 @@ class ResponseStats:
     num_tokens: int
     num_low_clipped: int
     num_high_clipped: int
-    kl_sum: Optional[float] = None
+    kl_sum: float | None = None
 
 
 @torch.no_grad()
 def response_stats(
     logp_R: torch.Tensor,
-    old_logp_R: Optional[torch.Tensor],
-    ref_logp_R: Optional[torch.Tensor],
+    old_logp_R: torch.Tensor | None,
+    ref_logp_R: torch.Tensor | None,
     advantage: Advantage,
     config: GRPOConfig,
 ) -> ResponseStats:

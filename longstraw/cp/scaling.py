@@ -166,7 +166,7 @@ class Shape:
     conv_kernel: int = 0
 
     @classmethod
-    def of(cls, model: str) -> "Shape":
+    def of(cls, model: str) -> Shape:
         preset = PRESETS[model]
         if preset.model_type != "qwen3_5":
             raise ValueError(
@@ -299,7 +299,7 @@ def balanced_layer_bytes(shape: Shape, positions: int, ranks: int, rank: int, at
     return (ranks - 1) * longest * shape.kv_bytes + 2 * max(out, into) * shape.query_bytes
 
 
-def bandwidth(ranks: int, calibration: "Calibration") -> float:
+def bandwidth(ranks: int, calibration: Calibration) -> float:
     return (
         calibration.intra_node_bytes_per_second if ranks <= GPUS_PER_NODE else calibration.inter_node_bytes_per_second
     )

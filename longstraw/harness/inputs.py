@@ -30,6 +30,7 @@ from pathlib import Path
 from longstraw import kinds
 from longstraw.config import ConfigError, PointConfig
 from longstraw.config.pretrain import PretrainConfig
+from longstraw.config.sections import micro_batch_refusal
 from longstraw.families.support import Unsupported, support_of
 from longstraw.kinds.pretrain import check_pretrain_settings, check_pretrain_tasks
 from longstraw.kinds.spec import Built
@@ -223,11 +224,10 @@ def check_step_options(cfg: PointConfig, kind, source: str) -> None:
             f"{' or '.join(kinds.names_with('step_options'))}, mode replay or hold_all); kind {cfg.kind!r}, mode "
             f"{cfg.mode!r}, responses.source {r.source!r} has no capture of its own to repeat"
         )
-    if cfg.replay.micro_batch != 1 and ((kind.modes is not None and cfg.mode != "replay") or cfg.cp_size > 1):
-        raise ConfigError(
-            f"{source}: replay.micro_batch: batches of replayed members are mode replay's on one "
-            f"process; this point has mode {cfg.mode!r}, cp_size {cfg.cp_size}"
-        )
+    mode = cfg.mode if kind.modes is not None else "replay"  # a kind without modes replays
+    refusal = micro_batch_refusal(cfg.replay.micro_batch, mode, cfg.cp_size > 1)
+    if refusal:
+        raise ConfigError(f"{source}: replay.micro_batch: {refusal} (mode {cfg.mode!r}, cp_size {cfg.cp_size})")
     if cfg.replay.cuda_graph:
         check_cuda_graph(cfg, kind, source)
 

@@ -29,7 +29,8 @@ from longstraw.results import finished_status
 
 
 def run_point(raw, source: str = "config", on_progress=None, work_dir=None) -> dict:
-    """Run one experiment point; never raises for OOM or runtime failure (recorded as status).
+    """Run one experiment point (`raw`: its mapping, or a resolved `PointConfig`); never raises for OOM or runtime
+    failure (recorded as status).
     A bad config, a device this machine lacks or a missing or cut checkpoint raises ValueError before
     anything runs.
 
@@ -38,7 +39,7 @@ def run_point(raw, source: str = "config", on_progress=None, work_dir=None) -> d
     `work_dir` is the point's resumable work (`Progress.work_dir`): a learning point run again with the same
     `work_dir` goes on from its runs' last checkpoints; one of another config is refused before any work.
     """
-    cfg = resolve(raw, source)
+    cfg = raw if isinstance(raw, PointConfig) else resolve(raw, source)  # the CLI hands over the config it resolved
     check_ready(cfg, source)  # its devices exist here, its checkpoint is there and whole
     kind = kinds.get(cfg.kind)
     if kind.check_work is not None and work_dir is not None:  # a kind that resumes from work_dir

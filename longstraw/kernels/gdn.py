@@ -73,7 +73,7 @@ import functools
 import re
 import types
 import warnings
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -658,14 +658,17 @@ def _check_fla_backward(hk, hv, dk, dv, dtype, device, B: int, T: int) -> bool:
             reference = run(chunk_gated_delta_rule)
         errors = [_relative_error(a, b) for a, b in zip(ours, reference)]
     except Exception as exc:  # fla's backward refused or failed to compile here
-        warnings.warn(f"fla's GDN backward unusable here ({type(exc).__name__}: {exc}); replay runs the torch rule")
+        warnings.warn(
+            f"fla's GDN backward unusable here ({type(exc).__name__}: {exc}); replay runs the torch rule", stacklevel=2
+        )
         return False
     if max(errors) > FLA_BACKWARD_TOLERANCE:
         names = ("out", "dq", "dk", "dv", "dg", "dbeta", "dstate")
         worst = ", ".join(f"{n} {e:.2g}" for n, e in zip(names, errors) if e > FLA_BACKWARD_TOLERANCE)
         warnings.warn(
             f"fla's GDN backward disagrees with the torch rule here (relative errors {worst}); "
-            "replay runs the torch rule"
+            "replay runs the torch rule",
+            stacklevel=2,
         )
         return False
     return True

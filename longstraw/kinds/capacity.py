@@ -37,7 +37,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 from longstraw.config import ConfigError, PointConfig
 from longstraw.config.point import check_mode
@@ -63,8 +63,8 @@ class CapacityConfig:
     min_length: int = bounded(1024, min=2)
     max_length: int = bounded(1 << 20, min=2)
     granularity: int = bounded(1024, min=1)
-    ceiling_bytes: Optional[int] = bounded(None, min=1)
-    time_limit_seconds: Optional[float] = bounded(None, gt=0)
+    ceiling_bytes: int | None = bounded(None, min=1)
+    time_limit_seconds: float | None = bounded(None, gt=0)
     compare_modes: list[str] = field(default_factory=list)
 
     def __post_init__(self):

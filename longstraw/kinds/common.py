@@ -7,9 +7,9 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -49,11 +49,11 @@ def policy_and_prompt(cfg: PointConfig, recorder: PhaseRecorder):
     return model, vocab, seeded_tokens(cfg.prompt.length, cfg.prompt.seed, vocab, recorder.device)
 
 
-def seeded_group(cfg: PointConfig, count: int, vocab: int, device):
-    """`count` seeded random responses and seeded rewards (shapes for memory and time, not meaning)."""
+def seeded_group(cfg: PointConfig, num_generations: int, vocab: int, device):
+    """`num_generations` seeded random responses and seeded rewards (shapes for memory and time, not meaning)."""
     r = cfg.responses
-    responses = [seeded_tokens(r.length, r.seed + i, vocab, device) for i in range(count)]
-    return responses, torch.rand(count, generator=torch.Generator().manual_seed(r.seed))
+    responses = [seeded_tokens(r.length, r.seed + i, vocab, device) for i in range(num_generations)]
+    return responses, torch.rand(num_generations, generator=torch.Generator().manual_seed(r.seed))
 
 
 def capture_kwargs(cfg) -> dict:

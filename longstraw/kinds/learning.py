@@ -24,7 +24,7 @@ import math
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, Optional
+from typing import TYPE_CHECKING, Literal
 
 from longstraw.config import ConfigError, PointConfig, point_mapping
 from longstraw.config.typed import bounded
@@ -73,7 +73,7 @@ class LearningConfig:
     temperature: float = bounded(1.0, min=0.0)
     gradients: list[Literal["response-only", "exact"]] = field(default_factory=lambda: ["response-only"])
     window: int = bounded(8, min=2)  # the last `window` steps' prompts are compared
-    probe: Optional[LearningProbe] = None  # choose the length from the base model's success (else prompt.length)
+    probe: LearningProbe | None = None  # choose the length from the base model's success (else prompt.length)
 
     def __post_init__(self):
         if self.window > self.steps:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, Optional
+from typing import TYPE_CHECKING, Literal
 
 from longstraw.config import PointConfig
 from longstraw.config.typed import bounded
@@ -29,12 +29,12 @@ class LengthCurveConfig:
 
     task: dict = field(default_factory=lambda: {"name": "kv_retrieval", "num_needles": 4, "value_length": 2})
     lengths: list[int] = field(default_factory=lambda: [256, 1024, 4096])
-    depths: Optional[list[float]] = None  # the queried needle's depth per cell (None: random, as trained)
+    depths: list[float] | None = None  # the queried needle's depth per cell (None: random, as trained)
     examples: int = bounded(32, min=2)  # held-out examples per (length, depth) cell
     method: Literal["capture", "forward"] = "capture"
     # a trained LoRA adapter (a peft folder: a trainer checkpoint's `adapter/`): the curve of the model with it and,
     # beside it on the same held-out examples, of the model without it (the base policy)
-    adapter: Optional[str] = None
+    adapter: str | None = None
 
     def __post_init__(self):
         if not self.lengths or min(self.lengths) < 2:

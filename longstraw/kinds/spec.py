@@ -6,8 +6,9 @@ report ask the kind, never its name: every field below has the default a kind wi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 
 @dataclass(frozen=True)

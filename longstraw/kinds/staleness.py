@@ -13,7 +13,7 @@ paper's stated band beside them."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 from longstraw.config import PointConfig
 from longstraw.config.typed import bounded
@@ -39,7 +39,7 @@ class StalenessConfig:
     steps: int = bounded(8, min=1)
     threshold: float = bounded(1.0e-3, gt=0)
     # L2 norm of the random parameter perturbation that measures the numerical floor (None: not measured)
-    floor_perturbation: Optional[float] = bounded(None, gt=0)
+    floor_perturbation: float | None = bounded(None, gt=0)
     # a task spec: the prompt is its example (seed prompt.seed, length prompt.length) and the rewards are
     # its rewards; empty: a seeded random prompt and uniform random rewards (a model no task reward moves)
     task: dict = field(default_factory=dict)
@@ -96,7 +96,6 @@ def run(cfg: PointConfig, device, progress: Progress) -> dict:
             optimizer,
             cfg.grpo,
             steps=cfg.staleness.steps,
-            num_samples=cfg.grpo.num_generations,
             max_new_tokens=cfg.responses.length,
             seed=cfg.responses.seed,
             capture_kwargs=capture_kwargs(cfg),

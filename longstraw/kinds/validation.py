@@ -49,7 +49,7 @@ import math
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, Optional
+from typing import TYPE_CHECKING, Literal
 
 from longstraw.config import PointConfig
 from longstraw.config.point import trainer_sections
@@ -86,7 +86,7 @@ class ValidationConfig:
     modes: list[Literal["response-only", "exact"]] = field(default_factory=lambda: ["response-only", "exact"])
     levels: list[Literal["V1", "V2", "V3", "V4"]] = field(default_factory=lambda: ["V1", "V2", "V3"])
     presets: list[str] = field(default_factory=list)
-    tolerance: Optional[float] = bounded(None, gt=0)
+    tolerance: float | None = bounded(None, gt=0)
     weights_seed: int = 0
     window: int = bounded(8, min=2)  # V4 pairs the last `window` steps' prompts (at least 2)
     train: dict = field(default_factory=dict)

@@ -75,7 +75,7 @@ def provenance(device) -> dict:
         "variant": variant(),
         "device": device_name(device),
         "host_cpu": host_cpu(),
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "python": platform.python_version(),
         "versions": {p: _version(p) for p in ("torch", "transformers", "peft", "bitsandbytes", "fla-core")},
         "cuda_total_memory_bytes": torch.cuda.get_device_properties(device).total_memory

@@ -69,7 +69,7 @@ class AttentionTimer:
     bracketed by device syncs, so use it only where calls are large (capture chunks).
     """
 
-    active: "AttentionTimer | None" = None
+    active: AttentionTimer | None = None
 
     def __init__(self, device):
         self.device = torch.device(device)

@@ -54,7 +54,7 @@ def memory_rows(tables: Tables) -> list[dict]:
         by_point = {r.get("point"): r for r in points}
         grid = [k for k in grid_columns(tables.frame(experiment).columns) if k not in NOT_SETTINGS]
 
-        def add(row, point, peak, source):
+        def add(row, point, peak, source, experiment=experiment, grid=grid):  # bound: a row of this experiment
             length = number(row.get("prompt_length"))
             if length is None or not _single_rank(point):
                 return

@@ -576,7 +576,7 @@ def build_context(tables: Tables, figures: list[dict], out_dir, recorded: Tables
     return {
         "profile": profile,
         "results_dir": results_dir,
-        "generated": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "generated": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "log_span": LOG_SPAN,
         "long_table": shorten.LONG,
         "summary": summary_view(files, sections, paper, figures_beside, ceiling, recorded, results_dir),

@@ -21,10 +21,11 @@ entry's type. The exact mode's recompute entries (`RecomputePages`, `RecomputeLa
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 
@@ -47,7 +48,7 @@ class ResidentEntry(Protocol):
     def tensors(self) -> list[torch.Tensor]:
         """The tensors it holds (resident bytes, fingerprint, snapshot)."""
 
-    def for_decoding(self, batch: int, clock: "DecodeClock"):
+    def for_decoding(self, batch: int, clock: DecodeClock):
         """The entry `batch` sampled sequences decode on, each with room for `clock.capacity` new tokens."""
 
     def chunk_checkpoint(self):
@@ -167,14 +168,14 @@ class AttentionPages:
     def tensors(self):
         return [self.k_BKPD, self.v_BKPD]
 
-    def for_members(self, members: int) -> "AttentionPages":
+    def for_members(self, members: int) -> AttentionPages:
         """The pages as `members` replayed sequences read them: in place (paged attention folds their rows)."""
         return self
 
     attend = attend_pages
     positional_gradients = True
 
-    def for_decoding(self, batch: int, clock: "DecodeClock") -> "DecodePages":
+    def for_decoding(self, batch: int, clock: DecodeClock) -> DecodePages:
         return DecodePages.allocate(self, batch, clock)
 
     def chunk_checkpoint(self):
@@ -183,17 +184,17 @@ class AttentionPages:
     def enable_prefix_grad(self) -> None:
         self.leaves = _leaves(self.k_BKPD[:, :, : self.length], self.v_BKPD[:, :, : self.length])
 
-    def for_prefix_recompute(self, start: int, checkpoint=None) -> "RecomputePages":
+    def for_prefix_recompute(self, start: int, checkpoint=None) -> RecomputePages:
         return RecomputePages(*(t[:, :, :start].detach().requires_grad_(start > 0) for t in (self.k_BKPD, self.v_BKPD)))
 
-    def gathered_through(self, end: int, gather: Callable) -> "AttentionPages":
+    def gathered_through(self, end: int, gather: Callable) -> AttentionPages:
         k, v = (t[:, :, :end] for t in gather(*(t[:, :, : self.length] for t in self.tensors())))
         return AttentionPages(k, v, end)
 
     def for_shard(self, forms):
         return forms.pages(self)
 
-    def attend_decode(self, q_BHTD, own: "OwnPages", scale: float, sinks=None):
+    def attend_decode(self, q_BHTD, own: OwnPages, scale: float, sinks=None):
         """One decoding step: each sequence's query over these shared pages and its `own` pages."""
         return decode_attention(q_BHTD, *self.filled(), *own.written(), scale=scale, sinks=sinks)
 
@@ -209,7 +210,7 @@ class DecodeClock:
     capacity: int
 
     @classmethod
-    def allocate(cls, start: int, capacity: int, device) -> "DecodeClock":
+    def allocate(cls, start: int, capacity: int, device) -> DecodeClock:
         return cls(torch.zeros(1, dtype=torch.long, device=device), start, capacity)
 
     def positions_11(self) -> torch.Tensor:
@@ -284,7 +285,7 @@ class RecurrentState:
         """(conv, recurrent) a chunk starts from: the leaves in exact mode, else the state itself."""
         return self.leaves if self.leaves is not None else (self.conv_BCK1, self.recurrent_BHDV)
 
-    def repeated(self, batch: int) -> "RecurrentState":
+    def repeated(self, batch: int) -> RecurrentState:
         """Copies for `batch` sequences continuing from this state (decoding G responses, replaying G members),
         repeated from `inputs()`: in exact mode the leaves, so each replayed member's gradient reaches them."""
         conv, recurrent = self.inputs()
@@ -293,7 +294,7 @@ class RecurrentState:
     for_members = repeated  # replay never writes it
     positional_gradients = False
 
-    def for_decoding(self, batch: int, clock: DecodeClock) -> "RecurrentState":
+    def for_decoding(self, batch: int, clock: DecodeClock) -> RecurrentState:
         return self.repeated(batch)  # written in place by each step (`gdn_mix`): graph-safe
 
     graph_safe = True
@@ -304,13 +305,13 @@ class RecurrentState:
     def enable_prefix_grad(self) -> None:
         self.leaves = _leaves(self.conv_BCK1, self.recurrent_BHDV)
 
-    def for_prefix_recompute(self, start: int, checkpoint) -> "RecomputeRecurrent":
+    def for_prefix_recompute(self, start: int, checkpoint) -> RecomputeRecurrent:
         conv, recurrent = checkpoint
         recompute = RecomputeRecurrent(conv, recurrent)
         recompute.leaves = _leaves(conv, recurrent)
         return recompute
 
-    def gathered_through(self, end: int, gather: Callable) -> "RecurrentState":
+    def gathered_through(self, end: int, gather: Callable) -> RecurrentState:
         return self  # its recompute starts from the chunk checkpoints, which each rank keeps for its own chunks
 
     def for_shard(self, forms):
@@ -411,7 +412,7 @@ class WindowKV:
     def tensors(self):
         return [self.k_BKWD, self.v_BKWD]
 
-    def for_members(self, members: int) -> "WindowKV":
+    def for_members(self, members: int) -> WindowKV:
         """The window as `members` replayed sequences read it: in place (every member's queries over it)."""
         return self
 
@@ -419,7 +420,7 @@ class WindowKV:
     # its leaves' gradients are of the window at the prompt's end: a state passed on, like a GDN state's
     positional_gradients = False
 
-    def for_decoding(self, batch: int, clock: DecodeClock) -> "WindowDecodeKV":
+    def for_decoding(self, batch: int, clock: DecodeClock) -> WindowDecodeKV:
         return WindowDecodeKV.allocate(self, batch, clock.capacity)
 
     def chunk_checkpoint(self):
@@ -429,10 +430,10 @@ class WindowKV:
     def enable_prefix_grad(self) -> None:
         self.leaves = _leaves(*self.filled())
 
-    def for_prefix_recompute(self, start: int, checkpoint) -> "RecomputeWindow":
+    def for_prefix_recompute(self, start: int, checkpoint) -> RecomputeWindow:
         return RecomputeWindow(*_leaves(*checkpoint), self.window)
 
-    def gathered_through(self, end: int, gather: Callable) -> "WindowKV":
+    def gathered_through(self, end: int, gather: Callable) -> WindowKV:
         return self  # never sharded (for_shard refuses); its recompute starts from the chunk checkpoints
 
     def for_shard(self, forms):
@@ -646,7 +647,7 @@ class LatentPages:
     attend = attend_latent_pages
     positional_gradients = True
 
-    def for_decoding(self, batch: int, clock: DecodeClock) -> "LatentDecodePages":
+    def for_decoding(self, batch: int, clock: DecodeClock) -> LatentDecodePages:
         return LatentDecodePages.allocate(self, batch, clock.capacity)
 
     def chunk_checkpoint(self):
@@ -655,11 +656,11 @@ class LatentPages:
     def enable_prefix_grad(self) -> None:
         self.leaves = _leaves(self.kv_11PE[:, :, : self.length])  # the index keys get none (no-grad indexer)
 
-    def for_prefix_recompute(self, start: int, checkpoint=None) -> "RecomputeLatent":
+    def for_prefix_recompute(self, start: int, checkpoint=None) -> RecomputeLatent:
         index = None if self.index_1PI is None else self.index_1PI[:, :start]
         return RecomputeLatent(self.kv_11PE[:, :, :start].detach().requires_grad_(start > 0), index, start)
 
-    def gathered_through(self, end: int, gather: Callable) -> "LatentPages":
+    def gathered_through(self, end: int, gather: Callable) -> LatentPages:
         kv, index = self.kv_11PE[:, :, : self.length], self.index_1PI
         gathered = gather(kv, *([] if index is None else [index[:, None, : self.length]]))
         return LatentPages(
@@ -670,7 +671,7 @@ class LatentPages:
         return forms.latent(self)
 
     def attend_decode(
-        self, q_BH1E, own: "LatentPages", *, rank: int, scale: float, index: IndexQueries | None = None, selection=None
+        self, q_BH1E, own: LatentPages, *, rank: int, scale: float, index: IndexQueries | None = None, selection=None
     ):
         """One decoding step of B sequences on these shared pages ((attention-weighted latents [B, H, 1, C],
         the selection [B, k] or None)): each sequence's query over the pages and its `own` entries (the

@@ -30,7 +30,7 @@ class ModelBinding:
     frozen: float
     trainable: int
 
-    def mismatch(self, other: "ModelBinding") -> str | None:
+    def mismatch(self, other: ModelBinding) -> str | None:
         """Why `other` is not the model this binding describes, or None."""
         if self.structure != other.structure:
             return f"captured from {_describe(self.structure)}, not {_describe(other.structure)}"

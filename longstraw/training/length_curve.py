@@ -78,7 +78,7 @@ def greedy_success(model, task, example, chunk_size: int | None = None, beyond_m
         model,
         state,
         SamplingConfig(
-            num_samples=1,
+            num_generations=1,
             max_new_tokens=example.info.get("max_new_tokens", len(example.answer)),
             temperature=0.0,
             seed=None,

@@ -117,7 +117,7 @@ class MasterWeightsAdamW(torch.optim.AdamW):
         masters = state_dict.pop("masters", None)
         super().load_state_dict(state_dict)
         with torch.no_grad():
-            for (p, m), saved in zip(self._low(), masters or [p.float() for p, _ in self._low()], strict=True):
+            for (_, m), saved in zip(self._low(), masters or [p.float() for p, _ in self._low()], strict=True):
                 m.copy_(saved)
 
 

@@ -1,6 +1,6 @@
 """The fresh-prefix staleness oracle: how far a reused (stale) prompt state drifts from a fresh one.
 
-    result = staleness_oracle(model, prompt_ids, optimizer, grpo_config, steps=8, num_samples=4,
+    result = staleness_oracle(model, prompt_ids, optimizer, grpo_config, steps=8,
                               max_new_tokens=32, seed=0, reward=task_reward, floor_perturbation=1e-7)
     result.rows, result.floor
 
@@ -170,7 +170,7 @@ def _stale_update(optimizer, params) -> float:
 def step_sampling(num_generations: int, max_new_tokens: int, seed: int, step: int) -> SamplingConfig:
     """How the oracle samples its group of G = `num_generations` at `step` (a prompt search draws step 0's group
     the same way)."""
-    return SamplingConfig(num_samples=num_generations, max_new_tokens=max_new_tokens, seed=seed * 1_000_003 + step)
+    return SamplingConfig(num_generations=num_generations, max_new_tokens=max_new_tokens, seed=seed * 1_000_003 + step)
 
 
 @dataclass
@@ -186,7 +186,6 @@ def staleness_oracle(
     config: grpo.GRPOConfig,
     *,
     steps: int = 8,
-    num_samples: int = 4,
     max_new_tokens: int = 32,
     seed: int = 0,
     capture_kwargs=None,
@@ -204,7 +203,7 @@ def staleness_oracle(
     ref_state = _reference_capture(model, prompt_ids, config, capture_kwargs)
     rows, floor = [], {}
     for step in range(steps + 1):
-        rollouts = sample(model, stale, step_sampling(num_samples, max_new_tokens, seed, step))
+        rollouts = sample(model, stale, step_sampling(config.num_generations, max_new_tokens, seed, step))
         rewards = _group_rewards(reward, rollouts.responses, seed, step)
         group = _group(model, rollouts, rewards, ref_state, config, params)
         if step == 0 and floor_perturbation is not None:

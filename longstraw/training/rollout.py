@@ -1,7 +1,7 @@
 """Rollouts: sample G responses from a captured prompt by incremental decoding on its pages.
 
     state = capture(model, prompt_ids)
-    rollouts = sample(model, state, SamplingConfig(num_samples=8, max_new_tokens=64, temperature=1.0,
+    rollouts = sample(model, state, SamplingConfig(num_generations=8, max_new_tokens=64, temperature=1.0,
                                                    top_p=0.95, stop_ids=(eos,), seed=0))
     rollouts.responses[i], rollouts.logprobs[i]      # token ids (stop token included), log p per token
 
@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
+from longstraw.config.grpo import GROUP_SIZE
 from longstraw.core.transaction import check_deterministic, check_state
 from longstraw.families import adapter_for
 from longstraw.kernels.rms_norm import decoding_norms
@@ -53,7 +54,7 @@ from longstraw.state.pages import DecodeClock, check_entries_implement
 
 @dataclass(frozen=True)
 class SamplingConfig:
-    num_samples: int = 4
+    num_generations: int = GROUP_SIZE  # G
     max_new_tokens: int = 32
     temperature: float = 1.0
     top_p: float = 1.0
@@ -70,9 +71,9 @@ class SamplingConfig:
     stacked_projections: bool | None = None
 
     def __post_init__(self):
-        if self.num_samples < 1 or self.max_new_tokens < 1:
+        if self.num_generations < 1 or self.max_new_tokens < 1:
             raise ValueError(
-                f"num_samples and max_new_tokens must be >= 1, got {self.num_samples}, {self.max_new_tokens}"
+                f"num_generations and max_new_tokens must be >= 1, got {self.num_generations}, {self.max_new_tokens}"
             )
         if self.temperature < 0 or not 0 < self.top_p <= 1:
             raise ValueError(f"need temperature >= 0 and 0 < top_p <= 1, got {self.temperature}, {self.top_p}")
@@ -110,7 +111,7 @@ class Decoder:
     """G rows decoding on one captured prompt: the entries, the clock and the device buffers a step writes."""
 
     def __init__(self, adapter, state: ResidentState, config: SamplingConfig):
-        G, T, device = config.num_samples, config.max_new_tokens, state.device
+        G, T, device = config.num_generations, config.max_new_tokens, state.device
         self.adapter, self.config = adapter, config
         self.clock = DecodeClock.allocate(state.positions, T, device)
         self.entries = _decode_entries(state, G, self.clock)
@@ -213,8 +214,8 @@ def _uses_graph(decoder: Decoder, config: SamplingConfig) -> bool:
 
 
 def _show_progress(steps: int, config: SamplingConfig, going: int, seconds: float) -> None:
-    rate = steps * config.num_samples / max(seconds, 1e-9)
-    line = f"sampling: {steps}/{config.max_new_tokens} tokens, {going} of {config.num_samples} rows going"
+    rate = steps * config.num_generations / max(seconds, 1e-9)
+    line = f"sampling: {steps}/{config.max_new_tokens} tokens, {going} of {config.num_generations} rows going"
     print(f"{line}, {rate:.0f} tokens/s", file=sys.stderr, flush=True)
 
 

@@ -231,7 +231,7 @@ class TextTask:
 
     # ---- set-up
     @classmethod
-    def from_config(cls, cfg, source: str = "train config") -> "TextTask":
+    def from_config(cls, cfg, source: str = "train config") -> TextTask:
         """The task of a TrainConfig with a dataset, every input checked (module docstring), no model built."""
         funcs = load_reward_funcs(cfg.reward_funcs)  # first: the cheapest to get wrong
         rows = load_rows(cfg.dataset, f"{source}: dataset")

@@ -327,7 +327,7 @@ class Trainer:
                 self.model,
                 self.state,
                 SamplingConfig(
-                    num_samples=self.cfg.grpo.num_generations,
+                    num_generations=self.cfg.grpo.num_generations,
                     max_new_tokens=s.max_new_tokens,
                     temperature=s.temperature,
                     top_p=s.top_p,

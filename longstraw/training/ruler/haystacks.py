@@ -135,7 +135,7 @@ def vt_noise(counter) -> Repeat:
 VT_SENTENCES = tuple(p + "." for p in VT_NOISE.split(".")[:-1])[:-1] + (VT_NOISE.split(".")[-2] + ".\n",)
 
 
-def vt_split_noise(counter) -> "Cycle":
+def vt_split_noise(counter) -> Cycle:
     return Cycle(counter, VT_SENTENCES, " ")
 
 

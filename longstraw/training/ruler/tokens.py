@@ -14,7 +14,7 @@ from bisect import bisect_right
 from dataclasses import dataclass
 
 _SENTINEL = "\u2063RULER-CONTENT\u2063"  # invisible separator: no template trims or escapes it
-_CACHES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_CACHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class Counter:
@@ -41,7 +41,7 @@ class Counter:
     def count(self, text: str) -> int:
         return self.counts([text])[0]
 
-    def measure(self, text: str, special_tokens: bool) -> "Measured":
+    def measure(self, text: str, special_tokens: bool) -> Measured:
         """One tokenization of a whole prompt string: its length, and where each token ends (fast tokenizers)."""
         fast = bool(getattr(self.tokenizer, "is_fast", False))
         out = self.tokenizer(text, add_special_tokens=special_tokens, return_offsets_mapping=fast)
