@@ -10,14 +10,17 @@ def _pad(seqs, width, dtype):
     return torch.stack([F.pad(s.to(dtype), (0, width - s.shape[0])) for s in seqs])
 
 
-def batch_loss(logps, old_logps, ref_logps, advantages_G, config) -> torch.Tensor:
-    """`old_logps=None` means on-policy; `ref_logps` is used when `config.beta > 0`."""
+def batch_loss(logps, old_logps, ref_logps, advantages_G, config, tool_masks=None) -> torch.Tensor:
+    """`old_logps=None` means on-policy; `ref_logps` is used when `config.beta > 0`; `tool_masks` (one bool [R_i]
+    per response, True on its own tokens) multiplies the completion mask, as TRL masks tool outputs."""
     lengths = [int(lp.shape[0]) for lp in logps]
     width = max(max(lengths), 1)
     dtype = torch.promote_types(logps[0].dtype, torch.float32)
     logp = _pad(logps, width, dtype)
     old = logp.detach() if old_logps is None else _pad([o.detach() for o in old_logps], width, dtype)
     mask = (torch.arange(width)[None, :] < torch.tensor(lengths)[:, None]).to(dtype)
+    if tool_masks is not None:
+        mask = mask * _pad(tool_masks, width, dtype)
     adv = torch.as_tensor(advantages_G, dtype=dtype).unsqueeze(1)
     coef_1 = torch.exp(logp - old)
     coef_2 = torch.clamp(coef_1, 1 - config.epsilon, 1 + config.epsilon_high)

@@ -279,11 +279,14 @@ def response_loss(
     advantage: Advantage,
     weight: float | torch.Tensor,
     config: GRPOConfig,
+    mask: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """One response's contribution to the group loss: ``weight * per_token_loss(...).sum()``.
 
     ``weight`` is this response's entry of :func:`token_weights` (a float or 0-d tensor; it is
-    converted to a python float so the result keeps the per-token loss dtype).
+    converted to a python float so the result keeps the per-token loss dtype). ``mask`` (bool ``[R]``):
+    only its True tokens bear loss (a multi-turn trajectory's actions; its observations are context, as
+    TRL masks tool outputs), and the weights then count only those (:func:`token_weights` of the masks' sums).
     """
     if isinstance(weight, torch.Tensor):
         if weight.numel() != 1:
@@ -291,25 +294,32 @@ def response_loss(
         weight = float(weight)
     if not _is_real(weight) or not math.isfinite(weight) or weight < 0:
         raise ValueError(f"weight must be a finite scalar >= 0, got {weight!r}")
-    return per_token_loss(logp_R, old_logp_R, ref_logp_R, advantage, config).sum() * float(weight)
+    loss = per_token_loss(logp_R, old_logp_R, ref_logp_R, advantage, config)
+    if mask is not None:
+        _check_same_len("mask", mask, logp_R)
+        loss = loss.where(mask.to(loss.device), 0.0)  # where, not a product: an unmasked inf stays out
+    return loss.sum() * float(weight)
 
 
 @dataclass(frozen=True)
 class GroupObjective:
     """What each member's loss reads besides its own log-probs, fixed before the replays: the old policy's
     log-probs (one ``[R_i]`` tensor per member, or ``None``: on-policy), the reference's (``None`` without a
-    reference), the advantages ``[G]``, the token weights ``[G]`` (:func:`token_weights`) and the settings."""
+    reference), the advantages ``[G]``, the token weights ``[G]`` (:func:`token_weights`), the settings and the
+    loss masks (one bool ``[R_i]`` per member, or ``None``: every token bears loss)."""
 
     old: Sequence[torch.Tensor | None]
     ref: Sequence[torch.Tensor] | None
     advantages: torch.Tensor
     weights: torch.Tensor
     config: GRPOConfig
+    masks: Optional[Sequence[torch.Tensor]] = None
 
     def member_loss(self, i: int, logp_R: torch.Tensor) -> torch.Tensor:
         """Member ``i``'s contribution to the group loss (:func:`response_loss`)."""
         ref = None if self.ref is None else self.ref[i]
-        return response_loss(logp_R, self.old[i], ref, self.advantages[i], self.weights[i], self.config)
+        mask = None if self.masks is None else self.masks[i]
+        return response_loss(logp_R, self.old[i], ref, self.advantages[i], self.weights[i], self.config, mask)
 
 
 # --------------------------------------------------------------------------------------

@@ -161,6 +161,7 @@ def grpo_step(
     sampler_logps=None,
     advantages=None,
     graphs: MemberGraphs | None = None,
+    loss_masks=None,
 ) -> StepResult:
     """Run one transaction and the optimizer step: check, capture (unless `state`, an earlier capture, is given),
     score (`group_scores`), replay with a backward, settle the gradient (`settled_gradient`), update, measure.
@@ -169,8 +170,12 @@ def grpo_step(
     TRL's for unscorable completions, whose reward is NaN); else `group_advantages(rewards)`. `graphs` (a
     `MemberGraphs` the caller keeps across steps; mode replay on CUDA): the members, their losses and their
     backward run as one CUDA graph, recorded on the first step of a signature (phase `graph_record`) and
-    launched on later ones (`longstraw.core.member_graphs`)."""
-    rewards, advantages, weights = group_objective(responses, rewards, config, advantages)
+    launched on later ones (`longstraw.core.member_graphs`). `loss_masks` (one bool [R_i] per response, modes
+    replay without `graphs`, hold_all and naive): only the True tokens bear loss and count in the token weights
+    (a multi-turn trajectory replayed as one member: its actions; its observations are context)."""
+    rewards, advantages, weights = group_objective(responses, rewards, config, advantages, loss_masks)
+    if loss_masks is not None and graphs is not None:
+        raise ValueError("loss_masks: the recorded member graphs (graphs) take no loss masks yet; pass graphs=None")
     check_step_states(responses, options, state, ref_state)
     adapter = adapter_for(model)
     check_step_inputs(adapter, prompt_ids, responses, options, state, ref_state, old_logps, sampler_logps, graphs)
@@ -185,7 +190,7 @@ def grpo_step(
         # naive runs HF's own forward: its torch GDN kernel, whose backward works everywhere (fla's fails on Hopper)
         with hf_torch_gdn_kernels(model) if options.mode == "naive" else nullcontext():
             scores = group_scores(model, prompt_ids, state, ref_state, responses, old_logps, config, options, recorder)
-            objective = grpo.GroupObjective(scores.old, scores.ref, advantages, weights, config)
+            objective = grpo.GroupObjective(scores.old, scores.ref, advantages, weights, config, loss_masks)
             replayed = _replay_and_backward(model, prompt_ids, state, responses, objective, options, recorder, graphs)
         update = settled_gradient(model, state, replayed.losses, options, recorder)
     optimizer_step(optimizer, update, recorder)
@@ -592,10 +597,11 @@ def logp_mismatch(logps, others) -> dict:
     return {"max": float(diffs.max()), "mean": float(diffs.mean())} if diffs.numel() else {"max": 0.0, "mean": 0.0}
 
 
-def group_objective(responses, rewards, config: grpo.GRPOConfig, advantages=None):
+def group_objective(responses, rewards, config: grpo.GRPOConfig, advantages=None, loss_masks=None):
     """(rewards, advantages, token weights) of a group, fixed before any forward (the responses checked:
     G non-empty 1-D id tensors): the advantages are `group_advantages(rewards)` unless given (checked: one
-    finite number per response)."""
+    finite number per response); the weights count each response's tokens, or its masked ones (`loss_masks`,
+    checked: one bool tensor of its shape per response)."""
     if len(responses) != config.num_generations:
         raise ValueError(f"got {len(responses)} responses but num_generations={config.num_generations}")
     if any(r.dim() != 1 or r.numel() == 0 for r in responses):
@@ -609,7 +615,14 @@ def group_objective(responses, rewards, config: grpo.GRPOConfig, advantages=None
             raise ValueError(
                 f"advantages: {len(responses)} finite numbers, one per response, got {advantages.tolist()}"
             )
-    return rewards, advantages, grpo.token_weights([int(r.numel()) for r in responses], config)
+    if loss_masks is None:
+        return rewards, advantages, grpo.token_weights([int(r.numel()) for r in responses], config)
+    if len(loss_masks) != len(responses) or any(
+        not isinstance(m, torch.Tensor) or m.dtype != torch.bool or m.shape != r.shape
+        for m, r in zip(loss_masks, responses)
+    ):
+        raise ValueError("loss_masks: one bool tensor per response, of the response's shape")
+    return rewards, advantages, grpo.token_weights([int(m.sum()) for m in loss_masks], config)
 
 
 def nonfinite_update(loss: float, grad_norm: float) -> str | None:

@@ -106,34 +106,40 @@ def _import_module(module: str, spec: str):
         return importlib.import_module(module)
 
 
-def load_reward_func(spec: str) -> RewardFunc:
-    """A reward function from `package.module:function`, `package.module.function` (TRL's form) or
-    `path/to/file.py:function`; errors name the spec and what failed."""
+def import_named(spec: str, what: str = "reward function"):
+    """The callable a spec names: `package.module:name`, `package.module.name` (TRL's form) or
+    `path/to/file.py:name`; errors name `what`, the spec and what failed."""
     if not isinstance(spec, str) or not spec.strip():
-        raise ValueError(f"reward function {spec!r}: expected 'package.module:function'")
+        raise ValueError(f"{what} {spec!r}: expected 'package.module:function'")
     if ":" in spec:
         module, _, attr = spec.rpartition(":")
     elif "." in spec:
         module, _, attr = spec.rpartition(".")
     else:
         raise ValueError(
-            f"reward function {spec!r}: expected 'package.module:function' (or "
-            "'package.module.function', 'file.py:function')"
+            f"{what} {spec!r}: expected 'package.module:function' (or 'package.module.function', 'file.py:function')"
         )
     if not module or not attr:
-        raise ValueError(f"reward function {spec!r}: expected 'package.module:function'")
+        raise ValueError(f"{what} {spec!r}: expected 'package.module:function'")
     try:
         obj = _import_module(module, spec)
     except ValueError:
         raise
     except Exception as exc:  # ImportError, and whatever the module raises while it is imported
-        raise ValueError(f"reward function {spec!r}: cannot import {module}: {type(exc).__name__}: {exc}") from None
+        raise ValueError(f"{what} {spec!r}: cannot import {module}: {type(exc).__name__}: {exc}") from None
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise ValueError(f"reward function {spec!r}: {module} has no attribute {attr!r}")
+            raise ValueError(f"{what} {spec!r}: {module} has no attribute {attr!r}")
         obj = getattr(obj, part)
     if not callable(obj):
-        raise ValueError(f"reward function {spec!r}: {attr} is not callable ({type(obj).__name__})")
+        raise ValueError(f"{what} {spec!r}: {attr} is not callable ({type(obj).__name__})")
+    return obj
+
+
+def load_reward_func(spec: str) -> RewardFunc:
+    """A reward function from `package.module:function`, `package.module.function` (TRL's form) or
+    `path/to/file.py:function` (`import_named`)."""
+    obj = import_named(spec)
     return RewardFunc(obj, callable_name(obj), spec)
 
 

@@ -150,12 +150,16 @@ class Decoder:
         # torch.multinomial's own arithmetic for one sample, without its host-side checks of the probabilities
         return probs.div_(torch.empty_like(probs).exponential_(1, generator=self.generator)).argmax(-1)
 
-    def step(self) -> None:
+    def step(self, forced: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
         """Decode one token for every row: its token and log-prob into the buffers at the clock's step, the rows
-        that emitted a stop id marked finished, the clock advanced. No host sync."""
+        that emitted a stop id marked finished, the clock advanced. No host sync. `forced` (bool [G], long [G]):
+        those rows take the given token instead of the drawn one, its log-prob recorded all the same (a
+        multi-turn rollout's observation tokens: `training.agent_rollout`)."""
         logits_GV = self.logits()
         self.finite_1 &= torch.isfinite(logits_GV).all()
         next_G = self.draw(logits_GV)
+        if forced is not None:
+            next_G = torch.where(forced[0], forced[1], next_G)
         logp_G = torch.log_softmax(logits_GV, -1).gather(1, next_G[:, None]).squeeze(1)
         next_G = torch.where(self.unfinished_G, next_G, self.config.pad_id)
         self.tokens_GT.index_copy_(1, self.clock.step_1, next_G[:, None])
