@@ -79,7 +79,7 @@ def test_greedy_trajectories_equal_hf_forward_turn_by_turn(preset):
     model = float64_model(preset, seed=1)
     prompt = _prompt()
     config = AgentConfig(
-        SamplingConfig(num_samples=2, max_new_tokens=40, temperature=0.0, stop_ids=STOP),
+        SamplingConfig(num_generations=2, max_new_tokens=40, temperature=0.0, stop_ids=STOP),
         max_turns=3,
         max_action_tokens=6,
     )
@@ -106,7 +106,7 @@ def test_sampled_trajectories_replay_as_members_with_the_loss_on_actions(preset)
     model = float64_model(preset, seed=1)
     prompt = _prompt(seed=4)
     config = AgentConfig(
-        SamplingConfig(num_samples=4, max_new_tokens=30, temperature=1.0, stop_ids=STOP, seed=5),
+        SamplingConfig(num_generations=4, max_new_tokens=30, temperature=1.0, stop_ids=STOP, seed=5),
         max_turns=4,
         max_action_tokens=5,
     )
@@ -186,7 +186,7 @@ def test_bad_agent_settings_are_refused():
         load_environment("test_agent_rollout:ByteTokenizer")
     model = build_model("tiny-llama", seed=1)
     state = capture(model, _prompt(20))
-    config = AgentConfig(SamplingConfig(num_samples=2, max_new_tokens=8), max_action_tokens=4)
+    config = AgentConfig(SamplingConfig(num_generations=2, max_new_tokens=8), max_action_tokens=4)
     with pytest.raises(ValueError, match="speaks text: sample_trajectories needs a tokenizer"):
         sample_trajectories(model, state, LookupEnvironment, None, config)
     with pytest.raises(ValueError, match="no room for an action"):

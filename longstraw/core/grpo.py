@@ -279,7 +279,7 @@ def response_loss(
     advantage: Advantage,
     weight: float | torch.Tensor,
     config: GRPOConfig,
-    mask: Optional[torch.Tensor] = None,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One response's contribution to the group loss: ``weight * per_token_loss(...).sum()``.
 
@@ -313,7 +313,7 @@ class GroupObjective:
     advantages: torch.Tensor
     weights: torch.Tensor
     config: GRPOConfig
-    masks: Optional[Sequence[torch.Tensor]] = None
+    masks: Sequence[torch.Tensor] | None = None
 
     def member_loss(self, i: int, logp_R: torch.Tensor) -> torch.Tensor:
         """Member ``i``'s contribution to the group loss (:func:`response_loss`)."""

@@ -122,21 +122,21 @@ MEASURED = [
         "calibration, check",
         CP_CALIBRATION,
         "eta (its rank-0 attention rate) and the pipeline residual (its capture seconds), on older code than the "
-        "single-GPU calibration (91927b9); model_seconds: the model without any 2-rank run (leave-one-out)",
+        "single-GPU calibration; model_seconds: the model without any 2-rank run (leave-one-out)",
         "pipeline",
     ),
     (
         "check",
         "context_parallel/positions-4456448-cycles-8.json",
-        "recorded before the capture went chunk by chunk through attention layers (91927b9); model_seconds: the "
+        "recorded before the capture went chunk by chunk through attention layers; model_seconds: the "
         "model without any 2-rank run",
         "pipeline",
     ),
     (
         "not comparable",
         "context_parallel/qwen3.6-27b-shape-nf4-524288.json",
-        "recorded before cuDNN's forward at head dim 256 (04af329) and LoRA over NF4 as one GEMM (d229741), "
-        "when one GPU took 291 s at this length (that file's version in 97860f0); the calibration is after them",
+        "recorded before cuDNN's forward at head dim 256 and LoRA over NF4 as one GEMM, when one GPU took "
+        "291 s at this length (the records' provenance names the commits); the calibration is after them",
         "pipeline",
     ),
 ]

@@ -1,8 +1,9 @@
 """Multi-turn rollouts from a captured prompt: G agents, each in its own environment, on one resident history.
 
     make = load_environment("lookup", {"seed": 0})
-    trajectories = sample_trajectories(model, state, make, example, AgentConfig(
-        SamplingConfig(num_samples=8, max_new_tokens=256, stop_ids=(eos,), seed=0), max_turns=4, max_action_tokens=32))
+    sampling = SamplingConfig(num_generations=8, max_new_tokens=256, stop_ids=(eos,), seed=0)
+    config = AgentConfig(sampling, max_turns=4, max_action_tokens=32)
+    trajectories = sample_trajectories(model, state, make, example, config)
     t = trajectories[g]
     t.tokens, t.action_mask, t.logprobs, t.turns, t.rewards
 
@@ -158,7 +159,7 @@ def _first_observations(rows_envs, example, observe: _Observe, budget: int) -> l
 def sample_trajectories(
     model, state: ResidentState, make_environment, example, config: AgentConfig, tokenizer=None
 ) -> list[Trajectory]:
-    """G trajectories (`config.sampling.num_samples`), each in a fresh environment from `make_environment` reset on
+    """G trajectories (`config.sampling.num_generations`), each in a fresh environment from `make_environment` reset on
     `example`, decoded from the captured `state` (never modified)."""
     adapter = adapter_for(model)
     check_state(adapter, state)
@@ -166,7 +167,7 @@ def sample_trajectories(
     state.check_positions(sampling.max_new_tokens, "agent rollout token budget")
     check_deterministic(model)
     observe = _Observe(adapter, tokenizer)
-    envs = [make_environment() for _ in range(sampling.num_samples)]
+    envs = [make_environment() for _ in range(sampling.num_generations)]
     rows = [
         _Row(env, ids) for env, ids in zip(envs, _first_observations(envs, example, observe, sampling.max_new_tokens))
     ]

@@ -22,7 +22,8 @@ import functools
 import math
 import numbers
 import random
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 from longstraw.training.rewards import import_named
 
