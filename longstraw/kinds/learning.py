@@ -81,6 +81,8 @@ class LearningCurriculum:
 
     stages: list[CurriculumStage] = field(default_factory=list)
     eval_examples: int = bounded(16, min=2)
+    # a folder the stages' carried adapters are kept in (`stage-<i>/adapter`); None: they go with the work folder
+    out: Optional[str] = None
 
     def __post_init__(self):
         if not self.stages:

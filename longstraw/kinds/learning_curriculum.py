@@ -12,6 +12,9 @@ Each stage is one learning point's work at one length, fixed before it runs:
 - the held-out length curve (`kinds.length_curve`'s run, with `adapter:`) of the adapter carried on (the first
   gradient mode's) at every stage length so far, beside the base model's (the adapter off) on the same examples.
 
+The adapters carried on are copied to `learning.curriculum.out` (`stage-<i>/adapter`), where they outlive the
+point; without it they go with the work folder when the point's result is written.
+
 Work folder: `stage-<i>/` holds the stage's probe, its runs' checkpoints (one every `learning.RESUME_EVERY` steps
 and at the last) and, once the stage is done, `stage.json`, its record (written atomically): a stage with one is
 never run again, and the next starts from the adapter it names, after its sha256 is checked. A record names the
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -96,7 +100,9 @@ def run_stage(cfg, index: int, stage, start: dict | None, folder: Path, device, 
             return record
     runs, resumed_at = train_runs(staged, folder, RESUME_EVERY, stage.length, progress)
     carried = cfg.learning.gradients[0]
-    path = folder / carried / "checkpoints" / f"step-{stage.steps}" / "adapter"
+    path = kept(
+        folder / carried / "checkpoints" / f"step-{stage.steps}" / "adapter", cfg.learning.curriculum.out, index
+    )
     adapter = {"path": str(path), "sha256": sha256_of(path / ADAPTER_WEIGHTS), "stage": index, "run": carried}
     lengths = [s.length for s in cfg.learning.curriculum.stages[: index + 1]]
     return {
@@ -109,6 +115,25 @@ def run_stage(cfg, index: int, stage, start: dict | None, folder: Path, device, 
     }
 
 
+def kept(adapter: Path, out: str | None, index: int) -> Path:
+    """The stage's carried adapter, copied whole to `out/stage-<index>/adapter` (None: where it is). A copy there
+    already is kept when it holds the same weights, refused otherwise: a finished run is never overwritten."""
+    if out is None:
+        return adapter
+    target = Path(out) / f"stage-{index}" / "adapter"
+    if target.exists():
+        if sha256_of(target / ADAPTER_WEIGHTS) != sha256_of(adapter / ADAPTER_WEIGHTS):
+            raise ValueError(
+                f"learning.curriculum.out: {target} holds another run's stage-{index} adapter; choose another folder"
+            )
+        return target
+    tmp = target.with_name(target.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(adapter, tmp)
+    tmp.rename(target)  # there whole or not at all
+    return target
+
+
 def heldout_curve(staged: PointConfig, adapter: str, lengths: list[int], device) -> dict:
     """The length curve (`kinds.length_curve`) of the model with `adapter` and without it, at `lengths`."""
     section = length_curve.LengthCurveConfig(
@@ -118,6 +143,6 @@ def heldout_curve(staged: PointConfig, adapter: str, lengths: list[int], device)
         adapter=adapter,
     )
     plain = dataclasses.replace(staged.model, lora=None)
-    curve_cfg = dataclasses.replace(staged, kind="length_curve", model=plain, length_curve=section)
+    curve_cfg = dataclasses.replace(staged, kind="length_curve", model=plain, length_curve=section, learning=None)
     result = length_curve.run(curve_cfg, device, Progress())
     return {k: result[k] for k in ("rows", "base_rows", "chance", "seed_base")}

@@ -1,0 +1,171 @@
+"""A length curriculum (`learning.curriculum`) on CPU through the CLI, with experiments/examples/curriculum_cpu.yaml:
+each stage's runs (the lr-0 control too) load the adapter the stage before saved, a command cut off mid-curriculum
+and run again does not redo a finished stage, the stages' gains are the paired statistic of their own recorded
+rewards; and bad stage settings are refused when the plan is made, naming the file and the key."""
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from longstraw import cli
+from longstraw.training.improvement import paired_gain, per_prompt_means
+
+EXAMPLE = Path(__file__).parents[1] / "experiments" / "examples" / "curriculum_cpu.yaml"
+
+
+class _EvenShare:
+    """The counting task's prompts with a dense reward (the share of even ids in the response): on a random tiny
+    model a group's rewards differ, so a trained stage moves its adapter."""
+
+    def __init__(self, vocab_size, **settings):
+        from longstraw.training.tasks import Counting
+
+        self.inner = Counting(vocab_size, **settings)
+
+    def make(self, seed):
+        return self.inner.make(seed)
+
+    def reward(self, example, response_ids):
+        return float((response_ids % 2 == 0).float().mean())
+
+
+def _lora_weights(model) -> dict:
+    """The model's LoRA weights under the names peft saves them by (no adapter name)."""
+    return {n.replace(".default", ""): p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+
+
+def test_a_curriculum_carries_each_stages_adapter_and_a_rerun_skips_finished_stages(tmp_path, monkeypatch):
+    from longstraw.kinds import learning_curriculum
+    from longstraw.models import lora
+    from longstraw.training.tasks import register_task
+    from longstraw.training.trainer import Trainer
+
+    register_task("curriculum_even_share", _EvenShare)
+    loads, steps, cut = [], [], []
+    load = lora.load_adapter_weights
+
+    def spy_load(model, path):
+        load(model, path)
+        loads.append((path, _lora_weights(model)))
+
+    step = Trainer.train_step
+
+    def spy_step(self, index):
+        steps.append(self.out.parent.name)  # the stage folder of the run taking the step
+        if steps.count("stage-1") == 3 and not cut:  # stage 1's second run, mid-way: the command is cut off
+            cut.append(index)
+            raise RuntimeError("cut off")
+        return step(self, index)
+
+    finals, whole_run = {}, Trainer.run
+
+    def spy_run(self, *args, **kwargs):
+        records = whole_run(self, *args, **kwargs)
+        finals[(self.out.parent.name, self.out.name)] = _lora_weights(self.model)
+        return records
+
+    monkeypatch.setattr(lora, "load_adapter_weights", spy_load)
+    monkeypatch.setattr(Trainer, "run", spy_run)
+    monkeypatch.setattr(Trainer, "train_step", spy_step)
+    out = tmp_path / "curriculum.json"
+    kept = tmp_path / "adapters"
+    args = ["run", str(EXAMPLE), "--out", str(out), "--set", "learning.task.name=curriculum_even_share"]
+    args += ["--set", f"learning.curriculum.out={kept}"]
+    assert cli.main(args) == 1
+    stage_0 = tmp_path / "curriculum.json.work" / "stage-0" / learning_curriculum.STAGE_RECORD
+    first_record = stage_0.read_text()
+    assert steps.count("stage-0") == 6  # 3 runs of 2 steps
+    assert json.loads(out.read_text())["status"] == "error"  # the point is not finished
+
+    steps.clear()
+    assert cli.main(args) == 0
+    assert "stage-0" not in steps and steps.count("stage-1") == 6 - 2  # stage 0 not redone; stage 1's first run kept
+    result = json.loads(out.read_text())
+    assert result["status"] == "ok"
+    stages = result["metrics"]["stages"]
+    assert json.loads(first_record) == stages[0]
+
+    # stage 1 started every run, the lr-0 control and its probe from the adapter stage 0 saved: its weights as the
+    # file holds them, its sha256 the file's
+    saved = stages[0]["adapter"]
+    assert stages[0]["start_adapter"] is None and stages[1]["start_adapter"] == saved
+    assert saved["path"] == str(kept / "stage-0" / "adapter") and not out.with_name(out.name + ".work").exists()
+    file = Path(saved["path"]) / "adapter_model.safetensors"
+    assert saved["sha256"] == hashlib.sha256(file.read_bytes()).hexdigest()
+    on_disk = {k.replace("base_model.model.", "", 1): v for k, v in load_file(str(file)).items()}
+    stage_1_loads = [w for path, w in loads if path == saved["path"]]
+    assert len(stage_1_loads) == len(loads) >= 3  # the rerun's probe, the unfinished runs, the held-out model
+    for weights in stage_1_loads:
+        assert {k.replace("base_model.model.", "", 1): v for k, v in weights.items()}.keys() == on_disk.keys()
+        assert all(torch.equal(weights[f"base_model.model.{k}"], v) for k, v in on_disk.items())
+
+    # the lr-0 control ends where it started (stage 0's adapter); the trained runs moved it
+    # the lr-0 control of stage 1 ends where it started (stage 0's adapter); its trained runs moved it
+    assert all(torch.equal(finals[("stage-1", "lr0")][f"base_model.model.{k}"], v) for k, v in on_disk.items())
+    moved = finals[("stage-1", "response-only")]
+    assert not all(torch.equal(moved[f"base_model.model.{k}"], v) for k, v in on_disk.items())
+
+    for stage in stages:
+        runs = stage["runs"]
+        for name in ("response-only", "exact"):
+            expected = paired_gain(per_prompt_means(runs[name], 0), per_prompt_means(runs["lr0"], 0))
+            assert stage["gains"][name] == pytest.approx(expected)
+        assert [r["length"] for r in stage["heldout"]["rows"]] == [64, 128][: stage["stage"] + 1]
+        assert len(stage["heldout"]["base_rows"]) == len(stage["heldout"]["rows"])
+    assert [s["length"] for s in stages] == [64, 128]
+    assert stages[1]["overrides"]["rope_parameters"]["factor"] == 2.0
+
+
+def _experiment(folder: Path, change) -> str:
+    """An experiment file whose one cpu point is the CPU example with `change` applied to its point mapping."""
+    point = yaml.safe_load(EXAMPLE.read_text())
+    point.pop("name")
+    change(point)
+    folder.mkdir()
+    experiment = {"name": "demo", "title": "Demo", "kind": "learning", "profiles": {"cpu": {"base": point}}}
+    (folder / "demo.yaml").write_text(yaml.safe_dump(experiment))
+    return str(folder)
+
+
+def _stages(point):
+    return point["learning"]["curriculum"]["stages"]
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (
+            lambda p: _stages(p).reverse(),
+            "learning.curriculum.stages: stages[1].length 64 is not longer than stages[0].length 128",
+        ),
+        (lambda p: p["learning"]["task"].update(name="bogus"), "learning.task: unknown task 'bogus'"),
+        (
+            lambda p: _stages(p)[1].pop("overrides"),
+            "learning.curriculum.stages[1].length: 128 positions, more than the 80 the model was configured for",
+        ),
+        (lambda p: p["model"].pop("lora"), "learning.curriculum: its stages carry a LoRA adapter"),
+        (lambda p: p["learning"]["probe"].update(lengths=[64]), "learning.probe: lengths: a curriculum probes"),
+    ],
+)
+def test_bad_stage_settings_are_refused_when_the_plan_is_made(tmp_path, capsys, change, message):
+    assert cli.main(["plan", "--experiments", _experiment(tmp_path / "experiments", change)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "demo.yaml" in err and "Traceback" not in err
+    assert len(err.splitlines()) == 1
+
+
+def test_the_gpu_curriculum_is_planned_on_h200_only(tmp_path):
+    from longstraw.harness.plan import plan
+
+    experiments = Path(__file__).parents[1] / "experiments"
+    (tmp_path / "curriculum.yaml").write_text((experiments / "curriculum.yaml").read_text())
+    assert plan(tmp_path, "cpu") == {}
+    (point,) = plan(tmp_path, "h200")["curriculum"]["points"].values()
+    stages = point["config"].learning.curriculum.stages
+    assert [s.length for s in stages] == [32768, 65536, 131072]
+    assert [s.overrides["rope_parameters"]["factor"] for s in stages] == [4.0, 8.0, 16.0]
