@@ -27,24 +27,21 @@ import dataclasses
 import json
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from longstraw.config import PointConfig
 from longstraw.kinds import length_curve
 from longstraw.kinds.common import Progress
-from longstraw.kinds.learning import RESUME_EVERY, gains, probe_lengths, remembered, train_runs
+from longstraw.kinds.learning_runs import gains, probe_lengths, remembered, train_runs
 from longstraw.results import strict_json, write_text_atomic
 from longstraw.wheels import sha256_of
-
-if TYPE_CHECKING:
-    from longstraw.kinds.learning import CurriculumStage
 
 STAGE_RECORD = "stage.json"  # a finished stage's record in its folder
 ADAPTER_WEIGHTS = "adapter_model.safetensors"  # peft's file of an adapter's weights (`models.lora`)
 
 
-def run_curriculum(cfg: PointConfig, device, progress: Progress, work: Path) -> dict:
-    """Every stage in order (a finished one read from its record), until one is not trained."""
+def run_curriculum(cfg: PointConfig, device, progress: Progress, work: Path, checkpoint_every: int) -> dict:
+    """Every stage in order (a finished one read from its record), until one is not trained; each run checkpoints
+    every `checkpoint_every` steps and at its last."""
     stages, start = [], None
     for index, stage in enumerate(cfg.learning.curriculum.stages):
         folder = work / f"stage-{index}"
@@ -53,7 +50,7 @@ def run_curriculum(cfg: PointConfig, device, progress: Progress, work: Path) -> 
             record = json.loads(record_file.read_text())
             progress.line(f"learning curriculum: stage {index} ({stage.length:,} positions) done before; not rerun")
         else:
-            record = run_stage(cfg, index, stage, start, folder, device, progress)
+            record = run_stage(cfg, index, stage, start, folder, device, progress, checkpoint_every)
             write_text_atomic(record_file, strict_json(record))
         stages.append(record)
         progress.partial({"stages": stages})
@@ -74,7 +71,7 @@ def checked(adapter: dict) -> None:
         )
 
 
-def stage_config(cfg: PointConfig, stage: CurriculumStage, start: dict | None) -> PointConfig:
+def stage_config(cfg: PointConfig, stage, start: dict | None) -> PointConfig:
     """The point's config as one stage runs it: the stage's overrides over the model's, its adapter starting from
     `start` (None: `model.lora`'s own start), the stage's steps."""
     lora = cfg.model.lora if start is None else dataclasses.replace(cfg.model.lora, init=start["path"])
@@ -83,7 +80,7 @@ def stage_config(cfg: PointConfig, stage: CurriculumStage, start: dict | None) -
     return dataclasses.replace(cfg, model=model, learning=learning)
 
 
-def run_stage(cfg, index: int, stage, start: dict | None, folder: Path, device, progress: Progress) -> dict:
+def run_stage(cfg, index: int, stage, start, folder: Path, device, progress: Progress, checkpoint_every: int) -> dict:
     staged = stage_config(cfg, stage, start)
     record = {
         "stage": index,
@@ -98,7 +95,7 @@ def run_stage(cfg, index: int, stage, start: dict | None, folder: Path, device, 
         record["probe"] = probe
         if probe["chosen_length"] is None:
             return record
-    runs, resumed_at = train_runs(staged, folder, RESUME_EVERY, stage.length, progress)
+    runs, resumed_at = train_runs(staged, folder, checkpoint_every, stage.length, progress)
     carried = cfg.learning.gradients[0]
     path = kept(
         folder / carried / "checkpoints" / f"step-{stage.steps}" / "adapter", cfg.learning.curriculum.out, index
