@@ -120,6 +120,20 @@ def test_a_curriculum_carries_each_stages_adapter_and_a_rerun_skips_finished_sta
     assert [s["length"] for s in stages] == [64, 128]
     assert stages[1]["overrides"]["rope_parameters"]["factor"] == 2.0
 
+    # the row: the stages in a cell, the longest trained stage's gains in the gain columns (none reached V4 here), and
+    # one row per stage in the stages table, each naming the adapter it started from
+    from longstraw.kinds import learning
+
+    row = learning.columns(result)
+    assert row["trained_length"] == 128 and row["response-only_gain"] == stages[1]["gains"]["response-only"]["gain"]
+    assert row["exact_gain_se"] == stages[1]["gains"]["exact"]["standard_error"]
+    cell = [part.split(": ", 1) for part in row["curriculum"].split("; ")]
+    assert [length for length, _ in cell] == ["64", "128"]
+    assert all("response-only " in gains_ and "exact " in gains_ for _, gains_ in cell)
+    table = learning.tables([{**result, "kind": "learning", "point": "c"}])["stages"]
+    assert [(r["stage"], r["length"], r["rope"]) for r in table] == [(0, 64, "native"), (1, 128, "yarn x2.0")]
+    assert table[0]["start_adapter"] == "model.lora" and saved["sha256"][:12] in table[1]["start_adapter"]
+
 
 def _experiment(folder: Path, change) -> str:
     """An experiment file whose one cpu point is the CPU example with `change` applied to its point mapping."""
