@@ -109,7 +109,7 @@ class LearningConfig:
     lr-0 run on the prompts of the last `window` steps (`longstraw.training.improvement`)."""
 
     task: dict = field(default_factory=lambda: {"name": "kv_retrieval", "num_needles": 4, "value_length": 2})
-    steps: int = bounded(16, min=2)
+    steps: int = bounded(16, min=2)  # a curriculum: each stage's own
     steps_per_prompt: int = bounded(1, min=1)
     seed: int = 0
     temperature: float = bounded(1.0, min=0.0)
@@ -126,7 +126,7 @@ class LearningConfig:
         for i, stage in enumerate(self.curriculum.stages if self.curriculum else []):
             if self.window > stage.steps:
                 raise ValueError(f"window: {self.window} is more than the {stage.steps} steps of curriculum stage {i}")
-        if self.window > self.steps:
+        if self.curriculum is None and self.window > self.steps:  # a curriculum's stages have steps of their own
             raise ValueError(f"window: {self.window} is more than the {self.steps} steps")
         if not self.gradients:
             raise ValueError("gradients: at least one gradient mode")
@@ -299,6 +299,7 @@ def columns(point: dict) -> dict:
         out["probe"] = "; ".join(probe_text(as_dict(s.get("probe"))) for s in stages if s.get("probe")) or None
         out.update(run_columns(shown, shown.get("steps"), settings.get("window")) if shown else {})
         out["trained_length"] = shown.get("length") if shown else None
+        out["steps"] = shown.get("steps") if shown else None  # the shown stage's (learning.steps does not apply)
         seconds = [
             number(step.get("seconds")) for s in stages for run in as_dict(s.get("runs")).values() for step in run
         ]

@@ -32,7 +32,7 @@ from longstraw.config import PointConfig
 from longstraw.kinds import length_curve
 from longstraw.kinds.common import Progress
 from longstraw.kinds.learning_runs import gains, probe_lengths, remembered, train_runs
-from longstraw.results import strict_json, write_text_atomic
+from longstraw.results import check_writable, strict_json, write_text_atomic
 from longstraw.wheels import sha256_of
 
 STAGE_RECORD = "stage.json"  # a finished stage's record in its folder
@@ -42,6 +42,9 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"  # peft's file of an adapter's wei
 def run_curriculum(cfg: PointConfig, device, progress: Progress, work: Path, checkpoint_every: int) -> dict:
     """Every stage in order (a finished one read from its record), until one is not trained; each run checkpoints
     every `checkpoint_every` steps and at its last."""
+    out = cfg.learning.curriculum.out
+    if out is not None:  # before any work: the adapters kept there can be written
+        check_writable(Path(out) / "stage-0.tmp", "learning.curriculum.out", overwrite=True)
     stages, start = [], None
     for index, stage in enumerate(cfg.learning.curriculum.stages):
         folder = work / f"stage-{index}"
