@@ -183,3 +183,20 @@ def test_the_gpu_curriculum_is_planned_on_h200_only(tmp_path):
     stages = point["config"].learning.curriculum.stages
     assert [s.length for s in stages] == [32768, 65536, 131072]
     assert [s.overrides["rope_parameters"]["factor"] for s in stages] == [4.0, 8.0, 16.0]
+
+
+def test_a_lora_adapter_starts_from_a_saved_one_and_refuses_another_shape(tmp_path):
+    from longstraw.config.sections import LoraConfig, ModelConfig
+    from longstraw.models.policy import build_policy
+
+    trained = build_policy(ModelConfig(preset="tiny-llama", lora=LoraConfig(r=4, init_random=True)))
+    trained.save_pretrained(tmp_path / "adapter")
+    on_disk = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    model = build_policy(ModelConfig(preset="tiny-llama", seed=1, lora=LoraConfig(r=4, init=str(tmp_path / "adapter"))))
+    weights = _lora_weights(model)
+    assert weights.keys() == on_disk.keys() and all(torch.equal(weights[k], v) for k, v in on_disk.items())
+    assert all(p.requires_grad for n, p in model.named_parameters() if "lora_" in n)
+    with pytest.raises(ValueError, match=r"model.lora.init: the adapter at .* does not fit .*size mismatch"):
+        build_policy(ModelConfig(preset="tiny-llama", lora=LoraConfig(r=8, init=str(tmp_path / "adapter"))))
+    with pytest.raises(ValueError, match=r"model.lora.init: no trained adapter \(adapter_model.safetensors\) at"):
+        build_policy(ModelConfig(preset="tiny-llama", lora=LoraConfig(r=4, init=str(tmp_path / "none"))))

@@ -401,7 +401,11 @@ def stage_row(stage: dict) -> dict:
         "length": stage.get("length"),
         "steps": stage.get("steps"),
         "rope": f"{rope.get('rope_type')} x{rope.get('factor')}" if rope else "native",
-        "start_adapter": f"stage {start.get('stage')} {start.get('run')} {str(start.get('sha256'))[:12]}"
+        "start_adapter": (
+            f"stage {start.get('stage')} {start.get('run')} {str(start.get('sha256'))[:12]}"
+            if start.get("stage") is not None
+            else f"model.lora.init {str(start.get('sha256'))[:12]}"
+        )
         if start
         else "model.lora",
         "probe_success": next((r.get("success") for r in as_dict(stage.get("probe")).get("rows", [])), None),

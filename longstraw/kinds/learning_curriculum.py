@@ -18,7 +18,8 @@ point; without it they go with the work folder when the point's result is writte
 Work folder: `stage-<i>/` holds the stage's probe, its runs' checkpoints (one every `learning.RESUME_EVERY` steps
 and at the last) and, once the stage is done, `stage.json`, its record (written atomically): a stage with one is
 never run again, and the next starts from the adapter it names, after its sha256 is checked. A record names the
-adapter it started from (path, sha256, the stage and run that trained it) and the one it carries on.
+adapter it started from (path, sha256, the stage and run that trained it; stage 0: `model.lora.init`'s, or none)
+and the one it carries on.
 """
 
 from __future__ import annotations
@@ -45,7 +46,9 @@ def run_curriculum(cfg: PointConfig, device, progress: Progress, work: Path, che
     out = cfg.learning.curriculum.out
     if out is not None:  # before any work: the adapters kept there can be written
         check_writable(Path(out) / "stage-0.tmp", "learning.curriculum.out", overwrite=True)
-    stages, start = [], None
+    init = cfg.model.lora.init  # a trained adapter stage 0 starts from (None: peft's initialisation)
+    start = None if init is None else {"path": init, "sha256": sha256_of(Path(init) / ADAPTER_WEIGHTS), "stage": None}
+    stages = []
     for index, stage in enumerate(cfg.learning.curriculum.stages):
         folder = work / f"stage-{index}"
         record_file = folder / STAGE_RECORD
