@@ -630,3 +630,58 @@ def _compare_vt(text, outputs, ex):
         assert _is_noise(re.sub(r" ?VAR [A-Z]+ = (?:VAR [A-Z]+ |\d+)", "", m["main"]))
         shapes.append((m["shot"].count("There and back again."), "green.  The sky" in m["shot"]))
     assert shapes[0] == shapes[1]  # the one-shot example: as many noise lines, cut into sentences alike
+
+
+def test_variable_tracking_is_a_task_of_the_learning_and_length_curve_kinds(wheel, bpe_chat, tmp_path):
+    # RULER's vt by name through the task registry (a real model is weak at it: the curriculum's task): the prompt's
+    # chain resolves to the references its reward reads, the reward is RULER's string_match_all over them (each
+    # reference the response holds counts 1/5), and a length-curve point and a learning point run on it
+    from longstraw.harness.runner import run_point
+    from longstraw.training.tasks import build_task
+
+    folder = tmp_path / "tokenizer"
+    bpe_chat.save_pretrained(folder)
+    spec = {"name": "ruler", "task": "vt", "tokenizer": str(folder)}
+    vocab = len(bpe_chat)
+    task = build_task({**spec, "length": 1500}, vocab)
+    example = task.make(3)
+    text = bpe_chat.decode(example.prompt_ids.tolist())
+    value = re.findall(r"assigned the value (\d{5}) in the text above", text)[-1]  # the question (first: the shot's)
+    references = example.info["references"]
+    assert _chain_answer(text, value) == references and len(references) == 5
+
+    def ids(answer: str) -> list[int]:
+        return bpe_chat(answer, add_special_tokens=False)["input_ids"]
+
+    assert task.reward(example, ids(" " + ", ".join(references))) == 1.0
+    assert task.reward(example, ids(" " + references[0])) == pytest.approx(1 / 5)
+    assert task.reward(example, ids(" none")) == 0.0
+
+    model = {"preset": "tiny-llama", "overrides": {"vocab_size": vocab}}
+    curve = run_point(
+        {
+            "name": "curve",
+            "kind": "length_curve",
+            "model": model,
+            "length_curve": {"task": spec, "lengths": [1200, 1500], "examples": 2},
+        }
+    )
+    assert curve["status"] == "ok", curve.get("error")
+    rows = curve["metrics"]["rows"]
+    assert [(r["length"], r["n"]) for r in rows] == [(1200, 2), (1500, 2)]
+    rewards = [v for r in rows for v in r["rewards"]]
+    learn = run_point(
+        {
+            "name": "v4",
+            "kind": "learning",
+            "model": {**model, "lora": {"r": 4}},
+            "prompt": {"length": 1200},
+            "responses": {"length": 4},
+            "grpo": {"num_generations": 2, "beta": 0.0},
+            "learning": {"task": spec, "steps": 2, "window": 2},
+        }
+    )
+    assert learn["status"] == "ok", learn.get("error")
+    rewards += [v for run in learn["metrics"]["runs"].values() for s in run for v in s["rewards"]]
+    # the curve's 2 lengths x 2 examples; the learning point's 2 runs (response-only, lr0) x 2 steps x 2 responses
+    assert len(rewards) == 4 + 2 * 2 * 2 and all(v * 5 == round(v * 5) and 0 <= v <= 1 for v in rewards)

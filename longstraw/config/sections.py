@@ -27,6 +27,10 @@ class LoraConfig:
     # the adapters' dtype: float32 (peft's default: every LoRA product upcasts the activations) or the model's
     # compute dtype (bf16 products; the optimizer then steps float32 master copies, `MasterWeightsAdamW`)
     dtype: Literal["float32", "model"] = "float32"
+    # a trained peft adapter folder (a trainer checkpoint's `adapter/`) whose weights this adapter starts from
+    # instead of peft's initialisation; its rank and projections must be this config's (a curriculum's stage goes
+    # on from the stage before it: `longstraw.kinds.learning_curriculum`)
+    init: str | None = None
 
     def __post_init__(self):
         if self.dropout > 0:  # `longstraw.core.transaction.check_deterministic` refuses it on the model too

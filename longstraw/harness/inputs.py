@@ -94,7 +94,7 @@ def check_model_fits(cfg: PointConfig, built: Built, facts: ModelFacts, source: 
         kind.check_model(cfg, facts, source)
         return
     if not cfg.capture.beyond_max_positions and facts.max_positions:
-        for prompt_key, prompt, response_key, response in longest_runs(cfg):
+        for prompt_key, prompt, response_key, response in built.runs or longest_runs(cfg):
             check_positions(prompt_key, prompt, response_key, response, facts, source)
     for key, spec, lengths, _ in point_tasks(cfg):
         check_task_builds(spec, lengths, facts, f"{source}: {key}")

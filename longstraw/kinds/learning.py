@@ -10,6 +10,10 @@ for a gradient mode when its mean reward over the prompts of the last `learning.
 exceeds the lr-0 run's on the same prompts by more than 3 standard errors of the per-prompt
 differences (`longstraw.training.improvement.paired_gain`).
 
+With `learning.curriculum` the point is a length curriculum (`longstraw.kinds.learning_curriculum`): stage n
+trains at its length, with its RoPE scaling, from stage n-1's trained LoRA adapter, each stage with its own probe,
+lr-0 control from the same adapter, V4 gains and held-out length curve.
+
 A point longer than one command resumes: under the CLI the runs write into OUT.work with a checkpoint
 every `RESUME_EVERY` steps (and the probe's result), and the same command run again goes on from there.
 
@@ -29,15 +33,21 @@ from typing import TYPE_CHECKING, Literal
 from longstraw.config import ConfigError, PointConfig, point_mapping
 from longstraw.config.typed import bounded
 from longstraw.kinds.checks import check_task
-from longstraw.kinds.spec import Kind
+from longstraw.kinds.learning_runs import (
+    UNTRAINED,
+    gains,
+    gradient_gap,
+    probe_lengths,
+    remembered,
+    train_runs,
+)
+from longstraw.kinds.spec import Built, Kind
 from longstraw.results import (
-    SKIPPED,
     ExtraTable,
     as_dict,
     number,
     point_parts,
     rows_of_points,
-    strict_json,
     write_text_atomic,
 )
 
@@ -48,15 +58,47 @@ class LearningProbe:
     `examples` held-out examples at each of `lengths` (longest first); the runs train at the longest length
     whose success lies in [`success[0]`, `success[1]`] (none: no training, the probe recorded)."""
 
-    lengths: list[int] = field(default_factory=list)
+    lengths: list[int] = field(default_factory=list)  # a curriculum's probe: none (each stage's own length)
     examples: int = bounded(16, min=2)
     success: list[float] = field(default_factory=lambda: [0.1, 0.9])
 
     def __post_init__(self):
-        if not self.lengths or min(self.lengths) < 2:
-            raise ValueError(f"lengths: a non-empty list of prompt lengths >= 2, got {self.lengths}")
+        if self.lengths and min(self.lengths) < 2:
+            raise ValueError(f"lengths: prompt lengths >= 2, got {self.lengths}")
         if len(self.success) != 2 or not 0 <= self.success[0] <= self.success[1] <= 1:
             raise ValueError(f"success: [low, high] within [0, 1], got {self.success}")
+
+
+@dataclass
+class CurriculumStage:
+    """One stage of a length curriculum: `steps` GRPO steps at `length` positions, the model built with `overrides`
+    over `model.overrides` (the RoPE scaling the length needs: `rope_parameters`, `max_position_embeddings`)."""
+
+    length: int = bounded(1024, min=2)
+    steps: int = bounded(16, min=2)
+    overrides: dict = field(default_factory=dict)
+
+
+@dataclass
+class LearningCurriculum:
+    """`stages` in order of increasing length, each from the one before's trained adapter; after each, the length
+    curve of its adapter and of the base model (the same model, adapter off) at every stage length so far, on
+    `eval_examples` held-out examples a length. The adapter carried on is the first of `learning.gradients`'s."""
+
+    stages: list[CurriculumStage] = field(default_factory=list)
+    eval_examples: int = bounded(16, min=2)
+    # a folder the stages' carried adapters are kept in (`stage-<i>/adapter`); None: they go with the work folder
+    out: str | None = None
+
+    def __post_init__(self):
+        if not self.stages:
+            raise ValueError("stages: at least one stage")
+        for i in range(1, len(self.stages)):
+            if self.stages[i].length <= self.stages[i - 1].length:
+                raise ValueError(
+                    f"stages: stages[{i}].length {self.stages[i].length} is not longer than stages[{i - 1}].length "
+                    f"{self.stages[i - 1].length}; a curriculum's lengths increase"
+                )
 
 
 @dataclass
@@ -67,16 +109,24 @@ class LearningConfig:
     lr-0 run on the prompts of the last `window` steps (`longstraw.training.improvement`)."""
 
     task: dict = field(default_factory=lambda: {"name": "kv_retrieval", "num_needles": 4, "value_length": 2})
-    steps: int = bounded(16, min=2)
+    steps: int = bounded(16, min=2)  # a curriculum: each stage's own
     steps_per_prompt: int = bounded(1, min=1)
     seed: int = 0
     temperature: float = bounded(1.0, min=0.0)
     gradients: list[Literal["response-only", "exact"]] = field(default_factory=lambda: ["response-only"])
     window: int = bounded(8, min=2)  # the last `window` steps' prompts are compared
     probe: LearningProbe | None = None  # choose the length from the base model's success (else prompt.length)
+    curriculum: LearningCurriculum | None = None  # stages of increasing length (else one length)
 
     def __post_init__(self):
-        if self.window > self.steps:
+        if self.probe is not None and self.curriculum is None and not self.probe.lengths:
+            raise ValueError("probe: lengths: the prompt lengths to probe (a non-empty list)")
+        if self.probe is not None and self.curriculum is not None and self.probe.lengths:
+            raise ValueError("probe: lengths: a curriculum probes each stage at its own length; drop probe.lengths")
+        for i, stage in enumerate(self.curriculum.stages if self.curriculum else []):
+            if self.window > stage.steps:
+                raise ValueError(f"window: {self.window} is more than the {stage.steps} steps of curriculum stage {i}")
+        if self.curriculum is None and self.window > self.steps:  # a curriculum's stages have steps of their own
             raise ValueError(f"window: {self.window} is more than the {self.steps} steps")
         if not self.gradients:
             raise ValueError("gradients: at least one gradient mode")
@@ -84,72 +134,32 @@ class LearningConfig:
 
 def check(cfg: PointConfig, source: str) -> None:
     check_task(cfg.learning.task, cfg.prompt.length, f"{source}: learning.task")
+    if cfg.learning.curriculum is not None and cfg.model.lora is None:
+        raise ConfigError(
+            f"{source}: learning.curriculum: its stages carry a LoRA adapter from one to the next; set model.lora"
+        )
 
 
 if TYPE_CHECKING:
     from longstraw.kinds.common import Progress
 
-UNTRAINED = "lr0"
-
-
-def trainer_mapping(cfg: PointConfig, lr: float, gradient: str, out_dir, length: int | None = None) -> dict:
-    """One run's `longstraw train` config: the point's model, objective (less the group size) and
-    capture settings, the learning section, `lr` and `gradient`, at `length` (default prompt.length),
-    writing under `out_dir`."""
-    from longstraw.config.point import trainer_sections
-
-    s = cfg.learning
-    return {
-        **trainer_sections(cfg, out_dir),
-        "task": {**s.task, "length": length or cfg.prompt.length},
-        "steps": s.steps,
-        "steps_per_prompt": s.steps_per_prompt,
-        "seed": s.seed,
-        "sampling": {
-            "max_new_tokens": cfg.responses.length,
-            "temperature": s.temperature,
-        },
-        "optimizer": {"lr": lr, "weight_decay": 0.0},
-        "gradient": gradient,
-        "refresh": {"policy": "every", "every": 1},
-    }
-
-
-def runs_of(cfg: PointConfig) -> list[tuple[str, float, str]]:
-    """(name, learning rate, gradient mode) of every run, the lr-0 baseline last."""
-    return [(g, cfg.optimizer.lr, g) for g in cfg.learning.gradients] + [(UNTRAINED, 0.0, "response-only")]
-
-
 RESUME_EVERY = 5  # a run's checkpoint interval in a work folder (steps): what a command cut off loses at most
 
 
 def run(cfg: PointConfig, device, progress: Progress) -> dict:
-    from longstraw.training.trainer import Trainer
-
-    keep = ("step", "prompt", "reward_mean", "rewards", "loss", "grad_norm", SKIPPED, "response_tokens", "seconds")
-    runs, resumed_at, length = {}, {}, cfg.prompt.length
+    length = cfg.prompt.length
     with work_folder(cfg, progress.work_dir) as (work, resumable):
+        if cfg.learning.curriculum is not None:
+            from longstraw.kinds.learning_curriculum import run_curriculum
+
+            return run_curriculum(cfg, device, progress, work, RESUME_EVERY)
         probe = None
         if cfg.learning.probe is not None:
-            probe = remembered(work / "probe.json", lambda: probe_lengths(cfg, device, progress))
+            probe = remembered(work / "probe.json", lambda: probe_lengths(cfg, progress, cfg.learning.probe.lengths))
             length = probe["chosen_length"]
             if length is None:
                 return {"runs": {}, "gains": {}, "probe": probe, "prompt_positions": None}
-        for name, lr, gradient in runs_of(cfg):
-            mapping = trainer_mapping(cfg, lr, gradient, work / name, length)
-            mapping["output"]["checkpoint_every"] = RESUME_EVERY if resumable else 0
-            trainer = Trainer(mapping, source=f"{cfg.name} [{name}]")
-            runs[name] = [
-                {**{k: step.get(k) for k in keep}, "phase_seconds": seconds_per_phase(step)}
-                for step in trainer.run(resume=resumable)
-            ]
-            resumed_at[name] = trainer.resumed_at  # a torn newest checkpoint: the older one it went on from
-            progress.line(
-                f"learning {name} (lr {lr:g}): reward per step "
-                + " ".join(f"{s['reward_mean']:.2f}" for s in runs[name])
-            )
-            progress.partial({"runs": runs})
-            del trainer
+        runs, resumed_at = train_runs(cfg, work, RESUME_EVERY if resumable else 0, length, progress)
     # resumed_at: the step each run went on from in this process (0: it ran whole here); the result's
     # wall_seconds are this process's, the steps' own seconds cover every command's
     return {
@@ -216,78 +226,6 @@ def _changed(before: dict, now: dict, path: str = "") -> dict:
     return out
 
 
-def remembered(path: Path, compute):
-    """`compute()`'s JSON result, kept at `path` so that a resumed point does not measure it again."""
-    if path.is_file():
-        return json.loads(path.read_text())
-    value = compute()
-    write_text_atomic(path, strict_json(value))
-    return value
-
-
-def seconds_per_phase(step: dict) -> dict:
-    """A trainer step's seconds per phase (capture, sampling, the transaction's own)."""
-    return {name: round(phase["seconds"], 4) for name, phase in step.get("transaction", {}).get("phases", {}).items()}
-
-
-def probe_lengths(cfg: PointConfig, device, progress: Progress) -> dict:
-    """`learning.probe`: the base policy's greedy success at each probed length (held-out seeds, the length
-    curve's), and the longest length whose success lies in the probe's range (None if none does)."""
-    from longstraw.models.policy import build_policy
-    from longstraw.training.length_curve import length_curve
-
-    p = cfg.learning.probe
-    model = build_policy(cfg.model)
-    curve = length_curve(
-        model,
-        cfg.learning.task,
-        sorted(p.lengths, reverse=True),
-        None,
-        p.examples,
-        chunk_size=cfg.capture.chunk_size,
-        beyond_max_positions=cfg.capture.beyond_max_positions,
-    )
-    del model
-    low, high = p.success
-    fitting = [r["length"] for r in curve["rows"] if low <= r["success"] <= high]
-    chosen = max(fitting) if fitting else None
-    progress.line(
-        "learning probe: base success "
-        + ", ".join(f"{r['success']:.2f} at {r['length']:,}" for r in curve["rows"])
-        + f"; training at {chosen}"
-    )
-    return {
-        "rows": curve["rows"],
-        "range": [low, high],
-        "chosen_length": chosen,
-        "rule": f"the longest probed length whose base greedy success is within [{low}, {high}]",
-    }
-
-
-def gains(runs: dict, first_step: int) -> dict:
-    """Each trained run's paired gain over the lr-0 run on the prompts of the steps from `first_step` on."""
-    from longstraw.training.improvement import paired_gain, per_prompt_means
-
-    baseline = per_prompt_means(runs[UNTRAINED], first_step)
-    return {
-        name: paired_gain(per_prompt_means(steps, first_step), baseline)
-        for name, steps in runs.items()
-        if name != UNTRAINED
-    }
-
-
-def gradient_gap(runs: dict, first_step: int) -> dict | None:
-    """The exact run's paired gain over the response-only run (the same prompts and sampling seeds: per prompt,
-    the difference of the two trained runs' mean rewards, the lr-0 run dropping out), or None unless both ran."""
-    from longstraw.training.improvement import paired_gain, per_prompt_means
-
-    if not {"exact", "response-only"} <= set(runs):
-        return None
-    return paired_gain(per_prompt_means(runs["exact"], first_step), per_prompt_means(runs["response-only"], first_step))
-
-
-# ------------------------------------------------------------------------------------------- report
-
 SHOWN = [
     "model",
     "prompt_length",
@@ -306,6 +244,7 @@ SHOWN = [
     "exact_minus_response_only",
     "exact_minus_response_only_se",
     "lr0_mean",
+    "curriculum",
     "train_seconds",
     "wall_seconds",
 ]
@@ -314,7 +253,28 @@ EXTRA_TABLES = {
         "Reward per step, per run",
         ["point", "run", "step", "prompt", "reward_mean", "grad_norm", "seconds"],
         "Every run visits the same prompts with the same sampling seeds; lr0 is the same trainer at learning rate 0.",
-    )
+    ),
+    "stages": ExtraTable(
+        "Length curriculum: one row per stage",
+        [
+            "point",
+            "stage",
+            "length",
+            "steps",
+            "rope",
+            "start_adapter",
+            "probe_success",
+            "response-only_gain",
+            "response-only_gain_se",
+            "exact_gain",
+            "exact_gain_se",
+            "lr0_mean",
+            "heldout_success",
+            "heldout_base_success",
+        ],
+        "Each stage starts every run (lr0 too) from the adapter the stage before carried on (its sha256); held-out: "
+        "greedy success at the stage's length on the length curve's seeds, with the stage's adapter and without it.",
+    ),
 }
 CAPTIONS = {
     "reward_per_step": "Reward per step of each run (mean over a window of consecutive prompts, band: one "
@@ -332,14 +292,57 @@ def columns(point: dict) -> dict:
         "window": settings.get("window"),
         "G": as_dict(cfg.get("grpo")).get("num_generations"),
     }
+    stages = [as_dict(s) for s in metrics.get("stages") or []]
+    if stages:  # a curriculum: its stages in a cell, the stage that reached furthest in the gain columns
+        shown = reported_stage(stages)
+        out["curriculum"] = "; ".join(stage_text(s) for s in stages)
+        out["probe"] = "; ".join(probe_text(as_dict(s.get("probe"))) for s in stages if s.get("probe")) or None
+        out.update(run_columns(shown, shown.get("steps"), settings.get("window")) if shown else {})
+        out["trained_length"] = shown.get("length") if shown else None
+        out["steps"] = shown.get("steps") if shown else None  # the shown stage's (learning.steps does not apply)
+        seconds = [
+            number(step.get("seconds")) for s in stages for run in as_dict(s.get("runs")).values() for step in run
+        ]
+        out["train_seconds"] = sum(v for v in seconds if v is not None) if seconds else None
+        return out
     probe = as_dict(metrics.get("probe"))
     if probe:  # the base model's greedy success per probed length, and where it trained
-        chosen = probe.get("chosen_length")
-        out["probe"] = "; ".join(f"{r['length']:,}: {r['success']:.2f}" for r in probe.get("rows", [])) + (
-            f" -> trained at {chosen:,}" if chosen else " -> none in range: not trained"
-        )
-        out["trained_length"] = chosen
-    for name, gain in as_dict(metrics.get("gains")).items():
+        out["probe"] = probe_text(probe)
+        out["trained_length"] = probe.get("chosen_length")
+    return {**out, **run_columns(metrics, settings.get("steps"), settings.get("window"))}
+
+
+def probe_text(probe: dict) -> str:
+    """A probe's greedy success per length, and where it trained."""
+    chosen = probe.get("chosen_length")
+    return "; ".join(f"{r['length']:,}: {r['success']:.2f}" for r in probe.get("rows", [])) + (
+        f" -> trained at {chosen:,}" if chosen else " -> none in range: not trained"
+    )
+
+
+def reported_stage(stages: list[dict]) -> dict | None:
+    """The curriculum stage whose gains a row's columns give: the longest that reached V4 in a gradient mode, else the
+    longest that trained (None: none did)."""
+    trained = [s for s in stages if s.get("runs")]
+    reached = [s for s in trained if any(as_dict(g).get("reached") is True for g in as_dict(s.get("gains")).values())]
+    return (reached or trained or [None])[-1]
+
+
+def stage_text(stage: dict) -> str:
+    """One stage in a cell: its length and each gradient mode's gain +- SE, or why it did not train."""
+    gains_ = as_dict(stage.get("gains"))
+    if not gains_:
+        return f"{stage.get('length'):,}: not trained (probe out of range)"
+    listed = ", ".join(
+        f"{name} {number(g.get('gain')):+.3f} +- {number(g.get('standard_error')):.3f}" for name, g in gains_.items()
+    )
+    return f"{stage.get('length'):,}: {listed}"
+
+
+def run_columns(part: dict, steps, window) -> dict:
+    """The gain columns of one set of runs (a point's, or a curriculum stage's of `steps` steps)."""
+    out = {}
+    for name, gain in as_dict(part.get("gains")).items():
         out.update(
             {
                 f"{name}_gain": number(gain.get("gain")),
@@ -349,8 +352,7 @@ def columns(point: dict) -> dict:
                 "lr0_mean": number(gain.get("untrained_mean")),
             }
         )
-    runs = as_dict(metrics.get("runs"))
-    steps, window = settings.get("steps"), settings.get("window")
+    runs = as_dict(part.get("runs"))
     gap = gradient_gap(runs, steps - window) if runs and steps is not None and window is not None else None
     if gap is not None:  # what the exact gradient learned beyond the response-only one, on the same prompts
         out.update(exact_minus_response_only=gap["gain"], exact_minus_response_only_se=gap["standard_error"])
@@ -362,17 +364,59 @@ def columns(point: dict) -> dict:
 
 def tables(points: list[dict]) -> dict:
     def steps(point):
+        metrics = point_parts(point)[1]
+        parts = [("", metrics)] + [(f"{as_dict(s).get('length')}:", as_dict(s)) for s in metrics.get("stages") or []]
         return [
             {
                 "point": point.get("point"),
-                "run": name,
+                "run": f"{prefix}{name}",
                 **{k: s.get(k) for k in ("step", "prompt", "reward_mean", "grad_norm", "seconds")},
             }
-            for name, run in as_dict(point_parts(point)[1].get("runs")).items()
+            for prefix, part in parts
+            for name, run in as_dict(part.get("runs")).items()
             for s in run
         ]
 
-    return {"steps": rows_of_points([p for p in points if p.get("kind") == "learning"], steps)}
+    def stages(point):
+        return [
+            {"point": point.get("point"), **stage_row(as_dict(s))} for s in point_parts(point)[1].get("stages") or []
+        ]
+
+    mine = [p for p in points if p.get("kind") == "learning"]
+    return {"steps": rows_of_points(mine, steps), "stages": rows_of_points(mine, stages)}
+
+
+def stage_row(stage: dict) -> dict:
+    """A curriculum stage's row: its length and RoPE, the adapter it started from, its probe, each gradient mode's
+    gain, and the held-out greedy success at its length with its adapter and without (the base)."""
+    start, heldout = as_dict(stage.get("start_adapter")), as_dict(stage.get("heldout"))
+    rope = as_dict(as_dict(stage.get("overrides")).get("rope_parameters"))
+
+    def success(rows):
+        at = [r for r in rows or [] if r.get("length") == stage.get("length")]
+        return sum(r["success"] * r["n"] for r in at) / sum(r["n"] for r in at) if at else None
+
+    row = {
+        "stage": stage.get("stage"),
+        "length": stage.get("length"),
+        "steps": stage.get("steps"),
+        "rope": f"{rope.get('rope_type')} x{rope.get('factor')}" if rope else "native",
+        "start_adapter": (
+            f"stage {start.get('stage')} {start.get('run')} {str(start.get('sha256'))[:12]}"
+            if start.get("stage") is not None
+            else f"model.lora.init {str(start.get('sha256'))[:12]}"
+        )
+        if start
+        else "model.lora",
+        "probe_success": next((r.get("success") for r in as_dict(stage.get("probe")).get("rows", [])), None),
+        "heldout_success": success(heldout.get("rows")),
+        "heldout_base_success": success(heldout.get("base_rows")),
+    }
+    for name in ("response-only", "exact"):
+        gain = as_dict(as_dict(stage.get("gains")).get(name))
+        row.update({f"{name}_gain": number(gain.get("gain")), f"{name}_gain_se": number(gain.get("standard_error"))})
+    row["lr0_mean"] = next((number(g.get("untrained_mean")) for g in as_dict(stage.get("gains")).values()), None)
+    return row
 
 
 def figures(data, ceiling: dict, marks=()):
@@ -408,8 +452,9 @@ def plot_rewards(rows, steps, title: str):
             run = sorted((s for s in mine if s["run"] == name), key=lambda s: s["step"])
             x = [s["step"] for s in run]
             mean, se = rolling([s["reward_mean"] for s in run], WINDOW)
-            color = colors.get(name, "#55a868")
-            lr = (row.get("lr") or 0) if name != UNTRAINED else 0
+            run_name = name.rsplit(":", 1)[-1]  # a curriculum stage's runs: "LENGTH:NAME"
+            color = colors.get(run_name, "#55a868")
+            lr = (row.get("lr") or 0) if run_name != UNTRAINED else 0
             ax.plot(x, mean, color=color, label=f"{name} (lr {lr:g})")
             ax.fill_between(
                 x, [m - e for m, e in zip(mean, se)], [m + e for m, e in zip(mean, se)], color=color, alpha=0.2
@@ -422,16 +467,39 @@ def plot_rewards(rows, steps, title: str):
 
 
 def longest_runs(cfg: PointConfig) -> list | None:
-    """With a probe, it trains at one of the probed lengths."""
+    """With a probe, it trains at one of the probed lengths (a curriculum's stages: `models`)."""
     probe = cfg.learning.probe
-    if probe is None:
+    if probe is None or cfg.learning.curriculum is not None:
         return None
     return [("learning.probe.lengths", max(probe.lengths), "responses.length", cfg.responses.length)]
 
 
+def models(cfg: PointConfig) -> list | None:
+    """A curriculum builds the point's model once per stage, with the stage's overrides, for the stage's length."""
+    if cfg.learning.curriculum is None:
+        return None
+    m = cfg.model
+    return [
+        Built(
+            m.preset,
+            m.path,
+            {**m.overrides, **stage.overrides},
+            overrides_key=f"learning.curriculum.stages[{i}].overrides",
+            dtype=m.dtype,
+            runs=((f"learning.curriculum.stages[{i}].length", stage.length, "responses.length", cfg.responses.length),),
+        )
+        for i, stage in enumerate(cfg.learning.curriculum.stages)
+    ]
+
+
 def tasks(cfg: PointConfig) -> list:
-    probe = cfg.learning.probe
-    lengths = (list(probe.lengths), "learning.probe.lengths") if probe else ([cfg.prompt.length], "prompt.length")
+    probe, curriculum = cfg.learning.probe, cfg.learning.curriculum
+    if curriculum is not None:
+        lengths = ([s.length for s in curriculum.stages], "learning.curriculum.stages")
+    elif probe is not None:
+        lengths = (list(probe.lengths), "learning.probe.lengths")
+    else:
+        lengths = ([cfg.prompt.length], "prompt.length")
     return [("learning.task", cfg.learning.task, *lengths)]
 
 
@@ -442,6 +510,7 @@ KIND = Kind(
     check=check,
     check_work=check_work,
     longest_runs=longest_runs,
+    models=models,
     tasks=tasks,
     exact_key=lambda cfg: "learning.gradients" if "exact" in cfg.learning.gradients else None,
     columns=columns,

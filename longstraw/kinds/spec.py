@@ -25,6 +25,9 @@ class Built:
     dtype_key: str = "model.dtype"
     device: str | None = None  # a device of its own (None: the point's model.device)
     device_key: str = "model.device"
+    # (prompt key, prompt, response key or None, response) of what this model runs, checked against its positions
+    # (a curriculum's stage: its length under its own RoPE scaling); None: the point's (`Kind.longest_runs`)
+    runs: tuple | None = None
 
 
 def _nothing(*_args):

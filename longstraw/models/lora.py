@@ -104,6 +104,35 @@ def load_adapter(model, path: str):
     return model
 
 
+ADAPTER_WEIGHTS = "adapter_model.safetensors"  # the file peft's `save_pretrained` writes an adapter's weights to
+
+
+def load_adapter_weights(model, path: str) -> None:
+    """Start `model`'s fresh LoRA adapter (`apply_lora`) from the weights of the trained adapter saved at `path`,
+    trainable as before: every LoRA weight of the model is replaced, each of the file's fits one of them (a
+    rank, a projection set or a model of another shape is refused, naming the weights that differ)."""
+    from pathlib import Path
+
+    from peft.utils import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    file = Path(path) / ADAPTER_WEIGHTS
+    if not file.is_file():
+        raise ValueError(f"model.lora.init: no trained adapter ({ADAPTER_WEIGHTS}) at {path}")
+    saved = load_file(str(file), device="cpu")
+    ours = {n: p for n, p in model.named_parameters() if "lora_" in n}
+    misfit = f"model.lora.init: the adapter at {path} does not fit this model's LoRA (model.lora: r, targets)"
+    try:
+        result = set_peft_model_state_dict(model, saved)
+    except RuntimeError as exc:  # torch's list of the weights of another shape
+        first = next((line.strip() for line in str(exc).splitlines() if "size mismatch" in line), str(exc))
+        raise ValueError(f"{misfit}: {first}") from None
+    missing = sorted(n for n in result.missing_keys if "lora_" in n)
+    if result.unexpected_keys or missing or len(saved) != len(ours):
+        listed = ", ".join((list(result.unexpected_keys) + missing)[:3]) or f"{len(saved)} saved, {len(ours)} here"
+        raise ValueError(f"{misfit}: {listed}")
+
+
 def _no_v4_moe_remap():
     """peft (0.21) turns the target names `gate_proj`/`up_proj`/`down_proj` on the MoE types transformers 5
     converts checkpoints of (glm4_moe, glm_moe_dsa, deepseek_v3/v32, qwen3_next, ...) into LoRA on the fused

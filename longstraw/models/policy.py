@@ -34,6 +34,10 @@ def build_policy(cfg: ModelConfig):
             targets=cfg.lora.targets,
             dtype=dtype if cfg.lora.dtype == "model" else None,
         )
+        if cfg.lora.init is not None:
+            from longstraw.models.lora import load_adapter_weights
+
+            load_adapter_weights(model, cfg.lora.init)
     return model
 
 

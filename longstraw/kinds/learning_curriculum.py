@@ -1,0 +1,151 @@
+"""A length curriculum of the learning kind (`learning.curriculum`), as QwenLong-L1 and LoongRL train: stage n
+trains `steps` GRPO steps at its `length`, the model built with its `overrides` (the RoPE scaling the length needs),
+its LoRA adapter starting from stage n-1's trained one (stage 0: `model.lora`'s own start).
+
+Each stage is one learning point's work at one length, fixed before it runs:
+- the probe (`learning.probe`: its `examples` and `success` range): the greedy success of the policy the stage
+  starts from, at the stage's length, on held-out seeds; outside the range the stage does not train, and no later
+  stage runs (none would have an adapter to start from);
+- the runs of `learning.gradients` at `optimizer.lr` and the lr-0 control, all from the same starting adapter, with
+  the same prompts and sampling seeds; V4's paired gain per gradient mode over the last `learning.window` steps
+  (`learning.gains`);
+- the held-out length curve (`kinds.length_curve`'s run, with `adapter:`) of the adapter carried on (the first
+  gradient mode's) at every stage length so far, beside the base model's (the adapter off) on the same examples.
+
+The adapters carried on are copied to `learning.curriculum.out` (`stage-<i>/adapter`), where they outlive the
+point; without it they go with the work folder when the point's result is written.
+
+Work folder: `stage-<i>/` holds the stage's probe, its runs' checkpoints (one every `learning.RESUME_EVERY` steps
+and at the last) and, once the stage is done, `stage.json`, its record (written atomically): a stage with one is
+never run again, and the next starts from the adapter it names, after its sha256 is checked. A record names the
+adapter it started from (path, sha256, the stage and run that trained it; stage 0: `model.lora.init`'s, or none)
+and the one it carries on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+from longstraw.config import PointConfig
+from longstraw.kinds import length_curve
+from longstraw.kinds.common import Progress
+from longstraw.kinds.learning_runs import gains, probe_lengths, remembered, train_runs
+from longstraw.results import check_writable, strict_json, write_text_atomic
+from longstraw.wheels import sha256_of
+
+STAGE_RECORD = "stage.json"  # a finished stage's record in its folder
+ADAPTER_WEIGHTS = "adapter_model.safetensors"  # peft's file of an adapter's weights (`models.lora`)
+
+
+def run_curriculum(cfg: PointConfig, device, progress: Progress, work: Path, checkpoint_every: int) -> dict:
+    """Every stage in order (a finished one read from its record), until one is not trained; each run checkpoints
+    every `checkpoint_every` steps and at its last."""
+    out = cfg.learning.curriculum.out
+    if out is not None:  # before any work: the adapters kept there can be written
+        check_writable(Path(out) / "stage-0.tmp", "learning.curriculum.out", overwrite=True)
+    init = cfg.model.lora.init  # a trained adapter stage 0 starts from (None: peft's initialisation)
+    start = None if init is None else {"path": init, "sha256": sha256_of(Path(init) / ADAPTER_WEIGHTS), "stage": None}
+    stages = []
+    for index, stage in enumerate(cfg.learning.curriculum.stages):
+        folder = work / f"stage-{index}"
+        record_file = folder / STAGE_RECORD
+        if record_file.is_file():
+            record = json.loads(record_file.read_text())
+            progress.line(f"learning curriculum: stage {index} ({stage.length:,} positions) done before; not rerun")
+        else:
+            record = run_stage(cfg, index, stage, start, folder, device, progress, checkpoint_every)
+            write_text_atomic(record_file, strict_json(record))
+        stages.append(record)
+        progress.partial({"stages": stages})
+        start = record["adapter"]
+        if start is None:
+            break
+        checked(start)
+    return {"stages": stages}
+
+
+def checked(adapter: dict) -> None:
+    """Refuse to go on from an adapter whose weights are no longer those a finished stage recorded."""
+    now = sha256_of(Path(adapter["path"]) / ADAPTER_WEIGHTS)
+    if now != adapter["sha256"]:
+        raise ValueError(
+            f"{adapter['path']}: its weights changed since stage {adapter['stage']} recorded them (sha256 "
+            f"{adapter['sha256'][:12]}..., now {now[:12]}...); remove the work folder to start over"
+        )
+
+
+def stage_config(cfg: PointConfig, stage, start: dict | None) -> PointConfig:
+    """The point's config as one stage runs it: the stage's overrides over the model's, its adapter starting from
+    `start` (None: `model.lora`'s own start), the stage's steps."""
+    lora = cfg.model.lora if start is None else dataclasses.replace(cfg.model.lora, init=start["path"])
+    model = dataclasses.replace(cfg.model, overrides={**cfg.model.overrides, **stage.overrides}, lora=lora)
+    learning = dataclasses.replace(cfg.learning, steps=stage.steps)
+    return dataclasses.replace(cfg, model=model, learning=learning)
+
+
+def run_stage(cfg, index: int, stage, start, folder: Path, device, progress: Progress, checkpoint_every: int) -> dict:
+    staged = stage_config(cfg, stage, start)
+    record = {
+        "stage": index,
+        "length": stage.length,
+        "steps": stage.steps,
+        "overrides": stage.overrides,
+        "start_adapter": start,
+        "adapter": None,
+    }
+    if cfg.learning.probe is not None:
+        probe = remembered(folder / "probe.json", lambda: probe_lengths(staged, progress, [stage.length]))
+        record["probe"] = probe
+        if probe["chosen_length"] is None:
+            return record
+    runs, resumed_at = train_runs(staged, folder, checkpoint_every, stage.length, progress)
+    carried = cfg.learning.gradients[0]
+    path = kept(
+        folder / carried / "checkpoints" / f"step-{stage.steps}" / "adapter", cfg.learning.curriculum.out, index
+    )
+    adapter = {"path": str(path), "sha256": sha256_of(path / ADAPTER_WEIGHTS), "stage": index, "run": carried}
+    lengths = [s.length for s in cfg.learning.curriculum.stages[: index + 1]]
+    return {
+        **record,
+        "runs": runs,
+        "gains": gains(runs, stage.steps - cfg.learning.window),
+        "resumed_at": resumed_at,
+        "adapter": adapter,
+        "heldout": heldout_curve(staged, adapter["path"], lengths, device),
+    }
+
+
+def kept(adapter: Path, out: str | None, index: int) -> Path:
+    """The stage's carried adapter, copied whole to `out/stage-<index>/adapter` (None: where it is). A copy there
+    already is kept when it holds the same weights, refused otherwise: a finished run is never overwritten."""
+    if out is None:
+        return adapter
+    target = Path(out) / f"stage-{index}" / "adapter"
+    if target.exists():
+        if sha256_of(target / ADAPTER_WEIGHTS) != sha256_of(adapter / ADAPTER_WEIGHTS):
+            raise ValueError(
+                f"learning.curriculum.out: {target} holds another run's stage-{index} adapter; choose another folder"
+            )
+        return target
+    tmp = target.with_name(target.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(adapter, tmp)
+    tmp.rename(target)  # there whole or not at all
+    return target
+
+
+def heldout_curve(staged: PointConfig, adapter: str, lengths: list[int], device) -> dict:
+    """The length curve (`kinds.length_curve`) of the model with `adapter` and without it, at `lengths`."""
+    section = length_curve.LengthCurveConfig(
+        task=dict(staged.learning.task),
+        lengths=lengths,
+        examples=staged.learning.curriculum.eval_examples,
+        adapter=adapter,
+    )
+    plain = dataclasses.replace(staged.model, lora=None)
+    curve_cfg = dataclasses.replace(staged, kind="length_curve", model=plain, length_curve=section, learning=None)
+    result = length_curve.run(curve_cfg, device, Progress())
+    return {k: result[k] for k in ("rows", "base_rows", "chance", "seed_base")}

@@ -1,0 +1,202 @@
+"""A length curriculum (`learning.curriculum`) on CPU through the CLI, with experiments/examples/curriculum_cpu.yaml:
+each stage's runs (the lr-0 control too) load the adapter the stage before saved, a command cut off mid-curriculum
+and run again does not redo a finished stage, the stages' gains are the paired statistic of their own recorded
+rewards; and bad stage settings are refused when the plan is made, naming the file and the key."""
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from longstraw import cli
+from longstraw.training.improvement import paired_gain, per_prompt_means
+
+EXAMPLE = Path(__file__).parents[1] / "experiments" / "examples" / "curriculum_cpu.yaml"
+
+
+class _EvenShare:
+    """The counting task's prompts with a dense reward (the share of even ids in the response): on a random tiny
+    model a group's rewards differ, so a trained stage moves its adapter."""
+
+    def __init__(self, vocab_size, **settings):
+        from longstraw.training.tasks import Counting
+
+        self.inner = Counting(vocab_size, **settings)
+
+    def make(self, seed):
+        return self.inner.make(seed)
+
+    def reward(self, example, response_ids):
+        return float((response_ids % 2 == 0).float().mean())
+
+
+def _lora_weights(model) -> dict:
+    """The model's LoRA weights under the names peft saves them by (no adapter name)."""
+    return {n.replace(".default", ""): p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+
+
+def test_a_curriculum_carries_each_stages_adapter_and_a_rerun_skips_finished_stages(tmp_path, monkeypatch):
+    from longstraw.kinds import learning_curriculum
+    from longstraw.models import lora
+    from longstraw.training.tasks import register_task
+    from longstraw.training.trainer import Trainer
+
+    register_task("curriculum_even_share", _EvenShare)
+    loads, steps, cut = [], [], []
+    load = lora.load_adapter_weights
+
+    def spy_load(model, path):
+        load(model, path)
+        loads.append((path, _lora_weights(model)))
+
+    step = Trainer.train_step
+
+    def spy_step(self, index):
+        steps.append(self.out.parent.name)  # the stage folder of the run taking the step
+        if steps.count("stage-1") == 3 and not cut:  # stage 1's second run, mid-way: the command is cut off
+            cut.append(index)
+            raise RuntimeError("cut off")
+        return step(self, index)
+
+    finals, whole_run = {}, Trainer.run
+
+    def spy_run(self, *args, **kwargs):
+        records = whole_run(self, *args, **kwargs)
+        finals[(self.out.parent.name, self.out.name)] = _lora_weights(self.model)
+        return records
+
+    monkeypatch.setattr(lora, "load_adapter_weights", spy_load)
+    monkeypatch.setattr(Trainer, "run", spy_run)
+    monkeypatch.setattr(Trainer, "train_step", spy_step)
+    out = tmp_path / "curriculum.json"
+    kept = tmp_path / "adapters"
+    args = ["run", str(EXAMPLE), "--out", str(out), "--set", "learning.task.name=curriculum_even_share"]
+    args += ["--set", f"learning.curriculum.out={kept}"]
+    assert cli.main(args) == 1
+    stage_0 = tmp_path / "curriculum.json.work" / "stage-0" / learning_curriculum.STAGE_RECORD
+    first_record = stage_0.read_text()
+    assert steps.count("stage-0") == 6  # 3 runs of 2 steps
+    assert json.loads(out.read_text())["status"] == "error"  # the point is not finished
+
+    steps.clear()
+    assert cli.main(args) == 0
+    assert "stage-0" not in steps and steps.count("stage-1") == 6 - 2  # stage 0 not redone; stage 1's first run kept
+    result = json.loads(out.read_text())
+    assert result["status"] == "ok"
+    stages = result["metrics"]["stages"]
+    assert json.loads(first_record) == stages[0]
+
+    # stage 1 started every run, the lr-0 control and its probe from the adapter stage 0 saved: its weights as the
+    # file holds them, its sha256 the file's
+    saved = stages[0]["adapter"]
+    assert stages[0]["start_adapter"] is None and stages[1]["start_adapter"] == saved
+    assert saved["path"] == str(kept / "stage-0" / "adapter") and not out.with_name(out.name + ".work").exists()
+    file = Path(saved["path"]) / "adapter_model.safetensors"
+    assert saved["sha256"] == hashlib.sha256(file.read_bytes()).hexdigest()
+    on_disk = {k.replace("base_model.model.", "", 1): v for k, v in load_file(str(file)).items()}
+    stage_1_loads = [w for path, w in loads if path == saved["path"]]
+    assert len(stage_1_loads) == len(loads) >= 3  # stage 1's probe and runs, in both commands
+    for weights in stage_1_loads:
+        assert {k.replace("base_model.model.", "", 1): v for k, v in weights.items()}.keys() == on_disk.keys()
+        assert all(torch.equal(weights[f"base_model.model.{k}"], v) for k, v in on_disk.items())
+
+    # the lr-0 control ends where it started (stage 0's adapter); the trained runs moved it
+    # the lr-0 control of stage 1 ends where it started (stage 0's adapter); its trained runs moved it
+    assert all(torch.equal(finals[("stage-1", "lr0")][f"base_model.model.{k}"], v) for k, v in on_disk.items())
+    moved = finals[("stage-1", "response-only")]
+    assert not all(torch.equal(moved[f"base_model.model.{k}"], v) for k, v in on_disk.items())
+
+    for stage in stages:
+        runs = stage["runs"]
+        for name in ("response-only", "exact"):
+            expected = paired_gain(per_prompt_means(runs[name], 0), per_prompt_means(runs["lr0"], 0))
+            assert stage["gains"][name] == pytest.approx(expected)
+        assert [r["length"] for r in stage["heldout"]["rows"]] == [64, 128][: stage["stage"] + 1]
+        assert len(stage["heldout"]["base_rows"]) == len(stage["heldout"]["rows"])
+    assert [s["length"] for s in stages] == [64, 128]
+    assert stages[1]["overrides"]["rope_parameters"]["factor"] == 2.0
+
+    # the row: the stages in a cell, the longest trained stage's gains in the gain columns (none reached V4 here), and
+    # one row per stage in the stages table, each naming the adapter it started from
+    from longstraw.kinds import learning
+
+    row = learning.columns(result)
+    assert row["trained_length"] == 128 and row["response-only_gain"] == stages[1]["gains"]["response-only"]["gain"]
+    assert row["exact_gain_se"] == stages[1]["gains"]["exact"]["standard_error"]
+    cell = [part.split(": ", 1) for part in row["curriculum"].split("; ")]
+    assert [length for length, _ in cell] == ["64", "128"]
+    assert all("response-only " in gains_ and "exact " in gains_ for _, gains_ in cell)
+    table = learning.tables([{**result, "kind": "learning", "point": "c"}])["stages"]
+    assert [(r["stage"], r["length"], r["rope"]) for r in table] == [(0, 64, "native"), (1, 128, "yarn x2.0")]
+    assert table[0]["start_adapter"] == "model.lora" and saved["sha256"][:12] in table[1]["start_adapter"]
+
+
+def _experiment(folder: Path, change) -> str:
+    """An experiment file whose one cpu point is the CPU example with `change` applied to its point mapping."""
+    point = yaml.safe_load(EXAMPLE.read_text())
+    point.pop("name")
+    change(point)
+    folder.mkdir()
+    experiment = {"name": "demo", "title": "Demo", "kind": "learning", "profiles": {"cpu": {"base": point}}}
+    (folder / "demo.yaml").write_text(yaml.safe_dump(experiment))
+    return str(folder)
+
+
+def _stages(point):
+    return point["learning"]["curriculum"]["stages"]
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        (
+            lambda p: _stages(p).reverse(),
+            "learning.curriculum.stages: stages[1].length 64 is not longer than stages[0].length 128",
+        ),
+        (lambda p: p["learning"]["task"].update(name="bogus"), "learning.task: unknown task 'bogus'"),
+        (
+            lambda p: _stages(p)[1].pop("overrides"),
+            "learning.curriculum.stages[1].length: 128 positions, more than the 80 the model was configured for",
+        ),
+        (lambda p: p["model"].pop("lora"), "learning.curriculum: its stages carry a LoRA adapter"),
+        (lambda p: p["learning"]["probe"].update(lengths=[64]), "learning.probe: lengths: a curriculum probes"),
+    ],
+)
+def test_bad_stage_settings_are_refused_when_the_plan_is_made(tmp_path, capsys, change, message):
+    assert cli.main(["plan", "--experiments", _experiment(tmp_path / "experiments", change)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "demo.yaml" in err and "Traceback" not in err
+    assert len(err.splitlines()) == 1
+
+
+def test_the_gpu_curriculum_is_planned_on_h200_only(tmp_path):
+    from longstraw.harness.plan import plan
+
+    experiments = Path(__file__).parents[1] / "experiments"
+    (tmp_path / "curriculum.yaml").write_text((experiments / "curriculum.yaml").read_text())
+    assert plan(tmp_path, "cpu") == {}
+    (point,) = plan(tmp_path, "h200")["curriculum"]["points"].values()
+    stages = point["config"].learning.curriculum.stages
+    assert [s.length for s in stages] == [32768, 65536, 131072]
+    assert [s.overrides["rope_parameters"]["factor"] for s in stages] == [4.0, 8.0, 16.0]
+
+
+def test_a_lora_adapter_starts_from_a_saved_one_and_refuses_another_shape(tmp_path):
+    from longstraw.config.sections import LoraConfig, ModelConfig
+    from longstraw.models.policy import build_policy
+
+    trained = build_policy(ModelConfig(preset="tiny-llama", lora=LoraConfig(r=4, init_random=True)))
+    trained.save_pretrained(tmp_path / "adapter")
+    on_disk = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    model = build_policy(ModelConfig(preset="tiny-llama", seed=1, lora=LoraConfig(r=4, init=str(tmp_path / "adapter"))))
+    weights = _lora_weights(model)
+    assert weights.keys() == on_disk.keys() and all(torch.equal(weights[k], v) for k, v in on_disk.items())
+    assert all(p.requires_grad for n, p in model.named_parameters() if "lora_" in n)
+    with pytest.raises(ValueError, match=r"model.lora.init: the adapter at .* does not fit .*size mismatch"):
+        build_policy(ModelConfig(preset="tiny-llama", lora=LoraConfig(r=8, init=str(tmp_path / "adapter"))))
+    with pytest.raises(ValueError, match=r"model.lora.init: no trained adapter \(adapter_model.safetensors\) at"):
+        build_policy(ModelConfig(preset="tiny-llama", lora=LoraConfig(r=4, init=str(tmp_path / "none"))))
