@@ -20,7 +20,7 @@ import torch
 
 from longstraw.kernels.decode_attention_triton import BLOCK_N, SPLITS_PER_SM, WARPS, decode_attention_triton
 from longstraw.measure.provenance import provenance
-from longstraw.measure.timing import graph_replay_seconds, seconds_per_call
+from longstraw.measure.timing import copy_bandwidth, graph_replay_seconds
 from longstraw.results import write_json_atomic
 
 # (name, layers with attention, query heads, K/V heads, head dim, prompt positions)
@@ -49,20 +49,13 @@ def _time(q, shared, own, settings) -> float:
     return graph_replay_seconds(step_all_layers, repeats=20) / len(shared)
 
 
-def _copy_bandwidth(device) -> float:
-    """Bytes a second of a large device-to-device copy (read + write)."""
-    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    return 2 * src.numel() / seconds_per_call(lambda: dst.copy_(src), device, 10, warmup=2)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     device = torch.device("cuda")
-    bandwidth = _copy_bandwidth(device)
+    bandwidth = copy_bandwidth(device, repeats=10)
     result = {"group": args.group, "copy_bandwidth_bytes_per_second": bandwidth, "provenance": provenance(device)}
     default = dict(splits_per_sm=SPLITS_PER_SM, block_n=BLOCK_N, warps=WARPS, stages=None)
     grid = itertools.product((1, 2, 4, 8), (32, 64, 128), (4, 8), (None, 2, 4))

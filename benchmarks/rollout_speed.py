@@ -40,7 +40,7 @@ import torch
 from longstraw.core.transaction import capture, replay
 from longstraw.families import adapter_for
 from longstraw.measure.provenance import provenance
-from longstraw.measure.timing import seconds_per_call, synchronize
+from longstraw.measure.timing import copy_bandwidth, seconds_per_call, synchronize
 from longstraw.models import build_model
 from longstraw.models.lora import apply_lora
 from longstraw.results import write_json_atomic
@@ -243,12 +243,8 @@ def _floor(model, state, args, device) -> dict:
     decode_bytes = weights + resident + per_row * (2 * args.group - 1)
     out = {"weight_bytes": weights, "resident_bytes": resident, "step_bytes": decode_bytes}
     if device.type == "cuda":
-        src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
-        dst = torch.empty_like(src)
-        seconds = seconds_per_call(lambda: dst.copy_(src), device, 20, warmup=2)
-        out["copy_bandwidth_bytes_per_second"] = 2 * src.numel() / seconds
+        out["copy_bandwidth_bytes_per_second"] = copy_bandwidth(device)
         out["floor_seconds"] = decode_bytes / out["copy_bandwidth_bytes_per_second"]
-        del src, dst
     return out
 
 

@@ -11,27 +11,12 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
+from test_learning import _EvenShare as EvenShare
 
 from longstraw import cli
 from longstraw.training.improvement import paired_gain, per_prompt_means
 
 EXAMPLE = Path(__file__).parents[1] / "experiments" / "examples" / "curriculum_cpu.yaml"
-
-
-class _EvenShare:
-    """The counting task's prompts with a dense reward (the share of even ids in the response): on a random tiny
-    model a group's rewards differ, so a trained stage moves its adapter."""
-
-    def __init__(self, vocab_size, **settings):
-        from longstraw.training.tasks import Counting
-
-        self.inner = Counting(vocab_size, **settings)
-
-    def make(self, seed):
-        return self.inner.make(seed)
-
-    def reward(self, example, response_ids):
-        return float((response_ids % 2 == 0).float().mean())
 
 
 def _lora_weights(model) -> dict:
@@ -45,7 +30,7 @@ def test_a_curriculum_carries_each_stages_adapter_and_a_rerun_skips_finished_sta
     from longstraw.training.tasks import register_task
     from longstraw.training.trainer import Trainer
 
-    register_task("curriculum_even_share", _EvenShare)
+    register_task("curriculum_even_share", EvenShare)  # test_learning's: a dense reward on counting prompts
     loads, steps, cut = [], [], []
     load = lora.load_adapter_weights
 

@@ -5,7 +5,7 @@ arithmetic to float64 in Triton's interpreter (tests/test_triton_interpreted.py)
 
 import pytest
 import torch
-from tolerances import EPS_BF16
+from tolerances import EPS_BF16, float32_tolerance
 
 from longstraw import capture
 from longstraw.families import adapter_for
@@ -189,7 +189,8 @@ def test_stacked_swiglu_is_silu_times_up_on_cuda():
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3"])
 def test_stacked_decoding_step_is_the_unstacked_one_on_cuda(preset):
     """One decoding step's logits with stacked projections and the fused rotary-append against the same step through
-    HF's modules (float32: the stacked GEMM sums each output in another order, the rotary rounds once)."""
+    HF's modules (float32: the stacked GEMMs sum each output in another order, the rotary rounds once): within
+    `float32_tolerance` of the hidden and intermediate reductions, two reordered a layer, of the largest logit."""
     model = _policy(preset, torch.float32)
     state = capture(model, torch.randint(0, 256, (400,), device="cuda"))
     adapter = adapter_for(model)
@@ -199,5 +200,6 @@ def test_stacked_decoding_step_is_the_unstacked_one_on_cuda(preset):
             decoder = Decoder(adapter, state, SamplingConfig(4, 4, cuda_graph=False))
             decoder.step()
             logits[stacked] = decoder.logits()  # the second token, over the own pages the first step wrote
-    scale = float(logits[False].abs().max())
-    assert (logits[True] - logits[False]).abs().max() <= 1e-4 * scale
+    config = model.config
+    tol = float32_tolerance(config.hidden_size, config.intermediate_size, roundings=2 * config.num_hidden_layers)
+    assert (logits[True] - logits[False]).abs().max() <= tol * float(logits[False].abs().max())

@@ -156,6 +156,9 @@ def test_resume_after_interruption_reproduces_the_run(tmp_path):
     assert [m["refreshed"] for m in resumed] == [True, False, False, True, False]
     assert _without_timing(resumed) == _without_timing(expected)
     assert json.loads((tmp_path / "b" / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 4
+    # what ran is recorded beside the metrics: the resumed call's, from the checkpoint of step 2
+    ran = json.loads((tmp_path / "b" / "provenance.json").read_text())
+    assert ran["resumed_at"] == 2 and {"commit", "device", "versions"} <= set(ran)
 
 
 def test_adaptive_refresh_follows_the_drift_signal(tmp_path):

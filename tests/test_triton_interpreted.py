@@ -356,6 +356,18 @@ def test_interpreted_swiglu_forward_and_backward_are_float32_roundings_of_float6
     assert ((first_term_only - expected[1]).abs() > bounds[1]).any()
 
 
+def test_interpreted_stacked_swiglu_is_a_float32_rounding_of_float64(interpreted):
+    """`swiglu_stacked_triton` on [gate | up] rows in float32 against silu(gate) * up in float64: the product of
+    sigmoid(g) (4 roundings) and two factors, 8 EPS32 of its value, times SAFETY; gate and up swapped fall outside."""
+    inputs, outputs = interpreted
+    gate, up = (t.double() for t in inputs["swiglu"][:2])
+    expected = gate * torch.sigmoid(gate) * up
+    bound = SAFETY * 8 * EPS32 * expected.abs()
+    assert outputs["swiglu stacked"].shape == expected.shape
+    assert ((outputs["swiglu stacked"].double() - expected).abs() <= bound).all()
+    assert ((up * torch.sigmoid(up) * gate - expected).abs() > bound).any()
+
+
 def _rotation_terms(x, cos, sin, partner_sine: bool):
     """Per feature of x [B, H, T, D] the magnitudes of the rotation's two terms, |x_c cos_c| + |x_p sin|, p the
     feature's partner (c + R/2 or c - R/2) and the sine the feature's own (forward) or the partner's (the
@@ -386,6 +398,25 @@ def test_interpreted_rotary_forward_and_backward_are_float32_roundings_of_float6
     assert dx.is_contiguous()
     flipped = rotate_half_formula(x.transpose(1, 2), cos, -sin)
     assert ((flipped - expected.detach()).abs() > bound).any()
+
+
+def test_interpreted_rope_append_rotates_q_and_k_and_writes_the_clocks_slot(interpreted):
+    """`rope_append_triton` in float32 against the rotate-half formula in float64: q and k rotated within 3 EPS32 of
+    their terms' magnitudes (times SAFETY; a flipped sine falls outside), k and v written at the clock's slot only,
+    v exactly."""
+    inputs, outputs = interpreted
+    q, k, v, cos, sin, _, _, step = inputs["rope append"]
+    q_out, k_own, v_own = outputs["rope append"]
+    slot = int(step)
+    for x, ours in ((q, q_out), (k, k_own[:, :, slot : slot + 1])):
+        x_BHTD = x.double().transpose(1, 2)
+        expected = rotate_half_formula(x_BHTD, cos.double(), sin.double())
+        bound = SAFETY * 3 * EPS32 * _rotation_terms(x_BHTD, cos.double(), sin.double(), partner_sine=False)
+        assert ((ours.double() - expected).abs() <= bound).all()
+        assert ((rotate_half_formula(x_BHTD, cos.double(), -sin.double()) - expected).abs() > bound).any()
+    assert torch.equal(v_own[:, :, slot], v[:, 0])
+    others = [i for i in range(k_own.shape[2]) if i != slot]
+    assert not k_own[:, :, others].any() and not v_own[:, :, others].any()
 
 
 @pytest.mark.parametrize("case", ["gdn scan from a state", "gdn scan from zeros"])

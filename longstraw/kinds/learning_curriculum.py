@@ -30,9 +30,10 @@ import shutil
 from pathlib import Path
 
 from longstraw.config import PointConfig
-from longstraw.kinds import length_curve
 from longstraw.kinds.common import Progress
 from longstraw.kinds.learning_runs import gains, probe_lengths, remembered, train_runs
+from longstraw.kinds.length_curve import LengthCurveConfig
+from longstraw.kinds.length_curve import run as run_length_curve
 from longstraw.results import check_writable, strict_json, write_text_atomic
 from longstraw.wheels import sha256_of
 
@@ -139,7 +140,7 @@ def kept(adapter: Path, out: str | None, index: int) -> Path:
 
 def heldout_curve(staged: PointConfig, adapter: str, lengths: list[int], device) -> dict:
     """The length curve (`kinds.length_curve`) of the model with `adapter` and without it, at `lengths`."""
-    section = length_curve.LengthCurveConfig(
+    section = LengthCurveConfig(
         task=dict(staged.learning.task),
         lengths=lengths,
         examples=staged.learning.curriculum.eval_examples,
@@ -147,5 +148,5 @@ def heldout_curve(staged: PointConfig, adapter: str, lengths: list[int], device)
     )
     plain = dataclasses.replace(staged.model, lora=None)
     curve_cfg = dataclasses.replace(staged, kind="length_curve", model=plain, length_curve=section, learning=None)
-    result = length_curve.run(curve_cfg, device, Progress())
+    result = run_length_curve(curve_cfg, device, Progress())
     return {k: result[k] for k in ("rows", "base_rows", "chance", "seed_base")}

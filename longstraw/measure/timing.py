@@ -25,6 +25,14 @@ def seconds_per_call(fn, device, repeats: int, warmup: int = 1) -> float:
     return (time.perf_counter() - start) / repeats
 
 
+def copy_bandwidth(device, repeats: int = 20) -> float:
+    """Bytes a second of a 1 GiB device-to-device copy (read + write): the memory bandwidth a kernel that streams
+    its bytes can reach here, the denominator of a bandwidth floor."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / seconds_per_call(lambda: dst.copy_(src), device, repeats, warmup=2)
+
+
 def graph_replay_seconds(fn, repeats: int, warmup: int = 3) -> float:
     """Mean device seconds of `fn()` recorded once as a CUDA graph and replayed `repeats` times back to back (CUDA
     events around the replays): work that runs inside a graph, as replay's members do, without the host's launch

@@ -38,9 +38,9 @@ def _weight_and_bias(linear, dtype):
     LoRA layer's merged weight (one plain adapter, no bias on lora_B) and its base's bias; None for anything else."""
     if type(linear) is nn.Linear:
         return linear.weight, linear.bias
-    if type(linear) is not in_place_lora_class() or single_plain_adapter(linear) is None:
+    name = single_plain_adapter(linear) if type(linear) is in_place_lora_class() else None
+    if name is None:
         return None
-    name = single_plain_adapter(linear)
     base, lora_A, lora_B = linear.base_layer, linear.lora_A[name], linear.lora_B[name]
     if lora_B.bias is not None or base.weight.dtype != dtype:
         return None

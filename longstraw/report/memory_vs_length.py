@@ -185,22 +185,11 @@ def _draw_ceilings(ax, mine: list[dict], ceiling_bytes, scale: float) -> None:
     """The device's ceiling, and a capacity search's lower, configured one (CPU: an emulated one)."""
     from longstraw.plotting.formatting import format_bytes
 
-    if ceiling_bytes:
-        ax.axhline(
-            ceiling_bytes / scale,
-            color="black",
-            linestyle="--",
-            linewidth=1,
-            label=f"ceiling {format_bytes(ceiling_bytes)}",
-        )
-    for value in sorted({r["search_ceiling"] for r in mine if r.get("search_ceiling")}):
-        ax.axhline(
-            value / scale,
-            color="black",
-            linestyle=":",
-            linewidth=1,
-            label=f"capacity search ceiling {format_bytes(value)}",
-        )
+    searches = sorted({r["search_ceiling"] for r in mine if r.get("search_ceiling")})
+    lines = [("--", "ceiling", ceiling_bytes)] if ceiling_bytes else []
+    lines += [(":", "capacity search ceiling", value) for value in searches]
+    for style, name, value in lines:
+        ax.axhline(value / scale, color="black", linestyle=style, linewidth=1, label=f"{name} {format_bytes(value)}")
 
 
 def _draw_paper_points(ax, paper_points, scale: float) -> None:

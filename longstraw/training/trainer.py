@@ -32,7 +32,8 @@ metrics (`reward`, `reward_std`, `rewards/<name>/mean` and `/std`, `frac_reward_
 null for None) and the `dataset_index`; `reward_mean` equals `reward` there.
 
 Outputs under `output.dir`: `metrics.jsonl` (one JSON object per step; with `report_to` its numbers also go to
-tensorboard or trackio, `training.watch`), and every
+tensorboard or trackio, `training.watch`), `provenance.json` (the commit, device and versions of the latest call,
+and the step it resumed at), and every
 `checkpoint_every` steps `checkpoints/step-N/` with the peft adapter (`adapter/`) and
 `trainer.pt` (trainable parameters at the step and at the state's capture, optimizer and
 schedule state, the resolved config). Resuming loads the newest checkpoint that reads (a torn one, a save or a copy
@@ -66,9 +67,10 @@ from longstraw.core.step import StepOptions, grpo_step, reference_policy
 from longstraw.core.transaction import capture, reuse_state
 from longstraw.cp import context_parallel
 from longstraw.measure.memory import PhaseRecorder
+from longstraw.measure.provenance import provenance
 from longstraw.models.policy import build_policy
 from longstraw.models.presets import check_preset
-from longstraw.results import SKIPPED, check_writable, strict_json, write_text_atomic
+from longstraw.results import SKIPPED, check_writable, strict_json, write_json_atomic, write_text_atomic
 from longstraw.training.example import TaskNotReady
 from longstraw.training.optimizer import build_optimizer
 from longstraw.training.oracle import parameter_drift
@@ -500,6 +502,8 @@ class Trainer:
             if not resume:
                 shutil.rmtree(self.out / "checkpoints", ignore_errors=True)
             write_text_atomic(metrics_path, "".join(line + "\n" for line in lines))
+            # what ran: the code, the device, the libraries (a resumed run's call its own, from the step it went on)
+            write_json_atomic(self.out / "provenance.json", {**provenance(self.device), "resumed_at": first})
         every, steps = self.cfg.output.checkpoint_every, self.cfg.steps
         bar = tqdm(
             range(first, steps),
