@@ -50,11 +50,69 @@ def test_graphed_steps_give_each_steps_own_eager_gradient(preset, checkpoint_lay
             (eager, expected), (graphed, grads) = runs["eager"], runs["graphed"]
             assert graphed["member_graph_records"] == [1, 1, 2][n]
             assert ("graph_record" in graphed["phases"]) == (n != 1)
-            # the same saved tensors, but the advantages: each member's scalar read from the graph's buffer of G
-            assert abs(graphed["graph_bytes_peak"] - eager["graph_bytes_peak"]) <= 8 * len(lengths)
+            # the same saved tensors, but the graph's buffers: each member's advantage and token weight (two float
+            # buffers of G) and its loss mask (a bool a token)
+            extra = 2 * 8 * len(lengths) + sum(lengths)
+            assert abs(graphed["graph_bytes_peak"] - eager["graph_bytes_peak"]) <= extra
             assert eager["graph_bytes_peak"] > 0
             within(max_relative_error(grads, expected), TOL64, f"step {n}: max relative gradient error")
             within(abs(graphed["loss"] - eager["loss"]), TOL64 * max(abs(eager["loss"]), 1.0), f"step {n}: loss")
+
+
+@pytest.mark.cuda
+@pytest.mark.numerics
+@pytest.mark.parametrize("masked", [False, True], ids=["whole", "masked"])
+def test_padded_graphs_serve_groups_of_any_lengths_with_the_eager_gradient(masked):
+    # a trainer's groups: sampled lengths change every step; padded to 8 tokens inside the graph, three groups of
+    # other lengths launch one graph ("auto" k sized when recording) and each gives the eager unpadded step's
+    # gradient, loss and log-probs (float64 on CUDA), with or without loss masks (a multi-turn trajectory's)
+    model = float64_model("tiny-llama", seed=5).cuda()
+    config = grpo.GRPOConfig(num_generations=4, beta=0.0, loss_type="dapo")
+    graphs = MemberGraphs(pad_to=8)
+    for n, (seed, lengths) in enumerate([(1, (3, 8, 1, 5)), (2, (6, 2, 7, 4)), (3, (8, 8, 2, 1))]):
+        prompt, responses, rewards = _group(seed, lengths, "cuda")
+        g = torch.Generator().manual_seed(seed)
+        masks = [torch.rand(k, generator=g).cuda() < 0.7 for k in lengths] if masked else None
+        runs = {}
+        for name, kept in (("eager", None), ("graphed", graphs)):
+            recorder = GradientRecorder(model)
+            options = StepOptions(micro_batch="auto")
+            step = grpo_step(
+                model, prompt, responses, rewards, recorder, config, options, graphs=kept, loss_masks=masks
+            )
+            runs[name] = step.metrics, recorder.grads
+        (eager, expected), (graphed, grads) = runs["eager"], runs["graphed"]
+        assert graphed["member_graph_records"] == 1 and graphed["micro_batch"] == graphs.micro_batch >= 1
+        assert graphed["response_tokens"] == list(lengths)
+        within(max_relative_error(grads, expected), TOL64, f"group {n}: max relative gradient error")
+        within(abs(graphed["loss"] - eager["loss"]), TOL64 * max(abs(eager["loss"]), 1.0), f"group {n}: loss")
+    with pytest.raises(ValueError, match="a response of 9 tokens exceeds the graph's 8"):
+        prompt, responses, rewards = _group(4, (9, 1, 1, 1), "cuda")
+        grpo_step(model, prompt, responses, rewards, GradientRecorder(model), config, graphs=graphs)
+
+
+def test_a_padded_objective_gives_each_members_unpadded_loss():
+    # what a padded graph computes per member, on the CPU: the unpadded member's loss (response_loss, TRL's terms:
+    # test_grpo), whatever the pads' log-probs hold (inf included), with and without a loss mask; float64 sums
+    # of the same terms and zeros
+    from longstraw.core.member_graphs import padded_objective
+
+    g = torch.Generator().manual_seed(0)
+    lengths, padded = [3, 5, 1], [6, 6, 6]
+    config = grpo.GRPOConfig(num_generations=3, beta=0.0, loss_type="dapo")
+    logps = [-torch.rand(n, generator=g, dtype=torch.float64) for n in lengths]
+    old = [lp + 0.1 * torch.randn(n, generator=g, dtype=torch.float64) for lp, n in zip(logps, lengths)]
+    for masks in (None, [torch.tensor(m) for m in ([True, False, True], [False] * 4 + [True], [True])]):
+        counts = lengths if masks is None else [int(m.sum()) for m in masks]
+        objective = grpo.GroupObjective(
+            old, None, torch.tensor([0.5, -1.0, 2.0]), grpo.token_weights(counts, config), config, masks
+        )
+        padded_one = padded_objective(objective, lengths, padded, torch.device("cpu"))
+        for i, lp in enumerate(logps):
+            pads = torch.full((padded[i] - lengths[i],), float("-inf"), dtype=torch.float64)
+            got = padded_one.member_loss(i, torch.cat([lp, pads]))
+            expected = objective.member_loss(i, lp)
+            within(abs(float(got - expected)), TOL64 * abs(float(expected)), f"member {i}, masks {masks}")
 
 
 @pytest.mark.cuda
@@ -102,8 +160,8 @@ def test_graphs_are_refused_before_any_work_where_they_cannot_run():
     "change, message",
     [
         ({"mode": "naive"}, r"mode 'naive' \(mode replay only\); device 'cpu'"),
-        ({"replay": {"cuda_graph": True, "micro_batch": "auto"}}, r"device 'cpu' .*; replay.micro_batch 'auto'"),
-        ({"kind": "capacity"}, r"kind 'capacity' \(kind step only\)"),
+        ({"replay": {"cuda_graph": True, "micro_batch": "auto"}}, r"device 'cpu' \(a CUDA device only\)$"),
+        ({"kind": "capacity"}, r"kind 'capacity' \(kind step or learning only\)"),
     ],
 )
 def test_a_point_refuses_cuda_graphs_it_cannot_run(change, message):

@@ -14,7 +14,7 @@ from transformers import GenerationConfig
 from longstraw.core import grpo
 from longstraw.core.hf_reference import hf_conditional_logprobs, hf_full_logprobs
 from longstraw.training import tasks
-from longstraw.training.trainer import Trainer
+from longstraw.training.trainer import Trainer, resolve
 
 
 class _ParityTask:
@@ -199,6 +199,13 @@ def test_exact_gradient_training_steps_on_the_full_sequence_gradient(tmp_path):
     assert runs["exact"]["grad_norm"] != pytest.approx(runs["response-only"]["grad_norm"], rel=1e-3)
     with pytest.raises(ValueError, match="gradient: 'exact' needs a capture with the current parameters"):
         Trainer(_config(tmp_path / "x", gradient="exact", refresh={"policy": "every", "every": 2}))
+
+
+def test_recorded_member_graphs_are_refused_off_cuda_before_the_model():
+    with pytest.raises(
+        ValueError, match=r"replay.cuda_graph: records the members on one CUDA device; model.device is 'cpu'"
+    ):
+        resolve({"model": {"preset": "tiny-llama", "device": "cpu"}, "replay": {"cuda_graph": True}}, "t.yaml")
 
 
 def test_report_to_sends_each_steps_numbers_to_the_backend(tmp_path, monkeypatch):

@@ -85,7 +85,9 @@ class ReplayConfig:
     # member alone, then as many as its graph bytes fit half the device's free memory (`StepOptions`)
     micro_batch: int | Literal["auto"] = bounded(1, min=1)
     # the members, their losses and their backward as one CUDA graph recorded on the first step and launched on
-    # later ones (`longstraw.core.member_graphs`): kind step, mode replay, on CUDA, with a given micro_batch
+    # later ones (`longstraw.core.member_graphs`), on CUDA: kind step (mode replay), or the trainer's response-only
+    # runs (each sampled group padded to the answer budget, so one graph serves every step; the exact gradient's
+    # runs replay eagerly); "auto" micro_batch sized by one member when recording
     cuda_graph: bool = False
 
 

@@ -147,6 +147,11 @@ class TrainConfig:
                 f"reward_weights: {len(self.reward_weights)} weights for {len(self.reward_funcs)} "
                 "reward functions (reward_funcs); give one per function, or none (1.0 each)"
             )
+        if self.replay.cuda_graph and (not self.model.device.startswith("cuda") or self.cp_size > 1):
+            raise ValueError(
+                f"replay.cuda_graph: records the members on one CUDA device; model.device is "
+                f"{self.model.device!r} and cp_size {self.cp_size}"
+            )
         if self.gradient == "exact" and (self.refresh.policy, self.refresh.every) != ("every", 1):
             raise ValueError(
                 "gradient: 'exact' needs a capture with the current parameters every step "

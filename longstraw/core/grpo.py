@@ -284,21 +284,24 @@ def response_loss(
     """One response's contribution to the group loss: ``weight * per_token_loss(...).sum()``.
 
     ``weight`` is this response's entry of :func:`token_weights` (a float or 0-d tensor; it is
-    converted to a python float so the result keeps the per-token loss dtype). ``mask`` (bool ``[R]``):
+    converted to a python float so the result keeps the per-token loss dtype; a 0-d tensor on the loss's
+    device is read as is: a recorded graph's buffer, whose value is set, and was checked, at each launch:
+    ``core.member_graphs``). ``mask`` (bool ``[R]``):
     only its True tokens bear loss (a multi-turn trajectory's actions; its observations are context, as
     TRL masks tool outputs), and the weights then count only those (:func:`token_weights` of the masks' sums).
     """
-    if isinstance(weight, torch.Tensor):
-        if weight.numel() != 1:
-            raise ValueError(f"weight must be a scalar, got shape {tuple(weight.shape)}")
-        weight = float(weight)
-    if not _is_real(weight) or not math.isfinite(weight) or weight < 0:
-        raise ValueError(f"weight must be a finite scalar >= 0, got {weight!r}")
+    if isinstance(weight, torch.Tensor) and weight.numel() != 1:
+        raise ValueError(f"weight must be a scalar, got shape {tuple(weight.shape)}")
+    buffer = isinstance(weight, torch.Tensor) and weight.device == logp_R.device and weight.device.type != "cpu"
+    if not buffer:
+        weight = float(weight) if isinstance(weight, torch.Tensor) else weight
+        if not _is_real(weight) or not math.isfinite(weight) or weight < 0:
+            raise ValueError(f"weight must be a finite scalar >= 0, got {weight!r}")
     loss = per_token_loss(logp_R, old_logp_R, ref_logp_R, advantage, config)
     if mask is not None:
         _check_same_len("mask", mask, logp_R)
         loss = loss.where(mask.to(loss.device), 0.0)  # where, not a product: an unmasked inf stays out
-    return loss.sum() * float(weight)
+    return loss.sum() * (weight.reshape(()).to(loss.dtype) if buffer else weight)
 
 
 @dataclass(frozen=True)

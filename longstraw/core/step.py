@@ -21,6 +21,7 @@ replays, so their accumulated gradients agree; they differ only in memory and ti
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from contextlib import contextmanager, nullcontext
@@ -171,11 +172,9 @@ def grpo_step(
     `MemberGraphs` the caller keeps across steps; mode replay on CUDA): the members, their losses and their
     backward run as one CUDA graph, recorded on the first step of a signature (phase `graph_record`) and
     launched on later ones (`longstraw.core.member_graphs`). `loss_masks` (one bool [R_i] per response, modes
-    replay without `graphs`, hold_all and naive): only the True tokens bear loss and count in the token weights
+    replay, hold_all and naive): only the True tokens bear loss and count in the token weights
     (a multi-turn trajectory replayed as one member: its actions; its observations are context)."""
     rewards, advantages, weights = group_objective(responses, rewards, config, advantages, loss_masks)
-    if loss_masks is not None and graphs is not None:
-        raise ValueError("loss_masks: the recorded member graphs (graphs) take no loss masks yet; pass graphs=None")
     check_step_states(responses, options, state, ref_state)
     adapter = adapter_for(model)
     check_step_inputs(adapter, prompt_ids, responses, options, state, ref_state, old_logps, sampler_logps, graphs)
@@ -393,9 +392,6 @@ def check_graphs(graphs, adapter, options: StepOptions, state) -> None:
     problems = [
         f"the model is on {adapter.device}, not a CUDA device" if adapter.device.type != "cuda" else None,
         f"mode {options.mode!r} (mode replay only)" if options.mode != "replay" else None,
-        "micro_batch 'auto' (its k comes from an eager first member; give k)"
-        if options.micro_batch == "auto"
-        else None,
         "prefix_grad (the exact mode)" if options.prefix_grad else None,
         "a context-parallel capture" if options.capture.get("cp") is not None else None,
         "host_pages (a graph reads device memory)" if options.capture.get("host_pages") else None,
@@ -543,14 +539,18 @@ def naive_backward(model, prompt_ids, responses, objective, recorder):
 def replay_backward(model, state, responses, objective, options: StepOptions, recorder, graphs, meter):
     """replay: one graph and one backward per batch of `options.micro_batch` members (all batches as one
     recorded CUDA graph with `graphs`); "auto" replays the first member alone and sizes the later batches by
-    its graph bytes. Returns (losses, log-probs, the batch size used)."""
+    its graph bytes (with `graphs`, when recording). Returns (losses, log-probs, the batch size used)."""
     k, start = (1 if options.micro_batch == "auto" else options.micro_batch), 0
-    if graphs is not None:
-        batches = [range(s, min(s + k, len(responses))) for s in range(0, len(responses), k)]
+    if graphs is not None:  # "auto": sized from one member when the graph records
+        sizing = options.micro_batch
+        if sizing == "auto":
+            sizing = functools.partial(
+                members_that_fit, budget=options.member_budget_bytes, device=state.device, remaining=len(responses)
+            )
         run = graphs.run(
-            adapter_for(model), state, responses, batches, objective, options.checkpoint_layers, recorder, meter
+            adapter_for(model), state, responses, sizing, objective, options.checkpoint_layers, recorder, meter
         )
-        return (*run, k)
+        return (*run, graphs.micro_batch)
     losses, logps = [], []
     while start < len(responses):
         members = range(start, min(start + k, len(responses)))

@@ -233,16 +233,15 @@ def check_step_options(cfg: PointConfig, kind, source: str) -> None:
 
 
 def check_cuda_graph(cfg: PointConfig, kind, source: str) -> None:
-    only = " or ".join(kinds.names_with("step_options"))
+    only = " or ".join(kinds.names_with("step_options") + kinds.names_with("trains"))
     problems = [
-        f"kind {cfg.kind!r} (kind {only} only)" if not kind.step_options else None,
-        f"mode {cfg.mode!r} (mode replay only)" if cfg.mode != "replay" else None,
+        f"kind {cfg.kind!r} (kind {only} only)" if not (kind.step_options or kind.trains) else None,
+        f"mode {cfg.mode!r} (mode replay only)" if kind.step_options and cfg.mode != "replay" else None,
         f"device {cfg.model.device!r} (a CUDA device only)" if not cfg.model.device.startswith("cuda") else None,
-        "replay.micro_batch 'auto' (give k)" if cfg.replay.micro_batch == "auto" else None,
         f"cp_size {cfg.cp_size} (one process only)" if cfg.cp_size > 1 else None,
         "capture.host_pages (a graph reads device memory)" if cfg.capture.host_pages else None,
         "responses.source 'rollouts' (sampled lengths change every step)"
-        if cfg.responses.source == "rollouts"
+        if kind.step_options and cfg.responses.source == "rollouts"
         else None,
     ]
     if any(problems):

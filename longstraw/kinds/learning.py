@@ -507,6 +507,7 @@ KIND = Kind(
     "learning",
     run=run,
     section=LearningConfig,
+    trains=True,
     check=check,
     check_work=check_work,
     longest_runs=longest_runs,

@@ -80,6 +80,9 @@ class Kind:
     host_pages: bool = True  # capture.host_pages applies to its captures
     # the options of a point's own GRPO steps apply: `recapture`, `responses.source: rollouts`, `replay.cuda_graph`
     step_options: bool = False
+    # its runs are the trainer's (`training.trainer`): `replay.cuda_graph` records the response-only runs' members,
+    # each sampled group padded to the answer budget
+    trains: bool = False
     shards_state: bool = True  # context parallelism applies (a search's probes run as single processes)
     # report half (plain Python; matplotlib only inside `figures`)
     columns: Callable = _no_columns  # `columns(point) -> dict`: its cells of the point's row

@@ -6,11 +6,13 @@
 One optimizer step per prompt visit, `steps_per_prompt` consecutive steps per task example:
 1. capture the prompt (or reuse the resident state captured at an earlier step of this prompt);
 2. sample G responses from the state (`longstraw.training.rollout`, seeded by step), reward them;
-3. old-policy log-probs come from sampling; reference log-probs (when `grpo.beta > 0`) are scored
+3. old-policy log-probs are the replay's own (on-policy, ratio 1; the sampler's are compared with them:
+   `logp_mismatch_sampler`); reference log-probs (when `grpo.beta > 0`) are scored
    graph-free with the adapter disabled, on the prompt as the reference captured it (one extra
    capture and resident state per prompt; the frozen base never makes it stale);
-4. serial replay with one backward per response (`grpo_step`, mode `replay`), gradient clipping,
-   the optimizer step and the learning-rate schedule (constant or cosine, linear warm-up).
+4. the replay (`grpo_step`, mode `replay`: `replay.micro_batch` members a batch, or with
+   `replay.cuda_graph` one recorded CUDA graph for every step's group, padded to `max_new_tokens`), gradient
+   clipping, the optimizer step and the learning-rate schedule (constant or cosine, linear warm-up).
 
 Prefix reuse and its refresh policy (`refresh`): the state is captured with the parameters of
 its capture step and goes stale as they move. `every: K` recaptures when the state is K steps
@@ -63,6 +65,7 @@ from tqdm import tqdm
 
 from longstraw.config import TrainConfig, resolve_train, to_mapping
 from longstraw.core.determinism import deterministic_mode
+from longstraw.core.member_graphs import MemberGraphs
 from longstraw.core.step import StepOptions, grpo_step, reference_policy
 from longstraw.core.transaction import capture, reuse_state
 from longstraw.cp import context_parallel
@@ -185,6 +188,10 @@ class Trainer:
             checkpoint_layers=cfg.replay.checkpoint_layers,
             micro_batch=cfg.replay.micro_batch,
         )
+        # sampled answers change length every step: padded to the answer budget inside the graph, the members of
+        # every step launch one recorded graph (the exact gradient's prompt-side term is not recordable: eager)
+        graphed = cfg.replay.cuda_graph and not self.exact
+        self.member_graphs = MemberGraphs(pad_to=cfg.sampling.max_new_tokens) if graphed else None
         self.out = Path(cfg.output.dir)
         self.state = self.capture_step = self.capture_params = None
         self.ref_state = self.ref_prompt = None
@@ -361,6 +368,7 @@ class Trainer:
             ref_state=ref_state,
             sampler_logps=rollouts.logprobs,
             advantages=advantages,
+            graphs=self.member_graphs,
         ).metrics
 
     # ---- checkpoints
