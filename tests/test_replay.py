@@ -152,3 +152,21 @@ def test_capture_runs_neither_the_last_layers_mlp_nor_its_attention(preset, monk
         assert state.layers[-1].length == state.positions
     replay(model, state, _ids(3, 7))
     assert calls["last"] > 0
+
+
+def test_a_states_fingerprint_sees_one_flipped_bit_and_a_swap_of_two_positions():
+    # the fingerprint `state_unchanged` rests on: equal for an equal copy, different after one bit of one page
+    # flips (the last word of the last layer's first tensor, where a chunked sum could miss it) or after two
+    # positions swap (position weights: a plain sum would not see it)
+    model = build_model("tiny-llama", seed=0)
+    state = capture(model, _ids(40, 1), chunk_size=16)
+    before = state.fingerprint()
+    page = state.layers[-1].tensors()[0]
+    words = page.view(-1).view(torch.int32)
+    words[-1] ^= 1
+    assert state.fingerprint() != before
+    words[-1] ^= 1
+    assert state.fingerprint() == before
+    flat = page.view(-1)
+    flat[[0, 1]] = flat[[1, 0]].clone()
+    assert flat[0] != flat[1] and state.fingerprint() != before

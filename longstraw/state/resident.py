@@ -163,11 +163,18 @@ class ResidentState:
         return self.predicted_bytes_per_position * self.local_positions + self.predicted_constant_bytes
 
     def fingerprint(self) -> int:
-        """A position-sensitive checksum of every state byte: changes if any bit of any page changes."""
+        """A position-sensitive checksum of every state byte: changes if any bit of any page changes. The
+        tensors' chunk sums stay on their devices until one transfer each (a state of 60 pages: one sync, not 60)."""
+        sums = [(index, _chunk_sums(t)) for index, layer in enumerate(self.layers) for t in layer.tensors()]
+        by_device: dict = {}
+        for _, s in sums:
+            by_device.setdefault(s.device, []).append(s)
+        host = {device: iter(torch.cat(parts).tolist()) for device, parts in by_device.items()}
         total = 0
-        for index, layer in enumerate(self.layers):
-            for t in layer.tensors():
-                total = (total * 1_000_003 + index + _checksum(t)) % (1 << 61)
+        for index, s in sums:
+            values = [next(host[s.device]) for _ in range(s.numel())]
+            checksum = sum(v * (chunk + 1) for chunk, v in enumerate(values)) % (1 << 61)
+            total = (total * 1_000_003 + index + checksum) % (1 << 61)
         return total
 
     def snapshot(self) -> list:
@@ -189,20 +196,20 @@ class ResidentState:
         self.prefix_trace.backward(self)
 
 
-def _checksum(t: torch.Tensor) -> int:
-    """Sum of the tensor's raw 32/16-bit words weighted by position (mod a prime), in chunks."""
+def _chunk_sums(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's raw 32-bit words weighted by position (mod 65521, plus 1) and summed per chunk of
+    `_FINGERPRINT_CHUNK` words: int64 [chunks] on the tensor's device (int64 wraps alike on every device)."""
     if t.numel() == 0:
-        return 0
+        return torch.zeros(0, dtype=torch.int64, device=t.device)
     words = t.detach().contiguous().view(-1).view(torch.uint8)
     pad = (-words.numel()) % 4
     if pad:
         words = torch.cat([words, words.new_zeros(pad)])
     words = words.view(torch.int32)
-    total = 0
-    weights = None
+    sums, weights = [], None
     for start in range(0, words.numel(), _FINGERPRINT_CHUNK):
         chunk = words[start : start + _FINGERPRINT_CHUNK].to(torch.int64)
         if weights is None or weights.numel() != chunk.numel():
             weights = torch.arange(chunk.numel(), device=chunk.device, dtype=torch.int64) % 65521 + 1
-        total = (total + int((chunk * weights).sum().item()) * (start // _FINGERPRINT_CHUNK + 1)) % (1 << 61)
-    return total
+        sums.append((chunk * weights).sum())
+    return torch.stack(sums)
