@@ -5,6 +5,7 @@ rewards; and bad stage settings are refused when the plan is made, naming the fi
 
 import hashlib
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -118,6 +119,19 @@ def test_a_curriculum_carries_each_stages_adapter_and_a_rerun_skips_finished_sta
     table = learning.tables([{**result, "kind": "learning", "point": "c"}])["stages"]
     assert [(r["stage"], r["length"], r["rope"]) for r in table] == [(0, 64, "native"), (1, 128, "yarn x2.0")]
     assert table[0]["start_adapter"] == "model.lora" and saved["sha256"][:12] in table[1]["start_adapter"]
+    # the exact-minus-response-only gap of each stage, by hand: the two trained runs' per-prompt mean rewards over
+    # the stage's last window (one prompt a step), their mean difference and its standard error (sample sd / sqrt n)
+    for stage, r in zip(stages, table):
+        window = [
+            (e, o)
+            for e, o in zip(stage["runs"]["exact"], stage["runs"]["response-only"])
+            if e["step"] >= stage["steps"] - stage["window"]
+        ]
+        d = [statistics.fmean(e["rewards"]) - statistics.fmean(o["rewards"]) for e, o in window]
+        assert r["exact_minus_response_only"] == pytest.approx(statistics.fmean(d), abs=1e-12)
+        assert r["exact_minus_response_only_se"] == pytest.approx(statistics.stdev(d) / len(d) ** 0.5, abs=1e-12)
+        seconds = [s["seconds"] for s in stage["runs"]["response-only"][1:]]
+        assert r["step_seconds"] == pytest.approx(statistics.median(seconds))
 
 
 def _experiment(folder: Path, change) -> str:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -268,12 +269,17 @@ EXTRA_TABLES = {
             "response-only_gain_se",
             "exact_gain",
             "exact_gain_se",
+            "exact_minus_response_only",
+            "exact_minus_response_only_se",
             "lr0_mean",
             "heldout_success",
             "heldout_base_success",
+            "step_seconds",
         ],
         "Each stage starts every run (lr0 too) from the adapter the stage before carried on (its sha256); held-out: "
-        "greedy success at the stage's length on the length curve's seeds, with the stage's adapter and without it.",
+        "greedy success at the stage's length on the length curve's seeds, with the stage's adapter and without it; "
+        "exact minus response-only: the two trained runs' paired difference on the stage's last window of prompts; "
+        "step seconds: the response-only run's median step after its first (capture, sampling, replay, update).",
     ),
 }
 CAPTIONS = {
@@ -416,6 +422,12 @@ def stage_row(stage: dict) -> dict:
         gain = as_dict(as_dict(stage.get("gains")).get(name))
         row.update({f"{name}_gain": number(gain.get("gain")), f"{name}_gain_se": number(gain.get("standard_error"))})
     row["lr0_mean"] = next((number(g.get("untrained_mean")) for g in as_dict(stage.get("gains")).values()), None)
+    runs, steps, window = as_dict(stage.get("runs")), stage.get("steps"), stage.get("window")
+    gap = gradient_gap(runs, steps - window) if runs and steps is not None and window is not None else None
+    row["exact_minus_response_only"] = gap["gain"] if gap else None
+    row["exact_minus_response_only_se"] = gap["standard_error"] if gap else None
+    seconds = [number(s.get("seconds")) for s in (runs.get("response-only") or [])[1:]]
+    row["step_seconds"] = statistics.median(seconds) if seconds and None not in seconds else None
     return row
 
 

@@ -93,6 +93,7 @@ def run_stage(cfg, index: int, stage, start, folder: Path, device, progress: Pro
         "stage": index,
         "length": stage.length,
         "steps": stage.steps,
+        "window": cfg.learning.window,
         "overrides": stage.overrides,
         "start_adapter": start,
         "adapter": None,
