@@ -10,7 +10,8 @@ random B, as a policy in training), one random prompt of --length tokens capture
 - ours, a decoding step eagerly (`training.rollout.Decoder.step`, the plain reference) and through the recorded
   CUDA graph (`DecodeGraph`): ms a step over --steps steps after two warm-up steps, and whether both give the same
   tokens from one seed; and one whole `sample()` call of --tokens tokens (its one-off costs: merged LoRA weights,
-  the graph's recording);
+  the graph's recording); then a later call's wall time, plain (those costs again) and through a `DecodeSession`
+  an earlier call built (the state copied in, the weights refreshed in place, only launches), as a trainer's steps;
 - HF's eager decode on the same policy (peft's LoRA layers unmerged, as a peft model generates): its own forward
   over the prompt into a `DynamicCache`, repeated to the G rows
   (`batch_repeat_interleave`), then one token a step;
@@ -44,7 +45,7 @@ from longstraw.measure.timing import copy_bandwidth, seconds_per_call, synchroni
 from longstraw.models import build_model
 from longstraw.models.lora import apply_lora
 from longstraw.results import write_json_atomic
-from longstraw.training.rollout import DecodeGraph, Decoder, SamplingConfig, decoding, sample
+from longstraw.training.rollout import DecodeGraph, Decoder, DecodeSession, SamplingConfig, decoding, sample
 
 LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC", "cudaGraphLaunch")
 
@@ -89,6 +90,24 @@ def _ours(model, state, args, device) -> dict:
         "graphed": rollouts.graphed,
         "steps": rollouts.steps,
     }
+    out["later_call"] = _later_calls(model, state, args, device)
+    return out
+
+
+def _later_calls(model, state, args, device, repeats: int = 3) -> dict:
+    """A later `sample()` call's seconds (the best of `repeats`), plain and through a session its first call built."""
+    session, config = DecodeSession(), _config(args, args.tokens)
+    sample(model, state, config, session=session)
+    out = {}
+    for name, kwargs in (("plain", {}), ("session", {"session": session})):
+        seconds = []
+        for _ in range(repeats):
+            synchronize(device)
+            start = time.perf_counter()
+            sample(model, state, config, **kwargs)
+            synchronize(device)
+            seconds.append(time.perf_counter() - start)
+        out[f"{name}_seconds"] = min(seconds)
     return out
 
 
@@ -250,6 +269,7 @@ def _floor(model, state, args, device) -> dict:
 
 def _ratios(result: dict) -> dict:
     ours, hf, floor = result.get("ours", {}), result.get("hf", {}), result.get("floor", {})
+    later = ours.get("later_call", {})
     best = ours.get("graph_step_seconds", ours.get("eager_step_seconds"))
     pairs = {
         "ours_over_floor": (best, floor.get("floor_seconds")),
@@ -257,6 +277,7 @@ def _ratios(result: dict) -> dict:
         "ours_over_hf_eager": (best, hf.get("eager_step_seconds")),
         "ours_eager_over_hf_eager": (ours.get("eager_step_seconds"), hf.get("eager_step_seconds")),
         "graph_speedup_over_eager": (ours.get("eager_step_seconds"), ours.get("graph_step_seconds")),
+        "later_call_plain_over_session": (later.get("plain_seconds"), later.get("session_seconds")),
     }
     return {k: a / b for k, (a, b) in pairs.items() if a is not None and b}
 

@@ -3,11 +3,14 @@ decoding kernels (`decode_attention_triton`, `gdn_decode_triton`, `rms_norm_trit
 the device. The eager step itself is held to HF's `generate` on the CPU (tests/test_rollout.py); the kernels'
 arithmetic to float64 in Triton's interpreter (tests/test_triton_interpreted.py)."""
 
+import dataclasses
+
 import pytest
 import torch
 from tolerances import EPS_BF16, float32_tolerance
 
 from longstraw import capture
+from longstraw.core.transaction import reuse_state
 from longstraw.families import adapter_for
 from longstraw.kernels.decode_attention_triton import decode_attention_triton, decode_usable
 from longstraw.kernels.gdn import recurrent_gated_delta_rule
@@ -16,7 +19,7 @@ from longstraw.kernels.paged_attention import decode_partial
 from longstraw.kernels.rms_norm_triton import rms_norm_rows
 from longstraw.models import build_model
 from longstraw.models.lora import apply_lora
-from longstraw.training.rollout import DecodeGraph, Decoder, SamplingConfig, decoding, sample
+from longstraw.training.rollout import DecodeGraph, Decoder, DecodeSession, SamplingConfig, decoding, sample
 
 pytestmark = pytest.mark.cuda
 
@@ -51,6 +54,44 @@ def test_graph_decoding_gives_the_eager_steps_tokens_and_logprobs(preset, temper
     assert state.fingerprint() == before
     if temperature > 0:
         assert len({tuple(r.tolist()) for r in runs[True].responses}) > 1
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3_5"])
+def test_a_sessions_graph_gives_the_fresh_eager_samples(preset):
+    """A `DecodeSession` records its graph once and launches it on later calls: on another prompt's state of the same
+    length, after the LoRA weights moved in place (the state's reuse declared), with another seed, each call's
+    tokens and log-probs are an eager fresh `sample()`'s (the generator re-seeded between launches draws what a new
+    one draws; the merged and stacked weights refreshed at their addresses); another G records again; the states
+    passed in unchanged (tests/test_decode_session.py holds the same on the CPU, eager, against HF `generate`)."""
+    model = _policy(preset, torch.bfloat16)
+    prompts = [torch.randint(0, 256, (600,), generator=torch.Generator().manual_seed(s)).cuda() for s in (0, 1)]
+    states = [capture(model, prompt, chunk_size=256) for prompt in prompts]
+    prints = [state.fingerprint() for state in states]
+    config = SamplingConfig(8, 40, stop_ids=tuple(range(3, 256, 11)), seed=5)
+    session = DecodeSession()
+
+    def same(state, config):
+        ours = sample(model, state, config, session=session)
+        fresh = sample(model, state, dataclasses.replace(config, cuda_graph=False))
+        assert ours.graphed and not fresh.graphed
+        for a, b, lp_a, lp_b in zip(ours.responses, fresh.responses, ours.logprobs, fresh.logprobs, strict=True):
+            assert torch.equal(a, b) and torch.equal(lp_a, lp_b)
+        return ours
+
+    same(states[0], config)
+    same(states[1], config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.add_(0.1 * torch.randn_like(p))
+    reuse_state(model, states[1])
+    same(states[1], config)
+    reseeded = same(states[1], dataclasses.replace(config, seed=9))
+    assert len({tuple(r.tolist()) for r in reseeded.responses}) > 1
+    assert session.records == 1
+    same(states[1], dataclasses.replace(config, num_generations=4))
+    assert session.records == 2
+    assert [state.fingerprint() for state in states] == prints
 
 
 def test_the_draw_is_torch_multinomials_on_cuda():

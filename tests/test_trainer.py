@@ -130,6 +130,7 @@ def test_refresh_every_step_equals_recomputing_from_scratch(tmp_path, preset):
     with hf_float64(trainer.model):  # as the reference: the trainer runs HF's norms and MLPs too
         metrics = trainer.run(resume=False)
     assert all(m["refreshed"] for m in metrics) and any(m["grad_norm"] > 0 for m in metrics)
+    assert trainer.decode_session.records == 1  # every step sampled through the one kept decoder
     expected = _reference_run(cfg)
     moved = max(float((p.detach() - start[n]).abs().max()) for n, p in trainer.params.items())
     assert moved > 1e-3  # the updates are real

@@ -241,7 +241,8 @@ def state_tensors(state) -> list[torch.Tensor]:
 
 def state_layout(state) -> tuple:
     """What a graph recorded on `state` depends on besides its tensors' values: each entry's type, its tensors'
-    shapes, dtypes and devices, and its other fields (lengths, windows); refuses what a graph cannot read."""
+    shapes, dtypes and devices, and its other fields (lengths, windows); refuses what a graph cannot read (a tensor
+    off the state's device: the member graphs run on CUDA states only, a sampling session also keeps CPU ones)."""
     if getattr(state, "cp", None) is not None:
         raise ValueError("replay.cuda_graph: a context-parallel state cannot be replayed through a CUDA graph")
     if state.prefix_trace is not None:
@@ -254,7 +255,7 @@ def state_layout(state) -> tuple:
         for f in dataclasses.fields(entry):
             value = getattr(entry, f.name)
             if isinstance(value, torch.Tensor):
-                if value.device.type != "cuda":
+                if value.device.type != state.device.type:
                     raise ValueError(
                         f"replay.cuda_graph: {type(entry).__name__}.{f.name} is on {value.device}; a CUDA graph "
                         "reads device memory only (host_pages cannot be graphed)"

@@ -57,8 +57,34 @@ def single_plain_adapter(layer) -> str | None:
     return name if isinstance(dropout, nn.Identity) or not dropout.training or dropout.p == 0 else None
 
 
+class KeptWeights:
+    """Weights built once and kept under a key (a LoRA layer's merged weight, a stacked projection), each beside the
+    function that built it. `refresh` writes what they would be now into the same tensors: a sampling session's
+    recorded decoding step reads them at their addresses, and the optimizer moves the parameters they come from."""
+
+    def __init__(self):
+        self._built: dict = {}  # key -> (value: a tensor, a tuple of tensors or None, or None; its build)
+
+    def get(self, key, build):
+        """The value kept under `key`, built by `build()` (and kept with it) the first time."""
+        if key not in self._built:
+            self._built[key] = (build(), build)
+        return self._built[key][0]
+
+    def refresh(self) -> None:
+        """Rebuild every value from the parameters as they are now, written in place."""
+        with torch.no_grad():
+            for value, build in self._built.values():
+                for kept, now in zip(_tensors(value), _tensors(build()), strict=True):
+                    kept.copy_(now)
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    return [t for t in (value if isinstance(value, tuple) else (value,)) if t is not None]
+
+
 _merging = False  # inside merged_lora_for_capture()
-_kept: dict | None = None  # inside merged_weights_kept(): each layer's merged weight, built once
+_kept: KeptWeights | None = None  # inside merged_weights_kept(): each layer's merged weight, built once
 _decoding = False  # inside merged_lora_for_decoding(): every graph-free call merges, whatever its rows
 
 
@@ -74,12 +100,13 @@ def merged_lora_for_capture():
 
 
 @contextmanager
-def merged_weights_kept():
+def merged_weights_kept(kept: KeptWeights | None = None):
     """Inside a capture, build each LoRA layer's merged weight once and reuse it for every call until the context
     ends. A layer-major capture enters it per layer: one layer's merged weights are kept while that layer runs all
-    its chunks, instead of being rebuilt per chunk."""
+    its chunks, instead of being rebuilt per chunk. `kept`: the store to keep them in (a sampling session's, which
+    outlives the context); None, a new one."""
     global _kept
-    previous, _kept = _kept, {}
+    previous, _kept = _kept, KeptWeights() if kept is None else kept
     try:
         yield
     finally:
@@ -87,14 +114,15 @@ def merged_weights_kept():
 
 
 @contextmanager
-def merged_lora_for_decoding():
+def merged_lora_for_decoding(kept: KeptWeights | None = None):
     """Sampling: every graph-free call of a LoRA layer runs on its merged weight, built once per layer for the
-    whole decode and kept until the context ends. A decoding step is a few rows and launch-bound: the update's two
-    side GEMMs and its add are three more launches a layer every step, the merge one pass over W per decode."""
+    whole decode and kept until the context ends (or in `kept`, a sampling session's store, across decodes). A
+    decoding step is a few rows and launch-bound: the update's two side GEMMs and its add are three more launches a
+    layer every step, the merge one pass over W per decode."""
     global _decoding
     previous, _decoding = _decoding, True
     try:
-        with merged_lora_for_capture(), merged_weights_kept():
+        with merged_lora_for_capture(), merged_weights_kept(kept):
             yield
     finally:
         _decoding = previous
@@ -107,12 +135,7 @@ def merging() -> bool:
 
 def kept_or_built(layer, build):
     """`layer`'s merged weight: the one `merged_weights_kept()` holds, else `build()` (kept if a context holds)."""
-    weight = _kept.get(layer) if _kept is not None else None
-    if weight is None:
-        weight = build()
-        if _kept is not None:
-            _kept[layer] = weight
-    return weight
+    return _kept.get(layer, build) if _kept is not None else build()
 
 
 # `lora_merge_triton`'s merge and its applicability test, or None where Triton does not import
@@ -275,9 +298,11 @@ def in_place_lora_class():
             base, lora_A, lora_B = self.base_layer, self.lora_A[adapter], self.lora_B[adapter]
             scaling = self.scaling[adapter]
             if mergeable(base, lora_B, x):
-                weight = kept_or_built(
-                    self, lambda: merged_lora_weight(base.weight, lora_A.weight, lora_B.weight, scaling, x.dtype)
+                # a partial, not a closure over x: a session keeps the build to refresh the weight
+                build = functools.partial(
+                    merged_lora_weight, base.weight, lora_A.weight, lora_B.weight, scaling, x.dtype
                 )
+                weight = kept_or_built(self, build)
                 return F.linear(x, weight, base.bias)
             if fusable(base, lora_A, lora_B, x):
                 return fused_lora_linear(x, base.weight, base.bias, lora_A.weight, lora_B.weight, scaling)

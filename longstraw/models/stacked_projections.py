@@ -4,29 +4,34 @@ A decoding step is a few rows, and each projection's GEMM a latency-bound kernel
 SmolLM2's 576 x 576 q_proj at 8 rows, whose weight streams in 0.2 us). An attention layer's q, k and v, an MLP's
 gate and up read the same input: within `stacked_projections_for_decoding()`, `stacked_linear(linears, x)` is their
 outputs side by side from one GEMM over their weights concatenated on the output axis (a LoRA layer's merged weight,
-`lora_linear.merged_lora_weight`, as a decoding step computes it unstacked), built once per decode and kept.
+`lora_linear.merged_lora_weight`, as a decoding step computes it unstacked), built once per decode and kept (in a
+sampling session's `KeptWeights`, across decodes, refreshed in place).
 The cost is memory while sampling: one copy of the stacked weights (beside the model's own for a layer without an
 adapter; in place of the merged weights a LoRA layer's decoding builds anyway). The reference is each layer's own call.
 """
 
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from longstraw.models.lora_linear import in_place_lora_class, merged_lora_weight, single_plain_adapter
+from longstraw.models.lora_linear import KeptWeights, in_place_lora_class, merged_lora_weight, single_plain_adapter
 
-_stacked: dict | None = None  # inside stacked_projections_for_decoding(): the linears' tuple -> (weight, bias)
+# inside stacked_projections_for_decoding(): the linears' tuple -> (weight, bias), or None where they do not stack
+_stacked: KeptWeights | None = None
 
 
 @contextmanager
-def stacked_projections_for_decoding(enabled: bool = True):
-    """Within the block (when `enabled`), `stacked_linear` stacks; each stacked weight is built once and kept."""
+def stacked_projections_for_decoding(enabled: bool = True, kept: KeptWeights | None = None):
+    """Within the block (when `enabled`), `stacked_linear` stacks; each stacked weight is built once and kept (in
+    `kept`, a sampling session's store, when given)."""
     global _stacked
-    previous, _stacked = _stacked, ({} if enabled else None)
+    store = KeptWeights() if kept is None else kept
+    previous, _stacked = _stacked, (store if enabled else None)
     try:
         yield
     finally:
@@ -65,7 +70,5 @@ def stacked_linear(linears: tuple, x: torch.Tensor) -> torch.Tensor | None:
     LoRA layer with one plain adapter in x's dtype (the caller then runs the layers themselves)."""
     if _stacked is None or torch.is_grad_enabled() or torch.is_autocast_enabled(x.device.type):
         return None
-    if linears not in _stacked:
-        _stacked[linears] = _build(linears, x.dtype)
-    built = _stacked[linears]
+    built = _stacked.get(linears, functools.partial(_build, linears, x.dtype))
     return None if built is None else F.linear(x, *built)

@@ -26,7 +26,9 @@ token; the host looks at the rows only every `stop_check_every` tokens (one sync
 the last row stopped, each writing pads. LoRA layers decode on their merged weights
 (`models.lora_linear.merged_lora_for_decoding`); on CUDA, an attention layer's q/k/v and an MLP's gate/up are one
 GEMM each and a plain attention layer rotates and appends in one launch (`families.attention_decode`).
-`Decoder.step` run eagerly is the plain reference the graph records.
+`Decoder.step` run eagerly is the plain reference the graph records. `sample(..., session=DecodeSession())` keeps the
+decoder, its graph and its merged and stacked weights across calls of one signature (the trainer's steps), the
+state copied in and the weights rebuilt in place at each call; a fresh `sample()` is its reference.
 
 The log-probs returned are the policy's (temperature 1, no top-p truncation), i.e. what
 `longstraw.core.transaction.score` recomputes from the state: the old-policy log-probs of GRPO.
@@ -34,6 +36,7 @@ The log-probs returned are the policy's (temperature 1, no top-p truncation), i.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from contextlib import contextmanager
@@ -43,10 +46,16 @@ import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
 from longstraw.config.grpo import GROUP_SIZE
+from longstraw.core.member_graphs import own_copy, state_layout
 from longstraw.core.transaction import check_deterministic, check_state
 from longstraw.families import adapter_for
 from longstraw.kernels.rms_norm import decoding_norms
-from longstraw.models.lora_linear import merged_lora_for_decoding
+from longstraw.models.lora_linear import (
+    KeptWeights,
+    in_place_lora_class,
+    merged_lora_for_decoding,
+    single_plain_adapter,
+)
 from longstraw.models.stacked_projections import stacked_projections_for_decoding
 from longstraw.state import ResidentState
 from longstraw.state.pages import DecodeClock, check_entries_implement
@@ -91,13 +100,14 @@ class Rollouts:
 
 
 @contextmanager
-def decoding(adapter, stacked_projections: bool | None = None):
+def decoding(adapter, stacked_projections: bool | None = None, kept: KeptWeights | None = None):
     """What decoding steps run under: no autograd, the paged attention implementation, LoRA layers on their merged
     weights (built once), Llama-form norms in one launch (`kernels.rms_norm.decoding_norms`), and (on CUDA unless
-    said otherwise) stacked projections (`models.stacked_projections`)."""
+    said otherwise) stacked projections (`models.stacked_projections`). `kept`: where the merged and stacked
+    weights are kept (a `DecodeSession`'s, across calls); None, for the block only."""
     stacked = adapter.device.type == "cuda" if stacked_projections is None else stacked_projections
-    with torch.no_grad(), adapter.selected(), merged_lora_for_decoding(), decoding_norms():
-        with stacked_projections_for_decoding(stacked):
+    with torch.no_grad(), adapter.selected(), merged_lora_for_decoding(kept), decoding_norms():
+        with stacked_projections_for_decoding(stacked, kept):
             yield
 
 
@@ -115,16 +125,45 @@ class Decoder:
         self.adapter, self.config = adapter, config
         self.clock = DecodeClock.allocate(state.positions, T, device)
         self.entries = _decode_entries(state, G, self.clock)
-        self.generator = torch.Generator(device=device).manual_seed(config.seed) if config.seed is not None else None
+        self.generator = torch.Generator(device=device) if config.seed is not None else None
         self.warpers = [] if config.temperature == 0 else [TemperatureLogitsWarper(config.temperature)]
         if config.temperature > 0 and config.top_p < 1:
             self.warpers.append(TopPLogitsWarper(config.top_p))
         self.stop_S = torch.tensor(config.stop_ids, dtype=torch.long, device=device)
-        self.tokens_G = torch.full((G,), state.last_token, dtype=torch.long, device=device)
-        self.unfinished_G = torch.ones(G, dtype=torch.bool, device=device)
-        self.finite_1 = torch.ones(1, dtype=torch.bool, device=device)  # every step's logits were finite
-        self.tokens_GT = torch.full((G, T), config.pad_id, dtype=torch.long, device=device)
-        self.logps_GT = torch.zeros(G, T, dtype=torch.float32, device=device)
+        self.tokens_G = torch.empty(G, dtype=torch.long, device=device)
+        self.unfinished_G = torch.empty(G, dtype=torch.bool, device=device)
+        self.finite_1 = torch.empty(1, dtype=torch.bool, device=device)  # every step's logits were finite
+        self.tokens_GT = torch.empty(G, T, dtype=torch.long, device=device)
+        self.logps_GT = torch.empty(G, T, dtype=torch.float32, device=device)
+        self._start(state.last_token)
+
+    def _start(self, last_token: int) -> None:
+        """The clock, the buffers and the generator as a decode starts, written in place (a session's later calls
+        start again on the tensors its graph recorded)."""
+        self.clock.step_1.zero_()
+        if self.generator is not None:
+            # a graph the generator is registered with reads its seed and offset at each launch
+            self.generator.manual_seed(self.config.seed)
+        self.tokens_G.fill_(last_token)
+        self.unfinished_G.fill_(True)
+        self.finite_1.fill_(True)
+        self.tokens_GT.fill_(self.config.pad_id)
+        self.logps_GT.zero_()
+
+    def restart(self, state: ResidentState, config: SamplingConfig) -> None:
+        """Decode anew from `state`, of the layout this decoder was built on, with `config` (another seed): each
+        graph-safe entry refilled in place from the state's own decoding entry (every tensor it holds, the prompt's
+        pages included: what a recorded step reads at their addresses), the others (eager) replaced by it; then
+        `_start`. The state is only read."""
+        self.config = config
+        fresh = _decode_entries(state, config.num_generations, self.clock)
+        for i, (kept, new) in enumerate(zip(self.entries, fresh, strict=True)):
+            if getattr(kept, "graph_safe", False):
+                for tensor, value in zip(kept.tensors(), new.tensors(), strict=True):
+                    tensor.copy_(value)
+            else:
+                self.entries[i] = new
+        self._start(state.last_token)
 
     @property
     def graph_safe(self) -> bool:
@@ -169,7 +208,10 @@ class Decoder:
         self.clock.advance()
 
     def rollouts(self, steps: int, graphed: bool) -> Rollouts:
-        """Each row's response up to its first stop id (included), or every step's token."""
+        """Each row's response up to its first stop id (included), or every step's token; refused where a step's
+        logits were not finite."""
+        if not bool(self.finite_1):
+            raise ValueError("sampling: the policy's logits are not finite (a non-finite weight or activation)")
         tokens_GT, logps_GT = self.tokens_GT[:, :steps], self.logps_GT[:, :steps]
         stops_GT = torch.isin(tokens_GT, self.stop_S)
         responses, logprobs, finished = [], [], []
@@ -223,32 +265,119 @@ def _show_progress(steps: int, config: SamplingConfig, going: int, seconds: floa
     print(f"{line}, {rate:.0f} tokens/s", file=sys.stderr, flush=True)
 
 
+def _recorded(decoder: Decoder, config: SamplingConfig) -> DecodeGraph | None:
+    """The step recorded as a CUDA graph where `_uses_graph` says so (its warm-up ran the first step), else None."""
+    return DecodeGraph(decoder) if _uses_graph(decoder, config) else None
+
+
+def _decode(decoder: Decoder, graph: DecodeGraph | None, config: SamplingConfig, steps: int) -> int:
+    """Steps after the `steps` already run, launches of `graph` or eager, until every row stopped (the host looks
+    every `stop_check_every` tokens) or `max_new_tokens`: the steps run in all."""
+    run = decoder.step if graph is None else graph.step
+    every = config.stop_check_every or (16 if decoder.clock.step_1.is_cuda else 1)
+    started = time.perf_counter()
+    while steps < config.max_new_tokens:
+        for _ in range(min(every - steps % every, config.max_new_tokens - steps)):
+            run()
+            steps += 1
+        going = int(decoder.unfinished_G.sum())  # the one sync per `every` tokens
+        if config.progress:
+            _show_progress(steps, config, going, time.perf_counter() - started)
+        if not going:
+            break
+    return steps
+
+
+def _new_decode(
+    adapter, decoder: Decoder, config: SamplingConfig, kept: KeptWeights | None = None
+) -> tuple[Rollouts, DecodeGraph | None]:
+    """A new decoder's rollouts and its recorded step (None: eager), the merged and stacked weights built in `kept`."""
+    with decoding(adapter, config.stacked_projections, kept):
+        graph = _recorded(decoder, config)
+        steps = _decode(decoder, graph, config, steps=int(graph is not None))
+    return decoder.rollouts(steps, graph is not None), graph
+
+
+def _plain(adapter, state: ResidentState, config: SamplingConfig) -> Rollouts:
+    """`sample` without a session: a decoder (and a recorded step) of the call's own."""
+    return _new_decode(adapter, Decoder(adapter, state, config), config)[0]
+
+
+class DecodeSession:
+    """A sampler's decoder and recorded step, kept across `sample` calls: the trainer samples every step with one G
+    and response length from a new capture of a prompt of one length, and building the decoder (the merged and
+    stacked weights, the warm-up step, the recording) costs more than a short decode. The replay side's sibling is
+    `core.member_graphs.MemberGraphs`.
+
+    A call whose signature (`_signature`: the model and its weights' storages, the LoRA layers' active adapters, the
+    state's layout, the config but its seed) is the last one's copies the state's decoding entries into the
+    session's own (the prompt's pages into its copy of the state: one more resident state's memory), rebuilds the
+    merged and stacked weights in place from the parameters as they are now (`KeptWeights.refresh`), starts the
+    clock, buffers and generator again (`Decoder.restart`) and launches the graph per token; off CUDA the same,
+    with eager steps. Another signature builds anew (`records` counts the builds). A state whose layout a graph
+    cannot follow (context-parallel, exact mode, host pages) decodes the plain way. The state is only read."""
+
+    def __init__(self):
+        self.signature = None
+        self.decoder: Decoder | None = None
+        self.graph: DecodeGraph | None = None
+        self.kept: KeptWeights | None = None
+        self.records = 0  # decoders built so far (each new signature builds one, recording its graph on CUDA)
+
+    def decode(self, adapter, state: ResidentState, config: SamplingConfig) -> Rollouts:
+        """`sample`'s rollouts (the model and state already checked), through the kept decoder where it fits."""
+        layout = _kept_layout(state)
+        if layout is None:
+            return _plain(adapter, state, config)
+        signature = _signature(adapter, layout, state, config)
+        if signature != self.signature:
+            return self._build(signature, adapter, state, config)
+        self.decoder.restart(state, config)
+        self.kept.refresh()
+        with decoding(adapter, config.stacked_projections, self.kept):
+            steps = _decode(self.decoder, self.graph, config, steps=0)
+        return self.decoder.rollouts(steps, self.graph is not None)
+
+    def _build(self, signature, adapter, state: ResidentState, config: SamplingConfig) -> Rollouts:
+        """A decoder on the session's own copy of the state, its step recorded, and its first rollouts."""
+        self.signature = self.decoder = self.graph = None  # the old graph's pool freed before the new one records
+        self.kept = KeptWeights()
+        self.decoder = Decoder(adapter, own_copy(state), config)
+        rollouts, self.graph = _new_decode(adapter, self.decoder, config, self.kept)
+        self.signature, self.records = signature, self.records + 1
+        return rollouts
+
+
+def _kept_layout(state: ResidentState) -> tuple | None:
+    """The state's layout (`member_graphs.state_layout`), or None for one a recorded step cannot follow by it."""
+    try:
+        return state_layout(state)
+    except ValueError:
+        return None
+
+
+def _signature(adapter, layout: tuple, state: ResidentState, config: SamplingConfig) -> tuple:
+    """What a kept decoder and its recorded step depend on besides the values of the state's and the weights'
+    tensors (which a later call writes in place)."""
+    lora_layers = (m for m in adapter.lm.modules() if type(m) is in_place_lora_class())
+    return (
+        id(adapter.model),
+        None if state.binding is None else state.binding.storages,  # the weights' addresses, read by the graph
+        tuple(single_plain_adapter(m) for m in lora_layers),  # merged weights, or peft's forward (disabled adapters)
+        layout,
+        dataclasses.replace(config, seed=None, progress=False, stop_check_every=None),
+        config.seed is None,  # a seeded graph draws from its own generator, else from torch's default one
+    )
+
+
 @torch.no_grad()
-def sample(model, state: ResidentState, config: SamplingConfig) -> Rollouts:
-    """G sampled responses and their policy log-probs from the captured `state` (never modified)."""
+def sample(model, state: ResidentState, config: SamplingConfig, session: DecodeSession | None = None) -> Rollouts:
+    """G sampled responses and their policy log-probs from the captured `state` (never modified); `session`: the
+    decoder kept across calls (`DecodeSession`), else one of this call's own."""
     adapter = adapter_for(model)
     check_state(adapter, state)
     state.check_positions(config.max_new_tokens, "sampling max_new_tokens")
     check_deterministic(model)
-    decoder = Decoder(adapter, state, config)
-    graphed = _uses_graph(decoder, config)
-    every = config.stop_check_every or (16 if decoder.clock.step_1.is_cuda else 1)
-    started, steps = time.perf_counter(), 0
-    with decoding(adapter, config.stacked_projections):
-        if graphed:
-            run = DecodeGraph(decoder).step  # its warm-up was the first step
-            steps = 1
-        else:
-            run = decoder.step
-        while steps < config.max_new_tokens:
-            for _ in range(min(every - steps % every, config.max_new_tokens - steps)):
-                run()
-                steps += 1
-            going = int(decoder.unfinished_G.sum())  # the one sync per `every` tokens
-            if config.progress:
-                _show_progress(steps, config, going, time.perf_counter() - started)
-            if not going:
-                break
-    if not bool(decoder.finite_1):
-        raise ValueError("sampling: the policy's logits are not finite (a non-finite weight or activation)")
-    return decoder.rollouts(steps, graphed)
+    if session is not None:
+        return session.decode(adapter, state, config)
+    return _plain(adapter, state, config)

@@ -77,7 +77,7 @@ from longstraw.results import SKIPPED, check_writable, strict_json, write_json_a
 from longstraw.training.example import TaskNotReady
 from longstraw.training.optimizer import build_optimizer
 from longstraw.training.oracle import parameter_drift
-from longstraw.training.rollout import SamplingConfig, sample
+from longstraw.training.rollout import DecodeSession, SamplingConfig, sample
 from longstraw.training.tasks import build_task, check_task_ready, check_task_spec
 from longstraw.training.text_tasks import TextTask, completion_metrics, json_safe
 from longstraw.training.watch import check_report_to, open_watch
@@ -196,6 +196,7 @@ class Trainer:
         self.state = self.capture_step = self.capture_params = None
         self.ref_state = self.ref_prompt = None
         self._made = (None, None)  # (prompt index, example)
+        self.decode_session = DecodeSession()  # every step samples with one G and length: its decoder kept
 
     # ---- prefix reuse
     def _example(self, step: int):
@@ -343,6 +344,7 @@ class Trainer:
                     seed=self.cfg.seed * 1_000_003 + step,
                     **stops,
                 ),
+                session=self.decode_session,
             )
 
     def _group_rewards(self, step: int, example, rollouts, recorder: PhaseRecorder):
