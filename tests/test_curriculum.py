@@ -1,7 +1,8 @@
 """A length curriculum (`learning.curriculum`) on CPU through the CLI, with experiments/examples/curriculum_cpu.yaml:
 each stage's runs (the lr-0 control too) load the adapter the stage before saved, a command cut off mid-curriculum
 and run again does not redo a finished stage, the stages' gains are the paired statistic of their own recorded
-rewards; and bad stage settings are refused when the plan is made, naming the file and the key."""
+rewards, each eval task's held-out curves are the length curve's own of the stage's adapter and of the base model,
+and the report draws them; and bad stage settings are refused when the plan is made, naming the file and the key."""
 
 import hashlib
 import json
@@ -20,6 +21,25 @@ from longstraw.training.improvement import paired_gain, per_prompt_means
 EXAMPLE = Path(__file__).parents[1] / "experiments" / "examples" / "curriculum_cpu.yaml"
 
 
+class _FirstToken:
+    """The counting task's prompts, rewarded by the id of the response's first token (a fingerprint of a greedy
+    answer: two models that answer differently score differently)."""
+
+    def __init__(self, vocab_size, **settings):
+        from longstraw.training.tasks import Counting
+
+        self.inner, self.vocab = Counting(vocab_size, **settings), vocab_size
+
+    def make(self, seed):
+        return self.inner.make(seed)
+
+    def reward(self, example, response_ids):
+        return int(response_ids[0]) / self.vocab
+
+
+FIRST_TOKEN = {"name": "curriculum_first_token", "min_count": 0, "max_count": 3}
+
+
 def _lora_weights(model) -> dict:
     """The model's LoRA weights under the names peft saves them by (no adapter name)."""
     return {n.replace(".default", ""): p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
@@ -32,6 +52,7 @@ def test_a_curriculum_carries_each_stages_adapter_and_a_rerun_skips_finished_sta
     from longstraw.training.trainer import Trainer
 
     register_task("curriculum_even_share", EvenShare)  # test_learning's: a dense reward on counting prompts
+    register_task("curriculum_first_token", _FirstToken)
     loads, steps, cut = [], [], []
     load = lora.load_adapter_weights
 
@@ -58,10 +79,14 @@ def test_a_curriculum_carries_each_stages_adapter_and_a_rerun_skips_finished_sta
     monkeypatch.setattr(lora, "load_adapter_weights", spy_load)
     monkeypatch.setattr(Trainer, "run", spy_run)
     monkeypatch.setattr(Trainer, "train_step", spy_step)
+    evaluated, load_trained = [], lora.load_adapter  # the adapters the held-out curves are measured with
+    monkeypatch.setattr(lora, "load_adapter", lambda model, path: evaluated.append(path) or load_trained(model, path))
     out = tmp_path / "curriculum.json"
     kept = tmp_path / "adapters"
     args = ["run", str(EXAMPLE), "--out", str(out), "--set", "learning.task.name=curriculum_even_share"]
     args += ["--set", f"learning.curriculum.out={kept}"]
+    eval_tasks = yaml.safe_load(EXAMPLE.read_text())["learning"]["curriculum"]["eval_tasks"] + [FIRST_TOKEN]
+    args += ["--set", f"learning.curriculum.eval_tasks={json.dumps(eval_tasks)}"]
     assert cli.main(args) == 1
     stage_0 = tmp_path / "curriculum.json.work" / "stage-0" / learning_curriculum.STAGE_RECORD
     first_record = stage_0.read_text()
@@ -105,6 +130,9 @@ def test_a_curriculum_carries_each_stages_adapter_and_a_rerun_skips_finished_sta
         assert len(stage["heldout"]["base_rows"]) == len(stage["heldout"]["rows"])
     assert [s["length"] for s in stages] == [64, 128]
     assert stages[1]["overrides"]["rope_parameters"]["factor"] == 2.0
+    # each stage's curves (the training task's, then each eval task's) with the adapter the stage carried on
+    assert evaluated == [stages[0]["adapter"]["path"]] * 3 + [stages[1]["adapter"]["path"]] * 3
+    _check_eval_curves(stages, eval_tasks)
 
     # the row: the stages in a cell, the longest trained stage's gains in the gain columns (none reached V4 here), and
     # one row per stage in the stages table, each naming the adapter it started from
@@ -132,6 +160,83 @@ def test_a_curriculum_carries_each_stages_adapter_and_a_rerun_skips_finished_sta
         assert r["exact_minus_response_only_se"] == pytest.approx(statistics.stdev(d) / len(d) ** 0.5, abs=1e-12)
         seconds = [s["seconds"] for s in stage["runs"]["response-only"][1:]]
         assert r["step_seconds"] == pytest.approx(statistics.median(seconds))
+        # each eval task's success at the stage's length (its last row), with the adapter and without
+        at = [(c["label"], c["rows"][-1]["success"], c["base_rows"][-1]["success"]) for c in stage["heldout_tasks"]]
+        assert r["heldout_eval_tasks"] == "; ".join(f"{label}: {a:.2f} (base {b:.2f})" for label, a, b in at)
+    _check_heldout_figure({**result, "kind": "learning", "point": "c", "experiment": "demo"}, tmp_path / "tables")
+
+
+def _check_eval_curves(stages: list[dict], eval_tasks: list[dict]) -> None:
+    """Each stage's curves of each eval task are the length curve's own (`training.length_curve`, called here on a
+    model built from the example's settings, the stage's saved adapter loaded): the base model's on the plain model,
+    the adapter's on it with the adapter; the same lengths, the same examples, each example's reward."""
+    example = yaml.safe_load(EXAMPLE.read_text())
+    curriculum = example["learning"]["curriculum"]
+    keys = ("length", "depth", "n", "success", "stderr", "rewards")
+    for stage, setting in zip(stages, curriculum["stages"]):
+        lengths = [s["length"] for s in curriculum["stages"][: stage["stage"] + 1]]
+        assert [c["label"] for c in stage["heldout_tasks"]] == ["kv_retrieval", "curriculum_first_token"]
+        assert [c["task"] for c in stage["heldout_tasks"]] == eval_tasks
+        direct = _direct_curves(example, setting, eval_tasks, lengths, stage["adapter"]["path"])
+        for recorded, (with_adapter, base) in zip(stage["heldout_tasks"], direct):
+            for mine, theirs in ((recorded["rows"], with_adapter), (recorded["base_rows"], base)):
+                assert [{k: r[k] for k in keys} for r in mine] == [{k: r[k] for k in keys} for r in theirs]
+                assert [r["length"] for r in mine] == lengths
+
+
+def _direct_curves(example: dict, stage: dict, specs: list[dict], lengths: list[int], adapter: str) -> list:
+    """[(with the adapter, without it)] per task of `specs`: the length curve's rows of the example's model with the
+    stage's overrides."""
+    from longstraw.config.sections import CaptureConfig, ModelConfig
+    from longstraw.models.lora import load_adapter
+    from longstraw.models.policy import build_policy
+    from longstraw.training.length_curve import length_curve
+
+    settings = example["model"]
+    overrides = {**settings["overrides"], **stage.get("overrides", {})}
+    model = build_policy(ModelConfig(preset=settings["preset"], dtype=settings["dtype"], overrides=overrides))
+    examples = example["learning"]["curriculum"]["eval_examples"]
+    kwargs = {"chunk_size": CaptureConfig().chunk_size, "progress": False}
+    base = [length_curve(model, spec, lengths, None, examples, **kwargs)["rows"] for spec in specs]
+    model = load_adapter(model, adapter)
+    return [(length_curve(model, spec, lengths, None, examples, **kwargs)["rows"], b) for spec, b in zip(specs, base)]
+
+
+def _check_heldout_figure(point: dict, folder: Path) -> None:
+    """Through the report's tables (CSV and back): one panel per task, the trained one first, each with a line for
+    the base model and one per stage's adapter, at the stage lengths so far."""
+    from longstraw.kinds import learning
+    from longstraw.plotting import draw
+    from longstraw.report.aggregate import kind_tables, tables
+    from longstraw.report.figures import experiment_data
+    from longstraw.report.store import read_tables, write_tables
+
+    write_tables({**tables([point]), **kind_tables([point])}, folder, {})
+    figures = dict(learning.figures(experiment_data(read_tables(folder), "demo"), {}, ()))
+    assert "heldout_by_stage" in learning.CAPTIONS
+    panels = [ax for ax in figures["heldout_by_stage"].axes if ax.get_visible()]
+    titles = [ax.get_title() for ax in panels]
+    assert titles == [
+        "c: curriculum_even_share (trained on)",
+        "c: kv_retrieval (eval task)",
+        "c: curriculum_first_token (eval task)",
+    ]
+    lengths = {"base model (stage 1's RoPE)": [64, 128], "stage 0 adapter (trained at 64)": [64]}
+    lengths["stage 1 adapter (trained at 128)"] = [64, 128]
+    last = point["metrics"]["stages"][-1]
+    for ax, curve in zip(panels, [last["heldout"], *last["heldout_tasks"]]):
+        lines = {c.get_label(): c.lines[0] for c in ax.containers}
+        assert list(lines) == list(lengths)
+        for label, line in lines.items():  # each line beside the others at its lengths, within 5% of each
+            assert line.get_xdata().tolist() == pytest.approx(lengths[label], rel=0.05)
+        drawn = [lines["stage 1 adapter (trained at 128)"], lines["base model (stage 1's RoPE)"]]
+        assert [d.get_ydata().tolist() for d in drawn] == [
+            [r["success"] for r in curve[k]] for k in ("rows", "base_rows")
+        ]
+        assert ax.get_xscale() == "log" and [t.get_text() for t in ax.get_xticklabels()] == ["64", "128"]
+    assert draw.layout_problems(figures["heldout_by_stage"]) == []  # what the report's PNG would say does not fit
+    for fig in figures.values():
+        draw.plt.close(fig)
 
 
 def _experiment(folder: Path, change) -> str:
@@ -163,6 +268,22 @@ def _stages(point):
         ),
         (lambda p: p["model"].pop("lora"), "learning.curriculum: its stages carry a LoRA adapter"),
         (lambda p: p["learning"]["probe"].update(lengths=[64]), "learning.probe: lengths: a curriculum probes"),
+        (
+            lambda p: p["learning"]["curriculum"]["eval_tasks"][0].update(name="bogus"),
+            "learning.curriculum.eval_tasks[0]: unknown task 'bogus'",
+        ),
+        (
+            lambda p: p["learning"]["curriculum"]["eval_tasks"].append({"name": "kv_retrieval", "num_needles": 3}),
+            "learning.curriculum: eval_tasks[1]: 'kv_retrieval' is the name of the training task or an earlier",
+        ),
+        (
+            lambda p: p["learning"]["curriculum"]["eval_tasks"].append({"name": "ruler", "tokenizer": "/none/tok"}),
+            "learning.curriculum.eval_tasks[1].tokenizer: no folder /none/tok",
+        ),
+        (
+            lambda p: p["learning"]["curriculum"]["eval_tasks"][0].update(num_needle=3),
+            "learning.curriculum.eval_tasks[0].num_needle: unknown setting of this task",
+        ),
     ],
 )
 def test_bad_stage_settings_are_refused_when_the_plan_is_made(tmp_path, capsys, change, message):
@@ -179,9 +300,10 @@ def test_the_gpu_curriculum_is_planned_on_h200_only(tmp_path):
     (tmp_path / "curriculum.yaml").write_text((experiments / "curriculum.yaml").read_text())
     assert plan(tmp_path, "cpu") == {}
     (point,) = plan(tmp_path, "h200")["curriculum"]["points"].values()
-    stages = point["config"].learning.curriculum.stages
-    assert [s.length for s in stages] == [32768, 65536, 131072]
-    assert [s.overrides["rope_parameters"]["factor"] for s in stages] == [4.0, 8.0, 16.0]
+    curriculum = point["config"].learning.curriculum
+    assert [s.length for s in curriculum.stages] == [16384, 32768, 65536, 131072]
+    assert [s.overrides["rope_parameters"]["factor"] for s in curriculum.stages] == [4.0, 4.0, 8.0, 16.0]
+    assert [(t["name"], t["task"]) for t in curriculum.eval_tasks] == [("ruler", "vt")]
 
 
 def test_a_lora_adapter_starts_from_a_saved_one_and_refuses_another_shape(tmp_path):

@@ -12,14 +12,17 @@ differences (`longstraw.training.improvement.paired_gain`).
 
 With `learning.curriculum` the point is a length curriculum (`longstraw.kinds.learning_curriculum`): stage n
 trains at its length, with its RoPE scaling, from stage n-1's trained LoRA adapter, each stage with its own probe,
-lr-0 control from the same adapter, V4 gains and held-out length curve.
+lr-0 control from the same adapter, V4 gains and held-out length curves (the training task's and each of
+`learning.curriculum.eval_tasks`').
 
 A point longer than one command resumes: under the CLI the runs write into OUT.work with a checkpoint
 every `RESUME_EVERY` steps (and the probe's result), and the same command run again goes on from there.
 
 Report: one row per point (per gradient mode: the gain, its standard error, reached); every
 step's rewards per run in a table of its own; figure: reward per step per run, the mean over a
-window of prompts with its standard-error band."""
+window of prompts with its standard-error band. A curriculum adds a table of its stages, one of its held-out
+cells, and a figure of held-out greedy success against length, the base model and each stage's adapter, one panel
+per task."""
 
 from __future__ import annotations
 
@@ -84,10 +87,14 @@ class CurriculumStage:
 class LearningCurriculum:
     """`stages` in order of increasing length, each from the one before's trained adapter; after each, the length
     curve of its adapter and of the base model (the same model, adapter off) at every stage length so far, on
-    `eval_examples` held-out examples a length. The adapter carried on is the first of `learning.gradients`'s."""
+    `eval_examples` held-out examples a length, for the training task and each of `eval_tasks`. The adapter
+    carried on is the first of `learning.gradients`'s."""
 
     stages: list[CurriculumStage] = field(default_factory=list)
     eval_examples: int = bounded(16, min=2)
+    # more tasks (specs as `learning.task`'s) each stage's held-out curves are measured on, e.g. one the base model
+    # is weak at; each its own `task_label`
+    eval_tasks: list[dict] = field(default_factory=list)
     # a folder the stages' carried adapters are kept in (`stage-<i>/adapter`); None: they go with the work folder
     out: str | None = None
 
@@ -131,10 +138,26 @@ class LearningConfig:
             raise ValueError(f"window: {self.window} is more than the {self.steps} steps")
         if not self.gradients:
             raise ValueError("gradients: at least one gradient mode")
+        labels = [task_label(self.task)] + [
+            task_label(t) for t in (self.curriculum.eval_tasks if self.curriculum else [])
+        ]
+        for i, label in enumerate(labels[1:]):
+            if label in labels[: i + 1]:
+                raise ValueError(
+                    f"curriculum: eval_tasks[{i}]: {label!r} is the name of the training task or an earlier eval task; "
+                    "each task's held-out curves are recorded under its name"
+                )
+
+
+def task_label(spec: dict) -> str:
+    """A task spec's name in records and the report: its registered name (or plugin) and a RULER task's own."""
+    return " ".join(str(part) for part in (spec.get("name") or spec.get("plugin"), spec.get("task")) if part)
 
 
 def check(cfg: PointConfig, source: str) -> None:
     check_task(cfg.learning.task, cfg.prompt.length, f"{source}: learning.task")
+    for i, spec in enumerate(cfg.learning.curriculum.eval_tasks if cfg.learning.curriculum else []):
+        check_task(spec, cfg.prompt.length, f"{source}: learning.curriculum.eval_tasks[{i}]")
     if cfg.learning.curriculum is not None and cfg.model.lora is None:
         raise ConfigError(
             f"{source}: learning.curriculum: its stages carry a LoRA adapter from one to the next; set model.lora"
@@ -274,17 +297,29 @@ EXTRA_TABLES = {
             "lr0_mean",
             "heldout_success",
             "heldout_base_success",
+            "heldout_eval_tasks",
             "step_seconds",
         ],
         "Each stage starts every run (lr0 too) from the adapter the stage before carried on (its sha256); held-out: "
-        "greedy success at the stage's length on the length curve's seeds, with the stage's adapter and without it; "
+        "greedy success at the stage's length on the length curve's seeds, with the stage's adapter and without it "
+        "(eval tasks: each of learning.curriculum.eval_tasks, the adapter's success and the base's); "
         "exact minus response-only: the two trained runs' paired difference on the stage's last window of prompts; "
         "step seconds: the response-only run's median step after its first (capture, sampling, replay, update).",
+    ),
+    "heldout": ExtraTable(
+        "Length curriculum: held-out greedy success per stage, task and length",
+        ["point", "task", "trained", "stage", "policy", "length", "success", "stderr", "n"],
+        "After each stage, on the length curve's held-out seeds at every stage length so far: the stage's carried "
+        "adapter and the base model (the same model, the stage's RoPE overrides, the adapter off); trained: the task "
+        "the curriculum trains on, else one of learning.curriculum.eval_tasks.",
     ),
 }
 CAPTIONS = {
     "reward_per_step": "Reward per step of each run (mean over a window of consecutive prompts, band: one "
-    "standard error over those prompts); lr0: the same trainer at learning rate 0."
+    "standard error over those prompts); lr0: the same trainer at learning rate 0.",
+    "heldout_by_stage": "Held-out greedy success against prompt length (log2 axis), one panel per task (the one "
+    "trained on, then each eval task): each stage's carried adapter at every stage length so far, and the base model "
+    "(dashed, grey: the adapter off, with the last stage's RoPE overrides); bars: one standard error.",
 }
 WINDOW = 4  # prompts per point of the figure's rolling mean
 
@@ -389,7 +424,40 @@ def tables(points: list[dict]) -> dict:
         ]
 
     mine = [p for p in points if p.get("kind") == "learning"]
-    return {"steps": rows_of_points(mine, steps), "stages": rows_of_points(mine, stages)}
+    return {
+        "steps": rows_of_points(mine, steps),
+        "stages": rows_of_points(mine, stages),
+        "heldout": rows_of_points(mine, heldout_rows),
+    }
+
+
+def heldout_curves(point: dict) -> list[tuple[dict, str, bool, dict]]:
+    """(stage, task label, trained on, curve) of every held-out curve a curriculum point's stages recorded."""
+    config, metrics = point_parts(point)
+    trained = task_label(as_dict(as_dict(config.get("learning")).get("task")))
+    return [
+        (stage, label, label == trained, as_dict(curve))
+        for stage in map(as_dict, metrics.get("stages") or [])
+        if stage.get("heldout")
+        for label, curve in [(trained, stage["heldout"])] + [(as_dict(c).get("label"), c) for c in stage_tasks(stage)]
+    ]
+
+
+def heldout_rows(point: dict) -> list[dict]:
+    """A curriculum point's held-out cells: per stage, task, policy (the stage's adapter, the base) and length."""
+    return [
+        {
+            "point": point.get("point"),
+            "task": label,
+            "trained": trained,
+            "stage": stage.get("stage"),
+            "policy": policy,
+            **{k: r.get(k) for k in ("length", "success", "stderr", "n")},
+        }
+        for stage, label, trained, curve in heldout_curves(point)
+        for policy, rows in (("adapter", curve.get("rows")), ("base", curve.get("base_rows")))
+        for r in rows or []
+    ]
 
 
 def stage_row(stage: dict) -> dict:
@@ -397,11 +465,7 @@ def stage_row(stage: dict) -> dict:
     gain, and the held-out greedy success at its length with its adapter and without (the base)."""
     start, heldout = as_dict(stage.get("start_adapter")), as_dict(stage.get("heldout"))
     rope = as_dict(as_dict(stage.get("overrides")).get("rope_parameters"))
-
-    def success(rows):
-        at = [r for r in rows or [] if r.get("length") == stage.get("length")]
-        return sum(r["success"] * r["n"] for r in at) / sum(r["n"] for r in at) if at else None
-
+    length = stage.get("length")
     row = {
         "stage": stage.get("stage"),
         "length": stage.get("length"),
@@ -415,8 +479,9 @@ def stage_row(stage: dict) -> dict:
         if start
         else "model.lora",
         "probe_success": next((r.get("success") for r in as_dict(stage.get("probe")).get("rows", [])), None),
-        "heldout_success": success(heldout.get("rows")),
-        "heldout_base_success": success(heldout.get("base_rows")),
+        "heldout_success": success_at(heldout.get("rows"), length),
+        "heldout_base_success": success_at(heldout.get("base_rows"), length),
+        "heldout_eval_tasks": eval_cell(stage),
     }
     for name in ("response-only", "exact"):
         gain = as_dict(as_dict(stage.get("gains")).get(name))
@@ -431,10 +496,39 @@ def stage_row(stage: dict) -> dict:
     return row
 
 
+def success_at(rows, length) -> float | None:
+    """The greedy success of a held-out curve's rows at `length`, pooled over its depths (None: not measured)."""
+    at = [r for r in rows or [] if r.get("length") == length]
+    return sum(r["success"] * r["n"] for r in at) / sum(r["n"] for r in at) if at else None
+
+
+def stage_tasks(stage: dict) -> list:
+    """A curriculum stage's held-out curves of its eval tasks, in `learning.curriculum.eval_tasks`' order."""
+    tasks = stage.get("heldout_tasks")
+    return tasks if isinstance(tasks, list) else []
+
+
+def eval_cell(stage: dict) -> str | None:
+    """The eval tasks' held-out greedy success at the stage's length in one cell: the adapter's, then the base's."""
+
+    def shown(value) -> str:
+        return "-" if value is None else f"{value:.2f}"
+
+    length = stage.get("length")
+    parts = [
+        f"{c.get('label')}: {shown(success_at(c.get('rows'), length))} "
+        f"(base {shown(success_at(c.get('base_rows'), length))})"
+        for c in map(as_dict, stage_tasks(stage))
+    ]
+    return "; ".join(parts) or None
+
+
 def figures(data, ceiling: dict, marks=()):
     rows = [r for r in data.of_kind("learning") if r.get("status") == "ok"]
     if rows and data.extra.get("steps"):
         yield "reward_per_step", plot_rewards(rows, data.extra["steps"], data.name)
+    if rows and data.extra.get("heldout"):
+        yield "heldout_by_stage", plot_heldout(rows, data.extra["heldout"], data.name)
 
 
 def rolling(values: list[float], window: int) -> tuple[list[float], list[float]]:
@@ -478,6 +572,61 @@ def plot_rewards(rows, steps, title: str):
     return fig
 
 
+def plot_heldout(rows, cells, title: str):
+    """One line of panels per curriculum point, one panel per task (the trained one first): `heldout_panel`."""
+    from longstraw.plotting import draw
+
+    points = [r.get("point") for r in rows if any(c.get("point") == r.get("point") for c in cells)]
+    tasks = {p: list(dict.fromkeys(c["task"] for c in cells if c.get("point") == p)) for p in points}
+    cols = max(len(t) for t in tasks.values())
+    fig, axes = draw.plt.subplots(len(points), cols, figsize=(5.5 * cols, 4.2 * len(points)), squeeze=False)
+    for line, point in zip(axes, points):
+        for ax in line[len(tasks[point]) :]:
+            ax.set_visible(False)
+        for ax, task in zip(line, tasks[point]):
+            mine = [c for c in cells if c.get("point") == point and c.get("task") == task]
+            heldout_panel(ax, mine, draw)
+            trained = " (trained on)" if any(c.get("trained") is True for c in mine) else " (eval task)"
+            ax.set_title(f"{point}: {task}{trained}", fontsize=9)
+    fig.suptitle(f"{title}: held-out greedy success, base model and each stage's adapter", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def heldout_panel(ax, cells: list[dict], draw) -> None:
+    """One task's held-out success against length: the last stage's base model (dashed, grey), each stage's
+    adapter (a colour each, labelled with the length it trained at), the lines side by side at each length."""
+    stages = sorted({int(c["stage"]) for c in cells})
+    lines = [(f"base model (stage {stages[-1]}'s RoPE)", stages[-1], "base", "#8c8c8c", "--")]
+    lines += [
+        (f"stage {s} adapter", s, "adapter", draw.POINT_COLORS[i % len(draw.POINT_COLORS)], "-")
+        for i, s in enumerate(stages)
+    ]
+    for j, (label, stage, policy, color, style) in enumerate(lines):
+        at = [c for c in cells if int(c["stage"]) == stage and c.get("policy") == policy]
+        at = sorted(at, key=lambda c: c["length"])
+        if not at:
+            continue
+        shift = 1.03 ** (j - (len(lines) - 1) / 2)  # side by side on the log axis, not on top of each other
+        trained_at = f" (trained at {at[-1]['length']:,})" if policy == "adapter" else ""
+        ax.errorbar(
+            [c["length"] * shift for c in at],
+            [c["success"] for c in at],
+            yerr=[c["stderr"] for c in at],
+            marker="o",
+            capsize=3,
+            color=color,
+            linestyle=style,
+            label=label + trained_at,
+        )
+    lengths = sorted({int(c["length"]) for c in cells})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(lengths, [f"{n:,}" for n in lengths])
+    ax.minorticks_off()
+    ax.set(xlabel="prompt length (positions)", ylabel="greedy success", ylim=(-0.02, 1.02))
+    ax.legend(fontsize=7)
+
+
 def longest_runs(cfg: PointConfig) -> list | None:
     """With a probe, it trains at one of the probed lengths (a curriculum's stages: `models`)."""
     probe = cfg.learning.probe
@@ -512,7 +661,10 @@ def tasks(cfg: PointConfig) -> list:
         lengths = (list(probe.lengths), "learning.probe.lengths")
     else:
         lengths = ([cfg.prompt.length], "prompt.length")
-    return [("learning.task", cfg.learning.task, *lengths)]
+    evaluated = curriculum.eval_tasks if curriculum is not None else []
+    return [("learning.task", cfg.learning.task, *lengths)] + [
+        (f"learning.curriculum.eval_tasks[{i}]", spec, *lengths) for i, spec in enumerate(evaluated)
+    ]
 
 
 KIND = Kind(

@@ -10,7 +10,10 @@ Each stage is one learning point's work at one length, fixed before it runs:
   the same prompts and sampling seeds; V4's paired gain per gradient mode over the last `learning.window` steps
   (`learning.gains`);
 - the held-out length curve (`kinds.length_curve`'s run, with `adapter:`) of the adapter carried on (the first
-  gradient mode's) at every stage length so far, beside the base model's (the adapter off) on the same examples.
+  gradient mode's) at every stage length so far, beside the base model's (the adapter off) on the same examples:
+  the training task's (`heldout`), then each of `learning.curriculum.eval_tasks`' (`heldout_tasks`, in their order,
+  each with its spec and `learning.task_label`), each kept in the stage's folder once measured (`heldout.json`,
+  `heldout-<i>.json`: a command cut off there goes on from the next curve).
 
 The adapters carried on are copied to `learning.curriculum.out` (`stage-<i>/adapter`), where they outlive the
 point; without it they go with the work folder when the point's result is written.
@@ -31,6 +34,7 @@ from pathlib import Path
 
 from longstraw.config import PointConfig
 from longstraw.kinds.common import Progress
+from longstraw.kinds.learning import task_label
 from longstraw.kinds.learning_runs import gains, probe_lengths, remembered, train_runs
 from longstraw.kinds.length_curve import LengthCurveConfig
 from longstraw.kinds.length_curve import run as run_length_curve
@@ -110,13 +114,21 @@ def run_stage(cfg, index: int, stage, start, folder: Path, device, progress: Pro
     )
     adapter = {"path": str(path), "sha256": sha256_of(path / ADAPTER_WEIGHTS), "stage": index, "run": carried}
     lengths = [s.length for s in cfg.learning.curriculum.stages[: index + 1]]
+
+    def curve(name: str, task: dict | None = None) -> dict:  # kept once measured: a cut command goes on from here
+        return remembered(folder / name, lambda: heldout_curve(staged, adapter["path"], lengths, device, task))
+
     return {
         **record,
         "runs": runs,
         "gains": gains(runs, stage.steps - cfg.learning.window),
         "resumed_at": resumed_at,
         "adapter": adapter,
-        "heldout": heldout_curve(staged, adapter["path"], lengths, device),
+        "heldout": curve("heldout.json"),
+        "heldout_tasks": [
+            {"label": task_label(task), "task": dict(task), **curve(f"heldout-{i}.json", task)}
+            for i, task in enumerate(cfg.learning.curriculum.eval_tasks)
+        ],
     }
 
 
@@ -139,10 +151,11 @@ def kept(adapter: Path, out: str | None, index: int) -> Path:
     return target
 
 
-def heldout_curve(staged: PointConfig, adapter: str, lengths: list[int], device) -> dict:
-    """The length curve (`kinds.length_curve`) of the model with `adapter` and without it, at `lengths`."""
+def heldout_curve(staged: PointConfig, adapter: str, lengths: list[int], device, task: dict | None = None) -> dict:
+    """The length curve (`kinds.length_curve`) of `task` (None: the training task's) of the model with `adapter` and
+    without it, at `lengths`."""
     section = LengthCurveConfig(
-        task=dict(staged.learning.task),
+        task=dict(staged.learning.task if task is None else task),
         lengths=lengths,
         examples=staged.learning.curriculum.eval_examples,
         adapter=adapter,
