@@ -76,18 +76,39 @@ class LookupEnvironment:
 ENVIRONMENTS = {"lookup": LookupEnvironment}
 
 
+def register_environment(name: str, cls) -> None:
+    """A built-in under `name` (a plugin's, a test's), as `tasks.register_task` registers a task."""
+    ENVIRONMENTS[name] = cls
+
+
+class BadEnvironment(ValueError):
+    """What `load_environment` refuses; `setting`: `name` (no such class, or no environment) or `args` (it does
+    not build with them)."""
+
+    def __init__(self, setting: str, message: str):
+        super().__init__(message)
+        self.setting = setting
+
+
 def load_environment(spec: str, args: dict | None = None) -> Callable[[], Environment]:
     """A factory of fresh environments for `spec` (a name in `ENVIRONMENTS` or `package.module:Class`) built with
     `args`; one is built here, so bad arguments and a class that is no environment are refused before any
-    rollout."""
-    cls = ENVIRONMENTS.get(spec) if isinstance(spec, str) else None
-    cls = cls or import_named(spec, "environment")
+    rollout (`BadEnvironment`)."""
+    try:
+        cls = (ENVIRONMENTS.get(spec) if isinstance(spec, str) else None) or import_named(spec, "environment")
+    except ValueError as exc:
+        raise BadEnvironment("name", str(exc)) from None
     make = functools.partial(cls, **(args or {}))
     try:
         env = make()
     except TypeError as exc:
-        raise ValueError(f"environment {spec!r}: cannot build it with {args or {}}: {exc}") from None
-    check_environment(env, spec)
+        raise BadEnvironment("args", f"environment {spec!r}: cannot build it with {args or {}}: {exc}") from None
+    except ValueError as exc:  # its own checks of its arguments
+        raise BadEnvironment("args", str(exc)) from None
+    try:
+        check_environment(env, spec)
+    except ValueError as exc:
+        raise BadEnvironment("name", str(exc)) from None
     return make
 
 
