@@ -151,7 +151,7 @@ def test_trainer_steps_with_an_environment_equal_hf_and_trls_masked_loss(tmp_pat
         ({"name": "test_tally", "args": {"colour": 1}}, "environment.args: environment 'test_tally': cannot build it"),
         ({"name": "lookup", "args": {"keys": 1}}, "environment.args: lookup environment: keys must be an integer"),
         ({"name": "lookup"}, "environment.name: 'lookup' reads and writes text, and the task 'test_stopping' has no"),
-        ({"name": "test_tally", "max_action_tokens": 20}, "environment: max_action_tokens 20 .* exceeds the traj"),
+        ({"name": "test_tally", "max_action_tokens": 20}, "environment.max_action_tokens: 20 tokens a turn exceed"),
         ({"name": "test_tally", "max_turns": 0}, "environment.max_turns: must be >= 1, got 0"),
     ],
 )

@@ -158,17 +158,9 @@ class TrainConfig:
             )
 
     def _check_environment(self):
-        env = self.environment
-        if env is None:
-            return
-        if self.dataset is not None:
+        if self.environment is not None and self.dataset is not None:
             raise ValueError(
                 "environment: multi-turn rollouts take their prompts from a task (task), not yet from a text dataset"
-            )
-        if env.max_action_tokens > self.sampling.max_new_tokens:
-            raise ValueError(
-                f"environment: max_action_tokens {env.max_action_tokens} (tokens a turn) exceeds the trajectory's "
-                f"budget, sampling.max_new_tokens {self.sampling.max_new_tokens}"
             )
 
 

@@ -7,7 +7,8 @@
 A step's G trajectories are sampled from the resident state, each row in a fresh environment reset on the task
 example's `info` (a dict, as a dataset row: `agent_rollout.sample_trajectories`); each trajectory is a response
 replayed as one member with the loss on its actions (`grpo_step(..., loss_masks=)`), and its rewards summed are
-the member's reward. The step's record adds the turns per trajectory (`agent_record`). A text environment reads
+the member's reward. The step's record adds the turns per trajectory (`agent_record`). An agent's greedy success
+(`greedy_agent_success`) is what a learning probe measures with an environment. A text environment reads
 and writes through the task's tokenizer (a RULER task's: `loaded`), which `check_environment` asks for before any
 work.
 """
@@ -19,22 +20,29 @@ from dataclasses import dataclass
 from longstraw.config.typed import ConfigError
 from longstraw.training.agent_rollout import AgentConfig, Trajectory, sample_trajectories
 from longstraw.training.environments import BadEnvironment, load_environment
+from longstraw.training.rollout import SamplingConfig
 from longstraw.training.tasks import task_folders
 
 
-def check_environment(env_cfg, task_spec: dict | None, source: str) -> None:
+def check_environment(env_cfg, task_spec: dict | None, budget: int, where: str, budget_key: str) -> None:
     """Refuse, before any work, an environment that does not build with its arguments (one is built:
-    `load_environment`) or that speaks text over a task without a tokenizer (a task reading a `tokenizer`
-    folder: RULER's), naming the source and the key."""
+    `load_environment`), one that speaks text over a task without a tokenizer (a task reading a `tokenizer`
+    folder: RULER's), and a turn longer than the trajectory's token `budget` (`budget_key`); `where` names the
+    source and the environment's key."""
     try:
         env = load_environment(env_cfg.name, env_cfg.args)()
     except BadEnvironment as exc:
-        raise ConfigError(f"{source}: environment.{exc.setting}: {exc}") from None
+        raise ConfigError(f"{where}.{exc.setting}: {exc}") from None
     if env.text and "tokenizer" not in task_folders(task_spec or {}):
         raise ConfigError(
-            f"{source}: environment.name: {env_cfg.name!r} reads and writes text, and the task "
-            f"{(task_spec or {}).get('name')!r} has no tokenizer (a RULER task's `tokenizer`); give such a task, or "
-            "an environment of token ids (text = False)"
+            f"{where}.name: {env_cfg.name!r} reads and writes text, and the task {(task_spec or {}).get('name')!r} "
+            "has no tokenizer (a RULER task's `tokenizer`); give such a task, or an environment of token ids "
+            "(text = False)"
+        )
+    if env_cfg.max_action_tokens > budget:
+        raise ConfigError(
+            f"{where}.max_action_tokens: {env_cfg.max_action_tokens} tokens a turn exceed the trajectory's budget, "
+            f"{budget_key} {budget}"
         )
 
 
@@ -92,3 +100,13 @@ def agent_record(rollouts: AgentRollouts) -> dict:
         "trajectory_tokens": [int(t.tokens.numel()) for t in rollouts.trajectories],
         "done_ratio": sum(rollouts.finished) / len(turns),
     }
+
+
+def greedy_agent_success(model, state, task, example, env_cfg, budget: int) -> float:
+    """1.0 when one greedy trajectory from `state` (temperature 0, `budget` tokens, actions ending at the task's
+    stop ids) earns a positive reward in its environment (for `ruler_lookup`: it answered right, the turn penalty
+    being small), else 0.0: an agent's success in a length curve or a learning probe."""
+    stops = tuple(getattr(task, "stop_ids", ()))
+    sampling = SamplingConfig(num_generations=1, max_new_tokens=budget, temperature=0.0, seed=None, stop_ids=stops)
+    trajectory = AgentSampler(env_cfg, task).sample(model, state, example, sampling).trajectories[0]
+    return float(trajectory.reward > 0)

@@ -133,7 +133,9 @@ def resolve(raw, source: str = "train config") -> TrainConfig:
         except TaskNotReady as exc:
             raise ValueError(f"{source}: task.{exc}") from None
     if cfg.environment is not None:
-        check_environment(cfg.environment, cfg.task, source)
+        check_environment(
+            cfg.environment, cfg.task, cfg.sampling.max_new_tokens, f"{source}: environment", "sampling.max_new_tokens"
+        )
     check_writable(Path(cfg.output.dir) / "metrics.jsonl", f"{source}: output.dir", overwrite=True)  # run() guards it
     check_report_to(cfg.report_to, source)
     return cfg
