@@ -35,7 +35,8 @@ if TYPE_CHECKING:
 @dataclass
 class AgentSection:
     """Multi-turn GRPO cells (`longstraw.kinds.agent`): `task` gives the prompt (its example's `info` resets each
-    row's `environment`), `num_generations` the group sizes and `max_turns` the turn budgets the cells take."""
+    row's `environment`, whose own `max_turns` each cell replaces), `num_generations` the group sizes and
+    `max_turns` the turn budgets the cells take."""
 
     task: dict = field(default_factory=dict)
     environment: EnvironmentConfig = field(default_factory=lambda: EnvironmentConfig(name="ruler_lookup"))
