@@ -2,11 +2,13 @@
 
 from longstraw import capture, replay
 state = capture(model, prompt_ids)          # ResidentState, no autograd
+extend(model, state, more_ids)              # the same state grown by more prompt tokens (an agent's history)
 logp = replay(model, state, response_ids)   # float32 [R], under autograd
 """
 
 _EXPORTS = {
     "capture": "core.transaction",
+    "extend": "core.transaction",
     "replay": "core.transaction",
     "score": "core.transaction",
     "ResidentState": "state",

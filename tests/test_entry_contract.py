@@ -64,6 +64,7 @@ def test_the_contract_names_what_the_code_above_calls():
         "gathered_through",
         "positional_gradients",
         "tensors",
+        "with_room",
     ]
 
 
@@ -118,6 +119,20 @@ def test_one_shard_gathered_through_its_end_is_the_entry_itself(state):
             assert gathered.length == entry.length
             kv = gathered.filled()[:1] if isinstance(entry, LatentPages) else gathered.filled()
             assert all(torch.equal(a, b) for a, b in zip(kv, entry.filled()))
+
+
+def test_room_for_more_positions_copies_pages_and_keeps_a_passed_on_state(state):
+    for entry in state.layers:
+        roomy = entry.with_room(5)
+        if isinstance(entry, STATES):  # constant size: the same entry, the same tensors
+            assert roomy is entry
+            continue
+        assert roomy.length == entry.length and roomy.filled()[0].shape == entry.filled()[0].shape
+        for grown, kept in zip(roomy.tensors(), entry.tensors()):
+            axis = 1 if grown.dim() == 3 else 2  # MLA's index keys [1, P, I]; pages [B, K, P, D]
+            assert grown.shape[axis] == kept.shape[axis] + 5 and grown.data_ptr() != kept.data_ptr()
+            assert torch.equal(grown.narrow(axis, 0, entry.length), kept.narrow(axis, 0, entry.length))
+        assert roomy.with_room(5).tensors()[0] is roomy.tensors()[0]  # room enough: no copy
 
 
 @pytest.mark.parametrize("preset", FAMILIES)

@@ -123,6 +123,7 @@ def test_the_kinds_are_registered_once_and_each_declares_itself():
         "pretrain",
         "length_curve",
         "learning",
+        "agent",
     )
     assert kinds.names() == expected
     assert plan.schema()["properties"]["kind"]["enum"] == list(expected)
@@ -130,7 +131,16 @@ def test_the_kinds_are_registered_once_and_each_declares_itself():
     assert typing.get_args(hints["kind"]) == expected
     # each kind section is its kind's, and the config's field of that name holds its type or None
     sections = kinds.sections()
-    assert set(sections) == {"capacity", "sweep", "staleness", "validation", "pretrain", "length_curve", "learning"}
+    assert set(sections) == {
+        "capacity",
+        "sweep",
+        "staleness",
+        "validation",
+        "pretrain",
+        "length_curve",
+        "learning",
+        "agent",
+    }
     assert all(typing.get_args(hints[k]) == (t, type(None)) for k, t in sections.items())
     declared = {}
     for path in (REPO / "longstraw" / "kinds").glob("*.py"):

@@ -104,6 +104,23 @@ def micro_batch_refusal(micro_batch, mode: str, context_parallel: bool) -> str |
 
 
 @dataclass
+class EnvironmentConfig:
+    """Multi-turn rollouts (`longstraw.training.agent_rollout`) in an environment (`longstraw.training.environments`):
+    `name` a built-in (`lookup`, `ruler_lookup`) or a class (`package.module:Class`, `path/to/file.py:Class`), as
+    reward functions are named, built with the keywords `args`; a trajectory takes at most `max_turns` actions of
+    at most `max_action_tokens` tokens each, within the sampling token budget (actions and observations)."""
+
+    name: str = ""
+    args: dict = field(default_factory=dict)
+    max_turns: int = bounded(4, min=1)
+    max_action_tokens: int = bounded(32, min=1)
+
+    def __post_init__(self):
+        if not self.name:
+            raise ValueError("name: the environment's name (a built-in, or package.module:Class)")
+
+
+@dataclass
 class OptimizerConfig:
     """AdamW (torch's default weight decay unless set)."""
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from longstraw.config.grpo import GRPOConfig, grouped_objective
-from longstraw.config.sections import CaptureConfig, ModelConfig, OptimizerConfig, ReplayConfig
+from longstraw.config.sections import CaptureConfig, EnvironmentConfig, ModelConfig, OptimizerConfig, ReplayConfig
 from longstraw.config.typed import ConfigError, bounded, from_mapping
 
 
@@ -122,6 +122,9 @@ class TrainConfig:
     # call each reward function once on the first prompt with G empty completions before any model work
     # (a function that fails, or returns the wrong number of rewards, is named before the run starts)
     check_reward_funcs: bool = True
+    # multi-turn rollouts: each of the G rows acts in its own environment, reset on the task's example (its
+    # `info`); the rewards are the environment's, the loss is on the actions only (`training.agent_step`)
+    environment: EnvironmentConfig | None = None
 
     def __post_init__(self):
         if self.dataset is None:
@@ -152,10 +155,17 @@ class TrainConfig:
                 f"replay.cuda_graph: records the members on one CUDA device; model.device is "
                 f"{self.model.device!r} and cp_size {self.cp_size}"
             )
+        self._check_environment()
         if self.gradient == "exact" and (self.refresh.policy, self.refresh.every) != ("every", 1):
             raise ValueError(
                 "gradient: 'exact' needs a capture with the current parameters every step "
                 "(refresh: {policy: every, every: 1})"
+            )
+
+    def _check_environment(self):
+        if self.environment is not None and self.dataset is not None:
+            raise ValueError(
+                "environment: multi-turn rollouts take their prompts from a task (task), not yet from a text dataset"
             )
 
 

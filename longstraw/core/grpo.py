@@ -352,9 +352,18 @@ def response_stats(
     ref_logp_R: torch.Tensor | None,
     advantage: Advantage,
     config: GRPOConfig,
+    mask: torch.Tensor | None = None,
 ) -> ResponseStats:
-    """Clip counts and KL sum for one response (no gradient; syncs to host)."""
+    """Clip counts and KL sum for one response (no gradient; syncs to host); with ``mask`` (bool ``[R]``, the
+    loss mask) over its True tokens only, as TRL counts a multi-turn completion's tokens without its tool
+    outputs."""
     _check_1d("logp", logp_R)
+    if mask is not None:
+        _check_same_len("mask", mask, logp_R)
+        mask = mask.to(logp_R.device)
+        logp_R, old_logp_R, ref_logp_R = (
+            None if t is None else t.to(logp_R.device)[mask] for t in (logp_R, old_logp_R, ref_logp_R)
+        )
     dtype = _compute_dtype(logp_R)
     logp = logp_R.detach().to(dtype)
     adv = float(_advantage_value(advantage, logp.device, dtype))

@@ -194,7 +194,7 @@ def grpo_step(
         update = settled_gradient(model, state, replayed.losses, options, recorder)
     optimizer_step(optimizer, update, recorder)
     metrics = step_metrics(
-        options, config, rewards, advantages, responses, scores, replayed, update, sampler_logps, recorder
+        options, config, rewards, advantages, responses, scores, replayed, update, sampler_logps, recorder, loss_masks
     )
     metrics.update(state_metrics(state, fingerprint, age))
     hand_back_states(model, state, ref_state)
@@ -328,13 +328,16 @@ def step_metrics(
     update: Update,
     sampler_logps,
     recorder,
+    masks=None,
 ) -> dict:
     """A step's measurements. `logp_mismatch` is the max and mean |log p_replay - log p_old| over the replayed
     tokens, before the update (None for `current`): scoring and replay run one attention kernel, so at the
     on-policy point it measures what remains of the training/inference mismatch (0 when the kernels agree bit
     for bit). `logp_mismatch_sampler` compares the sampler's own log-probs (its decoding kernels differ) the same
-    way; they are not used otherwise."""
+    way; they are not used otherwise. With loss `masks`, the token counts (`response_tokens`, `num_tokens`) and
+    the clip and KL statistics are over the loss-bearing tokens only (a trajectory's actions)."""
     graphs, old, ref = replayed.graphs, scores.old, scores.ref
+    masks = masks if masks is not None else [None] * len(responses)
     return {
         "mode": options.mode,
         "loss": update.loss,
@@ -344,7 +347,7 @@ def step_metrics(
         "advantages": [float(a) for a in advantages],
         "members_replayed": len(responses),
         "micro_batch": min(replayed.batch, len(responses)),  # the largest batch that ran, not what was asked
-        "response_tokens": [int(r.numel()) for r in responses],
+        "response_tokens": [int(r.numel() if m is None else m.sum()) for r, m in zip(responses, masks)],
         "graph_bytes_peak": replayed.meter.peak or (graphs.graph_bytes if graphs is not None else 0),
         "old_policy": scores.source,
         "logp_mismatch": None if scores.source == "current" else logp_mismatch(replayed.logps, old),
@@ -355,7 +358,7 @@ def step_metrics(
         "phases": recorder.phases,
         "stats": grpo.summarize_stats(
             [
-                grpo.response_stats(lp.detach(), old[i], ref and ref[i], advantages[i], config)
+                grpo.response_stats(lp.detach(), old[i], ref and ref[i], advantages[i], config, masks[i])
                 for i, lp in enumerate(replayed.logps)
             ]
         ),

@@ -1,8 +1,9 @@
 """capture() and replay(): the transaction's two halves (docs/design.md).
 
-    from longstraw import capture, replay
+    from longstraw import capture, extend, replay
     state = capture(model, prompt_ids)          # no autograd; ResidentState over prompt[:-1]
     logp = replay(model, state, response_ids)   # float32 [R] under autograd; state unchanged
+    extend(model, state, more_ids)              # the same state, now over (prompt + more_ids)[:-1]
 
 Capture walks the prompt (minus its last token) in chunks, writing each attention layer's K/V
 into preallocated pages and carrying GDN states forward. Two loop orders give the same state:
@@ -29,7 +30,8 @@ from longstraw.kernels.paged_attention import ForwardMemo
 from longstraw.measure.memory import synchronize
 from longstraw.measure.progress import CaptureProgress
 from longstraw.models.lora_linear import merged_lora_for_capture, merged_weights_kept
-from longstraw.state import ResidentState, chain_host_pages, prompt_digest
+from longstraw.state import ResidentState, chain_host_pages, prompt_hash
+from longstraw.state.pages import check_entries_implement
 
 DEFAULT_CHUNK = {"cpu": 2048, "cuda": 16384}
 
@@ -105,7 +107,10 @@ def capture(
         state.positions * (adapter.num_layers if layer_major else 1), progress, label=f"capture ({order}-major)"
     )
     with torch.no_grad(), adapter.selected(), merged_lora_for_capture():
-        (_layer_major if layer_major else _chunk_major)(adapter, ids, state, chunk, forward_layer, progress_bar)
+        if layer_major:
+            _layer_major(adapter, ids, state, chunk, forward_layer, progress_bar)
+        else:
+            _chunk_major(adapter, ids[: state.positions], state.layers, chunk, forward_layer, progress_bar)
     progress_bar.close()
     _bind(state, adapter, host_ids)  # its walk over the parameters runs while the device works through the capture
     synchronize(adapter.device)
@@ -114,12 +119,12 @@ def capture(
     return state
 
 
-def _checked_prompt(model, prompt_ids, adapter) -> tuple[torch.Tensor, torch.Tensor]:
+def _checked_prompt(model, prompt_ids, adapter, name: str = "prompt_ids") -> tuple[torch.Tensor, torch.Tensor]:
     """The prompt's ids on the model's device and on the host, checked, and the model checked deterministic
     (unless the caller just did)."""
-    ids = _shaped_ids(prompt_ids, "prompt_ids", adapter)
+    ids = _shaped_ids(prompt_ids, name, adapter)
     host_ids = ids.cpu()  # one copy to the host: the vocabulary check, the prompt's digest and its last token
-    check_vocabulary(host_ids, "prompt_ids", adapter)
+    check_vocabulary(host_ids, name, adapter)
     if _deterministic_checked.get() is not model:
         check_deterministic(model)
     return ids, host_ids
@@ -220,15 +225,17 @@ def _capture_layer(adapter, checkpoints: dict | None):
     return forward_layer
 
 
-def _chunk_major(adapter, ids, state: ResidentState, chunk: int, forward_layer, progress_bar) -> None:
-    """Each chunk of the prompt through every layer, then the next chunk."""
-    positions = state.positions
-    for start in range(0, positions, chunk):
-        h = adapter.embed(ids[None, start : min(start + chunk, positions)])
+def _chunk_major(adapter, ids, layers, chunk: int, forward_layer, progress_bar, first: int = 0) -> None:
+    """Each chunk of `ids` (the tokens at positions `first`, `first + 1`, ...) through every layer's entry of
+    `layers`, then the next chunk."""
+    end = first + ids.numel()
+    for start in range(first, end, chunk):
+        stop = min(start + chunk, end)
+        h = adapter.embed(ids[None, start - first : stop - first])
         pe = adapter.position_embeddings(h, start)
-        for i, entry in enumerate(state.layers):
+        for i, entry in enumerate(layers):
             h = forward_layer(i, h, pe, entry, start)
-        progress_bar.advance_to(min(start + chunk, positions))
+        progress_bar.advance_to(stop - first)
 
 
 def _layer_major(adapter, ids, state: ResidentState, chunk: int, forward_layer, progress_bar) -> None:
@@ -249,7 +256,47 @@ def _layer_major(adapter, ids, state: ResidentState, chunk: int, forward_layer, 
 
 def _bind(state: ResidentState, adapter, ids) -> ResidentState:
     """Record the model and the prompt the state belongs to (`check_state` compares them)."""
-    state.binding, state.prompt = adapter.binding(), prompt_digest(ids)
+    state.prompt_hash = prompt_hash(ids)
+    state.binding, state.prompt = adapter.binding(), state.prompt_hash.hexdigest()[:32]
+    return state
+
+
+def extend(model, state: ResidentState, new_ids, *, chunk_size: int | None = None, progress=None) -> ResidentState:
+    """Grow `state`, in place, by the prompt tokens `new_ids`: afterwards it is the state of the prompt it covered
+    followed by `new_ids` (an agent's history: the next episode starts where the last one ended), as one capture
+    of the whole would leave it, without running the prefix again. Its last token and `new_ids` but the last run
+    through every layer without autograd, a chunk at a time (chunk-major, as `capture`), appended to each entry
+    (`entry.with_room`: attention and latent pages copied into larger ones, constant-size states as they are).
+    Refused before any work: a state of another model, an exact-mode or context-parallel state
+    (`why_not_extendable`), ids a capture would refuse, a prompt past the model's positions. An extension that
+    fails midway leaves the state marked unusable (`damaged`). Returns the state."""
+    adapter = adapter_for(model)
+    check_state(adapter, state)
+    why = state.why_not_extendable()
+    if why:
+        raise ValueError(f"extend: cannot grow {why}")
+    check_entries_implement(state.layers, "with_room", "extend")
+    ids, host_ids = _checked_prompt(model, new_ids, adapter, "new_ids")
+    if state.max_positions is not None and state.positions + 1 + ids.numel() > state.max_positions:
+        raise ValueError(
+            f"extend: a prompt of {state.positions + 1} tokens and {ids.numel()} more passes the model's "
+            f"max_position_embeddings ({state.max_positions}); capture with beyond_max_positions=True to go past it"
+        )
+    chunk, first = _chunk_length(chunk_size, adapter.device), state.positions
+    inputs = torch.cat([ids.new_full((1,), state.last_token), ids[:-1]])  # the last token is only predicted
+    state.layers = [entry.with_room(ids.numel()) for entry in state.layers]
+    chain_host_pages(state.layers)
+    progress_bar = CaptureProgress(ids.numel(), progress, label="extend")
+    try:
+        with torch.no_grad(), adapter.selected(), merged_lora_for_capture():
+            _chunk_major(adapter, inputs, state.layers, chunk, _capture_layer(adapter, None), progress_bar, first)
+    except BaseException as exc:
+        state.damaged = f"an extension failed midway ({type(exc).__name__}: {exc})"
+        raise
+    finally:
+        progress_bar.close()
+    state.cover_more(host_ids)
+    synchronize(adapter.device)
     return state
 
 

@@ -115,3 +115,8 @@ class ShardedResidentState(ResidentState):
     @property
     def local_positions(self) -> int:
         return self.shard[1] - self.shard[0]
+
+    def why_not_extendable(self) -> str | None:
+        return (
+            "a context-parallel state: its ranks hold shards of fixed bounds; capture the whole history with cp instead"
+        )

@@ -11,7 +11,18 @@ through `part` and `contributed`, and the columns every point's row has through 
 from __future__ import annotations
 
 from longstraw.config.point import PointConfig, point_class, resolve_with
-from longstraw.kinds import capacity, capture, learning, length_curve, pretrain, staleness, step, sweep, validation
+from longstraw.kinds import (
+    agent,
+    capacity,
+    capture,
+    learning,
+    length_curve,
+    pretrain,
+    staleness,
+    step,
+    sweep,
+    validation,
+)
 from longstraw.kinds.columns import common_columns
 from longstraw.kinds.spec import UNKNOWN, Kind
 
@@ -45,7 +56,7 @@ def unregister(name: str) -> None:
     del _KINDS[name]
 
 
-for _module in (step, capture, capacity, sweep, staleness, validation, pretrain, length_curve, learning):
+for _module in (step, capture, capacity, sweep, staleness, validation, pretrain, length_curve, learning, agent):
     register(_module.KIND)
 
 

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from longstraw.config import ConfigError, PointConfig, point_mapping
+from longstraw.config.sections import EnvironmentConfig
 from longstraw.config.typed import bounded
 from longstraw.kinds.checks import check_task
 from longstraw.kinds.learning_runs import (
@@ -125,6 +126,9 @@ class LearningConfig:
     window: int = bounded(8, min=2)  # the last `window` steps' prompts are compared
     probe: LearningProbe | None = None  # choose the length from the base model's success (else prompt.length)
     curriculum: LearningCurriculum | None = None  # stages of increasing length (else one length)
+    # multi-turn rollouts in an environment (`longstraw.training.agent_step`): the trainer's `environment`; the
+    # trajectory's token budget is `responses.length`, and the probe's success a greedy trajectory's
+    environment: EnvironmentConfig | None = None
 
     def __post_init__(self):
         if self.probe is not None and self.curriculum is None and not self.probe.lengths:
@@ -158,10 +162,28 @@ def check(cfg: PointConfig, source: str) -> None:
     check_task(cfg.learning.task, cfg.prompt.length, f"{source}: learning.task")
     for i, spec in enumerate(cfg.learning.curriculum.eval_tasks if cfg.learning.curriculum else []):
         check_task(spec, cfg.prompt.length, f"{source}: learning.curriculum.eval_tasks[{i}]")
+    if cfg.learning.environment is not None:
+        check_learning_environment(cfg, source)
     if cfg.learning.curriculum is not None and cfg.model.lora is None:
         raise ConfigError(
             f"{source}: learning.curriculum: its stages carry a LoRA adapter from one to the next; set model.lora"
         )
+
+
+def check_learning_environment(cfg: PointConfig, source: str) -> None:
+    """`learning.environment` against the task and `responses.length` (`agent_step.check_environment`); a
+    curriculum's held-out curves are single-turn, so not beside one yet."""
+    from longstraw.training.agent_step import check_environment
+
+    if cfg.learning.curriculum is not None:
+        raise ConfigError(f"{source}: learning.environment: not with a curriculum yet (its held-out curves: one turn)")
+    check_environment(
+        cfg.learning.environment,
+        cfg.learning.task,
+        cfg.responses.length,
+        f"{source}: learning.environment",
+        "responses.length",
+    )
 
 
 if TYPE_CHECKING:

@@ -22,9 +22,12 @@ def trainer_mapping(cfg: PointConfig, lr: float, gradient: str, out_dir, length:
     capture settings, the learning section, `lr` and `gradient`, at `length` (default prompt.length),
     writing under `out_dir`."""
     from longstraw.config.point import trainer_sections
+    from longstraw.config.typed import to_mapping
 
     s = cfg.learning
+    agent = {"environment": to_mapping(s.environment)} if s.environment is not None else {}
     return {
+        **agent,
         **trainer_sections(cfg, out_dir),
         "task": {**s.task, "length": length or cfg.prompt.length},
         "steps": s.steps,
@@ -101,6 +104,7 @@ def probe_lengths(cfg: PointConfig, progress: Progress, lengths) -> dict:
         p.examples,
         chunk_size=cfg.capture.chunk_size,
         beyond_max_positions=cfg.capture.beyond_max_positions,
+        agent=None if cfg.learning.environment is None else (cfg.learning.environment, cfg.responses.length),
     )
     del model
     low, high = p.success

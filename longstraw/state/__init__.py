@@ -12,7 +12,7 @@ from longstraw.state.pages import (
     attention_output_unused,
     chain_host_pages,
 )
-from longstraw.state.resident import ModelBinding, ResidentState, prompt_digest
+from longstraw.state.resident import ModelBinding, ResidentState, prompt_digest, prompt_hash
 
 __all__ = [
     "AttentionPages",
@@ -27,4 +27,5 @@ __all__ = [
     "attention_output_unused",
     "chain_host_pages",
     "prompt_digest",
+    "prompt_hash",
 ]

@@ -68,6 +68,10 @@ class ResidentEntry(Protocol):
         """Its context-parallel form: the one of `forms.pages`, `forms.latent`, `forms.recurrent` that fits
         (`longstraw.cp.capture`), so a new kind of entry names its own form or has none."""
 
+    def with_room(self, extra: int):
+        """The entry with room for `extra` more positions after those it holds, its content unchanged (a larger
+        copy of pages that lack the room; itself for a constant-size state): what `extend` appends to."""
+
 
 def check_entries_implement(entries, method: str, purpose: str) -> None:
     """Refuse, before any work, entries lacking `method` of the contract (a family's entry that does not
@@ -75,6 +79,24 @@ def check_entries_implement(entries, method: str, purpose: str) -> None:
     missing = sorted({type(e).__name__ for e in entries if not hasattr(e, method)})
     if missing:
         raise ValueError(f"{purpose}: {', '.join(missing)} entries have no {method}() (ResidentEntry, state/pages.py)")
+
+
+def _grown(t: torch.Tensor, dim: int, length: int, extra: int) -> torch.Tensor:
+    """`t` with room for `length + extra` positions along `dim`, its first `length` copied (itself when it has
+    the room); in the same memory (pinned host pages stay pinned)."""
+    if t.shape[dim] >= length + extra:
+        return t
+    shape = list(t.shape)
+    shape[dim] = length + extra
+    pinned = t.device.type == "cpu" and torch.cuda.is_available() and t.is_pinned()
+    out = torch.empty(shape, dtype=t.dtype, device=t.device, pin_memory=pinned)
+    out.narrow(dim, 0, length).copy_(t.narrow(dim, 0, length))
+    return out
+
+
+def _same(self, extra: int):
+    """`with_room` of a constant-size entry (a GDN state, a window): itself."""
+    return self
 
 
 def _leaves(*tensors):
@@ -193,6 +215,9 @@ class AttentionPages:
 
     def for_shard(self, forms):
         return forms.pages(self)
+
+    def with_room(self, extra: int) -> AttentionPages:
+        return AttentionPages(*(_grown(t, 2, self.length, extra) for t in self.tensors()), self.length)
 
     def attend_decode(self, q_BHTD, own: OwnPages, scale: float, sinks=None):
         """One decoding step: each sequence's query over these shared pages and its `own` pages."""
@@ -316,6 +341,8 @@ class RecurrentState:
 
     def for_shard(self, forms):
         return forms.recurrent(self)
+
+    with_room = _same
 
 
 @dataclass
@@ -441,6 +468,8 @@ class WindowKV:
             "a context-parallel capture: WindowKV (sliding-window layers) has no context-parallel form yet "
             "(each shard would start from the last window - 1 K/V of the shard before it); capture without cp"
         )
+
+    with_room = _same
 
 
 @dataclass
@@ -669,6 +698,11 @@ class LatentPages:
 
     def for_shard(self, forms):
         return forms.latent(self)
+
+    def with_room(self, extra: int) -> LatentPages:
+        kv = _grown(self.kv_11PE, 2, self.length, extra)
+        index = None if self.index_1PI is None else _grown(self.index_1PI, 1, self.length, extra)
+        return LatentPages(kv, index, self.kv_lora_rank, self.length, compute_device=self.compute_device)
 
     def attend_decode(
         self, q_BH1E, own: LatentPages, *, rank: int, scale: float, index: IndexQueries | None = None, selection=None

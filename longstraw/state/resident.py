@@ -53,9 +53,18 @@ def _describe(structure: tuple) -> str:
     return f"a {layers}-layer {model_type} model ({kinds}; {dict(shapes)}; {dtype})"
 
 
+def _id_bytes(ids: torch.Tensor) -> bytes:
+    return ids.detach().to("cpu", torch.int64).contiguous().numpy().tobytes()
+
+
+def prompt_hash(ids: torch.Tensor):
+    """The running sha256 of a prompt's token ids: `prompt_digest`'s, which more ids can continue (`extend`)."""
+    return hashlib.sha256(_id_bytes(ids))
+
+
 def prompt_digest(ids: torch.Tensor) -> str:
     """A digest of a prompt's token ids (a state is bound to the prompt it covers)."""
-    return hashlib.sha256(ids.detach().to("cpu", torch.int64).contiguous().numpy().tobytes()).hexdigest()[:32]
+    return prompt_hash(ids).hexdigest()[:32]
 
 
 def check_positions(positions: int, tokens: int, limit: int | None, what: str) -> None:
@@ -96,10 +105,14 @@ class ResidentState:
     age: int = 0  # optimizer steps taken since the capture (`grpo_step` counts them)
     # the model's position limit that replay and sampling keep to (None: captured with beyond_max_positions)
     max_positions: int | None = None
+    prompt_hash: object | None = field(default=None, repr=False)  # `prompt_hash` of the ids, continued by `extend`
+    damaged: str | None = None  # why the state is unusable (an extension that failed midway), or None
 
     def check_model(self, binding: ModelBinding) -> None:
         """Refuse a model this state was not captured from, or whose trainable weights were written since
-        without a declared reuse (replay, score, sample, grpo_step)."""
+        without a declared reuse (replay, score, sample, grpo_step); and a damaged state."""
+        if self.damaged:
+            raise ValueError(f"this resident state is unusable: {self.damaged}; capture the prompt again")
         why = self.binding.mismatch(binding) if self.binding is not None else None
         if why:
             advice = "" if why.startswith("the trainable") else "; capture the prompt with this model"
@@ -111,6 +124,25 @@ class ResidentState:
         if self.binding is not None:
             self.check_model(dataclasses.replace(binding, trainable=self.binding.trainable))
         self.binding = binding
+
+    def why_not_extendable(self) -> str | None:
+        """Why `extend` cannot grow this state by more prompt tokens, or None."""
+        if self.prefix_trace is not None:
+            return (
+                "an exact-mode state (prefix_grad=True): its prompt-side trace covers the prompt it was captured "
+                "from; capture the whole history with prefix_grad=True instead"
+            )
+        return None
+
+    def cover_more(self, new_ids: torch.Tensor) -> None:
+        """The state now covers its prompt followed by `new_ids` (its entries grown by `extend`): its positions,
+        last token and digest follow."""
+        self.positions += new_ids.numel()
+        self.last_token = int(new_ids[-1])
+        if self.prompt_hash is not None:
+            self.prompt_hash = self.prompt_hash.copy()
+            self.prompt_hash.update(_id_bytes(new_ids))
+            self.prompt = self.prompt_hash.hexdigest()[:32]
 
     def check_positions(self, tokens: int, what: str) -> None:
         """Refuse `tokens` more positions after the prompt's (a response replayed, or sampled) past the limit."""

@@ -22,6 +22,7 @@ import functools
 import math
 import numbers
 import random
+import re
 from collections.abc import Callable
 from typing import Protocol
 
@@ -73,21 +74,80 @@ class LookupEnvironment:
         return "unknown\n", 0.0, False
 
 
-ENVIRONMENTS = {"lookup": LookupEnvironment}
+class RulerLookupEnvironment:
+    """The tool of RULER's lookup task (`training/ruler/lookup.py`, task `ruler_lookup`), whose example `info` holds
+    the hidden chain of keys k0 -> ... -> k_h, the answer (k_h's value, which only the context says) and the frame
+    of a tool's answer in the conversation. An action is read as a lookup where it says `lookup KEY` (observed: the
+    key KEY links to, or `KEY links to no key` at the chain's end or off it), else as an answer where it says
+    `answer NUMBER` or, failing that, states a 7-digit number (RULER's values): the episode ends with reward 1 when
+    the number is the answer, else 0; anything else is answered with the two actions' forms. Each turn also costs
+    `turn_penalty`, so a trajectory's reward is its exact match less `turn_penalty` times its turns. The first
+    observation is empty: the prompt poses the task."""
+
+    text = True
+    LOOKUP = re.compile(r"lookup\W+([\w-]+)", re.IGNORECASE)
+    ANSWER = re.compile(r"answer\W*(\d+)|\b(\d{7})\b", re.IGNORECASE)
+
+    def __init__(self, turn_penalty: float = 0.02):
+        if isinstance(turn_penalty, bool) or not isinstance(turn_penalty, numbers.Real) or not 0 <= turn_penalty < 1:
+            raise ValueError(f"ruler_lookup environment: turn_penalty must be a number in [0, 1), got {turn_penalty!r}")
+        self.penalty, self.chain, self.answer, self.frame = float(turn_penalty), [], None, ("\n", "\n")
+
+    def reset(self, example) -> str:
+        missing = [k for k in ("chain", "references") if k not in (example or {})]
+        if missing:
+            raise ValueError(f"ruler_lookup environment: the example has no {', '.join(missing)} (task ruler_lookup's)")
+        self.chain, self.answer = list(example["chain"]), example["references"][0]
+        self.frame = tuple(example.get("turn_frame", self.frame))
+        return ""
+
+    def step(self, action: str) -> tuple[str, float, bool]:
+        if lookup := self.LOOKUP.search(action):
+            key = lookup[1]
+            said = self.chain[self.chain.index(key) + 1] if key in self.chain[:-1] else f"{key} links to no key"
+        elif answer := self.ANSWER.search(action):
+            return "", float((answer[1] or answer[2]) == self.answer) - self.penalty, True
+        else:
+            said = "reply `lookup KEY` or `answer NUMBER`"
+        return f"{self.frame[0]}{said}{self.frame[1]}", -self.penalty, False
+
+
+ENVIRONMENTS = {"lookup": LookupEnvironment, "ruler_lookup": RulerLookupEnvironment}
+
+
+def register_environment(name: str, cls) -> None:
+    """A built-in under `name` (a plugin's, a test's), as `tasks.register_task` registers a task."""
+    ENVIRONMENTS[name] = cls
+
+
+class BadEnvironment(ValueError):
+    """What `load_environment` refuses; `setting`: `name` (no such class, or no environment) or `args` (it does
+    not build with them)."""
+
+    def __init__(self, setting: str, message: str):
+        super().__init__(message)
+        self.setting = setting
 
 
 def load_environment(spec: str, args: dict | None = None) -> Callable[[], Environment]:
     """A factory of fresh environments for `spec` (a name in `ENVIRONMENTS` or `package.module:Class`) built with
     `args`; one is built here, so bad arguments and a class that is no environment are refused before any
-    rollout."""
-    cls = ENVIRONMENTS.get(spec) if isinstance(spec, str) else None
-    cls = cls or import_named(spec, "environment")
+    rollout (`BadEnvironment`)."""
+    try:
+        cls = (ENVIRONMENTS.get(spec) if isinstance(spec, str) else None) or import_named(spec, "environment")
+    except ValueError as exc:
+        raise BadEnvironment("name", str(exc)) from None
     make = functools.partial(cls, **(args or {}))
     try:
         env = make()
     except TypeError as exc:
-        raise ValueError(f"environment {spec!r}: cannot build it with {args or {}}: {exc}") from None
-    check_environment(env, spec)
+        raise BadEnvironment("args", f"environment {spec!r}: cannot build it with {args or {}}: {exc}") from None
+    except ValueError as exc:  # its own checks of its arguments
+        raise BadEnvironment("args", str(exc)) from None
+    try:
+        check_environment(env, spec)
+    except ValueError as exc:
+        raise BadEnvironment("name", str(exc)) from None
     return make
 
 

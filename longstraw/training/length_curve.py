@@ -60,10 +60,14 @@ def example_at_depth(task, seed: int, depth: float | None):
     return example
 
 
-def greedy_success(model, task, example, chunk_size: int | None = None, beyond_max_positions: bool = False) -> float:
+def greedy_success(
+    model, task, example, chunk_size: int | None = None, beyond_max_positions: bool = False, agent=None
+) -> float:
     """Capture the prompt, decode len(answer) tokens greedily from the resident state (or the example's
-    `max_new_tokens`, up to the task's `stop_ids`), score them."""
+    `max_new_tokens`, up to the task's `stop_ids`), score them. With `agent` (an environment config and a
+    trajectory's token budget): a greedy trajectory in that environment instead (`agent_step.greedy_agent_success`)."""
     from longstraw.core.transaction import capture
+    from longstraw.training.agent_step import greedy_agent_success
     from longstraw.training.rollout import SamplingConfig, sample
 
     device = next(model.parameters()).device
@@ -74,6 +78,8 @@ def greedy_success(model, task, example, chunk_size: int | None = None, beyond_m
         progress=False,
         beyond_max_positions=beyond_max_positions,
     )
+    if agent is not None:
+        return greedy_agent_success(model, state, task, example, *agent)
     rollouts = sample(
         model,
         state,
@@ -115,6 +121,7 @@ def length_curve(
     progress: bool = True,
     beyond_max_positions: bool = False,
     on_row=None,
+    agent=None,
 ) -> dict:
     """Rows {length, depth, success, n, stderr, rewards} per cell, the task's chance, and timing;
     `on_row(rows)` after each cell (so a run cut off at its time limit keeps the cells it finished).
@@ -122,17 +129,17 @@ def length_curve(
     `method="capture"` (the reference: capture + greedy sampling from the resident state, one example at a
     time) or `"forward"` (HF's batched one-pass forward, teacher-forced argmax: the same scores for
     exact-match rewards, and on CPU much faster at long lengths, where the project's math attention
-    backend materialises the score blocks; tests check the two agree example by example)."""
+    backend materialises the score blocks; tests check the two agree example by example); `agent`: greedy_success's."""
     from longstraw.training.tasks import build_task
 
     if method not in ("capture", "forward"):
         raise ValueError(f"method must be 'capture' or 'forward', got {method!r}")
-    vocab = model.config.vocab_size
+    vocab, capturing = model.config.vocab_size, (chunk_size, beyond_max_positions, agent)
     rows, start = [], time.perf_counter()
     for length in lengths:
         task = build_task({**task_spec, "length": int(length)}, vocab)
         for depth in depths if depths else [None]:
-            row = _cell(model, task, int(length), depth, examples, seed_base, method, chunk_size, beyond_max_positions)
+            row = _cell(model, task, int(length), depth, examples, seed_base, method, capturing)
             rows.append(row)
             if on_row is not None:
                 on_row(rows)
@@ -152,15 +159,14 @@ def length_curve(
     }
 
 
-def _cell(
-    model, task, length: int, depth, examples: int, seed_base: int, method: str, chunk_size, beyond_max_positions
-) -> dict:
+def _cell(model, task, length: int, depth, examples: int, seed_base: int, method: str, capturing: tuple) -> dict:
     """One cell of the curve: the success rate of `examples` examples of one length with the needle at `depth`
-    (None: a random depth each), scored by `method`."""
+    (None: a random depth each), scored by `method` (capture: `greedy_success` with `capturing`, its chunk size,
+    `beyond_max_positions` and `agent`)."""
     t = time.perf_counter()
     cell = [example_at_depth(task, seed_base + i, depth) for i in range(examples)]
     if method == "capture":
-        rewards = [greedy_success(model, task, example, chunk_size, beyond_max_positions) for example in cell]
+        rewards = [greedy_success(model, task, example, *capturing) for example in cell]
     else:
         rewards = forward_successes(model, task, cell)
     p = sum(rewards) / len(rewards)

@@ -14,6 +14,8 @@ Built-in tasks (the answer depends on the long prompt, so a model must read it):
 Difficulty knobs: prompt `length`, needle count and depth, value length, count range.
 - `ruler`: RULER's tasks over real text in a real tokenizer (`longstraw.training.ruler.task`), e.g.
   `{"name": "ruler", "task": "vt", "tokenizer": CHECKPOINT, "length": 32768}`.
+- `ruler_lookup`: an agent's task over RULER's essays (`longstraw.training.ruler.lookup`, played in environment
+  `ruler_lookup`), e.g. `{"name": "ruler_lookup", "tokenizer": CHECKPOINT, "length": 32768, "hops": 2}`.
 
 Token layout (ids below `vocab_size`): specials 0-7, numbers 8-71, keys and values in the next
 two ranges, filler above. Rewards are exact match on the answer's tokens (partial credit per
@@ -171,7 +173,23 @@ def _ruler(**settings) -> Task:
 
 _ruler.folders = ("tokenizer",)  # the settings naming a folder the task reads (`task_folders`)
 
-TASKS: dict[str, Callable[..., Task]] = {"kv_retrieval": KeyValueRetrieval, "counting": Counting, "ruler": _ruler}
+
+def _ruler_lookup(**settings) -> Task:
+    """An agent's task over RULER's essays (`longstraw.training.ruler.task.RulerLookupTask`: a hidden chain of keys
+    that only a lookup tool knows, values that only the context holds), imported only when asked for."""
+    from longstraw.training.ruler.task import RulerLookupTask
+
+    return RulerLookupTask(**settings)
+
+
+_ruler_lookup.folders = ("tokenizer",)
+
+TASKS: dict[str, Callable[..., Task]] = {
+    "kv_retrieval": KeyValueRetrieval,
+    "counting": Counting,
+    "ruler": _ruler,
+    "ruler_lookup": _ruler_lookup,
+}
 
 
 def register_task(name: str, factory: Callable[..., Task]) -> None:

@@ -33,6 +33,13 @@ metrics (`reward`, `reward_std`, `rewards/<name>/mean` and `/std`, `frac_reward_
 `completions/mean_length` ...), the decoded `completions`, each function's rewards (`rewards_per_func`,
 null for None) and the `dataset_index`; `reward_mean` equals `reward` there.
 
+Multi-turn rollouts (`environment`: `longstraw.training.agent_step`): each of the G rows acts in its own
+environment, reset on the task example's `info`, within `environment.max_turns` actions of at most
+`environment.max_action_tokens` tokens and the trajectory's `sampling.max_new_tokens`; the rewards are the
+environments' (summed over a trajectory's turns), and a trajectory replays as one member with the loss on its
+actions only. The step's token counts (`response_tokens`, `num_tokens`, `completions/*`) are its actions'; the
+record adds `turns`, `turns/mean`, `trajectory_tokens` and `done_ratio`.
+
 Outputs under `output.dir`: `metrics.jsonl` (one JSON object per step; with `report_to` its numbers also go to
 tensorboard or trackio, `training.watch`), `provenance.json` (the commit, device and versions of the latest call,
 and the step it resumed at), and every
@@ -74,6 +81,7 @@ from longstraw.measure.provenance import provenance
 from longstraw.models.policy import build_policy
 from longstraw.models.presets import check_preset
 from longstraw.results import SKIPPED, check_writable, strict_json, write_json_atomic, write_text_atomic
+from longstraw.training.agent_step import AgentSampler, agent_record, check_environment
 from longstraw.training.example import TaskNotReady
 from longstraw.training.optimizer import build_optimizer
 from longstraw.training.oracle import parameter_drift
@@ -127,6 +135,10 @@ def resolve(raw, source: str = "train config") -> TrainConfig:
             check_task_ready(cfg.task, facts.vocab_size)
         except TaskNotReady as exc:
             raise ValueError(f"{source}: task.{exc}") from None
+    if cfg.environment is not None:
+        check_environment(
+            cfg.environment, cfg.task, cfg.sampling.max_new_tokens, f"{source}: environment", "sampling.max_new_tokens"
+        )
     check_writable(Path(cfg.output.dir) / "metrics.jsonl", f"{source}: output.dir", overwrite=True)  # run() guards it
     check_report_to(cfg.report_to, source)
     return cfg
@@ -173,6 +185,7 @@ class Trainer:
         self.model = build_policy(cfg.model)
         vocab = self.model.get_input_embeddings().weight.shape[0]
         self.task = build_task(cfg.task, vocab) if self.text is None else None
+        self.agent = AgentSampler(cfg.environment, self.task) if cfg.environment is not None else None
         if self.text is not None and len(self.text.tokenizer) > vocab:
             raise ValueError(
                 f"{source}: the tokenizer has {len(self.text.tokenizer)} tokens but the model's "
@@ -320,32 +333,32 @@ class Trainer:
             "drift_before": drift,
             "lr": lr,
             **group_record(metrics, rewards, text, rollouts.finished),
+            **(agent_record(rollouts) if self.agent is not None else {}),
             "transaction": transaction_record(metrics, recorder, ref_state),
             "seconds": time.perf_counter() - start,
         }
 
     def _rollouts(self, step: int, recorder: PhaseRecorder):
-        """The step's G responses sampled from the resident state (phase `sampling`)."""
+        """The step's G responses (or, with an environment, trajectories) sampled from the resident state (phase
+        `sampling`)."""
         s = self.cfg.sampling
         stops = (
             dict(stop_ids=self.text.stop_ids, pad_id=self.text.pad_id)
             if self.text is not None
             else dict(stop_ids=tuple(getattr(self.task, "stop_ids", ())))
-        )  # a task over a real tokenizer stops at EOS
+        )  # a task over a real tokenizer stops at EOS (an agent's action, too)
+        sampling = SamplingConfig(
+            num_generations=self.cfg.grpo.num_generations,
+            max_new_tokens=s.max_new_tokens,
+            temperature=s.temperature,
+            top_p=s.top_p,
+            seed=self.cfg.seed * 1_000_003 + step,
+            **stops,
+        )
         with recorder.phase("sampling"):
-            return sample(
-                self.model,
-                self.state,
-                SamplingConfig(
-                    num_generations=self.cfg.grpo.num_generations,
-                    max_new_tokens=s.max_new_tokens,
-                    temperature=s.temperature,
-                    top_p=s.top_p,
-                    seed=self.cfg.seed * 1_000_003 + step,
-                    **stops,
-                ),
-                session=self.decode_session,
-            )
+            if self.agent is not None:
+                return self.agent.sample(self.model, self.state, self._example(step), sampling)
+            return sample(self.model, self.state, sampling, session=self.decode_session)
 
     def _group_rewards(self, step: int, example, rollouts, recorder: PhaseRecorder):
         """(rewards, advantages or None, the record's reward fields): the task's, or the text rewards' (phase
@@ -353,7 +366,7 @@ class Trainer:
         if self.text is not None:
             with recorder.phase("rewards"):
                 return self._text_rewards(step, example, rollouts)
-        rewards = self._rewards(step, example, rollouts.responses)
+        rewards = rollouts.rewards if self.agent is not None else self._rewards(step, example, rollouts.responses)
         return rewards, None, {"reward": float(torch.tensor(rewards).mean())}
 
     def _update(self, example, rollouts, rewards, advantages, ref_state) -> dict:
@@ -371,6 +384,7 @@ class Trainer:
             sampler_logps=rollouts.logprobs,
             advantages=advantages,
             graphs=self.member_graphs,
+            loss_masks=rollouts.masks if self.agent is not None else None,
         ).metrics
 
     # ---- checkpoints
