@@ -44,6 +44,7 @@ from longstraw.kinds.learning_runs import (
     gradient_gap,
     probe_lengths,
     remembered,
+    task_label,
     train_runs,
 )
 from longstraw.kinds.spec import Built, Kind
@@ -151,11 +152,6 @@ class LearningConfig:
                     f"curriculum: eval_tasks[{i}]: {label!r} is the name of the training task or an earlier eval task; "
                     "each task's held-out curves are recorded under its name"
                 )
-
-
-def task_label(spec: dict) -> str:
-    """A task spec's name in records and the report: its registered name (or plugin) and a RULER task's own."""
-    return " ".join(str(part) for part in (spec.get("name") or spec.get("plugin"), spec.get("task")) if part)
 
 
 def check(cfg: PointConfig, source: str) -> None:

@@ -12,7 +12,7 @@ Each stage is one learning point's work at one length, fixed before it runs:
 - the held-out length curve (`kinds.length_curve`'s run, with `adapter:`) of the adapter carried on (the first
   gradient mode's) at every stage length so far, beside the base model's (the adapter off) on the same examples:
   the training task's (`heldout`), then each of `learning.curriculum.eval_tasks`' (`heldout_tasks`, in their order,
-  each with its spec and `learning.task_label`), each kept in the stage's folder once measured (`heldout.json`,
+  each with its spec and `learning_runs.task_label`), each kept in the stage's folder once measured (`heldout.json`,
   `heldout-<i>.json`: a command cut off there goes on from the next curve).
 
 The adapters carried on are copied to `learning.curriculum.out` (`stage-<i>/adapter`), where they outlive the
@@ -34,8 +34,7 @@ from pathlib import Path
 
 from longstraw.config import PointConfig
 from longstraw.kinds.common import Progress
-from longstraw.kinds.learning import task_label
-from longstraw.kinds.learning_runs import gains, probe_lengths, remembered, train_runs
+from longstraw.kinds.learning_runs import gains, probe_lengths, remembered, task_label, train_runs
 from longstraw.kinds.length_curve import LengthCurveConfig
 from longstraw.kinds.length_curve import run as run_length_curve
 from longstraw.results import check_writable, strict_json, write_text_atomic

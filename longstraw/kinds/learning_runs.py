@@ -17,6 +17,11 @@ if TYPE_CHECKING:
 UNTRAINED = "lr0"
 
 
+def task_label(spec: dict) -> str:
+    """A task spec's name in records and the report: its registered name (or plugin) and a RULER task's own."""
+    return " ".join(str(part) for part in (spec.get("name") or spec.get("plugin"), spec.get("task")) if part)
+
+
 def trainer_mapping(cfg: PointConfig, lr: float, gradient: str, out_dir, length: int | None = None) -> dict:
     """One run's `longstraw train` config: the point's model, objective (less the group size) and
     capture settings, the learning section, `lr` and `gradient`, at `length` (default prompt.length),
