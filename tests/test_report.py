@@ -2151,13 +2151,20 @@ def test_the_summary_states_where_the_policy_improves_and_the_gradient_gap(recor
     summary = html[: html.index('id="experiment-')]  # the top of the page, before the experiments
     points = aggregate.load_points(REPO / "experiments" / "recorded" / "h200")
     learning = [p for p in points if p.get("kind") == "learning" and p["status"] == "ok"]
-    both = [p for p in learning if {"exact", "response-only"} <= set(p["metrics"]["runs"])]
+    both = [p for p in learning if {"exact", "response-only"} <= set(p["metrics"].get("runs") or {})]
     assert both
     for point in both:
         settings = point["config"]["learning"]
         runs = point["metrics"]["runs"]
         gap, se = _paired_by_hand(runs["exact"], runs["response-only"], settings["steps"] - settings["window"])
         assert f"{gap:+.3f} +- {se:.3f}" in summary, point["point"]
+    # a curriculum's row: the longest stage that reached V4 in either mode, its gap by hand from that stage's runs
+    for point in (p for p in learning if p["metrics"].get("stages")):
+        reached = [s for s in point["metrics"]["stages"] if any(g["reached"] for g in (s.get("gains") or {}).values())]
+        stage = reached[-1]
+        runs, first = stage["runs"], stage["steps"] - point["config"]["learning"]["window"]
+        gap, se = _paired_by_hand(runs["exact"], runs["response-only"], first)
+        assert f"{gap:+.3f} +- {se:.3f}" in summary, (point["point"], stage["length"])
     real = next(p for p in learning if p["point"] == "v4-niah_single_2-yarn4")
     gain = real["metrics"]["gains"]["response-only"]
     assert f"response-only {gain['gain']:+.3f} +- {gain['standard_error']:.3f}" in summary

@@ -195,7 +195,9 @@ def test_trains_from_a_local_checkpoint_tokenizer_jsonl_and_reward_functions(fix
 
     stops = []
     real_sample = trainer_module.sample
-    monkeypatch.setattr(trainer_module, "sample", lambda m, s, c: stops.append(c.stop_ids) or real_sample(m, s, c))
+    monkeypatch.setattr(
+        trainer_module, "sample", lambda m, s, c, **kw: stops.append(c.stop_ids) or real_sample(m, s, c, **kw)
+    )
     CALLS.clear()
     trainer = Trainer(_config(fixture, tmp_path / "run", beta=0.04))  # a KL term: the kl metric
     assert len(CALLS) == 1 and CALLS[0]["completions"] == [""] * 4  # the check call, before the model was built

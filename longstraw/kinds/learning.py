@@ -543,8 +543,11 @@ def eval_cell(stage: dict) -> str | None:
 
 def figures(data, ceiling: dict, marks=()):
     rows = [r for r in data.of_kind("learning") if r.get("status") == "ok"]
-    if rows and data.extra.get("steps"):
-        yield "reward_per_step", plot_rewards(rows, data.extra["steps"], data.name)
+    # a curriculum's stages restart the step count, so their runs would overlay on one axis: its held-out figure and
+    # stages table show it, its steps table has every step
+    single = [r for r in rows if not r.get("curriculum")]
+    if single and data.extra.get("steps"):
+        yield "reward_per_step", plot_rewards(single, data.extra["steps"], data.name)
     if rows and data.extra.get("heldout"):
         yield "heldout_by_stage", plot_heldout(rows, data.extra["heldout"], data.name)
 
@@ -597,7 +600,7 @@ def plot_heldout(rows, cells, title: str):
     points = [r.get("point") for r in rows if any(c.get("point") == r.get("point") for c in cells)]
     tasks = {p: list(dict.fromkeys(c["task"] for c in cells if c.get("point") == p)) for p in points}
     cols = max(len(t) for t in tasks.values())
-    fig, axes = draw.plt.subplots(len(points), cols, figsize=(5.5 * cols, 4.2 * len(points)), squeeze=False)
+    fig, axes = draw.plt.subplots(len(points), cols, figsize=(5.5 * cols, 2.7 * len(points)), squeeze=False)
     for line, point in zip(axes, points):
         for ax in line[len(tasks[point]) :]:
             ax.set_visible(False)
