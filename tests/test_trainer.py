@@ -4,6 +4,7 @@ recomputed every step), and resume after an interruption reproducing the uninter
 import copy
 import json
 import math
+import threading
 
 import pytest
 import torch
@@ -31,6 +32,26 @@ class _ParityTask:
 
 
 tasks.register_task("test_parity", _ParityTask)
+
+
+class _WitnessTask(_ParityTask):
+    """Records the thread each example was made on and the example each reward was given."""
+
+    def __init__(self, vocab_size, length=96):
+        super().__init__(vocab_size, length)
+        self.made, self.rewarded = {}, []
+
+    def make(self, seed):
+        example = self.inner.make(seed)
+        self.made[seed] = (example, threading.current_thread().name)
+        return example
+
+    def reward(self, example, response_ids):
+        self.rewarded.append(example)
+        return super().reward(example, response_ids)
+
+
+tasks.register_task("test_witness", _WitnessTask)
 
 
 def _config(tmp_path, preset="tiny-qwen3_5", **changes):
@@ -160,6 +181,21 @@ def test_resume_after_interruption_reproduces_the_run(tmp_path):
     # what ran is recorded beside the metrics: the resumed call's, from the checkpoint of step 2
     ran = json.loads((tmp_path / "b" / "provenance.json").read_text())
     assert ran["resumed_at"] == 2 and {"commit", "device", "versions"} <= set(ran)
+
+
+def test_the_next_prompt_is_made_on_a_worker_thread_while_a_step_runs(tmp_path):
+    """Prompt p + 1's example is made ahead on the trainer's worker thread (the first on the caller's), once, and
+    step p is rewarded on prompt p's example, the one its seed makes anywhere."""
+    cfg = _config(tmp_path, task={"name": "test_witness", "length": 96}, steps=4, steps_per_prompt=2)
+    trainer = Trainer(cfg)
+    trainer.run(resume=False)
+    task, seeds = trainer.task, [3 * 1_000_003 + p for p in range(2)]
+    assert sorted(task.made) == seeds
+    assert [task.made[s][1].startswith("next-prompt") for s in seeds] == [False, True]
+    groups = [task.rewarded[i * 3] for i in range(4)]  # G = 3 rewards a step
+    assert [e is task.made[seeds[step // 2]][0] for step, e in enumerate(groups)] == [True] * 4
+    for seed in seeds:
+        assert torch.equal(task.made[seed][0].prompt_ids, task.inner.make(seed).prompt_ids)
 
 
 def test_adaptive_refresh_follows_the_drift_signal(tmp_path):

@@ -4,7 +4,8 @@
     longstraw train experiments/examples/train_cpu.yaml --no-resume
 
 One optimizer step per prompt visit, `steps_per_prompt` consecutive steps per task example:
-1. capture the prompt (or reuse the resident state captured at an earlier step of this prompt);
+1. capture the prompt (or reuse the resident state captured at an earlier step of this prompt); the next
+   prompt's task example is built on a worker thread meanwhile (a long RULER prompt is host work);
 2. sample G responses from the state (`longstraw.training.rollout`, seeded by step), reward them;
 3. old-policy log-probs are the replay's own (on-policy, ratio 1; the sampler's are compared with them:
    `logp_mismatch_sampler`); reference log-probs (when `grpo.beta > 0`) are scored
@@ -65,6 +66,8 @@ import pickle
 import shutil
 import sys
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -169,6 +172,15 @@ def check_not_replacing(out: Path) -> None:
         )
 
 
+@dataclass(frozen=True)
+class MadeAhead:
+    prompt: int
+    example: Future
+
+    def result(self):
+        return self.example.result()
+
+
 class Trainer:
     def __init__(self, raw_config, source: str = "train config", *, resolved: bool = False):
         """`resolved`: `raw_config` is what `resolve` returned for `source` (the CLI resolves first, to guard
@@ -209,21 +221,30 @@ class Trainer:
         self.state = self.capture_step = self.capture_params = None
         self.ref_state = self.ref_prompt = None
         self._made = (None, None)  # (prompt index, example)
+        self._maker = ThreadPoolExecutor(1, thread_name_prefix="next-prompt")  # the next prompt's example
+        self._ahead: MadeAhead | None = None
         self.decode_session = DecodeSession()  # every step samples with one G and length: its decoder kept
 
     # ---- prefix reuse
     def _example(self, step: int):
-        """This step's task example, made once per prompt (a long prompt is costly to build)."""
+        """This step's task example, made once per prompt. A long prompt is costly to build (a RULER prompt at
+        131,072 positions: ~0.4 s of host), so the next prompt's is made on a worker thread while this one's
+        step runs on the device (examples are functions of their seed: made ahead, they are the same)."""
         prompt = step // self.cfg.steps_per_prompt
         if self._made[0] != prompt:
-            if self.text is None:
-                example = self.task.make(self.cfg.seed * 1_000_003 + prompt)
-            else:
-                rows = len(self.text)
-                order = self.text.order(prompt // rows, self.cfg.seed, self.cfg.dataset.shuffle)
-                example = self.text.example(order[prompt % rows])
+            ahead, self._ahead = self._ahead, None
+            example = ahead.result() if ahead is not None and ahead.prompt == prompt else self._make_example(prompt)
             self._made = (prompt, example)
+            if (prompt + 1) * self.cfg.steps_per_prompt < self.cfg.steps:
+                self._ahead = MadeAhead(prompt + 1, self._maker.submit(self._make_example, prompt + 1))
         return self._made[1]
+
+    def _make_example(self, prompt: int):
+        if self.text is None:
+            return self.task.make(self.cfg.seed * 1_000_003 + prompt)
+        rows = len(self.text)
+        order = self.text.order(prompt // rows, self.cfg.seed, self.cfg.dataset.shuffle)
+        return self.text.example(order[prompt % rows])
 
     def drift(self) -> float:
         """The adaptive policy's signal: L2 norm of the trainable parameters' change since capture."""
@@ -557,6 +578,7 @@ class Trainer:
                 self.save_checkpoint(step + 1)
         bar.close()
         watch.close()
+        self._ahead = None  # a prompt made ahead that no step of this call reached
         return records
 
 
