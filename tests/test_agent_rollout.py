@@ -174,8 +174,6 @@ def test_bad_agent_settings_are_refused():
         AgentConfig(SamplingConfig(), max_turns=0)
     with pytest.raises(ValueError, match="max_action_tokens 40 exceeds"):
         AgentConfig(SamplingConfig(max_new_tokens=32), max_action_tokens=40)
-    with pytest.raises(ValueError, match="cuda_graph"):
-        AgentConfig(SamplingConfig(cuda_graph=True), max_action_tokens=4)
     with pytest.raises(ValueError, match="keys must be an integer >= 2"):
         load_environment("lookup", {"keys": 1})
     with pytest.raises(ValueError, match="cannot build it"):

@@ -299,11 +299,16 @@ def test_the_gpu_curriculum_is_planned_on_h200_only(tmp_path):
     experiments = Path(__file__).parents[1] / "experiments"
     (tmp_path / "curriculum.yaml").write_text((experiments / "curriculum.yaml").read_text())
     assert plan(tmp_path, "cpu") == {}
-    (point,) = plan(tmp_path, "h200")["curriculum"]["points"].values()
-    curriculum = point["config"].learning.curriculum
-    assert [s.length for s in curriculum.stages] == [16384, 32768, 65536, 131072]
-    assert [s.overrides["rope_parameters"]["factor"] for s in curriculum.stages] == [4.0, 4.0, 8.0, 16.0]
-    assert [(t["name"], t["task"]) for t in curriculum.eval_tasks] == [("ruler", "vt")]
+    points = plan(tmp_path, "h200")["curriculum"]["points"]
+    first, via = (
+        points[name]["config"].learning for name in ("curriculum-niah-16k-131k", "curriculum-niah-16k-131k-via-98k")
+    )
+    assert [s.length for s in first.curriculum.stages] == [16384, 32768, 65536, 131072]
+    assert [s.overrides["rope_parameters"]["factor"] for s in first.curriculum.stages] == [4.0, 4.0, 8.0, 16.0]
+    assert [(t["name"], t["task"]) for t in first.curriculum.eval_tasks] == [("ruler", "vt")]
+    assert first.gradients == ["response-only", "exact"] and via.gradients == ["response-only"]
+    assert [s.length for s in via.curriculum.stages] == [16384, 32768, 65536, 98304, 131072]
+    assert [s.overrides["rope_parameters"]["factor"] for s in via.curriculum.stages] == [4.0, 4.0, 8.0, 12.0, 16.0]
 
 
 def test_a_lora_adapter_starts_from_a_saved_one_and_refuses_another_shape(tmp_path):

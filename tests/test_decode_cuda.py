@@ -19,6 +19,7 @@ from longstraw.kernels.paged_attention import decode_partial
 from longstraw.kernels.rms_norm_triton import rms_norm_rows
 from longstraw.models import build_model
 from longstraw.models.lora import apply_lora
+from longstraw.training.agent_rollout import AgentConfig, sample_trajectories
 from longstraw.training.rollout import DecodeGraph, Decoder, DecodeSession, SamplingConfig, decoding, sample
 
 pytestmark = pytest.mark.cuda
@@ -92,6 +93,39 @@ def test_a_sessions_graph_gives_the_fresh_eager_samples(preset):
     same(states[1], dataclasses.replace(config, num_generations=4))
     assert session.records == 2
     assert [state.fingerprint() for state in states] == prints
+
+
+class _EchoEnvironment:
+    """Token ids in and out: observes 1 then the action reversed; done when the action's first id is even."""
+
+    text = False
+
+    def reset(self, example):
+        return [7, 8]
+
+    def step(self, action):
+        return [1] + action[::-1], float(len(action)), bool(action) and action[0] % 2 == 0
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3_5"])
+def test_graphed_agent_trajectories_are_the_eager_ones(preset):
+    """Multi-turn rollouts with a recorded step (the host writing each step's forced observation tokens and the rows
+    still going into the decoder's buffers between launches) give the eager step's trajectories, token for token
+    and log-prob for log-prob, on one seed (the eager path is held to HF's forward in tests/test_agent_rollout.py)."""
+    model = _policy(preset, torch.bfloat16)
+    prompt = torch.randint(0, 256, (600,), generator=torch.Generator().manual_seed(0)).cuda()
+    state = capture(model, prompt, chunk_size=256)
+    before = state.fingerprint()
+    runs = {}
+    for graph in (False, True):
+        sampling = SamplingConfig(8, 48, 1.0, stop_ids=tuple(range(3, 256, 9)), seed=5, cuda_graph=graph)
+        config = AgentConfig(sampling, max_turns=3, max_action_tokens=6)
+        runs[graph] = sample_trajectories(model, state, _EchoEnvironment, None, config)
+    for eager, graphed in zip(runs[False], runs[True], strict=True):
+        assert torch.equal(eager.tokens, graphed.tokens) and torch.equal(eager.action_mask, graphed.action_mask)
+        assert torch.equal(eager.logprobs, graphed.logprobs) and eager.turns == graphed.turns
+    assert max(t.turns for t in runs[True]) > 1  # observations were forced between actions
+    assert state.fingerprint() == before
 
 
 def test_the_draw_is_torch_multinomials_on_cuda():

@@ -18,9 +18,12 @@ row reads next, unless the episode is done or `max_turns` actions were taken, wh
 when the token budget (`max_new_tokens`) runs out ends there; its last action may be cut short, unseen by the
 environment. A trajectory ends with its last action token (no later token is ever read).
 
-The host looks at the rows after every step (one sync: it feeds the environments). The eager path only: no CUDA
-graph. Log-probs are the policy's (temperature 1), as `sample` records them, at every token; the loss reads the
-actions' (`action_mask`), the observations are context (replayed as one member: `grpo_step(..., loss_masks=)`).
+The host looks at the rows after every step (one sync: it feeds the environments) and writes the next step's forced
+tokens and the rows still going into the decoder's buffers; on CUDA (as `sample` decides: `rollout.uses_graph`) the
+step itself is one launch of a recorded graph (`rollout.DecodeGraph(forced=True)`, its warm-up the first step),
+the eager step its reference. Log-probs are the policy's (temperature 1), as `sample` records them, at every token;
+the loss reads the actions' (`action_mask`), the observations are context (replayed as one member:
+`grpo_step(..., loss_masks=)`).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from longstraw.core.transaction import check_deterministic, check_state, check_v
 from longstraw.families import adapter_for
 from longstraw.state import ResidentState
 from longstraw.training.environments import check_environment, checked_step
-from longstraw.training.rollout import Decoder, SamplingConfig, decoding
+from longstraw.training.rollout import DecodeGraph, Decoder, SamplingConfig, decoding, uses_graph
 
 
 @dataclass(frozen=True)
@@ -55,8 +58,6 @@ class AgentConfig:
                 f"agent rollout: max_action_tokens {self.max_action_tokens} exceeds the trajectory's token budget "
                 f"(sampling max_new_tokens {self.sampling.max_new_tokens})"
             )
-        if self.sampling.cuda_graph:
-            raise ValueError("agent rollout: cuda_graph is not supported (the host feeds each step: eager only)")
 
 
 @dataclass
@@ -172,7 +173,7 @@ def sample_trajectories(
         _Row(env, ids) for env, ids in zip(envs, _first_observations(envs, example, observe, sampling.max_new_tokens))
     ]
     decoder = Decoder(adapter, state, sampling)
-    device = state.device
+    graphed, graph = uses_graph(decoder, sampling), None
     with decoding(adapter, sampling.stacked_projections):
         for _ in range(sampling.max_new_tokens):
             going = [not row.ended for row in rows]
@@ -180,8 +181,15 @@ def sample_trajectories(
                 break
             forcing = [bool(row.pending) for row in rows]
             forced = [row.pending[0] if row.pending else sampling.pad_id for row in rows]
-            decoder.unfinished_G.copy_(torch.tensor(going, device=device))  # ended rows write pads
-            decoder.step((torch.tensor(forcing, device=device), torch.tensor(forced, device=device)))
+            decoder.unfinished_G.copy_(torch.tensor(going))  # ended rows write pads
+            decoder.forcing_G.copy_(torch.tensor(forcing))
+            decoder.forced_G.copy_(torch.tensor(forced))
+            if graph is not None:
+                graph.step()
+            elif graphed:
+                graph = DecodeGraph(decoder, forced=True)  # its warm-up is this step
+            else:
+                decoder.step(forced=True)
             for row, token, was_going, was_forced in zip(rows, decoder.tokens_G.tolist(), going, forcing):
                 if was_going:
                     row.take(token, was_forced, config, observe)

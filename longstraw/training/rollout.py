@@ -133,6 +133,9 @@ class Decoder:
         self.tokens_G = torch.empty(G, dtype=torch.long, device=device)
         self.unfinished_G = torch.empty(G, dtype=torch.bool, device=device)
         self.finite_1 = torch.empty(1, dtype=torch.bool, device=device)  # every step's logits were finite
+        # a multi-turn rollout's observation tokens (`training.agent_rollout`): the rows `forcing_G` take `forced_G`
+        self.forcing_G = torch.zeros(G, dtype=torch.bool, device=device)
+        self.forced_G = torch.zeros(G, dtype=torch.long, device=device)
         self.tokens_GT = torch.empty(G, T, dtype=torch.long, device=device)
         self.logps_GT = torch.empty(G, T, dtype=torch.float32, device=device)
         self._start(state.last_token)
@@ -189,16 +192,16 @@ class Decoder:
         # torch.multinomial's own arithmetic for one sample, without its host-side checks of the probabilities
         return probs.div_(torch.empty_like(probs).exponential_(1, generator=self.generator)).argmax(-1)
 
-    def step(self, forced: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    def step(self, forced: bool = False) -> None:
         """Decode one token for every row: its token and log-prob into the buffers at the clock's step, the rows
-        that emitted a stop id marked finished, the clock advanced. No host sync. `forced` (bool [G], long [G]):
-        those rows take the given token instead of the drawn one, its log-prob recorded all the same (a
-        multi-turn rollout's observation tokens: `training.agent_rollout`)."""
+        that emitted a stop id marked finished, the clock advanced. No host sync. `forced`: the rows `forcing_G`
+        take their `forced_G` token instead of the drawn one, its log-prob recorded all the same (a multi-turn
+        rollout's observation tokens, which the host writes into those buffers before each step)."""
         logits_GV = self.logits()
         self.finite_1 &= torch.isfinite(logits_GV).all()
         next_G = self.draw(logits_GV)
-        if forced is not None:
-            next_G = torch.where(forced[0], forced[1], next_G)
+        if forced:
+            next_G = torch.where(self.forcing_G, self.forced_G, next_G)
         logp_G = torch.log_softmax(logits_GV, -1).gather(1, next_G[:, None]).squeeze(1)
         next_G = torch.where(self.unfinished_G, next_G, self.config.pad_id)
         self.tokens_GT.index_copy_(1, self.clock.step_1, next_G[:, None])
@@ -228,26 +231,27 @@ class DecodeGraph:
     """`Decoder.step` recorded as one CUDA graph: torch's recipe (a warm-up on a side stream, which is the first
     real step: lazy initialisation, autotuning and the merged LoRA weights happen there, then the recording, which
     runs nothing), the sampling generator registered with the graph so each launch draws what the eager step
-    would. Every later token is one launch."""
+    would. Every later token is one launch. `forced`: the step reads the decoder's forced-token buffers (what the
+    host writes there before a launch, it reads)."""
 
-    def __init__(self, decoder: Decoder):
+    def __init__(self, decoder: Decoder, forced: bool = False):
         device = decoder.clock.step_1.device
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
-            decoder.step()
+            decoder.step(forced)
         torch.cuda.current_stream(device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         if decoder.generator is not None:
             self.graph.register_generator_state(decoder.generator)
         with torch.cuda.graph(self.graph):
-            decoder.step()
+            decoder.step(forced)
 
     def step(self) -> None:
         self.graph.replay()
 
 
-def _uses_graph(decoder: Decoder, config: SamplingConfig) -> bool:
+def uses_graph(decoder: Decoder, config: SamplingConfig) -> bool:
     """Whether to record the step: asked (or on CUDA by default) and every decoding entry graph-safe."""
     on_cuda = decoder.clock.step_1.is_cuda
     wanted = on_cuda if config.cuda_graph is None else config.cuda_graph
@@ -266,8 +270,8 @@ def _show_progress(steps: int, config: SamplingConfig, going: int, seconds: floa
 
 
 def _recorded(decoder: Decoder, config: SamplingConfig) -> DecodeGraph | None:
-    """The step recorded as a CUDA graph where `_uses_graph` says so (its warm-up ran the first step), else None."""
-    return DecodeGraph(decoder) if _uses_graph(decoder, config) else None
+    """The step recorded as a CUDA graph where `uses_graph` says so (its warm-up ran the first step), else None."""
+    return DecodeGraph(decoder) if uses_graph(decoder, config) else None
 
 
 def _decode(decoder: Decoder, graph: DecodeGraph | None, config: SamplingConfig, steps: int) -> int:
