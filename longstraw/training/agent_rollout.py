@@ -173,7 +173,7 @@ def sample_trajectories(
     ]
     decoder = Decoder(adapter, state, sampling)
     device = state.device
-    with decoding(adapter, sampling.stacked_projections):
+    with decoding(adapter, sampling.stacked_projections, folded_norms=sampling.folded_norms):
         for _ in range(sampling.max_new_tokens):
             going = [not row.ended for row in rows]
             if not any(going):
