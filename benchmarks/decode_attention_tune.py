@@ -5,9 +5,9 @@
 One decoding step's attention (`kernels.decode_attention_triton`) of G rows over a shared prompt's pages, for every
 layer of the model in turn (each layer's own pages, so the L2 cache does not hold them across calls, as in a step),
 recorded as a CUDA graph and replayed (`measure.timing.graph_replay_seconds`): microseconds a layer for each setting
-of (programs a multiprocessor in the prefix pass, keys a loop iteration, warps, pipeline stages, two launches or
-one), against the pages' bytes over the copy bandwidth measured here. Prints a line per setting, the best first;
-the last stdout line is the JSON written to --out, with provenance.
+of (programs a multiprocessor in the prefix pass, keys a loop iteration, warps, pipeline stages), against the pages'
+bytes over the copy bandwidth measured here. Prints a line per setting, the best first; the last stdout line is the
+JSON written to --out, with provenance.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import json
 
 import torch
 
-from longstraw.kernels.decode_attention_triton import BLOCK_N, ONE_LAUNCH, SPLITS_PER_SM, WARPS, decode_attention_triton
+from longstraw.kernels.decode_attention_triton import BLOCK_N, SPLITS_PER_SM, WARPS, decode_attention_triton
 from longstraw.measure.provenance import provenance
 from longstraw.measure.timing import copy_bandwidth, graph_replay_seconds
 from longstraw.results import write_json_atomic
@@ -57,9 +57,9 @@ def main() -> int:
     device = torch.device("cuda")
     bandwidth = copy_bandwidth(device, repeats=10)
     result = {"group": args.group, "copy_bandwidth_bytes_per_second": bandwidth, "provenance": provenance(device)}
-    default = dict(splits_per_sm=SPLITS_PER_SM, block_n=BLOCK_N, warps=WARPS, stages=None, one_launch=ONE_LAUNCH)
-    grid = itertools.product((1, 2, 4, 8), (32, 64, 128), (4, 8), (None, 2, 4), (False, True))
-    settings = [dict(splits_per_sm=s, block_n=n, warps=w, stages=st, one_launch=o) for s, n, w, st, o in grid]
+    default = dict(splits_per_sm=SPLITS_PER_SM, block_n=BLOCK_N, warps=WARPS, stages=None)
+    grid = itertools.product((1, 2, 4, 8), (32, 64, 128), (4, 8), (None, 2, 4))
+    settings = [dict(splits_per_sm=s, block_n=n, warps=w, stages=st) for s, n, w, st in grid]
     for name, shape in SHAPES.items():
         q, shared, own = _pages(shape, args.group, device)
         floor = 2 * shared[0][0].numel() * shared[0][0].element_size() / bandwidth

@@ -130,9 +130,6 @@ for name, ((do, q, k_pages, v_pages, keys, attended, lse, dq), _) in inputs["att
     out[name] = dq
 for name, (q, k_shared, v_shared, k_own, v_own, step, sinks) in inputs["decode attention"].items():
     out[name] = decode_attention_triton.decode_attention_triton(q, k_shared, v_shared, k_own, v_own, step, 0.25, sinks)
-    args = (q, k_shared, v_shared, k_own, v_own, step, 0.25, sinks)
-    twice = [decode_attention_triton.decode_attention_triton(*args, one_launch=True) for _ in range(2)]
-    out[name + " in one launch"] = (*twice, decode_attention_triton._counters(q.device, k_shared.shape[1]))
 x, residual, weight = inputs["rows norm"]
 out["rows norm"] = rms_norm_triton.rms_norm_rows(x, weight, 1e-5)
 out["rows norm after the sum"] = rms_norm_triton.rms_norm_rows(x, weight, 1e-5, residual=residual)
@@ -569,17 +566,6 @@ def test_interpreted_decode_attention_is_the_softmax_over_prefix_and_written_own
     assert outputs[case].shape == reference.shape
     close(ours, reference, rtol=tol, atol=tol * float(reference.abs().max()), what="decode attention")
     assert ((expected(80) - reference).abs() > tol * float(reference.abs().max())).any()
-
-
-@pytest.mark.parametrize("case", ["decode", "decode with sinks"])
-def test_interpreted_one_launch_decode_attention_is_the_two_launch_one(interpreted, case):
-    """`decode_attention_triton(one_launch=True)` (the prefix's splits and each row's own keys and merge in one
-    launch, ordered by tickets and counters) gives the two launches' output bit for bit (the same arithmetic; that
-    one is held to float64 above), twice in a row: the launch leaves its counters at zero for the next."""
-    _, outputs = interpreted
-    first, second, counters = outputs[case + " in one launch"]
-    assert torch.equal(first, outputs[case]) and torch.equal(second, outputs[case])
-    assert not counters.any()
 
 
 def test_interpreted_rows_norm_is_the_llama_norm_in_float32(interpreted):
