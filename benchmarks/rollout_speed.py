@@ -8,10 +8,12 @@ One model of the preset (random weights, bf16 on CUDA, float32 on the CPU; LoRA 
 random B, as a policy in training), one random prompt of --length tokens captured, then G rows decoding from it:
 
 - ours, a decoding step eagerly (`training.rollout.Decoder.step`, the plain reference) and through the recorded
-  CUDA graph (`DecodeGraph`): ms a step over --steps steps after two warm-up steps, and whether both give the same
-  tokens from one seed; and one whole `sample()` call of --tokens tokens (its one-off costs: merged LoRA weights,
-  the graph's recording); then a later call's wall time, plain (those costs again) and through a `DecodeSession`
-  an earlier call built (the state copied in, the weights refreshed in place, only launches), as a trainer's steps;
+  CUDA graph (`DecodeGraph`), on CUDA with a dense layer's norms folded into its projections
+  (`families.folded_norms`; --unfolded: without, the step before that fold): ms a step over --steps steps after
+  two warm-up steps, and whether both give the same tokens from one seed; and one whole `sample()` call of --tokens
+  tokens (its one-off costs: merged LoRA weights, the graph's recording); then a later call's wall time, plain
+  (those costs again) and through a `DecodeSession` an earlier call built (the state copied in, the weights
+  refreshed in place, only launches), as a trainer's steps;
 - HF's eager decode on the same policy (peft's LoRA layers unmerged, as a peft model generates): its own forward
   over the prompt into a `DynamicCache`, repeated to the G rows
   (`batch_repeat_interleave`), then one token a step;
@@ -60,16 +62,22 @@ def _policy(args, device):
     return model, prompt
 
 
+def _folded(args) -> bool | None:
+    return False if args.unfolded else None  # None: the default (on CUDA)
+
+
 def _config(args, tokens, cuda_graph=None) -> SamplingConfig:
     # no stop ids: every row decodes every token, so steps are comparable across systems
-    return SamplingConfig(args.group, tokens, temperature=1.0, seed=0, cuda_graph=cuda_graph)
+    return SamplingConfig(
+        args.group, tokens, temperature=1.0, seed=0, cuda_graph=cuda_graph, folded_norms=_folded(args)
+    )
 
 
 def _ours(model, state, args, device) -> dict:
     """Ours eagerly and graphed (ms a step), their tokens from one seed, and one whole `sample()` call."""
     adapter, out = adapter_for(model), {}
     capacity = args.steps + 4  # the warm-up steps and, graphed, the recording's warm-up step and one launch
-    with decoding(adapter):
+    with decoding(adapter, folded_norms=_folded(args)):
         eager = Decoder(adapter, state, _config(args, capacity, cuda_graph=False))
         out["eager_step_seconds"] = seconds_per_call(eager.step, device, args.steps, warmup=2)
         if device.type == "cuda":
@@ -227,7 +235,7 @@ def _has_aten_parent(event) -> bool:
 def _counts(model, state, prompt, args, device) -> dict:
     adapter, layers = adapter_for(model), model.config.num_hidden_layers
     out = {}
-    with decoding(adapter):
+    with decoding(adapter, folded_norms=_folded(args)):
         eager = Decoder(adapter, state, _config(args, 8, cuda_graph=False))
         out["ours_eager_step"] = _count(eager.step, device)
         if device.type == "cuda":
@@ -293,12 +301,14 @@ def main() -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--hf", choices=("both", "none"), default="both")
     parser.add_argument("--counts-only", action="store_true")
+    parser.add_argument("--unfolded", action="store_true", help="decode without folding norms into projections")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     device = torch.device(args.device)
     model, prompt = _policy(args, device)
     state = capture(model, prompt)
     result = {"preset": args.preset, "length": args.length, "group": args.group, "device": str(device)}
+    result["unfolded"] = args.unfolded
     if device.type == "cuda":
         result["card"] = torch.cuda.get_device_name(device)
     result["provenance"] = provenance(device)

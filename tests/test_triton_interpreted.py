@@ -108,6 +108,14 @@ out["swiglu stacked"] = swiglu_triton.swiglu_stacked_triton(torch.cat(inputs["sw
 q, k, v, cos, sin, k_own, v_own, step = inputs["rope append"]
 k_own, v_own = k_own.clone(), v_own.clone()
 out["rope append"] = (rope_append_triton.rope_append_triton(q, k, v, cos, sin, k_own, v_own, step), k_own, v_own)
+k_own, v_own = inputs["rope append"][5].clone(), inputs["rope append"][6].clone()
+rms_of = inputs["folded norm rows"]
+scaled_q = rope_append_triton.rope_append_triton(q, k, v, cos, sin, k_own, v_own, step, rms_of=rms_of)
+out["rope append scaled"] = (scaled_q, k_own, v_own)
+x = inputs["folded norm rows"][0]
+out["swiglu stacked scaled"] = swiglu_triton.swiglu_stacked_scaled_triton(
+    torch.cat(inputs["swiglu"][:2], -1), x[:, 0], inputs["folded norm rows"][1]
+)
 for name, (x, cos, sin, grad) in inputs["rotary"].items():
     leaf = x.clone().requires_grad_(True)  # [B, T, H, D], rotated as HF's [B, H, T, D] view of it
     rotated = rotary_triton.Rotary.apply(leaf.transpose(1, 2), cos, sin)
@@ -240,6 +248,9 @@ def interpreted(tmp_path_factory):
         torch.zeros(3, 2, 5, 40),
         torch.tensor([2]),
     )
+    # the un-normed rows of a folded norm for the 3 sequences (100 features: a masked 128-wide block; rms near 3, so
+    # the scale is far from 1) and the norm's eps
+    inputs["folded norm rows"] = (3 * torch.randn(3, 1, 100, generator=gen), 1e-5)
     inputs["decode attention"] = {
         name: _decode_attention_inputs(gen, sinks) for name, sinks in (("decode", False), ("decode with sinks", True))
     }
@@ -417,6 +428,60 @@ def test_interpreted_rope_append_rotates_q_and_k_and_writes_the_clocks_slot(inte
     assert torch.equal(v_own[:, :, slot], v[:, 0])
     others = [i for i in range(k_own.shape[2]) if i != slot]
     assert not k_own[:, :, others].any() and not v_own[:, :, others].any()
+
+
+def _rms_scale64(x, eps):
+    """rsqrt(mean(x^2) + eps) of x's rows in float64, [..., 1]."""
+    return torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + eps)
+
+
+def _folded_bound(x) -> float:
+    """The relative error of the kernels' float32 row scale: a sum of X squares (X EPS32), the mean, eps and the
+    rsqrt (4 more roundings), and its product with a value (one more), rounded up to (X + 8) EPS32."""
+    return (x.shape[-1] + 8) * EPS32
+
+
+def test_interpreted_rope_append_with_a_folded_norm_scales_then_rotates(interpreted):
+    """`rope_append_triton(rms_of=(x, eps))` in float32 against the float64 formula: q, k and v times each row's
+    rsqrt(mean(x^2) + eps), q and k then rotated. A rotated feature within SAFETY ((X + 8) + 3) EPS32 of its terms'
+    magnitudes (the scale's error, then the rotation's three roundings), v within SAFETY (X + 8) EPS32 of itself; only
+    the clock's slot written. Unscaled falls outside."""
+    inputs, outputs = interpreted
+    q, k, v, cos, sin, _, _, step = inputs["rope append"]
+    x, eps = inputs["folded norm rows"]
+    scale_B111 = _rms_scale64(x, eps)[..., None]
+    q_out, k_own, v_own = outputs["rope append scaled"]
+    slot, cos, sin = int(step), cos.double(), sin.double()
+    for t, ours in ((q, q_out), (k, k_own[:, :, slot : slot + 1])):
+        x_BHTD = (t.double() * scale_B111).transpose(1, 2)
+        expected = rotate_half_formula(x_BHTD, cos, sin)
+        bound = SAFETY * (_folded_bound(x) + 3 * EPS32) * _rotation_terms(x_BHTD, cos, sin, partner_sine=False)
+        assert ((ours.double() - expected).abs() <= bound).all()
+        unscaled = rotate_half_formula(t.double().transpose(1, 2), cos, sin)
+        assert ((unscaled - expected).abs() > bound).any()
+    expected_v = v[:, 0].double() * scale_B111[:, 0]
+    assert ((v_own[:, :, slot].double() - expected_v).abs() <= SAFETY * _folded_bound(x) * expected_v.abs()).all()
+    others = [i for i in range(k_own.shape[2]) if i != slot]
+    assert not k_own[:, :, others].any() and not v_own[:, :, others].any()
+
+
+def test_interpreted_stacked_swiglu_with_a_folded_norm_scales_gate_and_up(interpreted):
+    """`swiglu_stacked_scaled_triton` in float32 against silu(r g) (r u) in float64, r = rsqrt(mean(x^2) + eps) of
+    the row: r's error (X + 8) EPS32 moves silu(y) relatively by (1 + |y (1 - sigmoid(y))|) times it and r u by it
+    once more, the product's own 8 EPS32 (the stacked kernel's bound) on top; times SAFETY. Unscaled falls
+    outside. Two column blocks a row, the second ragged."""
+    inputs, outputs = interpreted
+    gate, up = (t.double() for t in inputs["swiglu"][:2])
+    x, eps = inputs["folded norm rows"]
+    scale = _rms_scale64(x[:, 0], eps)
+    y = scale * gate
+    expected = y * torch.sigmoid(y) * (scale * up)
+    sensitivity = 2 + (y * (1 - torch.sigmoid(y))).abs()
+    bound = SAFETY * (_folded_bound(x) * sensitivity + 8 * EPS32) * expected.abs()
+    ours = outputs["swiglu stacked scaled"]
+    assert ours.shape == expected.shape and ours.dtype == torch.float32
+    assert ((ours.double() - expected).abs() <= bound).all()
+    assert ((gate * torch.sigmoid(gate) * up - expected).abs() > bound).any()
 
 
 @pytest.mark.parametrize("case", ["gdn scan from a state", "gdn scan from zeros"])

@@ -9,6 +9,8 @@ the sequence's own pages in one launch (`kernels.rope_append_triton` on CUDA), t
 prompt and its own pages, o_proj. Anywhere else (no stacking, a module with an output gate, attention sinks, a
 sliding window or another rotary form, an entry that is not `state.pages.DecodePages`) `decode_attention_mix`
 returns None and the caller runs HF's module, the reference (tests/test_decode_fast_path.py compares them).
+`attend_stacked` is the path from the stacked projection's output to the heads' output before o_proj, which
+`families.folded_norms` also takes (its projection read the un-normed rows, which the rotary launch scales).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import functools
 import sys
 
 from longstraw.kernels.optional_import import optional_function
-from longstraw.kernels.rms_norm import rms_norm
+from longstraw.kernels.rms_norm import rms_norm, rms_scale
 from longstraw.models.stacked_projections import stacked_linear
 from longstraw.state.pages import DecodePages, OwnPages
 
@@ -48,28 +50,47 @@ def rope_append_reference(attn_module, q_B1HD, k_B1KD, v_B1KD, cos, sin, own: Ow
     return q_BH1D
 
 
-def _rope_append(attn_module, q_B1HD, k_B1KD, v_B1KD, cos, sin, own: OwnPages):
+def _rope_append(attn_module, q_B1HD, k_B1KD, v_B1KD, cos, sin, own: OwnPages, rms_of=None):
+    x_B1X = None if rms_of is None else rms_of[0]
     usable = _load_usable()
-    if usable is not None and usable(q_B1HD, k_B1KD, v_B1KD, cos, own.k_BKND, own.v_BKND):
-        return _load_rope_append()(q_B1HD, k_B1KD, v_B1KD, cos, sin, own.k_BKND, own.v_BKND, own.clock.step_1)
+    if usable is not None and usable(q_B1HD, k_B1KD, v_B1KD, cos, own.k_BKND, own.v_BKND, x_B1X):
+        step_1 = own.clock.step_1
+        return _load_rope_append()(q_B1HD, k_B1KD, v_B1KD, cos, sin, own.k_BKND, own.v_BKND, step_1, rms_of)
+    if rms_of is not None:  # the kernel's row scale first, in float32 or wider, rounded once
+        scale_B111 = rms_scale(*rms_of)[..., None]
+        q_B1HD, k_B1KD, v_B1KD = ((t * scale_B111).to(t.dtype) for t in (q_B1HD, k_B1KD, v_B1KD))
     return rope_append_reference(attn_module, q_B1HD, k_B1KD, v_B1KD, cos, sin, own)
+
+
+def plain_decoding(attn_module, x_BTH, pages) -> bool:
+    """Whether `attn_module` on `pages` with input `x_BTH` is a decoding step this module's path applies to (before
+    its projections stack)."""
+    return x_BTH.shape[1] == 1 and _plain(attn_module, pages)
+
+
+def attend_stacked(attn_module, qkv_B1X, position_embeddings, pages, rms_of=None):
+    """The heads' output [B, 1, H D] (o_proj's input) of one decoding step from the stacked q/k/v projection's output:
+    q/k norms where the module has them, rotary and append in one launch, the entry's attention. `rms_of` (x, eps):
+    the projection read the un-normed rows x with an RMSNorm folded into its weight, so q, k and v are first scaled by
+    each row's rsqrt(mean(x^2) + eps) (a module without q/k norms, which would have to follow the scale)."""
+    B, D, config = qkv_B1X.shape[0], attn_module.head_dim, attn_module.config
+    H, K = config.num_attention_heads, config.num_key_value_heads
+    q, k, v = qkv_B1X.split([H * D, K * D, K * D], -1)
+    q, k, v = q.view(B, 1, H, D), k.view(B, 1, K, D), v.view(B, 1, K, D)
+    if hasattr(attn_module, "q_norm"):
+        q, k = rms_norm(attn_module.q_norm, q), rms_norm(attn_module.k_norm, k)
+    cos, sin = position_embeddings
+    q_BH1D = _rope_append(attn_module, q, k, v, cos, sin, pages.own, rms_of)
+    out_BH1D = pages.shared.attend_decode(q_BH1D, pages.own, attn_module.scaling)
+    return out_BH1D.transpose(1, 2).reshape(B, 1, H * D)
 
 
 def decode_attention_mix(attn_module, x_B1H, position_embeddings, pages):
     """The module's output for one decoding step of B sequences on `pages` (its k and v appended there), or None
     where this path does not apply (see the module doc)."""
-    if x_B1H.shape[1] != 1 or not _plain(attn_module, pages):
+    if not plain_decoding(attn_module, x_B1H, pages):
         return None
     qkv = stacked_linear((attn_module.q_proj, attn_module.k_proj, attn_module.v_proj), x_B1H)
     if qkv is None:
         return None
-    B, D, config = x_B1H.shape[0], attn_module.head_dim, attn_module.config
-    H, K = config.num_attention_heads, config.num_key_value_heads
-    q, k, v = qkv.split([H * D, K * D, K * D], -1)
-    q, k, v = q.view(B, 1, H, D), k.view(B, 1, K, D), v.view(B, 1, K, D)
-    if hasattr(attn_module, "q_norm"):
-        q, k = rms_norm(attn_module.q_norm, q), rms_norm(attn_module.k_norm, k)
-    cos, sin = position_embeddings
-    q_BH1D = _rope_append(attn_module, q, k, v, cos, sin, pages.own)
-    out_BH1D = pages.shared.attend_decode(q_BH1D, pages.own, attn_module.scaling)
-    return attn_module.o_proj(out_BH1D.transpose(1, 2).reshape(B, 1, H * D))
+    return attn_module.o_proj(attend_stacked(attn_module, qkv, position_embeddings, pages))

@@ -6,6 +6,7 @@ import torch
 
 from longstraw.families.attention_layer import attention_mix
 from longstraw.families.base import FamilyAdapter
+from longstraw.families.folded_norms import folded_layer_forward
 from longstraw.state import AttentionPages
 
 
@@ -27,6 +28,15 @@ class DenseAdapter(FamilyAdapter):
 
     def mix(self, layer_idx, x_BTH, position_embeddings, entry, capturing):
         return attention_mix(self.layers[layer_idx].self_attn, x_BTH, position_embeddings, entry, capturing)
+
+    def layer_forward(self, layer_idx, h_BTH, position_embeddings, entry, capturing):
+        """A decoding step's layer with its norms folded into its projections where that applies
+        (`families.folded_norms`), else the pre-norm block."""
+        if capturing:
+            out = folded_layer_forward(self.layers[layer_idx], h_BTH, position_embeddings, entry)
+            if out is not None:
+                return out
+        return super().layer_forward(layer_idx, h_BTH, position_embeddings, entry, capturing)
 
     def predicted_bytes(self, dtype):
         return self.num_layers * attention_page_bytes(self.config, dtype), 0

@@ -70,6 +70,22 @@ def _decoding_rows_norm(module, x: torch.Tensor, residual: torch.Tensor | None =
     return normed if residual is None else (normed, total)
 
 
+def foldable_norm(module, x: torch.Tensor) -> bool:
+    """Whether `module(x)` is w * x * rsqrt(mean(x^2) + eps) up to roundings (a `ROUNDED_THEN_WEIGHTED` class) with w
+    in x's dtype, not float16 (the projection of the un-normed rows could pass its range where the normed rows' does
+    not): its weight can fold into the projection that reads it (`families.folded_norms`)."""
+    return (
+        type(module).__name__ in ROUNDED_THEN_WEIGHTED and module.weight.dtype == x.dtype and x.dtype != torch.float16
+    )
+
+
+def rms_scale(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """rsqrt(mean(x^2) + eps) of x's rows ([..., 1]), in float32 or x's wider dtype: a Llama-form norm's row scale as
+    HF computes it (the torch reference of `rms_norm_triton.row_rms_scale`)."""
+    wide = x.to(torch.promote_types(x.dtype, torch.float32))
+    return torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + eps)
+
+
 def one_plus_weight(module) -> torch.Tensor:
     """The w of y = w x / rms(x) for a module of `ONE_PLUS_WEIGHT`: 1 + its weight, in float32 (differentiable)."""
     return 1.0 + module.weight.float()

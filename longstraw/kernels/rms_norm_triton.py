@@ -8,6 +8,9 @@ rows' mean square, scales, rounds to the input's dtype and multiplies by the wei
 the sum before it one more. Here a program per row reads x (and the residual, summed and rounded as torch's add rounds),
 computes the same in float32 and rounds where HF rounds: the result differs from HF's only by the order of the row's
 sum of squares. Forward only (no autograd): decoding runs it (`kernels/rms_norm.py: decoding_norms`).
+
+`row_rms_scale` is the norm's row scale alone, rsqrt(mean(x^2) + eps) in float32, for kernels that apply a norm
+folded into the projection before them (`families.folded_norms`: the rotary launch, the stacked SwiGLU).
 """
 
 from __future__ import annotations
@@ -15,6 +18,14 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def row_rms_scale(row_ptr, H, eps, BLOCK: tl.constexpr):
+    """rsqrt(mean(x^2) + eps) of the H values at `row_ptr`, summed in float32 as `_rms_norm_rows` sums them."""
+    cols = tl.arange(0, BLOCK)
+    x = tl.load(row_ptr + cols, mask=cols < H, other=0.0).to(tl.float32)
+    return tl.rsqrt(tl.sum(x * x, 0) / H + eps)
 
 
 @triton.jit

@@ -8,6 +8,10 @@ After the stacked q/k/v projection, a decoding step rotates q and k (HF's rotate
 head) of q, k or v does its part, the step read on the device (the launch is the same at every step, so a CUDA graph
 records it). Each rotated feature is computed in float32 and rounded once, as `rotary_triton`'s. The reference is
 `families.attention_decode.rope_append_reference` (HF's `apply_rotary_pos_emb`, then `OwnPages.append`).
+
+With `rms_of=(x, eps)` the projection ran on the un-normed rows x with an RMSNorm's weight folded into its weight
+(`families.folded_norms`): each program first computes its row's rsqrt(mean(x^2) + eps) in float32
+(`rms_norm_triton.row_rms_scale`, a re-read of one row of x) and scales q, k and v by it before rotating and writing.
 """
 
 from __future__ import annotations
@@ -16,16 +20,22 @@ import torch
 import triton
 import triton.language as tl
 
+from longstraw.kernels.rms_norm_triton import row_rms_scale
+
 
 @triton.jit
 def _rope_append_kernel(
-    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, step_ptr, q_out_ptr, k_own_ptr, v_own_ptr,
-    q_sb, q_sh, k_sb, k_sh, v_sb, v_sh, qo_sb, qo_sh, ko_sb, ko_sh, ko_sn, vo_sb, vo_sh, vo_sn,
-    H, K,
+    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, step_ptr, q_out_ptr, k_own_ptr, v_own_ptr, x_ptr,
+    q_sb, q_sh, k_sb, k_sh, v_sb, v_sh, qo_sb, qo_sh, ko_sb, ko_sh, ko_sn, vo_sb, vo_sh, vo_sn, x_sb,
+    H, K, X, eps,
     D: tl.constexpr, DV: tl.constexpr, R: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
+    SCALED: tl.constexpr, BX: tl.constexpr,
 ):  # fmt: skip
     b, j = tl.program_id(0).to(tl.int64), tl.program_id(1)
     step = tl.load(step_ptr)
+    scale = 1.0  # times 1 in float32: exact, so the unscaled launch writes what it reads
+    if SCALED:  # the folded norm's row scale, from the un-normed row the projection read
+        scale = row_rms_scale(x_ptr + b * x_sb, X, eps, BX)
     if j < H + K:  # a q head rotated into q_out, or a k head rotated into its own pages at the step
         if j < H:
             src = q_ptr + b * q_sb + j * q_sh
@@ -37,8 +47,8 @@ def _rope_append_kernel(
         half = R // 2
         partner = tl.where(cols < half, cols + half, tl.where(cols < R, cols - half, cols))
         inside, rotated = cols < D, cols < R
-        x = tl.load(src + cols, mask=inside, other=0.0).to(tl.float32)
-        x_partner = tl.load(src + partner, mask=inside & rotated, other=0.0).to(tl.float32)
+        x = tl.load(src + cols, mask=inside, other=0.0).to(tl.float32) * scale
+        x_partner = tl.load(src + partner, mask=inside & rotated, other=0.0).to(tl.float32) * scale
         cos = tl.load(cos_ptr + cols, mask=rotated, other=1.0).to(tl.float32)
         sin = tl.load(sin_ptr + cols, mask=rotated, other=0.0).to(tl.float32)
         sign = tl.where(cols < half, -1.0, 1.0)
@@ -47,14 +57,15 @@ def _rope_append_kernel(
         c = tl.arange(0, BDV)
         src = v_ptr + b * v_sb + (j - H - K) * v_sh
         dst = v_own_ptr + b * vo_sb + (j - H - K) * vo_sh + step * vo_sn
-        tl.store(dst + c, tl.load(src + c, mask=c < DV), mask=c < DV)
+        v = tl.load(src + c, mask=c < DV).to(tl.float32) * scale
+        tl.store(dst + c, v.to(dst.dtype.element_ty), mask=c < DV)
 
 
-def rope_append_usable(q_B1HD, k_B1KD, v_B1KD, cos_11R, k_own_BKND, v_own_BKND) -> bool:
+def rope_append_usable(q_B1HD, k_B1KD, v_B1KD, cos_11R, k_own_BKND, v_own_BKND, x_B1X=None) -> bool:
     """CUDA, one token a sequence, unit feature strides, one dtype (not float64), angles [1, 1, R] with R even and at
-    most the head dim, own pages of the heads' dims."""
+    most the head dim, own pages of the heads' dims (and the rows `x_B1X` of a folded norm, where given, alike)."""
     B, T, H, D = q_B1HD.shape
-    tensors = (q_B1HD, k_B1KD, v_B1KD, cos_11R, k_own_BKND, v_own_BKND)
+    tensors = (q_B1HD, k_B1KD, v_B1KD, cos_11R, k_own_BKND, v_own_BKND) + (() if x_B1X is None else (x_B1X,))
     return (
         q_B1HD.is_cuda
         and T == 1
@@ -68,18 +79,23 @@ def rope_append_usable(q_B1HD, k_B1KD, v_B1KD, cos_11R, k_own_BKND, v_own_BKND) 
     )
 
 
-def rope_append_triton(q_B1HD, k_B1KD, v_B1KD, cos_11R, sin_11R, k_own_BKND, v_own_BKND, step_1) -> torch.Tensor:
-    """q rotated ([B, H, 1, D], contiguous); k rotated and v written into the own pages at slot `step_1`."""
+def rope_append_triton(
+    q_B1HD, k_B1KD, v_B1KD, cos_11R, sin_11R, k_own_BKND, v_own_BKND, step_1, rms_of=None
+) -> torch.Tensor:
+    """q rotated ([B, H, 1, D], contiguous); k rotated and v written into the own pages at slot `step_1`.
+    `rms_of` (x [B, 1, X], unit feature stride; eps): q, k and v first scaled by each row's rsqrt(mean(x^2) + eps)."""
     B, _, H, D = q_B1HD.shape
     K, DV, R = k_B1KD.shape[2], v_B1KD.shape[-1], cos_11R.shape[-1]
+    x_B1X, eps = rms_of if rms_of is not None else (q_B1HD, 0.0)  # unscaled: x is never read
     q_out = torch.empty(B, H, 1, D, dtype=q_B1HD.dtype, device=q_B1HD.device)
     sin_11R = sin_11R.contiguous()
     _rope_append_kernel[(B, H + 2 * K)](
-        q_B1HD, k_B1KD, v_B1KD, cos_11R.contiguous(), sin_11R, step_1, q_out, k_own_BKND, v_own_BKND,
+        q_B1HD, k_B1KD, v_B1KD, cos_11R.contiguous(), sin_11R, step_1, q_out, k_own_BKND, v_own_BKND, x_B1X,
         q_B1HD.stride(0), q_B1HD.stride(2), k_B1KD.stride(0), k_B1KD.stride(2), v_B1KD.stride(0), v_B1KD.stride(2),
         q_out.stride(0), q_out.stride(1),
         k_own_BKND.stride(0), k_own_BKND.stride(1), k_own_BKND.stride(2),
-        v_own_BKND.stride(0), v_own_BKND.stride(1), v_own_BKND.stride(2),
-        H, K, D=D, DV=DV, R=R, BD=triton.next_power_of_2(D), BDV=triton.next_power_of_2(DV),
+        v_own_BKND.stride(0), v_own_BKND.stride(1), v_own_BKND.stride(2), x_B1X.stride(0),
+        H, K, x_B1X.shape[-1], float(eps), D=D, DV=DV, R=R, BD=triton.next_power_of_2(D),
+        BDV=triton.next_power_of_2(DV), SCALED=rms_of is not None, BX=triton.next_power_of_2(x_B1X.shape[-1]),
     )  # fmt: skip
     return q_out

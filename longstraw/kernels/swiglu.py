@@ -11,9 +11,11 @@ from __future__ import annotations
 import functools
 
 import torch
+import torch.nn.functional as F
 from transformers.activations import ACT2FN
 
 from longstraw.kernels.optional_import import optional_function
+from longstraw.kernels.rms_norm import rms_scale
 
 # the classes an HF config's hidden_act "silu" builds (transformers' own SiLUActivation in 5.x), and torch's
 SILU_CLASSES = (torch.nn.SiLU, type(ACT2FN["silu"]))
@@ -22,17 +24,39 @@ SILU_CLASSES = (torch.nn.SiLU, type(ACT2FN["silu"]))
 # `swiglu_triton.swiglu` (gate, up) -> silu(gate) * up, or None when Triton does not import
 _load_swiglu = functools.partial(optional_function, "longstraw.kernels.swiglu_triton", "swiglu")
 _load_swiglu_stacked = functools.partial(optional_function, "longstraw.kernels.swiglu_triton", "swiglu_stacked_triton")
+_load_swiglu_scaled = functools.partial(
+    optional_function, "longstraw.kernels.swiglu_triton", "swiglu_stacked_scaled_triton"
+)
+
+
+def silu_gated(mlp) -> bool:
+    """Whether `mlp` is down(silu(gate(x)) * up(x)) (HF's gated MLP with a SiLU)."""
+    return all(hasattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj")) and isinstance(
+        getattr(mlp, "act_fn", None), SILU_CLASSES
+    )
 
 
 def _fused_usable(mlp, x: torch.Tensor) -> bool:
-    return (
-        x.is_cuda
-        and x.numel() > 0
-        and x.dtype != torch.float64
-        and all(hasattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj"))
-        and isinstance(getattr(mlp, "act_fn", None), SILU_CLASSES)
-        and _load_swiglu() is not None
-    )
+    return x.is_cuda and x.numel() > 0 and x.dtype != torch.float64 and silu_gated(mlp) and _load_swiglu() is not None
+
+
+def add_linear_(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """residual + x W^T into the residual's storage (returned): one GEMM, cuBLAS's beta = 1, the sum rounded once
+    (HF rounds the projection, then the sum). No autograd: the caller gives the residual away."""
+    rows = residual.reshape(-1, residual.shape[-1])
+    return rows.addmm_(x.reshape(-1, x.shape[-1]), weight.t()).view_as(residual)
+
+
+def swiglu_rms_scaled(gate_up: torch.Tensor, x: torch.Tensor, eps: float) -> torch.Tensor:
+    """silu(r gate) * (r up) from rows of [gate | up], r = rsqrt(mean(x^2) + eps) of x's matching row: a SiLU-gated
+    MLP's product where its RMSNorm is folded into the stacked projection (`families.folded_norms`). One launch on
+    CUDA (`swiglu_stacked_scaled_triton`); elsewhere, or in float64, its torch reference, in float32 or wider and
+    rounded once."""
+    if gate_up.is_cuda and gate_up.dtype != torch.float64 and _load_swiglu_scaled() is not None:
+        return _load_swiglu_scaled()(gate_up, x, eps)
+    scale = rms_scale(x, eps)
+    gate, up = (gate_up.to(scale.dtype) * scale).chunk(2, -1)
+    return (F.silu(gate) * up).to(gate_up.dtype)
 
 
 def mlp_forward(mlp, x: torch.Tensor, residual: torch.Tensor | None = None, stacked_gate_up=None) -> torch.Tensor:
@@ -62,6 +86,6 @@ def mlp_forward(mlp, x: torch.Tensor, residual: torch.Tensor | None = None, stac
                 return torch.addmm(rows, product, down.weight.t()).view_as(residual)
             # no graph keeps the residual: the sum goes into it (C = D), where addmm first copies it into a new
             # output (hybrid-1b's 32,768-row capture: 15 copies of 128 MB)
-            return rows.addmm_(product, down.weight.t()).view_as(residual)
+            return add_linear_(residual, product, down.weight)
         out = down(product)
     return out if residual is None else residual + out

@@ -9,6 +9,10 @@ hybrid-1b capture, 16 layers), where an elementwise pass over contiguous bf16 mo
 residual adds). The projections hand over contiguous tensors, and these kernels read and write them as flat ranges
 in one fixed configuration (16-byte vector loads and stores in the sm_90 build: `benchmarks/triton_build_report.py`;
 the rate on the GPU: `benchmarks/swiglu_rate.py`).
+
+`swiglu_stacked_scaled_triton` takes the stacked [gate | up] of un-normed rows x whose RMSNorm weight is folded into
+the projection (`families.folded_norms`): a program per (row, block of columns) scales gate and up by the row's
+rsqrt(mean(x^2) + eps) (`rms_norm_triton.row_rms_scale`) before silu(gate) * up.
 """
 
 from __future__ import annotations
@@ -17,9 +21,13 @@ import torch
 import triton
 import triton.language as tl
 
+from longstraw.kernels.rms_norm_triton import row_rms_scale
+
 # elements a program: at 8 warps 16 a thread, two 16-byte loads of each bf16 input. One fixed shape: no first-call
 # tuning (a bare box's cold step pays every autotuned kernel's), and nothing to tune inside a CUDA graph's recording
 BLOCK, WARPS = 4096, 8
+# columns a program of the scaled kernel, whose rows are a decoding step's few: each program re-reads its row of x
+SCALED_COLUMNS = 1024
 
 
 @triton.jit
@@ -55,6 +63,18 @@ def _swiglu_stacked_kernel(gate_up_ptr, out_ptr, n, width, BLOCK: tl.constexpr):
     tl.store(out_ptr + offsets, (gate * tl.sigmoid(gate) * up).to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _swiglu_stacked_scaled_kernel(gate_up_ptr, x_ptr, out_ptr, width, X, eps, BLOCK: tl.constexpr, BX: tl.constexpr):
+    """Row r of [gate | up] (2 width) in, silu(s gate) * (s up) out (width), s the rms scale of row r of x (X)."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < width
+    scale = row_rms_scale(x_ptr + row * X, X, eps, BX)
+    gate = tl.load(gate_up_ptr + row * 2 * width + cols, mask=mask, other=0.0).to(tl.float32) * scale
+    up = tl.load(gate_up_ptr + row * 2 * width + width + cols, mask=mask, other=0.0).to(tl.float32) * scale
+    tl.store(out_ptr + row * width + cols, (gate * tl.sigmoid(gate) * up).to(out_ptr.dtype.element_ty), mask=mask)
+
+
 def _grid(n: int) -> tuple[int]:
     return (triton.cdiv(n, BLOCK),)
 
@@ -78,6 +98,20 @@ def swiglu_stacked_triton(gate_up: torch.Tensor) -> torch.Tensor:
     out = gate_up.new_empty(*gate_up.shape[:-1], width)
     if out.numel():
         _swiglu_stacked_kernel[_grid(out.numel())](gate_up, out, out.numel(), width, BLOCK=BLOCK, num_warps=WARPS)
+    return out
+
+
+def swiglu_stacked_scaled_triton(gate_up: torch.Tensor, x: torch.Tensor, eps: float) -> torch.Tensor:
+    """`swiglu_stacked_triton` of gate_up [..., 2 I] with gate and up first scaled by rsqrt(mean(x^2) + eps) of the
+    matching row of x [..., X]: the projection ran on x with an RMSNorm's weight folded in. One launch."""
+    gate_up, x = gate_up.contiguous(), x.contiguous()
+    width = gate_up.shape[-1] // 2
+    out = gate_up.new_empty(*gate_up.shape[:-1], width)
+    rows = out.numel() // width if width else 0
+    if rows:
+        grid, X = (rows, triton.cdiv(width, SCALED_COLUMNS)), x.shape[-1]
+        bx = triton.next_power_of_2(X)
+        _swiglu_stacked_scaled_kernel[grid](gate_up, x, out, width, X, float(eps), BLOCK=SCALED_COLUMNS, BX=bx)
     return out
 
 

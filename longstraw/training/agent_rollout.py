@@ -174,7 +174,7 @@ def sample_trajectories(
     ]
     decoder = Decoder(adapter, state, sampling)
     graphed, graph = uses_graph(decoder, sampling), None
-    with decoding(adapter, sampling.stacked_projections):
+    with decoding(adapter, sampling.stacked_projections, folded_norms=sampling.folded_norms):
         for _ in range(sampling.max_new_tokens):
             going = [not row.ended for row in rows]
             if not any(going):

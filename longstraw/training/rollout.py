@@ -25,7 +25,8 @@ On CUDA (`SamplingConfig.cuda_graph`) a step is recorded once as a CUDA graph (`
 token; the host looks at the rows only every `stop_check_every` tokens (one sync), so a few steps may run after
 the last row stopped, each writing pads. LoRA layers decode on their merged weights
 (`models.lora_linear.merged_lora_for_decoding`); on CUDA, an attention layer's q/k/v and an MLP's gate/up are one
-GEMM each and a plain attention layer rotates and appends in one launch (`families.attention_decode`).
+GEMM each, a plain attention layer rotates and appends in one launch (`families.attention_decode`) and a dense
+layer's RMSNorms fold into the projections after them (`families.folded_norms`).
 `Decoder.step` run eagerly is the plain reference the graph records. `sample(..., session=DecodeSession())` keeps the
 decoder, its graph and its merged and stacked weights across calls of one signature (the trainer's steps), the
 state copied in and the weights rebuilt in place at each call; a fresh `sample()` is its reference.
@@ -78,6 +79,9 @@ class SamplingConfig:
     # q/k/v and gate/up as one GEMM each (`models.stacked_projections`: a copy of those weights while sampling);
     # None: on CUDA, where a decoding step's GEMMs are latency-bound
     stacked_projections: bool | None = None
+    # a dense layer's two RMSNorms folded into the stacked projections after them (`families.folded_norms`: within
+    # the dtype's rounding of the unfolded step, not bit for bit); None: on CUDA, where the projections stack
+    folded_norms: bool | None = None
 
     def __post_init__(self):
         if self.num_generations < 1 or self.max_new_tokens < 1:
@@ -100,14 +104,19 @@ class Rollouts:
 
 
 @contextmanager
-def decoding(adapter, stacked_projections: bool | None = None, kept: KeptWeights | None = None):
+def decoding(
+    adapter, stacked_projections: bool | None = None, kept: KeptWeights | None = None, folded_norms: bool | None = None
+):
     """What decoding steps run under: no autograd, the paged attention implementation, LoRA layers on their merged
     weights (built once), Llama-form norms in one launch (`kernels.rms_norm.decoding_norms`), and (on CUDA unless
-    said otherwise) stacked projections (`models.stacked_projections`). `kept`: where the merged and stacked
-    weights are kept (a `DecodeSession`'s, across calls); None, for the block only."""
-    stacked = adapter.device.type == "cuda" if stacked_projections is None else stacked_projections
+    said otherwise) stacked projections (`models.stacked_projections`) with a dense layer's norms folded into them
+    (`families.folded_norms`). `kept`: where the merged and stacked weights are kept (a `DecodeSession`'s, across
+    calls); None, for the block only."""
+    on_cuda = adapter.device.type == "cuda"
+    stacked = on_cuda if stacked_projections is None else stacked_projections
+    folded = on_cuda if folded_norms is None else folded_norms
     with torch.no_grad(), adapter.selected(), merged_lora_for_decoding(kept), decoding_norms():
-        with stacked_projections_for_decoding(stacked, kept):
+        with stacked_projections_for_decoding(stacked, kept, fold_norms=folded):
             yield
 
 
@@ -296,7 +305,7 @@ def _new_decode(
     adapter, decoder: Decoder, config: SamplingConfig, kept: KeptWeights | None = None
 ) -> tuple[Rollouts, DecodeGraph | None]:
     """A new decoder's rollouts and its recorded step (None: eager), the merged and stacked weights built in `kept`."""
-    with decoding(adapter, config.stacked_projections, kept):
+    with decoding(adapter, config.stacked_projections, kept, config.folded_norms):
         graph = _recorded(decoder, config)
         steps = _decode(decoder, graph, config, steps=int(graph is not None))
     return decoder.rollouts(steps, graph is not None), graph
@@ -338,7 +347,7 @@ class DecodeSession:
             return self._build(signature, adapter, state, config)
         self.decoder.restart(state, config)
         self.kept.refresh()
-        with decoding(adapter, config.stacked_projections, self.kept):
+        with decoding(adapter, config.stacked_projections, self.kept, config.folded_norms):
             steps = _decode(self.decoder, self.graph, config, steps=0)
         return self.decoder.rollouts(steps, self.graph is not None)
 
