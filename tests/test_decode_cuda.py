@@ -128,6 +128,24 @@ def test_graphed_agent_trajectories_are_the_eager_ones(preset):
     assert state.fingerprint() == before
 
 
+def test_agent_samplings_leave_the_allocated_memory_as_the_first_left_it():
+    """Every multi-turn sampling records a graph of its own; later ones leave the allocated memory where the first
+    left it (the recordings' warm-up stream is the process's one: cuBLAS keeps a workspace for each stream it ran
+    on, so a stream a recording grew the memory by a workspace a call)."""
+    model = _policy("tiny-llama", torch.bfloat16)
+    prompt = torch.randint(0, 256, (600,), generator=torch.Generator().manual_seed(0)).cuda()
+    state = capture(model, prompt, chunk_size=256)
+    sampling = SamplingConfig(4, 24, 1.0, stop_ids=tuple(range(3, 256, 9)), seed=5, cuda_graph=True)
+    config = AgentConfig(sampling, max_turns=2, max_action_tokens=6)
+    sample_trajectories(model, state, _EchoEnvironment, None, config)
+    torch.cuda.synchronize()
+    first = torch.cuda.memory_allocated()
+    for _ in range(3):
+        sample_trajectories(model, state, _EchoEnvironment, None, config)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == first
+
+
 def test_the_draw_is_torch_multinomials_on_cuda():
     """`Decoder.draw`'s arithmetic (argmax of p / Exp(1) noise) takes the tokens torch.multinomial takes from the
     same generator state: what HF's `generate` draws."""

@@ -29,11 +29,20 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 
 import torch
 
 from longstraw.core import grpo
 from longstraw.core.transaction import member_inputs, replay_inputs
+
+
+@functools.cache
+def warmup_stream(device) -> torch.cuda.Stream:
+    """The side stream a recording's warm-up runs on, one a device for the process: cuBLAS keeps a workspace for each
+    stream it ran on (32 MiB on an H100) as long as the process lives, so a new stream per recording (an agent's
+    decode records one every trainer step) would leak one each."""
+    return torch.cuda.Stream(device)
 
 
 class MemberGraphs:
@@ -167,7 +176,7 @@ class MemberGraphs:
         # before (none or zeros: `undone_on_failure`) are put back whatever happens
         held = [p.grad for p in params]
         try:
-            side = torch.cuda.Stream(device)
+            side = warmup_stream(device)
             side.wait_stream(torch.cuda.current_stream(device))
             for p in params:
                 p.grad = None

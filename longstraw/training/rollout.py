@@ -47,7 +47,7 @@ import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
 from longstraw.config.grpo import GROUP_SIZE
-from longstraw.core.member_graphs import own_copy, state_layout
+from longstraw.core.member_graphs import own_copy, state_layout, warmup_stream
 from longstraw.core.transaction import check_deterministic, check_state
 from longstraw.families import adapter_for
 from longstraw.kernels.rms_norm import decoding_norms
@@ -245,7 +245,7 @@ class DecodeGraph:
 
     def __init__(self, decoder: Decoder, forced: bool = False):
         device = decoder.clock.step_1.device
-        side = torch.cuda.Stream(device)
+        side = warmup_stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
             decoder.step(forced)
