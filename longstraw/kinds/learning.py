@@ -593,22 +593,26 @@ def plot_rewards(rows, steps, title: str):
     return fig
 
 
+HELDOUT_COLUMNS = 4  # panels a line of the held-out figure
+
+
 def plot_heldout(rows, cells, title: str):
-    """One line of panels per curriculum point, one panel per task (the trained one first): `heldout_panel`."""
+    """One panel per curriculum point and task (a point's trained task first), `HELDOUT_COLUMNS` a line:
+    `heldout_panel`."""
     from longstraw.plotting import draw
 
     points = [r.get("point") for r in rows if any(c.get("point") == r.get("point") for c in cells)]
-    tasks = {p: list(dict.fromkeys(c["task"] for c in cells if c.get("point") == p)) for p in points}
-    cols = max(len(t) for t in tasks.values())
-    fig, axes = draw.plt.subplots(len(points), cols, figsize=(5.5 * cols, 2.7 * len(points)), squeeze=False)
-    for line, point in zip(axes, points):
-        for ax in line[len(tasks[point]) :]:
-            ax.set_visible(False)
-        for ax, task in zip(line, tasks[point]):
-            mine = [c for c in cells if c.get("point") == point and c.get("task") == task]
-            heldout_panel(ax, mine, draw)
-            trained = " (trained on)" if any(c.get("trained") is True for c in mine) else " (eval task)"
-            ax.set_title(f"{point}: {task}{trained}", fontsize=9)
+    panels = [(p, task) for p in points for task in dict.fromkeys(c["task"] for c in cells if c.get("point") == p)]
+    cols = min(HELDOUT_COLUMNS, len(panels))
+    lines = -(-len(panels) // cols)
+    fig, axes = draw.plt.subplots(lines, cols, figsize=(4.2 * cols, 2.9 * lines), squeeze=False)
+    for ax in axes.flat[len(panels) :]:
+        ax.set_visible(False)
+    for ax, (point, task) in zip(axes.flat, panels):
+        mine = [c for c in cells if c.get("point") == point and c.get("task") == task]
+        heldout_panel(ax, mine, draw)
+        trained = " (trained on)" if any(c.get("trained") is True for c in mine) else " (eval task)"
+        ax.set_title(f"{point}\n{task}{trained}", fontsize=8)
     fig.suptitle(f"{title}: held-out greedy success, base model and each stage's adapter", fontsize=10)
     fig.tight_layout()
     return fig
