@@ -51,12 +51,18 @@ def run_point(raw, source: str = "config", on_progress=None, work_dir=None) -> d
     result = {"name": cfg.name, "kind": cfg.kind, "config": point_mapping(cfg), "provenance": provenance(device)}
     if cfg.model.path and (checkpoint := checkpoint_provenance(cfg.model.path)) is not None:
         result["provenance"]["checkpoint"] = checkpoint  # real weights: where they came from, their hash
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
 
     def partial(metrics):
         if on_progress:
             on_progress(
-                {**result, "status": "partial", "metrics": metrics, "wall_seconds": time.perf_counter() - start}
+                {
+                    **result,
+                    "status": "partial",
+                    "metrics": metrics,
+                    "wall_seconds": time.perf_counter() - start,
+                    "cpu_seconds": time.process_time() - cpu_start,
+                }
             )
 
     try:
@@ -73,6 +79,9 @@ def run_point(raw, source: str = "config", on_progress=None, work_dir=None) -> d
         result["error"] = f"{type(exc).__name__}: {exc}"
         result["traceback"] = traceback.format_exc()
     result["wall_seconds"] = time.perf_counter() - start
+    # this process's CPU seconds over the same span, all its threads (user + system): beside wall_seconds it says
+    # whether the point had its cores (on a busy machine wall grows, CPU barely)
+    result["cpu_seconds"] = time.process_time() - cpu_start
     result["peak_rss_bytes"] = peak_rss_bytes()
     if cp is not None:
         result["cp"] = _rank_records(cp, result)
