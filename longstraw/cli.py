@@ -181,6 +181,8 @@ def _apply_overrides(cfg: dict, assignments: list[str], source: str) -> None:
 
 def _summary(result: dict) -> dict:
     out = {"name": result["name"], "status": result["status"], "wall_seconds": round(result["wall_seconds"], 3)}
+    if result.get("cpu_seconds") is not None:
+        out["cpu_seconds"] = round(result["cpu_seconds"], 3)
     metrics = result.get("metrics", {})
     for key in ("peak_allocated_bytes", "graph_bytes_peak", "resident_bytes", "transient_bytes"):
         if metrics.get(key) is not None:

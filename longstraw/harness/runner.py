@@ -9,6 +9,7 @@ resolved config. Out-of-memory is a result, not a crash.
 
 from __future__ import annotations
 
+import os
 import time
 import traceback
 
@@ -51,12 +52,18 @@ def run_point(raw, source: str = "config", on_progress=None, work_dir=None) -> d
     result = {"name": cfg.name, "kind": cfg.kind, "config": point_mapping(cfg), "provenance": provenance(device)}
     if cfg.model.path and (checkpoint := checkpoint_provenance(cfg.model.path)) is not None:
         result["provenance"]["checkpoint"] = checkpoint  # real weights: where they came from, their hash
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), cpu_seconds()
 
     def partial(metrics):
         if on_progress:
             on_progress(
-                {**result, "status": "partial", "metrics": metrics, "wall_seconds": time.perf_counter() - start}
+                {
+                    **result,
+                    "status": "partial",
+                    "metrics": metrics,
+                    "wall_seconds": time.perf_counter() - start,
+                    "cpu_seconds": cpu_seconds() - cpu_start,
+                }
             )
 
     try:
@@ -73,10 +80,19 @@ def run_point(raw, source: str = "config", on_progress=None, work_dir=None) -> d
         result["error"] = f"{type(exc).__name__}: {exc}"
         result["traceback"] = traceback.format_exc()
     result["wall_seconds"] = time.perf_counter() - start
+    # beside wall_seconds, whether the point had its cores: on a busy machine wall grows, CPU barely
+    result["cpu_seconds"] = cpu_seconds() - cpu_start
     result["peak_rss_bytes"] = peak_rss_bytes()
     if cp is not None:
         result["cp"] = _rank_records(cp, result)
     return result
+
+
+def cpu_seconds() -> float:
+    """CPU seconds so far (user + system) of this process's threads and of the child processes it has waited for (a
+    capacity search runs each probe as one)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
 
 
 def _context_parallel(cfg: PointConfig, source: str):

@@ -50,6 +50,9 @@ def common_columns(point: dict) -> dict:
         "device": prov.get("device"),
         "peak_rss_bytes": number(point.get("peak_rss_bytes")),
         "wall_seconds": number(point.get("wall_seconds")),
+        # the point process's CPU seconds and the threads it ran on (None in results from before they were kept)
+        "cpu_seconds": number(point.get("cpu_seconds")),
+        "threads": number(prov.get("threads")),
         "device_memory_bytes": number(prov.get("cuda_total_memory_bytes")),
         "commit": prov.get("commit"),
         "date": prov.get("date"),

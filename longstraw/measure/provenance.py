@@ -75,6 +75,7 @@ def provenance(device) -> dict:
         "variant": variant(),
         "device": device_name(device),
         "host_cpu": host_cpu(),
+        "threads": torch.get_num_threads(),  # CPU threads the point ran on (the pipeline's cpu profile: one)
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "python": platform.python_version(),
         "versions": {p: _version(p) for p in ("torch", "transformers", "peft", "bitsandbytes", "fla-core")},

@@ -63,6 +63,34 @@ def point_gpus(wildcards):
     return 0 if PROFILE == "cpu" else point_cp_size(wildcards)
 
 
+def point_threads(wildcards):
+    """Cores a point's job holds. On the cpu profile one per context-parallel rank, one thread each, so
+    independent points run side by side, each on cores of its own: a point's ~8 s of imports and setup is one
+    core's work, which left the other idle when a point held both, and two threads of one point stalled on each
+    other when anything else ran on the machine (the pretrain point: 6.4 s a step on two threads, 0.3 s on one,
+    beside other work on 2 cores). Elsewhere all of them, one point at a time."""
+    return point_cp_size(wildcards) if PROFILE == "cpu" else workflow.cores
+
+
+def point_rank_threads(wildcards, threads):
+    """OMP_NUM_THREADS and MKL_NUM_THREADS of each of a point's processes: on the cpu profile one per rank,
+    elsewhere all cores."""
+    return max(1, threads // point_cp_size(wildcards)) if PROFILE == "cpu" else threads
+
+
+# points whose results other points need (a pretrain point's checkpoint): started first, since their
+# dependants wait for them; the dependants next, as soon as they can run (the chain they end is the pipeline's
+# longest on the cpu profile: learning's pretrain, then its V4 point). The real checkpoint's rule is a producer too.
+NEEDED = {pair for experiment in PLAN for point in PLAN[experiment]["points"] for pair in needs(PLAN, experiment, point)}
+PRODUCER_PRIORITY, DEPENDANT_PRIORITY = 2, 1
+
+
+def point_priority(wildcards):
+    if (wildcards.experiment, wildcards.point) in NEEDED:
+        return PRODUCER_PRIORITY
+    return DEPENDANT_PRIORITY if needed_results(wildcards) else 0
+
+
 def point_launcher(wildcards):
     return launcher(point_cp_size(wildcards), PYTHON)
 
