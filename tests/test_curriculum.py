@@ -217,9 +217,9 @@ def _check_heldout_figure(point: dict, folder: Path) -> None:
     panels = [ax for ax in figures["heldout_by_stage"].axes if ax.get_visible()]
     titles = [ax.get_title() for ax in panels]
     assert titles == [
-        "c: curriculum_even_share (trained on)",
-        "c: kv_retrieval (eval task)",
-        "c: curriculum_first_token (eval task)",
+        "c\ncurriculum_even_share (trained on)",
+        "c\nkv_retrieval (eval task)",
+        "c\ncurriculum_first_token (eval task)",
     ]
     lengths = {"base model (stage 1's RoPE)": [64, 128], "stage 0 adapter (trained at 64)": [64]}
     lengths["stage 1 adapter (trained at 128)"] = [64, 128]
