@@ -29,20 +29,12 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
 
 import torch
 
 from longstraw.core import grpo
 from longstraw.core.transaction import member_inputs, replay_inputs
-
-
-@functools.cache
-def warmup_stream(device) -> torch.cuda.Stream:
-    """The side stream a recording's warm-up runs on, one a device for the process: cuBLAS keeps a workspace for each
-    stream it ran on (32 MiB on an H100) as long as the process lives, so a new stream per recording (an agent's
-    decode records one every trainer step) would leak one each."""
-    return torch.cuda.Stream(device)
+from longstraw.measure.timing import warmup_stream
 
 
 class MemberGraphs:

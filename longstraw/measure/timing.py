@@ -3,6 +3,7 @@ a call's seconds over repeats (each call's, their mean, or a CUDA graph's replay
 
 from __future__ import annotations
 
+import functools
 import time
 from contextlib import contextmanager, nullcontext
 
@@ -33,12 +34,20 @@ def copy_bandwidth(device, repeats: int = 20) -> float:
     return 2 * src.numel() / seconds_per_call(lambda: dst.copy_(src), device, repeats, warmup=2)
 
 
+@functools.cache
+def warmup_stream(device) -> torch.cuda.Stream:
+    """The side stream a CUDA graph's warm-up runs on (torch's recording recipe), one a device for the process: cuBLAS
+    keeps a workspace for each stream it ran on (32 MiB on an H100) as long as the process lives, so a new stream a
+    recording (an agent's decode records one every trainer step) would leak one each."""
+    return torch.cuda.Stream(device)
+
+
 def graph_replay_seconds(fn, repeats: int, warmup: int = 3) -> float:
     """Mean device seconds of `fn()` recorded once as a CUDA graph and replayed `repeats` times back to back (CUDA
     events around the replays): work that runs inside a graph, as replay's members do, without the host's launch
     and autograd time between its kernels. `fn` runs `warmup` times first on a side stream (compiling, autotuning
     and allocating outside the recording, as torch's graph recipe asks)."""
-    side = torch.cuda.Stream()
+    side = warmup_stream(torch.cuda.current_device())
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(warmup):

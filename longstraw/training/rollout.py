@@ -47,10 +47,11 @@ import torch
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
 from longstraw.config.grpo import GROUP_SIZE
-from longstraw.core.member_graphs import own_copy, state_layout, warmup_stream
+from longstraw.core.member_graphs import own_copy, state_layout
 from longstraw.core.transaction import check_deterministic, check_state
 from longstraw.families import adapter_for
 from longstraw.kernels.rms_norm import decoding_norms
+from longstraw.measure.timing import warmup_stream
 from longstraw.models.lora_linear import (
     KeptWeights,
     in_place_lora_class,
