@@ -67,7 +67,6 @@ import shutil
 import sys
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -172,15 +171,6 @@ def check_not_replacing(out: Path) -> None:
         )
 
 
-@dataclass(frozen=True)
-class MadeAhead:
-    prompt: int
-    example: Future
-
-    def result(self):
-        return self.example.result()
-
-
 class Trainer:
     def __init__(self, raw_config, source: str = "train config", *, resolved: bool = False):
         """`resolved`: `raw_config` is what `resolve` returned for `source` (the CLI resolves first, to guard
@@ -222,7 +212,7 @@ class Trainer:
         self.ref_state = self.ref_prompt = None
         self._made = (None, None)  # (prompt index, example)
         self._maker = ThreadPoolExecutor(1, thread_name_prefix="next-prompt")  # the next prompt's example
-        self._ahead: MadeAhead | None = None
+        self._ahead: tuple[int, Future] | None = None  # (prompt index, its example being made)
         self.decode_session = DecodeSession()  # every step samples with one G and length: its decoder kept
 
     # ---- prefix reuse
@@ -233,10 +223,10 @@ class Trainer:
         prompt = step // self.cfg.steps_per_prompt
         if self._made[0] != prompt:
             ahead, self._ahead = self._ahead, None
-            example = ahead.result() if ahead is not None and ahead.prompt == prompt else self._make_example(prompt)
+            example = ahead[1].result() if ahead is not None and ahead[0] == prompt else self._make_example(prompt)
             self._made = (prompt, example)
             if (prompt + 1) * self.cfg.steps_per_prompt < self.cfg.steps:
-                self._ahead = MadeAhead(prompt + 1, self._maker.submit(self._make_example, prompt + 1))
+                self._ahead = (prompt + 1, self._maker.submit(self._make_example, prompt + 1))
         return self._made[1]
 
     def _make_example(self, prompt: int):
