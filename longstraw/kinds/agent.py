@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 from longstraw.config import ConfigError, PointConfig
 from longstraw.config.sections import EnvironmentConfig
 from longstraw.config.typed import bounded
-from longstraw.kinds import agent_report
+from longstraw.kinds.agent_report import CAPTIONS, EXTRA_TABLES, SHOWN, columns, figures, tables
 from longstraw.kinds.checks import check_task
 from longstraw.kinds.spec import Kind
 
@@ -158,10 +158,10 @@ KIND = Kind(
     tasks=lambda cfg: [("agent.task", cfg.agent.task, [cfg.prompt.length], "prompt.length")],
     host_pages=False,
     shards_state=False,
-    columns=agent_report.columns,
-    tables=agent_report.tables,
-    extra_tables=agent_report.EXTRA_TABLES,
-    shown=agent_report.SHOWN,
-    figures=agent_report.figures,
-    captions=agent_report.CAPTIONS,
+    columns=columns,
+    tables=tables,
+    extra_tables=EXTRA_TABLES,
+    shown=SHOWN,
+    figures=figures,
+    captions=CAPTIONS,
 )
