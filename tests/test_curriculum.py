@@ -309,6 +309,12 @@ def test_the_gpu_curriculum_is_planned_on_h200_only(tmp_path):
     assert first.gradients == ["response-only", "exact"] and via.gradients == ["response-only"]
     assert [s.length for s in via.curriculum.stages] == [16384, 32768, 65536, 98304, 131072]
     assert [s.overrides["rope_parameters"]["factor"] for s in via.curriculum.stages] == [4.0, 4.0, 8.0, 12.0, 16.0]
+    fine = points["curriculum-niah-16k-131k-fine"]["config"].learning.curriculum
+    assert [s.length for s in fine.stages] == [16384, 32768, 65536, 81920, 98304, 114688, 131072]
+    # past 65,536 each stage runs its own length's factor over SmolLM2's 8,192 native positions
+    assert [s.overrides["rope_parameters"]["factor"] for s in fine.stages[2:]] == [8.0, 10.0, 12.0, 14.0, 16.0]
+    assert all(s.overrides["max_position_embeddings"] >= s.length for s in fine.stages)
+    assert fine.out == "results/h200/adapters/curriculum-niah-16k-131k-fine"
 
 
 def test_a_lora_adapter_starts_from_a_saved_one_and_refuses_another_shape(tmp_path):
