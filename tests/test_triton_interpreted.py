@@ -760,3 +760,57 @@ def test_interpreted_sampler_draws_torchs_tokens_and_writes_the_step(interpreted
     assert ((ours - exact).abs() <= bound).all(), f"{((ours - exact).abs() / bound).max().item():.3g} of bound"
     following = logp_GV.gather(1, ((expected + 1) % V)[:, None]).squeeze(1)[clean]
     assert ((following - exact).abs() > bound).any()
+
+
+# runs in a process of its own with TRITON_INTERPRET=1: tiny-llama decoding through the torch tail and the fused
+# sampler (CUDA's choice, made here), forced tokens on rows 0 (every other step) and 2 for the first 6 steps
+FUSED_TAIL = """
+import sys
+import torch
+from longstraw import capture
+from longstraw.families import adapter_for
+from longstraw.kernels import sampling_triton
+from longstraw.models import build_model
+from longstraw.training.rollout import Decoder, SamplingConfig, decoding
+
+model = build_model("tiny-llama", seed=1)
+adapter = adapter_for(model)
+state = capture(model, torch.randint(0, 256, (50,), generator=torch.Generator().manual_seed(0)), chunk_size=32)
+out = {}
+for temperature in (0.0, 1.0, 0.7):
+    for fused in (False, True):
+        config = SamplingConfig(4, 12, temperature, stop_ids=tuple(range(3, 256, 9)), seed=3)
+        with torch.no_grad(), decoding(adapter):
+            decoder = Decoder(adapter, state, config)
+            if fused:
+                decoder.sample_step = sampling_triton.sample_step_triton
+            for step in range(12):
+                decoder.forcing_G.copy_(torch.tensor([step % 2 == 0, False, True, False]))
+                decoder.forced_G.copy_(torch.tensor([7, 0, 200 + 9 * step, 0]))  # no stop ids
+                decoder.step(forced=step < 6)
+        out[temperature, fused] = (decoder.tokens_GT, decoder.logps_GT, decoder.unfinished_G, decoder.finite_1)
+torch.save(out, sys.argv[1])
+"""
+
+
+def test_interpreted_fused_tail_decodes_the_torch_tails_tokens(tmp_path):
+    """A `Decoder` stepping through the fused sampler (interpreted) against the torch tail it stands in for, from one
+    seed, greedy and sampled, with forced tokens for half the steps: the same tokens written, rows finished and
+    finite flag; the log-probs within both sides' float32 bounds (ours chunked, torch's log_softmax one chunk)."""
+    pytest.importorskip("triton")
+    from longstraw.kernels.sampling_triton import CHUNK
+
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", FUSED_TAIL, str(tmp_path / "out.pt")], env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = torch.load(tmp_path / "out.pt")
+    for temperature in (0.0, 1.0, 0.7):
+        (tokens, logps, unfinished, finite), (ours, ours_logps, ours_unfinished, ours_finite) = (
+            out[temperature, fused] for fused in (False, True)
+        )
+        assert torch.equal(ours, tokens) and torch.equal(ours_unfinished, unfinished) and bool(ours_finite == finite)
+        bound = chunked_logprob_bound(256, CHUNK, logps.double().abs()) + chunked_logprob_bound(256, 256, logps.abs())
+        assert ((ours_logps.double() - logps.double()).abs() <= bound).all()
+        assert (tokens[2, :6] == 200 + 9 * torch.arange(6)).all() and (tokens[0, :6:2] == 7).all()
