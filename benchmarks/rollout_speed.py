@@ -9,7 +9,9 @@ random B, as a policy in training), one random prompt of --length tokens capture
 
 - ours, a decoding step eagerly (`training.rollout.Decoder.step`, the plain reference) and through the recorded
   CUDA graph (`DecodeGraph`), on CUDA with a dense layer's norms folded into its projections
-  (`families.folded_norms`; --unfolded: without, the step before that fold): ms a step over --steps steps after
+  (`families.folded_norms`; --unfolded: without, the step before that fold), the rotary read from a table and the
+  draw, log-prob and writes in two Triton launches (`rollout.RotaryTable`, `kernels.sampling_triton`; --plain-tail:
+  the rotary computed each step and the torch tail, the step before them): ms a step over --steps steps after
   two warm-up steps, and whether both give the same tokens from one seed; and one whole `sample()` call of --tokens
   tokens (its one-off costs: merged LoRA weights, the graph's recording); then a later call's wall time, plain
   (those costs again) and through a `DecodeSession` an earlier call built (the state copied in, the weights
@@ -66,10 +68,15 @@ def _folded(args) -> bool | None:
     return False if args.unfolded else None  # None: the default (on CUDA)
 
 
+def _tail(args) -> dict:
+    """The rotary table and the fused sampler off (--plain-tail), else as the defaults have them (on CUDA)."""
+    return dict(rotary_table=False, fused_sampler=False) if args.plain_tail else {}
+
+
 def _config(args, tokens, cuda_graph=None) -> SamplingConfig:
     # no stop ids: every row decodes every token, so steps are comparable across systems
     return SamplingConfig(
-        args.group, tokens, temperature=1.0, seed=0, cuda_graph=cuda_graph, folded_norms=_folded(args)
+        args.group, tokens, temperature=1.0, seed=0, cuda_graph=cuda_graph, folded_norms=_folded(args), **_tail(args)
     )
 
 
@@ -302,13 +309,16 @@ def main() -> int:
     parser.add_argument("--hf", choices=("both", "none"), default="both")
     parser.add_argument("--counts-only", action="store_true")
     parser.add_argument("--unfolded", action="store_true", help="decode without folding norms into projections")
+    parser.add_argument(
+        "--plain-tail", action="store_true", help="decode without the rotary table and the fused sampler"
+    )
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     device = torch.device(args.device)
     model, prompt = _policy(args, device)
     state = capture(model, prompt)
     result = {"preset": args.preset, "length": args.length, "group": args.group, "device": str(device)}
-    result["unfolded"] = args.unfolded
+    result["unfolded"], result["plain_tail"] = args.unfolded, args.plain_tail
     if device.type == "cuda":
         result["card"] = torch.cuda.get_device_name(device)
     result["provenance"] = provenance(device)

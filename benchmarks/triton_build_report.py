@@ -5,9 +5,9 @@ bundled nvdisasm lists the cubin's SASS.
     python benchmarks/triton_build_report.py [--arch 90] [--out F]
 
 For each configuration a kernel is launched with (every one an autotuned kernel offers: the GDN conv forward and the
-backward's two kernels, the capture's GDN scan, the prefix's dq-only backward; the one the SwiGLU and rotary kernels
-are launched with), at
-hybrid-1b's widths, with the pointer arguments 16-byte aligned as Triton's JIT specialises them: ptxas's registers
+backward's two kernels, the capture's GDN scan, the prefix's dq-only backward; the one the SwiGLU, rotary and sampler
+kernels are launched with), at hybrid-1b's widths (the sampler at SmolLM2's vocabulary), with the pointer arguments
+16-byte aligned as Triton's JIT specialises them: ptxas's registers
 per thread and spill bytes, how many of the global loads and stores are 16-byte vectors, and the SASS: its
 instructions (every path, each counted once: what a program runs is fewer where it branches) and the most frequent
 opcodes. A spilling configuration still runs (its spills go to L1), but the autotuner's candidates are chosen from
@@ -33,7 +33,14 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from longstraw.kernels import attention_dq_triton, gdn_conv_triton, gdn_scan_triton, rotary_triton, swiglu_triton
+from longstraw.kernels import (
+    attention_dq_triton,
+    gdn_conv_triton,
+    gdn_scan_triton,
+    rotary_triton,
+    sampling_triton,
+    swiglu_triton,
+)
 from longstraw.results import write_json_atomic
 
 # an instruction in nvdisasm's listing: its address comment, an optional predicate, the opcode (before its modifiers)
@@ -47,6 +54,15 @@ ROTARY_SHAPE = {"D": 128, "R": 32, "BD": 128, "ROWS": rotary_triton.ROWS}
 # their prefix backward: 2 K/V heads of 128
 ATTENTION_DQ_SHAPE = {"HEADS": 2, "D": 128}
 ATTENTION_DQ_STRIDES = ("stride_kb", "stride_kh", "stride_kn", "stride_vb", "stride_vh", "stride_vn")
+# a decoding step's sampler, drawing and forcing: SmolLM2's 49,152 logits a row (24 chunks), two stop ids
+SAMPLER_SHAPE = {"SAMPLED": True, "FORCED": True, "CHUNK": sampling_triton.CHUNK, "S_BLOCK": 32, "STOP_BLOCK": 2}
+# its float32 logits, draws and chunk statistics, int64 token ids, bool flags
+SAMPLER_TYPES = {
+    **dict.fromkeys(("logits_ptr", "q_ptr", "stats_ptr", "logps_out_ptr"), "*fp32"),
+    **dict.fromkeys(("candidate_ptr", "forced_ptr", "stop_ptr", "step_ptr", "tokens_ptr", "tokens_out_ptr"), "*i64"),
+    **dict.fromkeys(("finite_ptr", "forcing_ptr", "unfinished_ptr"), "*i1"),
+    "inv_t": "fp32",
+}
 
 
 @dataclass
@@ -131,6 +147,16 @@ KERNELS = {
         )
         for transposed in (False, True)
     },
+    "sampler chunks": Kernel(
+        sampling_triton._chunk_kernel, SAMPLER_SHAPE, _fixed(num_warps=4), SAMPLER_TYPES, scalars=("V", "S")
+    ),
+    "sampler rows": Kernel(
+        sampling_triton._row_kernel,
+        SAMPLER_SHAPE,
+        _fixed(num_warps=1),
+        SAMPLER_TYPES,
+        scalars=("V", "S", "T", "n_stop", "pad_id"),
+    ),
 }
 
 
@@ -194,6 +220,7 @@ def main() -> None:
         "gdn scan": GDN_SCAN_SHAPE,
         "rotary": ROTARY_SHAPE,
         "attention dq": ATTENTION_DQ_SHAPE,
+        "sampler": SAMPLER_SHAPE,
     }
     result = {"arch": f"sm_{args.arch}", "triton": triton.__version__, "shapes": shapes, "kernels": {}}
     for name, kernel in KERNELS.items():

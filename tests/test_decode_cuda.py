@@ -1,13 +1,15 @@
-"""Decoding on CUDA (skipped without a GPU): the recorded graph against the eager step it records, and the
-decoding kernels (`decode_attention_triton`, `gdn_decode_triton`, `rms_norm_triton`) against their references on
-the device. The eager step itself is held to HF's `generate` on the CPU (tests/test_rollout.py); the kernels'
-arithmetic to float64 in Triton's interpreter (tests/test_triton_interpreted.py)."""
+"""Decoding on CUDA (skipped without a GPU): the recorded graph against the eager step it records, the step with the
+rotary table and the fused sampler against the plain one, and the decoding kernels (`decode_attention_triton`,
+`gdn_decode_triton`, `rms_norm_triton`, `sampling_triton`) against their references on the device. The eager step
+itself is held to HF's `generate` on the CPU (tests/test_rollout.py); the kernels' arithmetic to float64 in Triton's
+interpreter (tests/test_triton_interpreted.py)."""
 
 import dataclasses
 
 import pytest
 import torch
-from tolerances import EPS_BF16, float32_tolerance
+from tolerances import EPS_BF16, chunked_logprob_bound, float32_tolerance
+from torch.utils._pytree import tree_flatten
 
 from longstraw import capture
 from longstraw.core.transaction import reuse_state
@@ -17,10 +19,20 @@ from longstraw.kernels.gdn import recurrent_gated_delta_rule
 from longstraw.kernels.gdn_decode_triton import gdn_decode_step
 from longstraw.kernels.paged_attention import decode_partial
 from longstraw.kernels.rms_norm_triton import rms_norm_rows
+from longstraw.kernels.sampling_triton import CHUNK, sample_step_triton
 from longstraw.models import build_model
 from longstraw.models.lora import apply_lora
+from longstraw.state.pages import DecodeClock
 from longstraw.training.agent_rollout import AgentConfig, sample_trajectories
-from longstraw.training.rollout import DecodeGraph, Decoder, DecodeSession, SamplingConfig, decoding, sample
+from longstraw.training.rollout import (
+    DecodeGraph,
+    Decoder,
+    DecodeSession,
+    RotaryTable,
+    SamplingConfig,
+    decoding,
+    sample,
+)
 
 pytestmark = pytest.mark.cuda
 
@@ -95,6 +107,84 @@ def test_a_sessions_graph_gives_the_fresh_eager_samples(preset):
     assert [state.fingerprint() for state in states] == prints
 
 
+# the rotary computed each step and the torch tail: the reference the rotary table and the fused sampler stand in for
+PLAIN_TAIL = dict(rotary_table=False, fused_sampler=False)
+
+
+def _fused_logprob_bound(vocab: int, logp: torch.Tensor) -> torch.Tensor:
+    """|ours - torch's log_softmax| for equal float32 logits: each within its bound of the exact value, ours
+    chunked with Triton's exp, torch's a block reduction over the whole row (one chunk)."""
+    return chunked_logprob_bound(vocab, CHUNK, logp.abs(), approximate_exp=True) + chunked_logprob_bound(
+        vocab, vocab, logp.abs()
+    )
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3_5"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0, 0.7])
+def test_the_graphed_step_with_the_table_and_fused_sampler_gives_the_plain_eager_tokens(preset, temperature):
+    """One seed, bf16: the recorded step with the rotary table and the fused sampler (the defaults on CUDA) against
+    the eager step with the rotary computed each step and the torch tail: the same tokens (the table's rows are each
+    step's bits, so the logits are equal, and the draw's p / q differ by a few roundings: only a near-exact tie could
+    go the other way) and rows finished; the log-probs within both sides' float32 bounds (`chunked_logprob_bound`)."""
+    model = _policy(preset, torch.bfloat16)
+    prompt = torch.randint(0, 256, (600,), generator=torch.Generator().manual_seed(0)).cuda()
+    state = capture(model, prompt, chunk_size=256)
+    config = SamplingConfig(8, 40, temperature, stop_ids=tuple(range(3, 256, 11)), seed=5)
+    decoder = Decoder(adapter_for(model), state, config)
+    assert decoder.rotary_table is not None and decoder.sample_step is not None
+    ours = sample(model, state, config)
+    plain = sample(model, state, dataclasses.replace(config, cuda_graph=False, **PLAIN_TAIL))
+    assert ours.graphed and not plain.graphed and ours.finished == plain.finished
+    for a, b, lp_a, lp_b in zip(ours.responses, plain.responses, ours.logprobs, plain.logprobs, strict=True):
+        assert torch.equal(a, b)
+        bound = _fused_logprob_bound(model.config.vocab_size, lp_b.double())
+        assert ((lp_a.double() - lp_b.double()).abs() <= bound).all()
+    if temperature > 0:
+        assert len({tuple(r.tolist()) for r in ours.responses}) > 1
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0, 0.7])
+def test_the_fused_sampler_takes_the_torch_draws_tokens_at_smollm2s_vocabulary(temperature):
+    """`sample_step_triton` on 8 rows of 49,152 float32 logits (4 randn), 20 steps' worth, against the torch tail's
+    arithmetic on the device with the same Exp(1) draws: the tokens of argmax(softmax(logits / T) / q) (or the
+    argmax), and log-probs within `chunked_logprob_bound` (Triton's exp) of float64's log_softmax; written at the
+    clock's step. Greedy tokens differ from drawn ones (the draws count)."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    G, V, T = 8, 49152, 3
+    stop, step = torch.tensor([5], device="cuda"), torch.tensor([1], device="cuda")
+    for _ in range(20):
+        logits = 4 * torch.randn(G, V, generator=gen, device="cuda")
+        q = torch.empty_like(logits).exponential_(1, generator=gen) if temperature > 0 else None
+        expected = logits.argmax(-1) if q is None else torch.softmax(logits / temperature, -1).div(q).argmax(-1)
+        assert (q is None) == torch.equal(expected, logits.argmax(-1))
+        tokens_G, unfinished_G = torch.zeros_like(expected), torch.ones_like(expected, dtype=torch.bool)
+        finite_1 = torch.ones(1, dtype=torch.bool, device="cuda")
+        tokens_GT, logps_GT = torch.zeros(G, T, dtype=torch.long, device="cuda"), torch.zeros(G, T, device="cuda")
+        sample_step_triton(logits, q, temperature, stop, 0, step, tokens_G, unfinished_G, finite_1, tokens_GT, logps_GT)
+        assert torch.equal(tokens_GT[:, 1], expected) and torch.equal(tokens_G, expected) and bool(finite_1)
+        exact = torch.log_softmax(logits.double(), -1).gather(1, expected[:, None]).squeeze(1)
+        bound = chunked_logprob_bound(V, CHUNK, exact.abs(), approximate_exp=True)
+        assert ((logps_GT[:, 1].double() - exact).abs() <= bound).all()
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3_5", "tiny-gemma3"])
+def test_the_rotary_tables_rows_are_each_steps_own_on_cuda(preset):
+    """bf16 on the device: at each step the table's row is the adapter's rotary computed for that step alone, bit for
+    bit (the CPU's test for every family: tests/test_rotary.py)."""
+    model = build_model(preset, seed=1, dtype=torch.bfloat16, device="cuda", head_dim=64)
+    adapter = adapter_for(model)
+    clock = DecodeClock.allocate(16384, 64, "cuda")
+    h_11H = adapter.embed(torch.zeros(1, 1, dtype=torch.long, device="cuda"))
+    table = RotaryTable(adapter, clock, h_11H)
+    for step in range(64):
+        clock.step_1.fill_(step)
+        (ours, ours_spec), (theirs, spec) = (
+            tree_flatten(pe)
+            for pe in (table.at(clock.step_1), adapter.position_embeddings_at(h_11H, clock.positions_11()))
+        )
+        assert ours_spec == spec and all(torch.equal(a, b) for a, b in zip(ours, theirs, strict=True))
+
+
 class _EchoEnvironment:
     """Token ids in and out: observes 1 then the action reversed; done when the action's first id is even."""
 
@@ -126,6 +216,27 @@ def test_graphed_agent_trajectories_are_the_eager_ones(preset):
         assert torch.equal(eager.logprobs, graphed.logprobs) and eager.turns == graphed.turns
     assert max(t.turns for t in runs[True]) > 1  # observations were forced between actions
     assert state.fingerprint() == before
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3_5"])
+def test_graphed_agent_trajectories_with_the_fused_sampler_are_the_plain_eager_ones(preset):
+    """The forced path: multi-turn rollouts through the recorded step with the rotary table and the fused sampler
+    (forced tokens read on the device) against the eager plain step: the same tokens, action masks and turns, the
+    log-probs within both sides' float32 bounds."""
+    model = _policy(preset, torch.bfloat16)
+    prompt = torch.randint(0, 256, (600,), generator=torch.Generator().manual_seed(0)).cuda()
+    state = capture(model, prompt, chunk_size=256)
+    runs = {}
+    for graph, plain in ((True, {}), (False, PLAIN_TAIL)):
+        sampling = SamplingConfig(8, 48, 1.0, stop_ids=tuple(range(3, 256, 9)), seed=5, cuda_graph=graph, **plain)
+        config = AgentConfig(sampling, max_turns=3, max_action_tokens=6)
+        runs[graph] = sample_trajectories(model, state, _EchoEnvironment, None, config)
+    for ours, theirs in zip(runs[True], runs[False], strict=True):
+        assert torch.equal(ours.tokens, theirs.tokens) and torch.equal(ours.action_mask, theirs.action_mask)
+        assert ours.turns == theirs.turns
+        bound = _fused_logprob_bound(model.config.vocab_size, theirs.logprobs.double())
+        assert ((ours.logprobs.double() - theirs.logprobs.double()).abs() <= bound).all()
+    assert max(t.turns for t in runs[True]) > 1
 
 
 def test_agent_samplings_leave_the_allocated_memory_as_the_first_left_it():

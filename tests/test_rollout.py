@@ -8,10 +8,11 @@ from tolerances import logprob_tolerance, max_abs, within
 from transformers import GenerationConfig
 
 from longstraw import capture, score
+from longstraw.families import adapter_for
 from longstraw.models import TINY_PRESETS, build_model
 from longstraw.state import AttentionPages
 from longstraw.state.pages import DecodeClock
-from longstraw.training.rollout import SamplingConfig, _decode_entries, sample
+from longstraw.training.rollout import Decoder, SamplingConfig, _decode_entries, sample
 
 STOP = tuple(range(3, 256, 9))  # ~11% of the vocabulary: rows stop at different steps
 SETTINGS = [(0.0, 1.0), (1.0, 1.0), (0.7, 0.8)]  # greedy, plain sampling, temperature + top-p
@@ -85,3 +86,16 @@ def test_bad_sampling_settings_are_named():
         SamplingConfig(top_p=0.0)
     with pytest.raises(ValueError, match="num_generations"):
         SamplingConfig(num_generations=0)
+
+
+@pytest.mark.parametrize("preset", ["tiny-llama", "tiny-gemma3", "tiny-qwen3_5", "tiny-gpt-oss", "tiny-deepseek_v3"])
+def test_the_rotary_table_decodes_the_per_step_rotarys_tokens_and_logprobs(preset):
+    """Sampling through the rotary table (asked for on the CPU) gives the tokens and log-probs of the rotary
+    computed at each step, bit for bit: the table's rows are each step's own (tests/test_rotary.py)."""
+    model = build_model(preset, seed=1)
+    prompt = torch.randint(0, 256, (50,), generator=torch.Generator().manual_seed(0))
+    state = capture(model, prompt, chunk_size=32)
+    runs = [sample(model, state, SamplingConfig(4, 8, stop_ids=STOP, seed=3, rotary_table=t)) for t in (False, True)]
+    for a, b, lp_a, lp_b in zip(runs[0].responses, runs[1].responses, runs[0].logprobs, runs[1].logprobs, strict=True):
+        assert torch.equal(a, b) and torch.equal(lp_a, lp_b)
+    assert Decoder(adapter_for(model), state, SamplingConfig(4, 8, rotary_table=True)).rotary_table is not None

@@ -3,14 +3,21 @@ stands in for compute the rotate-half form, the selection swaps and restores it,
 
 from __future__ import annotations
 
+import copy
 import importlib
 
 import pytest
 import torch
 from tolerances import EPS_BF16, relative
+from torch.utils._pytree import tree_flatten
 
+from longstraw import capture
+from longstraw.families import adapter_for
 from longstraw.kernels import rotary as rotary_module
 from longstraw.kernels.rotary import ROTATE_HALF_MODELS, fused_rotary_selected
+from longstraw.models import TINY_MLA_PRESETS, TINY_PRESETS, build_model
+from longstraw.state.pages import DecodeClock
+from longstraw.training.rollout import Decoder, RotaryTable, SamplingConfig
 
 pytestmark = pytest.mark.numerics
 
@@ -122,3 +129,61 @@ def test_fused_rotary_on_cuda_matches_the_formula_in_float64(B, T):
         (expected * grad).sum().backward()
         assert out.is_contiguous() and x.grad.is_contiguous()
         assert relative(out, expected) <= EPS_BF16 and relative(x.grad, leaf.grad) <= EPS_BF16, heads
+
+
+TABLE_START, TABLE_STEPS = 37, 9  # a prompt's positions, a decode's steps
+
+
+def _rotary_table(model, device="cpu"):
+    """(adapter, clock, a step's embedded row, the decode's `RotaryTable`) on a prompt of TABLE_START positions."""
+    adapter = adapter_for(model)
+    clock = DecodeClock.allocate(TABLE_START, TABLE_STEPS, device)
+    h_11H = adapter.embed(torch.zeros(1, 1, dtype=torch.long, device=device))
+    return adapter, clock, h_11H, RotaryTable(adapter, clock, h_11H)
+
+
+def _rows_equal(ours, theirs) -> bool:
+    (a, a_spec), (b, b_spec) = tree_flatten(ours), tree_flatten(theirs)
+    return a_spec == b_spec and all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("preset", TINY_PRESETS + TINY_MLA_PRESETS)
+def test_the_rotary_tables_rows_are_each_steps_own_bit_for_bit(preset, dtype):
+    """Every family: at each step, the table's row (one select by the clock's step) is what the adapter's
+    `position_embeddings_at` computes for that step alone (HF's rotary module at one position: Gemma 3's for each
+    layer type, the hybrid family's on its three axes), the same structure, dtypes and bits; the next position's
+    row is not."""
+    adapter, clock, h_11H, table = _rotary_table(build_model(preset, seed=1, dtype=dtype))
+    assert adapter.rotary_fixed
+    for step in range(TABLE_STEPS):
+        clock.step_1.fill_(step)
+        assert _rows_equal(table.at(clock.step_1), adapter.position_embeddings_at(h_11H, clock.positions_11()))
+    clock.step_1.fill_(0)
+    assert not _rows_equal(table.at(clock.step_1), adapter.position_embeddings_at(h_11H, clock.positions_11() + 1))
+
+
+def test_the_rotary_tables_rows_are_hfs_rotary_module_at_each_position():
+    """Llama's table against HF's `LlamaRotaryEmbedding` called at each position on its own: equal."""
+    model = build_model("tiny-llama", seed=1)
+    _, clock, h_11H, table = _rotary_table(model)
+    for step in range(TABLE_STEPS):
+        clock.step_1.fill_(step)
+        assert _rows_equal(table.at(clock.step_1), model.model.rotary_emb(h_11H, torch.tensor([[TABLE_START + step]])))
+
+
+def test_a_rotary_whose_frequencies_follow_the_positions_is_computed_each_step():
+    """HF's dynamic rope rescales its frequencies to the largest position a call asks (past the model's
+    max_position_embeddings, keeping them for later calls): a table's rows (every position in one call) are not what
+    a fresh rotary gives the first step, so the adapter says so and a decoder asked for the table computes the
+    rotary each step."""
+    model = build_model(
+        "tiny-llama", seed=1, max_position_embeddings=32, rope_parameters={"rope_type": "dynamic", "factor": 2.0}
+    )
+    fresh = adapter_for(copy.deepcopy(model))
+    adapter, clock, h_11H, table = _rotary_table(model)
+    assert not adapter.rotary_fixed
+    clock.step_1.fill_(0)
+    assert not _rows_equal(table.at(clock.step_1), fresh.position_embeddings_at(h_11H, clock.positions_11()))
+    state = capture(model, torch.arange(TABLE_START + 1), beyond_max_positions=True)
+    assert Decoder(adapter, state, SamplingConfig(2, TABLE_STEPS, rotary_table=True)).rotary_table is None

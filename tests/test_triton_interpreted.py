@@ -18,7 +18,7 @@ import sys
 import pytest
 import torch
 from test_rotary import rotate_half_formula
-from tolerances import EPS32, SAFETY, close, float32_tolerance
+from tolerances import EPS32, SAFETY, chunked_logprob_bound, close, float32_tolerance
 
 from longstraw.kernels.causal_conv import conv_split_heads
 
@@ -28,6 +28,7 @@ KEY_DIM, HEAD_DIM, CHANNELS, TAPS = 128, 64, 512, 4  # q and k 2 heads each, v 4
 VOCAB, HIDDEN = 300, 32
 INDEX_HEADS, INDEX_DIM = 3, 32
 SCAN_CHUNK = 64
+SAMPLER_PAD = 1  # a token id: a finished row's writes
 
 
 def _gdn_rule_inputs(with_state: bool):
@@ -77,7 +78,7 @@ import sys
 import torch
 from longstraw.kernels import attention_dq_triton, dsa_topk_triton, gdn_conv_triton, gdn_scan_triton, logprobs_triton
 from longstraw.kernels import decode_attention_triton, gdn_decode_triton, lora_merge_triton, rms_norm_triton
-from longstraw.kernels import rope_append_triton, rotary_triton, swiglu_triton
+from longstraw.kernels import rope_append_triton, rotary_triton, sampling_triton, swiglu_triton
 
 conv = gdn_conv_triton
 for autotuned in (
@@ -136,8 +137,12 @@ out["rows norm after the sum"] = rms_norm_triton.rms_norm_rows(x, weight, 1e-5, 
 q, k, v, g, beta, state = inputs["gdn decode"]
 state = state.clone()
 out["gdn decode"] = gdn_decode_triton.gdn_decode_step(q, k, v, g, beta, state)
+for name, (logits, q, temperature, stop, step, forcing, buffers) in inputs["sampler"].items():
+    buffers = [t.clone() for t in buffers]  # tokens_G, unfinished_G, finite_1, tokens_GT, logps_GT
+    sampling_triton.sample_step_triton(logits, q, temperature, stop, %(pad)d, step, *buffers, forcing=forcing)
+    out[name] = buffers
 torch.save(out, sys.argv[2])
-""" % {"key_dim": KEY_DIM, "head_dim": HEAD_DIM}  # noqa: UP031 (the code has braces of its own)
+""" % {"key_dim": KEY_DIM, "head_dim": HEAD_DIM, "pad": SAMPLER_PAD}  # noqa: UP031 (the code has braces of its own)
 
 
 def _conv_inputs(gen, rows: int, with_state: bool):
@@ -171,6 +176,41 @@ def _attention_dq_inputs(gen, pages: int):
     attended = torch.softmax(scores, -1) @ torch.cat([v, live_v], 2)
     kernel = (do, q, k_pages, v_pages, keys, attended, torch.logsumexp(scores, -1), 0.5 * randn(2, 2, 70, 32))
     return tuple(t.float() if torch.is_tensor(t) else t for t in kernel), (live_k, live_v)
+
+
+SAMPLER_STOP = 1234  # a stop id, where row 5 has its spike
+
+
+def _sampler_inputs(gen) -> dict:
+    """Per case, `sample_step_triton`'s arguments: float32 logits [6, V] (3 randn: V two of the kernel's chunks and a
+    ragged one), the Exp(1) draws or None (greedy), the temperature, stop ids, the clock's step and the forced rows,
+    and the buffers a step writes (tokens_G, unfinished_G, finite_1, tokens_GT [6, 5] of -1, logps_GT of 0). Row 1
+    is -inf on its whole first chunk and every 7th logit, row 2 finished, row 3 forced (with row 2) in the forced
+    case, row 4 has a NaN, row 5 a spike at a stop id (drawn at every temperature: the row finishes)."""
+    from longstraw.kernels.sampling_triton import CHUNK
+
+    G, V, T = 6, 2 * CHUNK + 300, 5
+    logits = 3 * torch.randn(G, V, generator=gen)
+    logits[1, :CHUNK], logits[1, ::7] = float("-inf"), float("-inf")
+    logits[4, 100] = float("nan")
+    logits[5, SAMPLER_STOP] = 40.0
+    q = torch.empty(G, V).exponential_(1, generator=gen)
+    going = torch.tensor([True, True, False, True, True, True])
+    forcing = (torch.tensor([False, False, True, True, False, False]), torch.tensor([0, 0, 11, V - 1, 0, 0]))
+    stops, step = torch.tensor([SAMPLER_STOP, 77]), torch.tensor([2])
+
+    def case(rows, q, temperature, stops, forcing=None):
+        buffers = (torch.zeros(len(rows), dtype=torch.long), going[rows].clone(), torch.ones(1, dtype=torch.bool))
+        writes = (torch.full((len(rows), T), -1, dtype=torch.long), torch.zeros(len(rows), T))
+        return logits[rows], None if q is None else q[rows], temperature, stops, step, forcing, buffers + writes
+
+    every, finite = list(range(G)), [0, 2, 3, 5]
+    return {
+        "sampler greedy": case(every, None, 0.0, stops),
+        "sampler at 1": case(every, q, 1.0, stops),
+        "sampler at 0.7, forced": case(every, q, 0.7, stops, forcing),
+        "sampler, finite rows, no stop ids": case(finite, q, 0.7, torch.zeros(0, dtype=torch.long)),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -254,6 +294,7 @@ def interpreted(tmp_path_factory):
     inputs["decode attention"] = {
         name: _decode_attention_inputs(gen, sinks) for name, sinks in (("decode", False), ("decode with sinks", True))
     }
+    inputs["sampler"] = _sampler_inputs(gen)
     folder = tmp_path_factory.mktemp("interpreted")
     torch.save(inputs, folder / "inputs.pt")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
@@ -677,3 +718,99 @@ def test_interpreted_fused_gdn_forward_with_flas_intra_chunk_kernels_is_the_rule
     tol = float32_tolerance(q.shape[1], q.shape[-1] + SCAN_CHUNK)
     for name, ours, e in zip(("output", "state"), torch.load(tmp_path / "outputs.pt"), expected):
         close(ours.double(), e, rtol=tol, atol=tol * float(e.abs().max()), what=f"with fla's kernels: {name}")
+
+
+@pytest.mark.parametrize(
+    "case", ["sampler greedy", "sampler at 1", "sampler at 0.7, forced", "sampler, finite rows, no stop ids"]
+)
+def test_interpreted_sampler_draws_torchs_tokens_and_writes_the_step(interpreted, case):
+    """`sample_step_triton` in float32 against the torch tail's arithmetic on the same Exp(1) draws q: the token is
+    argmax(softmax(logits * (1 / T)) / q) (torch's logits / T on CUDA, then torch.multinomial's draw) or the argmax
+    (greedy), a forced row's its forced token, on every row without a NaN (a row with one takes a token in range);
+    its log-prob the float64 log_softmax's within `chunked_logprob_bound`. At the clock's step only: the token, or
+    the pad on a finished row, and its log-prob; the rows that wrote a stop id finished, tokens_G the written
+    tokens, finite_1 whether every logit was finite. Greedy tokens differ from the drawn ones (the draws count), and
+    the log-prob of the next token falls outside the bound."""
+    from longstraw.kernels.sampling_triton import CHUNK
+
+    inputs, outputs = interpreted
+    logits, q, temperature, stops, step, forcing, (_, going, _, tokens_before, logps_before) = inputs["sampler"][case]
+    tokens_G, unfinished_G, finite_1, tokens_GT, logps_GT = outputs[case]
+    G, V = logits.shape
+    drawn = logits.argmax(-1)
+    if q is not None:
+        inverse = 1 / torch.tensor(temperature, dtype=torch.float32)
+        drawn = torch.softmax(logits * inverse, -1).div(q).argmax(-1)
+        assert not torch.equal(drawn, logits.argmax(-1))
+    expected = drawn if forcing is None else torch.where(forcing[0], forcing[1], drawn)
+    clean = ~logits.isnan().any(-1)
+    taken = torch.where(going, expected, SAMPLER_PAD)
+    assert torch.equal(tokens_GT[clean, int(step)], taken[clean])
+    assert ((tokens_GT[:, int(step)] >= 0) & (tokens_GT[:, int(step)] < V)).all()
+    assert torch.equal(tokens_G, tokens_GT[:, int(step)])
+    assert torch.equal(unfinished_G, going & ~torch.isin(tokens_G, stops))
+    assert bool(finite_1) == bool(logits.isfinite().all())
+    others = [t for t in range(tokens_GT.shape[1]) if t != int(step)]
+    assert torch.equal(tokens_GT[:, others], tokens_before[:, others])
+    assert torch.equal(logps_GT[:, others], logps_before[:, others])
+    logp_GV = torch.log_softmax(logits.double(), -1)
+    exact = logp_GV.gather(1, expected[:, None]).squeeze(1)[clean]
+    bound = chunked_logprob_bound(V, CHUNK, exact.abs())
+    ours = logps_GT[clean, int(step)].double()
+    assert ((ours - exact).abs() <= bound).all(), f"{((ours - exact).abs() / bound).max().item():.3g} of bound"
+    following = logp_GV.gather(1, ((expected + 1) % V)[:, None]).squeeze(1)[clean]
+    assert ((following - exact).abs() > bound).any()
+
+
+# runs in a process of its own with TRITON_INTERPRET=1: tiny-llama decoding through the torch tail and the fused
+# sampler (CUDA's choice, made here), forced tokens on rows 0 (every other step) and 2 for the first 6 steps
+FUSED_TAIL = """
+import sys
+import torch
+from longstraw import capture
+from longstraw.families import adapter_for
+from longstraw.kernels import sampling_triton
+from longstraw.models import build_model
+from longstraw.training.rollout import Decoder, SamplingConfig, decoding
+
+model = build_model("tiny-llama", seed=1)
+adapter = adapter_for(model)
+state = capture(model, torch.randint(0, 256, (50,), generator=torch.Generator().manual_seed(0)), chunk_size=32)
+out = {}
+for temperature in (0.0, 1.0, 0.7):
+    for fused in (False, True):
+        config = SamplingConfig(4, 12, temperature, stop_ids=tuple(range(3, 256, 9)), seed=3)
+        with torch.no_grad(), decoding(adapter):
+            decoder = Decoder(adapter, state, config)
+            if fused:
+                decoder.sample_step = sampling_triton.sample_step_triton
+            for step in range(12):
+                decoder.forcing_G.copy_(torch.tensor([step % 2 == 0, False, True, False]))
+                decoder.forced_G.copy_(torch.tensor([7, 0, 200 + 9 * step, 0]))  # no stop ids
+                decoder.step(forced=step < 6)
+        out[temperature, fused] = (decoder.tokens_GT, decoder.logps_GT, decoder.unfinished_G, decoder.finite_1)
+torch.save(out, sys.argv[1])
+"""
+
+
+def test_interpreted_fused_tail_decodes_the_torch_tails_tokens(tmp_path):
+    """A `Decoder` stepping through the fused sampler (interpreted) against the torch tail it stands in for, from one
+    seed, greedy and sampled, with forced tokens for half the steps: the same tokens written, rows finished and
+    finite flag; the log-probs within both sides' float32 bounds (ours chunked, torch's log_softmax one chunk)."""
+    pytest.importorskip("triton")
+    from longstraw.kernels.sampling_triton import CHUNK
+
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", FUSED_TAIL, str(tmp_path / "out.pt")], env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = torch.load(tmp_path / "out.pt")
+    for temperature in (0.0, 1.0, 0.7):
+        (tokens, logps, unfinished, finite), (ours, ours_logps, ours_unfinished, ours_finite) = (
+            out[temperature, fused] for fused in (False, True)
+        )
+        assert torch.equal(ours, tokens) and torch.equal(ours_unfinished, unfinished) and bool(ours_finite == finite)
+        bound = chunked_logprob_bound(256, CHUNK, logps.double().abs()) + chunked_logprob_bound(256, 256, logps.abs())
+        assert ((ours_logps.double() - logps.double()).abs() <= bound).all()
+        assert (tokens[2, :6] == 200 + 9 * torch.arange(6)).all() and (tokens[0, :6:2] == 7).all()

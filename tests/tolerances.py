@@ -51,6 +51,20 @@ def logprob_tolerance(vocab: int, logp_scale: float) -> float:
     return SAFETY * EPS32 * (math.sqrt(vocab) + logp_scale)
 
 
+def chunked_logprob_bound(vocab: int, chunk: int, logp_abs, approximate_exp: bool = False):
+    """An absolute bound on a float32 log softmax(x)[t] computed as (x_t - m) - log(s) from chunks of `chunk`
+    logits (`kernels.sampling_triton`: each chunk's max m_c and sum of exp(x - m_c), merged as s = sum s_c
+    exp(m_c - m)), against its exact value; `logp_abs`: |log p| (a float or a tensor of them). s's relative error:
+    the chunk's sum of at most `chunk` terms and the merge's of one a chunk (an EPS32 a term), each exponential's
+    (EPS32) and its rescaling's (2 EPS32), and the roundings of the exponents x - m_c and m_c - m, each moving its
+    term by EPS32 |x - m| relatively: over the terms weighted by p that is EPS32 sum p |log p| (x - m >= log p),
+    at most log(vocab) EPS32 each. `approximate_exp`: Triton's exp on CUDA, ex2.approx (2 EPS32) of the exponent
+    times log2(e) (another rounding of it). Then log(s) and the two subtractions, each within EPS32 of |log p|
+    (0 <= log s, m - x_t <= |log p|). Times SAFETY."""
+    exps = 1 + 2 * math.log(vocab) + (2 + math.log(vocab) if approximate_exp else 0)
+    return SAFETY * EPS32 * (min(chunk, vocab) + math.ceil(vocab / chunk) + 2 + exps + 3 * logp_abs)
+
+
 def float64_residue_tolerance(gdn: bool, vocab: int = 256) -> float:
     """The relative tolerance of a float64 comparison (HF's float32 casts lifted: float64_reference) against HF,
     a peer, or another of our paths, where float32 remains by design: the log-softmax of the logits (ours: the

@@ -161,6 +161,16 @@ class FamilyAdapter:
             positions_1T = positions_1T[None].expand(3, -1, -1)
         return rotary(h_BTH, positions_1T)
 
+    @property
+    def rotary_fixed(self) -> bool:
+        """Whether the rotary gives a position the same (cos, sin) whatever other positions one call asks, so that a
+        table of a decode's positions holds each step's (`training.rollout.RotaryTable`): HF's rotary modules with
+        their frequencies set at init. Not the dynamic and longrope types, whose frequencies follow the call's
+        largest position (`modeling_rope_utils.dynamic_rope_update`), nor a rotary that names no type."""
+        kinds = getattr(getattr(self.decoder, "rotary_emb", None), "rope_type", None)
+        kinds = kinds.values() if isinstance(kinds, dict) else [kinds]  # Gemma 3: a type a layer type
+        return all(isinstance(kind, str) and "dynamic" not in kind and kind != "longrope" for kind in kinds)
+
     def mixer_input(self, layer_idx: int, h_BTH):
         """What a layer's mixer reads: its input norm of the residual stream."""
         return rms_norm(self.layers[layer_idx].input_layernorm, h_BTH)

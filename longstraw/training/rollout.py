@@ -26,7 +26,11 @@ token; the host looks at the rows only every `stop_check_every` tokens (one sync
 the last row stopped, each writing pads. LoRA layers decode on their merged weights
 (`models.lora_linear.merged_lora_for_decoding`); on CUDA, an attention layer's q/k/v and an MLP's gate/up are one
 GEMM each, a plain attention layer rotates and appends in one launch (`families.attention_decode`) and a dense
-layer's RMSNorms fold into the projections after them (`families.folded_norms`).
+layer's RMSNorms fold into the projections after them (`families.folded_norms`); a step reads the rotary's cos and
+sin from a table of the decode's positions computed once (`RotaryTable`: each step's own, bit for bit) and, without
+top-p, draws, takes the log-prob and writes the buffers in two Triton launches after torch's Exp(1) draws
+(`kernels.sampling_triton`: the torch tail's tokens from a seed but for a near-exact tie, its log-probs within float32
+rounding; `Decoder._torch_tail` is the reference).
 `Decoder.step` run eagerly is the plain reference the graph records. `sample(..., session=DecodeSession())` keeps the
 decoder, its graph and its merged and stacked weights across calls of one signature (the trainer's steps), the
 state copied in and the weights rebuilt in place at each call; a fresh `sample()` is its reference.
@@ -38,18 +42,21 @@ The log-probs returned are the policy's (temperature 1, no top-p truncation), i.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopPLogitsWarper
 
 from longstraw.config.grpo import GROUP_SIZE
 from longstraw.core.member_graphs import own_copy, state_layout
 from longstraw.core.transaction import check_deterministic, check_state
 from longstraw.families import adapter_for
+from longstraw.kernels.optional_import import optional_function
 from longstraw.kernels.rms_norm import decoding_norms
 from longstraw.measure.timing import warmup_stream
 from longstraw.models.lora_linear import (
@@ -61,6 +68,9 @@ from longstraw.models.lora_linear import (
 from longstraw.models.stacked_projections import stacked_projections_for_decoding
 from longstraw.state import ResidentState
 from longstraw.state.pages import DecodeClock, check_entries_implement
+
+# `sampling_triton.sample_step_triton`, or None when Triton does not import
+_load_sample_step = functools.partial(optional_function, "longstraw.kernels.sampling_triton", "sample_step_triton")
 
 
 @dataclass(frozen=True)
@@ -83,6 +93,13 @@ class SamplingConfig:
     # a dense layer's two RMSNorms folded into the stacked projections after them (`families.folded_norms`: within
     # the dtype's rounding of the unfolded step, not bit for bit); None: on CUDA, where the projections stack
     folded_norms: bool | None = None
+    # the rotary's cos and sin at every position the decode reaches computed once, each step reading its row by the
+    # clock's step (`RotaryTable`: each step's own, bit for bit; a rotary whose frequencies follow the positions
+    # asked, HF's dynamic and longrope types, runs per step); None: on CUDA, where HF's rotary is ~7 launches a step
+    rotary_table: bool | None = None
+    # the draw, the log-prob and the step's writes in two Triton launches (`kernels.sampling_triton`: CUDA, without
+    # top-p; the torch tail is the reference); None: on CUDA, where the torch tail is ~20 latency-bound launches
+    fused_sampler: bool | None = None
 
     def __post_init__(self):
         if self.num_generations < 1 or self.max_new_tokens < 1:
@@ -127,6 +144,40 @@ def _decode_entries(state: ResidentState, batch: int, clock: DecodeClock) -> lis
     return [entry.for_decoding(batch, clock) for entry in state.layers]
 
 
+class RotaryTable:
+    """The position embeddings (the rotary's cos and sin) of every position a decode reaches, computed once by the
+    adapter's own `position_embeddings_at` over the clock's positions; a step reads its row by the clock's step on
+    the device (one launch, the same at every step), where HF's rotary module recomputes them (~7 launches). HF's
+    rotary takes each position times the inverse frequencies on its own (a product, or a matmul of inner size 1:
+    no sum), then cos and sin elementwise, so a row is what that step computes, bit for bit (tests/test_rotary.py).
+    Whatever the adapter's answer holds (Gemma 3's rotary a layer type) is stacked into one tensor."""
+
+    def __init__(self, adapter, clock: DecodeClock, h_11H: torch.Tensor):
+        positions_1T = (clock.start + torch.arange(clock.capacity, device=clock.step_1.device))[None]
+        leaves, self.spec = tree_flatten(adapter.position_embeddings_at(h_11H, positions_1T))
+        self.rows_LBTD = torch.stack(leaves)  # each (cos or sin) [B, T, D], positions along T
+
+    def at(self, step_1: torch.Tensor):
+        """The adapter's answer at the position of step `step_1` (a device index)."""
+        return tree_unflatten(list(self.rows_LBTD.index_select(2, step_1).unbind(0)), self.spec)
+
+
+def _uses_rotary_table(adapter, config: SamplingConfig, on_cuda: bool) -> bool:
+    """Asked (or on CUDA by default), and the adapter's rotary gives a position the same cos and sin whatever other
+    positions a call asks (`FamilyAdapter.rotary_fixed`)."""
+    wanted = on_cuda if config.rotary_table is None else config.rotary_table
+    return wanted and adapter.rotary_fixed
+
+
+def _fused_sampler(config: SamplingConfig, on_cuda: bool):
+    """`sampling_triton.sample_step_triton` where a step samples through it: asked (or on CUDA by default), without
+    top-p (HF's warper stays the torch tail's), Triton importing; else None (the torch tail)."""
+    wanted = on_cuda if config.fused_sampler is None else config.fused_sampler
+    if wanted and not on_cuda:
+        raise ValueError("sampling: fused_sampler needs the state on a CUDA device")
+    return _load_sample_step() if wanted and config.top_p == 1 else None
+
+
 class Decoder:
     """G rows decoding on one captured prompt: the entries, the clock and the device buffers a step writes."""
 
@@ -149,6 +200,11 @@ class Decoder:
         self.tokens_GT = torch.empty(G, T, dtype=torch.long, device=device)
         self.logps_GT = torch.empty(G, T, dtype=torch.float32, device=device)
         self._start(state.last_token)
+        on_cuda = self.clock.step_1.is_cuda
+        self.sample_step = _fused_sampler(config, on_cuda)
+        self.rotary_table = None
+        if _uses_rotary_table(adapter, config, on_cuda):  # a step's embedded rows: the rotary reads their dtype
+            self.rotary_table = RotaryTable(adapter, self.clock, adapter.embed(self.tokens_G[:1, None]))
 
     def _start(self, last_token: int) -> None:
         """The clock, the buffers and the generator as a decode starts, written in place (a session's later calls
@@ -167,7 +223,8 @@ class Decoder:
         """Decode anew from `state`, of the layout this decoder was built on, with `config` (another seed): each
         graph-safe entry refilled in place from the state's own decoding entry (every tensor it holds, the prompt's
         pages included: what a recorded step reads at their addresses), the others (eager) replaced by it; then
-        `_start`. The state is only read."""
+        `_start`. The rotary table and the sampler stand: the session's signature fixes the positions and the config
+        but its seed. The state is only read."""
         self.config = config
         fresh = _decode_entries(state, config.num_generations, self.clock)
         for i, (kept, new) in enumerate(zip(self.entries, fresh, strict=True)):
@@ -186,7 +243,10 @@ class Decoder:
         """The float32 logits [G, V] of the rows' next token: the current one through every layer."""
         adapter, clock = self.adapter, self.clock
         h = adapter.embed(self.tokens_G[:, None])
-        pe = adapter.position_embeddings_at(h, clock.positions_11())
+        if self.rotary_table is None:
+            pe = adapter.position_embeddings_at(h, clock.positions_11())
+        else:
+            pe = self.rotary_table.at(clock.step_1)
         for i, entry in enumerate(self.entries):
             h = adapter.layer_forward(i, h, pe, entry, capturing=True)
         return adapter.lm_head(adapter.final_hidden(h))[:, -1].float()
@@ -200,7 +260,11 @@ class Decoder:
             scores = warp(None, scores)
         probs = torch.softmax(scores, dim=-1)
         # torch.multinomial's own arithmetic for one sample, without its host-side checks of the probabilities
-        return probs.div_(torch.empty_like(probs).exponential_(1, generator=self.generator)).argmax(-1)
+        return probs.div_(self._exponential(probs)).argmax(-1)
+
+    def _exponential(self, like_GV: torch.Tensor) -> torch.Tensor:
+        """Exp(1) draws of `like_GV`'s shape from the generator: a draw's q (what torch.multinomial takes)."""
+        return torch.empty_like(like_GV).exponential_(1, generator=self.generator)
 
     def step(self, forced: bool = False) -> None:
         """Decode one token for every row: its token and log-prob into the buffers at the clock's step, the rows
@@ -208,6 +272,24 @@ class Decoder:
         take their `forced_G` token instead of the drawn one, its log-prob recorded all the same (a multi-turn
         rollout's observation tokens, which the host writes into those buffers before each step)."""
         logits_GV = self.logits()
+        if self.sample_step is None:
+            self._torch_tail(logits_GV, forced)
+        else:
+            self._fused_tail(logits_GV, forced)
+        self.clock.advance()
+
+    def _fused_tail(self, logits_GV: torch.Tensor, forced: bool) -> None:
+        """`_torch_tail` in two Triton launches after torch's Exp(1) draws (`kernels.sampling_triton`)."""
+        q_GV = None if self.config.temperature == 0 else self._exponential(logits_GV)
+        self.sample_step(
+            logits_GV, q_GV, self.config.temperature, self.stop_S, self.config.pad_id, self.clock.step_1,
+            self.tokens_G, self.unfinished_G, self.finite_1, self.tokens_GT, self.logps_GT,
+            forcing=(self.forcing_G, self.forced_G) if forced else None,
+        )  # fmt: skip
+
+    def _torch_tail(self, logits_GV: torch.Tensor, forced: bool) -> None:
+        """What a step does after the logits, in torch (the fused sampler's reference): the draw, the forced tokens,
+        the log-prob, the pads of finished rows, the buffers' writes at the clock's step, the stop test."""
         self.finite_1 &= torch.isfinite(logits_GV).all()
         next_G = self.draw(logits_GV)
         if forced:
@@ -218,7 +300,6 @@ class Decoder:
         self.logps_GT.index_copy_(1, self.clock.step_1, logp_G[:, None])
         self.unfinished_G &= ~(next_G[:, None] == self.stop_S).any(1)
         self.tokens_G.copy_(next_G)
-        self.clock.advance()
 
     def rollouts(self, steps: int, graphed: bool) -> Rollouts:
         """Each row's response up to its first stop id (included), or every step's token; refused where a step's
