@@ -9,7 +9,8 @@ random B, as a policy in training), one random prompt of --length tokens capture
 
 - ours, a decoding step eagerly (`training.rollout.Decoder.step`, the plain reference) and through the recorded
   CUDA graph (`DecodeGraph`), on CUDA with a dense layer's norms folded into its projections
-  (`families.folded_norms`; --unfolded: without, the step before that fold): ms a step over --steps steps after
+  (`families.folded_norms`; --unfolded: without, the step before that fold), each layer's attention in its default
+  form (`kernels.decode_attention_triton`; --two-launch: in two launches): ms a step over --steps steps after
   two warm-up steps, and whether both give the same tokens from one seed; and one whole `sample()` call of --tokens
   tokens (its one-off costs: merged LoRA weights, the graph's recording); then a later call's wall time, plain
   (those costs again) and through a `DecodeSession` an earlier call built (the state copied in, the weights
@@ -34,6 +35,7 @@ the JSON written to --out, with provenance. --counts-only skips the timings (the
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 import traceback
@@ -42,6 +44,7 @@ import torch
 
 from longstraw.core.transaction import capture, replay
 from longstraw.families import adapter_for
+from longstraw.kernels.optional_import import optional_function
 from longstraw.measure.provenance import provenance
 from longstraw.measure.timing import copy_bandwidth, seconds_per_call, synchronize
 from longstraw.models import build_model
@@ -64,6 +67,13 @@ def _policy(args, device):
 
 def _folded(args) -> bool | None:
     return False if args.unfolded else None  # None: the default (on CUDA)
+
+
+def _attention_launches(args):
+    """--two-launch: the decode attention's two launches within the block; else its default form (nothing to set
+    without Triton)."""
+    launches = optional_function("longstraw.kernels.decode_attention_triton", "decode_launches")
+    return launches("two") if args.two_launch and launches is not None else contextlib.nullcontext()
 
 
 def _config(args, tokens, cuda_graph=None) -> SamplingConfig:
@@ -302,13 +312,14 @@ def main() -> int:
     parser.add_argument("--hf", choices=("both", "none"), default="both")
     parser.add_argument("--counts-only", action="store_true")
     parser.add_argument("--unfolded", action="store_true", help="decode without folding norms into projections")
+    parser.add_argument("--two-launch", action="store_true", help="each layer's decode attention in two launches")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     device = torch.device(args.device)
     model, prompt = _policy(args, device)
     state = capture(model, prompt)
     result = {"preset": args.preset, "length": args.length, "group": args.group, "device": str(device)}
-    result["unfolded"] = args.unfolded
+    result["unfolded"], result["two_launch"] = args.unfolded, args.two_launch
     if device.type == "cuda":
         result["card"] = torch.cuda.get_device_name(device)
     result["provenance"] = provenance(device)
@@ -320,7 +331,8 @@ def main() -> int:
             ("hf", lambda: _hf(model, prompt, args, device)),
         ]
     for name, measure in sections:  # written after each, so a run cut off at its time limit keeps what it measured
-        result[name] = measure()
+        with _attention_launches(args):
+            result[name] = measure()
         result["ratios"] = _ratios(result)
         write_json_atomic(args.out, result)
         print(json.dumps({name: result[name], "ratios": result["ratios"]}), flush=True)
