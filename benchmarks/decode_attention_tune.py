@@ -1,15 +1,13 @@
 """The decoding attention kernel's launch settings, timed: which prefix split and tile reads the pages fastest
 
     python benchmarks/decode_attention_tune.py --out F                       # SmolLM2's shape and hybrid-1b's, CUDA
-    python benchmarks/decode_attention_tune.py --shape smollm2-135m-shape --forms-only --out F   # one launch or two
 
 One decoding step's attention (`kernels.decode_attention_triton`) of G rows over a shared prompt's pages, for every
 layer of the model in turn (each layer's own pages, so the L2 cache does not hold them across calls, as in a step),
 recorded as a CUDA graph and replayed (`measure.timing.graph_replay_seconds`): microseconds a layer for each setting
-of (programs a multiprocessor in the prefix pass, keys a loop iteration, warps, pipeline stages, one launch or two),
-against the pages' bytes over the copy bandwidth measured here. Prints a line per setting, the best first, and each
-form's best and default; the last stdout line is the JSON written to --out, with provenance. --forms-only times
-the two forms at the default settings alone (the grid's 144 settings compile for minutes); --shape picks one shape.
+of (programs a multiprocessor in the prefix pass, keys a loop iteration, warps, pipeline stages), against the pages'
+bytes over the copy bandwidth measured here. Prints a line per setting, the best first; the last stdout line is the
+JSON written to --out, with provenance.
 """
 
 from __future__ import annotations
@@ -20,7 +18,7 @@ import json
 
 import torch
 
-from longstraw.kernels.decode_attention_triton import BLOCK_N, ONE_LAUNCH, SPLITS_PER_SM, WARPS, decode_attention_triton
+from longstraw.kernels.decode_attention_triton import BLOCK_N, SPLITS_PER_SM, WARPS, decode_attention_triton
 from longstraw.measure.provenance import provenance
 from longstraw.measure.timing import copy_bandwidth, graph_replay_seconds
 from longstraw.results import write_json_atomic
@@ -54,20 +52,15 @@ def _time(q, shared, own, settings) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--group", type=int, default=8)
-    parser.add_argument("--shape", choices=list(SHAPES), action="append", help="the shapes to time (default: all)")
-    parser.add_argument("--forms-only", action="store_true", help="each form at the default settings alone")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     device = torch.device("cuda")
     bandwidth = copy_bandwidth(device, repeats=10)
     result = {"group": args.group, "copy_bandwidth_bytes_per_second": bandwidth, "provenance": provenance(device)}
-    default = dict(splits_per_sm=SPLITS_PER_SM, block_n=BLOCK_N, warps=WARPS, stages=None, one_launch=ONE_LAUNCH)
-    grid = itertools.product((1, 2, 4, 8), (32, 64, 128), (4, 8), (None, 2, 4), (True, False))
-    settings = [dict(splits_per_sm=s, block_n=n, warps=w, stages=st, one_launch=o) for s, n, w, st, o in grid]
-    if args.forms_only:
-        settings = [{**default, "one_launch": one} for one in (True, False)]
-    for name in args.shape or list(SHAPES):
-        shape = SHAPES[name]
+    default = dict(splits_per_sm=SPLITS_PER_SM, block_n=BLOCK_N, warps=WARPS, stages=None)
+    grid = itertools.product((1, 2, 4, 8), (32, 64, 128), (4, 8), (None, 2, 4))
+    settings = [dict(splits_per_sm=s, block_n=n, warps=w, stages=st) for s, n, w, st in grid]
+    for name, shape in SHAPES.items():
         q, shared, own = _pages(shape, args.group, device)
         floor = 2 * shared[0][0].numel() * shared[0][0].element_size() / bandwidth
         rows = []
@@ -78,25 +71,10 @@ def main() -> int:
                 rows.append({**setting, "error": f"{type(exc).__name__}: {exc}"[:200]})
         rows.sort(key=lambda r: r.get("seconds_per_layer", float("inf")))
         at_default = next(r for r in rows if all(r[k] == v for k, v in default.items()))
-        forms = {}
-        for one in (True, False):  # each form's best, and its own at the other settings' defaults
-            form = "one launch" if one else "two launches"
-            forms[form] = {
-                "best": next(r for r in rows if r["one_launch"] == one),
-                "default": next(r for r in rows if all(r[k] == v for k, v in {**default, "one_launch": one}.items())),
-            }
-        result[name] = {
-            "shape": shape,
-            "floor_seconds_per_layer": floor,
-            "default": at_default,
-            "forms": forms,
-            "settings": rows,
-        }
+        result[name] = {"shape": shape, "floor_seconds_per_layer": floor, "default": at_default, "settings": rows}
         for r in rows[:8]:
             print(name, json.dumps(r), f"{r.get('seconds_per_layer', 0) / floor:.2f}x floor", flush=True)
         print(name, "default", json.dumps(at_default), flush=True)
-        for form, found in forms.items():
-            print(name, form, "best", json.dumps(found["best"]), "default", json.dumps(found["default"]), flush=True)
         write_json_atomic(args.out, result)
         del q, shared, own
         torch.cuda.empty_cache()

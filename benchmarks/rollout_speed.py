@@ -9,8 +9,7 @@ random B, as a policy in training), one random prompt of --length tokens capture
 
 - ours, a decoding step eagerly (`training.rollout.Decoder.step`, the plain reference) and through the recorded
   CUDA graph (`DecodeGraph`), on CUDA with a dense layer's norms folded into its projections
-  (`families.folded_norms`; --unfolded: without, the step before that fold), each layer's attention in its default
-  form (`kernels.decode_attention_triton`; --two-launch: in two launches), the rotary read from a table and the
+  (`families.folded_norms`; --unfolded: without, the step before that fold), the rotary read from a table and the
   draw, log-prob and writes in two Triton launches (`rollout.RotaryTable`, `kernels.sampling_triton`; --plain-tail:
   the rotary computed each step and the torch tail, the step before them): ms a step over --steps steps after
   two warm-up steps, and whether both give the same tokens from one seed; and one whole `sample()` call of --tokens
@@ -37,7 +36,6 @@ the JSON written to --out, with provenance. --counts-only skips the timings (the
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import time
 import traceback
@@ -46,7 +44,6 @@ import torch
 
 from longstraw.core.transaction import capture, replay
 from longstraw.families import adapter_for
-from longstraw.kernels.optional_import import optional_function
 from longstraw.measure.provenance import provenance
 from longstraw.measure.timing import copy_bandwidth, seconds_per_call, synchronize
 from longstraw.models import build_model
@@ -74,13 +71,6 @@ def _folded(args) -> bool | None:
 def _tail(args) -> dict:
     """The rotary table and the fused sampler off (--plain-tail), else as the defaults have them (on CUDA)."""
     return dict(rotary_table=False, fused_sampler=False) if args.plain_tail else {}
-
-
-def _attention_launches(args):
-    """--two-launch: the decode attention's two launches within the block; else its default form (nothing to set
-    without Triton)."""
-    launches = optional_function("longstraw.kernels.decode_attention_triton", "decode_launches")
-    return launches("two") if args.two_launch and launches is not None else contextlib.nullcontext()
 
 
 def _config(args, tokens, cuda_graph=None) -> SamplingConfig:
@@ -322,14 +312,13 @@ def main() -> int:
     parser.add_argument(
         "--plain-tail", action="store_true", help="decode without the rotary table and the fused sampler"
     )
-    parser.add_argument("--two-launch", action="store_true", help="each layer's decode attention in two launches")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     device = torch.device(args.device)
     model, prompt = _policy(args, device)
     state = capture(model, prompt)
     result = {"preset": args.preset, "length": args.length, "group": args.group, "device": str(device)}
-    result["unfolded"], result["plain_tail"], result["two_launch"] = args.unfolded, args.plain_tail, args.two_launch
+    result["unfolded"], result["plain_tail"] = args.unfolded, args.plain_tail
     if device.type == "cuda":
         result["card"] = torch.cuda.get_device_name(device)
     result["provenance"] = provenance(device)
@@ -341,8 +330,7 @@ def main() -> int:
             ("hf", lambda: _hf(model, prompt, args, device)),
         ]
     for name, measure in sections:  # written after each, so a run cut off at its time limit keeps what it measured
-        with _attention_launches(args):
-            result[name] = measure()
+        result[name] = measure()
         result["ratios"] = _ratios(result)
         write_json_atomic(args.out, result)
         print(json.dumps({name: result[name], "ratios": result["ratios"]}), flush=True)

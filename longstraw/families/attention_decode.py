@@ -1,17 +1,16 @@
-"""A decoding step's attention layer in four launches, where HF's module would take nine.
+"""A decoding step's attention layer in five launches, where HF's module would take ten.
 
 HF's attention module runs q, k and v as three GEMMs, rotates q and k (two launches), and a decoding entry writes k
-and v into its own pages (two more) before the attention's launch (`decode_attention_triton`; two in its two-launch
-form) and o_proj. For the modules whose forward is exactly projections, optional q/k norms on the head dim, HF's
-rotate-half rotary, attention over the entry and o_proj (`PLAIN_MODULES`), a decoding step here runs: q, k and v
-from one stacked GEMM (`models.stacked_projections`), the q/k norms where the module has them, q and k rotated and k
-and v written into the sequence's own pages in one launch (`kernels.rope_append_triton` on CUDA), the entry's
-attention over the shared prompt and its own pages, o_proj. Anywhere else (no stacking, a module with an output
-gate, attention sinks, a sliding window or another rotary form, an entry that is not `state.pages.DecodePages`)
-`decode_attention_mix` returns None and the caller runs HF's module, the reference (tests/test_decode_fast_path.py
-compares them). `attend_stacked` is the path from the stacked projection's output to the heads' output before
-o_proj, which `families.folded_norms` also takes (its projection read the un-normed rows, which the rotary launch
-scales).
+and v into its own pages (two more) before the two attention launches and o_proj. For the modules whose forward is
+exactly projections, optional q/k norms on the head dim, HF's rotate-half rotary, attention over the entry and
+o_proj (`PLAIN_MODULES`), a decoding step here runs: q, k and v from one stacked GEMM
+(`models.stacked_projections`), the q/k norms where the module has them, q and k rotated and k and v written into
+the sequence's own pages in one launch (`kernels.rope_append_triton` on CUDA), the entry's attention over the shared
+prompt and its own pages, o_proj. Anywhere else (no stacking, a module with an output gate, attention sinks, a
+sliding window or another rotary form, an entry that is not `state.pages.DecodePages`) `decode_attention_mix`
+returns None and the caller runs HF's module, the reference (tests/test_decode_fast_path.py compares them).
+`attend_stacked` is the path from the stacked projection's output to the heads' output before o_proj, which
+`families.folded_norms` also takes (its projection read the un-normed rows, which the rotary launch scales).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A decoding step's dense layer with its two RMSNorms folded into the projections that read them: seven launches.
+"""A decoding step's dense layer with its two RMSNorms folded into the projections that read them: eight launches.
 
 A Llama-form RMSNorm is y = w * x * r with r = rsqrt(mean(x^2) + eps) a row, so a projection W of y is
 r * (x (W diag(w))^T): the norm's weight folds into the projection's weight once (`stacked_weight(..., norm=)`, kept
@@ -6,9 +6,9 @@ and refreshed with the stacked weights), the GEMM reads the residual stream x it
 reads the GEMM's output scales it by r first, computing r from x's row in float32: the rotary-and-append launch for
 q, k and v (`rope_append_triton`'s `rms_of`), the stacked SwiGLU for gate and up (`swiglu_stacked_scaled_triton`).
 The two residual sums go into o_proj's and down_proj's GEMMs (`swiglu.add_linear_`: cuBLAS's beta = 1, in the
-residual's storage). A layer's step is then: the q/k/v GEMM, rotary and append, the attention's launch (two in
-`decode_attention_triton`'s two-launch form), o_proj into the residual, the gate/up GEMM, SwiGLU, down_proj into the
-residual; the unfolded path adds the input norm and the post-attention norm (with the first sum inside).
+residual's storage). A layer's step is then: the q/k/v GEMM, rotary and append, the attention's two launches,
+o_proj into the residual, the gate/up GEMM, SwiGLU, down_proj into the residual; the unfolded path adds the input
+norm and the post-attention norm (with the first sum inside).
 
 Roundings: HF rounds x * r to the model's dtype and the product with w again before the GEMM; folded, W diag(w) is
 rounded once (multiplied in float32), the GEMM reads x as it is and rounds its output, and r multiplies that in

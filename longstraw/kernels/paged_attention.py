@@ -117,7 +117,7 @@ def prefix_backward_kernel(name: str):
 
 _load_dq = functools.partial(optional_function, "longstraw.kernels.attention_dq_triton", "attention_dq_triton")
 _load_dq_usable = functools.partial(optional_function, "longstraw.kernels.attention_dq_triton", "dq_usable")
-# a decoding step's attention in one launch (`decode_attention_triton`) and its applicability test
+# a decoding step's attention in two launches (`decode_attention_triton`) and its applicability test
 _load_decode_triton = functools.partial(
     optional_function, "longstraw.kernels.decode_attention_triton", "decode_attention_triton"
 )
@@ -212,7 +212,7 @@ def decode_attention(
 
     The shared part folds the B sequences and the query group into one row axis
     ([1, K, B * G, D]), as replay folds the group, so the prefix is read once for all sequences. On CUDA, with
-    `own_step_1`, `decode_attention_triton` computes it in one launch where it applies (`decode_usable`).
+    `own_step_1`, `decode_attention_triton` computes it in two launches where it applies (`decode_usable`).
     """
     if own_step_1 is not None and block_size is None:
         usable = _load_decode_usable()
