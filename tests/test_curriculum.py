@@ -130,6 +130,11 @@ def test_a_curriculum_carries_each_stages_adapter_and_a_rerun_skips_finished_sta
         assert len(stage["heldout"]["base_rows"]) == len(stage["heldout"]["rows"])
     assert [s["length"] for s in stages] == [64, 128]
     assert stages[1]["overrides"]["rope_parameters"]["factor"] == 2.0
+    # stage 1 sets its own group size (6), stage 0 takes grpo.num_generations (4): every step of every run rewards
+    # that many rollouts
+    assert [s["num_generations"] for s in stages] == [4, 6]
+    for stage, group in zip(stages, (4, 6)):
+        assert {len(r["rewards"]) for run in stage["runs"].values() for r in run} == {group}
     # each stage's curves (the training task's, then each eval task's) with the adapter the stage carried on
     assert evaluated == [stages[0]["adapter"]["path"]] * 3 + [stages[1]["adapter"]["path"]] * 3
     _check_eval_curves(stages, eval_tasks)

@@ -78,11 +78,13 @@ class LearningProbe:
 @dataclass
 class CurriculumStage:
     """One stage of a length curriculum: `steps` GRPO steps at `length` positions, the model built with `overrides`
-    over `model.overrides` (the RoPE scaling the length needs: `rope_parameters`, `max_position_embeddings`)."""
+    over `model.overrides` (the RoPE scaling the length needs: `rope_parameters`, `max_position_embeddings`), each
+    prompt's group of `num_generations` rollouts (None: `grpo.num_generations`; more where rewards grow sparse)."""
 
     length: int = bounded(1024, min=2)
     steps: int = bounded(16, min=2)
     overrides: dict = field(default_factory=dict)
+    num_generations: int | None = None
 
 
 @dataclass

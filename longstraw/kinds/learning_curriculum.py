@@ -1,6 +1,7 @@
 """A length curriculum of the learning kind (`learning.curriculum`), as QwenLong-L1 and LoongRL train: stage n
-trains `steps` GRPO steps at its `length`, the model built with its `overrides` (the RoPE scaling the length needs),
-its LoRA adapter starting from stage n-1's trained one (stage 0: `model.lora`'s own start).
+trains `steps` GRPO steps at its `length` (groups of its `num_generations` rollouts, if it sets them), the model built
+with its `overrides` (the RoPE scaling the length needs), its LoRA adapter starting from stage n-1's trained one
+(stage 0: `model.lora`'s own start).
 
 Each stage is one learning point's work at one length, fixed before it runs:
 - the probe (`learning.probe`: its `examples` and `success` range): the greedy success of the policy the stage
@@ -83,11 +84,13 @@ def checked(adapter: dict) -> None:
 
 def stage_config(cfg: PointConfig, stage, start: dict | None) -> PointConfig:
     """The point's config as one stage runs it: the stage's overrides over the model's, its adapter starting from
-    `start` (None: `model.lora`'s own start), the stage's steps."""
+    `start` (None: `model.lora`'s own start), the stage's steps and group size (None: the point's)."""
     lora = cfg.model.lora if start is None else dataclasses.replace(cfg.model.lora, init=start["path"])
     model = dataclasses.replace(cfg.model, overrides={**cfg.model.overrides, **stage.overrides}, lora=lora)
     learning = dataclasses.replace(cfg.learning, steps=stage.steps)
-    return dataclasses.replace(cfg, model=model, learning=learning)
+    group = stage.num_generations or cfg.grpo.num_generations
+    grpo = dataclasses.replace(cfg.grpo, num_generations=group)
+    return dataclasses.replace(cfg, model=model, learning=learning, grpo=grpo)
 
 
 def run_stage(cfg, index: int, stage, start, folder: Path, device, progress: Progress, checkpoint_every: int) -> dict:
@@ -96,6 +99,7 @@ def run_stage(cfg, index: int, stage, start, folder: Path, device, progress: Pro
         "stage": index,
         "length": stage.length,
         "steps": stage.steps,
+        "num_generations": staged.grpo.num_generations,
         "window": cfg.learning.window,
         "overrides": stage.overrides,
         "start_adapter": start,
