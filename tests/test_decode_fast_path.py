@@ -4,14 +4,13 @@
 import pytest
 import torch
 from float64_reference import float64_model, hf_float64
-from test_rollout import STOP, _hf_generate
+from test_rollout import STOP, _sampled_as_hf_generates
 from tolerances import max_abs, within
 
-from longstraw import capture
 from longstraw.families import attention_decode
 from longstraw.models.lora import apply_lora
 from longstraw.models.stacked_projections import stacked_linear, stacked_projections_for_decoding
-from longstraw.training.rollout import SamplingConfig, sample
+from longstraw.training.rollout import SamplingConfig
 
 EPS64 = torch.finfo(torch.float64).eps
 
@@ -79,9 +78,5 @@ def test_stacked_decoding_matches_hf_generate(preset, plain, monkeypatch):
 
     monkeypatch.setattr("longstraw.families.attention_layer.decode_attention_mix", counting)
     with hf_float64(model):
-        state = capture(model, prompt, chunk_size=32)
-        rollouts = sample(model, state, config)
-        expected = _hf_generate(model, prompt, config)
-    for g, response in enumerate(rollouts.responses):
-        assert torch.equal(response, expected[g, : response.numel()])
+        _sampled_as_hf_generates(model, prompt, config)
     assert ran and all(ran) == plain and any(ran) == plain  # the plain modules took the path, a gated one did not

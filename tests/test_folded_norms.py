@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from float64_reference import float64_model, hf_float64
-from test_rollout import STOP, _hf_generate
+from test_rollout import STOP, _sampled_as_hf_generates
 from tolerances import EPS32, EPS_BF16, max_abs, within
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm
@@ -100,11 +100,7 @@ def test_folded_decoding_matches_hf_generate(preset, folds, monkeypatch):
     config = SamplingConfig(4, 8, stop_ids=STOP, seed=3, stacked_projections=True, folded_norms=True)
     ran = _counting(monkeypatch)
     with hf_float64(model):
-        state = capture(model, prompt, chunk_size=32)
-        rollouts = sample(model, state, config)
-        expected = _hf_generate(model, prompt, config)
-    for g, response in enumerate(rollouts.responses):
-        assert torch.equal(response, expected[g, : response.numel()])
+        _sampled_as_hf_generates(model, prompt, config)
     assert ran and all(ran) == folds and any(ran) == folds
 
 

@@ -38,6 +38,17 @@ def _hf_generate(model, prompt, config: SamplingConfig):
     return out.expand(config.num_generations, -1)
 
 
+def _sampled_as_hf_generates(model, prompt, config: SamplingConfig):
+    """The prompt captured and sampled from, each response asserted to be HF `generate`'s from the same seed (up to
+    its length); the rollouts. Run inside the caller's float64 context."""
+    state = capture(model, prompt, chunk_size=32)
+    rollouts = sample(model, state, config)
+    expected = _hf_generate(model, prompt, config)
+    for g, response in enumerate(rollouts.responses):
+        assert torch.equal(response, expected[g, : response.numel()])
+    return rollouts
+
+
 @pytest.mark.numerics
 @pytest.mark.parametrize("temperature,top_p", SETTINGS)
 @pytest.mark.parametrize("preset", TINY_PRESETS)
