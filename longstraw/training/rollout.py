@@ -73,6 +73,11 @@ from longstraw.state.pages import DecodeClock, check_entries_implement
 _load_sample_step = functools.partial(optional_function, "longstraw.kernels.sampling_triton", "sample_step_triton")
 
 
+def on_cuda_unless(setting: bool | None, on_cuda: bool) -> bool:
+    """A `SamplingConfig` switch as asked, or (None) on where the state is on CUDA."""
+    return on_cuda if setting is None else setting
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
     num_generations: int = GROUP_SIZE  # G
@@ -131,8 +136,7 @@ def decoding(
     (`families.folded_norms`). `kept`: where the merged and stacked weights are kept (a `DecodeSession`'s, across
     calls); None, for the block only."""
     on_cuda = adapter.device.type == "cuda"
-    stacked = on_cuda if stacked_projections is None else stacked_projections
-    folded = on_cuda if folded_norms is None else folded_norms
+    stacked, folded = on_cuda_unless(stacked_projections, on_cuda), on_cuda_unless(folded_norms, on_cuda)
     with torch.no_grad(), adapter.selected(), merged_lora_for_decoding(kept), decoding_norms():
         with stacked_projections_for_decoding(stacked, kept, fold_norms=folded):
             yield
@@ -165,14 +169,14 @@ class RotaryTable:
 def _uses_rotary_table(adapter, config: SamplingConfig, on_cuda: bool) -> bool:
     """Asked (or on CUDA by default), and the adapter's rotary gives a position the same cos and sin whatever other
     positions a call asks (`FamilyAdapter.rotary_fixed`)."""
-    wanted = on_cuda if config.rotary_table is None else config.rotary_table
+    wanted = on_cuda_unless(config.rotary_table, on_cuda)
     return wanted and adapter.rotary_fixed
 
 
 def _fused_sampler(config: SamplingConfig, on_cuda: bool):
     """`sampling_triton.sample_step_triton` where a step samples through it: asked (or on CUDA by default), without
     top-p (HF's warper stays the torch tail's), Triton importing; else None (the torch tail)."""
-    wanted = on_cuda if config.fused_sampler is None else config.fused_sampler
+    wanted = on_cuda_unless(config.fused_sampler, on_cuda)
     if wanted and not on_cuda:
         raise ValueError("sampling: fused_sampler needs the state on a CUDA device")
     return _load_sample_step() if wanted and config.top_p == 1 else None
@@ -345,7 +349,7 @@ class DecodeGraph:
 def uses_graph(decoder: Decoder, config: SamplingConfig) -> bool:
     """Whether to record the step: asked (or on CUDA by default) and every decoding entry graph-safe."""
     on_cuda = decoder.clock.step_1.is_cuda
-    wanted = on_cuda if config.cuda_graph is None else config.cuda_graph
+    wanted = on_cuda_unless(config.cuda_graph, on_cuda)
     if wanted and not on_cuda:
         raise ValueError("sampling: cuda_graph needs the state on a CUDA device")
     if wanted and not decoder.graph_safe and config.cuda_graph:
