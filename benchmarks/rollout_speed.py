@@ -11,11 +11,12 @@ random B, as a policy in training), one random prompt of --length tokens capture
   CUDA graph (`DecodeGraph`), on CUDA with a dense layer's norms folded into its projections
   (`families.folded_norms`; --unfolded: without, the step before that fold), the rotary read from a table and the
   draw, log-prob and writes in two Triton launches (`rollout.RotaryTable`, `kernels.sampling_triton`; --plain-tail:
-  the rotary computed each step and the torch tail, the step before them): ms a step over --steps steps after
-  two warm-up steps, and whether both give the same tokens from one seed; and one whole `sample()` call of --tokens
-  tokens (its one-off costs: merged LoRA weights, the graph's recording); then a later call's wall time, plain
-  (those costs again) and through a `DecodeSession` an earlier call built (the state copied in, the weights
-  refreshed in place, only launches), as a trainer's steps;
+  the rotary computed each step and the torch tail, the step before them), the attention's merge a programmatic
+  dependent launch on Hopper (`decode_attention_launch`; --serial-attention: after the prefix pass): ms a step
+  over --steps steps after two warm-up steps, and whether both give the same tokens from one seed; and one whole
+  `sample()` call of --tokens tokens (its one-off costs: merged LoRA weights, the graph's recording); then a later
+  call's wall time, plain (those costs again) and through a `DecodeSession` an earlier call built (the state copied
+  in, the weights refreshed in place, only launches), as a trainer's steps;
 - HF's eager decode on the same policy (peft's LoRA layers unmerged, as a peft model generates): its own forward
   over the prompt into a `DynamicCache`, repeated to the G rows
   (`batch_repeat_interleave`), then one token a step;
@@ -44,6 +45,7 @@ import torch
 
 from longstraw.core.transaction import capture, replay
 from longstraw.families import adapter_for
+from longstraw.kernels.paged_attention import decode_attention_launch
 from longstraw.measure.provenance import provenance
 from longstraw.measure.timing import copy_bandwidth, seconds_per_call, synchronize
 from longstraw.models import build_model
@@ -312,6 +314,9 @@ def main() -> int:
     parser.add_argument(
         "--plain-tail", action="store_true", help="decode without the rotary table and the fused sampler"
     )
+    parser.add_argument(
+        "--serial-attention", action="store_true", help="launch the attention's merge after its prefix pass"
+    )
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -319,6 +324,7 @@ def main() -> int:
     state = capture(model, prompt)
     result = {"preset": args.preset, "length": args.length, "group": args.group, "device": str(device)}
     result["unfolded"], result["plain_tail"] = args.unfolded, args.plain_tail
+    result["attention_launch"] = "serial" if args.serial_attention else "dependent"
     if device.type == "cuda":
         result["card"] = torch.cuda.get_device_name(device)
     result["provenance"] = provenance(device)
@@ -330,7 +336,8 @@ def main() -> int:
             ("hf", lambda: _hf(model, prompt, args, device)),
         ]
     for name, measure in sections:  # written after each, so a run cut off at its time limit keeps what it measured
-        result[name] = measure()
+        with decode_attention_launch(result["attention_launch"]):
+            result[name] = measure()
         result["ratios"] = _ratios(result)
         write_json_atomic(args.out, result)
         print(json.dumps({name: result[name], "ratios": result["ratios"]}), flush=True)

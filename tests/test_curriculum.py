@@ -320,6 +320,14 @@ def test_the_gpu_curriculum_is_planned_on_h200_only(tmp_path):
     assert [s.overrides["rope_parameters"]["factor"] for s in fine.stages[2:]] == [8.0, 10.0, 12.0, 14.0, 16.0]
     assert all(s.overrides["max_position_embeddings"] >= s.length for s in fine.stages)
     assert fine.out == "results/h200/adapters/curriculum-niah-16k-131k-fine"
+    # the last step to 131,072 starts from the fine curriculum's last kept adapter, 32 rollouts a prompt
+    last = points["curriculum-niah-131k-from-fine-g32"]["config"]
+    assert last.model.lora.init == f"{fine.out}/stage-{len(fine.stages) - 2}/adapter"
+    assert [(s.length, s.overrides["rope_parameters"]["factor"]) for s in last.learning.curriculum.stages] == [
+        (122880, 15.0),
+        (131072, 16.0),
+    ]
+    assert [s.num_generations for s in last.learning.curriculum.stages] == [32, 32]
 
 
 def test_a_lora_adapter_starts_from_a_saved_one_and_refuses_another_shape(tmp_path):

@@ -5,6 +5,7 @@ itself is held to HF's `generate` on the CPU (tests/test_rollout.py); the kernel
 interpreter (tests/test_triton_interpreted.py)."""
 
 import dataclasses
+import functools
 
 import pytest
 import torch
@@ -291,6 +292,40 @@ def test_decode_attention_kernel_matches_the_reference_on_cuda(rows, keys, sinks
     reference, _ = decode_partial(q, k_shared, v_shared, k_own, v_own, step, scale=0.1, sinks=sink, block_size=4096)
     assert ours.shape == reference.shape
     assert (ours - reference).abs().max() <= 4 * EPS_BF16 * reference.abs().max()
+
+
+def test_the_dependent_merge_is_the_serial_one_eagerly_and_in_a_graph_on_cuda():
+    """The merge launched while the prefix pass runs (a programmatic dependent launch on Hopper) gives the serial
+    launch's output bit for bit (the same arithmetic): eagerly, and over 100 replays of a recorded graph in which a
+    kernel writes each step's own key and value just before the attention, as the decoding step's append does, so
+    a merge that read its own keys early, or partials before the prefix pass ended, would differ. At SmolLM2's
+    shape (8 rows, 9 query heads over 3 K/V heads of 64, 16,384 prefix keys)."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, device="cuda").bfloat16()
+
+    q, k_shared, v_shared = randn(8, 9, 1, 64), randn(1, 3, 16384, 64), randn(1, 3, 16384, 64)
+    k_own, v_own = randn(8, 3, 100, 64), randn(8, 3, 100, 64)
+    new_k, new_v = randn(100, 8, 3, 64), randn(100, 8, 3, 64)  # the key and value each step appends
+    step = torch.zeros(1, dtype=torch.long, device="cuda")
+    attend = functools.partial(decode_attention_triton, q, k_shared, v_shared, k_own, v_own, step, 0.125)
+
+    def appended_then_attended(dependent: bool) -> torch.Tensor:
+        k_own[:, :, step] = new_k.index_select(0, step).permute(1, 2, 0, 3)
+        v_own[:, :, step] = new_v.index_select(0, step).permute(1, 2, 0, 3)
+        return attend(dependent=dependent)
+
+    assert torch.equal(attend(dependent=True), attend(dependent=False))
+    appended_then_attended(True)  # compiles both launches before the recording
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graphed_out = appended_then_attended(True)
+    k_own.normal_(generator=gen), v_own.normal_(generator=gen)  # what a stale read of an own slot would see
+    for n in range(100):
+        step.fill_(n)
+        graph.replay()
+        assert torch.equal(graphed_out, appended_then_attended(False)), n
 
 
 def test_gdn_decode_step_is_the_recurrent_rule_on_cuda():

@@ -13,6 +13,11 @@ block kernel over [rows, keys] runs K programs over the whole prefix. Here:
   clock's step (`step_1`, read on the device: the launch is the same at every step, so a CUDA graph records it), its
   sink logit when the layer has them, and the prefix's partials merged, written in q's dtype.
 
+On Hopper and later the second launch is a programmatic dependent launch (`dependent=True`, the default): the
+prefix pass lets it start at once, its rows read their own keys while the prefix's splits run (the own keys and
+queries were written by kernels that finished before the prefix pass began), and wait for the prefix pass's end
+(`gdc_wait`) only before its partials. `dependent=False` starts it after the prefix pass, as a stream does.
+
 The reference is `paged_attention.decode_attention` (math, or flash per block of keys, and lse merges); the launch
 count is what changes: 2 here against about 20 small ones there, at every layer of every decoding step.
 """
@@ -22,6 +27,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 # the prefix pass's launch, as `benchmarks/decode_attention_tune.py` measured best on an H100 (G=8 rows over SmolLM2's
 # 16K-position pages and hybrid-1b's 1M): 128 keys a loop iteration ([rows, 128] x [128, head dim] tiles) at 4 warps,
@@ -33,13 +39,20 @@ MAX_ROWS = 128  # B * G rows in one tile (registers: rows x head dim float32 acc
 LOG2E = 1.4426950408889634
 
 
+def _launches_dependent(device) -> bool:
+    """Whether the device has programmatic dependent launches: CUDA, compute capability 9 (Hopper) or later."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 @triton.jit
 def _prefix_partials(
     q_ptr, k_ptr, v_ptr, o_ptr, l_ptr,
     stride_qb, stride_qh, stride_kk, stride_kn, stride_vk, stride_vn,
     P, keys_per_split, ROWS, G, K, scale_log2,
-    M: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr,
+    M: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    if PDL:  # the merge may start now: it reads these partials only after this launch ends
+        gdc_launch_dependents()
     head, split = tl.program_id(0), tl.program_id(1)
     rows = tl.arange(0, M)
     row_in = rows < ROWS
@@ -75,6 +88,7 @@ def _own_and_merge(
     stride_qb, stride_qh, stride_kb, stride_kk, stride_kn, stride_vb, stride_vk, stride_vn,
     stride_ob, stride_oh, H, G, K, ROWS, SPLITS, scale_log2,
     D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, SINKS: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0)  # b * H + h
     b, h = row // H, row % H
@@ -105,6 +119,8 @@ def _own_and_merge(
     if SINKS:  # one more key of logit sinks[h] (natural log) and value 0
         sink = tl.load(sinks_ptr + h).to(tl.float32) * 1.4426950408889634
         out, lse = _merge(out, lse, tl.zeros([1, DV], tl.float32), tl.zeros([1], tl.float32) + sink)
+    if PDL:  # launched while the prefix pass runs: its partials are whole only once it has ended
+        gdc_wait()
     # the prefix's partials of this row, merged a block of splits at a time
     for s0 in range(0, SPLITS, BLOCK_S):
         s_idx = s0 + tl.arange(0, BLOCK_S)
@@ -167,10 +183,11 @@ def decode_attention_triton(
     block_n: int = BLOCK_N,
     warps: int = WARPS,
     stages: int | None = None,
+    dependent: bool = True,
 ) -> torch.Tensor:
     """[B, H, 1, Dv] in q's dtype: each row over the shared prefix and its sequence's own keys at slots
     0..step_1 (see the module doc). The keywords set the prefix pass's launch (`benchmarks/decode_attention_tune.py`
-    times them); the defaults are what it measured best."""
+    times them; the defaults are what it measured best) and whether the merge launches dependent (where it can)."""
     B, H, _, D = q_BHTD.shape
     K, P, Dv = k_shared_1KPD.shape[1], k_shared_1KPD.shape[2], v_shared_1KPD.shape[3]
     G, rows = H // K, B * (H // K)
@@ -178,13 +195,15 @@ def decode_attention_triton(
     splits, per_split = _splits(P, K, q_BHTD.device, splits_per_sm, block_n) if P else (0, block_n)
     partial_o = torch.empty(max(splits, 1), K, rows, Dv, dtype=torch.float32, device=q_BHTD.device)
     partial_l = torch.empty(max(splits, 1), K, rows, dtype=torch.float32, device=q_BHTD.device)
+    dependent = dependent and bool(splits) and _launches_dependent(q_BHTD.device)
+    pdl = {"launch_pdl": True} if dependent else {}
     if splits:
         _prefix_partials[(K, splits)](
             q_BHTD, k_shared_1KPD, v_shared_1KPD, partial_o, partial_l,
             q_BHTD.stride(0), q_BHTD.stride(1), k_shared_1KPD.stride(1), k_shared_1KPD.stride(2),
             v_shared_1KPD.stride(1), v_shared_1KPD.stride(2),
             P, per_split, rows, G, K, scale_log2,
-            M=max(16, triton.next_power_of_2(rows)), D=D, DV=Dv, BLOCK_N=block_n, num_warps=warps,
+            M=max(16, triton.next_power_of_2(rows)), D=D, DV=Dv, BLOCK_N=block_n, PDL=dependent, num_warps=warps,
             **({} if stages is None else {"num_stages": stages}),
         )  # fmt: skip
     out = torch.empty(B, H, 1, Dv, dtype=q_BHTD.dtype, device=q_BHTD.device)
@@ -193,6 +212,6 @@ def decode_attention_triton(
         q_BHTD.stride(0), q_BHTD.stride(1), k_own_BKND.stride(0), k_own_BKND.stride(1), k_own_BKND.stride(2),
         v_own_BKND.stride(0), v_own_BKND.stride(1), v_own_BKND.stride(2), out.stride(0), out.stride(1),
         H, G, K, rows, splits, scale_log2,
-        D=D, DV=Dv, BLOCK_N=BLOCK_N, BLOCK_S=32, SINKS=sinks is not None, num_warps=WARPS,
+        D=D, DV=Dv, BLOCK_N=BLOCK_N, BLOCK_S=32, SINKS=sinks is not None, PDL=dependent, num_warps=WARPS, **pdl,
     )  # fmt: skip
     return out
