@@ -11,8 +11,9 @@ random B, as a policy in training), one random prompt of --length tokens capture
   CUDA graph (`DecodeGraph`), on CUDA with a dense layer's norms folded into its projections
   (`families.folded_norms`; --unfolded: without, the step before that fold), the rotary read from a table and the
   draw, log-prob and writes in two Triton launches (`rollout.RotaryTable`, `kernels.sampling_triton`; --plain-tail:
-  the rotary computed each step and the torch tail, the step before them), the attention's merge a programmatic
-  dependent launch on Hopper (`decode_attention_launch`; --serial-attention: after the prefix pass): ms a step
+  the rotary computed each step and the torch tail, the step before them), the attention's merge, the
+  rotary-and-append and the SwiGLU programmatic dependent launches on Hopper (`kernels.dependent_launch`;
+  --serial-launches: each after the one before): ms a step
   over --steps steps after two warm-up steps, and whether both give the same tokens from one seed; and one whole
   `sample()` call of --tokens tokens (its one-off costs: merged LoRA weights, the graph's recording); then a later
   call's wall time, plain (those costs again) and through a `DecodeSession` an earlier call built (the state copied
@@ -45,7 +46,7 @@ import torch
 
 from longstraw.core.transaction import capture, replay
 from longstraw.families import adapter_for
-from longstraw.kernels.paged_attention import decode_attention_launch
+from longstraw.kernels.dependent_launch import decode_launches
 from longstraw.measure.provenance import provenance
 from longstraw.measure.timing import copy_bandwidth, seconds_per_call, synchronize
 from longstraw.models import build_model
@@ -315,7 +316,7 @@ def main() -> int:
         "--plain-tail", action="store_true", help="decode without the rotary table and the fused sampler"
     )
     parser.add_argument(
-        "--serial-attention", action="store_true", help="launch the attention's merge after its prefix pass"
+        "--serial-launches", action="store_true", help="launch every decoding kernel after the one before it"
     )
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -324,7 +325,7 @@ def main() -> int:
     state = capture(model, prompt)
     result = {"preset": args.preset, "length": args.length, "group": args.group, "device": str(device)}
     result["unfolded"], result["plain_tail"] = args.unfolded, args.plain_tail
-    result["attention_launch"] = "serial" if args.serial_attention else "dependent"
+    result["launches"] = "serial" if args.serial_launches else "dependent"
     if device.type == "cuda":
         result["card"] = torch.cuda.get_device_name(device)
     result["provenance"] = provenance(device)
@@ -336,7 +337,7 @@ def main() -> int:
             ("hf", lambda: _hf(model, prompt, args, device)),
         ]
     for name, measure in sections:  # written after each, so a run cut off at its time limit keeps what it measured
-        with decode_attention_launch(result["attention_launch"]):
+        with decode_launches(result["launches"]):
             result[name] = measure()
         result["ratios"] = _ratios(result)
         write_json_atomic(args.out, result)

@@ -13,10 +13,10 @@ block kernel over [rows, keys] runs K programs over the whole prefix. Here:
   clock's step (`step_1`, read on the device: the launch is the same at every step, so a CUDA graph records it), its
   sink logit when the layer has them, and the prefix's partials merged, written in q's dtype.
 
-On Hopper and later the second launch is a programmatic dependent launch (`dependent=True`, the default): the
-prefix pass lets it start at once, its rows read their own keys while the prefix's splits run (the own keys and
-queries were written by kernels that finished before the prefix pass began), and wait for the prefix pass's end
-(`gdc_wait`) only before its partials. `dependent=False` starts it after the prefix pass, as a stream does.
+On Hopper and later the second launch is a programmatic dependent launch (`kernels.dependent_launch`): the prefix
+pass lets it start at once, its rows read their own keys while the prefix's splits run (the own keys and queries were
+written by kernels that ended before the prefix pass began), and wait for the prefix pass's end (`gdc_wait`) only
+before its partials.
 
 The reference is `paged_attention.decode_attention` (math, or flash per block of keys, and lse merges); the launch
 count is what changes: 2 here against about 20 small ones there, at every layer of every decoding step.
@@ -29,6 +29,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from longstraw.kernels.dependent_launch import launches_dependent
+
 # the prefix pass's launch, as `benchmarks/decode_attention_tune.py` measured best on an H100 (G=8 rows over SmolLM2's
 # 16K-position pages and hybrid-1b's 1M): 128 keys a loop iteration ([rows, 128] x [128, head dim] tiles) at 4 warps,
 # one program per multiprocessor. Against 4 programs of 64 keys it took 12.7 us a layer for 14.5 (SmolLM2: fewer
@@ -37,11 +39,6 @@ BLOCK_N, WARPS = 128, 4
 SPLITS_PER_SM = 1
 MAX_ROWS = 128  # B * G rows in one tile (registers: rows x head dim float32 accumulators)
 LOG2E = 1.4426950408889634
-
-
-def _launches_dependent(device) -> bool:
-    """Whether the device has programmatic dependent launches: CUDA, compute capability 9 (Hopper) or later."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 @triton.jit
@@ -183,11 +180,12 @@ def decode_attention_triton(
     block_n: int = BLOCK_N,
     warps: int = WARPS,
     stages: int | None = None,
-    dependent: bool = True,
+    dependent: bool | None = None,
 ) -> torch.Tensor:
     """[B, H, 1, Dv] in q's dtype: each row over the shared prefix and its sequence's own keys at slots
     0..step_1 (see the module doc). The keywords set the prefix pass's launch (`benchmarks/decode_attention_tune.py`
-    times them; the defaults are what it measured best) and whether the merge launches dependent (where it can)."""
+    times them; the defaults are what it measured best) and whether the merge launches dependent (None: as
+    `dependent_launch.decode_launches` has it; only where the device has it)."""
     B, H, _, D = q_BHTD.shape
     K, P, Dv = k_shared_1KPD.shape[1], k_shared_1KPD.shape[2], v_shared_1KPD.shape[3]
     G, rows = H // K, B * (H // K)
@@ -195,7 +193,7 @@ def decode_attention_triton(
     splits, per_split = _splits(P, K, q_BHTD.device, splits_per_sm, block_n) if P else (0, block_n)
     partial_o = torch.empty(max(splits, 1), K, rows, Dv, dtype=torch.float32, device=q_BHTD.device)
     partial_l = torch.empty(max(splits, 1), K, rows, dtype=torch.float32, device=q_BHTD.device)
-    dependent = dependent and bool(splits) and _launches_dependent(q_BHTD.device)
+    dependent = bool(splits) and launches_dependent(q_BHTD.device, dependent)
     pdl = {"launch_pdl": True} if dependent else {}
     if splits:
         _prefix_partials[(K, splits)](

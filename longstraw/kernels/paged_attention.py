@@ -115,15 +115,6 @@ def prefix_backward_kernel(name: str):
     return _prefix_backward_kernel.within(name)
 
 
-_decode_launch = ProcessSetting("decode attention launch", ("dependent", "serial"), "dependent")
-
-
-def decode_attention_launch(name: str):
-    """Within the block `decode_attention_triton`'s merge launches as `name`: "dependent" (a programmatic dependent
-    launch, where the device has them) or "serial" (after the prefix pass)."""
-    return _decode_launch.within(name)
-
-
 _load_dq = functools.partial(optional_function, "longstraw.kernels.attention_dq_triton", "attention_dq_triton")
 _load_dq_usable = functools.partial(optional_function, "longstraw.kernels.attention_dq_triton", "dq_usable")
 # a decoding step's attention in two launches (`decode_attention_triton`) and its applicability test
@@ -228,15 +219,7 @@ def decode_attention(
         if usable is not None and usable(q_BHTD, k_shared_1KPD, v_shared_1KPD, k_own_BKND):
             check_sinks(sinks, q_BHTD, "decode_attention")
             return _load_decode_triton()(
-                q_BHTD,
-                k_shared_1KPD,
-                v_shared_1KPD,
-                k_own_BKND,
-                v_own_BKND,
-                own_step_1,
-                scale,
-                sinks,
-                dependent=_decode_launch.value == "dependent",
+                q_BHTD, k_shared_1KPD, v_shared_1KPD, k_own_BKND, v_own_BKND, own_step_1, scale, sinks
             )
         B, H = q_BHTD.shape[:2]
         if sinks is None and H * B * (k_shared_1KPD.shape[2] + k_own_BKND.shape[2]) <= ONE_SOFTMAX_SCORES:

@@ -19,7 +19,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
+from longstraw.kernels.dependent_launch import launches_dependent
 from longstraw.kernels.rms_norm_triton import row_rms_scale
 
 
@@ -29,8 +31,10 @@ def _rope_append_kernel(
     q_sb, q_sh, k_sb, k_sh, v_sb, v_sh, qo_sb, qo_sh, ko_sb, ko_sh, ko_sn, vo_sb, vo_sh, vo_sn, x_sb,
     H, K, X, eps,
     D: tl.constexpr, DV: tl.constexpr, R: tl.constexpr, BD: tl.constexpr, BDV: tl.constexpr,
-    SCALED: tl.constexpr, BX: tl.constexpr,
+    SCALED: tl.constexpr, BX: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    if PDL:  # started while the projection before it ran: everything read here is its output
+        gdc_wait()
     b, j = tl.program_id(0).to(tl.int64), tl.program_id(1)
     step = tl.load(step_ptr)
     scale = 1.0  # times 1 in float32: exact, so the unscaled launch writes what it reads
@@ -80,15 +84,18 @@ def rope_append_usable(q_B1HD, k_B1KD, v_B1KD, cos_11R, k_own_BKND, v_own_BKND, 
 
 
 def rope_append_triton(
-    q_B1HD, k_B1KD, v_B1KD, cos_11R, sin_11R, k_own_BKND, v_own_BKND, step_1, rms_of=None
+    q_B1HD, k_B1KD, v_B1KD, cos_11R, sin_11R, k_own_BKND, v_own_BKND, step_1, rms_of=None, dependent=None
 ) -> torch.Tensor:
     """q rotated ([B, H, 1, D], contiguous); k rotated and v written into the own pages at slot `step_1`.
-    `rms_of` (x [B, 1, X], unit feature stride; eps): q, k and v first scaled by each row's rsqrt(mean(x^2) + eps)."""
+    `rms_of` (x [B, 1, X], unit feature stride; eps): q, k and v first scaled by each row's rsqrt(mean(x^2) + eps).
+    `dependent` (None: `dependent_launch.decode_launches`'s): a programmatic dependent launch, where the device has
+    it."""
     B, _, H, D = q_B1HD.shape
     K, DV, R = k_B1KD.shape[2], v_B1KD.shape[-1], cos_11R.shape[-1]
     x_B1X, eps = rms_of if rms_of is not None else (q_B1HD, 0.0)  # unscaled: x is never read
     q_out = torch.empty(B, H, 1, D, dtype=q_B1HD.dtype, device=q_B1HD.device)
     sin_11R = sin_11R.contiguous()
+    pdl = launches_dependent(q_B1HD.device, dependent)
     _rope_append_kernel[(B, H + 2 * K)](
         q_B1HD, k_B1KD, v_B1KD, cos_11R.contiguous(), sin_11R, step_1, q_out, k_own_BKND, v_own_BKND, x_B1X,
         q_B1HD.stride(0), q_B1HD.stride(2), k_B1KD.stride(0), k_B1KD.stride(2), v_B1KD.stride(0), v_B1KD.stride(2),
@@ -97,5 +104,6 @@ def rope_append_triton(
         v_own_BKND.stride(0), v_own_BKND.stride(1), v_own_BKND.stride(2), x_B1X.stride(0),
         H, K, x_B1X.shape[-1], float(eps), D=D, DV=DV, R=R, BD=triton.next_power_of_2(D),
         BDV=triton.next_power_of_2(DV), SCALED=rms_of is not None, BX=triton.next_power_of_2(x_B1X.shape[-1]),
+        PDL=pdl, **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     return q_out

@@ -20,7 +20,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
+from longstraw.kernels.dependent_launch import launches_dependent
 from longstraw.kernels.rms_norm_triton import row_rms_scale
 
 # elements a program: at 8 warps 16 a thread, two 16-byte loads of each bf16 input. One fixed shape: no first-call
@@ -64,8 +66,12 @@ def _swiglu_stacked_kernel(gate_up_ptr, out_ptr, n, width, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _swiglu_stacked_scaled_kernel(gate_up_ptr, x_ptr, out_ptr, width, X, eps, BLOCK: tl.constexpr, BX: tl.constexpr):
+def _swiglu_stacked_scaled_kernel(
+    gate_up_ptr, x_ptr, out_ptr, width, X, eps, BLOCK: tl.constexpr, BX: tl.constexpr, PDL: tl.constexpr
+):
     """Row r of [gate | up] (2 width) in, silu(s gate) * (s up) out (width), s the rms scale of row r of x (X)."""
+    if PDL:  # started while the projection before it ran: gate_up is its output
+        gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < width
@@ -101,9 +107,10 @@ def swiglu_stacked_triton(gate_up: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def swiglu_stacked_scaled_triton(gate_up: torch.Tensor, x: torch.Tensor, eps: float) -> torch.Tensor:
+def swiglu_stacked_scaled_triton(gate_up: torch.Tensor, x: torch.Tensor, eps: float, dependent=None) -> torch.Tensor:
     """`swiglu_stacked_triton` of gate_up [..., 2 I] with gate and up first scaled by rsqrt(mean(x^2) + eps) of the
-    matching row of x [..., X]: the projection ran on x with an RMSNorm's weight folded in. One launch."""
+    matching row of x [..., X]: the projection ran on x with an RMSNorm's weight folded in. One launch, dependent
+    (None: as `dependent_launch.decode_launches` has it) where the device has it."""
     gate_up, x = gate_up.contiguous(), x.contiguous()
     width = gate_up.shape[-1] // 2
     out = gate_up.new_empty(*gate_up.shape[:-1], width)
@@ -111,7 +118,11 @@ def swiglu_stacked_scaled_triton(gate_up: torch.Tensor, x: torch.Tensor, eps: fl
     if rows:
         grid, X = (rows, triton.cdiv(width, SCALED_COLUMNS)), x.shape[-1]
         bx = triton.next_power_of_2(X)
-        _swiglu_stacked_scaled_kernel[grid](gate_up, x, out, width, X, float(eps), BLOCK=SCALED_COLUMNS, BX=bx)
+        pdl = launches_dependent(gate_up.device, dependent)
+        _swiglu_stacked_scaled_kernel[grid](
+            gate_up, x, out, width, X, float(eps), BLOCK=SCALED_COLUMNS, BX=bx, PDL=pdl,
+            **({"launch_pdl": True} if pdl else {}),
+        )  # fmt: skip
     return out
 
 
