@@ -11,9 +11,9 @@ random B, as a policy in training), one random prompt of --length tokens capture
   CUDA graph (`DecodeGraph`), on CUDA with a dense layer's norms folded into its projections
   (`families.folded_norms`; --unfolded: without, the step before that fold), the rotary read from a table and the
   draw, log-prob and writes in two Triton launches (`rollout.RotaryTable`, `kernels.sampling_triton`; --plain-tail:
-  the rotary computed each step and the torch tail, the step before them), the attention's merge, the
-  rotary-and-append and the SwiGLU programmatic dependent launches on Hopper (`kernels.dependent_launch`;
-  --serial-launches: each after the one before): ms a step
+  the rotary computed each step and the torch tail, the step before them), with --launches dependent
+  the attention's merge, the rotary-and-append and the SwiGLU programmatic dependent launches on Hopper
+  (`kernels.dependent_launch`; serial, the default: each after the one before): ms a step
   over --steps steps after two warm-up steps, and whether both give the same tokens from one seed; and one whole
   `sample()` call of --tokens tokens (its one-off costs: merged LoRA weights, the graph's recording); then a later
   call's wall time, plain (those costs again) and through a `DecodeSession` an earlier call built (the state copied
@@ -316,7 +316,10 @@ def main() -> int:
         "--plain-tail", action="store_true", help="decode without the rotary table and the fused sampler"
     )
     parser.add_argument(
-        "--serial-launches", action="store_true", help="launch every decoding kernel after the one before it"
+        "--launches",
+        choices=("serial", "dependent"),
+        default="serial",
+        help="dependent: the decoding kernels that can start while the one before runs (Hopper) do",
     )
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -325,7 +328,7 @@ def main() -> int:
     state = capture(model, prompt)
     result = {"preset": args.preset, "length": args.length, "group": args.group, "device": str(device)}
     result["unfolded"], result["plain_tail"] = args.unfolded, args.plain_tail
-    result["launches"] = "serial" if args.serial_launches else "dependent"
+    result["launches"] = args.launches
     if device.type == "cuda":
         result["card"] = torch.cuda.get_device_name(device)
     result["provenance"] = provenance(device)

@@ -148,15 +148,16 @@ def test_the_graphed_step_with_the_table_and_fused_sampler_gives_the_plain_eager
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3_5"])
 def test_the_graphed_step_with_dependent_launches_gives_the_serial_eager_steps_tokens_and_logprobs(preset):
     """One seed, bf16: the recorded step whose rotary-and-append, SwiGLU and attention merge start while the kernel
-    before them runs (programmatic dependent launches, the default on Hopper) against the eager step launching each
-    after the one before: the same kernels on the same tensors, so the same tokens and log-probs bit for bit."""
+    before them runs (`decode_launches("dependent")`, programmatic dependent launches on Hopper) against the eager
+    step launching each after the one before (the default): the same kernels on the same tensors, so the same tokens
+    and log-probs bit for bit."""
     model = _policy(preset, torch.bfloat16)
     prompt = torch.randint(0, 256, (600,), generator=torch.Generator().manual_seed(0)).cuda()
     state = capture(model, prompt, chunk_size=256)
     config = SamplingConfig(8, 40, 1.0, stop_ids=tuple(range(3, 256, 11)), seed=5)
-    ours = sample(model, state, config)
-    with decode_launches("serial"):
-        serial = sample(model, state, dataclasses.replace(config, cuda_graph=False))
+    with decode_launches("dependent"):
+        ours = sample(model, state, config)
+    serial = sample(model, state, dataclasses.replace(config, cuda_graph=False))
     assert ours.graphed and not serial.graphed and ours.finished == serial.finished
     for a, b, lp_a, lp_b in zip(ours.responses, serial.responses, ours.logprobs, serial.logprobs, strict=True):
         assert torch.equal(a, b) and torch.equal(lp_a, lp_b)

@@ -13,10 +13,10 @@ block kernel over [rows, keys] runs K programs over the whole prefix. Here:
   clock's step (`step_1`, read on the device: the launch is the same at every step, so a CUDA graph records it), its
   sink logit when the layer has them, and the prefix's partials merged, written in q's dtype.
 
-On Hopper and later the second launch is a programmatic dependent launch (`kernels.dependent_launch`): the prefix
-pass lets it start at once, its rows read their own keys while the prefix's splits run (the own keys and queries were
-written by kernels that ended before the prefix pass began), and wait for the prefix pass's end (`gdc_wait`) only
-before its partials.
+On Hopper and later the second launch can be a programmatic dependent launch (`kernels.dependent_launch`): the
+prefix pass lets it start at once, its rows read their own keys while the prefix's splits run (the own keys and
+queries were written by kernels that ended before the prefix pass began), and wait for the prefix pass's end
+(`gdc_wait`) only before its partials.
 
 The reference is `paged_attention.decode_attention` (math, or flash per block of keys, and lse merges); the launch
 count is what changes: 2 here against about 20 small ones there, at every layer of every decoding step.

@@ -4,8 +4,11 @@ A kernel launched dependent (Triton's `launch_pdl`) may start before the kernel 
 and waits for that one's end (`gdc_wait`, which also makes its writes visible) before it reads what it wrote. A
 decoding step is ~250 small launches whose starts cost about as long as their work; launched dependent, a kernel's
 start overlaps the end of the one before it (and the attention's merge reads its rows' own keys while the prefix
-pass runs: `decode_attention_triton`). "serial" starts each after the one before has ended, as a stream does: the
-order the references and `benchmarks/rollout_speed.py --serial-launches` run."""
+pass runs: `decode_attention_triton`). "serial" starts each after the one before has ended, as a stream does.
+
+"serial" is the default until a GPU has measured "dependent" (`benchmarks/rollout_speed.py --launches dependent`
+against `--launches serial` on one card) and run its CUDA tests (tests/test_decode_cuda.py): written in a session
+whose device starts were all refused, it compiles for sm_90 here (PTX with `griddepcontrol`) and has not run."""
 
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ import torch
 
 from longstraw.kernels.process_setting import ProcessSetting
 
-_setting = ProcessSetting("decode launches", ("dependent", "serial"), "dependent")
+_setting = ProcessSetting("decode launches", ("dependent", "serial"), "serial")
 
 
 def decode_launches(name: str):
