@@ -194,7 +194,6 @@ def decode_attention_triton(
     partial_o = torch.empty(max(splits, 1), K, rows, Dv, dtype=torch.float32, device=q_BHTD.device)
     partial_l = torch.empty(max(splits, 1), K, rows, dtype=torch.float32, device=q_BHTD.device)
     dependent = bool(splits) and launches_dependent(q_BHTD.device, dependent)
-    pdl = {"launch_pdl": True} if dependent else {}
     if splits:
         _prefix_partials[(K, splits)](
             q_BHTD, k_shared_1KPD, v_shared_1KPD, partial_o, partial_l,
@@ -210,6 +209,7 @@ def decode_attention_triton(
         q_BHTD.stride(0), q_BHTD.stride(1), k_own_BKND.stride(0), k_own_BKND.stride(1), k_own_BKND.stride(2),
         v_own_BKND.stride(0), v_own_BKND.stride(1), v_own_BKND.stride(2), out.stride(0), out.stride(1),
         H, G, K, rows, splits, scale_log2,
-        D=D, DV=Dv, BLOCK_N=BLOCK_N, BLOCK_S=32, SINKS=sinks is not None, PDL=dependent, num_warps=WARPS, **pdl,
+        D=D, DV=Dv, BLOCK_N=BLOCK_N, BLOCK_S=32, SINKS=sinks is not None, PDL=dependent, num_warps=WARPS,
+        launch_pdl=dependent,
     )  # fmt: skip
     return out

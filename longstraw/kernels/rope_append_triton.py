@@ -104,6 +104,6 @@ def rope_append_triton(
         v_own_BKND.stride(0), v_own_BKND.stride(1), v_own_BKND.stride(2), x_B1X.stride(0),
         H, K, x_B1X.shape[-1], float(eps), D=D, DV=DV, R=R, BD=triton.next_power_of_2(D),
         BDV=triton.next_power_of_2(DV), SCALED=rms_of is not None, BX=triton.next_power_of_2(x_B1X.shape[-1]),
-        PDL=pdl, **({"launch_pdl": True} if pdl else {}),
+        PDL=pdl, launch_pdl=pdl,
     )  # fmt: skip
     return q_out

@@ -120,9 +120,8 @@ def swiglu_stacked_scaled_triton(gate_up: torch.Tensor, x: torch.Tensor, eps: fl
         bx = triton.next_power_of_2(X)
         pdl = launches_dependent(gate_up.device, dependent)
         _swiglu_stacked_scaled_kernel[grid](
-            gate_up, x, out, width, X, float(eps), BLOCK=SCALED_COLUMNS, BX=bx, PDL=pdl,
-            **({"launch_pdl": True} if pdl else {}),
-        )  # fmt: skip
+            gate_up, x, out, width, X, float(eps), BLOCK=SCALED_COLUMNS, BX=bx, PDL=pdl, launch_pdl=pdl
+        )
     return out
 
 
