@@ -272,6 +272,7 @@ def _stages(point):
             "learning.curriculum.stages[1].length: 128 positions, more than the 80 the model was configured for",
         ),
         (lambda p: p["model"].pop("lora"), "learning.curriculum: its stages carry a LoRA adapter"),
+        (lambda p: _stages(p)[1].update(num_generations=0), "learning.curriculum.stages[1].num_generations"),
         (lambda p: p["learning"]["probe"].update(lengths=[64]), "learning.probe: lengths: a curriculum probes"),
         (
             lambda p: p["learning"]["curriculum"]["eval_tasks"][0].update(name="bogus"),

@@ -84,7 +84,7 @@ class CurriculumStage:
     length: int = bounded(1024, min=2)
     steps: int = bounded(16, min=2)
     overrides: dict = field(default_factory=dict)
-    num_generations: int | None = None
+    num_generations: int | None = bounded(None, min=1)
 
 
 @dataclass

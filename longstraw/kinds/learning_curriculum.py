@@ -88,7 +88,7 @@ def stage_config(cfg: PointConfig, stage, start: dict | None) -> PointConfig:
     lora = cfg.model.lora if start is None else dataclasses.replace(cfg.model.lora, init=start["path"])
     model = dataclasses.replace(cfg.model, overrides={**cfg.model.overrides, **stage.overrides}, lora=lora)
     learning = dataclasses.replace(cfg.learning, steps=stage.steps)
-    group = stage.num_generations or cfg.grpo.num_generations
+    group = cfg.grpo.num_generations if stage.num_generations is None else stage.num_generations
     grpo = dataclasses.replace(cfg.grpo, num_generations=group)
     return dataclasses.replace(cfg, model=model, learning=learning, grpo=grpo)
 
