@@ -130,13 +130,14 @@ def _later_calls(model, state, args, device, repeats: int = 3) -> dict:
 
 
 def _hf_prompt_cache(model, prompt, group: int):
-    """HF's own forward over the prompt minus its last token into a DynamicCache, repeated to `group` rows."""
+    """HF's own forward over the prompt minus its last token, for `group` equal rows, into a DynamicCache: what the
+    cache of one row repeated to `group` rows holds, built for every layer type (HF's linear-attention layers, the
+    hybrids' GDN, have no `batch_repeat_interleave`)."""
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(prompt[None, :-1], past_key_values=cache, use_cache=True, logits_to_keep=1)
-    cache.batch_repeat_interleave(group)
+        model(prompt[None, :-1].expand(group, -1), past_key_values=cache, use_cache=True, logits_to_keep=1)
     return cache
 
 
