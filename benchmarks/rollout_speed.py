@@ -129,16 +129,20 @@ def _later_calls(model, state, args, device, repeats: int = 3) -> dict:
     return out
 
 
-def _hf_prompt_cache(model, prompt, group: int):
-    """HF's own forward over the prompt minus its last token, for `group` equal rows, into a DynamicCache: what the
-    cache of one row repeated to `group` rows holds, built for every layer type (HF's linear-attention layers, the
-    hybrids' GDN, have no `batch_repeat_interleave`)."""
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=model.config)
+def _hf_prefilled(model, prompt, group: int, cache):
+    """`cache` after HF's own forward over the prompt minus its last token for `group` equal rows: what one row's
+    cache repeated to `group` rows holds, for every layer type (HF's linear-attention layers, the hybrids' GDN, have
+    no `batch_repeat_interleave`)."""
     with torch.no_grad():
         model(prompt[None, :-1].expand(group, -1), past_key_values=cache, use_cache=True, logits_to_keep=1)
     return cache
+
+
+def _hf_prompt_cache(model, prompt, group: int):
+    """The G rows' prompt in HF's DynamicCache."""
+    from transformers import DynamicCache
+
+    return _hf_prefilled(model, prompt, group, DynamicCache(config=model.config))
 
 
 def _hf_eager_step(model, prompt, group):
@@ -159,9 +163,7 @@ def _hf_compiled_step(model, prompt, args):
     from transformers import StaticCache
 
     P, G = prompt.numel() - 1, args.group
-    cache = StaticCache(config=model.config, max_cache_len=P + args.steps + 8)
-    with torch.no_grad():
-        model(prompt[None, :-1].expand(G, -1), past_key_values=cache, use_cache=True, logits_to_keep=1)
+    cache = _hf_prefilled(model, prompt, G, StaticCache(config=model.config, max_cache_len=P + args.steps + 8))
     forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
     tokens = prompt[-1:].expand(G, 1).contiguous()
     position = torch.tensor([P], device=prompt.device)
