@@ -1053,13 +1053,11 @@ def _mla_sweep(hybrid: dict) -> dict:
 
 
 def test_an_mla_sweep_beside_the_hybrid_sweep_renders(tmp_path):
-    """The recorded H200 results plus an MLA sweep in g_sweep: both render, each with its own model and family,
+    """The recorded H200 G sweep plus an MLA sweep in g_sweep: both render, each with its own model and family,
     and the paper's G-sweep figures stay with the hybrid sweep (the paper's model)."""
     recorded = REPO / "experiments" / "recorded" / "h200"
     results = tmp_path / "results"
-    for path in recorded.rglob("*.json"):
-        (results / path.relative_to(recorded)).parent.mkdir(parents=True, exist_ok=True)
-        (results / path.relative_to(recorded)).write_bytes(path.read_bytes())
+    shutil.copytree(recorded / "g_sweep", results / "g_sweep")  # the experiment the MLA sweep joins
     hybrid = json.loads((recorded / "g_sweep" / "sweep.json").read_text())
     mla = _mla_sweep(hybrid)
     write_json_atomic(results / "g_sweep" / "glm-pattern-sweep.json", mla)
@@ -1468,17 +1466,43 @@ def test_every_figure_fits_its_canvas(fixture, request, tmp_path, monkeypatch):
     from longstraw.plotting import draw
     from longstraw.report import figures
 
-    found, save = {}, draw.save_png
+    found, save, problems_of = {}, draw.save_png, draw.layout_problems
 
-    def checked(fig, path):
-        fig.tight_layout()
-        found[Path(path).name] = draw.layout_problems(fig)
+    def checked(fig, path):  # what save_png's own look at the figure it writes finds
+        monkeypatch.setattr(draw, "layout_problems", lambda f: found.setdefault(Path(path).name, problems_of(f)))
         return save(fig, path)
 
     monkeypatch.setattr(figures, "save_png", checked)
     drawn = make_figures(request.getfixturevalue(fixture)["out"] / "tables", tmp_path)
     assert len(found) == len(drawn) >= 5
     assert {name: problems for name, problems in found.items() if problems} == {}
+
+
+def test_a_saved_png_is_what_matplotlibs_savefig_writes(tmp_path):
+    """save_png writes the canvas its layout check drew instead of drawing the figure again: the pixels (and
+    size) of matplotlib's own `savefig` at the same dpi after the same tight layout."""
+    from PIL import Image
+
+    from longstraw.plotting import draw
+
+    def figure():
+        fig, axes = draw.plt.subplots(1, 2, figsize=(5, 2.5))
+        axes[0].semilogy([1, 2, 3], [10, 1_000, 100_000], "o-", label="a line")
+        axes[0].set_title("a title")
+        axes[0].legend()
+        axes[1].bar(["a", "b"], [3, 1], color=["#4c72b0", "#c44e52"])
+        axes[1].set_xlabel("bars")
+        fig.suptitle("two axes")
+        return fig
+
+    reference = figure()
+    reference.tight_layout()
+    reference.savefig(tmp_path / "reference.png", format="png", dpi=draw.PNG_DPI)
+    draw.plt.close(reference)
+    draw.save_png(figure(), tmp_path / "saved.png")
+    expected, saved = (Image.open(tmp_path / name) for name in ("reference.png", "saved.png"))
+    assert saved.size == expected.size == (5 * draw.PNG_DPI, round(2.5 * draw.PNG_DPI))
+    assert saved.tobytes() == expected.tobytes()
 
 
 def test_layout_problems_sees_a_title_outside_and_overlapping_legends():
