@@ -4,6 +4,7 @@ rotary table and the fused sampler against the plain one, and the decoding kerne
 itself is held to HF's `generate` on the CPU (tests/test_rollout.py); the kernels' arithmetic to float64 in Triton's
 interpreter (tests/test_triton_interpreted.py)."""
 
+import contextlib
 import dataclasses
 import functools
 
@@ -152,15 +153,22 @@ def test_the_graphed_step_with_dependent_launches_gives_the_serial_eager_steps_t
     before them runs (`decode_launches("dependent")`, programmatic dependent launches on Hopper) against the eager
     step launching each after the one before (the default): the same kernels on the same tensors, so the same tokens
     and log-probs bit for bit."""
+    _graphed_step_is_the_eager_one(preset, graphed_within=lambda: decode_launches("dependent"))
+
+
+def _graphed_step_is_the_eager_one(preset, graphed_within, eager_within=contextlib.nullcontext):
+    """One seed, bf16: `sample` through the recorded step (within `graphed_within()`) and eagerly (within
+    `eager_within()`) give the same tokens, log-probs and finished rows, bit for bit."""
     model = _policy(preset, torch.bfloat16)
     prompt = torch.randint(0, 256, (600,), generator=torch.Generator().manual_seed(0)).cuda()
     state = capture(model, prompt, chunk_size=256)
     config = SamplingConfig(8, 40, 1.0, stop_ids=tuple(range(3, 256, 11)), seed=5)
-    with decode_launches("dependent"):
+    with graphed_within():
         ours = sample(model, state, config)
-    serial = sample(model, state, dataclasses.replace(config, cuda_graph=False))
-    assert ours.graphed and not serial.graphed and ours.finished == serial.finished
-    for a, b, lp_a, lp_b in zip(ours.responses, serial.responses, ours.logprobs, serial.logprobs, strict=True):
+    with eager_within():
+        eager = sample(model, state, dataclasses.replace(config, cuda_graph=False))
+    assert ours.graphed and not eager.graphed and ours.finished == eager.finished
+    for a, b, lp_a, lp_b in zip(ours.responses, eager.responses, ours.logprobs, eager.logprobs, strict=True):
         assert torch.equal(a, b) and torch.equal(lp_a, lp_b)
 
 
@@ -525,13 +533,5 @@ def test_a_decoding_step_with_the_rows_projections_is_the_cublas_one_on_cuda(pre
 def test_the_graphed_step_with_the_rows_projections_gives_the_eager_steps_tokens_and_logprobs():
     """One seed, bf16, `decode_linear("triton")`: the recorded step against the eager step (the same kernels on the
     same tensors): the same tokens and log-probs bit for bit."""
-    model = _policy("tiny-llama", torch.bfloat16)
-    prompt = torch.randint(0, 256, (600,), generator=torch.Generator().manual_seed(0)).cuda()
-    state = capture(model, prompt, chunk_size=256)
-    config = SamplingConfig(8, 40, 1.0, stop_ids=tuple(range(3, 256, 11)), seed=5)
-    with decode_linear("triton"):
-        ours = sample(model, state, config)
-        eager = sample(model, state, dataclasses.replace(config, cuda_graph=False))
-    assert ours.graphed and not eager.graphed and ours.finished == eager.finished
-    for a, b, lp_a, lp_b in zip(ours.responses, eager.responses, ours.logprobs, eager.logprobs, strict=True):
-        assert torch.equal(a, b) and torch.equal(lp_a, lp_b)
+    triton = lambda: decode_linear("triton")  # noqa: E731
+    _graphed_step_is_the_eager_one("tiny-llama", graphed_within=triton, eager_within=triton)
