@@ -300,7 +300,7 @@ def interpreted(tmp_path_factory):
         name: _decode_attention_inputs(gen, sinks) for name, sinks in (("decode", False), ("decode with sinks", True))
     }
     inputs["sampler"] = _sampler_inputs(gen)
-    # a decoding step's 5 rows (of a 16-row block) of 300 features (two 128-wide K-blocks and a ragged one) times
+    # a decoding step's 5 rows (of a 16-row block) of 300 features (a 256-wide K-block and a ragged one) times
     # 70 output columns (four 16-wide blocks and a ragged one), a residual, a stacked [gate; up] weight and eps
     inputs["rows linear"] = (
         torch.randn(5, 1, ROWS_K, generator=gen),

@@ -41,7 +41,7 @@ class Blocks(NamedTuple):
     """A launch's shape: output columns and K-block a program, warps, pipeline stages."""
 
     n: int = 16
-    k: int = 128
+    k: int = 256
     warps: int = 4
     stages: int = 3
 
