@@ -19,7 +19,7 @@ matching up columns, the rows' rsqrt(mean(x^2) + eps) from the same x it multipl
 silu(r gate) * (r up), where the cuBLAS path rounds gate and up to the dtype first and scales them in a second
 launch (`swiglu_triton.swiglu_stacked_scaled_triton`).
 
-The plain references are `decode_linear.rows_linear_reference` and `rows_swiglu_reference` (torch's GEMMs). Float32
+The plain references are `decode_linear`'s "cublas" paths (torch's GEMMs, then `swiglu.swiglu_rms_scaled`). Float32
 inputs multiply in IEEE float32 (not TF32), so a float32 model's step is comparable with the reference's. Speed is
 measured on the GPU (`benchmarks/decode_linear_rate.py`, against cuBLAS per shape, and `rollout_speed.py
 --decode-linear triton`); the configuration is one fixed shape (no first-call tuning inside a graph's recording).
