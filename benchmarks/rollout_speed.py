@@ -11,10 +11,9 @@ random B, as a policy in training), one random prompt of --length tokens capture
   CUDA graph (`DecodeGraph`), on CUDA with a dense layer's norms folded into its projections
   (`families.folded_norms`; --unfolded: without, the step before that fold), the rotary read from a table and the
   draw, log-prob and writes in two Triton launches (`rollout.RotaryTable`, `kernels.sampling_triton`; --plain-tail:
-  the rotary computed each step and the torch tail, the step before them), with --launches dependent
-  the attention's merge, the rotary-and-append and the SwiGLU programmatic dependent launches on Hopper
-  (`kernels.dependent_launch`; serial, the default: each after the one before), with --decode-linear triton the
-  folded step's projections as Triton launches spread over their columns (`kernels.decode_linear`): ms a step
+  the rotary computed each step and the torch tail, the step before them), with --launches dependent (the
+  default) the attention's merge, the rotary-and-append and the SwiGLU programmatic dependent launches on Hopper
+  (`kernels.dependent_launch`; serial: each after the one before): ms a step
   over --steps steps after two warm-up steps, and whether both give the same tokens from one seed; and one whole
   `sample()` call of --tokens tokens (its one-off costs: merged LoRA weights, the graph's recording); then a later
   call's wall time, plain (those costs again) and through a `DecodeSession` an earlier call built (the state copied
@@ -47,7 +46,6 @@ import torch
 
 from longstraw.core.transaction import capture, replay
 from longstraw.families import adapter_for
-from longstraw.kernels.decode_linear import decode_linear
 from longstraw.kernels.dependent_launch import decode_launches
 from longstraw.measure.provenance import provenance
 from longstraw.measure.timing import copy_bandwidth, seconds_per_call, synchronize
@@ -322,15 +320,9 @@ def main() -> int:
     )
     parser.add_argument(
         "--launches",
-        choices=("serial", "dependent"),
-        default="serial",
-        help="dependent: the decoding kernels that can start while the one before runs (Hopper) do",
-    )
-    parser.add_argument(
-        "--decode-linear",
-        choices=("cublas", "triton"),
-        default="cublas",
-        help="triton: a folded step's projections as `kernels.decode_linear_triton`'s launches",
+        choices=("dependent", "serial"),
+        default="dependent",
+        help="dependent (the default): the decoding kernels that can start while the one before runs (Hopper) do",
     )
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
@@ -339,7 +331,7 @@ def main() -> int:
     state = capture(model, prompt)
     result = {"preset": args.preset, "length": args.length, "group": args.group, "device": str(device)}
     result["unfolded"], result["plain_tail"] = args.unfolded, args.plain_tail
-    result["launches"], result["decode_linear"] = args.launches, args.decode_linear
+    result["launches"] = args.launches
     if device.type == "cuda":
         result["card"] = torch.cuda.get_device_name(device)
     result["provenance"] = provenance(device)
@@ -351,7 +343,7 @@ def main() -> int:
             ("hf", lambda: _hf(model, prompt, args, device)),
         ]
     for name, measure in sections:  # written after each, so a run cut off at its time limit keeps what it measured
-        with decode_launches(result["launches"]), decode_linear(result["decode_linear"]):
+        with decode_launches(result["launches"]):
             result[name] = measure()
         result["ratios"] = _ratios(result)
         write_json_atomic(args.out, result)

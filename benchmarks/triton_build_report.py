@@ -35,7 +35,6 @@ from triton.compiler import ASTSource
 
 from longstraw.kernels import (
     attention_dq_triton,
-    decode_linear_triton,
     gdn_conv_triton,
     gdn_scan_triton,
     rotary_triton,
@@ -63,15 +62,6 @@ SAMPLER_TYPES = {
     **dict.fromkeys(("candidate_ptr", "forced_ptr", "stop_ptr", "step_ptr", "tokens_ptr", "tokens_out_ptr"), "*i64"),
     **dict.fromkeys(("finite_ptr", "forcing_ptr", "unfinished_ptr"), "*i1"),
     "inv_t": "fp32",
-}
-# a decoding step's projections (`decode_linear_triton`): SmolLM2's 8 rows (a 16-row block), 576 wide
-ROWS_LINEAR_BLOCKS = decode_linear_triton.BLOCKS
-ROWS_LINEAR_SHAPE = {
-    "BM": 16,
-    "BN": ROWS_LINEAR_BLOCKS.n,
-    "BK": ROWS_LINEAR_BLOCKS.k,
-    "PRECISION": "tf32",
-    "PDL": False,
 }
 
 
@@ -157,21 +147,6 @@ KERNELS = {
         )
         for transposed in (False, True)
     },
-    **{
-        f"decode projection{what}": Kernel(
-            decode_linear_triton._rows_linear_kernel,
-            {**ROWS_LINEAR_SHAPE, "RESIDUAL": residual, "SWIGLU": swiglu},
-            _fixed(num_warps=ROWS_LINEAR_BLOCKS.warps, num_stages=ROWS_LINEAR_BLOCKS.stages),
-            {"eps": "fp32"},
-            scalars=("M", "N", "K"),
-            multiples_of_16=("N", "K"),  # 576, 960, 1,536
-        )
-        for what, residual, swiglu in (
-            ("", False, False),
-            (" into the residual", True, False),
-            (", swiglu", False, True),
-        )
-    },
     "sampler chunks": Kernel(
         sampling_triton._chunk_kernel, SAMPLER_SHAPE, _fixed(num_warps=4), SAMPLER_TYPES, scalars=("V", "S")
     ),
@@ -246,7 +221,6 @@ def main() -> None:
         "rotary": ROTARY_SHAPE,
         "attention dq": ATTENTION_DQ_SHAPE,
         "sampler": SAMPLER_SHAPE,
-        "decode projection": ROWS_LINEAR_SHAPE,
     }
     result = {"arch": f"sm_{args.arch}", "triton": triton.__version__, "shapes": shapes, "kernels": {}}
     for name, kernel in KERNELS.items():

@@ -4,7 +4,6 @@ rotary table and the fused sampler against the plain one, and the decoding kerne
 itself is held to HF's `generate` on the CPU (tests/test_rollout.py); the kernels' arithmetic to float64 in Triton's
 interpreter (tests/test_triton_interpreted.py)."""
 
-import contextlib
 import dataclasses
 import functools
 
@@ -17,7 +16,6 @@ from longstraw import capture
 from longstraw.core.transaction import reuse_state
 from longstraw.families import adapter_for
 from longstraw.kernels.decode_attention_triton import decode_attention_triton, decode_usable
-from longstraw.kernels.decode_linear import decode_linear
 from longstraw.kernels.dependent_launch import decode_launches
 from longstraw.kernels.gdn import recurrent_gated_delta_rule
 from longstraw.kernels.gdn_decode_triton import gdn_decode_step
@@ -150,25 +148,19 @@ def test_the_graphed_step_with_the_table_and_fused_sampler_gives_the_plain_eager
 @pytest.mark.parametrize("preset", ["tiny-llama", "tiny-qwen3_5"])
 def test_the_graphed_step_with_dependent_launches_gives_the_serial_eager_steps_tokens_and_logprobs(preset):
     """One seed, bf16: the recorded step whose rotary-and-append, SwiGLU and attention merge start while the kernel
-    before them runs (`decode_launches("dependent")`, programmatic dependent launches on Hopper) against the eager
-    step launching each after the one before (the default): the same kernels on the same tensors, so the same tokens
-    and log-probs bit for bit."""
-    _graphed_step_is_the_eager_one(preset, graphed_within=lambda: decode_launches("dependent"))
-
-
-def _graphed_step_is_the_eager_one(preset, graphed_within, eager_within=contextlib.nullcontext):
-    """One seed, bf16: `sample` through the recorded step (within `graphed_within()`) and eagerly (within
-    `eager_within()`) give the same tokens, log-probs and finished rows, bit for bit."""
+    before them runs (`decode_launches("dependent")`, the default: programmatic dependent launches on Hopper) against
+    the eager step launching each after the one before (`decode_launches("serial")`): the same kernels on the same
+    tensors, so the same tokens and log-probs bit for bit."""
     model = _policy(preset, torch.bfloat16)
     prompt = torch.randint(0, 256, (600,), generator=torch.Generator().manual_seed(0)).cuda()
     state = capture(model, prompt, chunk_size=256)
     config = SamplingConfig(8, 40, 1.0, stop_ids=tuple(range(3, 256, 11)), seed=5)
-    with graphed_within():
+    with decode_launches("dependent"):
         ours = sample(model, state, config)
-    with eager_within():
-        eager = sample(model, state, dataclasses.replace(config, cuda_graph=False))
-    assert ours.graphed and not eager.graphed and ours.finished == eager.finished
-    for a, b, lp_a, lp_b in zip(ours.responses, eager.responses, ours.logprobs, eager.logprobs, strict=True):
+    with decode_launches("serial"):
+        serial = sample(model, state, dataclasses.replace(config, cuda_graph=False))
+    assert ours.graphed and not serial.graphed and ours.finished == serial.finished
+    for a, b, lp_a, lp_b in zip(ours.responses, serial.responses, ours.logprobs, serial.logprobs, strict=True):
         assert torch.equal(a, b) and torch.equal(lp_a, lp_b)
 
 
@@ -470,68 +462,3 @@ def test_stacked_decoding_step_is_the_unstacked_one_on_cuda(preset):
     config = model.config
     tol = float32_tolerance(config.hidden_size, config.intermediate_size, roundings=2 * config.num_hidden_layers)
     assert (logits[True] - logits[False]).abs().max() <= tol * float(logits[False].abs().max())
-
-
-@pytest.mark.parametrize("dependent", [False, True])
-def test_the_rows_projections_are_float32_sums_rounded_once_on_cuda(dependent):
-    """`decode_linear_triton`'s kernels at SmolLM2's shapes (8 bf16 rows; q/k/v 960 x 576, o_proj into the residual
-    576 x 576, down_proj into the residual 576 x 1536, the folded gate/up 2 x 1536 x 576) against float64 of the
-    same bf16 values: within half a bf16 ulp of the result (its one rounding) plus SAFETY (K + 2) EPS32 of the
-    terms' magnitudes (float32 sums; SwiGLU: of both dots, times the SiLU's slope, and the rms scale's error).
-    Launched dependent or not: the same values."""
-    from tolerances import EPS32, SAFETY
-
-    from longstraw.kernels.decode_linear_triton import rows_linear_triton, rows_swiglu_triton
-
-    gen = torch.Generator(device="cuda").manual_seed(0)
-
-    def randn(*shape, scale=1.0):
-        return (scale * torch.randn(*shape, generator=gen, device="cuda")).bfloat16()
-
-    def check(ours, exact, magnitude, K):
-        bound = EPS_BF16 / 2 * exact.abs() + SAFETY * (K + 2) * EPS32 * magnitude
-        assert ours.dtype == torch.bfloat16 and ((ours.double() - exact).abs() <= bound).all()
-
-    x = randn(8, 1, 576)
-    for n, k in ((960, 576), (576, 576), (576, 1536)):
-        rows, weight, residual = randn(8, 1, k), randn(n, k, scale=k**-0.5), randn(8, 1, n)
-        exact, magnitude = rows.double() @ weight.double().T, rows.double().abs() @ weight.double().abs().T
-        check(rows_linear_triton(rows, weight, dependent=dependent), exact, magnitude, k)
-        into = residual.clone()
-        assert rows_linear_triton(rows, weight, residual=into, dependent=dependent) is into
-        check(into, residual.double() + exact, magnitude + residual.double().abs(), k)
-    gate_up, eps = randn(2 * 1536, 576, scale=576**-0.5), 1e-5
-    scale = torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + eps)
-    gate, up = (scale * (x.double() @ half.double().T) for half in gate_up.chunk(2))
-    magnitudes = [scale * (x.double().abs() @ half.double().abs().T) for half in gate_up.chunk(2)]
-    silu = gate * torch.sigmoid(gate)
-    magnitude = 1.1 * (magnitudes[0] + gate.abs()) * up.abs() + silu.abs() * (magnitudes[1] + up.abs())
-    check(rows_swiglu_triton(x, gate_up, eps, dependent=dependent), silu * up, magnitude, 576)
-
-
-@pytest.mark.parametrize("preset", ["tiny-llama"])
-def test_a_decoding_step_with_the_rows_projections_is_the_cublas_one_on_cuda(preset):
-    """One folded decoding step's logits (float32, the Triton dots in IEEE float32) with the projections as
-    `decode_linear("triton")` against cuBLAS's: the same sums in other orders, and gate and up not rounded before
-    the SwiGLU (a float32 rounding): within `float32_tolerance` of the hidden and intermediate reductions, two
-    reordered a layer, of the largest logit."""
-    model = _policy(preset, torch.float32)
-    state = capture(model, torch.randint(0, 256, (400,), device="cuda"))
-    adapter = adapter_for(model)
-    logits = {}
-    for name in ("cublas", "triton"):
-        with decode_linear(name), decoding(adapter):
-            decoder = Decoder(adapter, state, SamplingConfig(4, 4, cuda_graph=False))
-            decoder.step()
-            logits[name] = decoder.logits()
-    config = model.config
-    tol = float32_tolerance(config.hidden_size, config.intermediate_size, roundings=2 * config.num_hidden_layers)
-    assert (logits["triton"] - logits["cublas"]).abs().max() <= tol * float(logits["cublas"].abs().max())
-    assert not torch.equal(logits["triton"], logits["cublas"])  # the Triton kernels ran
-
-
-def test_the_graphed_step_with_the_rows_projections_gives_the_eager_steps_tokens_and_logprobs():
-    """One seed, bf16, `decode_linear("triton")`: the recorded step against the eager step (the same kernels on the
-    same tensors): the same tokens and log-probs bit for bit."""
-    triton = lambda: decode_linear("triton")  # noqa: E731
-    _graphed_step_is_the_eager_one("tiny-llama", graphed_within=triton, eager_within=triton)

@@ -29,7 +29,6 @@ VOCAB, HIDDEN = 300, 32
 INDEX_HEADS, INDEX_DIM = 3, 32
 SCAN_CHUNK = 64
 SAMPLER_PAD = 1  # a token id: a finished row's writes
-ROWS_K = 300  # the decoding projections' inner size
 
 
 def _gdn_rule_inputs(with_state: bool):
@@ -79,7 +78,7 @@ import sys
 import torch
 from longstraw.kernels import attention_dq_triton, dsa_topk_triton, gdn_conv_triton, gdn_scan_triton, logprobs_triton
 from longstraw.kernels import decode_attention_triton, gdn_decode_triton, lora_merge_triton, rms_norm_triton
-from longstraw.kernels import decode_linear_triton, rope_append_triton, rotary_triton, sampling_triton, swiglu_triton
+from longstraw.kernels import rope_append_triton, rotary_triton, sampling_triton, swiglu_triton
 
 conv = gdn_conv_triton
 for autotuned in (
@@ -142,10 +141,6 @@ for name, (logits, q, temperature, stop, step, forcing, buffers) in inputs["samp
     buffers = [t.clone() for t in buffers]  # tokens_G, unfinished_G, finite_1, tokens_GT, logps_GT
     sampling_triton.sample_step_triton(logits, q, temperature, stop, %(pad)d, step, *buffers, forcing=forcing)
     out[name] = buffers
-x, weight, residual, gate_up, eps = inputs["rows linear"]
-out["rows linear"] = decode_linear_triton.rows_linear_triton(x, weight)
-out["rows linear into the residual"] = decode_linear_triton.rows_linear_triton(x, weight, residual=residual.clone())
-out["rows swiglu"] = decode_linear_triton.rows_swiglu_triton(x, gate_up, eps)
 torch.save(out, sys.argv[2])
 """ % {"key_dim": KEY_DIM, "head_dim": HEAD_DIM, "pad": SAMPLER_PAD}  # noqa: UP031 (the code has braces of its own)
 
@@ -300,15 +295,6 @@ def interpreted(tmp_path_factory):
         name: _decode_attention_inputs(gen, sinks) for name, sinks in (("decode", False), ("decode with sinks", True))
     }
     inputs["sampler"] = _sampler_inputs(gen)
-    # a decoding step's 5 rows (of a 16-row block) of 300 features (a 256-wide K-block and a ragged one) times
-    # 70 output columns (four 16-wide blocks and a ragged one), a residual, a stacked [gate; up] weight and eps
-    inputs["rows linear"] = (
-        torch.randn(5, 1, ROWS_K, generator=gen),
-        torch.randn(70, ROWS_K, generator=gen),
-        torch.randn(5, 1, 70, generator=gen),
-        torch.randn(140, ROWS_K, generator=gen) / ROWS_K**0.5,
-        1e-5,
-    )
     folder = tmp_path_factory.mktemp("interpreted")
     torch.save(inputs, folder / "inputs.pt")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
@@ -828,55 +814,3 @@ def test_interpreted_fused_tail_decodes_the_torch_tails_tokens(tmp_path):
         bound = chunked_logprob_bound(256, CHUNK, logps.double().abs()) + chunked_logprob_bound(256, 256, logps.abs())
         assert ((ours_logps.double() - logps.double()).abs() <= bound).all()
         assert (tokens[2, :6] == 200 + 9 * torch.arange(6)).all() and (tokens[0, :6:2] == 7).all()
-
-
-def _dot_bound(x, weight) -> torch.Tensor:
-    """Per output of x W^T summed in float32: (K + 1) EPS32 of the terms' magnitudes, sum |x_k w_k| (a K-term sum
-    in any order, then the result's rounding)."""
-    return (x.shape[-1] + 1) * EPS32 * (x.abs() @ weight.abs().T)
-
-
-def test_interpreted_rows_linear_is_a_float32_rounding_of_float64(interpreted):
-    """`rows_linear_triton` in float32 (IEEE dots) against x W^T in float64, within SAFETY times `_dot_bound`; into
-    the residual, residual + x W^T within that plus EPS32 (|residual| + the terms), the residual's storage returned.
-    The product without the ragged last K-block, and without the residual, fall outside."""
-    inputs, outputs = interpreted
-    x, weight, residual = (t.double() for t in inputs["rows linear"][:3])
-    expected = x @ weight.T
-    bound = SAFETY * _dot_bound(x, weight)
-    ours = outputs["rows linear"]
-    assert ours.shape == expected.shape == (5, 1, 70) and ours.dtype == torch.float32
-    assert ((ours.double() - expected).abs() <= bound).all()
-    whole_blocks = 256
-    assert ((x[..., :whole_blocks] @ weight[:, :whole_blocks].T - expected).abs() > bound).any()
-    summed = residual + expected
-    sum_bound = bound + SAFETY * EPS32 * (residual.abs() + x.abs() @ weight.abs().T)
-    into = outputs["rows linear into the residual"]
-    assert into.shape == summed.shape and ((into.double() - summed).abs() <= sum_bound).all()
-    assert ((expected - summed).abs() > sum_bound).any()
-
-
-def test_interpreted_rows_swiglu_scales_gate_and_up_by_the_rows_rms(interpreted):
-    """`rows_swiglu_triton` in float32 against silu(r g) (r u) in float64, g and u the rows times the stacked
-    weight's gate and up halves, r = rsqrt(mean(x^2) + eps) of the row. Each of r g and r u is off by r times its
-    dot's bound (`_dot_bound`) plus (K + 8) EPS32 of itself (the scale's error, `_folded_bound`); silu(y) moves by at
-    most 1.1 |dy| (its slope), the product by 8 EPS32 of itself (the stacked kernel's bound); times SAFETY.
-    Unscaled, and gate and up swapped, fall outside."""
-    inputs, outputs = interpreted
-    x, _, _, gate_up, eps = inputs["rows linear"]
-    x, gate_up = x.double(), gate_up.double()
-    scale = _rms_scale64(x, eps)
-    gate, up = (scale * (x @ half.T) for half in gate_up.chunk(2))
-    expected = gate * torch.sigmoid(gate) * up
-    d_gate, d_up = (
-        scale * _dot_bound(x, half) + _folded_bound(x) * value.abs()
-        for half, value in zip(gate_up.chunk(2), (gate, up), strict=True)
-    )
-    silu = gate * torch.sigmoid(gate)
-    bound = SAFETY * (1.1 * d_gate * up.abs() + silu.abs() * d_up + 8 * EPS32 * expected.abs())
-    ours = outputs["rows swiglu"]
-    assert ours.shape == expected.shape == (5, 1, 70) and ours.dtype == torch.float32
-    assert ((ours.double() - expected).abs() <= bound).all()
-    unscaled_gate, unscaled_up = gate / scale, up / scale
-    assert ((unscaled_gate * torch.sigmoid(unscaled_gate) * unscaled_up - expected).abs() > bound).any()
-    assert ((up * torch.sigmoid(up) * gate - expected).abs() > bound).any()

@@ -8,9 +8,7 @@ q, k and v (`rope_append_triton`'s `rms_of`), the stacked SwiGLU for gate and up
 The two residual sums go into o_proj's and down_proj's GEMMs (`swiglu.add_linear_`: cuBLAS's beta = 1, in the
 residual's storage). A layer's step is then: the q/k/v GEMM, rotary and append, the attention's two launches,
 o_proj into the residual, the gate/up GEMM, SwiGLU, down_proj into the residual; the unfolded path adds the input
-norm and the post-attention norm (with the first sum inside). Under `kernels.decode_linear.decode_linear("triton")`
-the four projections are Triton launches spread over the output's columns, and gate/up's also takes r and the SwiGLU
-(the product rounded once, not gate and up first): seven launches.
+norm and the post-attention norm (with the first sum inside).
 
 Roundings: HF rounds x * r to the model's dtype and the product with w again before the GEMM; folded, W diag(w) is
 rounded once (multiplied in float32), the GEMM reads x as it is and rounds its output, and r multiplies that in
@@ -28,9 +26,10 @@ the two kernels' torch references run (`attention_decode._rope_append`, `swiglu.
 
 from __future__ import annotations
 
+import torch.nn.functional as F
+
 from longstraw.families.attention_decode import attend_stacked, plain_decoding
-from longstraw.kernels.decode_linear import add_rows_linear_, rows_linear, rows_swiglu
-from longstraw.kernels.swiglu import silu_gated
+from longstraw.kernels.swiglu import add_linear_, silu_gated, swiglu_rms_scaled
 from longstraw.models.stacked_projections import stacked_weight
 
 
@@ -60,7 +59,7 @@ def folded_layer_forward(layer, h_B1H, position_embeddings, pages):
         return None
     qkv, o, gate_up, down = weights
     rms_of = (h_B1H, layer.input_layernorm.variance_epsilon)
-    heads = attend_stacked(layer.self_attn, rows_linear(h_B1H, qkv), position_embeddings, pages, rms_of=rms_of)
-    h_B1H = add_rows_linear_(h_B1H, heads, o)
-    product = rows_swiglu(h_B1H, gate_up, layer.post_attention_layernorm.variance_epsilon)
-    return add_rows_linear_(h_B1H, product, down)
+    heads = attend_stacked(layer.self_attn, F.linear(h_B1H, qkv), position_embeddings, pages, rms_of=rms_of)
+    h_B1H = add_linear_(h_B1H, heads, o)
+    product = swiglu_rms_scaled(F.linear(h_B1H, gate_up), h_B1H, layer.post_attention_layernorm.variance_epsilon)
+    return add_linear_(h_B1H, product, down)
