@@ -1469,7 +1469,9 @@ def test_every_figure_fits_its_canvas(fixture, request, tmp_path, monkeypatch):
     found, save, problems_of = {}, draw.save_png, draw.layout_problems
 
     def checked(fig, path):  # what save_png's own look at the figure it writes finds
-        monkeypatch.setattr(draw, "layout_problems", lambda f: found.setdefault(Path(path).name, problems_of(f)))
+        monkeypatch.setattr(
+            draw, "layout_problems", lambda f, **kw: found.setdefault(Path(path).name, problems_of(f, **kw))
+        )
         return save(fig, path)
 
     monkeypatch.setattr(figures, "save_png", checked)

@@ -292,11 +292,13 @@ def shared_legend(axes) -> tuple[list, list]:
     return list(seen.values()), list(seen)
 
 
-def layout_problems(fig) -> list[str]:
+def layout_problems(fig, drawn: bool = False) -> list[str]:
     """What does not fit on the drawn figure: an axes (with its ticks, labels, title and legend), a
     figure text or a figure legend reaching outside the figure, legends overlapping each other, and
-    an annotation inside an axes lying under a legend."""
-    fig.canvas.draw()
+    an annotation inside an axes lying under a legend. `drawn`: the canvas already holds the figure
+    as it is (else it is drawn here)."""
+    if not drawn:
+        fig.canvas.draw()
     renderer, frame = fig.canvas.get_renderer(), fig.bbox
     problems = []
     boxes = [(f"axes {ax.get_title()[:40]!r}", ax.get_tightbbox(renderer)) for ax in fig.axes if ax.get_visible()]
@@ -327,12 +329,14 @@ PNG_DPI = 110
 
 def save_png(fig, path) -> Path:
     """Write the figure as a PNG atomically and close it; say on stderr what does not fit
-    (`layout_problems`). The PNG is the canvas `layout_problems` drew, at `PNG_DPI`: what `fig.savefig(...,
-    dpi=PNG_DPI)` writes, without drawing the figure a third time (a report draws ~50 figures)."""
+    (`layout_problems`). The figure is drawn once at `PNG_DPI` after the tight layout, and that canvas is both
+    checked and written: what `fig.savefig(..., dpi=PNG_DPI)` writes, without drawing the figure a third time (a
+    report draws ~50 figures)."""
     path = Path(path)
     fig.tight_layout()
     fig.set_dpi(PNG_DPI)
-    for problem in layout_problems(fig):
+    fig.canvas.draw()
+    for problem in layout_problems(fig, drawn=True):
         print(f"figure {path.name}: {problem}", file=sys.stderr)
     with atomic_path(path) as tmp:
         matplotlib.image.imsave(tmp, fig.canvas.buffer_rgba(), format="png", origin="upper", dpi=PNG_DPI)
