@@ -217,17 +217,23 @@ class Trainer:
 
     # ---- prefix reuse
     def _example(self, step: int):
-        """This step's task example, made once per prompt. A long prompt is costly to build (a RULER prompt at
-        131,072 positions: ~0.4 s of host), so the next prompt's is made on a worker thread while this one's
-        step runs on the device (examples are functions of their seed: made ahead, they are the same)."""
+        """This step's task example, made once per prompt (the one `_make_ahead` started, when it did)."""
         prompt = step // self.cfg.steps_per_prompt
         if self._made[0] != prompt:
             ahead, self._ahead = self._ahead, None
             example = ahead[1].result() if ahead is not None and ahead[0] == prompt else self._make_example(prompt)
             self._made = (prompt, example)
-            if (prompt + 1) * self.cfg.steps_per_prompt < self.cfg.steps:
-                self._ahead = (prompt + 1, self._maker.submit(self._make_example, prompt + 1))
         return self._made[1]
+
+    def _make_ahead(self, step: int) -> None:
+        """Start making the next prompt's example on the worker thread, once. A long prompt is costly to build (a
+        RULER prompt at 131,072 positions: ~0.4 s of host), so it is made while this step runs on the device
+        (examples are functions of their seed: made ahead, they are the same). Called once the step's capture
+        is launched: the worker's Python holds the GIL, and during the capture the host is what sets the pace
+        (a RULER maker beside a capture slowed it 42% on the CPU), while sampling and replay wait on the device."""
+        nxt = step // self.cfg.steps_per_prompt + 1
+        if nxt * self.cfg.steps_per_prompt < self.cfg.steps and (self._ahead is None or self._ahead[0] != nxt):
+            self._ahead = (nxt, self._maker.submit(self._make_example, nxt))
 
     def _make_example(self, prompt: int):
         if self.text is None:
@@ -330,6 +336,7 @@ class Trainer:
         if refreshed:
             with recorder.phase("capture"):
                 self._capture(step)
+        self._make_ahead(step)
         rollouts = self._rollouts(step, recorder)
         rewards, advantages, text = self._group_rewards(step, example, rollouts, recorder)
         ref_state = self._reference_state(step, recorder)
