@@ -1624,6 +1624,37 @@ def test_sizes_read_in_gb_beside_gib():
     assert _with_gb("peak_memory_bytes", 208_000_000) == "198.36 MiB (0.208 GB)"
 
 
+def test_the_longest_reached_claim_names_every_point_run_at_that_length():
+    """Per model the longest length where any mode reached V4, and there each mode's estimate of every point that ran
+    it, reached ones first: a run repeated with other settings is not hidden behind the first one found."""
+    from longstraw.report.paper import longest_reached
+
+    def row(point, length, reached, gain, se, model="m"):
+        return {
+            "status": "ok",
+            "model": model,
+            "point": point,
+            "prompt_length": length,
+            "response-only_reached": reached,
+            "response-only_gain": gain,
+            "response-only_gain_se": se,
+        }
+
+    rows = [
+        row("short", 8192, True, 0.9, 0.1),
+        row("eager", 16384, True, 0.655, 0.044),
+        row("again", 16384, False, 0.1, 0.05),
+        row("graphed", 16384, True, 0.6375, 0.0466),
+        row("other", 4096, True, 0.5, 0.1, model="n"),
+    ]
+    text = longest_reached({"modes": ["response-only"]}, rows)["text"]
+    # 0.655 / 0.044 = 14.886..., 0.6375 / 0.0466 = 13.680..., 0.1 / 0.05 = 2.0
+    assert text == (
+        "m at 16,384: response-only +0.655 +- 0.044 (14.9 SE) (eager), +0.637 +- 0.047 (13.7 SE) (graphed), "
+        "+0.100 +- 0.050 (2.0 SE) (again); n at 4,096: response-only +0.500 +- 0.100 (5.0 SE) (other)"
+    )
+
+
 def test_losses_and_drifts_show_six_significant_digits():
     from longstraw.plotting.formatting import format_value
 

@@ -191,8 +191,9 @@ def _trained_length(row: dict):
 
 def longest_reached(spec: dict, rows: list[dict]) -> dict:
     """`op: longest_reached`: per model, the longest length at which a point reached its statistic in any of
-    `modes` (columns `{mode}_reached`, `{mode}_gain`, `{mode}_gain_se`), with each mode's estimate there (from the
-    point that ran it, reached ones first: the modes may be points of their own)."""
+    `modes` (columns `{mode}_reached`, `{mode}_gain`, `{mode}_gain_se`), with each mode's estimates there (every
+    point that ran it, reached ones first: the modes may be points of their own, and a run repeated with other
+    settings is a point of its own)."""
     modes = spec.get("modes") or []
     ok = [r for r in rows if r.get("status") == "ok"]
     longest: dict[str, int] = {}
@@ -206,10 +207,11 @@ def longest_reached(spec: dict, rows: list[dict]) -> dict:
         estimates = []
         for m in modes:
             ran = [r for r in there if not is_missing(r.get(f"{m}_gain")) and not is_missing(r.get(f"{m}_gain_se"))]
+            ran.sort(key=lambda r: (r.get(f"{m}_reached") is not True, str(r.get("point"))))
             if ran:
-                row = max(ran, key=lambda r: r.get(f"{m}_reached") is True)
-                used.append(row)
-                estimates.append(f"{m} {_estimate(row[f'{m}_gain'], row[f'{m}_gain_se'])} ({row.get('point')})")
+                used += ran
+                each = [f"{_estimate(r[f'{m}_gain'], r[f'{m}_gain_se'])} ({r.get('point')})" for r in ran]
+                estimates.append(f"{m} {', '.join(each)}")
         parts.append(f"{model} at {format_number(length)}: {', '.join(estimates)}")
     return {"text": "; ".join(parts) or "not reached at any length", "value": None, "points": _points(used)}
 
