@@ -39,9 +39,10 @@ class _WitnessTask(_ParityTask):
 
     def __init__(self, vocab_size, length=96):
         super().__init__(vocab_size, length)
-        self.made, self.rewarded = {}, []
+        self.made, self.rewarded, self.events = {}, [], []
 
     def make(self, seed):
+        self.events.append(("make", seed))
         example = self.inner.make(seed)
         self.made[seed] = (example, threading.current_thread().name)
         return example
@@ -184,14 +185,18 @@ def test_resume_after_interruption_reproduces_the_run(tmp_path):
 
 
 def test_the_next_prompt_is_made_on_a_worker_thread_while_a_step_runs(tmp_path):
-    """Prompt p + 1's example is made ahead on the trainer's worker thread (the first on the caller's), once, and
-    step p is rewarded on prompt p's example, the one its seed makes anywhere."""
+    """Prompt p + 1's example is made ahead on the trainer's worker thread (the first on the caller's), once, started
+    after the step's capture (whose launches the worker's Python would slow), and step p is rewarded on prompt p's
+    example, the one its seed makes anywhere."""
     cfg = _config(tmp_path, task={"name": "test_witness", "length": 96}, steps=4, steps_per_prompt=2)
     trainer = Trainer(cfg)
+    capture = trainer._capture
+    trainer._capture = lambda step, *a: (trainer.task.events.append(("capture", step)), capture(step, *a))
     trainer.run(resume=False)
     task, seeds = trainer.task, [3 * 1_000_003 + p for p in range(2)]
     assert sorted(task.made) == seeds
     assert [task.made[s][1].startswith("next-prompt") for s in seeds] == [False, True]
+    assert task.events.index(("capture", 0)) < task.events.index(("make", seeds[1]))
     groups = [task.rewarded[i * 3] for i in range(4)]  # G = 3 rewards a step
     assert [e is task.made[seeds[step // 2]][0] for step, e in enumerate(groups)] == [True] * 4
     for seed in seeds:
