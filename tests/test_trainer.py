@@ -191,7 +191,12 @@ def test_the_next_prompt_is_made_on_a_worker_thread_while_a_step_runs(tmp_path):
     cfg = _config(tmp_path, task={"name": "test_witness", "length": 96}, steps=4, steps_per_prompt=2)
     trainer = Trainer(cfg)
     capture = trainer._capture
-    trainer._capture = lambda step, *a: (trainer.task.events.append(("capture", step)), capture(step, *a))
+
+    def logged_capture(step, *args):
+        trainer.task.events.append(("capture", step))
+        capture(step, *args)
+
+    trainer._capture = logged_capture
     trainer.run(resume=False)
     task, seeds = trainer.task, [3 * 1_000_003 + p for p in range(2)]
     assert sorted(task.made) == seeds
