@@ -78,6 +78,7 @@ from longstraw.core.member_graphs import MemberGraphs
 from longstraw.core.step import StepOptions, grpo_step, reference_policy
 from longstraw.core.transaction import capture, reuse_state
 from longstraw.cp import context_parallel
+from longstraw.measure.collector import collector_frozen
 from longstraw.measure.memory import PhaseRecorder
 from longstraw.measure.provenance import provenance
 from longstraw.models.policy import build_policy
@@ -557,22 +558,23 @@ class Trainer:
             disable=not self.writes,
         )
         watch = open_watch(self.cfg.report_to if self.writes else "none", self.out, self.out.name, to_mapping(self.cfg))
-        for count, step in enumerate(bar):
-            if stop_after is not None and count >= stop_after:
-                break
-            with deterministic_mode(self.cfg.deterministic):
-                records.append(self.train_step(step))
-            if self.writes:
-                _append_line(metrics_path, strict_json(records[-1]))
-                watch.log(step, records[-1])
-            reward = records[-1]["reward_mean"]
-            bar.set_postfix(
-                reward="-" if reward is None else f"{reward:.3f}",
-                loss=f"{records[-1]['loss']:.4f}",
-                refreshed=records[-1]["refreshed"],
-            )
-            if self.writes and every and ((step + 1) % every == 0 or step + 1 == steps):
-                self.save_checkpoint(step + 1)
+        with collector_frozen():  # what the steps find built (the model, the libraries): no full collection walks it
+            for count, step in enumerate(bar):
+                if stop_after is not None and count >= stop_after:
+                    break
+                with deterministic_mode(self.cfg.deterministic):
+                    records.append(self.train_step(step))
+                if self.writes:
+                    _append_line(metrics_path, strict_json(records[-1]))
+                    watch.log(step, records[-1])
+                reward = records[-1]["reward_mean"]
+                bar.set_postfix(
+                    reward="-" if reward is None else f"{reward:.3f}",
+                    loss=f"{records[-1]['loss']:.4f}",
+                    refreshed=records[-1]["refreshed"],
+                )
+                if self.writes and every and ((step + 1) % every == 0 or step + 1 == steps):
+                    self.save_checkpoint(step + 1)
         bar.close()
         watch.close()
         self._ahead = None  # a prompt made ahead that no step of this call reached
