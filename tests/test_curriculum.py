@@ -171,6 +171,70 @@ def test_a_curriculum_carries_each_stages_adapter_and_a_rerun_skips_finished_sta
     _check_heldout_figure({**result, "kind": "learning", "point": "c", "experiment": "demo"}, tmp_path / "tables")
 
 
+def test_a_stage_the_policy_already_reads_is_skipped_with_its_adapter_carried_on(tmp_path, monkeypatch):
+    """A stage whose probe finds the starting policy above the probe's range does not train and hands the adapter it
+    started from to the next stage, which probes and trains from it; a stage below the range ends the curriculum."""
+    from longstraw.kinds import learning, learning_curriculum
+    from longstraw.training.trainer import Trainer
+
+    probed, trained, success = [], [], {}
+
+    def fake_probe(cfg, progress, lengths):  # the probe's record, its success set per length by the test
+        (length,) = lengths
+        probed.append((length, cfg.model.lora.init))
+        low, high = cfg.learning.probe.success
+        s = success[length]
+        rows = [{"length": length, "success": s}]
+        return {"rows": rows, "range": [low, high], "chosen_length": length if low <= s <= high else None}
+
+    step = Trainer.train_step
+
+    def spy_step(self, index):
+        trained.append(self.out.parent.name)
+        return step(self, index)
+
+    monkeypatch.setattr(learning_curriculum, "probe_lengths", fake_probe)
+    monkeypatch.setattr(Trainer, "train_step", spy_step)
+    yarn = {"max_position_embeddings": 160, "rope_parameters": {"rope_type": "yarn", "factor": 2.0,
+            "original_max_position_embeddings": 80, "rope_theta": 10000.0}}  # fmt: skip
+    stages = [{"length": 64, "steps": 2}] + [{"length": n, "steps": 2, "overrides": yarn} for n in (96, 128)]
+
+    def run(name: str) -> list[dict]:
+        args = [
+            "run",
+            str(EXAMPLE),
+            "--out",
+            str(tmp_path / f"{name}.json"),
+            "--set",
+            "learning.probe.success=[0.1, 0.9]",
+        ]
+        args += [
+            "--set",
+            f"learning.curriculum.stages={json.dumps(stages)}",
+            "--set",
+            "learning.curriculum.eval_tasks=[]",
+        ]
+        args += ["--set", "learning.gradients=[response-only]"]
+        assert cli.main(args) == 0
+        return json.loads((tmp_path / f"{name}.json").read_text())
+
+    success.update({64: 0.5, 96: 0.95, 128: 0.5})
+    result = run("skipped")
+    done = result["metrics"]["stages"]
+    assert [s["length"] for s in done] == [64, 96, 128]
+    assert done[1]["skipped"] == "probe success 0.95 above the range's 0.9" and "runs" not in done[1]
+    assert done[1]["start_adapter"] == done[1]["adapter"] == done[2]["start_adapter"] == done[0]["adapter"]
+    assert probed == [(64, None), (96, done[0]["adapter"]["path"]), (128, done[0]["adapter"]["path"])]
+    assert sorted(set(trained)) == ["stage-0", "stage-2"] and trained.count("stage-2") == 4  # 2 runs of 2 steps
+    assert "96: skipped, its adapter carried on" in learning.columns(result)["curriculum"]
+
+    probed.clear()
+    success.update({96: 0.05})
+    done = run("stopped")["metrics"]["stages"]
+    assert [(s["length"], s["adapter"], s.get("skipped")) for s in done[1:]] == [(96, None, None)]
+    assert [length for length, _ in probed] == [64, 96]
+
+
 def _check_eval_curves(stages: list[dict], eval_tasks: list[dict]) -> None:
     """Each stage's curves of each eval task are the length curve's own (`training.length_curve`, called here on a
     model built from the example's settings, the stage's saved adapter loaded): the base model's on the plain model,

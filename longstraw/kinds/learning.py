@@ -392,6 +392,8 @@ def reported_stage(stages: list[dict]) -> dict | None:
 def stage_text(stage: dict) -> str:
     """One stage in a cell: its length and each gradient mode's gain +- SE, or why it did not train."""
     gains_ = as_dict(stage.get("gains"))
+    if stage.get("skipped"):
+        return f"{stage.get('length'):,}: skipped, its adapter carried on ({stage['skipped']})"
     if not gains_:
         return f"{stage.get('length'):,}: not trained (probe out of range)"
     listed = ", ".join(

@@ -5,8 +5,9 @@ with its `overrides` (the RoPE scaling the length needs), its LoRA adapter start
 
 Each stage is one learning point's work at one length, fixed before it runs:
 - the probe (`learning.probe`: its `examples` and `success` range): the greedy success of the policy the stage
-  starts from, at the stage's length, on held-out seeds; outside the range the stage does not train, and no later
-  stage runs (none would have an adapter to start from);
+  starts from, at the stage's length, on held-out seeds; below the range the stage does not train, and no later
+  stage runs (none would have an adapter to start from); above it the policy already reads the length, so the stage
+  is skipped (`skipped`: no runs, no V4 to measure) and its starting adapter is carried on to the next stage;
 - the runs of `learning.gradients` at `optimizer.lr` and the lr-0 control, all from the same starting adapter, with
   the same prompts and sampling seeds; V4's paired gain per gradient mode over the last `learning.window` steps
   (`learning.gains`);
@@ -65,10 +66,11 @@ def run_curriculum(cfg: PointConfig, device, progress: Progress, work: Path, che
             write_text_atomic(record_file, strict_json(record))
         stages.append(record)
         progress.partial({"stages": stages})
-        start = record["adapter"]
-        if start is None:
+        if record["adapter"] is None and not record.get("skipped"):
             break
-        checked(start)
+        start = record["adapter"]  # a skipped stage's: the one it started from (stage 0's may be none)
+        if start is not None:
+            checked(start)
     return {"stages": stages}
 
 
@@ -109,6 +111,10 @@ def run_stage(cfg, index: int, stage, start, folder: Path, device, progress: Pro
         probe = remembered(folder / "probe.json", lambda: probe_lengths(staged, progress, [stage.length]))
         record["probe"] = probe
         if probe["chosen_length"] is None:
+            success, (_, high) = probe["rows"][0]["success"], probe["range"]
+            if success > high:  # nothing left to learn at this length: the next stage starts where this one would
+                progress.line(f"learning curriculum: stage {index} skipped (probe {success:.2f} above {high})")
+                return {**record, "adapter": start, "skipped": f"probe success {success:.2f} above the range's {high}"}
             return record
     runs, resumed_at = train_runs(staged, folder, checkpoint_every, stage.length, progress)
     carried = cfg.learning.gradients[0]
