@@ -420,12 +420,15 @@ def test_a_recapturing_step_point_captures_every_cycle_and_reuses_no_state():
     assert [c["state_age"] for c in fresh["metrics"]["cycles"]] == [0, 0, 0]
 
 
-def test_the_collector_is_frozen_within_a_step_point_and_thawed_after_it(monkeypatch):
-    """A step point's cycles run with what was built before them frozen out of the collector (no full collection
-    walks the model inside a timed phase); after the point, or its failure, nothing stays frozen."""
+@pytest.mark.parametrize("source", ["seeded", "rollouts"])
+def test_the_collector_is_frozen_within_a_step_point_and_thawed_after_it(monkeypatch, source):
+    """A step point's cycles, seeded or the trainer's (`rollouts`), run with what was built before them frozen out of
+    the collector (no full collection walks the model inside a timed phase); after the point, or its failure, nothing
+    stays frozen."""
     import gc
 
     import longstraw.core.step as core_step
+    import longstraw.training.trainer as trainer_module
     from longstraw.harness.runner import run_point
 
     real, frozen = core_step.grpo_step, []
@@ -435,8 +438,10 @@ def test_the_collector_is_frozen_within_a_step_point_and_thawed_after_it(monkeyp
         return real(*args, **kwargs)
 
     monkeypatch.setattr(core_step, "grpo_step", watched)
+    monkeypatch.setattr(trainer_module, "grpo_step", watched)  # the trainer's own import of it
+    point = _cycles_point(source, **({"task": {"name": "step_even_share"}} if source == "rollouts" else {}))
     assert gc.get_freeze_count() == 0
-    assert run_point(_cycles_point("seeded"))["status"] == "ok"
+    assert run_point(point)["status"] == "ok"
     assert len(frozen) == 3 and min(frozen) > 1000  # the model, torch's and transformers' objects
     assert gc.get_freeze_count() == 0
 
@@ -444,7 +449,8 @@ def test_the_collector_is_frozen_within_a_step_point_and_thawed_after_it(monkeyp
         raise RuntimeError("a step that fails")
 
     monkeypatch.setattr(core_step, "grpo_step", failing)
-    assert run_point(_cycles_point("seeded"))["status"] == "error"
+    monkeypatch.setattr(trainer_module, "grpo_step", failing)
+    assert run_point(point)["status"] == "error"
     assert gc.get_freeze_count() == 0
 
 

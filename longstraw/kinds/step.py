@@ -96,6 +96,7 @@ def run_rollouts(cfg: PointConfig, device, progress: Progress) -> dict:
     transaction's (phases, graph and resident bytes) with the step's rewards, loss and gradient norm."""
     import tempfile
 
+    from longstraw.measure.collector import collector_frozen
     from longstraw.measure.memory import PhaseRecorder
     from longstraw.models.lora import trainable_parameters
     from longstraw.training.trainer import Trainer
@@ -105,14 +106,15 @@ def run_rollouts(cfg: PointConfig, device, progress: Progress) -> dict:
     with tempfile.TemporaryDirectory(prefix="longstraw-cycles-") as tmp:
         with recorder.phase("weights"):
             trainer = Trainer(cycles_mapping(cfg, tmp), source=f"{cfg.name} [rollouts]")
-        for step in range(cfg.cycles):
-            record = trainer.train_step(step)
-            cycles.append({**record["transaction"], **{k: record[k] for k in ROLLOUT_KEYS}})
-            progress.line(
-                f"cycle {step}: reward {record['reward_mean']:.3f}, loss {record['loss']:.4g}, "
-                f"{record['seconds']:.1f} s"
-            )
-            progress.partial({"cycles": cycles})
+        with collector_frozen():  # as the seeded cycles and a trainer's run: no full collection inside a cycle
+            for step in range(cfg.cycles):
+                record = trainer.train_step(step)
+                cycles.append({**record["transaction"], **{k: record[k] for k in ROLLOUT_KEYS}})
+                progress.line(
+                    f"cycle {step}: reward {record['reward_mean']:.3f}, loss {record['loss']:.4g}, "
+                    f"{record['seconds']:.1f} s"
+                )
+                progress.partial({"cycles": cycles})
     return {
         "weights": recorder.phases["weights"],
         "trainable_parameters": trainable_parameters(trainer.model),
