@@ -107,7 +107,7 @@ def main() -> int:
     for mode, c in collector.items():
         print(f"collector {mode}: {c['steps']} steps, collections gen0 {c['gen0']} gen1 {c['gen1']} gen2 {c['gen2']}, "
               f"{c['seconds']:.4f} s in all, the longest {c['longest']:.4f} s")  # fmt: skip
-    print(f"collector seconds a step, thawed / frozen: {thawed['seconds'] / max(frozen['seconds'], 1e-9):.1f}x")
+    print(f"collector seconds, thawed / frozen: {thawed['seconds'] / max(frozen['seconds'], 1e-9):.1f}x")
     busy = kernels["busy_fraction"]
     print(f"profiled step: wall {kernels['wall_seconds']:.4f} s, {kernels['kernels']} kernels, "
           f"{kernels['kernel_seconds']:.4f} s of kernels ({busy:.0%} busy)")  # fmt: skip

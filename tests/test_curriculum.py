@@ -200,22 +200,10 @@ def test_a_stage_the_policy_already_reads_is_skipped_with_its_adapter_carried_on
     stages = [{"length": 64, "steps": 2}] + [{"length": n, "steps": 2, "overrides": yarn} for n in (96, 128)]
 
     def run(name: str) -> list[dict]:
-        args = [
-            "run",
-            str(EXAMPLE),
-            "--out",
-            str(tmp_path / f"{name}.json"),
-            "--set",
-            "learning.probe.success=[0.1, 0.9]",
-        ]
-        args += [
-            "--set",
-            f"learning.curriculum.stages={json.dumps(stages)}",
-            "--set",
-            "learning.curriculum.eval_tasks=[]",
-        ]
-        args += ["--set", "learning.gradients=[response-only]"]
-        assert cli.main(args) == 0
+        changes = ["learning.probe.success=[0.1, 0.9]", f"learning.curriculum.stages={json.dumps(stages)}"]
+        changes += ["learning.curriculum.eval_tasks=[]", "learning.gradients=[response-only]"]
+        args = ["run", str(EXAMPLE), "--out", str(tmp_path / f"{name}.json")]
+        assert cli.main(args + [arg for change in changes for arg in ("--set", change)]) == 0
         return json.loads((tmp_path / f"{name}.json").read_text())
 
     success.update({64: 0.5, 96: 0.95, 128: 0.5})
