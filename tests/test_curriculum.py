@@ -214,12 +214,16 @@ def test_a_stage_the_policy_already_reads_is_skipped_with_its_adapter_carried_on
     assert done[1]["start_adapter"] == done[1]["adapter"] == done[2]["start_adapter"] == done[0]["adapter"]
     assert probed == [(64, None), (96, done[0]["adapter"]["path"]), (128, done[0]["adapter"]["path"])]
     assert sorted(set(trained)) == ["stage-0", "stage-2"] and trained.count("stage-2") == 4  # 2 runs of 2 steps
-    assert "96: skipped, its adapter carried on" in learning.columns(result)["curriculum"]
+    columns = learning.columns(result)
+    assert "96: skipped, its adapter carried on" in columns["curriculum"]
+    assert "96: 0.95 -> above the range: skipped; 128: 0.50 -> trained at 128" in columns["probe"]
 
     probed.clear()
     success.update({96: 0.05})
-    done = run("stopped")["metrics"]["stages"]
+    result = run("stopped")
+    done = result["metrics"]["stages"]
     assert [(s["length"], s["adapter"], s.get("skipped")) for s in done[1:]] == [(96, None, None)]
+    assert learning.columns(result)["probe"].endswith("96: 0.05 -> none in range: not trained")
     assert [length for length, _ in probed] == [64, 96]
 
 

@@ -357,7 +357,8 @@ def columns(point: dict) -> dict:
     if stages:  # a curriculum: its stages in a cell, the stage that reached furthest in the gain columns
         shown = reported_stage(stages)
         out["curriculum"] = "; ".join(stage_text(s) for s in stages)
-        out["probe"] = "; ".join(probe_text(as_dict(s.get("probe"))) for s in stages if s.get("probe")) or None
+        probes = [probe_text(as_dict(s["probe"]), skipped=bool(s.get("skipped"))) for s in stages if s.get("probe")]
+        out["probe"] = "; ".join(probes) or None
         out.update(run_columns(shown, shown.get("steps"), settings.get("window")) if shown else {})
         out["trained_length"] = shown.get("length") if shown else None
         out["steps"] = shown.get("steps") if shown else None  # the shown stage's (learning.steps does not apply)
@@ -373,12 +374,12 @@ def columns(point: dict) -> dict:
     return {**out, **run_columns(metrics, settings.get("steps"), settings.get("window"))}
 
 
-def probe_text(probe: dict) -> str:
-    """A probe's greedy success per length, and where it trained."""
+def probe_text(probe: dict, skipped: bool = False) -> str:
+    """A probe's greedy success per length, and where it trained (a curriculum stage above the range: skipped)."""
     chosen = probe.get("chosen_length")
-    return "; ".join(f"{r['length']:,}: {r['success']:.2f}" for r in probe.get("rows", [])) + (
-        f" -> trained at {chosen:,}" if chosen else " -> none in range: not trained"
-    )
+    outcome = " -> above the range: skipped" if skipped else " -> none in range: not trained"
+    rows = "; ".join(f"{r['length']:,}: {r['success']:.2f}" for r in probe.get("rows", []))
+    return rows + (f" -> trained at {chosen:,}" if chosen else outcome)
 
 
 def reported_stage(stages: list[dict]) -> dict | None:
