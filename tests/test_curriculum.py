@@ -346,6 +346,14 @@ def _stages(point):
             lambda p: p["learning"]["curriculum"]["eval_tasks"][0].update(num_needle=3),
             "learning.curriculum.eval_tasks[0].num_needle: unknown setting of this task",
         ),
+        (
+            lambda p: p["learning"].update(gradients=["exact"], steps_per_prompt=2, refresh={"every": 2}),
+            "learning.refresh: the exact gradient needs a capture with the current parameters every step",
+        ),
+        (
+            lambda p: p["learning"].update(steps_per_prompt=3),
+            "learning.window: 2 steps hold fewer than 2 prompts' first steps at 3 steps a prompt",
+        ),
     ],
 )
 def test_bad_stage_settings_are_refused_when_the_plan_is_made(tmp_path, capsys, change, message):
@@ -385,6 +393,13 @@ def test_the_gpu_curriculum_is_planned_on_h200_only(tmp_path):
         (131072, 16.0),
     ]
     assert [s.num_generations for s in last.learning.curriculum.stages] == [32, 32]
+    # RL at 131,072 from the rope-steps curriculum's last adapter, 4 steps on each prompt's one capture
+    steps = points["curriculum-niah-16k-131k-rope-steps"]["config"].learning.curriculum
+    reuse = points["curriculum-niah-131k-reuse4-from-rope-steps"]["config"]
+    assert reuse.model.lora.init == f"{steps.out}/stage-{len(steps.stages) - 1}/adapter"
+    assert (reuse.learning.steps_per_prompt, reuse.learning.refresh.every, reuse.learning.window) == (4, 4, 64)
+    (stage,) = reuse.learning.curriculum.stages
+    assert (stage.length, stage.overrides["rope_parameters"]["factor"], stage.steps) == (131072, 16.0, 128)
 
 
 def test_a_lora_adapter_starts_from_a_saved_one_and_refuses_another_shape(tmp_path):

@@ -28,5 +28,9 @@ def test_per_prompt_means_pool_a_prompts_steps_and_samples():
     ]
     assert per_prompt_means(steps) == {0: 0.75, 1: 0.25}
     assert per_prompt_means(steps, first_step=3) == {1: 0.5}
+    # first visits: each prompt's first step only, and no prompt whose first step is before first_step
+    assert per_prompt_means(steps, first_visit=True) == {0: 0.5, 1: 0.0}
+    assert per_prompt_means(steps, first_step=1, first_visit=True) == {1: 0.0}
+    assert per_prompt_means(steps[::-1], first_step=3, first_visit=True) == {}
     with pytest.raises(ValueError, match="at least 2 shared prompts"):
         paired_gain({0: 1.0}, {0: 0.0})

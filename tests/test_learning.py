@@ -141,6 +141,41 @@ def test_learning_point_runs_the_same_prompts_and_reports_the_paired_gain(checkp
         assert result["metrics"]["gains"][name] == pytest.approx(expected)
 
 
+def test_a_learning_point_reusing_each_prompt_state_measures_v4_on_first_visits(checkpoint, monkeypatch):
+    """`steps_per_prompt: 2` with `refresh.every: 2`: one capture a prompt, its second step on the state captured
+    before the first update (prefix reuse); V4 pairs each prompt's first step only, the rewards of a policy not yet
+    trained on that prompt."""
+    from longstraw.training import trainer
+
+    captured, capture = [], trainer.capture
+    monkeypatch.setattr(trainer, "capture", lambda model, ids, **kw: captured.append(ids) or capture(model, ids, **kw))
+    result = run_point(
+        {
+            "name": "v4-reuse",
+            "kind": "learning",
+            "model": {"path": checkpoint},
+            "prompt": {"length": 32},
+            "responses": {"length": 1},
+            "grpo": {"beta": 0.0},
+            "optimizer": {"lr": 1e-2},
+            "learning": {"task": TASK, "steps": 8, "steps_per_prompt": 2, "refresh": {"every": 2}, "window": 6},
+        }
+    )
+    assert result["status"] == "ok", result.get("error")
+    runs = result["metrics"]["runs"]
+    for steps in runs.values():
+        assert [s["prompt"] for s in steps] == [0, 0, 1, 1, 2, 2, 3, 3]
+        assert [s["refreshed"] for s in steps] == [True, False] * 4
+    assert len(captured) == 2 * 4  # two runs (response-only, lr 0), one capture of each of the 4 prompts
+
+    def first_steps(steps):  # steps 2, 4, 6: the first visits of prompts 1-3, the window's last 6 steps
+        return {s["prompt"]: sum(s["rewards"]) / len(s["rewards"]) for s in steps if s["step"] in (2, 4, 6)}
+
+    expected = paired_gain(first_steps(runs["response-only"]), first_steps(runs["lr0"]))
+    assert result["metrics"]["gains"]["response-only"] == pytest.approx(expected)
+    assert expected["prompts"] == 3
+
+
 class _EvenShare:
     """The counting task's prompts with a dense reward (the share of even ids in the response). Sampled at a high
     temperature (the pretrained checkpoint is so sure of its answers that at temperature 1 an AMD EPYC's kernels

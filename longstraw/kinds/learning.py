@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Literal
 
 from longstraw.config import ConfigError, PointConfig, point_mapping
 from longstraw.config.sections import EnvironmentConfig
+from longstraw.config.train import RefreshConfig
 from longstraw.config.typed import bounded
 from longstraw.kinds.checks import check_task
 from longstraw.kinds.learning_runs import (
@@ -123,6 +124,9 @@ class LearningConfig:
     task: dict = field(default_factory=lambda: {"name": "kv_retrieval", "num_needles": 4, "value_length": 2})
     steps: int = bounded(16, min=2)  # a curriculum: each stage's own
     steps_per_prompt: int = bounded(1, min=1)
+    # when a prompt is captured again within its steps (the trainer's `refresh`): every step by default; every k
+    # steps reuses the state captured k - 1 updates before (prefix reuse), a capture per prompt when k is its steps
+    refresh: RefreshConfig = field(default_factory=RefreshConfig)
     seed: int = 0
     temperature: float = bounded(1.0, min=0.0)
     gradients: list[Literal["response-only", "exact"]] = field(default_factory=lambda: ["response-only"])
@@ -145,6 +149,13 @@ class LearningConfig:
             raise ValueError(f"window: {self.window} is more than the {self.steps} steps")
         if not self.gradients:
             raise ValueError("gradients: at least one gradient mode")
+        if "exact" in self.gradients and (self.refresh.policy, self.refresh.every) != ("every", 1):
+            raise ValueError("refresh: the exact gradient needs a capture with the current parameters every step")
+        if self.window // self.steps_per_prompt < 2:
+            raise ValueError(
+                f"window: {self.window} steps hold fewer than 2 prompts' first steps at {self.steps_per_prompt} "
+                "steps a prompt; V4 pairs prompts"
+            )
         labels = [task_label(self.task)] + [
             task_label(t) for t in (self.curriculum.eval_tasks if self.curriculum else [])
         ]

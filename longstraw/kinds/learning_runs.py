@@ -44,7 +44,7 @@ def trainer_mapping(cfg: PointConfig, lr: float, gradient: str, out_dir, length:
         },
         "optimizer": {"lr": lr, "weight_decay": 0.0},
         "gradient": gradient,
-        "refresh": {"policy": "every", "every": 1},
+        "refresh": to_mapping(s.refresh),
     }
 
 
@@ -59,7 +59,8 @@ def train_runs(cfg: PointConfig, work: Path, checkpoint_every: int, length: int,
     from the newest one there."""
     from longstraw.training.trainer import Trainer
 
-    keep = ("step", "prompt", "reward_mean", "rewards", "loss", "grad_norm", SKIPPED, "response_tokens", "seconds")
+    keep = ("step", "prompt", "refreshed", "reward_mean", "rewards", "loss", "grad_norm", SKIPPED, "response_tokens")
+    keep += ("seconds",)
     runs, resumed_at = {}, {}
     for name, lr, gradient in runs_of(cfg):
         mapping = trainer_mapping(cfg, lr, gradient, work / name, length)
@@ -129,12 +130,13 @@ def probe_lengths(cfg: PointConfig, progress: Progress, lengths) -> dict:
 
 
 def gains(runs: dict, first_step: int) -> dict:
-    """Each trained run's paired gain over the lr-0 run on the prompts of the steps from `first_step` on."""
+    """Each trained run's paired gain over the lr-0 run on the prompts first visited from `first_step` on, each
+    prompt's first step (with `steps_per_prompt` > 1 its later steps follow updates on its own rewards)."""
     from longstraw.training.improvement import paired_gain, per_prompt_means
 
-    baseline = per_prompt_means(runs[UNTRAINED], first_step)
+    baseline = per_prompt_means(runs[UNTRAINED], first_step, first_visit=True)
     return {
-        name: paired_gain(per_prompt_means(steps, first_step), baseline)
+        name: paired_gain(per_prompt_means(steps, first_step, first_visit=True), baseline)
         for name, steps in runs.items()
         if name != UNTRAINED
     }
@@ -147,7 +149,8 @@ def gradient_gap(runs: dict, first_step: int) -> dict | None:
 
     if not {"exact", "response-only"} <= set(runs):
         return None
-    return paired_gain(per_prompt_means(runs["exact"], first_step), per_prompt_means(runs["response-only"], first_step))
+    exact, response_only = (per_prompt_means(runs[n], first_step, first_visit=True) for n in ("exact", "response-only"))
+    return paired_gain(exact, response_only)
 
 
 # ------------------------------------------------------------------------------------------- report

@@ -17,12 +17,17 @@ import math
 SIGMAS = 3.0
 
 
-def per_prompt_means(steps: list[dict], first_step: int = 0) -> dict[int, float]:
-    """{prompt index: mean reward over its steps (from `first_step` on) and samples} of trainer metrics."""
+def per_prompt_means(steps: list[dict], first_step: int = 0, first_visit: bool = False) -> dict[int, float]:
+    """{prompt index: mean reward over its steps (from `first_step` on) and samples} of trainer metrics. With
+    `first_visit`, only each prompt's first step, and only prompts first visited from `first_step` on: the rewards
+    of a policy not yet trained on that prompt (a prompt's later steps follow updates on its own rewards)."""
     totals: dict[int, list[float]] = {}
-    for step in steps:
-        if step["step"] >= first_step:
-            totals.setdefault(step["prompt"], []).extend(step["rewards"])
+    seen: set[int] = set()
+    for step in sorted(steps, key=lambda s: s["step"]):
+        first, prompt = step["prompt"] not in seen, step["prompt"]
+        seen.add(prompt)
+        if step["step"] >= first_step and (first or not first_visit):
+            totals.setdefault(prompt, []).extend(step["rewards"])
     return {prompt: sum(r) / len(r) for prompt, r in sorted(totals.items())}
 
 
