@@ -176,6 +176,59 @@ def test_a_learning_point_reusing_each_prompt_state_measures_v4_on_first_visits(
     assert expected["prompts"] == 3
 
 
+def test_each_step_records_where_its_needle_sits(checkpoint):
+    """A step's `depth` is where its prompt holds the answer's needle: rebuilt here from the task and the documented
+    seed of a run's prompt (seed * 1,000,003 + prompt), the KEY token sits at depth x the filler's room (+- 0.5)."""
+    from transformers import AutoConfig
+
+    from longstraw.training.tasks import KEY, build_task
+
+    spec = {"name": "kv_retrieval", "num_needles": 1, "value_length": 1}
+    result = run_point(
+        {
+            "name": "depths",
+            "kind": "learning",
+            "model": {"path": checkpoint},
+            "prompt": {"length": 32},
+            "responses": {"length": 1},
+            "grpo": {"beta": 0.0},
+            "learning": {"task": spec, "steps": 4, "window": 2},
+        }
+    )
+    assert result["status"] == "ok", result.get("error")
+    task = build_task({**spec, "length": 32}, AutoConfig.from_pretrained(checkpoint).vocab_size)
+    room = 32 - 3 - 5  # the prompt less QUERY key ANSWER and the needle KEY k VAL v END
+    depths = []
+    for steps in result["metrics"]["runs"].values():
+        for step in steps:
+            ids = task.make(0 * 1_000_003 + step["prompt"]).prompt_ids.tolist()
+            assert abs(step["depth"] * room - ids.index(KEY)) <= 0.5, step
+            depths.append(step["depth"])
+    assert len(set(depths)) == 4  # four prompts, four depths
+
+
+def test_success_by_depth_bands_each_prompts_first_step_by_hand():
+    from longstraw.kinds.learning import depth_text
+    from longstraw.kinds.learning_runs import success_by_depth
+
+    steps = [
+        {"step": 0, "prompt": 0, "depth": 0.1, "rewards": [1.0, 0.0]},
+        {"step": 1, "prompt": 0, "depth": 0.1, "rewards": [1.0, 1.0]},  # not a first visit
+        {"step": 2, "prompt": 1, "depth": 0.2, "rewards": [0.0, 0.0]},  # a band's lower edge is in it
+        {"step": 3, "prompt": 2, "depth": 1.0, "rewards": [1.0, 1.0]},  # the last band holds 1.0
+        {"step": 4, "prompt": 3, "depth": 0.95, "rewards": [0.0, 1.0]},
+    ]
+    assert [(r["depths"], r["prompts"], r["success"]) for r in success_by_depth(steps)] == [
+        ([0.0, 0.2], 1, 0.5),
+        ([0.2, 0.4], 1, 0.0),
+        ([0.4, 0.6], 0, None),
+        ([0.6, 0.8], 0, None),
+        ([0.8, 1.0], 2, 0.75),
+    ]
+    assert depth_text(steps) == "0-0.2: 0.50 (1); 0.2-0.4: 0.00 (1); 0.4-0.6: - (0); 0.6-0.8: - (0); 0.8-1: 0.75 (2)"
+    assert success_by_depth([{**steps[0], "depth": None}]) is None and depth_text([]) is None
+
+
 class _EvenShare:
     """The counting task's prompts with a dense reward (the share of even ids in the response). Sampled at a high
     temperature (the pretrained checkpoint is so sure of its answers that at temperature 1 an AMD EPYC's kernels

@@ -45,6 +45,7 @@ from longstraw.kinds.learning_runs import (
     gradient_gap,
     probe_lengths,
     remembered,
+    success_by_depth,
     task_label,
     train_runs,
 )
@@ -329,13 +330,16 @@ EXTRA_TABLES = {
             "heldout_success",
             "heldout_base_success",
             "heldout_eval_tasks",
+            "lr0_by_depth",
             "step_seconds",
         ],
         "Each stage starts every run (lr0 too) from the adapter the stage before carried on (its sha256); held-out: "
         "greedy success at the stage's length on the length curve's seeds, with the stage's adapter and without it "
         "(eval tasks: each of learning.curriculum.eval_tasks, the adapter's success and the base's); "
         "exact minus response-only: the two trained runs' paired difference on the stage's last window of prompts; "
-        "step seconds: the response-only run's median step after its first (capture, sampling, replay, update).",
+        "lr0 by depth: the starting policy's sampled success on each prompt's first step, by where the answer's "
+        "needle sits (0: the context's start), each band's prompt count in brackets; step seconds: the "
+        "response-only run's median step after its first (capture, sampling, replay, update).",
     ),
     "heldout": ExtraTable(
         "Length curriculum: held-out greedy success per stage, task and length",
@@ -525,9 +529,22 @@ def stage_row(stage: dict) -> dict:
     gap = gradient_gap(runs, steps - window) if runs and steps is not None and window is not None else None
     row["exact_minus_response_only"] = gap["gain"] if gap else None
     row["exact_minus_response_only_se"] = gap["standard_error"] if gap else None
+    row["lr0_by_depth"] = depth_text(runs.get(UNTRAINED) or [])
     seconds = [number(s.get("seconds")) for s in (runs.get("response-only") or [])[1:]]
     row["step_seconds"] = statistics.median(seconds) if seconds and None not in seconds else None
     return row
+
+
+def depth_text(steps: list[dict]) -> str | None:
+    """A run's first-visit success by needle depth in one cell (None: its steps carry no depth)."""
+    rows = success_by_depth(steps) if steps else None
+    if rows is None:
+        return None
+    return "; ".join(
+        f"{r['depths'][0]:g}-{r['depths'][1]:g}: {'-' if r['success'] is None else format(r['success'], '.2f')} "
+        f"({r['prompts']})"
+        for r in rows
+    )
 
 
 def success_at(rows, length) -> float | None:

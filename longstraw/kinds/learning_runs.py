@@ -59,8 +59,8 @@ def train_runs(cfg: PointConfig, work: Path, checkpoint_every: int, length: int,
     from the newest one there."""
     from longstraw.training.trainer import Trainer
 
-    keep = ("step", "prompt", "refreshed", "reward_mean", "rewards", "loss", "grad_norm", SKIPPED, "response_tokens")
-    keep += ("seconds",)
+    keep = ("step", "prompt", "depth", "refreshed", "reward_mean", "rewards", "loss", "grad_norm", SKIPPED)
+    keep += ("response_tokens", "seconds")
     runs, resumed_at = {}, {}
     for name, lr, gradient in runs_of(cfg):
         mapping = trainer_mapping(cfg, lr, gradient, work / name, length)
@@ -140,6 +140,27 @@ def gains(runs: dict, first_step: int) -> dict:
         for name, steps in runs.items()
         if name != UNTRAINED
     }
+
+
+DEPTH_EDGES = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
+
+
+def success_by_depth(steps: list[dict], edges=DEPTH_EDGES) -> list[dict] | None:
+    """A run's mean reward on each prompt's first step, by where the task put the answer's needle (`depth`, a share
+    of the context: 0 its start): one row per band [lo, hi) (the last closed), with its prompt count. None when the
+    steps carry no depth (a task without needles, or a record from before depths were kept)."""
+    from longstraw.training.improvement import per_prompt_means
+
+    depth = {s["prompt"]: s.get("depth") for s in steps}
+    if not depth or any(d is None for d in depth.values()):
+        return None
+    means = per_prompt_means(steps, first_visit=True)
+    rows = []
+    for i, (lo, hi) in enumerate(zip(edges, edges[1:])):
+        last = i == len(edges) - 2
+        band = [m for p, m in means.items() if lo <= depth[p] < hi or (last and depth[p] == hi)]
+        rows.append({"depths": [lo, hi], "prompts": len(band), "success": sum(band) / len(band) if band else None})
+    return rows
 
 
 def gradient_gap(runs: dict, first_step: int) -> dict | None:

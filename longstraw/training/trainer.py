@@ -238,7 +238,7 @@ class Trainer:
 
     def _make_example(self, prompt: int):
         if self.text is None:
-            return self.task.make(self.cfg.seed * 1_000_003 + prompt)
+            return self.task.make(prompt_seed(self.cfg.seed, prompt))
         rows = len(self.text)
         order = self.text.order(prompt // rows, self.cfg.seed, self.cfg.dataset.shuffle)
         return self.text.example(order[prompt % rows])
@@ -347,6 +347,7 @@ class Trainer:
         return {
             "step": step,
             "prompt": step // self.cfg.steps_per_prompt,
+            "depth": example.info.get("depth"),  # where the task put the answer's needle (None: no needle)
             "refreshed": refreshed,
             "state_age": step - self.capture_step,
             "drift_before": drift,
@@ -579,6 +580,11 @@ class Trainer:
         watch.close()
         self._ahead = None  # a prompt made ahead that no step of this call reached
         return records
+
+
+def prompt_seed(seed: int, prompt: int) -> int:
+    """The task seed of a run's `prompt`-th prompt (a task's examples are functions of their seed)."""
+    return seed * 1_000_003 + prompt
 
 
 def group_record(metrics: dict, rewards: list[float], text: dict, finished) -> dict:
