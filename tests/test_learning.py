@@ -112,25 +112,27 @@ def test_a_length_curve_refuses_an_adapter_folder_that_is_not_there(tmp_path):
         run_point({**point, "length_curve": {"task": TASK, "lengths": [16], "adapter": "/nowhere"}})
 
 
-def test_learning_point_runs_the_same_prompts_and_reports_the_paired_gain(checkpoint):
+def _learning_point(checkpoint, name: str, learning: dict, lr: float = 1e-2) -> dict:
+    """A learning point on the checkpoint at 32 positions, one-token answers, no KL term; its result, checked ok."""
     result = run_point(
         {
-            "name": "v4",
+            "name": name,
             "kind": "learning",
             "model": {"path": checkpoint},
             "prompt": {"length": 32},
             "responses": {"length": 1},
             "grpo": {"beta": 0.0},
-            "optimizer": {"lr": 1e-2},
-            "learning": {
-                "task": TASK,
-                "steps": 4,
-                "window": 2,
-                "gradients": ["response-only", "exact"],
-            },
+            "optimizer": {"lr": lr},
+            "learning": learning,
         }
     )
     assert result["status"] == "ok", result.get("error")
+    return result
+
+
+def test_learning_point_runs_the_same_prompts_and_reports_the_paired_gain(checkpoint):
+    learning = {"task": TASK, "steps": 4, "window": 2, "gradients": ["response-only", "exact"]}
+    result = _learning_point(checkpoint, "v4", learning)
     runs = result["metrics"]["runs"]
     assert set(runs) == {"response-only", "exact", "lr0"}
     assert [s["prompt"] for s in runs["lr0"]] == [s["prompt"] for s in runs["exact"]] == [0, 1, 2, 3]
@@ -149,19 +151,8 @@ def test_a_learning_point_reusing_each_prompt_state_measures_v4_on_first_visits(
 
     captured, capture = [], trainer.capture
     monkeypatch.setattr(trainer, "capture", lambda model, ids, **kw: captured.append(ids) or capture(model, ids, **kw))
-    result = run_point(
-        {
-            "name": "v4-reuse",
-            "kind": "learning",
-            "model": {"path": checkpoint},
-            "prompt": {"length": 32},
-            "responses": {"length": 1},
-            "grpo": {"beta": 0.0},
-            "optimizer": {"lr": 1e-2},
-            "learning": {"task": TASK, "steps": 8, "steps_per_prompt": 2, "refresh": {"every": 2}, "window": 6},
-        }
-    )
-    assert result["status"] == "ok", result.get("error")
+    learning = {"task": TASK, "steps": 8, "steps_per_prompt": 2, "refresh": {"every": 2}, "window": 6}
+    result = _learning_point(checkpoint, "v4-reuse", learning)
     runs = result["metrics"]["runs"]
     for steps in runs.values():
         assert [s["prompt"] for s in steps] == [0, 0, 1, 1, 2, 2, 3, 3]
@@ -184,18 +175,7 @@ def test_each_step_records_where_its_needle_sits(checkpoint):
     from longstraw.training.tasks import KEY, build_task
 
     spec = {"name": "kv_retrieval", "num_needles": 1, "value_length": 1}
-    result = run_point(
-        {
-            "name": "depths",
-            "kind": "learning",
-            "model": {"path": checkpoint},
-            "prompt": {"length": 32},
-            "responses": {"length": 1},
-            "grpo": {"beta": 0.0},
-            "learning": {"task": spec, "steps": 4, "window": 2},
-        }
-    )
-    assert result["status"] == "ok", result.get("error")
+    result = _learning_point(checkpoint, "depths", {"task": spec, "steps": 4, "window": 2})
     task = build_task({**spec, "length": 32}, AutoConfig.from_pretrained(checkpoint).vocab_size)
     room = 32 - 3 - 5  # the prompt less QUERY key ANSWER and the needle KEY k VAL v END
     depths = []
