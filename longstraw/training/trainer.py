@@ -347,7 +347,8 @@ class Trainer:
         return {
             "step": step,
             "prompt": step // self.cfg.steps_per_prompt,
-            "depth": example.info.get("depth"),  # where the task put the answer's needle (None: no needle)
+            # where the task put the answer's needle (None: no needle, or a text dataset's prompt)
+            "depth": example.info.get("depth") if self.text is None else None,
             "refreshed": refreshed,
             "state_age": step - self.capture_step,
             "drift_before": drift,
