@@ -154,6 +154,27 @@ def test_capture_runs_neither_the_last_layers_mlp_nor_its_attention(preset, monk
     assert calls["last"] > 0
 
 
+@pytest.mark.parametrize("dtype,numel", [(torch.float32, 3 * 65521 + 17), (torch.bfloat16, 65521 + 7)])
+def test_chunk_sums_equal_the_position_weighted_word_sums_by_hand(monkeypatch, dtype, numel):
+    """A tensor's chunk sums: its raw little-endian 32-bit words (the bytes zero-padded to a word), each times its
+    index in its chunk mod 65521 plus 1, summed per chunk and wrapped to int64, computed here in Python's integers.
+    Chunks of 100,000 words split the weights' period, and the tail of the last is shorter than one."""
+    from longstraw.state import resident
+
+    monkeypatch.setattr(resident, "_FINGERPRINT_CHUNK", 100_000)
+    tensor = torch.randn(numel, generator=torch.Generator().manual_seed(numel)).to(dtype)
+    raw = tensor.view(torch.uint8).tolist()
+    raw += [0] * (-len(raw) % 4)
+    words = [int.from_bytes(bytes(raw[i : i + 4]), "little", signed=True) for i in range(0, len(raw), 4)]
+
+    def wrapped(x: int) -> int:
+        return (x + (1 << 63)) % (1 << 64) - (1 << 63)
+
+    chunks = [words[s : s + 100_000] for s in range(0, len(words), 100_000)]
+    expected = [wrapped(sum((i % 65521 + 1) * w for i, w in enumerate(chunk))) for chunk in chunks]
+    assert resident._chunk_sums(tensor).tolist() == expected
+
+
 def test_a_states_fingerprint_sees_one_flipped_bit_and_a_swap_of_two_positions():
     # the fingerprint `state_unchanged` rests on: equal for an equal copy, different after one bit of one page
     # flips (the last word of the last layer's first tensor, where a chunked sum could miss it) or after two

@@ -228,6 +228,9 @@ class ResidentState:
         self.prefix_trace.backward(self)
 
 
+_WEIGHT_PERIOD = 65521  # a word's weight is its index in its chunk mod this, plus 1
+
+
 def _chunk_sums(t: torch.Tensor) -> torch.Tensor:
     """The tensor's raw 32-bit words weighted by position (mod 65521, plus 1) and summed per chunk of
     `_FINGERPRINT_CHUNK` words: int64 [chunks] on the tensor's device (int64 wraps alike on every device)."""
@@ -238,10 +241,21 @@ def _chunk_sums(t: torch.Tensor) -> torch.Tensor:
     if pad:
         words = torch.cat([words, words.new_zeros(pad)])
     words = words.view(torch.int32)
-    sums, weights = [], None
-    for start in range(0, words.numel(), _FINGERPRINT_CHUNK):
-        chunk = words[start : start + _FINGERPRINT_CHUNK].to(torch.int64)
-        if weights is None or weights.numel() != chunk.numel():
-            weights = torch.arange(chunk.numel(), device=chunk.device, dtype=torch.int64) % 65521 + 1
-        sums.append((chunk * weights).sum())
-    return torch.stack(sums)
+    weights = torch.arange(1, _WEIGHT_PERIOD + 1, device=words.device, dtype=torch.int64)
+    chunks = [words[start : start + _FINGERPRINT_CHUNK] for start in range(0, words.numel(), _FINGERPRINT_CHUNK)]
+    return torch.stack([_weighted_sum(chunk, weights) for chunk in chunks])
+
+
+def _weighted_sum(chunk: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """sum_i (i mod 65521 + 1) * chunk[i] in int64, as sum_j (j + 1) * (the column sums of the chunk laid out in
+    rows of 65521): equal mod 2^64 (a ring), and the words are read once by one reduction rather than converted,
+    weighted and multiplied in int64 (at 131,072 positions on an H100 the plain form took ~50 ms of a 0.25 s step).
+    A column sums at most 257 words of 31 bits, so it cannot wrap."""
+    rows, tail = divmod(chunk.numel(), _WEIGHT_PERIOD)
+    total = torch.zeros((), dtype=torch.int64, device=chunk.device)
+    if rows:
+        columns = chunk[: rows * _WEIGHT_PERIOD].view(rows, _WEIGHT_PERIOD).sum(0, dtype=torch.int64)
+        total = total + (columns * weights).sum()
+    if tail:
+        total = total + (chunk[rows * _WEIGHT_PERIOD :].to(torch.int64) * weights[:tail]).sum()
+    return total
