@@ -250,7 +250,7 @@ def _weighted_sum(chunk: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """sum_i (i mod 65521 + 1) * chunk[i] in int64, as sum_j (j + 1) * (the column sums of the chunk laid out in
     rows of 65521): equal mod 2^64 (a ring), and the words are read once by one reduction rather than converted,
     weighted and multiplied in int64 (at 131,072 positions on an H100 the plain form took ~50 ms of a 0.25 s step).
-    A column sums at most 257 words of 31 bits, so it cannot wrap."""
+    A column sums at most 256 words (2^24 over 65,521) of 32 bits, so it cannot wrap."""
     rows, tail = divmod(chunk.numel(), _WEIGHT_PERIOD)
     total = torch.zeros((), dtype=torch.int64, device=chunk.device)
     if rows:
