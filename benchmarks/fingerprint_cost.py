@@ -13,14 +13,12 @@ state and the ratio; the last stdout line is one JSON object, also written to --
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
 import torch
 
-from longstraw.measure.provenance import provenance
-from longstraw.results import write_json_atomic
+from longstraw.measure.provenance import emit
 from longstraw.state import resident
 
 
@@ -71,11 +69,8 @@ def main(argv=None) -> int:
         "plain_seconds": plain,
         "column_seconds": columns,
         "ratio": plain / columns,
-        "provenance": provenance(device),
     }
-    if args.out:
-        write_json_atomic(args.out, result)
-    print(json.dumps(result))
+    emit(result, device, args.out)
     return 0
 
 

@@ -24,8 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from longstraw.measure.provenance import provenance
-from longstraw.results import write_json_atomic
+from longstraw.measure.provenance import emit
 
 
 def train(config: str, out: Path, steps: int, caches: Path) -> list[dict]:
@@ -81,10 +80,7 @@ def main() -> int:
     print(f"first-ever / warm {ratios['first_ever_over_warm']:.1f}x, cold / warm {ratios['cold_over_warm']:.1f}x")
     import torch  # the device's provenance, after the runs (this process does no GPU work of its own)
 
-    result["provenance"] = provenance(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
-    if args.out:
-        write_json_atomic(args.out, result)
-    print(json.dumps(result))
+    emit(result, torch.device("cuda" if torch.cuda.is_available() else "cpu"), args.out)
     return 0
 
 

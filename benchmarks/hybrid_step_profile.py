@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 from unittest import mock
 
 import torch
@@ -38,10 +37,9 @@ from longstraw.kernels.gdn import differentiable_rule, fla_backward_trusted
 from longstraw.kinds.common import compute_dtype, policy_and_prompt, seeded_group
 from longstraw.measure.kernel_profile import kernel_profile, launch_sources
 from longstraw.measure.memory import PhaseRecorder
-from longstraw.measure.provenance import provenance
+from longstraw.measure.provenance import emit
 from longstraw.measure.timing import seconds_each
 from longstraw.models import lora_linear
-from longstraw.results import write_json_atomic
 
 
 @contextlib.contextmanager
@@ -164,9 +162,7 @@ def main() -> int:
         compute_dtype(cfg),
         str(device),
     )
-    out["provenance"] = provenance(device)
-    write_json_atomic(args.out, out)
-    print(json.dumps(out))
+    emit(out, device, args.out)
     return 0
 
 

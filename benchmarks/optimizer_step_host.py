@@ -14,7 +14,6 @@ The last stdout line is one JSON object, also written to --out.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from unittest import mock
 
@@ -24,9 +23,8 @@ from longstraw.harness.plan import point_config
 from longstraw.kinds.common import optimizer_for, policy_and_prompt
 from longstraw.measure.kernel_profile import kernel_profile
 from longstraw.measure.memory import PhaseRecorder, synchronize
-from longstraw.measure.provenance import provenance
+from longstraw.measure.provenance import emit
 from longstraw.measure.timing import seconds_each
-from longstraw.results import write_json_atomic
 from longstraw.training.optimizer import MasterWeightsAdamW
 
 
@@ -91,10 +89,7 @@ def main() -> int:
         + (f"; fast over torch's step {out['fast_over_torch_step']:.2f}x" if "fast_over_torch_step" in out else ""),
         flush=True,
     )
-    out["provenance"] = provenance(device)
-    if args.out:
-        write_json_atomic(args.out, out)
-    print(json.dumps(out))
+    emit(out, device, args.out)
     return 0
 
 

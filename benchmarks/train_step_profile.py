@@ -22,7 +22,6 @@ import argparse
 import cProfile
 import gc
 import io
-import json
 import pstats
 import statistics
 import tempfile
@@ -32,8 +31,7 @@ from pathlib import Path
 from longstraw.cli import _apply_overrides, _load_yaml
 from longstraw.measure.collector import collector_frozen
 from longstraw.measure.kernel_profile import kernel_profile
-from longstraw.measure.provenance import provenance
-from longstraw.results import write_json_atomic
+from longstraw.measure.provenance import emit
 from longstraw.training.trainer import Trainer
 
 
@@ -115,10 +113,7 @@ def main() -> int:
         print(f"  {kind:>16} {seconds * 1e3:9.2f} ms")
     for row in host:
         print(f"  {row['cumulative']:8.4f} s {row['own']:8.4f} s {row['calls']:6d}  {row['function'][:100]}")
-    result["provenance"] = provenance(trainer.device)
-    if args.out:
-        write_json_atomic(args.out, result)
-    print(json.dumps(result))
+    emit(result, trainer.device, args.out)
     return 0
 
 

@@ -7,6 +7,7 @@ module's `__file__` (which locates the repo root) is the copy's.
 """
 
 import importlib.util
+import json
 import shutil
 import subprocess
 from pathlib import Path
@@ -111,3 +112,16 @@ def test_worktree_git_file_counts(tmp_path):
     measure = copy_package(worktree)  # same content as committed: clean
     assert measure.git_commit() == git(worktree, "rev-parse", "HEAD")
     assert measure.git_commit() != git(main, "rev-parse", "HEAD")
+
+
+def test_a_benchmark_result_is_written_and_printed_with_its_provenance(tmp_path, monkeypatch, capsys):
+    from longstraw.measure.provenance import emit
+
+    monkeypatch.setenv("LONGSTRAW_COMMIT", "0123abcd")
+    out = tmp_path / "result.json"
+    emit({"ratio": 2.5}, "cpu", out)
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert json.loads(out.read_text()) == printed
+    assert printed["ratio"] == 2.5 and printed["provenance"]["commit"] == "0123abcd"
+    emit({"ratio": 1.0}, "cpu")  # no file asked for: printed only
+    assert json.loads(capsys.readouterr().out)["ratio"] == 1.0 and sorted(tmp_path.iterdir()) == [out]

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import datetime
 import importlib.metadata
+import json
 import os
 import platform
 import subprocess
 from pathlib import Path
 
 import torch
+
+from longstraw.results import write_json_atomic
 
 
 def _version(package: str) -> str | None:
@@ -83,3 +86,13 @@ def provenance(device) -> dict:
         if torch.device(device).type == "cuda"
         else None,
     }
+
+
+def emit(result: dict, device, out=None) -> dict:
+    """A benchmark's result with its provenance: written atomically to `out` when given, and printed as the last
+    stdout line, one JSON object."""
+    result["provenance"] = provenance(device)
+    if out:
+        write_json_atomic(out, result)
+    print(json.dumps(result))
+    return result
