@@ -235,6 +235,16 @@ def test_a_run_steps_with_what_was_built_frozen_out_of_the_collector_and_thaws_a
         trainer.run(resume=False)
     assert gc.get_freeze_count() == 0
 
+    # a run inside a frozen block of its caller's (a point's cycles) leaves that block frozen when it returns
+    from longstraw.measure.collector import collector_frozen
+
+    trainer.train_step = watched
+    with collector_frozen():
+        outer = gc.get_freeze_count()
+        trainer.run(resume=False)
+        assert outer > 1000 and gc.get_freeze_count() > 1000  # still frozen (refcounting may free a few)
+    assert gc.get_freeze_count() == 0
+
 
 def test_adaptive_refresh_follows_the_drift_signal(tmp_path):
     cfg = _config(tmp_path, steps=4, steps_per_prompt=4, refresh={"policy": "adaptive", "threshold": 1e9})
