@@ -197,7 +197,8 @@ class ResidentState:
     def fingerprint(self) -> int:
         """A position-sensitive checksum of every state byte: changes if any bit of any page changes. The
         tensors' chunk sums stay on their devices until one transfer each (a state of 60 pages: one sync, not 60)."""
-        sums = [(index, _chunk_sums(t)) for index, layer in enumerate(self.layers) for t in layer.tensors()]
+        weights: dict = {}  # per device, made once for every tensor there
+        sums = [(index, _chunk_sums(t, weights)) for index, layer in enumerate(self.layers) for t in layer.tensors()]
         by_device: dict = {}
         for _, s in sums:
             by_device.setdefault(s.device, []).append(s)
@@ -231,9 +232,10 @@ class ResidentState:
 _WEIGHT_PERIOD = 65521  # a word's weight is its index in its chunk mod this, plus 1
 
 
-def _chunk_sums(t: torch.Tensor) -> torch.Tensor:
+def _chunk_sums(t: torch.Tensor, weights: dict | None = None) -> torch.Tensor:
     """The tensor's raw 32-bit words weighted by position (mod 65521, plus 1) and summed per chunk of
-    `_FINGERPRINT_CHUNK` words: int64 [chunks] on the tensor's device (int64 wraps alike on every device)."""
+    `_FINGERPRINT_CHUNK` words: int64 [chunks] on the tensor's device (int64 wraps alike on every device). `weights`:
+    {device: the weights 1..65521}, filled here for a device not in it yet."""
     if t.numel() == 0:
         return torch.zeros(0, dtype=torch.int64, device=t.device)
     words = t.detach().contiguous().view(-1).view(torch.uint8)
@@ -241,9 +243,11 @@ def _chunk_sums(t: torch.Tensor) -> torch.Tensor:
     if pad:
         words = torch.cat([words, words.new_zeros(pad)])
     words = words.view(torch.int32)
-    weights = torch.arange(1, _WEIGHT_PERIOD + 1, device=words.device, dtype=torch.int64)
+    weights = {} if weights is None else weights
+    if words.device not in weights:
+        weights[words.device] = torch.arange(1, _WEIGHT_PERIOD + 1, device=words.device, dtype=torch.int64)
     chunks = [words[start : start + _FINGERPRINT_CHUNK] for start in range(0, words.numel(), _FINGERPRINT_CHUNK)]
-    return torch.stack([_weighted_sum(chunk, weights) for chunk in chunks])
+    return torch.stack([_weighted_sum(chunk, weights[words.device]) for chunk in chunks])
 
 
 def _weighted_sum(chunk: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
