@@ -43,8 +43,9 @@ def with_depths(runs: dict, spec: dict, length: int, seed: int) -> dict:
         return runs
     from transformers import AutoTokenizer
 
-    vocab = len(AutoTokenizer.from_pretrained(spec["tokenizer"])) if spec.get("tokenizer") else 1 << 16
-    task = build_task({**spec, "length": length}, vocab)
+    if not spec.get("tokenizer"):  # a synthetic task's examples depend on the model's vocabulary, not kept here
+        raise SystemExit(f"steps without depth of a task with no tokenizer ({spec.get('name')}): not made again")
+    task = build_task({**spec, "length": length}, len(AutoTokenizer.from_pretrained(spec["tokenizer"])))
     depth = {}
     for prompt in sorted({s["prompt"] for s in steps}):
         depth[prompt] = task.make(prompt_seed(seed, prompt)).info.get("depth")
