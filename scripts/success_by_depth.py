@@ -32,7 +32,7 @@ def parts(record: dict, stage: int | None) -> list[tuple[str, dict, int]]:
         return [("point", metrics["runs"], metrics["prompt_positions"])]
     stages = [s for s in metrics["stages"] if s.get("runs") and (stage is None or s["stage"] == stage)]
     if not stages:
-        raise SystemExit(f"{record.get('name')}: no trained stage {stage}")
+        raise ValueError(f"no trained stage {stage}")
     return [(f"stage {s['stage']} at {s['length']:,}", s["runs"], s["length"]) for s in stages]
 
 
@@ -44,7 +44,7 @@ def with_depths(runs: dict, spec: dict, length: int, seed: int) -> dict:
     from transformers import AutoTokenizer
 
     if not spec.get("tokenizer"):  # a synthetic task's examples depend on the model's vocabulary, not kept here
-        raise SystemExit(f"steps without depth of a task with no tokenizer ({spec.get('name')}): not made again")
+        raise ValueError(f"steps without depth of a task with no tokenizer ({spec.get('name')}): not made again")
     task = build_task({**spec, "length": length}, len(AutoTokenizer.from_pretrained(spec["tokenizer"])))
     depth = {}
     for prompt in sorted({s["prompt"] for s in steps}):
@@ -68,11 +68,15 @@ def main(argv=None) -> int:
     spec = dict(learning["task"])
     if args.tokenizer is not None:
         spec["tokenizer"] = args.tokenizer
-    for label, runs, length in parts(record, args.stage):
-        runs = with_depths(runs, spec, length, learning.get("seed", 0))
-        print(f"{record.get('name')} {label}: first-visit success by needle depth (prompts)")
-        for name, steps in runs.items():
-            print(f"  {name}: {depth_text(steps)}")
+    try:
+        for label, runs, length in parts(record, args.stage):
+            runs = with_depths(runs, spec, length, learning.get("seed", 0))
+            print(f"{record.get('name')} {label}: first-visit success by needle depth (prompts)")
+            for name, steps in runs.items():
+                print(f"  {name}: {depth_text(steps)}")
+    except ValueError as exc:
+        print(f"{args.record}: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 
