@@ -120,7 +120,8 @@ class LearningConfig:
     """Does GRPO improve the policy at long context (`longstraw.kinds.learning`)? The trainer from
     `model.path` on `task` at `prompt.length` positions, once per gradient mode at `optimizer.lr`
     and once at learning rate 0 (response-only), with the same seeds and prompts; the gain over the
-    lr-0 run on the prompts of the last `window` steps (`longstraw.training.improvement`)."""
+    lr-0 run on the prompts first visited in the last `window` steps, each prompt's first step
+    (`longstraw.training.improvement`)."""
 
     task: dict = field(default_factory=lambda: {"name": "kv_retrieval", "num_needles": 4, "value_length": 2})
     steps: int = bounded(16, min=2)  # a curriculum: each stage's own
@@ -131,7 +132,7 @@ class LearningConfig:
     seed: int = 0
     temperature: float = bounded(1.0, min=0.0)
     gradients: list[Literal["response-only", "exact"]] = field(default_factory=lambda: ["response-only"])
-    window: int = bounded(8, min=2)  # the last `window` steps' prompts are compared
+    window: int = bounded(8, min=2)  # the prompts first visited in the last `window` steps are compared
     probe: LearningProbe | None = None  # choose the length from the base model's success (else prompt.length)
     curriculum: LearningCurriculum | None = None  # stages of increasing length (else one length)
     # multi-turn rollouts in an environment (`longstraw.training.agent_step`): the trainer's `environment`; the
