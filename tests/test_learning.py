@@ -2,6 +2,8 @@
 point and a learning point load it; the learning point's runs share prompts and seeds and its V4
 gain is the paired statistic of its own recorded rewards."""
 
+import json
+
 import pytest
 import torch
 
@@ -106,10 +108,67 @@ def test_a_length_curve_evaluates_a_trained_adapter_beside_its_base(checkpoint, 
     assert changed
 
 
-def test_a_length_curve_refuses_an_adapter_folder_that_is_not_there(tmp_path):
-    point = {"name": "c", "kind": "length_curve", "model": {"preset": "tiny-llama"}}
-    with pytest.raises(ValueError, match=r"length_curve.adapter: no peft adapter folder .* at /nowhere"):
-        run_point({**point, "length_curve": {"task": TASK, "lengths": [16], "adapter": "/nowhere"}})
+def test_a_trained_adapter_that_is_not_there_or_cut_short_is_refused_before_the_model_is_built(tmp_path, monkeypatch):
+    """`length_curve.adapter` and `model.lora.init`: a folder without peft's two files, or whose weights are cut
+    short, is refused naming the key, before any model is built."""
+    from longstraw.models import policy
+
+    monkeypatch.setattr(policy, "build_policy", lambda *a, **k: pytest.fail("a model was built"))
+    curve = {"name": "c", "kind": "length_curve", "model": {"preset": "tiny-llama"}}
+    with pytest.raises(ValueError, match=r"length_curve.adapter: no trained peft adapter at /nowhere \(adapter_config"):
+        run_point({**curve, "length_curve": {"task": TASK, "lengths": [16], "adapter": "/nowhere"}})
+    (tmp_path / "adapter_config.json").write_text("{}")
+    (tmp_path / "adapter_model.safetensors").write_bytes((64).to_bytes(8, "little") + b"{")  # a header cut short
+    with pytest.raises(ValueError, match=rf"length_curve.adapter: .*{tmp_path}/adapter_model.safetensors"):
+        run_point({**curve, "length_curve": {"task": TASK, "lengths": [16], "adapter": str(tmp_path)}})
+    learning = {"name": "l", "kind": "learning", "prompt": {"length": 32}}
+    learning["learning"] = {"task": TASK, "steps": 2, "window": 2}
+    lora = {"r": 4, "init": str(tmp_path / "none")}
+    with pytest.raises(ValueError, match=r"model.lora.init: no trained peft adapter at .*/none"):
+        run_point({**learning, "model": {"preset": "tiny-llama", "lora": lora}})
+
+
+def test_a_point_loading_a_curriculums_adapter_waits_for_it_and_an_unwritten_one_is_refused(tmp_path):
+    """A trained adapter not yet there plans when a planned point keeps its adapters in a folder holding it (a
+    curriculum's `out`), and the loading point needs that point first; with no such point it is refused at plan
+    time, naming the file, the point and the key."""
+    from longstraw.config import ConfigError
+    from longstraw.harness.plan import plan
+
+    kept = tmp_path / "adapters" / "c"
+    stages = [{"length": 64, "steps": 2}, {"length": 96, "steps": 2}]
+    curriculum = {"task": TASK, "steps": 2, "window": 2, "curriculum": {"stages": stages, "out": str(kept)}}
+    points = [
+        {"name": "curriculum", "set": {"learning": curriculum}},
+        {
+            "name": "held-out",
+            "set": {
+                "kind": "length_curve",
+                "model.lora": None,
+                "length_curve": {"task": TASK, "lengths": [96], "adapter": str(kept / "stage-1" / "adapter")},
+            },
+        },
+        {"name": "on", "set": {"model.lora.init": str(kept / "stage-1" / "adapter"), "learning": {"task": TASK}}},
+    ]
+    experiment = {
+        "name": "e",
+        "title": "t",
+        "description": "d",
+        "kind": "learning",
+        "profiles": {"cpu": {"base": {"model": {"preset": "tiny-llama", "lora": {"r": 4}}}, "points": points}},
+    }
+    (tmp_path / "e.yaml").write_text(json.dumps(experiment))
+    planned = plan(tmp_path, "cpu")
+    assert needs(planned, "e", "held-out") == needs(planned, "e", "on") == [("e", "curriculum")]
+    assert needs(planned, "e", "curriculum") == []
+    elsewhere = json.dumps(experiment).replace(str(kept / "stage-1"), str(tmp_path / "other" / "stage-1"))
+    (tmp_path / "e.yaml").write_text(elsewhere)
+    with pytest.raises(
+        ConfigError,
+        match=r"e.yaml \[profile cpu, point held-out\]: length_curve.adapter: no trained "
+        r"peft adapter at .*other/stage-1/adapter .*no point of the plan keeps",
+    ):
+        plan(tmp_path, "cpu")
 
 
 def _learning_point(checkpoint, name: str, learning: dict, lr: float = 1e-2) -> dict:

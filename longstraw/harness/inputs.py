@@ -18,8 +18,10 @@ When the plan is made, from the config, the files and the presets:
   or on hold_all, a pretrain point without `pretrain.out`, a curriculum stage without `until`.
 `plan.plan` then refuses a `model.path` (or `pretrain.init`), or a task's folder, that is neither there nor written
 by one of the plan's pretrain points (or, `.../checkpoints/NAME` of `models.real.REAL_CHECKPOINTS`, by the pipeline's
-`real_checkpoint` rule). `check_ready`, where a point is about to run: its devices exist, its checkpoint is there
-and whole, and its tasks' folders are there and serve them.
+`real_checkpoint` rule), and a trained adapter a point loads (`model.lora.init`, `Kind.adapters_in`) that is neither
+there and whole nor under a folder a planned point keeps its adapters in (`Kind.adapters_out`). `check_ready`, where a
+point is about to run: its devices exist, its checkpoint and adapters are there and whole, and its tasks' folders are
+there and serve them.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from longstraw.kinds.spec import Built
 from longstraw.models.checks import (
     CONFIG_FILE,
     ModelFacts,
+    check_adapter_folder,
     check_device,
     check_override_keys,
     checkpoint_facts,
@@ -59,6 +62,19 @@ def built_models(cfg: PointConfig) -> list[Built]:
         if own is not None
         else [Built(cfg.model.preset, cfg.model.path, cfg.model.overrides, dtype=cfg.model.dtype)]
     )
+
+
+def loaded_adapters(cfg: PointConfig) -> list[tuple[str, str]]:
+    """(key, folder) of each trained adapter a point loads: `model.lora.init` and its kind's (`Kind.adapters_in`)."""
+    lora = cfg.model.lora
+    own = [("model.lora.init", lora.init)] if lora is not None and lora.init else []
+    return own + list(kinds.get(cfg.kind).adapters_in(cfg))
+
+
+def adapter_producer(folder: str, kept: dict[str, tuple[str, str]]) -> tuple[str, str] | None:
+    """The planned point that keeps its trained adapters in a folder holding `folder` (`kept`: {folder: point},
+    `plan.adapter_producers`), or None."""
+    return next((point for out, point in kept.items() if Path(folder).is_relative_to(out)), None)
 
 
 def facts_of(built: Built, source: str) -> ModelFacts | None:
@@ -296,14 +312,16 @@ def check_pretrain_config(p: PretrainConfig, source: str) -> None:
         raise ConfigError(f"{source}: {exc}") from None
 
 
-def check_planned_paths(planned: dict, producers: dict, sources: dict) -> None:
+def check_planned_paths(planned: dict, producers: dict, sources: dict, kept: dict | None = None) -> None:
     """Every checkpoint a planned point loads (`model.path`, a pretrain point's `pretrain.init`) and every folder
     its tasks read (a RULER task's tokenizer) is there or written by one of the plan's pretrain points (or, a real
-    checkpoint's folder, by the pipeline); a written checkpoint's limits are its producer's model's."""
+    checkpoint's folder, by the pipeline); a written checkpoint's limits are its producer's model's. Every trained
+    adapter a point loads is there or under a folder a planned point keeps its adapters in (`kept`)."""
     for experiment, e in planned.items():
         for name, point in e["points"].items():
             cfg, source = point["config"], sources[(experiment, name)]
             check_task_folders_planned(cfg, producers, source)
+            check_adapters_planned(cfg, kept or {}, source)
             for built in built_models(cfg):
                 if not built.path or Path(built.path).exists():
                     continue
@@ -319,6 +337,20 @@ def check_planned_paths(planned: dict, producers: dict, sources: dict) -> None:
                 facts = produced_facts(planned, producers, producer, built.path)
                 if facts is not None:
                     check_model_fits(cfg, built, facts, source)
+
+
+def check_adapters_planned(cfg: PointConfig, kept: dict, source: str) -> None:
+    """Each trained adapter a point loads is there and whole, or not yet there under a folder a planned point keeps
+    the adapters it trains in (`kept`; `check_ready` checks it again before the point runs)."""
+    for key, folder in loaded_adapters(cfg):
+        there = Path(folder).exists()
+        if not there and adapter_producer(folder, kept) is not None:
+            continue
+        try:
+            check_adapter_folder(folder, key)
+        except ValueError as exc:
+            nobody = "" if there else ", and no point of the plan keeps the adapters it trains there (curriculum.out)"
+            raise ConfigError(f"{source}: {exc}{nobody}") from None
 
 
 def check_task_folders_planned(cfg: PointConfig, producers: dict, source: str) -> None:
@@ -378,9 +410,9 @@ def produced_facts(planned: dict, producers: dict, producer: tuple[str, str], pa
 
 
 def check_ready(cfg: PointConfig, source: str) -> None:
-    """Just before a point's model is built: its devices exist on this machine, every checkpoint it loads is
-    there and whole, and its tasks' folders are there and serve them (when the plan was made each may have
-    been a planned checkpoint, not written yet)."""
+    """Just before a point's model is built: its devices exist on this machine, every checkpoint and trained
+    adapter it loads is there and whole, and its tasks' folders are there and serve them (when the plan was made
+    each may have been a planned checkpoint or adapter, not written yet)."""
     try:
         check_device(cfg.model.device, "model.device")
         for built in built_models(cfg):
@@ -388,6 +420,8 @@ def check_ready(cfg: PointConfig, source: str) -> None:
                 check_device(built.device, built.device_key)
             if built.path:
                 checkpoint_facts(built.path, built.path_key, built.overrides, built.overrides_key)
+        for key, folder in loaded_adapters(cfg):
+            check_adapter_folder(folder, key)
     except ValueError as exc:
         raise ConfigError(f"{source}: {exc}") from None
     if point_tasks(cfg):  # a task's folder may have been a planned checkpoint when the plan was made

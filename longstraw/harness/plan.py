@@ -29,7 +29,13 @@ import jsonschema
 from longstraw import kinds
 from longstraw.config import ConfigError, PointConfig
 from longstraw.config.yaml_input import load_yaml_file, load_yaml_text
-from longstraw.harness.inputs import built_models, check_planned_paths, check_point_inputs
+from longstraw.harness.inputs import (
+    adapter_producer,
+    built_models,
+    check_planned_paths,
+    check_point_inputs,
+    loaded_adapters,
+)
 from longstraw.kinds.checks import check_named_preset, check_task
 from longstraw.models.presets import PRESETS
 from longstraw.peers import PEER_MODES, PeerNotApplicable, check_peer
@@ -229,7 +235,7 @@ def plan(experiments_dir, profile: str) -> dict[str, dict]:
                 "points": points,
                 "not_applicable": skipped,
             }
-    # a checkpoint a point loads is there, or one of the plan's pretrain points writes it
+    # a checkpoint (an adapter) a point loads is there, or one of the plan's points writes it
     check_planned_paths(
         out,
         checkpoint_producers(out),
@@ -238,6 +244,7 @@ def plan(experiments_dir, profile: str) -> dict[str, dict]:
             for name, e in out.items()
             for point in e["points"]
         },
+        adapter_producers(out),
     )
     return out
 
@@ -253,12 +260,30 @@ def checkpoint_producers(planned: dict) -> dict[str, tuple[str, str]]:
     return {str(Path(folder)): point for point, folder in written.items() if folder}
 
 
+def adapter_producers(planned: dict) -> dict[str, tuple[str, str]]:
+    """{folder: (experiment, point)} of the plan's points that keep the adapters they train there
+    (`Kind.adapters_out`: a curriculum's `out`)."""
+    kept = {
+        (experiment, name): kinds.get(p["config"].kind).adapters_out(p["config"])
+        for experiment, e in planned.items()
+        for name, p in e["points"].items()
+    }
+    return {str(Path(folder)): point for point, folder in kept.items() if folder}
+
+
 def needs(planned: dict, experiment: str, point: str) -> list[tuple[str, str]]:
     """The (experiment, point) pairs whose results a point needs first: the pretrain point that
-    writes a checkpoint one of its models loads (`model.path`; a pretrain point's: its `pretrain.init`)."""
+    writes a checkpoint one of its models loads (`model.path`; a pretrain point's: its `pretrain.init`), and the
+    point that keeps a trained adapter it loads (`model.lora.init`, `length_curve.adapter`)."""
     producers = checkpoint_producers(planned)
-    paths = [b.path for b in built_models(planned[experiment]["points"][point]["config"]) if b.path]
-    return list(dict.fromkeys(producers[str(Path(p))] for p in paths if str(Path(p)) in producers))
+    cfg = planned[experiment]["points"][point]["config"]
+    paths = [b.path for b in built_models(cfg) if b.path]
+    kept = adapter_producers(planned)
+    trained = [adapter_producer(folder, kept) for _, folder in loaded_adapters(cfg)]
+    found = [producers[str(Path(p))] for p in paths if str(Path(p)) in producers] + [
+        producer for producer in trained if producer not in (None, (experiment, point))
+    ]
+    return list(dict.fromkeys(found))
 
 
 def real_checkpoints_needed(planned: dict, experiment: str, point: str) -> list[str]:

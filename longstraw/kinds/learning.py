@@ -737,6 +737,7 @@ KIND = Kind(
     models=models,
     tasks=tasks,
     exact_key=lambda cfg: "learning.gradients" if "exact" in cfg.learning.gradients else None,
+    adapters_out=lambda cfg: cfg.learning.curriculum.out if cfg.learning.curriculum else None,
     columns=columns,
     tables=tables,
     extra_tables=EXTRA_TABLES,

@@ -39,11 +39,11 @@ from longstraw.kinds.common import Progress
 from longstraw.kinds.learning_runs import gains, probe_lengths, remembered, task_label, train_runs
 from longstraw.kinds.length_curve import LengthCurveConfig
 from longstraw.kinds.length_curve import run as run_length_curve
+from longstraw.models.checks import ADAPTER_WEIGHTS
 from longstraw.results import check_writable, strict_json, write_text_atomic
 from longstraw.wheels import sha256_of
 
 STAGE_RECORD = "stage.json"  # a finished stage's record in its folder
-ADAPTER_WEIGHTS = "adapter_model.safetensors"  # peft's file of an adapter's weights (`models.lora`)
 
 
 def run_curriculum(cfg: PointConfig, device, progress: Progress, work: Path, checkpoint_every: int) -> dict:

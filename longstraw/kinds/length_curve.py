@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from longstraw.config import PointConfig
@@ -45,12 +44,7 @@ class LengthCurveConfig:
 
 def check(cfg: PointConfig, source: str) -> None:
     check_task(cfg.length_curve.task, cfg.prompt.length, f"{source}: length_curve.task")
-    adapter = cfg.length_curve.adapter
-    if adapter is not None:
-        if not (Path(adapter) / "adapter_config.json").is_file():
-            raise ValueError(
-                f"{source}: length_curve.adapter: no peft adapter folder (adapter_config.json) at {adapter}"
-            )
+    if cfg.length_curve.adapter is not None:  # its folder: `harness/inputs.py`, as every loaded adapter's
         if cfg.model.lora is not None:
             raise ValueError(
                 f"{source}: length_curve.adapter: the model also asks for a new LoRA adapter (model.lora); "
@@ -227,6 +221,7 @@ KIND = Kind(
     tasks=lambda cfg: [
         ("length_curve.task", cfg.length_curve.task, list(cfg.length_curve.lengths), "length_curve.lengths")
     ],
+    adapters_in=lambda cfg: [("length_curve.adapter", cfg.length_curve.adapter)] if cfg.length_curve.adapter else [],
     host_pages=False,
     columns=columns,
     tables=tables,

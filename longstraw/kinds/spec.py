@@ -73,6 +73,10 @@ class Kind:
     tasks: Callable = _no_rows  # `tasks(cfg) -> [(key, spec, lengths, lengths key)]`: the tasks its section builds
     exact_key: Callable = _nothing  # `exact_key(cfg) -> key or None`: the setting that asks for exact gradients
     checkpoint_out: Callable = _nothing  # `checkpoint_out(cfg) -> folder or None`: a checkpoint the point writes
+    adapters_out: Callable = _nothing  # `adapters_out(cfg) -> folder or None`: where it keeps the adapters it trains
+    # `adapters_in(cfg) -> [(key, folder)]`: the trained adapters its own section loads (`model.lora.init` is
+    # every kind's), each there or under a planned point's `adapters_out` (`harness/inputs.py`)
+    adapters_in: Callable = _no_rows
     # `check_model(cfg, facts, source)`: its own checks of a model it builds, instead of the lengths, tasks and
     # capture settings checked for the point's own model
     check_model: Callable | None = None

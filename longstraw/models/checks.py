@@ -31,6 +31,8 @@ from longstraw.models.presets import MODEL_CLASSES, PRESETS, check_preset
 CONFIG_FILE = "config.json"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 BIN_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
+# what peft's `save_pretrained` writes a trained LoRA adapter to: its settings and its weights
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 
 
 @dataclass(frozen=True)
@@ -209,6 +211,15 @@ def _check_weights(folder: Path, key: str) -> None:
         )
     for file in files:
         check_safetensors(file, key)
+
+
+def check_adapter_folder(path, key: str) -> None:
+    """A trained adapter's folder as peft saves it: its settings and whole weights, else a ValueError naming `key`."""
+    folder = Path(path)
+    missing = [name for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS) if not (folder / name).is_file()]
+    if missing:
+        raise ValueError(f"{key}: no trained peft adapter at {path} ({' and '.join(missing)} missing)")
+    check_safetensors(folder / ADAPTER_WEIGHTS, key)
 
 
 def check_safetensors(file: Path, key: str = "path") -> None:

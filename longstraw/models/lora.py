@@ -9,6 +9,7 @@ from unittest import mock
 from peft import LoraConfig, get_peft_model
 from peft.tuners.lora import LoraLayer
 
+from longstraw.models.checks import ADAPTER_WEIGHTS
 from longstraw.models.lora_linear import adopt_in_place_lora
 from longstraw.models.quant import adopt_lora_layers
 
@@ -102,9 +103,6 @@ def load_adapter(model, path: str):
     adopt_lora_layers(model)
     adopt_in_place_lora(model)
     return model
-
-
-ADAPTER_WEIGHTS = "adapter_model.safetensors"  # the file peft's `save_pretrained` writes an adapter's weights to
 
 
 def load_adapter_weights(model, path: str) -> None:
