@@ -2,6 +2,7 @@
 point and a learning point load it; the learning point's runs share prompts and seeds and its V4
 gain is the paired statistic of its own recorded rewards."""
 
+import hashlib
 import json
 
 import pytest
@@ -94,6 +95,8 @@ def test_a_length_curve_evaluates_a_trained_adapter_beside_its_base(checkpoint, 
     curve = {"task": TASK, "lengths": [16, 24], "examples": 6, "adapter": str(tmp_path)}
     result = run_point({**point, "length_curve": curve})
     assert result["status"] == "ok", result.get("error")
+    weights = (tmp_path / "adapter_model.safetensors").read_bytes()
+    assert result["metrics"]["adapter"] == {"path": str(tmp_path), "sha256": hashlib.sha256(weights).hexdigest()}
     base = load_pretrained(checkpoint, dtype=torch.float32)
     adapted = PeftModel.from_pretrained(load_pretrained(checkpoint, dtype=torch.float32), str(tmp_path))
     changed = False

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from longstraw.config import PointConfig
@@ -58,12 +59,16 @@ if TYPE_CHECKING:
 
 def run(cfg: PointConfig, device, progress: Progress) -> dict:
     from longstraw.measure.memory import PhaseRecorder
+    from longstraw.models.checks import ADAPTER_WEIGHTS
     from longstraw.models.lora import load_adapter
     from longstraw.models.policy import build_policy
     from longstraw.training.length_curve import length_curve
+    from longstraw.wheels import sha256_of
 
     recorder = PhaseRecorder(device)
     s = cfg.length_curve
+    # the record names the adapter's weights by their hash, not only by a folder a later run may fill again
+    trained = None if s.adapter is None else {"path": s.adapter, "sha256": sha256_of(Path(s.adapter) / ADAPTER_WEIGHTS)}
     with recorder.phase("weights"):
         model = build_policy(cfg.model)
         if s.adapter is not None:
@@ -87,7 +92,7 @@ def run(cfg: PointConfig, device, progress: Progress) -> dict:
     if s.adapter is not None:
         with recorder.phase("length_curve_base"), model.disable_adapter():
             result["base_rows"] = curve("base_rows", {"rows": result["rows"]})["rows"]
-    return {**result, "phases": recorder.phases}
+    return {**result, "phases": recorder.phases, **({"adapter": trained} if trained else {})}
 
 
 def above_chance(rows: list[dict], chance) -> int | None:
