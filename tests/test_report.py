@@ -2231,3 +2231,24 @@ def test_the_summary_states_where_the_policy_improves_and_the_gradient_gap(recor
     real = next(p for p in learning if p["point"] == "v4-niah_single_2-yarn4")
     gain = real["metrics"]["gains"]["response-only"]
     assert f"response-only {gain['gain']:+.3f} +- {gain['standard_error']:.3f}" in summary
+
+
+def test_a_point_setting_its_whole_model_section_is_named_by_its_checkpoint():
+    """A point whose `set` gives the whole `model` mapping (a curriculum from a kept adapter) is in its row, and so in
+    the claims table's per-model lines, under its checkpoint's name, as a point setting `model.path` is; a section
+    no derived column names stays a cell of compact JSON."""
+    from longstraw.report.aggregate import point_row
+
+    model = {"path": "results/h200/checkpoints/smollm2-135m-instruct", "device": "cuda", "lora": {"r": 16}}
+    point = {
+        "experiment": "curriculum",
+        "point": "from-adapter",
+        "kind": "learning",
+        "status": "ok",
+        "config": {"kind": "learning", "model": model, "prompt": {"length": 64}},
+        "grid": {"model": model, "learning": {"seed": 1}, "optimizer.lr": 0.001},
+        "metrics": {},
+    }
+    row = point_row(point)
+    assert row["model"] == "smollm2-135m-instruct"
+    assert row["learning"] == '{"seed": 1}' and row["optimizer.lr"] == 0.001

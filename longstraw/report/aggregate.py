@@ -115,8 +115,12 @@ def point_row(point: dict) -> dict:
     cfg, metrics = point_parts(point)
     kind = point.get("kind") or cfg.get("kind") or "unknown"
     row = {"experiment": point.get("experiment"), "point": point.get("point") or point.get("name"), "kind": kind}
-    for key, value in as_dict(point.get("grid")).items():
-        row[key] = scalar(value)
+    grid = as_dict(point.get("grid"))
+    # a whole section a point sets (`set: {model: {...}}`) yields to what is derived from it (the model's name)
+    sections = {key: scalar(value) for key, value in grid.items() if isinstance(value, dict)}
+    for key, value in grid.items():
+        if key not in sections:
+            row[key] = scalar(value)
     row["status"] = point.get("status")
     row["error"] = point.get("error")
     if point.get("status") == "oom" and number(point.get("peak_allocated_bytes")) is not None:
@@ -128,6 +132,7 @@ def point_row(point: dict) -> dict:
     except Exception as exc:  # a malformed result must still render: say so in its row
         row["report_error"] = f"metrics not readable: {type(exc).__name__}: {exc}"
     _add(row, _generic_metrics(metrics))
+    _add(row, sections)
     _add(row, {"result_file": point.get("result_file")})
     return row
 
