@@ -312,7 +312,7 @@ def check_pretrain_config(p: PretrainConfig, source: str) -> None:
         raise ConfigError(f"{source}: {exc}") from None
 
 
-def check_planned_paths(planned: dict, producers: dict, sources: dict, kept: dict | None = None) -> None:
+def check_planned_paths(planned: dict, producers: dict, sources: dict, kept: dict) -> None:
     """Every checkpoint a planned point loads (`model.path`, a pretrain point's `pretrain.init`) and every folder
     its tasks read (a RULER task's tokenizer) is there or written by one of the plan's pretrain points (or, a real
     checkpoint's folder, by the pipeline); a written checkpoint's limits are its producer's model's. Every trained
@@ -321,7 +321,7 @@ def check_planned_paths(planned: dict, producers: dict, sources: dict, kept: dic
         for name, point in e["points"].items():
             cfg, source = point["config"], sources[(experiment, name)]
             check_task_folders_planned(cfg, producers, source)
-            check_adapters_planned(cfg, kept or {}, source)
+            check_adapters_planned(cfg, kept, source)
             for built in built_models(cfg):
                 if not built.path or Path(built.path).exists():
                     continue
