@@ -134,6 +134,31 @@ def test_needle_depth_places_the_queried_needle():
         example_at_depth(tasks.build_task({"name": "counting", "length": 50}, 256), 0, 0.5)
 
 
+def test_a_depth_band_gives_each_example_its_own_place_within_it(trained):
+    """`depths: [[lo, hi]]`: each example's queried needle at a depth of its own in the band, drawn from its seed
+    alone (the same at another length and cell order), recorded per example and scored as HF's greedy decode of
+    that example; a fixed depth records that depth for all. Bands that are not one are refused by the config."""
+    from longstraw.kinds import resolve_point
+
+    model = trained[0]["model"]
+    spec = {"name": "kv_retrieval", "num_needles": 4, "value_length": 2}
+    result = length_curve(model, spec, lengths=[96], depths=[[0.2, 0.6], 0.5], examples=6, progress=False)
+    band, fixed = result["rows"]
+    assert band["depth"] == [0.2, 0.6] and fixed["depth"] == 0.5 and fixed["example_depths"] == [0.5] * 6
+    assert all(0.2 <= d <= 0.6 for d in band["example_depths"]) and len(set(band["example_depths"])) == 6
+    task = tasks.build_task({**spec, "length": 96}, model.config.vocab_size)
+    for i, (depth, reward) in enumerate(zip(band["example_depths"], band["rewards"])):
+        example = example_at_depth(task, result["seed_base"] + i, depth)
+        got = _greedy_by_hand(model, example.prompt_ids, len(example.answer))
+        assert reward == float(got.tolist() == list(example.answer))
+    again = length_curve(model, spec, lengths=[128], depths=[0.1, [0.2, 0.6]], examples=6, progress=False)
+    assert again["rows"][1]["example_depths"] == band["example_depths"]
+    point = {"name": "c", "kind": "length_curve", "model": {"preset": "tiny-llama"}}
+    for depths in ([[0.6, 0.2]], [[0.2, 1.5]], [[0.1, 0.2, 0.3]], [1.2]):
+        with pytest.raises(ValueError, match=r"depths: each a fraction in \[0, 1\] or a band"):
+            resolve_point({**point, "length_curve": {"task": spec, "lengths": [64], "depths": depths}}, "c.yaml")
+
+
 def test_chance_levels():
     kv = tasks.build_task({"name": "kv_retrieval", "length": 100, "num_needles": 4, "value_length": 2}, 256)
     c = chance_level(kv)

@@ -2252,3 +2252,20 @@ def test_a_point_setting_its_whole_model_section_is_named_by_its_checkpoint():
     row = point_row(point)
     assert row["model"] == "smollm2-135m-instruct"
     assert row["learning"] == '{"seed": 1}' and row["optimizer.lr"] == 0.001
+
+
+def test_a_length_curve_by_depth_band_is_tabled_and_drawn_under_its_band():
+    """A cell at a band `[lo, hi]` is shown as `lo-hi` in the cells table and the figure's legend, in order of where
+    each depth starts (random last), beside fixed depths."""
+    from longstraw.kinds.length_curve import plot_length_curve, tables
+
+    def row(depth, success):
+        return {"length": 4096, "depth": depth, "success": success, "stderr": 0.1, "n": 12, "seconds": 1.0}
+
+    rows = [row([0.4, 0.6], 0.5), row(0.05, 0.25), row(None, 0.75), row([1e-05, 0.2], 0.0)]
+    point = {"point": "p", "kind": "length_curve", "status": "ok", "config": {"length_curve": {}}}
+    cells = tables([{**point, "metrics": {"rows": rows}}])["cells"]
+    assert [c["depth"] for c in cells] == ["0.4-0.6", 0.05, None, "1e-05-0.2"]
+    figure = plot_length_curve([{"point": "p", "chance": None}], cells, "t")
+    legend = [t.get_text() for t in figure.axes[0].get_legend().get_texts()]
+    assert legend == ["p: depth 1e-05-0.2", "p: depth 0.05", "p: depth 0.4-0.6", "p: depth random"]

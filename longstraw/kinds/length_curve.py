@@ -12,7 +12,9 @@ length (log axis), one line per depth, with standard-error bars and the chance l
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
+from numbers import Real
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -21,6 +23,7 @@ from longstraw.config.typed import bounded
 from longstraw.kinds.checks import check_task
 from longstraw.kinds.spec import Kind
 from longstraw.results import ExtraTable, as_dict, number, point_parts, rows_of_points
+from longstraw.training.depths import check_depths, depth_label
 
 
 @dataclass
@@ -29,7 +32,9 @@ class LengthCurveConfig:
 
     task: dict = field(default_factory=lambda: {"name": "kv_retrieval", "num_needles": 4, "value_length": 2})
     lengths: list[int] = field(default_factory=lambda: [256, 1024, 4096])
-    depths: list[float] | None = None  # the queried needle's depth per cell (None: random, as trained)
+    # the queried needle's depth per cell: a fraction, or a band [lo, hi] each example draws its own depth from
+    # (`training/depths.py`; RULER's niah puts every example of one fixed depth in the same place); None: random
+    depths: list[float | list[float]] | None = None
     examples: int = bounded(32, min=2)  # held-out examples per (length, depth) cell
     method: Literal["capture", "forward"] = "capture"
     # a trained LoRA adapter (a peft folder: a trainer checkpoint's `adapter/`): the curve of the model with it and,
@@ -39,8 +44,7 @@ class LengthCurveConfig:
     def __post_init__(self):
         if not self.lengths or min(self.lengths) < 2:
             raise ValueError(f"lengths: a non-empty list of prompt lengths >= 2, got {self.lengths}")
-        if self.depths is not None and not all(0 <= d <= 1 for d in self.depths):
-            raise ValueError(f"depths: fractions in [0, 1], got {self.depths}")
+        check_depths(self.depths)
 
 
 def check(cfg: PointConfig, source: str) -> None:
@@ -144,7 +148,7 @@ def columns(point: dict) -> dict:
     return {
         "adapter": settings.get("adapter"),
         "lengths": " ".join(str(n) for n in settings.get("lengths") or []) or None,
-        "depths": " ".join(str(d) for d in settings.get("depths") or []) or "random",
+        "depths": " ".join(str(depth_label(d)) for d in settings.get("depths") or []) or "random",
         "examples": settings.get("examples"),
         "chance": chance,
         "longest_above_chance": above_chance(rows, chance) if rows else None,
@@ -161,7 +165,8 @@ def tables(points: list[dict]) -> dict:
             {
                 "point": point.get("point"),
                 "policy": name,
-                **{k: r.get(k) for k in ("length", "depth", "success", "stderr", "n", "seconds")},
+                **{k: r.get(k) for k in ("length", "success", "stderr", "n", "seconds")},
+                "depth": depth_label(r.get("depth")),
             }
             for name, rows in ((policy, metrics.get("rows")), ("base", metrics.get("base_rows")))
             for r in rows or []
@@ -176,6 +181,13 @@ def figures(data, ceiling: dict, marks=()):
         yield "length_curve", plot_length_curve(rows, data.extra["cells"], data.name)
 
 
+def _depth_order(depth) -> tuple:
+    """Cells' depths in order: numbers and bands (`lo-hi`) by where they start, random last."""
+    if depth is None or (isinstance(depth, float) and math.isnan(depth)):
+        return (1, 0.0)
+    return (0, float(depth) if isinstance(depth, Real) else float(re.match(r"[\d.]+(e[-+]?\d+)?", str(depth))[0]))
+
+
 def plot_length_curve(rows, cells, title: str):
     from longstraw.plotting import draw
 
@@ -184,7 +196,7 @@ def plot_length_curve(rows, cells, title: str):
     chances = set()
     for i, row in enumerate(rows):
         mine = [c for c in cells if c.get("point") == row.get("point")]
-        depths = sorted({c.get("depth") for c in mine}, key=lambda d: (d is None, d or 0))
+        depths = sorted({c.get("depth") for c in mine}, key=_depth_order)
         for policy in sorted({c.get("policy") for c in mine}, key=lambda p: p == "base"):
             base = policy == "base"
             for j, depth in enumerate(depths):

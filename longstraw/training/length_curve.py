@@ -12,7 +12,10 @@ seed ranges); the same seeds in every cell, so cells differ only in length and d
 
 Depth (kv_retrieval): the queried needle starts at `depth` (a fraction of the filler); the other
 needles keep depths drawn uniformly from the example's own seed. `None` leaves all depths random,
-as in training. Tasks without needles (counting) take `depths=None`.
+as in training. A band `[lo, hi]` gives each example a depth of its own within it, drawn from its seed
+(`depths.example_depth`): on a task whose haystack is one text (RULER's niah) a fixed depth puts every
+example's needle in the same place. A row keeps each example's depth (`example_depths`). Tasks without
+needles (counting) take `depths=None`.
 
 Chance (`chance_level`): the success of the best strategy that does not use what the task tests.
 - kv_retrieval with n needles and values of m tokens from a range of |V| ids: the queried needle is
@@ -33,6 +36,7 @@ import time
 
 import torch
 
+from longstraw.training.depths import depth_label, example_depth
 from longstraw.training.pretrain import CURVE_SEED_BASE, teacher_forced_rewards
 from longstraw.training.tasks import chance_level
 
@@ -145,7 +149,7 @@ def length_curve(
                 on_row(rows)
             if progress:
                 print(
-                    f"length_curve: length {length:>9,} depth {'random' if depth is None else depth}: "
+                    f"length_curve: length {length:>9,} depth {'random' if depth is None else depth_label(depth)}: "
                     f"success {row['success']:.3f} +- {row['stderr']:.3f} (n={row['n']}, {row['seconds']:.1f} s)",
                     file=sys.stderr,
                     flush=True,
@@ -161,10 +165,11 @@ def length_curve(
 
 def _cell(model, task, length: int, depth, examples: int, seed_base: int, method: str, capturing: tuple) -> dict:
     """One cell of the curve: the success rate of `examples` examples of one length with the needle at `depth`
-    (None: a random depth each), scored by `method` (capture: `greedy_success` with `capturing`, its chunk size,
-    `beyond_max_positions` and `agent`)."""
+    (None: a random depth each; a band: a depth each within it), scored by `method` (capture: `greedy_success` with
+    `capturing`, its chunk size, `beyond_max_positions` and `agent`)."""
     t = time.perf_counter()
-    cell = [example_at_depth(task, seed_base + i, depth) for i in range(examples)]
+    seeds = range(seed_base, seed_base + examples)
+    cell = [example_at_depth(task, seed, example_depth(depth, seed)) for seed in seeds]
     if method == "capture":
         rewards = [greedy_success(model, task, example, *capturing) for example in cell]
     else:
@@ -172,7 +177,8 @@ def _cell(model, task, length: int, depth, examples: int, seed_base: int, method
     p = sum(rewards) / len(rewards)
     return {
         "length": length,
-        "depth": depth,
+        "depth": list(depth) if isinstance(depth, (list, tuple)) else depth,
+        "example_depths": [example.info.get("depth") for example in cell],
         "success": p,
         "n": len(rewards),
         "method": method,
