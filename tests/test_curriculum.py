@@ -165,6 +165,13 @@ def test_a_curriculum_carries_each_stages_adapter_and_a_rerun_skips_finished_sta
         assert r["exact_minus_response_only_se"] == pytest.approx(statistics.stdev(d) / len(d) ** 0.5, abs=1e-12)
         seconds = [s["seconds"] for s in stage["runs"]["response-only"][1:]]
         assert r["step_seconds"] == pytest.approx(statistics.median(seconds))
+        # held-out against the start: the probe scored the starting policy on the held-out curve's own examples
+        assert stage["probe"]["seed_base"] == stage["heldout"]["seed_base"]
+        probed = next(x for x in stage["probe"]["rows"] if x["length"] == stage["length"])["rewards"]
+        after = next(x for x in stage["heldout"]["rows"] if x["length"] == stage["length"])["rewards"]
+        pairs = list(zip(probed, after))
+        gained, lost = pairs.count((0.0, 1.0)), pairs.count((1.0, 0.0))
+        assert r["heldout_vs_start"].startswith(f"+{gained} -{lost} of {len(pairs)} (p ")
         # each eval task's success at the stage's length (its last row), with the adapter and without
         at = [(c["label"], c["rows"][-1]["success"], c["base_rows"][-1]["success"]) for c in stage["heldout_tasks"]]
         assert r["heldout_eval_tasks"] == "; ".join(f"{label}: {a:.2f} (base {b:.2f})" for label, a, b in at)

@@ -34,3 +34,19 @@ def test_per_prompt_means_pool_a_prompts_steps_and_samples():
     assert per_prompt_means(steps[::-1], first_step=3, first_visit=True) == {}
     with pytest.raises(ValueError, match="at least 2 shared prompts"):
         paired_gain({0: 1.0}, {0: 0.0})
+
+
+def test_paired_change_counts_examples_gained_and_lost_with_the_exact_sign_test():
+    """Hand-computed: 6 gained, 0 lost: 2 * (1/2)^6; 5 and 1: 2 * (1 + 6) / 2^6; 3 and 1: 2 * (1 + 4) / 2^4; 2 and 3:
+    capped at 1; none changed: 1. Only the examples both scored count; rewards other than 0/1 are refused."""
+    from longstraw.training.improvement import paired_change
+
+    before = [0.0] * 6 + [1.0] * 2 + [0.0] * 4
+    after = [1.0] * 6 + [1.0] * 2 + [0.0] * 4
+    assert paired_change(before, after) == {"examples": 12, "gained": 6, "lost": 0, "p": 2 / 64}
+    assert paired_change([0.0] * 5 + [1.0], [1.0] * 5 + [0.0])["p"] == 2 * 7 / 64
+    assert paired_change([0, 0, 0, 1, 1], [1, 1, 1, 0, 1.0])["p"] == 2 * 5 / 16
+    assert paired_change([0, 0, 1, 1, 1], [1, 1, 0, 0, 0.0])["p"] == 1.0
+    assert paired_change([1.0, 0.0, 1.0], [1.0, 0.0]) == {"examples": 2, "gained": 0, "lost": 0, "p": 1.0}
+    with pytest.raises(ValueError, match="0 or 1"):
+        paired_change([0.5], [1.0])

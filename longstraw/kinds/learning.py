@@ -330,13 +330,16 @@ EXTRA_TABLES = {
             "lr0_mean",
             "heldout_success",
             "heldout_base_success",
+            "heldout_vs_start",
             "heldout_eval_tasks",
             "lr0_by_depth",
             "step_seconds",
         ],
         "Each stage starts every run (lr0 too) from the adapter the stage before carried on (its sha256); held-out: "
         "greedy success at the stage's length on the length curve's seeds, with the stage's adapter and without it "
-        "(eval tasks: each of learning.curriculum.eval_tasks, the adapter's success and the base's); "
+        "(eval tasks: each of learning.curriculum.eval_tasks, the adapter's success and the base's); held-out vs "
+        "start: the same held-out examples as the stage's probe of the policy it started from, those the adapter "
+        "gained and lost, with the exact two-sided sign test; "
         "exact minus response-only: the two trained runs' paired difference on the stage's last window of prompts; "
         "lr0 by depth: the starting policy's sampled success on each prompt's first step, by where the answer's "
         "needle sits (0: the context's start), each band's prompt count in brackets; step seconds: the "
@@ -520,6 +523,7 @@ def stage_row(stage: dict) -> dict:
         "probe_success": next((r.get("success") for r in as_dict(stage.get("probe")).get("rows", [])), None),
         "heldout_success": success_at(heldout.get("rows"), length),
         "heldout_base_success": success_at(heldout.get("base_rows"), length),
+        "heldout_vs_start": heldout_change(stage),
         "heldout_eval_tasks": eval_cell(stage),
     }
     for name in ("response-only", "exact"):
@@ -534,6 +538,22 @@ def stage_row(stage: dict) -> dict:
     seconds = [number(s.get("seconds")) for s in (runs.get("response-only") or [])[1:]]
     row["step_seconds"] = statistics.median(seconds) if seconds and None not in seconds else None
     return row
+
+
+def heldout_change(stage: dict) -> str | None:
+    """What the stage's training changed on held-out examples, paired: its probe (the starting policy) and its
+    adapter's held-out curve at its length score the same seeds, so `+gained -lost of n (sign test p)`."""
+    from longstraw.training.improvement import paired_change
+
+    length, probe, heldout = stage.get("length"), as_dict(stage.get("probe")), as_dict(stage.get("heldout"))
+    probed = next((r for r in probe.get("rows") or [] if r.get("length") == length), None)
+    after = next((r for r in heldout.get("rows") or [] if r.get("length") == length), None)
+    # records before the probe kept its seeds drew the same ones (the length curve's held-out range)
+    seeds_differ = probe.get("seed_base", heldout.get("seed_base")) != heldout.get("seed_base")
+    if not probed or not after or probed.get("depth") != after.get("depth") or seeds_differ:
+        return None
+    change = paired_change(probed.get("rewards") or [], after.get("rewards") or [])
+    return f"+{change['gained']} -{change['lost']} of {change['examples']} (p {change['p']:.3f})"
 
 
 def depth_text(steps: list[dict]) -> str | None:

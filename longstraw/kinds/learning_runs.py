@@ -123,6 +123,7 @@ def probe_lengths(cfg: PointConfig, progress: Progress, lengths) -> dict:
     )
     return {
         "rows": curve["rows"],
+        "seed_base": curve["seed_base"],  # the held-out curves' seeds: a stage pairs its probe with them
         "range": [low, high],
         "chosen_length": chosen,
         "rule": f"the longest probed length whose base greedy success is within [{low}, {high}]",

@@ -48,3 +48,18 @@ def paired_gain(trained: dict[int, float], untrained: dict[int, float], sigmas: 
         "untrained_mean": sum(untrained[p] for p in prompts) / n,
         "reached": mean > sigmas * se and mean > 0,
     }
+
+
+def paired_change(before: list[float], after: list[float]) -> dict:
+    """Two policies' 0/1 rewards on the same held-out examples, in order (a curriculum stage's probe of the policy it
+    starts from, and its trained adapter's held-out curve at that length: the same seeds): the examples `gained`
+    (0 -> 1) and `lost` (1 -> 0) over the examples both scored, and the exact two-sided sign test of gained against
+    lost (`p`: the chance of a split at least as uneven if either way were equally likely; 1.0 with none changed)."""
+    n = min(len(before), len(after))
+    if any(r not in (0.0, 1.0) for r in [*before[:n], *after[:n]]):
+        raise ValueError("paired_change: rewards must be 0 or 1 (exact-match success)")
+    gained = sum(1 for b, a in zip(before[:n], after[:n]) if (b, a) == (0.0, 1.0))
+    lost = sum(1 for b, a in zip(before[:n], after[:n]) if (b, a) == (1.0, 0.0))
+    changed = gained + lost
+    tail = sum(math.comb(changed, k) for k in range(min(gained, lost) + 1)) / 2**changed
+    return {"examples": n, "gained": gained, "lost": lost, "p": min(1.0, 2 * tail)}
