@@ -58,8 +58,7 @@ def main(argv=None) -> int:
     tensors = [torch.randn(shape, generator=generator, device=device).to(torch.bfloat16) for _ in range(2 * 30)]
     state_bytes = sum(t.numel() * t.element_size() for t in tensors)
     plain, expected = timed(plain_chunk_sums, tensors, device, args.repeats)
-    weights: dict = {}  # one weights tensor a device, as `ResidentState.fingerprint` shares it
-    columns, got = timed(lambda t: resident._chunk_sums(t, weights), tensors, device, args.repeats)
+    columns, got = timed(resident._chunk_sums, tensors, device, args.repeats)
     if any(not torch.equal(a, b) for a, b in zip(expected, got, strict=True)):
         raise SystemExit("the column form's sums differ from the plain form's")
     print(f"state of {args.positions:,} positions ({state_bytes / 1e9:.2f} GB) on {device}:")

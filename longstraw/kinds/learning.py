@@ -58,6 +58,7 @@ from longstraw.results import (
     rows_of_points,
     write_text_atomic,
 )
+from longstraw.training.depths import depth_label
 
 
 @dataclass
@@ -562,8 +563,7 @@ def depth_text(steps: list[dict]) -> str | None:
     if rows is None:
         return None
     return "; ".join(
-        f"{r['depths'][0]:g}-{r['depths'][1]:g}: {'-' if r['success'] is None else format(r['success'], '.2f')} "
-        f"({r['prompts']})"
+        f"{depth_label(r['depths'])}: {'-' if r['success'] is None else format(r['success'], '.2f')} ({r['prompts']})"
         for r in rows
     )
 

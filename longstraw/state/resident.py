@@ -9,6 +9,7 @@ steps taken since the capture (reusing a state across steps is the design: prefi
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 from dataclasses import dataclass, field
 
@@ -197,8 +198,7 @@ class ResidentState:
     def fingerprint(self) -> int:
         """A position-sensitive checksum of every state byte: changes if any bit of any page changes. The
         tensors' chunk sums stay on their devices until one transfer each (a state of 60 pages: one sync, not 60)."""
-        weights: dict = {}  # per device, made once for every tensor there
-        sums = [(index, _chunk_sums(t, weights)) for index, layer in enumerate(self.layers) for t in layer.tensors()]
+        sums = [(index, _chunk_sums(t)) for index, layer in enumerate(self.layers) for t in layer.tensors()]
         by_device: dict = {}
         for _, s in sums:
             by_device.setdefault(s.device, []).append(s)
@@ -232,10 +232,9 @@ class ResidentState:
 _WEIGHT_PERIOD = 65521  # a word's weight is its index in its chunk mod this, plus 1
 
 
-def _chunk_sums(t: torch.Tensor, weights: dict | None = None) -> torch.Tensor:
+def _chunk_sums(t: torch.Tensor) -> torch.Tensor:
     """The tensor's raw 32-bit words weighted by position (mod 65521, plus 1) and summed per chunk of
-    `_FINGERPRINT_CHUNK` words: int64 [chunks] on the tensor's device (int64 wraps alike on every device). `weights`:
-    {device: the weights 1..65521}, filled here for a device not in it yet."""
+    `_FINGERPRINT_CHUNK` words: int64 [chunks] on the tensor's device (int64 wraps alike on every device)."""
     if t.numel() == 0:
         return torch.zeros(0, dtype=torch.int64, device=t.device)
     words = t.detach().contiguous().view(-1).view(torch.uint8)
@@ -243,11 +242,15 @@ def _chunk_sums(t: torch.Tensor, weights: dict | None = None) -> torch.Tensor:
     if pad:
         words = torch.cat([words, words.new_zeros(pad)])
     words = words.view(torch.int32)
-    weights = {} if weights is None else weights
-    if words.device not in weights:
-        weights[words.device] = torch.arange(1, _WEIGHT_PERIOD + 1, device=words.device, dtype=torch.int64)
+    weights = _weights(words.device)
     chunks = [words[start : start + _FINGERPRINT_CHUNK] for start in range(0, words.numel(), _FINGERPRINT_CHUNK)]
-    return torch.stack([_weighted_sum(chunk, weights[words.device]) for chunk in chunks])
+    return torch.stack([_weighted_sum(chunk, weights) for chunk in chunks])
+
+
+@functools.cache
+def _weights(device: torch.device) -> torch.Tensor:
+    """The weights 1..65521 on `device`, made once a process (every fingerprint takes them, twice a step)."""
+    return torch.arange(1, _WEIGHT_PERIOD + 1, device=device, dtype=torch.int64)
 
 
 def _weighted_sum(chunk: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
