@@ -424,3 +424,20 @@ def test_a_lora_adapter_starts_from_a_saved_one_and_refuses_another_shape(tmp_pa
         build_policy(ModelConfig(preset="tiny-llama", lora=LoraConfig(r=8, init=str(tmp_path / "adapter"))))
     with pytest.raises(ValueError, match=r"model.lora.init: no trained adapter \(adapter_model.safetensors\) at"):
         build_policy(ModelConfig(preset="tiny-llama", lora=LoraConfig(r=4, init=str(tmp_path / "none"))))
+
+
+def test_a_stage_row_keeps_the_highest_step_peak_of_the_trained_run():
+    """`step_peak_bytes`: the response-only run's highest CUDA peak (its first step too, where kernels are built),
+    not the lr-0 run's; None where no step has one (the CPU)."""
+    from longstraw.kinds.learning import stage_row
+
+    def steps(peaks):
+        return [
+            {"step": i, "prompt": i, "seconds": 1.0, "rewards": [0.0], "peak_allocated_bytes": p}
+            for i, p in enumerate(peaks)
+        ]
+
+    stage = {"stage": 0, "length": 64, "steps": 3, "window": 1}
+    row = stage_row({**stage, "runs": {"response-only": steps([7, 5, None]), "lr0": steps([9, 1, 1])}})
+    assert row["step_peak_bytes"] == 7
+    assert stage_row({**stage, "runs": {"response-only": steps([None] * 3)}})["step_peak_bytes"] is None

@@ -335,6 +335,7 @@ EXTRA_TABLES = {
             "heldout_eval_tasks",
             "lr0_by_depth",
             "step_seconds",
+            "step_peak_bytes",
         ],
         "Each stage starts every run (lr0 too) from the adapter the stage before carried on (its sha256); held-out: "
         "greedy success at the stage's length on the length curve's seeds, with the stage's adapter and without it "
@@ -344,7 +345,8 @@ EXTRA_TABLES = {
         "exact minus response-only: the two trained runs' paired difference on the stage's last window of prompts; "
         "lr0 by depth: the starting policy's sampled success on each prompt's first step, by where the answer's "
         "needle sits (0: the context's start), each band's prompt count in brackets; step seconds: the "
-        "response-only run's median step after its first (capture, sampling, replay, update).",
+        "response-only run's median step after its first (capture, sampling, replay, update); step peak: its "
+        "steps' highest CUDA peak allocated (weights included; none on the CPU).",
     ),
     "heldout": ExtraTable(
         "Length curriculum: held-out greedy success per stage, task and length",
@@ -538,6 +540,8 @@ def stage_row(stage: dict) -> dict:
     row["lr0_by_depth"] = depth_text(runs.get(UNTRAINED) or [])
     seconds = [number(s.get("seconds")) for s in (runs.get("response-only") or [])[1:]]
     row["step_seconds"] = statistics.median(seconds) if seconds and None not in seconds else None
+    peaks = [number(s.get("peak_allocated_bytes")) for s in runs.get("response-only") or []]
+    row["step_peak_bytes"] = max((p for p in peaks if p is not None), default=None)
     return row
 
 

@@ -57,6 +57,7 @@ def train_runs(cfg: PointConfig, work: Path, checkpoint_every: int, length: int,
     """({run name: its steps' records}, {run name: the step it went on from}) of every run of `runs_of(cfg)` at
     `length` positions, each in `work / name` with a checkpoint every `checkpoint_every` steps (0: none), going on
     from the newest one there."""
+    from longstraw.kinds.common import phase_peaks
     from longstraw.training.trainer import Trainer
 
     keep = ("step", "prompt", "depth", "refreshed", "reward_mean", "rewards", "loss", "grad_norm", SKIPPED)
@@ -67,7 +68,11 @@ def train_runs(cfg: PointConfig, work: Path, checkpoint_every: int, length: int,
         mapping["output"]["checkpoint_every"] = checkpoint_every
         trainer = Trainer(mapping, source=f"{cfg.name} [{name}]")
         runs[name] = [
-            {**{k: step.get(k) for k in keep}, "phase_seconds": seconds_per_phase(step)}
+            {
+                **{k: step.get(k) for k in keep},
+                "phase_seconds": seconds_per_phase(step),
+                "peak_allocated_bytes": phase_peaks(step.get("transaction", {}).get("phases", {})),  # CUDA only
+            }
             for step in trainer.run(resume=checkpoint_every > 0)
         ]
         resumed_at[name] = trainer.resumed_at  # a torn newest checkpoint: the older one it went on from
