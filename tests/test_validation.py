@@ -229,6 +229,50 @@ def test_v4_is_the_paired_gain_over_the_lr0_run_on_the_last_window():
     assert v4["reached"] == (e["gain"] > 3 * e["standard_error"] and e["gain"] > 0)
 
 
+def test_v4_pairs_each_prompts_first_visit_only():
+    """With 2 steps a prompt, a prompt's second step follows an update on its own rewards: V4 pairs each prompt's
+    first step (steps 16, 18, 20, 22 of 24, in the setting of validation.yaml's policy point, which learns), as
+    the learning kind does; recomputed here from the runs' printouts (pooling both steps misses by ~0.016)."""
+    cfg = resolve_point(
+        {
+            "kind": "validation",
+            "model": {"preset": "tiny-llama", "overrides": {"vocab_size": 80}},
+            "prompt": {"length": 64},
+            "grpo": {"beta": 0.0},
+            "optimizer": {"lr": 3e-2},
+            "validation": {
+                "modes": ["response-only"],
+                "levels": ["V4"],
+                "window": 8,
+                "train": {
+                    "task": {"name": "kv_retrieval", "length": 64, "num_needles": 1, "value_length": 1},
+                    "steps": 24,
+                    "steps_per_prompt": 2,
+                    "grpo": {"num_generations": 16},
+                    "sampling": {"max_new_tokens": 1},
+                },
+            },
+        }
+    )
+    lines = []
+
+    class Lines(Progress):
+        def line(self, text):
+            lines.append(text)
+
+    (path,) = validation.run(cfg, torch.device("cpu"), Lines())["paths"]
+    e = _levels(path)["V4"]["evidence"]
+    means = {
+        line.split()[1]: [float(x) for x in line.split("per step ")[1].split()]
+        for line in lines
+        if line.startswith("V4 ")
+    }
+    first = (16, 18, 20, 22)
+    d = [means["trained"][s] - means["untrained"][s] for s in first]  # means of 16 rewards: printed to 0.005
+    assert e["prompts"] == 4 and e["gain"] == pytest.approx(sum(d) / 4, abs=0.005)
+    assert e["trained_mean"] == pytest.approx(sum(means["trained"][s] for s in first) / 4, abs=0.005)
+
+
 def test_v4_window_must_fit_the_run():
     with pytest.raises(ValueError, match="validation.window: 3 is more than the trainer's 2 steps"):
         resolve(_config(levels=["V4"], window=3, train={"task": {"name": "kv_retrieval", "length": 16}, "steps": 2}))

@@ -136,15 +136,11 @@ def probe_lengths(cfg: PointConfig, progress: Progress, lengths) -> dict:
 
 
 def gains(runs: dict, first_step: int) -> dict:
-    """Each trained run's paired gain over the lr-0 run on the prompts first visited from `first_step` on, each
-    prompt's first step (with `steps_per_prompt` > 1 its later steps follow updates on its own rewards)."""
-    from longstraw.training.improvement import paired_gain, per_prompt_means
+    """Each trained run's paired gain over the lr-0 run (`improvement.first_visit_gain`)."""
+    from longstraw.training.improvement import first_visit_gain
 
-    baseline = per_prompt_means(runs[UNTRAINED], first_step, first_visit=True)
     return {
-        name: paired_gain(per_prompt_means(steps, first_step, first_visit=True), baseline)
-        for name, steps in runs.items()
-        if name != UNTRAINED
+        name: first_visit_gain(steps, runs[UNTRAINED], first_step) for name, steps in runs.items() if name != UNTRAINED
     }
 
 
@@ -172,12 +168,11 @@ def success_by_depth(steps: list[dict], edges=DEPTH_EDGES) -> list[dict] | None:
 def gradient_gap(runs: dict, first_step: int) -> dict | None:
     """The exact run's paired gain over the response-only run (the same prompts and sampling seeds: per prompt,
     the difference of the two trained runs' mean rewards, the lr-0 run dropping out), or None unless both ran."""
-    from longstraw.training.improvement import paired_gain, per_prompt_means
+    from longstraw.training.improvement import first_visit_gain
 
     if not {"exact", "response-only"} <= set(runs):
         return None
-    exact, response_only = (per_prompt_means(runs[n], first_step, first_visit=True) for n in ("exact", "response-only"))
-    return paired_gain(exact, response_only)
+    return first_visit_gain(runs["exact"], runs["response-only"], first_step)
 
 
 # ------------------------------------------------------------------------------------------- report

@@ -32,9 +32,9 @@ level gives {level, reached (True / False; None: not run), tolerance, evidence (
   gradient and the full one, and ||g_full - g|| / ||g_full||, the relative norm of the dropped term.
 - V4 policy improvement: the trainer (`longstraw.training.trainer`, response-only) on a verifiable task, run
   twice from the same weights and seeds, so on the same prompts: with the point's learning rate and
-  with 0. Reached when the paired gain over the last `window` steps' prompts (per-prompt mean reward,
-  trained minus lr-0) exceeds 3 standard errors of those differences
-  (`longstraw.training.improvement.paired_gain`, the rule the learning kind uses too).
+  with 0. Reached when the paired gain on the prompts first visited in the last `window` steps (each
+  prompt's first step: mean reward, trained minus lr-0) exceeds 3 standard errors of those differences
+  (`longstraw.training.improvement.first_visit_gain`, the rule the learning kind uses too).
 
 Report: one row per point (how many of its paths reached each level), and one row per path in a
 table of its own (`paths`: each level's state and its evidence in words and numbers) that the
@@ -386,7 +386,7 @@ def execute(model, prompt, responses, rewards, cfg: PointConfig, mode: str, devi
 
 
 def policy_improvement(cfg: PointConfig, scale: dict, progress: Progress) -> dict:
-    from longstraw.training.improvement import SIGMAS, paired_gain, per_prompt_means
+    from longstraw.training.improvement import SIGMAS, first_visit_gain
     from longstraw.training.trainer import Trainer
 
     window = cfg.validation.window
@@ -400,14 +400,12 @@ def policy_improvement(cfg: PointConfig, scale: dict, progress: Progress) -> dic
                 + " ".join(f"{sum(m['rewards']) / len(m['rewards']):.2f}" for m in runs[name])
             )
     first_step = len(runs["trained"]) - window  # the plan checked that the window fits the run
-    evidence = paired_gain(
-        per_prompt_means(runs["trained"], first_step), per_prompt_means(runs["untrained"], first_step)
-    )
+    evidence = first_visit_gain(runs["trained"], runs["untrained"], first_step)
     evidence.update(lr=cfg.optimizer.lr, window_steps=window, steps=len(runs["trained"]))
     task = trainer.cfg.task
     stated = (
-        f"paired gain over the lr-0 run on the last {window} steps' prompts (per-prompt mean reward, same "
-        f"prompts and seeds) above {SIGMAS:g} standard errors of the differences"
+        f"paired gain over the lr-0 run on the prompts first visited in the last {window} steps (each prompt's "
+        f"first step: mean reward, same prompts and seeds) above {SIGMAS:g} standard errors of the differences"
     )
     return level(
         "V4",

@@ -50,6 +50,16 @@ def paired_gain(trained: dict[int, float], untrained: dict[int, float], sigmas: 
     }
 
 
+def first_visit_gain(trained: list[dict], untrained: list[dict], first_step: int) -> dict:
+    """V4's statistic of two runs' trainer steps: `paired_gain` on the prompts first visited from `first_step` on,
+    each prompt's first step only (with `steps_per_prompt` > 1 its later steps follow updates on its own rewards,
+    which would credit the trained run with fitting the prompts it is scored on)."""
+    return paired_gain(
+        per_prompt_means(trained, first_step, first_visit=True),
+        per_prompt_means(untrained, first_step, first_visit=True),
+    )
+
+
 def paired_change(before: list[float], after: list[float]) -> dict:
     """Two policies' 0/1 rewards on the same held-out examples, in order (a curriculum stage's probe of the policy it
     starts from, and its trained adapter's held-out curve at that length: the same seeds): the examples `gained`
