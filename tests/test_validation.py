@@ -182,29 +182,22 @@ def test_a_float32_anchor_that_runs_out_of_memory_falls_back_to_the_fixed_tolera
         assert entry["reached"] == (entry["evidence"]["relative_error"] <= 2e-2)
 
 
-def test_v4_is_the_paired_gain_over_the_lr0_run_on_the_last_window():
-    """The trainer runs twice (lr and 0) on the same prompts and seeds; V4's evidence is the paired
-    gain on the last `window` steps' prompts, recomputed here by hand from the runs' own printouts."""
-    cfg = resolve_point(
-        {
-            "kind": "validation",
-            "model": {"preset": "tiny-llama", "overrides": {"vocab_size": 80}},
-            "grpo": {"beta": 0.0},
-            "optimizer": {"lr": 3e-2},
-            "validation": {
-                "modes": ["response-only"],
-                "levels": ["V4"],
-                "window": 2,
-                "train": {
-                    "task": {"name": "kv_retrieval", "length": 16},
-                    "steps": 3,
-                    "steps_per_prompt": 1,
-                    "grpo": {"num_generations": 4},
-                    "sampling": {"max_new_tokens": 1},
-                },
-            },
-        }
-    )
+def _run_v4(window: int, train: dict, length: int | None = None) -> tuple[dict, dict]:
+    """A tiny-llama V4 point (lr 3e-2, 1-token answers): its V4 entry, and each run's per-step mean rewards as the
+    run printed them (2 decimals)."""
+    point = {
+        "kind": "validation",
+        "model": {"preset": "tiny-llama", "overrides": {"vocab_size": 80}},
+        "grpo": {"beta": 0.0},
+        "optimizer": {"lr": 3e-2},
+        "validation": {
+            "modes": ["response-only"],
+            "levels": ["V4"],
+            "window": window,
+            "train": {**train, "sampling": {"max_new_tokens": 1}},
+        },
+    }
+    cfg = resolve_point(point if length is None else {**point, "prompt": {"length": length}})
     lines = []
 
     class Lines(Progress):
@@ -212,14 +205,22 @@ def test_v4_is_the_paired_gain_over_the_lr0_run_on_the_last_window():
             lines.append(text)
 
     (path,) = validation.run(cfg, torch.device("cpu"), Lines())["paths"]
-    v4, e = _levels(path)["V4"], _levels(path)["V4"]["evidence"]
-    assert v4["scale"]["prompt_positions"] == 16 and e["lr"] == 3e-2 and e["steps"] == 3 and e["prompts"] == 2
-    # the two runs' per-step mean rewards (one prompt per step), as each run printed them (2 decimals)
     means = {
         line.split()[1]: [float(x) for x in line.split("per step ")[1].split()]
         for line in lines
         if line.startswith("V4 ")
     }
+    return _levels(path)["V4"], means
+
+
+def test_v4_is_the_paired_gain_over_the_lr0_run_on_the_last_window():
+    """The trainer runs twice (lr and 0) on the same prompts and seeds; V4's evidence is the paired
+    gain on the last `window` steps' prompts, recomputed here by hand from the runs' own printouts."""
+    train = {"task": {"name": "kv_retrieval", "length": 16}, "steps": 3, "steps_per_prompt": 1}
+    v4, means = _run_v4(2, {**train, "grpo": {"num_generations": 4}})
+    e = v4["evidence"]
+    assert v4["scale"]["prompt_positions"] == 16 and e["lr"] == 3e-2 and e["steps"] == 3 and e["prompts"] == 2
+    # the two runs' per-step mean rewards (one prompt per step)
     assert means["trained"][0] == means["untrained"][0]  # same weights and seeds until the first update
     d = [t - u for t, u in zip(means["trained"][1:], means["untrained"][1:])]  # the last 2 steps' prompts
     gain = sum(d) / 2
@@ -233,40 +234,10 @@ def test_v4_pairs_each_prompts_first_visit_only():
     """With 2 steps a prompt, a prompt's second step follows an update on its own rewards: V4 pairs each prompt's
     first step (steps 16, 18, 20, 22 of 24, in the setting of validation.yaml's policy point, which learns), as
     the learning kind does; recomputed here from the runs' printouts (pooling both steps misses by ~0.016)."""
-    cfg = resolve_point(
-        {
-            "kind": "validation",
-            "model": {"preset": "tiny-llama", "overrides": {"vocab_size": 80}},
-            "prompt": {"length": 64},
-            "grpo": {"beta": 0.0},
-            "optimizer": {"lr": 3e-2},
-            "validation": {
-                "modes": ["response-only"],
-                "levels": ["V4"],
-                "window": 8,
-                "train": {
-                    "task": {"name": "kv_retrieval", "length": 64, "num_needles": 1, "value_length": 1},
-                    "steps": 24,
-                    "steps_per_prompt": 2,
-                    "grpo": {"num_generations": 16},
-                    "sampling": {"max_new_tokens": 1},
-                },
-            },
-        }
-    )
-    lines = []
-
-    class Lines(Progress):
-        def line(self, text):
-            lines.append(text)
-
-    (path,) = validation.run(cfg, torch.device("cpu"), Lines())["paths"]
-    e = _levels(path)["V4"]["evidence"]
-    means = {
-        line.split()[1]: [float(x) for x in line.split("per step ")[1].split()]
-        for line in lines
-        if line.startswith("V4 ")
-    }
+    task = {"name": "kv_retrieval", "length": 64, "num_needles": 1, "value_length": 1}
+    train = {"task": task, "steps": 24, "steps_per_prompt": 2, "grpo": {"num_generations": 16}}
+    v4, means = _run_v4(8, train, length=64)
+    e = v4["evidence"]
     first = (16, 18, 20, 22)
     d = [means["trained"][s] - means["untrained"][s] for s in first]  # means of 16 rewards: printed to 0.005
     assert e["prompts"] == 4 and e["gain"] == pytest.approx(sum(d) / 4, abs=0.005)
