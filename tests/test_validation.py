@@ -247,8 +247,13 @@ def test_v4_pairs_each_prompts_first_visit_only():
 def test_v4_window_must_fit_the_run():
     with pytest.raises(ValueError, match="validation.window: 3 is more than the trainer's 2 steps"):
         resolve(_config(levels=["V4"], window=3, train={"task": {"name": "kv_retrieval", "length": 16}, "steps": 2}))
-    with pytest.raises(ValueError, match="the last 2 steps visit 1 prompt"):  # 4 steps per prompt by default
-        resolve(_config(levels=["V4"], window=2, train={"task": {"name": "kv_retrieval", "length": 16}, "steps": 8}))
+    task = {"name": "kv_retrieval", "length": 16}
+    with pytest.raises(ValueError, match="the last 2 steps hold 0 prompts' first steps"):  # 4 steps a prompt
+        resolve(_config(levels=["V4"], window=2, train={"task": task, "steps": 8}))
+    # steps 3-7 visit prompts 0 and 1, but only prompt 1 first (step 4): V4 would have one prompt to pair
+    with pytest.raises(ValueError, match="the last 5 steps hold 1 prompts' first steps"):
+        resolve(_config(levels=["V4"], window=5, train={"task": task, "steps": 8}))
+    resolve(_config(levels=["V4"], window=5, train={"task": task, "steps": 8, "steps_per_prompt": 2}))
 
 
 def test_bad_validation_configs_are_named():

@@ -127,10 +127,11 @@ def check(cfg: PointConfig, source: str) -> None:
             f"{source}: validation.window: {window} is more than the trainer's "
             f"{train.steps} steps (validation.train.steps)"
         )
-    prompts = len({step // train.steps_per_prompt for step in range(train.steps - window, train.steps)})
-    if prompts < 2:  # V4 pairs prompts: one cannot give a standard error
+    # V4 pairs the prompts first visited in the window: fewer than two cannot give a standard error
+    firsts = sum(step % train.steps_per_prompt == 0 for step in range(train.steps - window, train.steps))
+    if firsts < 2:
         raise ConfigError(
-            f"{source}: validation.window: the last {window} steps visit {prompts} prompt "
+            f"{source}: validation.window: the last {window} steps hold {firsts} prompts' first steps "
             f"({train.steps_per_prompt} steps per prompt); V4 needs at least 2"
         )
 
