@@ -351,3 +351,16 @@ def test_a_point_on_a_checkpoint_waits_for_its_pretrain_point(tmp_path):
     planned = plan(tmp_path, "h200")
     assert needs(planned, "learning", "pretrain-reach") == [("learning", "pretrain-reach-base")]
     assert needs(planned, "learning", "v4-reach-1048576") == [("learning", "pretrain-reach")]
+
+
+def test_the_window_needs_two_first_visits_counted_where_they_fall():
+    """V4 pairs the prompts first visited in the last `window` steps (prompt = step // steps_per_prompt). 9 steps at
+    4 a prompt: steps 4-8 hold the first steps of prompts 1 and 2 (4 and 8), though 5 // 4 is 1; 8 steps: 3-7 hold
+    only step 4's."""
+    from longstraw.kinds.learning import LearningConfig
+    from longstraw.training.improvement import first_visits
+
+    assert first_visits(9, 5, 4) == 2 and first_visits(8, 5, 4) == 1 and first_visits(8, 8, 1) == 8
+    LearningConfig(steps=9, window=5, steps_per_prompt=4)
+    with pytest.raises(ValueError, match="window: 5 steps hold fewer than 2 prompts' first steps at 4 steps a prompt"):
+        LearningConfig(steps=8, window=5, steps_per_prompt=4)

@@ -59,6 +59,7 @@ from longstraw.results import (
     write_text_atomic,
 )
 from longstraw.training.depths import depth_label
+from longstraw.training.improvement import first_visits
 
 
 @dataclass
@@ -154,7 +155,8 @@ class LearningConfig:
             raise ValueError("gradients: at least one gradient mode")
         if "exact" in self.gradients and (self.refresh.policy, self.refresh.every) != ("every", 1):
             raise ValueError("refresh: the exact gradient needs a capture with the current parameters every step")
-        if self.window // self.steps_per_prompt < 2:
+        lengths = [stage.steps for stage in self.curriculum.stages] if self.curriculum else [self.steps]
+        if min(first_visits(steps, self.window, self.steps_per_prompt) for steps in lengths) < 2:
             raise ValueError(
                 f"window: {self.window} steps hold fewer than 2 prompts' first steps at {self.steps_per_prompt} "
                 "steps a prompt; V4 pairs prompts"

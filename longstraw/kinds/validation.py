@@ -118,6 +118,7 @@ def check(cfg: PointConfig, source: str) -> None:
     if "V4" not in cfg.validation.levels:
         return
     train = resolve_train(trainer_mapping(cfg, cfg.optimizer.lr, "unused"), f"{source}: validation.train")
+    from longstraw.training.improvement import first_visits
     from longstraw.training.tasks import check_task_spec
 
     check_task_spec(train.task, f"{source}: validation.train.task")
@@ -128,7 +129,7 @@ def check(cfg: PointConfig, source: str) -> None:
             f"{train.steps} steps (validation.train.steps)"
         )
     # V4 pairs the prompts first visited in the window: fewer than two cannot give a standard error
-    firsts = sum(step % train.steps_per_prompt == 0 for step in range(train.steps - window, train.steps))
+    firsts = first_visits(train.steps, window, train.steps_per_prompt)
     if firsts < 2:
         raise ConfigError(
             f"{source}: validation.window: the last {window} steps hold {firsts} prompts' first steps "

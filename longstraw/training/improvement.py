@@ -50,6 +50,12 @@ def paired_gain(trained: dict[int, float], untrained: dict[int, float], sigmas: 
     }
 
 
+def first_visits(steps: int, window: int, steps_per_prompt: int) -> int:
+    """How many prompts `first_visit_gain` pairs over the last `window` of `steps` trainer steps at
+    `steps_per_prompt` steps a prompt (prompt = step // steps_per_prompt, first visited at a multiple of it)."""
+    return sum(step % steps_per_prompt == 0 for step in range(steps - window, steps))
+
+
 def first_visit_gain(trained: list[dict], untrained: list[dict], first_step: int) -> dict:
     """V4's statistic of two runs' trainer steps: `paired_gain` on the prompts first visited from `first_step` on,
     each prompt's first step only (with `steps_per_prompt` > 1 its later steps follow updates on its own rewards,
