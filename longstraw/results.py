@@ -251,6 +251,12 @@ def phase_seconds(phases) -> float | None:
     return sum(seconds) if seconds else None
 
 
+def phase_peaks(phases: dict) -> int | None:
+    """A step's CUDA peak: the highest of its phases' peak allocated bytes; None where none has one (CPU)."""
+    peaks = [p["peak_allocated_bytes"] for p in phases.values() if p.get("peak_allocated_bytes") is not None]
+    return max(peaks) if peaks else None
+
+
 def point_parts(point: dict) -> tuple[dict, dict]:
     """(config, metrics) of a result, each {} where missing."""
     return as_dict(point.get("config")), as_dict(point.get("metrics"))

@@ -27,6 +27,7 @@ from longstraw.config.typed import bounded
 from longstraw.kinds.agent_report import CAPTIONS, EXTRA_TABLES, SHOWN, columns, figures, tables
 from longstraw.kinds.checks import check_task
 from longstraw.kinds.spec import Kind
+from longstraw.results import phase_peaks
 
 if TYPE_CHECKING:
     from longstraw.kinds.common import Progress
@@ -126,7 +127,7 @@ def cell_row(num_generations: int, max_turns: int, records: list[dict], device) 
     """One cell's summary of its trainer steps' records (module docstring); `memory_bytes`: the step's CUDA
     peak allocated, else (CPU) the resident state's bytes plus the replay graph's peak."""
     transactions = [r.get("transaction", {}) for r in records]
-    peaks = [p.get("peak_allocated_bytes") for t in transactions for p in t.get("phases", {}).values()]
+    peaks = [phase_peaks(t.get("phases", {})) for t in transactions]
     peak = max((p for p in peaks if p is not None), default=None)
     resident = max(t.get("resident_bytes", 0) for t in transactions)
     graph = max(t.get("graph_bytes_peak", 0) for t in transactions)

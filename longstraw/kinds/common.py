@@ -99,11 +99,6 @@ def measure_capture(model, prompt, cfg: PointConfig, recorder: PhaseRecorder):
     }, state
 
 
-def phase_peaks(phases: dict) -> int | None:
-    peaks = [p["peak_allocated_bytes"] for p in phases.values() if "peak_allocated_bytes" in p]
-    return max(peaks) if peaks else None
-
-
 def model_config(model):
     return unwrap_causal_lm(model).config
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from longstraw.config import PointConfig
-from longstraw.results import SKIPPED, strict_json, write_text_atomic
+from longstraw.results import SKIPPED, phase_peaks, strict_json, write_text_atomic
 
 if TYPE_CHECKING:
     from longstraw.kinds.common import Progress
@@ -57,7 +57,6 @@ def train_runs(cfg: PointConfig, work: Path, checkpoint_every: int, length: int,
     """({run name: its steps' records}, {run name: the step it went on from}) of every run of `runs_of(cfg)` at
     `length` positions, each in `work / name` with a checkpoint every `checkpoint_every` steps (0: none), going on
     from the newest one there."""
-    from longstraw.kinds.common import phase_peaks
     from longstraw.training.trainer import Trainer
 
     keep = ("step", "prompt", "depth", "refreshed", "reward_mean", "rewards", "loss", "grad_norm", SKIPPED)

@@ -24,7 +24,7 @@ from longstraw.config import PointConfig, to_mapping
 from longstraw.config.point import trainer_sections
 from longstraw.kinds.spec import Kind
 from longstraw.peers import PEER_MODES
-from longstraw.results import as_dict, finite, is_cuda_point, number, phase_columns, point_parts
+from longstraw.results import as_dict, finite, is_cuda_point, number, phase_columns, phase_peaks, point_parts
 
 
 def cycles_mapping(cfg: PointConfig, out_dir) -> dict:
@@ -160,12 +160,12 @@ def report_cycle(progress: Progress, cycles: list) -> None:
     result, so that a point cut off by its time limit still leaves the steps it finished."""
     phases = cycles[-1]["phases"]
     seconds = {name: rec["seconds"] for name, rec in phases.items()}
-    peaks = [rec["peak_allocated_bytes"] for rec in phases.values() if "peak_allocated_bytes" in rec]  # CUDA only
+    peak = phase_peaks(phases)  # CUDA only
     progress.line(
         f"cycle {len(cycles) - 1}: "
         + ", ".join(f"{name} {s:.3f} s" for name, s in seconds.items())
         + f" (step {sum(seconds.values()):.3f} s)"
-        + (f", peak {max(peaks) / 1e9:.2f} GB" if peaks else "")
+        + (f", peak {peak / 1e9:.2f} GB" if peak is not None else "")
     )
     progress.partial({"cycles": list(cycles), **summary(cycles)})
 
@@ -186,10 +186,9 @@ def summary(cycles: list) -> dict:
             for key in ("peak_allocated_bytes", "peak_rss_bytes"):
                 if key in rec:
                     agg[key] = max(agg.get(key, 0), rec[key])
-    peaks = [p["peak_allocated_bytes"] for p in phases.values() if "peak_allocated_bytes" in p]
     return {
         "phase_summary": phases,
-        "peak_allocated_bytes": max(peaks) if peaks else None,
+        "peak_allocated_bytes": phase_peaks(phases),
         "graph_bytes_peak": max(c["graph_bytes_peak"] for c in cycles),
     }
 

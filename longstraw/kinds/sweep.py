@@ -30,6 +30,7 @@ from longstraw.results import (
     max_number,
     number,
     phase_columns,
+    phase_peaks,
     phase_seconds,
     point_parts,
     ratio,
@@ -109,7 +110,7 @@ def _step(model, prompt, state, optimizer, cfg, mode: str, count: int, vocab: in
     import torch
 
     from longstraw.core.step import StepOptions, grpo_step
-    from longstraw.kinds.common import current_memory, phase_peaks, seeded_group
+    from longstraw.kinds.common import current_memory, seeded_group
     from longstraw.measure.allocation_sites import AllocationSites
 
     responses, rewards = seeded_group(cfg, count, vocab, device)
