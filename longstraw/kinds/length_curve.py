@@ -130,7 +130,9 @@ EXTRA_TABLES = {
         "Greedy success by prompt length and needle depth",
         ["point", "policy", "length", "depth", "success", "stderr", "n", "seconds"],
         "Held-out examples, each captured and decoded greedily from its resident state; stderr = sqrt(p (1 - p) / n). "
-        "policy: the model, the model with a trained adapter, or the base (the same model without it).",
+        "policy: the model, the model with a trained adapter, or the base (the same model without it). "
+        "A band's examples draw their depths from their seeds: example s sits at the same share of every band, "
+        "with the same key and value, so bands are paired over one set of examples, not independent draws.",
     )
 }
 CAPTIONS = {
