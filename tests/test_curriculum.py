@@ -145,6 +145,7 @@ def test_a_curriculum_carries_each_stages_adapter_and_a_rerun_skips_finished_sta
 
     row = learning.columns(result)
     assert row["trained_length"] == 128 and row["response-only_gain"] == stages[1]["gains"]["response-only"]["gain"]
+    assert row["G"] == 6  # the shown stage's group, not grpo.num_generations (4)
     assert row["exact_gain_se"] == stages[1]["gains"]["exact"]["standard_error"]
     cell = [part.split(": ", 1) for part in row["curriculum"].split("; ")]
     assert [length for length, _ in cell] == ["64", "128"]

@@ -386,6 +386,7 @@ def columns(point: dict) -> dict:
         out.update(run_columns(shown, shown.get("steps"), settings.get("window")) if shown else {})
         out["trained_length"] = shown.get("length") if shown else None
         out["steps"] = shown.get("steps") if shown else None  # the shown stage's (learning.steps does not apply)
+        out["G"] = (shown or {}).get("num_generations") or out["G"]  # a stage may set its own group size
         seconds = [
             number(step.get("seconds")) for s in stages for run in as_dict(s.get("runs")).values() for step in run
         ]
