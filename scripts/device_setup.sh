@@ -102,7 +102,22 @@ device_points() {
         echo "device_points: $point exit $status in $((SECONDS - began)) s" >&2
         [ "$status" -ne 0 ] && grep -v "^\s*$" "$folder/${experiment}__${point}.log" | tail -12 >&2
         tar czf "$archive.tmp" --exclude="*.work" -C "$folder" . && mv "$archive.tmp" "$archive"  # not the work folders: checkpoints
+        [ "$status" -eq 0 ] && bring_back_adapter "$folder/${experiment}__${point}.json" "$OUT/${experiment}__${point}.adapter.tar"
     done
+}
+
+# The adapter a finished point kept last (a curriculum's carried-on stage: `metrics.stages[].adapter.path`, 7.4 MB on
+# SmolLM2), as the tar of its stage folder: bring_back_adapter RESULT TAR. The box's results/ go with the box, and a
+# later point may start from that adapter (2026-12-07: V4 at 131,072's adapter was not brought back, and is lost).
+bring_back_adapter() {
+    local path
+    path=$(python3 -c 'import json, sys
+stages = json.load(open(sys.argv[1])).get("metrics", {}).get("stages") or []
+kept = [s["adapter"]["path"] for s in stages if isinstance(s.get("adapter"), dict) and s["adapter"].get("path")]
+print(kept[-1] if kept else "")' "$1") || return 0
+    [ -n "$path" ] && [ -d "$path" ] || return 0
+    tar cf "$2" -C "$(dirname "$(dirname "$path")")" "$(basename "$(dirname "$path")")" &&
+        echo "device_points: adapter $path -> $2" >&2
 }
 
 # Points with an earlier commit's package, for an A/B on one box (timings compare on the same card only): here
