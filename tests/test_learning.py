@@ -273,6 +273,27 @@ def test_success_by_depth_bands_each_prompts_first_step_by_hand():
     assert success_by_depth([{**steps[0], "depth": None}]) is None and depth_text([]) is None
 
 
+def test_window_by_depth_pairs_the_trained_run_with_lr0_over_the_window_by_hand():
+    from longstraw.kinds.learning import window_depth_text
+
+    def run(rewards):  # prompts 0-3, one step each, at depths 0.1, 0.3, 0.1, 0.9
+        return [
+            {"step": i, "prompt": i, "depth": d, "rewards": r}
+            for i, (d, r) in enumerate(zip((0.1, 0.3, 0.1, 0.9), rewards))
+        ]
+
+    runs = {
+        "response-only": run([[1.0, 1.0], [0.0, 1.0], [1.0, 0.0], [1.0, 1.0]]),
+        "lr0": run([[0.0, 0.0], [0.0, 0.0], [0.0, 0.0], [1.0, 0.0]]),
+    }
+    # the window is steps 1-3: the 0-0.2 band holds prompt 2 only (trained 0.5, lr 0 0.0)
+    assert window_depth_text(runs, 1) == (
+        "0-0.2: 0.50 / 0.00 (1); 0.2-0.4: 0.50 / 0.00 (1); 0.4-0.6: - / - (0); 0.6-0.8: - / - (0); "
+        "0.8-1: 1.00 / 0.50 (1)"
+    )
+    assert window_depth_text({"lr0": runs["lr0"]}, 1) is None
+
+
 class _EvenShare:
     """The counting task's prompts with a dense reward (the share of even ids in the response). Sampled at a high
     temperature (the pretrained checkpoint is so sure of its answers that at temperature 1 an AMD EPYC's kernels

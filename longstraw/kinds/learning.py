@@ -336,6 +336,7 @@ EXTRA_TABLES = {
             "heldout_vs_start",
             "heldout_eval_tasks",
             "lr0_by_depth",
+            "window_by_depth",
             "step_seconds",
             "step_peak_bytes",
         ],
@@ -346,7 +347,9 @@ EXTRA_TABLES = {
         "gained and lost, with the exact two-sided sign test; "
         "exact minus response-only: the two trained runs' paired difference on the stage's last window of prompts; "
         "lr0 by depth: the starting policy's sampled success on each prompt's first step, by where the answer's "
-        "needle sits (0: the context's start), each band's prompt count in brackets; step seconds: the "
+        "needle sits (0: the context's start), each band's prompt count in brackets; window by depth: the same over "
+        "the V4 window's prompts only, the response-only run's success beside lr 0's on the same prompts; "
+        "step seconds: the "
         "response-only run's median step after its first (capture, sampling, replay, update); step peak: its "
         "steps' highest CUDA peak allocated (weights included; none on the CPU).",
     ),
@@ -541,6 +544,9 @@ def stage_row(stage: dict) -> dict:
     row["exact_minus_response_only"] = gap["gain"] if gap else None
     row["exact_minus_response_only_se"] = gap["standard_error"] if gap else None
     row["lr0_by_depth"] = depth_text(runs.get(UNTRAINED) or [])
+    row["window_by_depth"] = (
+        window_depth_text(runs, steps - window) if steps is not None and window is not None else None
+    )
     seconds = [number(s.get("seconds")) for s in (runs.get("response-only") or [])[1:]]
     row["step_seconds"] = statistics.median(seconds) if seconds and None not in seconds else None
     peaks = [number(s.get("peak_allocated_bytes")) for s in runs.get("response-only") or []]
@@ -569,9 +575,25 @@ def depth_text(steps: list[dict]) -> str | None:
     rows = success_by_depth(steps) if steps else None
     if rows is None:
         return None
+    return "; ".join(f"{depth_label(r['depths'])}: {_success_cell(r['success'])} ({r['prompts']})" for r in rows)
+
+
+def _success_cell(value) -> str:
+    return "-" if value is None else format(value, ".2f")
+
+
+def window_depth_text(runs: dict, first_step: int) -> str | None:
+    """The response-only run's and lr 0's first-visit success by needle depth over the V4 window (steps from
+    `first_step`), on the same prompts: `band: trained / lr 0 (prompts)`. None without both runs or their depths."""
+    window = [
+        [s for s in runs.get(name) or [] if s.get("step", 0) >= first_step] for name in ("response-only", UNTRAINED)
+    ]
+    trained, untrained = (success_by_depth(steps) if steps else None for steps in window)
+    if trained is None or untrained is None:
+        return None
     return "; ".join(
-        f"{depth_label(r['depths'])}: {'-' if r['success'] is None else format(r['success'], '.2f')} ({r['prompts']})"
-        for r in rows
+        f"{depth_label(t['depths'])}: {_success_cell(t['success'])} / {_success_cell(u['success'])} ({t['prompts']})"
+        for t, u in zip(trained, untrained)
     )
 
 
