@@ -1,0 +1,45 @@
+"""scripts/v4_anatomy.py on a hand-made record: blocks of prompts and the window split by lr 0's unsolved prompts,
+each number worked out by hand."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "v4_anatomy.py"
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("v4_anatomy", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run(rewards):
+    return [{"step": i, "prompt": i, "rewards": r} for i, r in enumerate(rewards)]
+
+
+def test_blocks_and_the_window_split_by_hand():
+    runs = {
+        "response-only": _run([[0.0, 0.0], [1.0, 0.0], [1.0, 1.0], [0.0, 0.0], [1.0, 0.0], [1.0, 1.0]]),
+        "lr0": _run([[0.0, 0.0], [0.0, 0.0], [0.0, 1.0], [0.0, 0.0], [0.0, 0.0], [1.0, 1.0]]),
+    }
+    found = _script().anatomy(runs, steps=6, window=4, block=4)
+    # prompts 0-3: trained (0 + 0.5 + 1 + 0) / 4, lr 0 (0 + 0 + 0.5 + 0) / 4; prompts 4-5: (0.5 + 1) / 2, (0 + 1) / 2
+    assert [(b["prompts"], b["trained"], b["lr0"]) for b in found["blocks"]] == [
+        ([0, 3], 0.375, 0.125),
+        ([4, 5], 0.75, 0.5),
+    ]
+    assert found["blocks"][0]["difference"] == pytest.approx(0.25)
+    # the window is prompts 2-5; lr 0 never solved 3 and 4; the trained run solved 4 once and half the time
+    assert found["window_prompts"] == 4
+    assert found["lr0_never_solved"] == {
+        "prompts": 2,
+        "trained_solved_once": 1,
+        "trained_solved_half": 1,
+        "trained_mean": 0.25,
+    }
+    assert found["lr0_solved"] == {"prompts": 2, "trained_mean": 1.0, "lr0_mean": 0.75}
