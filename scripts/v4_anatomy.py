@@ -3,7 +3,8 @@ by whether the lr-0 control ever solved them.
 
     python scripts/v4_anatomy.py experiments/recorded/h200/curriculum/curriculum-niah-131k-from-seed-2-window-96.json
 
-For each trained stage (or the point's runs): the mean first-visit reward of the trained run and of lr 0 in blocks
+For each trained stage (or the point's runs): how many steps had all G rewards equal (no advantage: GRPO learns
+nothing from them), each phase's median seconds, the mean first-visit reward of the trained run and of lr 0 in blocks
 of `--block` prompts, with their paired difference; then over the V4 window (the record's `window` last steps)
 the prompts on which lr 0 scored 0 in every sample, how many of them the trained run solved at least once and in
 at least half its samples, and both runs' means on the others. A gain made only by sharpening the starting policy's
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -33,6 +35,16 @@ def parts(record: dict) -> list[tuple[str, dict, int, int]]:
         return [("point", metrics["runs"], learning["steps"], learning["window"])]
     stages = [s for s in metrics["stages"] if s.get("runs")]
     return [(f"stage {s['stage']} at {s['length']:,}", s["runs"], s["steps"], s["window"]) for s in stages]
+
+
+def phase_medians(steps: list[dict]) -> dict:
+    """Each phase's median seconds over the steps after the first (the first records graphs and compiles), over the
+    steps that ran it (`graph_record`: once a run, or again after a resume)."""
+    seconds: dict[str, list[float]] = {"step": [s["seconds"] for s in steps[1:]]}
+    for step in steps[1:]:
+        for phase, value in (step.get("phase_seconds") or {}).items():
+            seconds.setdefault(phase, []).append(value)
+    return {phase: statistics.median(values) for phase, values in seconds.items() if values}
 
 
 def anatomy(runs: dict, steps: int, window: int, block: int) -> dict:
@@ -61,6 +73,12 @@ def anatomy(runs: dict, steps: int, window: int, block: int) -> dict:
         return sum(values) / len(values) if values else None
 
     return {
+        # steps whose G rewards are all equal: no advantage, so no update from them (GRPO's zero-signal groups)
+        "equal_reward_steps": {
+            name: sum(len(set(s["rewards"])) == 1 for s in runs[name]) for name in (TRAINED, UNTRAINED)
+        },
+        "steps": {name: len(runs[name]) for name in (TRAINED, UNTRAINED)},
+        "phase_medians": {name: phase_medians(runs[name]) for name in (TRAINED, UNTRAINED)},
         "blocks": blocks,
         "window_prompts": len(in_window),
         "lr0_never_solved": {
@@ -92,6 +110,13 @@ def main(argv=None) -> int:
             first, last = b["prompts"]
             print(f"  prompts {first}-{last}: {b['trained']:.3f} / {b['lr0']:.3f} / {b['difference']:+.3f}")
         never, solved = found["lr0_never_solved"], found["lr0_solved"]
+        equal, count = found["equal_reward_steps"], found["steps"]
+        print(
+            f"  steps with equal rewards: trained {equal[TRAINED]} of {count[TRAINED]}, "
+            f"lr 0 {equal[UNTRAINED]} of {count[UNTRAINED]}"
+        )
+        for name, medians in found["phase_medians"].items():
+            print(f"  {name} median seconds: " + ", ".join(f"{k} {v:.3f}" for k, v in medians.items()))
         print(
             f"  window ({found['window_prompts']} prompts): lr 0 never solved {never['prompts']}; the trained run "
             f"solved {never['trained_solved_once']} of them at least once, {never['trained_solved_half']} in at least "

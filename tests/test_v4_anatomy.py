@@ -19,7 +19,10 @@ def _script():
 
 
 def _run(rewards):
-    return [{"step": i, "prompt": i, "rewards": r} for i, r in enumerate(rewards)]
+    return [
+        {"step": i, "prompt": i, "rewards": r, "seconds": 3.0 + i, "phase_seconds": {"capture": 1.0 + i}}
+        for i, r in enumerate(rewards)
+    ]
 
 
 def test_blocks_and_the_window_split_by_hand():
@@ -28,6 +31,12 @@ def test_blocks_and_the_window_split_by_hand():
         "lr0": _run([[0.0, 0.0], [0.0, 0.0], [0.0, 1.0], [0.0, 0.0], [0.0, 0.0], [1.0, 1.0]]),
     }
     found = _script().anatomy(runs, steps=6, window=4, block=4)
+    assert found["equal_reward_steps"] == {"response-only": 4, "lr0": 5} and found["steps"] == {
+        "response-only": 6,
+        "lr0": 6,
+    }
+    # steps 1-5 (the first left out): 4, 5, 6, 7, 8 s and captures of 2-6 s
+    assert found["phase_medians"]["lr0"] == {"step": 6.0, "capture": 4.0}
     # prompts 0-3: trained (0 + 0.5 + 1 + 0) / 4, lr 0 (0 + 0 + 0.5 + 0) / 4; prompts 4-5: (0.5 + 1) / 2, (0 + 1) / 2
     assert [(b["prompts"], b["trained"], b["lr0"]) for b in found["blocks"]] == [
         ([0, 3], 0.375, 0.125),
