@@ -49,11 +49,9 @@ def test_the_readme_is_a_front_page_without_timings():
 
 def test_timings_are_read_from_the_logs(tmp_path):
     """scripts/timings.py: bash's `real` line and each pytest summary, as a hand-written log says them."""
-    import importlib.util
+    from script_module import load_script
 
-    spec = importlib.util.spec_from_file_location("timings", REPO / "scripts" / "timings.py")
-    timings = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(timings)
+    timings = load_script("scripts/timings.py")
     log = (
         "....\n1205 passed, 134 skipped, 8 warnings in 539.53s (0:08:59)\nAll checks passed!\n"
         "531 passed, 84 skipped, 724 deselected, 1 warning in 157.55s (0:02:37)\n\nreal\t17m4.520s\nuser\t20m1s\n"

@@ -2,7 +2,6 @@
 rows): the G-row prompt cache continues as HF's own forward over the whole prompt does, and the command counts HF's
 step beside ours."""
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -10,16 +9,14 @@ from pathlib import Path
 
 import torch
 from float64_reference import float64_model, hf_float64
+from script_module import load_script
 from tolerances import TOL64
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "rollout_speed.py"
 
 
 def _benchmark():
-    spec = importlib.util.spec_from_file_location("rollout_speed", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("benchmarks/rollout_speed.py")
 
 
 def test_the_g_row_prompt_cache_gives_hfs_whole_prompt_logits_on_a_hybrid():

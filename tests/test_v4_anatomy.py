@@ -3,19 +3,8 @@ each number worked out by hand."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
-
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "v4_anatomy.py"
-
-
-def _script():
-    spec = importlib.util.spec_from_file_location("v4_anatomy", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from script_module import load_script
 
 
 def _run(rewards):
@@ -30,7 +19,7 @@ def test_blocks_and_the_window_split_by_hand():
         "response-only": _run([[0.0, 0.0], [1.0, 0.0], [1.0, 1.0], [0.0, 0.0], [1.0, 0.0], [1.0, 1.0]]),
         "lr0": _run([[0.0, 0.0], [0.0, 0.0], [0.0, 1.0], [0.0, 0.0], [0.0, 0.0], [1.0, 1.0]]),
     }
-    found = _script().anatomy(runs, steps=6, window=4, block=4)
+    found = load_script("scripts/v4_anatomy.py").anatomy(runs, steps=6, window=4, block=4)
     assert found["equal_reward_steps"] == {"response-only": 4, "lr0": 5} and found["steps"] == {
         "response-only": 6,
         "lr0": 6,
