@@ -292,6 +292,18 @@ def test_window_by_depth_pairs_the_trained_run_with_lr0_over_the_window_by_hand(
         "0.8-1: 1.00 / 0.50 (1)"
     )
     assert window_depth_text({"lr0": runs["lr0"]}, 1) is None
+    # 2 steps a prompt, window from step 1: prompt 0's second step is in it, but its first visit is not
+    two = {
+        name: [{"step": 0, "prompt": 0, "depth": 0.1, "rewards": [1.0, 1.0]}]
+        + [
+            {"step": k, "prompt": k // 2, "depth": 0.1 if k < 2 else 0.9, "rewards": [float(k % 2), 0.0]}
+            for k in (1, 2, 3)
+        ]
+        for name in ("response-only", "lr0")
+    }
+    assert window_depth_text(two, 1).startswith("0-0.2: - / - (0);") and window_depth_text(two, 1).endswith(
+        "0.8-1: 0.00 / 0.00 (1)"
+    )
 
 
 class _EvenShare:

@@ -585,10 +585,10 @@ def _success_cell(value) -> str:
 def window_depth_text(runs: dict, first_step: int) -> str | None:
     """The response-only run's and lr 0's first-visit success by needle depth over the V4 window (steps from
     `first_step`), on the same prompts: `band: trained / lr 0 (prompts)`. None without both runs or their depths."""
-    window = [
-        [s for s in runs.get(name) or [] if s.get("step", 0) >= first_step] for name in ("response-only", UNTRAINED)
-    ]
-    trained, untrained = (success_by_depth(steps) if steps else None for steps in window)
+    trained, untrained = (
+        success_by_depth(runs[name], first_step=first_step) if runs.get(name) else None
+        for name in ("response-only", UNTRAINED)
+    )
     if trained is None or untrained is None:
         return None
     return "; ".join(

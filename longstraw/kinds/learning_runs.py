@@ -146,16 +146,17 @@ def gains(runs: dict, first_step: int) -> dict:
 DEPTH_EDGES = (0.0, 0.2, 0.4, 0.6, 0.8, 1.0)
 
 
-def success_by_depth(steps: list[dict], edges=DEPTH_EDGES) -> list[dict] | None:
+def success_by_depth(steps: list[dict], edges=DEPTH_EDGES, first_step: int = 0) -> list[dict] | None:
     """A run's mean reward on each prompt's first step, by where the task put the answer's needle (`depth`, a share
-    of the context: 0 its start): one row per band [lo, hi) (the last closed), with its prompt count. None when the
-    steps carry no depth (a task without needles, or a record from before depths were kept)."""
+    of the context: 0 its start): one row per band [lo, hi) (the last closed), with its prompt count; with
+    `first_step`, only the prompts first visited from that step on (V4's window). None when the steps carry no depth
+    (a task without needles, or a record from before depths were kept)."""
     from longstraw.training.improvement import per_prompt_means
 
     depth = {s["prompt"]: s.get("depth") for s in steps}
     if not depth or any(d is None for d in depth.values()):
         return None
-    means = per_prompt_means(steps, first_visit=True)
+    means = per_prompt_means(steps, first_step, first_visit=True)
     rows = []
     for i, (lo, hi) in enumerate(zip(edges, edges[1:])):
         last = i == len(edges) - 2
