@@ -4,8 +4,9 @@ by whether the lr-0 control ever solved them.
     python scripts/v4_anatomy.py experiments/recorded/h200/curriculum/curriculum-niah-131k-from-seed-2-window-96.json
 
 For each trained stage (or the point's runs): how many steps had all G rewards equal (no advantage: GRPO learns
-nothing from them), each phase's median seconds, the mean first-visit reward of the trained run and of lr 0 in blocks
-of `--block` prompts, with their paired difference; then over the V4 window (the record's `window` last steps)
+nothing from them), also by that common reward in each half of the run (all solved or none); each phase's median
+seconds; the mean first-visit reward of the trained run and of lr 0 in blocks of `--block` prompts, with their
+paired difference; then over the V4 window (the record's `window` last steps)
 the prompts on which lr 0 scored 0 in every sample, how many of them the trained run solved at least once and in
 at least half its samples, and both runs' means on the others. A gain made only by sharpening the starting policy's
 sampling needs prompts that policy could already answer; prompts the control never solved in G samples are where
@@ -47,6 +48,12 @@ def phase_medians(steps: list[dict]) -> dict:
     return {phase: statistics.median(values) for phase, values in seconds.items() if values}
 
 
+def equal_rewards(steps: list[dict]) -> dict[str, int]:
+    """How many steps had all G rewards equal, by that reward (`"0.0": 27, "1.0": 46`), in ascending order."""
+    common = sorted(s["rewards"][0] for s in steps if len(set(s["rewards"])) == 1)
+    return {str(reward): common.count(reward) for reward in dict.fromkeys(common)}
+
+
 def anatomy(runs: dict, steps: int, window: int, block: int) -> dict:
     """Blocks of `block` prompts (trained mean, lr-0 mean, their paired difference) over all first visits, and the
     window's prompts split by lr 0 scoring 0 on all of them."""
@@ -74,8 +81,18 @@ def anatomy(runs: dict, steps: int, window: int, block: int) -> dict:
 
     return {
         # steps whose G rewards are all equal: no advantage, so no update from them (GRPO's zero-signal groups)
-        "equal_reward_steps": {
-            name: sum(len(set(s["rewards"])) == 1 for s in runs[name]) for name in (TRAINED, UNTRAINED)
+        "equal_reward_steps": {name: sum(equal_rewards(runs[name]).values()) for name in (TRAINED, UNTRAINED)},
+        # the same by their common reward and half of the run: late all-1 groups mean the policy solves the prompt,
+        # all-0 groups that it cannot read it
+        "equal_reward_steps_by_reward": {
+            name: {
+                half: equal_rewards(half_steps)
+                for half, half_steps in (
+                    ("first_half", runs[name][: len(runs[name]) // 2]),
+                    ("second_half", runs[name][len(runs[name]) // 2 :]),
+                )
+            }
+            for name in (TRAINED, UNTRAINED)
         },
         "steps": {name: len(runs[name]) for name in (TRAINED, UNTRAINED)},
         "phase_medians": {name: phase_medians(runs[name]) for name in (TRAINED, UNTRAINED)},
@@ -115,6 +132,11 @@ def main(argv=None) -> int:
             f"  steps with equal rewards: trained {equal[TRAINED]} of {count[TRAINED]}, "
             f"lr 0 {equal[UNTRAINED]} of {count[UNTRAINED]}"
         )
+        for name, halves in found["equal_reward_steps_by_reward"].items():
+            print(
+                f"  {name} steps with equal rewards, by reward: "
+                + "; ".join(f"{half.replace('_', ' ')} {counts}" for half, counts in halves.items())
+            )
         for name, medians in found["phase_medians"].items():
             print(f"  {name} median seconds: " + ", ".join(f"{k} {v:.3f}" for k, v in medians.items()))
         print(

@@ -24,6 +24,11 @@ def test_blocks_and_the_window_split_by_hand():
         "response-only": 6,
         "lr0": 6,
     }
+    # by common reward, steps 0-2 then 3-5: trained [0,0] [1,1] | [0,0] [1,1]; lr 0 [0,0] [0,0] | [0,0] [0,0] [1,1]
+    assert found["equal_reward_steps_by_reward"] == {
+        "response-only": {"first_half": {"0.0": 1, "1.0": 1}, "second_half": {"0.0": 1, "1.0": 1}},
+        "lr0": {"first_half": {"0.0": 2}, "second_half": {"0.0": 2, "1.0": 1}},
+    }
     # steps 1-5 (the first left out): 4, 5, 6, 7, 8 s and captures of 2-6 s
     assert found["phase_medians"]["lr0"] == {"step": 6.0, "capture": 4.0}
     # prompts 0-3: trained (0 + 0.5 + 1 + 0) / 4, lr 0 (0 + 0 + 0.5 + 0) / 4; prompts 4-5: (0.5 + 1) / 2, (0 + 1) / 2
