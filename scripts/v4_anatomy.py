@@ -54,6 +54,13 @@ def equal_rewards(steps: list[dict]) -> dict[str, int]:
     return {str(reward): common.count(reward) for reward in dict.fromkeys(common)}
 
 
+def equal_reward_halves(steps: list[dict]) -> dict[str, dict[str, int]]:
+    """`equal_rewards` of the run's first and second half: late all-1 groups mean the policy solves the prompt,
+    all-0 groups that it cannot read it."""
+    middle = len(steps) // 2
+    return {"first_half": equal_rewards(steps[:middle]), "second_half": equal_rewards(steps[middle:])}
+
+
 def anatomy(runs: dict, steps: int, window: int, block: int) -> dict:
     """Blocks of `block` prompts (trained mean, lr-0 mean, their paired difference) over all first visits, and the
     window's prompts split by lr 0 scoring 0 on all of them."""
@@ -72,6 +79,7 @@ def anatomy(runs: dict, steps: int, window: int, block: int) -> dict:
         set(per_prompt_means(runs[TRAINED], first, first_visit=True))
         & set(per_prompt_means(runs[UNTRAINED], first, first_visit=True))
     )
+    halves = {name: equal_reward_halves(runs[name]) for name in (TRAINED, UNTRAINED)}
     unsolved = [p for p in in_window if untrained[p] == 0]
     solved = [p for p in in_window if untrained[p] > 0]
 
@@ -81,19 +89,8 @@ def anatomy(runs: dict, steps: int, window: int, block: int) -> dict:
 
     return {
         # steps whose G rewards are all equal: no advantage, so no update from them (GRPO's zero-signal groups)
-        "equal_reward_steps": {name: sum(equal_rewards(runs[name]).values()) for name in (TRAINED, UNTRAINED)},
-        # the same by their common reward and half of the run: late all-1 groups mean the policy solves the prompt,
-        # all-0 groups that it cannot read it
-        "equal_reward_steps_by_reward": {
-            name: {
-                half: equal_rewards(half_steps)
-                for half, half_steps in (
-                    ("first_half", runs[name][: len(runs[name]) // 2]),
-                    ("second_half", runs[name][len(runs[name]) // 2 :]),
-                )
-            }
-            for name in (TRAINED, UNTRAINED)
-        },
+        "equal_reward_steps": {name: sum(sum(h.values()) for h in halves[name].values()) for name in halves},
+        "equal_reward_steps_by_reward": halves,
         "steps": {name: len(runs[name]) for name in (TRAINED, UNTRAINED)},
         "phase_medians": {name: phase_medians(runs[name]) for name in (TRAINED, UNTRAINED)},
         "blocks": blocks,
