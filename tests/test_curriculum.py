@@ -235,6 +235,96 @@ def test_a_stage_the_policy_already_reads_is_skipped_with_its_adapter_carried_on
     assert [length for length, _ in probed] == [64, 96]
 
 
+def _weights(model) -> dict:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_without_lora_a_curriculum_carries_the_whole_models_trained_weights(tmp_path, monkeypatch):
+    """Without model.lora (full-parameter training, as the synthetic model's points train) a stage's runs, the lr-0
+    control too, start from the whole model the stage before trained, as HF's own `from_pretrained` reads the folder
+    kept for it; its held-out curve is the length curve's own of that model beside the model the point started from."""
+    from transformers import AutoModelForCausalLM
+
+    from longstraw.kinds import learning
+    from longstraw.training.tasks import register_task
+    from longstraw.training.trainer import Trainer
+
+    register_task("curriculum_even_share", EvenShare)  # a dense reward: the trained run's weights move
+    starts, finals, init, whole_run = {}, {}, Trainer.__init__, Trainer.run
+
+    def spy_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        starts[(self.out.parent.name, self.out.name)] = _weights(self.model)
+
+    def spy_run(self, *args, **kwargs):
+        records = whole_run(self, *args, **kwargs)
+        finals[(self.out.parent.name, self.out.name)] = _weights(self.model)
+        return records
+
+    monkeypatch.setattr(Trainer, "__init__", spy_init)
+    monkeypatch.setattr(Trainer, "run", spy_run)
+    out, kept = tmp_path / "weights.json", tmp_path / "kept"
+    changes = ["model.lora=null", "learning.task.name=curriculum_even_share", f"learning.curriculum.out={kept}"]
+    changes += ["learning.curriculum.eval_tasks=[]", "learning.gradients=[response-only]"]
+    assert cli.main(["run", str(EXAMPLE), "--out", str(out)] + [a for c in changes for a in ("--set", c)]) == 0
+    result = json.loads(out.read_text())
+    stages = result["metrics"]["stages"]
+    example = yaml.safe_load(EXAMPLE.read_text())
+    start = _weights(_example_model(example, {}))
+
+    saved = [s["adapter"] for s in stages]
+    assert [s["carries"] for s in stages] == ["weights", "weights"]
+    assert stages[0]["start_adapter"] is None and stages[1]["start_adapter"] == saved[0]
+    assert [a["path"] for a in saved] == [str(kept / f"stage-{i}" / "model") for i in (0, 1)]
+    for adapter in saved:
+        file = Path(adapter["path"]) / "model.safetensors"
+        assert adapter["sha256"] == hashlib.sha256(file.read_bytes()).hexdigest()
+    read = [_weights(AutoModelForCausalLM.from_pretrained(a["path"], dtype=torch.float32)) for a in saved]
+    for stage, before in enumerate((start, read[0])):
+        for name in ("response-only", "lr0"):  # every run of a stage starts from the policy the stage before left
+            assert starts[(f"stage-{stage}", name)].keys() == before.keys()
+            assert all(torch.equal(starts[(f"stage-{stage}", name)][k], v) for k, v in before.items())
+        # the folder holds the trained run's last weights; they moved; the lr-0 control's did not
+        assert all(torch.equal(finals[(f"stage-{stage}", "response-only")][k], v) for k, v in read[stage].items())
+        assert not all(torch.equal(read[stage][k], v) for k, v in before.items())
+        assert all(torch.equal(finals[(f"stage-{stage}", "lr0")][k], v) for k, v in before.items())
+
+    # held-out: the trained model's curve beside the untrained model's, each the length curve's own on its model
+    curriculum = example["learning"]["curriculum"]
+    for stage, setting in zip(stages, curriculum["stages"]):
+        lengths = [s["length"] for s in curriculum["stages"][: stage["stage"] + 1]]
+        overrides = setting.get("overrides", {})
+        trained = _example_model(example, overrides, path=stage["adapter"]["path"])
+        for recorded, model in ((stage["heldout"]["rows"], trained), (stage["heldout"]["base_rows"], None)):
+            direct = _curve_rows(example, model or _example_model(example, overrides), lengths)
+            keys = ("length", "depth", "n", "success", "stderr", "rewards")
+            assert [{k: r[k] for k in keys} for r in recorded] == [{k: r[k] for k in keys} for r in direct]
+    table = learning.tables([{**result, "kind": "learning", "point": "w"}])["stages"]
+    assert table[0]["start_adapter"] == "model.path" and saved[0]["sha256"][:12] in table[1]["start_adapter"]
+
+
+def _example_model(example: dict, overrides: dict, path: str | None = None):
+    """The example's model with the stage's `overrides`: its preset's weights, or those saved at `path`."""
+    from longstraw.config.sections import ModelConfig
+    from longstraw.models.policy import build_policy
+
+    settings = example["model"]
+    merged = {**settings["overrides"], **overrides}
+    return build_policy(ModelConfig(preset=settings["preset"], path=path, dtype=settings["dtype"], overrides=merged))
+
+
+def _curve_rows(example: dict, model, lengths: list[int]) -> list[dict]:
+    """The length curve's rows (`training.length_curve`) of `model` on the training task, the curriculum's examples."""
+    from longstraw.config.sections import CaptureConfig
+    from longstraw.training.length_curve import length_curve
+
+    spec = {**example["learning"]["task"], "name": "curriculum_even_share"}
+    examples = example["learning"]["curriculum"]["eval_examples"]
+    return length_curve(model, spec, lengths, None, examples, chunk_size=CaptureConfig().chunk_size, progress=False)[
+        "rows"
+    ]
+
+
 def _check_eval_curves(stages: list[dict], eval_tasks: list[dict]) -> None:
     """Each stage's curves of each eval task are the length curve's own (`training.length_curve`, called here on a
     model built from the example's settings, the stage's saved adapter loaded): the base model's on the plain model,
@@ -335,7 +425,6 @@ def _stages(point):
             lambda p: _stages(p)[1].pop("overrides"),
             "learning.curriculum.stages[1].length: 128 positions, more than the 80 the model was configured for",
         ),
-        (lambda p: p["model"].pop("lora"), "learning.curriculum: its stages carry a LoRA adapter"),
         (lambda p: _stages(p)[1].update(num_generations=0), "learning.curriculum.stages[1].num_generations"),
         (lambda p: p["learning"]["probe"].update(lengths=[64]), "learning.probe: lengths: a curriculum probes"),
         (

@@ -11,9 +11,9 @@ exceeds the lr-0 run's on the same prompts by more than 3 standard errors of the
 differences (`longstraw.training.improvement.paired_gain`).
 
 With `learning.curriculum` the point is a length curriculum (`longstraw.kinds.learning_curriculum`): stage n
-trains at its length, with its RoPE scaling, from stage n-1's trained LoRA adapter, each stage with its own probe,
-lr-0 control from the same adapter, V4 gains and held-out length curves (the training task's and each of
-`learning.curriculum.eval_tasks`').
+trains at its length, with its RoPE scaling, from stage n-1's trained LoRA adapter (without `model.lora`: its
+trained weights), each stage with its own probe, lr-0 control from the same policy, V4 gains and held-out length
+curves (the training task's and each of `learning.curriculum.eval_tasks`').
 
 A point longer than one command resumes: under the CLI the runs write into OUT.work with a checkpoint
 every `RESUME_EVERY` steps (and the probe's result), and the same command run again goes on from there.
@@ -178,10 +178,6 @@ def check(cfg: PointConfig, source: str) -> None:
         check_task(spec, cfg.prompt.length, f"{source}: learning.curriculum.eval_tasks[{i}]")
     if cfg.learning.environment is not None:
         check_learning_environment(cfg, source)
-    if cfg.learning.curriculum is not None and cfg.model.lora is None:
-        raise ConfigError(
-            f"{source}: learning.curriculum: its stages carry a LoRA adapter from one to the next; set model.lora"
-        )
 
 
 def check_learning_environment(cfg: PointConfig, source: str) -> None:
@@ -528,6 +524,8 @@ def stage_row(stage: dict) -> dict:
             else f"model.lora.init {str(start.get('sha256'))[:12]}"
         )
         if start
+        else "model.path"
+        if stage.get("carries") == "weights"
         else "model.lora",
         "probe_success": next((r.get("success") for r in as_dict(stage.get("probe")).get("rows", [])), None),
         "heldout_success": success_at(heldout.get("rows"), length),

@@ -1,7 +1,8 @@
 """A length curriculum of the learning kind (`learning.curriculum`), as QwenLong-L1 and LoongRL train: stage n
 trains `steps` GRPO steps at its `length` (groups of its `num_generations` rollouts, if it sets them), the model built
-with its `overrides` (the RoPE scaling the length needs), its LoRA adapter starting from stage n-1's trained one
-(stage 0: `model.lora`'s own start).
+with its `overrides` (the RoPE scaling the length needs), starting from the policy stage n-1 trained: its LoRA
+adapter (stage 0: `model.lora`'s own start) or, without `model.lora`, the whole model's weights (full-parameter
+training, as the synthetic model's points train; stage 0: `model.path`'s).
 
 Each stage is one learning point's work at one length, fixed before it runs:
 - the probe (`learning.probe`: its `examples` and `success` range): the greedy success of the policy the stage
@@ -17,8 +18,11 @@ Each stage is one learning point's work at one length, fixed before it runs:
   each with its spec and `learning_runs.task_label`), each kept in the stage's folder once measured (`heldout.json`,
   `heldout-<i>.json`: a command cut off there goes on from the next curve).
 
-The adapters carried on are copied to `learning.curriculum.out` (`stage-<i>/adapter`), where they outlive the
-point; without it they go with the work folder when the point's result is written.
+The policies carried on are copied to `learning.curriculum.out` (`stage-<i>/adapter`, or `stage-<i>/model`: the
+trained run's last checkpoint of the whole model, as `save_pretrained` wrote it), where they outlive the point;
+without it they go with the work folder when the point's result is written. A record's `adapter` names the carried
+policy either way (`carries`: "adapter" or "weights"); the held-out curve of carried weights runs the trained model
+and, on the same examples, the model the point started from (`model.path`) as its base.
 
 Work folder: `stage-<i>/` holds the stage's probe, its runs' checkpoints (one every `learning.RESUME_EVERY` steps
 and at the last) and, once the stage is done, `stage.json`, its record (written atomically): a stage with one is
@@ -40,6 +44,7 @@ from longstraw.kinds.learning_runs import gains, probe_lengths, remembered, task
 from longstraw.kinds.length_curve import LengthCurveConfig
 from longstraw.kinds.length_curve import run as run_length_curve
 from longstraw.models.checks import ADAPTER_WEIGHTS
+from longstraw.models.real import WEIGHTS as MODEL_WEIGHTS
 from longstraw.results import check_writable, strict_json, write_text_atomic
 from longstraw.wheels import sha256_of
 
@@ -52,8 +57,8 @@ def run_curriculum(cfg: PointConfig, device, progress: Progress, work: Path, che
     out = cfg.learning.curriculum.out
     if out is not None:  # before any work: the adapters kept there can be written
         check_writable(Path(out) / "stage-0.tmp", "learning.curriculum.out", overwrite=True)
-    init = cfg.model.lora.init  # a trained adapter stage 0 starts from (None: peft's initialisation)
-    start = None if init is None else {"path": init, "sha256": sha256_of(Path(init) / ADAPTER_WEIGHTS), "stage": None}
+    init = cfg.model.lora and cfg.model.lora.init  # a trained adapter stage 0 starts from (None: peft's init)
+    start = None if not init else {"path": init, "sha256": sha256_of(Path(init) / ADAPTER_WEIGHTS), "stage": None}
     stages = []
     for index, stage in enumerate(cfg.learning.curriculum.stages):
         folder = work / f"stage-{index}"
@@ -74,9 +79,16 @@ def run_curriculum(cfg: PointConfig, device, progress: Progress, work: Path, che
     return {"stages": stages}
 
 
+def weights_file(folder) -> Path:
+    """The file whose sha256 names a carried policy: a LoRA adapter's weights, else the whole model's (the one
+    safetensors file `save_pretrained` writes for models of these sizes)."""
+    adapter = Path(folder) / ADAPTER_WEIGHTS
+    return adapter if adapter.is_file() else Path(folder) / MODEL_WEIGHTS
+
+
 def checked(adapter: dict) -> None:
-    """Refuse to go on from an adapter whose weights are no longer those a finished stage recorded."""
-    now = sha256_of(Path(adapter["path"]) / ADAPTER_WEIGHTS)
+    """Refuse to go on from a carried policy whose weights are no longer those a finished stage recorded."""
+    now = sha256_of(weights_file(adapter["path"]))
     if now != adapter["sha256"]:
         raise ValueError(
             f"{adapter['path']}: its weights changed since stage {adapter['stage']} recorded them (sha256 "
@@ -85,10 +97,14 @@ def checked(adapter: dict) -> None:
 
 
 def stage_config(cfg: PointConfig, stage, start: dict | None) -> PointConfig:
-    """The point's config as one stage runs it: the stage's overrides over the model's, its adapter starting from
-    `start` (None: `model.lora`'s own start), the stage's steps and group size (None: the point's)."""
-    lora = cfg.model.lora if start is None else dataclasses.replace(cfg.model.lora, init=start["path"])
-    model = dataclasses.replace(cfg.model, overrides={**cfg.model.overrides, **stage.overrides}, lora=lora)
+    """The point's config as one stage runs it: the stage's overrides over the model's, its policy starting from
+    `start` (None: `model.lora`'s own start, or `model.path`'s weights), the stage's steps and group size (None: the
+    point's)."""
+    model = dataclasses.replace(cfg.model, overrides={**cfg.model.overrides, **stage.overrides})
+    if start is not None and cfg.model.lora is not None:
+        model = dataclasses.replace(model, lora=dataclasses.replace(cfg.model.lora, init=start["path"]))
+    elif start is not None:  # the whole model carried: the last stage's trained weights
+        model = dataclasses.replace(model, path=start["path"])
     learning = dataclasses.replace(cfg.learning, steps=stage.steps)
     group = cfg.grpo.num_generations if stage.num_generations is None else stage.num_generations
     grpo = dataclasses.replace(cfg.grpo, num_generations=group)
@@ -104,6 +120,7 @@ def run_stage(cfg, index: int, stage, start, folder: Path, device, progress: Pro
         "num_generations": staged.grpo.num_generations,
         "window": cfg.learning.window,
         "overrides": stage.overrides,
+        "carries": "weights" if cfg.model.lora is None else "adapter",
         "start_adapter": start,
         "adapter": None,
     }
@@ -118,14 +135,15 @@ def run_stage(cfg, index: int, stage, start, folder: Path, device, progress: Pro
             return record
     runs, resumed_at = train_runs(staged, folder, checkpoint_every, stage.length, progress)
     carried = cfg.learning.gradients[0]
-    path = kept(
-        folder / carried / "checkpoints" / f"step-{stage.steps}" / "adapter", cfg.learning.curriculum.out, index
-    )
-    adapter = {"path": str(path), "sha256": sha256_of(path / ADAPTER_WEIGHTS), "stage": index, "run": carried}
+    # the trainer's last checkpoint: `save_pretrained`'s folder, of the adapter or (no LoRA) of the whole model
+    last = folder / carried / "checkpoints" / f"step-{stage.steps}" / "adapter"
+    path = kept(last, cfg.learning.curriculum.out, index, "adapter" if cfg.model.lora is not None else "model")
+    adapter = {"path": str(path), "sha256": sha256_of(weights_file(path)), "stage": index, "run": carried}
     lengths = [s.length for s in cfg.learning.curriculum.stages[: index + 1]]
+    base = dataclasses.replace(staged.model, path=cfg.model.path, lora=None)  # the model the point started from
 
     def curve(name: str, task: dict | None = None) -> dict:  # kept once measured: a cut command goes on from here
-        return remembered(folder / name, lambda: heldout_curve(staged, adapter["path"], lengths, device, task))
+        return remembered(folder / name, lambda: heldout_curve(staged, base, adapter["path"], lengths, device, task))
 
     return {
         **record,
@@ -141,16 +159,16 @@ def run_stage(cfg, index: int, stage, start, folder: Path, device, progress: Pro
     }
 
 
-def kept(adapter: Path, out: str | None, index: int) -> Path:
-    """The stage's carried adapter, copied whole to `out/stage-<index>/adapter` (None: where it is). A copy there
+def kept(adapter: Path, out: str | None, index: int, name: str) -> Path:
+    """The stage's carried policy, copied whole to `out/stage-<index>/<name>` (None: where it is). A copy there
     already is kept when it holds the same weights, refused otherwise: a finished run is never overwritten."""
     if out is None:
         return adapter
-    target = Path(out) / f"stage-{index}" / "adapter"
+    target = Path(out) / f"stage-{index}" / name
     if target.exists():
-        if sha256_of(target / ADAPTER_WEIGHTS) != sha256_of(adapter / ADAPTER_WEIGHTS):
+        if sha256_of(weights_file(target)) != sha256_of(weights_file(adapter)):
             raise ValueError(
-                f"learning.curriculum.out: {target} holds another run's stage-{index} adapter; choose another folder"
+                f"learning.curriculum.out: {target} holds another run's stage-{index} {name}; choose another folder"
             )
         return target
     tmp = target.with_name(target.name + ".tmp")
@@ -160,16 +178,26 @@ def kept(adapter: Path, out: str | None, index: int) -> Path:
     return target
 
 
-def heldout_curve(staged: PointConfig, adapter: str, lengths: list[int], device, task: dict | None = None) -> dict:
-    """The length curve (`kinds.length_curve`) of `task` (None: the training task's) of the model with `adapter` and
-    without it, at `lengths`."""
-    section = LengthCurveConfig(
-        task=dict(staged.learning.task if task is None else task),
-        lengths=lengths,
-        examples=staged.learning.curriculum.eval_examples,
-        adapter=adapter,
-    )
-    plain = dataclasses.replace(staged.model, lora=None)
-    curve_cfg = dataclasses.replace(staged, kind="length_curve", model=plain, length_curve=section, learning=None)
-    result = run_length_curve(curve_cfg, device, Progress())
+def heldout_curve(
+    staged: PointConfig, base, carried: str, lengths: list[int], device, task: dict | None = None
+) -> dict:
+    """The length curve (`kinds.length_curve`) of `task` (None: the training task's) at `lengths` of the carried
+    policy (`rows`) and of the `base` model (`base_rows`), on the same examples: an adapter's by the length curve's
+    own `adapter:` (the base: the adapter off), carried weights by two curves, the trained model's and `base`'s."""
+
+    def length_curve(model, adapter: str | None) -> dict:
+        section = LengthCurveConfig(
+            task=dict(staged.learning.task if task is None else task),
+            lengths=lengths,
+            examples=staged.learning.curriculum.eval_examples,
+            adapter=adapter,
+        )
+        curve_cfg = dataclasses.replace(staged, kind="length_curve", model=model, length_curve=section, learning=None)
+        return run_length_curve(curve_cfg, device, Progress())
+
+    if staged.model.lora is not None:
+        result = length_curve(base, carried)
+    else:
+        result = length_curve(dataclasses.replace(base, path=carried), None)
+        result["base_rows"] = length_curve(base, None)["rows"]  # the same examples: seeds from the curve's settings
     return {k: result[k] for k in ("rows", "base_rows", "chance", "seed_base")}
