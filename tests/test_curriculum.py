@@ -69,15 +69,8 @@ def test_a_curriculum_carries_each_stages_adapter_and_a_rerun_skips_finished_sta
             raise RuntimeError("cut off")
         return step(self, index)
 
-    finals, whole_run = {}, Trainer.run
-
-    def spy_run(self, *args, **kwargs):
-        records = whole_run(self, *args, **kwargs)
-        finals[(self.out.parent.name, self.out.name)] = _lora_weights(self.model)
-        return records
-
+    finals = _final_weights(monkeypatch, _lora_weights)
     monkeypatch.setattr(lora, "load_adapter_weights", spy_load)
-    monkeypatch.setattr(Trainer, "run", spy_run)
     monkeypatch.setattr(Trainer, "train_step", spy_step)
     evaluated, load_trained = [], lora.load_adapter  # the adapters the held-out curves are measured with
     monkeypatch.setattr(lora, "load_adapter", lambda model, path: evaluated.append(path) or load_trained(model, path))
@@ -239,6 +232,21 @@ def _weights(model) -> dict:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
+def _final_weights(monkeypatch, weights_of) -> dict:
+    """{(stage folder, run name): `weights_of(model)` as each trainer run ended}, filled as the runs end."""
+    from longstraw.training.trainer import Trainer
+
+    finals, whole_run = {}, Trainer.run
+
+    def spy_run(self, *args, **kwargs):
+        records = whole_run(self, *args, **kwargs)
+        finals[(self.out.parent.name, self.out.name)] = weights_of(self.model)
+        return records
+
+    monkeypatch.setattr(Trainer, "run", spy_run)
+    return finals
+
+
 def test_without_lora_a_curriculum_carries_the_whole_models_trained_weights(tmp_path, monkeypatch):
     """Without model.lora (full-parameter training, as the synthetic model's points train) a stage's runs, the lr-0
     control too, start from the whole model the stage before trained, as HF's own `from_pretrained` reads the folder
@@ -250,19 +258,13 @@ def test_without_lora_a_curriculum_carries_the_whole_models_trained_weights(tmp_
     from longstraw.training.trainer import Trainer
 
     register_task("curriculum_even_share", EvenShare)  # a dense reward: the trained run's weights move
-    starts, finals, init, whole_run = {}, {}, Trainer.__init__, Trainer.run
+    starts, init, finals = {}, Trainer.__init__, _final_weights(monkeypatch, _weights)
 
     def spy_init(self, *args, **kwargs):
         init(self, *args, **kwargs)
         starts[(self.out.parent.name, self.out.name)] = _weights(self.model)
 
-    def spy_run(self, *args, **kwargs):
-        records = whole_run(self, *args, **kwargs)
-        finals[(self.out.parent.name, self.out.name)] = _weights(self.model)
-        return records
-
     monkeypatch.setattr(Trainer, "__init__", spy_init)
-    monkeypatch.setattr(Trainer, "run", spy_run)
     out, kept = tmp_path / "weights.json", tmp_path / "kept"
     changes = ["model.lora=null", "learning.task.name=curriculum_even_share", f"learning.curriculum.out={kept}"]
     changes += ["learning.curriculum.eval_tasks=[]", "learning.gradients=[response-only]"]
