@@ -192,6 +192,30 @@ def _learning_point(checkpoint, name: str, learning: dict, lr: float = 1e-2) -> 
     return result
 
 
+@pytest.mark.parametrize("masters", [False, True, None])
+def test_a_learning_points_runs_keep_float32_masters_as_its_optimizer_says(checkpoint, monkeypatch, masters):
+    """A bf16 point's runs (lr 0's too) update the weights in place under `optimizer.master_weights: false`, as the
+    recorded synthetic points did, and keep float32 masters when it is true or unset (the default for bf16 weights)."""
+    from longstraw.training import trainer
+    from longstraw.training.optimizer import MasterWeightsAdamW
+
+    built, build = [], trainer.build_optimizer
+    monkeypatch.setattr(trainer, "build_optimizer", lambda params, cfg: built.append(build(params, cfg)) or built[-1])
+    result = run_point(
+        {
+            "name": "v4-bf16",
+            "kind": "learning",
+            "model": {"path": checkpoint, "dtype": "bfloat16"},
+            "prompt": {"length": 32},
+            "responses": {"length": 1},
+            "optimizer": {"lr": 1e-2, "master_weights": masters},
+            "learning": {"task": TASK, "steps": 2, "window": 2},
+        }
+    )
+    assert result["status"] == "ok", result.get("error")
+    assert [isinstance(o, MasterWeightsAdamW) for o in built] == [masters is not False] * 2
+
+
 def test_learning_point_runs_the_same_prompts_and_reports_the_paired_gain(checkpoint):
     learning = {"task": TASK, "steps": 4, "window": 2, "gradients": ["response-only", "exact"]}
     result = _learning_point(checkpoint, "v4", learning)

@@ -24,8 +24,8 @@ def task_label(spec: dict) -> str:
 
 def trainer_mapping(cfg: PointConfig, lr: float, gradient: str, out_dir, length: int | None = None) -> dict:
     """One run's `longstraw train` config: the point's model, objective (less the group size) and
-    capture settings, the learning section, `lr` and `gradient`, at `length` (default prompt.length),
-    writing under `out_dir`."""
+    capture settings, the learning section, `lr`, the point's `optimizer.master_weights` and `gradient`, at
+    `length` (default prompt.length), writing under `out_dir`."""
     from longstraw.config.point import trainer_sections
     from longstraw.config.typed import to_mapping
 
@@ -42,7 +42,9 @@ def trainer_mapping(cfg: PointConfig, lr: float, gradient: str, out_dir, length:
             "max_new_tokens": cfg.responses.length,
             "temperature": s.temperature,
         },
-        "optimizer": {"lr": lr, "weight_decay": 0.0},
+        # no weight decay (the trainer's default); the point's masters setting: the recorded synthetic points
+        # updated their bf16 weights in place (`master_weights: false`), a new point may keep float32 masters
+        "optimizer": {"lr": lr, "weight_decay": 0.0, "master_weights": cfg.optimizer.master_weights},
         "gradient": gradient,
         "refresh": to_mapping(s.refresh),
     }
