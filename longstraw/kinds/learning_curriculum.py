@@ -113,6 +113,7 @@ def stage_config(cfg: PointConfig, stage, start: dict | None) -> PointConfig:
 
 def run_stage(cfg, index: int, stage, start, folder: Path, device, progress: Progress, checkpoint_every: int) -> dict:
     staged = stage_config(cfg, stage, start)
+    carries = "weights" if cfg.model.lora is None else "adapter"
     record = {
         "stage": index,
         "length": stage.length,
@@ -120,7 +121,7 @@ def run_stage(cfg, index: int, stage, start, folder: Path, device, progress: Pro
         "num_generations": staged.grpo.num_generations,
         "window": cfg.learning.window,
         "overrides": stage.overrides,
-        "carries": "weights" if cfg.model.lora is None else "adapter",
+        "carries": carries,
         "start_adapter": start,
         "adapter": None,
     }
@@ -137,7 +138,7 @@ def run_stage(cfg, index: int, stage, start, folder: Path, device, progress: Pro
     carried = cfg.learning.gradients[0]
     # the trainer's last checkpoint: `save_pretrained`'s folder, of the adapter or (no LoRA) of the whole model
     last = folder / carried / "checkpoints" / f"step-{stage.steps}" / "adapter"
-    path = kept(last, cfg.learning.curriculum.out, index, "adapter" if cfg.model.lora is not None else "model")
+    path = kept(last, cfg.learning.curriculum.out, index, "model" if carries == "weights" else "adapter")
     adapter = {"path": str(path), "sha256": sha256_of(weights_file(path)), "stage": index, "run": carried}
     lengths = [s.length for s in cfg.learning.curriculum.stages[: index + 1]]
     base = dataclasses.replace(staged.model, path=cfg.model.path, lora=None)  # the model the point started from
