@@ -533,3 +533,44 @@ def test_a_stage_row_keeps_the_highest_step_peak_of_the_trained_run():
     row = stage_row({**stage, "runs": {"response-only": steps([7, 5, None]), "lr0": steps([9, 1, 1])}})
     assert row["step_peak_bytes"] == 7
     assert stage_row({**stage, "runs": {"response-only": steps([None] * 3)}})["step_peak_bytes"] is None
+
+
+def test_a_point_on_a_curriculums_kept_model_waits_for_it_within_that_stages_positions(tmp_path):
+    """A curriculum without LoRA keeps each stage's trained model as `out/stage-<i>/model`: a point whose
+    `model.path` is one plans before it is written, needs the curriculum first, and is checked against the positions
+    that stage's overrides give it (stage 1: YaRN to 160 over the model's 80), unless its own overrides say otherwise;
+    a path under `out` the curriculum does not write (an adapter folder) is refused, naming the file and point."""
+    from longstraw.config import ConfigError
+    from longstraw.harness.plan import needs, plan
+
+    out = tmp_path / "kept"
+    curriculum = yaml.safe_load(EXAMPLE.read_text())
+    curriculum.pop("name")
+    curriculum["model"].pop("lora")
+    curriculum["learning"]["curriculum"]["out"] = str(out)
+    on = {"model.path": str(out / "stage-1" / "model"), "model.overrides": {}, "learning.curriculum": None}
+    on["learning.probe"] = None
+
+    def experiment(length: int, path: str | None = None, overrides: dict | None = None):
+        point = {**on, "prompt.length": length}
+        point.update({} if path is None else {"model.path": path})
+        point.update({} if overrides is None else {"model.overrides": overrides})
+        points = [{"name": "curriculum", "set": {}}, {"name": "on", "set": point}]
+        profiles = {"cpu": {"base": curriculum, "points": points}}
+        spec = {"name": "e", "title": "t", "kind": "learning", "profiles": profiles}
+        (tmp_path / "e.yaml").write_text(yaml.safe_dump(spec))
+
+    experiment(128)
+    planned = plan(tmp_path, "cpu")
+    assert needs(planned, "e", "on") == [("e", "curriculum")] and needs(planned, "e", "curriculum") == []
+    experiment(156)  # 156 + the 4-token answer fill stage 1's 160 positions
+    assert needs(plan(tmp_path, "cpu"), "e", "on") == [("e", "curriculum")]
+    experiment(160)
+    with pytest.raises(ConfigError, match=r"e.yaml \[profile cpu, point on\]: .*160.*e/curriculum writes to"):
+        plan(tmp_path, "cpu")
+    experiment(128, overrides={"max_position_embeddings": 80})  # the loader sets the point's own over it
+    with pytest.raises(ConfigError, match=r"point on\]: .*128.*e/curriculum writes to"):
+        plan(tmp_path, "cpu")
+    experiment(128, path=str(out / "stage-1" / "adapter"))
+    with pytest.raises(ConfigError, match=r"point on\]: model.path: no checkpoint folder .*stage-1/adapter, and no"):
+        plan(tmp_path, "cpu")

@@ -408,6 +408,8 @@ def test_a_point_on_a_checkpoint_waits_for_its_pretrain_point(tmp_path):
     planned = plan(tmp_path, "h200")
     assert needs(planned, "learning", "pretrain-reach") == [("learning", "pretrain-reach-base")]
     assert needs(planned, "learning", "v4-reach-1048576") == [("learning", "pretrain-reach")]
+    # a point on a curriculum's kept model waits for that curriculum
+    assert needs(planned, "learning", "curriculum-reach-2m-from-1m") == [("learning", "curriculum-reach-524k-1m")]
 
 
 def test_the_window_needs_two_first_visits_counted_where_they_fall():

@@ -566,8 +566,7 @@ def test_the_plan_accepts_a_checkpoint_a_pretrain_point_writes_and_refuses_any_o
     assert plan.needs(planned, "demo", "curve") == [("demo", "pretrain")]
     with pytest.raises(
         ValueError,
-        match=r"point curve\]: model.path: no checkpoint folder .*elsewhere, and no pretrain "
-        r"point of the plan writes it",
+        match=r"point curve\]: model.path: no checkpoint folder .*elsewhere, and no point of the plan writes it",
     ):
         _plan_with(tmp_path, pipeline(str(tmp_path / "elsewhere")))
     with pytest.raises(

@@ -17,15 +17,16 @@ When the plan is made, from the config, the files and the presets:
   `capacity.ceiling_bytes` (or with `responses.probe_members`), `responses.probe_members` above the group
   or on hold_all, a pretrain point without `pretrain.out`, a curriculum stage without `until`.
 `plan.plan` then refuses a `model.path` (or `pretrain.init`), or a task's folder, that is neither there nor written
-by one of the plan's pretrain points (or, `.../checkpoints/NAME` of `models.real.REAL_CHECKPOINTS`, by the pipeline's
-`real_checkpoint` rule), and a trained adapter a point loads (`model.lora.init`, `Kind.adapters_in`) that is neither
-there and whole nor under a folder a planned point keeps its adapters in (`Kind.adapters_out`). `check_ready`, where a
-point is about to run: its devices exist, its checkpoint and adapters are there and whole, and its tasks' folders are
-there and serve them.
+by one of the plan's points (`Kind.checkpoints_out`: a pretrain point's checkpoint, a curriculum's kept models; or,
+`.../checkpoints/NAME` of `models.real.REAL_CHECKPOINTS`, by the pipeline's `real_checkpoint` rule), and a trained
+adapter a point loads (`model.lora.init`, `Kind.adapters_in`) that is neither there and whole nor under a folder a
+planned point keeps its adapters in (`Kind.adapters_out`). `check_ready`, where a point is about to run: its devices
+exist, its checkpoint and adapters are there and whole, and its tasks' folders are there and serve them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -331,12 +332,14 @@ def check_planned_paths(planned: dict, producers: dict, sources: dict, kept: dic
                 producer = producers.get(str(Path(built.path)))
                 if producer is None:
                     raise ConfigError(
-                        f"{source}: {built.path_key}: no checkpoint folder {built.path}, and no pretrain "
-                        "point of the plan writes it (pretrain.out: FOLDER writes FOLDER/checkpoint)"
+                        f"{source}: {built.path_key}: no checkpoint folder {built.path}, and no point of the plan "
+                        "writes it (pretrain.out: FOLDER writes FOLDER/checkpoint; a curriculum without LoRA keeps "
+                        "its stages' models as curriculum.out/stage-<i>/model)"
                     )
                 facts = produced_facts(planned, producers, producer, built.path)
-                if facts is not None:
-                    check_model_fits(cfg, built, facts, source)
+                if facts is not None:  # the loader sets the point's overrides over the written config
+                    limit = (built.overrides or {}).get("max_position_embeddings", facts.max_positions)
+                    check_model_fits(cfg, built, dataclasses.replace(facts, max_positions=limit), source)
 
 
 def check_adapters_planned(cfg: PointConfig, kept: dict, source: str) -> None:
@@ -387,10 +390,13 @@ def real_facts(built: Built, source: str) -> ModelFacts:
 
 
 def produced_facts(planned: dict, producers: dict, producer: tuple[str, str], path: str, depth: int = 0):
-    """The facts of the checkpoint a planned pretrain point writes: its preset's (and overrides'), or,
-    when it continues from `init`, that checkpoint's (None when neither can be known yet)."""
+    """The facts of the checkpoint a planned point writes (`Kind.checkpoints_out`): its first model's, from its
+    preset (and overrides) or the checkpoint it starts from, with the config fields written over them (None when
+    they cannot be known yet)."""
     experiment, name = producer
-    built = built_models(planned[experiment]["points"][name]["config"])[0]
+    cfg = planned[experiment]["points"][name]["config"]
+    built = built_models(cfg)[0]
+    written = kinds.get(cfg.kind).checkpoints_out(cfg).get(str(Path(path)), {})
     try:
         if built.path is None:
             facts = preset_facts(built.preset, built.overrides, built.overrides_key)
@@ -405,7 +411,10 @@ def produced_facts(planned: dict, producers: dict, producer: tuple[str, str], pa
     if facts is None:
         return None
     return ModelFacts(
-        f"the checkpoint {experiment}/{name} writes to {path}", facts.model_type, facts.max_positions, facts.vocab_size
+        f"the checkpoint {experiment}/{name} writes to {path}",
+        facts.model_type,
+        written.get("max_position_embeddings", facts.max_positions),
+        facts.vocab_size,
     )
 
 

@@ -250,14 +250,14 @@ def plan(experiments_dir, profile: str) -> dict[str, dict]:
 
 
 def checkpoint_producers(planned: dict) -> dict[str, tuple[str, str]]:
-    """{checkpoint folder: (experiment, point)} of the plan's points that write one (`Kind.checkpoint_out`: a
-    pretrain point's `pretrain.out`/checkpoint)."""
-    written = {
-        (experiment, name): kinds.get(p["config"].kind).checkpoint_out(p["config"])
+    """{checkpoint folder: (experiment, point)} of the plan's points that write one (`Kind.checkpoints_out`: a
+    pretrain point's `pretrain.out`/checkpoint, a curriculum's kept models)."""
+    return {
+        str(Path(folder)): (experiment, name)
         for experiment, e in planned.items()
         for name, p in e["points"].items()
+        for folder in kinds.get(p["config"].kind).checkpoints_out(p["config"])
     }
-    return {str(Path(folder)): point for point, folder in written.items() if folder}
 
 
 def adapter_producers(planned: dict) -> dict[str, tuple[str, str]]:
@@ -272,8 +272,8 @@ def adapter_producers(planned: dict) -> dict[str, tuple[str, str]]:
 
 
 def needs(planned: dict, experiment: str, point: str) -> list[tuple[str, str]]:
-    """The (experiment, point) pairs whose results a point needs first: the pretrain point that
-    writes a checkpoint one of its models loads (`model.path`; a pretrain point's: its `pretrain.init`), and the
+    """The (experiment, point) pairs whose results a point needs first: the point that writes a checkpoint one
+    of its models loads (`model.path`; a pretrain point's: its `pretrain.init`), and the
     point that keeps a trained adapter it loads (`model.lora.init`, `length_curve.adapter`)."""
     producers = checkpoint_producers(planned)
     cfg = planned[experiment]["points"][point]["config"]

@@ -103,8 +103,13 @@ class LearningCurriculum:
     # more tasks (specs as `learning.task`'s) each stage's held-out curves are measured on, e.g. one the base model
     # is weak at; each its own `task_label`
     eval_tasks: list[dict] = field(default_factory=list)
-    # a folder the stages' carried adapters are kept in (`stage-<i>/adapter`); None: they go with the work folder
+    # a folder the stages' carried policies are kept in (`kept`); None: they go with the work folder
     out: str | None = None
+
+    def kept(self, index: int, name: str) -> Path:
+        """Where stage `index`'s carried policy is kept under `out`: `stage-<index>/adapter` (a LoRA adapter) or
+        `stage-<index>/model` (the whole model, as `save_pretrained` wrote it)."""
+        return Path(self.out) / f"stage-{index}" / name
 
     def __post_init__(self):
         if not self.stages:
@@ -773,6 +778,15 @@ def tasks(cfg: PointConfig) -> list:
     ]
 
 
+def kept_models(cfg: PointConfig) -> dict[str, dict]:
+    """The whole models a curriculum without LoRA keeps in its `out`, each stage's written with the stage's
+    overrides over the model's."""
+    curriculum = cfg.learning.curriculum
+    if curriculum is None or curriculum.out is None or cfg.model.lora is not None:
+        return {}
+    return {str(curriculum.kept(i, "model")): stage.overrides for i, stage in enumerate(curriculum.stages)}
+
+
 KIND = Kind(
     "learning",
     run=run,
@@ -785,6 +799,7 @@ KIND = Kind(
     tasks=tasks,
     exact_key=lambda cfg: "learning.gradients" if "exact" in cfg.learning.gradients else None,
     adapters_out=lambda cfg: cfg.learning.curriculum.out if cfg.learning.curriculum else None,
+    checkpoints_out=kept_models,
     columns=columns,
     tables=tables,
     extra_tables=EXTRA_TABLES,

@@ -138,7 +138,7 @@ def run_stage(cfg, index: int, stage, start, folder: Path, device, progress: Pro
     carried = cfg.learning.gradients[0]
     # the trainer's last checkpoint: `save_pretrained`'s folder, of the adapter or (no LoRA) of the whole model
     last = folder / carried / "checkpoints" / f"step-{stage.steps}" / "adapter"
-    path = kept(last, cfg.learning.curriculum.out, index, "model" if carries == "weights" else "adapter")
+    path = kept(last, cfg.learning.curriculum, index, "model" if carries == "weights" else "adapter")
     adapter = {"path": str(path), "sha256": sha256_of(weights_file(path)), "stage": index, "run": carried}
     lengths = [s.length for s in cfg.learning.curriculum.stages[: index + 1]]
     base = dataclasses.replace(staged.model, path=cfg.model.path, lora=None)  # the model the point started from
@@ -160,12 +160,12 @@ def run_stage(cfg, index: int, stage, start, folder: Path, device, progress: Pro
     }
 
 
-def kept(adapter: Path, out: str | None, index: int, name: str) -> Path:
-    """The stage's carried policy, copied whole to `out/stage-<index>/<name>` (None: where it is). A copy there
-    already is kept when it holds the same weights, refused otherwise: a finished run is never overwritten."""
-    if out is None:
+def kept(adapter: Path, curriculum, index: int, name: str) -> Path:
+    """The stage's carried policy, copied whole to `curriculum.kept(index, name)` (no `out`: where it is). A copy
+    there already is kept when it holds the same weights, refused otherwise: a finished run is never overwritten."""
+    if curriculum.out is None:
         return adapter
-    target = Path(out) / f"stage-{index}" / name
+    target = curriculum.kept(index, name)
     if target.exists():
         if sha256_of(weights_file(target)) != sha256_of(weights_file(adapter)):
             raise ValueError(

@@ -42,6 +42,10 @@ def _no_tables(_points):
     return {}
 
 
+def _no_checkpoints(_cfg):
+    return {}
+
+
 def _no_figures(_data, _ceiling, _marks):
     return ()
 
@@ -72,7 +76,9 @@ class Kind:
     longest_runs: Callable = _nothing
     tasks: Callable = _no_rows  # `tasks(cfg) -> [(key, spec, lengths, lengths key)]`: the tasks its section builds
     exact_key: Callable = _nothing  # `exact_key(cfg) -> key or None`: the setting that asks for exact gradients
-    checkpoint_out: Callable = _nothing  # `checkpoint_out(cfg) -> folder or None`: a checkpoint the point writes
+    # `checkpoints_out(cfg) -> {folder: overrides}`: the whole-model checkpoints the point writes, each with the config
+    # fields it writes over its first model's (`harness/inputs.py` plans the points that load them after it)
+    checkpoints_out: Callable = _no_checkpoints
     adapters_out: Callable = _nothing  # `adapters_out(cfg) -> folder or None`: where it keeps the adapters it trains
     # `adapters_in(cfg) -> [(key, folder)]`: the trained adapters its own section loads (`model.lora.init` is
     # every kind's), each there or under a planned point's `adapters_out` (`harness/inputs.py`)
