@@ -12,7 +12,7 @@
 #   that real_model_checkpoint built under /tmp on this box (kept while the box is held), and points the wheel
 #   cache (RULER's data) at /tmp/longstraw/wheels.
 # It defines device_point, device_points, device_points_at, device_points_variant, warm_libraries, save_triton_cache,
-# real_model_stash and real_model_checkpoint, and switches no shell options on (no set -e/pipefail).
+# real_model_stash, real_model_checkpoint, bring_back_work and take_up_work, and switches no shell options on (no set -e/pipefail).
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     .whl/*.whl $(ls .whl_bnb/*.whl .whl_peers/*.whl 2>/dev/null) || return 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TRITON_CACHE_AUTOTUNING=1 TRITON_CACHE_DIR=$PWD/.triton_cache
@@ -118,6 +118,54 @@ print(kept[-1] if kept else "")' "$1") || return 0
     [ -n "$path" ] && [ -d "$path" ] || return 0
     tar cf "$2" -C "$(dirname "$(dirname "$path")")" "$(basename "$(dirname "$path")")" &&
         echo "device_points: adapter $path -> $2" >&2
+}
+
+# A point's work folder (a learning point's runs' checkpoints, a curriculum's finished stages) goes with the box; a point
+# longer than this session's device time goes on in a later one only from what came back:
+#   bring_back_work EXPERIMENT POINT [PATH...]  -> $OUT/EXPERIMENT__POINT.work.tgz
+# packs the work folder device_points left, of each run's checkpoints the newest alone (a finished curriculum stage's
+# without its optimizer state: it never resumes), with the tree's PATHs (a curriculum's `out`, whose kept policies the
+# stage records name and check). A later call carries the archive and runs, before device_points,
+#   take_up_work EXPERIMENT POINT ARCHIVE
+# which unpacks it where device_points looks (a work folder already there, the box's own, is kept) and the PATHs into
+# the tree, over no file there.
+bring_back_work() {
+    if [ $# -lt 2 ]; then echo "usage: bring_back_work EXPERIMENT POINT [PATH...]" >&2; return 2; fi
+    local name="$1__$2" folder="${TMPDIR:-/tmp}/device_points/$1" list
+    shift 2
+    [ -d "$folder/$name.json.work" ] || { echo "bring_back_work: no work folder $folder/$name.json.work" >&2; return 1; }
+    list=$(mktemp) || return
+    python3 - "$folder" "$name.json.work" >"$list" <<'PY' || return
+import sys
+from pathlib import Path
+
+root = Path(sys.argv[1])
+for path in sorted((root / sys.argv[2]).rglob("*")):
+    parts = path.relative_to(root).parts
+    if path.is_file() and "checkpoints" in parts:
+        at = parts.index("checkpoints")
+        steps = [p.name for p in root.joinpath(*parts[: at + 1]).iterdir() if p.name[5:].isdigit()]
+        if parts[at + 1] != max(steps, key=lambda s: int(s[5:]), default=None):
+            continue  # an older checkpoint, or a torn one (step-N.tmp)
+        if path.name == "trainer.pt" and (root.joinpath(*parts[: at - 1]) / "stage.json").is_file():
+            continue  # a finished stage's optimizer state
+    if path.is_file():
+        print(path.relative_to(root))
+PY
+    tar czf "${OUT:?OUT is not set}/$name.work.tgz" -C "$folder" -T "$list" -C "$PWD" "$@" &&
+        echo "bring_back_work: $(wc -l <"$list") files of $name's work and $# paths -> $OUT/$name.work.tgz" \
+            "($(wc -c <"$OUT/$name.work.tgz") bytes)" >&2
+    rm -f "$list"
+}
+take_up_work() {
+    if [ $# -ne 3 ]; then echo "usage: take_up_work EXPERIMENT POINT ARCHIVE" >&2; return 2; fi
+    local name="$1__$2" folder="${TMPDIR:-/tmp}/device_points/$1"
+    if [ -d "$folder/$name.json.work" ]; then
+        echo "take_up_work: $folder/$name.json.work is there (this box's): kept" >&2
+    else
+        mkdir -p "$folder" && tar xzf "$3" -C "$folder" --wildcards "$name.json.work/*" || return
+    fi
+    tar xzf "$3" --exclude "$name.json.work/*" --skip-old-files && echo "take_up_work: $name's work from $3" >&2
 }
 
 # Points with an earlier commit's package, for an A/B on one box (timings compare on the same card only): here
