@@ -12,7 +12,8 @@
 #   that real_model_checkpoint built under /tmp on this box (kept while the box is held), and points the wheel
 #   cache (RULER's data) at /tmp/longstraw/wheels.
 # It defines device_point, device_points, device_points_at, device_points_variant, warm_libraries, save_triton_cache,
-# real_model_stash, real_model_checkpoint, bring_back_work and take_up_work, and switches no shell options on (no set -e/pipefail).
+# real_model_stash, real_model_checkpoint, bring_back_work and take_up_work, and switches no shell options on (no
+# set -e/pipefail).
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     .whl/*.whl $(ls .whl_bnb/*.whl .whl_peers/*.whl 2>/dev/null) || return 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 TRITON_CACHE_AUTOTUNING=1 TRITON_CACHE_DIR=$PWD/.triton_cache
@@ -120,8 +121,8 @@ print(kept[-1] if kept else "")' "$1") || return 0
         echo "device_points: adapter $path -> $2" >&2
 }
 
-# A point's work folder (a learning point's runs' checkpoints, a curriculum's finished stages) goes with the box; a point
-# longer than this session's device time goes on in a later one only from what came back:
+# A point's work folder (a learning point's runs' checkpoints, a curriculum's finished stages) goes with the box; a
+# point longer than this session's device time goes on in a later one only from what came back:
 #   bring_back_work EXPERIMENT POINT [PATH...]  -> $OUT/EXPERIMENT__POINT.work.tgz
 # packs the work folder device_points left, of each run's checkpoints the newest alone (a finished curriculum stage's
 # without its optimizer state: it never resumes), with the tree's PATHs (a curriculum's `out`, whose kept policies the
@@ -133,7 +134,10 @@ bring_back_work() {
     if [ $# -lt 2 ]; then echo "usage: bring_back_work EXPERIMENT POINT [PATH...]" >&2; return 2; fi
     local name="$1__$2" folder="${TMPDIR:-/tmp}/device_points/$1" list
     shift 2
-    [ -d "$folder/$name.json.work" ] || { echo "bring_back_work: no work folder $folder/$name.json.work" >&2; return 1; }
+    if [ ! -d "$folder/$name.json.work" ]; then
+        echo "bring_back_work: no work folder $folder/$name.json.work" >&2
+        return 1
+    fi
     list=$(mktemp) || return
     python3 - "$folder" "$name.json.work" >"$list" <<'PY' || return
 import sys
