@@ -144,17 +144,16 @@ import sys
 from pathlib import Path
 
 root = Path(sys.argv[1])
-for path in sorted((root / sys.argv[2]).rglob("*")):
+for path in sorted(p for p in (root / sys.argv[2]).rglob("*") if p.is_file()):
     parts = path.relative_to(root).parts
-    if path.is_file() and "checkpoints" in parts:
+    if "checkpoints" in parts:
         at = parts.index("checkpoints")
         steps = [p.name for p in root.joinpath(*parts[: at + 1]).iterdir() if p.name[5:].isdigit()]
         if parts[at + 1] != max(steps, key=lambda s: int(s[5:]), default=None):
             continue  # an older checkpoint, or a torn one (step-N.tmp)
         if path.name == "trainer.pt" and (root.joinpath(*parts[: at - 1]) / "stage.json").is_file():
             continue  # a finished stage's optimizer state
-    if path.is_file():
-        print(path.relative_to(root))
+    print(path.relative_to(root))
 PY
     tar czf "${OUT:?OUT is not set}/$name.work.tgz" -C "$folder" -T "$list" -C "$PWD" "$@" &&
         echo "bring_back_work: $(wc -l <"$list") files of $name's work and $# paths -> $OUT/$name.work.tgz" \

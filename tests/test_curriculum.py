@@ -574,3 +574,27 @@ def test_a_point_on_a_curriculums_kept_model_waits_for_it_within_that_stages_pos
     experiment(128, path=str(out / "stage-1" / "adapter"))
     with pytest.raises(ConfigError, match=r"point on\]: model.path: no checkpoint folder .*stage-1/adapter, and no"):
         plan(tmp_path, "cpu")
+    # nor does it keep adapters there for a LoRA start to wait for
+    on["model.lora"] = {"r": 4, "init": str(out / "stage-1" / "adapter")}
+    experiment(64)
+    with pytest.raises(
+        ConfigError, match=r"point on\]: model.lora.init: no trained peft adapter .*no point of the plan"
+    ):
+        plan(tmp_path, "cpu")
+    del on["model.lora"]
+
+    # a curriculum on a checkpoint folder writes its model's overrides too: stage 0's model has the 80 positions the
+    # curriculum set over the checkpoint's own
+    from longstraw.config.sections import ModelConfig
+    from longstraw.models.policy import build_policy
+
+    saved = tmp_path / "checkpoint"
+    build_policy(ModelConfig(preset="tiny-llama", dtype="float32")).save_pretrained(saved)
+    native = json.loads((saved / "config.json").read_text())["max_position_embeddings"]
+    assert native > 128
+    curriculum["model"] = {"path": str(saved), "dtype": "float32", "overrides": {"max_position_embeddings": 80}}
+    experiment(64, path=str(out / "stage-0" / "model"))
+    assert needs(plan(tmp_path, "cpu"), "e", "on") == [("e", "curriculum")]
+    experiment(96, path=str(out / "stage-0" / "model"))
+    with pytest.raises(ConfigError, match=r"point on\]: .*96.*80.*e/curriculum writes to"):
+        plan(tmp_path, "cpu")

@@ -400,8 +400,8 @@ def produced_facts(planned: dict, producers: dict, producer: tuple[str, str], pa
     try:
         if built.path is None:
             facts = preset_facts(built.preset, built.overrides, built.overrides_key)
-        elif Path(built.path).exists():
-            facts = checkpoint_facts(built.path, built.path_key)
+        elif Path(built.path).exists():  # the producer's overrides are in what it writes
+            facts = checkpoint_facts(built.path, built.path_key, built.overrides, built.overrides_key)
         elif depth < 8 and str(Path(built.path)) in producers:
             facts = produced_facts(planned, producers, producers[str(Path(built.path))], built.path, depth + 1)
         else:

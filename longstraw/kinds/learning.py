@@ -778,6 +778,12 @@ def tasks(cfg: PointConfig) -> list:
     ]
 
 
+def kept_adapters(cfg: PointConfig) -> str | None:
+    """The folder a curriculum with LoRA keeps its stages' adapters in (its `out`); one without keeps models."""
+    curriculum = cfg.learning.curriculum
+    return curriculum.out if curriculum is not None and cfg.model.lora is not None else None
+
+
 def kept_models(cfg: PointConfig) -> dict[str, dict]:
     """The whole models a curriculum without LoRA keeps in its `out`, each stage's written with the stage's
     overrides over the model's."""
@@ -798,7 +804,7 @@ KIND = Kind(
     models=models,
     tasks=tasks,
     exact_key=lambda cfg: "learning.gradients" if "exact" in cfg.learning.gradients else None,
-    adapters_out=lambda cfg: cfg.learning.curriculum.out if cfg.learning.curriculum else None,
+    adapters_out=kept_adapters,
     checkpoints_out=kept_models,
     columns=columns,
     tables=tables,
