@@ -277,6 +277,10 @@ def test_without_lora_a_curriculum_carries_the_whole_models_trained_weights(tmp_
     saved = [s["adapter"] for s in stages]
     assert [s["carries"] for s in stages] == ["weights", "weights"]
     assert stages[0]["start_adapter"] is None and stages[1]["start_adapter"] == saved[0]
+    lr = example["optimizer"]["lr"]  # each stage's runs: the point's rate (lr 0 for the control), no weight decay
+    assert [{n: (o["lr"], o["weight_decay"]) for n, o in s["run_optimizer"].items()} for s in stages] == [
+        {"response-only": (lr, 0.0), "lr0": (0.0, 0.0)}
+    ] * 2
     assert [a["path"] for a in saved] == [str(kept / f"stage-{i}" / "model") for i in (0, 1)]
     for adapter in saved:
         file = Path(adapter["path"]) / "model.safetensors"

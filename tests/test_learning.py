@@ -214,6 +214,13 @@ def test_a_learning_points_runs_keep_float32_masters_as_its_optimizer_says(check
     )
     assert result["status"] == "ok", result.get("error")
     assert [isinstance(o, MasterWeightsAdamW) for o in built] == [masters is not False] * 2
+    # the record says what the runs' AdamW applied, not the point's weight decay (0.01 by default), which they drop
+    assert result["config"]["optimizer"]["weight_decay"] == 0.01
+    assert [o.param_groups[0]["weight_decay"] for o in built] == [0.0, 0.0]
+    assert result["metrics"]["run_optimizer"] == {
+        "response-only": {"lr": 1e-2, "weight_decay": 0.0, "master_weights": masters is not False},
+        "lr0": {"lr": 0.0, "weight_decay": 0.0, "master_weights": masters is not False},
+    }
 
 
 def test_learning_point_runs_the_same_prompts_and_reports_the_paired_gain(checkpoint):

@@ -220,7 +220,7 @@ def run(cfg: PointConfig, device, progress: Progress) -> dict:
             length = probe["chosen_length"]
             if length is None:
                 return {"runs": {}, "gains": {}, "probe": probe, "prompt_positions": None}
-        runs, resumed_at = train_runs(cfg, work, RESUME_EVERY if resumable else 0, length, progress)
+        runs, resumed_at, optimizers = train_runs(cfg, work, RESUME_EVERY if resumable else 0, length, progress)
     # resumed_at: the step each run went on from in this process (0: it ran whole here); the result's
     # wall_seconds are this process's, the steps' own seconds cover every command's
     return {
@@ -228,6 +228,7 @@ def run(cfg: PointConfig, device, progress: Progress) -> dict:
         "gains": gains(runs, cfg.learning.steps - cfg.learning.window),
         "prompt_positions": length,
         "resumed_at": resumed_at,
+        "run_optimizer": optimizers,
         **({"probe": probe} if probe else {}),
     }
 

@@ -134,7 +134,7 @@ def run_stage(cfg, index: int, stage, start, folder: Path, device, progress: Pro
                 progress.line(f"learning curriculum: stage {index} skipped (probe {success:.2f} above {high})")
                 return {**record, "adapter": start, "skipped": f"probe success {success:.2f} above the range's {high}"}
             return record
-    runs, resumed_at = train_runs(staged, folder, checkpoint_every, stage.length, progress)
+    runs, resumed_at, optimizers = train_runs(staged, folder, checkpoint_every, stage.length, progress)
     carried = cfg.learning.gradients[0]
     # the trainer's last checkpoint: `save_pretrained`'s folder, of the adapter or (no LoRA) of the whole model
     last = folder / carried / "checkpoints" / f"step-{stage.steps}" / "adapter"
@@ -151,6 +151,7 @@ def run_stage(cfg, index: int, stage, start, folder: Path, device, progress: Pro
         "runs": runs,
         "gains": gains(runs, stage.steps - cfg.learning.window),
         "resumed_at": resumed_at,
+        "run_optimizer": optimizers,
         "adapter": adapter,
         "heldout": curve("heldout.json"),
         "heldout_tasks": [

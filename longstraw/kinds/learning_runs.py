@@ -56,14 +56,16 @@ def runs_of(cfg: PointConfig) -> list[tuple[str, float, str]]:
 
 
 def train_runs(cfg: PointConfig, work: Path, checkpoint_every: int, length: int, progress: Progress):
-    """({run name: its steps' records}, {run name: the step it went on from}) of every run of `runs_of(cfg)` at
-    `length` positions, each in `work / name` with a checkpoint every `checkpoint_every` steps (0: none), going on
-    from the newest one there."""
+    """({run name: its steps' records}, {run name: the step it went on from}, {run name: the optimizer it used})
+    of every run of `runs_of(cfg)` at `length` positions, each in `work / name` with a checkpoint every
+    `checkpoint_every` steps (0: none), going on from the newest one there. The optimizer is read off the
+    trainer's (`optimizer.described`): the point's `optimizer.weight_decay` does not reach the runs."""
+    from longstraw.training.optimizer import described
     from longstraw.training.trainer import Trainer
 
     keep = ("step", "prompt", "depth", "refreshed", "reward_mean", "rewards", "loss", "grad_norm", SKIPPED)
     keep += ("response_tokens", "seconds")
-    runs, resumed_at = {}, {}
+    runs, resumed_at, optimizers = {}, {}, {}
     for name, lr, gradient in runs_of(cfg):
         mapping = trainer_mapping(cfg, lr, gradient, work / name, length)
         mapping["output"]["checkpoint_every"] = checkpoint_every
@@ -77,12 +79,13 @@ def train_runs(cfg: PointConfig, work: Path, checkpoint_every: int, length: int,
             for step in trainer.run(resume=checkpoint_every > 0)
         ]
         resumed_at[name] = trainer.resumed_at  # a torn newest checkpoint: the older one it went on from
+        optimizers[name] = described(trainer.optimizer)
         progress.line(
             f"learning {name} (lr {lr:g}): reward per step " + " ".join(f"{s['reward_mean']:.2f}" for s in runs[name])
         )
         progress.partial({"runs": runs})
         del trainer
-    return runs, resumed_at
+    return runs, resumed_at, optimizers
 
 
 def remembered(path: Path, compute):

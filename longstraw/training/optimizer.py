@@ -121,6 +121,17 @@ class MasterWeightsAdamW(torch.optim.AdamW):
                 m.copy_(saved)
 
 
+def described(optimizer: torch.optim.Optimizer) -> dict:
+    """What an optimizer from `build_optimizer` applies (its first group's base learning rate and weight decay,
+    and whether it keeps float32 masters): read off the optimizer, for records that must say what ran."""
+    group = optimizer.param_groups[0]
+    return {
+        "lr": group.get("initial_lr", group["lr"]),
+        "weight_decay": group["weight_decay"],
+        "master_weights": isinstance(optimizer, MasterWeightsAdamW),
+    }
+
+
 def build_optimizer(params, cfg) -> torch.optim.Optimizer:
     """AdamW over `params` from an `OptimizerConfig` (lr, weight_decay, master_weights); fused when every
     parameter is on CUDA."""
