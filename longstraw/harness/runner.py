@@ -19,7 +19,7 @@ from longstraw import kinds
 from longstraw.config import PointConfig, point_mapping
 from longstraw.core.determinism import deterministic_mode
 from longstraw.cp import context_parallel
-from longstraw.harness.inputs import check_ready
+from longstraw.harness.inputs import built_models, check_ready
 from longstraw.harness.plan import resolve
 from longstraw.kernels.paged_attention import forward_kernel
 from longstraw.kinds.common import Progress
@@ -50,8 +50,9 @@ def run_point(raw, source: str = "config", on_progress=None, work_dir=None) -> d
     if cp is not None and cp.rank != 0:
         on_progress = None  # rank 0 writes the result
     result = {"name": cfg.name, "kind": cfg.kind, "config": point_mapping(cfg), "provenance": provenance(device)}
-    if cfg.model.path and (checkpoint := checkpoint_provenance(cfg.model.path)) is not None:
-        result["provenance"]["checkpoint"] = checkpoint  # real weights: where they came from, their hash
+    loaded = [built.path for built in built_models(cfg) if built.path]  # model.path, or a pretrain point's init
+    if loaded:
+        result["provenance"]["checkpoint"] = checkpoint_provenance(loaded[0])  # which weights: their hash
     start, cpu_start = time.perf_counter(), cpu_seconds()
 
     def partial(metrics):

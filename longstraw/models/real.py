@@ -157,8 +157,16 @@ def _dequantised(gguf: Path):
 
 def checkpoint_provenance(path) -> dict | None:
     """What a result records of the checkpoint folder it loaded: its manifest, when it has one, once its
-    weights are checked to be the ones it names (`verified_manifest`)."""
-    return verified_manifest(path) if path else None
+    weights are checked to be the ones it names (`verified_manifest`); else (a checkpoint of our own pretraining,
+    whose bits differ from host to host) the folder and its weights' sha256 (None where there is no single weights
+    file to hash)."""
+    if not path:
+        return None
+    manifest = verified_manifest(path)
+    if manifest is not None:
+        return manifest
+    weights = Path(path) / WEIGHTS
+    return {"path": str(path), "weights_sha256": weights_sha256(weights) if weights.is_file() else None}
 
 
 def verified_manifest(folder) -> dict | None:
