@@ -50,9 +50,9 @@ def run_point(raw, source: str = "config", on_progress=None, work_dir=None) -> d
     if cp is not None and cp.rank != 0:
         on_progress = None  # rank 0 writes the result
     result = {"name": cfg.name, "kind": cfg.kind, "config": point_mapping(cfg), "provenance": provenance(device)}
-    loaded = [built.path for built in built_models(cfg) if built.path]  # model.path, or a pretrain point's init
+    loaded = next((built.path for built in built_models(cfg) if built.path), None)  # model.path, or pretrain's init
     if loaded:
-        result["provenance"]["checkpoint"] = checkpoint_provenance(loaded[0])  # which weights: their hash
+        result["provenance"]["checkpoint"] = checkpoint_provenance(loaded)  # which weights: their hash
     start, cpu_start = time.perf_counter(), cpu_seconds()
 
     def partial(metrics):

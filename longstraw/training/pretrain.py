@@ -48,6 +48,7 @@ from tqdm import tqdm
 
 from longstraw.config.pretrain import PretrainConfig
 from longstraw.models.policy import DTYPES
+from longstraw.models.real import WEIGHTS
 from longstraw.wheels import sha256_of
 
 TRAIN_SEED_STRIDE = 2**40
@@ -365,6 +366,6 @@ def _save(cfg: PretrainConfig, model, curve: dict, wall_start: float) -> None:
     shutil.rmtree(out / "checkpoint", ignore_errors=True)
     partial.rename(out / "checkpoint")
     curve["checkpoint"] = str(out / "checkpoint")
-    curve["checkpoint_sha256"] = sha256_of(out / "checkpoint" / "model.safetensors")  # what a later point loads
+    curve["checkpoint_sha256"] = sha256_of(out / "checkpoint" / WEIGHTS)  # what a later point loads
     curve["wall_seconds"] = time.perf_counter() - wall_start
     write_json_atomic(out / "curve.json", curve)
